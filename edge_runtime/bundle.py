@@ -1,0 +1,615 @@
+"""Device bundles (format version 1): read and verify them, write them, commit datastore updates.
+
+A bundle is a directory: manifest.json, encoder.onnx and the datastore files it lists. Every
+problem found while reading or writing one is a `BundleError` with a one-line message, and
+nothing is written when one is raised.
+
+Crash safety: the manifest is the commit point. A new bundle is written into a temporary sibling
+directory and renamed into place; a datastore update writes its files under new names
+(datastore.<generation>.npz), then replaces manifest.json atomically, then removes the old files.
+A crash at any moment leaves a manifest whose listed files are all complete and verified; files
+it does not list (left by an interrupted update) are ignored and removed by the next update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from zipfile import BadZipFile
+
+import numpy as np
+
+from ._io import (
+    fsync_dir,
+    fsync_file,
+    sha256_file,
+    to_json_types,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from .datastores import (
+    BACKENDS,
+    DATASTORE_FILE_RE,
+    file_generation,
+    load_datastore,
+    parse_recipe,
+)
+from .encoder import Encoder
+from .preprocess import prepare_input, validate_spec
+
+FORMAT = "knnper-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+ENCODER_FILE = "encoder.onnx"
+UPDATE_STRATEGIES = ("fifo", "concatenate", "fixed")
+
+_INT = "int"
+_NUM = "number"
+# Required manifest keys and their JSON types, in the order they are checked.
+_SCHEMA: dict[str, str | type] = {
+    "client_id": _INT,
+    "input": dict,
+    "num_classes": _INT,
+    "embedding_dim": _INT,
+    "k": _INT,
+    "sigma": _NUM,
+    "lambda": _NUM,
+    "backend": dict,
+    "update_strategy": str,
+    "budget_bytes": _INT,
+    "footprint": dict,
+    "files": dict,
+}
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be used (or written) as it is; the message is one line."""
+
+
+class BudgetExceeded(BundleError):
+    """The files would take more bytes than the bundle's budget."""
+
+    def __init__(self, message: str, needed: int, budget: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.budget = budget
+
+
+@dataclass
+class Bundle:
+    """A verified bundle: its manifest, the encoder session and the loaded datastore."""
+
+    path: Path
+    manifest: dict
+    encoder: Encoder
+    datastore: Any
+
+
+# ----------------------------------------------------------------------------- manifest
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _type_ok(value: Any, kind: str | type) -> bool:
+    if kind == _INT:
+        return _is_int(value)
+    if kind == _NUM:
+        return _is_num(value)
+    return isinstance(value, kind)
+
+
+def _type_name(kind: str | type) -> str:
+    return kind if isinstance(kind, str) else {dict: "object", str: "string"}[kind]
+
+
+def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
+    """Check format, version, required keys, their types and ranges; BundleError if not."""
+
+    def fail(problem: str) -> BundleError:
+        return BundleError(f"{where}: {problem}")
+
+    if not isinstance(manifest, dict):
+        raise fail("must be a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise fail(f"'format' must be {FORMAT!r}, got {manifest.get('format')!r}")
+    version = manifest.get("version")
+    if not _is_int(version) or version < 1:
+        raise fail(f"'version' must be a positive integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise fail(f"newer format version {version}, this runtime reads {FORMAT_VERSION}")
+    for key, kind in _SCHEMA.items():
+        if key not in manifest:
+            raise fail(f"missing key {key!r}")
+        if not _type_ok(manifest[key], kind):
+            raise fail(f"{key!r} must be a JSON {_type_name(kind)}, got {manifest[key]!r}")
+    try:
+        validate_spec(manifest["input"])
+    except ValueError as exc:
+        raise fail(f"'input': {exc}") from None
+    for key in ("num_classes", "embedding_dim", "k", "budget_bytes"):
+        if manifest[key] < 1:
+            raise fail(f"{key!r} must be >= 1, got {manifest[key]}")
+    if not manifest["sigma"] > 0:
+        raise fail(f"'sigma' must be > 0, got {manifest['sigma']}")
+    if not 0.0 <= manifest["lambda"] <= 1.0:
+        raise fail(f"'lambda' must be in [0, 1], got {manifest['lambda']}")
+    _validate_backend(manifest, fail)
+    strategy = manifest["update_strategy"]
+    if strategy not in UPDATE_STRATEGIES:
+        raise fail(f"'update_strategy' must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}")
+    if manifest["backend"]["name"] == "protonn" and strategy != "fixed":
+        raise fail("a protonn datastore cannot grow: 'update_strategy' must be 'fixed'")
+    footprint = manifest["footprint"]
+    for key in ("encoder", "datastore", "total"):
+        if not _is_int(footprint.get(key)) or footprint[key] < 0:
+            raise fail(f"'footprint' needs a non-negative integer {key!r}")
+    if footprint["total"] != footprint["encoder"] + footprint["datastore"]:
+        raise fail("'footprint' total is not encoder + datastore")
+    _validate_files(manifest["files"], manifest["backend"]["name"], fail)
+    return manifest
+
+
+def _validate_backend(manifest: dict, fail) -> None:
+    backend = manifest["backend"]
+    name = backend.get("name")
+    if name not in BACKENDS:
+        raise fail(f"backend 'name' must be one of {sorted(BACKENDS)}, got {name!r}")
+    if not isinstance(backend.get("params"), dict):
+        raise fail("backend 'params' must be a JSON object")
+    recipe = backend.get("recipe")
+    if not isinstance(recipe, str):
+        raise fail("backend 'recipe' must be a string")
+    try:
+        recipe_name, _ = parse_recipe(recipe)
+    except ValueError as exc:
+        raise fail(f"backend 'recipe': {exc}") from None
+    if recipe_name != name:
+        raise fail(f"backend recipe {recipe!r} is not a {name} recipe")
+
+
+def _validate_files(files: dict, backend: str, fail) -> None:
+    for name, digest in files.items():
+        if not _FILE_NAME_RE.match(name) or name == MANIFEST:
+            raise fail(f"'files' lists an invalid file name {name!r}")
+        if not isinstance(digest, str) or not _SHA256_RE.match(digest):
+            raise fail(f"'files' entry {name!r} is not a lowercase hex sha256")
+        if name != ENCODER_FILE and not (
+            DATASTORE_FILE_RE.match(name) and not name.endswith(".tmp")
+        ):
+            raise fail(f"'files' lists {name!r}, which is neither the encoder nor a datastore file")
+    if ENCODER_FILE not in files:
+        raise fail(f"'files' does not list {ENCODER_FILE}")
+    want = {"flat": (1, 0), "protonn": (1, 0), "hnsw": (1, 1)}[backend]
+    got = (
+        sum(n.endswith(".npz") for n in files),
+        sum(n.endswith(".bin") for n in files),
+    )
+    if got != want:
+        raise fail(
+            f"a {backend} bundle lists {want[0]} .npz and {want[1]} .bin datastore file(s), "
+            f"got {sorted(n for n in files if n != ENCODER_FILE)}"
+        )
+
+
+def datastore_files(manifest: dict) -> list[str]:
+    """The datastore's files (everything the manifest lists except the encoder)."""
+    return sorted(n for n in manifest["files"] if n != ENCODER_FILE)
+
+
+def read_manifest(bundle_dir: str | os.PathLike) -> dict:
+    """Parse and schema-check manifest.json only (no file hashes): for `info` and `--like`."""
+    bundle_dir = Path(bundle_dir)
+    path = bundle_dir / MANIFEST
+    where = f"bundle {bundle_dir}"
+    if not bundle_dir.is_dir():
+        raise BundleError(f"{where}: not a directory")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BundleError(f"{where}: no {MANIFEST}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{where}: cannot read {MANIFEST}: {exc}") from None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{where}: {MANIFEST} is not valid JSON ({exc})") from None
+    return validate_manifest(manifest, f"{where}: {MANIFEST}")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int]:
+    """Every listed file exists, is a regular file and matches its sha256; the footprint equals
+    the file sizes and fits the budget. Returns the sizes."""
+    bundle_dir = Path(bundle_dir)
+    where = f"bundle {bundle_dir}"
+    sizes = {}
+    for name, digest in manifest["files"].items():
+        path = bundle_dir / name
+        if path.is_symlink() or not path.is_file():
+            raise BundleError(f"{where}: {name} is missing or not a regular file")
+        try:
+            actual = sha256_file(path)
+            sizes[name] = path.stat().st_size
+        except OSError as exc:
+            raise BundleError(f"{where}: cannot read {name}: {exc.strerror}") from None
+        if actual != digest:
+            raise BundleError(
+                f"{where}: {name} does not match its sha256 in the manifest (edited, truncated "
+                "or corrupted)"
+            )
+    footprint = manifest["footprint"]
+    encoder_bytes = sizes[ENCODER_FILE]
+    datastore_bytes = sum(sizes[n] for n in datastore_files(manifest))
+    if footprint["encoder"] != encoder_bytes or footprint["datastore"] != datastore_bytes:
+        raise BundleError(
+            f"{where}: footprint says encoder {footprint['encoder']} + datastore "
+            f"{footprint['datastore']} bytes, the files take {encoder_bytes} + {datastore_bytes}"
+        )
+    total, budget = encoder_bytes + datastore_bytes, manifest["budget_bytes"]
+    if total > budget:
+        raise BundleError(
+            f"{where}: over budget: encoder {encoder_bytes} + datastore {datastore_bytes} = "
+            f"{total} bytes > budget_bytes {budget}"
+        )
+    return sizes
+
+
+def datastore_params(manifest: dict) -> dict:
+    """Constructor arguments of the manifest's datastore: backend params plus C, k and sigma."""
+    return {
+        **manifest["backend"]["params"],
+        "num_classes": manifest["num_classes"],
+        "k": manifest["k"],
+        "sigma": manifest["sigma"],
+    }
+
+
+def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: dict):
+    """The datastore a (verified) manifest points at."""
+    try:
+        return load_datastore(
+            bundle_dir,
+            manifest["backend"]["name"],
+            datastore_params(manifest),
+            files=datastore_files(manifest),
+            embedding_dim=manifest["embedding_dim"],
+        )
+    except (ValueError, TypeError, KeyError, OSError, EOFError, RuntimeError, BadZipFile) as exc:
+        raise BundleError(f"bundle {bundle_dir}: datastore: {_one_line(exc)}") from None
+
+
+def read_bundle(bundle_dir: str | os.PathLike, *, intra_op_threads: int | None = None) -> Bundle:
+    """Read and verify a bundle: schema, version, sha256s, footprint and budget, the datastore's
+    arrays, and the encoder's output sizes (one probe inference on a zero input). Read-only."""
+    bundle_dir = Path(bundle_dir)
+    where = f"bundle {bundle_dir}"
+    manifest = read_manifest(bundle_dir)
+    verify_files(bundle_dir, manifest)
+    datastore = load_bundle_datastore(bundle_dir, manifest)
+    try:
+        encoder = Encoder(bundle_dir / ENCODER_FILE, intra_op_threads=intra_op_threads)
+    except ValueError as exc:
+        raise BundleError(f"{where}: {_one_line(exc)}") from None
+    check_encoder(encoder, manifest, where)
+    return Bundle(bundle_dir, manifest, encoder, datastore)
+
+
+def check_encoder(encoder: Encoder, manifest: dict, where: str) -> None:
+    """One inference on a zero input of the manifest's input spec: it must run and give
+    embedding_dim and num_classes outputs."""
+    spec = manifest["input"]
+    probe = np.zeros([1, *spec["shape"]], dtype=np.uint8 if spec["kind"] == "image" else np.int64)
+    try:
+        z, logits = encoder.run(prepare_input(probe, spec))
+    except ValueError as exc:
+        raise BundleError(
+            f"{where}: the encoder does not take the manifest's input spec: {_one_line(exc)}"
+        ) from None
+    if z.shape[1] != manifest["embedding_dim"] or logits.shape[1] != manifest["num_classes"]:
+        raise BundleError(
+            f"{where}: the encoder gives embedding dim {z.shape[1]} and {logits.shape[1]} "
+            f"classes, the manifest says {manifest['embedding_dim']} and "
+            f"{manifest['num_classes']}"
+        )
+
+
+# ----------------------------------------------------------------------------- writing
+
+_COMPUTED_KEYS = ("format", "version", "backend", "footprint", "files")
+_ALLOWED_FIELDS = set(_SCHEMA) | set(_COMPUTED_KEYS)
+
+
+def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
+    """A manifest (without footprint and files) from caller fields and a fitted datastore.
+
+    Required fields: client_id, input, lambda, budget_bytes. Taken from the datastore unless
+    given (and then checked against it): num_classes, embedding_dim, k, sigma. update_strategy
+    defaults to "fifo" ("fixed" for protonn). backend always comes from the datastore.
+    """
+    unknown = sorted(set(manifest_fields) - _ALLOWED_FIELDS)
+    if unknown:
+        raise BundleError(f"write_bundle: unknown manifest field(s) {unknown}")
+    for key in ("client_id", "input", "lambda", "budget_bytes"):
+        if key not in manifest_fields:
+            raise BundleError(f"write_bundle: manifest field {key!r} is required")
+    if not hasattr(datastore, "embedding_dim_"):
+        raise BundleError("write_bundle: the datastore is not fitted")
+    derived = {
+        "num_classes": int(datastore.num_classes),
+        "embedding_dim": int(datastore.embedding_dim_),
+        "k": int(datastore.k),
+        "sigma": float(datastore.sigma),
+    }
+    for key, value in derived.items():
+        if key in manifest_fields and manifest_fields[key] != value:
+            raise BundleError(
+                f"write_bundle: manifest field {key!r} is {manifest_fields[key]!r} but the "
+                f"datastore has {value!r}"
+            )
+    backend = {
+        "name": datastore.backend,
+        "recipe": datastore.recipe,
+        "params": datastore.recipe_params(),
+    }
+    given = manifest_fields.get("backend")
+    if given is not None and (not isinstance(given, dict) or given.get("name") != backend["name"]):
+        raise BundleError(
+            f"write_bundle: manifest backend {given!r} is not the datastore's ({backend['name']})"
+        )
+    default_strategy = "fixed" if datastore.backend == "protonn" else "fifo"
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "client_id": manifest_fields["client_id"],
+        "input": manifest_fields["input"],
+        **derived,
+        "lambda": manifest_fields["lambda"],
+        "backend": backend,
+        "update_strategy": manifest_fields.get("update_strategy", default_strategy),
+        "budget_bytes": manifest_fields["budget_bytes"],
+    }
+    for key in ("format", "version"):
+        if key in manifest_fields and manifest_fields[key] != manifest[key]:
+            raise BundleError(
+                f"write_bundle: this runtime writes {key} {manifest[key]!r}, not "
+                f"{manifest_fields[key]!r}"
+            )
+    if isinstance(manifest["lambda"], numbers.Real) and not isinstance(manifest["lambda"], bool):
+        manifest["lambda"] = float(manifest["lambda"])
+    for key in ("client_id", "budget_bytes"):
+        if isinstance(manifest[key], np.integer):
+            manifest[key] = int(manifest[key])
+    return manifest
+
+
+def write_bundle(
+    out_dir: str | os.PathLike,
+    manifest_fields: dict,
+    encoder: bytes | str | os.PathLike,
+    datastore: Any,
+    *,
+    replace: bool = True,
+) -> dict:
+    """Write a verified bundle to `out_dir` atomically and return its manifest.
+
+    `manifest_fields`: see `build_manifest` (client_id, input, lambda, budget_bytes required;
+    update_strategy optional; num_classes, embedding_dim, k, sigma checked against the datastore;
+    format, version, backend, footprint, files are computed). `encoder`: ONNX bytes or a path.
+    `datastore`: a fitted FlatDatastore / HNSWDatastore / ProtoNNDatastore.
+
+    Everything is written into a temporary sibling directory, fsynced, hashed, checked against
+    the budget and verified as `read_bundle` would, then renamed into place. An existing bundle
+    at `out_dir` is replaced (unless replace=False) by two renames, old aside then new in, so
+    the window without a bundle is two system calls; any other existing non-empty directory is
+    refused. On any error nothing is left behind and BundleError says why.
+    """
+    out_dir = Path(out_dir)
+    try:
+        manifest = to_json_types(build_manifest(manifest_fields, datastore))
+    except TypeError as exc:
+        raise BundleError(f"write_bundle: manifest fields are not JSON data: {exc}") from None
+    manifest.update(footprint={"encoder": 0, "datastore": 0, "total": 0}, files={})
+    _check_fields_only(manifest)  # before anything is written
+    encoder_bytes = _encoder_size(encoder)
+    budget = manifest["budget_bytes"]
+    if encoder_bytes > budget:
+        raise BudgetExceeded(
+            f"cannot write bundle {out_dir}: the encoder alone takes {encoder_bytes} bytes, over "
+            f"the budget of {budget} bytes",
+            encoder_bytes,
+            budget,
+        )
+    if out_dir.exists() and not _replaceable(out_dir):
+        raise BundleError(f"refusing to write bundle {out_dir}: it exists and is not a bundle")
+    if out_dir.exists() and not replace:
+        raise BundleError(f"refusing to replace bundle {out_dir} (replace=False)")
+    parent = out_dir.parent
+    if not parent.is_dir():
+        raise BundleError(f"cannot write bundle {out_dir}: {parent} is not a directory")
+    tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        _write_encoder(tmp / ENCODER_FILE, encoder)
+        names = datastore.save(tmp, generation=0)
+        files = {ENCODER_FILE: sha256_file(tmp / ENCODER_FILE)}
+        files.update({name: sha256_file(tmp / name) for name in names})
+        datastore_bytes = sum((tmp / name).stat().st_size for name in names)
+        total = encoder_bytes + datastore_bytes
+        if total > budget:
+            raise BudgetExceeded(
+                f"cannot write bundle {out_dir}: encoder {encoder_bytes} + datastore "
+                f"{datastore_bytes} = {total} bytes, over the budget of {budget} bytes "
+                f"(recipe {datastore.recipe}, {len(datastore)} stored)",
+                total,
+                budget,
+            )
+        manifest["footprint"] = {
+            "encoder": encoder_bytes,
+            "datastore": datastore_bytes,
+            "total": total,
+        }
+        manifest["files"] = files
+        write_json_atomic(tmp / MANIFEST, manifest)
+        try:
+            read_bundle(tmp, intra_op_threads=1)
+        except BundleError as exc:
+            raise BundleError(str(exc).replace(str(tmp), str(out_dir))) from None
+        _swap_into_place(tmp, out_dir)
+    except BundleError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BundleError(f"cannot write bundle {out_dir}: {exc}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_fields_only(manifest: dict) -> None:
+    """validate_manifest without the file list (not known before saving)."""
+    probe = dict(manifest)
+    names = {ENCODER_FILE: "0" * 64, "datastore.npz": "0" * 64}
+    if manifest["backend"]["name"] == "hnsw":
+        names["hnsw.bin"] = "0" * 64
+    probe["files"] = names
+    validate_manifest(probe, "write_bundle")
+
+
+def _encoder_size(encoder: bytes | str | os.PathLike) -> int:
+    if isinstance(encoder, bytes):
+        return len(encoder)
+    try:
+        return Path(encoder).stat().st_size
+    except OSError as exc:
+        raise BundleError(f"cannot read encoder {encoder}: {exc.strerror}") from None
+
+
+def _write_encoder(dest: Path, encoder: bytes | str | os.PathLike) -> None:
+    if isinstance(encoder, bytes):
+        write_bytes_atomic(dest, encoder, sync_dir=False)
+    else:
+        shutil.copyfile(encoder, dest)
+        fsync_file(dest)
+
+
+def _replaceable(out_dir: Path) -> bool:
+    if not out_dir.is_dir() or out_dir.is_symlink():
+        return False
+    return (out_dir / MANIFEST).is_file() or not any(out_dir.iterdir())
+
+
+def _swap_into_place(tmp: Path, out_dir: Path) -> None:
+    fsync_dir(tmp)
+    parent = out_dir.parent
+    if not out_dir.exists():
+        os.rename(tmp, out_dir)
+        fsync_dir(parent)
+        return
+    old = parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)
+        raise
+    fsync_dir(parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- updates
+
+_STALE_RE = re.compile(
+    r"^(?:(?:datastore|hnsw)(?:\.\d+)?\.(?:npz|bin)(?:\.tmp)?|manifest\.json\.tmp)$"
+)
+
+
+def remove_stale_files(bundle_dir: str | os.PathLike, manifest: dict) -> list[str]:
+    """Delete datastore files and temporaries the manifest does not list (left by a crash)."""
+    bundle_dir = Path(bundle_dir)
+    removed = []
+    for entry in bundle_dir.iterdir():
+        if _STALE_RE.match(entry.name) and entry.name not in manifest["files"]:
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    if removed:
+        fsync_dir(bundle_dir)
+    return removed
+
+
+def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: Any) -> dict:
+    """Persist an updated datastore into a bundle crash-safely and return the new manifest.
+
+    Order: remove leftovers of interrupted updates; save the datastore under the next
+    generation's file names (each written to a temporary name, fsynced, renamed); hash them and
+    check the budget (BudgetExceeded, nothing kept); replace manifest.json atomically; delete
+    the previous generation's files.
+    """
+    bundle_dir = Path(bundle_dir)
+    if read_manifest(bundle_dir) != manifest:
+        raise BundleError(
+            f"bundle {bundle_dir}: manifest.json changed on disk since the bundle was loaded "
+            "(another writer?); load it again"
+        )
+    old = datastore_files(manifest)
+    remove_stale_files(bundle_dir, manifest)
+    generation = 1 + max(file_generation(name) for name in old)
+    names = datastore.save(bundle_dir, generation=generation)
+    try:
+        files = {ENCODER_FILE: manifest["files"][ENCODER_FILE]}
+        files.update({name: sha256_file(bundle_dir / name) for name in names})
+        datastore_bytes = sum((bundle_dir / name).stat().st_size for name in names)
+        encoder_bytes = manifest["footprint"]["encoder"]
+        total, budget = encoder_bytes + datastore_bytes, manifest["budget_bytes"]
+        if total > budget:
+            raise BudgetExceeded(
+                f"bundle {bundle_dir}: the updated datastore takes {datastore_bytes} bytes; with "
+                f"the encoder's {encoder_bytes} that is {total}, over the budget of {budget}",
+                total,
+                budget,
+            )
+        new = dict(manifest)
+        new["backend"] = {
+            "name": datastore.backend,
+            "recipe": datastore.recipe,
+            "params": datastore.recipe_params(),
+        }
+        new["footprint"] = {"encoder": encoder_bytes, "datastore": datastore_bytes, "total": total}
+        new["files"] = files
+        new = to_json_types(new)
+        validate_manifest(new, f"bundle {bundle_dir}: updated manifest")
+        write_json_atomic(bundle_dir / MANIFEST, new)
+    except BaseException:
+        for name in names:
+            if name not in old:
+                (bundle_dir / name).unlink(missing_ok=True)
+        raise
+    for name in old:
+        if name not in names:
+            (bundle_dir / name).unlink(missing_ok=True)
+    fsync_dir(bundle_dir)
+    return new
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__

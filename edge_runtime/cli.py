@@ -1,0 +1,292 @@
+"""`knnper-edge`: the device command line (predict, evaluate, add, init, info).
+
+Every error, bad input included, is one line on stderr, `knnper-edge: error: ...`, and exit
+status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from zipfile import BadZipFile
+
+import numpy as np
+
+from ._io import write_bytes_atomic
+from .knn import interpolate
+from .runtime import Runtime, check_labels
+
+PROG = "knnper-edge"
+EXIT_ERROR = 2
+
+
+class CLIError(Exception):
+    """A problem with the command line's inputs, reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other error
+        raise CLIError(f"{message} (see {self.prog} --help)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device.")
+    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs")
+    s.add_argument("bundle")
+    s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
+    s.add_argument("--output", help="write the [N, C] probabilities here (.npy)")
+
+    s = sub.add_parser("evaluate", help="accuracy on a labelled .npz (x, y or x_test, y_test)")
+    s.add_argument("bundle")
+    s.add_argument("--data", required=True)
+
+    s = sub.add_parser("add", help="learn from labelled samples (.npz with x, y)")
+    s.add_argument("bundle")
+    s.add_argument("--data", required=True)
+    s.add_argument("--strategy", choices=["fifo", "concatenate", "fixed"], default=None)
+
+    s = sub.add_parser("init", help="build a bundle for a new device from its own data")
+    s.add_argument("--encoder", required=True, help="encoder.onnx")
+    s.add_argument("--data", required=True, help=".npz with x, y (or x_train, y_train)")
+    s.add_argument("--budget", required=True, help="bytes, or with a unit: 2MB, 512KiB")
+    s.add_argument("--out", required=True, help="bundle directory to write")
+    spec = s.add_mutually_exclusive_group(required=True)
+    spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
+    spec.add_argument("--input-spec", help="JSON file with the input spec")
+    s.add_argument("--k", type=int, default=None)
+    s.add_argument("--sigma", type=float, default=None)
+    s.add_argument("--recipes", help="comma-separated candidates, e.g. flat:int8,flat:fp16")
+    s.add_argument("--val-fraction", type=float, default=0.2)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--strategy", choices=["fifo", "concatenate", "fixed"], default="fifo")
+    s.add_argument("--client-id", type=int, default=-1)
+
+    s = sub.add_parser("info", help="verify a bundle and summarize its manifest")
+    s.add_argument("bundle")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: warning: %(message)s")
+    try:
+        args = _build_parser().parse_args(argv)
+        return _COMMANDS[args.command](args)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except Exception as exc:
+        if os.environ.get("KNNPER_EDGE_DEBUG"):
+            raise
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    known = (CLIError, ValueError, OSError, NotImplementedError, BadZipFile)
+    if not text:
+        return type(exc).__name__
+    return text if isinstance(exc, known) else f"{type(exc).__name__}: {text}"
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _load(path: str):
+    try:
+        return np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise CLIError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise CLIError(f"{path} is a directory, not a file") from None
+    except (ValueError, OSError, EOFError, BadZipFile) as exc:
+        raise CLIError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
+
+
+def _load_npy(path: str) -> np.ndarray:
+    data = _load(path)
+    if not isinstance(data, np.ndarray):
+        data.close()
+        raise CLIError(f"{path} is an .npz archive; expected one .npy array")
+    return data
+
+
+def _load_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
+    data = _load(path)
+    if isinstance(data, np.ndarray):
+        raise CLIError(f"{path} is a .npy array; expected an .npz with x and y")
+    with data:
+        try:
+            for xk, yk in alternatives:
+                if xk in data.files and yk in data.files:
+                    return data[xk], data[yk]
+        except (ValueError, OSError, EOFError, BadZipFile) as exc:
+            raise CLIError(f"cannot read {path}: {_one_line(exc)}") from None
+        names = " or ".join(f"{a} and {b}" for a, b in alternatives)
+        raise CLIError(f"{path} has arrays {sorted(data.files)}; expected {names}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20}
+_UNITS["gib"] = 2**30
+
+
+def parse_bytes(text: str) -> int:
+    """'2000000', '2MB', '512KiB' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise CLIError(f"cannot read budget {text!r}: use bytes, or a number with KB/MB/KiB/MiB")
+    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if value < 1:
+        raise CLIError(f"budget must be positive, got {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _runtime(args) -> Runtime:
+    return Runtime.load(args.bundle, intra_op_threads=args.threads)
+
+
+def cmd_predict(args) -> int:
+    if args.output and Path(args.output).suffix != ".npy":
+        raise CLIError(f"--output must end in .npy, got {args.output}")
+    x = _load_npy(args.input)
+    rt = _runtime(args)
+    proba = rt.predict_proba(x)
+    if args.output:
+        buf = io.BytesIO()
+        np.save(buf, proba)
+        write_bytes_atomic(args.output, buf.getvalue())
+    sys.stdout.write("".join(f"{label}\n" for label in proba.argmax(axis=1)))
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    x, y = _load_xy(args.data, (("x", "y"), ("x_test", "y_test")))
+    if y.ndim != 1 or y.shape[0] == 0:
+        raise CLIError(f"{args.data}: labels must be a non-empty 1-D array, got {list(y.shape)}")
+    rt = _runtime(args)
+    y = check_labels(y, y.shape[0], rt.num_classes)
+    p_local, p_global = rt.components(x)
+    if p_local.shape[0] != y.shape[0]:
+        raise CLIError(f"{args.data}: {p_local.shape[0]} inputs but {y.shape[0]} labels")
+    acc = float(np.mean(interpolate(p_local, p_global, rt.lam).argmax(1) == y))
+    acc_global = float(np.mean(p_global.argmax(1) == y))
+    acc_local = float(np.mean(p_local.argmax(1) == y))
+    print(
+        f"accuracy {acc:.4f} on {y.shape[0]} samples (lambda {rt.lam:g}; global model "
+        f"{acc_global:.4f}, datastore alone {acc_local:.4f})"
+    )
+    return 0
+
+
+def cmd_add(args) -> int:
+    x, y = _load_xy(args.data, (("x", "y"), ("x_train", "y_train")))
+    rt = _runtime(args)
+    report = rt.add(x, y, strategy=args.strategy)
+    budget = rt.manifest["budget_bytes"]
+    print(
+        f"{report.strategy}: received {report.received}, added {report.added}, evicted "
+        f"{report.evicted}; datastore holds {report.size} samples; footprint "
+        f"{report.footprint_bytes}/{budget} bytes"
+    )
+    return 0
+
+
+def _read_spec_file(path: str) -> dict:
+    try:
+        spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CLIError(f"no such file: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CLIError(f"cannot read input spec {path}: {_one_line(exc)}") from None
+    if isinstance(spec, dict) and "input" in spec and "kind" not in spec:
+        spec = spec["input"]  # a whole manifest.json works too
+    return spec
+
+
+def cmd_init(args) -> int:
+    from .bundle import read_manifest
+    from .device_init import init_bundle
+
+    k, sigma = args.k, args.sigma
+    if args.like:
+        like = read_manifest(args.like)
+        spec = like["input"]
+        k = like["k"] if k is None else k
+        sigma = like["sigma"] if sigma is None else sigma
+    else:
+        spec = _read_spec_file(args.input_spec)
+    if not Path(args.encoder).is_file():
+        raise CLIError(f"no such file: {args.encoder}")
+    budget = parse_bytes(args.budget)
+    x, y = _load_xy(args.data, (("x", "y"), ("x_train", "y_train")))
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
+    report = init_bundle(
+        args.encoder,
+        x,
+        y,
+        budget,
+        args.out,
+        input_spec=spec,
+        k=10 if k is None else k,
+        sigma=1.0 if sigma is None else sigma,
+        recipes=recipes,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        client_id=args.client_id,
+        update_strategy=args.strategy,
+        intra_op_threads=args.threads,
+    )
+    acc = "n/a" if report.val_accuracy is None else f"{report.val_accuracy:.4f}"
+    fp = report.manifest["footprint"]
+    print(
+        f"wrote {args.out}: {report.recipe}, lambda {report.lam:g}, validation accuracy {acc}; "
+        f"footprint {fp['total']}/{budget} bytes (encoder {fp['encoder']}, datastore "
+        f"{fp['datastore']})"
+    )
+    return 0
+
+
+def cmd_info(args) -> int:
+    rt = _runtime(args)
+    m = rt.manifest
+    spec = m["input"]
+    fp = m["footprint"]
+    lines = [
+        f"bundle        {rt.path} (verified, format {m['format']} v{m['version']})",
+        f"client        {m['client_id']}",
+        f"input         {spec['kind']} {spec['shape']}",
+        f"classes       {m['num_classes']}",
+        f"embedding     {m['embedding_dim']}",
+        f"kNN           k={m['k']} sigma={m['sigma']:g} lambda={m['lambda']:g}",
+        f"datastore     {m['backend']['recipe']}, {len(rt.datastore)} stored",
+        f"update        {m['update_strategy']}",
+        f"footprint     {fp['total']} of {m['budget_bytes']} bytes (encoder {fp['encoder']}, "
+        f"datastore {fp['datastore']})",
+        f"files         {', '.join(sorted(m['files']))}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+_COMMANDS = {
+    "predict": cmd_predict,
+    "evaluate": cmd_evaluate,
+    "add": cmd_add,
+    "init": cmd_init,
+    "info": cmd_info,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

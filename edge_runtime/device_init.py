@@ -1,0 +1,182 @@
+"""A bundle for a new device, unseen at training, built on the device from the global encoder,
+the device's own labelled data and its memory budget; no server data is needed.
+
+How the choice is made (kNN-Per's "new clients" setting):
+1. Embed all the device's samples once with the encoder.
+2. Hold out `val_fraction` of them (seeded) as a local validation split.
+3. For each candidate recipe (default: flat fp32, fp16 and int8, each at the most stored samples
+   that fit the budget next to the encoder, and at 1/2 and 1/4 of that), fit a datastore on the
+   rest, take the best lambda of LAMBDA_GRID on the validation split, and score the candidate by
+   its validation accuracy at that lambda. The best accuracy wins; ties (frequent on a few
+   validation samples) go to the lower validation log-loss, then to the smaller footprint.
+4. Refit the winning recipe on all the samples, validation ones included: on a device every
+   labelled sample is worth keeping as memory, and lambda chosen with a smaller datastore is a
+   slightly conservative (global-leaning) choice for the larger one.
+The recipe records n = the candidate's budgeted capacity, so fifo updates may later fill it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .bundle import BundleError, write_bundle
+from .datastores import format_recipe, make_datastore, max_count_within, parse_recipe
+from .encoder import Encoder
+from .knn import LAMBDA_GRID, choose_lambda, interpolate, softmax
+from .preprocess import prepare_input, validate_spec
+from .runtime import check_labels
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_RECIPES = ("flat:fp32", "flat:fp16", "flat:int8")
+_COUNT_FRACTIONS = (1.0, 0.5, 0.25)
+
+
+@dataclass
+class InitReport:
+    """The chosen configuration and every candidate's validation score."""
+
+    manifest: dict
+    recipe: str
+    lam: float
+    val_accuracy: float | None
+    candidates: list[dict] = field(default_factory=list)
+
+
+def init_bundle(
+    encoder_path: str | os.PathLike,
+    x: np.ndarray,
+    y: np.ndarray,
+    budget_bytes: int,
+    out_dir: str | os.PathLike,
+    *,
+    input_spec: dict,
+    k: int = 10,
+    sigma: float = 1.0,
+    recipes: list[str] | None = None,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+    client_id: int = -1,
+    update_strategy: str = "fifo",
+    intra_op_threads: int | None = None,
+) -> InitReport:
+    """Build and write a bundle for a new device (see the module docstring for the choice).
+
+    `recipes`: candidate recipe strings (flat or hnsw; protonn needs server-side training).
+    Ones without n<count> get the budget's maximum and its halves; ones with n are tried as
+    given if they fit. client_id -1 marks a device that never trained. Raises BundleError when
+    even the encoder (or the encoder plus one stored sample) exceeds the budget.
+    """
+    try:
+        validate_spec(input_spec)
+    except ValueError as exc:
+        raise ValueError(f"input spec: {exc}") from None
+    if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes < 1:
+        raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    encoder_bytes = Path(encoder_path).stat().st_size
+    if encoder_bytes > budget_bytes:
+        raise BundleError(
+            f"the encoder alone takes {encoder_bytes} bytes, over the budget of "
+            f"{budget_bytes} bytes"
+        )
+    encoder = Encoder(encoder_path, intra_op_threads=intra_op_threads)
+    xp = prepare_input(x, input_spec)
+    if xp.shape[0] == 0:
+        raise ValueError("init needs at least one labelled sample")
+    z, logits = encoder.run(xp)
+    num_classes, dim = logits.shape[1], z.shape[1]
+    y = check_labels(y, xp.shape[0], num_classes)
+
+    n_all = z.shape[0]
+    order = np.random.default_rng(seed).permutation(n_all)
+    n_val = int(round(val_fraction * n_all)) if n_all >= 2 else 0
+    n_val = min(n_val, n_all - 1)
+    val, train = order[:n_val], order[n_val:]
+    p_global_val = softmax(logits[val])
+
+    room = budget_bytes - encoder_bytes
+    candidates = []
+    for recipe in _candidate_recipes(recipes, num_classes, k, sigma, dim, room, seed, n_all):
+        ds = make_datastore(recipe, num_classes, k, sigma, seed=seed)
+        nbytes = ds.estimate_nbytes(min(ds.n, n_all), dim)
+        if n_val:
+            ds.fit(z[train], y[train])
+            p_local = ds.predict_proba(z[val])
+            lam = choose_lambda(p_local, p_global_val, y[val], LAMBDA_GRID)
+            p = interpolate(p_local, p_global_val, lam)
+            acc = float(np.mean(p.argmax(1) == y[val]))
+            nll = float(-np.mean(np.log(np.clip(p[np.arange(n_val), y[val]], 1e-12, None))))
+        else:
+            lam, acc, nll = choose_lambda(np.zeros((0, 1)), np.zeros((0, 1)), y[val]), None, None
+        candidates.append(
+            {"recipe": recipe, "lambda": lam, "val_accuracy": acc, "val_nll": nll, "nbytes": nbytes}
+        )
+        logger.info("candidate %s: lambda %.1f, validation accuracy %s", recipe, lam, acc)
+    if not candidates:
+        raise BundleError(
+            f"the budget of {budget_bytes} bytes leaves {room} bytes after the encoder "
+            f"({encoder_bytes} bytes): not enough for one stored sample of any candidate recipe"
+        )
+    # Best accuracy; ties to the lower log-loss, then the smaller footprint. Without a
+    # validation split, the first candidate (fp32 at the budget's maximum).
+    best = min(
+        candidates,
+        key=lambda c: (
+            -round(c["val_accuracy"] or 0.0, 12),
+            round(c["val_nll"] or 0.0, 12),
+            c["nbytes"],
+        ),
+    )
+    final = make_datastore(best["recipe"], num_classes, k, sigma, seed=seed).fit(z, y)
+    fields = {
+        "client_id": int(client_id),
+        "input": input_spec,
+        "lambda": float(best["lambda"]),
+        "budget_bytes": int(budget_bytes),
+        "update_strategy": update_strategy,
+    }
+    manifest = write_bundle(out_dir, fields, encoder_path, final)
+    return InitReport(manifest, best["recipe"], best["lambda"], best["val_accuracy"], candidates)
+
+
+def _candidate_recipes(
+    recipes: list[str] | None,
+    num_classes: int,
+    k: int,
+    sigma: float,
+    dim: int,
+    room: int,
+    seed: int,
+    n_all: int,
+) -> list[str]:
+    """Recipe strings with n<count> that fit `room` bytes (by the datastores' estimates)."""
+    out: list[str] = []
+    seen: set = set()
+    for recipe in recipes if recipes is not None else DEFAULT_RECIPES:
+        name, params = parse_recipe(recipe)
+        if name == "protonn":
+            raise ValueError(
+                "protonn datastores are trained on the server (they need torch); a device "
+                "can only init flat or hnsw recipes"
+            )
+        probe = make_datastore(recipe, num_classes, k, sigma, seed=seed)
+        most = max_count_within(lambda n, p=probe: p.estimate_nbytes(n, dim), room)
+        if params.get("n") is not None:
+            counts = [params["n"]] if params["n"] <= most else []
+        else:
+            counts = [int(most * f) for f in _COUNT_FRACTIONS if int(most * f) >= 1]
+        for n in counts:
+            # Counts at or above the device's sample count store the same samples: try the
+            # largest (the most room for later fifo growth) once.
+            same = (name, tuple(sorted(params.items() - {("n", params.get("n"))})), min(n, n_all))
+            if same not in seen:
+                seen.add(same)
+                out.append(format_recipe(name, {**params, "n": n}))
+    return out

@@ -1,0 +1,97 @@
+"""The global model on the device: an onnxruntime session giving (embedding, logits) per input."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnxruntime as ort
+
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+
+
+class Encoder:
+    """Wraps `onnxruntime.InferenceSession` for a model with one input and the two outputs the
+    bundle format requires, "embedding" [N, p] and "logits" [N, C].
+
+    `model` is a path or the model's bytes (the bundle reader passes the bytes it hashed, so what
+    was verified is what runs). Large inputs are run in batches of `batch_size` to bound memory.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | bytes,
+        *,
+        intra_op_threads: int | None = None,
+        batch_size: int = 256,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.intra_op_threads = intra_op_threads
+        options = ort.SessionOptions()
+        if intra_op_threads is not None:
+            options.intra_op_num_threads = int(intra_op_threads)
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3
+        source = model if isinstance(model, bytes) else os.fspath(model)
+        name = "the encoder" if isinstance(model, bytes) else f"encoder {os.fspath(model)}"
+        try:
+            self.session = ort.InferenceSession(
+                source, sess_options=options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise ValueError(f"cannot load {name} as an ONNX model: {_first_line(exc)}") from None
+        inputs = self.session.get_inputs()
+        if len(inputs) != 1:
+            raise ValueError(f"{name} must have exactly one input, it has {len(inputs)}")
+        self.input_name = inputs[0].name
+        self.input_dtype = _ORT_TYPES.get(inputs[0].type)
+        if self.input_dtype is None:
+            raise ValueError(
+                f"{name} input has type {inputs[0].type}; expected tensor(float) or tensor(int64)"
+            )
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        missing = [n for n in ("embedding", "logits") if n not in outputs]
+        if missing:
+            raise ValueError(
+                f"{name} lacks output(s) {missing}; it has {sorted(outputs)} "
+                "(export with output names ['embedding', 'logits'])"
+            )
+
+    def run(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x: the output of `prepare_input` -> (embedding float32 [N,p], logits float32 [N,C])."""
+        x = np.asarray(x)
+        if x.dtype != self.input_dtype:
+            raise ValueError(
+                f"encoder input must be {np.dtype(self.input_dtype)}, got {x.dtype} "
+                "(pass the output of prepare_input)"
+            )
+        if x.shape[0] == 0:
+            raise ValueError("encoder input is an empty batch")
+        zs, ls = [], []
+        for start in range(0, x.shape[0], self.batch_size):
+            chunk = np.ascontiguousarray(x[start : start + self.batch_size])
+            try:
+                z, logits = self.session.run(["embedding", "logits"], {self.input_name: chunk})
+            except Exception as exc:
+                raise ValueError(
+                    f"encoder failed on input of shape {list(chunk.shape)}: {_first_line(exc)}"
+                ) from None
+            z, logits = np.asarray(z), np.asarray(logits)
+            n = chunk.shape[0]
+            if z.ndim != 2 or logits.ndim != 2 or z.shape[0] != n or logits.shape[0] != n:
+                raise ValueError(
+                    f"encoder outputs must be embedding [N, p] and logits [N, C] with N={n}, got "
+                    f"{list(z.shape)} and {list(logits.shape)}"
+                )
+            zs.append(z.astype(np.float32, copy=False))
+            ls.append(logits.astype(np.float32, copy=False))
+        if len(zs) == 1:
+            return zs[0], ls[0]
+        return np.concatenate(zs), np.concatenate(ls)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,168 @@
+"""The kNN-Per head: kernel posterior over stored neighbours and its interpolation with the global
+model. This is the only copy of the math; server-side evaluation calls it too, so the accuracy a
+benchmark reports is the accuracy a device gets."""
+
+from __future__ import annotations
+
+import numpy as np
+
+LAMBDA_GRID: tuple[float, ...] = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax, shifted by the row maximum so large logits cannot overflow."""
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def kernel_posterior(
+    sq_distances: np.ndarray,
+    neighbor_labels: np.ndarray,
+    num_classes: int,
+    sigma: float,
+    embedding_dim: int,
+) -> np.ndarray:
+    """p_knn[y] proportional to sum over neighbours of label y of exp(-d^2 / (p * sigma)).
+
+    Computed as a softmax over the k neighbours (the smallest distance subtracted first), so
+    neighbours that are all far away still give a proper distribution instead of 0/0.
+    """
+    sq = np.asarray(sq_distances, dtype=np.float64)
+    labels = np.asarray(neighbor_labels, dtype=np.int64)
+    logits = -(sq - sq.min(axis=1, keepdims=True)) / (embedding_dim * sigma)
+    weights = np.exp(logits)
+    weights /= weights.sum(axis=1, keepdims=True)
+    out = np.zeros((sq.shape[0], num_classes), dtype=np.float64)
+    rows = np.repeat(np.arange(sq.shape[0]), sq.shape[1])
+    np.add.at(out, (rows, labels.ravel()), weights.ravel())
+    return out
+
+
+def interpolate(p_local: np.ndarray, p_global: np.ndarray, lam: float) -> np.ndarray:
+    """lambda * p_local + (1 - lambda) * p_global: lambda=0 is the global model, 1 the kNN alone."""
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda must be in [0, 1], got {lam}")
+    return lam * p_local + (1.0 - lam) * p_global
+
+
+def choose_lambda(
+    p_local: np.ndarray,
+    p_global: np.ndarray,
+    y: np.ndarray,
+    grid: tuple[float, ...] = LAMBDA_GRID,
+) -> float:
+    """The grid value with the best accuracy on a validation split.
+
+    Validation splits are small, so accuracy often ties; ties go to the lower validation
+    log-loss, which still tells the grid values apart, then to the smaller lambda.
+    """
+    if len(y) == 0:
+        return 0.5
+    y = np.asarray(y, dtype=np.int64)
+    best, best_score = grid[0], (-np.inf, -np.inf)
+    for lam in grid:
+        p = interpolate(p_local, p_global, lam)
+        acc = float(np.mean(p.argmax(axis=1) == y))
+        nll = float(-np.mean(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
+        score = (round(acc, 12), -round(nll, 12))
+        if score > best_score:
+            best, best_score = lam, score
+    return best
+
+
+# Blockwise threshold top-k: the minimum of each block of _BLOCK distances is partitioned first,
+# and only the k best blocks are searched; it pays off once there are enough blocks per k.
+_BLOCK = 64
+_MIN_BLOCKS_PER_K = 4
+# Queries are searched in chunks so a distance matrix never holds more than this many cells.
+_MAX_CHUNK_CELLS = 1 << 22
+
+
+def exact_search(
+    queries: np.ndarray,
+    keys: np.ndarray,
+    k: int,
+    *,
+    key_norms: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Brute-force Euclidean k nearest neighbours: (squared distances, indices), nearest first.
+
+    `key_norms` (the squared norms of `keys`, float32) may be passed by callers that search the
+    same keys many times; the result is the same. Equal distances are listed in index order.
+    """
+    keys = np.asarray(keys, dtype=np.float32)
+    n = keys.shape[0]
+    k = min(k, n)
+    q = np.asarray(queries, dtype=np.float32)
+    if key_norms is None:
+        key_norms = np.einsum("ij,ij->i", keys, keys)
+    rows = max(1, _MAX_CHUNK_CELLS // max(n, 1))
+    if q.shape[0] <= rows:
+        return _search_chunk(q, keys, key_norms, k)
+    parts = [_search_chunk(q[s : s + rows], keys, key_norms, k) for s in range(0, q.shape[0], rows)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _search_chunk(
+    q: np.ndarray, keys: np.ndarray, key_norms: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    n = keys.shape[0]
+    sq = key_norms[None, :] - 2.0 * (q @ keys.T) + np.einsum("ij,ij->i", q, q)[:, None]
+    np.maximum(sq, 0.0, out=sq)
+    if k >= n:
+        idx = np.tile(np.arange(n), (q.shape[0], 1))
+    elif n // _BLOCK >= _MIN_BLOCKS_PER_K * k:
+        idx = _blockwise_topk(sq, k)
+    else:
+        idx = np.argpartition(sq, k - 1, axis=1)[:, :k]
+    part = np.take_along_axis(sq, idx, axis=1)
+    order = np.lexsort((idx, part), axis=1)
+    return np.take_along_axis(part, order, axis=1), np.take_along_axis(idx, order, axis=1)
+
+
+def _blockwise_topk(sq: np.ndarray, k: int) -> np.ndarray:
+    """Indices (unordered) of the k smallest entries of each row of sq."""
+    m, n = sq.shape
+    full = n // _BLOCK
+    minima = sq[:, : full * _BLOCK].reshape(m, full, _BLOCK).min(axis=2)
+    if full * _BLOCK < n:
+        minima = np.concatenate([minima, sq[:, full * _BLOCK :].min(axis=1, keepdims=True)], axis=1)
+    blocks = np.argpartition(minima, k - 1, axis=1)[:, :k]
+    cand = (blocks[:, :, None] * _BLOCK + np.arange(_BLOCK)[None, None, :]).reshape(m, -1)
+    valid = cand < n
+    cand = np.minimum(cand, n - 1)
+    cand_sq = np.take_along_axis(sq, cand, axis=1)
+    cand_sq[~valid] = np.inf
+    best = np.argpartition(cand_sq, k - 1, axis=1)[:, :k]
+    return np.take_along_axis(cand, best, axis=1)
+
+
+class KNNHead:
+    """Exact kNN posterior over a float32 datastore, scikit-learn style: fit(z, y),
+    predict_proba(z)."""
+
+    def __init__(self, num_classes: int, k: int = 10, sigma: float = 1.0) -> None:
+        self.num_classes = num_classes
+        self.k = k
+        self.sigma = sigma
+
+    def fit(self, z: np.ndarray, y: np.ndarray) -> KNNHead:
+        z = np.asarray(z, dtype=np.float32)
+        y = np.asarray(y, dtype=np.int64)
+        if z.ndim != 2 or y.shape != (z.shape[0],):
+            raise ValueError(f"fit expects z [n, p] and y [n], got {z.shape} and {y.shape}")
+        if z.shape[0] == 0:
+            raise ValueError("fit needs at least one stored sample")
+        self.keys_ = np.ascontiguousarray(z)
+        self.labels_ = y
+        return self
+
+    def predict_proba(self, z: np.ndarray) -> np.ndarray:
+        sq, idx = exact_search(z, self.keys_, self.k)
+        return kernel_posterior(
+            sq, self.labels_[idx], self.num_classes, self.sigma, self.keys_.shape[1]
+        )
+
+    def predict(self, z: np.ndarray) -> np.ndarray:
+        return self.predict_proba(z).argmax(axis=1)

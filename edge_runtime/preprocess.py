@@ -1,0 +1,142 @@
+"""Turn raw device inputs (uint8 images or token ids) into the encoder's input tensor.
+
+The server-side trainer imports `prepare_input` too, so a model sees exactly the same numbers in
+training, in server-side evaluation and on the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+INPUT_KINDS = ("image", "tokens")
+
+
+def validate_spec(spec: Any) -> dict:
+    """Check an input spec (see CONTRACTS: "Input spec") and return it; ValueError names the field.
+
+    Image: {"kind": "image", "shape": [H, W, C], "dtype": "uint8", "mean": [C floats],
+    "std": [C floats > 0]}. Tokens: {"kind": "tokens", "shape": [L], "dtype": "int64",
+    "vocab_size": V}.
+    """
+    if not isinstance(spec, dict):
+        raise ValueError(f"input spec must be a JSON object, got {type(spec).__name__}")
+    kind = spec.get("kind")
+    if kind not in INPUT_KINDS:
+        raise ValueError(f"input spec 'kind' must be one of {list(INPUT_KINDS)}, got {kind!r}")
+    shape = spec.get("shape")
+    want_rank = 3 if kind == "image" else 1
+    if (
+        not isinstance(shape, (list, tuple))
+        or len(shape) != want_rank
+        or not all(_is_int(s) and s > 0 for s in shape)
+    ):
+        raise ValueError(
+            f"input spec 'shape' for {kind} must be {want_rank} positive integers, got {shape!r}"
+        )
+    if kind == "image":
+        if spec.get("dtype", "uint8") != "uint8":
+            raise ValueError(f"image input spec 'dtype' must be 'uint8', got {spec.get('dtype')!r}")
+        channels = shape[2]
+        for field in ("mean", "std"):
+            values = spec.get(field)
+            if (
+                not isinstance(values, (list, tuple))
+                or len(values) != channels
+                or not all(_is_number(v) and np.isfinite(v) for v in values)
+            ):
+                raise ValueError(
+                    f"image input spec '{field}' must be {channels} finite numbers (one per "
+                    f"channel), got {values!r}"
+                )
+        if any(v <= 0 for v in spec["std"]):
+            raise ValueError(f"image input spec 'std' must be positive, got {spec['std']!r}")
+    else:
+        if spec.get("dtype", "int64") != "int64":
+            raise ValueError(
+                f"tokens input spec 'dtype' must be 'int64', got {spec.get('dtype')!r}"
+            )
+        vocab = spec.get("vocab_size")
+        if not _is_int(vocab) or vocab < 1:
+            raise ValueError(
+                f"tokens input spec 'vocab_size' must be a positive integer, got {vocab!r}"
+            )
+    return spec
+
+
+def prepare_input(x: np.ndarray, spec: dict) -> np.ndarray:
+    """Raw input -> encoder input. A single sample gets a batch axis of 1.
+
+    image: uint8 [N,H,W,C] or [H,W,C] (grey images, C=1, may omit the channel axis)
+           -> float32 [N,C,H,W] holding (x/255 - mean) / std.
+    tokens: integer [N,L] or [L] with ids in [0, vocab_size) -> int64 [N,L].
+    Raises ValueError naming the problem (shape, dtype, NaN, value range).
+    """
+    validate_spec(spec)
+    x = np.asarray(x)
+    _check_dtype(x, spec)
+    if spec["kind"] == "image":
+        return _prepare_image(x, spec)
+    return _prepare_tokens(x, spec)
+
+
+def _check_dtype(x: np.ndarray, spec: dict) -> None:
+    kind = spec["kind"]
+    expected = "uint8 pixels (0..255)" if kind == "image" else "integer token ids"
+    if x.dtype.kind in "fc":
+        if x.size and not np.all(np.isfinite(x)):
+            raise ValueError(f"input contains NaN or infinite values; expected {expected}")
+        raise ValueError(
+            f"input dtype {x.dtype} is not supported: expected {expected}, not floats "
+            "(the runtime normalizes itself)"
+        )
+    if x.dtype.kind not in "iu":
+        raise ValueError(f"input dtype {x.dtype} is not supported: expected {expected}")
+
+
+def _prepare_image(x: np.ndarray, spec: dict) -> np.ndarray:
+    h, w, c = (int(s) for s in spec["shape"])
+    if x.shape == (h, w, c) or (c == 1 and x.shape == (h, w)):
+        x = x.reshape(1, h, w, c)
+    elif c == 1 and x.ndim == 3 and x.shape[1:] == (h, w):
+        x = x.reshape(x.shape[0], h, w, 1)
+    elif x.ndim != 4 or x.shape[1:] != (h, w, c):
+        raise ValueError(
+            f"input shape {list(x.shape)} does not match the model: expected images "
+            f"[N, {h}, {w}, {c}] or one image [{h}, {w}, {c}]"
+        )
+    if x.dtype != np.uint8:
+        if x.size and (x.min() < 0 or x.max() > 255):
+            raise ValueError(f"pixel values must be in 0..255, got range [{x.min()}, {x.max()}]")
+        x = x.astype(np.uint8)
+    mean = np.asarray(spec["mean"], dtype=np.float32).reshape(1, c, 1, 1)
+    std = np.asarray(spec["std"], dtype=np.float32).reshape(1, c, 1, 1)
+    out = x.transpose(0, 3, 1, 2).astype(np.float32)
+    out /= np.float32(255.0)
+    out -= mean
+    out /= std
+    return np.ascontiguousarray(out)
+
+
+def _prepare_tokens(x: np.ndarray, spec: dict) -> np.ndarray:
+    (length,) = (int(s) for s in spec["shape"])
+    if x.ndim == 1 and x.shape[0] == length:
+        x = x.reshape(1, length)
+    elif x.ndim != 2 or x.shape[1] != length:
+        raise ValueError(
+            f"input shape {list(x.shape)} does not match the model: expected token ids "
+            f"[N, {length}] or one sequence [{length}]"
+        )
+    vocab = int(spec["vocab_size"])
+    if x.size and (x.min() < 0 or x.max() >= vocab):
+        raise ValueError(f"token ids must be in [0, {vocab}), got range [{x.min()}, {x.max()}]")
+    return np.ascontiguousarray(x, dtype=np.int64)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)

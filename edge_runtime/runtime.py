@@ -1,0 +1,241 @@
+"""The device runtime: load a verified bundle, predict with kNN-Per, learn from labelled samples.
+
+    rt = Runtime.load("bundle/")
+    rt.predict_proba(images)            # [N, C]: lambda * p_knn + (1 - lambda) * softmax(logits)
+    rt.add(images, labels)              # the manifest's update strategy, persisted crash-safely
+
+Update strategies (`add(x, y, strategy)`), with "capacity" = the recipe's n<count> if it has one,
+else the number of samples stored when the bundle was loaded:
+- fifo: add the new samples, then evict the oldest until the datastore holds at most
+  `capacity` samples (if more new samples than the capacity arrive, only the newest are kept).
+  It can grow up to the capacity, never past it, and never past the budget.
+- concatenate: add everything; if the files would exceed the bundle's budget, evict the oldest
+  until they fit and log a warning saying so. The recipe's n grows with the datastore.
+- fixed: the datastore stays as it is (inputs are still checked).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .bundle import (
+    UPDATE_STRATEGIES,
+    BudgetExceeded,
+    BundleError,
+    commit_datastore,
+    load_bundle_datastore,
+    read_bundle,
+    read_manifest,
+)
+from .datastores import max_count_within
+from .knn import interpolate, softmax
+from .preprocess import prepare_input
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class UpdateReport:
+    """What one `add` did: samples kept from the new ones, old samples evicted, final size."""
+
+    strategy: str
+    received: int
+    added: int
+    evicted: int
+    size: int
+    footprint_bytes: int
+
+
+def check_labels(y: object, n: int, num_classes: int) -> np.ndarray:
+    """Labels for n samples: integers in [0, num_classes), one per sample (a scalar for one)."""
+    y = np.asarray(y)
+    if y.dtype.kind not in "iu":
+        raise ValueError(f"labels must be integers, got dtype {y.dtype}")
+    y = y.reshape(1) if y.ndim == 0 else y
+    if y.ndim != 1:
+        raise ValueError(f"labels must be a 1-D array, got shape {list(y.shape)}")
+    if y.shape[0] != n:
+        raise ValueError(f"got {y.shape[0]} labels for {n} samples")
+    if n and (y.min() < 0 or y.max() >= num_classes):
+        raise ValueError(f"labels must be in [0, {num_classes}), got range [{y.min()}, {y.max()}]")
+    return y.astype(np.int64)
+
+
+class Runtime:
+    """Personalized inference on one device from one bundle. Build it with `Runtime.load`."""
+
+    def __init__(self, path: Path, manifest: dict, encoder, datastore) -> None:
+        self.path = Path(path)
+        self.manifest = manifest
+        self.encoder = encoder
+        self.datastore = datastore
+        self.size_at_load_ = len(datastore)
+
+    @classmethod
+    def load(cls, bundle_dir: str | os.PathLike, *, intra_op_threads: int | None = None) -> Runtime:
+        """Verify the bundle (schema, version, sha256s, budget, dimensions) and load it."""
+        bundle = read_bundle(bundle_dir, intra_op_threads=intra_op_threads)
+        return cls(bundle.path, bundle.manifest, bundle.encoder, bundle.datastore)
+
+    # -- properties from the manifest
+    @property
+    def num_classes(self) -> int:
+        return int(self.manifest["num_classes"])
+
+    @property
+    def lam(self) -> float:
+        return float(self.manifest["lambda"])
+
+    @property
+    def input_spec(self) -> dict:
+        return self.manifest["input"]
+
+    @property
+    def capacity(self) -> int:
+        """The fifo size: the recipe's n when set, else the size when loaded."""
+        n = getattr(self.datastore, "n", None)
+        return int(n) if n is not None else self.size_at_load_
+
+    # -- inference
+    def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Raw inputs -> (embeddings [N,p], logits [N,C]); input checks happen here."""
+        xp = prepare_input(x, self.input_spec)
+        if xp.shape[0] == 0:
+            dim = self.manifest["embedding_dim"]
+            return np.zeros((0, dim), np.float32), np.zeros((0, self.num_classes), np.float32)
+        return self.encoder.run(xp)
+
+    def components(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(p_local from the datastore, p_global = softmax(logits)), each [N, C]."""
+        z, logits = self.embed(x)
+        if z.shape[0] == 0:
+            empty = np.zeros((0, self.num_classes))
+            return empty, empty
+        return self.datastore.predict_proba(z), softmax(logits)
+
+    def posterior(self, z: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        """kNN-Per from encoder outputs: lambda * p_local + (1 - lambda) * softmax(logits)."""
+        if z.shape[0] == 0:
+            return np.zeros((0, self.num_classes))
+        return interpolate(self.datastore.predict_proba(z), softmax(logits), self.lam)
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        """One sample or a batch of raw inputs -> [N, C] float64 probabilities."""
+        return self.posterior(*self.embed(x))
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        return self.predict_proba(x).argmax(axis=1)
+
+    # -- learning on the device
+    def add(self, x: np.ndarray, y: object, strategy: str | None = None) -> UpdateReport:
+        """Embed labelled samples and update the datastore by `strategy` (default: the
+        manifest's update_strategy), then persist the bundle crash-safely."""
+        strategy = strategy or self.manifest["update_strategy"]
+        if strategy not in UPDATE_STRATEGIES:
+            raise ValueError(
+                f"update strategy must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}"
+            )
+        xp = prepare_input(x, self.input_spec)
+        labels = check_labels(y, xp.shape[0], self.num_classes)
+        ds = self.datastore
+        received = xp.shape[0]
+        if strategy == "fixed" or received == 0:
+            return self._report(strategy, received, 0, 0)
+        if ds.backend == "protonn":
+            raise ValueError(
+                f"a protonn datastore cannot take new samples; use strategy 'fixed', not "
+                f"{strategy!r}"
+            )
+        if read_manifest(self.path) != self.manifest:
+            raise BundleError(
+                f"bundle {self.path}: manifest.json changed on disk since the bundle was loaded "
+                "(another writer?); load it again"
+            )
+        z, _ = self.encoder.run(xp)
+        fits = self._max_fit()
+        if fits < 1:
+            raise BudgetExceeded(
+                f"bundle {self.path}: no stored sample fits the budget of "
+                f"{self.manifest['budget_bytes']} bytes",
+                self.manifest["footprint"]["total"],
+                self.manifest["budget_bytes"],
+            )
+        target = min(self.capacity, fits) if strategy == "fifo" else fits
+        if strategy == "fifo" and target < self.capacity:
+            logger.warning(
+                "fifo: capacity %d samples does not fit the budget of %d bytes; keeping %d",
+                self.capacity,
+                self.manifest["budget_bytes"],
+                target,
+            )
+        old = len(ds)
+        if received >= target:
+            z, labels = z[-target:], labels[-target:]
+            evict = old
+        else:
+            evict = max(0, old + received - target)
+        try:
+            ds.evict_oldest(evict)
+            ds.add(z, labels)
+            if strategy == "concatenate" and ds.n is not None and len(ds) > ds.n:
+                ds.n = len(ds)
+            evict += self._persist()
+        except BaseException:
+            # The bundle on disk is the last good state; go back to it in memory too.
+            try:
+                self.datastore = load_bundle_datastore(self.path, self.manifest)
+            except BundleError as exc:
+                logger.warning("after a failed update, could not reload the datastore: %s", exc)
+            raise
+        if strategy == "concatenate" and (evict or received > z.shape[0]):
+            logger.warning(
+                "concatenate: the datastore reached the budget of %d bytes; evicted the %d "
+                "oldest samples and now holds %d",
+                self.manifest["budget_bytes"],
+                evict,
+                len(ds),
+            )
+        return self._report(strategy, received, z.shape[0], evict)
+
+    def _report(self, strategy: str, received: int, added: int, evicted: int) -> UpdateReport:
+        return UpdateReport(
+            strategy,
+            received,
+            added,
+            evicted,
+            len(self.datastore),
+            int(self.manifest["footprint"]["total"]),
+        )
+
+    def _max_fit(self) -> int:
+        """The most stored samples whose (estimated) datastore files fit next to the encoder."""
+        room = self.manifest["budget_bytes"] - self.manifest["footprint"]["encoder"]
+        dim = self.manifest["embedding_dim"]
+        return max_count_within(lambda n: self.datastore.estimate_nbytes(n, dim), room)
+
+    def _persist(self) -> int:
+        """Commit the datastore; if the real files overshoot the budget (estimates for hnsw),
+        evict more of the oldest and retry. Returns how many extra samples were evicted."""
+        ds, dim, extra = self.datastore, self.manifest["embedding_dim"], 0
+        for _ in range(8):
+            try:
+                self.manifest = commit_datastore(self.path, self.manifest, ds)
+                return extra
+            except BudgetExceeded as exc:
+                per_sample = max(1, ds.estimate_nbytes(2, dim) - ds.estimate_nbytes(1, dim))
+                more = math.ceil((exc.needed - exc.budget) / per_sample)
+                if more >= len(ds):
+                    raise
+                ds.evict_oldest(more)
+                extra += more
+        raise BudgetExceeded(
+            f"bundle {self.path}: could not fit the updated datastore in the budget",
+            0,
+            self.manifest["budget_bytes"],
+        )

@@ -1,0 +1,2 @@
+"""Server side of kNN-Per: data, partitions, models, federated algorithms, simulation and
+evaluation."""

@@ -1,0 +1,37 @@
+"""Federated algorithms by name. A new method is one module plus one line here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fed_train.algorithms.apfl import APFL
+from fed_train.algorithms.base import Algorithm, TrainingConfig
+from fed_train.algorithms.clustered import ClusteredFL
+from fed_train.algorithms.ditto import Ditto
+from fed_train.algorithms.fedavg import FedAvg
+from fed_train.algorithms.fedavg_plus import FedAvgPlus
+from fed_train.algorithms.fedrep import FedRep
+from fed_train.algorithms.knnper import KNNPer
+from fed_train.algorithms.local import Local
+from fed_train.algorithms.pfedgp import PFedGP
+from fed_train.models import EmbedHeadModel
+
+ALGORITHMS: dict[str, Callable[..., Algorithm]] = {
+    "local": Local,
+    "fedavg": FedAvg,
+    "knnper": KNNPer,
+    "fedavg+": FedAvgPlus,
+    "clustered": ClusteredFL,
+    "ditto": Ditto,
+    "fedrep": FedRep,
+    "apfl": APFL,
+    "pfedgp": PFedGP,
+}
+
+
+def build_algorithm(name: str, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+                    **hyper: Any) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown method {name!r}; known: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name](model_fn, training, **hyper)

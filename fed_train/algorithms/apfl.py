@@ -1,0 +1,167 @@
+"""APFL (Deng et al. 2020): each client mixes a personal model v with the global model w in
+parameter space, v_bar = alpha v + (1 - alpha) w, with alpha chosen per client on validation.
+
+- In a round, a participating client takes, on every mini-batch, FedAvg's SGD step on its copy
+  of w and, for each alpha in `alphas`, a step on v along the gradient of the loss of v_bar
+  (which is alpha times the gradient at v_bar, as in APFL's Algorithm 1; w is taken before its
+  own step). Only w is sent and averaged with FedAvg's rule.
+- alpha comes from the paper's grid {0.1, 0.3, 0.5, 0.7, 0.9}: one personal model per value is
+  trained (v's updates depend on alpha, so this is the faithful way to choose it) and
+  personalization keeps the value whose v_bar is best on the client's validation split. This
+  is the grid choice, not APFL's adaptive alpha; it costs one extra SGD pass per value.
+- alpha = 0 gives v no gradient and v_bar = w: exactly FedAvg (a test pins it).
+- Personal models live in the client state as {"personal": {str(alpha): weights}}. A client
+  without one (unseen, or never sampled) trains one per alpha against the frozen global model
+  for `finetune_epochs` epochs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fed_train.algorithms.base import (
+    ClientData,
+    ClientResult,
+    PersonalModel,
+    TrainingConfig,
+    Weights,
+    get_weights,
+    model_predictor,
+    set_weights,
+)
+from fed_train.algorithms.fedavg import FedAvg
+from fed_train.algorithms.personal import (
+    batch_schedule,
+    check_loss,
+    epochs_only,
+    float_keys,
+    make_optimizer,
+    model_accuracy,
+)
+from fed_train.models import EmbedHeadModel
+
+APFL_ALPHAS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def check_alphas(alphas: Sequence[float]) -> tuple[float, ...]:
+    values = tuple(float(a) for a in alphas)
+    if not values:
+        raise ValueError("alphas must hold at least one value")
+    for a in values:
+        if not (0.0 <= a <= 1.0) or math.isnan(a):
+            raise ValueError(f"APFL alpha must be in [0, 1], got {a}")
+    return values
+
+
+def mix_weights(personal: Weights, global_weights: Weights, alpha: float) -> Weights:
+    """alpha v + (1 - alpha) w for floating tensors; counters (BatchNorm's) come from w."""
+    floats = set(float_keys(global_weights))
+    return {name: ((alpha * personal[name].astype(np.float64)
+                    + (1.0 - alpha) * w.astype(np.float64)).astype(w.dtype)
+                   if name in floats else w.copy())
+            for name, w in global_weights.items()}
+
+
+class APFL(FedAvg):
+    name = "apfl"
+
+    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+                 alphas: Sequence[float] = APFL_ALPHAS, finetune_epochs: int = 3,
+                 finetune_lr: float | None = None) -> None:
+        super().__init__(model_fn, training)
+        self.alphas = check_alphas(alphas)
+        if finetune_epochs < 0:
+            raise ValueError(f"finetune_epochs must be >= 0, got {finetune_epochs}")
+        self.finetune_epochs = finetune_epochs
+        self.finetune_lr = finetune_lr if finetune_lr is not None else training.lr
+        self._mixed = model_fn()  # holds v_bar for the personal steps
+        self._personal = [model_fn() for _ in self.alphas]
+
+    def _joint_sgd(self, client: ClientData, training: TrainingConfig, lr: float, seed: int, *,
+                   update_global: bool, epochs: int | None = None) -> float:
+        """APFL's local steps on self._work (w) and self._personal (one v per alpha).
+
+        The gradient of the loss of v_bar with respect to v is alpha times its gradient at
+        v_bar, so each v takes its step from one backward pass through a model holding v_bar."""
+        w_model, mixed = self._work, self._mixed
+        opt_w = make_optimizer(w_model.parameters(), training, lr) if update_global else None
+        opts_v = [make_optimizer(v.parameters(), training, lr) for v in self._personal]
+        for model in (w_model, mixed, *self._personal):
+            model.train()
+        w_params = dict(w_model.named_parameters())
+        mixed_params = dict(mixed.named_parameters())
+        mixed_buffers = dict(mixed.named_buffers())
+        x, y = client.x_train, client.y_train
+        total, count = 0.0, 0
+        for idx in batch_schedule(int(y.shape[0]), training, seed, epochs):
+            index = torch.from_numpy(idx)
+            xb, yb = x[index], y[index]
+            for alpha, v, opt in zip(self.alphas, self._personal, opts_v, strict=True):
+                with torch.no_grad():  # v_bar from w before its own step, as in Algorithm 1
+                    for name, p in v.named_parameters():
+                        mixed_params[name].copy_(alpha * p + (1.0 - alpha) * w_params[name])
+                    for name, b in v.named_buffers():
+                        mixed_buffers[name].copy_(b)
+                mixed.zero_grad()
+                loss_v = nn.functional.cross_entropy(mixed(xb), yb)
+                check_loss(loss_v, lr)
+                loss_v.backward()
+                opt.zero_grad()
+                for name, p in v.named_parameters():
+                    grad = mixed_params[name].grad
+                    p.grad = None if grad is None else alpha * grad
+                opt.step()
+                with torch.no_grad():  # batch-norm statistics belong to v
+                    for name, b in v.named_buffers():
+                        b.copy_(mixed_buffers[name])
+            if opt_w is not None:
+                opt_w.zero_grad()
+                loss = nn.functional.cross_entropy(w_model(xb), yb)
+                check_loss(loss, lr)
+                loss.backward()
+                opt_w.step()
+                total += float(loss.detach()) * len(idx)
+                count += len(idx)
+        return total / count if count else float("nan")
+
+    def _personal_weights(self) -> dict[str, Weights]:
+        return {str(a): get_weights(v) for a, v in zip(self.alphas, self._personal, strict=True)}
+
+    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                      lr: float, seed: int) -> ClientResult:
+        set_weights(self._work, global_weights)
+        previous = state.get("personal", {})
+        for alpha, v in zip(self.alphas, self._personal, strict=True):
+            set_weights(v, previous.get(str(alpha), global_weights))
+        loss = self._joint_sgd(client, self.training, lr, seed, update_global=True)
+        personal = self._personal_weights()
+        return ClientResult(get_weights(self._work), client.num_train, {"personal": personal},
+                            loss)
+
+    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                    seed: int) -> PersonalModel:
+        personal = dict(state.get("personal", {}))
+        fresh = any(str(a) not in personal for a in self.alphas)
+        if fresh:
+            set_weights(self._work, global_weights)
+            for alpha, v in zip(self.alphas, self._personal, strict=True):
+                set_weights(v, personal.get(str(alpha), global_weights))
+            self._joint_sgd(client, epochs_only(self.training), self.finetune_lr, seed,
+                            update_global=False, epochs=self.finetune_epochs)
+            personal = self._personal_weights()
+        best_alpha, best_acc, best_model = None, -1.0, None
+        for alpha in self.alphas:  # ties keep the first, i.e. the smallest alpha (closest to w)
+            model = self.model_fn()
+            set_weights(model, mix_weights(personal[str(alpha)], global_weights, alpha))
+            model.eval()
+            acc = model_accuracy(model, client.x_val, client.y_val) if len(client.y_val) else 0.0
+            if acc > best_acc:
+                best_alpha, best_acc, best_model = alpha, acc, model
+        return PersonalModel(model_predictor(best_model),
+                             {"alpha": best_alpha, "fine_tuned": fresh})

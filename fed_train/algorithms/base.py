@@ -1,0 +1,196 @@
+"""What every federated algorithm shares: the client's data, local SGD, weights as plain arrays,
+and the paper's aggregation rule. An algorithm is a client half (`client_update`), a server half
+(`aggregate`) and a personalization step; the simulation loop knows nothing else about it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from fed_train.errors import TrainingError
+from fed_train.models import EmbedHeadModel
+
+Weights = dict[str, np.ndarray]
+
+
+@dataclass
+class ClientData:
+    """One client's prepared tensors (model inputs) and labels for each split."""
+
+    client_id: int
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    unseen: bool = False
+
+    @property
+    def num_train(self) -> int:
+        return int(self.y_train.shape[0])
+
+
+@dataclass
+class TrainingConfig:
+    """Optimisation settings shared by every algorithm, so all methods get the same budget."""
+
+    rounds: int = 20
+    participation: float = 1.0  # fraction of training clients sampled per round
+    epochs: int = 1
+    steps: int | None = None  # when set, a fixed number of SGD steps replaces epochs
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr decays
+    gamma: float = 0.1
+
+    def lr_at(self, round_index: int, rounds: int) -> float:
+        """Multi-step decay: lr times gamma for every milestone already passed."""
+        passed = sum(round_index >= m * rounds for m in self.milestones)
+        return self.lr * self.gamma**passed
+
+
+@dataclass
+class ClientResult:
+    """What a client reports to the server after a round: plain data only."""
+
+    weights: Weights
+    num_samples: int
+    state: dict[str, Any] = field(default_factory=dict)
+    loss: float = float("nan")
+
+
+@dataclass
+class PersonalModel:
+    """A client's final predictor plus what was chosen for it (lambda, cluster, ...), kept in the
+    per-client results so others can see why a client scored what it did."""
+
+    predict_proba: Callable[[torch.Tensor], np.ndarray]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Algorithm(Protocol):
+    """The three halves of a federated method (Flower's split, plus how clients personalize)."""
+
+    name: str
+
+    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                      lr: float, seed: int) -> ClientResult: ...
+
+    def aggregate(self, global_weights: Weights, results: list[ClientResult],
+                  total_samples: int, seed: int) -> Weights: ...
+
+    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                    seed: int) -> PersonalModel: ...
+
+
+def get_weights(model: nn.Module) -> Weights:
+    return {name: t.detach().cpu().numpy().copy() for name, t in model.state_dict().items()}
+
+
+def set_weights(model: nn.Module, weights: Weights) -> None:
+    model.load_state_dict({name: torch.from_numpy(np.asarray(w)) for name, w in weights.items()})
+
+
+def aggregate_weights(global_weights: Weights, updates: list[tuple[Weights, int]],
+                      total_samples: int) -> Weights:
+    """w_{t+1} = sum_{m not sampled} (n_m/n) w_t + sum_{m sampled} (n_m/n) w_t^m.
+
+    Clients that were not sampled contribute the current global weights, so with partial
+    participation the step shrinks instead of over-weighting the few clients that reported.
+    """
+    if total_samples <= 0:
+        raise ValueError("total_samples must be positive")
+    reported = sum(n for _, n in updates)
+    if reported > total_samples:
+        raise ValueError(f"clients reported {reported} samples, more than the total "
+                         f"{total_samples}")
+    out: Weights = {}
+    for name, w in global_weights.items():
+        acc = (1.0 - reported / total_samples) * w.astype(np.float64)
+        for weights, n in updates:
+            acc += (n / total_samples) * weights[name].astype(np.float64)
+        out[name] = acc.astype(w.dtype) if np.issubdtype(w.dtype, np.floating) else np.rint(
+            acc).astype(w.dtype)
+    return out
+
+
+def batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterable[np.ndarray]:
+    order = rng.permutation(n)
+    for start in range(0, n, batch_size):
+        yield order[start:start + batch_size]
+
+
+def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: TrainingConfig,
+              lr: float, seed: int, params: Iterable[nn.Parameter] | None = None,
+              extra_loss: Callable[[], torch.Tensor] | None = None,
+              epochs: int | None = None) -> float:
+    """Plain SGD over the client's data; returns the mean loss. A NaN loss stops the run with a
+    clear error instead of silently averaging NaN weights into the global model."""
+    rng = np.random.default_rng(seed)
+    trainable = list(params) if params is not None else list(model.parameters())
+    opt = torch.optim.SGD(trainable, lr=lr, momentum=training.momentum,
+                          weight_decay=training.weight_decay)
+    model.train()
+    n = int(y.shape[0])
+    if n == 0:
+        return float("nan")
+    if training.steps is not None:
+        per_epoch = math.ceil(n / training.batch_size)
+        epochs_needed = math.ceil(training.steps / per_epoch)
+        budget = training.steps
+    else:
+        epochs_needed = epochs if epochs is not None else training.epochs
+        budget = None
+    total, count, steps = 0.0, 0, 0
+    for _ in range(epochs_needed):
+        for idx in batches(n, training.batch_size, rng):
+            if budget is not None and steps >= budget:
+                break
+            index = torch.from_numpy(idx)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x[index]), y[index])
+            if extra_loss is not None:
+                loss = loss + extra_loss()
+            if not torch.isfinite(loss):
+                raise TrainingError(f"the training loss became {loss.item()} (lr={lr:g}); "
+                                    "lower the learning rate")
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+            steps += 1
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def predict_proba(model: nn.Module, x: torch.Tensor, batch_size: int = 1024) -> np.ndarray:
+    model.eval()
+    out = [torch.softmax(model(x[i:i + batch_size]), dim=1) for i in range(0, len(x), batch_size)]
+    return torch.cat(out).double().numpy() if out else np.zeros((0, 0))
+
+
+@torch.no_grad()
+def embed_and_logits(model: EmbedHeadModel, x: torch.Tensor,
+                     batch_size: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    model.eval()
+    zs, logits = [], []
+    for i in range(0, len(x), batch_size):
+        z = model.embed(x[i:i + batch_size])
+        zs.append(z)
+        logits.append(model.head(z))
+    if not zs:
+        return np.zeros((0, model.embedding_dim), np.float32), np.zeros((0, 0), np.float32)
+    return torch.cat(zs).numpy(), torch.cat(logits).numpy()
+
+
+def model_predictor(model: nn.Module) -> Callable[[torch.Tensor], np.ndarray]:
+    return lambda x: predict_proba(model, x)

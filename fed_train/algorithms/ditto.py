@@ -1,0 +1,127 @@
+"""Ditto (Li et al. 2021): FedAvg for the global model w, plus a personal model v per client that
+minimises its local loss + (lambda/2) ||v - w||^2, with lambda chosen per client on validation.
+
+- The global half is FedAvg's client step and aggregation, unchanged (same seed, same weights).
+- In each round a participating client also trains one personal model per lambda in `lambdas`
+  (the paper's grid {10, 1, 0.1, 0.01}) for the same epochs, pulled towards the w it received;
+  personalization keeps the lambda whose model is best on the client's validation split. This is
+  the faithful choice and costs one extra SGD pass per lambda; a shorter `lambdas` is cheaper.
+- The proximal term is applied as an exact proximal step after each SGD step,
+  v <- (v + lr * lambda * w) / (1 + lr * lambda), instead of adding lambda (v - w) to the
+  gradient: the same first-order update, but stable for every lr * lambda (lr = 10^-0.5 with
+  lambda = 10 diverges with the gradient form) and exactly v = w as lambda -> infinity.
+- Personal models live in the client state as {"personal": {str(lambda): weights}}.
+- A client without a personal model (unseen, or never sampled) fine-tunes one per lambda from
+  the global model with the same proximal step for `finetune_epochs` epochs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fed_train.algorithms.base import (
+    ClientData,
+    ClientResult,
+    PersonalModel,
+    TrainingConfig,
+    Weights,
+    get_weights,
+    local_sgd,
+    model_predictor,
+    set_weights,
+)
+from fed_train.algorithms.fedavg import FedAvg
+from fed_train.algorithms.personal import epochs_only, model_accuracy, sgd, sub_seed
+from fed_train.models import EmbedHeadModel
+
+DITTO_LAMBDAS: tuple[float, ...] = (10.0, 1.0, 0.1, 0.01)
+
+
+def check_lambdas(lambdas: Sequence[float]) -> tuple[float, ...]:
+    values = tuple(float(v) for v in lambdas)
+    if not values:
+        raise ValueError("lambdas must hold at least one value")
+    for v in values:
+        if not (v >= 0 and not math.isnan(v)):
+            raise ValueError(f"Ditto lambda must be >= 0, got {v}")
+    return values
+
+
+class Ditto(FedAvg):
+    name = "ditto"
+
+    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+                 lambdas: Sequence[float] = DITTO_LAMBDAS, finetune_epochs: int = 3,
+                 finetune_lr: float | None = None) -> None:
+        super().__init__(model_fn, training)
+        self.lambdas = check_lambdas(lambdas)
+        if finetune_epochs < 0:
+            raise ValueError(f"finetune_epochs must be >= 0, got {finetune_epochs}")
+        self.finetune_epochs = finetune_epochs  # FedAvg+'s budget, for new clients
+        self.finetune_lr = finetune_lr if finetune_lr is not None else training.lr
+        self._personal = model_fn()
+
+    def _prox_step(self, model: torch.nn.Module, anchor: Weights, lam: float,
+                   lr: float) -> Callable[[], None]:
+        """v <- argmin_u ||u - v||^2 / (2 lr) + lam/2 ||u - w||^2, applied in place."""
+        shrink = lr * lam
+        targets = {name: torch.from_numpy(np.asarray(anchor[name]))
+                   for name, _ in model.named_parameters()}
+
+        @torch.no_grad()
+        def step() -> None:
+            if shrink == 0:
+                return
+            for name, p in model.named_parameters():
+                if math.isinf(shrink):
+                    p.copy_(targets[name])
+                else:
+                    p.add_(targets[name], alpha=shrink).div_(1.0 + shrink)
+
+        return step
+
+    def _train_personal(self, start: Weights, anchor: Weights, client: ClientData, lam: float,
+                        training: TrainingConfig, lr: float, seed: int,
+                        epochs: int | None = None) -> tuple[Weights, float]:
+        set_weights(self._personal, start)
+        loss = sgd(self._personal, client.x_train, client.y_train, training, lr, seed,
+                   epochs=epochs, after_step=self._prox_step(self._personal, anchor, lam, lr))
+        return get_weights(self._personal), loss
+
+    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                      lr: float, seed: int) -> ClientResult:
+        set_weights(self._work, global_weights)
+        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed)
+        previous = state.get("personal", {})
+        personal = {}
+        for i, lam in enumerate(self.lambdas):
+            start = previous.get(str(lam), global_weights)
+            personal[str(lam)], _ = self._train_personal(start, global_weights, client, lam,
+                                                         self.training, lr, sub_seed(seed, i))
+        return ClientResult(get_weights(self._work), client.num_train, {"personal": personal},
+                            loss)
+
+    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                    seed: int) -> PersonalModel:
+        personal = dict(state.get("personal", {}))
+        fresh = [lam for lam in self.lambdas if str(lam) not in personal]
+        for i, lam in enumerate(self.lambdas):
+            if lam in fresh:
+                personal[str(lam)], _ = self._train_personal(
+                    global_weights, global_weights, client, lam, epochs_only(self.training),
+                    self.finetune_lr, sub_seed(seed, i), epochs=self.finetune_epochs)
+        best_lam, best_acc, best_model = None, -1.0, None
+        for lam in self.lambdas:  # ties keep the first, i.e. the largest lambda (closest to w)
+            model = self.model_fn()
+            set_weights(model, personal[str(lam)])
+            model.eval()
+            acc = model_accuracy(model, client.x_val, client.y_val) if len(client.y_val) else 0.0
+            if acc > best_acc:
+                best_lam, best_acc, best_model = lam, acc, model
+        return PersonalModel(model_predictor(best_model),
+                             {"lambda": best_lam, "fine_tuned": bool(fresh)})

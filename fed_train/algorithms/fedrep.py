@@ -1,0 +1,103 @@
+"""FedRep (Collins et al. 2021): a shared body (the model's `embed`) learned federatedly and a
+personal linear head per client that never leaves it.
+
+- A participating client loads the global body and its own head (the initial global head the
+  first time), trains the head for `head_epochs` with the body frozen, then the body for the
+  round's local epochs with the head frozen, as in the paper (10 head epochs by default).
+- Only body weights are sent and averaged (the paper's rule); the global head entries keep
+  their initial values and serve only to initialise new heads.
+- Heads live in the client state as {"head": weights}.
+- With the body frozen, head epochs run on embeddings computed once in eval mode: identical to
+  running the full network for models without batch-norm or dropout (the small CNN, the LSTM),
+  and for MobileNet-v2 it uses running batch-norm statistics instead of batch ones.
+- At personalization the head is refreshed on the final body (the head step a client would take
+  at the start of its next round), then the client predicts with body + own head. Unseen clients
+  train a head from the initial one on the frozen body for as many head epochs as a seen client
+  gets over the run (head_epochs x expected participations), cheap on cached embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fed_train.algorithms.base import (
+    ClientData,
+    ClientResult,
+    PersonalModel,
+    TrainingConfig,
+    Weights,
+    aggregate_weights,
+    embed_and_logits,
+    get_weights,
+    local_sgd,
+    model_predictor,
+    set_weights,
+)
+from fed_train.algorithms.personal import epochs_only, sgd, sub_seed
+from fed_train.models import EmbedHeadModel
+
+
+class FedRep:
+    name = "fedrep"
+    federated = True
+
+    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+                 head_epochs: int = 10, unseen_head_epochs: int | None = None,
+                 head_lr: float | None = None) -> None:
+        if head_epochs < 0:
+            raise ValueError(f"head_epochs must be >= 0, got {head_epochs}")
+        if unseen_head_epochs is not None and unseen_head_epochs < 0:
+            raise ValueError(f"unseen_head_epochs must be >= 0, got {unseen_head_epochs}")
+        self.model_fn = model_fn
+        self.training = training
+        self.head_epochs = head_epochs
+        participations = max(1, round(training.rounds * training.participation))
+        self.unseen_head_epochs = (unseen_head_epochs if unseen_head_epochs is not None
+                                   else max(1, head_epochs) * participations)
+        self.head_lr = head_lr  # None: the round's learning rate (the initial one at the end)
+        self._work = model_fn()
+        self.head_names = set(self._work.head_parameter_names())
+        self.body_names = [n for n in self._work.state_dict() if n not in self.head_names]
+
+    def _head(self, weights: Weights) -> Weights:
+        return {n: weights[n].copy() for n in self.head_names}
+
+    def _train_head(self, model: EmbedHeadModel, client: ClientData, epochs: int, lr: float,
+                    seed: int) -> None:
+        if epochs == 0 or client.num_train == 0:
+            return
+        z, _ = embed_and_logits(model, client.x_train)
+        sgd(model.classifier, torch.from_numpy(z), client.y_train, epochs_only(self.training), lr,
+            seed, epochs=epochs)
+
+    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                      lr: float, seed: int) -> ClientResult:
+        model = self._work
+        set_weights(model, {**global_weights, **state.get("head", self._head(global_weights))})
+        self._train_head(model, client, self.head_epochs, self.head_lr or lr, seed)
+        body_params = [p for n, p in model.named_parameters() if n not in self.head_names]
+        loss = local_sgd(model, client.x_train, client.y_train, self.training, lr,
+                         sub_seed(seed, 1), params=body_params)
+        weights = get_weights(model)
+        body = {n: weights[n] for n in self.body_names}
+        return ClientResult(body, client.num_train, {"head": self._head(weights)}, loss)
+
+    def aggregate(self, global_weights: Weights, results: list[ClientResult],
+                  total_samples: int, seed: int) -> Weights:
+        body = {n: global_weights[n] for n in self.body_names}
+        new_body = aggregate_weights(body, [(r.weights, r.num_samples) for r in results],
+                                     total_samples)
+        return {**global_weights, **new_body}
+
+    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                    seed: int) -> PersonalModel:
+        model = self.model_fn()
+        own = "head" in state
+        set_weights(model, {**global_weights, **state.get("head", self._head(global_weights))})
+        epochs = self.head_epochs if own else self.unseen_head_epochs
+        self._train_head(model, client, epochs, self.head_lr or self.training.lr, seed)
+        model.eval()
+        return PersonalModel(model_predictor(model), {"head_epochs": epochs})

@@ -1,0 +1,62 @@
+"""kNN-Per (Marfoq et al. 2022): FedAvg's global model, personalized by interpolating its output
+with a kNN over the client's own embeddings. The kNN math is edge_runtime's, so the server reports
+exactly what a device computes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_runtime.knn import KNNHead, choose_lambda, interpolate, softmax
+from fed_train.algorithms.base import (
+    ClientData,
+    PersonalModel,
+    TrainingConfig,
+    Weights,
+    embed_and_logits,
+)
+from fed_train.algorithms.fedavg import FedAvg
+from fed_train.models import EmbedHeadModel
+
+
+def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:
+    """The training samples a client keeps: a seeded random `capacity` fraction (at least one)."""
+    if not 0.0 < capacity <= 1.0:
+        raise ValueError(f"capacity must be in (0, 1], got {capacity}")
+    keep = max(1, int(round(capacity * n)))
+    if keep >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=keep, replace=False))
+
+
+class KNNPer(FedAvg):
+    name = "knnper"
+
+    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+                 k: int = 10, sigma: float = 1.0, capacity: float = 1.0) -> None:
+        super().__init__(model_fn, training)
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
+        if sigma <= 0:
+            raise ValueError(f"sigma must be positive, got {sigma}")
+        self.k, self.sigma, self.capacity = k, sigma, capacity
+
+    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                    seed: int) -> PersonalModel:
+        model = self.global_model(global_weights)
+        num_classes = model.classifier.out_features
+        keep = datastore_indices(client.num_train, self.capacity, seed)
+        z_train, _ = embed_and_logits(model, client.x_train[torch.from_numpy(keep)])
+        head = KNNHead(num_classes, self.k, self.sigma).fit(z_train, client.y_train.numpy()[keep])
+        z_val, logits_val = embed_and_logits(model, client.x_val)
+        lam = choose_lambda(head.predict_proba(z_val), softmax(logits_val.astype(np.float64)),
+                            client.y_val.numpy()) if len(z_val) else 0.5
+
+        def predict(x: torch.Tensor) -> np.ndarray:
+            z, logits = embed_and_logits(model, x)
+            return interpolate(head.predict_proba(z), softmax(logits.astype(np.float64)), lam)
+
+        return PersonalModel(predict, {"lambda": lam, "datastore_size": int(len(keep))})

@@ -1,0 +1,41 @@
+"""Local training: every client learns alone, with the epoch budget it would spend in FedAvg."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fed_train.algorithms.base import (
+    ClientData,
+    PersonalModel,
+    TrainingConfig,
+    Weights,
+    local_sgd,
+    model_predictor,
+)
+from fed_train.models import EmbedHeadModel
+
+
+class Local:
+    """Not federated: the simulation loop skips it and all the work is in `personalize`."""
+
+    name = "local"
+    federated = False
+
+    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig) -> None:
+        self.model_fn = model_fn
+        self.training = training
+        self.epochs = max(1, round(training.rounds * training.participation)) * training.epochs
+
+    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                    seed: int) -> PersonalModel:
+        torch.manual_seed(seed)
+        model = self.model_fn()
+        for epoch in range(self.epochs):
+            lr = self.training.lr_at(epoch, self.epochs)
+            local_sgd(model, client.x_train, client.y_train, self.training, lr, seed + epoch,
+                      epochs=1)
+        model.eval()
+        return PersonalModel(model_predictor(model), {"epochs": self.epochs})

@@ -1,0 +1,174 @@
+"""A run directory: its configuration, partition, checkpoints, metrics and final global model.
+Training writes one; evaluation and export read it back with `load_run`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edge_runtime.preprocess import prepare_input
+from fed_train.algorithms import build_algorithm
+from fed_train.algorithms.base import ClientData, TrainingConfig, Weights, get_weights, set_weights
+from fed_train.data import Dataset, load_dataset
+from fed_train.errors import KnnperError
+from fed_train.models import EmbedHeadModel, build_model, default_model
+from fed_train.partition import Partition, make_partition
+from fed_train.simulation import SimulationResult, simulate
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+PARTITION_FILE = "partition.npz"
+MODEL_FILE = "model.pt"
+
+
+class RunError(KnnperError, ValueError):
+    """A run directory that is missing, incomplete or inconsistent."""
+
+
+@dataclass
+class RunConfig:
+    """Everything needed to reproduce a run; saved as config.json beside its results."""
+
+    dataset: str = "digits"
+    data: str | None = None
+    max_train: int | None = None
+    partition: str = "dirichlet"
+    alpha: float = 0.3
+    beta: float = 10.0
+    classes_per_client: int = 2
+    clients: int = 20
+    unseen_fraction: float = 0.2
+    val_fraction: float = 0.2
+    model: str | None = None
+    seed: int = 0
+    checkpoint_every: int = 5
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known - {"num_classes", "input_spec", "model_name"}
+        if unknown:
+            raise RunError(f"config has unknown keys: {', '.join(sorted(unknown))}")
+        values = {k: v for k, v in data.items() if k in known}
+        training = dict(values.pop("training", {}))
+        if "milestones" in training:
+            training["milestones"] = tuple(training["milestones"])
+        return cls(**values, training=TrainingConfig(**training))
+
+
+@dataclass
+class LoadedRun:
+    config: RunConfig
+    dataset: Dataset
+    partition: Partition
+    model: EmbedHeadModel
+    model_name: str
+    run_dir: Path
+
+    def clients(self) -> list[ClientData]:
+        return prepare_clients(self.dataset, self.partition)
+
+    def model_factory(self):
+        return lambda: build_model(self.model_name, self.dataset.num_classes,
+                                   self.dataset.input_spec)
+
+
+def prepare_clients(dataset: Dataset, partition: Partition) -> list[ClientData]:
+    """Model-ready tensors per client, preprocessed once for the whole data set."""
+    x_train = torch.from_numpy(prepare_input(dataset.x_train, dataset.input_spec))
+    x_test = torch.from_numpy(prepare_input(dataset.x_test, dataset.input_spec))
+    y_train = torch.from_numpy(np.asarray(dataset.y_train, dtype=np.int64))
+    y_test = torch.from_numpy(np.asarray(dataset.y_test, dtype=np.int64))
+    out = []
+    for cid, split in enumerate(partition.clients):
+        tr, va, te = (torch.from_numpy(np.asarray(s, dtype=np.int64))
+                      for s in (split.train, split.val, split.test))
+        out.append(ClientData(cid, x_train[tr], y_train[tr], x_train[va], y_train[va],
+                              x_test[te], y_test[te], bool(partition.unseen[cid])))
+    return out
+
+
+def _load_data(config: RunConfig) -> Dataset:
+    return load_dataset(config.dataset, config.data, max_train=config.max_train, seed=config.seed)
+
+
+def _partition(config: RunConfig, dataset: Dataset) -> Partition:
+    return make_partition(dataset, config.partition, config.clients, alpha=config.alpha,
+                          beta=config.beta, classes_per_client=config.classes_per_client,
+                          val_fraction=config.val_fraction,
+                          unseen_fraction=config.unseen_fraction, seed=config.seed)
+
+
+def _initial_weights(model_fn, seed: int) -> Weights:
+    torch.manual_seed(seed)
+    return get_weights(model_fn())
+
+
+def train(config: RunConfig, run_dir: Path, *, progress: bool = True) -> SimulationResult:
+    """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run."""
+    run_dir = Path(run_dir)
+    dataset = _load_data(config)
+    model_name = config.model or default_model(dataset.input_spec)
+    saved = {**config.to_dict(), "model_name": model_name, "num_classes": dataset.num_classes,
+             "input_spec": dataset.input_spec}
+    config_path = run_dir / CONFIG_FILE
+    if config_path.exists():
+        previous = json.loads(config_path.read_text())
+        if previous != json.loads(json.dumps(saved)):
+            raise RunError(f"{run_dir} holds a run with a different configuration; "
+                           "choose another --out or delete it")
+        partition = Partition.load(run_dir / PARTITION_FILE)
+    else:
+        partition = _partition(config, dataset)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        partition.save(run_dir / PARTITION_FILE)
+        config_path.write_text(json.dumps(saved, indent=2))
+    clients = prepare_clients(dataset, partition)
+
+    def model_fn() -> EmbedHeadModel:
+        return build_model(model_name, dataset.num_classes, dataset.input_spec)
+
+    algorithm = build_algorithm("fedavg", model_fn, config.training)
+    result = simulate(algorithm, clients, config.training, _initial_weights(model_fn, config.seed),
+                      seed=config.seed, run_dir=run_dir,
+                      checkpoint_every=config.checkpoint_every, progress=progress)
+    model = model_fn()
+    set_weights(model, result.weights)
+    tmp = run_dir / (MODEL_FILE + ".tmp")
+    torch.save(model.state_dict(), tmp)
+    tmp.replace(run_dir / MODEL_FILE)
+    return result
+
+
+def load_run(run_dir: str | Path) -> LoadedRun:
+    run_dir = Path(run_dir)
+    for name in (CONFIG_FILE, PARTITION_FILE, MODEL_FILE):
+        if not (run_dir / name).is_file():
+            raise RunError(f"{run_dir} is not a finished run: {name} is missing "
+                           "(train it with `knnper train ... --out RUN`)")
+    try:
+        raw = json.loads((run_dir / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise RunError(f"{run_dir / CONFIG_FILE} is not valid JSON: {err}") from err
+    config = RunConfig.from_dict(raw)
+    dataset = _load_data(config)
+    partition = Partition.load(run_dir / PARTITION_FILE)
+    model_name = raw.get("model_name") or default_model(dataset.input_spec)
+    model = build_model(model_name, dataset.num_classes, dataset.input_spec)
+    try:
+        state = torch.load(run_dir / MODEL_FILE, weights_only=True)
+        model.load_state_dict(state)
+    except Exception as err:  # torch raises several types for a corrupt or mismatched file
+        raise RunError(f"{run_dir / MODEL_FILE} cannot be loaded: {err}") from err
+    model.eval()
+    return LoadedRun(config, dataset, partition, model, model_name, run_dir)

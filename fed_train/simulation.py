@@ -1,0 +1,167 @@
+"""The in-process federated simulation: sample clients, run their updates, aggregate, log and
+checkpoint every few rounds so an interrupted run resumes without losing finished rounds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from fed_train.algorithms.base import Algorithm, ClientData, TrainingConfig, Weights, predict_proba
+
+log = logging.getLogger(__name__)
+
+KEEP_CHECKPOINTS = 2  # the newest two: if the last one is unreadable, the one before still is
+
+
+@dataclass
+class SimulationResult:
+    weights: Weights
+    states: dict[int, dict[str, Any]] = field(default_factory=dict)
+    rounds_done: int = 0
+
+
+TRAIN_STREAM, AGGREGATE_STREAM, PERSONALIZE_STREAM = 0, 1, 2
+
+
+def client_seed(seed: int, round_index: int, client_id: int,
+                stream: int = TRAIN_STREAM) -> int:
+    """One independent stream per (run, purpose, round, client), so a resumed run replays
+    exactly and personalization never reuses a training stream."""
+    return int(np.random.SeedSequence([seed, stream, round_index, client_id]).generate_state(1)[0])
+
+
+def _to_tensors(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {str(k): _to_tensors(v) for k, v in obj.items()}
+    return obj
+
+
+def _to_arrays(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.numpy()
+    if isinstance(obj, dict):
+        return {k: _to_arrays(v) for k, v in obj.items()}
+    return obj
+
+
+def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
+                    states: dict[int, dict[str, Any]]) -> None:
+    """Write to a temporary name and rename: a kill mid-write never leaves a torn checkpoint."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"rounds_done": rounds_done, "weights": _to_tensors(weights),
+                "states": {str(k): _to_tensors(v) for k, v in states.items()}}, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    for stale in sorted(path.parent.glob("round_*.pt"))[:-KEEP_CHECKPOINTS]:
+        stale.unlink()
+
+
+def load_checkpoint(path: Path) -> SimulationResult:
+    data = torch.load(path, weights_only=True)
+    return SimulationResult(_to_arrays(data["weights"]),
+                            {int(k): _to_arrays(v) for k, v in data["states"].items()},
+                            int(data["rounds_done"]))
+
+
+def resume_from(run_dir: Path) -> SimulationResult | None:
+    """The newest checkpoint that loads; a torn or corrupt newest file falls back to the one
+    before it."""
+    for path in sorted((run_dir / "checkpoints").glob("round_*.pt"), reverse=True):
+        try:
+            state = load_checkpoint(path)
+        except (OSError, RuntimeError, KeyError, ValueError) as err:
+            log.warning("skipping unreadable checkpoint %s: %s", path, err)
+            continue
+        log.info("resuming from %s (%d rounds done)", path, state.rounds_done)
+        return state
+    return None
+
+
+def _pooled_val_accuracy(algorithm: Algorithm, weights: Weights,
+                         clients: list[ClientData]) -> float | None:
+    model_of = getattr(algorithm, "global_model", None)
+    if model_of is None:
+        return None
+    model = model_of(weights)
+    correct = total = 0
+    for c in clients:
+        if len(c.y_val):
+            correct += int((predict_proba(model, c.x_val).argmax(1) == c.y_val.numpy()).sum())
+            total += len(c.y_val)
+    return correct / total if total else None
+
+
+def _truncate_metrics(path: Path, rounds_done: int) -> None:
+    """Drop log lines of rounds after the checkpoint we resume from: they will be re-run."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["round"] <= rounds_done]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def simulate(algorithm: Algorithm, clients: list[ClientData], training: TrainingConfig,
+             initial_weights: Weights, *, seed: int = 0, run_dir: Path | None = None,
+             checkpoint_every: int = 5, progress: bool = True) -> SimulationResult:
+    """Run `training.rounds` rounds over the clients that are not held out as unseen."""
+    participants = [c for c in clients if not c.unseen]
+    if not participants:
+        raise ValueError("no training clients: every client is held out as unseen")
+    total = sum(c.num_train for c in participants)
+    state = SimulationResult(initial_weights, {}, 0)
+    metrics_path = run_dir / "metrics.jsonl" if run_dir is not None else None
+    if run_dir is not None:
+        state = resume_from(run_dir) or state
+        _truncate_metrics(metrics_path, state.rounds_done)
+    per_round = max(1, int(round(training.participation * len(participants))))
+    rounds = range(state.rounds_done, training.rounds)
+    for r in tqdm(rounds, desc=algorithm.name, disable=not progress, initial=state.rounds_done,
+                  total=training.rounds):
+        start = time.perf_counter()
+        rng = np.random.default_rng([seed, r])
+        picked = rng.choice(len(participants), size=per_round, replace=False)
+        lr = training.lr_at(r, training.rounds)
+        results = []
+        for i in sorted(picked):
+            client = participants[i]
+            result = algorithm.client_update(state.weights, client,
+                                             state.states.get(client.client_id, {}), lr,
+                                             client_seed(seed, r, client.client_id))
+            state.states[client.client_id] = result.state
+            results.append(result)
+        state.weights = algorithm.aggregate(state.weights, results, total,
+                                            client_seed(seed, r, 0, AGGREGATE_STREAM))
+        state.rounds_done = r + 1
+        row: dict[str, Any] = {
+            "round": r + 1, "lr": lr, "clients": len(results),
+            "train_loss": float(np.average([x.loss for x in results],
+                                           weights=[x.num_samples for x in results])),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        checkpoint = run_dir is not None and (state.rounds_done % checkpoint_every == 0
+                                              or state.rounds_done == training.rounds)
+        if checkpoint:
+            row["val_accuracy"] = _pooled_val_accuracy(algorithm, state.weights, participants)
+        if metrics_path is not None:
+            # the log line goes first: a kill before the checkpoint only re-runs logged rounds,
+            # whose lines the resume truncates
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        if checkpoint:
+            save_checkpoint(run_dir / "checkpoints" / f"round_{state.rounds_done:04d}.pt",
+                            state.rounds_done, state.weights, state.states)
+        log.debug("round %d: %s", r + 1, row)
+    return state

@@ -1,0 +1,224 @@
+"""Training a ProtoNN compression of one client's datastore: edgeml's PyTorch ProtoNN, trained
+densely, initialised on our side (projection, prototypes, median-heuristic gamma)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from edgeml.pytorch.graph.protoNN import ProtoNN
+
+from edge_runtime.datastores import ProtoNNDatastore
+
+INIT_METHODS = ("kmeans", "random")
+
+
+def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iters: int = 25) -> np.ndarray:
+    """Lloyd's k-means with k-means++ seeding; returns the centres [k, dim]. Small and
+    deterministic given `rng`, which is all prototype initialisation needs."""
+    n = x.shape[0]
+    if k >= n:
+        return x.copy()
+    centres = np.empty((k, x.shape[1]), dtype=np.float64)
+    centres[0] = x[rng.integers(n)]
+    closest = ((x - centres[0]) ** 2).sum(axis=1)
+    for j in range(1, k):
+        total = closest.sum()
+        pick = rng.choice(n, p=closest / total) if total > 0 else rng.integers(n)
+        centres[j] = x[pick]
+        closest = np.minimum(closest, ((x - centres[j]) ** 2).sum(axis=1))
+    for _ in range(iters):
+        sq = (x * x).sum(1)[:, None] - 2.0 * x @ centres.T + (centres * centres).sum(1)[None, :]
+        assign = sq.argmin(axis=1)
+        moved = False
+        for j in range(k):
+            members = x[assign == j]
+            if len(members):
+                new = members.mean(axis=0)
+                moved |= not np.allclose(new, centres[j])
+                centres[j] = new
+        if not moved:
+            break
+    return centres
+
+
+def allocate(counts: np.ndarray, total: int) -> np.ndarray:
+    """Split `total` prototypes over classes in proportion to their sample counts (largest
+    remainder), at least one per class that has samples, never more than its samples."""
+    present = counts > 0
+    out = present.astype(np.int64)
+    extra = total - int(out.sum())
+    if extra > 0:
+        share = counts / counts.sum() * extra
+        add = np.floor(share).astype(np.int64)
+        order = np.argsort(-(share - add), kind="stable")
+        add[order[: extra - int(add.sum())]] += 1
+        out += add
+    return np.minimum(out, counts)
+
+
+def median_heuristic_gamma(projected: np.ndarray, prototypes: np.ndarray) -> float:
+    """edgeml's median heuristic (its TensorFlow half only): gamma = 1 / (2.5 * median distance
+    between projected samples and prototypes), so a typical kernel value is exp(-0.16)."""
+    sq = ((projected[:, None, :] - prototypes[None, :, :]) ** 2).sum(axis=2)
+    median = float(np.median(np.sqrt(np.maximum(sq, 0.0))))
+    return 1.0 / (2.5 * median) if median > 0 else 1.0
+
+
+def pca_projection(z: np.ndarray, d: int, rng: np.random.Generator) -> np.ndarray:
+    """W [d, p]: the top principal directions of z, padded with random orthonormal rows when
+    z has fewer directions than d. A data-aware start converges in far fewer steps than the
+    N(0, 1) matrix edgeml draws by default."""
+    p = z.shape[1]
+    centred = z - z.mean(axis=0)
+    _, _, vt = np.linalg.svd(centred, full_matrices=False)
+    rows = vt[: min(d, vt.shape[0])]
+    if rows.shape[0] < d:
+        noise = rng.normal(size=(d - rows.shape[0], p))
+        q, _ = np.linalg.qr(noise.T)
+        rows = np.concatenate([rows, q.T[: d - rows.shape[0]] / math.sqrt(p)])
+    return rows.astype(np.float64)
+
+
+class ProtoNNClassifier:
+    """ProtoNN (Gupta et al. 2017) over embeddings: projection W [d,p], prototypes B [d,m] with
+    label scores Z [C,m], kernel width gamma; s_c(z) = sum_j Z[c,j] exp(-gamma^2 ||Wz - B_j||^2).
+
+    Trained densely with edgeml's PyTorch ProtoNN module and Adam on its squared loss against
+    one-hot labels; Z is kept non-negative after every step, so the scores are proper
+    (unnormalised) class weights, which is how the device reads them (s / sum(s)). gamma stays
+    at its median-heuristic value, as in edgeml.
+    """
+
+    def __init__(self, num_classes: int, projection_dim: int = 32,
+                 prototype_fraction: float = 0.3, n_prototypes: int | None = None,
+                 gamma: float | None = None, init: str = "kmeans", steps: int = 300,
+                 batch_size: int = 128, lr: float = 0.02, seed: int = 0) -> None:
+        self.num_classes = num_classes
+        self.projection_dim = projection_dim
+        self.prototype_fraction = prototype_fraction
+        self.n_prototypes = n_prototypes
+        self.gamma = gamma
+        self.init = init
+        self.steps = steps
+        self.batch_size = batch_size
+        self.lr = lr
+        self.seed = seed
+
+    def _check(self, z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.init not in INIT_METHODS:
+            raise ValueError(f"init must be one of {list(INIT_METHODS)}, got {self.init!r}")
+        if not isinstance(self.projection_dim, int) or self.projection_dim < 1:
+            raise ValueError(f"projection_dim must be a positive integer, got "
+                             f"{self.projection_dim!r}")
+        if self.n_prototypes is None and not 0 < self.prototype_fraction <= 1:
+            raise ValueError(f"prototype_fraction must be in (0, 1], got "
+                             f"{self.prototype_fraction!r}")
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(f"gamma must be positive, got {self.gamma!r}")
+        z = np.asarray(z, dtype=np.float64)
+        y = np.asarray(y)
+        if z.ndim != 2 or y.shape != (z.shape[0],):
+            raise ValueError(f"fit expects z [n, p] and y [n], got {list(z.shape)} and "
+                             f"{list(y.shape)}")
+        if z.shape[0] == 0:
+            raise ValueError("ProtoNN needs at least one training sample")
+        if not np.all(np.isfinite(z)):
+            raise ValueError("z holds NaN or infinite values")
+        if y.dtype.kind not in "iu" or y.min() < 0 or y.max() >= self.num_classes:
+            raise ValueError(f"labels must be integers in [0, {self.num_classes})")
+        return z, y.astype(np.int64)
+
+    def prototype_count(self, n_samples: int) -> int:
+        """m: the fraction of the stored samples (or the fixed count), at least one."""
+        if self.n_prototypes is not None:
+            return max(1, min(int(self.n_prototypes), n_samples))
+        return max(1, min(n_samples, int(round(self.prototype_fraction * n_samples))))
+
+    def _init_prototypes(self, zp: np.ndarray, y: np.ndarray, m: int,
+                         rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        if self.init == "random":
+            take = np.sort(rng.choice(len(zp), size=m, replace=False))
+            return zp[take], y[take]
+        counts = np.bincount(y, minlength=self.num_classes)
+        per_class = allocate(counts, m)
+        centres, labels = [], []
+        for c in np.flatnonzero(per_class):
+            centres.append(kmeans(zp[y == c], int(per_class[c]), rng))
+            labels.append(np.full(int(per_class[c]), c))
+        return np.concatenate(centres), np.concatenate(labels)
+
+    def fit(self, z: np.ndarray, y: np.ndarray) -> ProtoNNClassifier:
+        z, y = self._check(z, y)
+        rng = np.random.default_rng(self.seed)
+        n, p = z.shape
+        m = self.prototype_count(n)
+        W = pca_projection(z, self.projection_dim, rng)
+        zp = z @ W.T
+        centres, labels = self._init_prototypes(zp, y, m, rng)
+        gamma = self.gamma if self.gamma is not None else median_heuristic_gamma(zp, centres)
+        Z0 = np.zeros((self.num_classes, len(labels)))
+        Z0[labels, np.arange(len(labels))] = 1.0
+        torch.manual_seed(self.seed)
+        # edgeml's layout is W [p, d] (input x projection), B [d, m], Z [C, m].
+        model = ProtoNN(p, self.projection_dim, len(labels), self.num_classes, gamma,
+                        W=W.T.copy(), B=centres.T.copy(), Z=Z0)
+        self.loss_ = self._train(model, z.astype(np.float32), y, rng)
+        W_t, B_t, Z_t, _ = model.getModelMatrices()
+        self.W_ = W_t.detach().numpy().T.astype(np.float32).copy()
+        self.B_ = B_t.detach().numpy().astype(np.float32).copy()
+        self.Z_ = Z_t.detach().numpy().astype(np.float32).copy()
+        self.gamma_ = float(gamma)
+        self.n_prototypes_ = int(self.B_.shape[1])
+        return self
+
+    def _train(self, model: ProtoNN, z: np.ndarray, y: np.ndarray,
+               rng: np.random.Generator) -> float:
+        x_all = torch.from_numpy(z)
+        target_all = torch.nn.functional.one_hot(torch.from_numpy(y), self.num_classes).float()
+        opt = torch.optim.Adam(model.parameters(), lr=self.lr)
+        n = len(z)
+        batch = min(self.batch_size, n)
+        order, pos, loss = rng.permutation(n), 0, torch.tensor(float("nan"))
+        for _ in range(self.steps):
+            if pos + batch > n:
+                order, pos = rng.permutation(n), 0
+            idx = torch.from_numpy(order[pos:pos + batch])
+            pos += batch
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x_all[idx]), target_all[idx])
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                model.Z.clamp_(min=0.0)
+        return float(loss.detach())
+
+    # -- what was learned, in the bundle's layout
+    def matrices(self) -> dict[str, np.ndarray]:
+        """W [d,p], B [d,m], Z [C,m], gamma: the arrays of a protonn datastore.npz."""
+        return {"W": self.W_, "B": self.B_, "Z": self.Z_, "gamma": np.float64(self.gamma_)}
+
+    def to_datastore(self, *, k: int = 10, sigma: float = 1.0, m: float | None = None,
+                     n: int | None = None) -> ProtoNNDatastore:
+        """The device-side datastore for these matrices (its numpy inference is the one that
+        ships, so accuracy measured through it is what the device gets)."""
+        return ProtoNNDatastore.from_matrices(self.W_, self.B_, self.Z_, self.gamma_, k=k,
+                                              sigma=sigma, m=m, n=n)
+
+    def to_edgeml(self) -> ProtoNN:
+        """edgeml's module holding these matrices (its layout: W [p, d])."""
+        d, p = self.W_.shape
+        return ProtoNN(p, d, self.B_.shape[1], self.num_classes, self.gamma_,
+                       W=self.W_.T.copy(), B=self.B_, Z=self.Z_)
+
+    def decision_function(self, z: np.ndarray) -> np.ndarray:
+        """The raw scores s [n, C], through edgeml's forward."""
+        with torch.no_grad():
+            return self.to_edgeml()(torch.from_numpy(np.asarray(z, np.float32))).numpy()
+
+    def predict_proba(self, z: np.ndarray) -> np.ndarray:
+        return self.to_datastore().predict_proba(z)
+
+    def predict(self, z: np.ndarray) -> np.ndarray:
+        return self.predict_proba(z).argmax(axis=1)

@@ -1,0 +1,160 @@
+"""The server pipeline end to end on digits: train, evaluate, resume after a kill, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fed_train.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "4", "--local-epochs", "1",
+        "--batch-size", "16", "--lr", "0.05", "--no-progress"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "fed_train.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def _train_args(out: Path, *extra: str) -> list[str]:
+    return ["--no-progress", "train", *TINY[:-1], "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("runs") / "digits"
+    assert main(_train_args(out)) == 0
+    return out
+
+
+def test_train_writes_a_complete_run(digits_run):
+    for name in ("config.json", "partition.npz", "model.pt", "metrics.jsonl"):
+        assert (digits_run / name).is_file()
+    rounds = [json.loads(line)["round"] for line in (digits_run / "metrics.jsonl").open()]
+    assert rounds == [1, 2, 3, 4]
+    state = torch.load(digits_run / "model.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+def test_evaluate_json_has_every_method_and_client(digits_run, tmp_path):
+    out = tmp_path / "eval.json"
+    assert main(["--no-progress", "evaluate", str(digits_run), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for method in ("local", "fedavg", "knnper"):
+        for group in ("seen", "unseen"):
+            summary = result[group][method]
+            assert 0.0 <= summary["bottom_decile"] <= summary["mean"] + 1e-9 <= 1.0 + 1e-9
+    assert len(result["clients"]) == 8
+    assert all(0.0 <= row["knnper_lambda"] <= 1.0 for row in result["clients"])
+    assert (digits_run / "eval" / "local.json").is_file()  # cached for the next evaluate
+
+
+def test_knnper_with_lambda_zero_everywhere_equals_fedavg(digits_run, monkeypatch):
+    from fed_train.algorithms import knnper
+    from fed_train.cli import evaluate_run
+    from fed_train.run import load_run
+
+    monkeypatch.setattr(knnper, "choose_lambda", lambda *a, **k: 0.0)
+    result = evaluate_run(load_run(digits_run), ["fedavg", "knnper"], progress=False)
+    for row in result["clients"]:
+        assert row["knnper"] == row["fedavg"]
+
+
+def test_rerunning_a_finished_run_trains_nothing_more(digits_run):
+    before = (digits_run / "metrics.jsonl").read_text()
+    assert main(_train_args(digits_run)) == 0
+    assert (digits_run / "metrics.jsonl").read_text() == before
+
+
+def test_a_killed_run_resumes_without_losing_rounds(tmp_path):
+    reference = tmp_path / "reference"
+    args = ["--rounds", "12", "--checkpoint-every", "2"]
+    assert main(_train_args(reference, *args)) == 0
+
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "fed_train.cli", *_train_args(out, *args)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "model.pt").exists(), "the run finished before it could be killed"
+    done = sorted((out / "checkpoints").glob("round_*.pt"))
+    assert done, "no checkpoint was written before the kill"
+
+    assert main(_train_args(out, *args)) == 0
+    rounds = [json.loads(line)["round"] for line in metrics.open()]
+    assert rounds == list(range(1, 13))
+    a = torch.load(reference / "model.pt", weights_only=True)
+    b = torch.load(out / "model.pt", weights_only=True)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+
+
+def test_a_different_config_in_an_existing_run_is_refused(digits_run):
+    r = _cli(*_train_args(digits_run, "--alpha", "0.5"))
+    assert r.returncode == 2
+    assert "different configuration" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dataset", "nope"], "unknown data set|unknown dataset"),
+        (["--alpha", "0"], "alpha"),
+        (["--alpha", "-1"], "alpha"),
+        (["--clients", "100000"], "clients"),
+        (["--dataset", "npz", "--data", "/nonexistent/x.npz"], "/nonexistent/x.npz"),
+        (["--lr", "1e6"], "loss became"),
+    ],
+)
+def test_bad_input_gives_one_line_error_and_exit_2(tmp_path, args, message):
+    r = _cli("--no-progress", "train", *TINY[:-1], "--out", str(tmp_path / "run"), *args)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()
+             and not line.startswith(("INFO", "WARNING"))]
+    assert len(lines) == 1, r.stderr
+    assert re.search(message, lines[0], flags=re.I), lines[0]
+
+
+def test_evaluate_a_missing_run_is_a_clear_error(tmp_path):
+    r = _cli("evaluate", str(tmp_path / "nothing"))
+    assert r.returncode == 2
+    assert "config.json is missing" in r.stderr
+
+
+def test_evaluate_a_corrupt_model_is_a_clear_error(digits_run, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(digits_run, broken)
+    (broken / "model.pt").write_bytes(b"not a checkpoint")
+    r = _cli("evaluate", str(broken), "--methods", "fedavg")
+    assert r.returncode == 2
+    assert "model.pt cannot be loaded" in r.stderr
+
+
+def test_malformed_npz_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x_train=np.zeros((4, 8, 8), np.uint8))
+    r = _cli("--no-progress", "train", *TINY[:-1], "--dataset", "npz", "--data", str(bad),
+             "--out", str(tmp_path / "run"))
+    assert r.returncode == 2
+    assert "y_train" in r.stderr
