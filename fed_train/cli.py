@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import TrainingConfig, get_weights
 from fed_train.errors import KnnperError
@@ -193,11 +195,15 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) 
     parser = _Parser(prog="knnper", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="torch intra-op threads (default: torch's choice)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_core_commands(sub)
     for add in extra:
         add(sub)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
