@@ -349,11 +349,14 @@ class FlatDatastore:
             widened = ds._dequantize(keys)
         else:
             ds.scale_ = None
-            widened = keys.astype(np.float32)
+            widened = keys.astype(np.float32, copy=False)
             if not np.all(np.isfinite(widened)):
                 raise ValueError(f"{npz[0]}: keys hold NaN or infinite values")
-        sort = np.argsort(order, kind="stable")
-        ds._set(widened[sort], labels[sort], order[sort].astype(np.int64))
+        order = order.astype(np.int64, copy=False)
+        if n > 1 and np.any(np.diff(order) < 0):  # saved files are in order: no copy then
+            sort = np.argsort(order, kind="stable")
+            widened, labels, order = widened[sort], labels[sort], order[sort]
+        ds._set(widened, labels, order)
         return ds
 
 
@@ -678,6 +681,9 @@ class ProtoNNDatastore:
         ds.Z_ = np.ascontiguousarray(Z, dtype=np.float32)
         ds.gamma_ = float(gamma_arr.reshape(()))
         ds.embedding_dim_ = int(W.shape[1])
+        # float64 copies and prototype norms, made once: predict_proba runs per query
+        ds._W64, ds._B64, ds._Z64 = (a.astype(np.float64) for a in (ds.W_, ds.B_, ds.Z_))
+        ds._b_norms = (ds._B64 * ds._B64).sum(axis=0)
         return ds
 
     def add(self, z: np.ndarray, y: np.ndarray) -> ProtoNNDatastore:
@@ -690,13 +696,12 @@ class ProtoNNDatastore:
 
     def predict_proba(self, z: np.ndarray) -> np.ndarray:
         z = _check_query(z, self.embedding_dim_).astype(np.float64)
-        W, B, Z = (a.astype(np.float64) for a in (self.W_, self.B_, self.Z_))
-        wz = z @ W.T
-        sq = (wz * wz).sum(axis=1)[:, None] - 2.0 * (wz @ B) + (B * B).sum(axis=0)[None, :]
+        wz = z @ self._W64.T
+        sq = (wz * wz).sum(axis=1)[:, None] - 2.0 * (wz @ self._B64) + self._b_norms[None, :]
         np.maximum(sq, 0.0, out=sq)
         g2 = self.gamma_**2
         kernel = np.exp(-g2 * (sq - sq.min(axis=1, keepdims=True)))
-        scores = np.maximum(kernel @ Z.T, 0.0)
+        scores = np.maximum(kernel @ self._Z64.T, 0.0)
         total = scores.sum(axis=1, keepdims=True)
         out = np.full_like(scores, 1.0 / self.num_classes)
         ok = total[:, 0] > 0

@@ -28,17 +28,15 @@ class EmbedHeadModel(nn.Module):
 
 
 class SmallCNN(EmbedHeadModel):
-    """Two conv blocks and a hidden layer: trains in minutes on 2 CPU cores for 28x28x1 or 32x32x3
-    inputs (and digits' 8x8 with 3x3 kernels)."""
+    """Two 3x3 conv blocks and a hidden layer: small enough to train federatedly in minutes on
+    2 CPU cores for 28x28x1 or 32x32x3 inputs (and digits' 8x8)."""
 
     def __init__(self, num_classes: int, in_channels: int, image_size: int, width: int = 16,
                  embedding_dim: int = 128) -> None:
         super().__init__()
-        kernel = 3 if image_size < 16 else 5
-        pad = kernel // 2
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, kernel, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, kernel, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         )
         side = image_size // 4
         self.hidden = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * side * side, embedding_dim),

@@ -1,0 +1,353 @@
+"""Shared helpers of the edge-runtime benchmarks: machine description, thread limits, the global
+model and its embeddings, ONNX encoder export, benchmark datastores and bundles, CSV/markdown.
+
+The scripts import this as `_common` (their own folder is first on sys.path when they run), and
+put the repository root on sys.path so they run from any directory without an install.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from edge_runtime.bundle import write_bundle  # noqa: E402
+from edge_runtime.datastores import make_datastore, parse_recipe  # noqa: E402
+from edge_runtime.preprocess import prepare_input  # noqa: E402
+
+log = logging.getLogger("benchmarks")
+
+DEFAULT_RECIPES = ("flat:fp32", "hnsw:M16:ef64", "protonn:d32:m0.3")
+# Thread-count environment variables read by BLAS / OpenMP runtimes when a process starts.
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def command_line() -> str:
+    """The command that ran this script, quoted so it can be pasted back into a shell."""
+    return shlex.join([Path(sys.executable).name, *sys.argv])
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model and core counts (from lscpu), load average, library versions."""
+    info: dict[str, Any] = {
+        "cpu_model": platform.processor() or platform.machine(),
+        "cpus_online": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    if fields.get("Model name"):
+        info["cpu_model"] = fields["Model name"]
+    for key, name in (("CPU(s)", "lscpu_cpus"), ("Core(s) per socket", "cores_per_socket"),
+                      ("Socket(s)", "sockets"), ("Thread(s) per core", "threads_per_core"),
+                      ("CPU max MHz", "max_mhz"), ("Hypervisor vendor", "hypervisor")):
+        if fields.get(key):
+            info[name] = fields[key]
+    if hasattr(os, "getloadavg"):
+        info["loadavg_1_5_15"] = [round(v, 2) for v in os.getloadavg()]
+    for module in ("numpy", "onnxruntime", "torch", "hnswlib"):
+        mod = sys.modules.get(module)
+        if mod is not None:
+            info[module] = getattr(mod, "__version__", "?")
+    return info
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    cores = info.get("lscpu_cpus", info.get("cpus_online"))
+    load = info.get("loadavg_1_5_15")
+    return (f"{info['cpu_model']}, {cores} CPUs ({info.get('cpus_usable')} usable)"
+            + (f", load average {load[0]} / {load[1]} / {load[2]}" if load else "")
+            + f"; Python {info['python']}")
+
+
+def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(row.get(k)) for k in columns})
+
+
+def _csv_value(value: Any) -> Any:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return "" if value is None else value
+
+
+def markdown_table(rows: Sequence[dict[str, Any]],
+                   columns: Sequence[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec such as ".2f" or ""); missing values print as '-'."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = row.get(key)
+            cells.append("-" if value is None or value == "" else format(value, fmt))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    # onnxruntime's quantizer advises pre-processing on the root logger at every call.
+    logging.getLogger().addFilter(lambda r: "pre-processing" not in r.getMessage()
+                                  and "pre-process" not in r.getMessage())
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def limit_threads(threads: int) -> None:
+    """One thread count for torch, numpy's BLAS and OpenMP, and for child processes (through the
+    environment). onnxruntime and hnswlib get theirs per session / per query."""
+    for name in THREAD_ENV:
+        os.environ[name] = str(threads)
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # without it, BLAS keeps the count it started with
+        log.warning("threadpoolctl is not installed: numpy's BLAS thread count is not limited")
+    else:
+        threadpool_limits(limits=threads)
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- model and data
+
+
+@dataclass
+class GlobalModel:
+    """The small CNN (trained weights from a run, or random) and the data set it reads."""
+
+    model: Any  # fed_train.models.EmbedHeadModel (torch is imported lazily)
+    dataset: Any  # fed_train.data.Dataset
+    source: str  # "run RUN" or "random weights (seed S)"
+    run: Any = None  # fed_train.run.LoadedRun when loaded from a run
+
+    @property
+    def spec(self) -> dict:
+        return self.dataset.input_spec
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.dataset.num_classes)
+
+
+def load_global_model(run: str | None, *, seed: int = 0,
+                      max_train: int | None = None) -> GlobalModel:
+    """From RUN (its dataset and final global model) or, without a run, Fashion-MNIST from the
+    data loader's default location and a small CNN with seeded random weights."""
+    import torch
+
+    from fed_train.data import load_dataset
+    from fed_train.models import build_model
+
+    if run is not None:
+        from fed_train.run import load_run
+
+        loaded = load_run(run)
+        if loaded.model_name != "small-cnn":
+            log.warning("run %s holds a %s, not the small CNN", run, loaded.model_name)
+        loaded.model.eval()
+        return GlobalModel(loaded.model, loaded.dataset, f"run {run}", loaded)
+    dataset = load_dataset("fashion-mnist", max_train=max_train, seed=seed)
+    torch.manual_seed(seed)
+    model = build_model("small-cnn", dataset.num_classes, dataset.input_spec).eval()
+    return GlobalModel(model, dataset, f"random weights (seed {seed})")
+
+
+def torch_embed(model: Any, x: np.ndarray, spec: dict,
+                batch_size: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    """(embeddings, logits) of raw inputs with the float32 torch model, in batches."""
+    import torch
+
+    zs, ls = [], []
+    with torch.inference_mode():
+        for start in range(0, len(x), batch_size):
+            xp = torch.from_numpy(prepare_input(x[start:start + batch_size], spec))
+            z = model.embed(xp)
+            zs.append(z.numpy().copy())
+            ls.append(model.head(z).numpy().copy())
+    return np.concatenate(zs), np.concatenate(ls)
+
+
+def export_encoder(model: Any, calibration: np.ndarray, out_dir: Path, *,
+                   encoder: str = "int8") -> Path:
+    """The bundle's encoder.onnx through the exporter: float32 ONNX (checked against torch),
+    then int8 QDQ calibrated on `calibration` (prepared inputs) unless encoder == "fp32"."""
+    from export.onnx_export import export_onnx
+    from export.quantize import quantize_int8
+
+    if encoder not in ("int8", "fp32"):
+        raise ValueError(f"encoder must be 'int8' or 'fp32', got {encoder!r}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fp32, int8 = out_dir / "encoder_fp32.onnx", out_dir / "encoder_int8.onnx"
+    export_onnx(model, calibration[:8], fp32)  # raises unless it matches torch
+    if encoder == "fp32":
+        return fp32
+    quantize_int8(fp32, int8, calibration)
+    return int8
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def key_pool_indices(dataset: Any, queries: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(pool, query) indices into concat(x_train, x_test): queries are the last `queries` test
+    images in a seeded order and never stored as keys; the pool is everything else, shuffled."""
+    n_train, n_test = len(dataset.y_train), len(dataset.y_test)
+    rng = np.random.default_rng(seed)
+    test_order = n_train + rng.permutation(n_test)
+    query_idx = test_order[n_test - queries:]
+    pool_idx = np.concatenate([np.arange(n_train), test_order[:n_test - queries]])
+    return rng.permutation(pool_idx), np.sort(query_idx)
+
+
+def images(dataset: Any, idx: np.ndarray) -> np.ndarray:
+    n_train = len(dataset.y_train)
+    train = idx < n_train
+    out = np.empty((len(idx), *dataset.x_train.shape[1:]), dtype=dataset.x_train.dtype)
+    out[train] = dataset.x_train[idx[train]]
+    out[~train] = dataset.x_test[idx[~train] - n_train]
+    return out
+
+
+def labels(dataset: Any, idx: np.ndarray) -> np.ndarray:
+    n_train = len(dataset.y_train)
+    return np.where(idx < n_train, dataset.y_train[np.minimum(idx, n_train - 1)],
+                    dataset.y_test[np.maximum(idx - n_train, 0)]).astype(np.int64)
+
+
+def replicate_keys(z: np.ndarray, y: np.ndarray, n: int, *, noise: float,
+                   seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first n keys; past the real ones, copies of them plus Gaussian noise of `noise` times
+    each dimension's standard deviation (so no two keys coincide)."""
+    if n <= len(z):
+        return z[:n], y[:n]
+    rng = np.random.default_rng(seed)
+    reps = -(-n // len(z))
+    zz = np.tile(z, (reps, 1))[:n].copy()
+    yy = np.tile(y, reps)[:n].copy()
+    scale = (noise * z.std(axis=0)).astype(np.float32)
+    zz[len(z):] += rng.standard_normal((n - len(z), z.shape[1])).astype(np.float32) * scale
+    return zz, yy
+
+
+# ----------------------------------------------------------------------------- datastores
+
+
+def _protonn_gamma(z: np.ndarray, d: int, m: float, seed: int) -> float:
+    """edgeml's median-heuristic gamma on a subsample: protonn.training computes it over all
+    samples x all prototypes at once (memory n * m * d * 8 bytes), too much past a few thousand."""
+    from protonn.training import median_heuristic_gamma, pca_projection
+
+    rng = np.random.default_rng(seed)
+    sub = z[rng.choice(len(z), size=min(len(z), 500), replace=False)].astype(np.float64)
+    W = pca_projection(sub, d, rng)
+    zp = sub @ W.T
+    protos = zp[rng.choice(len(zp), size=max(1, min(len(zp), round(m * len(zp)), 150)),
+                           replace=False)]
+    return median_heuristic_gamma(zp, protos)
+
+
+def build_datastore(recipe: str, z: np.ndarray, y: np.ndarray, num_classes: int, *,
+                    seed: int = 0, protonn_steps: int = 50, k: int = 10,
+                    sigma: float = 1.0) -> Any:
+    """A fitted datastore for a recipe. ProtoNN is trained with the protonn package (random
+    prototype initialisation, `protonn_steps` Adam steps, gamma from a subsample), which keeps
+    100k keys affordable; the shapes, not the trained values, set its cost."""
+    name, params = parse_recipe(recipe)
+    if name != "protonn":
+        return make_datastore(recipe, num_classes, k=k, sigma=sigma, seed=seed).fit(z, y)
+    from protonn.training import ProtoNNClassifier
+
+    d, m = int(params.get("d", 32)), float(params.get("m", 0.3))
+    # edgeml's forward holds a [batch, d, prototypes] float32 tensor (and its gradient): keep it
+    # near 128 MiB, i.e. batch 34 for 30k prototypes instead of 128 (about 500 MiB).
+    prototypes = max(1, round(m * len(z)))
+    batch = max(8, min(128, (1 << 27) // (4 * d * prototypes)))
+    clf = ProtoNNClassifier(num_classes, projection_dim=d, prototype_fraction=m, init="random",
+                            steps=protonn_steps, batch_size=batch, seed=seed)
+    # the classifier's own gamma (its scale x the heuristic), the heuristic taken on a subsample
+    clf.gamma = getattr(clf, "gamma_scale", 1.0) * _protonn_gamma(z, d, m, seed)
+    return clf.fit(z, y).to_datastore(k=k, sigma=sigma, m=m, n=params.get("n"))
+
+
+def write_benchmark_bundle(out_dir: Path, encoder: Path, datastore: Any, spec: dict, *,
+                           lam: float = 0.5, client_id: int = 0,
+                           budget_bytes: int | None = None,
+                           update_strategy: str | None = None) -> dict:
+    """A bundle through edge_runtime.bundle.write_bundle; the budget defaults to what the files
+    take with ample room (benchmarks measure speed and memory, not budget enforcement)."""
+    if budget_bytes is None:
+        budget_bytes = encoder.stat().st_size + 2 * int(datastore.nbytes) + (1 << 20)
+    fields: dict[str, Any] = {"client_id": client_id, "input": spec, "lambda": float(lam),
+                              "budget_bytes": int(budget_bytes)}
+    if update_strategy is not None:
+        fields["update_strategy"] = update_strategy
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return write_bundle(out_dir, fields, encoder, datastore)
+
+
+def recipe_label(recipe: str) -> str:
+    return parse_recipe(recipe)[0]
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {text}")
+    return value
+
+
+def run_child(code: str, args: Sequence[str], *, threads: int,
+              parse: Callable[[str], Any] = json.loads, timeout: float = 600) -> Any:
+    """Run `python -c code args...` in a fresh process with `threads` BLAS/OpenMP threads and the
+    repository on PYTHONPATH; returns parse(last line of its stdout)."""
+    env = dict(os.environ)
+    for name in THREAD_ENV:
+        env[name] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output on stderr"])[-1]
+        raise RuntimeError(f"child process failed with exit code {proc.returncode}: {last}")
+    return parse(proc.stdout.strip().splitlines()[-1])

@@ -1,0 +1,304 @@
+"""Latency and throughput of the on-device personalized prediction (issue 4): edge_runtime's
+Runtime (ONNX encoder + datastore kNN + interpolation) against the same prediction made with the
+float32 torch model, for flat, hnsw and protonn datastores of 1k, 10k and 100k keys.
+
+    python benchmarks/runtime_latency.py --out OUT [--run RUN] [--threads 1]
+    python benchmarks/runtime_latency.py --smoke --out OUT        # tiny sizes: checks the pipeline
+
+Per datastore recipe and size, one bundle is written with edge_runtime.bundle.write_bundle (an
+int8 QDQ encoder from export.onnx_export + export.quantize by default) and loaded with
+Runtime.load. Two paths answer the same raw uint8 images:
+- runtime: Runtime.predict_proba(x): input checks and normalisation, the ONNX encoder, the
+  datastore's local posterior, softmax, interpolation with the bundle's lambda.
+- torch: the same prepare_input, the float32 torch model's embed + head, then the very same
+  datastore object's predict_proba, softmax and interpolate (the numpy kNN code is shared, so
+  the ratio is what the ONNX encoder and the runtime's own overheads give).
+A row with backend "none" times the encoders alone (runtime embed + softmax against torch
+embed + head + softmax): the global model, lambda = 0.
+
+Timing: time.perf_counter around each call, after warm-up calls, with the garbage collector off;
+the two paths alternate call by call (and which goes first alternates), so a change of load on
+the machine hits both alike. Batch 1: p50 and p99 over --reps calls, each on a different held-out
+test image. Batch 256: throughput = 256 / median time of --batch-reps calls. onnxruntime, torch,
+numpy's BLAS and hnswlib all get --threads threads.
+
+Keys: embeddings of Fashion-MNIST training (and test) images by the torch model; the images
+used as queries are held out. Past the 70k images minus the queries, keys are copies plus
+Gaussian noise (--noise times each dimension's std), so "100k keys" are 100k distinct vectors
+that look like embeddings. Without --run the weights are random: latency does not depend on
+the weight values (nor on ProtoNN's, which is trained for only --protonn-steps steps here).
+
+Outputs in OUT: latency.csv, latency.md (the table, command line, machine), run.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import _common as C
+import numpy as np
+
+from edge_runtime.knn import interpolate, softmax
+from edge_runtime.preprocess import prepare_input
+from edge_runtime.runtime import Runtime
+
+log = logging.getLogger("benchmarks.latency")
+
+COLUMNS = ["backend", "recipe", "keys", "stored", "encoder", "threads",
+           "b1_p50_ms_runtime", "b1_p99_ms_runtime", "b1_p50_ms_torch", "b1_p99_ms_torch",
+           "speedup_b1_p50", "speedup_b1_p99",
+           f"b{256}_ms_runtime", f"b{256}_ms_torch",
+           "throughput_runtime", "throughput_torch", "speedup_throughput",
+           "argmax_agreement", "accuracy_runtime", "accuracy_torch",
+           "encoder_bytes", "datastore_bytes", "reps", "batch_reps"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--run", default=None,
+                   help="run directory with a trained small CNN (default: random weights)")
+    p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000, 100_000],
+                   help="datastore sizes (keys)")
+    p.add_argument("--recipes", nargs="+", default=list(C.DEFAULT_RECIPES),
+                   help="datastore recipes, one per backend")
+    p.add_argument("--encoder", choices=("int8", "fp32"), default="int8",
+                   help="the bundle's ONNX encoder")
+    p.add_argument("--threads", type=C.positive_int, default=1,
+                   help="threads for onnxruntime, torch, BLAS and hnswlib alike")
+    p.add_argument("--reps", type=C.positive_int, default=1000, help="timed batch-1 calls")
+    p.add_argument("--warmup", type=C.positive_int, default=50, help="untimed batch-1 calls")
+    p.add_argument("--batch", type=C.positive_int, default=256, help="throughput batch size")
+    p.add_argument("--batch-reps", type=C.positive_int, default=20, help="timed batch calls")
+    p.add_argument("--queries", type=C.positive_int, default=1000,
+                   help="held-out test images used as queries (never stored as keys)")
+    p.add_argument("--noise", type=float, default=0.01,
+                   help="noise (x per-dimension std) on keys replicated past the real images")
+    p.add_argument("--protonn-steps", type=C.positive_int, default=50)
+    p.add_argument("--lam", type=float, default=0.5, help="the bundles' lambda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-bundles", action="store_true",
+                   help="keep the bundles in OUT/bundles (default: a temporary directory)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny settings (200 keys, few calls) to check the pipeline end to end")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.reps, args.warmup, args.batch_reps = [200], 10, 2, 2
+        args.queries, args.protonn_steps = min(args.queries, args.batch), 5
+    if args.queries < args.batch:
+        p.error(f"--queries ({args.queries}) must be at least --batch ({args.batch})")
+    return args
+
+
+def interleaved_times(paths: dict[str, Callable[[np.ndarray], Any]], inputs: Sequence[np.ndarray],
+                      reps: int, warmup: int) -> dict[str, np.ndarray]:
+    """Seconds per call of each path, the paths alternating call by call on the same input."""
+    names = list(paths)
+    for i in range(warmup):
+        for name in names:
+            paths[name](inputs[i % len(inputs)])
+    times = {name: np.empty(reps) for name in names}
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(reps):
+            x = inputs[i % len(inputs)]
+            for name in names if i % 2 == 0 else names[::-1]:
+                start = time.perf_counter()
+                paths[name](x)
+                times[name][i] = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return times
+
+
+def measure(runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray,
+            args: argparse.Namespace) -> dict[str, float]:
+    paths = {"runtime": runtime_fn, "torch": torch_fn}
+    singles = [queries[i:i + 1] for i in range(len(queries))]
+    b1 = interleaved_times(paths, singles, args.reps, args.warmup)
+    batches = [queries[s:s + args.batch] for s in range(0, len(queries) - args.batch + 1,
+                                                         args.batch)]
+    bb = interleaved_times(paths, batches, args.batch_reps, min(args.warmup, 3))
+    row: dict[str, float] = {}
+    for name in paths:
+        row[f"b1_p50_ms_{name}"] = 1e3 * float(np.percentile(b1[name], 50))
+        row[f"b1_p99_ms_{name}"] = 1e3 * float(np.percentile(b1[name], 99))
+        median = float(np.median(bb[name]))
+        row[f"b{args.batch}_ms_{name}"] = 1e3 * median
+        row[f"throughput_{name}"] = args.batch / median
+    row["speedup_b1_p50"] = row["b1_p50_ms_torch"] / row["b1_p50_ms_runtime"]
+    row["speedup_b1_p99"] = row["b1_p99_ms_torch"] / row["b1_p99_ms_runtime"]
+    row["speedup_throughput"] = row["throughput_runtime"] / row["throughput_torch"]
+    return row
+
+
+def agreement(runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray,
+              y: np.ndarray, batch: int) -> dict[str, float]:
+    a = np.concatenate([runtime_fn(queries[s:s + batch]).argmax(1)
+                        for s in range(0, len(queries), batch)])
+    b = np.concatenate([torch_fn(queries[s:s + batch]).argmax(1)
+                        for s in range(0, len(queries), batch)])
+    return {"argmax_agreement": float(np.mean(a == b)), "accuracy_runtime": float(np.mean(a == y)),
+            "accuracy_torch": float(np.mean(b == y))}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    C.setup_logging()
+    import torch  # after argparse, so --help is instant
+
+    C.limit_threads(args.threads)  # torch, BLAS, OpenMP; onnxruntime and hnswlib below
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    machine_start = C.machine_info()
+
+    gm = C.load_global_model(args.run, seed=args.seed, max_train=1000 if args.smoke else None)
+    spec, model, num_classes = gm.spec, gm.model, gm.num_classes
+    pool_idx, query_idx = C.key_pool_indices(gm.dataset, args.queries, args.seed)
+    queries, y_queries = C.images(gm.dataset, query_idx), C.labels(gm.dataset, query_idx)
+    n_real = min(max(args.sizes), len(pool_idx))
+    log.info("embedding %d key images with the torch model (%s)", n_real, gm.source)
+    z_pool, _ = C.torch_embed(model, C.images(gm.dataset, pool_idx[:n_real]), spec)
+    y_pool = C.labels(gm.dataset, pool_idx[:n_real])
+
+    work = Path(tempfile.mkdtemp(prefix="knnper-latency-"))
+    bundles = args.out / "bundles" if args.keep_bundles else work / "bundles"
+    rows: list[dict[str, Any]] = []
+    try:
+        calib = prepare_input(C.images(gm.dataset, pool_idx[:64 if args.smoke else 256]), spec)
+        encoder = C.export_encoder(model, calib, work / "encoder", encoder=args.encoder)
+        encoder_bytes = encoder.stat().st_size
+
+        def torch_logits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            with torch.inference_mode():
+                z = model.embed(torch.from_numpy(prepare_input(x, spec)))
+                return z.numpy(), model.head(z).numpy()
+
+        base = {"encoder": args.encoder, "threads": args.threads, "reps": args.reps,
+                "batch_reps": args.batch_reps, "encoder_bytes": encoder_bytes}
+        # The encoders alone (lambda = 0): any bundle's encoder session will do.
+        first = C.build_datastore("flat:fp32", z_pool[:10], y_pool[:10], num_classes)
+        C.write_benchmark_bundle(bundles / "encoder-only", encoder, first, spec, lam=0.0)
+        rt = Runtime.load(bundles / "encoder-only", intra_op_threads=args.threads)
+
+        def rt_global(x: np.ndarray, rt: Runtime = rt) -> np.ndarray:
+            return softmax(rt.embed(x)[1])
+
+        def torch_global(x: np.ndarray) -> np.ndarray:
+            return softmax(torch_logits(x)[1])
+
+        log.info("timing the encoders alone")
+        row = {"backend": "none", "recipe": "encoder only (lambda=0)", "keys": 0, "stored": 0,
+               "datastore_bytes": 0, **base}
+        row.update(measure(rt_global, torch_global, queries, args))
+        row.update(agreement(rt_global, torch_global, queries, y_queries, args.batch))
+        rows.append(row)
+        log.info("%s", _summary(row))
+
+        for size in args.sizes:
+            z, y = C.replicate_keys(z_pool, y_pool, size, noise=args.noise, seed=args.seed)
+            for recipe in args.recipes:
+                backend = C.recipe_label(recipe)
+                log.info("building %s with %d keys", recipe, size)
+                t0 = time.perf_counter()
+                ds = C.build_datastore(recipe, z, y, num_classes, seed=args.seed,
+                                       protonn_steps=args.protonn_steps)
+                path = bundles / f"{backend}-{size}"
+                manifest = C.write_benchmark_bundle(path, encoder, ds, spec, lam=args.lam)
+                rt = Runtime.load(path, intra_op_threads=args.threads)
+                if backend == "hnsw":
+                    rt.datastore.num_threads = args.threads
+                log.info("built and loaded in %.1f s; timing", time.perf_counter() - t0)
+
+                def torch_path(x: np.ndarray, rt: Runtime = rt) -> np.ndarray:
+                    zq, logits = torch_logits(x)
+                    return interpolate(rt.datastore.predict_proba(zq), softmax(logits), rt.lam)
+
+                row = {"backend": backend, "recipe": manifest["backend"]["recipe"],
+                       "keys": size, "stored": len(rt.datastore),
+                       "datastore_bytes": manifest["footprint"]["datastore"], **base}
+                row.update(measure(rt.predict_proba, torch_path, queries, args))
+                row.update(agreement(rt.predict_proba, torch_path, queries, y_queries,
+                                     args.batch))
+                rows.append(row)
+                log.info("%s", _summary(row))
+                del rt, ds
+                if not args.keep_bundles:
+                    shutil.rmtree(path, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    machine_end = C.machine_info()
+    columns = [c.replace("b256", f"b{args.batch}") for c in COLUMNS]
+    C.write_csv(args.out / "latency.csv", rows, columns)
+    text = report(rows, args, gm.source, machine_start, machine_end, time.time() - started)
+    (args.out / "latency.md").write_text(text)
+    C.write_json(args.out / "run.json", {
+        "command": C.command_line(), "machine_start": machine_start, "machine_end": machine_end,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "weights": gm.source, "seconds": time.time() - started})
+    print(text)
+    return 0
+
+
+def _summary(row: dict[str, Any]) -> str:
+    return (f"{row['recipe']} x {row['keys']}: batch-1 p50 {row['b1_p50_ms_runtime']:.3f} ms vs "
+            f"torch {row['b1_p50_ms_torch']:.3f} ms ({row['speedup_b1_p50']:.2f}x), throughput "
+            f"{row['throughput_runtime']:.0f}/s vs {row['throughput_torch']:.0f}/s")
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
+           machine_start: dict, machine_end: dict, seconds: float) -> str:
+    b = args.batch
+    table = C.markdown_table(rows, [
+        ("backend", "backend", ""), ("recipe", "recipe", ""), ("keys", "keys", ","),
+        ("b1_p50_ms_runtime", "b1 p50 ms runtime", ".3f"),
+        ("b1_p50_ms_torch", "b1 p50 ms torch", ".3f"),
+        ("speedup_b1_p50", "p50 speedup", ".2f"),
+        ("b1_p99_ms_runtime", "b1 p99 ms runtime", ".3f"),
+        ("b1_p99_ms_torch", "b1 p99 ms torch", ".3f"),
+        ("speedup_b1_p99", "p99 speedup", ".2f"),
+        ("throughput_runtime", f"b{b} samples/s runtime", ".0f"),
+        ("throughput_torch", f"b{b} samples/s torch", ".0f"),
+        ("speedup_throughput", "throughput ratio", ".2f"),
+        ("argmax_agreement", "argmax agree", ".3f"),
+    ])
+    return "\n".join([
+        "# Edge runtime latency: Runtime vs the torch float32 path",
+        "",
+        f"Command: `{C.command_line()}`",
+        "",
+        f"Machine: {C.machine_line(machine_start)} (at the start; load average at the end "
+        f"{machine_end.get('loadavg_1_5_15')}). Threads: {args.threads} for onnxruntime, torch, "
+        f"BLAS and hnswlib. Took {seconds:.0f} s.",
+        "",
+        f"Weights: {weights} (latency does not depend on the weight values). Encoder: "
+        f"{args.encoder} ONNX. Keys: torch embeddings of Fashion-MNIST images; sizes beyond the "
+        f"real images are copies plus noise ({args.noise} x per-dimension std). Queries: "
+        f"{args.queries} held-out test images. Speedup = torch time / runtime time "
+        "(throughput ratio = runtime / torch); > 1 means the runtime is faster. argmax agree: "
+        "share of the queries on which both paths predict the same class (the int8 encoder "
+        "against float32 torch; with random weights the logits are nearly flat and flip "
+        "easily, so read it only with --run).",
+        "",
+        f"Batch 1: {args.reps} timed calls per path ({args.warmup} warm-up), interleaved. "
+        f"Batch {b}: median of {args.batch_reps} calls.",
+        "",
+        table,
+        "",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

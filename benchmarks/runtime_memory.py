@@ -1,0 +1,252 @@
+"""Peak memory (RSS) of a fresh device process that loads one bundle and predicts (issue 4),
+for flat, hnsw and protonn datastores, with torch processes measured alongside for reference.
+
+    python benchmarks/runtime_memory.py --out OUT [--run RUN] [--threads 1]
+    python benchmarks/runtime_memory.py --smoke --out OUT          # tiny sizes: checks the pipeline
+
+Bundles are built as in runtime_latency.py (small CNN, int8 ONNX encoder, keys = embeddings of
+Fashion-MNIST images, copies plus noise past the real images). Each measurement is a new
+`python -c` process, so nothing the parent imported counts:
+- runtime: imports numpy and edge_runtime only, Runtime.load(bundle), predict_proba on one
+  batch of uint8 images, then reports its peak RSS and which server-side packages (torch,
+  sklearn, edgeml, ...) ended up imported (none should). The peak is VmHWM from
+  /proc/self/status: getrusage's ru_maxrss would also hold the parent's peak, which Linux
+  carries into a child over fork + exec (it is still recorded, in memory.csv).
+- references: a bare interpreter; numpy + onnxruntime imported; torch imported; the torch
+  float32 small CNN built and run on the same batch (random weights: memory does not depend
+  on their values).
+
+Target (issue 4): at most 80 MB (80e6 bytes) for the small CNN. Outputs in OUT: memory.csv,
+memory.md (table, command line, machine), run.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import _common as C
+import numpy as np
+
+from edge_runtime.preprocess import prepare_input
+
+log = logging.getLogger("benchmarks.memory")
+
+SERVER_SIDE = ("torch", "sklearn", "edgeml", "fed_train", "export", "protonn", "scipy")
+
+# Children print one JSON line. ru_maxrss (KiB on Linux) is not used as the measure: Linux
+# carries the parent's peak RSS over fork/vfork + exec into the child's ru_maxrss (a bare
+# `python -c` child of a process holding 400 MB reports 400 MB), so the child reads its own
+# peak, VmHWM of /proc/self/status, which starts afresh at exec. ru_maxrss is kept in the CSV,
+# and is the fallback where /proc is missing.
+_REPORT = """
+import json, resource, sys
+def peak_kib():
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+    except (OSError, StopIteration, ValueError):
+        return None
+def report(**extra):
+    heavy = sorted(m for m in SERVER_SIDE if m in sys.modules)
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"vmhwm_kib": peak_kib(), "maxrss_kib": maxrss,
+                      "server_side_imported": heavy, **extra}))
+""".replace("SERVER_SIDE", repr(SERVER_SIDE))
+
+CHILD_BARE = _REPORT + "report()\n"
+CHILD_NUMPY_ORT = _REPORT + "import numpy, onnxruntime\nreport()\n"
+CHILD_TORCH_IMPORT = _REPORT + "import torch\nreport()\n"
+
+CHILD_RUNTIME = _REPORT + """
+import time
+import numpy as np
+from edge_runtime.runtime import Runtime
+bundle, inputs, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+t0 = time.perf_counter()
+rt = Runtime.load(bundle, intra_op_threads=threads)
+load_s = time.perf_counter() - t0
+x = np.load(inputs, allow_pickle=False)
+t0 = time.perf_counter()
+p = rt.predict_proba(x)
+report(load_s=load_s, predict_s=time.perf_counter() - t0, shape=list(p.shape))
+"""
+
+CHILD_TORCH_MODEL = _REPORT + """
+import numpy as np
+import torch
+from edge_runtime.preprocess import prepare_input
+from fed_train.models import build_model
+spec, inputs, threads = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(threads)
+model = build_model("small-cnn", int(sys.argv[4]), spec).eval()
+x = np.load(inputs, allow_pickle=False)
+with torch.inference_mode():
+    logits = model.head(model.embed(torch.from_numpy(prepare_input(x, spec))))
+report(shape=list(logits.shape))
+"""
+
+COLUMNS = ["process", "backend", "recipe", "keys", "stored", "batch", "peak_rss_mib",
+           "peak_rss_mb", "within_target", "peak_source", "ru_maxrss_mib",
+           "server_side_imported", "load_s", "predict_s",
+           "encoder_bytes", "datastore_bytes", "bundle_bytes"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--run", default=None,
+                   help="run directory with a trained small CNN (default: random weights)")
+    p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000, 100_000],
+                   help="datastore sizes (keys)")
+    p.add_argument("--recipes", nargs="+", default=list(C.DEFAULT_RECIPES),
+                   help="datastore recipes, one per backend")
+    p.add_argument("--batches", type=C.positive_int, nargs="+", default=[1, 256],
+                   help="batch sizes of the one prediction each child makes")
+    p.add_argument("--encoder", choices=("int8", "fp32"), default="int8")
+    p.add_argument("--threads", type=C.positive_int, default=1)
+    p.add_argument("--target-mb", type=float, default=80.0,
+                   help="peak RSS target in MB (1e6 bytes)")
+    p.add_argument("--noise", type=float, default=0.01)
+    p.add_argument("--protonn-steps", type=C.positive_int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny settings (200 keys, batch 1) to check the pipeline end to end")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.batches, args.protonn_steps = [200], [1], 5
+    return args
+
+
+def rss_row(result: dict[str, Any], target_mb: float, **fields: Any) -> dict[str, Any]:
+    kib = int(result["vmhwm_kib"] if result.get("vmhwm_kib") else result["maxrss_kib"])
+    mb = kib * 1024 / 1e6
+    return {**fields, "peak_rss_mib": kib / 1024, "peak_rss_mb": mb,
+            "peak_source": "VmHWM" if result.get("vmhwm_kib") else "ru_maxrss",
+            "ru_maxrss_mib": int(result["maxrss_kib"]) / 1024,
+            "within_target": "yes" if mb <= target_mb else "no",
+            "server_side_imported": " ".join(result.get("server_side_imported", [])) or "none",
+            "load_s": result.get("load_s"), "predict_s": result.get("predict_s")}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    C.setup_logging()
+    C.limit_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    machine = C.machine_info()
+
+    gm = C.load_global_model(args.run, seed=args.seed, max_train=1000 if args.smoke else None)
+    spec, num_classes = gm.spec, gm.num_classes
+    pool_idx, query_idx = C.key_pool_indices(gm.dataset, max(args.batches), args.seed)
+    n_real = min(max(args.sizes), len(pool_idx))
+    log.info("embedding %d key images with the torch model (%s)", n_real, gm.source)
+    z_pool, _ = C.torch_embed(gm.model, C.images(gm.dataset, pool_idx[:n_real]), spec)
+    y_pool = C.labels(gm.dataset, pool_idx[:n_real])
+    queries = C.images(gm.dataset, query_idx)
+
+    rows: list[dict[str, Any]] = []
+    target, threads = args.target_mb, str(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="knnper-memory-"))
+    try:
+        inputs = {}
+        for b in args.batches:
+            inputs[b] = work / f"inputs_{b}.npy"
+            np.save(inputs[b], queries[:b], allow_pickle=False)
+        references = [("python (bare)", CHILD_BARE),
+                      ("python + numpy + onnxruntime imported", CHILD_NUMPY_ORT)]
+        if not args.smoke:  # the torch model row below imports torch too
+            references.append(("python + torch imported", CHILD_TORCH_IMPORT))
+        for name, code in references:
+            rows.append(rss_row(C.run_child(code, [], threads=args.threads), target,
+                                process=name))
+            log.info("%s: %.1f MiB", name, rows[-1]["peak_rss_mib"])
+        for b in args.batches:
+            result = C.run_child(CHILD_TORCH_MODEL,
+                                 [json.dumps(spec), str(inputs[b]), threads, str(num_classes)],
+                                 threads=args.threads)
+            rows.append(rss_row(result, target, process="torch small CNN (float32) predicts",
+                                batch=b))
+            log.info("torch model, batch %d: %.1f MiB", b, rows[-1]["peak_rss_mib"])
+
+        calib = prepare_input(C.images(gm.dataset, pool_idx[:64 if args.smoke else 256]), spec)
+        encoder = C.export_encoder(gm.model, calib, work / "encoder", encoder=args.encoder)
+        for size in args.sizes:
+            z, y = C.replicate_keys(z_pool, y_pool, size, noise=args.noise, seed=args.seed)
+            for recipe in args.recipes:
+                backend = C.recipe_label(recipe)
+                ds = C.build_datastore(recipe, z, y, num_classes, seed=args.seed,
+                                       protonn_steps=args.protonn_steps)
+                path = work / "bundles" / f"{backend}-{size}"
+                manifest = C.write_benchmark_bundle(path, encoder, ds, spec)
+                fp = manifest["footprint"]
+                for b in args.batches:
+                    result = C.run_child(CHILD_RUNTIME, [str(path), str(inputs[b]), threads],
+                                         threads=args.threads)
+                    rows.append(rss_row(
+                        result, target, process="edge runtime loads bundle and predicts",
+                        backend=backend, recipe=manifest["backend"]["recipe"], keys=size,
+                        stored=len(ds), batch=b, encoder_bytes=fp["encoder"],
+                        datastore_bytes=fp["datastore"], bundle_bytes=fp["total"]))
+                    log.info("%s x %d, batch %d: %.1f MiB (server-side imports: %s)", recipe,
+                             size, b, rows[-1]["peak_rss_mib"], rows[-1]["server_side_imported"])
+                shutil.rmtree(path, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    C.write_csv(args.out / "memory.csv", rows, COLUMNS)
+    text = report(rows, args, gm.source, machine, time.time() - started)
+    (args.out / "memory.md").write_text(text)
+    C.write_json(args.out / "run.json", {
+        "command": C.command_line(), "machine": machine, "weights": gm.source,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "seconds": time.time() - started})
+    print(text)
+    bad = [r for r in rows if r.get("backend") and r["server_side_imported"] != "none"]
+    if bad:
+        log.error("the edge runtime imported server-side packages: %s", bad[0])
+        return 1
+    return 0
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
+           machine: dict, seconds: float) -> str:
+    table = C.markdown_table(rows, [
+        ("process", "process", ""), ("recipe", "recipe", ""), ("keys", "keys", ","),
+        ("batch", "batch", ""), ("peak_rss_mib", "peak RSS MiB", ".1f"),
+        ("peak_rss_mb", "peak RSS MB", ".1f"),
+        ("within_target", f"<= {args.target_mb:g} MB", ""),
+        ("server_side_imported", "server-side imports", ""),
+        ("bundle_bytes", "bundle bytes", ","),
+    ])
+    return "\n".join([
+        "# Edge runtime peak memory: one fresh process per row",
+        "",
+        f"Command: `{C.command_line()}`",
+        "",
+        f"Machine: {C.machine_line(machine)}. Threads: {args.threads}. Took {seconds:.0f} s.",
+        "",
+        f"Weights: {weights}. Encoder: {args.encoder} ONNX. Peak RSS = the child process's "
+        "VmHWM (/proc/self/status), its own peak since exec; its ru_maxrss (in memory.csv) "
+        "also holds the parent's peak, which Linux carries over fork + exec. MiB = 2^20 "
+        "bytes, MB = 10^6 bytes. Flat keys are held as float32 in memory "
+        "whatever their stored dtype, so a flat datastore costs about keys x dim x 4 bytes "
+        "of RSS.",
+        "",
+        table,
+        "",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
