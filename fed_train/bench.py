@@ -110,9 +110,13 @@ class TableRunner:
         self.dataset = load_dataset(config.dataset, config.data, max_train=config.max_train,
                                     seed=config.seed)
         self.model_name = config.model or default_model(self.dataset.input_spec)
-        self._prepare_folder()
+        saved = self._load_or_make_partition()
         self.clients = prepare_clients(self.dataset, self.partition)
-        check_validation_splits(self.clients)
+        check_validation_splits(self.clients)  # before writing anything into OUT
+        if saved is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.partition.save(self.out / PARTITION_FILE)
+            (self.out / CONFIG_FILE).write_text(json.dumps(saved, indent=2))
         torch.manual_seed(config.seed)
         self.initial_weights = get_weights(self.model_fn())
         self._trained: dict[tuple[str, float], Any] = {}
@@ -120,12 +124,13 @@ class TableRunner:
     def model_fn(self) -> EmbedHeadModel:
         return build_model(self.model_name, self.dataset.num_classes, self.dataset.input_spec)
 
-    def _prepare_folder(self) -> None:
-        """Save the configuration and partition, or check that OUT holds this same table: its
-        cached runs and results are only valid for it. The learning rate is not part of it:
-        runs are kept per learning rate."""
+    def _load_or_make_partition(self) -> dict[str, Any] | None:
+        """Load OUT's partition after checking that OUT holds this same table (its cached runs
+        and results are only valid for it), or draw a new one and return the configuration to
+        save. The learning rate is not part of it: runs are kept per learning rate."""
         saved = self.config.to_dict()
         saved["training"].pop("lr")
+        saved.pop("checkpoint_every")
         saved.update(model_name=self.model_name, num_classes=self.dataset.num_classes,
                      input_spec=self.dataset.input_spec)
         saved = json.loads(json.dumps(saved))
@@ -135,15 +140,13 @@ class TableRunner:
                 raise BenchError(f"{self.out} holds a table with a different configuration; "
                                  "choose another --out or delete it")
             self.partition = Partition.load(self.out / PARTITION_FILE)
-            return
+            return None
         c = self.config
         self.partition = make_partition(self.dataset, c.partition, c.clients, alpha=c.alpha,
                                         beta=c.beta, classes_per_client=c.classes_per_client,
                                         val_fraction=c.val_fraction,
                                         unseen_fraction=c.unseen_fraction, seed=c.seed)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.partition.save(self.out / PARTITION_FILE)
-        path.write_text(json.dumps(saved, indent=2))
+        return saved
 
     def _train(self, trainer: str, training: TrainingConfig) -> Any:
         """The simulation result of `trainer` at this learning rate, resumed from its folder."""
@@ -266,6 +269,19 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(_plain(result), indent=2))
 
 
+def _positive(kind: type, upper: float | None = None):
+    """An argparse type: a positive number (at most `upper`), refused with a one-line reason."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0 or (upper is not None and value > upper):
+            bound = f"in (0, {upper:g}]" if upper is not None else "> 0"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
 def _cmd_table(args: argparse.Namespace) -> int:
     from fed_train.cli import config_from_args  # here, not at the top: the CLI imports this module
 
@@ -289,7 +305,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     from fed_train.cli import add_training_arguments  # here: the CLI imports this module
 
     bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables")
-    sub = bench.add_subparsers(dest="bench_command", required=True)
+    sub = bench.add_subparsers(dest="bench_command", metavar="table", required=True)
     p = sub.add_parser("table", help="every method on one partition: Table 1 (seen clients) and "
                        "Table 2 (unseen clients) as CSV and markdown")
     add_training_arguments(p)
@@ -302,9 +318,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr-grid", default=None,
                    help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... "
                    "10^-2.5)")
-    p.add_argument("--checkpoint-every", type=int, default=5)
-    p.add_argument("--k", type=int, default=10, help="kNN-Per neighbours")
-    p.add_argument("--sigma", type=float, default=1.0, help="kNN-Per kernel scale")
-    p.add_argument("--capacity", type=float, default=1.0,
+    p.add_argument("--checkpoint-every", type=_positive(int), default=5)
+    p.add_argument("--k", type=_positive(int), default=10, help="kNN-Per neighbours")
+    p.add_argument("--sigma", type=_positive(float), default=1.0, help="kNN-Per kernel scale")
+    p.add_argument("--capacity", type=_positive(float, 1.0), default=1.0,
                    help="kNN-Per: fraction of each client's train split in its datastore")
     p.set_defaults(func=_cmd_table)

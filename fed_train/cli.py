@@ -15,6 +15,7 @@ import torch
 
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import TrainingConfig, get_weights
+from fed_train.bench import add_bench_command
 from fed_train.errors import KnnperError
 from fed_train.evaluation import client_accuracies, format_table, merge_results
 from fed_train.run import LoadedRun, RunConfig, load_run, train
@@ -199,6 +200,7 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) 
                         help="torch intra-op threads (default: torch's choice)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_core_commands(sub)
+    add_bench_command(sub)
     for add in extra:
         add(sub)
     args = parser.parse_args(argv)

@@ -19,11 +19,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from fed_train.algorithms.base import Algorithm, ClientData, Weights
-from fed_train.evaluation import PERSONALIZE_ROUND
-from fed_train.simulation import client_seed
+from fed_train.algorithms.base import Algorithm, ClientData, PersonalModel, Weights
+from fed_train.evaluation import client_accuracies
 
 LR_GRID: tuple[float, ...] = tuple(float(10.0**-e) for e in (0.5, 1.0, 1.5, 2.0, 2.5))
 MAX_LR = 1.0  # SGD on these models diverges long before; a larger value is a typo
@@ -54,28 +52,35 @@ def parse_lr_grid(text: str) -> tuple[float, ...]:
     return check_lr_grid(values)
 
 
-def _accuracy(proba: np.ndarray, y: Any) -> float | None:
-    if len(y) == 0:
-        return None
-    return float(np.mean(np.asarray(proba).argmax(1) == y.numpy()))
+class _ValidationRecorder:
+    """Wraps an algorithm so that each personalized model is also scored on the client's
+    validation split the moment it is built, without personalizing twice."""
+
+    def __init__(self, algorithm: Algorithm) -> None:
+        self.algorithm = algorithm
+        self.name = algorithm.name
+        self.scores: dict[int, tuple[int, float | None]] = {}
+
+    def personalize(self, weights: Weights, client: ClientData, state: dict[str, Any],
+                    seed: int) -> PersonalModel:
+        personal = self.algorithm.personalize(weights, client, state, seed)
+        n_val = int(client.y_val.shape[0])
+        acc = (float(np.mean(personal.predict_proba(client.x_val).argmax(1)
+                             == client.y_val.numpy())) if n_val else None)
+        self.scores[client.client_id] = (n_val, acc)
+        return personal
 
 
 def personalized_accuracies(algorithm: Algorithm, weights: Weights,
                             states: dict[int, dict[str, Any]], clients: list[ClientData], *,
                             seed: int = 0, progress: bool = False) -> list[dict[str, Any]]:
-    """evaluation.client_accuracies' rows plus each client's validation accuracy, from a single
-    personalization per client (personalizing can mean training: Local, FedAvg+, new clients).
-    The seeds are client_accuracies' own, so both give the same test accuracies."""
-    rows = []
-    for client in tqdm(clients, desc=f"{algorithm.name} eval", disable=not progress):
-        personal = algorithm.personalize(weights, client, states.get(client.client_id, {}),
-                                         client_seed(seed, PERSONALIZE_ROUND, client.client_id))
-        rows.append({"client_id": client.client_id, "unseen": client.unseen,
-                     "n_test": int(client.y_test.shape[0]),
-                     "accuracy": _accuracy(personal.predict_proba(client.x_test), client.y_test),
-                     "n_val": int(client.y_val.shape[0]),
-                     "val_accuracy": _accuracy(personal.predict_proba(client.x_val), client.y_val),
-                     "info": personal.info})
+    """evaluation.client_accuracies' rows (same seeds, same test accuracies) plus each client's
+    validation accuracy ("n_val", "val_accuracy"), from a single personalization per client:
+    personalizing can mean training (Local, FedAvg+, new clients)."""
+    recorder = _ValidationRecorder(algorithm)
+    rows = client_accuracies(recorder, weights, states, clients, seed=seed, progress=progress)
+    for row in rows:
+        row["n_val"], row["val_accuracy"] = recorder.scores[row["client_id"]]
     return rows
 
 

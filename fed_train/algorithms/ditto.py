@@ -68,20 +68,19 @@ class Ditto(FedAvg):
 
     def _prox_step(self, model: torch.nn.Module, anchor: Weights, lam: float,
                    lr: float) -> Callable[[], None]:
-        """v <- argmin_u ||u - v||^2 / (2 lr) + lam/2 ||u - w||^2, applied in place."""
+        """v <- argmin_u ||u - v||^2 / (2 lr) + lam/2 ||u - w||^2 = v + t (w - v) with
+        t = lr lam / (1 + lr lam), applied in place."""
         shrink = lr * lam
+        t = 1.0 if math.isinf(shrink) else shrink / (1.0 + shrink)
         targets = {name: torch.from_numpy(np.asarray(anchor[name]))
                    for name, _ in model.named_parameters()}
 
         @torch.no_grad()
         def step() -> None:
-            if shrink == 0:
+            if t == 0.0:
                 return
             for name, p in model.named_parameters():
-                if math.isinf(shrink):
-                    p.copy_(targets[name])
-                else:
-                    p.add_(targets[name], alpha=shrink).div_(1.0 + shrink)
+                p.lerp_(targets[name], t)
 
         return step
 

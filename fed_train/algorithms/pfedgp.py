@@ -5,9 +5,10 @@ client's own data.
 What is kept from pFedGP: the shared network is trained only through the GP (the model's linear
 head is unused), with pFedGP's default "predictive likelihood" objective -- a client splits each
 mini-batch into a context half and a target half, builds its GP on the context and is scored by
-the log-likelihood of the target labels; an RBF kernel with pFedGP's output scale (8); each
-client predicts with a GP conditioned on its own training split, so unseen clients need no
-training at all, only their data.
+the log-likelihood of the target labels; an RBF kernel with pFedGP's output scale (8); pFedGP's
+label map (a client's GP has outputs only for the classes in its own data, the others get
+probability 0); each client predicts with a GP conditioned on its own training split, so unseen
+clients need no training at all, only their data.
 
 What is simplified, stated plainly: pFedGP's binary tree of Polya-Gamma augmented GPs (Gibbs
 sampling per node) is replaced by Dirichlet-based GP classification (Milios et al. 2018): one

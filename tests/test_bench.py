@@ -1,0 +1,146 @@
+"""`knnper bench table` end to end on digits, learning-rate tuning on validation, bad input."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fed_train.algorithms.base import ClientData, PersonalModel
+from fed_train.bench import METHODS, BenchError, add_bench_command, check_validation_splits
+from fed_train.evaluation import client_accuracies
+from fed_train.tuning import (
+    LR_GRID,
+    check_lr_grid,
+    choose_lr,
+    parse_lr_grid,
+    personalized_accuracies,
+    validation_score,
+)
+
+TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "2", "--local-epochs", "1",
+        "--batch-size", "16", "--lr", "0.05"]
+
+
+def bench(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--no-progress", action="store_true")
+    add_bench_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["--no-progress", "bench", "table", *argv])
+    return args.func(args)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_bench_table_writes_both_tables_and_per_client_results(tmp_path, capsys):
+    out = tmp_path / "table"
+    assert bench(*TINY, "--methods", "all", "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "Table 1: clients seen in training" in printed and "Table 2: unseen clients" in printed
+    for name in ("table.md", "table1.csv", "table2.csv", "clients.csv", "results.json"):
+        assert (out / name).is_file(), name
+    for table in ("table1.csv", "table2.csv"):
+        rows = list(csv.DictReader((out / table).open()))
+        assert [r["method"] for r in rows] == list(METHODS)
+        for r in rows:
+            assert 0.0 <= float(r["bottom_decile"]) <= float(r["mean"]) + 1e-9 <= 1.0 + 1e-9
+    result = json.loads((out / "results.json").read_text())
+    assert set(result["seen"]) == set(result["unseen"]) == set(METHODS)
+    clients = list(csv.DictReader((out / "clients.csv").open()))
+    assert len(clients) == 8 and all(m in clients[0] for m in METHODS)
+    # FedAvg is trained once and shared by FedAvg, FedAvg+ and kNN-Per
+    assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
+        {"fedavg", "clustered", "ditto", "fedrep", "apfl", "pfedgp"})
+
+    # a second run resumes from the cached runs and results and writes the same numbers
+    before = (out / "table1.csv").read_text()
+    assert bench(*TINY, "--methods", "fedavg,knnper", "--out", str(out)) == 0
+    rows = list(csv.DictReader((out / "table1.csv").open()))
+    assert [r["method"] for r in rows] == ["fedavg", "knnper"]
+    assert {r["method"]: r["mean"] for r in rows}.items() <= {
+        r["method"]: r["mean"] for r in csv.DictReader(before.splitlines())}.items()
+
+
+def test_a_folder_holding_another_table_is_refused(tmp_path):
+    out = tmp_path / "table"
+    assert bench(*TINY, "--rounds", "1", "--methods", "fedavg", "--out", str(out)) == 0
+    with pytest.raises(BenchError, match="different configuration"):
+        bench(*TINY, "--rounds", "1", "--clients", "9", "--methods", "fedavg", "--out", str(out))
+
+
+def test_tuning_picks_the_learning_rate_on_validation(tmp_path):
+    out = tmp_path / "tuned"
+    assert bench(*TINY, "--rounds", "1", "--methods", "fedavg,knnper", "--tune-lr", "--lr-grid",
+                 "0.1,0.01", "--out", str(out)) == 0
+    result = json.loads((out / "results.json").read_text())
+    for method in ("fedavg", "knnper"):
+        scores = result["validation"][method]
+        assert set(scores) == {"0.1", "0.01"}
+        assert f"{result['lr'][method]:g}" == max(scores, key=scores.get)
+    assert sorted(p.name for p in (out / "runs" / "fedavg").iterdir()) == ["lr_0.01", "lr_0.1"]
+
+
+def _client(cid: int, n_val: int, unseen: bool = False) -> ClientData:
+    x = torch.zeros(4, 2)
+    y = torch.zeros(4, dtype=torch.int64)
+    return ClientData(cid, x, y, x[:n_val], y[:n_val], x, y, unseen)
+
+
+def test_validation_score_uses_only_seen_clients_validation_splits():
+    rows = [{"unseen": False, "n_val": 1, "val_accuracy": 1.0, "accuracy": 0.0},
+            {"unseen": False, "n_val": 3, "val_accuracy": 0.0, "accuracy": 1.0},
+            {"unseen": True, "n_val": 9, "val_accuracy": 1.0, "accuracy": 1.0}]
+    assert validation_score(rows) == pytest.approx(0.25)
+    assert choose_lr({0.1: 0.5, 0.01: 0.7, 0.001: 0.7}) == 0.01  # ties: first in grid order
+    assert LR_GRID == pytest.approx((10**-0.5, 0.1, 10**-1.5, 0.01, 10**-2.5))
+
+
+def test_personalized_accuracies_match_evaluation_and_add_validation():
+    class Constant:
+        name = "constant"
+
+        def personalize(self, weights, client, state, seed):
+            return PersonalModel(lambda x: np.tile([1.0, 0.0], (len(x), 1)))
+
+    clients = [_client(0, 2), _client(1, 0, unseen=True)]
+    rows = personalized_accuracies(Constant(), {}, {}, clients)
+    plain = client_accuracies(Constant(), {}, {}, clients)
+    assert [r["accuracy"] for r in rows] == [r["accuracy"] for r in plain] == [1.0, 1.0]
+    assert [(r["n_val"], r["val_accuracy"]) for r in rows] == [(2, 1.0), (0, None)]
+
+
+@pytest.mark.parametrize("grid", [[0.1, 3.0], [0.0], [-0.01], [float("nan")], []])
+def test_learning_rate_grid_values_out_of_range_are_refused(grid):
+    with pytest.raises(ValueError, match="out of range|empty"):
+        check_lr_grid(grid)
+
+
+def test_bad_command_lines_are_clear_errors(tmp_path):
+    out = tmp_path / "bad"
+    with pytest.raises(BenchError, match="unknown method 'fedsgd'"):
+        bench(*TINY, "--methods", "fedavg,fedsgd", "--out", str(out))
+    with pytest.raises(BenchError, match="grid value 3.0 is out of range"):
+        bench(*TINY, "--tune-lr", "--lr-grid", "0.1,3", "--out", str(out))
+    with pytest.raises(BenchError, match="only with --tune-lr"):
+        bench(*TINY, "--lr-grid", "0.1", "--out", str(out))
+    with pytest.raises(ValueError, match="'x' is not a number"):
+        parse_lr_grid("0.1,x")
+    with pytest.raises(BenchError, match="no validation data"):
+        bench(*TINY, "--val-fraction", "0", "--out", str(out))
+    assert not out.exists()  # nothing written for a table that cannot be made
+
+
+def test_a_client_without_validation_data_is_named():
+    with pytest.raises(BenchError, match=r"1 client\(s\) have no validation data \(client 7\)"):
+        check_validation_splits([_client(3, 2), _client(7, 0, unseen=True)])
