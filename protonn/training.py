@@ -4,6 +4,8 @@ densely, initialised on our side (projection, prototypes, median-heuristic gamma
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -12,6 +14,9 @@ from edgeml.pytorch.graph.protoNN import ProtoNN
 from edge_runtime.datastores import ProtoNNDatastore
 
 INIT_METHODS = ("kmeans", "random")
+# Scores below this count as zero in the loss: a query far from every prototype must not give
+# log(0) (the device answers uniform there).
+_TINY = 1e-30
 
 
 def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iters: int = 25) -> np.ndarray:
@@ -67,39 +72,56 @@ def median_heuristic_gamma(projected: np.ndarray, prototypes: np.ndarray) -> flo
 
 
 def pca_projection(z: np.ndarray, d: int, rng: np.random.Generator) -> np.ndarray:
-    """W [d, p]: the top principal directions of z, padded with random orthonormal rows when
-    z has fewer directions than d. A data-aware start converges in far fewer steps than the
-    N(0, 1) matrix edgeml draws by default."""
+    """W [d, p]: the top principal directions of z, then random rows (N(0, 1/p)) when z has
+    fewer directions than d. A data-aware start converges in far fewer steps than the N(0, 1)
+    matrix edgeml draws by default."""
     p = z.shape[1]
-    centred = z - z.mean(axis=0)
-    _, _, vt = np.linalg.svd(centred, full_matrices=False)
+    _, _, vt = np.linalg.svd(z - z.mean(axis=0), full_matrices=False)
     rows = vt[: min(d, vt.shape[0])]
     if rows.shape[0] < d:
-        noise = rng.normal(size=(d - rows.shape[0], p))
-        q, _ = np.linalg.qr(noise.T)
-        rows = np.concatenate([rows, q.T[: d - rows.shape[0]] / math.sqrt(p)])
+        rows = np.concatenate([rows, rng.normal(size=(d - rows.shape[0], p)) / math.sqrt(p)])
     return rows.astype(np.float64)
+
+
+@contextmanager
+def single_thread() -> Iterator[None]:
+    """One torch thread while training: these tensors are tiny, and on a shared 2-core machine a
+    second intra-op thread made a fit 10x slower (wall clock) instead of faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class ProtoNNClassifier:
     """ProtoNN (Gupta et al. 2017) over embeddings: projection W [d,p], prototypes B [d,m] with
     label scores Z [C,m], kernel width gamma; s_c(z) = sum_j Z[c,j] exp(-gamma^2 ||Wz - B_j||^2).
 
-    Trained densely with edgeml's PyTorch ProtoNN module and Adam on its squared loss against
-    one-hot labels; Z is kept non-negative after every step, so the scores are proper
-    (unnormalised) class weights, which is how the device reads them (s / sum(s)). gamma stays
-    at its median-heuristic value, as in edgeml.
+    Trained densely with edgeml's PyTorch ProtoNN module (its forward) and Adam. The loss is the
+    cross-entropy of the posterior the device computes, s / sum(s), with Z kept non-negative
+    after every step so that s is a proper set of class weights. edgeml's default squared loss
+    against one-hot labels collapsed to one class on some clients at the median-heuristic gamma
+    (mean accuracy 0.64 vs 0.96 on digits clients, d=32, 200 steps).
+
+    gamma is `gamma_scale` x edgeml's median heuristic and stays fixed, as in edgeml. The
+    heuristic alone puts a typical sample-prototype kernel at exp(-0.16), so every prototype
+    votes almost equally at the start; x4 (measured: 0.93 vs 0.66 accuracy before training,
+    0.967 vs 0.959 after 200 steps) starts from a usable classifier, which short training needs.
     """
 
     def __init__(self, num_classes: int, projection_dim: int = 32,
                  prototype_fraction: float = 0.3, n_prototypes: int | None = None,
-                 gamma: float | None = None, init: str = "kmeans", steps: int = 300,
+                 gamma: float | None = None, gamma_scale: float = 4.0, init: str = "kmeans",
+                 steps: int = 200,
                  batch_size: int = 128, lr: float = 0.02, seed: int = 0) -> None:
         self.num_classes = num_classes
         self.projection_dim = projection_dim
         self.prototype_fraction = prototype_fraction
         self.n_prototypes = n_prototypes
         self.gamma = gamma
+        self.gamma_scale = gamma_scale
         self.init = init
         self.steps = steps
         self.batch_size = batch_size
@@ -117,6 +139,8 @@ class ProtoNNClassifier:
                              f"{self.prototype_fraction!r}")
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"gamma must be positive, got {self.gamma!r}")
+        if not self.gamma_scale > 0:
+            raise ValueError(f"gamma_scale must be positive, got {self.gamma_scale!r}")
         z = np.asarray(z, dtype=np.float64)
         y = np.asarray(y)
         if z.ndim != 2 or y.shape != (z.shape[0],):
@@ -152,19 +176,15 @@ class ProtoNNClassifier:
     def fit(self, z: np.ndarray, y: np.ndarray) -> ProtoNNClassifier:
         z, y = self._check(z, y)
         rng = np.random.default_rng(self.seed)
-        n, p = z.shape
-        m = self.prototype_count(n)
+        m = self.prototype_count(z.shape[0])
         W = pca_projection(z, self.projection_dim, rng)
         zp = z @ W.T
         centres, labels = self._init_prototypes(zp, y, m, rng)
-        gamma = self.gamma if self.gamma is not None else median_heuristic_gamma(zp, centres)
-        Z0 = np.zeros((self.num_classes, len(labels)))
-        Z0[labels, np.arange(len(labels))] = 1.0
+        gamma = (self.gamma if self.gamma is not None
+                 else self.gamma_scale * median_heuristic_gamma(zp, centres))
         torch.manual_seed(self.seed)
-        # edgeml's layout is W [p, d] (input x projection), B [d, m], Z [C, m].
-        model = ProtoNN(p, self.projection_dim, len(labels), self.num_classes, gamma,
-                        W=W.T.copy(), B=centres.T.copy(), Z=Z0)
-        self.loss_ = self._train(model, z.astype(np.float32), y, rng)
+        with single_thread():
+            model = self._fit_model(z, y, W, centres, labels, gamma, rng)
         W_t, B_t, Z_t, _ = model.getModelMatrices()
         self.W_ = W_t.detach().numpy().T.astype(np.float32).copy()
         self.B_ = B_t.detach().numpy().astype(np.float32).copy()
@@ -173,10 +193,21 @@ class ProtoNNClassifier:
         self.n_prototypes_ = int(self.B_.shape[1])
         return self
 
+    def _fit_model(self, z: np.ndarray, y: np.ndarray, W: np.ndarray, centres: np.ndarray,
+                   labels: np.ndarray, gamma: float, rng: np.random.Generator) -> ProtoNN:
+        p = z.shape[1]
+        Z0 = np.zeros((self.num_classes, len(labels)))
+        Z0[labels, np.arange(len(labels))] = 1.0
+        # edgeml's layout is W [p, d] (input x projection), B [d, m], Z [C, m].
+        model = ProtoNN(p, self.projection_dim, len(labels), self.num_classes, gamma,
+                        W=W.T.copy(), B=centres.T.copy(), Z=Z0)
+        self.loss_ = self._train(model, z.astype(np.float32), y, rng)
+        return model
+
     def _train(self, model: ProtoNN, z: np.ndarray, y: np.ndarray,
                rng: np.random.Generator) -> float:
         x_all = torch.from_numpy(z)
-        target_all = torch.nn.functional.one_hot(torch.from_numpy(y), self.num_classes).float()
+        y_all = torch.from_numpy(y)
         opt = torch.optim.Adam(model.parameters(), lr=self.lr)
         n = len(z)
         batch = min(self.batch_size, n)
@@ -187,7 +218,9 @@ class ProtoNNClassifier:
             idx = torch.from_numpy(order[pos:pos + batch])
             pos += batch
             opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(model(x_all[idx]), target_all[idx])
+            scores = model(x_all[idx]).clamp_min(_TINY)
+            picked = scores.gather(1, y_all[idx][:, None])[:, 0]
+            loss = (scores.sum(dim=1).log() - picked.log()).mean()
             loss.backward()
             opt.step()
             with torch.no_grad():

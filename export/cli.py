@@ -1,0 +1,126 @@
+"""The `knnper` command line with the `export` sub-command added to train / evaluate / demo:
+per-device bundles from a finished run, each sized to its device's memory budget."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from export.errors import BudgetError, ExportError
+from export.exporter import REPORT_FILE, ExportSettings, export_run, select_ids
+from export.profiles import (
+    PROFILES,
+    load_budgets,
+    lognormal_budgets,
+    uniform_budgets,
+    weak_strong_budgets,
+)
+from export.sizing import BACKEND_CHOICES
+from fed_train import cli as fed_cli
+from fed_train.errors import KnnperError
+from fed_train.run import load_run
+
+
+def _bytes(text: str) -> int:
+    """A byte count: 250000, 250k, 1.5M, 2MiB... (k/M/G are powers of 1000, Ki/Mi/Gi of 1024)."""
+    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    raw = text.strip().lower().removesuffix("b")
+    number = raw.rstrip("kmgi")
+    try:
+        value = float(number) * units[raw[len(number):]]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
+    if not value >= 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a positive whole number of bytes: {text!r}")
+    return int(value)
+
+
+def add_export_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write per-device bundles (int8 ONNX encoder + datastore "
+                                      "sized to each device's budget) from a finished run")
+    p.add_argument("run", help="run directory written by `knnper train`")
+    p.add_argument("--out", required=True, help="directory for the bundles and export.json")
+    budget = p.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--budgets", metavar="FILE", help="JSON file {client_id: bytes}")
+    budget.add_argument("--budget", type=_bytes, metavar="BYTES",
+                        help="one budget for every device (250000, 250k, 1.5M, 2MiB)")
+    budget.add_argument("--profile", help=f"generated budgets: {', '.join(PROFILES[1:])}")
+    p.add_argument("--reference", type=_bytes, metavar="BYTES",
+                   help="reference budget in bytes for --profile (weak-strong: the devices get "
+                        "(1/2 -+ delta_c) of it; lognormal: its median)")
+    p.add_argument("--delta-c", type=float, default=0.25, metavar="D",
+                   help="weak-strong: half the devices at (1/2 - D), half at (1/2 + D)")
+    p.add_argument("--spread", type=float, default=0.5,
+                   help="lognormal: sigma of log(budget)")
+    p.add_argument("--backend", default="auto",
+                   help=f"datastore backend: {', '.join(BACKEND_CHOICES)} (auto tries all)")
+    p.add_argument("--quantize", default="int8", help="encoder precision: int8 or fp32")
+    p.add_argument("--clients", default="all", help="all, seen, unseen, or ids like 0,3,7")
+    p.add_argument("--k", type=int, default=10, help="neighbours of the kNN head")
+    p.add_argument("--sigma", type=float, default=1.0, help="kernel width of the kNN head")
+    p.add_argument("--update-strategy", default="fifo",
+                   help="on-device updates for flat/hnsw: fifo, concatenate, fixed "
+                        "(protonn is always fixed)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_export)
+
+
+def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[int, int]:
+    if args.budgets:
+        return load_budgets(args.budgets, client_ids)
+    if args.budget is not None:
+        return uniform_budgets(client_ids, args.budget)
+    if args.profile not in PROFILES[1:]:
+        raise BudgetError(f"unknown --profile {args.profile!r}; known: {', '.join(PROFILES[1:])}")
+    if args.reference is None:
+        raise BudgetError(f"--profile {args.profile} needs --reference BYTES")
+    if args.profile == "weak-strong":
+        return weak_strong_budgets(client_ids, args.reference, args.delta_c, args.seed)
+    return lognormal_budgets(client_ids, args.reference, args.spread, args.seed)
+
+
+def format_export_table(report: dict[str, Any]) -> str:
+    """One line per client: budget, chosen backend and recipe, bytes, validation accuracy."""
+    head = ("client", "seen", "budget", "backend", "recipe", "stored", "bytes", "lambda",
+            "val acc")
+    rows = [head]
+    for r in report["clients"]:
+        acc = "-" if r["val_accuracy"] is None else f"{r['val_accuracy']:.3f}"
+        rows.append((str(r["client_id"]), "no" if r["unseen"] else "yes", str(r["budget"]),
+                     r["backend"], r["recipe"], str(r["stored"]), str(r["total_bytes"]),
+                     f"{r['lambda']:.1f}", acc))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    enc = report["encoder"]
+    lines.append(f"encoder: {enc['quantize']} {enc['bytes']} bytes (fp32 {enc['fp32_bytes']} "
+                 f"bytes, max |onnx - torch| {enc['torch_max_abs_diff']:.1e})")
+    return "\n".join(lines)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    settings = ExportSettings(quantize=args.quantize, backend=args.backend, k=args.k,
+                              sigma=args.sigma, update_strategy=args.update_strategy,
+                              seed=args.seed)
+    settings.check()  # bad flags fail before the run is loaded
+    try:
+        run = load_run(args.run)
+    except KnnperError as err:
+        # torch's own message for a corrupt checkpoint runs over several lines; one is enough.
+        raise ExportError(str(err).strip().splitlines()[0]) from err
+    budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
+    report = export_run(run, Path(args.out), budgets, settings, clients=args.clients,
+                        progress=not args.no_progress)
+    print(format_export_table(report))
+    print(f"wrote {len(report['clients'])} bundle(s) and {Path(args.out) / REPORT_FILE}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return fed_cli.main(argv, extra=[add_export_command])
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Test accuracy of exported bundles, measured through the device runtime itself, and the
+server-side reference it is compared with (the full float32 flat datastore)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_runtime.datastores import FlatDatastore
+from edge_runtime.encoder import Encoder
+from edge_runtime.knn import choose_lambda, interpolate, softmax
+from edge_runtime.runtime import Runtime
+from export.exporter import REPORT_FILE, client_embeddings
+from fed_train.algorithms.base import ClientData
+from fed_train.run import LoadedRun
+
+
+def weighted_mean(rows: Sequence[dict[str, Any]], key: str = "test_accuracy") -> float:
+    """Mean accuracy weighted by client test size (the evaluation's convention)."""
+    total = sum(r["test_samples"] for r in rows)
+    if total == 0:
+        return float("nan")
+    return float(sum(r[key] * r["test_samples"] for r in rows) / total)
+
+
+def raw_test_split(run: LoadedRun, client_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """A client's test inputs as the device receives them (raw, before prepare_input)."""
+    idx = np.asarray(run.partition.clients[client_id].test, dtype=np.int64)
+    return run.dataset.x_test[idx], np.asarray(run.dataset.y_test[idx], dtype=np.int64)
+
+
+def evaluate_export(run: LoadedRun, out_dir: str | Path) -> list[dict[str, Any]]:
+    """Each exported bundle's test accuracy, predicted by edge_runtime's Runtime from raw
+    inputs: the accuracy a device gets."""
+    out_dir = Path(out_dir)
+    report = json.loads((out_dir / REPORT_FILE).read_text())
+    rows = []
+    for row in report["clients"]:
+        runtime = Runtime.load(out_dir / row["bundle"], intra_op_threads=1)
+        x, y = raw_test_split(run, row["client_id"])
+        acc = float(np.mean(runtime.predict(x) == y)) if len(y) else float("nan")
+        rows.append({**{k: v for k, v in row.items() if k != "candidates"},
+                     "test_accuracy": acc, "test_samples": int(len(y))})
+    return rows
+
+
+def reference_accuracy(encoder_path: str | Path, clients: Sequence[ClientData], *,
+                       num_classes: int, k: int = 10, sigma: float = 1.0) -> list[dict[str, Any]]:
+    """kNN-Per per client with no budget: every train sample as float32 keys, lambda chosen on
+    the validation split, accuracy on the test split; embeddings from `encoder_path`."""
+    encoder = Encoder(encoder_path, intra_op_threads=1)
+    rows = []
+    for client in clients:
+        data = client_embeddings(encoder, client)
+        store = FlatDatastore(num_classes, k=k, sigma=sigma).fit(data.z_train, data.y_train)
+        lam = 0.5
+        if len(data.y_val):
+            lam = choose_lambda(store.predict_proba(data.z_val),
+                                softmax(data.logits_val.astype(np.float64)), data.y_val)
+        y_test = client.y_test.numpy()
+        if len(y_test):
+            z_test, logits_test = encoder.run(client.x_test.numpy())
+            p = interpolate(store.predict_proba(z_test), softmax(logits_test.astype(np.float64)),
+                            lam)
+            acc = float(np.mean(p.argmax(axis=1) == y_test))
+        else:
+            acc = float("nan")
+        rows.append({"client_id": client.client_id, "unseen": client.unseen, "lambda": lam,
+                     "test_accuracy": acc, "test_samples": int(len(y_test))})
+    return rows

@@ -1,0 +1,299 @@
+"""From a finished run to one device bundle per client: export and quantize the encoder once,
+embed each client's data with it as the device will, size each client's datastore to its budget,
+and write the bundles plus an export.json summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from edge_runtime.bundle import BundleError, write_bundle
+from edge_runtime.encoder import Encoder
+from export.errors import BudgetError, ExportError
+from export.onnx_export import export_onnx
+from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
+from export.sizing import (
+    BACKEND_CHOICES,
+    ClientEmbeddings,
+    DatastoreSizer,
+    SearchSpace,
+    smallest_datastore_bytes,
+)
+from fed_train.algorithms.base import ClientData
+from fed_train.run import LoadedRun
+
+log = logging.getLogger(__name__)
+
+ENCODER_FILE = "encoder.onnx"
+FP32_ENCODER_FILE = "encoder.fp32.onnx"
+REPORT_FILE = "export.json"
+UPDATE_STRATEGIES = ("fifo", "concatenate", "fixed")
+
+
+@dataclass
+class ExportSettings:
+    """How bundles are made; everything else comes from the run."""
+
+    quantize: str = "int8"
+    backend: str = "auto"
+    k: int = 10
+    sigma: float = 1.0
+    update_strategy: str = "fifo"  # protonn bundles are always "fixed"
+    calibration_samples: int = 256
+    seed: int = 0
+    space: SearchSpace = field(default_factory=SearchSpace)
+
+    def check(self) -> None:
+        if self.quantize not in QUANTIZE_MODES:
+            raise ExportError(f"unknown quantization {self.quantize!r}; known: "
+                              f"{', '.join(QUANTIZE_MODES)}")
+        if self.backend not in BACKEND_CHOICES:
+            raise ExportError(f"unknown backend {self.backend!r}; known: "
+                              f"{', '.join(BACKEND_CHOICES)}")
+        if self.update_strategy not in UPDATE_STRATEGIES:
+            raise ExportError(f"unknown update strategy {self.update_strategy!r}; known: "
+                              f"{', '.join(UPDATE_STRATEGIES)}")
+        if self.k < 1 or not self.sigma > 0:
+            raise ExportError(f"k must be >= 1 and sigma > 0, got k={self.k}, "
+                              f"sigma={self.sigma}")
+        if self.calibration_samples < 1:
+            raise ExportError("calibration_samples must be >= 1")
+
+
+@dataclass
+class EncoderFiles:
+    """The exported encoder(s) in the output directory and what was measured on them."""
+
+    path: Path  # what ships in every bundle
+    fp32_path: Path
+    quantize: str
+    nbytes: int
+    fp32_nbytes: int
+    torch_max_abs_diff: float
+    int8_vs_fp32: dict[str, float] = field(default_factory=dict)
+
+
+def select_ids(unseen: Sequence[bool], which: str) -> list[int]:
+    """Client ids for "all", "seen" (took part in training), "unseen" (held out) or
+    "ID,ID,..."; `unseen` holds one flag per client of the run."""
+    which = which.strip()
+    ids = list(range(len(unseen)))
+    if which == "all":
+        return ids
+    if which in ("seen", "unseen"):
+        chosen = [i for i in ids if bool(unseen[i]) == (which == "unseen")]
+        if not chosen:
+            raise ExportError(f"the run has no {which} clients")
+        return chosen
+    out: list[int] = []
+    for token in which.split(","):
+        try:
+            cid = int(token)
+        except ValueError:
+            raise ExportError(f"--clients takes all, seen, unseen or a comma-separated list of "
+                              f"client ids, got {which!r}") from None
+        if not 0 <= cid < len(ids):
+            raise ExportError(f"client {cid} is not in the run (it has clients 0 to "
+                              f"{len(ids) - 1})")
+        if cid not in out:
+            out.append(cid)
+    return out
+
+
+def select_clients(clients: Sequence[ClientData], which: str) -> list[ClientData]:
+    """The clients `select_ids` names, in its order."""
+    return [clients[i] for i in select_ids([c.unseen for c in clients], which)]
+
+
+def build_encoder(run: LoadedRun, directory: Path, settings: ExportSettings,
+                  clients: Sequence[ClientData] | None = None) -> EncoderFiles:
+    """Export fp32 ONNX into `directory` (checked against torch), then quantize to int8 when
+    asked. Calibration uses a seeded sample of the training clients' train splits: server-side
+    data, never a test split, never an unseen client's data. `clients`: run.clients(), when
+    the caller has them already (preparing them costs a pass over the data set)."""
+    clients = run.clients() if clients is None else clients
+    calibration = calibration_inputs(clients, settings.calibration_samples, settings.seed)
+    fp32_path, path = directory / FP32_ENCODER_FILE, directory / ENCODER_FILE
+    diff = export_onnx(run.model, calibration, fp32_path)
+    if settings.quantize == "int8":
+        quantize_int8(fp32_path, path, calibration)
+    else:
+        shutil.copyfile(fp32_path, path)
+    files = EncoderFiles(path, fp32_path, settings.quantize, path.stat().st_size,
+                         fp32_path.stat().st_size, diff)
+    if settings.quantize == "int8":
+        files.int8_vs_fp32 = compare_encoders(fp32_path, path, _validation_inputs(clients))
+    return files
+
+
+def _move_encoder(files: EncoderFiles, out_dir: Path) -> EncoderFiles:
+    """Move the encoder files into out_dir (each replaced atomically)."""
+    moved = {}
+    for attr in ("path", "fp32_path"):
+        src: Path = getattr(files, attr)
+        tmp = out_dir / f".{src.name}.tmp"
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, out_dir / src.name)
+        moved[attr] = out_dir / src.name
+    return replace(files, **moved)
+
+
+def _validation_inputs(clients: Sequence[ClientData], limit: int = 1024) -> np.ndarray:
+    pools = [c.x_val.numpy() for c in clients if not c.unseen and len(c.y_val)]
+    if not pools:
+        pools = [c.x_train.numpy() for c in clients if not c.unseen]
+    return np.concatenate(pools)[:limit]
+
+
+def compare_encoders(reference: Path, other: Path, x: np.ndarray) -> dict[str, float]:
+    """How far the int8 encoder is from fp32 on server-side validation inputs."""
+    z0, l0 = Encoder(reference, intra_op_threads=1).run(x)
+    z1, l1 = Encoder(other, intra_op_threads=1).run(x)
+    norms = np.linalg.norm(z0, axis=1) * np.linalg.norm(z1, axis=1)
+    ok = norms > 0
+    cosine = (z0 * z1).sum(axis=1)[ok] / norms[ok]
+    return {"samples": int(len(x)),
+            "embedding_cosine_min": float(cosine.min()) if ok.any() else 1.0,
+            "embedding_cosine_mean": float(cosine.mean()) if ok.any() else 1.0,
+            "logits_max_abs_diff": float(np.abs(l0 - l1).max()),
+            "argmax_agreement": float(np.mean(l0.argmax(1) == l1.argmax(1)))}
+
+
+def client_embeddings(encoder: Encoder, client: ClientData) -> ClientEmbeddings:
+    """Train and validation embeddings from the exported encoder through onnxruntime, as the
+    device computes them: what is stored is what the device will query with."""
+    if client.num_train == 0:
+        raise ExportError(f"client {client.client_id} has no training samples to build a "
+                          "datastore from")
+    z_train = encoder.run(client.x_train.numpy())[0]
+    if len(client.y_val):
+        z_val, logits_val = encoder.run(client.x_val.numpy())
+    else:
+        z_val = np.zeros((0, z_train.shape[1]), np.float32)
+        logits_val = np.zeros((0, 1), np.float32)
+    return ClientEmbeddings(client.client_id, z_train, client.y_train.numpy(), z_val,
+                            logits_val, client.y_val.numpy())
+
+
+def bundle_dir(out_dir: Path, client_id: int) -> Path:
+    return out_dir / f"client_{client_id:04d}"
+
+
+def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
+               settings: ExportSettings | None = None, *, clients: str = "all",
+               encoder: EncoderFiles | None = None, progress: bool = True) -> dict[str, Any]:
+    """Write one bundle per selected client into out_dir and return the export report (also
+    written as out_dir/export.json). Every bundle is written atomically by edge_runtime's
+    write_bundle (temporary directory, then rename), so an interrupted export leaves complete
+    bundles and nothing half-written that loads. `encoder`: files from an earlier
+    `build_encoder` with the same settings (benchmarks export many times from one run)."""
+    settings = settings or ExportSettings()
+    settings.check()
+    space = settings.space.restricted_to(settings.backend)
+    out_dir = Path(out_dir)
+    every_client = run.clients()
+    chosen = select_clients(every_client, clients)
+    for client in chosen:
+        if client.num_train == 0:
+            raise ExportError(f"client {client.client_id} has no training samples to build a "
+                              "datastore from")
+        if client.client_id not in budgets:
+            raise BudgetError(f"no budget for client {client.client_id}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"--out {out_dir} exists and is not a directory")
+    with tempfile.TemporaryDirectory(prefix="knnper-encoder-") as tmp:
+        encoder_files = encoder or build_encoder(run, Path(tmp), settings, every_client)
+        if encoder_files.quantize != settings.quantize:
+            raise ExportError(f"the given encoder is {encoder_files.quantize}, the settings "
+                              f"ask for {settings.quantize}")
+        smallest = smallest_datastore_bytes(space, run.dataset.num_classes,
+                                            int(run.model.embedding_dim))
+        _check_budgets(chosen, budgets, encoder_files, smallest)  # before anything is written
+        out_dir.mkdir(parents=True, exist_ok=True)
+        encoder_files = _move_encoder(encoder_files, out_dir)
+    session = Encoder(encoder_files.path, intra_op_threads=1)
+    sizer = DatastoreSizer(run.dataset.num_classes, k=settings.k, sigma=settings.sigma,
+                           space=space, seed=settings.seed)
+    rows = []
+    for client in tqdm(chosen, desc="export", unit="client", disable=not progress):
+        budget = int(budgets[client.client_id])
+        data = client_embeddings(session, client)
+        sizer.fit(data, budget - encoder_files.nbytes)
+        best, datastore = sizer.best_, sizer.datastore_
+        strategy = "fixed" if best.backend == "protonn" else settings.update_strategy
+        fields = {"client_id": int(client.client_id), "input": run.dataset.input_spec,
+                  "lambda": float(best.lam), "budget_bytes": budget,
+                  "update_strategy": strategy}
+        target = bundle_dir(out_dir, client.client_id)
+        try:
+            manifest = write_bundle(target, fields, encoder_files.path, datastore)
+        except BundleError as err:
+            raise ExportError(f"client {client.client_id}: {err}") from err
+        rows.append({
+            "client_id": int(client.client_id), "unseen": bool(client.unseen),
+            "bundle": target.name, "budget": budget,
+            "backend": best.backend, "recipe": best.recipe, "stored": best.stored,
+            "encoder_bytes": manifest["footprint"]["encoder"],
+            "datastore_bytes": manifest["footprint"]["datastore"],
+            "total_bytes": manifest["footprint"]["total"],
+            "lambda": best.lam, "val_accuracy": best.val_accuracy, "val_nll": best.val_nll,
+            "train_samples": int(client.num_train), "val_samples": int(len(client.y_val)),
+            "candidates": [c.as_row() for c in sizer.candidates_],
+        })
+    report = {
+        "run": str(run.run_dir),
+        "settings": {**asdict(settings), "space": asdict(space)},
+        "encoder": {"file": encoder_files.path.name, "quantize": encoder_files.quantize,
+                    "bytes": encoder_files.nbytes, "fp32_file": encoder_files.fp32_path.name,
+                    "fp32_bytes": encoder_files.fp32_nbytes,
+                    "torch_max_abs_diff": encoder_files.torch_max_abs_diff,
+                    "int8_vs_fp32": encoder_files.int8_vs_fp32,
+                    "calibration": "seeded sample of the training clients' train splits"},
+        "clients": rows,
+    }
+    _write_json_atomic(out_dir / REPORT_FILE, report)
+    return report
+
+
+def _check_budgets(clients: Sequence[ClientData], budgets: dict[int, int],
+                   encoder: EncoderFiles, smallest_datastore: int) -> None:
+    """Refuse before writing any bundle when some budget cannot hold the encoder, or the
+    encoder plus the smallest datastore the search allows."""
+    def refuse(too_small: list[int], why: str) -> BudgetError:
+        cid = too_small[0]
+        others = f" (and {len(too_small) - 1} other client(s))" if len(too_small) > 1 else ""
+        return BudgetError(f"client {cid}: budget {budgets[cid]} bytes {why}{others}")
+
+    below = [c.client_id for c in clients if budgets[c.client_id] < encoder.nbytes]
+    if below:
+        raise refuse(below, f"is below the size of the {encoder.quantize} encoder alone "
+                            f"({encoder.nbytes} bytes)")
+    need = encoder.nbytes + smallest_datastore
+    tight = [c.client_id for c in clients if budgets[c.client_id] < need]
+    if tight:
+        raise refuse(tight, f"cannot hold the {encoder.quantize} encoder ({encoder.nbytes} "
+                            f"bytes) plus the smallest datastore ({smallest_datastore} bytes)")
+
+
+def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")

@@ -1,0 +1,101 @@
+"""Device capacity profiles: a memory budget in bytes for every client, read from a file or
+generated (one budget for all, the paper's weak/strong split, a log-normal spread)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from export.errors import BudgetError
+
+PROFILES = ("uniform", "weak-strong", "lognormal")
+
+
+def _check_bytes(value: object, what: str) -> int:
+    """A budget is a positive whole number of bytes; floats like 1e6 are accepted if whole."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise BudgetError(f"{what} must be a number of bytes, got {value!r}")
+    if not math.isfinite(float(value)) or float(value) != int(value) or int(value) < 1:
+        raise BudgetError(f"{what} must be a positive whole number of bytes, got {value!r}")
+    return int(value)
+
+
+def _check_clients(client_ids: Sequence[int]) -> list[int]:
+    ids = [int(c) for c in client_ids]
+    if not ids:
+        raise BudgetError("no clients to give budgets to")
+    if len(set(ids)) != len(ids):
+        raise BudgetError("client ids must be distinct")
+    return ids
+
+
+def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, int]:
+    """Budgets from a JSON file {"<client id>": bytes, ...}. Every requested client must have one;
+    entries for other clients are ignored only if they name real clients of the run, so that a
+    typo never silently gives a device the wrong budget."""
+    path = Path(path)
+    ids = _check_clients(client_ids)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BudgetError(f"budget file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BudgetError(f"budget file {path} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise BudgetError(f"budget file {path} must hold an object {{client_id: bytes}}, "
+                          f"got {type(raw).__name__}")
+    budgets: dict[int, int] = {}
+    for key, value in raw.items():
+        try:
+            cid = int(key)
+        except ValueError:
+            raise BudgetError(f"budget file {path}: key {key!r} is not a client id") from None
+        if str(cid) != str(key).strip():
+            raise BudgetError(f"budget file {path}: key {key!r} is not a client id")
+        budgets[cid] = _check_bytes(value, f"budget of client {cid} in {path}")
+    missing = [c for c in ids if c not in budgets]
+    if missing:
+        shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+        raise BudgetError(f"budget file {path} has no budget for client(s) {shown}")
+    return {c: budgets[c] for c in ids}
+
+
+def uniform_budgets(client_ids: Sequence[int], budget: int) -> dict[int, int]:
+    """The same budget for every client."""
+    value = _check_bytes(budget, "--budget")
+    return {c: value for c in _check_clients(client_ids)}
+
+
+def weak_strong_budgets(client_ids: Sequence[int], reference: int, delta_c: float,
+                        seed: int = 0) -> dict[int, int]:
+    """The paper's system heterogeneity: a seeded half of the clients ("weak") get
+    (1/2 - delta_c) x reference and the others ("strong") (1/2 + delta_c) x reference.
+    With an odd number of clients the extra one is strong."""
+    ids = _check_clients(client_ids)
+    reference = _check_bytes(reference, "--reference")
+    if not isinstance(delta_c, (int, float)) or not 0 <= delta_c < 0.5:
+        raise BudgetError(f"--delta-c must be in [0, 0.5), got {delta_c!r}")
+    rng = np.random.default_rng(seed)
+    weak = set(rng.permutation(len(ids))[: len(ids) // 2].tolist())
+    out = {}
+    for i, cid in enumerate(ids):
+        share = 0.5 - delta_c if i in weak else 0.5 + delta_c
+        out[cid] = max(1, int(math.floor(share * reference)))
+    return out
+
+
+def lognormal_budgets(client_ids: Sequence[int], reference: int, sigma: float = 0.5,
+                      seed: int = 0) -> dict[int, int]:
+    """Budgets spread log-normally around `reference` (its median): reference x exp(sigma x N(0,1)).
+    Device memory in the wild spans orders of magnitude; this models that spread."""
+    ids = _check_clients(client_ids)
+    reference = _check_bytes(reference, "--reference")
+    if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
+        raise BudgetError(f"--sigma must be a finite number >= 0, got {sigma!r}")
+    draws = np.random.default_rng(seed).standard_normal(len(ids))
+    return {cid: max(1, int(math.floor(reference * math.exp(sigma * float(e)))))
+            for cid, e in zip(ids, draws, strict=True)}

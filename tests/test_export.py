@@ -1,0 +1,260 @@
+"""The exporter end to end on a tiny digits run: bundles that fit their budgets, the choice
+that is best on validation, what the device reproduces, bad inputs, interrupted exports."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_runtime.bundle import read_manifest
+from edge_runtime.encoder import Encoder
+from edge_runtime.runtime import Runtime
+from export import cli
+from export.errors import BudgetError, ExportError
+from export.exporter import ExportSettings, build_encoder, bundle_dir, export_run
+from export.sizing import SearchSpace, selection_key
+from fed_train.algorithms.base import TrainingConfig
+from fed_train.partition import ClientSplit, Partition
+from fed_train.run import RunConfig, load_run, train
+
+# Small enough for a test: one count fraction besides the budget-filling one, one ProtoNN
+# shape with short training, one HNSW graph degree.
+SMALL_SPACE = SearchSpace(count_fractions=(1.0, 0.25), hnsw_M=(8,), protonn_dims=(8,),
+                          protonn_fractions=(0.3,), protonn_steps=30)
+ROOMS = (2_500, 5_000, 10_000, 20_000, 40_000, 150_000)  # datastore bytes above the encoder
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("run") / "digits"
+    config = RunConfig(dataset="digits", clients=6, seed=0,
+                       training=TrainingConfig(rounds=3, epochs=1, batch_size=16, lr=0.05,
+                                               momentum=0.9))
+    train(config, path, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def run(run_dir):
+    return load_run(run_dir)
+
+
+@pytest.fixture(scope="session")
+def encoder_bytes(run) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        return build_encoder(run, Path(tmp), ExportSettings()).nbytes
+
+
+@pytest.fixture(scope="session")
+def exported(run, encoder_bytes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "bundles"
+    budgets = {cid: encoder_bytes + room for cid, room in enumerate(ROOMS)}
+    report = export_run(run, out, budgets, ExportSettings(space=SMALL_SPACE), progress=False)
+    return out, report, budgets
+
+
+def _bundle_files_bytes(path: Path) -> int:
+    manifest = read_manifest(path)
+    return sum((path / name).stat().st_size for name in manifest["files"])
+
+
+def test_every_bundle_fits_its_budget_and_loads(exported):
+    out, report, budgets = exported
+    assert len(report["clients"]) == len(ROOMS)
+    for row in report["clients"]:
+        path = out / row["bundle"]
+        total = _bundle_files_bytes(path)
+        assert total <= budgets[row["client_id"]] == row["budget"]
+        assert total == row["total_bytes"]
+        runtime = Runtime.load(path)
+        assert runtime.manifest["footprint"]["total"] == total
+        assert runtime.manifest["client_id"] == row["client_id"]
+
+
+def test_choice_is_best_on_validation_among_candidates_that_fit(exported):
+    _, report, budgets = exported
+    encoder = report["encoder"]["bytes"]
+    backends = set()
+    for row in report["clients"]:
+        cands = row["candidates"]
+        assert len(cands) > 1
+        assert all(c["bytes"] <= budgets[row["client_id"]] - encoder for c in cands)
+        best = min(cands, key=lambda c: selection_key(_candidate(c)))
+        assert (row["recipe"], row["datastore_bytes"]) == (best["recipe"], best["bytes"])
+        assert row["val_accuracy"] == max(c["val_accuracy"] for c in cands)
+        backends.update(c["backend"] for c in cands)
+    assert backends == {"flat", "hnsw", "protonn"}
+
+
+def _candidate(row: dict):
+    from export.sizing import Candidate
+
+    return Candidate(row["recipe"], row["backend"], row["bytes"], row["stored"], row["lambda"],
+                     row["val_accuracy"], row["val_nll"])
+
+
+def test_tighter_budgets_never_store_more_bytes(exported):
+    _, report, _ = exported
+    sizes = [row["datastore_bytes"] for row in report["clients"]]
+    assert sizes[0] <= ROOMS[0] and sizes[-1] <= ROOMS[-1]
+
+
+def test_device_reproduces_the_validation_accuracy_of_the_choice(exported, run):
+    out, report, _ = exported
+    for row in report["clients"]:
+        split = run.partition.clients[row["client_id"]]
+        x, y = run.dataset.x_train[split.val], run.dataset.y_train[split.val]
+        acc = np.mean(Runtime.load(out / row["bundle"]).predict(x) == y)
+        assert acc == pytest.approx(row["val_accuracy"], abs=1e-12)
+        assert Runtime.load(out / row["bundle"]).lam == row["lambda"]
+
+
+def test_report_records_encoder_sizes_and_quality(exported):
+    out, report, _ = exported
+    enc = report["encoder"]
+    assert enc["bytes"] == (out / "encoder.onnx").stat().st_size
+    assert enc["fp32_bytes"] == (out / "encoder.fp32.onnx").stat().st_size
+    assert enc["fp32_bytes"] / enc["bytes"] > 2.3
+    assert enc["torch_max_abs_diff"] <= 1e-4
+    assert enc["int8_vs_fp32"]["embedding_cosine_min"] > 0.99
+    assert json.loads((out / "export.json").read_text()) == json.loads(json.dumps(report))
+
+
+@pytest.mark.parametrize("quantize", ["int8", "fp32"])
+def test_datastore_keys_are_the_shipped_encoders_embeddings(run, tmp_path, quantize):
+    space = dataclasses.replace(SMALL_SPACE, backends=("flat",), flat_dtypes=("fp32",))
+    report = export_run(run, tmp_path, {0: 10**7}, ExportSettings(quantize=quantize,
+                        space=space), clients="0", progress=False)
+    keys = np.load(tmp_path / "client_0000" / "datastore.npz")["keys"]
+    x = run.clients()[0].x_train.numpy()
+    shipped = Encoder(tmp_path / "client_0000" / "encoder.onnx").run(x)[0]
+    np.testing.assert_array_equal(keys, shipped)
+    assert report["clients"][0]["stored"] == len(x)
+    fp32 = Encoder(tmp_path / "encoder.fp32.onnx").run(x)[0]
+    assert np.array_equal(keys, fp32) == (quantize == "fp32")
+
+
+def test_budget_below_the_encoder_is_refused_before_writing(run, tmp_path, encoder_bytes):
+    out = tmp_path / "out"
+    with pytest.raises(BudgetError, match=rf"client 1: budget 1000 bytes is below the size of "
+                                          rf"the int8 encoder alone \({encoder_bytes} bytes\)"):
+        export_run(run, out, {0: 10**7, 1: 1000}, ExportSettings(space=SMALL_SPACE),
+                   clients="0,1", progress=False)
+    assert not out.exists()
+
+
+def test_budget_without_room_for_any_datastore_is_refused(run, tmp_path, encoder_bytes):
+    with pytest.raises(BudgetError, match="plus the smallest datastore"):
+        export_run(run, tmp_path / "out", {2: encoder_bytes + 10},
+                   ExportSettings(space=SMALL_SPACE), clients="2", progress=False)
+
+
+def test_client_without_training_samples_is_refused(run, tmp_path):
+    splits = list(run.partition.clients)
+    empty = np.zeros(0, dtype=np.int64)
+    splits[3] = ClientSplit(empty, splits[3].val, splits[3].test)
+    broken = dataclasses.replace(run, partition=Partition(splits, run.partition.unseen))
+    with pytest.raises(ExportError, match="client 3 has no training samples"):
+        export_run(broken, tmp_path / "out", {3: 10**7}, clients="3", progress=False)
+
+
+def test_unknown_client_and_selection(run, tmp_path):
+    with pytest.raises(ExportError, match="client 42 is not in the run"):
+        export_run(run, tmp_path, {42: 10**7}, clients="42", progress=False)
+    with pytest.raises(ExportError, match="comma-separated list"):
+        export_run(run, tmp_path, {}, clients="first", progress=False)
+
+
+def test_interrupted_export_leaves_no_half_written_bundle(run, tmp_path, monkeypatch):
+    import edge_runtime.bundle as bundle_module
+
+    real = bundle_module.sha256_file
+
+    def failing_hash(path):
+        # The second bundle: its files are written, its manifest is not.
+        if ".client_0001.tmp" in str(path) and Path(path).name.startswith("datastore"):
+            raise KeyboardInterrupt("simulated crash")
+        return real(path)
+
+    monkeypatch.setattr(bundle_module, "sha256_file", failing_hash)
+    space = dataclasses.replace(SMALL_SPACE, backends=("flat",))
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        export_run(run, out, {0: 10**6, 1: 10**6}, ExportSettings(space=space),
+                   clients="0,1", progress=False)
+    monkeypatch.setattr(bundle_module, "sha256_file", real)
+    assert Runtime.load(bundle_dir(out, 0)).manifest["client_id"] == 0
+    assert not bundle_dir(out, 1).exists()
+    for entry in out.iterdir():  # no leftover directory, hidden or not, holds a bundle
+        if entry.is_dir():
+            assert entry == bundle_dir(out, 0)
+    assert not (out / "export.json").exists()
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["--no-progress", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_exports_and_prints_a_table(run_dir, tmp_path, capsys, encoder_bytes):
+    budgets = tmp_path / "budgets.json"
+    budgets.write_text(json.dumps({"0": encoder_bytes + 30_000, "4": encoder_bytes + 8_000}))
+    code, out, _ = _cli(capsys, "export", str(run_dir), "--out", str(tmp_path / "b"),
+                        "--budgets", str(budgets), "--backend", "flat", "--clients", "0,4")
+    assert code == 0
+    assert "budget" in out and "recipe" in out and "flat:" in out
+    report = json.loads((tmp_path / "b" / "export.json").read_text())
+    assert [r["client_id"] for r in report["clients"]] == [0, 4]
+    assert all(r["backend"] == "flat" for r in report["clients"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "100000", "--backend", "faiss"], "unknown backend 'faiss'"),
+        (["--budget", "100000", "--quantize", "int4"], "unknown quantization 'int4'"),
+        (["--profile", "weak-strong"], "needs --reference"),
+        (["--profile", "tiers", "--reference", "1M"], "unknown --profile 'tiers'"),
+        (["--budget", "1000"], "below the size of the int8 encoder alone"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys, args, message):
+    code, _, err = _cli(capsys, "export", str(run_dir), "--out", str(tmp_path / "o"), *args)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_missing_or_corrupt_run_is_refused(run_dir, tmp_path, capsys):
+    code, _, err = _cli(capsys, "export", str(tmp_path / "nowhere"), "--out",
+                        str(tmp_path / "o"), "--budget", "1M")
+    assert code == 2 and "is not a finished run" in err
+    broken = tmp_path / "broken"
+    shutil.copytree(run_dir, broken)
+    (broken / "model.pt").write_bytes(b"not a checkpoint")
+    code, _, err = _cli(capsys, "export", str(broken), "--out", str(tmp_path / "o"),
+                        "--budget", "1M")
+    assert code == 2 and "cannot be loaded" in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_weak_strong_profile_gives_half_the_devices_less(run_dir, tmp_path, capsys,
+                                                            encoder_bytes):
+    reference = 2 * (encoder_bytes + 20_000)
+    code, _, _ = _cli(capsys, "export", str(run_dir), "--out", str(tmp_path / "b"),
+                      "--profile", "weak-strong", "--reference", str(reference),
+                      "--delta-c", "0.1", "--backend", "flat", "--clients", "0,2")
+    assert code == 0
+    report = json.loads((tmp_path / "b" / "export.json").read_text())
+    assert sorted(r["budget"] for r in report["clients"]) == [int(0.4 * reference),
+                                                            int(0.6 * reference)]
+    assert all(r["total_bytes"] <= r["budget"] for r in report["clients"])
