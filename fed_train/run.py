@@ -169,6 +169,7 @@ def load_run(run_dir: str | Path) -> LoadedRun:
         state = torch.load(run_dir / MODEL_FILE, weights_only=True)
         model.load_state_dict(state)
     except Exception as err:  # torch raises several types for a corrupt or mismatched file
-        raise RunError(f"{run_dir / MODEL_FILE} cannot be loaded: {err}") from err
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RunError(f"{run_dir / MODEL_FILE} cannot be loaded: {reason}") from err
     model.eval()
     return LoadedRun(config, dataset, partition, model, model_name, run_dir)
