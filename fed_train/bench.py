@@ -31,7 +31,7 @@ from fed_train.errors import KnnperError
 from fed_train.evaluation import merge_results
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
-from fed_train.run import RunConfig, prepare_clients
+from fed_train.run import CONFIG_FILE, PARTITION_FILE, RunConfig, prepare_clients
 from fed_train.simulation import simulate
 from fed_train.tuning import (
     LR_GRID,
@@ -51,8 +51,6 @@ TITLES = {"local": "Local", "fedavg": "FedAvg", "fedavg+": "FedAvg+", "clustered
           "knnper": "kNN-Per"}
 # methods that personalize another method's training run instead of training their own
 TRAINED_BY = {"fedavg+": "fedavg", "knnper": "fedavg"}
-CONFIG_FILE = "config.json"
-PARTITION_FILE = "partition.npz"
 
 
 class BenchError(KnnperError, ValueError):
