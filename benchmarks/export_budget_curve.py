@@ -248,15 +248,8 @@ def plot_curve(curve: list[dict], reference: float, path: Path) -> None:
         if pts:
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, style, label=backend, alpha=0.9 if backend == "auto" else 0.7)
-    ax.axhline(reference, color="grey", ls="--", label="full float32 flat")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("datastore budget / bytes of the full float32 flat datastore")
-    ax.set_ylabel("kNN-Per mean test accuracy")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(fig, ax, reference, "datastore budget / bytes of the full float32 flat datastore", path)
 
 
 def plot_grid(grid: list[dict], reference: float, path: Path) -> None:
@@ -271,8 +264,15 @@ def plot_grid(grid: list[dict], reference: float, path: Path) -> None:
                      if r["projection_dim"] == d)
         xs, ys = zip(*pts, strict=True)
         ax.plot(xs, ys, "o-", label=f"d = {d}")
+    _finish(fig, ax, reference, "prototypes / stored samples (m)", path)
+
+
+def _finish(fig, ax, reference: float, xlabel: str, path: Path) -> None:
+    """What both plots share: the full-datastore reference line, labels, and saving as PNG."""
+    import matplotlib.pyplot as plt
+
     ax.axhline(reference, color="grey", ls="--", label="full float32 flat")
-    ax.set_xlabel("prototypes / stored samples (m)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("kNN-Per mean test accuracy")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

@@ -213,6 +213,16 @@ class DatastoreSizer:
             counts.add(min(most, n_train))
         return sorted((c for c in counts if c <= most), reverse=True)
 
+    def _counts_within(self, probe: Datastore, room: int, n: int,
+                       dim: int) -> tuple[list[int], int]:
+        """Sample counts to try for a flat or hnsw configuration, and its capacity: the most
+        samples its files can ever hold within `room` (what fifo may later grow to)."""
+
+        def estimate(count: int) -> int:
+            return probe.estimate_nbytes(count, dim)
+
+        return self._counts(n, _most_within(estimate, room, n)), max_count_within(estimate, room)
+
     def _builders(self, data: ClientEmbeddings,
                   room: int) -> Iterator[Callable[[], tuple[Candidate, Datastore] | None]]:
         n, dim = data.z_train.shape
@@ -220,18 +230,14 @@ class DatastoreSizer:
             if backend == "flat":
                 for dtype in self.space.flat_dtypes:
                     probe = FlatDatastore(self.num_classes, dtype=dtype)
-                    most = _most_within(lambda c, p=probe: p.estimate_nbytes(c, dim), room, n)
-                    capacity = max_count_within(lambda c, p=probe: p.estimate_nbytes(c, dim),
-                                                room)
-                    for count in self._counts(n, most):
+                    counts, capacity = self._counts_within(probe, room, n, dim)
+                    for count in counts:
                         yield _bind(self._flat, data, dtype, count, capacity, room)
             elif backend == "hnsw":
                 for links in self.space.hnsw_M:
                     probe = HNSWDatastore(self.num_classes, M=links)
-                    most = _most_within(lambda c, p=probe: p.estimate_nbytes(c, dim), room, n)
-                    capacity = max_count_within(lambda c, p=probe: p.estimate_nbytes(c, dim),
-                                                room)
-                    for count in self._counts(n, most):
+                    counts, capacity = self._counts_within(probe, room, n, dim)
+                    for count in counts:
                         yield _bind(self._hnsw, data, links, count, capacity, room)
             elif backend == "protonn":
                 for d in self.space.protonn_dims:
