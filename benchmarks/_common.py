@@ -7,6 +7,7 @@ put the repository root on sys.path so they run from any directory without an in
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import logging
@@ -335,6 +336,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise ValueError(f"must be >= 1, got {text}")
     return value
+
+
+def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags the latency and memory benchmarks share: where to write, which model, which
+    datastores at which sizes; each script adds its own."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--run", default=None,
+                   help="run directory with a trained small CNN (default: random weights)")
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[1000, 10_000, 100_000],
+                   help="datastore sizes (keys)")
+    p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES),
+                   help="datastore recipes, one per backend")
+    return p
 
 
 def run_child(code: str, args: Sequence[str], *, threads: int,

@@ -63,15 +63,7 @@ COLUMNS = ["backend", "recipe", "keys", "stored", "encoder", "threads",
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--run", default=None,
-                   help="run directory with a trained small CNN (default: random weights)")
-    p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000, 100_000],
-                   help="datastore sizes (keys)")
-    p.add_argument("--recipes", nargs="+", default=list(C.DEFAULT_RECIPES),
-                   help="datastore recipes, one per backend")
+    p = C.datastore_sizes_parser(__doc__)
     p.add_argument("--encoder", choices=("int8", "fp32"), default="int8",
                    help="the bundle's ONNX encoder")
     p.add_argument("--threads", type=C.positive_int, default=1,
