@@ -1,0 +1,82 @@
+"""Datastore backends (flat / hnsw / protonn) behind one small surface, and their recipe strings.
+
+Every backend answers the local kNN-Per posterior `predict_proba(z) -> [n, C]` and knows how to
+save itself into a bundle directory and load back. The surface, scikit-learn style:
+
+    ds = make_datastore("flat:int8:n500", num_classes=10, k=10, sigma=1.0).fit(z, y)
+    ds.predict_proba(z_query); ds.add(z_new, y_new); ds.evict_oldest(3); len(ds)
+    ds.estimate_nbytes(n, dim)        # bytes the saved files take for n samples (an upper bound
+    ds.nbytes                         #   for flat and protonn, an estimate for hnsw)
+    names = ds.save(directory, generation=0)
+    ds = FlatDatastore.load(directory, {"num_classes": 10, "k": 10, "sigma": 1.0, "dtype": "int8"},
+                            files=names, embedding_dim=64)
+
+Every sample carries an insertion stamp (int64, increasing), so "evict the oldest" is defined for
+the on-device update strategies. File names carry a generation number after the first save
+(datastore.npz, datastore.1.npz, ...) so that an update never overwrites the files the current
+manifest points at.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from .common import (
+    DATASTORE_FILE_RE,
+    FLAT_DTYPES,
+    datastore_file_name,
+    file_generation,
+    max_count_within,
+)
+from .flat import FlatDatastore
+from .hnsw import HNSWDatastore
+from .protonn import ProtoNNDatastore
+from .recipes import format_recipe, parse_recipe
+
+__all__ = [
+    "BACKENDS",
+    "DATASTORE_FILE_RE",
+    "FLAT_DTYPES",
+    "FlatDatastore",
+    "HNSWDatastore",
+    "ProtoNNDatastore",
+    "datastore_file_name",
+    "file_generation",
+    "format_recipe",
+    "load_datastore",
+    "make_datastore",
+    "max_count_within",
+    "parse_recipe",
+]
+
+BACKENDS: dict[str, type] = {
+    "flat": FlatDatastore,
+    "hnsw": HNSWDatastore,
+    "protonn": ProtoNNDatastore,
+}
+
+
+def make_datastore(
+    recipe: str, num_classes: int, k: int = 10, sigma: float = 1.0, **options: Any
+) -> FlatDatastore | HNSWDatastore | ProtoNNDatastore:
+    """An unfitted datastore for a recipe string; `options` are other hyper-parameters (seed...)."""
+    name, params = parse_recipe(recipe)
+    ds = BACKENDS[name](num_classes, k=k, sigma=sigma, **params, **options)
+    ds._check_params()
+    return ds
+
+
+def load_datastore(
+    directory: str | os.PathLike,
+    backend: str,
+    params: dict,
+    *,
+    files: Sequence[str] | None = None,
+    embedding_dim: int | None = None,
+):
+    """Load a datastore of the named backend (see each class's `load`)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown datastore backend {backend!r}; known: {sorted(BACKENDS)}")
+    return BACKENDS[backend].load(directory, params, files=files, embedding_dim=embedding_dim)

@@ -1,0 +1,131 @@
+"""What every datastore backend shares: file names with generations, input and file checks."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+FLAT_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
+# Per-array overhead of an uncompressed .npz (zip headers + .npy header), generously rounded up.
+_NPZ_ARRAY_OVERHEAD = 512
+_NPZ_FILE_OVERHEAD = 512
+
+
+def datastore_file_name(stem: str, ext: str, generation: int) -> str:
+    """datastore.npz for generation 0, datastore.<g>.npz after g on-device updates."""
+    return f"{stem}.{ext}" if generation == 0 else f"{stem}.{generation}.{ext}"
+
+
+_GENERATION_RE = re.compile(r"^(?:datastore|hnsw)(?:\.(\d+))?\.(?:npz|bin)$")
+DATASTORE_FILE_RE = re.compile(r"^(?:datastore|hnsw)(?:\.\d+)?\.(?:npz|bin)(?:\.tmp)?$")
+
+
+def file_generation(name: str) -> int:
+    """The generation number in a datastore file name (0 for datastore.npz / hnsw.bin)."""
+    m = _GENERATION_RE.match(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a datastore file name")
+    return int(m.group(1) or 0)
+
+
+def max_count_within(estimate: Callable[[int], int], room: int) -> int:
+    """The largest n >= 1 with estimate(n) <= room, or 0; estimate must grow with n."""
+    if estimate(1) > room:
+        return 0
+    lo, hi = 1, 2
+    while estimate(hi) <= room:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if estimate(mid) <= room else (lo, mid)
+    return lo
+
+
+# ----------------------------------------------------------------------------- shared checks
+
+
+def _check_fit_inputs(z: Any, y: Any, num_classes: int, dim: int | None = None):
+    z = np.asarray(z)
+    y = np.asarray(y)
+    if z.ndim != 2:
+        raise ValueError(f"z must be a 2-D array [n, p], got shape {list(z.shape)}")
+    if dim is not None and z.shape[1] != dim:
+        raise ValueError(f"z has dimension {z.shape[1]} but the datastore holds dimension {dim}")
+    if z.dtype.kind not in "fiu" or not np.all(np.isfinite(z)):
+        raise ValueError("z must hold finite numbers")
+    if y.dtype.kind not in "iu":
+        raise ValueError(f"labels must be integers, got dtype {y.dtype}")
+    if y.shape != (z.shape[0],):
+        raise ValueError(f"got {y.size} labels for {z.shape[0]} embeddings")
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+        raise ValueError(f"labels must be in [0, {num_classes}), got range [{y.min()}, {y.max()}]")
+    return np.ascontiguousarray(z, dtype=np.float32), y.astype(np.int64)
+
+
+def _check_query(z: Any, dim: int) -> np.ndarray:
+    z = np.asarray(z, dtype=np.float32)
+    if z.ndim != 2 or z.shape[1] != dim:
+        raise ValueError(f"queries must be [n, {dim}], got shape {list(z.shape)}")
+    return z
+
+
+def _subsample(n_total: int, n: int | None, seed: int) -> np.ndarray:
+    """Indices of the samples kept when a datastore holds at most n of n_total (order kept)."""
+    if n is None or n >= n_total:
+        return np.arange(n_total)
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(n_total, size=n, replace=False))
+
+
+def _require(arrays: dict[str, np.ndarray], names: Sequence[str], file: str) -> None:
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise ValueError(f"{file} lacks array(s) {missing}; it has {sorted(arrays)}")
+
+
+def _check_labels_array(labels: np.ndarray, n: int, num_classes: int, file: str) -> np.ndarray:
+    if labels.dtype.kind not in "iu" or labels.shape != (n,):
+        raise ValueError(
+            f"{file}: labels must be integers of shape [{n}], got {labels.dtype} "
+            f"{list(labels.shape)}"
+        )
+    if n and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(
+            f"{file}: labels must be in [0, {num_classes}), got range "
+            f"[{labels.min()}, {labels.max()}]"
+        )
+    return labels.astype(np.int64)
+
+
+def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_common(num_classes: Any, k: Any, sigma: Any) -> None:
+    if not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
+    _check_positive_int("k", k)
+    if not _is_real(sigma) or not sigma > 0 or not math.isfinite(sigma):
+        raise ValueError(f"sigma must be a positive number, got {sigma!r}")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_load_params(cls: type, params: dict) -> dict:
+    allowed = cls.PARAM_NAMES
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown {cls.backend} datastore parameter(s) {unknown}")
+    if "num_classes" not in params:
+        raise ValueError("loading a datastore needs num_classes")
+    return params

@@ -1,0 +1,230 @@
+"""Exact kNN over stored keys (float32, float16 or int8)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .._io import load_npz, save_npz_atomic
+from ..knn import exact_search, kernel_posterior
+from .common import (
+    _NPZ_ARRAY_OVERHEAD,
+    _NPZ_FILE_OVERHEAD,
+    FLAT_DTYPES,
+    _check_common,
+    _check_fit_inputs,
+    _check_labels_array,
+    _check_load_params,
+    _check_positive_int,
+    _check_query,
+    _require,
+    _subsample,
+    datastore_file_name,
+)
+from .recipes import format_recipe
+
+
+class FlatDatastore:
+    """Exact kNN over stored keys, kept as float32, float16 or int8 on disk.
+
+    int8 keys use one symmetric scale per dimension (max |z_d| / 127, fixed at fit; later samples
+    are clipped to it). In memory the keys are widened to float32 once (numpy float16 arithmetic
+    is about 10x slower per query), so the saved file is smaller than the memory the keys take.
+    Widened int8/fp16 keys convert back to their stored form exactly, so only one copy is held.
+    """
+
+    backend = "flat"
+    PARAM_NAMES = ("num_classes", "k", "sigma", "dtype", "n", "seed")
+
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        k: int = 10,
+        sigma: float = 1.0,
+        dtype: str = "fp32",
+        n: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.num_classes = num_classes
+        self.k = k
+        self.sigma = sigma
+        self.dtype = dtype
+        self.n = n
+        self.seed = seed
+
+    def _check_params(self) -> None:
+        _check_common(self.num_classes, self.k, self.sigma)
+        if self.dtype not in FLAT_DTYPES:
+            raise ValueError(f"flat dtype must be one of {list(FLAT_DTYPES)}, got {self.dtype!r}")
+        _check_positive_int("n", self.n, allow_none=True)
+
+    # -- learning
+    def fit(self, z: np.ndarray, y: np.ndarray) -> FlatDatastore:
+        """Store (a seeded random subset of at most n of) the pairs (z_i, y_i)."""
+        self._check_params()
+        z, y = _check_fit_inputs(z, y, self.num_classes)
+        if z.shape[0] == 0:
+            raise ValueError("fit needs at least one sample")
+        keep = _subsample(z.shape[0], self.n, self.seed)
+        z, y = z[keep], y[keep]
+        if self.dtype == "int8":
+            peak = np.abs(z).max(axis=0)
+            self.scale_ = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
+        else:
+            self.scale_ = None
+        self._set(self._roundtrip(z), y, np.arange(z.shape[0], dtype=np.int64))
+        return self
+
+    def add(self, z: np.ndarray, y: np.ndarray) -> FlatDatastore:
+        """Append samples with new insertion stamps (no eviction: the caller decides that)."""
+        z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
+        start = int(self.order_[-1]) + 1 if len(self.order_) else 0
+        stamps = np.arange(start, start + z.shape[0], dtype=np.int64)
+        self._set(
+            np.concatenate([self.keys_, self._roundtrip(z)]),
+            np.concatenate([self.labels_, y]),
+            np.concatenate([self.order_, stamps]),
+        )
+        return self
+
+    def evict_oldest(self, count: int) -> FlatDatastore:
+        """Drop the `count` samples with the smallest insertion stamps."""
+        if not 0 <= count <= len(self):
+            raise ValueError(f"cannot evict {count} of {len(self)} samples")
+        if count:
+            self._set(self.keys_[count:].copy(), self.labels_[count:], self.order_[count:])
+        return self
+
+    def _roundtrip(self, z: np.ndarray) -> np.ndarray:
+        """z as the search will see it: quantized to the stored dtype and widened to float32."""
+        if self.dtype == "fp16":
+            limit = np.finfo(np.float16).max  # clipped like int8, rather than stored as inf
+            return np.clip(z, -limit, limit).astype(np.float16).astype(np.float32)
+        if self.dtype == "int8":
+            return self._dequantize(self._quantize(z))
+        return np.ascontiguousarray(z, dtype=np.float32)
+
+    def _quantize(self, z: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(z / self.scale_), -127, 127).astype(np.int8)
+
+    def _dequantize(self, q: np.ndarray) -> np.ndarray:
+        return q.astype(np.float32) * self.scale_
+
+    def _set(self, keys: np.ndarray, labels: np.ndarray, order: np.ndarray) -> None:
+        self.keys_ = np.ascontiguousarray(keys, dtype=np.float32)
+        self.labels_ = labels
+        self.order_ = order
+        self.embedding_dim_ = int(keys.shape[1])
+        self._key_norms = np.einsum("ij,ij->i", self.keys_, self.keys_)
+
+    # -- inference
+    def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(squared distances, row indices into keys_/labels_) of the k nearest, nearest first."""
+        z = _check_query(z, self.embedding_dim_)
+        return exact_search(z, self.keys_, self.k, key_norms=self._key_norms)
+
+    def predict_proba(self, z: np.ndarray) -> np.ndarray:
+        sq, idx = self.kneighbors(z)
+        return kernel_posterior(
+            sq, self.labels_[idx], self.num_classes, self.sigma, self.embedding_dim_
+        )
+
+    def __len__(self) -> int:
+        return int(self.labels_.shape[0]) if hasattr(self, "labels_") else 0
+
+    # -- footprint
+    def estimate_nbytes(self, n_samples: int, dim: int) -> int:
+        """Upper bound on the saved datastore.npz size for n_samples keys of dimension dim."""
+        itemsize = np.dtype(FLAT_DTYPES[self.dtype]).itemsize
+        arrays = 3 + (self.dtype == "int8")
+        data = n_samples * (dim * itemsize + 16) + (4 * dim if self.dtype == "int8" else 0)
+        return data + arrays * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
+
+    @property
+    def nbytes(self) -> int:
+        return self.estimate_nbytes(len(self), self.embedding_dim_)
+
+    # -- recipe
+    def recipe_params(self) -> dict:
+        params: dict = {"dtype": self.dtype}
+        if self.n is not None:
+            params["n"] = int(self.n)
+        return params
+
+    @property
+    def recipe(self) -> str:
+        return format_recipe(self.backend, self.recipe_params())
+
+    # -- persistence
+    def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
+        """Write datastore[.<generation>].npz (atomically, fsynced); returns the file names."""
+        name = datastore_file_name("datastore", "npz", generation)
+        arrays = {"keys": self._stored_keys(), "labels": self.labels_, "order": self.order_}
+        if self.dtype == "int8":
+            arrays["scale"] = self.scale_
+        save_npz_atomic(Path(directory) / name, arrays)
+        return [name]
+
+    def _stored_keys(self) -> np.ndarray:
+        if self.dtype == "fp16":
+            return self.keys_.astype(np.float16)
+        if self.dtype == "int8":
+            return self._quantize(self.keys_)
+        return self.keys_
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | os.PathLike,
+        params: dict,
+        *,
+        files: Sequence[str] | None = None,
+        embedding_dim: int | None = None,
+    ) -> FlatDatastore:
+        """Rebuild from saved files; ValueError names what is inconsistent."""
+        ds = cls(**_check_load_params(cls, params))
+        ds._check_params()
+        files = list(files) if files is not None else ["datastore.npz"]
+        npz = [f for f in files if f.endswith(".npz")]
+        if len(npz) != 1 or len(files) != 1:
+            raise ValueError(f"a flat datastore is one .npz file, got {files}")
+        arrays = load_npz(Path(directory) / npz[0])
+        _require(arrays, ["keys", "labels", "order"], npz[0])
+        keys, want = arrays["keys"], np.dtype(FLAT_DTYPES[ds.dtype])
+        if keys.dtype != want:
+            raise ValueError(
+                f"{npz[0]}: keys are {keys.dtype} but the recipe says {ds.dtype} ({want})"
+            )
+        if keys.ndim != 2 or keys.shape[0] < 1:
+            raise ValueError(f"{npz[0]}: keys must be [n >= 1, p], got {list(keys.shape)}")
+        n, dim = keys.shape
+        if embedding_dim is not None and dim != embedding_dim:
+            raise ValueError(f"{npz[0]}: keys have dimension {dim}, expected {embedding_dim}")
+        labels = _check_labels_array(arrays["labels"], n, ds.num_classes, npz[0])
+        order = arrays["order"]
+        if order.dtype.kind not in "iu" or order.shape != (n,):
+            raise ValueError(f"{npz[0]}: order must be integers of shape [{n}]")
+        if len(np.unique(order)) != n:
+            raise ValueError(f"{npz[0]}: order stamps must be distinct")
+        if ds.dtype == "int8":
+            _require(arrays, ["scale"], npz[0])
+            scale = arrays["scale"]
+            if scale.shape != (dim,) or not np.all(np.isfinite(scale)) or np.any(scale <= 0):
+                raise ValueError(f"{npz[0]}: scale must be {dim} positive finite numbers")
+            ds.scale_ = scale.astype(np.float32)
+            widened = ds._dequantize(keys)
+        else:
+            ds.scale_ = None
+            widened = keys.astype(np.float32, copy=False)
+            if not np.all(np.isfinite(widened)):
+                raise ValueError(f"{npz[0]}: keys hold NaN or infinite values")
+        order = order.astype(np.int64, copy=False)
+        if n > 1 and np.any(np.diff(order) < 0):  # saved files are in order: no copy then
+            sort = np.argsort(order, kind="stable")
+            widened, labels, order = widened[sort], labels[sort], order[sort]
+        ds._set(widened, labels, order)
+        return ds

@@ -1,0 +1,265 @@
+"""Approximate kNN with an hnswlib graph."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .._io import TMP_SUFFIX, fsync_dir, fsync_file, load_npz, save_npz_atomic
+from ..knn import kernel_posterior
+from .common import (
+    _NPZ_ARRAY_OVERHEAD,
+    _NPZ_FILE_OVERHEAD,
+    _check_common,
+    _check_fit_inputs,
+    _check_labels_array,
+    _check_load_params,
+    _check_positive_int,
+    _check_query,
+    _require,
+    _subsample,
+    datastore_file_name,
+)
+from .recipes import format_recipe
+
+
+def _import_hnswlib():
+    try:
+        return importlib.import_module("hnswlib")
+    except ImportError:
+        raise ValueError(
+            "hnsw datastores need the hnswlib package: pip install 'knnper[hnsw]'"
+        ) from None
+
+
+class HNSWDatastore:
+    """Approximate kNN with an hnswlib graph (space "l2", which returns squared distances).
+
+    The hnswlib label of each stored sample is its insertion stamp, so eviction of the oldest
+    marks the smallest labels deleted and later additions reuse their slots. Saving with deleted
+    slots left over rebuilds a compact graph first (hnswlib keeps deleted items in its file).
+    Insertion runs on one thread so the same data gives the same graph.
+    """
+
+    backend = "hnsw"
+    PARAM_NAMES = (
+        "num_classes",
+        "k",
+        "sigma",
+        "M",
+        "ef_construction",
+        "ef",
+        "n",
+        "seed",
+        "num_threads",
+    )
+
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        k: int = 10,
+        sigma: float = 1.0,
+        M: int = 16,
+        ef_construction: int = 200,
+        ef: int = 64,
+        n: int | None = None,
+        seed: int = 0,
+        num_threads: int = 1,
+    ) -> None:
+        self.num_classes = num_classes
+        self.k = k
+        self.sigma = sigma
+        self.M = M
+        self.ef_construction = ef_construction
+        self.ef = ef
+        self.n = n
+        self.seed = seed
+        self.num_threads = num_threads
+
+    def _check_params(self) -> None:
+        _check_common(self.num_classes, self.k, self.sigma)
+        for name in ("M", "ef_construction", "ef", "num_threads"):
+            _check_positive_int(name, getattr(self, name))
+        _check_positive_int("n", self.n, allow_none=True)
+
+    def _new_index(self, dim: int, max_elements: int):
+        hnswlib = _import_hnswlib()
+        index = hnswlib.Index(space="l2", dim=dim)
+        index.init_index(
+            max_elements=max(max_elements, 1),
+            M=self.M,
+            ef_construction=self.ef_construction,
+            random_seed=self.seed,
+            allow_replace_deleted=True,
+        )
+        return index
+
+    def fit(self, z: np.ndarray, y: np.ndarray) -> HNSWDatastore:
+        self._check_params()
+        z, y = _check_fit_inputs(z, y, self.num_classes)
+        if z.shape[0] == 0:
+            raise ValueError("fit needs at least one sample")
+        keep = _subsample(z.shape[0], self.n, self.seed)
+        z, y = z[keep], y[keep]
+        ids = np.arange(z.shape[0], dtype=np.int64)
+        self.index_ = self._new_index(z.shape[1], z.shape[0])
+        self.index_.add_items(z, ids, num_threads=1)
+        self.ids_, self.labels_, self.embedding_dim_ = ids, y, int(z.shape[1])
+        self._next_id = int(z.shape[0])
+        return self
+
+    def add(self, z: np.ndarray, y: np.ndarray) -> HNSWDatastore:
+        z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
+        if z.shape[0] == 0:
+            return self
+        free = self.index_.element_count - len(self)  # deleted slots, reused first
+        needed = self.index_.element_count + max(0, z.shape[0] - free)
+        if needed > self.index_.max_elements:
+            self.index_.resize_index(needed)
+        ids = np.arange(self._next_id, self._next_id + z.shape[0], dtype=np.int64)
+        self.index_.add_items(z, ids, num_threads=1, replace_deleted=True)
+        self.ids_ = np.concatenate([self.ids_, ids])
+        self.labels_ = np.concatenate([self.labels_, y])
+        self._next_id += z.shape[0]
+        return self
+
+    def evict_oldest(self, count: int) -> HNSWDatastore:
+        if not 0 <= count <= len(self):
+            raise ValueError(f"cannot evict {count} of {len(self)} samples")
+        for label in self.ids_[:count]:
+            self.index_.mark_deleted(int(label))
+        self.ids_, self.labels_ = self.ids_[count:], self.labels_[count:]
+        return self
+
+    def _compact(self) -> None:
+        """Rebuild the graph from the live samples only, so the file holds no deleted slots."""
+        if self.index_.element_count == len(self):
+            return
+        vectors = np.asarray(self.index_.get_items(self.ids_), dtype=np.float32)
+        index = self._new_index(self.embedding_dim_, len(self))
+        index.add_items(vectors, self.ids_, num_threads=1)
+        self.index_ = index
+
+    def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(squared distances, positions in ids_/labels_) of the k nearest found, nearest first."""
+        z = _check_query(z, self.embedding_dim_)
+        k = min(self.k, len(self))
+        ef = max(self.ef, k)
+        for attempt in range(3):
+            self.index_.set_ef(ef)
+            try:
+                found, sq = self.index_.knn_query(z, k=k, num_threads=self.num_threads)
+                break
+            except RuntimeError:
+                # Too few reachable live items at this ef (many deleted slots): search wider.
+                if attempt == 2:
+                    raise
+                ef = max(4 * ef, len(self)) if attempt == 1 else 4 * ef
+        return sq, np.searchsorted(self.ids_, found.astype(np.int64))
+
+    def predict_proba(self, z: np.ndarray) -> np.ndarray:
+        sq, pos = self.kneighbors(z)
+        return kernel_posterior(
+            sq, self.labels_[pos], self.num_classes, self.sigma, self.embedding_dim_
+        )
+
+    def __len__(self) -> int:
+        return int(self.ids_.shape[0]) if hasattr(self, "ids_") else 0
+
+    def estimate_nbytes(self, n_samples: int, dim: int) -> int:
+        """hnsw.bin (level-0 links, vectors, labels, expected upper levels) plus labels/ids npz."""
+        m = self.M
+        level0 = (2 * m * 4 + 4) + dim * 4 + 8
+        upper = 4 + (m * 4 + 4) * 1.5 / max(m - 1, 1)  # 1.5x the expected number of levels
+        index = int(n_samples * (level0 + upper)) + 256
+        npz = n_samples * 16 + 2 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
+        return index + npz
+
+    @property
+    def nbytes(self) -> int:
+        return self.estimate_nbytes(len(self), self.embedding_dim_)
+
+    def recipe_params(self) -> dict:
+        params: dict = {
+            "M": int(self.M),
+            "ef": int(self.ef),
+            "ef_construction": int(self.ef_construction),
+        }
+        if self.n is not None:
+            params["n"] = int(self.n)
+        return params
+
+    @property
+    def recipe(self) -> str:
+        return format_recipe(self.backend, self.recipe_params())
+
+    def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
+        """Write datastore[.g].npz (labels, ids) and hnsw[.g].bin, each atomically."""
+        self._compact()
+        directory = Path(directory)
+        npz = datastore_file_name("datastore", "npz", generation)
+        binary = datastore_file_name("hnsw", "bin", generation)
+        tmp = directory / (binary + TMP_SUFFIX)
+        try:
+            self.index_.save_index(os.fspath(tmp))
+            fsync_file(tmp)
+            os.replace(tmp, directory / binary)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        save_npz_atomic(directory / npz, {"labels": self.labels_, "ids": self.ids_}, sync_dir=False)
+        fsync_dir(directory)
+        return [npz, binary]
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | os.PathLike,
+        params: dict,
+        *,
+        files: Sequence[str] | None = None,
+        embedding_dim: int | None = None,
+    ) -> HNSWDatastore:
+        ds = cls(**_check_load_params(cls, params))
+        ds._check_params()
+        if embedding_dim is None:
+            raise ValueError("loading an hnsw datastore needs embedding_dim")
+        files = list(files) if files is not None else ["datastore.npz", "hnsw.bin"]
+        npz = [f for f in files if f.endswith(".npz")]
+        binary = [f for f in files if f.endswith(".bin")]
+        if len(npz) != 1 or len(binary) != 1 or len(files) != 2:
+            raise ValueError(f"an hnsw datastore is one .npz and one .bin file, got {files}")
+        arrays = load_npz(Path(directory) / npz[0])
+        _require(arrays, ["labels"], npz[0])
+        n = arrays["labels"].shape[0] if arrays["labels"].ndim == 1 else -1
+        ids = arrays.get("ids", np.arange(max(n, 0), dtype=np.int64))
+        if ids.dtype.kind not in "iu" or ids.ndim != 1 or n < 1 or ids.shape[0] != n:
+            raise ValueError(f"{npz[0]}: labels and ids must be 1-D of the same length >= 1")
+        if np.any(np.diff(ids) <= 0) or ids[0] < 0:
+            raise ValueError(f"{npz[0]}: ids must be increasing non-negative stamps")
+        labels = _check_labels_array(arrays["labels"], n, ds.num_classes, npz[0])
+        hnswlib = _import_hnswlib()
+        index = hnswlib.Index(space="l2", dim=int(embedding_dim))
+        try:
+            index.load_index(os.fspath(Path(directory) / binary[0]), allow_replace_deleted=True)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"{binary[0]} is not an hnswlib index of dimension {embedding_dim}: {exc}"
+            ) from None
+        stored = np.sort(np.asarray(index.get_ids_list(), dtype=np.int64))
+        if index.element_count != n or not np.array_equal(stored, ids):
+            raise ValueError(
+                f"{binary[0]} holds {index.element_count} items that do not match the {n} "
+                f"labels in {npz[0]}"
+            )
+        ds.index_, ds.ids_, ds.labels_ = index, ids.astype(np.int64), labels
+        if index.M != ds.M:
+            raise ValueError(f"{binary[0]} was built with M={index.M}, the recipe says M={ds.M}")
+        ds.embedding_dim_ = int(embedding_dim)
+        ds._next_id = int(ids[-1]) + 1
+        return ds

@@ -1,0 +1,81 @@
+"""Datastore recipe strings ("flat:int8:n500", "hnsw:M16", "protonn:d32:m0.3") and back."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+# Per backend: (token pattern, parameter name, converter); the first full match wins.
+_TOKENS: dict[str, list[tuple[re.Pattern, str, Callable[[str], Any]]]] = {
+    "flat": [
+        (re.compile(r"(fp32|fp16|int8)"), "dtype", str),
+        (re.compile(r"n(\d+)"), "n", int),
+    ],
+    "hnsw": [
+        (re.compile(r"M(\d+)"), "M", int),
+        (re.compile(r"efc(\d+)"), "ef_construction", int),
+        (re.compile(r"ef(\d+)"), "ef", int),
+        (re.compile(r"n(\d+)"), "n", int),
+    ],
+    "protonn": [
+        (re.compile(r"d(\d+)"), "d", int),
+        (re.compile(r"m(\d+(?:\.\d*)?|\.\d+)"), "m", float),
+        (re.compile(r"n(\d+)"), "n", int),
+    ],
+}
+_TOKEN_HELP = {
+    "flat": "fp32|fp16|int8 and n<count>",
+    "hnsw": "M<links>, ef<search width>, efc<construction width> and n<count>",
+    "protonn": "d<projection dim>, m<prototype fraction> and n<count>",
+}
+_FORMAT = {
+    "flat": [("dtype", "{}"), ("n", "n{}")],
+    "hnsw": [("M", "M{}"), ("ef", "ef{}"), ("ef_construction", "efc{}"), ("n", "n{}")],
+    "protonn": [("d", "d{}"), ("m", "m{:g}"), ("n", "n{}")],
+}
+
+
+def parse_recipe(recipe: str) -> tuple[str, dict]:
+    """ "flat:int8:n500" -> ("flat", {"dtype": "int8", "n": 500}); ValueError on anything else.
+
+    flat:fp32|fp16|int8[:n<count>]   hnsw[:M16][:ef64][:efc200][:n<count>]
+    protonn[:d<dim>][:m<fraction>][:n<count>]
+    """
+    if not isinstance(recipe, str) or not recipe.strip():
+        raise ValueError(f"a datastore recipe must be a non-empty string, got {recipe!r}")
+    name, *tokens = recipe.strip().split(":")
+    if name not in _TOKENS:
+        raise ValueError(
+            f"unknown datastore backend {name!r} in recipe {recipe!r}; known: {sorted(_TOKENS)}"
+        )
+    params: dict = {}
+    for token in tokens:
+        key, value = _read_token(name, token, recipe)
+        if key in params:
+            raise ValueError(f"recipe {recipe!r} sets {key} twice")
+        if key != "dtype" and not value > 0:
+            raise ValueError(f"recipe {recipe!r}: {key} must be positive, got {value}")
+        params[key] = value
+    if name == "flat":
+        params.setdefault("dtype", "fp32")
+    return name, params
+
+
+def _read_token(name: str, token: str, recipe: str) -> tuple[str, Any]:
+    for pattern, key, convert in _TOKENS[name]:
+        match = pattern.fullmatch(token)
+        if match:
+            return key, convert(match.group(1))
+    raise ValueError(
+        f"cannot read {token!r} in recipe {recipe!r}: {name} recipes take {_TOKEN_HELP[name]}"
+    )
+
+
+def format_recipe(name: str, params: dict) -> str:
+    """The canonical recipe string for (backend name, recipe params); inverse of parse_recipe."""
+    parts = [name]
+    for key, fmt in _FORMAT[name]:
+        if params.get(key) is not None:
+            parts.append(fmt.format(params[key]))
+    return ":".join(parts)
