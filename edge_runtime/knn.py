@@ -138,6 +138,36 @@ def _blockwise_topk(sq: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(cand, best, axis=1)
 
 
+NORMALIZATIONS: tuple[str, ...] = ("none", "l2")
+
+
+def normalize_embeddings(z: np.ndarray, how: str) -> np.ndarray:
+    """"none" keeps the raw embedding; "l2" puts it on the unit sphere (zero vectors stay 0).
+    Keys and queries must go through the same one."""
+    z = np.asarray(z, dtype=np.float32)
+    if how == "none":
+        return z
+    if how == "l2":
+        norms = np.linalg.norm(z, axis=1, keepdims=True)
+        return z / np.maximum(norms, np.float32(1e-12))
+    raise ValueError(f"unknown embedding normalisation {how!r}; known: {', '.join(NORMALIZATIONS)}")
+
+
+def leave_one_out_search(keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each stored key's k nearest other keys (squared distances, indices), nearest first: the
+    neighbours it would get if it were a new query, for estimating on the datastore itself."""
+    n = len(keys)
+    k = min(k, n - 1)
+    if k < 1:
+        return np.zeros((n, 0), np.float32), np.zeros((n, 0), np.int64)
+    sq, idx = exact_search(keys, keys, k + 1)
+    own = idx == np.arange(n)[:, None]
+    # equal distances are listed in index order, so duplicates can push a key's own entry out
+    # of its k + 1: then the farthest entry is dropped instead
+    own[~own.any(axis=1), -1] = True
+    return sq[~own].reshape(n, k), idx[~own].reshape(n, k)
+
+
 class KNNHead:
     """Exact kNN posterior over a float32 datastore, scikit-learn style: fit(z, y),
     predict_proba(z)."""
