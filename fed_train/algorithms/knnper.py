@@ -10,7 +10,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_runtime.knn import KNNHead, choose_lambda, interpolate, softmax
+from edge_runtime.knn import (
+    LAMBDA_GRID,
+    NORMALIZATIONS,
+    KNNHead,
+    choose_lambda,
+    interpolate,
+    kernel_posterior,
+    leave_one_out_search,
+    normalize_embeddings,
+    softmax,
+)
 from fed_train.algorithms.base import (
     ClientData,
     PersonalModel,
@@ -20,6 +30,8 @@ from fed_train.algorithms.base import (
 )
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.models import EmbedHeadModel
+
+LAMBDA_ESTIMATORS: tuple[str, ...] = ("val", "loo+val")
 
 
 def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:
@@ -32,31 +44,73 @@ def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=keep, replace=False))
 
 
+Posteriors = tuple[np.ndarray | None, np.ndarray, np.ndarray]
+
+
+def estimate_lambda(estimator: str, p_knn_val: np.ndarray, p_global_val: np.ndarray,
+                    y_val: np.ndarray, loo: Posteriors | None = None,
+                    grid: tuple[float, ...] = LAMBDA_GRID) -> float:
+    """A client's lambda. "val": chosen on its validation split. "loo+val": on the validation
+    split plus `loo`, the leave-one-out kNN posteriors of its own datastore with the global
+    model's output and the labels of those samples: many more samples than ~30 validation ones
+    (the kNN part is honest there, the global model saw them in training)."""
+    if estimator not in LAMBDA_ESTIMATORS:
+        raise ValueError(f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
+                         f"got {estimator!r}")
+    p_knn, p_global, y = p_knn_val, p_global_val, y_val
+    if estimator == "loo+val" and loo is not None and loo[0] is not None:
+        p_knn = np.concatenate([loo[0], p_knn])
+        p_global = np.concatenate([loo[1], p_global])
+        y = np.concatenate([loo[2], y])
+    return choose_lambda(p_knn, p_global, y, grid) if len(y) else 0.5
+
+
 class KNNPer(FedAvg):
     name = "knnper"
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
-                 k: int = 10, sigma: float = 1.0, capacity: float = 1.0) -> None:
+                 k: int = 10, sigma: float = 1.0, capacity: float = 1.0,
+                 normalize: str = "none", lambda_estimator: str = "val") -> None:
         super().__init__(model_fn, training)
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         if sigma <= 0:
             raise ValueError(f"sigma must be positive, got {sigma}")
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, "
+                             f"got {normalize!r}")
+        if lambda_estimator not in LAMBDA_ESTIMATORS:
+            raise ValueError(f"lambda_estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
+                             f"got {lambda_estimator!r}")
         self.k, self.sigma, self.capacity = k, sigma, capacity
+        self.normalize, self.lambda_estimator = normalize, lambda_estimator
+
+    def _choose_lambda(self, head: KNNHead, logits_train: np.ndarray, z_val: np.ndarray,
+                       logits_val: np.ndarray, y_val: np.ndarray) -> float:
+        loo = None
+        if self.lambda_estimator == "loo+val":
+            sq, idx = leave_one_out_search(head.keys_, self.k)
+            loo = (kernel_posterior(sq, head.labels_[idx], head.num_classes, self.sigma,
+                                    head.keys_.shape[1]) if sq.shape[1] else None,
+                   softmax(logits_train.astype(np.float64)), head.labels_)
+        return estimate_lambda(self.lambda_estimator, head.predict_proba(z_val),
+                               softmax(logits_val.astype(np.float64)), y_val, loo)
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:
         model = self.global_model(global_weights)
         num_classes = model.classifier.out_features
         keep = datastore_indices(client.num_train, self.capacity, seed)
-        z_train, _ = embed_and_logits(model, client.x_train[torch.from_numpy(keep)])
-        head = KNNHead(num_classes, self.k, self.sigma).fit(z_train, client.y_train.numpy()[keep])
+        z_train, logits_train = embed_and_logits(model, client.x_train[torch.from_numpy(keep)])
+        head = KNNHead(num_classes, self.k, self.sigma).fit(
+            normalize_embeddings(z_train, self.normalize), client.y_train.numpy()[keep])
         z_val, logits_val = embed_and_logits(model, client.x_val)
-        lam = choose_lambda(head.predict_proba(z_val), softmax(logits_val.astype(np.float64)),
-                            client.y_val.numpy()) if len(z_val) else 0.5
+        lam = self._choose_lambda(head, logits_train, normalize_embeddings(z_val, self.normalize),
+                                  logits_val, client.y_val.numpy())
 
         def predict(x: torch.Tensor) -> np.ndarray:
             z, logits = embed_and_logits(model, x)
-            return interpolate(head.predict_proba(z), softmax(logits.astype(np.float64)), lam)
+            return interpolate(head.predict_proba(normalize_embeddings(z, self.normalize)),
+                               softmax(logits.astype(np.float64)), lam)
 
         return PersonalModel(predict, {"lambda": lam, "datastore_size": int(len(keep))})

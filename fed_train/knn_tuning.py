@@ -1,0 +1,262 @@
+"""kNN-Per's own hyper-parameters, chosen on validation: the number of neighbours k, the kernel
+scale sigma and the embedding normalisation, plus two honest ways to pick each client's lambda
+and what a test-oracle lambda would have gained (reported to size lambda's noise, never used).
+
+k, sigma and the normalisation are chosen once per run on the pooled validation splits of the
+clients seen in training, not per client: a client holds about 30 validation samples, too few to
+choose among the 104 grid points without fitting noise, while lambda (7 values) stays per client
+as the paper has it. Each grid point is scored with every client's lambda chosen for that point.
+
+The kNN math is edge_runtime's (`exact_search`, `kernel_posterior`, `choose_lambda`), so what is
+chosen here is exactly what a device computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from edge_runtime.knn import (
+    LAMBDA_GRID,
+    NORMALIZATIONS,
+    choose_lambda,
+    exact_search,
+    interpolate,
+    kernel_posterior,
+    leave_one_out_search,
+    normalize_embeddings,
+    softmax,
+)
+from fed_train.algorithms.base import ClientData, embed_and_logits
+from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS, estimate_lambda
+from fed_train.models import EmbedHeadModel
+
+K_GRID: tuple[int, ...] = (5, 10, 20, 50)
+# half-decades from 1e-4 to 1e2: L2-normalised embeddings need small scales (squared distances
+# are at most 4, divided by the dimension), raw ReLU embeddings large ones
+SIGMA_GRID: tuple[float, ...] = tuple(float(10.0 ** (e / 2)) for e in range(-8, 5))
+
+
+@dataclass(frozen=True)
+class KNNConfig:
+    """One point of kNN-Per's grid; the defaults are the paper's (k = 10, sigma = 1, raw)."""
+
+    k: int = 10
+    sigma: float = 1.0
+    normalize: str = "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ClientView:
+    """One client under one trained body: its datastore (train embeddings and labels), its
+    validation and test embeddings, and the base predictor's class probabilities on each split
+    (the global model for FedAvg's body, the body's own personalized model otherwise)."""
+
+    client_id: int
+    unseen: bool
+    z_train: np.ndarray
+    y_train: np.ndarray
+    z_val: np.ndarray
+    y_val: np.ndarray
+    z_test: np.ndarray
+    y_test: np.ndarray
+    p_train: np.ndarray
+    p_val: np.ndarray
+    p_test: np.ndarray
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.p_val.shape[1] if self.p_val.size else self.p_test.shape[1])
+
+
+BaseProbs = Callable[[ClientData], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
+                 base_probs: BaseProbs | None = None) -> list[ClientView]:
+    """Embed every client's splits once with `model`'s body. Without `base_probs` the base
+    predictor is the model's own head (the global model)."""
+    views = []
+    for c in clients:
+        parts = [embed_and_logits(model, x) for x in (c.x_train, c.x_val, c.x_test)]
+        if base_probs is None:
+            probs = [softmax(logits.astype(np.float64)) if len(logits) else
+                     np.zeros((0, model.classifier.out_features)) for _, logits in parts]
+        else:
+            probs = list(base_probs(c))
+        views.append(ClientView(c.client_id, c.unseen, parts[0][0], c.y_train.numpy(),
+                                parts[1][0], c.y_val.numpy(), parts[2][0], c.y_test.numpy(),
+                                *probs))
+    return views
+
+
+class _Searched:
+    """A client's neighbours at the largest k of the grid, found once per normalisation; every
+    (k, sigma) point then only re-weights them."""
+
+    def __init__(self, view: ClientView, normalize: str, k_max: int, loo: bool) -> None:
+        self.view = view
+        self.dim = view.z_train.shape[1]
+        keys = normalize_embeddings(view.z_train, normalize)
+        self.val = self._search(keys, normalize_embeddings(view.z_val, normalize), k_max)
+        self.test = self._search(keys, normalize_embeddings(view.z_test, normalize), k_max)
+        self.train = leave_one_out_search(keys, k_max) if loo else None
+
+    @staticmethod
+    def _search(keys: np.ndarray, queries: np.ndarray, k: int):
+        if len(queries) == 0 or len(keys) == 0:
+            return np.zeros((len(queries), 0)), np.zeros((len(queries), 0), dtype=np.int64)
+        return exact_search(queries, keys, k)
+
+    def posterior(self, split: str, k: int, sigma: float) -> np.ndarray:
+        sq, idx = getattr(self, split)
+        n = sq.shape[0]
+        if sq.shape[1] == 0:  # no stored neighbour: the kNN part says nothing
+            return np.full((n, self.view.num_classes), 1.0 / self.view.num_classes)
+        k = min(k, sq.shape[1])
+        return kernel_posterior(sq[:, :k], self.view.y_train[idx[:, :k]], self.view.num_classes,
+                                sigma, self.dim)
+
+
+def _correct_and_nll(p: np.ndarray, y: np.ndarray) -> tuple[int, float]:
+    if len(y) == 0:
+        return 0, 0.0
+    correct = int(np.sum(p.argmax(axis=1) == y))
+    nll = float(-np.sum(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
+    return correct, nll
+
+
+def _lambda_for(s: _Searched, config: KNNConfig, estimator: str,
+                val_rows: np.ndarray | None = None, grid: Sequence[float] = LAMBDA_GRID) -> float:
+    """A client's lambda under `estimator`, on its whole validation split or the given rows."""
+    v = s.view
+    rows = np.arange(len(v.y_val)) if val_rows is None else val_rows
+    loo = ((s.posterior("train", config.k, config.sigma) if s.train[0].shape[1] else None,
+            v.p_train, v.y_train) if estimator == "loo+val" else None)
+    return estimate_lambda(estimator, s.posterior("val", config.k, config.sigma)[rows],
+                           v.p_val[rows], v.y_val[rows], loo, tuple(grid))
+
+
+def select_config(views: Sequence[ClientView], *, ks: Sequence[int] = K_GRID,
+                  sigmas: Sequence[float] = SIGMA_GRID,
+                  normalizations: Sequence[str] = NORMALIZATIONS,
+                  lambdas: Sequence[float] = LAMBDA_GRID) -> tuple[KNNConfig, list[dict]]:
+    """The grid point with the best pooled validation accuracy of the seen clients (each with
+    its own lambda chosen on its validation split for that point); ties go to the lower
+    validation log-loss. Returns it and every point's scores. `lambdas=(1.0,)` scores the kNN
+    alone."""
+    seen = [v for v in views if not v.unseen and len(v.y_val) and len(v.y_train)]
+    if not seen:
+        raise ValueError("no seen client has both train and validation data: cannot choose k "
+                         "and sigma")
+    if not ks or not sigmas or not normalizations:
+        raise ValueError("the k, sigma and normalisation grids must not be empty")
+    scores = []
+    for how in normalizations:
+        searched = [_Searched(v, how, max(ks), loo=False) for v in seen]
+        for k in ks:
+            for sigma in sigmas:
+                config = KNNConfig(int(k), float(sigma), how)
+                correct = total = 0
+                nll = 0.0
+                for s in searched:
+                    lam = _lambda_for(s, config, "val", grid=lambdas)
+                    p = interpolate(s.posterior("val", k, sigma), s.view.p_val, lam)
+                    c, n = _correct_and_nll(p, s.view.y_val)
+                    correct, nll, total = correct + c, nll + n, total + len(s.view.y_val)
+                scores.append({**config.to_dict(), "val_accuracy": correct / total,
+                               "val_nll": nll / total})
+    best = max(scores, key=lambda r: (round(r["val_accuracy"], 12), -round(r["val_nll"], 12)))
+    return KNNConfig(best["k"], best["sigma"], best["normalize"]), scores
+
+
+def compare_lambda_estimators(views: Sequence[ClientView], config: KNNConfig, *, seed: int = 0,
+                              estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> dict[str, float]:
+    """Two-fold cross-validation inside each seen client's validation split: lambda chosen by
+    each estimator on one half (plus the datastore for "loo+val") and scored on the other half.
+    Pooled accuracy per estimator: which one to trust, decided without test data."""
+    rng = np.random.default_rng(seed)
+    correct = dict.fromkeys(estimators, 0)
+    total = 0
+    for v in views:
+        if v.unseen or len(v.y_val) < 2 or len(v.y_train) < 2:
+            continue
+        s = _Searched(v, config.normalize, config.k, loo=True)
+        order = rng.permutation(len(v.y_val))
+        folds = (order[: len(order) // 2], order[len(order) // 2:])
+        p_knn_val = s.posterior("val", config.k, config.sigma)
+        for fit, score in (folds, folds[::-1]):
+            for est in estimators:
+                lam = _lambda_for(s, config, est, val_rows=fit)
+                p = interpolate(p_knn_val[score], v.p_val[score], lam)
+                correct[est] += int(np.sum(p.argmax(axis=1) == v.y_val[score]))
+            total += len(score)
+    if total == 0:
+        raise ValueError("no seen client has enough validation data to compare estimators")
+    return {est: correct[est] / total for est in estimators}
+
+
+def client_rows(views: Sequence[ClientView], config: KNNConfig, *, estimator: str = "val",
+                lambdas: Sequence[float] = LAMBDA_GRID) -> list[dict[str, Any]]:
+    """One row per client: test accuracy with the honestly chosen lambda, and, for the report
+    only, the lambda that the client's test labels would have chosen (the official code's
+    choice) and the accuracy it gives. Nothing here feeds back into any choice."""
+    rows = []
+    for v in views:
+        n_test = len(v.y_test)
+        if len(v.y_train) == 0:
+            lam = oracle = 0.0
+            p_knn = None
+        else:
+            s = _Searched(v, config.normalize, config.k, loo=estimator == "loo+val")
+            lam = (_lambda_for(s, config, estimator, grid=lambdas) if len(v.y_val)
+                   or estimator == "loo+val" else 0.5)
+            p_knn = s.posterior("test", config.k, config.sigma)
+        if n_test == 0:
+            rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": 0,
+                         "accuracy": None, "info": {"lambda": lam}})
+            continue
+        if p_knn is None:
+            p_knn = np.full_like(v.p_test, 1.0 / v.num_classes)
+        oracle = choose_lambda(p_knn, v.p_test, v.y_test, tuple(lambdas))
+        acc = float(np.mean(interpolate(p_knn, v.p_test, lam).argmax(1) == v.y_test))
+        oracle_acc = float(np.mean(interpolate(p_knn, v.p_test, oracle).argmax(1) == v.y_test))
+        rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": n_test,
+                     "accuracy": acc,
+                     "info": {"lambda": lam, "oracle_lambda": oracle,
+                              "oracle_accuracy": oracle_acc}})
+    return rows
+
+
+def base_probs_of(personalize: Callable[[ClientData], Any]) -> BaseProbs:
+    """A body's own personalized predictor as the base that kNN-Per interpolates with."""
+
+    def probs(client: ClientData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        personal = personalize(client)
+        return tuple(np.asarray(personal.predict_proba(x), dtype=np.float64)  # type: ignore
+                     for x in (client.x_train, client.x_val, client.x_test))
+
+    return probs
+
+
+def lambda_report(rows: Sequence[dict[str, Any]]) -> dict[str, float | int]:
+    """How often the honest lambda differs from the test oracle's and what that costs (pp of the
+    test-size-weighted mean accuracy), over the clients with test data."""
+    scored = [r for r in rows if r["accuracy"] is not None and "oracle_lambda" in r["info"]]
+    if not scored:
+        return {"clients": 0}
+    w = np.array([r["n_test"] for r in scored], dtype=np.float64)
+    honest = np.array([r["accuracy"] for r in scored])
+    oracle = np.array([r["info"]["oracle_accuracy"] for r in scored])
+    differs = [r["info"]["lambda"] != r["info"]["oracle_lambda"] for r in scored]
+    return {"clients": len(scored), "differs": int(sum(differs)),
+            "differs_fraction": float(np.mean(differs)),
+            "honest_mean": float(np.average(honest, weights=w)),
+            "oracle_mean": float(np.average(oracle, weights=w)),
+            "cost_pp": float(100 * (np.average(oracle, weights=w) - np.average(honest, weights=w)))}
