@@ -9,11 +9,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
 TMP_SUFFIX = ".tmp"
+# Most arrays an .npz in a bundle may hold, and the longest .npy header numpy should parse.
+MAX_NPZ_MEMBERS = 16
+_MAX_NPY_HEADER = 4096
+
+
+def temp_path(final: Path) -> Path:
+    """A temporary name beside `final` that no other writer (process or thread) will pick:
+    <name>.tmp-<pid>-<random>, so a writer only ever cleans up its own temporaries."""
+    return final.with_name(f"{final.name}{TMP_SUFFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -39,7 +50,7 @@ def _replace_synced(tmp: Path, final: Path, *, sync_dir: bool) -> None:
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
     """Write `data` to `path` through `path.tmp`, fsynced, then renamed over `path`."""
     final = Path(path)
-    tmp = final.with_name(final.name + TMP_SUFFIX)
+    tmp = temp_path(final)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -74,7 +85,7 @@ def save_npz_atomic(
 ) -> None:
     """np.savez (uncompressed: the file size is the memory the arrays take) through a temp name."""
     final = Path(path)
-    tmp = final.with_name(final.name + TMP_SUFFIX)
+    tmp = temp_path(final)
     try:
         with open(tmp, "wb") as f:
             np.savez(f, **arrays)
@@ -99,7 +110,50 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def check_npz_members(path: str | os.PathLike) -> None:
+    """Refuse an .npz whose arrays could take more memory than its file: every member must be
+    stored uncompressed (so a member's bytes in memory are its bytes on disk) and its .npy
+    header must declare exactly the array its data holds. Nothing is decompressed or allocated
+    before these checks pass; ValueError names the problem."""
+    name = Path(path).name
+    with zipfile.ZipFile(path) as zf:
+        members = zf.infolist()
+        if len(members) > MAX_NPZ_MEMBERS:
+            raise ValueError(f"{name} holds {len(members)} members, more than {MAX_NPZ_MEMBERS}")
+        seen = set()
+        for info in members:
+            what = f"{name}: member {info.filename!r}"
+            if info.filename in seen or not info.filename.endswith(".npy"):
+                raise ValueError(f"{what} is repeated or not an .npy array")
+            seen.add(info.filename)
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                raise ValueError(
+                    f"{what} is compressed; bundles store arrays uncompressed (np.savez), so that "
+                    "their size on disk is the memory they take"
+                )
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = {
+                    (1, 0): np.lib.format.read_array_header_1_0,
+                    (2, 0): np.lib.format.read_array_header_2_0,
+                }.get(version)
+                if read_header is None:
+                    raise ValueError(f"{what} has unsupported .npy version {version}")
+                shape, _, dtype = read_header(f, max_header_size=_MAX_NPY_HEADER)
+                header_bytes = f.tell()
+            if dtype.hasobject:
+                raise ValueError(f"{what} holds Python objects")
+            data_bytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if header_bytes + data_bytes != info.file_size:
+                raise ValueError(
+                    f"{what} declares a {dtype} array of shape {list(shape)} ({data_bytes} bytes) "
+                    f"but holds {info.file_size - header_bytes} bytes of data"
+                )
+
+
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Every array of an .npz, never unpickling (a bundle is untrusted input)."""
+    """Every array of an .npz, after `check_npz_members`, never unpickling (a bundle is
+    untrusted input)."""
+    check_npz_members(path)
     with np.load(path, allow_pickle=False) as f:
         return {name: f[name] for name in f.files}

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .._io import TMP_SUFFIX, fsync_dir, fsync_file, load_npz, save_npz_atomic
+from .._io import fsync_dir, fsync_file, load_npz, save_npz_atomic, temp_path
+from ..hnsw_format import check_hnsw_index
 from ..knn import kernel_posterior
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
@@ -204,7 +205,7 @@ class HNSWDatastore:
         directory = Path(directory)
         npz = datastore_file_name("datastore", "npz", generation)
         binary = datastore_file_name("hnsw", "bin", generation)
-        tmp = directory / (binary + TMP_SUFFIX)
+        tmp = temp_path(directory / binary)
         try:
             self.index_.save_index(os.fspath(tmp))
             fsync_file(tmp)
@@ -245,6 +246,8 @@ class HNSWDatastore:
         labels = _check_labels_array(arrays["labels"], n, ds.num_classes, npz[0])
         hnswlib = _import_hnswlib()
         index = hnswlib.Index(space="l2", dim=int(embedding_dim))
+        # hnswlib trusts its file; a crafted one crashes the process at query time
+        check_hnsw_index((Path(directory) / binary[0]).read_bytes(), embedding_dim, binary[0])
         try:
             index.load_index(os.fspath(Path(directory) / binary[0]), allow_replace_deleted=True)
         except RuntimeError as exc:
