@@ -55,9 +55,16 @@ def _to_arrays(obj: Any) -> Any:
     return obj
 
 
+def checkpoint_round(path: Path) -> int:
+    """The round a checkpoint file holds, from its name (round_0005.pt -> 5)."""
+    return int(path.stem.removeprefix("round_"))
+
+
 def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
-                    states: dict[int, dict[str, Any]]) -> None:
-    """Write to a temporary name and rename: a kill mid-write never leaves a torn checkpoint."""
+                    states: dict[int, dict[str, Any]], keep_every: int | None = None) -> None:
+    """Write to a temporary name and rename: a kill mid-write never leaves a torn checkpoint.
+    Older checkpoints are deleted except the newest two and, with `keep_every`, those of every
+    keep_every-th round (experiments on the global model's quality along training read them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save({"rounds_done": rounds_done, "weights": _to_tensors(weights),
@@ -66,7 +73,8 @@ def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
         os.fsync(f.fileno())
     os.replace(tmp, path)
     for stale in sorted(path.parent.glob("round_*.pt"))[:-KEEP_CHECKPOINTS]:
-        stale.unlink()
+        if keep_every is None or checkpoint_round(stale) % keep_every:
+            stale.unlink()
 
 
 def load_checkpoint(path: Path) -> SimulationResult:
@@ -115,8 +123,10 @@ def _truncate_metrics(path: Path, rounds_done: int) -> None:
 
 def simulate(algorithm: Algorithm, clients: list[ClientData], training: TrainingConfig,
              initial_weights: Weights, *, seed: int = 0, run_dir: Path | None = None,
-             checkpoint_every: int = 5, progress: bool = True) -> SimulationResult:
-    """Run `training.rounds` rounds over the clients that are not held out as unseen."""
+             checkpoint_every: int = 5, keep_every: int | None = None,
+             progress: bool = True) -> SimulationResult:
+    """Run `training.rounds` rounds over the clients that are not held out as unseen.
+    `keep_every`: see save_checkpoint."""
     participants = [c for c in clients if not c.unseen]
     if not participants:
         raise ValueError("no training clients: every client is held out as unseen")
@@ -162,6 +172,6 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
                 f.write(json.dumps(row) + "\n")
         if checkpoint:
             save_checkpoint(run_dir / "checkpoints" / f"round_{state.rounds_done:04d}.pt",
-                            state.rounds_done, state.weights, state.states)
+                            state.rounds_done, state.weights, state.states, keep_every)
         log.debug("round %d: %s", r + 1, row)
     return state
