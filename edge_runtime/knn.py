@@ -71,12 +71,17 @@ def choose_lambda(
     return best
 
 
-# Blockwise threshold top-k: the minimum of each block of _BLOCK distances is partitioned first,
-# and only the k best blocks are searched; it pays off once there are enough blocks per k.
+# Top-k method, chosen by measured switch points (benchmarks/runtime_topk.py, results in
+# benchmarks/results/runtime/topk.csv): the blockwise threshold top-k partitions the minimum of
+# each block of _BLOCK distances first and searches only the k best blocks; it beats a plain
+# argpartition of the whole row once a row holds at least _BLOCKWISE_MIN_KEYS_PER_K keys per k.
 _BLOCK = 64
-_MIN_BLOCKS_PER_K = 4
+_BLOCKWISE_MIN_KEYS_PER_K = 256
 # Queries are searched in chunks so a distance matrix never holds more than this many cells.
 _MAX_CHUNK_CELLS = 1 << 22
+# Keys stored narrower than float32 are widened this many at a time (a block of d x 2048 float32
+# stays in the L2 cache), so no full-size float32 copy of them ever exists.
+_DEQUANT_BLOCK = 2048
 
 
 def exact_search(
@@ -88,32 +93,98 @@ def exact_search(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Brute-force Euclidean k nearest neighbours: (squared distances, indices), nearest first.
 
-    `key_norms` (the squared norms of `keys`, float32) may be passed by callers that search the
-    same keys many times; the result is the same. Equal distances are listed in index order.
+    `keys` is [n, p]; `key_norms` (the squared norms of `keys`, float32) may be passed by callers
+    that search the same keys many times; the result is the same. Equal distances are listed in
+    index order.
     """
     keys = np.asarray(keys, dtype=np.float32)
-    n = keys.shape[0]
-    k = min(k, n)
-    q = np.asarray(queries, dtype=np.float32)
     if key_norms is None:
         key_norms = np.einsum("ij,ij->i", keys, keys)
+    return search_transposed(queries, keys.T, k, key_norms=key_norms)
+
+
+def search_transposed(
+    queries: np.ndarray,
+    keys_t: np.ndarray,
+    k: int,
+    *,
+    key_norms: np.ndarray,
+    scale: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """exact_search over keys stored transposed, [p, n], as float32, float16 or int8.
+
+    The [p, n] layout lets one query's distances stream the keys at memory speed (a matrix-vector
+    product over contiguous rows). Keys narrower than float32 are widened a block at a time;
+    int8 keys stand for keys_t * scale[:, None] (one scale per dimension), folded into the
+    query. `key_norms` are the squared norms of the keys as the search sees them (float32).
+    """
+    n = keys_t.shape[1]
+    k = min(k, n)
+    q = np.asarray(queries, dtype=np.float32)
     rows = max(1, _MAX_CHUNK_CELLS // max(n, 1))
     if q.shape[0] <= rows:
-        return _search_chunk(q, keys, key_norms, k)
-    parts = [_search_chunk(q[s : s + rows], keys, key_norms, k) for s in range(0, q.shape[0], rows)]
+        return _search_chunk(q, keys_t, key_norms, scale, k)
+    parts = [
+        _search_chunk(q[s : s + rows], keys_t, key_norms, scale, k)
+        for s in range(0, q.shape[0], rows)
+    ]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
+def transposed_key_norms(keys_t: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+    """Squared norms (float32 [n]) of keys stored [p, n] (times scale per dimension), a block
+    at a time; a key holding NaN or inf gets a non-finite norm, so callers check this alone."""
+    p, n = keys_t.shape
+    norms = np.empty(n, dtype=np.float32)
+    buf = np.empty((p, min(n, _DEQUANT_BLOCK)), dtype=np.float32)
+    for s in range(0, n, _DEQUANT_BLOCK):
+        e = min(n, s + _DEQUANT_BLOCK)
+        block = buf[:, : e - s]
+        np.copyto(block, keys_t[:, s:e], casting="unsafe")
+        if scale is not None:
+            block *= scale[:, None]
+        np.einsum("ij,ij->j", block, block, out=norms[s:e])
+    return norms
+
+
+def _dot_keys(q: np.ndarray, keys_t: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+    """q @ (keys as the search sees them), [m, n] float32, without widening all keys at once."""
+    if scale is not None:
+        q = q * scale[None, :]
+    vector = q.shape[0] == 1  # a matrix-vector product streams the keys fastest
+    if keys_t.dtype == np.float32:
+        return (q[0] @ keys_t)[None, :] if vector else q @ keys_t
+    p, n = keys_t.shape
+    out = np.empty((q.shape[0], n), dtype=np.float32)
+    buf = np.empty((p, min(n, _DEQUANT_BLOCK)), dtype=np.float32)
+    for s in range(0, n, _DEQUANT_BLOCK):
+        e = min(n, s + _DEQUANT_BLOCK)
+        block = buf[:, : e - s]
+        np.copyto(block, keys_t[:, s:e], casting="unsafe")
+        if vector:
+            np.matmul(q[0], block, out=out[0, s:e])
+        else:
+            np.matmul(q, block, out=out[:, s:e])
+    return out
+
+
 def _search_chunk(
-    q: np.ndarray, keys: np.ndarray, key_norms: np.ndarray, k: int
+    q: np.ndarray,
+    keys_t: np.ndarray,
+    key_norms: np.ndarray,
+    scale: np.ndarray | None,
+    k: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    n = keys.shape[0]
-    sq = key_norms[None, :] - 2.0 * (q @ keys.T) + np.einsum("ij,ij->i", q, q)[:, None]
+    n = keys_t.shape[1]
+    sq = _dot_keys(q, keys_t, scale)
+    sq *= -2.0
+    sq += key_norms[None, :]
+    sq += np.einsum("ij,ij->i", q, q)[:, None]
     np.maximum(sq, 0.0, out=sq)
     if k >= n:
         idx = np.tile(np.arange(n), (q.shape[0], 1))
-    elif n // _BLOCK >= _MIN_BLOCKS_PER_K * k:
-        idx = _blockwise_topk(sq, k)
+    elif n >= _BLOCKWISE_MIN_KEYS_PER_K * k and n // _BLOCK >= k:
+        idx = blockwise_topk(sq, k)
     else:
         idx = np.argpartition(sq, k - 1, axis=1)[:, :k]
     part = np.take_along_axis(sq, idx, axis=1)
@@ -121,7 +192,7 @@ def _search_chunk(
     return np.take_along_axis(part, order, axis=1), np.take_along_axis(idx, order, axis=1)
 
 
-def _blockwise_topk(sq: np.ndarray, k: int) -> np.ndarray:
+def blockwise_topk(sq: np.ndarray, k: int) -> np.ndarray:
     """Indices (unordered) of the k smallest entries of each row of sq."""
     m, n = sq.shape
     full = n // _BLOCK

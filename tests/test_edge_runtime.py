@@ -304,7 +304,7 @@ def test_int8_values_beyond_the_fitted_scale_are_clipped():
     z, y = _embeddings(50)
     ds = FlatDatastore(NUM_CLASSES, dtype="int8").fit(z, y)
     ds.add(z[:1] * 100, y[:1])
-    assert np.all(np.abs(ds.keys_[-1]) <= ds.scale_ * 127 + 1e-6)
+    assert np.all(np.abs(ds.keys()[-1]) <= ds.scale_ * 127 + 1e-6)
 
 
 def test_hnsw_recall_against_exact_and_squared_distances(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .._io import load_npz, save_npz_atomic
-from ..knn import exact_search, kernel_posterior
+from ..knn import kernel_posterior, search_transposed, transposed_key_norms
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
@@ -28,12 +28,14 @@ from .recipes import format_recipe
 
 
 class FlatDatastore:
-    """Exact kNN over stored keys, kept as float32, float16 or int8 on disk.
+    """Exact kNN over stored keys, kept as float32, float16 or int8 on disk and in memory.
 
+    Keys are held transposed, keys_t_ [p, n], so that one query's distances stream them at
+    memory speed, and in their stored dtype: float16 and int8 keys are widened a block at a time
+    while scanning, never all at once, so the memory the keys take is the size of their file.
     int8 keys use one symmetric scale per dimension (max |z_d| / 127, fixed at fit; later samples
-    are clipped to it). In memory the keys are widened to float32 once (numpy float16 arithmetic
-    is about 10x slower per query), so the saved file is smaller than the memory the keys take.
-    Widened int8/fp16 keys convert back to their stored form exactly, so only one copy is held.
+    are clipped to it). On disk the keys are the [n, p] array in Fortran order, which is keys_t_
+    byte for byte: loading needs no transposed copy.
     """
 
     backend = "flat"
@@ -76,7 +78,7 @@ class FlatDatastore:
             self.scale_ = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
         else:
             self.scale_ = None
-        self._set(self._roundtrip(z), y, np.arange(z.shape[0], dtype=np.int64))
+        self._set(self._stored_form(z), y, np.arange(z.shape[0], dtype=np.int64))
         return self
 
     def add(self, z: np.ndarray, y: np.ndarray) -> FlatDatastore:
@@ -85,7 +87,7 @@ class FlatDatastore:
         start = int(self.order_[-1]) + 1 if len(self.order_) else 0
         stamps = np.arange(start, start + z.shape[0], dtype=np.int64)
         self._set(
-            np.concatenate([self.keys_, self._roundtrip(z)]),
+            np.concatenate([self.keys_t_, self._stored_form(z)], axis=1),
             np.concatenate([self.labels_, y]),
             np.concatenate([self.order_, stamps]),
         )
@@ -96,36 +98,37 @@ class FlatDatastore:
         if not 0 <= count <= len(self):
             raise ValueError(f"cannot evict {count} of {len(self)} samples")
         if count:
-            self._set(self.keys_[count:].copy(), self.labels_[count:], self.order_[count:])
+            self._set(self.keys_t_[:, count:], self.labels_[count:], self.order_[count:])
         return self
 
-    def _roundtrip(self, z: np.ndarray) -> np.ndarray:
-        """z as the search will see it: quantized to the stored dtype and widened to float32."""
+    def _stored_form(self, z: np.ndarray) -> np.ndarray:
+        """Embeddings [n, p] float32 -> keys as stored, transposed [p, n], in the recipe's dtype."""
         if self.dtype == "fp16":
             limit = np.finfo(np.float16).max  # clipped like int8, rather than stored as inf
-            return np.clip(z, -limit, limit).astype(np.float16).astype(np.float32)
+            return np.clip(z, -limit, limit).T.astype(np.float16, order="C")
         if self.dtype == "int8":
-            return self._dequantize(self._quantize(z))
-        return np.ascontiguousarray(z, dtype=np.float32)
+            return np.clip(np.rint(z / self.scale_), -127, 127).T.astype(np.int8, order="C")
+        return np.ascontiguousarray(z.T, dtype=np.float32)
 
-    def _quantize(self, z: np.ndarray) -> np.ndarray:
-        return np.clip(np.rint(z / self.scale_), -127, 127).astype(np.int8)
-
-    def _dequantize(self, q: np.ndarray) -> np.ndarray:
-        return q.astype(np.float32) * self.scale_
-
-    def _set(self, keys: np.ndarray, labels: np.ndarray, order: np.ndarray) -> None:
-        self.keys_ = np.ascontiguousarray(keys, dtype=np.float32)
+    def _set(self, keys_t: np.ndarray, labels: np.ndarray, order: np.ndarray) -> None:
+        self.keys_t_ = np.ascontiguousarray(keys_t)
         self.labels_ = labels
         self.order_ = order
-        self.embedding_dim_ = int(keys.shape[1])
-        self._key_norms = np.einsum("ij,ij->i", self.keys_, self.keys_)
+        self.embedding_dim_ = int(keys_t.shape[0])
+        self._key_norms = transposed_key_norms(self.keys_t_, self.scale_)
+
+    def keys(self) -> np.ndarray:
+        """The keys [n, p] as the search sees them, as a new float32 array (for inspection)."""
+        widened = self.keys_t_.T.astype(np.float32)
+        return widened * self.scale_ if self.scale_ is not None else widened
 
     # -- inference
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(squared distances, row indices into keys_/labels_) of the k nearest, nearest first."""
+        """(squared distances, row indices into keys/labels_) of the k nearest, nearest first."""
         z = _check_query(z, self.embedding_dim_)
-        return exact_search(z, self.keys_, self.k, key_norms=self._key_norms)
+        return search_transposed(
+            z, self.keys_t_, self.k, key_norms=self._key_norms, scale=self.scale_
+        )
 
     def predict_proba(self, z: np.ndarray) -> np.ndarray:
         sq, idx = self.kneighbors(z)
@@ -163,18 +166,12 @@ class FlatDatastore:
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         """Write datastore[.<generation>].npz (atomically, fsynced); returns the file names."""
         name = datastore_file_name("datastore", "npz", generation)
-        arrays = {"keys": self._stored_keys(), "labels": self.labels_, "order": self.order_}
+        # keys_t_.T is the [n, p] array in Fortran order: saved without a copy, loaded likewise
+        arrays = {"keys": self.keys_t_.T, "labels": self.labels_, "order": self.order_}
         if self.dtype == "int8":
             arrays["scale"] = self.scale_
         save_npz_atomic(Path(directory) / name, arrays)
         return [name]
-
-    def _stored_keys(self) -> np.ndarray:
-        if self.dtype == "fp16":
-            return self.keys_.astype(np.float16)
-        if self.dtype == "int8":
-            return self._quantize(self.keys_)
-        return self.keys_
 
     @classmethod
     def load(
@@ -208,23 +205,23 @@ class FlatDatastore:
         order = arrays["order"]
         if order.dtype.kind not in "iu" or order.shape != (n,):
             raise ValueError(f"{npz[0]}: order must be integers of shape [{n}]")
-        if len(np.unique(order)) != n:
-            raise ValueError(f"{npz[0]}: order stamps must be distinct")
+        order = order.astype(np.int64, copy=False)
+        if n > 1 and not np.all(order[1:] > order[:-1]):
+            raise ValueError(f"{npz[0]}: order stamps must be increasing (oldest first)")
         if ds.dtype == "int8":
             _require(arrays, ["scale"], npz[0])
             scale = arrays["scale"]
-            if scale.shape != (dim,) or not np.all(np.isfinite(scale)) or np.any(scale <= 0):
+            if (
+                scale.dtype.kind != "f"
+                or scale.shape != (dim,)
+                or not np.all(np.isfinite(scale))
+                or np.any(scale <= 0)
+            ):
                 raise ValueError(f"{npz[0]}: scale must be {dim} positive finite numbers")
             ds.scale_ = scale.astype(np.float32)
-            widened = ds._dequantize(keys)
         else:
             ds.scale_ = None
-            widened = keys.astype(np.float32, copy=False)
-            if not np.all(np.isfinite(widened)):
-                raise ValueError(f"{npz[0]}: keys hold NaN or infinite values")
-        order = order.astype(np.int64, copy=False)
-        if n > 1 and np.any(np.diff(order) < 0):  # saved files are in order: no copy then
-            sort = np.argsort(order, kind="stable")
-            widened, labels, order = widened[sort], labels[sort], order[sort]
-        ds._set(widened, labels, order)
+        ds._set(keys.T, labels, order)  # Fortran-order keys: .T is C-contiguous, no copy
+        if not np.all(np.isfinite(ds._key_norms)):
+            raise ValueError(f"{npz[0]}: keys hold NaN, infinite or overflowing values")
         return ds
