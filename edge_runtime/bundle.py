@@ -8,18 +8,34 @@ Crash safety: the manifest is the commit point. A new bundle is written into a t
 directory and renamed into place; a datastore update writes its files under new names
 (datastore.<generation>.npz), then replaces manifest.json atomically, then removes the old files.
 A crash at any moment leaves a manifest whose listed files are all complete and verified; files
-it does not list (left by an interrupted update) are ignored and removed by the next update.
+it does not list (left by an interrupted update) are ignored and removed at the next load or
+update.
+
+Concurrency: writers hold an exclusive lock on the bundle directory from reading the manifest to
+committing the next one, readers a shared lock while they read (see `locking`), so processes that
+share a bundle never lose an update and a reader always sees one complete generation.
+
+Hostile files: the sha256 list guards against corruption, not against someone who rewrites the
+manifest too. So every file is also checked for what could crash the process or exhaust memory
+before a parser sees it: the manifest's size, nesting and duplicate keys; each file's size
+against the budget before it is hashed; npz members (uncompressed, headers matching their
+data); hnsw.bin's graph structure; the encoder loaded from the very bytes that were hashed, with
+no external data files. A signature (see `signing`) additionally guards the manifest's content.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import numbers
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +59,13 @@ from .datastores import (
     parse_recipe,
 )
 from .encoder import Encoder
+from .errors import BudgetExceeded, BundleBusy, BundleError, SignatureError
+from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock
+from .onnx_check import uses_external_data
 from .preprocess import prepare_input, validate_spec
+from .signing import SIGNATURE_FILE, signature_document, verify_signature
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "knnper-bundle"
 FORMAT_VERSION = 1
@@ -70,19 +92,20 @@ _SCHEMA: dict[str, str | type] = {
 }
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# A real manifest is about 1 KB; these bound what a hostile one can cost to parse.
+MAX_MANIFEST_BYTES = 64 * 1024
+MAX_MANIFEST_DEPTH = 8
 
-
-class BundleError(ValueError):
-    """A bundle that cannot be used (or written) as it is; the message is one line."""
-
-
-class BudgetExceeded(BundleError):
-    """The files would take more bytes than the bundle's budget."""
-
-    def __init__(self, message: str, needed: int, budget: int) -> None:
-        super().__init__(message)
-        self.needed = needed
-        self.budget = budget
+__all__ = [
+    "BudgetExceeded",
+    "Bundle",
+    "BundleBusy",
+    "BundleError",
+    "SignatureError",
+    "read_bundle",
+    "read_manifest",
+    "write_bundle",
+]
 
 
 @dataclass
@@ -212,24 +235,71 @@ def datastore_files(manifest: dict) -> list[str]:
     return sorted(n for n in manifest["files"] if n != ENCODER_FILE)
 
 
-def read_manifest(bundle_dir: str | os.PathLike) -> dict:
-    """Parse and schema-check manifest.json only (no file hashes): for `info` and `--like`."""
-    bundle_dir = Path(bundle_dir)
-    path = bundle_dir / MANIFEST
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"duplicate key(s) {repeated}")
+    return dict(pairs)
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def parse_manifest(raw: bytes, where: str) -> dict:
+    """Bytes of a manifest -> the schema-checked manifest. BundleError, never RecursionError or
+    MemoryError: the size, the nesting and repeated keys are bounded or refused."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{where}: over {MAX_MANIFEST_BYTES} bytes, too large for a manifest")
+    try:
+        manifest = json.loads(
+            raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant
+        )
+    except UnicodeDecodeError:
+        raise BundleError(f"{where}: is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise BundleError(f"{where}: is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise BundleError(f"{where}: nested too deeply") from None
+    except ValueError as exc:  # duplicate keys, NaN, integers too long to convert
+        raise BundleError(f"{where}: {_one_line(exc)}") from None
+    if _depth(manifest) > MAX_MANIFEST_DEPTH:
+        raise BundleError(f"{where}: nested deeper than {MAX_MANIFEST_DEPTH} levels")
+    return validate_manifest(manifest, where)
+
+
+def _read_manifest_bytes(bundle_dir: Path) -> bytes:
     where = f"bundle {bundle_dir}"
     if not bundle_dir.is_dir():
         raise BundleError(f"{where}: not a directory")
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(bundle_dir / MANIFEST, "rb") as f:
+            return f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise BundleError(f"{where}: no {MANIFEST}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{where}: cannot read {MANIFEST}: {exc}") from None
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{where}: {MANIFEST} is not valid JSON ({exc})") from None
-    return validate_manifest(manifest, f"{where}: {MANIFEST}")
+    except OSError as exc:
+        raise BundleError(f"{where}: cannot read {MANIFEST}: {exc.strerror}") from None
+
+
+def read_manifest(bundle_dir: str | os.PathLike) -> dict:
+    """Parse and schema-check manifest.json only (no file hashes): for `info` and `--like`."""
+    bundle_dir = Path(bundle_dir)
+    raw = _read_manifest_bytes(bundle_dir)
+    return parse_manifest(raw, f"bundle {bundle_dir}: {MANIFEST}")
 
 
 # ----------------------------------------------------------------------------- reading
@@ -241,13 +311,22 @@ def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int
     bundle_dir = Path(bundle_dir)
     where = f"bundle {bundle_dir}"
     sizes = {}
-    for name, digest in manifest["files"].items():
+    for name in manifest["files"]:
         path = bundle_dir / name
         if path.is_symlink() or not path.is_file():
             raise BundleError(f"{where}: {name} is missing or not a regular file")
         try:
-            actual = sha256_file(path)
             sizes[name] = path.stat().st_size
+        except OSError as exc:
+            raise BundleError(f"{where}: cannot read {name}: {exc.strerror}") from None
+        if sizes[name] > manifest["budget_bytes"]:  # never hash a file that cannot fit
+            raise BundleError(
+                f"{where}: over budget: {name} takes {sizes[name]} bytes > budget_bytes "
+                f"{manifest['budget_bytes']}"
+            )
+    for name, digest in manifest["files"].items():
+        try:
+            actual = sha256_file(bundle_dir / name)
         except OSError as exc:
             raise BundleError(f"{where}: cannot read {name}: {exc.strerror}") from None
         if actual != digest:
@@ -296,20 +375,80 @@ def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: dict):
         raise BundleError(f"bundle {bundle_dir}: datastore: {_one_line(exc)}") from None
 
 
-def read_bundle(bundle_dir: str | os.PathLike, *, intra_op_threads: int | None = None) -> Bundle:
-    """Read and verify a bundle: schema, version, sha256s, footprint and budget, the datastore's
-    arrays, and the encoder's output sizes (one probe inference on a zero input). Read-only."""
+def read_bundle(
+    bundle_dir: str | os.PathLike,
+    *,
+    intra_op_threads: int | None = None,
+    trusted_keys: Sequence[Any] | None = None,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+) -> Bundle:
+    """Read and verify a bundle: schema, version, footprint and budget, sha256s, the
+    signature when `trusted_keys` (Ed25519 public keys, see `signing`) are given, the
+    datastore's arrays, and the encoder's output sizes (one probe inference on a zero input).
+
+    Reads under a shared lock, so a concurrent update is seen whole or not at all. The only
+    write: datastore files no manifest lists (left by a writer that died) are removed.
+    """
     bundle_dir = Path(bundle_dir)
     where = f"bundle {bundle_dir}"
-    manifest = read_manifest(bundle_dir)
-    verify_files(bundle_dir, manifest)
-    datastore = load_bundle_datastore(bundle_dir, manifest)
+    with bundle_lock(bundle_dir, exclusive=False, timeout=lock_timeout):
+        raw = _read_manifest_bytes(bundle_dir)
+        manifest = parse_manifest(raw, f"{where}: {MANIFEST}")
+        if trusted_keys is not None:
+            verify_signature(bundle_dir, manifest, trusted_keys, where)
+        verify_files(bundle_dir, manifest)
+        model = _read_verified(bundle_dir, ENCODER_FILE, manifest, where)
+        _remove_stale_quietly(bundle_dir, manifest)
+        datastore = load_bundle_datastore(bundle_dir, manifest)
     try:
-        encoder = Encoder(bundle_dir / ENCODER_FILE, intra_op_threads=intra_op_threads)
+        if uses_external_data(model):
+            raise ValueError(
+                f"{ENCODER_FILE} keeps tensors in external data files; a bundle's encoder must "
+                "embed every tensor (the sha256 list does not cover other files)"
+            )
+        encoder = Encoder(model, intra_op_threads=intra_op_threads)
     except ValueError as exc:
         raise BundleError(f"{where}: {_one_line(exc)}") from None
     check_encoder(encoder, manifest, where)
     return Bundle(bundle_dir, manifest, encoder, datastore)
+
+
+@contextmanager
+def bundle_lock(
+    bundle_dir: Path, *, exclusive: bool, timeout: float = DEFAULT_LOCK_TIMEOUT
+) -> Iterator[None]:
+    """`locking.directory_lock` on a bundle, with its errors as BundleErrors."""
+    try:
+        with directory_lock(bundle_dir, exclusive=exclusive, timeout=timeout):
+            yield
+    except LockTimeout as exc:
+        raise BundleBusy(f"bundle {exc}") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise BundleError(f"bundle {bundle_dir}: not a directory") from None
+
+
+def _read_verified(bundle_dir: Path, name: str, manifest: dict, where: str) -> bytes:
+    """The bytes of a listed file, checked against its sha256 once more: what runs is what
+    was hashed, even if the file is swapped after `verify_files`."""
+    limit = manifest["budget_bytes"]
+    with open(bundle_dir / name, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit or hashlib.sha256(data).hexdigest() != manifest["files"][name]:
+        raise BundleError(f"{where}: {name} changed while it was read")
+    return data
+
+
+def _remove_stale_quietly(bundle_dir: Path, manifest: dict) -> None:
+    """Leftovers of a dead writer take room past the budget: remove them when loading. Under
+    the shared lock no writer is running, so every unlisted datastore file is a leftover."""
+    try:
+        removed = remove_stale_files(bundle_dir, manifest)
+    except OSError as exc:  # a read-only bundle still loads
+        logger.warning("bundle %s: could not remove leftover files: %s", bundle_dir, exc)
+        return
+    if removed:
+        logger.warning("bundle %s: removed files of an interrupted update: %s", bundle_dir,
+                       ", ".join(sorted(removed)))
 
 
 def check_encoder(encoder: Encoder, manifest: dict, where: str) -> None:
@@ -407,6 +546,7 @@ def write_bundle(
     datastore: Any,
     *,
     replace: bool = True,
+    signing_key: Any = None,
 ) -> dict:
     """Write a verified bundle to `out_dir` atomically and return its manifest.
 
@@ -419,7 +559,8 @@ def write_bundle(
     the budget and verified as `read_bundle` would, then renamed into place. An existing bundle
     at `out_dir` is replaced (unless replace=False) by two renames, old aside then new in, so
     the window without a bundle is two system calls; any other existing non-empty directory is
-    refused. On any error nothing is left behind and BundleError says why.
+    refused. On any error nothing is left behind and BundleError says why. `signing_key`: an
+    Ed25519 private key (`signing.load_private_key`) to sign the manifest with.
     """
     out_dir = Path(out_dir)
     try:
@@ -468,8 +609,13 @@ def write_bundle(
         }
         manifest["files"] = files
         write_json_atomic(tmp / MANIFEST, manifest)
+        trusted = None
+        if signing_key is not None:
+            signed = (tmp / MANIFEST).read_bytes()
+            write_json_atomic(tmp / SIGNATURE_FILE, signature_document(signed, signing_key))
+            trusted = [signing_key.public_key()]
         try:
-            read_bundle(tmp, intra_op_threads=1)
+            read_bundle(tmp, intra_op_threads=1, trusted_keys=trusted)
         except BundleError as exc:
             raise BundleError(str(exc).replace(str(tmp), str(out_dir))) from None
         _swap_into_place(tmp, out_dir)
@@ -526,25 +672,29 @@ def _swap_into_place(tmp: Path, out_dir: Path) -> None:
         fsync_dir(parent)
         return
     old = parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        os.rename(old, out_dir)
-        raise
+    with bundle_lock(out_dir, exclusive=True):  # no device update or load mid-swap
+        os.rename(out_dir, old)
+        try:
+            os.rename(tmp, out_dir)
+        except BaseException:
+            os.rename(old, out_dir)
+            raise
     fsync_dir(parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- updates
 
+_TMP = r"\.tmp(?:-\d+-[0-9a-f]{8})?"  # a temporary name, old (.tmp) or per writer
 _STALE_RE = re.compile(
-    r"^(?:(?:datastore|hnsw)(?:\.\d+)?\.(?:npz|bin)(?:\.tmp)?|manifest\.json\.tmp)$"
+    rf"^(?:(?:datastore|hnsw)(?:\.\d+)?\.(?:npz|bin)(?:{_TMP})?"
+    rf"|(?:manifest|signature)\.json{_TMP})$"
 )
 
 
 def remove_stale_files(bundle_dir: str | os.PathLike, manifest: dict) -> list[str]:
-    """Delete datastore files and temporaries the manifest does not list (left by a crash)."""
+    """Delete datastore files and temporaries the manifest does not list (left by a crash).
+    Call it only under the bundle's lock: then no live writer owns any of them."""
     bundle_dir = Path(bundle_dir)
     removed = []
     for entry in bundle_dir.iterdir():
@@ -562,7 +712,8 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
     Order: remove leftovers of interrupted updates; save the datastore under the next
     generation's file names (each written to a temporary name, fsynced, renamed); hash them and
     check the budget (BudgetExceeded, nothing kept); replace manifest.json atomically; delete
-    the previous generation's files.
+    the previous generation's files. The caller holds the bundle's exclusive lock
+    (`bundle_lock(..., exclusive=True)`) across its read-modify-commit.
     """
     bundle_dir = Path(bundle_dir)
     if read_manifest(bundle_dir) != manifest:

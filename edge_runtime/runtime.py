@@ -12,6 +12,12 @@ else the number of samples stored when the bundle was loaded:
 - concatenate: add everything; if the files would exceed the bundle's budget, evict the oldest
   until they fit and log a warning saying so. The recipe's n grows with the datastore.
 - fixed: the datastore stays as it is (inputs are still checked).
+
+Several processes may share one bundle: `add` holds the bundle's exclusive lock from checking
+that the manifest on disk is still the one this runtime loaded to committing the next one, so no
+acknowledged sample is ever lost. A runtime whose bundle was updated by another process since it
+loaded gets a BundleError ("load it again") and changes nothing; one that waits longer than
+`lock_timeout` for the lock gets BundleBusy.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +36,7 @@ from .bundle import (
     UPDATE_STRATEGIES,
     BudgetExceeded,
     BundleError,
+    bundle_lock,
     commit_datastore,
     load_bundle_datastore,
     read_bundle,
@@ -35,6 +44,7 @@ from .bundle import (
 )
 from .datastores import max_count_within
 from .knn import interpolate, softmax
+from .locking import DEFAULT_LOCK_TIMEOUT
 from .preprocess import prepare_input
 
 logger = logging.getLogger(__name__)
@@ -70,18 +80,42 @@ def check_labels(y: object, n: int, num_classes: int) -> np.ndarray:
 class Runtime:
     """Personalized inference on one device from one bundle. Build it with `Runtime.load`."""
 
-    def __init__(self, path: Path, manifest: dict, encoder, datastore) -> None:
+    def __init__(
+        self,
+        path: Path,
+        manifest: dict,
+        encoder,
+        datastore,
+        *,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    ) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.encoder = encoder
         self.datastore = datastore
+        self.lock_timeout = lock_timeout
         self.size_at_load_ = len(datastore)
 
     @classmethod
-    def load(cls, bundle_dir: str | os.PathLike, *, intra_op_threads: int | None = None) -> Runtime:
-        """Verify the bundle (schema, version, sha256s, budget, dimensions) and load it."""
-        bundle = read_bundle(bundle_dir, intra_op_threads=intra_op_threads)
-        return cls(bundle.path, bundle.manifest, bundle.encoder, bundle.datastore)
+    def load(
+        cls,
+        bundle_dir: str | os.PathLike,
+        *,
+        intra_op_threads: int | None = None,
+        trusted_keys: Sequence[Any] | None = None,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    ) -> Runtime:
+        """Verify the bundle (schema, version, sha256s, budget, dimensions; its signature when
+        `trusted_keys`, Ed25519 public keys from `signing.load_public_key`, are given) and load
+        it. `lock_timeout`: seconds to wait for another process's update to finish."""
+        bundle = read_bundle(
+            bundle_dir,
+            intra_op_threads=intra_op_threads,
+            trusted_keys=trusted_keys,
+            lock_timeout=lock_timeout,
+        )
+        parts = (bundle.path, bundle.manifest, bundle.encoder, bundle.datastore)
+        return cls(*parts, lock_timeout=lock_timeout)
 
     # -- properties from the manifest
     @property
@@ -136,7 +170,7 @@ class Runtime:
     def add(self, x: np.ndarray, y: object, strategy: str | None = None) -> UpdateReport:
         """Embed labelled samples and update the datastore by `strategy` (default: the
         manifest's update_strategy), then persist the bundle crash-safely."""
-        strategy = strategy or self.manifest["update_strategy"]
+        strategy = self.manifest["update_strategy"] if strategy is None else strategy
         if strategy not in UPDATE_STRATEGIES:
             raise ValueError(
                 f"update strategy must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}"
@@ -152,12 +186,20 @@ class Runtime:
                 f"a protonn datastore cannot take new samples; use strategy 'fixed', not "
                 f"{strategy!r}"
             )
-        if read_manifest(self.path) != self.manifest:
-            raise BundleError(
-                f"bundle {self.path}: manifest.json changed on disk since the bundle was loaded "
-                "(another writer?); load it again"
-            )
         z, _ = self.encoder.run(xp)
+        with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):
+            if read_manifest(self.path) != self.manifest:
+                raise BundleError(
+                    f"bundle {self.path}: manifest.json changed on disk since the bundle was "
+                    "loaded (another writer?); load it again"
+                )
+            return self._update(z, labels, strategy, received)
+
+    def _update(
+        self, z: np.ndarray, labels: np.ndarray, strategy: str, received: int
+    ) -> UpdateReport:
+        """Evict and add in memory by `strategy`, then commit; the caller holds the lock."""
+        ds = self.datastore
         fits = self._max_fit()
         if fits < 1:
             raise BudgetExceeded(

@@ -1,0 +1,25 @@
+"""The runtime's error types: every problem with a bundle is a BundleError with a one-line
+message, so a caller (or the CLI) catches one type and prints one line."""
+
+from __future__ import annotations
+
+
+class BundleError(ValueError):
+    """A bundle that cannot be used (or written) as it is; the message is one line."""
+
+
+class BudgetExceeded(BundleError):
+    """The files would take more bytes than the bundle's budget."""
+
+    def __init__(self, message: str, needed: int, budget: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.budget = budget
+
+
+class BundleBusy(BundleError):
+    """Another process held the bundle's lock for longer than the timeout; try again later."""
+
+
+class SignatureError(BundleError):
+    """A runtime that trusts a signing key met a bundle that is unsigned or does not verify."""

@@ -1,0 +1,181 @@
+"""Optional Ed25519 signatures on bundles (the `cryptography` package, extra `knnper[sign]`).
+
+The exporter signs the exact bytes of the manifest it wrote; since the manifest lists every
+file's sha256, the signature covers the encoder, the datastore and every setting (lambda, k,
+sigma, the input normalisation, the budget). The signed bytes travel in `signature.json` beside
+the manifest, next to the signature itself.
+
+On-device updates (`Runtime.add`) rewrite manifest.json without any private key on the device:
+the signed base stays in signature.json, and a runtime that trusts the exporter's key accepts
+the current manifest only when it equals the signed base in everything except what an update
+may change: the datastore's file names and sha256s, the datastore and total footprint (still
+bounded by the signed budget) and the recipe's sample count n. So the encoder and every setting
+stay those the exporter signed; the stored samples after an update are the device's own, covered
+by the sha256 list against corruption but not by the signature (a key on the device, beside the
+bundle, would protect them no better against whoever can rewrite that storage).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import SignatureError
+
+SIGNATURE_FILE = "signature.json"
+ALGORITHM = "ed25519"
+MAX_SIGNATURE_BYTES = 1 << 20
+_DEVICE_FIELDS = ("files", "footprint", "backend")
+
+
+def _crypto():
+    try:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import ed25519
+    except ImportError:
+        raise SignatureError(
+            "signed bundles need the cryptography package: pip install 'knnper[sign]'"
+        ) from None
+    return ed25519, serialization, InvalidSignature
+
+
+def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.PathLike) -> str:
+    """Write a new Ed25519 private key (PEM, PKCS8, mode 0600) and its public key (PEM);
+    returns the public key's fingerprint. Refuses to overwrite either file."""
+    ed25519, serialization, _ = _crypto()
+    key = ed25519.Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    for path in (private_path, public_path):
+        if Path(path).exists():
+            raise SignatureError(f"refusing to overwrite {path}")
+    fd = os.open(os.fspath(private_path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private_pem)
+    Path(public_path).write_bytes(public_pem)
+    return fingerprint(key.public_key())
+
+
+def _read_key_file(path: str | os.PathLike) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(64 * 1024 + 1)
+    except OSError as exc:
+        raise SignatureError(f"cannot read key {path}: {exc.strerror}") from None
+    if len(data) > 64 * 1024:
+        raise SignatureError(f"key file {path} is too large to be a key")
+    return data
+
+
+def load_private_key(path: str | os.PathLike):
+    """An Ed25519 private key from an unencrypted PEM file."""
+    ed25519, serialization, _ = _crypto()
+    try:
+        key = serialization.load_pem_private_key(_read_key_file(path), password=None)
+    except (ValueError, TypeError) as exc:
+        raise SignatureError(f"{path} is not an unencrypted PEM private key: {exc}") from None
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise SignatureError(f"{path} is not an Ed25519 private key")
+    return key
+
+
+def load_public_key(path: str | os.PathLike):
+    """An Ed25519 public key from a PEM file."""
+    ed25519, serialization, _ = _crypto()
+    try:
+        key = serialization.load_pem_public_key(_read_key_file(path))
+    except (ValueError, TypeError) as exc:
+        raise SignatureError(f"{path} is not a PEM public key: {exc}") from None
+    if not isinstance(key, ed25519.Ed25519PublicKey):
+        raise SignatureError(f"{path} is not an Ed25519 public key")
+    return key
+
+
+def fingerprint(public_key) -> str:
+    """sha256 of the raw 32-byte public key, hex: names the key in signature.json."""
+    _, serialization, _ = _crypto()
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return hashlib.sha256(raw).hexdigest()
+
+
+def signature_document(manifest_bytes: bytes, private_key) -> dict:
+    """The content of signature.json for the manifest whose exact bytes are `manifest_bytes`."""
+    return {
+        "algorithm": ALGORITHM,
+        "key": fingerprint(private_key.public_key()),
+        "manifest": base64.b64encode(manifest_bytes).decode("ascii"),
+        "signature": base64.b64encode(private_key.sign(manifest_bytes)).decode("ascii"),
+    }
+
+
+def verify_signature(
+    bundle_dir: str | os.PathLike, manifest: dict, trusted_keys: Sequence[Any], where: str
+) -> dict:
+    """Check signature.json against the trusted public keys and the current manifest; returns
+    the signed base manifest. SignatureError (one line) when the bundle is unsigned, signed by
+    an untrusted key, the signature does not verify, or the manifest departs from the signed
+    base in anything an on-device update cannot change."""
+    from .bundle import parse_manifest  # the manifest parser lives with the bundle format
+
+    _, _, invalid_signature = _crypto()
+    path = Path(bundle_dir) / SIGNATURE_FILE
+    if path.is_symlink() or not path.is_file():
+        raise SignatureError(f"{where}: unsigned ({SIGNATURE_FILE} is missing) and a trusted "
+                             "key is configured")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_SIGNATURE_BYTES + 1)
+    if len(raw) > MAX_SIGNATURE_BYTES:
+        raise SignatureError(f"{where}: {SIGNATURE_FILE} is over {MAX_SIGNATURE_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+        signed = base64.b64decode(doc["manifest"], validate=True)
+        signature = base64.b64decode(doc["signature"], validate=True)
+        algorithm, key_id = doc["algorithm"], doc["key"]
+    except (ValueError, TypeError, KeyError, RecursionError, binascii.Error):
+        raise SignatureError(f"{where}: {SIGNATURE_FILE} is malformed") from None
+    if algorithm != ALGORITHM:
+        raise SignatureError(f"{where}: signature algorithm {algorithm!r} is not {ALGORITHM}")
+    keys = [k for k in trusted_keys if fingerprint(k) == key_id]
+    if not keys:
+        raise SignatureError(f"{where}: signed by key {str(key_id)[:16]}..., which is not trusted")
+    try:
+        keys[0].verify(signature, signed)
+    except invalid_signature:
+        raise SignatureError(f"{where}: the signature does not verify") from None
+    base = parse_manifest(signed, f"{where}: signed manifest")
+    _check_against_base(manifest, base, where)
+    return base
+
+
+def _check_against_base(manifest: dict, base: dict, where: str) -> None:
+    def fail(what: str) -> SignatureError:
+        return SignatureError(f"{where}: {what} differs from the signed manifest")
+
+    for key in sorted(set(manifest) | set(base)):
+        if key not in _DEVICE_FIELDS and manifest.get(key) != base.get(key):
+            raise fail(repr(key))
+    if manifest["files"].get("encoder.onnx") != base["files"].get("encoder.onnx"):
+        raise fail("the encoder's sha256")
+    if manifest["footprint"]["encoder"] != base["footprint"]["encoder"]:
+        raise fail("the encoder's footprint")
+    ours, theirs = manifest["backend"], base["backend"]
+    if ours["name"] != theirs["name"] or _fixed_params(ours) != _fixed_params(theirs):
+        raise fail("the datastore backend")
+
+
+def _fixed_params(backend: dict) -> dict:
+    """The recipe's parameters an update cannot change (all but the sample count n)."""
+    return {key: value for key, value in backend["params"].items() if key != "n"}
