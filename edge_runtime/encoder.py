@@ -8,6 +8,10 @@ import numpy as np
 import onnxruntime as ort
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+# Metadata key the exporter sets on an encoder it saved already optimized by onnxruntime; such
+# an encoder is loaded with graph optimization off (session creation several times faster).
+OPTIMIZED_KEY = "knnper.ort_optimized"
+_SAVED_LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
 
 
 class Encoder:
@@ -16,6 +20,8 @@ class Encoder:
 
     `model` is a path or the model's bytes (the bundle reader passes the bytes it hashed, so what
     was verified is what runs). Large inputs are run in batches of `batch_size` to bound memory.
+    An encoder saved by `optimize_encoder` is loaded with graph optimization off; any other is
+    optimized by onnxruntime as it loads (ORT_ENABLE_ALL, its default).
     """
 
     def __init__(
@@ -29,19 +35,14 @@ class Encoder:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
         self.intra_op_threads = intra_op_threads
-        options = ort.SessionOptions()
-        if intra_op_threads is not None:
-            options.intra_op_num_threads = int(intra_op_threads)
-        options.inter_op_num_threads = 1
-        options.log_severity_level = 3
         source = model if isinstance(model, bytes) else os.fspath(model)
         name = "the encoder" if isinstance(model, bytes) else f"encoder {os.fspath(model)}"
-        try:
-            self.session = ort.InferenceSession(
-                source, sess_options=options, providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:  # onnxruntime raises its own exception types
-            raise ValueError(f"cannot load {name} as an ONNX model: {_first_line(exc)}") from None
+        options = _session_options(intra_op_threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        self.session = _session(source, options, name)
+        self.optimized_at_export = OPTIMIZED_KEY in self.session.get_modelmeta().custom_metadata_map
+        if not self.optimized_at_export:
+            options = _session_options(intra_op_threads, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+            self.session = _session(source, options, name)
         inputs = self.session.get_inputs()
         if len(inputs) != 1:
             raise ValueError(f"{name} must have exactly one input, it has {len(inputs)}")
@@ -90,6 +91,49 @@ class Encoder:
         if len(zs) == 1:
             return zs[0], ls[0]
         return np.concatenate(zs), np.concatenate(ls)
+
+
+def _session_options(
+    intra_op_threads: int | None, level: ort.GraphOptimizationLevel
+) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    if intra_op_threads is not None:
+        options.intra_op_num_threads = int(intra_op_threads)
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    options.graph_optimization_level = level
+    return options
+
+
+def _session(source: str | bytes, options: ort.SessionOptions, name: str):
+    try:
+        return ort.InferenceSession(
+            source, sess_options=options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ValueError(f"cannot load {name} as an ONNX model: {_first_line(exc)}") from None
+
+
+def optimize_encoder(model: bytes) -> bytes:
+    """The encoder as onnxruntime optimizes it (ORT_ENABLE_EXTENDED: constant folding and
+    operator fusions, which may use onnxruntime's com.microsoft operators; not the
+    hardware-specific layout level), marked so that `Encoder` loads it with optimization off.
+
+    Export-time only: it needs the onnx package, which the device path never imports.
+    """
+    import tempfile
+
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="knnper-optimize-") as tmp:
+        options = _session_options(1, _SAVED_LEVEL)
+        options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        _session(model, options, "the encoder")
+        proto = onnx.load(options.optimized_model_filepath)
+    del proto.metadata_props[:]
+    for key, value in {OPTIMIZED_KEY: "extended", "onnxruntime": ort.__version__}.items():
+        proto.metadata_props.add(key=key, value=value)
+    return proto.SerializeToString()
 
 
 def _first_line(exc: BaseException) -> str:
