@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from edge_runtime.bundle import BundleError, write_bundle
-from edge_runtime.encoder import Encoder
+from edge_runtime.encoder import Encoder, optimize_encoder
 from export.errors import BudgetError, ExportError
 from export.onnx_export import export_onnx
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
@@ -129,6 +129,8 @@ def build_encoder(run: LoadedRun, directory: Path, settings: ExportSettings,
         quantize_int8(fp32_path, path, calibration)
     else:
         shutil.copyfile(fp32_path, path)
+    # saved as onnxruntime optimizes it, so a device creates its session with optimization off
+    path.write_bytes(optimize_encoder(path.read_bytes()))
     files = EncoderFiles(path, fp32_path, settings.quantize, path.stat().st_size,
                          fp32_path.stat().st_size, diff)
     if settings.quantize == "int8":
