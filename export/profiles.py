@@ -79,13 +79,20 @@ def weak_strong_budgets(client_ids: Sequence[int], reference: int, delta_c: floa
     reference = _check_bytes(reference, "--reference")
     if not isinstance(delta_c, (int, float)) or not 0 <= delta_c < 0.5:
         raise BudgetError(f"--delta-c must be in [0, 0.5), got {delta_c!r}")
-    rng = np.random.default_rng(seed)
-    weak = set(rng.permutation(len(ids))[: len(ids) // 2].tolist())
+    weak = weak_clients(ids, seed)
     out = {}
-    for i, cid in enumerate(ids):
-        share = 0.5 - delta_c if i in weak else 0.5 + delta_c
+    for cid in ids:
+        share = 0.5 - delta_c if cid in weak else 0.5 + delta_c
         out[cid] = max(1, int(math.floor(share * reference)))
     return out
+
+
+def weak_clients(client_ids: Sequence[int], seed: int = 0) -> set[int]:
+    """The seeded half of the clients that weak_strong_budgets makes weak (the smaller half
+    when the count is odd); experiments that split capacity the same way share the choice."""
+    ids = list(client_ids)
+    picked = np.random.default_rng(seed).permutation(len(ids))[: len(ids) // 2]
+    return {ids[i] for i in picked.tolist()}
 
 
 def lognormal_budgets(client_ids: Sequence[int], reference: int, sigma: float = 0.5,
