@@ -15,8 +15,12 @@ import argparse
 import csv
 import json
 import logging
+import multiprocessing
+import shlex
+import sys
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,14 +28,33 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_runtime.knn import NORMALIZATIONS
 from fed_train.algorithms import ALGORITHMS, build_algorithm
-from fed_train.algorithms.base import ClientData, TrainingConfig, get_weights
-from fed_train.data import load_dataset
+from fed_train.algorithms.base import ClientData, TrainingConfig
+from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
+from fed_train.attribution import BODIES, attribution_table, format_attribution
 from fed_train.errors import KnnperError
-from fed_train.evaluation import merge_results
+from fed_train.evaluation import merge_results, summarize
+from fed_train.knn_tuning import (
+    KNNConfig,
+    client_rows,
+    client_views,
+    compare_lambda_estimators,
+    lambda_report,
+    select_config,
+)
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
-from fed_train.run import CONFIG_FILE, PARTITION_FILE, RunConfig, prepare_clients
+from fed_train.run import (
+    CONFIG_FILE,
+    PARTITION_FILE,
+    RunConfig,
+    check_same_init,
+    init_record,
+    initial_weights,
+    load_run_data,
+    prepare_clients,
+)
 from fed_train.simulation import simulate
 from fed_train.tuning import (
     LR_GRID,
@@ -100,14 +123,21 @@ class TableRunner:
 
     def __init__(self, config: RunConfig, out: Path, *,
                  hyper: Mapping[str, Mapping[str, Any]] | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, tune_knn: bool = False,
+                 lambda_estimator: str = "val") -> None:
+        if lambda_estimator not in (*LAMBDA_ESTIMATORS, "auto"):
+            raise BenchError(f"unknown lambda estimator {lambda_estimator!r}; known: "
+                             f"{', '.join(LAMBDA_ESTIMATORS)}, auto")
+        self.tune_knn = tune_knn
+        self.lambda_estimator = lambda_estimator
         self.config = config
         self.out = Path(out)
         self.hyper = {m: dict(h) for m, h in (hyper or {}).items()}
         self.progress = progress
-        self.dataset = load_dataset(config.dataset, config.data, max_train=config.max_train,
-                                    seed=config.seed)
+        self.dataset, self.init = load_run_data(config)
         self.model_name = config.model or default_model(self.dataset.input_spec)
+        # every method starts here; a mismatched --init fails before anything is written
+        self.initial_weights = initial_weights(self.model_fn, config.seed, self.init)
         saved = self._load_or_make_partition()
         self.clients = prepare_clients(self.dataset, self.partition)
         check_validation_splits(self.clients)  # before writing anything into OUT
@@ -115,8 +145,6 @@ class TableRunner:
             self.out.mkdir(parents=True, exist_ok=True)
             self.partition.save(self.out / PARTITION_FILE)
             (self.out / CONFIG_FILE).write_text(json.dumps(saved, indent=2))
-        torch.manual_seed(config.seed)
-        self.initial_weights = get_weights(self.model_fn())
         self._trained: dict[tuple[str, float], Any] = {}
 
     def model_fn(self) -> EmbedHeadModel:
@@ -130,11 +158,13 @@ class TableRunner:
         saved["training"].pop("lr")
         saved.pop("checkpoint_every")
         saved.update(model_name=self.model_name, num_classes=self.dataset.num_classes,
-                     input_spec=self.dataset.input_spec)
+                     input_spec=self.dataset.input_spec, **init_record(self.init))
         saved = json.loads(json.dumps(saved))
         path = self.out / CONFIG_FILE
         if path.exists():
-            if json.loads(path.read_text()) != saved:
+            previous = json.loads(path.read_text())
+            check_same_init(previous, saved, self.out)
+            if previous != saved:
                 raise BenchError(f"{self.out} holds a table with a different configuration; "
                                  "choose another --out or delete it")
             self.partition = Partition.load(self.out / PARTITION_FILE)
@@ -146,7 +176,7 @@ class TableRunner:
                                         unseen_fraction=c.unseen_fraction, seed=c.seed)
         return saved
 
-    def _train(self, trainer: str, training: TrainingConfig) -> Any:
+    def train(self, trainer: str, training: TrainingConfig) -> Any:
         """The simulation result of `trainer` at this learning rate, resumed from its folder."""
         key = (trainer, training.lr)
         if key in self._trained:
@@ -167,40 +197,137 @@ class TableRunner:
         self._trained[key] = result
         return result
 
+    def _knn_identity(self) -> dict[str, Any]:
+        hyper = dict(self.hyper.get("knnper", {}))
+        if self.tune_knn:
+            hyper = {"tuned": True, "capacity": hyper.get("capacity", 1.0),
+                     "lambda_estimator": self.lambda_estimator}
+        elif self.lambda_estimator != "val":
+            hyper["lambda_estimator"] = self.lambda_estimator
+        return hyper
+
+    def _knn_choice(self, lr: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        """kNN-Per's hyper-parameters at this learning rate and the record of how they were
+        chosen: k, sigma and normalisation on pooled validation, the lambda estimator by
+        cross-validation inside the validation splits when it is "auto"."""
+        hyper = dict(self.hyper.get("knnper", {}))
+        training = replace(self.config.training, lr=lr)
+        fedavg = build_algorithm("fedavg", self.model_fn, training)
+        views = client_views(fedavg.global_model(self.train("fedavg", training).weights),
+                             self.clients)
+        if self.tune_knn:
+            if hyper.get("capacity", 1.0) != 1.0:
+                raise BenchError("--tune-knn chooses on full datastores: use --capacity 1")
+            config, scores = select_config(views)
+        else:
+            config = KNNConfig(hyper.get("k", 10), hyper.get("sigma", 1.0),
+                               hyper.get("normalize", "none"))
+            scores = []
+        cv = compare_lambda_estimators(views, config, seed=self.config.seed)
+        estimator = (max(cv, key=lambda e: (cv[e], e == "val")) if self.lambda_estimator == "auto"
+                     else self.lambda_estimator)
+        oracle = client_rows(views, config, estimator=estimator)
+        record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv,
+                  "estimator": estimator, "lambda_report": lambda_report(oracle),
+                  "oracle_rows": oracle}
+        return {**hyper, **config.to_dict(), "lambda_estimator": estimator}, record
+
     def rows(self, method: str, lr: float) -> list[dict[str, Any]]:
         """Per-client rows of `method` at learning rate `lr`, from the cache when it is there."""
-        hyper = self.hyper.get(method, {})
+        identity = self._knn_identity() if method == "knnper" else self.hyper.get(method, {})
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
         if cache.exists():
             cached = json.loads(cache.read_text())
-            if cached.get("hyper") == _plain(hyper):
+            if cached.get("hyper") == _plain(identity):
                 return cached["rows"]
         start = time.perf_counter()
+        hyper = self.hyper.get(method, {})
+        knn_record = None
+        if method == "knnper":
+            hyper, knn_record = self._knn_choice(lr)
         training = replace(self.config.training, lr=lr)
         algorithm = build_algorithm(method, self.model_fn, training, **hyper)
         if getattr(algorithm, "federated", True):
-            sim = self._train(TRAINED_BY.get(method, method), training)
+            sim = self.train(TRAINED_BY.get(method, method), training)
             weights, states = sim.weights, sim.states
         else:
             weights, states = {}, {}
         rows = _plain(personalized_accuracies(algorithm, weights, states, self.clients,
                                               seed=self.config.seed, progress=self.progress))
+        if knn_record is not None:
+            # the test-oracle lambda, for the report only: the honest lambda must be the same
+            # one the algorithm chose
+            for row, oracle in zip(rows, knn_record.pop("oracle_rows"), strict=True):
+                if row["info"]["lambda"] != oracle["info"]["lambda"]:
+                    raise RuntimeError(f"client {row['client_id']}: lambda differs between "
+                                       "the algorithm and the tuning report")
+                for key in ("oracle_lambda", "oracle_accuracy"):
+                    if key in oracle["info"]:
+                        row["info"][key] = oracle["info"][key]
         seconds = round(time.perf_counter() - start, 1)
         log.info("%s at lr=%g: %.1f s", method, lr, seconds)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"hyper": _plain(hyper), "seconds": seconds, "rows": rows}))
+        payload = {"hyper": _plain(identity), "seconds": seconds, "rows": rows}
+        if knn_record is not None:
+            payload["knn"] = _plain(knn_record)
+        cache.write_text(json.dumps(payload))
         return rows
+
+    def knn_record(self, lr: float) -> dict[str, Any] | None:
+        """How kNN-Per's hyper-parameters were chosen at `lr` (written by `rows`)."""
+        cache = self.out / "eval" / "knnper" / f"{_lr_dir(lr)}.json"
+        return json.loads(cache.read_text()).get("knn") if cache.exists() else None
+
+
+# rough cost of each training group in FedAvg-equivalents, to start the longest jobs first
+_JOB_COST = {"apfl": 6.0, "ditto": 5.0, "pfedgp": 2.0, "fedrep": 1.5, "fedavg": 1.5,
+             "clustered": 1.2, "local": 1.0}
+
+
+def _run_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
+             tune_knn: bool, lambda_estimator: str, methods: list[str], lr: float) -> None:
+    """One worker's share of a table: the methods that share one training run at one learning
+    rate. Results land in OUT's caches, which the table then reads."""
+    torch.set_num_threads(1)
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, tune_knn=tune_knn,
+                         lambda_estimator=lambda_estimator)
+    for method in methods:
+        runner.rows(method, lr)
+
+
+def _run_parallel(config: RunConfig, names: Sequence[str], lrs: Sequence[float], out: Path,
+                  hyper: Mapping[str, Mapping[str, Any]] | None, tune_knn: bool,
+                  lambda_estimator: str, workers: int) -> None:
+    groups: dict[str, list[str]] = {}
+    for m in names:
+        groups.setdefault(TRAINED_BY.get(m, m), []).append(m)
+    jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
+                  key=lambda j: -_JOB_COST.get(j[0], 1.0))
+    context = multiprocessing.get_context("spawn")  # torch and fork do not mix
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = [pool.submit(_run_job, config, str(out), hyper, tune_knn, lambda_estimator,
+                               methods, lr) for _, methods, lr in jobs]
+        for future in as_completed(futures):
+            future.result()  # a worker's error stops the table with that error
 
 
 def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, *,
               tune_lr: bool = False, lr_grid: Sequence[float] = LR_GRID,
               hyper: Mapping[str, Mapping[str, Any]] | None = None,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, tune_knn: bool = False, lambda_estimator: str = "val",
+              workers: int = 1, attribution: bool = False,
+              command: str | None = None) -> dict[str, Any]:
     """Run every method, write the tables and per-client files into `out`, return the results
-    (evaluation's JSON plus the learning rates and validation scores)."""
+    (evaluation's JSON plus the learning rates, validation scores and kNN-Per's choices).
+    `workers` > 1 trains the (method, learning rate) runs in that many processes first."""
     names = parse_methods(methods)
     lrs = check_lr_grid(lr_grid) if tune_lr else check_lr_grid([config.training.lr])
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=progress)
+    if workers < 1:
+        raise BenchError(f"workers must be >= 1, got {workers}")
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, tune_knn=tune_knn,
+                         lambda_estimator=lambda_estimator)
+    if workers > 1:
+        _run_parallel(config, names, lrs, Path(out), hyper, tune_knn, lambda_estimator, workers)
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
@@ -213,6 +340,20 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     result = merge_results(per_method)
     result.update(methods=names, lr=chosen, validation=scores, tuned=tune_lr,
                   config={**config.to_dict(), "model_name": runner.model_name})
+    if command is not None:
+        result["command"] = command
+    if "knnper" in names:
+        record = runner.knn_record(chosen["knnper"])
+        oracle_rows = [{**r, "accuracy": r["info"].get("oracle_accuracy")}
+                       for r in per_method["knnper"]]
+        result["knn"] = {**(record or {}), "tuned": tune_knn,
+                         "oracle": summarize(oracle_rows)}
+    if attribution:
+        body_lrs = {b: chosen.get(b, lrs[0]) for b in BODIES}
+        estimator = result.get("knn", {}).get("estimator", lambda_estimator)
+        result["attribution"] = attribution_table(
+            runner, body_lrs, lambda_estimator="val" if estimator == "auto" else estimator,
+            progress=progress)
     write_outputs(result, Path(out))
     return result
 
@@ -236,17 +377,45 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
+def _knn_lines(result: dict[str, Any]) -> list[str]:
+    """kNN-Per's chosen hyper-parameters, the lambda estimators' validation scores, and the
+    honest lambda against the test oracle's (reported, never used)."""
+    knn = result.get("knn")
+    if not knn or "config" not in knn:
+        return []
+    c, report = knn["config"], knn.get("lambda_report", {})
+    how = "chosen on pooled validation" if knn["tuned"] else "fixed"
+    lines = ["## kNN-Per's choices", "",
+             f"- k = {c['k']}, sigma = {c['sigma']:.3g}, embeddings {c['normalize']} ({how}; "
+             f"lr {result['lr']['knnper']:g}).",
+             f"- lambda per client by `{knn['estimator']}`; 2-fold cross-validation inside the "
+             "validation splits: " + ", ".join(f"`{e}` {100 * v:.1f}%"
+                                              for e, v in knn["lambda_cv"].items()) + "."]
+    if report.get("clients"):
+        lines.append(f"- The honest lambda differs from the test-oracle lambda for "
+                     f"{report['differs']} of {report['clients']} clients; the oracle would add "
+                     f"{report['cost_pp']:.2f} pp to the mean ({100 * report['honest_mean']:.1f}"
+                     f" -> {100 * report['oracle_mean']:.1f}). The oracle row below is for "
+                     "scale only: the official code picks lambda on test, this table never does.")
+    lines.append("")
+    return lines
+
+
 def format_markdown(result: dict[str, Any]) -> str:
     """Table 1 and Table 2 in markdown: accuracy in %, mean / bottom decile per method."""
     c = result["config"]
     t = c["training"]
     lr_note = "tuned per method on validation" if result["tuned"] else "fixed"
+    init = f"; every method starts from `{c['init']}`" if c.get("init") else ""
     lines = [f"# {c['dataset']}, {c['partition']} partition",
              "",
              f"{c['clients']} clients ({c['unseen_fraction']:.0%} unseen), model "
              f"{c['model_name']}, {t['rounds']} rounds x {t['epochs']} local epoch(s), batch "
              f"{t['batch_size']}, participation {t['participation']:g}; learning rate "
-             f"{lr_note}. Accuracy in %: mean weighted by test size / bottom decile.", ""]
+             f"{lr_note}{init}. Accuracy in %: mean weighted by test size / bottom decile.", ""]
+    if result.get("command"):
+        lines += ["Command:", "", "```bash", result["command"], "```", ""]
+    oracle = result.get("knn", {}).get("oracle")
     for group, title in (("seen", "Table 1: clients seen in training"),
                          ("unseen", "Table 2: unseen clients")):
         lines += [f"## {title}", "", "| method | mean | bottom 10% | lr |", "|---|---|---|---|"]
@@ -255,7 +424,15 @@ def format_markdown(result: dict[str, Any]) -> str:
                      for k in ("mean", "bottom_decile")]
             lines.append(f"| {TITLES[row['method']]} | {cells[0]} | {cells[1]} | "
                          f"{row['lr']:.3g} |")
+        if oracle and oracle.get(group):
+            o = oracle[group]
+            lines.append(f"| (kNN-Per, test-oracle lambda: not a method) | "
+                         f"{100 * o['mean']:.1f} | {100 * o['bottom_decile']:.1f} | "
+                         f"{result['lr']['knnper']:.3g} |")
         lines.append("")
+    lines += _knn_lines(result)
+    if "attribution" in result:
+        lines.append(format_attribution(result["attribution"]))
     return "\n".join(lines)
 
 
@@ -263,6 +440,8 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     _write_csv(out / "table1.csv", _summary_rows(result, "seen"))
     _write_csv(out / "table2.csv", _summary_rows(result, "unseen"))
     _write_csv(out / "clients.csv", result["clients"])
+    if "attribution" in result:
+        _write_csv(out / "attribution.csv", result["attribution"]["clients"])
     (out / "table.md").write_text(format_markdown(result))
     (out / "results.json").write_text(json.dumps(_plain(result), indent=2))
 
@@ -290,9 +469,13 @@ def _cmd_table(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise BenchError(str(err)) from None
     config = config_from_args(args)
-    hyper = {"knnper": {"k": args.k, "sigma": args.sigma, "capacity": args.capacity}}
+    hyper = {"knnper": {"k": args.k, "sigma": args.sigma, "capacity": args.capacity,
+                        "normalize": args.normalize}}
+    command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = run_table(config, args.methods, Path(args.out), tune_lr=args.tune_lr, lr_grid=grid,
-                       hyper=hyper, progress=not getattr(args, "no_progress", False))
+                       hyper=hyper, progress=not getattr(args, "no_progress", False),
+                       tune_knn=args.tune_knn, lambda_estimator=args.lambda_estimator,
+                       workers=args.workers, attribution=args.attribution, command=command)
     print(format_markdown(result))
     print(f"wrote {args.out}/table.md, table1.csv, table2.csv, clients.csv, results.json")
     return 0
@@ -321,4 +504,18 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sigma", type=_positive(float), default=1.0, help="kNN-Per kernel scale")
     p.add_argument("--capacity", type=_positive(float, 1.0), default=1.0,
                    help="kNN-Per: fraction of each client's train split in its datastore")
+    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
+                   help="kNN-Per: embedding normalisation before the kNN (without --tune-knn)")
+    p.add_argument("--tune-knn", action="store_true",
+                   help="choose kNN-Per's k, sigma and normalisation on the pooled validation "
+                   "splits of the seen clients (replaces --k, --sigma, --normalize)")
+    p.add_argument("--lambda-estimator", choices=(*LAMBDA_ESTIMATORS, "auto"), default="val",
+                   help="how each client picks kNN-Per's lambda: on its validation split, on it "
+                   "plus leave-one-out posteriors of its datastore, or whichever of the two wins "
+                   "2-fold cross-validation inside the validation splits")
+    p.add_argument("--workers", type=_positive(int), default=1,
+                   help="train the (method, learning rate) runs in this many processes")
+    p.add_argument("--attribution", action="store_true",
+                   help="also evaluate every head on every body (FedAvg, FedRep, pFedGP bodies; "
+                   "own, linear, GP, kNN and kNN-Per heads) into attribution.csv and table.md")
     p.set_defaults(func=_cmd_table)

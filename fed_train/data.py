@@ -36,6 +36,7 @@ __all__ = [
     "encode_text",
     "load_dataset",
     "read_idx",
+    "stratified_subsample",
 ]
 
 log = logging.getLogger(__name__)
@@ -714,7 +715,7 @@ DATASETS: dict[str, Callable[..., Dataset]] = {
 }
 
 
-def _stratified_subsample(y: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
+def stratified_subsample(y: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
     """Sorted indices of `size` samples keeping each label's share (largest remainders)."""
     classes, counts = np.unique(y, return_counts=True)
     quota = counts * (size / len(y))
@@ -770,13 +771,15 @@ def load_dataset(
     path: str | Path | None = None,
     *,
     max_train: int | None = None,
+    exclude_train: np.ndarray | None = None,
     seed: int = 0,
     **options: Any,
 ) -> Dataset:
     """Load data set `name` (a key of DATASETS) from `path` (or its default location).
 
-    `max_train` keeps a stratified, seeded subsample of the training set (for quick runs);
-    `options` go to the loader (e.g. shakespeare's max_windows_per_role).
+    `exclude_train` removes these training-set indices (a server's pretraining split, which no
+    client may see) before `max_train` keeps a stratified, seeded subsample of the rest (for
+    quick runs); `options` go to the loader (e.g. shakespeare's max_windows_per_role).
     """
     loader = DATASETS.get(name)
     if loader is None:
@@ -793,12 +796,28 @@ def load_dataset(
     ):
         raise DataError(f"max_train must be a positive integer, got {max_train!r}")
     ds = loader(None if path is None else Path(path), seed=seed, **options)
+    if exclude_train is not None:
+        excluded = np.asarray(exclude_train)
+        n = len(ds.y_train)
+        if excluded.ndim != 1 or (excluded.size and not np.issubdtype(excluded.dtype, np.integer)):
+            raise DataError(f"exclude_train must be 1-D integer indices, got {excluded.dtype} "
+                            f"{excluded.shape}")
+        outside = excluded[(excluded < 0) | (excluded >= n)]
+        if outside.size:
+            raise DataError(f"exclude_train holds index {outside[0]}, outside the {n} training "
+                            f"samples of {name!r}")
+        _keep_train(ds, np.setdiff1d(np.arange(n), excluded))
     if max_train is not None and max_train < len(ds.y_train):
-        keep = _stratified_subsample(ds.y_train, int(max_train), np.random.default_rng(seed))
-        ds.x_train, ds.y_train = ds.x_train[keep], ds.y_train[keep]
-        if ds.groups_train is not None:
-            ds.groups_train = ds.groups_train[keep]
-        if ds.coarse_train is not None:
-            ds.coarse_train = ds.coarse_train[keep]
+        _keep_train(ds, stratified_subsample(ds.y_train, int(max_train),
+                                              np.random.default_rng(seed)))
     ds.input_spec = _input_spec(ds)
     return ds
+
+
+def _keep_train(ds: Dataset, keep: np.ndarray) -> None:
+    """Keep only these training samples, with their groups and coarse labels."""
+    ds.x_train, ds.y_train = ds.x_train[keep], ds.y_train[keep]
+    if ds.groups_train is not None:
+        ds.groups_train = ds.groups_train[keep]
+    if ds.coarse_train is not None:
+        ds.coarse_train = ds.coarse_train[keep]

@@ -18,6 +18,7 @@ from fed_train.data import Dataset, load_dataset
 from fed_train.errors import KnnperError
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
+from fed_train.pretrain import Init, check_init_record, init_weights, load_init
 from fed_train.simulation import SimulationResult, simulate
 
 log = logging.getLogger(__name__)
@@ -48,15 +49,19 @@ class RunConfig:
     model: str | None = None
     seed: int = 0
     checkpoint_every: int = 5
+    init: str | None = None  # a pretrain directory or a .pt state dict every method starts from
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if data["init"] is None:
+            del data["init"]  # runs from scratch keep the config.json they were saved with
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known - {"num_classes", "input_spec", "model_name"}
+        unknown = set(data) - known - {"num_classes", "input_spec", "model_name", "init_sha256"}
         if unknown:
             raise RunError(f"config has unknown keys: {', '.join(sorted(unknown))}")
         values = {k: v for k, v in data.items() if k in known}
@@ -98,8 +103,31 @@ def prepare_clients(dataset: Dataset, partition: Partition) -> list[ClientData]:
     return out
 
 
-def _load_data(config: RunConfig) -> Dataset:
-    return load_dataset(config.dataset, config.data, max_train=config.max_train, seed=config.seed)
+def load_run_data(config: RunConfig) -> tuple[Dataset, Init | None]:
+    """The run's data set and its --init. A pretrain directory's server split is removed from
+    the training set here, before any partition is drawn or reloaded, so that train, bench,
+    evaluate and export all give the clients the same samples and none of the server's."""
+    init = load_init(config.init) if config.init is not None else None
+    dataset = load_dataset(config.dataset, config.data, max_train=config.max_train,
+                           exclude_train=None if init is None else init.server_indices,
+                           seed=config.seed)
+    if init is not None:
+        check_init_record(init, config.dataset, config.model or default_model(dataset.input_spec))
+    return dataset, init
+
+
+def init_record(init: Init | None) -> dict[str, str]:
+    """What config.json keeps of the init besides its path: the weights' sha256."""
+    return {} if init is None else {"init_sha256": init.sha256}
+
+
+def check_same_init(previous: dict, saved: dict, where: Path) -> None:
+    """Resuming from other initial weights would mix two runs in one folder."""
+    before = (previous.get("init"), previous.get("init_sha256"))
+    now = (saved.get("init"), saved.get("init_sha256"))
+    if before != now:
+        raise RunError(f"{where} was started from --init {before[0]} (sha256 {before[1]}), not "
+                       f"{now[0]} (sha256 {now[1]}); choose another --out or delete it")
 
 
 def _partition(config: RunConfig, dataset: Dataset) -> Partition:
@@ -109,21 +137,29 @@ def _partition(config: RunConfig, dataset: Dataset) -> Partition:
                           unseen_fraction=config.unseen_fraction, seed=config.seed)
 
 
-def _initial_weights(model_fn, seed: int) -> Weights:
+def initial_weights(model_fn, seed: int, init: Init | None = None) -> Weights:
+    """Where every method starts: the init's weights, or the seeded random initialisation."""
     torch.manual_seed(seed)
-    return get_weights(model_fn())
+    model = model_fn()
+    return get_weights(model) if init is None else init_weights(init, model)
 
 
 def train(config: RunConfig, run_dir: Path, *, progress: bool = True) -> SimulationResult:
     """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run."""
     run_dir = Path(run_dir)
-    dataset = _load_data(config)
+    dataset, init = load_run_data(config)
     model_name = config.model or default_model(dataset.input_spec)
+
+    def model_fn() -> EmbedHeadModel:
+        return build_model(model_name, dataset.num_classes, dataset.input_spec)
+
+    start = initial_weights(model_fn, config.seed, init)  # checked before anything is written
     saved = {**config.to_dict(), "model_name": model_name, "num_classes": dataset.num_classes,
-             "input_spec": dataset.input_spec}
+             "input_spec": dataset.input_spec, **init_record(init)}
     config_path = run_dir / CONFIG_FILE
     if config_path.exists():
         previous = json.loads(config_path.read_text())
+        check_same_init(previous, saved, run_dir)
         if previous != json.loads(json.dumps(saved)):
             raise RunError(f"{run_dir} holds a run with a different configuration; "
                            "choose another --out or delete it")
@@ -134,12 +170,8 @@ def train(config: RunConfig, run_dir: Path, *, progress: bool = True) -> Simulat
         partition.save(run_dir / PARTITION_FILE)
         config_path.write_text(json.dumps(saved, indent=2))
     clients = prepare_clients(dataset, partition)
-
-    def model_fn() -> EmbedHeadModel:
-        return build_model(model_name, dataset.num_classes, dataset.input_spec)
-
     algorithm = build_algorithm("fedavg", model_fn, config.training)
-    result = simulate(algorithm, clients, config.training, _initial_weights(model_fn, config.seed),
+    result = simulate(algorithm, clients, config.training, start,
                       seed=config.seed, run_dir=run_dir,
                       checkpoint_every=config.checkpoint_every, progress=progress)
     model = model_fn()
@@ -161,7 +193,8 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     except json.JSONDecodeError as err:
         raise RunError(f"{run_dir / CONFIG_FILE} is not valid JSON: {err}") from err
     config = RunConfig.from_dict(raw)
-    dataset = _load_data(config)
+    dataset, init = load_run_data(config)
+    check_same_init(raw, {"init": config.init, **init_record(init)}, run_dir)
     partition = Partition.load(run_dir / PARTITION_FILE)
     model_name = raw.get("model_name") or default_model(dataset.input_spec)
     model = build_model(model_name, dataset.num_classes, dataset.input_spec)

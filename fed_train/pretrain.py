@@ -1,0 +1,281 @@
+"""Central pretraining on a server-held split that no client ever sees, the stand-in for the
+official kNN-Per code's ImageNet-pretrained MobileNet, so that every method can start from the
+same strong weights; and `load_init`, which reads such a directory (or any `.pt` state dict)
+back for `--init` as a hostile file: bounded in size, loaded without code execution, and checked
+key by key against the model before any weight is used."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import logging
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from edge_runtime.preprocess import prepare_input
+from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, local_sgd, predict_proba
+from fed_train.data import Dataset, load_dataset, stratified_subsample
+from fed_train.errors import KnnperError
+from fed_train.models import EmbedHeadModel, build_model, default_model
+from fed_train.simulation import client_seed
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.pt"
+RECORD_FILE = "pretrain.json"
+SERVER_INDICES_FILE = "server_indices.npy"
+MAX_WEIGHTS_BYTES = 1 << 30  # MobileNet-v2 is about 9 MB; anything near this is not a model
+MAX_RECORD_BYTES = 1 << 20
+MAX_INDICES_BYTES = 1 << 28
+SERVER_STREAM = 0x5E4  # the server split's own random stream, apart from max_train's subsample
+
+
+class InitError(KnnperError, ValueError):
+    """Initial weights that cannot be used: unreadable, not a state dict, or not this model's."""
+
+
+@dataclass
+class PretrainConfig:
+    """Everything a pretraining depends on; saved in pretrain.json beside its results."""
+
+    dataset: str = "digits"
+    data: str | None = None
+    public_data: str | None = None  # an npz to train on instead of a split of the training set
+    model: str | None = None
+    server_fraction: float = 0.1
+    val_fraction: float = 0.1  # of the pretraining data, held out to choose the epoch
+    max_train: int | None = None
+    epochs: int = 30
+    patience: int = 5  # stop after this many epochs without a better validation accuracy
+    batch_size: int = 64
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    seed: int = 0
+
+
+def server_split(y: np.ndarray, fraction: float, seed: int,
+                 max_train: int | None = None) -> np.ndarray:
+    """Sorted indices of a stratified `fraction` of the training set (of `max_train` samples when
+    given, as `train --max-train` would see it), drawn before any client partition exists."""
+    if not 0 < fraction < 1:
+        raise InitError(f"server fraction must be in (0, 1), got {fraction}")
+    pool = len(y) if max_train is None else min(len(y), max_train)
+    size = max(1, int(math.floor(fraction * pool + 0.5)))
+    return stratified_subsample(y, size, np.random.default_rng([seed, SERVER_STREAM]))
+
+
+def _split_validation(y: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of a stratified held-out slice (at least one sample) and of the rest."""
+    size = min(len(y) - 1, max(1, int(math.floor(fraction * len(y) + 0.5))))
+    if size < 1:
+        raise InitError(f"pretraining needs at least 2 samples, got {len(y)}")
+    val = stratified_subsample(y, size, np.random.default_rng([seed, SERVER_STREAM, 1]))
+    return np.setdiff1d(np.arange(len(y)), val), val
+
+
+def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: np.ndarray) -> float:
+    return float((predict_proba(model, x).argmax(1) == y).mean())
+
+
+def _pretraining_data(config: PretrainConfig) -> tuple[Dataset, Dataset, np.ndarray]:
+    """The run's data set (its classes and input spec), the data trained on, and the training
+    indices the clients lose (none with public data)."""
+    target = load_dataset(config.dataset, config.data, seed=config.seed)
+    if config.public_data is None:
+        server = server_split(target.y_train, config.server_fraction, config.seed,
+                              config.max_train)
+        source = copy.copy(target)
+        source.x_train, source.y_train = target.x_train[server], target.y_train[server]
+        return target, source, server
+    public = load_dataset("npz", config.public_data, max_train=config.max_train,
+                          seed=config.seed)
+    if public.x_train.shape[1:] != target.x_train.shape[1:]:
+        raise InitError(f"--public-data {config.public_data}: inputs of shape "
+                        f"{list(public.x_train.shape[1:])}, but {config.dataset} has "
+                        f"{list(target.x_train.shape[1:])}")
+    if public.y_train.max() >= target.num_classes:
+        raise InitError(f"--public-data {config.public_data}: label {public.y_train.max()} is "
+                        f"out of range for the {target.num_classes} classes of {config.dataset}")
+    return target, public, np.zeros(0, dtype=np.int64)
+
+
+def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) -> dict[str, Any]:
+    """Train the model centrally, keep the epoch with the best held-out accuracy, and write
+    OUT/model.pt, OUT/server_indices.npy and OUT/pretrain.json (written last: it marks a
+    finished pretraining). Returns the record."""
+    out = Path(out)
+    if (out / RECORD_FILE).exists():
+        raise InitError(f"{out} already holds a pretraining; choose another --out or delete it")
+    target, source, server = _pretraining_data(config)
+    model_name = config.model or default_model(target.input_spec)
+    torch.manual_seed(config.seed)
+    model = build_model(model_name, target.num_classes, target.input_spec)
+    # the run's normalisation, so the weights see the inputs they will see in federated training
+    x = torch.from_numpy(prepare_input(source.x_train, target.input_spec))
+    y = np.asarray(source.y_train, dtype=np.int64)
+    fit, val = _split_validation(y, config.val_fraction, config.seed)
+    x_fit, y_fit = x[fit], torch.from_numpy(y[fit])
+    training = TrainingConfig(batch_size=config.batch_size, momentum=config.momentum,
+                              weight_decay=config.weight_decay)
+    history: list[dict[str, float]] = []
+    best_state, best_epoch, best_acc = copy.deepcopy(model.state_dict()), 0, -1.0
+    epochs = tqdm(range(1, config.epochs + 1), desc="pretrain", disable=not progress)
+    for epoch in epochs:
+        loss = local_sgd(model, x_fit, y_fit, training, config.lr,
+                         seed=client_seed(config.seed, epoch, 0), epochs=1)
+        acc = _accuracy(model, x[val], y[val])
+        history.append({"epoch": epoch, "train_loss": round(loss, 6), "val_accuracy": acc})
+        epochs.set_postfix(loss=f"{loss:.3f}", val=f"{acc:.3f}")
+        if acc > best_acc:
+            best_state, best_epoch, best_acc = copy.deepcopy(model.state_dict()), epoch, acc
+        elif epoch - best_epoch >= config.patience:
+            log.info("no better validation accuracy for %d epochs: stopping at epoch %d",
+                     config.patience, epoch)
+            break
+    record = {**asdict(config), "model": model_name, "num_classes": target.num_classes,
+              "train_size": len(target.y_train), "server_samples": int(len(server)),
+              "samples": {"train": int(len(fit)), "val": int(len(val))},
+              "best_epoch": best_epoch, "epochs_run": len(history), "val_accuracy": best_acc,
+              "history": history}
+    out.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out / SERVER_INDICES_FILE, lambda f: np.save(f, server.astype(np.int64)))
+    _write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
+    _write_atomic(out / RECORD_FILE, lambda f: f.write(json.dumps(record, indent=2).encode()))
+    return record
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- --init
+
+
+@dataclass
+class Init:
+    """Initial weights read from `path`; a pretrain directory also names the training samples
+    its pretraining used, which no client may hold."""
+
+    path: str
+    state: dict[str, torch.Tensor]
+    sha256: str  # of the weights file
+    server_indices: np.ndarray | None = None
+    record: dict[str, Any] | None = None
+
+
+def _read_bounded(path: Path, limit: int, what: str) -> bytes:
+    if not path.is_file():
+        raise InitError(f"--init {path}: {what} is missing")
+    size = path.stat().st_size
+    if size > limit:
+        raise InitError(f"--init {path}: {size} bytes, more than the {limit} a {what} may have")
+    return path.read_bytes()
+
+
+def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    raw = _read_bounded(path, MAX_WEIGHTS_BYTES, "weights file")
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols on odd files
+            warnings.simplefilter("ignore")
+            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises many types for a corrupt or crafted file
+        if "Weights only load failed" in str(err):
+            reason = "it holds objects other than tensors (refused without running its code)"
+        else:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            reason = f"{type(err).__name__}: {first}" if first else type(err).__name__
+        raise InitError(f"--init {path} is not a readable torch state dict: {reason}") from err
+    if not isinstance(obj, Mapping):
+        raise InitError(f"--init {path} is not a state dict (it holds a {type(obj).__name__}; "
+                        "save model.state_dict())")
+    for key, value in obj.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise InitError(f"--init {path} is not a state dict: entry {key!r} is a "
+                            f"{type(value).__name__}, not a tensor")
+    return dict(obj), hashlib.sha256(raw).hexdigest()
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(_read_bounded(path, MAX_RECORD_BYTES, "pretrain record"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InitError(f"--init {path} is not valid JSON: {err}") from err
+    if not isinstance(record, dict) or not all(
+            isinstance(record.get(k), str) for k in ("dataset", "model")):
+        raise InitError(f"--init {path} must be a JSON object naming its dataset and model")
+    return record
+
+
+def _read_indices(path: Path) -> np.ndarray:
+    raw = _read_bounded(path, MAX_INDICES_BYTES, "server split")
+    try:
+        indices = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise InitError(f"--init {path} is not a readable .npy file: {err}") from err
+    if (not isinstance(indices, np.ndarray) or indices.ndim != 1
+            or (indices.size and not np.issubdtype(indices.dtype, np.integer))):
+        raise InitError(f"--init {path} must hold 1-D integer indices")
+    if indices.size and (indices.min() < 0 or len(np.unique(indices)) != len(indices)):
+        raise InitError(f"--init {path} holds negative or repeated indices")
+    return indices.astype(np.int64)
+
+
+def load_init(path: str | Path) -> Init:
+    """Read `--init PATH`: a pretrain directory (model.pt, pretrain.json, server_indices.npy) or
+    any `.pt` state dict."""
+    location = Path(path)
+    if location.is_dir():
+        state, digest = _read_state_dict(location / WEIGHTS_FILE)
+        return Init(str(path), state, digest, _read_indices(location / SERVER_INDICES_FILE),
+                    _read_record(location / RECORD_FILE))
+    if not location.exists():
+        raise InitError(f"--init {path}: no such file or directory (a pretrain directory from "
+                        "`knnper pretrain` or a .pt state dict)")
+    state, digest = _read_state_dict(location)
+    return Init(str(path), state, digest)
+
+
+def check_init_record(init: Init, dataset: str, model_name: str) -> None:
+    """A pretraining's server split only means something for its own data set and model."""
+    if init.record is None:
+        return
+    made_for = (init.record["dataset"], init.record["model"])
+    if made_for != (dataset, model_name):
+        raise InitError(f"--init {init.path} was pretrained for dataset {made_for[0]} with model "
+                        f"{made_for[1]}; this run uses dataset {dataset} with model {model_name}")
+
+
+def init_weights(init: Init, model: EmbedHeadModel) -> Weights:
+    """The model's weights taken from `init`, after every key and shape has been checked."""
+    expected = model.state_dict()
+    for key, tensor in expected.items():
+        if key not in init.state:
+            raise InitError(f"--init {init.path} does not fit the model: key {key!r} (shape "
+                            f"{list(tensor.shape)} in the model) is missing")
+        if tuple(init.state[key].shape) != tuple(tensor.shape):
+            raise InitError(f"--init {init.path} does not fit the model: key {key!r} has shape "
+                            f"{list(init.state[key].shape)} in the file, {list(tensor.shape)} in "
+                            "the model")
+    extra = [key for key in init.state if key not in expected]
+    if extra:
+        raise InitError(f"--init {init.path} does not fit the model: key {extra[0]!r} is not "
+                        "one of the model's")
+    for key, tensor in init.state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise InitError(f"--init {init.path}: key {key!r} holds NaN or infinite values")
+    model.load_state_dict(init.state)
+    return get_weights(model)
