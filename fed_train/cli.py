@@ -18,6 +18,7 @@ from fed_train.algorithms.base import TrainingConfig, get_weights
 from fed_train.bench import add_bench_command
 from fed_train.errors import KnnperError
 from fed_train.evaluation import client_accuracies, format_table, merge_results
+from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import LoadedRun, RunConfig, load_run, train
 
 log = logging.getLogger("knnper")
@@ -87,6 +88,9 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions of the rounds at which the learning rate decays")
     p.add_argument("--lr-gamma", type=_positive_float, default=t.gamma)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--init", default=None,
+                   help="start every method from these weights: a `knnper pretrain` directory "
+                   "(its server split is then left out of the clients' data) or a .pt state dict")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -99,7 +103,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      partition=args.partition, alpha=args.alpha, beta=args.beta,
                      classes_per_client=args.classes_per_client, clients=args.clients,
                      unseen_fraction=args.unseen_fraction, val_fraction=args.val_fraction,
-                     model=args.model, seed=args.seed,
+                     model=args.model, init=args.init, seed=args.seed,
                      checkpoint_every=getattr(args, "checkpoint_every", 5), training=training)
 
 
@@ -171,6 +175,49 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pretrain(args: argparse.Namespace) -> int:
+    config = PretrainConfig(dataset=args.dataset, data=args.data, public_data=args.public_data,
+                            model=args.model, server_fraction=args.server_fraction,
+                            val_fraction=args.val_fraction, max_train=args.max_train,
+                            epochs=args.epochs, patience=args.patience,
+                            batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
+                            weight_decay=args.weight_decay, seed=args.seed)
+    record = pretrain(config, Path(args.out), progress=not args.no_progress)
+    print(f"pretrained {record['model']} on {record['samples']['train']} samples: validation "
+          f"accuracy {record['val_accuracy']:.4f} at epoch {record['best_epoch']}; wrote "
+          f"{args.out} (use it with --init {args.out})")
+    return 0
+
+
+def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
+    d = PretrainConfig()
+    p = sub.add_parser("pretrain", help="train the model centrally on a server-held split that "
+                       "no client sees, as the starting point for --init")
+    p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
+    p.add_argument("--data", default=None, help="path of the data (file or directory)")
+    p.add_argument("--out", required=True, help="directory for model.pt, pretrain.json and "
+                   "server_indices.npy")
+    p.add_argument("--public-data", default=None, help="train on this .npz (x_train, y_train, "
+                   "x_test, y_test) instead of a split of the training set")
+    p.add_argument("--server-fraction", type=_fraction, default=d.server_fraction,
+                   help="stratified fraction of the training set the server keeps")
+    p.add_argument("--val-fraction", type=_fraction, default=d.val_fraction,
+                   help="fraction of the pretraining data held out to choose the epoch")
+    p.add_argument("--max-train", type=_positive_int, default=None,
+                   help="draw the server fraction of this many training samples")
+    p.add_argument("--model", default=None,
+                   help="small-cnn, mobilenet-v2, char-lstm (default: by input kind)")
+    p.add_argument("--epochs", type=_positive_int, default=d.epochs)
+    p.add_argument("--patience", type=_positive_int, default=d.patience,
+                   help="stop after this many epochs without a better validation accuracy")
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size)
+    p.add_argument("--lr", type=_positive_float, default=d.lr)
+    p.add_argument("--momentum", type=float, default=d.momentum)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the split and the training")
+    p.set_defaults(func=_cmd_pretrain)
+
+
 def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train FedAvg's global model on a partitioned data set")
     add_training_arguments(p)
@@ -202,6 +249,7 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) 
                         help="torch intra-op threads (default: torch's choice)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_core_commands(sub)
+    _add_pretrain_command(sub)
     add_bench_command(sub)
     for add in extra:
         add(sub)
