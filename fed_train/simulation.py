@@ -121,6 +121,38 @@ def _truncate_metrics(path: Path, rounds_done: int) -> None:
     path.write_text("".join(line + "\n" for line in kept))
 
 
+def sample_clients(seed: int, round_index: int, participants: int,
+                   participation: float) -> list[int]:
+    """The participant indices a round trains, in increasing order; the Flower server draws its
+    rounds with this too, so both engines train the same clients."""
+    per_round = max(1, int(round(participation * participants)))
+    rng = np.random.default_rng([seed, round_index])
+    return sorted(int(i) for i in rng.choice(participants, size=per_round, replace=False))
+
+
+def open_run_log(run_dir: Path, initial_weights: Weights) -> SimulationResult:
+    """Where a run stands: its newest checkpoint, with the log lines of later rounds dropped
+    (they will be re-run), or round 0."""
+    state = resume_from(run_dir) or SimulationResult(initial_weights, {}, 0)
+    _truncate_metrics(run_dir / "metrics.jsonl", state.rounds_done)
+    return state
+
+
+def is_checkpoint_round(rounds_done: int, rounds: int, checkpoint_every: int) -> bool:
+    return rounds_done % checkpoint_every == 0 or rounds_done == rounds
+
+
+def log_round(run_dir: Path, row: dict[str, Any], state: SimulationResult, checkpoint: bool,
+              keep_every: int | None = None) -> None:
+    """The log line goes first: a kill before the checkpoint only re-runs logged rounds, whose
+    lines the resume truncates."""
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if checkpoint:
+        save_checkpoint(run_dir / "checkpoints" / f"round_{state.rounds_done:04d}.pt",
+                        state.rounds_done, state.weights, state.states, keep_every)
+
+
 def simulate(algorithm: Algorithm, clients: list[ClientData], training: TrainingConfig,
              initial_weights: Weights, *, seed: int = 0, run_dir: Path | None = None,
              checkpoint_every: int = 5, keep_every: int | None = None,
@@ -131,21 +163,15 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
     if not participants:
         raise ValueError("no training clients: every client is held out as unseen")
     total = sum(c.num_train for c in participants)
-    state = SimulationResult(initial_weights, {}, 0)
-    metrics_path = run_dir / "metrics.jsonl" if run_dir is not None else None
-    if run_dir is not None:
-        state = resume_from(run_dir) or state
-        _truncate_metrics(metrics_path, state.rounds_done)
-    per_round = max(1, int(round(training.participation * len(participants))))
+    state = (open_run_log(run_dir, initial_weights) if run_dir is not None
+             else SimulationResult(initial_weights, {}, 0))
     rounds = range(state.rounds_done, training.rounds)
     for r in tqdm(rounds, desc=algorithm.name, disable=not progress, initial=state.rounds_done,
                   total=training.rounds):
         start = time.perf_counter()
-        rng = np.random.default_rng([seed, r])
-        picked = rng.choice(len(participants), size=per_round, replace=False)
         lr = training.lr_at(r, training.rounds)
         results = []
-        for i in sorted(picked):
+        for i in sample_clients(seed, r, len(participants), training.participation):
             client = participants[i]
             result = algorithm.client_update(state.weights, client,
                                              state.states.get(client.client_id, {}), lr,
@@ -161,17 +187,12 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
                                            weights=[x.num_samples for x in results])),
             "seconds": round(time.perf_counter() - start, 3),
         }
-        checkpoint = run_dir is not None and (state.rounds_done % checkpoint_every == 0
-                                              or state.rounds_done == training.rounds)
-        if checkpoint:
-            row["val_accuracy"] = _pooled_val_accuracy(algorithm, state.weights, participants)
-        if metrics_path is not None:
-            # the log line goes first: a kill before the checkpoint only re-runs logged rounds,
-            # whose lines the resume truncates
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        if checkpoint:
-            save_checkpoint(run_dir / "checkpoints" / f"round_{state.rounds_done:04d}.pt",
-                            state.rounds_done, state.weights, state.states, keep_every)
+        if run_dir is not None:
+            checkpoint = is_checkpoint_round(state.rounds_done, training.rounds,
+                                             checkpoint_every)
+            if checkpoint:
+                row["val_accuracy"] = _pooled_val_accuracy(algorithm, state.weights,
+                                                           participants)
+            log_round(run_dir, row, state, checkpoint, keep_every)
         log.debug("round %d: %s", r + 1, row)
     return state
