@@ -130,7 +130,8 @@ def check_same_init(previous: dict, saved: dict, where: Path) -> None:
                        f"{now[0]} (sha256 {now[1]}); choose another --out or delete it")
 
 
-def _partition(config: RunConfig, dataset: Dataset) -> Partition:
+def run_partition(config: RunConfig, dataset: Dataset) -> Partition:
+    """The run's partition: the same for every engine and for every node that holds the data."""
     return make_partition(dataset, config.partition, config.clients, alpha=config.alpha,
                           beta=config.beta, classes_per_client=config.classes_per_client,
                           val_fraction=config.val_fraction,
@@ -144,9 +145,23 @@ def initial_weights(model_fn, seed: int, init: Init | None = None) -> Weights:
     return get_weights(model) if init is None else init_weights(init, model)
 
 
-def train(config: RunConfig, run_dir: Path, *, progress: bool = True) -> SimulationResult:
-    """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run."""
-    run_dir = Path(run_dir)
+@dataclass
+class OpenRun:
+    """A run directory ready to train into: its data, partition, model and starting weights."""
+
+    dataset: Dataset
+    partition: Partition
+    model_name: str
+    start: Weights
+
+    def model_fn(self) -> EmbedHeadModel:
+        return build_model(self.model_name, self.dataset.num_classes, self.dataset.input_spec)
+
+
+def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
+    """Write config.json and partition.npz into a new run_dir, or check that run_dir holds this
+    same run (then its partition is read back). `knnper train` and the Flower server both start
+    here, so their run directories are interchangeable."""
     dataset, init = load_run_data(config)
     model_name = config.model or default_model(dataset.input_spec)
 
@@ -165,20 +180,31 @@ def train(config: RunConfig, run_dir: Path, *, progress: bool = True) -> Simulat
                            "choose another --out or delete it")
         partition = Partition.load(run_dir / PARTITION_FILE)
     else:
-        partition = _partition(config, dataset)
+        partition = run_partition(config, dataset)
         run_dir.mkdir(parents=True, exist_ok=True)
         partition.save(run_dir / PARTITION_FILE)
         config_path.write_text(json.dumps(saved, indent=2))
-    clients = prepare_clients(dataset, partition)
-    algorithm = build_algorithm("fedavg", model_fn, config.training)
-    result = simulate(algorithm, clients, config.training, start,
-                      seed=config.seed, run_dir=run_dir,
-                      checkpoint_every=config.checkpoint_every, progress=progress)
-    model = model_fn()
-    set_weights(model, result.weights)
+    return OpenRun(dataset, partition, model_name, start)
+
+
+def save_model(run_dir: Path, model: EmbedHeadModel, weights: Weights) -> None:
+    """The final global model, written under a temporary name and renamed."""
+    set_weights(model, weights)
     tmp = run_dir / (MODEL_FILE + ".tmp")
     torch.save(model.state_dict(), tmp)
     tmp.replace(run_dir / MODEL_FILE)
+
+
+def train(config: RunConfig, run_dir: Path, *, progress: bool = True) -> SimulationResult:
+    """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run."""
+    run_dir = Path(run_dir)
+    run = open_run(config, run_dir)
+    clients = prepare_clients(run.dataset, run.partition)
+    algorithm = build_algorithm("fedavg", run.model_fn, config.training)
+    result = simulate(algorithm, clients, config.training, run.start,
+                      seed=config.seed, run_dir=run_dir,
+                      checkpoint_every=config.checkpoint_every, progress=progress)
+    save_model(run_dir, run.model_fn(), result.weights)
     return result
 
 
