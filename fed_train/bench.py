@@ -33,7 +33,7 @@ from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
 from fed_train.attribution import BODIES, attribution_table, format_attribution
-from fed_train.errors import KnnperError
+from fed_train.errors import KnnperError, TrainingError
 from fed_train.evaluation import merge_results, summarize
 from fed_train.knn_tuning import (
     KNNConfig,
@@ -232,14 +232,32 @@ class TableRunner:
                   "oracle_rows": oracle}
         return {**hyper, **config.to_dict(), "lambda_estimator": estimator}, record
 
-    def rows(self, method: str, lr: float) -> list[dict[str, Any]]:
-        """Per-client rows of `method` at learning rate `lr`, from the cache when it is there."""
+    def rows(self, method: str, lr: float, *,
+             diverged_ok: bool = False) -> list[dict[str, Any]] | None:
+        """Per-client rows of `method` at learning rate `lr`, from the cache when it is there.
+        With `diverged_ok` (a learning-rate grid), a run whose loss diverges is recorded and
+        gives None instead of stopping the table: that learning rate cannot be chosen."""
         identity = self._knn_identity() if method == "knnper" else self.hyper.get(method, {})
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
         if cache.exists():
             cached = json.loads(cache.read_text())
             if cached.get("hyper") == _plain(identity):
+                if cached["rows"] is None and not diverged_ok:
+                    raise TrainingError(cached["diverged"])
                 return cached["rows"]
+        try:
+            return self._rows(method, lr, identity, cache)
+        except TrainingError as err:
+            if not diverged_ok:
+                raise
+            log.warning("%s at lr=%g diverged: %s", method, lr, err)
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(json.dumps({"hyper": _plain(identity), "diverged": str(err),
+                                         "rows": None}))
+            return None
+
+    def _rows(self, method: str, lr: float, identity: Mapping[str, Any],
+              cache: Path) -> list[dict[str, Any]]:
         start = time.perf_counter()
         hyper = self.hyper.get(method, {})
         knn_record = None
@@ -285,14 +303,15 @@ _JOB_COST = {"apfl": 6.0, "ditto": 5.0, "pfedgp": 2.0, "fedrep": 1.5, "fedavg": 
 
 
 def _run_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
-             tune_knn: bool, lambda_estimator: str, methods: list[str], lr: float) -> None:
+             tune_knn: bool, lambda_estimator: str, methods: list[str], lr: float,
+             lrs_of_table: Sequence[float]) -> None:
     """One worker's share of a table: the methods that share one training run at one learning
     rate. Results land in OUT's caches, which the table then reads."""
     torch.set_num_threads(1)
     runner = TableRunner(config, Path(out), hyper=hyper, progress=False, tune_knn=tune_knn,
                          lambda_estimator=lambda_estimator)
     for method in methods:
-        runner.rows(method, lr)
+        runner.rows(method, lr, diverged_ok=len(lrs_of_table) > 1)
 
 
 def _run_parallel(config: RunConfig, names: Sequence[str], lrs: Sequence[float], out: Path,
@@ -306,7 +325,7 @@ def _run_parallel(config: RunConfig, names: Sequence[str], lrs: Sequence[float],
     context = multiprocessing.get_context("spawn")  # torch and fork do not mix
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         futures = [pool.submit(_run_job, config, str(out), hyper, tune_knn, lambda_estimator,
-                               methods, lr) for _, methods, lr in jobs]
+                               methods, lr, tuple(lrs)) for _, methods, lr in jobs]
         for future in as_completed(futures):
             future.result()  # a worker's error stops the table with that error
 
@@ -332,8 +351,11 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
     for method in names:
-        by_lr = {lr: runner.rows(method, lr) for lr in lrs}
-        val = {lr: validation_score(rows) for lr, rows in by_lr.items()}
+        by_lr = {lr: runner.rows(method, lr, diverged_ok=len(lrs) > 1) for lr in lrs}
+        if all(rows is None for rows in by_lr.values()):
+            raise BenchError(f"{method}: training diverged at every learning rate of the grid")
+        val = {lr: None if rows is None else validation_score(rows)
+               for lr, rows in by_lr.items()}
         chosen[method] = choose_lr(val) if tune_lr else lrs[0]
         scores[method] = {f"{lr:g}": s for lr, s in val.items()}
         per_method[method] = by_lr[chosen[method]]

@@ -144,3 +144,59 @@ def test_bad_command_lines_are_clear_errors(tmp_path):
 def test_a_client_without_validation_data_is_named():
     with pytest.raises(BenchError, match=r"1 client\(s\) have no validation data \(client 7\)"):
         check_validation_splits([_client(3, 2), _client(7, 0, unseen=True)])
+
+
+@pytest.mark.slow
+def test_tuned_knn_table_with_workers_and_attribution(tmp_path):
+    """kNN-Per's k / sigma / normalisation chosen on validation, the oracle-lambda report, two
+    worker processes, and every head on every body: the same table a single process writes."""
+    out = tmp_path / "table"
+    argv = [*TINY, "--methods", "fedavg,fedrep,pfedgp,knnper", "--tune-knn",
+            "--lambda-estimator", "auto", "--attribution"]
+    assert bench(*argv, "--workers", "2", "--out", str(out)) == 0
+    result = json.loads((out / "results.json").read_text())
+    knn = result["knn"]
+    assert knn["tuned"] and knn["config"]["k"] in (5, 10, 20, 50)
+    assert knn["config"]["normalize"] in ("none", "l2")
+    assert knn["estimator"] == max(knn["lambda_cv"], key=lambda e: (knn["lambda_cv"][e],
+                                                                    e == "val"))
+    assert len(knn["grid"]) == 4 * 13 * 2
+    assert knn["oracle"]["seen"]["mean"] >= result["seen"]["knnper"]["mean"] - 1e-12
+    assert result["command"].startswith("knnper ")
+    summary = result["attribution"]["summary"]
+    for body in ("fedavg", "fedrep", "pfedgp"):
+        for head in ("own", "linear", "gp", "knn", "knn+own"):
+            assert summary[f"{body}/{head}"]["seen"]["clients"] > 0, (body, head)
+    # kNN-Per on FedAvg's body is the table's kNN-Per, and each "own" head the method's row
+    assert summary["fedavg/knn+own"]["seen"] == pytest.approx(result["seen"]["knnper"])
+    assert summary["fedrep/own"]["seen"] == pytest.approx(result["seen"]["fedrep"])
+    table = (out / "table.md").read_text()
+    assert "test-oracle lambda" in table and "every head on every body" in table
+    assert (out / "attribution.csv").is_file()
+    # one process reading the same caches writes the same table
+    again = tmp_path / "again"
+    assert bench(*argv, "--out", str(again)) == 0
+    assert json.loads((again / "results.json").read_text())["seen"] == result["seen"]
+
+
+def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(tmp_path,
+                                                                                 monkeypatch):
+    import fed_train.algorithms.fedavg as fedavg_module
+    from fed_train.errors import TrainingError
+
+    real = fedavg_module.local_sgd
+
+    def diverge_at_large_lr(model, x, y, training, lr, seed, **kw):
+        if lr > 0.5:
+            raise TrainingError(f"the training loss became nan (lr={lr:g})")
+        return real(model, x, y, training, lr, seed, **kw)
+
+    monkeypatch.setattr(fedavg_module, "local_sgd", diverge_at_large_lr)
+    out = tmp_path / "tuned"
+    assert bench(*TINY, "--methods", "fedavg", "--tune-lr", "--lr-grid", "0.9,0.05",
+                 "--out", str(out)) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert result["lr"]["fedavg"] == 0.05 and result["validation"]["fedavg"]["0.9"] is None
+    assert "diverged" in json.loads((out / "eval" / "fedavg" / "lr_0.9.json").read_text())
+    with pytest.raises(TrainingError, match="nan"):
+        bench(*TINY[:-1], "0.9", "--methods", "fedavg", "--out", str(tmp_path / "fixed"))
