@@ -35,7 +35,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -417,14 +417,18 @@ def read_bundle(
 def bundle_lock(
     bundle_dir: Path, *, exclusive: bool, timeout: float = DEFAULT_LOCK_TIMEOUT
 ) -> Iterator[None]:
-    """`locking.directory_lock` on a bundle, with its errors as BundleErrors."""
-    try:
-        with directory_lock(bundle_dir, exclusive=exclusive, timeout=timeout):
-            yield
-    except LockTimeout as exc:
-        raise BundleBusy(f"bundle {exc}") from None
-    except (FileNotFoundError, NotADirectoryError):
-        raise BundleError(f"bundle {bundle_dir}: not a directory") from None
+    """`locking.directory_lock` on a bundle, with its errors (taking the lock, not those of
+    the `with` block) as BundleErrors."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(directory_lock(bundle_dir, exclusive=exclusive, timeout=timeout))
+        except LockTimeout as exc:
+            raise BundleBusy(f"bundle {exc}") from None
+        except (FileNotFoundError, NotADirectoryError):
+            raise BundleError(f"bundle {bundle_dir}: not a directory") from None
+        except OSError as exc:
+            raise BundleError(f"bundle {bundle_dir}: cannot lock it: {exc.strerror}") from None
+        yield
 
 
 def _read_verified(bundle_dir: Path, name: str, manifest: dict, where: str) -> bytes:
