@@ -1,14 +1,17 @@
-"""The `knnper` command line with the `export` sub-command added to train / evaluate / demo:
-per-device bundles from a finished run, each sized to its device's memory budget."""
+"""The `knnper` command line with the `export` and `demo` sub-commands added to train /
+evaluate: per-device bundles from a finished run, each sized to its device's memory budget."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from export.demo import add_demo_command
 from export.errors import BudgetError, ExportError
 from export.exporter import REPORT_FILE, ExportSettings, export_run, select_ids
 from export.profiles import (
@@ -64,7 +67,13 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--update-strategy", default="fifo",
                    help="on-device updates for flat/hnsw: fifo, concatenate, fixed "
                         "(protonn is always fixed)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of generated budgets and of datastore sampling / ProtoNN training")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes sizing clients in parallel (None: one per usable core)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="train every ProtoNN candidate to the end and try every backend, "
+                   "instead of pruning the ones that cannot win (slower; for comparisons)")
     p.set_defaults(func=_cmd_export)
 
 
@@ -101,10 +110,35 @@ def format_export_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_export_summary(report: dict[str, Any]) -> str:
+    """One line per distinct budget: how many clients, which backends were chosen, mean bytes
+    and mean validation accuracy (a fleet's export in a few lines)."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for r in report["clients"]:
+        groups.setdefault(r["budget"], []).append(r)
+    lines = ["| budget | clients | chosen backends | mean bytes | mean val acc |",
+             "|---|---|---|---|---|"]
+    for budget in sorted(groups):
+        rows = groups[budget]
+        chosen = Counter(r["backend"] for r in rows)
+        accs = [r["val_accuracy"] for r in rows if r["val_accuracy"] is not None]
+        acc = f"{sum(accs) / len(accs):.3f}" if accs else "-"
+        lines.append(f"| {budget} | {len(rows)} | "
+                     f"{', '.join(f'{b} {n}' for b, n in sorted(chosen.items()))} | "
+                     f"{sum(r['total_bytes'] for r in rows) / len(rows):.0f} | {acc} |")
+    return "\n".join(lines)
+
+
+PER_CLIENT_TABLE_MAX = 20  # above this many clients, only the summary is printed
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     settings = ExportSettings(quantize=args.quantize, backend=args.backend, k=args.k,
                               sigma=args.sigma, update_strategy=args.update_strategy,
                               seed=args.seed)
+    if args.exhaustive:
+        settings.space = replace(settings.space, prune=False,
+                                 protonn_screen_steps=settings.space.protonn_steps)
     settings.check()  # bad flags fail before the run is loaded
     try:
         run = load_run(args.run)
@@ -113,14 +147,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise ExportError(str(err).strip().splitlines()[0]) from err
     budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
     report = export_run(run, Path(args.out), budgets, settings, clients=args.clients,
-                        progress=not args.no_progress)
-    print(format_export_table(report))
+                        progress=not args.no_progress, workers=args.workers)
+    if len(report["clients"]) <= PER_CLIENT_TABLE_MAX:
+        print(format_export_table(report))
+    print(format_export_summary(report))
     print(f"wrote {len(report['clients'])} bundle(s) and {Path(args.out) / REPORT_FILE}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return fed_cli.main(argv, extra=[add_export_command])
+    return fed_cli.main(argv, extra=[add_export_command, add_demo_command])
 
 if __name__ == "__main__":
     sys.exit(main())

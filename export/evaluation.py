@@ -16,6 +16,7 @@ from edge_runtime.knn import choose_lambda, interpolate, softmax
 from edge_runtime.runtime import Runtime
 from export.exporter import REPORT_FILE, client_embeddings
 from fed_train.algorithms.base import ClientData
+from fed_train.client_files import client_split
 from fed_train.run import LoadedRun
 
 
@@ -27,12 +28,6 @@ def weighted_mean(rows: Sequence[dict[str, Any]], key: str = "test_accuracy") ->
     return float(sum(r[key] * r["test_samples"] for r in rows) / total)
 
 
-def raw_test_split(run: LoadedRun, client_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """A client's test inputs as the device receives them (raw, before prepare_input)."""
-    idx = np.asarray(run.partition.clients[client_id].test, dtype=np.int64)
-    return run.dataset.x_test[idx], np.asarray(run.dataset.y_test[idx], dtype=np.int64)
-
-
 def evaluate_export(run: LoadedRun, out_dir: str | Path) -> list[dict[str, Any]]:
     """Each exported bundle's test accuracy, predicted by edge_runtime's Runtime from raw
     inputs: the accuracy a device gets."""
@@ -41,7 +36,7 @@ def evaluate_export(run: LoadedRun, out_dir: str | Path) -> list[dict[str, Any]]
     rows = []
     for row in report["clients"]:
         runtime = Runtime.load(out_dir / row["bundle"], intra_op_threads=1)
-        x, y = raw_test_split(run, row["client_id"])
+        x, y = client_split(run, row["client_id"], "test")
         acc = float(np.mean(runtime.predict(x) == y)) if len(y) else float("nan")
         rows.append({**{k: v for k, v in row.items() if k != "candidates"},
                      "test_accuracy": acc, "test_samples": int(len(y))})

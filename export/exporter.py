@@ -6,26 +6,34 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from edge_runtime.bundle import BundleError, write_bundle
+from edge_runtime.bundle import sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
+from export.client_export import (
+    ClientTask,
+    SizingContext,
+    export_client,
+    export_client_in_worker,
+    init_worker,
+)
 from export.errors import BudgetError, ExportError
 from export.onnx_export import export_onnx
+from export.progress import ClientProgress
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
 from export.sizing import (
     BACKEND_CHOICES,
     ClientEmbeddings,
-    DatastoreSizer,
     SearchSpace,
     smallest_datastore_bytes,
 )
@@ -37,6 +45,7 @@ log = logging.getLogger(__name__)
 ENCODER_FILE = "encoder.onnx"
 FP32_ENCODER_FILE = "encoder.fp32.onnx"
 REPORT_FILE = "export.json"
+JOURNAL_FILE = "export.journal.jsonl"
 UPDATE_STRATEGIES = ("fifo", "concatenate", "fixed")
 
 
@@ -193,12 +202,18 @@ def bundle_dir(out_dir: Path, client_id: int) -> Path:
 
 def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
                settings: ExportSettings | None = None, *, clients: str = "all",
-               encoder: EncoderFiles | None = None, progress: bool = True) -> dict[str, Any]:
+               encoder: EncoderFiles | None = None, progress: bool = True,
+               workers: int | None = 1) -> dict[str, Any]:
     """Write one bundle per selected client into out_dir and return the export report (also
     written as out_dir/export.json). Every bundle is written atomically by edge_runtime's
     write_bundle (temporary directory, then rename), so an interrupted export leaves complete
     bundles and nothing half-written that loads. `encoder`: files from an earlier
-    `build_encoder` with the same settings (benchmarks export many times from one run)."""
+    `build_encoder` with the same settings (benchmarks export many times from one run).
+
+    Resumable: each finished client is recorded in out_dir/export.journal.jsonl, and a re-run
+    with the same run, settings and encoder skips clients whose bundle exists for the same
+    budget; leftover temporary bundle directories are removed. `workers`: processes sizing
+    clients in parallel (None: one per usable core)."""
     settings = settings or ExportSettings()
     settings.check()
     space = settings.space.restricted_to(settings.backend)
@@ -223,35 +238,30 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
         _check_budgets(chosen, budgets, encoder_files, smallest)  # before anything is written
         out_dir.mkdir(parents=True, exist_ok=True)
         encoder_files = _move_encoder(encoder_files, out_dir)
+    context = SizingContext(encoder_files.path, encoder_files.nbytes, run.dataset.num_classes,
+                            settings.k, settings.sigma, space, settings.seed,
+                            settings.update_strategy)
+    remove_stale_temporaries(out_dir)
+    journal = ExportJournal(out_dir / JOURNAL_FILE, _fingerprint(run, settings, space,
+                                                                 encoder_files))
+    done = journal.finished(budgets, out_dir)
+    todo = [c for c in chosen if c.client_id not in done]
+    if done:
+        log.info("resuming: %d of %d client(s) already exported", len(chosen) - len(todo),
+                 len(chosen))
     session = Encoder(encoder_files.path, intra_op_threads=1)
-    sizer = DatastoreSizer(run.dataset.num_classes, k=settings.k, sigma=settings.sigma,
-                           space=space, seed=settings.seed)
-    rows = []
-    for client in tqdm(chosen, desc="export", unit="client", disable=not progress):
-        budget = int(budgets[client.client_id])
-        data = client_embeddings(session, client)
-        sizer.fit(data, budget - encoder_files.nbytes)
-        best, datastore = sizer.best_, sizer.datastore_
-        strategy = "fixed" if best.backend == "protonn" else settings.update_strategy
-        fields = {"client_id": int(client.client_id), "input": run.dataset.input_spec,
-                  "lambda": float(best.lam), "budget_bytes": budget,
-                  "update_strategy": strategy}
-        target = bundle_dir(out_dir, client.client_id)
-        try:
-            manifest = write_bundle(target, fields, encoder_files.path, datastore)
-        except BundleError as err:
-            raise ExportError(f"client {client.client_id}: {err}") from err
-        rows.append({
-            "client_id": int(client.client_id), "unseen": bool(client.unseen),
-            "bundle": target.name, "budget": budget,
-            "backend": best.backend, "recipe": best.recipe, "stored": best.stored,
-            "encoder_bytes": manifest["footprint"]["encoder"],
-            "datastore_bytes": manifest["footprint"]["datastore"],
-            "total_bytes": manifest["footprint"]["total"],
-            "lambda": best.lam, "val_accuracy": best.val_accuracy, "val_nll": best.val_nll,
-            "train_samples": int(client.num_train), "val_samples": int(len(client.y_val)),
-            "candidates": [c.as_row() for c in sizer.candidates_],
-        })
+    tasks = (ClientTask(client_embeddings(session, c), int(budgets[c.client_id]), c.unseen,
+                        bundle_dir(out_dir, c.client_id), run.dataset.input_spec)
+             for c in todo)
+    bar = ClientProgress(len(chosen), initial=len(chosen) - len(todo), enabled=progress)
+    try:
+        for row in _export_clients(tasks, len(todo), context, workers):
+            journal.add(row)
+            done[row["client_id"]] = row
+            bar.update()
+    finally:
+        bar.close()
+    rows = [done[c.client_id] for c in chosen]
     report = {
         "run": str(run.run_dir),
         "settings": {**asdict(settings), "space": asdict(space)},
@@ -299,3 +309,90 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingContext,
+                    workers: int | None) -> Iterator[dict[str, Any]]:
+    """Each client's row as it finishes: in this process, or in a pool of worker processes."""
+    workers = min(workers or usable_cores(), count)
+    if workers <= 1:
+        sizer = context.sizer()
+        for task in tasks:
+            yield export_client(task, context, sizer)
+        return
+    # spawn, not fork: torch and onnxruntime hold thread pools that a forked child inherits
+    # in an undefined state
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=init_worker, initargs=(context,))
+    try:
+        futures = [pool.submit(export_client_in_worker, task) for task in tasks]
+        for future in as_completed(futures):
+            yield future.result()
+    finally:
+        # on an error or Ctrl-C: drop the clients not started; the workers finish the one in
+        # hand (they ignore SIGINT), so no bundle is left half-written
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _fingerprint(run: LoadedRun, settings: ExportSettings, space: SearchSpace,
+                 encoder: EncoderFiles) -> dict[str, Any]:
+    """What makes two exports the same export: the run, every setting, the encoder's bytes."""
+    return json.loads(json.dumps({
+        "run": str(Path(run.run_dir).resolve()),
+        "settings": {**asdict(settings), "space": asdict(space)},
+        "encoder_sha256": sha256_file(encoder.path),
+    }, default=_json_default))
+
+
+class ExportJournal:
+    """One JSON line per finished client after a header line with the export's fingerprint.
+    A line is appended and flushed when its bundle is in place, so after a kill the journal
+    lists only complete bundles (a torn last line is ignored)."""
+
+    def __init__(self, path: Path, fingerprint: dict[str, Any]) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+
+    def finished(self, budgets: dict[int, int], out_dir: Path) -> dict[int, dict[str, Any]]:
+        """Rows of clients finished by an earlier call of this same export; starts a new
+        journal when there is none or it belongs to a different export."""
+        rows: dict[int, dict[str, Any]] = {}
+        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        try:
+            same = bool(lines) and json.loads(lines[0]) == {"fingerprint": self.fingerprint}
+        except json.JSONDecodeError:
+            same = False
+        if same:
+            for line in lines[1:]:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                cid = row.get("client_id")
+                if (budgets.get(cid) == row.get("budget")
+                        and (bundle_dir(out_dir, cid) / "manifest.json").is_file()):
+                    rows[cid] = row
+        self._write([{"fingerprint": self.fingerprint}, *rows.values()])
+        return rows
+
+    def add(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, default=_json_default) + "\n")
+            f.flush()
+
+    def _write(self, lines: list[dict[str, Any]]) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(x, default=_json_default) + "\n" for x in lines))
+        os.replace(tmp, self.path)
+
+
+def remove_stale_temporaries(out_dir: Path) -> None:
+    """Temporary bundle directories that an interrupted export left behind (write_bundle
+    renames its temporary directory into place only once the bundle is complete)."""
+    for tmp in out_dir.glob(".client_*.tmp-*"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)

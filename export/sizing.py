@@ -1,6 +1,16 @@
 """Choosing one client's datastore to fit its device budget: enumerate configurations (backend x
 key dtype x stored samples or prototypes x projection dimension), measure each one's exact bytes
-and its kNN-Per accuracy on the client's validation split, keep the best that fits."""
+and its kNN-Per accuracy on the client's validation split, keep the best that fits.
+
+Cheap configurations go first, and two rules stop paying for ones that cannot win (both can be
+turned off, `SearchSpace.prune`; BENCHMARKS.md measures them against the exhaustive search):
+- HNSW stores float32 keys plus links, so flat float32 keys always hold at least as many samples
+  in the same room and search them exactly: HNSW is only tried where flat float32 is not.
+- ProtoNN compresses the datastore; when every train sample fits as float32 keys there is
+  nothing to compress, and ProtoNN is not trained.
+ProtoNN candidates that are trained go through one round of successive halving: all of them get
+`protonn_screen_steps` Adam steps, and only the `protonn_finalists` best on validation are
+trained on to `protonn_steps`."""
 
 from __future__ import annotations
 
@@ -51,7 +61,10 @@ class SearchSpace:
     protonn_dims: tuple[int, ...] = (8, 16, 32)
     protonn_fractions: tuple[float, ...] = (0.1, 0.3)
     protonn_steps: int = 200
+    protonn_screen_steps: int = 50  # every ProtoNN candidate; the finalists go on to the end
+    protonn_finalists: int = 3
     fill_budget: bool = True  # also try the most samples / prototypes that fit
+    prune: bool = True  # skip HNSW and ProtoNN where they cannot win (see the module's doc)
 
     def restricted_to(self, backend: str) -> SearchSpace:
         """This space with only one backend ("auto" keeps them all)."""
@@ -73,11 +86,12 @@ class Candidate:
     lam: float = 0.5
     val_accuracy: float | None = None
     val_nll: float | None = None
+    steps: int | None = None  # ProtoNN: the Adam steps it was trained for
 
     def as_row(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "backend": self.backend, "bytes": self.nbytes,
                 "stored": self.stored, "lambda": self.lam, "val_accuracy": self.val_accuracy,
-                "val_nll": self.val_nll}
+                "val_nll": self.val_nll, "steps": self.steps}
 
 
 @dataclass
@@ -148,15 +162,18 @@ class DatastoreSizer:
         self.space = space or SearchSpace()
         self.seed = seed
         # Benchmarks size the same client under many budgets; a ProtoNN of a given shape on the
-        # same embeddings is the same model each time, so it may be trained once.
+        # same embeddings is the same model each time, so it may be trained once (the
+        # classifier, to train on, and its datastore after each number of steps).
         self.reuse_protonn = reuse_protonn
-        self._protonn_cache: dict[tuple, ProtoNNDatastore] = {}
+        self._protonn_cache: dict[tuple, Any] = {}
 
     # -- the search
     def fit(self, data: ClientEmbeddings, room: int) -> DatastoreSizer:
         if len(data.y_train) == 0:
             raise ExportError(f"client {data.client_id} has no training samples to build a "
                               "datastore from")
+        if not self.reuse_protonn:
+            self._protonn_cache = {}  # within one fit: the classifiers the finalists train on
         self._p_global = softmax(np.asarray(data.logits_val, dtype=np.float64))
         candidates: list[tuple[Candidate, Datastore]] = []
         seen: set[tuple[str, int]] = set()
@@ -168,13 +185,15 @@ class DatastoreSizer:
             # Two recipes that hold the same samples (e.g. counts above the train size) are the
             # same datastore: score it once.
             signature = (cand.recipe.split(":n")[0], cand.stored)
-            if signature in seen and cand.backend != "protonn":
+            if signature in seen:
                 continue
             seen.add(signature)
             self._score(cand, ds, data)
             candidates.append((cand, ds))
             log.debug("client %d: %s %d bytes acc %s", data.client_id, cand.recipe, cand.nbytes,
                       cand.val_accuracy)
+        if "protonn" in self.space.backends and not self._holds_all_fp32(candidates, data):
+            candidates += self._protonn_search(data, room)
         if not candidates:
             raise BudgetError(
                 f"client {data.client_id}: the budget leaves {room} bytes after the encoder, too "
@@ -190,6 +209,13 @@ class DatastoreSizer:
         self.candidates_ = [c for c, _ in candidates]
         self.fitted_ = candidates  # every (candidate, fitted datastore), for benchmarks
         return self
+
+    def _holds_all_fp32(self, candidates: list[tuple[Candidate, Datastore]],
+                        data: ClientEmbeddings) -> bool:
+        """Whether pruning applies: a flat float32 datastore of every train sample fits."""
+        return self.space.prune and any(
+            c.backend == "flat" and c.recipe.startswith("flat:fp32")
+            and c.stored == len(data.y_train) for c, _ in candidates)
 
     def _score(self, cand: Candidate, ds: Datastore, data: ClientEmbeddings) -> None:
         y = np.asarray(data.y_val)
@@ -234,14 +260,16 @@ class DatastoreSizer:
                     for count in counts:
                         yield _bind(self._flat, data, dtype, count, capacity, room)
             elif backend == "hnsw":
+                if self.space.prune and "flat" in self.space.backends \
+                        and "fp32" in self.space.flat_dtypes:
+                    continue  # flat fp32 holds more samples in the same room, searched exactly
                 for links in self.space.hnsw_M:
                     probe = HNSWDatastore(self.num_classes, M=links)
                     counts, capacity = self._counts_within(probe, room, n, dim)
                     for count in counts:
                         yield _bind(self._hnsw, data, links, count, capacity, room)
             elif backend == "protonn":
-                for d in self.space.protonn_dims:
-                    yield from self._protonn_builders(data, d, room)
+                continue  # trained after the cheap backends: see _protonn_search
             else:
                 raise ExportError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
@@ -292,36 +320,66 @@ class DatastoreSizer:
             count = min(n_train, count + int(extra))
         return fitted
 
-    def _protonn_builders(self, data: ClientEmbeddings, d: int,
-                          room: int) -> Iterator[Callable[[], tuple[Candidate, Datastore] | None]]:
+    def _protonn_shapes(self, data: ClientEmbeddings, room: int) -> list[tuple[int, int]]:
+        """(projection dim, prototypes) pairs whose estimated bytes fit the room."""
         n, dim = data.z_train.shape
-        probe = ProtoNNDatastore(self.num_classes, d=d)
-        most = _most_within(lambda m: probe.estimate_nbytes(m, dim), room, n)
-        counts = {min(n, max(1, int(round(f * n)))) for f in self.space.protonn_fractions}
-        if self.space.fill_budget and most >= 1:
-            # ProtoNN is there to compress: more prototypes than half the samples is the
-            # flat backends' ground, and would cost training time for little.
-            counts.add(min(most, max(1, n // 2)))
-        for m in sorted((c for c in counts if c <= most), reverse=True):
-            yield _bind(self._protonn, data, d, m, room)
+        shapes = []
+        for d in self.space.protonn_dims:
+            probe = ProtoNNDatastore(self.num_classes, d=d)
+            most = _most_within(lambda m, probe=probe: probe.estimate_nbytes(m, dim), room, n)
+            counts = {min(n, max(1, int(round(f * n)))) for f in self.space.protonn_fractions}
+            if self.space.fill_budget and most >= 1:
+                # ProtoNN is there to compress: more prototypes than half the samples is the
+                # flat backends' ground, and would cost training time for little.
+                counts.add(min(most, max(1, n // 2)))
+            shapes += [(d, m) for m in sorted((c for c in counts if c <= most), reverse=True)]
+        return shapes
 
-    def _protonn(self, data: ClientEmbeddings, d: int, m: int,
+    def _protonn_search(self, data: ClientEmbeddings,
+                        room: int) -> list[tuple[Candidate, Datastore]]:
+        """Successive halving: every shape that fits gets the screening steps, the best
+        `protonn_finalists` on validation get the rest; every model is a candidate with the
+        score it has when its training stops."""
+        space = self.space
+        screen = min(space.protonn_screen_steps, space.protonn_steps)
+        scored: dict[tuple[int, int], tuple[Candidate, Datastore]] = {}
+        for shape in self._protonn_shapes(data, room):
+            made = self._protonn(data, *shape, screen, room)
+            if made is not None:
+                self._score(*made, data)
+                scored[shape] = made
+        if screen < space.protonn_steps:
+            ranked = sorted(scored, key=lambda shape: selection_key(scored[shape][0]))
+            for shape in ranked[:space.protonn_finalists]:
+                made = self._protonn(data, *shape, space.protonn_steps, room)
+                if made is not None:
+                    self._score(*made, data)
+                    scored[shape] = made
+        for cand, _ in scored.values():
+            log.debug("client %d: %s %d bytes acc %s (%d steps)", data.client_id, cand.recipe,
+                      cand.nbytes, cand.val_accuracy, cand.steps)
+        return list(scored.values())
+
+    def _protonn(self, data: ClientEmbeddings, d: int, m: int, steps: int,
                  room: int) -> tuple[Candidate, Datastore] | None:
-        key = (data.client_id, d, m, self.space.protonn_steps,
-               hashlib.sha1(np.ascontiguousarray(data.z_train).data).hexdigest())
-        ds = self._protonn_cache.get(key) if self.reuse_protonn else None
+        """The (d, m) ProtoNN trained to `steps` (continuing its earlier training, if any)."""
+        shape = (data.client_id, d, m, hashlib.sha1(np.ascontiguousarray(data.z_train).data)
+                 .hexdigest())
+        ds = self._protonn_cache.get((*shape, steps))
         if ds is None:
-            clf = ProtoNNClassifier(self.num_classes, projection_dim=d, n_prototypes=m,
-                                    steps=self.space.protonn_steps, seed=self.seed)
-            clf.fit(data.z_train, data.y_train)
+            clf = self._protonn_cache.get(shape)
+            if clf is None or clf.steps_done_ > steps:
+                clf = ProtoNNClassifier(self.num_classes, projection_dim=d, n_prototypes=m,
+                                        steps=steps, seed=self.seed)
+            clf.partial_fit(data.z_train, data.y_train, steps - getattr(clf, "steps_done_", 0))
             fraction = float(f"{clf.n_prototypes_ / len(data.y_train):.4g}")
             ds = clf.to_datastore(k=self.k, sigma=self.sigma, m=fraction)
-            if self.reuse_protonn:
-                self._protonn_cache[key] = ds
+            self._protonn_cache[shape] = clf
+            self._protonn_cache[(*shape, steps)] = ds
         nbytes = measure_nbytes(ds)
         if nbytes > room:
             return None
-        return Candidate(ds.recipe, "protonn", nbytes, len(ds)), ds
+        return Candidate(ds.recipe, "protonn", nbytes, len(ds), steps=steps), ds
 
 
 def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:

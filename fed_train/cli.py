@@ -1,5 +1,5 @@
-"""The `knnper` command line: train a federated run, evaluate it, or do both on digits (demo).
-Other packages add their own sub-commands through `main(extra=...)`."""
+"""The `knnper` command line: train a federated run, evaluate it, write a client's data for the
+device commands. Other packages add their own sub-commands through `main(extra=...)`."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fed_train import defaults
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import TrainingConfig, get_weights
 from fed_train.bench import add_bench_command
+from fed_train.client_files import write_client_files
 from fed_train.errors import KnnperError
 from fed_train.evaluation import client_accuracies, format_table, merge_results
 from fed_train.pretrain import PretrainConfig, pretrain
@@ -25,10 +28,18 @@ log = logging.getLogger("knnper")
 
 EVAL_METHODS = ("local", "fedavg", "knnper")
 CommandAdder = Callable[[argparse._SubParsersAction], None]
+DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
+               "federated run, evaluate it, export per-device bundles. Start with `knnper demo`.")
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 class _Parser(argparse.ArgumentParser):
-    """One line on stderr and exit 2 for a bad flag, like every other error of this CLI."""
+    """One line on stderr and exit 2 for a bad flag, like every other error of this CLI; every
+    option's help shows its default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -56,38 +67,51 @@ def _positive_int(text: str) -> int:
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
-    """Data, partition and optimisation flags shared by `train` and `bench table`."""
+    """Data, partition and optimisation flags shared by `train` and `bench table`; the
+    optimisation defaults are fed_train.defaults.TRAINING (chosen on validation)."""
     d = RunConfig()
-    t = TrainingConfig()
+    t = defaults.TRAINING
     p.add_argument("--dataset", default=d.dataset, help="digits, fashion-mnist, mnist, npz, "
                    "cifar10, cifar100, femnist, shakespeare")
-    p.add_argument("--data", default=None, help="path of the data (file or directory)")
+    p.add_argument("--data", default=None,
+                   help="path of the data (file or directory); digits needs none")
     p.add_argument("--max-train", type=_positive_int, default=None,
                    help="subsample the training set (stratified) to this many samples")
     p.add_argument("--partition", default=d.partition,
                    help="dirichlet, pachinko, pathological, natural")
-    p.add_argument("--alpha", type=_positive_float, default=d.alpha)
-    p.add_argument("--beta", type=_positive_float, default=d.beta)
-    p.add_argument("--classes-per-client", type=_positive_int, default=d.classes_per_client)
-    p.add_argument("--clients", type=_positive_int, default=d.clients)
-    p.add_argument("--unseen-fraction", type=float, default=d.unseen_fraction)
-    p.add_argument("--val-fraction", type=float, default=d.val_fraction)
+    p.add_argument("--alpha", type=_positive_float, default=d.alpha,
+                   help="Dirichlet / pachinko concentration (smaller: more heterogeneous)")
+    p.add_argument("--beta", type=_positive_float, default=d.beta,
+                   help="pachinko: concentration of the fine labels within a coarse label")
+    p.add_argument("--classes-per-client", type=_positive_int, default=d.classes_per_client,
+                   help="pathological: classes each client holds")
+    p.add_argument("--clients", type=_positive_int, default=d.clients, help="number of clients")
+    p.add_argument("--unseen-fraction", type=float, default=d.unseen_fraction,
+                   help="fraction of clients held out of training (evaluated as unseen)")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="fraction of each client's train data kept for validation")
     p.add_argument("--model", default=None,
-                   help="small-cnn, mobilenet-v2, char-lstm (default: by input kind)")
-    p.add_argument("--rounds", type=_positive_int, default=t.rounds)
+                   help="small-cnn, mobilenet-v2, char-lstm (None: chosen by input kind)")
+    p.add_argument("--rounds", type=_positive_int, default=t.rounds,
+                   help="federated rounds")
     p.add_argument("--participation", type=_fraction, default=t.participation,
                    help="fraction of training clients sampled per round")
-    p.add_argument("--local-epochs", type=_positive_int, default=t.epochs)
+    p.add_argument("--local-epochs", type=_positive_int, default=t.epochs,
+                   help="local epochs per round")
     p.add_argument("--local-steps", type=_positive_int, default=None,
                    help="a fixed number of local SGD steps instead of epochs")
-    p.add_argument("--batch-size", type=_positive_int, default=t.batch_size)
-    p.add_argument("--lr", type=_positive_float, default=t.lr)
-    p.add_argument("--momentum", type=float, default=t.momentum)
-    p.add_argument("--weight-decay", type=float, default=t.weight_decay)
+    p.add_argument("--batch-size", type=_positive_int, default=t.batch_size,
+                   help="local SGD batch size")
+    p.add_argument("--lr", type=_positive_float, default=t.lr, help="client learning rate")
+    p.add_argument("--momentum", type=float, default=t.momentum, help="client SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=t.weight_decay,
+                   help="client SGD weight decay")
     p.add_argument("--milestones", type=float, nargs="*", default=list(t.milestones),
                    help="fractions of the rounds at which the learning rate decays")
-    p.add_argument("--lr-gamma", type=_positive_float, default=t.gamma)
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--lr-gamma", type=_positive_float, default=t.gamma,
+                   help="learning-rate factor at each milestone")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the partition, initialisation and client sampling")
     p.add_argument("--init", default=None,
                    help="start every method from these weights: a `knnper pretrain` directory "
                    "(its server split is then left out of the clients' data) or a .pt state dict")
@@ -103,12 +127,15 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      partition=args.partition, alpha=args.alpha, beta=args.beta,
                      classes_per_client=args.classes_per_client, clients=args.clients,
                      unseen_fraction=args.unseen_fraction, val_fraction=args.val_fraction,
-                     model=args.model, init=args.init, seed=args.seed,
-                     checkpoint_every=getattr(args, "checkpoint_every", 5), training=training)
+                     model=args.model, init=args.init, seed=args.seed, training=training,
+                     checkpoint_every=getattr(args, "checkpoint_every",
+                                              defaults.CHECKPOINT_EVERY))
 
 
 def _local_cache_key(run: LoadedRun) -> dict[str, Any]:
-    return {"training": run.config.to_dict()["training"], "seed": run.config.seed}
+    """As it reads back from JSON (tuples become lists), so a saved key equals a fresh one."""
+    return json.loads(json.dumps({"training": run.config.to_dict()["training"],
+                                  "seed": run.config.seed}))
 
 
 def evaluate_run(run: LoadedRun, methods: Sequence[str], *, k: int = 10, sigma: float = 1.0,
@@ -161,17 +188,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.threads is None:
-        torch.set_num_threads(1)  # 8x8 images: intra-op threads cost more than they save
-    config = RunConfig(dataset="digits", partition="dirichlet", alpha=0.3, clients=20,
-                       seed=args.seed,
-                       training=TrainingConfig(rounds=20, epochs=2, batch_size=16, lr=0.05,
-                                               momentum=0.9))
-    out = Path(args.out)
-    train(config, out, progress=not args.no_progress)
-    result = evaluate_run(load_run(out), EVAL_METHODS, progress=not args.no_progress)
-    _report(result, str(out / "evaluation.json"))
+def _cmd_client_data(args: argparse.Namespace) -> int:
+    written = write_client_files(load_run(args.run), args.client, Path(args.out))
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 
@@ -221,32 +241,47 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
 def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train FedAvg's global model on a partitioned data set")
     add_training_arguments(p)
-    p.add_argument("--checkpoint-every", type=_positive_int, default=5)
+    p.add_argument("--checkpoint-every", type=_positive_int, default=defaults.CHECKPOINT_EVERY,
+                   help="rounds between checkpoints (Ctrl-C loses at most this many)")
     p.add_argument("--out", required=True, help="run directory (re-running resumes it)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("evaluate", help="local / FedAvg / kNN-Per accuracy of a finished run")
-    p.add_argument("run")
-    p.add_argument("--k", type=_positive_int, default=10)
-    p.add_argument("--sigma", type=_positive_float, default=1.0)
+    p.add_argument("run", help="run directory written by `knnper train`")
+    p.add_argument("--k", type=_positive_int, default=10, help="neighbours of the kNN head")
+    p.add_argument("--sigma", type=_positive_float, default=1.0,
+                   help="kernel width of the kNN head")
     p.add_argument("--capacity", type=_fraction, default=1.0,
                    help="fraction of each client's train split kept in its datastore")
-    p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS))
+    p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
+                   help=f"any of {', '.join(EVAL_METHODS)}")
     p.add_argument("--json", default=None, help="write summaries and per-client rows here")
     p.set_defaults(func=_cmd_evaluate)
 
-    p = sub.add_parser("demo", help="train and evaluate on scikit-learn's digits (about a minute)")
-    p.add_argument("--out", default="runs/demo")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("client-data", help="write one client's raw data as the .npz / .npy files "
+                       "the device commands (knnper-edge) take")
+    p.add_argument("run", help="run directory written by `knnper train`")
+    p.add_argument("--client", type=int, required=True, help="client id")
+    p.add_argument("--out", required=True, help="directory for train.npz, val.npz, test.npz "
+                   "(x, y) and test_x.npy")
+    p.set_defaults(func=_cmd_client_data)
+
+
+def _version() -> str:
+    try:
+        return version("knnper")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) -> int:
-    parser = _Parser(prog="knnper", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = _Parser(prog="knnper", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    parser.add_argument("--threads", type=_positive_int, default=None,
-                        help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--threads", type=_positive_int, default=defaults.THREADS,
+                        help="torch intra-op threads (1 trains these small models fastest: "
+                        "BENCHMARKS.md)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_core_commands(sub)
     _add_pretrain_command(sub)
@@ -254,8 +289,7 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) 
     for add in extra:
         add(sub)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -263,6 +297,10 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) 
     except (KnnperError, ValueError, FileNotFoundError) as err:
         print(f"knnper: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"knnper: interrupted; run the same command again to resume {args.command}",
+              file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -174,6 +174,29 @@ class ProtoNNClassifier:
         return np.concatenate(centres), np.concatenate(labels)
 
     def fit(self, z: np.ndarray, y: np.ndarray) -> ProtoNNClassifier:
+        """Initialise (projection, prototypes, gamma) and train `steps` Adam steps."""
+        self._start(z, y)
+        return self.partial_fit(z, y, self.steps)
+
+    def partial_fit(self, z: np.ndarray, y: np.ndarray, steps: int) -> ProtoNNClassifier:
+        """`steps` more Adam steps on the same (z, y), continuing the optimiser and the batch
+        order where the last call stopped (initialising first if this is the first call), so
+        partial_fit(a) then partial_fit(b) is fit with a + b steps. Successive halving in the
+        exporter trains every candidate a little and only the promising ones to the end."""
+        if not hasattr(self, "model_"):
+            self._start(z, y)
+        z, y = self._check(z, y)
+        with single_thread():
+            self.loss_ = self._train(z.astype(np.float32), y, steps)
+        W_t, B_t, Z_t, _ = self.model_.getModelMatrices()
+        self.W_ = W_t.detach().numpy().T.astype(np.float32).copy()
+        self.B_ = B_t.detach().numpy().astype(np.float32).copy()
+        self.Z_ = Z_t.detach().numpy().astype(np.float32).copy()
+        self.n_prototypes_ = int(self.B_.shape[1])
+        self.steps_done_ = getattr(self, "steps_done_", 0) + int(steps)
+        return self
+
+    def _start(self, z: np.ndarray, y: np.ndarray) -> None:
         z, y = self._check(z, y)
         rng = np.random.default_rng(self.seed)
         m = self.prototype_count(z.shape[0])
@@ -183,40 +206,29 @@ class ProtoNNClassifier:
         gamma = (self.gamma if self.gamma is not None
                  else self.gamma_scale * median_heuristic_gamma(zp, centres))
         torch.manual_seed(self.seed)
-        with single_thread():
-            model = self._fit_model(z, y, W, centres, labels, gamma, rng)
-        W_t, B_t, Z_t, _ = model.getModelMatrices()
-        self.W_ = W_t.detach().numpy().T.astype(np.float32).copy()
-        self.B_ = B_t.detach().numpy().astype(np.float32).copy()
-        self.Z_ = Z_t.detach().numpy().astype(np.float32).copy()
-        self.gamma_ = float(gamma)
-        self.n_prototypes_ = int(self.B_.shape[1])
-        return self
-
-    def _fit_model(self, z: np.ndarray, y: np.ndarray, W: np.ndarray, centres: np.ndarray,
-                   labels: np.ndarray, gamma: float, rng: np.random.Generator) -> ProtoNN:
-        p = z.shape[1]
         Z0 = np.zeros((self.num_classes, len(labels)))
         Z0[labels, np.arange(len(labels))] = 1.0
         # edgeml's layout is W [p, d] (input x projection), B [d, m], Z [C, m].
-        model = ProtoNN(p, self.projection_dim, len(labels), self.num_classes, gamma,
-                        W=W.T.copy(), B=centres.T.copy(), Z=Z0)
-        self.loss_ = self._train(model, z.astype(np.float32), y, rng)
-        return model
+        self.model_ = ProtoNN(z.shape[1], self.projection_dim, len(labels), self.num_classes,
+                              gamma, W=W.T.copy(), B=centres.T.copy(), Z=Z0)
+        self.gamma_ = float(gamma)
+        self.steps_done_ = 0
+        self._optimizer = torch.optim.Adam(self.model_.parameters(), lr=self.lr)
+        self._rng = rng
+        self._order, self._pos = rng.permutation(len(z)), 0
 
-    def _train(self, model: ProtoNN, z: np.ndarray, y: np.ndarray,
-               rng: np.random.Generator) -> float:
+    def _train(self, z: np.ndarray, y: np.ndarray, steps: int) -> float:
+        model, opt, rng = self.model_, self._optimizer, self._rng
         x_all = torch.from_numpy(z)
         y_all = torch.from_numpy(y)
-        opt = torch.optim.Adam(model.parameters(), lr=self.lr)
         n = len(z)
         batch = min(self.batch_size, n)
-        order, pos, loss = rng.permutation(n), 0, torch.tensor(float("nan"))
-        for _ in range(self.steps):
-            if pos + batch > n:
-                order, pos = rng.permutation(n), 0
-            idx = torch.from_numpy(order[pos:pos + batch])
-            pos += batch
+        loss = torch.tensor(float("nan"))
+        for _ in range(steps):
+            if self._pos + batch > n:
+                self._order, self._pos = rng.permutation(n), 0
+            idx = torch.from_numpy(self._order[self._pos:self._pos + batch])
+            self._pos += batch
             opt.zero_grad()
             scores = model(x_all[idx]).clamp_min(_TINY)
             picked = scores.gather(1, y_all[idx][:, None])[:, 0]

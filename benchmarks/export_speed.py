@@ -1,0 +1,98 @@
+"""Export wall time, clients per minute and the test accuracy of the chosen bundles, for one
+version of the exporter: runs `knnper export` (from `--code`, a source tree, by default this
+one) on a run with weak-strong budgets drawn for every client of the run, then evaluates the
+written bundles through the device runtime with this tree's code. Comparing two source trees
+(before / after a change) on the same clients and budgets is a like-for-like comparison.
+
+    python benchmarks/export_speed.py runs/fmnist --label after --clients all \
+        --out benchmarks/results/export --work runs/bench/export_speed
+
+Appends one summary row to OUT/speed.csv and the per-client rows to OUT/speed_clients.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common
+
+from export.evaluation import evaluate_export, weighted_mean
+from export.exporter import select_ids
+from export.profiles import weak_strong_budgets
+from fed_train.run import load_run
+
+SUMMARY = ("label", "clients", "workers", "wall_s", "clients_per_min", "test_accuracy",
+           "protonn_share", "load_before", "command")
+PER_CLIENT = ("label", "client_id", "unseen", "budget", "backend", "recipe", "total_bytes",
+              "val_accuracy", "test_accuracy", "test_samples")
+
+
+def _append(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("run", help="run directory written by `knnper train`")
+    p.add_argument("--label", required=True, help="name of this measurement (before, after...)")
+    p.add_argument("--clients", default="all", help="all, or ids like 0,10,20")
+    p.add_argument("--code", type=Path, default=_common.REPO,
+                   help="source tree whose `knnper export` is timed")
+    p.add_argument("--reference", type=int, default=2_000_000,
+                   help="weak-strong reference budget in bytes")
+    p.add_argument("--delta-c", type=float, default=0.3,
+                   help="weak devices get (1/2 - D), strong ones (1/2 + D) of the reference")
+    p.add_argument("--workers", type=int, default=None,
+                   help="--workers for `knnper export` (None: the version's default)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/export"),
+                   help="folder for speed.csv and speed_clients.csv")
+    p.add_argument("--work", type=Path, default=Path("runs/bench/export_speed"),
+                   help="folder for the bundles and the budget file")
+    args = p.parse_args()
+    _common.setup_logging()
+    run = load_run(args.run)
+    work = args.work / args.label
+    work.mkdir(parents=True, exist_ok=True)
+    every = list(range(len(run.partition.clients)))
+    budgets_file = args.work / "budgets.json"
+    budgets = weak_strong_budgets(every, args.reference, args.delta_c, seed=0)
+    budgets_file.write_text(json.dumps({str(k): v for k, v in budgets.items()}))
+    ids = select_ids(run.partition.unseen, args.clients)
+    command = [sys.executable, "-m", "export.cli", "--threads", "1", "--no-progress", "export",
+               str(Path(args.run).resolve()), "--out", str(work.resolve() / "bundles"),
+               "--budgets", str(budgets_file.resolve()), "--clients", ",".join(map(str, ids))]
+    if args.workers is not None:
+        command += ["--workers", str(args.workers)]
+    env = {**os.environ, "PYTHONPATH": str(args.code.resolve()), "OMP_NUM_THREADS": "1"}
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, env=env, cwd=args.code, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    rows = evaluate_export(run, work / "bundles")
+    per_client = [{**r, "label": args.label} for r in rows]
+    summary = {"label": args.label, "clients": len(rows), "workers": args.workers,
+               "wall_s": round(wall, 1), "clients_per_min": round(60 * len(rows) / wall, 2),
+               "test_accuracy": round(weighted_mean(rows), 5),
+               "protonn_share": round(sum(r["backend"] == "protonn" for r in rows) / len(rows), 3),
+               "load_before": load, "command": _common.command_line()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    _append(args.out / "speed.csv", [summary], SUMMARY)
+    _append(args.out / "speed_clients.csv", per_client, PER_CLIENT)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

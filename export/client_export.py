@@ -1,0 +1,90 @@
+"""One client's share of an export: size its datastore to its budget and write its bundle. The
+same code runs in the exporter's process or in worker processes (one per core), which receive
+plain data (the client's embeddings and budget) and send back the report row."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edge_runtime.bundle import BundleError, write_bundle
+from export.errors import ExportError
+from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
+
+
+@dataclass
+class ClientTask:
+    """What a worker needs for one client; embeddings are computed by the exporter's process."""
+
+    data: ClientEmbeddings
+    budget: int
+    unseen: bool
+    target: Path
+    input_spec: dict
+
+
+@dataclass
+class SizingContext:
+    """What stays the same for every client of an export."""
+
+    encoder_path: Path
+    encoder_bytes: int
+    num_classes: int
+    k: int
+    sigma: float
+    space: SearchSpace
+    seed: int
+    update_strategy: str
+
+    def sizer(self) -> DatastoreSizer:
+        return DatastoreSizer(self.num_classes, k=self.k, sigma=self.sigma, space=self.space,
+                              seed=self.seed)
+
+
+def export_client(task: ClientTask, context: SizingContext,
+                  sizer: DatastoreSizer | None = None) -> dict[str, Any]:
+    """Size, write the bundle atomically, and return the client's row of export.json."""
+    sizer = sizer or context.sizer()
+    data = task.data
+    sizer.fit(data, task.budget - context.encoder_bytes)
+    best, datastore = sizer.best_, sizer.datastore_
+    strategy = "fixed" if best.backend == "protonn" else context.update_strategy
+    fields = {"client_id": int(data.client_id), "input": task.input_spec,
+              "lambda": float(best.lam), "budget_bytes": task.budget,
+              "update_strategy": strategy}
+    try:
+        manifest = write_bundle(task.target, fields, context.encoder_path, datastore)
+    except BundleError as err:
+        raise ExportError(f"client {data.client_id}: {err}") from err
+    return {
+        "client_id": int(data.client_id), "unseen": bool(task.unseen),
+        "bundle": task.target.name, "budget": task.budget,
+        "backend": best.backend, "recipe": best.recipe, "stored": best.stored,
+        "encoder_bytes": manifest["footprint"]["encoder"],
+        "datastore_bytes": manifest["footprint"]["datastore"],
+        "total_bytes": manifest["footprint"]["total"],
+        "lambda": best.lam, "val_accuracy": best.val_accuracy, "val_nll": best.val_nll,
+        "train_samples": int(len(data.y_train)), "val_samples": int(len(data.y_val)),
+        "candidates": [c.as_row() for c in sizer.candidates_],
+    }
+
+
+# -- worker processes: one sizer each, built once by the pool's initializer
+_worker: dict[str, Any] = {}
+
+
+def init_worker(context: SizingContext) -> None:
+    """Pool initializer. Ctrl-C goes to the whole process group: the exporter's process
+    handles it, and workers finish the client in hand instead of dying mid-write."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    torch.set_num_threads(1)
+    _worker["context"] = context
+    _worker["sizer"] = context.sizer()
+
+
+def export_client_in_worker(task: ClientTask) -> dict[str, Any]:
+    return export_client(task, _worker["context"], _worker["sizer"])

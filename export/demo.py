@@ -1,0 +1,125 @@
+"""`knnper demo`: the whole pipeline on scikit-learn's digits in about a minute. Train FedAvg on
+a heterogeneous partition, evaluate FedAvg, Local and kNN-Per on the server, export bundles for
+a weak and a strong device class, and run the written bundles through the device runtime.
+
+The partition is the one where kNN-Per's gain over FedAvg was clearest on validation among those
+tried (benchmarks/demo_partition.py, results in benchmarks/results/demo/): on digits with a mild
+Dirichlet split the global model is already near its ceiling and local memory adds nothing."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from export.evaluation import evaluate_export, weighted_mean
+from export.exporter import ExportSettings, build_encoder, export_run
+from export.profiles import uniform_budgets
+from fed_train import defaults
+from fed_train.cli import EVAL_METHODS, evaluate_run
+from fed_train.run import LoadedRun, RunConfig, load_run, train
+
+DEMO_PARTITION = {"partition": "pathological", "classes_per_client": 2}
+# Room for the datastore on top of the encoder, as a share of the largest client's full float32
+# flat datastore: a weak device holds an eighth of it, a strong one all of it.
+DEVICE_CLASSES = {"weak": 1 / 8, "strong": 1.0}
+
+
+@dataclass
+class DemoSize:
+    """How big the demo is; the test runs a smaller one through the same code."""
+
+    clients: int = 20
+    rounds: int = defaults.TRAINING.rounds
+
+
+def demo_config(size: DemoSize, seed: int = 0) -> RunConfig:
+    """Digits on the demo partition with the shared training defaults."""
+    return RunConfig(dataset="digits", clients=size.clients, seed=seed, **DEMO_PARTITION,
+                     checkpoint_every=defaults.CHECKPOINT_EVERY,
+                     training=replace(defaults.TRAINING, rounds=size.rounds))
+
+
+def device_budgets(run: LoadedRun, encoder_bytes: int) -> dict[str, int]:
+    """One budget per device class: the encoder plus a share of the largest client's full
+    float32 datastore (embedding_dim x 4 bytes per key)."""
+    largest = max(len(split.train) for split in run.partition.clients)
+    full = largest * int(run.model.embedding_dim) * 4
+    return {name: encoder_bytes + int(share * full) for name, share in DEVICE_CLASSES.items()}
+
+
+def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
+             progress: bool = True, workers: int = 1) -> list[dict[str, Any]]:
+    """Train, evaluate, export for each device class, evaluate the bundles; the table's rows."""
+    size = size or DemoSize()
+    out = Path(out)
+    train(demo_config(size, seed), out, progress=progress)
+    run = load_run(out)
+    server = evaluate_run(run, EVAL_METHODS, progress=progress)
+    rows = [_server_row(name, server, method)
+            for name, method in (("FedAvg", "fedavg"), ("Local", "local"),
+                                 ("kNN-Per", "knnper"))]
+    settings = ExportSettings(seed=seed)
+    clients = run.clients()
+    encoder_dir = out / "encoder"
+    encoder_dir.mkdir(parents=True, exist_ok=True)
+    encoder = build_encoder(run, encoder_dir, settings, clients)
+    ids = list(range(len(clients)))
+    for device, budget in device_budgets(run, encoder.nbytes).items():
+        bundles = out / f"bundles-{device}"
+        export_run(run, bundles, uniform_budgets(ids, budget), settings, encoder=encoder,
+                   progress=progress, workers=workers)
+        rows.append(_device_row(device, budget, evaluate_export(run, bundles)))
+    shutil.rmtree(encoder_dir)
+    return rows
+
+
+def _server_row(name: str, result: dict[str, Any], method: str) -> dict[str, Any]:
+    return {"method": name, "where": "server", "budget": None, "bundle_bytes": None,
+            "seen": result["seen"][method]["mean"],
+            "unseen": result["unseen"][method]["mean"] if method in result["unseen"] else None}
+
+
+def _device_row(device: str, budget: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    seen = [r for r in rows if not r["unseen"]]
+    unseen = [r for r in rows if r["unseen"]]
+    return {"method": "kNN-Per", "where": f"{device} device (runtime)", "budget": budget,
+            "bundle_bytes": float(np.mean([r["total_bytes"] for r in rows])),
+            "seen": weighted_mean(seen), "unseen": weighted_mean(unseen) if unseen else None}
+
+
+def format_demo_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: method, where it runs, budget and mean bundle size, seen / unseen accuracy."""
+    def kb(value: float | None) -> str:
+        return "-" if value is None else f"{value / 1000:.0f} kB"
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}"
+
+    lines = ["| method | where | budget | bundle (mean) | seen acc % | unseen acc % |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['method']} | {r['where']} | {kb(r['budget'])} | {kb(r['bundle_bytes'])} | "
+              f"{pct(r['seen'])} | {pct(r['unseen'])} |" for r in rows]
+    return "\n".join(lines)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    rows = run_demo(Path(args.out), seed=args.seed, progress=not args.no_progress,
+                    workers=args.workers)
+    print(format_demo_table(rows))
+    print(f"run, evaluation and bundles in {args.out}")
+    return 0
+
+
+def add_demo_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the whole pipeline on scikit-learn's digits in about a "
+                       "minute: train, evaluate, export for weak and strong devices, run them")
+    p.add_argument("--out", default="runs/demo", help="run directory (re-running resumes it)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the partition and training")
+    p.add_argument("--workers", type=int, default=2,
+                   help="processes that size clients' datastores in parallel")
+    p.set_defaults(func=_cmd_demo)

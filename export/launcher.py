@@ -1,0 +1,31 @@
+"""The `knnper` console script. Its commands run the server side (torch, scikit-learn, tqdm,
+onnx, edgeml: the `train` extra); on a runtime-only install (`pip install knnper`) it says which
+extra to install, in one line, instead of failing with an import traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
+
+
+def missing_server_modules() -> list[str]:
+    return [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    missing = missing_server_modules()
+    if missing:
+        print(f"knnper: this install has the device runtime only (no {', '.join(missing)}); "
+              "the server commands need the train extra: pip install 'knnper[train]' "
+              "(on a device, use knnper-edge)", file=sys.stderr)
+        return 2
+    from export.cli import main as cli_main  # imports torch: only once we know it is there
+
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
