@@ -1,4 +1,4 @@
-"""`knnper-edge`: the device command line (predict, evaluate, add, init, info).
+"""`knnper-edge`: the device command line (predict, evaluate, add, init, info, keygen).
 
 Every error, bad input included, is one line on stderr, `knnper-edge: error: ...`, and exit
 status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback instead.
@@ -35,9 +35,22 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(f"{message} (see {self.prog} --help)")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device.")
-    p.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="onnxruntime intra-op threads")
+    p.add_argument("--trusted-key", action="append", metavar="PUBLIC.pem",
+                   help="refuse bundles not signed by this Ed25519 key (repeat for several)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs")
@@ -72,6 +85,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("info", help="verify a bundle and summarize its manifest")
     s.add_argument("bundle")
+
+    s = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles")
+    s.add_argument("--private", required=True, help="private key to write (PEM, mode 0600)")
+    s.add_argument("--public", required=True, help="public key to write (PEM)")
     return p
 
 
@@ -136,29 +153,37 @@ def _load_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> tuple[np.n
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20}
 _UNITS["gib"] = 2**30
+MAX_BUDGET = 2**50  # 1 PiB: no device has more; larger numbers are typos
 
 
 def parse_bytes(text: str) -> int:
     """'2000000', '2MB', '512KiB' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    match = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,20})?)\s*([A-Za-z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise CLIError(f"cannot read budget {text!r}: use bytes, or a number with KB/MB/KiB/MiB")
-    value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value < 1:
-        raise CLIError(f"budget must be positive, got {text!r}")
-    return value
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not 1 <= value <= MAX_BUDGET:
+        raise CLIError(f"budget must be between 1 byte and 1 PiB, got {text!r}")
+    return int(value)
 
 
 # ----------------------------------------------------------------------------- commands
 
 
 def _runtime(args) -> Runtime:
-    return Runtime.load(args.bundle, intra_op_threads=args.threads)
+    trusted = None
+    if args.trusted_key:
+        from .signing import load_public_key
+
+        trusted = [load_public_key(path) for path in args.trusted_key]
+    return Runtime.load(args.bundle, intra_op_threads=args.threads, trusted_keys=trusted)
 
 
 def cmd_predict(args) -> int:
     if args.output and Path(args.output).suffix != ".npy":
         raise CLIError(f"--output must end in .npy, got {args.output}")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise CLIError(f"--output {args.output}: {Path(args.output).parent} is not a directory")
     x = _load_npy(args.input)
     rt = _runtime(args)
     proba = rt.predict_proba(x)
@@ -279,12 +304,21 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_keygen(args) -> int:
+    from .signing import generate_key_pair
+
+    key_id = generate_key_pair(args.private, args.public)
+    print(f"wrote {args.private} (keep it secret) and {args.public}; key {key_id[:16]}")
+    return 0
+
+
 _COMMANDS = {
     "predict": cmd_predict,
     "evaluate": cmd_evaluate,
     "add": cmd_add,
     "init": cmd_init,
     "info": cmd_info,
+    "keygen": cmd_keygen,
 }
 
 
