@@ -155,8 +155,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = (add_export_command, add_demo_command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return fed_cli.build_parser(COMMANDS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return fed_cli.main(argv, extra=[add_export_command, add_demo_command])
+    return fed_cli.main(argv, extra=COMMANDS)
 
 if __name__ == "__main__":
     sys.exit(main())

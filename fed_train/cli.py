@@ -274,7 +274,8 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) -> int:
+def build_parser(extra: Sequence[CommandAdder] = ()) -> argparse.ArgumentParser:
+    """The whole command line: these commands, bench's, and those `extra` adds."""
     parser = _Parser(prog="knnper", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -288,7 +289,11 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) 
     add_bench_command(sub)
     for add in extra:
         add(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) -> int:
+    args = build_parser(extra).parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
