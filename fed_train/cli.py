@@ -227,13 +227,16 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
                    help="draw the server fraction of this many training samples")
     p.add_argument("--model", default=None,
                    help="small-cnn, mobilenet-v2, char-lstm (default: by input kind)")
-    p.add_argument("--epochs", type=_positive_int, default=d.epochs)
+    p.add_argument("--epochs", type=_positive_int, default=d.epochs,
+                   help="most epochs of central training")
     p.add_argument("--patience", type=_positive_int, default=d.patience,
                    help="stop after this many epochs without a better validation accuracy")
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size)
-    p.add_argument("--lr", type=_positive_float, default=d.lr)
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
+                   help="SGD batch size")
+    p.add_argument("--lr", type=_positive_float, default=d.lr, help="SGD learning rate")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="SGD weight decay")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the split and the training")
     p.set_defaults(func=_cmd_pretrain)
 
