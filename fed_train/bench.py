@@ -521,7 +521,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr-grid", default=None,
                    help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... "
                    "10^-2.5)")
-    p.add_argument("--checkpoint-every", type=_positive(int), default=5)
+    p.add_argument("--checkpoint-every", type=_positive(int), default=5,
+                   help="rounds between checkpoints of each training run")
     p.add_argument("--k", type=_positive(int), default=10, help="kNN-Per neighbours")
     p.add_argument("--sigma", type=_positive(float), default=1.0, help="kNN-Per kernel scale")
     p.add_argument("--capacity", type=_positive(float, 1.0), default=1.0,
