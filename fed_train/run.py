@@ -125,9 +125,12 @@ def check_same_init(previous: dict, saved: dict, where: Path) -> None:
     """Resuming from other initial weights would mix two runs in one folder."""
     before = (previous.get("init"), previous.get("init_sha256"))
     now = (saved.get("init"), saved.get("init_sha256"))
+    if before[0] == now[0] and before[1] != now[1]:
+        raise RunError(f"--init {now[0]} has changed since {where} was started from it (sha256 "
+                       f"{before[1]} then, {now[1]} now)")
     if before != now:
-        raise RunError(f"{where} was started from --init {before[0]} (sha256 {before[1]}), not "
-                       f"{now[0]} (sha256 {now[1]}); choose another --out or delete it")
+        raise RunError(f"{where} was started from --init {before[0]}, not {now[0]}; choose "
+                       "another --out or delete it")
 
 
 def run_partition(config: RunConfig, dataset: Dataset) -> Partition:

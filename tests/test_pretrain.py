@@ -271,3 +271,13 @@ def test_pretrain_refuses_bad_public_data_and_an_existing_pretraining(pretrained
     assert "inputs of shape [28, 28, 1], but digits has [8, 8, 1]" in err[0]
     assert "already holds a pretraining" in err[1]
     assert not (tmp_path / "p").exists()
+
+
+def test_a_run_whose_pretraining_changed_is_refused_on_reload(pretrained, tmp_path, capsys):
+    init = tmp_path / "pretrain"
+    shutil.copytree(pretrained, init)
+    assert _train(tmp_path / "run", "--init", str(init)) == 0
+    torch.save(_state_with(init, lambda s: s["classifier.bias"].add_(1.0)), init / "model.pt")
+    assert main(["--no-progress", "evaluate", str(tmp_path / "run"), "--methods", "fedavg"]) == 2
+    err = capsys.readouterr().err
+    assert f"--init {init} has changed since" in err and err.count("\n") == 1
