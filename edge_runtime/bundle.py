@@ -176,8 +176,6 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
     strategy = manifest["update_strategy"]
     if strategy not in UPDATE_STRATEGIES:
         raise fail(f"'update_strategy' must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}")
-    if manifest["backend"]["name"] == "protonn" and strategy != "fixed":
-        raise fail("a protonn datastore cannot grow: 'update_strategy' must be 'fixed'")
     footprint = manifest["footprint"]
     for key in ("encoder", "datastore", "total"):
         if not _is_int(footprint.get(key)) or footprint[key] < 0:
@@ -485,7 +483,8 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
 
     Required fields: client_id, input, lambda, budget_bytes. Taken from the datastore unless
     given (and then checked against it): num_classes, embedding_dim, k, sigma. update_strategy
-    defaults to "fifo" ("fixed" for protonn). backend always comes from the datastore.
+    defaults to "fifo" ("concatenate" for a protonn datastore without a buffer, which has no
+    fifo capacity). backend always comes from the datastore.
     """
     unknown = sorted(set(manifest_fields) - _ALLOWED_FIELDS)
     if unknown:
@@ -517,7 +516,8 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
         raise BundleError(
             f"write_bundle: manifest backend {given!r} is not the datastore's ({backend['name']})"
         )
-    default_strategy = "fixed" if datastore.backend == "protonn" else "fifo"
+    no_capacity = datastore.backend == "protonn" and not datastore.sample_store().n
+    default_strategy = "concatenate" if no_capacity else "fifo"
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -589,6 +589,7 @@ def write_bundle(
     parent = out_dir.parent
     if not parent.is_dir():
         raise BundleError(f"cannot write bundle {out_dir}: {parent} is not a directory")
+    remove_abandoned_temporaries(parent)
     tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
@@ -633,6 +634,37 @@ def write_bundle(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+_ABANDONED_RE = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[0-9a-f]{8}$")
+
+
+def remove_abandoned_temporaries(directory: Path) -> list[str]:
+    """Remove the temporary directories (.<bundle>.tmp-<pid>-<id>, .<bundle>.old-<pid>-<id>)
+    that writers killed mid-write left in `directory`. Only those of processes that no longer
+    run: a live writer's temporaries are its own to clean."""
+    removed = []
+    for entry in directory.iterdir():
+        match = _ABANDONED_RE.match(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() and not _alive(int(match[1])):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    if removed:
+        logger.warning("removed %d directories left by interrupted bundle writes in %s",
+                       len(removed), directory)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid() or os.name == "nt":  # on Windows os.kill(pid, 0) would end it
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but belongs to someone else
+        return True
+    return True
 
 
 def _check_fields_only(manifest: dict) -> None:

@@ -74,6 +74,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exhaustive", action="store_true",
                    help="train every ProtoNN candidate to the end and try every backend, "
                    "instead of pruning the ones that cannot win (slower; for comparisons)")
+    p.add_argument("--signing-key", metavar="PRIVATE.pem", default=None,
+                   help="sign every bundle with this Ed25519 private key (knnper-edge keygen "
+                        "makes one); devices given the public key refuse unsigned bundles")
     p.set_defaults(func=_cmd_export)
 
 
@@ -135,7 +138,7 @@ PER_CLIENT_TABLE_MAX = 20  # above this many clients, only the summary is printe
 def _cmd_export(args: argparse.Namespace) -> int:
     settings = ExportSettings(quantize=args.quantize, backend=args.backend, k=args.k,
                               sigma=args.sigma, update_strategy=args.update_strategy,
-                              seed=args.seed)
+                              seed=args.seed, signing_key=args.signing_key)
     if args.exhaustive:
         settings.space = replace(settings.space, prune=False,
                                  protonn_screen_steps=settings.space.protonn_steps)

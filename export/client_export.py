@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime.bundle import BundleError, write_bundle
+from edge_runtime.signing import load_private_key
 from export.errors import ExportError
 from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
 
@@ -37,6 +38,7 @@ class SizingContext:
     space: SearchSpace
     seed: int
     update_strategy: str
+    signing_key: str | None = None  # a path: workers load the key themselves
 
     def sizer(self) -> DatastoreSizer:
         return DatastoreSizer(self.num_classes, k=self.k, sigma=self.sigma, space=self.space,
@@ -55,7 +57,9 @@ def export_client(task: ClientTask, context: SizingContext,
               "lambda": float(best.lam), "budget_bytes": task.budget,
               "update_strategy": strategy}
     try:
-        manifest = write_bundle(task.target, fields, context.encoder_path, datastore)
+        key = load_private_key(context.signing_key) if context.signing_key else None
+        manifest = write_bundle(task.target, fields, context.encoder_path, datastore,
+                                signing_key=key)
     except BundleError as err:
         raise ExportError(f"client {data.client_id}: {err}") from err
     return {

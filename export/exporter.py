@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.bundle import sha256_file
+from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
+from edge_runtime.signing import load_private_key
 from export.client_export import (
     ClientTask,
     SizingContext,
@@ -61,6 +62,7 @@ class ExportSettings:
     calibration_samples: int = 256
     seed: int = 0
     space: SearchSpace = field(default_factory=SearchSpace)
+    signing_key: str | None = None  # Ed25519 private key (PEM) that signs every bundle
 
     def check(self) -> None:
         if self.quantize not in QUANTIZE_MODES:
@@ -77,6 +79,11 @@ class ExportSettings:
                               f"sigma={self.sigma}")
         if self.calibration_samples < 1:
             raise ExportError("calibration_samples must be >= 1")
+        if self.signing_key is not None:
+            try:
+                load_private_key(self.signing_key)
+            except SignatureError as err:
+                raise ExportError(str(err)) from None
 
 
 @dataclass
@@ -240,7 +247,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
         encoder_files = _move_encoder(encoder_files, out_dir)
     context = SizingContext(encoder_files.path, encoder_files.nbytes, run.dataset.num_classes,
                             settings.k, settings.sigma, space, settings.seed,
-                            settings.update_strategy)
+                            settings.update_strategy, settings.signing_key)
     remove_stale_temporaries(out_dir)
     journal = ExportJournal(out_dir / JOURNAL_FILE, _fingerprint(run, settings, space,
                                                                  encoder_files))
@@ -392,7 +399,6 @@ class ExportJournal:
 
 def remove_stale_temporaries(out_dir: Path) -> None:
     """Temporary bundle directories that an interrupted export left behind (write_bundle
-    renames its temporary directory into place only once the bundle is complete)."""
-    for tmp in out_dir.glob(".client_*.tmp-*"):
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
+    renames its temporary directory into place only once the bundle is complete); those of
+    an export still running into the same directory are left to it."""
+    remove_abandoned_temporaries(out_dir)
