@@ -1,0 +1,101 @@
+"""What every experiment shares inside one output folder: the scale (a RunConfig), the global
+models trained for it (DIR/runs, one per configuration, reused by every experiment that asks for
+the same one), their client embeddings, and each experiment's store of finished points."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from experiments.points import PointStore
+from experiments.spec import format_alpha
+from experiments.views import ClientView, client_views
+from fed_train.algorithms.base import TrainingConfig
+from fed_train.run import MODEL_FILE, LoadedRun, RunConfig, load_run, train
+
+log = logging.getLogger(__name__)
+
+# `--quick`: digits at a size where every experiment runs in seconds (a pipeline check).
+QUICK = RunConfig(dataset="digits", partition="dirichlet", alpha=0.3, clients=8,
+                  unseen_fraction=0.25, val_fraction=0.25, checkpoint_every=1,
+                  training=TrainingConfig(rounds=3, epochs=1, batch_size=16, lr=0.05,
+                                          momentum=0.9))
+
+
+def config_id(config: RunConfig) -> str:
+    """A folder name for a run: readable prefix plus a hash of the whole configuration."""
+    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()
+    return f"{config.dataset}-{config.partition}-a{format_alpha(config.alpha)}-{digest[:10]}"
+
+
+@dataclass
+class Context:
+    out: Path
+    config: RunConfig  # the scale; experiments vary alpha (and nothing else) per point
+    k: int = 10
+    sigma: float = 1.0
+    quick: bool = False
+    progress: bool = True
+    _runs: dict[str, LoadedRun] = field(default_factory=dict)
+    _views: dict[str, list[ClientView]] = field(default_factory=dict)
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    def config_for(self, alpha: float | None = None) -> RunConfig:
+        return self.config if alpha is None else replace(self.config, alpha=float(alpha))
+
+    def run_dir(self, alpha: float | None = None) -> Path:
+        return self.out / "runs" / config_id(self.config_for(alpha))
+
+    def run(self, alpha: float | None = None) -> LoadedRun:
+        """FedAvg's global model for this scale and alpha, trained (or resumed) on first use."""
+        config = self.config_for(alpha)
+        name = config_id(config)
+        if name not in self._runs:
+            path = self.out / "runs" / name
+            if not (path / MODEL_FILE).is_file():
+                log.info("training the global model %s", path)
+                train(config, path, progress=self.progress)
+            self._runs[name] = load_run(path)
+        return self._runs[name]
+
+    def views(self, alpha: float | None = None) -> list[ClientView]:
+        """Every client's embeddings under the final global model of run(alpha)."""
+        name = config_id(self.config_for(alpha))
+        if name not in self._views:
+            run = self.run(alpha)
+            self._views[name] = client_views(run.model, run.clients())
+        return self._views[name]
+
+    def num_classes(self, alpha: float | None = None) -> int:
+        return int(self.run(alpha).dataset.num_classes)
+
+    def point_key(self, alpha: float | None = None, **values: Any) -> dict[str, Any]:
+        """What a point depends on: the run's configuration (by its id), k, sigma, the values."""
+        return {"run": config_id(self.config_for(alpha)), "k": self.k, "sigma": self.sigma,
+                **values}
+
+    def points(self, experiment: str) -> PointStore:
+        return PointStore(self.out / experiment / "points.jsonl")
+
+    def scale(self) -> dict[str, Any]:
+        c = asdict(self.config)
+        return {**{k: v for k, v in c.items() if k != "training"}, **c["training"],
+                "k": self.k, "sigma": self.sigma, "quick": self.quick}
+
+    def scale_line(self) -> str:
+        c, t = self.config, self.config.training
+        data = c.dataset + (f" (max {c.max_train} train images)" if c.max_train else "")
+        return (f"{data}, {c.partition} partition, {c.clients} clients "
+                f"({c.unseen_fraction:.0%} unseen, validation {c.val_fraction:.0%} of each "
+                f"train split), model {c.model or 'default for the input'}, FedAvg {t.rounds} "
+                f"rounds x {t.epochs} local epoch(s), batch {t.batch_size}, lr {t.lr:g} "
+                f"(momentum {t.momentum:g}), participation {t.participation:g}, seed {c.seed}; "
+                f"kNN k = {self.k}, sigma = {self.sigma:g} unless swept; lambda chosen per "
+                "client on its validation split from {0, .1, .3, .5, .7, .9, 1}")

@@ -1,0 +1,125 @@
+"""lambda_opt versus the datastore size n_m (Appendix, Fig. 9): every client at every capacity
+gives one (n_m, lambda) pair, lambda chosen on the client's validation split (the paper takes it
+on test; we never do). The points are the capacity experiment's, shared through its store.
+
+Theorem 4.1's bound is linear in lambda, so for each client it is minimised at lambda = 0 or 1,
+switching to 1 once n_m passes a threshold: the bound predicts that lambda_opt grows with n_m,
+in a step. We fit that step (the threshold n* that best separates small from large lambdas)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from experiments.capacity import NAME as CAPACITY
+from experiments.capacity import capacity_point
+from experiments.context import Context
+from experiments.report import pyplot, save_figure, spearman
+from experiments.spec import FRACTION, Claim, Experiment, Grid, Result
+
+NAME = "lambda-vs-n"
+
+
+def step_fit(n: np.ndarray, lam: np.ndarray) -> tuple[float, float, float, float]:
+    """(threshold, level below, level above, share of variance explained) of the best upward
+    step, the bound's shape; without one that fits better than a constant, the constant."""
+    best = (float(n.max()), float(lam.mean()), float(lam.mean()), 0.0)
+    total = float(((lam - lam.mean()) ** 2).sum())
+    if total == 0:
+        return best
+    best_err = total
+    for t in np.unique(n)[:-1]:
+        lo, hi = lam[n <= t], lam[n > t]
+        err = float(((lo - lo.mean()) ** 2).sum() + ((hi - hi.mean()) ** 2).sum())
+        if hi.mean() > lo.mean() and err < best_err:
+            best_err, best = err, (float(t), float(lo.mean()), float(hi.mean()), 0.0)
+    return (*best[:3], 1 - best_err / total)
+
+
+def run(ctx: Context, grids: dict[str, tuple]) -> Result:
+    store = ctx.points(CAPACITY)  # the same points as the capacity experiment at this alpha
+    alpha = ctx.config.alpha
+    points, pairs = [], []
+    for capacity in sorted(grids["capacities"]):
+        record = store.compute(ctx.point_key(alpha, capacity=capacity),
+                               lambda c=capacity: capacity_point(ctx, alpha, c))
+        rows = [r for r in record["rows"] if r["n_test"]]
+        lams = [r["info"]["lambda"] for r in rows]
+        sizes = [r["info"]["datastore_size"] for r in rows]
+        points.append({"capacity": capacity, "mean_datastore_size": float(np.mean(sizes)),
+                       "mean_lambda": float(np.mean(lams)),
+                       "share_lambda_above_half": float(np.mean(np.array(lams) > 0.5)),
+                       "mean_accuracy": record["all_mean"], "seconds": record["seconds"]})
+        pairs += [{"capacity": capacity, "client_id": r["client_id"], "unseen": r["unseen"],
+                   "datastore_size": r["info"]["datastore_size"], "lambda": r["info"]["lambda"],
+                   "accuracy": r["accuracy"]} for r in rows]
+    n = np.array([p["datastore_size"] for p in pairs], dtype=float)
+    lam = np.array([p["lambda"] for p in pairs], dtype=float)
+    fit = step_fit(n, lam)
+    plot = _plot(n, lam, fit, ctx.out / NAME / "lambda_vs_n.png")
+    return Result(points, ("capacity", "mean_datastore_size", "mean_lambda",
+                           "share_lambda_above_half", "mean_accuracy", "seconds"),
+                  [("capacity", "capacity", ".2f"), ("mean_datastore_size", "mean n_m", ".1f"),
+                   ("mean_lambda", "mean lambda", ".3f"),
+                   ("share_lambda_above_half", "share lambda > 1/2", ".2f"),
+                   ("mean_accuracy", "kNN-Per mean", ".4f")],
+                  _claims(n, lam, fit), plot, pairs,
+                  ("capacity", "client_id", "unseen", "datastore_size", "lambda", "accuracy"),
+                  [f"Upward step fit (the bound's shape): lambda {fit[1]:.2f} for n_m <= "
+                   f"{fit[0]:g}, {fit[2]:.2f} above; it explains {fit[3]:.0%} of the variance "
+                   f"of lambda over {len(pairs)} (client, capacity) pairs (0% and one level: "
+                   "no upward step fits better than a constant)."])
+
+
+def _claims(n: np.ndarray, lam: np.ndarray, fit: tuple) -> list[Claim]:
+    rho = spearman(n.tolist(), lam.tolist())
+    claims = [Claim("lambda_opt grows with the local dataset size n_m (Fig. 9, Theorem 4.1)",
+                    f"Spearman(n_m, lambda) = {rho:+.2f} over {len(n)} pairs; step fit: "
+                    f"{fit[1]:.2f} below n_m = {fit[0]:g}, {fit[2]:.2f} above"
+                    if rho is not None else "lambda or n_m constant",
+                    "not measured" if rho is None else ("agree" if rho > 0 else "disagree"))]
+    around = (n >= 50) & (n <= 200)
+    if around.any():
+        mean = float(lam[around].mean())
+        claims.append(Claim("clients with about a hundred samples weigh the kNN more than the "
+                            "global model (lambda > 1/2, Sec. 6)",
+                            f"mean lambda {mean:.2f} over {int(around.sum())} pairs with "
+                            "50 <= n_m <= 200", "agree" if mean > 0.5 else "disagree"))
+    else:
+        claims.append(Claim("clients with about a hundred samples weigh the kNN more than the "
+                            "global model (lambda > 1/2, Sec. 6)",
+                            "no client datastore between 50 and 200 samples", "not measured"))
+    return claims
+
+
+def _plot(n: np.ndarray, lam: np.ndarray, fit: tuple, path) -> Any:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    jitter = np.random.default_rng(0).uniform(-0.02, 0.02, len(lam))
+    ax.scatter(n, lam + jitter, s=8, alpha=0.35, label="one client at one capacity")
+    if len(n):
+        edges = np.unique(np.geomspace(max(n.min(), 1), n.max() + 1, 9).round())
+        which = np.digitize(n, edges)
+        centres = [float(np.exp(np.log(n[which == b]).mean())) for b in np.unique(which)]
+        means = [float(lam[which == b].mean()) for b in np.unique(which)]
+        ax.plot(centres, means, "o-", color="black", label="mean per size bin")
+        xs = [n.min(), fit[0], fit[0], n.max()]
+        ax.plot(xs, [fit[1], fit[1], fit[2], fit[2]], "--", color="tab:red",
+                label="step fit (the bound's shape)")
+    ax.set_xscale("log")
+    ax.set_xlabel("datastore size n_m")
+    ax.set_ylabel("lambda chosen on validation")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+EXPERIMENT = Experiment(
+    NAME, "lambda chosen on validation versus the datastore size n_m",
+    "the larger the local dataset, the more a client relies on its kNN model (lambda_opt grows "
+    "with n_m, as Theorem 4.1's bound predicts); clients with about a hundred samples already "
+    "give lambda > 1/2 (Sec. 6, Appendix Fig. 9).",
+    (Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
+          "datastore sizes as fractions of each client's train split"),),
+    run)

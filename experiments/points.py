@@ -1,0 +1,58 @@
+"""Finished points of an experiment, one JSON line each: a rerun after an interruption skips
+them, and a point is only ever reused under the exact key (run, grid values, k, sigma, seed) it
+was computed with."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _key(key: dict[str, Any]) -> str:
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+class PointStore:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._done: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                    self._done[_key(entry["key"])] = entry["record"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    log.warning("%s: skipping a torn line (the point will be recomputed)",
+                                self.path)
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+    def compute(self, key: dict[str, Any], fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The record stored under `key`, or fn()'s, timed and appended (fsync'd) first."""
+        found = self._done.get(_key(key))
+        if found is not None:
+            return found
+        started = time.perf_counter()
+        record = fn()
+        record["seconds"] = round(time.perf_counter() - started, 2)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"key": key, "record": record}, default=_plain) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._done[_key(key)] = json.loads(json.dumps(record, default=_plain))
+        return self._done[_key(key)]
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")

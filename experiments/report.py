@@ -1,0 +1,98 @@
+"""An experiment's files: points.csv (every point), clients.csv (every client at every point),
+the plot, and summary.md (the paper's claim, the command, the scale, the wall time, the points
+and the claim-by-claim table)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments.benchmark_scripts import benchmark_module
+from experiments.spec import Experiment, Result
+
+SUMMARY_FILE = "summary.md"
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: plots are saved as PNG, never shown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def write_report(experiment: Experiment, result: Result, out: Path, *, command: str,
+                 scale_line: str, started: float) -> Path:
+    """Write points.csv, clients.csv and summary.md into `out`; returns the summary's path."""
+    common = benchmark_module("_common")
+    common.write_csv(out / "points.csv", result.points, result.point_columns)
+    if result.clients:
+        common.write_csv(out / "clients.csv", result.clients, result.client_columns)
+    computed = sum(float(p.get("seconds") or 0) for p in result.points)
+    lines = [
+        f"# Experiment: {experiment.name}",
+        "",
+        f"**The paper:** {experiment.claim}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Scale: {scale_line}.",
+        "",
+        f"Wall time of this invocation: {time.perf_counter() - started:.0f} s; compute time of "
+        f"its points (including any computed by an earlier, interrupted invocation, excluding "
+        f"training shared global models): {computed:.0f} s. Machine: "
+        f"{common.machine_line(common.machine_info())}.",
+        "",
+        "## Claims",
+        "",
+        "| the paper | we measured | verdict |",
+        "|---|---|---|",
+        *(f"| {c.paper} | {c.ours} | {c.verdict} |" for c in result.claims),
+        "",
+        f"![{experiment.name}]({result.plot.name})",
+        "",
+        "## Points",
+        "",
+        common.markdown_table(result.points, result.table),
+        "",
+        *(f"{note}\n" for note in result.notes),
+        "Files: points.csv (every point)" + (", clients.csv (every client at every point)"
+                                            if result.clients else "")
+        + f", {result.plot.name}.",
+        "",
+    ]
+    path = out / SUMMARY_FILE
+    path.write_text("\n".join(lines))
+    return path
+
+
+def verdict(holds: int, out_of: int) -> str:
+    """'agree' when a claim holds at every point checked, 'partly' at some, else 'disagree'."""
+    if out_of == 0:
+        return "not measured"
+    return "agree" if holds == out_of else ("partly" if holds else "disagree")
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
+    """Rank correlation (None with fewer than 3 points or a constant side)."""
+    from scipy.stats import spearmanr
+
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    return float(spearmanr(x, y).statistic)
