@@ -1,0 +1,185 @@
+"""Signed bundles: a runtime given a trusted Ed25519 key refuses unsigned bundles and bundles
+whose manifest, encoder or signature were changed, and on-device updates keep a signed bundle
+verifiable; without a trusted key, unsigned bundles load as before."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cryptography")
+
+from edge_runtime.bundle import SignatureError, write_bundle  # noqa: E402
+from edge_runtime.cli import main as edge_main  # noqa: E402
+from edge_runtime.datastores import make_datastore  # noqa: E402
+from edge_runtime.runtime import Runtime  # noqa: E402
+from edge_runtime.signing import (  # noqa: E402
+    SIGNATURE_FILE,
+    generate_key_pair,
+    load_private_key,
+    load_public_key,
+)
+from tests.test_edge_runtime import (  # noqa: E402
+    FIELDS,
+    NUM_CLASSES,
+    build_bundle,
+    make_image_encoder,
+    make_images,
+    raw_outputs,
+    snapshot,
+)
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("keys")
+    generate_key_pair(directory / "key.pem", directory / "key.pub")
+    generate_key_pair(directory / "other.pem", directory / "other.pub")
+    return directory
+
+
+def signed_bundle(tmp_path: Path, keys: Path, recipe: str = "flat:fp32", **fields) -> Path:
+    enc = make_image_encoder(tmp_path / "encoder.onnx")
+    x, y = make_images(60)
+    z, _ = raw_outputs(enc, x)
+    ds = make_datastore(recipe, NUM_CLASSES, k=5).fit(z, y)
+    out = tmp_path / "signed"
+    write_bundle(out, {**FIELDS, **fields}, enc, ds, signing_key=load_private_key(keys / "key.pem"))
+    return out
+
+
+def trusted(keys: Path, name: str = "key.pub"):
+    return [load_public_key(keys / name)]
+
+
+def _rewrite_manifest(bundle: Path, **changes) -> None:
+    m = json.loads((bundle / "manifest.json").read_text())
+    m.update(changes)
+    (bundle / "manifest.json").write_text(json.dumps(m, indent=2))
+
+
+def _swap_encoder(bundle: Path) -> None:
+    """Another encoder of the same shapes, its sha256 and footprint updated in the manifest."""
+    make_image_encoder(bundle / "encoder.onnx", seed=7)
+    data = (bundle / "encoder.onnx").read_bytes()
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["files"]["encoder.onnx"] = hashlib.sha256(data).hexdigest()
+    grow = len(data) - m["footprint"]["encoder"]
+    m["footprint"]["encoder"] += grow
+    m["footprint"]["total"] += grow
+    (bundle / "manifest.json").write_text(json.dumps(m, indent=2))
+
+
+def _forge_base(bundle: Path) -> None:
+    """Edit lambda in both the manifest and the signed copy inside signature.json."""
+    _rewrite_manifest(bundle, **{"lambda": 1.0})
+    doc = json.loads((bundle / SIGNATURE_FILE).read_text())
+    doc["manifest"] = base64.b64encode((bundle / "manifest.json").read_bytes()).decode()
+    (bundle / SIGNATURE_FILE).write_text(json.dumps(doc))
+
+
+TAMPERED = {
+    "edited lambda": (lambda b: _rewrite_manifest(b, **{"lambda": 1.0}),
+                      "'lambda' differs from the signed manifest"),
+    "edited normalisation": (
+        lambda b: _rewrite_manifest(b, input={**FIELDS["input"], "mean": [0.1]}),
+        "'input' differs from the signed manifest"),
+    "raised budget": (lambda b: _rewrite_manifest(b, budget_bytes=10**9),
+                      "'budget_bytes' differs from the signed manifest"),
+    "swapped encoder": (_swap_encoder, "the encoder's sha256 differs from the signed manifest"),
+    "removed signature": (lambda b: (b / SIGNATURE_FILE).unlink(), "unsigned"),
+    "forged signed copy": (_forge_base, "the signature does not verify"),
+    "garbage signature": (lambda b: (b / SIGNATURE_FILE).write_text("{"), "malformed"),
+}
+
+
+def test_signed_bundle_verifies_with_the_trusted_key(tmp_path, keys):
+    bundle = signed_bundle(tmp_path, keys)
+    rt = Runtime.load(bundle, trusted_keys=trusted(keys))
+    assert rt.predict(make_images(3)[0]).shape == (3,)
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERED))
+def test_tampered_signed_bundle_is_refused(case, tmp_path, keys):
+    bundle = signed_bundle(tmp_path, keys)
+    tamper, message = TAMPERED[case]
+    tamper(bundle)
+    before = snapshot(bundle)
+    with pytest.raises(SignatureError) as info:
+        Runtime.load(bundle, trusted_keys=trusted(keys))
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert snapshot(bundle) == before
+
+
+def test_a_key_that_is_not_trusted_is_refused(tmp_path, keys):
+    bundle = signed_bundle(tmp_path, keys)
+    with pytest.raises(SignatureError, match="which is not trusted"):
+        Runtime.load(bundle, trusted_keys=trusted(keys, "other.pub"))
+    Runtime.load(bundle, trusted_keys=trusted(keys, "other.pub") + trusted(keys))
+
+
+def test_unsigned_bundles_load_when_no_key_is_trusted(tmp_path, keys):
+    bundle = build_bundle(tmp_path)
+    Runtime.load(bundle)
+    with pytest.raises(SignatureError, match="unsigned"):
+        Runtime.load(bundle, trusted_keys=trusted(keys))
+
+
+@pytest.mark.parametrize(("recipe", "strategy"), [("flat:int8:n60", "fifo"),
+                                                  ("flat:fp16:n60", "concatenate"),
+                                                  ("hnsw:M8", "fifo")])
+def test_device_updates_keep_a_signed_bundle_verifiable(tmp_path, keys, recipe, strategy):
+    pytest.importorskip("hnswlib")
+    bundle = signed_bundle(tmp_path, keys, recipe, budget_bytes=10**7)
+    rt = Runtime.load(bundle, trusted_keys=trusted(keys))
+    for seed in (1, 2):
+        rt.add(*make_images(10, seed), strategy=strategy)
+    again = Runtime.load(bundle, trusted_keys=trusted(keys))
+    assert len(again.datastore) == (80 if strategy == "concatenate" else 60)
+    assert again.manifest["files"] != json.loads(
+        base64.b64decode(json.loads((bundle / SIGNATURE_FILE).read_text())["manifest"])
+    )["files"]
+
+
+def test_cli_keygen_and_trusted_key(tmp_path, keys, capsys):
+    assert edge_main(["keygen", "--private", str(tmp_path / "k.pem"),
+                      "--public", str(tmp_path / "k.pub")]) == 0
+    assert (tmp_path / "k.pem").stat().st_mode & 0o077 == 0
+    assert edge_main(["keygen", "--private", str(tmp_path / "k.pem"),
+                      "--public", str(tmp_path / "x.pub")]) == 2
+    bundle = signed_bundle(tmp_path, keys)
+    capsys.readouterr()
+    assert edge_main(["--trusted-key", str(keys / "key.pub"), "info", str(bundle)]) == 0
+    assert edge_main(["--trusted-key", str(tmp_path / "k.pub"), "info", str(bundle)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not trusted" in err
+    assert edge_main(["--trusted-key", str(tmp_path / "missing.pub"), "info", str(bundle)]) == 2
+    assert "cannot read key" in capsys.readouterr().err
+
+
+def test_export_signs_every_bundle(tmp_path, keys, capsys):
+    from export import cli as export_cli
+    from fed_train.algorithms.base import TrainingConfig
+    from fed_train.run import RunConfig, train
+
+    run_dir = tmp_path / "run"
+    train(RunConfig(dataset="digits", clients=4, seed=0,
+                    training=TrainingConfig(rounds=1, epochs=1, batch_size=16)),
+          run_dir, progress=False)
+    out = tmp_path / "bundles"
+    code = export_cli.main(["--no-progress", "export", str(run_dir), "--out", str(out),
+                            "--budget", "2M", "--backend", "flat", "--clients", "0,1",
+                            "--signing-key", str(keys / "key.pem"), "--workers", "1"])
+    assert code == 0, capsys.readouterr().err
+    for bundle in sorted(out.glob("client_*")):
+        rt = Runtime.load(bundle, trusted_keys=trusted(keys))
+        assert rt.predict(np.zeros((1, 8, 8, 1), np.uint8)).shape == (1,)
+    code = export_cli.main(["--no-progress", "export", str(run_dir), "--out",
+                            str(tmp_path / "b2"), "--budget", "2M",
+                            "--signing-key", str(keys / "key.pub")])
+    assert code == 2 and "not an unencrypted PEM private key" in capsys.readouterr().err
