@@ -73,7 +73,12 @@ def prepare_input(x: np.ndarray, spec: dict) -> np.ndarray:
     tokens: integer [N,L] or [L] with ids in [0, vocab_size) -> int64 [N,L].
     Raises ValueError naming the problem (shape, dtype, NaN, value range).
     """
-    validate_spec(spec)
+    return prepare_checked(x, validate_spec(spec))
+
+
+def prepare_checked(x: np.ndarray, spec: dict) -> np.ndarray:
+    """prepare_input for a spec that `validate_spec` already accepted (the runtime checks its
+    bundle's spec once, at load, rather than on every call)."""
     x = np.asarray(x)
     _check_dtype(x, spec)
     if spec["kind"] == "image":

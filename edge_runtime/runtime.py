@@ -45,7 +45,8 @@ from .bundle import (
 from .datastores import max_count_within
 from .knn import interpolate, softmax
 from .locking import DEFAULT_LOCK_TIMEOUT
-from .preprocess import prepare_input
+from .preprocess import prepare_checked, validate_spec
+from .threads import DEFAULT_THREADS, BlasThreads
 
 logger = logging.getLogger(__name__)
 
@@ -88,26 +89,32 @@ class Runtime:
         datastore,
         *,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        blas_threads: int | None = DEFAULT_THREADS,
     ) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.encoder = encoder
         self.datastore = datastore
         self.lock_timeout = lock_timeout
-        self.size_at_load_ = len(datastore)
+        self.size_at_load_ = len(datastore.sample_store())
+        self._spec = validate_spec(manifest["input"])  # checked once here, not on every call
+        self._blas_threads = BlasThreads(blas_threads)
 
     @classmethod
     def load(
         cls,
         bundle_dir: str | os.PathLike,
         *,
-        intra_op_threads: int | None = None,
+        intra_op_threads: int | None = DEFAULT_THREADS,
+        blas_threads: int | None = DEFAULT_THREADS,
         trusted_keys: Sequence[Any] | None = None,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     ) -> Runtime:
         """Verify the bundle (schema, version, sha256s, budget, dimensions; its signature when
         `trusted_keys`, Ed25519 public keys from `signing.load_public_key`, are given) and load
-        it. `lock_timeout`: seconds to wait for another process's update to finish."""
+        it. `lock_timeout`: seconds to wait for another process's update to finish.
+        `intra_op_threads` (onnxruntime) and `blas_threads` (numpy's BLAS, set only while the
+        runtime computes): 1 is fastest at batch 1; None leaves each library its default."""
         bundle = read_bundle(
             bundle_dir,
             intra_op_threads=intra_op_threads,
@@ -115,7 +122,7 @@ class Runtime:
             lock_timeout=lock_timeout,
         )
         parts = (bundle.path, bundle.manifest, bundle.encoder, bundle.datastore)
-        return cls(*parts, lock_timeout=lock_timeout)
+        return cls(*parts, lock_timeout=lock_timeout, blas_threads=blas_threads)
 
     # -- properties from the manifest
     @property
@@ -132,14 +139,15 @@ class Runtime:
 
     @property
     def capacity(self) -> int:
-        """The fifo size: the recipe's n when set, else the size when loaded."""
-        n = getattr(self.datastore, "n", None)
+        """The fifo size: the recipe's n (protonn: its buffer b) when set, else the number of
+        samples stored when loaded."""
+        n = self.datastore.sample_store().n
         return int(n) if n is not None else self.size_at_load_
 
     # -- inference
     def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Raw inputs -> (embeddings [N,p], logits [N,C]); input checks happen here."""
-        xp = prepare_input(x, self.input_spec)
+        xp = prepare_checked(x, self._spec)
         if xp.shape[0] == 0:
             dim = self.manifest["embedding_dim"]
             return np.zeros((0, dim), np.float32), np.zeros((0, self.num_classes), np.float32)
@@ -151,13 +159,15 @@ class Runtime:
         if z.shape[0] == 0:
             empty = np.zeros((0, self.num_classes))
             return empty, empty
-        return self.datastore.predict_proba(z), softmax(logits)
+        with self._blas_threads():
+            return self.datastore.predict_proba(z), softmax(logits)
 
     def posterior(self, z: np.ndarray, logits: np.ndarray) -> np.ndarray:
         """kNN-Per from encoder outputs: lambda * p_local + (1 - lambda) * softmax(logits)."""
         if z.shape[0] == 0:
             return np.zeros((0, self.num_classes))
-        return interpolate(self.datastore.predict_proba(z), softmax(logits), self.lam)
+        with self._blas_threads():
+            return interpolate(self.datastore.predict_proba(z), softmax(logits), self.lam)
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """One sample or a batch of raw inputs -> [N, C] float64 probabilities."""
@@ -175,16 +185,16 @@ class Runtime:
             raise ValueError(
                 f"update strategy must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}"
             )
-        xp = prepare_input(x, self.input_spec)
+        xp = prepare_checked(x, self._spec)
         labels = check_labels(y, xp.shape[0], self.num_classes)
-        ds = self.datastore
         received = xp.shape[0]
         if strategy == "fixed" or received == 0:
             return self._report(strategy, received, 0, 0)
-        if ds.backend == "protonn":
+        if strategy == "fifo" and self.capacity < 1:
             raise ValueError(
-                f"a protonn datastore cannot take new samples; use strategy 'fixed', not "
-                f"{strategy!r}"
+                f"bundle {self.path}: {self.datastore.recipe} reserves no room for new samples "
+                "(a protonn recipe needs a buffer, b<count>); use strategy 'concatenate' or "
+                "'fixed'"
             )
         z, _ = self.encoder.run(xp)
         with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):
@@ -199,7 +209,7 @@ class Runtime:
         self, z: np.ndarray, labels: np.ndarray, strategy: str, received: int
     ) -> UpdateReport:
         """Evict and add in memory by `strategy`, then commit; the caller holds the lock."""
-        ds = self.datastore
+        ds = self.datastore.sample_store()
         fits = self._max_fit()
         if fits < 1:
             raise BudgetExceeded(
@@ -251,7 +261,7 @@ class Runtime:
             received,
             added,
             evicted,
-            len(self.datastore),
+            len(self.datastore.sample_store()),
             int(self.manifest["footprint"]["total"]),
         )
 
@@ -259,15 +269,16 @@ class Runtime:
         """The most stored samples whose (estimated) datastore files fit next to the encoder."""
         room = self.manifest["budget_bytes"] - self.manifest["footprint"]["encoder"]
         dim = self.manifest["embedding_dim"]
-        return max_count_within(lambda n: self.datastore.estimate_nbytes(n, dim), room)
+        store = self.datastore.sample_store()
+        return max_count_within(lambda n: store.estimate_nbytes(n, dim), room)
 
     def _persist(self) -> int:
         """Commit the datastore; if the real files overshoot the budget (estimates for hnsw),
         evict more of the oldest and retry. Returns how many extra samples were evicted."""
-        ds, dim, extra = self.datastore, self.manifest["embedding_dim"], 0
+        ds, dim, extra = self.datastore.sample_store(), self.manifest["embedding_dim"], 0
         for _ in range(8):
             try:
-                self.manifest = commit_datastore(self.path, self.manifest, ds)
+                self.manifest = commit_datastore(self.path, self.manifest, self.datastore)
                 return extra
             except BudgetExceeded as exc:
                 per_sample = max(1, ds.estimate_nbytes(2, dim) - ds.estimate_nbytes(1, dim))

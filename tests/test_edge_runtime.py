@@ -367,11 +367,33 @@ def test_protonn_score_matches_hand_computation(tmp_path):
     np.testing.assert_allclose(back.predict_proba(z), ds.predict_proba(z))
     with pytest.raises(NotImplementedError, match="protonn package"):
         ds.fit(z, np.array([0, 1]))
-    with pytest.raises(ValueError, match="fixed"):
-        ds.add(z, np.array([0, 1]))
 
 
-def test_protonn_bundle_predicts_and_refuses_to_grow(tmp_path):
+def test_protonn_buffered_samples_score_as_one_label_prototypes(tmp_path):
+    W = np.array([[1.0, 0.0], [0.0, 2.0]])
+    B = np.array([[0.0, 1.0], [0.0, 0.0]])
+    Z = np.array([[1.0, 0.0], [0.0, 2.0]])
+    ds = ProtoNNDatastore.from_matrices(W, B, Z, 0.7, buffer=3)
+    assert ds.buffer_weight_ == pytest.approx(1.5)  # mean of each prototype's top score
+    ds.add(np.array([[0.0, 1.0], [3.0, 3.0]], np.float32), np.array([1, 0]))
+    B_all, Z_all = ds.prototypes()
+    plain = ProtoNNDatastore.from_matrices(W, B_all, Z_all, 0.7)
+    z = np.array([[0.2, 0.9], [2.5, 2.0], [50.0, 0.0]], np.float32)
+    np.testing.assert_allclose(ds.predict_proba(z), plain.predict_proba(z), rtol=1e-6)
+    ds.sample_store().evict_oldest(1)
+    assert ds.buffer_labels_.tolist() == [0] and ds.buffer_order_.tolist() == [1]
+    names = ds.save(tmp_path)
+    back = ProtoNNDatastore.load(tmp_path, {"num_classes": 2, "buffer": 3}, files=names)
+    np.testing.assert_array_equal(back.buffer_keys_t_, ds.buffer_keys_t_)
+    np.testing.assert_allclose(back.predict_proba(z), ds.predict_proba(z))
+    assert back.recipe == "protonn:d2:b3"
+    assert ds.estimate_nbytes(2, 2) - ProtoNNDatastore(2, d=2).estimate_nbytes(2, 2) == (
+        ds.buffer_nbytes(3)
+    )
+
+
+@pytest.mark.parametrize("strategy", ["fifo", "concatenate"])
+def test_protonn_bundle_learns_into_its_buffer_within_the_budget(tmp_path, strategy):
     enc = make_image_encoder(tmp_path / "encoder.onnx")
     rng = np.random.default_rng(0)
     ds = ProtoNNDatastore.from_matrices(
@@ -381,17 +403,38 @@ def test_protonn_bundle_predicts_and_refuses_to_grow(tmp_path):
         0.5,
         k=5,
         m=0.3,
+        buffer=4,
+    )
+    budget = enc.stat().st_size + ds.estimate_nbytes(5, P) + 3 * ds.buffer_nbytes(1)
+    fields = {**FIELDS, "budget_bytes": budget, "update_strategy": strategy}
+    write_bundle(tmp_path / "b", fields, enc, ds)
+    rt = Runtime.load(tmp_path / "b")
+    x, y = make_images(12, 1)
+    before = rt.predict_proba(x)
+    report = rt.add(x[:6], y[:6])
+    # fifo keeps its capacity of 4; concatenate grows while the budget has room
+    assert report.size == (4 if strategy == "fifo" else len(rt.datastore.buffer_labels_))
+    assert report.size >= 4 and rt.manifest["footprint"]["total"] <= budget
+    assert not np.allclose(rt.predict_proba(x), before)
+    again = Runtime.load(tmp_path / "b")
+    np.testing.assert_allclose(again.predict_proba(x), rt.predict_proba(x))
+    assert len(again.datastore) == 5  # the prototypes stay
+
+
+def test_protonn_bundle_without_a_buffer_defaults_to_concatenate(tmp_path):
+    enc = make_image_encoder(tmp_path / "encoder.onnx")
+    rng = np.random.default_rng(0)
+    ds = ProtoNNDatastore.from_matrices(
+        rng.normal(size=(3, P)), rng.normal(size=(3, 5)), rng.random((NUM_CLASSES, 5)), 0.5
     )
     write_bundle(tmp_path / "b", FIELDS, enc, ds)
-    assert read_manifest(tmp_path / "b")["update_strategy"] == "fixed"
+    assert read_manifest(tmp_path / "b")["update_strategy"] == "concatenate"
     rt = Runtime.load(tmp_path / "b")
     x, y = make_images(6, 1)
-    assert rt.predict_proba(x).shape == (6, NUM_CLASSES)
-    with pytest.raises(ValueError, match="protonn"):
+    with pytest.raises(ValueError, match="reserves no room"):
         rt.add(x, y, strategy="fifo")
     assert rt.add(x, y, strategy="fixed").added == 0
-    with pytest.raises(BundleError, match="fixed"):
-        write_bundle(tmp_path / "c", {**FIELDS, "update_strategy": "fifo"}, enc, ds)
+    assert rt.add(x, y).added == 6
 
 
 def test_recipes_parse_and_format():

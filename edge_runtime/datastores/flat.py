@@ -93,6 +93,10 @@ class FlatDatastore:
         )
         return self
 
+    def sample_store(self) -> FlatDatastore:
+        """What the runtime's update strategies add to and evict from: the datastore itself."""
+        return self
+
     def evict_oldest(self, count: int) -> FlatDatastore:
         """Drop the `count` samples with the smallest insertion stamps."""
         if not 0 <= count <= len(self):

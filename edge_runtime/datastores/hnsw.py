@@ -129,6 +129,10 @@ class HNSWDatastore:
         self._next_id += z.shape[0]
         return self
 
+    def sample_store(self) -> HNSWDatastore:
+        """What the runtime's update strategies add to and evict from: the datastore itself."""
+        return self
+
     def evict_oldest(self, count: int) -> HNSWDatastore:
         if not 0 <= count <= len(self):
             raise ValueError(f"cannot evict {count} of {len(self)} samples")

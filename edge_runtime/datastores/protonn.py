@@ -1,4 +1,5 @@
-"""ProtoNN-compressed datastore: a projection, prototypes and their label scores."""
+"""ProtoNN-compressed datastore: a projection, prototypes and their label scores, plus a bounded
+buffer of samples learned on the device, searched beside the prototypes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
     _check_common,
+    _check_fit_inputs,
+    _check_labels_array,
     _check_load_params,
     _check_positive_int,
     _check_query,
@@ -22,20 +25,29 @@ from .common import (
 )
 from .recipes import format_recipe
 
+_BUFFER_ARRAYS = ("buffer_keys", "buffer_labels", "buffer_order")
+
 
 class ProtoNNDatastore:
     """ProtoNN-compressed datastore: projection W [d,p], prototypes B [d,m], prototype label
-    scores Z [C,m], kernel width gamma. Inference only; training needs torch (the protonn
-    package, server side), and the result comes here through `from_matrices`.
+    scores Z [C,m], kernel width gamma. Training needs torch (the protonn package, server side),
+    and the result comes here through `from_matrices`.
 
     Score s_c(z) = sum_j Z[c,j] exp(-gamma^2 ||W z - B[:,j]||^2). The local posterior is s
     clipped at 0 and normalised to sum 1 (uniform if all zero). The exponentials are shifted by
     each row's nearest prototype before normalising, which cancels in the ratio but keeps far
     queries from underflowing to the uniform answer.
+
+    Learning on the device: `add` puts samples, projected by W, into a buffer (`buffer` in the
+    recipe, `b<count>`, is the capacity the budget reserves for it). Each buffered sample is one
+    more prototype whose label score is `buffer_weight_` for its own label and 0 for the others,
+    where buffer_weight_ is the mean over prototypes of their largest label score: a new sample
+    counts as much as a typical prototype. `sample_store()` is the buffer, so the runtime's
+    fifo and concatenate strategies work on it as they do on a flat datastore's keys.
     """
 
     backend = "protonn"
-    PARAM_NAMES = ("num_classes", "k", "sigma", "d", "m", "n")
+    PARAM_NAMES = ("num_classes", "k", "sigma", "d", "m", "n", "buffer")
 
     def __init__(
         self,
@@ -46,6 +58,7 @@ class ProtoNNDatastore:
         d: int | None = None,
         m: float | None = None,
         n: int | None = None,
+        buffer: int | None = None,
     ) -> None:
         self.num_classes = num_classes
         self.k = k
@@ -53,11 +66,13 @@ class ProtoNNDatastore:
         self.d = d
         self.m = m
         self.n = n
+        self.buffer = buffer
 
     def _check_params(self) -> None:
         _check_common(self.num_classes, self.k, self.sigma)
         _check_positive_int("d", self.d, allow_none=True)
         _check_positive_int("n", self.n, allow_none=True)
+        _check_positive_int("buffer", self.buffer, allow_none=True)
         if self.m is not None and not (_is_real(self.m) and self.m > 0):
             raise ValueError(f"m must be a positive number, got {self.m!r}")
 
@@ -79,8 +94,10 @@ class ProtoNNDatastore:
         sigma: float = 1.0,
         m: float | None = None,
         n: int | None = None,
+        buffer: int | None = None,
     ) -> ProtoNNDatastore:
-        """A datastore from trained matrices (W [d,p], B [d,m], Z [C,m], gamma > 0)."""
+        """A datastore from trained matrices (W [d,p], B [d,m], Z [C,m], gamma > 0), with an
+        empty buffer of capacity `buffer` for samples added on the device."""
         W, B, Z = (np.asarray(a) for a in (W, B, Z))
         for name, a in (("W", W), ("B", B), ("Z", Z)):
             if a.ndim != 2 or a.dtype.kind not in "fiu" or not np.all(np.isfinite(a)):
@@ -93,34 +110,86 @@ class ProtoNNDatastore:
         gamma_arr = np.asarray(gamma, dtype=np.float64)
         if gamma_arr.size != 1 or not np.isfinite(gamma_arr) or not gamma_arr.reshape(()) > 0:
             raise ValueError(f"gamma must be one positive number, got {gamma!r}")
-        ds = cls(int(Z.shape[0]), k=k, sigma=sigma, d=int(W.shape[0]), m=m, n=n)
+        ds = cls(int(Z.shape[0]), k=k, sigma=sigma, d=int(W.shape[0]), m=m, n=n, buffer=buffer)
         ds._check_params()
         ds.W_ = np.ascontiguousarray(W, dtype=np.float32)
         ds.B_ = np.ascontiguousarray(B, dtype=np.float32)
         ds.Z_ = np.ascontiguousarray(Z, dtype=np.float32)
         ds.gamma_ = float(gamma_arr.reshape(()))
         ds.embedding_dim_ = int(W.shape[1])
-        # float64 copies and prototype norms, made once: predict_proba runs per query
-        ds._W64, ds._B64, ds._Z64 = (a.astype(np.float64) for a in (ds.W_, ds.B_, ds.Z_))
-        ds._b_norms = (ds._B64 * ds._B64).sum(axis=0)
+        ds._b_norms = np.einsum("ij,ij->j", ds.B_, ds.B_)
+        ds.buffer_weight_ = float(max(ds.Z_.max(axis=0).mean(), 0.0)) or 1.0
+        ds._set_buffer(
+            np.zeros((ds.W_.shape[0], 0), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
+        )
         return ds
 
+    # -- the buffer of samples learned on the device
+    def _set_buffer(self, keys_t: np.ndarray, labels: np.ndarray, order: np.ndarray) -> None:
+        self.buffer_keys_t_ = np.ascontiguousarray(keys_t, dtype=np.float32)
+        self.buffer_labels_ = labels
+        self.buffer_order_ = order
+        self._buffer_norms = np.einsum("ij,ij->j", self.buffer_keys_t_, self.buffer_keys_t_)
+
+    def sample_store(self) -> _SampleBuffer:
+        """What the runtime's update strategies add to and evict from: the buffer."""
+        return _SampleBuffer(self)
+
     def add(self, z: np.ndarray, y: np.ndarray) -> ProtoNNDatastore:
-        raise ValueError(
-            "a protonn datastore cannot take new samples on the device; use update strategy 'fixed'"
+        """Project samples with W and append them to the buffer (the caller evicts)."""
+        z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
+        start = int(self.buffer_order_[-1]) + 1 if len(self.buffer_order_) else 0
+        self._set_buffer(
+            np.concatenate([self.buffer_keys_t_, self.W_ @ z.T], axis=1),
+            np.concatenate([self.buffer_labels_, y]),
+            np.concatenate([self.buffer_order_, np.arange(start, start + len(y), dtype=np.int64)]),
         )
+        return self
 
     def evict_oldest(self, count: int) -> ProtoNNDatastore:
-        raise ValueError("a protonn datastore has no stored samples to evict; use 'fixed'")
+        """Drop the `count` oldest buffered samples (prototypes are never evicted)."""
+        held = len(self.buffer_labels_)
+        if not 0 <= count <= held:
+            raise ValueError(f"cannot evict {count} of {held} buffered samples")
+        if count:
+            self._set_buffer(
+                self.buffer_keys_t_[:, count:],
+                self.buffer_labels_[count:],
+                self.buffer_order_[count:],
+            )
+        return self
 
+    def prototypes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(B [d, m'], Z [C, m']): the trained prototypes followed by the buffered samples with
+        their one-label scores, i.e. everything predict_proba scores against."""
+        held = len(self.buffer_labels_)
+        scores = np.zeros((self.num_classes, held), np.float32)
+        scores[self.buffer_labels_, np.arange(held)] = self.buffer_weight_
+        return (
+            np.concatenate([self.B_, self.buffer_keys_t_], axis=1),
+            np.concatenate([self.Z_, scores], axis=1),
+        )
+
+    # -- inference
     def predict_proba(self, z: np.ndarray) -> np.ndarray:
-        z = _check_query(z, self.embedding_dim_).astype(np.float64)
-        wz = z @ self._W64.T
-        sq = (wz * wz).sum(axis=1)[:, None] - 2.0 * (wz @ self._B64) + self._b_norms[None, :]
-        np.maximum(sq, 0.0, out=sq)
+        z = _check_query(z, self.embedding_dim_)
+        wz = z @ self.W_.T
+        wz_norms = np.einsum("ij,ij->i", wz, wz)[:, None].astype(np.float64)
+        sq = wz_norms - 2.0 * (wz @ self.B_) + self._b_norms[None, :]
+        held = len(self.buffer_labels_)
+        if held:
+            sq_buf = wz_norms - 2.0 * (wz @ self.buffer_keys_t_) + self._buffer_norms[None, :]
+            nearest = np.minimum(sq.min(axis=1), sq_buf.min(axis=1))[:, None]
+        else:
+            nearest = sq.min(axis=1, keepdims=True)
         g2 = self.gamma_**2
-        kernel = np.exp(-g2 * (sq - sq.min(axis=1, keepdims=True)))
-        scores = np.maximum(kernel @ self._Z64.T, 0.0)
+        kernel = np.exp(-g2 * np.maximum(sq - nearest, 0.0))
+        scores = (kernel.astype(np.float32) @ self.Z_.T).astype(np.float64)
+        if held:
+            k_buf = np.exp(-g2 * np.maximum(sq_buf - nearest, 0.0)) * self.buffer_weight_
+            for c in range(self.num_classes):
+                scores[:, c] += k_buf[:, self.buffer_labels_ == c].sum(axis=1)
+        np.maximum(scores, 0.0, out=scores)
         total = scores.sum(axis=1, keepdims=True)
         out = np.full_like(scores, 1.0 / self.num_classes)
         ok = total[:, 0] > 0
@@ -131,15 +200,24 @@ class ProtoNNDatastore:
         """The number of prototypes (what the datastore stores instead of samples)."""
         return int(self.B_.shape[1]) if hasattr(self, "B_") else 0
 
+    # -- footprint
+    def buffer_nbytes(self, count: int) -> int:
+        """Bytes `count` buffered samples add to the saved file (projected key, label, stamp)."""
+        d = self.d or 0
+        return count * (4 * d + 16) + len(_BUFFER_ARRAYS) * _NPZ_ARRAY_OVERHEAD
+
     def estimate_nbytes(self, n_prototypes: int, dim: int) -> int:
+        """Upper bound on the saved file for n_prototypes, with the buffer full to capacity."""
         d = self.d or dim
         data = 4 * (d * dim + d * n_prototypes + self.num_classes * n_prototypes) + 8
-        return data + 4 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
+        base = data + 4 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
+        return base + (self.buffer_nbytes(self.buffer) if self.buffer else 0)
 
     @property
     def nbytes(self) -> int:
         return self.estimate_nbytes(len(self), self.embedding_dim_)
 
+    # -- recipe
     def recipe_params(self) -> dict:
         params: dict = {}
         if self.d is not None:
@@ -148,15 +226,24 @@ class ProtoNNDatastore:
             params["m"] = float(self.m)
         if self.n is not None:
             params["n"] = int(self.n)
+        if self.buffer is not None:
+            params["buffer"] = int(self.buffer)
         return params
 
     @property
     def recipe(self) -> str:
         return format_recipe(self.backend, self.recipe_params())
 
+    # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         name = datastore_file_name("datastore", "npz", generation)
         arrays = {"W": self.W_, "B": self.B_, "Z": self.Z_, "gamma": np.float64(self.gamma_)}
+        if self.buffer is not None or len(self.buffer_labels_):
+            arrays.update(
+                buffer_keys=self.buffer_keys_t_.T,  # [count, d] in Fortran order, no copy
+                buffer_labels=self.buffer_labels_,
+                buffer_order=self.buffer_order_,
+            )
         save_npz_atomic(Path(directory) / name, arrays)
         return [name]
 
@@ -181,7 +268,7 @@ class ProtoNNDatastore:
             arrays["B"],
             arrays["Z"],
             arrays["gamma"],
-            **{key: params[key] for key in ("k", "sigma", "m", "n") if key in params},
+            **{key: params[key] for key in ("k", "sigma", "m", "n", "buffer") if key in params},
         )
         if ds.num_classes != num_classes:
             raise ValueError(f"{files[0]}: Z has {ds.num_classes} classes, expected {num_classes}")
@@ -193,4 +280,57 @@ class ProtoNNDatastore:
             raise ValueError(
                 f"{files[0]}: W takes dimension {ds.embedding_dim_}, expected {embedding_dim}"
             )
+        present = [name for name in _BUFFER_ARRAYS if name in arrays]
+        if present:
+            _require(arrays, _BUFFER_ARRAYS, files[0])
+            ds._load_buffer(arrays, files[0])
         return ds
+
+    def _load_buffer(self, arrays: dict[str, np.ndarray], file: str) -> None:
+        keys, order = arrays["buffer_keys"], arrays["buffer_order"]
+        d = self.W_.shape[0]
+        if keys.ndim != 2 or keys.shape[1] != d or keys.dtype != np.float32:
+            raise ValueError(f"{file}: buffer_keys must be float32 [count, {d}]")
+        held = keys.shape[0]
+        labels = _check_labels_array(arrays["buffer_labels"], held, self.num_classes, file)
+        if order.dtype.kind not in "iu" or order.shape != (held,):
+            raise ValueError(f"{file}: buffer_order must be integers of shape [{held}]")
+        order = order.astype(np.int64, copy=False)
+        if held > 1 and not np.all(order[1:] > order[:-1]):
+            raise ValueError(f"{file}: buffer_order stamps must be increasing (oldest first)")
+        self._set_buffer(keys.T, labels, order)
+        if not np.all(np.isfinite(self._buffer_norms)):
+            raise ValueError(f"{file}: buffer_keys hold NaN, infinite or overflowing values")
+
+
+class _SampleBuffer:
+    """A ProtoNN datastore's buffer, seen as the runtime sees a flat datastore: its length, its
+    capacity `n`, add / evict_oldest, and the bytes of the whole datastore file for a number of
+    buffered samples."""
+
+    def __init__(self, datastore: ProtoNNDatastore) -> None:
+        self.datastore = datastore
+
+    def __len__(self) -> int:
+        return len(self.datastore.buffer_labels_)
+
+    @property
+    def n(self) -> int:
+        return int(self.datastore.buffer or 0)
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self.datastore.buffer = int(value)
+
+    def add(self, z: np.ndarray, y: np.ndarray) -> _SampleBuffer:
+        self.datastore.add(z, y)
+        return self
+
+    def evict_oldest(self, count: int) -> _SampleBuffer:
+        self.datastore.evict_oldest(count)
+        return self
+
+    def estimate_nbytes(self, count: int, dim: int) -> int:
+        ds = self.datastore
+        without = ProtoNNDatastore(ds.num_classes, d=ds.d).estimate_nbytes(len(ds), dim)
+        return without + ds.buffer_nbytes(count)

@@ -22,17 +22,18 @@ _TOKENS: dict[str, list[tuple[re.Pattern, str, Callable[[str], Any]]]] = {
         (re.compile(r"d(\d+)"), "d", int),
         (re.compile(r"m(\d+(?:\.\d*)?|\.\d+)"), "m", float),
         (re.compile(r"n(\d+)"), "n", int),
+        (re.compile(r"b(\d+)"), "buffer", int),
     ],
 }
 _TOKEN_HELP = {
     "flat": "fp32|fp16|int8 and n<count>",
     "hnsw": "M<links>, ef<search width>, efc<construction width> and n<count>",
-    "protonn": "d<projection dim>, m<prototype fraction> and n<count>",
+    "protonn": "d<projection dim>, m<prototype fraction>, n<count> and b<buffer capacity>",
 }
 _FORMAT = {
     "flat": [("dtype", "{}"), ("n", "n{}")],
     "hnsw": [("M", "M{}"), ("ef", "ef{}"), ("ef_construction", "efc{}"), ("n", "n{}")],
-    "protonn": [("d", "d{}"), ("m", "m{:g}"), ("n", "n{}")],
+    "protonn": [("d", "d{}"), ("m", "m{:g}"), ("n", "n{}"), ("buffer", "b{}")],
 }
 
 
@@ -40,7 +41,7 @@ def parse_recipe(recipe: str) -> tuple[str, dict]:
     """ "flat:int8:n500" -> ("flat", {"dtype": "int8", "n": 500}); ValueError on anything else.
 
     flat:fp32|fp16|int8[:n<count>]   hnsw[:M16][:ef64][:efc200][:n<count>]
-    protonn[:d<dim>][:m<fraction>][:n<count>]
+    protonn[:d<dim>][:m<fraction>][:n<count>][:b<buffer capacity>]
     """
     if not isinstance(recipe, str) or not recipe.strip():
         raise ValueError(f"a datastore recipe must be a non-empty string, got {recipe!r}")
