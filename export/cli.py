@@ -158,7 +158,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = (add_export_command, add_demo_command)
+def add_experiment_command(sub: argparse._SubParsersAction) -> None:
+    """`knnper experiment`: the experiments package sits above export (it uses export and the
+    benchmark scripts), so it is imported when the command line is built, not with export."""
+    from experiments.cli import add_experiment_command as add
+
+    add(sub)
+
+
+COMMANDS = (add_export_command, add_demo_command, add_experiment_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
