@@ -1,8 +1,15 @@
 """The in-process federated simulation: sample clients, run their updates, aggregate, log and
-checkpoint every few rounds so an interrupted run resumes without losing finished rounds."""
+checkpoint every few rounds so an interrupted run resumes without losing finished rounds.
+
+A checkpoint is one line `knnper-checkpoint 1 sha256 <hex>` followed by torch.save's bytes, so
+a torn, truncated or bit-flipped file is recognised before torch reads it; resuming falls back
+to the previous good checkpoint with a warning and stops with one line when none is good.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
@@ -16,10 +23,17 @@ import torch
 from tqdm import tqdm
 
 from fed_train.algorithms.base import Algorithm, ClientData, TrainingConfig, Weights, predict_proba
+from fed_train.errors import TrainingError
 
 log = logging.getLogger(__name__)
 
 KEEP_CHECKPOINTS = 2  # the newest two: if the last one is unreadable, the one before still is
+CHECKPOINT_MAGIC = b"knnper-checkpoint 1 sha256 "
+_CHECKPOINT_KEYS = {"rounds_done", "weights", "states"}
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint that cannot be resumed from (torn, corrupted, or not one of ours)."""
 
 
 @dataclass
@@ -62,14 +76,20 @@ def checkpoint_round(path: Path) -> int:
 
 def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
                     states: dict[int, dict[str, Any]], keep_every: int | None = None) -> None:
-    """Write to a temporary name and rename: a kill mid-write never leaves a torn checkpoint.
+    """A checksum header line plus torch.save's bytes, written to a temporary name, fsynced
+    and renamed: a kill mid-write never leaves a torn checkpoint under the final name.
     Older checkpoints are deleted except the newest two and, with `keep_every`, those of every
     keep_every-th round (experiments on the global model's quality along training read them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    buf = io.BytesIO()
     torch.save({"rounds_done": rounds_done, "weights": _to_tensors(weights),
-                "states": {str(k): _to_tensors(v) for k, v in states.items()}}, tmp)
-    with open(tmp, "rb") as f:
+                "states": {str(k): _to_tensors(v) for k, v in states.items()}}, buf)
+    payload = buf.getvalue()
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(CHECKPOINT_MAGIC + hashlib.sha256(payload).hexdigest().encode("ascii") + b"\n")
+        f.write(payload)
+        f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     for stale in sorted(path.parent.glob("round_*.pt"))[:-KEEP_CHECKPOINTS]:
@@ -78,23 +98,72 @@ def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
 
 
 def load_checkpoint(path: Path) -> SimulationResult:
-    data = torch.load(path, weights_only=True)
-    return SimulationResult(_to_arrays(data["weights"]),
-                            {int(k): _to_arrays(v) for k, v in data["states"].items()},
-                            int(data["rounds_done"]))
+    """Verify the checksum, then read with weights_only=True and check the structure;
+    CheckpointError (one line) names what is wrong."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path} {why}")
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise bad(f"cannot be read: {err.strerror}") from None
+    header, newline, payload = data.partition(b"\n")
+    if not newline or not header.startswith(CHECKPOINT_MAGIC):
+        raise bad("has no checksum header (empty, torn, or not written by knnper)")
+    if hashlib.sha256(payload).hexdigest().encode("ascii") != header[len(CHECKPOINT_MAGIC):]:
+        raise bad("does not match its checksum (corrupted)")
+    try:
+        raw = torch.load(io.BytesIO(payload), weights_only=True)
+    except Exception as err:  # torch raises several types for unreadable data
+        raise bad(f"cannot be read safely: {_first_line(err)}") from None
+    if not isinstance(raw, dict) or set(raw) != _CHECKPOINT_KEYS:
+        raise bad(f"must hold {sorted(_CHECKPOINT_KEYS)}, got {_keys_or_type(raw)}")
+    rounds, weights, states = raw["rounds_done"], raw["weights"], raw["states"]
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+        raise bad(f"has rounds_done {rounds!r}, not a round count")
+    if not isinstance(weights, dict) or not weights or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+        raise bad("has weights that are not a name -> tensor mapping")
+    if not isinstance(states, dict) or not all(
+            isinstance(k, str) and k.lstrip("-").isdigit() and isinstance(v, dict)
+            for k, v in states.items()):
+        raise bad("has client states that are not a client id -> state mapping")
+    return SimulationResult(_to_arrays(weights),
+                            {int(k): _to_arrays(v) for k, v in states.items()}, rounds)
+
+
+def _keys_or_type(value: Any) -> str:
+    return repr(sorted(map(str, value))) if isinstance(value, dict) else type(value).__name__
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def resume_from(run_dir: Path) -> SimulationResult | None:
-    """The newest checkpoint that loads; a torn or corrupt newest file falls back to the one
-    before it."""
-    for path in sorted((run_dir / "checkpoints").glob("round_*.pt"), reverse=True):
+    """The newest good checkpoint, falling back past bad ones with a warning; None when there
+    are none, CheckpointError when there are some and none is good."""
+    paths = sorted((run_dir / "checkpoints").glob("round_*.pt"), reverse=True)
+    problems = []
+    for path in paths:
         try:
             state = load_checkpoint(path)
-        except (OSError, RuntimeError, KeyError, ValueError) as err:
-            log.warning("skipping unreadable checkpoint %s: %s", path, err)
+            if checkpoint_round(path) != state.rounds_done:
+                raise CheckpointError(f"checkpoint {path} holds round {state.rounds_done}")
+        except (CheckpointError, ValueError) as err:  # ValueError: a name that is no round
+            log.warning("skipping %s", err)
+            problems.append(str(err))
             continue
-        log.info("resuming from %s (%d rounds done)", path, state.rounds_done)
+        if problems:
+            log.warning("resuming from the previous good checkpoint %s (%d rounds done)",
+                        path, state.rounds_done)
+        else:
+            log.info("resuming from %s (%d rounds done)", path, state.rounds_done)
         return state
+    if paths:
+        raise CheckpointError(f"no good checkpoint to resume from: {problems[0]}; remove "
+                              f"{run_dir / 'checkpoints'} to train from the start")
     return None
 
 
