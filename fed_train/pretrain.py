@@ -13,10 +13,10 @@ import json
 import logging
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -155,7 +155,8 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) 
     return record
 
 
-def _write_atomic(path: Path, write) -> None:
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """A killed pretraining leaves no half-written file under the final name."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
