@@ -65,8 +65,8 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=int, default=10, help="neighbours of the kNN head")
     p.add_argument("--sigma", type=float, default=1.0, help="kernel width of the kNN head")
     p.add_argument("--update-strategy", default="fifo",
-                   help="on-device updates for flat/hnsw: fifo, concatenate, fixed "
-                        "(protonn is always fixed)")
+                   help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
+                        "buffers new samples beside its prototypes)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of generated budgets and of datastore sampling / ProtoNN training")
     p.add_argument("--workers", type=int, default=None,

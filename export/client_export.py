@@ -52,10 +52,9 @@ def export_client(task: ClientTask, context: SizingContext,
     data = task.data
     sizer.fit(data, task.budget - context.encoder_bytes)
     best, datastore = sizer.best_, sizer.datastore_
-    strategy = "fixed" if best.backend == "protonn" else context.update_strategy
     fields = {"client_id": int(data.client_id), "input": task.input_spec,
               "lambda": float(best.lam), "budget_bytes": task.budget,
-              "update_strategy": strategy}
+              "update_strategy": context.update_strategy}
     try:
         key = load_private_key(context.signing_key) if context.signing_key else None
         manifest = write_bundle(task.target, fields, context.encoder_path, datastore,

@@ -58,7 +58,10 @@ class ExportSettings:
     backend: str = "auto"
     k: int = 10
     sigma: float = 1.0
-    update_strategy: str = "fifo"  # protonn bundles are always "fixed"
+    update_strategy: str = "fifo"
+    # share of a client's train samples a protonn bundle reserves room for, as its buffer of
+    # samples learned on the device (none with update_strategy "fixed")
+    protonn_buffer: float = 0.1
     calibration_samples: int = 256
     seed: int = 0
     space: SearchSpace = field(default_factory=SearchSpace)
@@ -223,7 +226,9 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
     clients in parallel (None: one per usable core)."""
     settings = settings or ExportSettings()
     settings.check()
-    space = settings.space.restricted_to(settings.backend)
+    space = replace(settings.space.restricted_to(settings.backend),
+                    protonn_buffer=0.0 if settings.update_strategy == "fixed"
+                    else settings.protonn_buffer)
     out_dir = Path(out_dir)
     every_client = run.clients()
     chosen = select_clients(every_client, clients)

@@ -65,6 +65,9 @@ class SearchSpace:
     protonn_finalists: int = 3
     fill_budget: bool = True  # also try the most samples / prototypes that fit
     prune: bool = True  # skip HNSW and ProtoNN where they cannot win (see the module's doc)
+    # share of the train split a ProtoNN datastore reserves room for, as its buffer of samples
+    # added on the device (the exporter sets it unless the update strategy is "fixed")
+    protonn_buffer: float = 0.0
 
     def restricted_to(self, backend: str) -> SearchSpace:
         """This space with only one backend ("auto" keeps them all)."""
@@ -325,7 +328,7 @@ class DatastoreSizer:
         n, dim = data.z_train.shape
         shapes = []
         for d in self.space.protonn_dims:
-            probe = ProtoNNDatastore(self.num_classes, d=d)
+            probe = ProtoNNDatastore(self.num_classes, d=d, buffer=self._protonn_buffer(n))
             most = _most_within(lambda m, probe=probe: probe.estimate_nbytes(m, dim), room, n)
             counts = {min(n, max(1, int(round(f * n)))) for f in self.space.protonn_fractions}
             if self.space.fill_budget and most >= 1:
@@ -334,6 +337,11 @@ class DatastoreSizer:
                 counts.add(min(most, max(1, n // 2)))
             shapes += [(d, m) for m in sorted((c for c in counts if c <= most), reverse=True)]
         return shapes
+
+    def _protonn_buffer(self, n_train: int) -> int | None:
+        """The buffer capacity a ProtoNN datastore reserves room for (None: no buffer)."""
+        share = self.space.protonn_buffer
+        return max(1, round(share * n_train)) if share else None
 
     def _protonn_search(self, data: ClientEmbeddings,
                         room: int) -> list[tuple[Candidate, Datastore]]:
@@ -376,8 +384,9 @@ class DatastoreSizer:
             ds = clf.to_datastore(k=self.k, sigma=self.sigma, m=fraction)
             self._protonn_cache[shape] = clf
             self._protonn_cache[(*shape, steps)] = ds
+        ds.buffer = self._protonn_buffer(len(data.y_train))
         nbytes = measure_nbytes(ds)
-        if nbytes > room:
+        if nbytes + ds.unfilled_buffer_nbytes() > room:  # the room a full buffer will take
             return None
         return Candidate(ds.recipe, "protonn", nbytes, len(ds), steps=steps), ds
 
