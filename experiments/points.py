@@ -23,8 +23,11 @@ class PointStore:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._done: dict[str, dict[str, Any]] = {}
+        self._torn_end = False  # a kill mid-append leaves a last line without its newline
         if self.path.exists():
-            for line in self.path.read_text().splitlines():
+            text = self.path.read_text()
+            self._torn_end = bool(text) and not text.endswith("\n")
+            for line in text.splitlines():
                 try:
                     entry = json.loads(line)
                     self._done[_key(entry["key"])] = entry["record"]
@@ -45,9 +48,11 @@ class PointStore:
         record["seconds"] = round(time.perf_counter() - started, 2)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
-            f.write(json.dumps({"key": key, "record": record}, default=_plain) + "\n")
+            f.write(("\n" if self._torn_end else "")
+                    + json.dumps({"key": key, "record": record}, default=_plain) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self._torn_end = False
         self._done[_key(key)] = json.loads(json.dumps(record, default=_plain))
         return self._done[_key(key)]
 
