@@ -16,19 +16,14 @@ from experiments.context import QUICK, Context
 from experiments.registry import EXPERIMENTS
 from experiments.report import write_report
 from experiments.spec import IID_ALPHA, Experiment
-from fed_train.cli import add_training_arguments, config_from_args
+from fed_train.cli import (
+    _positive_float,
+    _positive_int,
+    add_training_arguments,
+    config_from_args,
+)
 
 log = logging.getLogger(__name__)
-
-
-def _positive(kind: type):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
 
 
 def _shown(values: tuple) -> str:
@@ -52,11 +47,11 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                            default=None, metavar="V,V,...",
                            help=f"{grid.help} (default {_shown(grid.full)}; with --quick "
                                 f"{_shown(grid.quick)})")
-        q.add_argument("--k", type=_positive(int), default=10,
+        q.add_argument("--k", type=_positive_int, default=10,
                        help="kNN neighbours where not swept")
-        q.add_argument("--sigma", type=_positive(float), default=1.0,
+        q.add_argument("--sigma", type=_positive_float, default=1.0,
                        help="kNN kernel scale where not swept")
-        q.add_argument("--checkpoint-every", type=_positive(int), default=5,
+        q.add_argument("--checkpoint-every", type=_positive_int, default=5,
                        help="FedAvg checkpoint period (base-model: every such checkpoint is a "
                             "point)")
         add_training_arguments(q)

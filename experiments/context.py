@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +83,6 @@ class Context:
 
     def points(self, experiment: str) -> PointStore:
         return PointStore(self.out / experiment / "points.jsonl")
-
-    def scale(self) -> dict[str, Any]:
-        c = asdict(self.config)
-        return {**{k: v for k, v in c.items() if k != "training"}, **c["training"],
-                "k": self.k, "sigma": self.sigma, "quick": self.quick}
 
     def scale_line(self) -> str:
         c, t = self.config, self.config.training
