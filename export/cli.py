@@ -36,7 +36,7 @@ def _bytes(text: str) -> int:
         value = float(number) * units[raw[len(number):]]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
-    if not value >= 1 or value != int(value):
+    if not 1 <= value < float("inf") or value != int(value):  # inf, 1e400: no OverflowError
         raise argparse.ArgumentTypeError(f"must be a positive whole number of bytes: {text!r}")
     return int(value)
 

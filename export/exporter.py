@@ -238,8 +238,9 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
                               "datastore from")
         if client.client_id not in budgets:
             raise BudgetError(f"no budget for client {client.client_id}")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ExportError(f"--out {out_dir} exists and is not a directory")
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    if not existing.is_dir():  # checked before the encoder is built
+        raise ExportError(f"--out {out_dir}: {existing} exists and is not a directory")
     with tempfile.TemporaryDirectory(prefix="knnper-encoder-") as tmp:
         encoder_files = encoder or build_encoder(run, Path(tmp), settings, every_client)
         if encoder_files.quantize != settings.quantize:

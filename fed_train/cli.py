@@ -106,7 +106,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=t.momentum, help="client SGD momentum")
     p.add_argument("--weight-decay", type=float, default=t.weight_decay,
                    help="client SGD weight decay")
-    p.add_argument("--milestones", type=float, nargs="*", default=list(t.milestones),
+    p.add_argument("--milestones", type=_fraction, nargs="*", default=list(t.milestones),
                    help="fractions of the rounds at which the learning rate decays")
     p.add_argument("--lr-gamma", type=_positive_float, default=t.gamma,
                    help="learning-rate factor at each milestone")

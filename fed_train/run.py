@@ -184,7 +184,10 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
         partition = Partition.load(run_dir / PARTITION_FILE)
     else:
         partition = run_partition(config, dataset)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:  # --out is a file, or lies under one
+            raise RunError(f"cannot make run directory {run_dir}: {err.strerror}") from None
         partition.save(run_dir / PARTITION_FILE)
         config_path.write_text(json.dumps(saved, indent=2))
     return OpenRun(dataset, partition, model_name, start)
