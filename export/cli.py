@@ -23,6 +23,7 @@ from export.profiles import (
 )
 from export.sizing import BACKEND_CHOICES
 from fed_train import cli as fed_cli
+from fed_train.deploy import add_deploy_command
 from fed_train.errors import KnnperError
 from fed_train.run import load_run
 
@@ -166,7 +167,7 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
     add(sub)
 
 
-COMMANDS = (add_export_command, add_demo_command, add_experiment_command)
+COMMANDS = (add_export_command, add_demo_command, add_experiment_command, add_deploy_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

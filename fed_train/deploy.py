@@ -1,0 +1,315 @@
+"""`knnper deploy local`: a whole Flower federation on this machine, for trying the deployment
+and for tests. It starts a real `flower-superlink` and one `flower-supernode` per client, all on
+127.0.0.1, submits the Flower App with `flwr run`, follows the run to its end and stops every
+process it started (also on Ctrl-C and on failure). Secure by default: TLS with certificates
+made for this federation, and SuperNode authentication so that only the SuperNodes whose keys
+were registered may join; `--insecure` turns both off."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fed_train.errors import KnnperError
+from fed_train.run import open_run
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"  # a local federation never listens elsewhere
+APP_DIR = Path(__file__).parent / "flower" / "app"
+CONNECTION = "knnper-local"
+MARKER = "KNNPER_FEDERATION"  # set in every process's environment: tests find stragglers by it
+LOG_DIR = "flower_logs"
+STOP_SECONDS = 10.0  # SIGTERM grace before SIGKILL
+CLI_SECONDS = 120.0  # one `flwr` command (register, run, ls)
+POLL_SECONDS = 1.0
+
+
+class DeployError(KnnperError, RuntimeError):
+    """The federation could not start or its run failed; the message says which and why."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout: float, name: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise DeployError(f"{name} exited with code {process.returncode} while starting")
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.2)
+    raise DeployError(f"{name} did not listen on {HOST}:{port} within {timeout:g} s")
+
+
+@dataclass
+class Processes:
+    """Every process the federation starts, each in its own session (process group), so that
+    stopping one also stops what it spawned (SuperExec, ServerApp and ClientApp processes)."""
+
+    env: dict[str, str]
+    log_dir: Path
+    running: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        try:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
+                                       stderr=subprocess.STDOUT, env=self.env,
+                                       start_new_session=True)
+        finally:
+            log_file.close()
+        self.running[name] = process
+        self._write_pids()
+        return process
+
+    def _write_pids(self) -> None:
+        pids = {name: p.pid for name, p in self.running.items()}
+        (self.log_dir / "processes.json").write_text(json.dumps(pids, indent=2))
+
+    def run_cli(self, argv: list[str], timeout: float = CLI_SECONDS) -> dict[str, Any]:
+        """A `flwr` command with --format json; its JSON answer, or a DeployError."""
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, env=self.env,
+                                  timeout=timeout, start_new_session=True)
+        except subprocess.TimeoutExpired as err:
+            raise DeployError(f"`{' '.join(argv[:3])}` did not answer within {timeout:g} s") \
+                from err
+        try:
+            answer = json.loads(done.stdout[done.stdout.index("{"):])
+        except ValueError:
+            answer = {}
+        if done.returncode != 0 or not answer.get("success"):
+            detail = answer.get("error-message") or (done.stderr or done.stdout).strip()
+            raise DeployError(f"`{' '.join(argv[:3])}` failed: "
+                              f"{detail.splitlines()[-1] if detail else done.returncode}")
+        return answer
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        process = self.running.get(name)
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop_all(self) -> None:
+        """SIGTERM every group, wait (bounded), then SIGKILL what is left."""
+        for name in reversed(list(self.running)):
+            self.stop(name)
+        deadline = time.monotonic() + STOP_SECONDS
+        for process in self.running.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for name, process in self.running.items():
+            try:  # the group, not only the leader: its children may outlive a dead leader
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                log.warning("cannot kill the processes of %s", name)
+            process.wait(timeout=STOP_SECONDS)
+
+
+@dataclass
+class LocalFederation:
+    """Settings of `knnper deploy local` beyond the run's own (FlowerSettings)."""
+
+    clients: int
+    insecure: bool = False
+    startup_timeout: float = 60.0
+    superlink_port: int | None = None
+
+
+def _connection_toml(port: int, ca_cert: Path | None) -> str:
+    lines = ["[superlink]", f'default = "{CONNECTION}"', f"[superlink.{CONNECTION}]",
+             f'address = "{HOST}:{port}"']
+    lines.append("insecure = true" if ca_cert is None else f'root-certificates = "{ca_cert}"')
+    return "\n".join(lines) + "\n"
+
+
+def _run_timeout(settings) -> float:
+    """The longest a healthy run can take: connecting, every round and the evaluation at their
+    timeouts, plus a margin for starting the apps."""
+    rounds = settings.run.training.rounds
+    return settings.connect_timeout + (rounds + 1) * settings.round_timeout + 120.0
+
+
+def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float) -> dict[str, Any]:
+    """Wait for the run to finish; the run's real status comes from the SuperLink, since
+    `flwr run` returns as soon as the run is submitted."""
+    deadline = time.monotonic() + timeout
+    last_ls = 0.0
+    flower_file = run_dir / "flower.json"
+    while time.monotonic() < deadline:
+        if procs.running["superlink"].poll() is not None:
+            raise DeployError(f"the SuperLink exited with code "
+                              f"{procs.running['superlink'].returncode} during the run")
+        done = False
+        if flower_file.is_file():
+            try:
+                done = json.loads(flower_file.read_text()).get("status") in ("completed",
+                                                                             "failed")
+            except ValueError:
+                pass  # being replaced right now
+        if done or time.monotonic() - last_ls > 15.0:
+            last_ls = time.monotonic()
+            listing = procs.run_cli(["flwr", "ls", CONNECTION, "--run-id", run_id,
+                                     "--format", "json"])
+            run = listing["runs"][0]
+            if str(run["status"]).startswith("finished"):
+                return run
+        time.sleep(POLL_SECONDS)
+    raise DeployError(f"the run did not finish within {timeout:g} s")
+
+
+def deploy_local(settings, federation: LocalFederation) -> dict[str, Any]:
+    """Run `settings` on a local federation; returns flower.json's record with the SuperLink's
+    account of the run (status, bytes) added."""
+    from fed_train.flower.pki import make_node_key, make_server_tls
+    from fed_train.flower.settings import FlowerConfigError
+
+    settings.check()
+    if federation.clients != settings.run.clients:
+        raise FlowerConfigError(f"--clients {federation.clients} differs from the run's "
+                                f"{settings.run.clients} clients")
+    for tool in ("flower-superlink", "flower-supernode", "flwr"):
+        if shutil.which(tool) is None:
+            raise DeployError(f"{tool} is not installed: pip install \"knnper[flower]\"")
+    run_dir = Path(settings.run_dir).resolve()
+    settings.run_dir = str(run_dir)
+    open_run(settings.run, run_dir)  # a bad data set or run directory fails before any process
+    log_dir = run_dir / LOG_DIR
+    log_dir.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="knnper-flower-"))  # 0700: keys and the CLI's home
+    env = {**os.environ, "FLWR_HOME": str(work / "home"), MARKER: str(run_dir),
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = Processes(env, log_dir)
+    try:
+        port = federation.superlink_port or free_port()
+        secure = not federation.insecure
+        tls = make_server_tls(work / "pki", HOST) if secure else None
+        (work / "home").mkdir()
+        (work / "home" / "config.toml").write_text(
+            _connection_toml(port, tls.ca_cert if tls else None))
+        link = ["flower-superlink", "--host", HOST, "--port", str(port),
+                "--disable-runtime-dependency-installation"]
+        link += (["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.cert),
+                  "--ssl-keyfile", str(tls.key), "--enable-supernode-auth"] if tls
+                 else ["--insecure"])
+        wait_for_port(port, procs.start("superlink", link), federation.startup_timeout,
+                      "the SuperLink")
+        keys = [make_node_key(work / "pki", f"supernode-{i}") if tls else None
+                for i in range(federation.clients)]
+        for key in keys:
+            if key is not None:
+                procs.run_cli(["flwr", "supernode", "register", str(key.public), CONNECTION,
+                               "--format", "json"])
+        for i, key in enumerate(keys):
+            node = ["flower-supernode", "--superlink", f"{HOST}:{port}", "--host", HOST,
+                    "--port", str(free_port()), "--node-config",
+                    f"partition-id={i} num-partitions={federation.clients}"]
+            node += (["--root-certificates", str(tls.ca_cert), "--auth-supernode-private-key",
+                      str(key.private)] if tls else ["--insecure"])
+            procs.start(f"supernode-{i}", node)
+        run_toml = work / "run.toml"
+        run_toml.write_text("".join(f"{k} = {json.dumps(v)}\n"
+                                    for k, v in settings.to_run_config().items()))
+        submitted = procs.run_cli(["flwr", "run", str(APP_DIR), CONNECTION, "--run-config",
+                                   str(run_toml), "--format", "json"])
+        run_id = str(submitted["run-id"])
+        log.info("run %s submitted to the SuperLink on %s:%d (%s)", run_id, HOST, port,
+                 "TLS, SuperNode authentication" if tls else "insecure")
+        status = _follow_run(procs, run_id, run_dir, _run_timeout(settings))
+    finally:
+        procs.stop_all()
+        shutil.rmtree(work, ignore_errors=True)
+    record = json.loads((run_dir / "flower.json").read_text()) if (
+        run_dir / "flower.json").is_file() else {}
+    record["superlink_run"] = status
+    (run_dir / "flower.json").write_text(json.dumps(record, indent=2))
+    if status["status"] != "finished:completed" or record.get("status") != "completed":
+        reason = record.get("error") or status.get("status-details") or status["status"]
+        raise DeployError(f"the Flower run {status['status']}: {reason} (logs in {log_dir})")
+    return record
+
+
+def _cmd_deploy_local(args: argparse.Namespace) -> int:
+    from fed_train.cli import config_from_args
+    from fed_train.evaluation import format_table
+    from fed_train.flower.settings import FlowerSettings
+
+    settings = FlowerSettings(run=config_from_args(args), run_dir=args.out,
+                              algorithm=args.algorithm, round_timeout=args.round_timeout,
+                              connect_timeout=args.connect_timeout,
+                              min_train_clients=args.min_train_clients,
+                              eval_methods=tuple(args.eval_methods), k=args.k, sigma=args.sigma,
+                              capacity=args.capacity)
+    federation = LocalFederation(clients=args.clients, insecure=args.insecure,
+                                 startup_timeout=args.startup_timeout)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
+    try:
+        record = deploy_local(settings, federation)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(format_table(record["evaluation"]))
+    traffic = record["superlink_run"].get("network-traffic", {})
+    print(f"trained {settings.run.training.rounds} rounds on Flower into {args.out} "
+          f"({traffic.get('total-bytes', '?')} bytes through the SuperLink)")
+    return 0
+
+
+def add_deploy_command(sub: argparse._SubParsersAction) -> None:
+    from fed_train.cli import _fraction, _positive_float, _positive_int, add_training_arguments
+    from fed_train.defaults import CHECKPOINT_EVERY
+
+    p = sub.add_parser("deploy", help="federated training on Flower (SuperLink + SuperNodes)")
+    where = p.add_subparsers(dest="where", required=True, parser_class=type(p))
+    local = where.add_parser("local", help="a whole federation on 127.0.0.1: one SuperLink, "
+                                           "one SuperNode per client, TLS and SuperNode "
+                                           "authentication")
+    add_training_arguments(local)
+    local.add_argument("--checkpoint-every", type=_positive_int, default=CHECKPOINT_EVERY,
+                       help="rounds between checkpoints")
+    local.add_argument("--out", required=True, help="run directory (the same layout as "
+                                                    "`knnper train` writes)")
+    local.add_argument("--algorithm", default="fedavg",
+                       help="fedavg, knnper, fedavg+, clustered, ditto, fedrep, apfl, pfedgp")
+    local.add_argument("--eval-methods", nargs="+", default=["fedavg", "knnper"],
+                       help="personalizations evaluated on the clients after training")
+    local.add_argument("--k", type=_positive_int, default=10, help="neighbours of the kNN head")
+    local.add_argument("--sigma", type=_positive_float, default=1.0,
+                       help="kernel width of the kNN head")
+    local.add_argument("--capacity", type=_fraction, default=1.0,
+                       help="fraction of each client's train split kept in its datastore")
+    local.add_argument("--round-timeout", type=_positive_float, default=600.0,
+                       help="seconds the server waits for a round's replies")
+    local.add_argument("--connect-timeout", type=_positive_float, default=120.0,
+                       help="seconds the server waits for every client's SuperNode")
+    local.add_argument("--min-train-clients", type=int, default=0,
+                       help="replies a round needs to go on (0: every sampled client)")
+    local.add_argument("--startup-timeout", type=_positive_float, default=60.0,
+                       help="seconds the SuperLink may take to start listening")
+    local.add_argument("--insecure", action="store_true",
+                       help="no TLS and no SuperNode authentication (never across machines)")
+    local.set_defaults(func=_cmd_deploy_local)

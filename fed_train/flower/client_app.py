@@ -1,0 +1,91 @@
+"""The ClientApp a SuperNode runs: it answers the server's query (which client am I, how many
+samples), trains with the algorithm's `client_update`, and evaluates personalized models on its
+own data. Only weights, sample counts, accuracies and the chosen settings leave the node."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fed_train.algorithms import build_algorithm
+from fed_train.algorithms.base import ClientData
+from fed_train.evaluation import client_accuracies
+from fed_train.flower.client_data import load_node_client
+from fed_train.flower.records import (
+    ModelSpec,
+    check_shapes,
+    load_state,
+    save_state,
+    to_array_record,
+    to_weights,
+)
+from fed_train.flower.settings import FlowerSettings
+
+log = logging.getLogger(__name__)
+
+app = ClientApp()
+
+
+def _setup(msg: Message, context: Context) -> tuple[FlowerSettings, ModelSpec, ClientData]:
+    settings = FlowerSettings.from_run_config(dict(context.run_config))
+    spec = ModelSpec.from_record(msg.content["model"])
+    client = load_node_client(settings.run, dict(context.node_config), spec.input_spec,
+                              spec.num_classes)
+    return settings, spec, client
+
+
+def _received_weights(msg: Message, spec: ModelSpec) -> dict:
+    weights = to_weights(msg.content["arrays"])
+    check_shapes(weights, spec.shapes(), sender="the server")
+    return weights
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Which client this node serves: checked here, at the start, so a misconfigured node stops
+    the run before any training instead of failing mid-way."""
+    _, _, client = _setup(msg, context)
+    metrics = MetricRecord({"client-id": client.client_id, "num-train": client.num_train,
+                            "num-val": int(client.y_val.shape[0]),
+                            "num-test": int(client.y_test.shape[0])})
+    return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    settings, spec, client = _setup(msg, context)
+    weights = _received_weights(msg, spec)
+    config = msg.content["config"]
+    algorithm = build_algorithm(settings.algorithm, spec.model_fn(), settings.run.training)
+    result = algorithm.client_update(weights, client, load_state(context.state),
+                                     float(config["lr"]), int(config["seed"]))
+    scalars = save_state(context.state, result.state)
+    metrics = MetricRecord({"client-id": client.client_id, "num-examples": result.num_samples,
+                            "train-loss": float(result.loss)})
+    return Message(RecordDict({"arrays": to_array_record(result.weights), "metrics": metrics,
+                               "state": scalars}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Personalize each requested method on this client's own data (kNN-Per: a datastore from
+    its train split, lambda from its validation split, the edge runtime's kNN math) and report
+    its test accuracy with what was chosen; `knnper evaluate` computes the same rows."""
+    settings, spec, client = _setup(msg, context)
+    weights = _received_weights(msg, spec)
+    client.unseen = bool(msg.content["config"]["unseen"])
+    rows, accuracies = ConfigRecord(), MetricRecord({"num-examples": int(client.y_test.shape[0])})
+    for method in settings.eval_methods:
+        hyper = ({"k": settings.k, "sigma": settings.sigma, "capacity": settings.capacity}
+                 if method == "knnper" else {})
+        algorithm = build_algorithm(method, spec.model_fn(), settings.run.training, **hyper)
+        state = load_state(context.state) if method == settings.algorithm else {}
+        row = client_accuracies(algorithm, weights, {client.client_id: state}, [client],
+                                seed=settings.run.seed)[0]
+        rows[method] = json.dumps(row)
+        if row["accuracy"] is not None:
+            accuracies[f"{method}-accuracy"] = row["accuracy"]
+    return Message(RecordDict({"rows": rows, "metrics": accuracies}), reply_to=msg)

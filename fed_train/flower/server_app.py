@@ -1,0 +1,140 @@
+"""The ServerApp: finds which SuperNode serves which client, runs the rounds of the strategy
+with the simulation's checkpoints and metrics log, saves the final model and asks every client
+for its personalized accuracies. It writes the same run directory as `knnper train` (so
+`knnper evaluate` and `knnper export` work on it) plus flower.json (the deployment's settings,
+outcome and federated evaluation)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from fed_train.algorithms import build_algorithm
+from fed_train.evaluation import format_table
+from fed_train.flower.records import ModelSpec, to_array_record, to_weights
+from fed_train.flower.settings import FlowerSettings
+from fed_train.flower.strategy import FederationError, KnnperStrategy, reply_error
+from fed_train.run import open_run, save_model
+from fed_train.simulation import is_checkpoint_round, log_round, open_run_log
+
+log = logging.getLogger(__name__)
+
+FLOWER_FILE = "flower.json"
+POLL_SECONDS = 1.0
+
+app = ServerApp()
+
+
+def find_clients(grid: Grid, settings: FlowerSettings, spec: ModelSpec,
+                 num_train: dict[int, int]) -> dict[int, int]:
+    """client id -> node id, from a query every SuperNode answers. Waits (at most
+    connect-timeout) until every client of the run is served; a node whose configuration is
+    wrong, two nodes claiming one client, or a client count that disagrees stop the run here."""
+    clients = settings.run.clients
+    deadline = time.monotonic() + settings.connect_timeout
+    node_of: dict[int, int] = {}
+    asked: set[int] = set()
+    while len(node_of) < clients:
+        new = [n for n in grid.get_node_ids() if n not in asked]
+        if len(asked) + len(new) < clients and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+            continue
+        if not new and time.monotonic() >= deadline:
+            missing = sorted(set(range(clients)) - set(node_of))
+            raise FederationError(f"after {settings.connect_timeout:g} s no SuperNode serves "
+                                  f"client(s) {missing} (start them with --node-config "
+                                  "'partition-id=N num-partitions=M')")
+        asked.update(new)
+        queries = [Message(RecordDict({"model": spec.to_record()}), dst_node_id=n,
+                           message_type=MessageType.QUERY) for n in new]
+        remaining = max(1.0, deadline - time.monotonic())
+        for reply in grid.send_and_receive(queries, timeout=remaining):
+            node = reply.metadata.src_node_id
+            if reply.has_error():
+                raise FederationError(f"SuperNode {node} cannot serve a client: "
+                                      f"{reply_error(reply)}")
+            cid = int(reply.content["metrics"]["client-id"])
+            if cid in node_of:
+                raise FederationError(f"SuperNodes {node_of[cid]} and {node} both serve client "
+                                      f"{cid}")
+            reported = int(reply.content["metrics"]["num-train"])
+            if cid in num_train and reported != num_train[cid]:
+                raise FederationError(f"client {cid} holds {reported} training samples, the "
+                                      f"server's partition gives it {num_train[cid]}")
+            node_of[cid] = node
+    return node_of
+
+
+def _write_flower_file(run_dir: Path, record: dict[str, Any]) -> None:
+    tmp = run_dir / f".{FLOWER_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, run_dir / FLOWER_FILE)
+
+
+def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
+    run_dir = Path(settings.run_dir)
+    config, training = settings.run, settings.run.training
+    run = open_run(config, run_dir)
+    spec = ModelSpec(run.model_name, run.dataset.num_classes,
+                     json.loads(json.dumps(run.dataset.input_spec)))
+    algorithm = build_algorithm(settings.algorithm, run.model_fn, training)
+    unseen = {cid: bool(u) for cid, u in enumerate(run.partition.unseen)}
+    num_train = {cid: len(split.train) for cid, split in enumerate(run.partition.clients)
+                 if not unseen[cid]}
+    if not num_train:
+        raise FederationError("no training clients: every client is held out as unseen")
+    record: dict[str, Any] = {"algorithm": settings.algorithm, "status": "running",
+                              "settings": settings.to_run_config()}
+    _write_flower_file(run_dir, record)
+    node_of = find_clients(grid, settings, spec, num_train)
+    strategy = KnnperStrategy(algorithm, settings, spec, node_of, num_train, unseen)
+    strategy.summary()
+    state = open_run_log(run_dir, run.start)
+    arrays = to_array_record(state.weights)
+    for server_round in range(state.rounds_done + 1, training.rounds + 1):
+        start = time.perf_counter()
+        replies = grid.send_and_receive(
+            strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
+            timeout=settings.round_timeout)
+        arrays, _ = strategy.aggregate_train(server_round, replies)
+        state.weights, state.rounds_done = to_weights(arrays), server_round
+        info = strategy.round_info
+        row = {"round": server_round, "lr": info["lr"], "clients": info["clients"],
+               "train_loss": info["train_loss"],
+               "seconds": round(time.perf_counter() - start, 3),
+               "bytes_down": info["bytes_down"], "bytes_up": info["bytes_up"]}
+        log_round(run_dir, row, state,
+                  is_checkpoint_round(server_round, training.rounds, config.checkpoint_every))
+        log.info("round %d/%d: %s", server_round, training.rounds, row)
+    save_model(run_dir, run.model_fn(), state.weights)
+    replies = grid.send_and_receive(
+        strategy.configure_evaluate(training.rounds + 1, arrays, ConfigRecord(), grid),
+        timeout=settings.round_timeout)
+    strategy.aggregate_evaluate(training.rounds + 1, replies)
+    record.update(status="completed", evaluation=strategy.evaluation)
+    _write_flower_file(run_dir, record)
+    log.info("federated evaluation:\n%s", format_table(strategy.evaluation))
+    return record
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    settings = FlowerSettings.from_run_config(dict(context.run_config))
+    try:
+        train_and_evaluate(grid, settings)
+    except Exception as err:
+        # the launcher only sees "failed"; the run directory says why, in one line
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        run_dir = Path(settings.run_dir)
+        if run_dir.is_dir():
+            _write_flower_file(run_dir, {"algorithm": settings.algorithm, "status": "failed",
+                                         "error": reason,
+                                         "settings": settings.to_run_config()})
+        raise

@@ -1,0 +1,95 @@
+"""A Flower run's settings: the same RunConfig `knnper train` saves, plus what only a deployment
+has (the algorithm, the server's run directory, how long to wait for SuperNodes). They travel as
+Flower's run config (`flwr run --run-config`), whose values are flat TOML scalars, so the nested
+RunConfig goes as one JSON string under "run"."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fed_train.algorithms import ALGORITHMS
+from fed_train.errors import KnnperError
+from fed_train.run import RunConfig, RunError
+
+
+class FlowerConfigError(KnnperError, ValueError):
+    """A run or node configuration that cannot work; raised on the side that holds it."""
+
+
+@dataclass
+class FlowerSettings:
+    run: RunConfig = field(default_factory=RunConfig)
+    run_dir: str = ""
+    algorithm: str = "fedavg"
+    round_timeout: float = 600.0  # seconds to wait for a round's replies
+    connect_timeout: float = 120.0  # seconds to wait for every training client's SuperNode
+    min_train_clients: int = 0  # replies a round needs; 0: every sampled client
+    # personalizations evaluated on the clients at the end; the trained algorithm's own one
+    # uses the state its clients kept
+    eval_methods: tuple[str, ...] = ("fedavg", "knnper")
+    k: int = 10
+    sigma: float = 1.0
+    capacity: float = 1.0
+
+    def check(self) -> FlowerSettings:
+        algorithm = ALGORITHMS.get(self.algorithm)
+        if algorithm is None:
+            raise FlowerConfigError(f"unknown algorithm {self.algorithm!r}; known: "
+                                    f"{', '.join(ALGORITHMS)}")
+        if not getattr(algorithm, "federated", False):
+            raise FlowerConfigError(f"algorithm {self.algorithm!r} does not train federatedly; "
+                                    "there is nothing to deploy")
+        if not self.run_dir:
+            raise FlowerConfigError("run config 'run-dir' (the server's run directory) is empty")
+        for name in ("round_timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise FlowerConfigError(f"{name.replace('_', '-')} must be a positive number of "
+                                        f"seconds, got {value}")
+        if self.min_train_clients < 0:
+            raise FlowerConfigError(f"min-train-clients must be >= 0, got "
+                                    f"{self.min_train_clients}")
+        unknown = [m for m in self.eval_methods if m not in ALGORITHMS]
+        if unknown:
+            raise FlowerConfigError(f"unknown evaluation method(s) {', '.join(unknown)}; known: "
+                                    f"{', '.join(ALGORITHMS)}")
+        if self.k < 1 or not self.sigma > 0 or not 0 < self.capacity <= 1:
+            raise FlowerConfigError(f"kNN settings need k >= 1, sigma > 0, 0 < capacity <= 1; "
+                                    f"got k={self.k}, sigma={self.sigma}, "
+                                    f"capacity={self.capacity}")
+        return self
+
+    def to_run_config(self) -> dict[str, Any]:
+        """Flower's run config: TOML scalars only."""
+        return {"run": json.dumps(self.run.to_dict()), "run-dir": self.run_dir,
+                "algorithm": self.algorithm, "round-timeout": float(self.round_timeout),
+                "connect-timeout": float(self.connect_timeout),
+                "min-train-clients": int(self.min_train_clients),
+                "eval-methods": ",".join(self.eval_methods), "k": int(self.k),
+                "sigma": float(self.sigma), "capacity": float(self.capacity)}
+
+    @classmethod
+    def from_run_config(cls, values: dict[str, Any]) -> FlowerSettings:
+        try:
+            run = RunConfig.from_dict(json.loads(str(values.get("run", "{}"))))
+        except (json.JSONDecodeError, TypeError, RunError) as err:
+            raise FlowerConfigError(f"run config 'run' is not a knnper run configuration: "
+                                    f"{err}") from err
+        d = cls()
+        try:
+            settings = cls(
+                run=run, run_dir=str(values.get("run-dir", d.run_dir)),
+                algorithm=str(values.get("algorithm", d.algorithm)),
+                round_timeout=float(values.get("round-timeout", d.round_timeout)),
+                connect_timeout=float(values.get("connect-timeout", d.connect_timeout)),
+                min_train_clients=int(values.get("min-train-clients", d.min_train_clients)),
+                eval_methods=tuple(m for m in str(values.get("eval-methods", ",".join(
+                    d.eval_methods))).split(",") if m),
+                k=int(values.get("k", d.k)), sigma=float(values.get("sigma", d.sigma)),
+                capacity=float(values.get("capacity", d.capacity)))
+        except (TypeError, ValueError) as err:
+            raise FlowerConfigError(f"bad run config value: {err}") from err
+        return settings.check()
