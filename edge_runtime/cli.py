@@ -47,10 +47,18 @@ def _positive_int(text: str) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device.")
-    p.add_argument("--threads", type=_positive_int, default=None,
-                   help="onnxruntime intra-op threads")
-    p.add_argument("--trusted-key", action="append", metavar="PUBLIC.pem",
-                   help="refuse bundles not signed by this Ed25519 key (repeat for several)")
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=1,
+        help="onnxruntime intra-op and numpy BLAS threads (1 is fastest at batch 1)",
+    )
+    p.add_argument(
+        "--trusted-key",
+        action="append",
+        metavar="PUBLIC.pem",
+        help="refuse bundles not signed by this Ed25519 key (repeat for several)",
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs")
@@ -85,6 +93,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("info", help="verify a bundle and summarize its manifest")
     s.add_argument("bundle")
+
+    s = sub.add_parser(
+        "export-onnx",
+        help="the whole prediction as one ONNX graph (flat and "
+        "protonn bundles) for devices without Python",
+    )
+    s.add_argument("bundle")
+    s.add_argument("--out", required=True, help="predictor .onnx file to write")
+    s.add_argument(
+        "--keys-as-inputs",
+        action="store_true",
+        help="take keys and labels as graph inputs (written beside the graph as "
+        "OUT.keys.f32 and OUT.labels.i64) instead of baking them in",
+    )
 
     s = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles")
     s.add_argument("--private", required=True, help="private key to write (PEM, mode 0600)")
@@ -176,7 +198,9 @@ def _runtime(args) -> Runtime:
         from .signing import load_public_key
 
         trusted = [load_public_key(path) for path in args.trusted_key]
-    return Runtime.load(args.bundle, intra_op_threads=args.threads, trusted_keys=trusted)
+    return Runtime.load(
+        args.bundle, intra_op_threads=args.threads, blas_threads=args.threads, trusted_keys=trusted
+    )
 
 
 def cmd_predict(args) -> int:
@@ -304,6 +328,16 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_export_onnx(args) -> int:
+    from .portable import write_portable
+
+    if Path(args.out).suffix != ".onnx":
+        raise CLIError(f"--out must end in .onnx, got {args.out}")
+    written = write_portable(_runtime(args), args.out, keys_as_inputs=args.keys_as_inputs)
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    return 0
+
+
 def cmd_keygen(args) -> int:
     from .signing import generate_key_pair
 
@@ -318,6 +352,7 @@ _COMMANDS = {
     "add": cmd_add,
     "init": cmd_init,
     "info": cmd_info,
+    "export-onnx": cmd_export_onnx,
     "keygen": cmd_keygen,
 }
 

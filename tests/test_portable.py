@@ -1,0 +1,179 @@
+"""The portable predictor (`knnper-edge export-onnx`): one ONNX graph that gives what the Python
+runtime gives, in Python onnxruntime and in onnxruntime-node, for flat and ProtoNN bundles made
+by the real exporter from a digits run; and its refusals."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from edge_runtime import cli as edge_cli
+from edge_runtime.datastores import HNSWDatastore
+from edge_runtime.portable import portable_samples, write_portable
+from edge_runtime.runtime import Runtime
+from export.exporter import ExportSettings, export_run
+from export.sizing import SearchSpace
+from fed_train.algorithms.base import TrainingConfig
+from fed_train.run import RunConfig, load_run, train
+
+NODE_DIR = Path(__file__).resolve().parent / "node"
+SPACES = {
+    "flat-int8": SearchSpace(backends=("flat",), flat_dtypes=("int8",)),
+    "flat-fp16": SearchSpace(backends=("flat",), flat_dtypes=("fp16",)),
+    "protonn": SearchSpace(
+        backends=("protonn",), protonn_dims=(8,), protonn_fractions=(0.3,), protonn_steps=30
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    root = tmp_path_factory.mktemp("portable")
+    config = RunConfig(
+        dataset="digits",
+        clients=4,
+        seed=0,
+        training=TrainingConfig(rounds=3, epochs=1, batch_size=16, lr=0.05, momentum=0.9),
+    )
+    train(config, root / "run", progress=False)
+    return root, load_run(root / "run")
+
+
+@pytest.fixture(scope="module")
+def bundles(digits):
+    root, run = digits
+    out = {}
+    for name, space in SPACES.items():
+        report = export_run(
+            run, root / name, {0: 10**7}, ExportSettings(space=space), clients="0", progress=False
+        )
+        out[name] = root / name / report["clients"][0]["bundle"]
+    return out
+
+
+def _inputs(run, n: int = 120) -> np.ndarray:
+    return np.ascontiguousarray(run.dataset.x_test[:n])
+
+
+def _run_python(path: Path, x: np.ndarray, samples=None) -> tuple[np.ndarray, np.ndarray]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"input": x}
+    if samples is not None:
+        feeds.update(keys=samples[0], labels=samples[1])
+    return tuple(session.run(["probabilities", "key"], feeds))
+
+
+def _assert_same(portable: np.ndarray, runtime: np.ndarray) -> None:
+    np.testing.assert_array_equal(portable.argmax(1), runtime.argmax(1))
+    np.testing.assert_allclose(portable, runtime, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(SPACES))
+@pytest.mark.parametrize("keys_as_inputs", [False, True])
+def test_portable_predictor_equals_the_runtime(digits, bundles, tmp_path, name, keys_as_inputs):
+    _, run = digits
+    runtime = Runtime.load(bundles[name])
+    assert runtime.datastore.backend == name.split("-")[0]
+    x = _inputs(run)
+    out = tmp_path / "predictor.onnx"
+    written = write_portable(runtime, out, keys_as_inputs=keys_as_inputs)
+    samples = portable_samples(runtime) if keys_as_inputs else None
+    assert written == [out] + (
+        [Path(f"{out}.keys.f32"), Path(f"{out}.labels.i64")] if samples is not None else []
+    )
+    probs, key = _run_python(out, x, samples)
+    _assert_same(probs, runtime.predict_proba(x))
+    if runtime.datastore.backend == "flat":
+        np.testing.assert_allclose(key, runtime.embed(x)[0], atol=1e-5)
+
+
+def test_keys_as_inputs_keep_learning_like_the_runtime(digits, bundles, tmp_path):
+    """An app that appends the graph's "key" output and the label to its keys and labels gets
+    what the runtime gets after `add` (here on a ProtoNN bundle, whose buffer takes them)."""
+    _, run = digits
+    runtime = Runtime.load(bundles["protonn"])
+    out = tmp_path / "predictor.onnx"
+    write_portable(runtime, out, keys_as_inputs=True)
+    keys, labels = portable_samples(runtime)
+    new_x, new_y = _inputs(run, 140)[120:], run.dataset.y_test[120:140].astype(np.int64)
+    _, new_keys = _run_python(out, new_x, (keys, labels))
+    runtime.add(new_x, new_y)
+    x = _inputs(run)
+    probs, _ = _run_python(
+        out, x, (np.concatenate([keys, new_keys]), np.concatenate([labels, new_y]))
+    )
+    _assert_same(probs, runtime.predict_proba(x))
+
+
+def test_portable_predictor_runs_in_onnxruntime_node(digits, bundles, tmp_path):
+    if shutil.which("node") is None:
+        pytest.skip("Node.js is not installed (CI installs it)")
+    if not (NODE_DIR / "node_modules" / "onnxruntime-node").is_dir():
+        pytest.skip(
+            "onnxruntime-node is not installed: cd tests/node && npm install --ignore-scripts"
+        )
+    _, run = digits
+    x = _inputs(run)
+    for name, keys_as_inputs in (("flat-int8", False), ("protonn", True)):
+        runtime = Runtime.load(bundles[name])
+        out = tmp_path / f"{name}.onnx"
+        write_portable(runtime, out, keys_as_inputs=keys_as_inputs)
+        (tmp_path / "x.u8").write_bytes(x.tobytes())
+        args = [
+            "node",
+            str(NODE_DIR / "run_predictor.mjs"),
+            str(out),
+            str(tmp_path / "x.u8"),
+            ",".join(map(str, x.shape)),
+            str(tmp_path / "p.f32"),
+        ]
+        if keys_as_inputs:
+            keys, _ = portable_samples(runtime)
+            args += [f"{out}.keys.f32", f"{out}.labels.i64", str(keys.shape[1])]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=NODE_DIR)
+        assert done.returncode == 0, done.stderr
+        probs = np.fromfile(tmp_path / "p.f32", dtype="<f4").reshape(len(x), -1)
+        _assert_same(probs, runtime.predict_proba(x))
+
+
+def test_export_onnx_refuses_hnsw_tampered_and_unwritable(digits, bundles, tmp_path, capsys):
+    root, run = digits
+    report = export_run(
+        run,
+        root / "hnsw",
+        {0: 10**7},
+        ExportSettings(space=SearchSpace(backends=("hnsw",), hnsw_M=(8,), prune=False)),
+        clients="0",
+        progress=False,
+    )
+    hnsw = root / "hnsw" / report["clients"][0]["bundle"]
+    assert isinstance(Runtime.load(hnsw).datastore, HNSWDatastore)
+    tampered = tmp_path / "tampered"
+    shutil.copytree(bundles["flat-int8"], tampered)
+    with open(tampered / "encoder.onnx", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01")
+    cases = [
+        ([str(hnsw), "--out", str(tmp_path / "p.onnx")], "no ONNX form"),
+        ([str(tampered), "--out", str(tmp_path / "p.onnx")], "sha256"),
+        (
+            [str(bundles["flat-int8"]), "--out", str(tmp_path / "nowhere" / "p.onnx")],
+            "not a directory",
+        ),
+        ([str(bundles["flat-int8"]), "--out", str(tmp_path / "p.txt")], "must end in .onnx"),
+    ]
+    for args, message in cases:
+        assert edge_cli.main(["export-onnx", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "p.onnx").exists()
+    assert (
+        edge_cli.main(["export-onnx", str(bundles["protonn"]), "--out", str(tmp_path / "p.onnx")])
+        == 0
+    )
+    assert (tmp_path / "p.onnx").is_file()
