@@ -152,7 +152,7 @@ def resume_from(run_dir: Path) -> SimulationResult | None:
             if checkpoint_round(path) != state.rounds_done:
                 raise CheckpointError(f"checkpoint {path} holds round {state.rounds_done}")
         except (CheckpointError, ValueError) as err:  # ValueError: a name that is no round
-            log.warning("skipping %s", err)
+            log.warning("%s; trying the one before", err)
             problems.append(str(err))
             continue
         if problems:
