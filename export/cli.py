@@ -7,7 +7,6 @@ import argparse
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +71,10 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                    help="seed of generated budgets and of datastore sampling / ProtoNN training")
     p.add_argument("--workers", type=int, default=None,
                    help="processes sizing clients in parallel (None: one per usable core)")
-    p.add_argument("--exhaustive", action="store_true",
-                   help="train every ProtoNN candidate to the end and try every backend, "
-                   "instead of pruning the ones that cannot win (slower; for comparisons)")
+    p.add_argument("--pruned-search", action="store_true",
+                   help="skip HNSW and ProtoNN candidates that look unable to win and train "
+                   "ProtoNN candidates by successive halving: faster, but it lost accuracy "
+                   "against the exhaustive search (BENCHMARKS.md)")
     p.add_argument("--signing-key", metavar="PRIVATE.pem", default=None,
                    help="sign every bundle with this Ed25519 private key (knnper-edge keygen "
                         "makes one); devices given the public key refuse unsigned bundles")
@@ -140,9 +140,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     settings = ExportSettings(quantize=args.quantize, backend=args.backend, k=args.k,
                               sigma=args.sigma, update_strategy=args.update_strategy,
                               seed=args.seed, signing_key=args.signing_key)
-    if args.exhaustive:
-        settings.space = replace(settings.space, prune=False,
-                                 protonn_screen_steps=settings.space.protonn_steps)
+    if args.pruned_search:
+        settings.space = settings.space.pruned()
     settings.check()  # bad flags fail before the run is loaded
     try:
         run = load_run(args.run)
