@@ -28,8 +28,8 @@ from export.exporter import select_ids
 from export.profiles import weak_strong_budgets
 from fed_train.run import load_run
 
-SUMMARY = ("label", "clients", "workers", "wall_s", "clients_per_min", "test_accuracy",
-           "protonn_share", "load_before", "command")
+SUMMARY = ("label", "clients", "workers", "search", "wall_s", "clients_per_min",
+           "test_accuracy", "protonn_share", "load_before", "load_after", "command")
 PER_CLIENT = ("label", "client_id", "unseen", "budget", "backend", "recipe", "total_bytes",
               "val_accuracy", "test_accuracy", "test_samples")
 
@@ -57,6 +57,8 @@ def main() -> None:
                    help="weak devices get (1/2 - D), strong ones (1/2 + D) of the reference")
     p.add_argument("--workers", type=int, default=None,
                    help="--workers for `knnper export` (None: the version's default)")
+    p.add_argument("--pruned-search", action="store_true",
+                   help="pass --pruned-search to `knnper export`")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/export"),
                    help="folder for speed.csv and speed_clients.csv")
     p.add_argument("--work", type=Path, default=Path("runs/bench/export_speed"),
@@ -76,18 +78,23 @@ def main() -> None:
                "--budgets", str(budgets_file.resolve()), "--clients", ",".join(map(str, ids))]
     if args.workers is not None:
         command += ["--workers", str(args.workers)]
+    if args.pruned_search:
+        command.append("--pruned-search")
     env = {**os.environ, "PYTHONPATH": str(args.code.resolve()), "OMP_NUM_THREADS": "1"}
     load = os.getloadavg()[0]
     start = time.perf_counter()
     subprocess.run(command, check=True, env=env, cwd=args.code, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
+    load_after = os.getloadavg()[0]
     rows = evaluate_export(run, work / "bundles")
     per_client = [{**r, "label": args.label} for r in rows]
     summary = {"label": args.label, "clients": len(rows), "workers": args.workers,
+               "search": "pruned" if args.pruned_search else "exhaustive",
                "wall_s": round(wall, 1), "clients_per_min": round(60 * len(rows) / wall, 2),
                "test_accuracy": round(weighted_mean(rows), 5),
                "protonn_share": round(sum(r["backend"] == "protonn" for r in rows) / len(rows), 3),
-               "load_before": load, "command": _common.command_line()}
+               "load_before": round(load, 2), "load_after": round(load_after, 2),
+               "command": _common.command_line()}
     args.out.mkdir(parents=True, exist_ok=True)
     _append(args.out / "speed.csv", [summary], SUMMARY)
     _append(args.out / "speed_clients.csv", per_client, PER_CLIENT)
