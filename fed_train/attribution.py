@@ -9,13 +9,15 @@ A head is what a client puts on top of it:
 - "gp": a per-client GP classifier, pFedGP's, on the frozen body;
 - "knn": the kNN posterior alone (lambda = 1);
 - "knn+own": kNN-Per on that body: the kNN interpolated with the body's own predictor, lambda per
-  client on validation (on FedAvg's body this is kNN-Per itself).
+  client on validation (on FedAvg's body this is kNN-Per itself); with the "auto" estimator each
+  body gets the lambda estimator that wins cross-validation inside its validation splits.
 kNN's k, sigma and normalisation are chosen for each body on validation, as for kNN-Per (see
 knn_tuning); the oracle lambda is reported beside each kNN row and used for nothing.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -30,13 +32,14 @@ from fed_train.algorithms.base import (
 )
 from fed_train.algorithms.fedrep import FedRep
 from fed_train.algorithms.pfedgp import PFedGP
-from fed_train.evaluation import client_accuracies, summarize
+from fed_train.evaluation import client_accuracies, plain_json, summarize
 from fed_train.knn_tuning import (
     base_probs_of,
     client_rows,
     client_views,
     compare_lambda_estimators,
     lambda_report,
+    pick_estimator,
     select_config,
 )
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
@@ -82,7 +85,22 @@ def _own_personalizer(runner: TableRunner, body: str, training: TrainingConfig,
 
 def body_rows(runner: TableRunner, body: str, lr: float, *, lambda_estimator: str = "val",
               heads: Sequence[str] = HEADS, progress: bool = False) -> dict[str, Any]:
-    """Per-client rows of every head on `body` (trained at `lr`), and what kNN chose there."""
+    """Per-client rows of every head on `body` (trained at `lr`), and what kNN chose there;
+    cached in OUT/attribution so a resumed or parallel table computes each body once."""
+    cache = runner.out / "attribution" / f"{body}_lr_{lr:.4g}.json"
+    identity = {"heads": list(heads), "lambda_estimator": lambda_estimator}
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached.get("identity") == identity:
+            return cached["result"]
+    result = _body_rows(runner, body, lr, lambda_estimator, heads, progress)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"identity": identity, "result": plain_json(result)}))
+    return result
+
+
+def _body_rows(runner: TableRunner, body: str, lr: float, lambda_estimator: str,
+               heads: Sequence[str], progress: bool) -> dict[str, Any]:
     training = replace(runner.config.training, lr=lr)
     sim = runner.train(body, training)
     weights, states = sim.weights, sim.states
@@ -104,12 +122,15 @@ def body_rows(runner: TableRunner, body: str, lr: float, *, lambda_estimator: st
             lambdas = (1.0,) if head == "knn" else None
             grid = {"lambdas": lambdas} if lambdas else {}
             config, scores = select_config(views, **grid)
-            estimator = lambda_estimator if head == "knn+own" else "val"
-            info: dict[str, Any] = {"config": config.to_dict(), "estimator": estimator,
+            info: dict[str, Any] = {"config": config.to_dict(),
                                     "best_val_accuracy": max(s["val_accuracy"] for s in scores)}
+            estimator = "val"
             if head == "knn+own":
-                info["lambda_cv"] = compare_lambda_estimators(views, config,
-                                                              seed=runner.config.seed)
+                cv = compare_lambda_estimators(views, config, seed=runner.config.seed)
+                info["lambda_cv"] = cv
+                estimator = (pick_estimator(cv) if lambda_estimator == "auto"
+                             else lambda_estimator)
+            info["estimator"] = estimator
             rows = client_rows(views, config, estimator=estimator, **grid)
             if head == "knn+own":
                 info["lambda_report"] = lambda_report(rows)

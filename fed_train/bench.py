@@ -25,22 +25,22 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from edge_runtime.knn import NORMALIZATIONS
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
-from fed_train.attribution import BODIES, attribution_table, format_attribution
+from fed_train.attribution import BODIES, attribution_table, body_rows, format_attribution
 from fed_train.errors import KnnperError, TrainingError
-from fed_train.evaluation import merge_results, summarize
+from fed_train.evaluation import merge_results, plain_json, summarize
 from fed_train.knn_tuning import (
     KNNConfig,
     client_rows,
     client_views,
     compare_lambda_estimators,
     lambda_report,
+    pick_estimator,
     select_config,
 )
 from fed_train.models import EmbedHeadModel, build_model, default_model
@@ -101,17 +101,6 @@ def check_validation_splits(clients: list[ClientData]) -> None:
         raise BenchError(f"{len(empty)} client(s) have no validation data (client {shown}); "
                          "the table chooses hyper-parameters on each client's validation split: "
                          "raise --val-fraction or use fewer clients")
-
-
-def _plain(obj: Any) -> Any:
-    """JSON-ready copies of rows whose info may hold numpy scalars."""
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
 
 
 def _lr_dir(lr: float) -> str:
@@ -184,7 +173,7 @@ class TableRunner:
         run_dir = self.out / "runs" / trainer / _lr_dir(training.lr)
         hyper = self.hyper.get(trainer, {})
         stamp = run_dir / "bench.json"
-        identity = _plain({"method": trainer, "lr": training.lr, "hyper": hyper})
+        identity = plain_json({"method": trainer, "lr": training.lr, "hyper": hyper})
         if stamp.exists() and json.loads(stamp.read_text()) != identity:
             raise BenchError(f"{run_dir} was trained with other settings "
                              f"({stamp.read_text().strip()}); delete it to retrain")
@@ -224,8 +213,7 @@ class TableRunner:
                                hyper.get("normalize", "none"))
             scores = []
         cv = compare_lambda_estimators(views, config, seed=self.config.seed)
-        estimator = (max(cv, key=lambda e: (cv[e], e == "val")) if self.lambda_estimator == "auto"
-                     else self.lambda_estimator)
+        estimator = pick_estimator(cv) if self.lambda_estimator == "auto" else self.lambda_estimator
         oracle = client_rows(views, config, estimator=estimator)
         record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv,
                   "estimator": estimator, "lambda_report": lambda_report(oracle),
@@ -241,7 +229,7 @@ class TableRunner:
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
         if cache.exists():
             cached = json.loads(cache.read_text())
-            if cached.get("hyper") == _plain(identity):
+            if cached.get("hyper") == plain_json(identity):
                 if cached["rows"] is None and not diverged_ok:
                     raise TrainingError(cached["diverged"])
                 return cached["rows"]
@@ -252,7 +240,7 @@ class TableRunner:
                 raise
             log.warning("%s at lr=%g diverged: %s", method, lr, err)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps({"hyper": _plain(identity), "diverged": str(err),
+            cache.write_text(json.dumps({"hyper": plain_json(identity), "diverged": str(err),
                                          "rows": None}))
             return None
 
@@ -270,7 +258,7 @@ class TableRunner:
             weights, states = sim.weights, sim.states
         else:
             weights, states = {}, {}
-        rows = _plain(personalized_accuracies(algorithm, weights, states, self.clients,
+        rows = plain_json(personalized_accuracies(algorithm, weights, states, self.clients,
                                               seed=self.config.seed, progress=self.progress))
         if knn_record is not None:
             # the test-oracle lambda, for the report only: the honest lambda must be the same
@@ -285,9 +273,9 @@ class TableRunner:
         seconds = round(time.perf_counter() - start, 1)
         log.info("%s at lr=%g: %.1f s", method, lr, seconds)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"hyper": _plain(identity), "seconds": seconds, "rows": rows}
+        payload = {"hyper": plain_json(identity), "seconds": seconds, "rows": rows}
         if knn_record is not None:
-            payload["knn"] = _plain(knn_record)
+            payload["knn"] = plain_json(knn_record)
         cache.write_text(json.dumps(payload))
         return rows
 
@@ -328,6 +316,26 @@ def _run_parallel(config: RunConfig, names: Sequence[str], lrs: Sequence[float],
                                methods, lr, tuple(lrs)) for _, methods, lr in jobs]
         for future in as_completed(futures):
             future.result()  # a worker's error stops the table with that error
+
+
+def _attribution_job(config: RunConfig, out: str,
+                     hyper: Mapping[str, Mapping[str, Any]] | None, body: str, lr: float,
+                     estimator: str) -> None:
+    torch.set_num_threads(1)
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=False)
+    body_rows(runner, body, lr, lambda_estimator=estimator)
+
+
+def _run_attribution_parallel(config: RunConfig, out: Path,
+                              hyper: Mapping[str, Mapping[str, Any]] | None,
+                              body_lrs: Mapping[str, float], estimator: str,
+                              workers: int) -> None:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(body_lrs)), mp_context=context) as pool:
+        futures = [pool.submit(_attribution_job, config, str(out), hyper, body, lr, estimator)
+                   for body, lr in body_lrs.items()]
+        for future in as_completed(futures):
+            future.result()
 
 
 def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, *,
@@ -372,10 +380,11 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
                          "oracle": summarize(oracle_rows)}
     if attribution:
         body_lrs = {b: chosen.get(b, lrs[0]) for b in BODIES}
-        estimator = result.get("knn", {}).get("estimator", lambda_estimator)
-        result["attribution"] = attribution_table(
-            runner, body_lrs, lambda_estimator="val" if estimator == "auto" else estimator,
-            progress=progress)
+        estimator = lambda_estimator  # "auto": each body gets its own cross-validated choice
+        if workers > 1:
+            _run_attribution_parallel(config, Path(out), hyper, body_lrs, estimator, workers)
+        result["attribution"] = attribution_table(runner, body_lrs, lambda_estimator=estimator,
+                                                  progress=progress)
     write_outputs(result, Path(out))
     return result
 
@@ -417,8 +426,9 @@ def _knn_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"- The honest lambda differs from the test-oracle lambda for "
                      f"{report['differs']} of {report['clients']} clients; the oracle would add "
                      f"{report['cost_pp']:.2f} pp to the mean ({100 * report['honest_mean']:.1f}"
-                     f" -> {100 * report['oracle_mean']:.1f}). The oracle row below is for "
-                     "scale only: the official code picks lambda on test, this table never does.")
+                     f" -> {100 * report['oracle_mean']:.1f}, all clients). The oracle rows in "
+                     "the tables are for scale only: the official code picks lambda on test, "
+                     "this table never does.")
     lines.append("")
     return lines
 
@@ -465,7 +475,7 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     if "attribution" in result:
         _write_csv(out / "attribution.csv", result["attribution"]["clients"])
     (out / "table.md").write_text(format_markdown(result))
-    (out / "results.json").write_text(json.dumps(_plain(result), indent=2))
+    (out / "results.json").write_text(json.dumps(plain_json(result), indent=2))
 
 
 def _positive(kind: type, upper: float | None = None):

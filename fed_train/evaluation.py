@@ -31,6 +31,17 @@ def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, 
     return rows
 
 
+def plain_json(obj: Any) -> Any:
+    """JSON-ready copies of rows whose info may hold numpy scalars."""
+    if isinstance(obj, dict):
+        return {str(k): plain_json(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [plain_json(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
 def bottom_decile(accuracies: list[float]) -> float:
     """The ceil(M/10)-th worst client's accuracy: what the worst-off tenth of clients get."""
     ordered = sorted(accuracies)

@@ -202,6 +202,11 @@ def compare_lambda_estimators(views: Sequence[ClientView], config: KNNConfig, *,
     return {est: correct[est] / total for est in estimators}
 
 
+def pick_estimator(cv_scores: dict[str, float]) -> str:
+    """The estimator with the best cross-validated accuracy; a tie keeps plain "val"."""
+    return max(cv_scores, key=lambda e: (cv_scores[e], e == "val"))
+
+
 def client_rows(views: Sequence[ClientView], config: KNNConfig, *, estimator: str = "val",
                 lambdas: Sequence[float] = LAMBDA_GRID) -> list[dict[str, Any]]:
     """One row per client: test accuracy with the honestly chosen lambda, and, for the report
