@@ -35,7 +35,8 @@ from fed_train.bench import format_markdown, run_table  # noqa: E402
 from fed_train.run import RunConfig  # noqa: E402
 
 CIFAR10 = REPO.parent / "shared" / "data" / "cifar10" / "cifar10.npz"
-TRAINING = TrainingConfig(rounds=15, epochs=1, batch_size=32, lr=0.05, momentum=0.9)
+TRAINING = TrainingConfig(rounds=15, epochs=1, batch_size=32, lr=0.05, momentum=0.9,
+                          milestones=(0.5, 0.75))
 SCALE = {"clients": 50, "max_train": 8_000, "unseen_fraction": 0.2, "val_fraction": 0.2}
 
 
@@ -66,7 +67,9 @@ def command(name: str, config: RunConfig, out: Path, tune_lr: bool) -> str:
                  if config.partition == "pathological" else f"--alpha {config.alpha:g}")
     parts += [f"--clients {config.clients}", f"--max-train {config.max_train}",
               f"--rounds {t.rounds}", f"--local-epochs {t.epochs}", f"--batch-size {t.batch_size}",
-              f"--lr {t.lr:g}", f"--momentum {t.momentum:g}", "--methods all", f"--out {out}"]
+              f"--lr {t.lr:g}", f"--momentum {t.momentum:g}",
+              "--milestones " + " ".join(f"{m:g}" for m in t.milestones), "--methods all",
+              f"--out {out}"]
     if tune_lr:
         parts.append("--tune-lr")
     return " ".join(parts)
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         out = out_root / name
         start = time.perf_counter()
         result = run_table(config, "all", out, tune_lr=args.tune_lr,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress,
+                           command=command(name, config, out, args.tune_lr))
         minutes = (time.perf_counter() - start) / 60
         print(format_markdown(result))
         sections += [format_markdown(result),
