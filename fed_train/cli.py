@@ -201,7 +201,8 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
                             val_fraction=args.val_fraction, max_train=args.max_train,
                             epochs=args.epochs, patience=args.patience,
                             batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
-                            weight_decay=args.weight_decay, seed=args.seed)
+                            weight_decay=args.weight_decay, augment=args.augment,
+                            seed=args.seed)
     record = pretrain(config, Path(args.out), progress=not args.no_progress)
     print(f"pretrained {record['model']} on {record['samples']['train']} samples: validation "
           f"accuracy {record['val_accuracy']:.4f} at epoch {record['best_epoch']}; wrote "
@@ -237,6 +238,9 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help="SGD weight decay")
+    p.add_argument("--augment", action="store_true",
+                   help="random 4-pixel shifted crops and horizontal flips of the images (for "
+                   "CIFAR-like data; not for digits or letters)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the split and the training")
     p.set_defaults(func=_cmd_pretrain)
 

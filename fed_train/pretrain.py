@@ -61,6 +61,7 @@ class PretrainConfig:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    augment: bool = False  # random shifted crops and horizontal flips (CIFAR's usual recipe)
     seed: int = 0
 
 
@@ -82,6 +83,19 @@ def _split_validation(y: np.ndarray, fraction: float, seed: int) -> tuple[np.nda
         raise InitError(f"pretraining needs at least 2 samples, got {len(y)}")
     val = stratified_subsample(y, size, np.random.default_rng([seed, SERVER_STREAM, 1]))
     return np.setdiff1d(np.arange(len(y)), val), val
+
+
+def augment_images(x: torch.Tensor, rng: np.random.Generator, shift: int = 4) -> torch.Tensor:
+    """Each NCHW image flipped left-right with probability 1/2, then cropped back to its size
+    from a zero-padded copy at a random offset of up to `shift` pixels."""
+    n, channels, height, width = x.shape
+    flip = torch.from_numpy(rng.random(n) < 0.5)
+    x = torch.where(flip[:, None, None, None], x.flip(3), x)
+    padded = torch.nn.functional.pad(x, (shift, shift, shift, shift))
+    rows = torch.from_numpy(rng.integers(0, 2 * shift + 1, n))[:, None] + torch.arange(height)
+    cols = torch.from_numpy(rng.integers(0, 2 * shift + 1, n))[:, None] + torch.arange(width)
+    return padded[torch.arange(n)[:, None, None, None], torch.arange(channels)[None, :, None, None],
+                  rows[:, None, :, None], cols[:, None, None, :]]
 
 
 def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: np.ndarray) -> float:
@@ -119,6 +133,9 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) 
         raise InitError(f"{out} already holds a pretraining; choose another --out or delete it")
     target, source, server = _pretraining_data(config)
     model_name = config.model or default_model(target.input_spec)
+    if config.augment and target.input_spec["kind"] != "image":
+        raise InitError(f"--augment crops and flips images; {config.dataset} holds "
+                        f"{target.input_spec['kind']}")
     torch.manual_seed(config.seed)
     model = build_model(model_name, target.num_classes, target.input_spec)
     # the run's normalisation, so the weights see the inputs they will see in federated training
@@ -132,8 +149,10 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) 
     best_state, best_epoch, best_acc = copy.deepcopy(model.state_dict()), 0, -1.0
     epochs = tqdm(range(1, config.epochs + 1), desc="pretrain", disable=not progress)
     for epoch in epochs:
-        loss = local_sgd(model, x_fit, y_fit, training, config.lr,
-                         seed=client_seed(config.seed, epoch, 0), epochs=1)
+        seed = client_seed(config.seed, epoch, 0)
+        x_epoch = (augment_images(x_fit, np.random.default_rng(client_seed(config.seed, epoch, 1)))
+                   if config.augment else x_fit)
+        loss = local_sgd(model, x_epoch, y_fit, training, config.lr, seed=seed, epochs=1)
         acc = _accuracy(model, x[val], y[val])
         history.append({"epoch": epoch, "train_loss": round(loss, 6), "val_accuracy": acc})
         epochs.set_postfix(loss=f"{loss:.3f}", val=f"{acc:.3f}")

@@ -281,3 +281,23 @@ def test_a_run_whose_pretraining_changed_is_refused_on_reload(pretrained, tmp_pa
     assert main(["--no-progress", "evaluate", str(tmp_path / "run"), "--methods", "fedavg"]) == 2
     err = capsys.readouterr().err
     assert f"--init {init} has changed since" in err and err.count("\n") == 1
+
+
+def test_augmentation_is_a_flip_and_a_shifted_crop_of_each_image():
+    from fed_train.pretrain import augment_images
+
+    x = torch.rand(16, 3, 6, 5)
+    out = augment_images(x, np.random.default_rng(0), shift=2)
+    assert out.shape == x.shape
+    padded = torch.nn.functional.pad(torch.cat([x, x.flip(3)], 1), (2, 2, 2, 2))
+    for image, source in zip(out, padded, strict=True):
+        candidates = [source[c:c + 3, dy:dy + 6, dx:dx + 5] for c in (0, 3)
+                      for dy in range(5) for dx in range(5)]
+        assert any(torch.equal(image, candidate) for candidate in candidates)
+    assert not torch.equal(out, x)  # 16 images: some were moved
+
+
+def test_pretrain_with_augmentation_records_it(tmp_path):
+    out = tmp_path / "augmented"
+    assert main([*PRETRAIN[:-4], "--epochs", "1", "--augment", "--out", str(out)]) == 0
+    assert json.loads((out / "pretrain.json").read_text())["augment"] is True
