@@ -200,3 +200,35 @@ def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(
     assert "diverged" in json.loads((out / "eval" / "fedavg" / "lr_0.9.json").read_text())
     with pytest.raises(TrainingError, match="nan"):
         bench(*TINY[:-1], "0.9", "--methods", "fedavg", "--out", str(tmp_path / "fixed"))
+
+
+@pytest.mark.slow
+def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
+    """The leak test: with every client's test labels permuted, every chosen hyper-parameter
+    (learning rates, kNN-Per's k / sigma / normalisation / estimator and lambdas, Ditto's lambda,
+    APFL's alpha, clusters, fine-tuning epochs) stays the same; only test accuracies move."""
+    import fed_train.bench as bench_module
+
+    real = bench_module.load_run_data
+
+    def permuted_test_labels(config):
+        dataset, init = real(config)
+        dataset.y_test = np.random.default_rng(7).permutation(dataset.y_test)
+        return dataset, init
+
+    argv = [*TINY, "--methods", "all", "--tune-lr", "--lr-grid", "0.1,0.03", "--tune-knn",
+            "--lambda-estimator", "auto"]
+    assert bench(*argv, "--out", str(tmp_path / "plain")) == 0
+    monkeypatch.setattr(bench_module, "load_run_data", permuted_test_labels)
+    assert bench(*argv, "--out", str(tmp_path / "permuted")) == 0
+    plain, permuted = (json.loads((tmp_path / d / "results.json").read_text())
+                       for d in ("plain", "permuted"))
+    assert plain["lr"] == permuted["lr"]
+    assert plain["validation"] == permuted["validation"]
+    for key in ("config", "estimator", "lambda_cv", "grid"):
+        assert plain["knn"][key] == permuted["knn"][key], key
+    accuracy_columns = {"n_test", *METHODS, "knnper_oracle_lambda", "knnper_oracle_accuracy"}
+    for a, b in zip(plain["clients"], permuted["clients"], strict=True):
+        choices = {k: v for k, v in a.items() if k not in accuracy_columns}
+        assert choices == {k: v for k, v in b.items() if k not in accuracy_columns}
+    assert plain["seen"] != permuted["seen"]  # the permutation did reach the test labels
