@@ -20,7 +20,7 @@ _SEP = "/"  # weight names use dots; lambda keys such as "10.0" too
 
 
 def to_array_record(weights: Weights) -> ArrayRecord:
-    return ArrayRecord({name: Array(np.ascontiguousarray(w)) for name, w in weights.items()})
+    return ArrayRecord({name: Array(np.asarray(w, order="C")) for name, w in weights.items()})
 
 
 def to_weights(record: ArrayRecord) -> Weights:
@@ -56,7 +56,7 @@ def split_state(state: dict[str, Any]) -> tuple[ArrayRecord, ConfigRecord]:
     arrays, scalars = ArrayRecord(), ConfigRecord()
     for name, value in _flatten(state).items():
         if isinstance(value, np.ndarray):
-            arrays[name] = Array(np.ascontiguousarray(value))
+            arrays[name] = Array(np.asarray(value, order="C"))
         elif isinstance(value, (bool, int, float, str, np.integer, np.floating)):
             scalars[name] = value.item() if isinstance(value, np.generic) else value
         else:

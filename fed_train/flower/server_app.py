@@ -113,7 +113,10 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
         log_round(run_dir, row, state,
                   is_checkpoint_round(server_round, training.rounds, config.checkpoint_every))
         log.info("round %d/%d: %s", server_round, training.rounds, row)
-    save_model(run_dir, run.model_fn(), state.weights)
+    if set(state.weights) == set(strategy.model_weights):
+        save_model(run_dir, run.model_fn(), state.weights)
+    else:  # ClusteredFL's global state is one model per cluster: its checkpoints hold them
+        log.info("%s keeps no single global model; model.pt is not written", algorithm.name)
     replies = grid.send_and_receive(
         strategy.configure_evaluate(training.rounds + 1, arrays, ConfigRecord(), grid),
         timeout=settings.round_timeout)

@@ -51,7 +51,9 @@ class KnnperStrategy(Strategy):
         self.model_weights = spec.shapes()
         self.evaluation: dict[str, Any] | None = None
         self.round_info: dict[str, Any] = {}
+        self.lost: set[int] = set()  # clients that failed or missed a deadline: not asked again
         self._global: Weights = {}
+        self._sampled: list[int] = []
         self._sent: dict[int, int] = {}
 
     def summary(self) -> None:
@@ -73,14 +75,15 @@ class KnnperStrategy(Strategy):
         lr = training.lr_at(r, training.rounds)
         picked = [self.participants[i] for i in sample_clients(seed, r, len(self.participants),
                                                                training.participation)]
-        self._sent = {self.node_of[cid]: cid for cid in picked}
+        self._sampled = picked
+        self._sent = {self.node_of[cid]: cid for cid in picked if cid not in self.lost}
         self.round_info = {"lr": lr, "sampled": len(picked),
-                           "bytes_down": len(picked) * arrays.count_bytes()}
-        return [self._message(self.node_of[cid], MessageType.TRAIN,
+                           "bytes_down": len(self._sent) * arrays.count_bytes()}
+        return [self._message(node, MessageType.TRAIN,
                               {"arrays": arrays, "config": ConfigRecord(
                                   {**config, "lr": lr, "seed": client_seed(seed, r, cid),
                                    "round": server_round})}, server_round)
-                for cid in picked]
+                for node, cid in self._sent.items()]
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         results: dict[int, ClientResult] = {}
@@ -105,13 +108,17 @@ class KnnperStrategy(Strategy):
             results[cid] = ClientResult(weights, reported, dict(reply.content["state"]),
                                         float(metrics["train-loss"]))
         silent = sorted(set(self._sent.values()) - set(results) - set(failed))
-        needed = self.settings.min_train_clients or len(self._sent)
-        problems = [f"client {c}: {why}" for c, why in sorted(failed.items())] + [
-            f"client {c}: no reply within {self.settings.round_timeout:g} s" for c in silent]
-        if len(results) < min(needed, len(self._sent)):
-            raise FederationError(f"round {server_round}: {len(results)} of {len(self._sent)} "
-                                  f"sampled clients answered, {needed} needed ("
-                                  f"{'; '.join(problems)})")
+        skipped = sorted(set(self._sampled) - set(self._sent.values()))
+        self.lost.update(silent, failed)
+        needed = min(self.settings.min_train_clients or len(self._sampled), len(self._sampled))
+        problems = ([f"client {c}: {why}" for c, why in sorted(failed.items())]
+                    + [f"client {c}: no reply within {self.settings.round_timeout:g} s"
+                       for c in silent]
+                    + [f"client {c}: lost in an earlier round" for c in skipped])
+        if len(results) < needed:
+            raise FederationError(f"round {server_round}: {len(results)} of "
+                                  f"{len(self._sampled)} sampled clients answered, {needed} "
+                                  f"needed ({'; '.join(problems)})")
         for problem in problems:
             log.warning("round %d goes on without %s", server_round, problem)
         ordered = [results[c] for c in sorted(results)]  # the simulation's order: by client id
@@ -125,11 +132,12 @@ class KnnperStrategy(Strategy):
 
     def configure_evaluate(self, server_round: int, arrays, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        """Every client, seen and unseen, personalizes and tests on its own node."""
-        self._sent = {node: cid for cid, node in self.node_of.items()}
+        """Every client still there, seen and unseen, personalizes and tests on its own node."""
+        self._sent = {node: cid for cid, node in sorted(self.node_of.items())
+                      if cid not in self.lost}
         return [self._message(node, MessageType.EVALUATE, {"arrays": arrays, "config": (
             ConfigRecord({**config, "unseen": self.unseen[cid]}))}, server_round)
-            for cid, node in sorted(self.node_of.items())]
+            for node, cid in self._sent.items()]
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
         """The summary `knnper evaluate` prints (mean weighted by test size, bottom decile, for

@@ -1,0 +1,308 @@
+"""The Flower ClientApp and ServerApp without a network: a Grid that hands each message to the
+ClientApp in this process (one Context per node, kept across rounds as a SuperNode keeps it), so
+the server's rounds, the clients' handlers and their errors are checked in seconds. The real
+SuperLink and SuperNodes are exercised in test_flower_deploy.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402,E501
+from flwr.serverapp import Grid  # noqa: E402
+from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from fed_train.algorithms import build_algorithm  # noqa: E402
+from fed_train.algorithms.base import TrainingConfig, get_weights  # noqa: E402
+from fed_train.cli import evaluate_run  # noqa: E402
+from fed_train.evaluation import client_accuracies  # noqa: E402
+from fed_train.flower.client_app import app as client_app  # noqa: E402
+from fed_train.flower.client_data import load_node_client  # noqa: E402
+from fed_train.flower.records import (  # noqa: E402
+    ModelSpec,
+    check_shapes,
+    join_state,
+    split_state,
+    to_array_record,
+)
+from fed_train.flower.server_app import train_and_evaluate  # noqa: E402
+from fed_train.flower.settings import FlowerConfigError, FlowerSettings  # noqa: E402
+from fed_train.flower.strategy import FederationError  # noqa: E402
+from fed_train.models import build_model  # noqa: E402
+from fed_train.partition import Partition  # noqa: E402
+from fed_train.run import (  # noqa: E402
+    RunConfig,
+    initial_weights,
+    load_run,
+    load_run_data,
+    prepare_clients,
+    run_partition,
+    train,
+)
+from fed_train.simulation import resume_from, simulate  # noqa: E402
+
+CLIENTS = 3
+TRAINING = TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05, momentum=0.9,
+                          milestones=(0.5,))
+
+
+def _config(**changes) -> RunConfig:
+    return replace(RunConfig(dataset="digits", clients=CLIENTS, unseen_fraction=0.34,
+                             checkpoint_every=1, training=TRAINING), **changes)
+
+
+class InProcessGrid(Grid):
+    """Each node is a Context; a node in `dead_after` stops answering after that many
+    messages (as a SuperNode killed mid-run)."""
+
+    def __init__(self, run_config: dict, node_configs: list[dict],
+                 dead_after: dict[int, int] | None = None) -> None:
+        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, node_config=cfg,
+                                          state=RecordDict(), run_config=run_config)
+                         for i, cfg in enumerate(node_configs)}
+        self.budget = {100 + i: n for i, n in (dead_after or {}).items()}
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    # the rest of Grid's surface: the server app only sends and receives
+    def set_run(self, run_id):  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, *args, **kwargs):  # pragma: no cover
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # pragma: no cover
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            if node in self.budget:
+                if self.budget[node] == 0:
+                    continue  # gone: no reply, the server's timeout passes
+                self.budget[node] -= 1
+            TaskIdentity.node_id = node
+            try:
+                replies.append(client_app(msg, self.contexts[node]))
+            except Exception as err:  # what a SuperNode sends back for a raising ClientApp
+                replies.append(Message(Error(code=2, reason=f"{type(err)}:<'{err}'>"),
+                                       reply_to=msg))
+            finally:
+                TaskIdentity.node_id = 0
+        return replies
+
+
+@pytest.fixture(autouse=True)
+def _task_identity():
+    """Messages need a run and node id, which a real Flower process sets."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity.run_id = TaskIdentity.node_id = TaskIdentity.task_id = None
+
+
+def _settings(run_dir: Path, **changes) -> FlowerSettings:
+    return replace(FlowerSettings(run=_config(), run_dir=str(run_dir), round_timeout=5.0,
+                                  connect_timeout=5.0), **changes)
+
+
+def _nodes(count: int = CLIENTS) -> list[dict]:
+    return [{"partition-id": i, "num-partitions": count} for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def flower_and_simulation(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flower")
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    settings = _settings(root / "flower")
+    record = train_and_evaluate(InProcessGrid(settings.to_run_config(), _nodes()), settings)
+    train(_config(), root / "sim", progress=False)
+    return root, record
+
+
+def test_flower_rounds_equal_the_simulation_bit_for_bit(flower_and_simulation):
+    root, _ = flower_and_simulation
+    flower, sim = load_run(root / "flower"), load_run(root / "sim")
+    for name, w in get_weights(sim.model).items():
+        np.testing.assert_array_equal(get_weights(flower.model)[name], w)
+    assert (root / "flower" / "config.json").read_text() == (root / "sim" /
+                                                             "config.json").read_text()
+    rows = [json.loads(line) for line in (root / "flower" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and rows[0]["bytes_up"] > 0
+
+
+def test_federated_knnper_evaluation_equals_server_side_evaluate(flower_and_simulation):
+    root, record = flower_and_simulation
+    server = evaluate_run(load_run(root / "flower"), ["fedavg", "knnper"], progress=False)
+    federated = record["evaluation"]
+    assert [c["client_id"] for c in federated["clients"]] == list(range(CLIENTS))
+    assert any(c["unseen"] for c in federated["clients"])
+    for mine, theirs in zip(federated["clients"], server["clients"], strict=True):
+        assert mine["knnper_lambda"] == theirs["knnper_lambda"]
+        for method in ("fedavg", "knnper"):
+            assert abs(mine[method] - theirs[method]) <= 1e-6
+    assert record["status"] == "completed"
+    assert json.loads((root / "flower" / "flower.json").read_text())["evaluation"] == federated
+
+
+def test_a_client_lost_mid_run_counts_as_unsampled_when_the_minimum_allows(tmp_path):
+    settings = _settings(tmp_path / "run", min_train_clients=1)
+    # node 0 answers the query and round 1, then disappears
+    grid = InProcessGrid(settings.to_run_config(), _nodes(), dead_after={0: 2})
+    record = train_and_evaluate(grid, settings)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [r["clients"] for r in rows] == [2, 1]
+    assert record["evaluation"]["missing_clients"] == [0]
+
+
+def test_a_client_lost_mid_run_stops_the_run_when_every_reply_is_needed(tmp_path):
+    settings = _settings(tmp_path / "run")
+    grid = InProcessGrid(settings.to_run_config(), _nodes(), dead_after={0: 2})
+    with pytest.raises(FederationError, match=r"round 2: 1 of 2 sampled clients answered, 2 "
+                                              r"needed \(client 0: no reply within 5 s\)"):
+        train_and_evaluate(grid, settings)
+
+
+def test_a_partition_id_out_of_range_stops_the_run_before_training(tmp_path):
+    settings = _settings(tmp_path / "run")
+    nodes = _nodes()
+    nodes[2] = {"partition-id": 7, "num-partitions": CLIENTS}
+    with pytest.raises(FederationError, match="'partition-id' 7 is out of range: the run has "
+                                              "clients 0 to 2"):
+        train_and_evaluate(InProcessGrid(settings.to_run_config(), nodes), settings)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_missing_supernode_is_reported_after_the_connect_timeout(tmp_path):
+    settings = _settings(tmp_path / "run", connect_timeout=1.0)
+    with pytest.raises(FederationError, match=r"no SuperNode serves client\(s\) \[2\]"):
+        train_and_evaluate(InProcessGrid(settings.to_run_config(), _nodes()[:2]), settings)
+
+
+def test_a_missing_data_dir_is_a_clear_error_on_the_node(tmp_path):
+    node = {"partition-id": 0, "num-partitions": CLIENTS, "data-dir": str(tmp_path / "nope")}
+    with pytest.raises(FlowerConfigError, match="'data-dir' .*nope is not a directory"):
+        load_node_client(_config(), node, {}, 10)
+
+
+def test_a_data_dir_client_equals_the_partition_client(tmp_path):
+    config = _config()
+    dataset, _ = load_run_data(config)
+    partition = run_partition(config, dataset)
+    split = partition.clients[1]
+    for name, (x, y) in {"train": (dataset.x_train, dataset.y_train),
+                         "val": (dataset.x_train, dataset.y_train),
+                         "test": (dataset.x_test, dataset.y_test)}.items():
+        idx = getattr(split, name)
+        np.savez(tmp_path / f"{name}.npz", x=x[idx], y=y[idx])
+    spec = json.loads(json.dumps(dataset.input_spec))
+    from_files = load_node_client(config, {"partition-id": 1, "data-dir": str(tmp_path)}, spec,
+                                  dataset.num_classes)
+    expected = prepare_clients(dataset, partition)[1]
+    for field in ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test"):
+        assert np.array_equal(getattr(from_files, field).numpy(), getattr(expected, field)
+                              .numpy())
+
+
+def test_data_whose_shape_does_not_fit_the_model_is_refused(tmp_path):
+    for name in ("train", "val", "test"):
+        np.savez(tmp_path / f"{name}.npz", x=np.zeros((4, 28, 28, 1), np.uint8),
+                 y=np.zeros(4, np.int64))
+    dataset, _ = load_run_data(_config())
+    with pytest.raises(FlowerConfigError, match="train inputs do not fit the model"):
+        load_node_client(_config(), {"partition-id": 0, "data-dir": str(tmp_path)},
+                         json.loads(json.dumps(dataset.input_spec)), dataset.num_classes)
+
+
+def test_weights_of_another_model_are_refused_with_both_shapes():
+    spec = ModelSpec("small-cnn", 10, {"kind": "image", "shape": [8, 8, 1], "dtype": "uint8",
+                                       "mean": [0.0], "std": [1.0]})
+    other = ModelSpec("small-cnn", 5, spec.input_spec).shapes()
+    with pytest.raises(ValueError, match=r"the server sent .* with shape \(5, \d+\), but this "
+                                         r"side's model has \(10, \d+\)"):
+        check_shapes(other, spec.shapes(), sender="the server")
+
+
+def test_a_client_answers_a_mismatched_model_with_an_error_reply(tmp_path):
+    settings = _settings(tmp_path / "run")
+    grid = InProcessGrid(settings.to_run_config(), _nodes())
+    dataset, _ = load_run_data(_config())
+    spec = ModelSpec("small-cnn", dataset.num_classes, json.loads(json.dumps(
+        dataset.input_spec)))
+    wrong = ModelSpec("small-cnn", 3, spec.input_spec).shapes()
+    msg = Message(RecordDict({"arrays": to_array_record(wrong), "model": spec.to_record(),
+                              "config": ConfigRecord({"lr": 0.1, "seed": 1, "round": 1})}),
+                  dst_node_id=100, message_type=MessageType.TRAIN)
+    [reply] = grid.send_and_receive([msg])
+    assert reply.has_error() and "but this side's model has" in reply.error.reason
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"algorithm": "fedsgd"}, "unknown algorithm 'fedsgd'"),
+    ({"algorithm": "local"}, "does not train federatedly"),
+    ({"run": "{not json"}, "not a knnper run configuration"),
+    ({"run": json.dumps({"clients": 3, "colour": 1})}, "unknown keys: colour"),
+    ({"run-dir": ""}, "'run-dir'"),
+    ({"round-timeout": -1.0}, "round-timeout must be a positive number"),
+    ({"eval-methods": "fedavg,magic"}, "unknown evaluation method"),
+])
+def test_bad_run_config_is_a_clear_error(tmp_path, values, message):
+    good = _settings(tmp_path).to_run_config()
+    with pytest.raises(FlowerConfigError, match=message):
+        FlowerSettings.from_run_config({**good, **values})
+
+
+def test_settings_survive_the_run_config():
+    settings = _settings(Path("/x"), algorithm="ditto", eval_methods=("ditto", "knnper"))
+    assert FlowerSettings.from_run_config(settings.to_run_config()) == settings
+
+
+def test_client_state_keeps_arrays_on_the_node_and_sends_scalars():
+    state = {"personal": {"10.0": {"w": np.ones((2, 3), np.float32)}, "0.1": {"w": np.zeros(2)}},
+             "cluster": 2, "client_id": 5}
+    arrays, scalars = split_state(state)
+    assert set(arrays) == {"personal/10.0/w", "personal/0.1/w"}
+    assert dict(scalars) == {"cluster": 2, "client_id": 5}
+    back = join_state(arrays, scalars)
+    np.testing.assert_array_equal(back["personal"]["10.0"]["w"], state["personal"]["10.0"]["w"])
+    assert back["cluster"] == 2
+
+
+@pytest.mark.parametrize("algorithm", ["ditto", "fedrep", "clustered", "apfl", "pfedgp"])
+def test_stateful_algorithms_run_on_flower_like_the_simulation(tmp_path, algorithm):
+    """Personal state stays on the node between rounds (ClusteredFL's cluster index also goes
+    to the server); the global state and the personalized accuracies equal the simulation's."""
+    config = _config(clients=2, unseen_fraction=0.0)
+    settings = _settings(tmp_path / "run", run=config, algorithm=algorithm,
+                         eval_methods=(algorithm,))
+    record = train_and_evaluate(InProcessGrid(settings.to_run_config(), _nodes(2)), settings)
+    dataset, _ = load_run_data(config)
+    clients = prepare_clients(dataset, Partition.load(tmp_path / "run" / "partition.npz"))
+    algo = build_algorithm(algorithm, lambda: build_model("small-cnn", dataset.num_classes,
+                                                          dataset.input_spec), config.training)
+    sim = simulate(algo, clients, config.training, initial_weights(algo.model_fn, config.seed),
+                   seed=config.seed, progress=False)
+    flower = resume_from(tmp_path / "run")
+    assert flower.rounds_done == config.training.rounds
+    for name, w in sim.weights.items():
+        np.testing.assert_array_equal(flower.weights[name], w)
+    rows = client_accuracies(algo, sim.weights, sim.states, clients, seed=config.seed)
+    assert [c[algorithm] for c in record["evaluation"]["clients"]] == [r["accuracy"]
+                                                                      for r in rows]
