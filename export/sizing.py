@@ -393,7 +393,9 @@ class DatastoreSizer:
             self._protonn_cache[(*shape, steps)] = ds
         ds.buffer = self._protonn_buffer(len(data.y_train))
         nbytes = measure_nbytes(ds)
-        if nbytes + ds.unfilled_buffer_nbytes() > room:  # the room a full buffer will take
+        # with a buffer: the bytes the runtime expects once the buffer is full
+        full = ds.estimate_nbytes(len(ds), data.z_train.shape[1]) if ds.buffer else nbytes
+        if max(nbytes, full) > room:
             return None
         return Candidate(ds.recipe, "protonn", nbytes, len(ds), steps=steps), ds
 

@@ -206,12 +206,6 @@ class ProtoNNDatastore:
         d = self.d or 0
         return count * (4 * d + 16) + len(_BUFFER_ARRAYS) * _NPZ_ARRAY_OVERHEAD
 
-    def unfilled_buffer_nbytes(self) -> int:
-        """Bytes the file will grow by when the buffer fills to capacity (the budget holds
-        them from the start)."""
-        held = len(self.buffer_labels_)
-        return self.buffer_nbytes(self.buffer) - self.buffer_nbytes(held) if self.buffer else 0
-
     def estimate_nbytes(self, n_prototypes: int, dim: int) -> int:
         """Upper bound on the saved file for n_prototypes, with the buffer full to capacity."""
         d = self.d or dim

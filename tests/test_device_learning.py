@@ -1,0 +1,96 @@
+"""Every bundle the exporter writes keeps learning on the device: `add` with fifo and concatenate
+works on whichever backend the sizing chose (ProtoNN included, through its buffer) and stays
+within the budget; with update strategy "fixed" ProtoNN reserves no buffer room."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from edge_runtime.runtime import Runtime
+from export.exporter import ExportSettings, export_run
+from export.sizing import SearchSpace
+from fed_train.algorithms.base import TrainingConfig
+from fed_train.run import RunConfig, load_run, train
+
+SPACE = SearchSpace(
+    count_fractions=(1.0,),
+    hnsw_M=(8,),
+    protonn_dims=(8,),
+    protonn_fractions=(0.3,),
+    protonn_steps=30,
+)
+ROOM = 20_000  # datastore bytes above the encoder: not every sample fits
+BACKENDS = ("auto", "flat", "hnsw", "protonn")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learning")
+    config = RunConfig(
+        dataset="digits",
+        clients=4,
+        seed=1,
+        training=TrainingConfig(rounds=3, epochs=1, batch_size=16, lr=0.05, momentum=0.9),
+    )
+    train(config, root / "run", progress=False)
+    run = load_run(root / "run")
+    first = export_run(
+        run, root / "probe", {0: 10**7}, ExportSettings(space=SPACE), clients="0", progress=False
+    )
+    budgets = {0: first["encoder"]["bytes"] + ROOM}
+    rows = []
+    for backend in BACKENDS:
+        settings = ExportSettings(backend=backend, space=SPACE)
+        report = export_run(run, root / backend, budgets, settings, clients="0", progress=False)
+        rows.append((root / backend / report["clients"][0]["bundle"], report["clients"][0]))
+    return root, run, rows
+
+
+@pytest.mark.parametrize("strategy", ["fifo", "concatenate"])
+def test_add_works_on_every_exported_backend_within_the_budget(
+    exported, tmp_path, strategy, caplog
+):
+    _, run, rows = exported
+    assert {row["backend"] for _, row in rows} == {"flat", "hnsw", "protonn"}
+    x, y = run.dataset.x_test[:40], run.dataset.y_test[:40].astype(np.int64)
+    for path, row in rows:
+        bundle = tmp_path / path.parent.name / path.name
+        shutil.copytree(path, bundle)
+        rt = Runtime.load(bundle)
+        assert rt.manifest["update_strategy"] == "fifo"
+        before, held = rt.predict_proba(x), len(rt.datastore.sample_store())
+        caplog.clear()
+        update = rt.add(x, y, strategy=strategy)  # the README's example
+        assert update.added > 0, row["recipe"]
+        if strategy == "fifo" and row["backend"] == "protonn":  # room reserved for the buffer
+            assert (
+                update.size == min(rt.capacity, held + len(y)) and "does not fit" not in caplog.text
+            )
+        assert rt.manifest["footprint"]["total"] <= rt.manifest["budget_bytes"]
+        reloaded = Runtime.load(bundle)
+        np.testing.assert_allclose(reloaded.predict_proba(x), rt.predict_proba(x))
+        # the samples just learned are found again: accuracy on them does not drop
+        assert (rt.predict(x) == y).mean() >= (before.argmax(1) == y).mean()
+
+
+def test_fixed_strategy_reserves_no_protonn_buffer(exported):
+    root, run, _ = exported
+    report = export_run(
+        run,
+        root / "fixed",
+        {0: 10**6},
+        ExportSettings(
+            space=SearchSpace(
+                backends=("protonn",), protonn_dims=(8,), protonn_fractions=(0.3,), protonn_steps=10
+            ),
+            update_strategy="fixed",
+        ),
+        clients="0",
+        progress=False,
+    )
+    rt = Runtime.load(root / "fixed" / report["clients"][0]["bundle"])
+    assert rt.manifest["update_strategy"] == "fixed"
+    assert rt.datastore.buffer is None and ":b" not in rt.datastore.recipe
