@@ -55,8 +55,9 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
         f"Scale: {scale_line}.",
         "",
         f"Wall time of this invocation: {time.perf_counter() - started:.0f} s; compute time of "
-        f"its points (including any computed by an earlier, interrupted invocation, excluding "
-        f"training shared global models): {computed:.0f} s. Machine: "
+        f"its points as recorded when each was computed (by this or an earlier, interrupted "
+        f"invocation; a point that first needed a global model includes its training, a "
+        f"model trained by another experiment is not counted): {computed:.0f} s. Machine: "
         f"{common.machine_line(common.machine_info())}.",
         "",
         "## Claims",
