@@ -134,38 +134,65 @@ def search_transposed(
 def transposed_key_norms(keys_t: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
     """Squared norms (float32 [n]) of keys stored [p, n] (times scale per dimension), a block
     at a time; a key holding NaN or inf gets a non-finite norm, so callers check this alone."""
-    p, n = keys_t.shape
-    norms = np.empty(n, dtype=np.float32)
-    buf = np.empty((p, min(n, _DEQUANT_BLOCK)), dtype=np.float32)
-    for s in range(0, n, _DEQUANT_BLOCK):
-        e = min(n, s + _DEQUANT_BLOCK)
-        block = buf[:, : e - s]
-        np.copyto(block, keys_t[:, s:e], casting="unsafe")
+    norms = np.empty(keys_t.shape[1], dtype=np.float32)
+    for s, e, block in _float32_blocks(keys_t):
         if scale is not None:
             block *= scale[:, None]
         np.einsum("ij,ij->j", block, block, out=norms[s:e])
+        if keys_t.dtype == np.float16 and not np.isfinite(keys_t[:, s:e]).all():
+            norms[s:e] = np.inf  # _widen_half assumes finite halves: mark the block as bad
     return norms
 
 
-def _dot_keys(q: np.ndarray, keys_t: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
+def key_products(q: np.ndarray, keys_t: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
     """q @ (keys as the search sees them), [m, n] float32, without widening all keys at once."""
     if scale is not None:
         q = q * scale[None, :]
     vector = q.shape[0] == 1  # a matrix-vector product streams the keys fastest
     if keys_t.dtype == np.float32:
         return (q[0] @ keys_t)[None, :] if vector else q @ keys_t
-    p, n = keys_t.shape
-    out = np.empty((q.shape[0], n), dtype=np.float32)
-    buf = np.empty((p, min(n, _DEQUANT_BLOCK)), dtype=np.float32)
-    for s in range(0, n, _DEQUANT_BLOCK):
-        e = min(n, s + _DEQUANT_BLOCK)
-        block = buf[:, : e - s]
-        np.copyto(block, keys_t[:, s:e], casting="unsafe")
+    out = np.empty((q.shape[0], keys_t.shape[1]), dtype=np.float32)
+    for s, e, block in _float32_blocks(keys_t):
         if vector:
             np.matmul(q[0], block, out=out[0, s:e])
         else:
             np.matmul(q, block, out=out[:, s:e])
     return out
+
+
+def _float32_blocks(keys_t: np.ndarray):
+    """(start, end, block) over keys_t's columns, each block widened to float32 in one reused
+    buffer of _DEQUANT_BLOCK columns."""
+    p, n = keys_t.shape
+    width = min(n, _DEQUANT_BLOCK)
+    buf = np.empty((p, width), dtype=np.float32)
+    if keys_t.dtype == np.float16:
+        bits, sign = np.empty((p, width), np.uint32), np.empty((p, width), np.uint32)
+    for s in range(0, n, _DEQUANT_BLOCK):
+        e = min(n, s + _DEQUANT_BLOCK)
+        block = buf[:, : e - s]
+        if keys_t.dtype == np.float16:
+            _widen_half(keys_t[:, s:e], block, bits[:, : e - s], sign[:, : e - s])
+        else:
+            np.copyto(block, keys_t[:, s:e], casting="unsafe")
+        yield s, e, block
+
+
+_HALF_TO_SINGLE = np.float32(2.0**112)
+
+
+def _widen_half(half: np.ndarray, out: np.ndarray, bits: np.ndarray, sign: np.ndarray) -> None:
+    """Finite float16 -> float32, exactly (zeros and subnormals included), about 3x faster than
+    numpy's own cast here: the exponent and mantissa bits moved into place, rescaled by 2^112,
+    then the sign put back. Keys are checked finite at load, so no inf/NaN reaches this."""
+    np.copyto(bits, half.view(np.uint16), casting="unsafe")
+    np.bitwise_and(bits, 0x8000, out=sign)
+    np.left_shift(sign, 16, out=sign)
+    np.bitwise_and(bits, 0x7FFF, out=bits)
+    np.left_shift(bits, 13, out=bits)
+    np.multiply(bits.view(np.float32), _HALF_TO_SINGLE, out=out)
+    as_bits = out.view(np.uint32)
+    np.bitwise_or(as_bits, sign, out=as_bits)
 
 
 def _search_chunk(
@@ -176,7 +203,7 @@ def _search_chunk(
     k: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     n = keys_t.shape[1]
-    sq = _dot_keys(q, keys_t, scale)
+    sq = key_products(q, keys_t, scale)
     sq *= -2.0
     sq += key_norms[None, :]
     sq += np.einsum("ij,ij->i", q, q)[:, None]

@@ -1,0 +1,213 @@
+"""The flat datastore's scan against this machine's memory speed, int8 against float32 keys, the
+top-k switch point and BLAS threads at batch 1 (issue 12). One process, one run: every figure is
+a ratio to another measured in the same run.
+
+    python benchmarks/runtime_scan.py --out OUT [--sizes 1000 10000 100000] [--dim 128]
+
+- Memory read speed: np.max over a 1 GiB float32 array (one core; the median of 5 passes).
+- Scan: the batch-1 distance step (one query's products with every key) over keys as the
+  runtime holds them, [p, n] in their stored dtype; its speed is the key bytes read per second.
+  The product over keys stored [n, p] (the layout before issue 12) is timed beside it.
+- kneighbors: the whole batch-1 search (distances, top-k, ordering) per dtype.
+- Top-k: np.argpartition against the blockwise top-k on one row of distances, k = 10, for a
+  range of row lengths; the runtime switches where blockwise starts to win
+  (edge_runtime/knn.py, _BLOCKWISE_MIN_KEYS_PER_K).
+- BLAS threads: the batch-1 search at 1 and at 2 BLAS threads.
+Timings interleave the variants call by call and report medians. Keys are Gaussian (speed does
+not depend on their values). Outputs in OUT: scan.csv, topk.csv, scan.md, run.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import _common as C
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from edge_runtime.datastores import FlatDatastore
+from edge_runtime.knn import blockwise_topk, key_products
+
+log = logging.getLogger("benchmarks.scan")
+
+SCAN_COLUMNS = ["keys", "dim", "dtype", "key_bytes", "scan_ms", "scan_gb_s", "memory_gb_s",
+                "scan_share_of_memory", "scan_ms_np_layout", "layout_speedup",
+                "kneighbors_ms", "kneighbors_ms_2_threads", "threads_2_over_1",
+                "scan_ms_vs_fp32", "bytes_vs_fp32"]
+TOPK_COLUMNS = ["keys", "k", "argpartition_ms", "blockwise_ms", "blockwise_speedup"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000, 100_000])
+    p.add_argument("--dim", type=C.positive_int, default=128, help="embedding dimension")
+    p.add_argument("--topk-sizes", type=C.positive_int, nargs="+",
+                   default=[500, 1000, 2000, 2560, 5000, 10_000, 20_000, 50_000, 100_000])
+    p.add_argument("--reps", type=C.positive_int, default=200, help="timed calls per variant")
+    p.add_argument("--memory-gib", type=float, default=1.0, help="array size of the read test")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes to check the pipeline")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.topk_sizes, args.reps, args.memory_gib = [1000], [1000, 5000], 5, 0.05
+    return args
+
+
+def medians(paths: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Median seconds per call of each path, the paths alternating call by call."""
+    for fn in paths.values():
+        fn()
+    times = {name: np.empty(reps) for name in paths}
+    gc.disable()
+    try:
+        for i in range(reps):
+            for name, fn in (paths.items() if i % 2 == 0 else reversed(paths.items())):
+                start = time.perf_counter()
+                fn()
+                times[name][i] = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def memory_read_speed(gib: float) -> float:
+    """Bytes per second np.max reads from a float32 array far larger than the caches."""
+    big = np.ones(int(gib * 2**30) // 4, dtype=np.float32)
+    seconds = medians({"max": big.max}, 5)["max"]
+    return big.nbytes / seconds
+
+
+def scan_rows(args: argparse.Namespace, rng: np.random.Generator,
+              memory_bps: float) -> list[dict[str, Any]]:
+    rows = []
+    for n in args.sizes:
+        z = rng.normal(size=(n, args.dim)).astype(np.float32)
+        y = rng.integers(0, 10, n)
+        q = rng.normal(size=(1, args.dim)).astype(np.float32)
+        stores = {dtype: FlatDatastore(10, dtype=dtype).fit(z, y)
+                  for dtype in ("fp32", "fp16", "int8")}
+        keys_np = np.ascontiguousarray(z)  # [n, p], as before issue 12
+        scans = {d: (lambda ds=ds, q=q: key_products(q, ds.keys_t_, ds.scale_))
+                 for d, ds in stores.items()}
+        scans["np_layout"] = lambda q=q, keys=keys_np: q @ keys.T
+        scan = medians(scans, args.reps)
+        searches = {d: (lambda ds=ds, q=q: ds.kneighbors(q)) for d, ds in stores.items()}
+        search = medians(searches, args.reps)
+        with threadpool_limits(limits=2, user_api="blas"):
+            search2 = medians(searches, args.reps)
+        for dtype, ds in stores.items():
+            nbytes = ds.keys_t_.nbytes
+            rows.append({
+                "keys": n, "dim": args.dim, "dtype": dtype, "key_bytes": nbytes,
+                "scan_ms": 1e3 * scan[dtype], "scan_gb_s": nbytes / scan[dtype] / 1e9,
+                "memory_gb_s": memory_bps / 1e9,
+                "scan_share_of_memory": nbytes / scan[dtype] / memory_bps,
+                "scan_ms_np_layout": 1e3 * scan["np_layout"] if dtype == "fp32" else None,
+                "layout_speedup": scan["np_layout"] / scan[dtype] if dtype == "fp32" else None,
+                "kneighbors_ms": 1e3 * search[dtype],
+                "kneighbors_ms_2_threads": 1e3 * search2[dtype],
+                "threads_2_over_1": search2[dtype] / search[dtype],
+                "scan_ms_vs_fp32": scan[dtype] / scan["fp32"],
+                "bytes_vs_fp32": nbytes / stores["fp32"].keys_t_.nbytes,
+            })
+            log.info("%d keys %s: scan %.3f ms (%.0f%% of memory speed), search %.3f ms",
+                     n, dtype, rows[-1]["scan_ms"], 100 * rows[-1]["scan_share_of_memory"],
+                     rows[-1]["kneighbors_ms"])
+    return rows
+
+
+def topk_rows(args: argparse.Namespace, rng: np.random.Generator) -> list[dict[str, Any]]:
+    rows, k = [], 10
+    for n in args.topk_sizes:
+        sq = rng.random((1, n)).astype(np.float32)
+        t = medians({"argpartition": lambda sq=sq: np.argpartition(sq, k - 1, axis=1)[:, :k],
+                     "blockwise": lambda sq=sq: blockwise_topk(sq, k)}, args.reps)
+        rows.append({"keys": n, "k": k, "argpartition_ms": 1e3 * t["argpartition"],
+                     "blockwise_ms": 1e3 * t["blockwise"],
+                     "blockwise_speedup": t["argpartition"] / t["blockwise"]})
+        log.info("top-%d of %d: argpartition %.4f ms, blockwise %.4f ms", k, n,
+                 rows[-1]["argpartition_ms"], rows[-1]["blockwise_ms"])
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    C.setup_logging()
+    C.limit_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started, machine = time.time(), C.machine_info()
+    rng = np.random.default_rng(args.seed)
+    with threadpool_limits(limits=1, user_api="blas"):
+        memory_bps = memory_read_speed(args.memory_gib)
+        log.info("memory read speed: %.2f GB/s", memory_bps / 1e9)
+        scans = scan_rows(args, rng, memory_bps)
+        topk = topk_rows(args, rng)
+    machine_end = C.machine_info()
+    C.write_csv(args.out / "scan.csv", scans, SCAN_COLUMNS)
+    C.write_csv(args.out / "topk.csv", topk, TOPK_COLUMNS)
+    text = report(scans, topk, memory_bps, machine, machine_end, time.time() - started)
+    (args.out / "scan.md").write_text(text)
+    C.write_json(args.out / "scan_run.json", {
+        "command": C.command_line(), "machine": machine, "machine_end": machine_end,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "memory_read_gb_s": memory_bps / 1e9, "seconds": time.time() - started})
+    print(text)
+    return 0
+
+
+def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict,
+           machine_end: dict, seconds: float) -> str:
+    scan_table = C.markdown_table(scans, [
+        ("keys", "keys", ","), ("dtype", "dtype", ""), ("key_bytes", "key bytes", ","),
+        ("scan_ms", "scan ms", ".3f"), ("scan_gb_s", "scan GB/s", ".2f"),
+        ("scan_share_of_memory", "share of memory speed", ".2f"),
+        ("scan_ms_np_layout", "[n, p] scan ms", ".3f"),
+        ("layout_speedup", "[p, n] speedup", ".2f"),
+        ("scan_ms_vs_fp32", "scan time / fp32", ".2f"),
+        ("bytes_vs_fp32", "bytes / fp32", ".2f"),
+        ("kneighbors_ms", "search ms, 1 BLAS thread", ".3f"),
+        ("kneighbors_ms_2_threads", "search ms, 2 threads", ".3f"),
+        ("threads_2_over_1", "2 threads / 1", ".2f"),
+    ])
+    topk_table = C.markdown_table(topk, [
+        ("keys", "keys", ","), ("k", "k", ""), ("argpartition_ms", "argpartition ms", ".4f"),
+        ("blockwise_ms", "blockwise ms", ".4f"),
+        ("blockwise_speedup", "argpartition / blockwise", ".2f"),
+    ])
+    return "\n".join([
+        "# Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
+        "",
+        f"Command: `{C.command_line()}`",
+        "",
+        f"Machine: {C.machine_line(machine)} (at the start; load average at the end "
+        f"{machine_end.get('load_average')}). One BLAS thread unless a column says otherwise. "
+        f"Took {seconds:.0f} s.",
+        "",
+        f"Memory read speed (np.max over a float32 array far larger than the caches, one core): "
+        f"{memory_bps / 1e9:.2f} GB/s. Scan = one query's distance products with every key, "
+        "over the keys as the runtime holds them ([p, n], stored dtype; int8 and fp16 widened "
+        "a block at a time); GB/s = key bytes / scan time. [n, p] scan = the float32 product "
+        "over keys stored [n, p], the layout before issue 12. Search = the whole batch-1 "
+        "kneighbors (distances, top-k, ordering).",
+        "",
+        scan_table,
+        "",
+        "Top-k of one row of distances (k = 10): argpartition / blockwise > 1 means the "
+        "blockwise top-k is faster.",
+        "",
+        topk_table,
+        "",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
