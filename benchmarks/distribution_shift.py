@@ -9,7 +9,8 @@ fixed update strategy while its label distribution shifts at time t0.
 Per seed, --clients clients of the run's partition are drawn (any with at least 10 training
 samples). For each client, at t = 0:
 - its bundle is exported: the global model as an int8 ONNX encoder (one for all clients), a
-  flat datastore of the encoder's embeddings of the client's training split, and lambda chosen
+  datastore (--recipe; flat by default) of the encoder's embeddings of the client's training
+  split (ProtoNN: trained on them; it learns into a buffer beside its prototypes), and lambda chosen
   on the client's validation split as the exporter does (or --lam). The budget leaves room for
   the whole stream, so "concatenate" keeps every sample; "fifo" keeps the datastore at its size
   at export (the recipe's n if --capacity is given); "fixed" never changes it.
@@ -73,7 +74,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="Dirichlet concentration of the shifted label distribution")
     p.add_argument("--new-classes", type=C.positive_int, default=3,
                    help="--shift classes: how many of the client's rarest classes follow")
-    p.add_argument("--recipe", default="flat:fp32", help="flat or hnsw datastore recipe")
+    p.add_argument("--recipe", default="flat:fp32",
+                   help="datastore recipe; a protonn one learns into a buffer of --capacity "
+                        "samples (default: the client's train size) beside its prototypes")
+    p.add_argument("--protonn-steps", type=C.positive_int, default=50,
+                   help="ProtoNN training steps (protonn recipes)")
     p.add_argument("--capacity", type=C.positive_int, default=None,
                    help="stored samples at export and fifo capacity (default: the whole "
                         "training split)")
@@ -98,8 +103,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--lam must be 'val' or a number in [0, 1], got {args.lam!r}")
         if not 0.0 <= lam <= 1.0:
             p.error(f"--lam must be in [0, 1], got {args.lam}")
-    if parse_recipe(args.recipe)[0] == "protonn":
-        p.error("a protonn datastore cannot take new samples: use a flat or hnsw recipe")
     return args
 
 
@@ -160,19 +163,24 @@ def run_client(run: Any, cid: int, seed: int, encoder_path: Path, encoder: Encod
     x_tr, y_tr = ds_.x_train[split.train], ds_.y_train[split.train].astype(np.int64)
     z_tr, _ = encoder.run(prepare_input(x_tr, spec))
     name, params = parse_recipe(args.recipe)
-    if args.capacity is not None:
-        params["n"] = args.capacity
-    datastore = make_datastore(format_recipe(name, params), num_classes,
-                               seed=seed).fit(z_tr, y_tr)
+    if name == "protonn":
+        datastore = C.build_datastore(args.recipe, z_tr, y_tr, num_classes, seed=seed,
+                                      protonn_steps=args.protonn_steps)
+        datastore.buffer = args.capacity or len(y_tr)  # the fifo capacity of new samples
+    else:
+        if args.capacity is not None:
+            params["n"] = args.capacity
+        datastore = make_datastore(format_recipe(name, params), num_classes,
+                                   seed=seed).fit(z_tr, y_tr)
     if args.lam == "val" and len(split.val):
         z_val, logits_val = encoder.run(prepare_input(ds_.x_train[split.val], spec))
         lam = choose_lambda(datastore.predict_proba(z_val), softmax(logits_val),
                             ds_.y_train[split.val])
     else:
         lam = 0.5 if args.lam == "val" else float(args.lam)
-    dim = datastore.embedding_dim_
+    dim, store = datastore.embedding_dim_, datastore.sample_store()
     budget = (encoder_path.stat().st_size + (1 << 12)
-              + datastore.estimate_nbytes(len(datastore) + args.steps * args.batch, dim))
+              + store.estimate_nbytes(len(store) + args.steps * args.batch, dim))
     base = work / f"s{seed}-c{cid}"
     C.write_benchmark_bundle(base / "export", encoder_path, datastore, spec, lam=lam,
                              client_id=cid, budget_bytes=int(budget))
@@ -199,7 +207,7 @@ def run_client(run: Any, cid: int, seed: int, encoder_path: Path, encoder: Encod
         for strategy, rt in runtimes.items():
             acc = float(np.mean(rt.predict(xb) == yb))
             rows.append({**common, "strategy": strategy, "accuracy": acc,
-                         "datastore_size": len(rt.datastore)})
+                         "datastore_size": len(rt.datastore.sample_store())})
         for strategy, rt in runtimes.items():
             rt.add(xb, yb, strategy=strategy)
     shutil.rmtree(base, ignore_errors=True)
