@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from fed_train.errors import KnnperError
+from fed_train.flower.pki import NodeKey, ServerTLS, make_node_key, make_server_tls
+from fed_train.flower.settings import FlowerConfigError, FlowerSettings
 from fed_train.run import open_run
 
 log = logging.getLogger(__name__)
@@ -147,7 +149,7 @@ def _connection_toml(port: int, ca_cert: Path | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run_timeout(settings) -> float:
+def _run_timeout(settings: FlowerSettings) -> float:
     """The longest a healthy run can take: connecting, every round and the evaluation at their
     timeouts, plus a margin for starting the apps."""
     rounds = settings.run.training.rounds
@@ -182,12 +184,40 @@ def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float) ->
     raise DeployError(f"the run did not finish within {timeout:g} s")
 
 
-def deploy_local(settings, federation: LocalFederation) -> dict[str, Any]:
+def start_superlink(procs: Processes, tls: ServerTLS | None, port: int,
+                    timeout: float) -> int:
+    """The SuperLink on HOST:port, and the `flwr` CLI's connection to it (in FLWR_HOME)."""
+    home = Path(procs.env["FLWR_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(_connection_toml(port, tls.ca_cert if tls else None))
+    argv = ["flower-superlink", "--host", HOST, "--port", str(port),
+            "--disable-runtime-dependency-installation"]
+    argv += (["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.cert),
+              "--ssl-keyfile", str(tls.key), "--enable-supernode-auth"] if tls
+             else ["--insecure"])
+    wait_for_port(port, procs.start("superlink", argv), timeout, "the SuperLink")
+    return port
+
+
+def register_supernode(procs: Processes, key: NodeKey) -> None:
+    """Only SuperNodes whose public key the SuperLink has registered may join."""
+    procs.run_cli(["flwr", "supernode", "register", str(key.public), CONNECTION, "--format",
+                   "json"])
+
+
+def start_supernode(procs: Processes, name: str, port: int, tls: ServerTLS | None,
+                    key: NodeKey | None, node_config: str) -> subprocess.Popen:
+    argv = ["flower-supernode", "--superlink", f"{HOST}:{port}", "--host", HOST, "--port",
+            str(free_port()), "--node-config", node_config]
+    argv += (["--root-certificates", str(tls.ca_cert)] if tls else ["--insecure"])
+    if key is not None:
+        argv += ["--auth-supernode-private-key", str(key.private)]
+    return procs.start(name, argv)
+
+
+def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[str, Any]:
     """Run `settings` on a local federation; returns flower.json's record with the SuperLink's
     account of the run (status, bytes) added."""
-    from fed_train.flower.pki import make_node_key, make_server_tls
-    from fed_train.flower.settings import FlowerConfigError
-
     settings.check()
     if federation.clients != settings.run.clients:
         raise FlowerConfigError(f"--clients {federation.clients} differs from the run's "
@@ -206,32 +236,15 @@ def deploy_local(settings, federation: LocalFederation) -> dict[str, Any]:
     env.setdefault("OMP_NUM_THREADS", "1")
     procs = Processes(env, log_dir)
     try:
-        port = federation.superlink_port or free_port()
-        secure = not federation.insecure
-        tls = make_server_tls(work / "pki", HOST) if secure else None
-        (work / "home").mkdir()
-        (work / "home" / "config.toml").write_text(
-            _connection_toml(port, tls.ca_cert if tls else None))
-        link = ["flower-superlink", "--host", HOST, "--port", str(port),
-                "--disable-runtime-dependency-installation"]
-        link += (["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.cert),
-                  "--ssl-keyfile", str(tls.key), "--enable-supernode-auth"] if tls
-                 else ["--insecure"])
-        wait_for_port(port, procs.start("superlink", link), federation.startup_timeout,
-                      "the SuperLink")
-        keys = [make_node_key(work / "pki", f"supernode-{i}") if tls else None
-                for i in range(federation.clients)]
-        for key in keys:
+        tls = make_server_tls(work / "pki", HOST) if not federation.insecure else None
+        port = start_superlink(procs, tls, federation.superlink_port or free_port(),
+                               federation.startup_timeout)
+        for i in range(federation.clients):
+            key = make_node_key(work / "pki", f"supernode-{i}") if tls else None
             if key is not None:
-                procs.run_cli(["flwr", "supernode", "register", str(key.public), CONNECTION,
-                               "--format", "json"])
-        for i, key in enumerate(keys):
-            node = ["flower-supernode", "--superlink", f"{HOST}:{port}", "--host", HOST,
-                    "--port", str(free_port()), "--node-config",
-                    f"partition-id={i} num-partitions={federation.clients}"]
-            node += (["--root-certificates", str(tls.ca_cert), "--auth-supernode-private-key",
-                      str(key.private)] if tls else ["--insecure"])
-            procs.start(f"supernode-{i}", node)
+                register_supernode(procs, key)
+            start_supernode(procs, f"supernode-{i}", port, tls, key,
+                            f"partition-id={i} num-partitions={federation.clients}")
         run_toml = work / "run.toml"
         run_toml.write_text("".join(f"{k} = {json.dumps(v)}\n"
                                     for k, v in settings.to_run_config().items()))
@@ -257,7 +270,6 @@ def deploy_local(settings, federation: LocalFederation) -> dict[str, Any]:
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
     from fed_train.cli import config_from_args
     from fed_train.evaluation import format_table
-    from fed_train.flower.settings import FlowerSettings
 
     settings = FlowerSettings(run=config_from_args(args), run_dir=args.out,
                               algorithm=args.algorithm, round_timeout=args.round_timeout,
