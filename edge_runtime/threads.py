@@ -9,7 +9,8 @@ afterwards, so an application that embeds the runtime keeps its own setting.
 from __future__ import annotations
 
 import functools
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from threadpoolctl import ThreadpoolController
 
@@ -24,16 +25,26 @@ def _blas_controller():
 
 
 class BlasThreads:
-    """Context manager factory: `with blas_threads(): ...` runs with `threads` BLAS threads;
-    threads=None leaves the library's own setting."""
+    """Context manager factory: `with blas_threads(): ...` runs with `threads` BLAS threads and
+    puts back the libraries' own counts after; threads=None leaves them alone. Only libraries
+    whose count differs are touched (threadpoolctl's own limit context costs ~10 us a call)."""
 
     def __init__(self, threads: int | None = DEFAULT_THREADS) -> None:
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"blas threads must be a positive integer or None, got {threads!r}")
         self.threads = threads
-        self._controller = _blas_controller() if threads is not None else None
+        self._libraries = _blas_controller().lib_controllers if threads is not None else []
 
-    def __call__(self) -> AbstractContextManager:
-        if self._controller is None:
-            return nullcontext()
-        return self._controller.limit(limits=self.threads)
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        changed = []
+        for library in self._libraries:
+            current = library.get_num_threads()
+            if current != self.threads:
+                library.set_num_threads(self.threads)
+                changed.append((library, current))
+        try:
+            yield
+        finally:
+            for library, current in changed:
+                library.set_num_threads(current)

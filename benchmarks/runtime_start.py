@@ -1,0 +1,210 @@
+"""Process start to first prediction, and batch-1 latency against the encoder alone (issue 12).
+
+    python benchmarks/runtime_start.py --out OUT [--run RUN] [--starts 15] [--reps 1000]
+
+Bundles: the small CNN as an int8 ONNX encoder (the exporter's), a flat datastore of its
+embeddings of Fashion-MNIST images (copies plus noise past the real images).
+- Start: a fresh `python -c` process imports edge_runtime, loads the bundle (verifying every
+  file) and predicts one image; the time from spawning it to its first prediction (wall clock,
+  median of --starts processes), with the child's own split into imports, load and first call.
+  Two encoders: saved optimized by onnxruntime as export writes it (session created with
+  optimization off) and the same encoder not optimized (optimized at every load).
+- Batch 1: in one process, Runtime.predict_proba on one image against the encoder alone
+  (Runtime.embed: input checks, normalisation and the ONNX session), interleaved call by call;
+  target: end to end within 1.5x of the encoder alone at 1k keys.
+Outputs in OUT: start.csv, batch1.csv, start.md, start_run.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import _common as C
+import numpy as np
+
+from edge_runtime.encoder import optimize_encoder
+from edge_runtime.preprocess import prepare_input
+from edge_runtime.runtime import Runtime
+
+log = logging.getLogger("benchmarks.start")
+
+CHILD = """
+import time, sys
+start = time.time()
+import numpy as np
+from edge_runtime.runtime import Runtime
+imported = time.time()
+rt = Runtime.load(sys.argv[1])
+loaded = time.time()
+rt.predict_proba(np.load(sys.argv[2], allow_pickle=False))
+done = time.time()
+print(f'{{"start": {start}, "imported": {imported}, "loaded": {loaded}, "done": {done}}}')
+"""
+
+START_COLUMNS = ["encoder", "runs", "spawn_to_first_ms", "interpreter_ms", "imports_ms",
+                 "load_ms", "first_predict_ms"]
+B1_COLUMNS = ["recipe", "keys", "encoder_ms", "end_to_end_ms", "ratio", "within_1_5"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--run", default=None, help="run with a trained small CNN (default: random)")
+    p.add_argument("--starts", type=C.positive_int, default=15, help="processes per encoder")
+    p.add_argument("--reps", type=C.positive_int, default=1000, help="timed batch-1 calls")
+    p.add_argument("--recipes", nargs="+", default=["flat:fp32", "flat:int8"])
+    p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny settings to check the pipeline")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.starts, args.reps, args.sizes = 2, 20, [200]
+    return args
+
+
+def spawn_to_first(bundle: Path, image: Path, starts: int) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(C.REPO), os.environ.get("PYTHONPATH")) if p))
+    env.update({name: "1" for name in C.THREAD_ENV})
+    runs = []
+    for _ in range(starts):
+        spawned = time.time()
+        out = subprocess.run([sys.executable, "-c", CHILD, str(bundle), str(image)],
+                             capture_output=True, text=True, env=env, timeout=120, check=True)
+        t = json.loads(out.stdout.strip().splitlines()[-1])
+        runs.append({"spawn_to_first_ms": t["done"] - spawned,
+                     "interpreter_ms": t["start"] - spawned,
+                     "imports_ms": t["imported"] - t["start"],
+                     "load_ms": t["loaded"] - t["imported"],
+                     "first_predict_ms": t["done"] - t["loaded"]})
+    return {key: 1e3 * float(np.median([r[key] for r in runs])) for key in runs[0]}
+
+
+def batch1(rt: Runtime, images: np.ndarray, reps: int) -> tuple[float, float]:
+    """Median seconds per call of (encoder alone, end to end), interleaved."""
+    paths = {"encoder": rt.embed, "end_to_end": rt.predict_proba}
+    times = {name: np.empty(reps) for name in paths}
+    for i in range(20):
+        for fn in paths.values():
+            fn(images[i % len(images)])
+    gc.disable()
+    try:
+        for i in range(reps):
+            x = images[i % len(images)]
+            for name, fn in (paths.items() if i % 2 == 0 else reversed(paths.items())):
+                t0 = time.perf_counter()
+                fn(x)
+                times[name][i] = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    return float(np.median(times["encoder"])), float(np.median(times["end_to_end"]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    C.setup_logging()
+    C.limit_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started, machine = time.time(), C.machine_info()
+    gm = C.load_global_model(args.run, seed=args.seed, max_train=2000 if args.smoke else None)
+    spec, num_classes = gm.spec, gm.num_classes
+    pool_idx, query_idx = C.key_pool_indices(gm.dataset, 200, args.seed)
+    n_real = min(max(args.sizes), len(pool_idx))
+    z_pool, _ = C.torch_embed(gm.model, C.images(gm.dataset, pool_idx[:n_real]), spec)
+    y_pool = C.labels(gm.dataset, pool_idx[:n_real])
+    queries = C.images(gm.dataset, query_idx)
+    singles = [queries[i:i + 1] for i in range(len(queries))]
+    work = Path(tempfile.mkdtemp(prefix="knnper-start-"))
+    starts, b1 = [], []
+    try:
+        calib = prepare_input(C.images(gm.dataset, pool_idx[:256]), spec)
+        plain = C.export_encoder(gm.model, calib, work / "encoder")
+        optimized = work / "encoder" / "encoder_optimized.onnx"
+        optimized.write_bytes(optimize_encoder(plain.read_bytes()))
+        image = work / "image.npy"
+        np.save(image, queries[:1], allow_pickle=False)
+        z, y = C.replicate_keys(z_pool, y_pool, min(args.sizes), noise=0.01, seed=args.seed)
+        first = C.build_datastore(args.recipes[0], z, y, num_classes, seed=args.seed)
+        for name, encoder in (("optimized at export", optimized), ("not optimized", plain)):
+            C.write_benchmark_bundle(work / name, encoder, first, spec)
+            starts.append({"encoder": name, "runs": args.starts,
+                           **spawn_to_first(work / name, image, args.starts)})
+            log.info("%s: %.1f ms spawn to first prediction", name,
+                     starts[-1]["spawn_to_first_ms"])
+        for size in args.sizes:
+            z, y = C.replicate_keys(z_pool, y_pool, size, noise=0.01, seed=args.seed)
+            for recipe in args.recipes:
+                ds = C.build_datastore(recipe, z, y, num_classes, seed=args.seed)
+                path = work / f"b1-{size}-{recipe.replace(':', '_')}"
+                C.write_benchmark_bundle(path, optimized, ds, spec)
+                enc, e2e = batch1(Runtime.load(path), singles, args.reps)
+                b1.append({"recipe": recipe, "keys": size, "encoder_ms": 1e3 * enc,
+                           "end_to_end_ms": 1e3 * e2e, "ratio": e2e / enc,
+                           "within_1_5": "yes" if e2e <= 1.5 * enc else "no"})
+                log.info("%s x %d: encoder %.3f ms, end to end %.3f ms", recipe, size,
+                         b1[-1]["encoder_ms"], b1[-1]["end_to_end_ms"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    machine_end = C.machine_info()
+    C.write_csv(args.out / "start.csv", starts, START_COLUMNS)
+    C.write_csv(args.out / "batch1.csv", b1, B1_COLUMNS)
+    text = report(starts, b1, args, gm.source, machine, machine_end, time.time() - started)
+    (args.out / "start.md").write_text(text)
+    C.write_json(args.out / "start_run.json", {
+        "command": C.command_line(), "machine": machine, "machine_end": machine_end,
+        "weights": gm.source, "seconds": time.time() - started,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}})
+    print(text)
+    return 0
+
+
+def report(starts: list[dict], b1: list[dict], args: argparse.Namespace, weights: str,
+           machine: dict, machine_end: dict, seconds: float) -> str:
+    start_table = C.markdown_table(starts, [
+        ("encoder", "bundle encoder", ""), ("runs", "processes", ""),
+        ("spawn_to_first_ms", "spawn to first prediction ms", ".1f"),
+        ("interpreter_ms", "interpreter start ms", ".1f"), ("imports_ms", "imports ms", ".1f"),
+        ("load_ms", "Runtime.load ms", ".1f"), ("first_predict_ms", "first call ms", ".1f"),
+    ])
+    b1_table = C.markdown_table(b1, [
+        ("recipe", "recipe", ""), ("keys", "keys", ","),
+        ("encoder_ms", "encoder alone p50 ms", ".3f"),
+        ("end_to_end_ms", "end to end p50 ms", ".3f"), ("ratio", "end to end / encoder", ".2f"),
+        ("within_1_5", "<= 1.5x", ""),
+    ])
+    return "\n".join([
+        "# Edge runtime: process start to first prediction, batch-1 latency vs the encoder",
+        "",
+        f"Command: `{C.command_line()}`",
+        "",
+        f"Machine: {C.machine_line(machine)} (at the start; load average at the end "
+        f"{machine_end.get('load_average')}). One thread for onnxruntime and BLAS. Took "
+        f"{seconds:.0f} s. Weights: {weights}; int8 ONNX encoder.",
+        "",
+        f"Start: medians over {args.starts} fresh processes per encoder, each loading a "
+        f"{args.recipes[0]} bundle of {min(args.sizes):,} keys and predicting one image.",
+        "",
+        start_table,
+        "",
+        f"Batch 1: medians of {args.reps} interleaved calls; encoder alone = Runtime.embed "
+        "(input checks, normalisation, ONNX session); end to end = Runtime.predict_proba.",
+        "",
+        b1_table,
+        "",
+    ])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
