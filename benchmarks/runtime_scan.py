@@ -189,7 +189,7 @@ def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict
         f"Command: `{C.command_line()}`",
         "",
         f"Machine: {C.machine_line(machine)} (at the start; load average at the end "
-        f"{machine_end.get('load_average')}). One BLAS thread unless a column says otherwise. "
+        f"{machine_end.get('loadavg_1_5_15')}). One BLAS thread unless a column says otherwise. "
         f"Took {seconds:.0f} s.",
         "",
         f"Memory read speed (np.max over a float32 array far larger than the caches, one core): "

@@ -190,7 +190,7 @@ def report(starts: list[dict], b1: list[dict], args: argparse.Namespace, weights
         f"Command: `{C.command_line()}`",
         "",
         f"Machine: {C.machine_line(machine)} (at the start; load average at the end "
-        f"{machine_end.get('load_average')}). One thread for onnxruntime and BLAS. Took "
+        f"{machine_end.get('loadavg_1_5_15')}). One thread for onnxruntime and BLAS. Took "
         f"{seconds:.0f} s. Weights: {weights}; int8 ONNX encoder.",
         "",
         f"Start: medians over {args.starts} fresh processes per encoder, each loading a "
