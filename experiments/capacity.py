@@ -70,12 +70,13 @@ def _claims(points: list[dict]) -> list[Claim]:
     claims = [Claim("accuracy grows with capacity", "; ".join(parts),
                     verdict(grows, len(alphas)))]
     if len(alphas) >= 2:
-        first, last = alphas[0], alphas[-1]
+        ordered = [rises[a] for a in alphas]
+        monotone = all(x > y for x, y in zip(ordered, ordered[1:]))
         claims.append(Claim(
             "it grows faster for more heterogeneous clients (smaller alpha)",
-            f"rise from the smallest to the largest capacity: alpha {first} "
-            f"{100 * rises[first]:+.1f} pp, alpha {last} {100 * rises[last]:+.1f} pp",
-            "agree" if rises[first] > rises[last] else "disagree"))
+            "rise from the smallest to the largest capacity: " + ", ".join(
+                f"alpha {a} {100 * rises[a]:+.1f} pp" for a in alphas),
+            "agree" if monotone else ("partly" if ordered[0] > ordered[-1] else "disagree")))
     else:
         claims.append(Claim("it grows faster for more heterogeneous clients (smaller alpha)",
                             "one alpha only", "not measured"))
