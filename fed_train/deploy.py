@@ -149,6 +149,12 @@ def _connection_toml(port: int, ca_cert: Path | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_config_toml(settings: FlowerSettings) -> str:
+    """The settings as `flwr run --run-config FILE` takes them (JSON scalars are TOML too)."""
+    return "".join(f"{key} = {json.dumps(value)}\n"
+                   for key, value in settings.to_run_config().items())
+
+
 def _run_timeout(settings: FlowerSettings) -> float:
     """The longest a healthy run can take: connecting, every round and the evaluation at their
     timeouts, plus a margin for starting the apps."""
@@ -246,8 +252,7 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[
             start_supernode(procs, f"supernode-{i}", port, tls, key,
                             f"partition-id={i} num-partitions={federation.clients}")
         run_toml = work / "run.toml"
-        run_toml.write_text("".join(f"{k} = {json.dumps(v)}\n"
-                                    for k, v in settings.to_run_config().items()))
+        run_toml.write_text(run_config_toml(settings))
         submitted = procs.run_cli(["flwr", "run", str(APP_DIR), CONNECTION, "--run-config",
                                    str(run_toml), "--format", "json"])
         run_id = str(submitted["run-id"])
@@ -267,16 +272,20 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[
     return record
 
 
-def _cmd_deploy_local(args: argparse.Namespace) -> int:
+def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
     from fed_train.cli import config_from_args
+
+    return FlowerSettings(run=config_from_args(args), run_dir=args.out, algorithm=args.algorithm,
+                          round_timeout=args.round_timeout, connect_timeout=args.connect_timeout,
+                          min_train_clients=args.min_train_clients,
+                          eval_methods=tuple(args.eval_methods), k=args.k, sigma=args.sigma,
+                          capacity=args.capacity)
+
+
+def _cmd_deploy_local(args: argparse.Namespace) -> int:
     from fed_train.evaluation import format_table
 
-    settings = FlowerSettings(run=config_from_args(args), run_dir=args.out,
-                              algorithm=args.algorithm, round_timeout=args.round_timeout,
-                              connect_timeout=args.connect_timeout,
-                              min_train_clients=args.min_train_clients,
-                              eval_methods=tuple(args.eval_methods), k=args.k, sigma=args.sigma,
-                              capacity=args.capacity)
+    settings = settings_from_args(args)
     federation = LocalFederation(clients=args.clients, insecure=args.insecure,
                                  startup_timeout=args.startup_timeout)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
@@ -291,37 +300,63 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_deploy_command(sub: argparse._SubParsersAction) -> None:
+def _cmd_deploy_config(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args).check()
+    settings.run_dir = str(Path(args.out).resolve())
+    text = run_config_toml(settings)
+    if args.write:
+        Path(args.write).write_text(text)
+        print(f"wrote {args.write}: flwr run {APP_DIR} SUPERLINK --run-config {args.write}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
     from fed_train.cli import _fraction, _positive_float, _positive_int, add_training_arguments
     from fed_train.defaults import CHECKPOINT_EVERY
+
+    add_training_arguments(p)
+    p.add_argument("--checkpoint-every", type=_positive_int, default=CHECKPOINT_EVERY,
+                   help="rounds between checkpoints")
+    p.add_argument("--algorithm", default="fedavg",
+                   help="fedavg, knnper, fedavg+, clustered, ditto, fedrep, apfl, pfedgp")
+    p.add_argument("--eval-methods", nargs="+", default=["fedavg", "knnper"],
+                   help="personalizations evaluated on the clients after training")
+    p.add_argument("--k", type=_positive_int, default=10, help="neighbours of the kNN head")
+    p.add_argument("--sigma", type=_positive_float, default=1.0,
+                   help="kernel width of the kNN head")
+    p.add_argument("--capacity", type=_fraction, default=1.0,
+                   help="fraction of each client's train split kept in its datastore")
+    p.add_argument("--round-timeout", type=_positive_float, default=600.0,
+                   help="seconds the server waits for a round's replies")
+    p.add_argument("--connect-timeout", type=_positive_float, default=120.0,
+                   help="seconds the server waits for every client's SuperNode")
+    p.add_argument("--min-train-clients", type=int, default=0,
+                   help="replies a round needs to go on (0: every sampled client)")
+
+
+def add_deploy_command(sub: argparse._SubParsersAction) -> None:
+    from fed_train.cli import _positive_float
 
     p = sub.add_parser("deploy", help="federated training on Flower (SuperLink + SuperNodes)")
     where = p.add_subparsers(dest="where", required=True, parser_class=type(p))
     local = where.add_parser("local", help="a whole federation on 127.0.0.1: one SuperLink, "
                                            "one SuperNode per client, TLS and SuperNode "
                                            "authentication")
-    add_training_arguments(local)
-    local.add_argument("--checkpoint-every", type=_positive_int, default=CHECKPOINT_EVERY,
-                       help="rounds between checkpoints")
+    _add_settings_arguments(local)
     local.add_argument("--out", required=True, help="run directory (the same layout as "
                                                     "`knnper train` writes)")
-    local.add_argument("--algorithm", default="fedavg",
-                       help="fedavg, knnper, fedavg+, clustered, ditto, fedrep, apfl, pfedgp")
-    local.add_argument("--eval-methods", nargs="+", default=["fedavg", "knnper"],
-                       help="personalizations evaluated on the clients after training")
-    local.add_argument("--k", type=_positive_int, default=10, help="neighbours of the kNN head")
-    local.add_argument("--sigma", type=_positive_float, default=1.0,
-                       help="kernel width of the kNN head")
-    local.add_argument("--capacity", type=_fraction, default=1.0,
-                       help="fraction of each client's train split kept in its datastore")
-    local.add_argument("--round-timeout", type=_positive_float, default=600.0,
-                       help="seconds the server waits for a round's replies")
-    local.add_argument("--connect-timeout", type=_positive_float, default=120.0,
-                       help="seconds the server waits for every client's SuperNode")
-    local.add_argument("--min-train-clients", type=int, default=0,
-                       help="replies a round needs to go on (0: every sampled client)")
     local.add_argument("--startup-timeout", type=_positive_float, default=60.0,
                        help="seconds the SuperLink may take to start listening")
     local.add_argument("--insecure", action="store_true",
                        help="no TLS and no SuperNode authentication (never across machines)")
     local.set_defaults(func=_cmd_deploy_local)
+
+    config = where.add_parser("config", help="the run config file for `flwr run` against a "
+                                             "SuperLink of your own (real machines)")
+    _add_settings_arguments(config)
+    config.add_argument("--out", required=True,
+                        help="run directory on the machine that runs the ServerApp")
+    config.add_argument("--write", default=None, help="write the TOML here (default: stdout)")
+    config.set_defaults(func=_cmd_deploy_config)

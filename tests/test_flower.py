@@ -306,3 +306,17 @@ def test_stateful_algorithms_run_on_flower_like_the_simulation(tmp_path, algorit
     rows = client_accuracies(algo, sim.weights, sim.states, clients, seed=config.seed)
     assert [c[algorithm] for c in record["evaluation"]["clients"]] == [r["accuracy"]
                                                                       for r in rows]
+
+
+def test_deploy_config_writes_the_run_config_flwr_run_takes(tmp_path, capsys):
+    import tomllib
+
+    from export.cli import main
+
+    target = tmp_path / "run.toml"
+    assert main(["deploy", "config", "--clients", "4", "--rounds", "3", "--algorithm", "ditto",
+                 "--out", str(tmp_path / "run"), "--write", str(target)]) == 0
+    settings = FlowerSettings.from_run_config(tomllib.loads(target.read_text()))
+    assert (settings.algorithm, settings.run.clients, settings.run.training.rounds) == (
+        "ditto", 4, 3)
+    assert settings.run_dir == str(tmp_path / "run")

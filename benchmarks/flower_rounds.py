@@ -1,0 +1,170 @@
+"""Flower versus the in-process simulation for the same work: one configuration trained by
+`knnper train` (the simulation) and by `knnper deploy local` (a SuperLink and one SuperNode per
+client on loopback, TLS and SuperNode authentication), compared on time per round, bytes per
+round, the final weights and the accuracies (`knnper evaluate` on both run directories, and the
+Flower run's own federated evaluation).
+
+Resumable: each engine's run directory resumes from its checkpoints, and a finished one is not
+trained again. Writes RESULTS/rounds_TAG.csv (one row per engine and round), RESULTS/TAG.json
+(everything, with the command and the machine) and adds TAG's row to RESULTS/summary.csv and
+summary.md.
+
+    python benchmarks/flower_rounds.py --tag digits-10 --dataset digits --clients 10 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import _common
+import numpy as np
+
+from fed_train.algorithms.base import TrainingConfig, get_weights
+from fed_train.cli import evaluate_run
+from fed_train.deploy import LocalFederation, deploy_local
+from fed_train.flower.settings import FlowerSettings
+from fed_train.run import RunConfig, load_run, train
+
+log = logging.getLogger("benchmarks.flower")
+
+SUMMARY_COLUMNS = (
+    "tag", "dataset", "clients", "rounds", "max_train", "sim_s_per_round", "flower_s_per_round",
+    "flower_over_sim", "payload_bytes_per_round", "superlink_bytes_total",
+    "superlink_bytes_per_round", "sim_fedavg_seen", "flower_fedavg_seen", "sim_knnper_seen",
+    "flower_knnper_seen", "federated_knnper_seen", "max_abs_weight_diff",
+    "max_abs_knnper_client_diff", "load_before", "load_after")
+MARKDOWN = (("tag", "run", ""), ("clients", "clients", ""), ("rounds", "rounds", ""),
+            ("sim_s_per_round", "simulation s/round", ".1f"),
+            ("flower_s_per_round", "Flower s/round", ".1f"), ("flower_over_sim", "ratio", ".1f"),
+            ("payload_bytes_per_round", "weights bytes/round", ".3g"),
+            ("superlink_bytes_per_round", "SuperLink bytes/round", ".3g"),
+            ("sim_fedavg_seen", "FedAvg sim %", ".2f"), ("flower_fedavg_seen", "FedAvg Flower %",
+                                                        ".2f"),
+            ("sim_knnper_seen", "kNN-Per sim %", ".2f"),
+            ("federated_knnper_seen", "kNN-Per federated %", ".2f"),
+            ("max_abs_weight_diff", "max weight diff", ".3g"),
+            ("load_before", "load (1 min) before", ".1f"),
+            ("load_after", "after", ".1f"))
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def _load() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tag", required=True, help="name of this configuration in the results")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--data", default=None)
+    p.add_argument("--max-train", type=int, default=None)
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--unseen-fraction", type=float, default=0.2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--round-timeout", type=float, default=600.0)
+    p.add_argument("--work", type=Path, default=Path("runs/flower_bench"),
+                   help="run directories (not committed)")
+    p.add_argument("--results", type=Path,
+                   default=_common.REPO / "benchmarks" / "results" / "flower")
+    args = p.parse_args()
+    _common.setup_logging()
+    _common.limit_threads(1)
+    load_before = _load()
+    config = RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
+                       clients=args.clients, unseen_fraction=args.unseen_fraction,
+                       seed=args.seed, checkpoint_every=1,
+                       training=TrainingConfig(rounds=args.rounds, epochs=args.local_epochs,
+                                               batch_size=args.batch_size, lr=args.lr,
+                                               momentum=args.momentum, milestones=(0.75,)))
+    work = args.work / args.tag
+    sim_dir, flower_dir = work / "simulation", work / "flower"
+
+    start = time.perf_counter()
+    train(config, sim_dir, progress=False)
+    log.info("simulation done in %.0f s", time.perf_counter() - start)
+    record_path = flower_dir / "flower.json"
+    finished = record_path.is_file() and json.loads(record_path.read_text()).get(
+        "superlink_run", {}).get("status") == "finished:completed"
+    if not finished:
+        start = time.perf_counter()
+        settings = FlowerSettings(run=config, run_dir=str(flower_dir),
+                                  round_timeout=args.round_timeout, connect_timeout=600.0)
+        deploy_local(settings, LocalFederation(clients=args.clients, startup_timeout=120.0))
+        log.info("Flower run done in %.0f s", time.perf_counter() - start)
+    record = json.loads(record_path.read_text())
+
+    sim_run, flower_run = load_run(sim_dir), load_run(flower_dir)
+    sim_eval = evaluate_run(sim_run, ["fedavg", "knnper"], progress=False)
+    flower_eval = evaluate_run(flower_run, ["fedavg", "knnper"], progress=False)
+    federated = record["evaluation"]
+    sim_w, flower_w = get_weights(sim_run.model), get_weights(flower_run.model)
+    weight_diff = max(float(np.max(np.abs(sim_w[k].astype(np.float64) - flower_w[k])))
+                      for k in sim_w)
+    by_client = {c["client_id"]: c for c in flower_eval["clients"]}
+    client_diff = max(abs(c["knnper"] - by_client[c["client_id"]]["knnper"])
+                      for c in federated["clients"] if c["knnper"] is not None)
+
+    rounds = []
+    for engine, run_dir in (("simulation", sim_dir), ("flower", flower_dir)):
+        for row in _rows(run_dir):
+            rounds.append({"engine": engine, **row})
+    _common.write_csv(args.results / f"rounds_{args.tag}.csv", rounds,
+                      ("engine", "round", "clients", "seconds", "bytes_down", "bytes_up",
+                       "train_loss", "lr"))
+    flower_rounds = [r for r in rounds if r["engine"] == "flower"]
+    sim_s = float(np.mean([r["seconds"] for r in rounds if r["engine"] == "simulation"]))
+    flower_s = float(np.mean([r["seconds"] for r in flower_rounds]))
+    traffic = record["superlink_run"]["network-traffic"]["total-bytes"]
+    summary = {
+        "tag": args.tag, "dataset": args.dataset, "clients": args.clients,
+        "rounds": args.rounds, "max_train": args.max_train, "sim_s_per_round": sim_s,
+        "flower_s_per_round": flower_s, "flower_over_sim": flower_s / sim_s,
+        "payload_bytes_per_round": float(np.mean([r["bytes_down"] + r["bytes_up"]
+                                                  for r in flower_rounds])),
+        "superlink_bytes_total": traffic,
+        # queries and the evaluation travel too: the whole run's traffic over its rounds
+        "superlink_bytes_per_round": traffic / args.rounds,
+        "sim_fedavg_seen": 100 * sim_eval["seen"]["fedavg"]["mean"],
+        "flower_fedavg_seen": 100 * flower_eval["seen"]["fedavg"]["mean"],
+        "sim_knnper_seen": 100 * sim_eval["seen"]["knnper"]["mean"],
+        "flower_knnper_seen": 100 * flower_eval["seen"]["knnper"]["mean"],
+        "federated_knnper_seen": 100 * federated["seen"]["knnper"]["mean"],
+        "max_abs_weight_diff": weight_diff, "max_abs_knnper_client_diff": client_diff,
+        "load_before": load_before, "load_after": _load(),
+    }
+    _common.write_json(args.results / f"{args.tag}.json", {
+        "command": _common.command_line(), "machine": _common.machine_info(),
+        "summary": summary, "simulation_evaluation": sim_eval,
+        "flower_evaluation": flower_eval, "federated_evaluation": federated,
+        "superlink_run": record["superlink_run"]})
+    summary_path = args.results / "summary.csv"
+    rows = []
+    if summary_path.is_file():
+        with open(summary_path) as f:
+            rows = [r for r in csv.DictReader(f) if r["tag"] != args.tag]
+    rows.append(summary)
+    _common.write_csv(summary_path, rows, SUMMARY_COLUMNS)
+    numeric = [{k: (float(v) if k not in ("tag", "dataset") and v not in ("", None) else v)
+                for k, v in r.items()} for r in rows]
+    (args.results / "summary.md").write_text(_common.markdown_table(numeric, MARKDOWN) + "\n")
+    print(_common.markdown_table([summary], MARKDOWN))
+
+
+if __name__ == "__main__":
+    main()
