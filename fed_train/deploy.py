@@ -312,6 +312,20 @@ def _cmd_deploy_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_deploy_certs(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise DeployError(f"{out} is not empty; certificates and keys are never overwritten")
+    tls = make_server_tls(out, args.host)
+    print(f"wrote {tls.ca_cert} (give it to every SuperNode), {tls.cert} and {tls.key} (for "
+          f"the SuperLink on {args.host} only)")
+    for i in range(args.supernode_keys):
+        key = make_node_key(out / "supernodes", f"supernode-{i}")
+        print(f"wrote {key.private} (for SuperNode {i} only) and {key.public} (register it: "
+              f"flwr supernode register {key.public} SUPERLINK)")
+    return 0
+
+
 def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
     from fed_train.cli import _fraction, _positive_float, _positive_int, add_training_arguments
     from fed_train.defaults import CHECKPOINT_EVERY
@@ -360,3 +374,12 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
                         help="run directory on the machine that runs the ServerApp")
     config.add_argument("--write", default=None, help="write the TOML here (default: stdout)")
     config.set_defaults(func=_cmd_deploy_config)
+
+    certs = where.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode "
+                                           "key pairs for a federation across machines")
+    certs.add_argument("--host", required=True,
+                       help="the SuperLink's address as SuperNodes reach it (DNS name or IP)")
+    certs.add_argument("--supernode-keys", type=int, default=0,
+                       help="SuperNode authentication key pairs to make")
+    certs.add_argument("--out", required=True, help="an empty or new directory")
+    certs.set_defaults(func=_cmd_deploy_certs)

@@ -320,3 +320,23 @@ def test_deploy_config_writes_the_run_config_flwr_run_takes(tmp_path, capsys):
     assert (settings.algorithm, settings.run.clients, settings.run.training.rounds) == (
         "ditto", 4, 3)
     assert settings.run_dir == str(tmp_path / "run")
+
+
+def test_deploy_certs_writes_private_keys_for_their_owner_only_and_never_overwrites(tmp_path,
+                                                                                  capsys):
+    from cryptography import x509
+
+    from export.cli import main
+
+    out = tmp_path / "pki"
+    assert main(["deploy", "certs", "--host", "fl.example.org", "--supernode-keys", "1",
+                 "--out", str(out)]) == 0
+    cert = x509.load_pem_x509_certificate((out / "server.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["fl.example.org"]
+    for private in (out / "server.key", out / "supernodes" / "supernode-0"):
+        assert private.stat().st_mode & 0o077 == 0
+    before = (out / "server.key").read_bytes()
+    assert main(["deploy", "certs", "--host", "other", "--out", str(out)]) == 2
+    assert "never overwritten" in capsys.readouterr().err
+    assert (out / "server.key").read_bytes() == before
