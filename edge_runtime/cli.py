@@ -318,7 +318,7 @@ def cmd_info(args) -> int:
         f"classes       {m['num_classes']}",
         f"embedding     {m['embedding_dim']}",
         f"kNN           k={m['k']} sigma={m['sigma']:g} lambda={m['lambda']:g}",
-        f"datastore     {m['backend']['recipe']}, {len(rt.datastore)} stored",
+        f"datastore     {m['backend']['recipe']}, {_stored(rt.datastore)}",
         f"update        {m['update_strategy']}",
         f"footprint     {fp['total']} of {m['budget_bytes']} bytes (encoder {fp['encoder']}, "
         f"datastore {fp['datastore']})",
@@ -336,6 +336,12 @@ def cmd_export_onnx(args) -> int:
     written = write_portable(_runtime(args), args.out, keys_as_inputs=args.keys_as_inputs)
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _stored(datastore) -> str:
+    if datastore.backend == "protonn":
+        return f"{len(datastore)} prototypes + {len(datastore.sample_store())} buffered samples"
+    return f"{len(datastore)} stored"
 
 
 def cmd_keygen(args) -> int:

@@ -12,6 +12,9 @@ else the number of samples stored when the bundle was loaded:
 - concatenate: add everything; if the files would exceed the bundle's budget, evict the oldest
   until they fit and log a warning saying so. The recipe's n grows with the datastore.
 - fixed: the datastore stays as it is (inputs are still checked).
+The samples a strategy adds to and evicts from are the datastore's `sample_store()`: a flat or
+HNSW datastore's stored samples, or a ProtoNN datastore's buffer of new samples beside its
+prototypes (capacity: the recipe's b<count>; its prototypes are never evicted).
 
 Several processes may share one bundle: `add` holds the bundle's exclusive lock from checking
 that the manifest on disk is still the one this runtime loaded to committing the next one, so no
