@@ -39,6 +39,7 @@ from typing import Any
 import _common as C
 import numpy as np
 
+from edge_runtime.encoder import optimize_encoder
 from edge_runtime.preprocess import prepare_input
 from export.sizing import measure_nbytes
 
@@ -96,6 +97,7 @@ report(load_s=load_s, predict_s=time.perf_counter() - t0, shape=list(p.shape))
 CHILD_TORCH_MODEL = _REPORT + """
 import numpy as np
 import torch
+from edge_runtime.encoder import optimize_encoder
 from edge_runtime.preprocess import prepare_input
 from fed_train.models import build_model
 spec, inputs, threads = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
@@ -218,6 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         calib = prepare_input(C.images(gm.dataset, pool_idx[:64 if args.smoke else 256]), spec)
         encoder = C.export_encoder(gm.model, calib, work / "encoder", encoder=args.encoder)
+        shipped = encoder.with_name("encoder_optimized.onnx")  # as the exporter ships it
+        shipped.write_bytes(optimize_encoder(encoder.read_bytes()))
+        encoder = shipped
         for size in args.sizes:
             z, y = C.replicate_keys(z_pool, y_pool, size, noise=args.noise, seed=args.seed)
             for recipe in args.recipes:
