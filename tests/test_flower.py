@@ -340,3 +340,22 @@ def test_deploy_certs_writes_private_keys_for_their_owner_only_and_never_overwri
     assert main(["deploy", "certs", "--host", "other", "--out", str(out)]) == 2
     assert "never overwritten" in capsys.readouterr().err
     assert (out / "server.key").read_bytes() == before
+
+
+def test_a_client_sending_another_models_weights_is_refused_by_the_server(tmp_path):
+    settings = _settings(tmp_path / "run")
+
+    class TamperingGrid(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = super().send_and_receive(messages, timeout=timeout)
+            for reply in replies:
+                if reply.metadata.src_node_id == 101 and reply.metadata.message_type == "train":
+                    spec = ModelSpec.from_record(messages[0].content["model"])
+                    reply.content["arrays"] = to_array_record(
+                        ModelSpec(spec.name, 3, spec.input_spec).shapes())
+            return replies
+
+    grid = TamperingGrid(settings.to_run_config(), _nodes())
+    with pytest.raises(FederationError, match=r"client 1: unusable reply: client 1 sent "
+                                              r"classifier\.\w+ with shape \(3"):
+        train_and_evaluate(grid, settings)

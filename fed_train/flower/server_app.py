@@ -43,14 +43,16 @@ def find_clients(grid: Grid, settings: FlowerSettings, spec: ModelSpec,
     asked: set[int] = set()
     while len(node_of) < clients:
         new = [n for n in grid.get_node_ids() if n not in asked]
-        if len(asked) + len(new) < clients and time.monotonic() < deadline:
-            time.sleep(POLL_SECONDS)
-            continue
-        if not new and time.monotonic() >= deadline:
-            missing = sorted(set(range(clients)) - set(node_of))
-            raise FederationError(f"after {settings.connect_timeout:g} s no SuperNode serves "
-                                  f"client(s) {missing} (start them with --node-config "
-                                  "'partition-id=N num-partitions=M')")
+        if not new or len(asked) + len(new) < clients:  # wait until every client can be there
+            if time.monotonic() < deadline:
+                time.sleep(POLL_SECONDS)
+                continue
+            if not new:
+                missing = sorted(set(range(clients)) - set(node_of))
+                raise FederationError(f"after {settings.connect_timeout:g} s no SuperNode "
+                                      f"serves client(s) {missing} (start them with "
+                                      "--node-config 'partition-id=N num-partitions=M')")
+            # past the deadline: ask the nodes that are there, so the error names who is missing
         asked.update(new)
         queries = [Message(RecordDict({"model": spec.to_record()}), dst_node_id=n,
                            message_type=MessageType.QUERY) for n in new]

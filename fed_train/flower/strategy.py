@@ -85,6 +85,19 @@ class KnnperStrategy(Strategy):
                                    "round": server_round})}, server_round)
                 for node, cid in self._sent.items()]
 
+    def _train_result(self, cid: int, reply: Message) -> ClientResult:
+        """A reply checked before it is aggregated: weight shapes and the sample count (n_m
+        weighs the client's model, so it must be the partition's, not what a client claims)."""
+        weights = to_weights(reply.content["arrays"])
+        check_shapes(weights, self.model_weights, sender=f"client {cid}")
+        metrics = reply.content["metrics"]
+        reported = int(metrics["num-examples"])
+        if reported != self.num_train[cid]:
+            raise ValueError(f"it reports {reported} training samples, the partition gives it "
+                             f"{self.num_train[cid]}")
+        return ClientResult(weights, reported, dict(reply.content["state"]),
+                            float(metrics["train-loss"]))
+
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
         results: dict[int, ClientResult] = {}
         failed: dict[int, str] = {}
@@ -96,17 +109,12 @@ class KnnperStrategy(Strategy):
             if reply.has_error():
                 failed[cid] = reply_error(reply)
                 continue
-            record = reply.content["arrays"]
-            bytes_up += record.count_bytes()
-            weights = to_weights(record)
-            check_shapes(weights, self.model_weights, sender=f"client {cid}")
-            metrics = reply.content["metrics"]
-            reported = int(metrics["num-examples"])
-            if reported != self.num_train[cid]:
-                raise FederationError(f"client {cid} reports {reported} training samples, the "
-                                      f"partition gives it {self.num_train[cid]}")
-            results[cid] = ClientResult(weights, reported, dict(reply.content["state"]),
-                                        float(metrics["train-loss"]))
+            try:
+                results[cid] = self._train_result(cid, reply)
+            except (KeyError, TypeError, ValueError) as err:  # a client's fault: it is dropped
+                failed[cid] = f"unusable reply: {err}"
+                continue
+            bytes_up += reply.content["arrays"].count_bytes()
         silent = sorted(set(self._sent.values()) - set(results) - set(failed))
         skipped = sorted(set(self._sampled) - set(self._sent.values()))
         self.lost.update(silent, failed)
@@ -151,8 +159,13 @@ class KnnperStrategy(Strategy):
             if reply.has_error():
                 failed.append(f"client {cid}: {reply_error(reply)}")
                 continue
-            for method, row in reply.content["rows"].items():
-                per_method.setdefault(method, []).append(json.loads(str(row)))
+            try:
+                rows = {m: json.loads(str(row)) for m, row in reply.content["rows"].items()}
+            except (KeyError, TypeError, ValueError) as err:
+                failed.append(f"client {cid}: unusable reply: {err}")
+                continue
+            for method, row in rows.items():
+                per_method.setdefault(method, []).append({**row, "client_id": cid})
         answered = {r["client_id"] for rows in per_method.values() for r in rows}
         missing = sorted(set(self.node_of) - answered)
         if failed or missing:
