@@ -102,7 +102,7 @@ def deployed(tmp_path_factory):
     root = tmp_path_factory.mktemp("deploy")
     run = root / "run"
     command = [*KNNPER, "--threads", "1", "--no-progress", "deploy", "local", *TRAINING_FLAGS,
-               "--checkpoint-every", "1", "--min-train-clients", "2", "--round-timeout", "25",
+               "--checkpoint-every", "1", "--min-train-clients", "2", "--round-timeout", "45",
                "--out", str(run)]
     deploy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
