@@ -5,7 +5,9 @@ Where they come from (validation only, never test): on Fashion-MNIST, Dirichlet 
 20 rounds, lr 0.02 with momentum 0.9 and one decay at 75% of the rounds reached a pooled
 validation accuracy of 0.838 for the global model, against 0.780 for lr 0.01 with decays at 50%
 and 75% (BENCHMARKS.md, "How the learning-rate schedule was chosen"); the earlier defaults (lr
-0.05, no momentum) gave FedAvg 74.9% test accuracy where these give 82.8%.
+0.05, no momentum) gave FedAvg 74.9% test accuracy where these give 82.8%. The demo keeps the
+learning rate, momentum, batch size and schedule and trains longer (its digits clients hold
+about 60 samples each: export/demo.py says how long and why).
 
 One torch thread: the models here are small enough that a second intra-op thread costs more in
 synchronisation than it saves (measured by benchmarks/thread_count.py, figures in BENCHMARKS.md).
