@@ -202,3 +202,12 @@ def test_bad_deploy_configuration_fails_before_any_process_starts(tmp_path, caps
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (run / "flower_logs").exists()
+
+
+def test_knnper_export_works_on_the_flower_run(deployed, tmp_path):
+    run, _, _ = deployed
+    out = tmp_path / "bundles"
+    subprocess.run([*KNNPER, "--threads", "1", "--no-progress", "export", str(run), "--out",
+                    str(out), "--budget", "1M", "--backend", "flat", "--clients", "0",
+                    "--workers", "1"], check=True, timeout=300, capture_output=True)
+    assert (out / "client_0000" / "manifest.json").is_file()
