@@ -17,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -245,10 +246,12 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[
         tls = make_server_tls(work / "pki", HOST) if not federation.insecure else None
         port = start_superlink(procs, tls, federation.superlink_port or free_port(),
                                federation.startup_timeout)
-        for i in range(federation.clients):
-            key = make_node_key(work / "pki", f"supernode-{i}") if tls else None
-            if key is not None:
-                register_supernode(procs, key)
+        keys = [make_node_key(work / "pki", f"supernode-{i}") if tls else None
+                for i in range(federation.clients)]
+        if tls:  # one `flwr` process per key, a few at a time: each spends seconds starting
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                list(pool.map(lambda key: register_supernode(procs, key), keys))
+        for i, key in enumerate(keys):
             start_supernode(procs, f"supernode-{i}", port, tls, key,
                             f"partition-id={i} num-partitions={federation.clients}")
         run_toml = work / "run.toml"

@@ -175,8 +175,8 @@ def test_stopping_deploy_stops_every_process(tmp_path):
                               stderr=subprocess.STDOUT, text=True)
     try:
         pids = run / "flower_logs" / "processes.json"
-        _wait_for(lambda: pids.is_file() and "supernode-2" in pids.read_text(), 120,
-                  "the SuperNodes to start")
+        _wait_for(lambda: pids.is_file() and "supernode-0" in pids.read_text(), 120,
+                  "a SuperNode to start")
         deploy.send_signal(signal.SIGINT)
         output, _ = deploy.communicate(timeout=60)
     finally:
