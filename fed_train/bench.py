@@ -34,15 +34,7 @@ from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
 from fed_train.attribution import BODIES, attribution_table, body_rows, format_attribution
 from fed_train.errors import KnnperError, TrainingError
 from fed_train.evaluation import merge_results, plain_json, summarize
-from fed_train.knn_tuning import (
-    KNNConfig,
-    client_rows,
-    client_views,
-    compare_lambda_estimators,
-    lambda_report,
-    pick_estimator,
-    select_config,
-)
+from fed_train.knn_tuning import KNNConfig, choose_knn
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
 from fed_train.run import (
@@ -197,27 +189,18 @@ class TableRunner:
 
     def _knn_choice(self, lr: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """kNN-Per's hyper-parameters at this learning rate and the record of how they were
-        chosen: k, sigma and normalisation on pooled validation, the lambda estimator by
-        cross-validation inside the validation splits when it is "auto"."""
+        chosen (see knn_tuning.choose_knn)."""
         hyper = dict(self.hyper.get("knnper", {}))
+        if self.tune_knn and hyper.get("capacity", 1.0) != 1.0:
+            raise BenchError("--tune-knn chooses on full datastores: use --capacity 1")
         training = replace(self.config.training, lr=lr)
         fedavg = build_algorithm("fedavg", self.model_fn, training)
-        views = client_views(fedavg.global_model(self.train("fedavg", training).weights),
-                             self.clients)
-        if self.tune_knn:
-            if hyper.get("capacity", 1.0) != 1.0:
-                raise BenchError("--tune-knn chooses on full datastores: use --capacity 1")
-            config, scores = select_config(views)
-        else:
-            config = KNNConfig(hyper.get("k", 10), hyper.get("sigma", 1.0),
-                               hyper.get("normalize", "none"))
-            scores = []
-        cv = compare_lambda_estimators(views, config, seed=self.config.seed)
-        estimator = pick_estimator(cv) if self.lambda_estimator == "auto" else self.lambda_estimator
-        oracle = client_rows(views, config, estimator=estimator)
-        record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv,
-                  "estimator": estimator, "lambda_report": lambda_report(oracle),
-                  "oracle_rows": oracle}
+        fixed = KNNConfig(hyper.get("k", 10), hyper.get("sigma", 1.0),
+                          hyper.get("normalize", "none"))
+        config, estimator, record = choose_knn(
+            fedavg.global_model(self.train("fedavg", training).weights), self.clients,
+            tune=self.tune_knn, fixed=fixed, estimator=self.lambda_estimator,
+            seed=self.config.seed)
         return {**hyper, **config.to_dict(), "lambda_estimator": estimator}, record
 
     def rows(self, method: str, lr: float, *,

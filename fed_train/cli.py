@@ -14,13 +14,16 @@ from typing import Any
 
 import torch
 
+from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import TrainingConfig, get_weights
+from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
 from fed_train.bench import add_bench_command
 from fed_train.client_files import write_client_files
 from fed_train.errors import KnnperError
 from fed_train.evaluation import client_accuracies, format_table, merge_results
+from fed_train.knn_tuning import KNNConfig, choose_knn
 from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import LoadedRun, RunConfig, load_run, train
 
@@ -139,12 +142,14 @@ def _local_cache_key(run: LoadedRun) -> dict[str, Any]:
 
 
 def evaluate_run(run: LoadedRun, methods: Sequence[str], *, k: int = 10, sigma: float = 1.0,
-                 capacity: float = 1.0, progress: bool = True) -> dict[str, Any]:
+                 capacity: float = 1.0, normalize: str = "none", tune_knn: bool = False,
+                 lambda_estimator: str = "val", progress: bool = True) -> dict[str, Any]:
     """Local, FedAvg and kNN-Per on every client of a finished run. Local models take as long to
     train as the run itself, so their per-client results are cached in RUN/eval/local.json."""
     clients = run.clients()
     weights = get_weights(run.model)
     per_method: dict[str, list[dict[str, Any]]] = {}
+    knn_record = None
     for method in methods:
         if method not in EVAL_METHODS:
             raise KnnperError(f"unknown method {method!r} for evaluate; known: "
@@ -155,7 +160,10 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, k: int = 10, sigma: 
             if cached.get("key") == _local_cache_key(run):
                 per_method[method] = cached["rows"]
                 continue
-        hyper = {"k": k, "sigma": sigma, "capacity": capacity} if method == "knnper" else {}
+        hyper: dict[str, Any] = {}
+        if method == "knnper":
+            hyper, knn_record = _knn_hyper(run, clients, k, sigma, capacity, normalize, tune_knn,
+                                           lambda_estimator)
         algorithm = build_algorithm(method, run.model_factory(), run.config.training, **hyper)
         rows = client_accuracies(algorithm, weights, {}, clients, seed=run.config.seed,
                                  progress=progress)
@@ -163,7 +171,27 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, k: int = 10, sigma: 
         if method == "local":
             cache.parent.mkdir(exist_ok=True)
             cache.write_text(json.dumps({"key": _local_cache_key(run), "rows": rows}))
-    return merge_results(per_method)
+    result = merge_results(per_method)
+    if knn_record is not None:
+        result["knn"] = knn_record
+    return result
+
+
+def _knn_hyper(run: LoadedRun, clients: list, k: int, sigma: float, capacity: float,
+               normalize: str, tune: bool, estimator: str) -> tuple[dict[str, Any], dict | None]:
+    """kNN-Per's settings: as given, or chosen on validation (`tune`, estimator "auto"), the
+    same way `bench table --tune-knn` chooses them."""
+    hyper = {"k": k, "sigma": sigma, "capacity": capacity, "normalize": normalize,
+             "lambda_estimator": estimator}
+    if not tune and estimator != "auto":
+        return hyper, None
+    if tune and capacity != 1.0:
+        raise KnnperError("--tune-knn chooses on full datastores: use --capacity 1")
+    config, chosen, record = choose_knn(run.model, clients, tune=tune,
+                                        fixed=KNNConfig(k, sigma, normalize),
+                                        estimator=estimator, seed=run.config.seed)
+    record.pop("oracle_rows")
+    return {**hyper, **config.to_dict(), "lambda_estimator": chosen}, record
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -183,7 +211,12 @@ def _report(result: dict[str, Any], json_path: str | None) -> None:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     run = load_run(args.run)
     result = evaluate_run(run, args.methods, k=args.k, sigma=args.sigma, capacity=args.capacity,
-                          progress=not args.no_progress)
+                          normalize=args.normalize, tune_knn=args.tune_knn,
+                          lambda_estimator=args.lambda_estimator, progress=not args.no_progress)
+    if "knn" in result:
+        c = result["knn"]["config"]
+        print(f"kNN-Per: k={c['k']}, sigma={c['sigma']:g}, embeddings {c['normalize']}, "
+              f"lambda by {result['knn']['estimator']} (chosen on validation)")
     _report(result, args.json)
     return 0
 
@@ -260,6 +293,15 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                    help="kernel width of the kNN head")
     p.add_argument("--capacity", type=_fraction, default=1.0,
                    help="fraction of each client's train split kept in its datastore")
+    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
+                   help="embedding normalisation before the kNN (without --tune-knn)")
+    p.add_argument("--tune-knn", action="store_true",
+                   help="choose k, sigma and the normalisation on the pooled validation splits "
+                   "of the seen clients (replaces --k, --sigma, --normalize)")
+    p.add_argument("--lambda-estimator", choices=(*LAMBDA_ESTIMATORS, "auto"), default="val",
+                   help="each client's lambda: on its validation split, on it plus leave-one-out "
+                   "posteriors of its datastore, or whichever wins 2-fold cross-validation "
+                   "inside the validation splits")
     p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
                    help=f"any of {', '.join(EVAL_METHODS)}")
     p.add_argument("--json", default=None, help="write summaries and per-client rows here")

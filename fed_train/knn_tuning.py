@@ -265,3 +265,21 @@ def lambda_report(rows: Sequence[dict[str, Any]]) -> dict[str, float | int]:
             "honest_mean": float(np.average(honest, weights=w)),
             "oracle_mean": float(np.average(oracle, weights=w)),
             "cost_pp": float(100 * (np.average(oracle, weights=w) - np.average(honest, weights=w)))}
+
+
+def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *, tune: bool,
+               fixed: KNNConfig | None = None, estimator: str = "val",
+               seed: int = 0) -> tuple[KNNConfig, str, dict[str, Any]]:
+    """kNN-Per's configuration on a trained global model: k, sigma and normalisation chosen on
+    pooled validation when `tune` (else `fixed`), the lambda estimator by cross-validation
+    inside the validation splits when `estimator` is "auto". Returns the configuration, the
+    estimator and a record of the choice, with each client's honest and test-oracle lambda (for
+    the report; nothing chosen depends on test labels)."""
+    views = client_views(model, clients)
+    config, scores = select_config(views) if tune else (fixed or KNNConfig(), [])
+    cv = compare_lambda_estimators(views, config, seed=seed)
+    chosen = pick_estimator(cv) if estimator == "auto" else estimator
+    oracle = client_rows(views, config, estimator=chosen)
+    record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv, "estimator": chosen,
+              "lambda_report": lambda_report(oracle), "oracle_rows": oracle}
+    return config, chosen, record
