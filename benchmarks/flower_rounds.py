@@ -160,7 +160,8 @@ def main() -> None:
             rows = [r for r in csv.DictReader(f) if r["tag"] != args.tag]
     rows.append(summary)
     _common.write_csv(summary_path, rows, SUMMARY_COLUMNS)
-    numeric = [{k: (float(v) if k not in ("tag", "dataset") and v not in ("", None) else v)
+    numeric = [{k: (v if k in ("tag", "dataset") or v in ("", None)
+                    else int(v) if k in ("clients", "rounds") else float(v))
                 for k, v in r.items()} for r in rows]
     (args.results / "summary.md").write_text(_common.markdown_table(numeric, MARKDOWN) + "\n")
     print(_common.markdown_table([summary], MARKDOWN))
