@@ -18,6 +18,9 @@ import argparse
 import csv
 import json
 import logging
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,8 @@ SUMMARY_COLUMNS = (
     "flower_over_sim", "payload_bytes_per_round", "superlink_bytes_total",
     "superlink_bytes_per_round", "sim_fedavg_seen", "flower_fedavg_seen", "sim_knnper_seen",
     "flower_knnper_seen", "federated_knnper_seen", "max_abs_weight_diff",
-    "max_abs_knnper_client_diff", "load_before", "load_after")
+    "max_abs_knnper_client_diff", "clientapp_import_cpu_s", "clientapp_import_wall_s",
+    "load_before", "load_after")
 MARKDOWN = (("tag", "run", ""), ("clients", "clients", ""), ("rounds", "rounds", ""),
             ("sim_s_per_round", "simulation s/round", ".1f"),
             ("flower_s_per_round", "Flower s/round", ".1f"), ("flower_over_sim", "ratio", ".1f"),
@@ -49,6 +53,7 @@ MARKDOWN = (("tag", "run", ""), ("clients", "clients", ""), ("rounds", "rounds",
             ("sim_knnper_seen", "kNN-Per sim %", ".2f"),
             ("federated_knnper_seen", "kNN-Per federated %", ".2f"),
             ("max_abs_weight_diff", "max weight diff", ".3g"),
+            ("clientapp_import_cpu_s", "ClientApp import CPU s", ".1f"),
             ("load_before", "load (1 min) before", ".1f"),
             ("load_after", "after", ".1f"))
 
@@ -60,6 +65,21 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def _load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
+    """What every ClientApp process pays before it trains: Python, torch, flwr and knnper
+    imported afresh (Flower starts one process per message). Median CPU and wall seconds."""
+    cpu, wall = [], []
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import fed_train.flower.client_app"], check=True,
+                       cwd=_common.REPO)
+        wall.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return {"cpu_s": float(np.median(cpu)), "wall_s": float(np.median(wall))}
 
 
 def main() -> None:
@@ -120,6 +140,7 @@ def main() -> None:
     client_diff = max(abs(c["knnper"] - by_client[c["client_id"]]["knnper"])
                       for c in federated["clients"] if c["knnper"] is not None)
 
+    imports = clientapp_import_cost()
     rounds = []
     for engine, run_dir in (("simulation", sim_dir), ("flower", flower_dir)):
         for row in _rows(run_dir):
@@ -146,6 +167,7 @@ def main() -> None:
         "flower_knnper_seen": 100 * flower_eval["seen"]["knnper"]["mean"],
         "federated_knnper_seen": 100 * federated["seen"]["knnper"]["mean"],
         "max_abs_weight_diff": weight_diff, "max_abs_knnper_client_diff": client_diff,
+        "clientapp_import_cpu_s": imports["cpu_s"], "clientapp_import_wall_s": imports["wall_s"],
         "load_before": load_before, "load_after": _load(),
     }
     _common.write_json(args.results / f"{args.tag}.json", {
