@@ -19,6 +19,7 @@ import csv
 import json
 import logging
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +104,8 @@ def main() -> None:
     p.add_argument("--results", type=Path,
                    default=_common.REPO / "benchmarks" / "results" / "flower")
     args = p.parse_args()
+    # `timeout` sends SIGTERM: let it unwind like Ctrl-C, so deploy stops every process it started
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     _common.setup_logging()
     _common.limit_threads(1)
     load_before = _load()
