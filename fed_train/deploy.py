@@ -8,6 +8,7 @@ were registered may join; `--insecure` turns both off."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ LOG_DIR = "flower_logs"
 STOP_SECONDS = 10.0  # SIGTERM grace before SIGKILL
 CLI_SECONDS = 120.0  # one `flwr` command (register, run, ls)
 POLL_SECONDS = 1.0
+PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 
 
 class DeployError(KnnperError, RuntimeError):
@@ -62,6 +64,20 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float, name: st
     raise DeployError(f"{name} did not listen on {HOST}:{port} within {timeout:g} s")
 
 
+try:  # looked up here, not in the forked child, where only async-signal-safe work belongs
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends SIGTERM to this child when the deploying process dies, even by
+    SIGKILL, so a killed `knnper deploy` cannot leave a federation running. Elsewhere the stop
+    in `finally` is the only guard."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @dataclass
 class Processes:
     """Every process the federation starts, each in its own session (process group), so that
@@ -76,7 +92,7 @@ class Processes:
         try:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
                                        stderr=subprocess.STDOUT, env=self.env,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             log_file.close()
         self.running[name] = process
