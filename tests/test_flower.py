@@ -359,3 +359,19 @@ def test_a_client_sending_another_models_weights_is_refused_by_the_server(tmp_pa
     with pytest.raises(FederationError, match=r"client 1: unusable reply: client 1 sent "
                                               r"classifier\.\w+ with shape \(3"):
         train_and_evaluate(grid, settings)
+
+
+def test_a_failed_flower_run_resumes_from_its_checkpoint_to_the_simulations_result(
+        flower_and_simulation, tmp_path):
+    settings = _settings(tmp_path / "run")
+    with pytest.raises(FederationError):  # client 0 vanishes after round 1: round 2 fails
+        train_and_evaluate(InProcessGrid(settings.to_run_config(), _nodes(),
+                                         dead_after={0: 2}), settings)
+    train_and_evaluate(InProcessGrid(settings.to_run_config(), _nodes()), settings)
+    root, _ = flower_and_simulation
+    resumed, sim = get_weights(load_run(tmp_path / "run").model), get_weights(
+        load_run(root / "sim").model)
+    for name, w in sim.items():
+        np.testing.assert_array_equal(resumed[name], w)
+    rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["round"] for r in rows] == [1, 2]
