@@ -71,7 +71,7 @@ def _claims(points: list[dict]) -> list[Claim]:
                     verdict(grows, len(alphas)))]
     if len(alphas) >= 2:
         ordered = [rises[a] for a in alphas]
-        monotone = all(x > y for x, y in zip(ordered, ordered[1:]))
+        monotone = all(x > y for x, y in zip(ordered, ordered[1:], strict=False))
         claims.append(Claim(
             "it grows faster for more heterogeneous clients (smaller alpha)",
             "rise from the smallest to the largest capacity: " + ", ".join(
