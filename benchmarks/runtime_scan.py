@@ -33,7 +33,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from edge_runtime.datastores import FlatDatastore
-from edge_runtime.knn import blockwise_topk, key_products
+from edge_runtime.knn import _BLOCK, blockwise_topk, key_products
 
 log = logging.getLogger("benchmarks.scan")
 
@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000, 100_000])
     p.add_argument("--dim", type=C.positive_int, default=128, help="embedding dimension")
     p.add_argument("--topk-sizes", type=C.positive_int, nargs="+",
-                   default=[500, 1000, 2000, 2560, 5000, 10_000, 20_000, 50_000, 100_000])
+                   default=[1000, 2000, 3000, 5000, 7000, 10_000, 20_000, 50_000, 100_000])
     p.add_argument("--reps", type=C.positive_int, default=200, help="timed calls per variant")
     p.add_argument("--memory-gib", type=float, default=1.0, help="array size of the read test")
     p.add_argument("--seed", type=int, default=0)
@@ -128,6 +128,8 @@ def scan_rows(args: argparse.Namespace, rng: np.random.Generator,
 def topk_rows(args: argparse.Namespace, rng: np.random.Generator) -> list[dict[str, Any]]:
     rows, k = [], 10
     for n in args.topk_sizes:
+        if n // _BLOCK < k:
+            continue  # too few blocks of distances for a blockwise top-k
         sq = rng.random((1, n)).astype(np.float32)
         t = medians({"argpartition": lambda sq=sq: np.argpartition(sq, k - 1, axis=1)[:, :k],
                      "blockwise": lambda sq=sq: blockwise_topk(sq, k)}, args.reps)
