@@ -19,7 +19,8 @@ def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, 
     """One row per client: its test accuracy under `algorithm`'s personalization and what was
     chosen for it."""
     rows = []
-    for client in tqdm(clients, desc=f"{algorithm.name} eval", disable=not progress):
+    # disable=None: a bar on a terminal only, no carriage returns in a log file
+    for client in tqdm(clients, desc=f"{algorithm.name} eval", disable=None if progress else True):
         personal = algorithm.personalize(weights, client, states.get(client.client_id, {}),
                                          client_seed(seed, 0, client.client_id,
                                                      PERSONALIZE_STREAM))

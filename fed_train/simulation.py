@@ -235,7 +235,8 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
     state = (open_run_log(run_dir, initial_weights) if run_dir is not None
              else SimulationResult(initial_weights, {}, 0))
     rounds = range(state.rounds_done, training.rounds)
-    for r in tqdm(rounds, desc=algorithm.name, disable=not progress, initial=state.rounds_done,
+    for r in tqdm(rounds, desc=algorithm.name, disable=None if progress else True,  # tty only
+                  initial=state.rounds_done,
                   total=training.rounds):
         start = time.perf_counter()
         lr = training.lr_at(r, training.rounds)
