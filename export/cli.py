@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.knn import NORMALIZATIONS
 from export.demo import add_demo_command
 from export.errors import BudgetError, ExportError
 from export.exporter import REPORT_FILE, ExportSettings, export_run, select_ids
@@ -64,6 +65,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clients", default="all", help="all, seen, unseen, or ids like 0,3,7")
     p.add_argument("--k", type=int, default=10, help="neighbours of the kNN head")
     p.add_argument("--sigma", type=float, default=1.0, help="kernel width of the kNN head")
+    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
+                   help="embedding normalisation before the kNN (what `evaluate --tune-knn` "
+                        "chose), built into the encoder's embedding output")
     p.add_argument("--update-strategy", default="fifo",
                    help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
                         "buffers new samples beside its prototypes)")
@@ -138,7 +142,8 @@ PER_CLIENT_TABLE_MAX = 20  # above this many clients, only the summary is printe
 
 def _cmd_export(args: argparse.Namespace) -> int:
     settings = ExportSettings(quantize=args.quantize, backend=args.backend, k=args.k,
-                              sigma=args.sigma, update_strategy=args.update_strategy,
+                              sigma=args.sigma, normalize=args.normalize,
+                              update_strategy=args.update_strategy,
                               seed=args.seed, signing_key=args.signing_key)
     if args.pruned_search:
         settings.space = settings.space.pruned()

@@ -20,6 +20,7 @@ import numpy as np
 
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
+from edge_runtime.knn import NORMALIZATIONS
 from edge_runtime.signing import load_private_key
 from export.client_export import (
     ClientTask,
@@ -58,6 +59,8 @@ class ExportSettings:
     backend: str = "auto"
     k: int = 10
     sigma: float = 1.0
+    # embedding normalisation before the kNN, baked into the encoder's "embedding" output
+    normalize: str = "none"
     update_strategy: str = "fifo"
     # share of a client's train samples a protonn bundle reserves room for, as its buffer of
     # samples learned on the device (none with update_strategy "fixed")
@@ -77,6 +80,9 @@ class ExportSettings:
         if self.update_strategy not in UPDATE_STRATEGIES:
             raise ExportError(f"unknown update strategy {self.update_strategy!r}; known: "
                               f"{', '.join(UPDATE_STRATEGIES)}")
+        if self.normalize not in NORMALIZATIONS:
+            raise ExportError(f"unknown embedding normalisation {self.normalize!r}; known: "
+                              f"{', '.join(NORMALIZATIONS)}")
         if self.k < 1 or not self.sigma > 0:
             raise ExportError(f"k must be >= 1 and sigma > 0, got k={self.k}, "
                               f"sigma={self.sigma}")
@@ -143,7 +149,7 @@ def build_encoder(run: LoadedRun, directory: Path, settings: ExportSettings,
     clients = run.clients() if clients is None else clients
     calibration = calibration_inputs(clients, settings.calibration_samples, settings.seed)
     fp32_path, path = directory / FP32_ENCODER_FILE, directory / ENCODER_FILE
-    diff = export_onnx(run.model, calibration, fp32_path)
+    diff = export_onnx(run.model, calibration, fp32_path, normalize=settings.normalize)
     if settings.quantize == "int8":
         quantize_int8(fp32_path, path, calibration)
     else:

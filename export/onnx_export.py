@@ -14,6 +14,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
+from edge_runtime.knn import NORMALIZATIONS, normalize_embeddings
 from export.errors import ExportError
 
 log = logging.getLogger(__name__)
@@ -26,19 +27,28 @@ FP32_TOLERANCE = 1e-4
 
 
 class EmbedLogits(nn.Module):
-    """(embed(x), head(embed(x))) as one graph, so the device gets both from a single run."""
+    """(embed(x), head(embed(x))) as one graph, so the device gets both from a single run. With
+    `normalize="l2"` the "embedding" output is L2-normalised in the graph (the logits still come
+    from the raw embedding): kNN-Per's chosen normalisation then needs nothing from the runtime,
+    the datastore's keys and the portable predictor included."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, normalize: str = "none") -> None:
         super().__init__()
+        if normalize not in NORMALIZATIONS:
+            raise ExportError(f"unknown embedding normalisation {normalize!r}; known: "
+                              f"{', '.join(NORMALIZATIONS)}")
         self.model = model
+        self.normalize = normalize
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         z = self.model.embed(x)
-        return z, self.model.head(z)
+        out = nn.functional.normalize(z, dim=1, eps=1e-12) if self.normalize == "l2" else z
+        return out, self.model.head(z)
 
 
 def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str | Path, *,
-                opset: int = DEFAULT_OPSET, atol: float = FP32_TOLERANCE) -> float:
+                opset: int = DEFAULT_OPSET, atol: float = FP32_TOLERANCE,
+                normalize: str = "none") -> float:
     """Write `model` as ONNX to `path` (one self-contained file, dynamic batch axis), validate it
     with onnx.checker and compare it with torch on `example` (a batch of prepared inputs);
     returns the largest absolute difference found.
@@ -52,7 +62,7 @@ def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str 
     example_t = torch.as_tensor(np.asarray(example))
     if example_t.ndim < 1 or example_t.shape[0] == 0:
         raise ExportError("export needs a non-empty example batch to trace the model")
-    wrapper = EmbedLogits(model).eval()
+    wrapper = EmbedLogits(model, normalize).eval()
     buffer = io.BytesIO()
     dynamic = {name: {0: "batch"} for name in (INPUT_NAME, *OUTPUT_NAMES)}
     try:
@@ -72,7 +82,7 @@ def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str 
         raise ExportError(f"the exported ONNX model is invalid: {err}") from err
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(buffer.getvalue())
-    diff = compare_with_torch(model, path, example)
+    diff = compare_with_torch(model, path, example, normalize)
     if not diff <= atol:
         raise ExportError(f"the ONNX model differs from torch by {diff:.3g} (> {atol:g}) on the "
                           "example batch; the exporter mistranslated an operator")
@@ -103,7 +113,7 @@ def run_onnx(path: str | Path | bytes, x: np.ndarray,
 
 
 def compare_with_torch(model: nn.Module, path: str | Path,
-                       x: np.ndarray | torch.Tensor) -> float:
+                       x: np.ndarray | torch.Tensor, normalize: str = "none") -> float:
     """Largest absolute difference between the ONNX file's outputs and torch's, both outputs."""
     x_np = np.asarray(x)
     z, logits = run_onnx(path, x_np)
@@ -111,4 +121,5 @@ def compare_with_torch(model: nn.Module, path: str | Path,
         model.eval()
         zt = model.embed(torch.as_tensor(x_np))
         lt = model.head(zt)
-    return float(max(np.abs(z - zt.numpy()).max(), np.abs(logits - lt.numpy()).max()))
+    expected = normalize_embeddings(zt.numpy(), normalize)
+    return float(max(np.abs(z - expected).max(), np.abs(logits - lt.numpy()).max()))

@@ -68,3 +68,33 @@ def test_runtime_input_is_the_raw_data_not_the_prepared_tensor(exported):
     runtime = Runtime.load(out / report["clients"][0]["bundle"])
     with pytest.raises(ValueError, match="dtype"):
         runtime.predict_proba(torch.zeros(1, 1, 8, 8).numpy())
+
+
+def test_l2_normalised_bundles_equal_server_side_knnper_with_l2(tmp_path):
+    """`export --normalize l2` puts the normalisation into the encoder's embedding output, so the
+    device computes KNNPer(normalize="l2") without any runtime change."""
+    from edge_runtime.knn import normalize_embeddings
+
+    config = RunConfig(dataset="digits", clients=4, seed=5,
+                       training=TrainingConfig(rounds=2, batch_size=16, lr=0.05, momentum=0.9))
+    train(config, tmp_path / "run", progress=False)
+    run = load_run(tmp_path / "run")
+    settings = ExportSettings(quantize="fp32", backend="flat", k=5, sigma=0.01, normalize="l2",
+                              space=SearchSpace(flat_dtypes=("fp32",)))
+    budgets = {c: 10**8 for c in range(len(run.partition.clients))}
+    report = export_run(run, tmp_path / "bundles", budgets, settings, progress=False)
+    clients = run.clients()
+    for row in report["clients"]:
+        runtime = Runtime.load(tmp_path / "bundles" / row["bundle"])
+        client = clients[row["client_id"]]
+        idx = run.partition.clients[row["client_id"]].test
+        z, _ = runtime.embed(run.dataset.x_test[idx])
+        np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, atol=1e-5)
+        z_train, _ = embed_and_logits(run.model, client.x_train)
+        head = KNNHead(run.dataset.num_classes, k=5, sigma=0.01).fit(
+            normalize_embeddings(z_train, "l2"), client.y_train.numpy())
+        z_test, logits = embed_and_logits(run.model, client.x_test)
+        server = interpolate(head.predict_proba(normalize_embeddings(z_test, "l2")),
+                             softmax(logits.astype(np.float64)), runtime.manifest["lambda"])
+        np.testing.assert_allclose(runtime.predict_proba(run.dataset.x_test[idx]), server,
+                                   atol=1e-5)
