@@ -91,3 +91,21 @@ def test_distribution_shift_smoke_updates_each_copy_by_its_strategy(tmp_path):
     assert all(0.0 <= float(r["mean_accuracy"]) <= 1.0 for r in curve)
     assert (out / "shift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "shift.png" in (out / "shift.md").read_text()
+
+
+def test_scan_smoke_measures_every_key_dtype_against_memory_speed(tmp_path):
+    out = run_smoke("runtime_scan.py", tmp_path)
+    rows = read_csv(out / "scan.csv")
+    assert {r["dtype"] for r in rows} == {"fp32", "fp16", "int8"}
+    by_dtype = {r["dtype"]: r for r in rows}
+    assert float(by_dtype["int8"]["bytes_vs_fp32"]) == 0.25
+    assert all(float(r["memory_gb_s"]) > 0 and float(r["scan_ms"]) > 0 for r in rows)
+    assert read_csv(out / "topk.csv")
+
+
+def test_start_smoke_times_start_and_batch_one(tmp_path):
+    out = run_smoke("runtime_start.py", tmp_path)
+    starts = read_csv(out / "start.csv")
+    assert [r["encoder"] for r in starts] == ["optimized at export", "not optimized"]
+    assert all(float(r["spawn_to_first_ms"]) > float(r["load_ms"]) > 0 for r in starts)
+    assert all(float(r["ratio"]) > 0 for r in read_csv(out / "batch1.csv"))
