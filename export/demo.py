@@ -9,6 +9,7 @@ Dirichlet split the global model is already near its ceiling and local memory ad
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -66,6 +67,7 @@ def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
     train(demo_config(size, seed), out, progress=progress)
     run = load_run(out)
     server = evaluate_run(run, EVAL_METHODS, progress=progress)
+    (out / "evaluation.json").write_text(json.dumps(server, indent=2))
     rows = [_server_row(name, server, method)
             for name, method in (("FedAvg", "fedavg"), ("Local", "local"),
                                  ("kNN-Per", "knnper"))]
