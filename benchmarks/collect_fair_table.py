@@ -5,6 +5,9 @@ of FedAvg's curve at each learning rate, to show whether the rounds reached a pl
 
     python benchmarks/collect_fair_table.py runs/fair/cifar10/table --name cifar10 \
         --pretrain runs/fair/cifar10/pretrain
+
+A `knnper train` run directory works too (its metrics.jsonl is FedAvg's curve); its `evaluate`
+JSON files (eval_*.json) are copied beside the curve.
 """
 
 from __future__ import annotations
@@ -25,10 +28,19 @@ FILES = ("table.md", "table1.csv", "table2.csv", "clients.csv", "results.json",
          "attribution.csv")
 
 
+def _run_of(metrics: Path, table: Path) -> tuple[str, float]:
+    """(method, initial learning rate) of a table's run folder or of a `knnper train` run."""
+    if metrics.parent == table:
+        config = json.loads((table / "config.json").read_text())
+        return "fedavg", float(config["training"]["lr"])
+    return metrics.parent.parent.name, float(metrics.parent.name[3:])
+
+
 def curves(table: Path) -> list[dict]:
     rows = []
-    for metrics in sorted(table.glob("runs/*/lr_*/metrics.jsonl")):
-        method, lr = metrics.parent.parent.name, float(metrics.parent.name[3:])
+    found = sorted(table.glob("runs/*/lr_*/metrics.jsonl")) or sorted(table.glob("metrics.jsonl"))
+    for metrics in found:
+        method, lr = _run_of(metrics, table)
         for line in metrics.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
@@ -67,9 +79,9 @@ def main() -> None:
     args = p.parse_args()
     dest = args.out / args.name
     dest.mkdir(parents=True, exist_ok=True)
-    for name in FILES:
-        if (args.table / name).exists():
-            shutil.copy(args.table / name, dest / name)
+    for path in [*(args.table / n for n in FILES), *args.table.glob("eval_*.json")]:
+        if path.exists():
+            shutil.copy(path, dest / path.name)
     rows = curves(args.table)
     with open(dest / "curves.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["method", "lr", "round", "val_accuracy",
