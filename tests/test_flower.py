@@ -375,3 +375,19 @@ def test_a_failed_flower_run_resumes_from_its_checkpoint_to_the_simulations_resu
         np.testing.assert_array_equal(resumed[name], w)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["round"] for r in rows] == [1, 2]
+
+
+def test_a_failed_run_says_why_in_flower_json(tmp_path):
+    """`flwr run` only reports "failed": the run directory keeps the reason, in one line."""
+    from fed_train.flower.server_app import main as server_main
+
+    settings = _settings(tmp_path / "run", connect_timeout=1.0)
+    run_config = settings.to_run_config()
+    grid = InProcessGrid(run_config, _nodes()[:1])
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                      run_config=run_config)
+    with pytest.raises(FederationError):
+        server_main(grid, context)
+    record = json.loads((tmp_path / "run" / "flower.json").read_text())
+    assert record["status"] == "failed"
+    assert record["error"].startswith("after 1 s no SuperNode serves client(s) [1, 2]")
