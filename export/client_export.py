@@ -12,6 +12,7 @@ from typing import Any
 from edge_runtime.bundle import BundleError, write_bundle
 from edge_runtime.signing import load_private_key
 from export.errors import ExportError
+from export.journal import ExportJournal
 from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
 
 
@@ -39,6 +40,7 @@ class SizingContext:
     seed: int
     update_strategy: str
     signing_key: str | None = None  # a path: workers load the key themselves
+    journal: Path | None = None  # where each finished client is recorded (export.journal)
 
     def sizer(self) -> DatastoreSizer:
         return DatastoreSizer(self.num_classes, k=self.k, sigma=self.sigma, space=self.space,
@@ -61,7 +63,7 @@ def export_client(task: ClientTask, context: SizingContext,
                                 signing_key=key)
     except BundleError as err:
         raise ExportError(f"client {data.client_id}: {err}") from err
-    return {
+    row = {
         "client_id": int(data.client_id), "unseen": bool(task.unseen),
         "bundle": task.target.name, "budget": task.budget,
         "backend": best.backend, "recipe": best.recipe, "stored": best.stored,
@@ -72,6 +74,9 @@ def export_client(task: ClientTask, context: SizingContext,
         "train_samples": int(len(data.y_train)), "val_samples": int(len(data.y_val)),
         "candidates": [c.as_row() for c in sizer.candidates_],
     }
+    if context.journal is not None:
+        ExportJournal(context.journal).add(row)
+    return row
 
 
 # -- worker processes: one sizer each, built once by the pool's initializer

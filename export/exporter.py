@@ -30,6 +30,7 @@ from export.client_export import (
     init_worker,
 )
 from export.errors import BudgetError, ExportError
+from export.journal import ExportJournal, json_default
 from export.onnx_export import export_onnx
 from export.progress import ClientProgress
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
@@ -259,11 +260,12 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
         encoder_files = _move_encoder(encoder_files, out_dir)
     context = SizingContext(encoder_files.path, encoder_files.nbytes, run.dataset.num_classes,
                             settings.k, settings.sigma, space, settings.seed,
-                            settings.update_strategy, settings.signing_key)
+                            settings.update_strategy, settings.signing_key,
+                            out_dir / JOURNAL_FILE)
     remove_stale_temporaries(out_dir)
-    journal = ExportJournal(out_dir / JOURNAL_FILE, _fingerprint(run, settings, space,
-                                                                 encoder_files))
-    done = journal.finished(budgets, out_dir)
+    done = ExportJournal(context.journal).finished(
+        _fingerprint(run, settings, space, encoder_files), budgets,
+        lambda cid: bundle_dir(out_dir, cid))
     todo = [c for c in chosen if c.client_id not in done]
     if done:
         log.info("resuming: %d of %d client(s) already exported", len(chosen) - len(todo),
@@ -275,7 +277,6 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
     bar = ClientProgress(len(chosen), initial=len(chosen) - len(todo), enabled=progress)
     try:
         for row in _export_clients(tasks, len(todo), context, workers):
-            journal.add(row)
             done[row["client_id"]] = row
             bar.update()
     finally:
@@ -318,16 +319,8 @@ def _check_budgets(clients: Sequence[ClientData], budgets: dict[int, int],
 
 def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    tmp.write_text(json.dumps(obj, indent=2, default=json_default) + "\n")
     os.replace(tmp, path)
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingContext,
@@ -364,49 +357,7 @@ def _fingerprint(run: LoadedRun, settings: ExportSettings, space: SearchSpace,
         "run": str(Path(run.run_dir).resolve()),
         "settings": {**asdict(settings), "space": asdict(space)},
         "encoder_sha256": sha256_file(encoder.path),
-    }, default=_json_default))
-
-
-class ExportJournal:
-    """One JSON line per finished client after a header line with the export's fingerprint.
-    A line is appended and flushed when its bundle is in place, so after a kill the journal
-    lists only complete bundles (a torn last line is ignored)."""
-
-    def __init__(self, path: Path, fingerprint: dict[str, Any]) -> None:
-        self.path = path
-        self.fingerprint = fingerprint
-
-    def finished(self, budgets: dict[int, int], out_dir: Path) -> dict[int, dict[str, Any]]:
-        """Rows of clients finished by an earlier call of this same export; starts a new
-        journal when there is none or it belongs to a different export."""
-        rows: dict[int, dict[str, Any]] = {}
-        lines = self.path.read_text().splitlines() if self.path.is_file() else []
-        try:
-            same = bool(lines) and json.loads(lines[0]) == {"fingerprint": self.fingerprint}
-        except json.JSONDecodeError:
-            same = False
-        if same:
-            for line in lines[1:]:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    break
-                cid = row.get("client_id")
-                if (budgets.get(cid) == row.get("budget")
-                        and (bundle_dir(out_dir, cid) / "manifest.json").is_file()):
-                    rows[cid] = row
-        self._write([{"fingerprint": self.fingerprint}, *rows.values()])
-        return rows
-
-    def add(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row, default=_json_default) + "\n")
-            f.flush()
-
-    def _write(self, lines: list[dict[str, Any]]) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(x, default=_json_default) + "\n" for x in lines))
-        os.replace(tmp, self.path)
+    }, default=json_default))
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:

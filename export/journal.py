@@ -1,0 +1,67 @@
+"""The export journal: which clients of an export are finished, so that an interrupted export
+resumes without redoing them. Written by whichever process finishes a client (the exporter's or
+a worker), one line per client, so a client finished while the exporter is being interrupted is
+still recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def json_default(value: Any) -> Any:
+    """numpy scalars and paths, as JSON."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+class ExportJournal:
+    """A header line with the export's fingerprint, then one JSON line per finished client,
+    appended once its bundle is in place. Each line goes out in one write() to a file opened
+    for appending, so lines from parallel workers do not interleave; a torn line (a kill in
+    the middle of a write) is skipped."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def finished(self, fingerprint: dict[str, Any], budgets: dict[int, int],
+                 bundle_of: Callable[[int], Path]) -> dict[int, dict[str, Any]]:
+        """Rows of clients finished by an earlier call of this same export whose bundle is
+        there for the same budget; starts a new journal when there is none or it belongs to a
+        different export."""
+        rows: dict[int, dict[str, Any]] = {}
+        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        try:
+            same = bool(lines) and json.loads(lines[0]) == {"fingerprint": fingerprint}
+        except json.JSONDecodeError:
+            same = False
+        for line in lines[1:] if same else []:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            cid = row.get("client_id") if isinstance(row, dict) else None
+            if (isinstance(cid, int) and budgets.get(cid) == row.get("budget")
+                    and (bundle_of(cid) / "manifest.json").is_file()):
+                rows[cid] = row
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(x, default=json_default) + "\n"
+                               for x in [{"fingerprint": fingerprint}, *rows.values()]))
+        os.replace(tmp, self.path)
+        return rows
+
+    def add(self, row: dict[str, Any]) -> None:
+        line = (json.dumps(row, default=json_default) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
