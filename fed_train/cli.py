@@ -330,8 +330,8 @@ def build_parser(extra: Sequence[CommandAdder] = ()) -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--threads", type=_positive_int, default=defaults.THREADS,
-                        help="torch intra-op threads (1 trains these small models fastest: "
-                        "BENCHMARKS.md)")
+                        help="torch intra-op threads (1 trained the digits and Fashion-MNIST "
+                        "models fastest: BENCHMARKS.md)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_core_commands(sub)
     _add_pretrain_command(sub)
