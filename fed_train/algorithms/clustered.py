@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sklearn.cluster import AgglomerativeClustering
 
 from fed_train.algorithms.base import (
     ClientData,
@@ -102,6 +101,10 @@ def bipartition(updates: np.ndarray) -> np.ndarray:
     unit = updates / np.maximum(norms, 1e-12)
     distance = np.clip(1.0 - unit @ unit.T, 0.0, 2.0)
     np.fill_diagonal(distance, 0.0)
+    # imported here: scikit-learn is about half of the import time of every process that loads
+    # the algorithms (each Flower ClientApp message starts one), and only a split needs it
+    from sklearn.cluster import AgglomerativeClustering
+
     model = AgglomerativeClustering(n_clusters=2, metric="precomputed", linkage="complete")
     return model.fit(distance).labels_
 
