@@ -44,7 +44,7 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                        "grids (under a minute; overrides the data and training flags)")
         for grid in exp.grids:
             q.add_argument(f"--{grid.name.replace('_', '-')}", type=grid.argparse_type(),
-                           default=None, metavar="V,V,...",
+                           default=argparse.SUPPRESS, metavar="V,V,...",
                            help=f"{grid.help} (default {_shown(grid.full)}; with --quick "
                                 f"{_shown(grid.quick)})")
         q.add_argument("--k", type=_positive_int, default=10,
@@ -65,7 +65,7 @@ def command_line(args: argparse.Namespace) -> str:
     for action in args.parser._actions:
         if not action.option_strings or action.dest in ("help", "spec", "parser", "func"):
             continue
-        value = getattr(args, action.dest, None)
+        value = getattr(args, action.dest, None)  # grids left out are not in args at all
         if value is None or value == action.default:
             continue
         flag = action.option_strings[-1]
@@ -83,7 +83,7 @@ def command_line(args: argparse.Namespace) -> str:
 def _cmd_experiment(args: argparse.Namespace) -> int:
     exp: Experiment = args.spec
     config = replace(QUICK, seed=args.seed) if args.quick else config_from_args(args)
-    grids = {g.name: getattr(args, g.name) or (g.quick if args.quick else g.full)
+    grids = {g.name: getattr(args, g.name, None) or (g.quick if args.quick else g.full)
              for g in exp.grids}
     ctx = Context(Path(args.out), config, k=args.k, sigma=args.sigma, quick=args.quick,
                   progress=not args.no_progress)

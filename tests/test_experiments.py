@@ -61,9 +61,12 @@ def test_rerun_resumes_from_finished_points_without_training(family, monkeypatch
 
     monkeypatch.setattr(experiment_context, "train", no_training)
     before = (family / "capacity" / "points.jsonl").read_text()
-    for name in ("heterogeneity", "capacity", "k-sigma"):
+    for name in ("heterogeneity", "capacity"):
         assert knnper("experiment", name, "--quick", "--out", str(family)) == 0
     assert (family / "capacity" / "points.jsonl").read_text() == before
+    # the quick grid given explicitly: the same (cached) points, and the command says so
+    assert knnper("experiment", "k-sigma", "--quick", "--ks", "10,3", "--out", str(family)) == 0
+    assert "--quick --ks 10,3`" in (family / "k-sigma" / "summary.md").read_text()
 
 
 def test_cached_embedding_sweep_equals_knnper_evaluate(family):
