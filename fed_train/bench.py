@@ -27,14 +27,13 @@ from typing import Any
 
 import torch
 
-from edge_runtime.knn import NORMALIZATIONS
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
 from fed_train.attribution import BODIES, attribution_table, body_rows, format_attribution
 from fed_train.errors import KnnperError, TrainingError
 from fed_train.evaluation import merge_results, plain_json, summarize
-from fed_train.knn_tuning import KNNConfig, choose_knn
+from fed_train.knn_tuning import KNNConfig, add_knn_choice_arguments, choose_knn
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
 from fed_train.run import (
@@ -520,15 +519,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sigma", type=_positive(float), default=1.0, help="kNN-Per kernel scale")
     p.add_argument("--capacity", type=_positive(float, 1.0), default=1.0,
                    help="kNN-Per: fraction of each client's train split in its datastore")
-    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
-                   help="kNN-Per: embedding normalisation before the kNN (without --tune-knn)")
-    p.add_argument("--tune-knn", action="store_true",
-                   help="choose kNN-Per's k, sigma and normalisation on the pooled validation "
-                   "splits of the seen clients (replaces --k, --sigma, --normalize)")
-    p.add_argument("--lambda-estimator", choices=(*LAMBDA_ESTIMATORS, "auto"), default="val",
-                   help="how each client picks kNN-Per's lambda: on its validation split, on it "
-                   "plus leave-one-out posteriors of its datastore, or whichever of the two wins "
-                   "2-fold cross-validation inside the validation splits")
+    add_knn_choice_arguments(p)
     p.add_argument("--workers", type=_positive(int), default=1,
                    help="train the (method, learning rate) runs in this many processes")
     p.add_argument("--attribution", action="store_true",

@@ -14,16 +14,14 @@ from typing import Any
 
 import torch
 
-from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import TrainingConfig, get_weights
-from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
 from fed_train.bench import add_bench_command
 from fed_train.client_files import write_client_files
 from fed_train.errors import KnnperError
 from fed_train.evaluation import client_accuracies, format_table, merge_results
-from fed_train.knn_tuning import KNNConfig, choose_knn
+from fed_train.knn_tuning import KNNConfig, add_knn_choice_arguments, choose_knn
 from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import LoadedRun, RunConfig, load_run, train
 
@@ -293,15 +291,7 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                    help="kernel width of the kNN head")
     p.add_argument("--capacity", type=_fraction, default=1.0,
                    help="fraction of each client's train split kept in its datastore")
-    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
-                   help="embedding normalisation before the kNN (without --tune-knn)")
-    p.add_argument("--tune-knn", action="store_true",
-                   help="choose k, sigma and the normalisation on the pooled validation splits "
-                   "of the seen clients (replaces --k, --sigma, --normalize)")
-    p.add_argument("--lambda-estimator", choices=(*LAMBDA_ESTIMATORS, "auto"), default="val",
-                   help="each client's lambda: on its validation split, on it plus leave-one-out "
-                   "posteriors of its datastore, or whichever wins 2-fold cross-validation "
-                   "inside the validation splits")
+    add_knn_choice_arguments(p)
     p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
                    help=f"any of {', '.join(EVAL_METHODS)}")
     p.add_argument("--json", default=None, help="write summaries and per-client rows here")

@@ -13,6 +13,7 @@ chosen here is exactly what a device computes.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -283,3 +284,16 @@ def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *, tune: bo
     record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv, "estimator": chosen,
               "lambda_report": lambda_report(oracle), "oracle_rows": oracle}
     return config, chosen, record
+
+
+def add_knn_choice_arguments(p: argparse.ArgumentParser) -> None:
+    """--normalize, --tune-knn and --lambda-estimator, shared by `evaluate` and `bench table`."""
+    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
+                   help="kNN-Per: embedding normalisation before the kNN (without --tune-knn)")
+    p.add_argument("--tune-knn", action="store_true",
+                   help="choose kNN-Per's k, sigma and normalisation on the pooled validation "
+                   "splits of the seen clients (replaces --k, --sigma, --normalize)")
+    p.add_argument("--lambda-estimator", choices=(*LAMBDA_ESTIMATORS, "auto"), default="val",
+                   help="how each client picks kNN-Per's lambda: on its validation split, on it "
+                   "plus leave-one-out posteriors of its datastore, or whichever of the two wins "
+                   "2-fold cross-validation inside the validation splits")
