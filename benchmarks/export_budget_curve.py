@@ -31,6 +31,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -340,8 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                    for c in cases}
         ids = ",".join(str(cid) for cid in budgets)
         try:
-            export_run(run, _fresh(out / "bundles"), budgets, settings, clients=ids,
-                       encoder=enc, progress=False)
+            # the curve sizes datastores as they are exported: the check's bundles must not
+            # reserve room for on-device learning (a protonn buffer), which the curve leaves out
+            export_run(run, _fresh(out / "bundles"), budgets,
+                       replace(settings, update_strategy="fixed"), clients=ids, encoder=enc,
+                       progress=False)
             device = weighted_mean(evaluate_export(run, out / "bundles"))
             inproc = next(r["mean_accuracy"] for r in curve
                           if r["fraction"] == args.check_fraction and r["backend"] == "auto")
