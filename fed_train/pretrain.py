@@ -147,7 +147,8 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) 
                               weight_decay=config.weight_decay)
     history: list[dict[str, float]] = []
     best_state, best_epoch, best_acc = copy.deepcopy(model.state_dict()), 0, -1.0
-    epochs = tqdm(range(1, config.epochs + 1), desc="pretrain", disable=not progress)
+    # disable=None: a bar on a terminal only, no carriage returns in a log file
+    epochs = tqdm(range(1, config.epochs + 1), desc="pretrain", disable=None if progress else True)
     for epoch in epochs:
         seed = client_seed(config.seed, epoch, 0)
         x_epoch = (augment_images(x_fit, np.random.default_rng(client_seed(config.seed, epoch, 1)))
