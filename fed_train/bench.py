@@ -19,7 +19,7 @@ import multiprocessing
 import shlex
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
@@ -272,32 +272,25 @@ _JOB_COST = {"apfl": 6.0, "ditto": 5.0, "pfedgp": 2.0, "fedrep": 1.5, "fedavg": 
              "clustered": 1.2, "local": 1.0}
 
 
-def _run_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
-             tune_knn: bool, lambda_estimator: str, methods: list[str], lr: float,
-             lrs_of_table: Sequence[float]) -> None:
-    """One worker's share of a table: the methods that share one training run at one learning
-    rate. Results land in OUT's caches, which the table then reads."""
+def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple]]) -> None:
+    """Run the calls in up to `workers` spawned processes (torch and fork do not mix); a
+    worker's error stops the table with that error. Results land in OUT's caches."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(calls))),
+                             mp_context=context) as pool:
+        for future in as_completed([pool.submit(fn, *args) for fn, args in calls]):
+            future.result()
+
+
+def _table_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
+               tune_knn: bool, lambda_estimator: str, methods: list[str], lr: float,
+               diverged_ok: bool) -> None:
+    """One worker's share of a table: the methods that share one training run at one rate."""
     torch.set_num_threads(1)
     runner = TableRunner(config, Path(out), hyper=hyper, progress=False, tune_knn=tune_knn,
                          lambda_estimator=lambda_estimator)
     for method in methods:
-        runner.rows(method, lr, diverged_ok=len(lrs_of_table) > 1)
-
-
-def _run_parallel(config: RunConfig, names: Sequence[str], lrs: Sequence[float], out: Path,
-                  hyper: Mapping[str, Mapping[str, Any]] | None, tune_knn: bool,
-                  lambda_estimator: str, workers: int) -> None:
-    groups: dict[str, list[str]] = {}
-    for m in names:
-        groups.setdefault(TRAINED_BY.get(m, m), []).append(m)
-    jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
-                  key=lambda j: -_JOB_COST.get(j[0], 1.0))
-    context = multiprocessing.get_context("spawn")  # torch and fork do not mix
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = [pool.submit(_run_job, config, str(out), hyper, tune_knn, lambda_estimator,
-                               methods, lr, tuple(lrs)) for _, methods, lr in jobs]
-        for future in as_completed(futures):
-            future.result()  # a worker's error stops the table with that error
+        runner.rows(method, lr, diverged_ok=diverged_ok)
 
 
 def _attribution_job(config: RunConfig, out: str,
@@ -308,16 +301,17 @@ def _attribution_job(config: RunConfig, out: str,
     body_rows(runner, body, lr, lambda_estimator=estimator)
 
 
-def _run_attribution_parallel(config: RunConfig, out: Path,
-                              hyper: Mapping[str, Mapping[str, Any]] | None,
-                              body_lrs: Mapping[str, float], estimator: str,
-                              workers: int) -> None:
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(body_lrs)), mp_context=context) as pool:
-        futures = [pool.submit(_attribution_job, config, str(out), hyper, body, lr, estimator)
-                   for body, lr in body_lrs.items()]
-        for future in as_completed(futures):
-            future.result()
+def _table_jobs(config: RunConfig, names: Sequence[str], lrs: Sequence[float], out: Path,
+                hyper: Mapping[str, Mapping[str, Any]] | None, tune_knn: bool,
+                lambda_estimator: str) -> list[tuple[Callable[..., None], tuple]]:
+    """One job per (training run, learning rate), the costliest first."""
+    groups: dict[str, list[str]] = {}
+    for m in names:
+        groups.setdefault(TRAINED_BY.get(m, m), []).append(m)
+    jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
+                  key=lambda j: -_JOB_COST.get(j[0], 1.0))
+    return [(_table_job, (config, str(out), hyper, tune_knn, lambda_estimator, methods, lr,
+                          len(lrs) > 1)) for _, methods, lr in jobs]
 
 
 def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, *,
@@ -336,7 +330,8 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, tune_knn=tune_knn,
                          lambda_estimator=lambda_estimator)
     if workers > 1:
-        _run_parallel(config, names, lrs, Path(out), hyper, tune_knn, lambda_estimator, workers)
+        _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, tune_knn,
+                                           lambda_estimator))
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
@@ -364,7 +359,9 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
         body_lrs = {b: chosen.get(b, lrs[0]) for b in BODIES}
         estimator = lambda_estimator  # "auto": each body gets its own cross-validated choice
         if workers > 1:
-            _run_attribution_parallel(config, Path(out), hyper, body_lrs, estimator, workers)
+            _in_processes(workers, [(_attribution_job, (config, str(out), hyper, body, lr,
+                                                        estimator))
+                                    for body, lr in body_lrs.items()])
         result["attribution"] = attribution_table(runner, body_lrs, lambda_estimator=estimator,
                                                   progress=progress)
     write_outputs(result, Path(out))
