@@ -98,16 +98,22 @@ def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
 
 
 class _Searched:
-    """A client's neighbours at the largest k of the grid, found once per normalisation; every
-    (k, sigma) point then only re-weights them."""
+    """A client's neighbours at the largest k of the grid, found once per normalisation for the
+    splits asked for ("val", "test", and "train": leave-one-out over the datastore); every
+    (k, sigma) point then only re-weights them. Choosing never asks for "test"."""
 
-    def __init__(self, view: ClientView, normalize: str, k_max: int, loo: bool) -> None:
+    def __init__(self, view: ClientView, normalize: str, k_max: int,
+                 splits: Sequence[str]) -> None:
         self.view = view
         self.dim = view.z_train.shape[1]
         keys = normalize_embeddings(view.z_train, normalize)
-        self.val = self._search(keys, normalize_embeddings(view.z_val, normalize), k_max)
-        self.test = self._search(keys, normalize_embeddings(view.z_test, normalize), k_max)
-        self.train = leave_one_out_search(keys, k_max) if loo else None
+        self.found: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for split in splits:
+            if split == "train":
+                self.found[split] = leave_one_out_search(keys, k_max)
+            else:
+                queries = normalize_embeddings(getattr(view, f"z_{split}"), normalize)
+                self.found[split] = self._search(keys, queries, k_max)
 
     @staticmethod
     def _search(keys: np.ndarray, queries: np.ndarray, k: int):
@@ -116,7 +122,7 @@ class _Searched:
         return exact_search(queries, keys, k)
 
     def posterior(self, split: str, k: int, sigma: float) -> np.ndarray:
-        sq, idx = getattr(self, split)
+        sq, idx = self.found[split]
         n = sq.shape[0]
         if sq.shape[1] == 0:  # no stored neighbour: the kNN part says nothing
             return np.full((n, self.view.num_classes), 1.0 / self.view.num_classes)
@@ -138,8 +144,11 @@ def _lambda_for(s: _Searched, config: KNNConfig, estimator: str,
     """A client's lambda under `estimator`, on its whole validation split or the given rows."""
     v = s.view
     rows = np.arange(len(v.y_val)) if val_rows is None else val_rows
-    loo = ((s.posterior("train", config.k, config.sigma) if s.train[0].shape[1] else None,
-            v.p_train, v.y_train) if estimator == "loo+val" else None)
+    loo = None
+    if estimator == "loo+val":
+        p_loo = (s.posterior("train", config.k, config.sigma)
+                 if s.found["train"][0].shape[1] else None)  # a one-sample datastore has none
+        loo = (p_loo, v.p_train, v.y_train)
     return estimate_lambda(estimator, s.posterior("val", config.k, config.sigma)[rows],
                            v.p_val[rows], v.y_val[rows], loo, tuple(grid))
 
@@ -160,7 +169,7 @@ def select_config(views: Sequence[ClientView], *, ks: Sequence[int] = K_GRID,
         raise ValueError("the k, sigma and normalisation grids must not be empty")
     scores = []
     for how in normalizations:
-        searched = [_Searched(v, how, max(ks), loo=False) for v in seen]
+        searched = [_Searched(v, how, max(ks), ("val",)) for v in seen]
         for k in ks:
             for sigma in sigmas:
                 config = KNNConfig(int(k), float(sigma), how)
@@ -188,7 +197,7 @@ def compare_lambda_estimators(views: Sequence[ClientView], config: KNNConfig, *,
     for v in views:
         if v.unseen or len(v.y_val) < 2 or len(v.y_train) < 2:
             continue
-        s = _Searched(v, config.normalize, config.k, loo=True)
+        s = _Searched(v, config.normalize, config.k, ("val", "train"))
         order = rng.permutation(len(v.y_val))
         folds = (order[: len(order) // 2], order[len(order) // 2:])
         p_knn_val = s.posterior("val", config.k, config.sigma)
@@ -217,12 +226,12 @@ def client_rows(views: Sequence[ClientView], config: KNNConfig, *, estimator: st
     for v in views:
         n_test = len(v.y_test)
         if len(v.y_train) == 0:
-            lam = oracle = 0.0
+            lam = 0.0
             p_knn = None
         else:
-            s = _Searched(v, config.normalize, config.k, loo=estimator == "loo+val")
-            lam = (_lambda_for(s, config, estimator, grid=lambdas) if len(v.y_val)
-                   or estimator == "loo+val" else 0.5)
+            splits = ("val", "test", "train") if estimator == "loo+val" else ("val", "test")
+            s = _Searched(v, config.normalize, config.k, splits)
+            lam = _lambda_for(s, config, estimator, grid=lambdas)  # 0.5 with nothing to go on
             p_knn = s.posterior("test", config.k, config.sigma)
         if n_test == 0:
             rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": 0,
