@@ -119,8 +119,7 @@ def _body_rows(runner: TableRunner, body: str, lr: float, lambda_estimator: str,
         own = _own_personalizer(runner, body, training, weights, states)
         views = client_views(model, runner.clients, base_probs_of(own))
         for head in knn_heads:
-            lambdas = (1.0,) if head == "knn" else None
-            grid = {"lambdas": lambdas} if lambdas else {}
+            grid = {"lambdas": (1.0,)} if head == "knn" else {}  # "knn": the kNN alone
             config, scores = select_config(views, **grid)
             info: dict[str, Any] = {"config": config.to_dict(),
                                     "best_val_accuracy": max(s["val_accuracy"] for s in scores)}
