@@ -87,6 +87,14 @@ def machine_line(info: dict[str, Any]) -> str:
             + f"; Python {info['python']}")
 
 
+def report_head(title: str, start: dict[str, Any], end: dict[str, Any], note: str) -> list[str]:
+    """The lines a benchmark report opens with: its title, the exact command, and the machine
+    with its load at the start and at the end (the machine is shared: both bound the timings)."""
+    return [f"# {title}", "", f"Command: `{command_line()}`", "",
+            f"Machine: {machine_line(start)} (at the start; load average at the end "
+            f"{end.get('loadavg_1_5_15')}). {note}"]
+
+
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:

@@ -267,13 +267,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
         ("argmax_agreement", "argmax agree", ".3f"),
     ])
     return "\n".join([
-        "# Edge runtime latency: Runtime vs the torch float32 path",
-        "",
-        f"Command: `{C.command_line()}`",
-        "",
-        f"Machine: {C.machine_line(machine_start)} (at the start; load average at the end "
-        f"{machine_end.get('loadavg_1_5_15')}). Threads: {args.threads} for onnxruntime, torch, "
-        f"BLAS and hnswlib. Took {seconds:.0f} s.",
+        *C.report_head("Edge runtime latency: Runtime vs the torch float32 path", machine_start,
+                       machine_end, f"Threads: {args.threads} for onnxruntime, torch, BLAS and "
+                       f"hnswlib. Took {seconds:.0f} s."),
         "",
         f"Weights: {weights} (latency does not depend on the weight values). Encoder: "
         f"{args.encoder} ONNX. Keys: torch embeddings of Fashion-MNIST images; sizes beyond the "

@@ -186,13 +186,9 @@ def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict
         ("blockwise_speedup", "argpartition / blockwise", ".2f"),
     ])
     return "\n".join([
-        "# Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
-        "",
-        f"Command: `{C.command_line()}`",
-        "",
-        f"Machine: {C.machine_line(machine)} (at the start; load average at the end "
-        f"{machine_end.get('loadavg_1_5_15')}). One BLAS thread unless a column says otherwise. "
-        f"Took {seconds:.0f} s.",
+        *C.report_head("Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
+                       machine, machine_end, "One BLAS thread unless a column says otherwise. "
+                       f"Took {seconds:.0f} s."),
         "",
         f"Memory read speed (np.max over a float32 array far larger than the caches, one core): "
         f"{memory_bps / 1e9:.2f} GB/s. Scan = one query's distance products with every key, "

@@ -199,13 +199,9 @@ def report(starts: list[dict], b1: list[dict], args: argparse.Namespace, weights
         ("portable_ratio", "portable / encoder", ".2f"),
     ])
     return "\n".join([
-        "# Edge runtime: process start to first prediction, batch-1 latency vs the encoder",
-        "",
-        f"Command: `{C.command_line()}`",
-        "",
-        f"Machine: {C.machine_line(machine)} (at the start; load average at the end "
-        f"{machine_end.get('loadavg_1_5_15')}). One thread for onnxruntime and BLAS. Took "
-        f"{seconds:.0f} s. Weights: {weights}; int8 ONNX encoder.",
+        *C.report_head("Edge runtime: process start to first prediction, batch-1 latency vs the "
+                       "encoder", machine, machine_end, "One thread for onnxruntime and BLAS. "
+                       f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder."),
         "",
         f"Start: medians over {args.starts} fresh processes per encoder, each loading a "
         f"{args.recipes[0]} bundle of {min(args.sizes):,} keys and predicting one image.",
