@@ -13,7 +13,6 @@ chosen here is exactly what a device computes.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,9 +20,15 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.knn import (
+    DEFAULT_K,
+    DEFAULT_NORMALIZE,
+    DEFAULT_SIGMA,
+    LAMBDA_ESTIMATORS,
     LAMBDA_GRID,
     NORMALIZATIONS,
+    choice_key,
     choose_lambda,
+    estimate_lambda,
     exact_search,
     interpolate,
     kernel_posterior,
@@ -32,7 +37,6 @@ from edge_runtime.knn import (
     softmax,
 )
 from fed_train.algorithms.base import ClientData, embed_and_logits
-from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS, estimate_lambda
 from fed_train.models import EmbedHeadModel
 
 K_GRID: tuple[int, ...] = (5, 10, 20, 50)
@@ -45,9 +49,9 @@ SIGMA_GRID: tuple[float, ...] = tuple(float(10.0 ** (e / 2)) for e in range(-8, 
 class KNNConfig:
     """One point of kNN-Per's grid; the defaults are the paper's (k = 10, sigma = 1, raw)."""
 
-    k: int = 10
-    sigma: float = 1.0
-    normalize: str = "none"
+    k: int = DEFAULT_K
+    sigma: float = DEFAULT_SIGMA
+    normalize: str = DEFAULT_NORMALIZE
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,7 +186,7 @@ def select_config(views: Sequence[ClientView], *, ks: Sequence[int] = K_GRID,
                     correct, nll, total = correct + c, nll + n, total + len(s.view.y_val)
                 scores.append({**config.to_dict(), "val_accuracy": correct / total,
                                "val_nll": nll / total})
-    best = max(scores, key=lambda r: (round(r["val_accuracy"], 12), -round(r["val_nll"], 12)))
+    best = min(scores, key=lambda r: choice_key(r["val_accuracy"], r["val_nll"]))
     return KNNConfig(best["k"], best["sigma"], best["normalize"]), scores
 
 
@@ -277,32 +281,30 @@ def lambda_report(rows: Sequence[dict[str, Any]]) -> dict[str, float | int]:
             "cost_pp": float(100 * (np.average(oracle, weights=w) - np.average(honest, weights=w)))}
 
 
-def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *, tune: bool,
-               fixed: KNNConfig | None = None, estimator: str = "val",
+def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
+               ks: Sequence[int] = K_GRID, sigmas: Sequence[float] = SIGMA_GRID,
+               normalizations: Sequence[str] = NORMALIZATIONS, estimator: str = "auto",
                seed: int = 0) -> tuple[KNNConfig, str, dict[str, Any]]:
-    """kNN-Per's configuration on a trained global model: k, sigma and normalisation chosen on
-    pooled validation when `tune` (else `fixed`), the lambda estimator by cross-validation
-    inside the validation splits when `estimator` is "auto". Returns the configuration, the
-    estimator and a record of the choice, with each client's honest and test-oracle lambda (for
-    the report; nothing chosen depends on test labels)."""
+    """kNN-Per's configuration on a trained global model: the grid point (k, sigma,
+    normalisation) with the best pooled validation score of the seen clients (a one-point grid
+    is the fixed setting), and the lambda estimator by cross-validation inside the validation
+    splits when `estimator` is "auto". Returns the configuration, the estimator and a record of
+    the choice, with each client's honest and test-oracle lambda (for the report; nothing
+    chosen depends on test labels)."""
     views = client_views(model, clients)
-    config, scores = select_config(views) if tune else (fixed or KNNConfig(), [])
-    cv = compare_lambda_estimators(views, config, seed=seed)
+    seen = [v for v in views if not v.unseen and len(v.y_val) and len(v.y_train)]
+    if not seen and len(ks) == len(sigmas) == len(normalizations) == 1 and estimator != "auto":
+        # a fixed setting needs no validation data to be chosen
+        config, scores, cv = KNNConfig(int(ks[0]), float(sigmas[0]), normalizations[0]), [], {}
+    else:
+        config, scores = select_config(views, ks=ks, sigmas=sigmas,
+                                       normalizations=normalizations)
+        cv = compare_lambda_estimators(views, config, seed=seed)
     chosen = pick_estimator(cv) if estimator == "auto" else estimator
     oracle = client_rows(views, config, estimator=chosen)
     record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv, "estimator": chosen,
+              "chosen_on": {"splits": "validation splits of the seen clients, pooled",
+                            "clients": [v.client_id for v in seen],
+                            "samples": int(sum(len(v.y_val) for v in seen))},
               "lambda_report": lambda_report(oracle), "oracle_rows": oracle}
     return config, chosen, record
-
-
-def add_knn_choice_arguments(p: argparse.ArgumentParser) -> None:
-    """--normalize, --tune-knn and --lambda-estimator, shared by `evaluate` and `bench table`."""
-    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
-                   help="kNN-Per: embedding normalisation before the kNN (without --tune-knn)")
-    p.add_argument("--tune-knn", action="store_true",
-                   help="choose kNN-Per's k, sigma and normalisation on the pooled validation "
-                   "splits of the seen clients (replaces --k, --sigma, --normalize)")
-    p.add_argument("--lambda-estimator", choices=(*LAMBDA_ESTIMATORS, "auto"), default="val",
-                   help="how each client picks kNN-Per's lambda: on its validation split, on it "
-                   "plus leave-one-out posteriors of its datastore, or whichever of the two wins "
-                   "2-fold cross-validation inside the validation splits")
