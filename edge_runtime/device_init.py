@@ -31,8 +31,8 @@ from .knn import (
     DEFAULT_K,
     DEFAULT_SIGMA,
     LAMBDA_GRID,
-    choice_key,
     choose_lambda,
+    datastore_key,
     interpolate,
     softmax,
     split_score,
@@ -131,10 +131,13 @@ def init_bundle(
             f"the budget of {budget_bytes} bytes leaves {room} bytes after the encoder "
             f"({encoder_bytes} bytes): not enough for one stored sample of any candidate recipe"
         )
-    # The exporter's ranking (edge_runtime.knn.choice_key, then the smaller footprint).
+    # The exporter's ranking (edge_runtime.knn.datastore_key; flat and hnsw are not trained).
     # Without a validation split every candidate ties: the smallest footprint.
     best = min(
-        candidates, key=lambda c: choice_key(c["val_accuracy"], c["val_nll"], c["nbytes"])
+        candidates,
+        key=lambda c: datastore_key(
+            c["val_accuracy"], c["val_nll"], trained=False, nbytes=c["nbytes"]
+        ),
     )
     final = make_datastore(best["recipe"], num_classes, k, sigma, seed=seed).fit(z, y)
     fields = {

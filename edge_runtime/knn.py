@@ -78,6 +78,15 @@ def choice_key(accuracy: float | None, nll: float | None, *tie_breaks: float) ->
     return (-round(acc, 12), round(loss, NLL_DECIMALS), *tie_breaks)
 
 
+def datastore_key(accuracy: float | None, nll: float | None, *, trained: bool,
+                  nbytes: int) -> tuple:
+    """choice_key for a datastore candidate, the exporter's and the device's alike. After the
+    validation score, a store of the samples themselves (flat, HNSW) goes before a trained
+    compression of them (ProtoNN): a tie on a few dozen validation samples is noise, and the
+    stored samples are what the server's kNN-Per evaluation measured. Then the fewer bytes."""
+    return choice_key(accuracy, nll, trained, nbytes)
+
+
 def choose_lambda(
     p_local: np.ndarray,
     p_global: np.ndarray,

@@ -2,12 +2,14 @@
 key dtype x stored samples or prototypes x projection dimension), measure each one's exact bytes
 and its kNN-Per accuracy on the client's validation split, keep the best that fits.
 
-Cheap configurations (flat, HNSW) go first, ProtoNN (trained) last. The search is exhaustive
-by default; `SearchSpace.pruned()` stops paying for candidates that look unable to win:
+Cheap configurations (flat, HNSW) go first, ProtoNN (trained) last. ProtoNN compresses the
+datastore, so it is trained only where the budget cannot hold every train sample as float32 keys
+(when flat candidates are searched): a compression the budget does not ask for would replace
+the datastore that the server's kNN-Per evaluation measured with a model that won on a few
+dozen validation samples. Otherwise the search is exhaustive by default;
+`SearchSpace.pruned()` stops paying for candidates that look unable to win:
 - HNSW stores float32 keys plus links, so flat float32 keys always hold at least as many samples
   in the same room and search them exactly: HNSW is only tried where flat float32 is not.
-- ProtoNN compresses the datastore; when every train sample fits as float32 keys, ProtoNN is
-  not trained.
 - successive halving: every ProtoNN candidate gets `protonn_screen_steps` Adam steps, and only
   the `protonn_finalists` best on validation are trained on to `protonn_steps`.
 On 20 clients of a Fashion-MNIST run the pruned search was 2.4x faster but changed 14 choices
@@ -36,7 +38,7 @@ from edge_runtime.knn import (
     DEFAULT_K,
     DEFAULT_SIGMA,
     LAMBDA_GRID,
-    choice_key,
+    datastore_key,
     estimate_lambda,
     interpolate,
     leave_one_out_posteriors,
@@ -76,7 +78,7 @@ class SearchSpace:
     protonn_screen_steps: int | None = None  # successive halving: steps every candidate gets
     protonn_finalists: int = 3  # ... and how many go on to protonn_steps
     fill_budget: bool = True  # also try the most samples / prototypes that fit
-    prune: bool = False  # skip HNSW and ProtoNN where they look unable to win (module doc)
+    prune: bool = False  # skip HNSW where it cannot win, halve ProtoNN's finalists (module doc)
     # share of the train split a ProtoNN datastore reserves room for, as its buffer of samples
     # added on the device (the exporter sets it unless the update strategy is "fixed")
     protonn_buffer: float = 0.0
@@ -160,11 +162,11 @@ def smallest_datastore_bytes(space: SearchSpace, num_classes: int, dim: int) -> 
 
 
 def selection_key(c: Candidate) -> tuple:
-    """edge_runtime.knn.choice_key with the fewer bytes as the last tie-break: the same order
-    `knnper-edge init` ranks its candidates by. Its log-loss rounding keeps the tiny
-    differences that key quantization causes (fp32 against int8 keys) from outweighing a 4x
-    saving in bytes."""
-    return choice_key(c.val_accuracy, c.val_nll, c.nbytes)
+    """edge_runtime.knn.datastore_key: the order `knnper-edge init` ranks its candidates by.
+    Its log-loss rounding keeps the tiny differences that key quantization causes (fp32
+    against int8 keys) from outweighing a 4x saving in bytes."""
+    return datastore_key(c.val_accuracy, c.val_nll, trained=c.backend == "protonn",
+                         nbytes=c.nbytes)
 
 
 class DatastoreSizer:
@@ -237,8 +239,9 @@ class DatastoreSizer:
 
     def _holds_all_fp32(self, candidates: list[tuple[Candidate, Datastore]],
                         data: ClientEmbeddings) -> bool:
-        """Whether pruning applies: a flat float32 datastore of every train sample fits."""
-        return self.space.prune and any(
+        """Whether a flat float32 datastore of every train sample fits (then ProtoNN is not
+        trained: the module's doc says why)."""
+        return any(
             c.backend == "flat" and c.recipe.startswith("flat:fp32")
             and c.stored == len(data.y_train) for c, _ in candidates)
 
