@@ -32,7 +32,8 @@ from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.attribution import BODIES, attribution_table, body_rows, format_attribution
 from fed_train.errors import KnnperError, TrainingError
 from fed_train.evaluation import merge_results, plain_json, summarize
-from fed_train.knn_choice import KNNRequest, add_knn_arguments, knn_request, load_or_choose
+from fed_train.knn_choice import add_knn_arguments, knn_request, load_or_choose
+from fed_train.knn_request import KNNRequest
 from fed_train.knn_tuning import client_rows, client_views
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition

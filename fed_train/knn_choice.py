@@ -26,85 +26,21 @@ from typing import Any
 
 import torch
 
-from edge_runtime.knn import (
-    DEFAULT_K,
-    DEFAULT_NORMALIZE,
-    DEFAULT_SIGMA,
-    LAMBDA_ESTIMATORS,
-    NORMALIZATIONS,
-)
+from edge_runtime.knn import LAMBDA_ESTIMATORS, NORMALIZATIONS
 from fed_train.algorithms.base import ClientData
 from fed_train.errors import KnnperError
-from fed_train.knn_tuning import K_GRID, SIGMA_GRID, KNNConfig, choose_knn
+from fed_train.knn_request import (
+    ESTIMATOR_CHOICES,
+    KNN_MODES,
+    KNNRequest,
+)
+from fed_train.knn_tuning import KNNConfig, choose_knn
 from fed_train.models import EmbedHeadModel
 
 log = logging.getLogger(__name__)
 
 KNN_CONFIG_FILE = "knn_config.json"
-KNN_MODES = ("tuned", "paper")
-ESTIMATOR_CHOICES = (*LAMBDA_ESTIMATORS, "auto")
-# where a value came from, as manifests and export.json record it
-FROM_VALIDATION, FROM_FLAG, FROM_PAPER = "validation", "flag", "paper default"
 _MAX_FILE_BYTES = 16 << 20  # a real file is a few hundred kB (the grid and per-client lambdas)
-
-
-@dataclass(frozen=True)
-class KNNRequest:
-    """What a command asks for: a setting plus any values pinned by flags (None: not pinned)."""
-
-    mode: str = "tuned"
-    k: int | None = None
-    sigma: float | None = None
-    normalize: str | None = None
-    lambda_estimator: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in KNN_MODES:
-            raise KnnperError(f"unknown kNN configuration {self.mode!r}; known: "
-                              f"{', '.join(KNN_MODES)}")
-        if self.k is not None and self.k < 1:
-            raise KnnperError(f"k must be >= 1, got {self.k}")
-        if self.sigma is not None and not self.sigma > 0:
-            raise KnnperError(f"sigma must be > 0, got {self.sigma}")
-        if self.normalize is not None and self.normalize not in NORMALIZATIONS:
-            raise KnnperError(f"unknown normalisation {self.normalize!r}; known: "
-                              f"{', '.join(NORMALIZATIONS)}")
-        if self.lambda_estimator is not None and self.lambda_estimator not in ESTIMATOR_CHOICES:
-            raise KnnperError(f"unknown lambda estimator {self.lambda_estimator!r}; known: "
-                              f"{', '.join(ESTIMATOR_CHOICES)}")
-
-    @property
-    def tuned(self) -> bool:
-        return self.mode == "tuned"
-
-    def grids(self) -> tuple[tuple[int, ...], tuple[float, ...], tuple[str, ...]]:
-        """The k, sigma and normalisation values searched: a pinned axis has one value."""
-
-        def axis(pinned: Any, grid: tuple, paper: Any) -> tuple:
-            if pinned is not None:
-                return (pinned,)
-            return grid if self.tuned else (paper,)
-
-        return (axis(self.k, K_GRID, DEFAULT_K), axis(self.sigma, SIGMA_GRID, DEFAULT_SIGMA),
-                axis(self.normalize, NORMALIZATIONS, DEFAULT_NORMALIZE))
-
-    def estimator(self) -> str:
-        """The estimator asked for ("auto": chosen by cross-validation)."""
-        if self.lambda_estimator is not None:
-            return self.lambda_estimator
-        return "auto" if self.tuned else "val"
-
-    def sources(self) -> dict[str, str]:
-        """Where each value will come from: a flag, the validation splits, or the paper."""
-        unpinned = FROM_VALIDATION if self.tuned else FROM_PAPER
-        out = {name: FROM_FLAG if getattr(self, name) is not None else unpinned
-               for name in ("k", "sigma", "normalize")}
-        out["lambda_estimator"] = (FROM_VALIDATION if self.estimator() == "auto" else
-                                   FROM_FLAG if self.lambda_estimator is not None else FROM_PAPER)
-        return out
-
-    def key(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -149,16 +85,29 @@ def model_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def make_record(request: KNNRequest, config: KNNConfig, estimator: str, sha: str, *,
+                grid: list[dict], lambda_cv: dict[str, float], clients: Sequence[int],
+                samples: int, **extra: Any) -> dict[str, Any]:
+    """The evidence saved with a choice, wherever it was made (here or in a Flower run)."""
+    return {"config": config.to_dict(), "estimator": estimator, "request": asdict(request),
+            "source": request.sources(), "model_sha256": sha, "grid": grid,
+            "lambda_cv": lambda_cv,
+            "chosen_on": {"splits": "validation splits of the seen clients, pooled",
+                          "clients": [int(c) for c in clients], "samples": int(samples)},
+            **extra}
+
+
 def choose(model: EmbedHeadModel, clients: Sequence[ClientData], request: KNNRequest, *,
            seed: int = 0) -> KNNChoice:
     """Make the choice (no files): the request's grid on the seen clients' validation splits."""
     ks, sigmas, normalizations = request.grids()
-    config, estimator, record = choose_knn(model, clients, ks=ks, sigmas=sigmas,
-                                           normalizations=normalizations,
-                                           estimator=request.estimator(), seed=seed)
-    record.pop("oracle_rows")
-    record.update(request=asdict(request), source=request.sources(),
-                  model_sha256=model_sha256(model))
+    config, estimator, found = choose_knn(model, clients, ks=ks, sigmas=sigmas,
+                                          normalizations=normalizations,
+                                          estimator=request.estimator(), seed=seed)
+    record = make_record(request, config, estimator, model_sha256(model), grid=found["grid"],
+                         lambda_cv=found["lambda_cv"], clients=found["chosen_on"]["clients"],
+                         samples=found["chosen_on"]["samples"],
+                         lambda_report=found["lambda_report"])
     return KNNChoice(config, estimator, request.sources(), record)
 
 
@@ -168,20 +117,31 @@ def load_or_choose(directory: str | Path, model: EmbedHeadModel, clients: Sequen
     new one (then saved). Saved choices of other weights are dropped with one line: a changed
     model is chosen for again, never run with another model's settings."""
     path = Path(directory) / KNN_CONFIG_FILE
-    sha = model_sha256(model)
+    record = saved_choice(path, model_sha256(model), request)
+    if record is not None:
+        return choice_from_record(record, path)
+    choice = choose(model, clients, request, seed=seed)
+    save_choice(path, choice.record)
+    return choice
+
+
+def saved_choice(path: Path, sha: str, request: KNNRequest) -> dict[str, Any] | None:
+    """The saved record for this request and these weights, if there is one."""
     saved = _read(path)
     if saved is not None and saved["model_sha256"] != sha:
         log.warning("%s was chosen for other weights (model sha256 %s..., now %s...): choosing "
                     "kNN-Per's configuration again", path, saved["model_sha256"][:12], sha[:12])
-        saved = None
-    choices = {} if saved is None else saved["choices"]
-    record = choices.get(request.key())
-    if record is not None:
-        return _from_record(record, path)
-    choice = choose(model, clients, request, seed=seed)
-    choices[request.key()] = choice.record
-    _write_atomic(path, {"model_sha256": sha, "choices": choices})
-    return choice
+        return None
+    return None if saved is None else saved["choices"].get(request.key())
+
+
+def save_choice(path: Path, record: dict[str, Any]) -> None:
+    """Add a record to the file (dropping those of other weights)."""
+    saved = _read(path)
+    choices = {} if saved is None or saved["model_sha256"] != record["model_sha256"] \
+        else saved["choices"]
+    choices[KNNRequest(**record["request"]).key()] = record
+    _write_atomic(path, {"model_sha256": record["model_sha256"], "choices": choices})
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -201,7 +161,8 @@ def _read(path: Path) -> dict[str, Any] | None:
     return saved
 
 
-def _from_record(record: Any, path: Path) -> KNNChoice:
+def choice_from_record(record: Any, path: Path) -> KNNChoice:
+    """A saved record as a choice, checked as flags are: the file may have been edited."""
     try:
         config = KNNConfig(**record["config"])
         request = KNNRequest(**record["request"])

@@ -15,16 +15,15 @@ from fed_train.algorithms.base import TrainingConfig
 from fed_train.cli import evaluate_run
 from fed_train.cli import main as knnper_main
 from fed_train.errors import KnnperError
-from fed_train.knn_choice import (
+from fed_train.knn_choice import KNN_CONFIG_FILE, load_or_choose, model_sha256
+from fed_train.knn_request import (
     FROM_FLAG,
     FROM_PAPER,
     FROM_VALIDATION,
-    KNN_CONFIG_FILE,
+    K_GRID,
+    SIGMA_GRID,
     KNNRequest,
-    load_or_choose,
-    model_sha256,
 )
-from fed_train.knn_tuning import K_GRID, SIGMA_GRID
 from fed_train.run import MODEL_FILE, RunConfig, load_run, train
 
 
