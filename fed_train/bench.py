@@ -379,13 +379,15 @@ def _knn_lines(result: dict[str, Any]) -> list[str]:
     if not knn or "config" not in knn:
         return []
     c, report = knn["config"], knn.get("lambda_report", {})
-    how = "chosen on pooled validation" if knn["tuned"] else "fixed"
+    source = knn["source"]
     lines = ["## kNN-Per's choices", "",
-             f"- k = {c['k']}, sigma = {c['sigma']:.3g}, embeddings {c['normalize']} ({how}; "
-             f"lr {result['lr']['knnper']:g}).",
-             f"- lambda per client by `{knn['estimator']}`; 2-fold cross-validation inside the "
-             "validation splits: " + ", ".join(f"`{e}` {100 * v:.1f}%"
-                                              for e, v in knn["lambda_cv"].items()) + "."]
+             f"- k = {c['k']} ({source['k']}), sigma = {c['sigma']:.3g} ({source['sigma']}), "
+             f"embeddings {c['normalize']} ({source['normalize']}); lr "
+             f"{result['lr']['knnper']:g}.",
+             f"- lambda per client by `{knn['estimator']}` ({source['lambda_estimator']})"
+             + ("; 2-fold cross-validation inside the validation splits: " + ", ".join(
+                 f"`{e}` {100 * v:.1f}%" for e, v in knn["lambda_cv"].items())
+                if knn["lambda_cv"] else "") + "."]
     if report.get("clients"):
         lines.append(f"- The honest lambda differs from the test-oracle lambda for "
                      f"{report['differs']} of {report['clients']} clients; the oracle would add "
