@@ -22,6 +22,7 @@ from fed_train.cli import (
     add_training_arguments,
     config_from_args,
 )
+from fed_train.knn_choice import add_knn_arguments, knn_request
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,7 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                            default=argparse.SUPPRESS, metavar="V,V,...",
                            help=f"{grid.help} (default {_shown(grid.full)}; with --quick "
                                 f"{_shown(grid.quick)})")
-        q.add_argument("--k", type=_positive_int, default=10,
-                       help="kNN neighbours where not swept")
-        q.add_argument("--sigma", type=_positive_float, default=1.0,
-                       help="kNN kernel scale where not swept")
+        add_knn_arguments(q, _positive_int, _positive_float)
         q.add_argument("--checkpoint-every", type=_positive_int, default=5,
                        help="FedAvg checkpoint period (base-model: every such checkpoint is a "
                             "point)")
@@ -85,7 +83,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     config = replace(QUICK, seed=args.seed) if args.quick else config_from_args(args)
     grids = {g.name: getattr(args, g.name, None) or (g.quick if args.quick else g.full)
              for g in exp.grids}
-    ctx = Context(Path(args.out), config, k=args.k, sigma=args.sigma, quick=args.quick,
+    ctx = Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
                   progress=not args.no_progress)
     started = time.perf_counter()
     result = exp.run(ctx, grids)
