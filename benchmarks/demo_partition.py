@@ -12,13 +12,12 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-import _common
-
+from experiments import benchmark_support as _common
+from experiments.lr_tuning import personalized_accuracies, validation_score
 from export.demo import DemoSize, demo_config
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights
 from fed_train.run import load_run, train
-from fed_train.tuning import personalized_accuracies, validation_score
 
 CANDIDATES = {
     "dirichlet-0.3": {"partition": "dirichlet", "alpha": 0.3},

@@ -21,8 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-import _common
-
+from experiments import benchmark_support as _common
 from export.evaluation import evaluate_export, weighted_mean
 from export.exporter import select_ids
 from export.profiles import weak_strong_budgets

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common
 import numpy as np
 
+from experiments import benchmark_support as _common
 from fed_train.algorithms.base import TrainingConfig, get_weights
 from fed_train.cli import evaluate_run
 from fed_train.deploy import LocalFederation, deploy_local

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common as C
-
 from edge_runtime.byte_count import byte_count
+from experiments import benchmark_support as C
 from export.evaluation import evaluate_export
 from export.exporter import ExportSettings, apply_knn_choice, export_run
 from export.profiles import uniform_budgets

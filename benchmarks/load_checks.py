@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import _common as C
 import numpy as np
 
 from edge_runtime._io import check_npz_members, load_npz, save_npz_atomic
 from edge_runtime.datastores import HNSWDatastore
 from edge_runtime.hnsw_format import check_hnsw_index
 from edge_runtime.locking import directory_lock
+from experiments import benchmark_support as C
 
 COLUMNS = ["file", "samples", "bytes", "check_ms", "read_ms", "check_over_read"]
 

@@ -30,8 +30,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from experiments.tables import format_markdown, run_table  # noqa: E402
 from fed_train.algorithms.base import TrainingConfig  # noqa: E402
-from fed_train.bench import format_markdown, run_table  # noqa: E402
 from fed_train.run import RunConfig  # noqa: E402
 
 CIFAR10 = REPO.parent / "shared" / "data" / "cifar10" / "cifar10.npz"

@@ -44,12 +44,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import _common as C
 import numpy as np
 
 from edge_runtime.knn import interpolate, softmax
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
+from experiments import benchmark_support as C
 
 log = logging.getLogger("benchmarks.latency")
 

@@ -36,11 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import _common as C
 import numpy as np
 
 from edge_runtime.encoder import optimize_encoder
 from edge_runtime.preprocess import prepare_input
+from experiments import benchmark_support as C
 from export.sizing import measure_nbytes
 
 log = logging.getLogger("benchmarks.memory")

@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import _common as C
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.knn import _BLOCK, blockwise_topk, key_products
+from experiments import benchmark_support as C
 
 log = logging.getLogger("benchmarks.scan")
 

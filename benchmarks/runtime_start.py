@@ -30,7 +30,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import _common as C
 import numpy as np
 import onnxruntime as ort
 
@@ -38,6 +37,7 @@ from edge_runtime.encoder import optimize_encoder
 from edge_runtime.portable import build_portable
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
+from experiments import benchmark_support as C
 
 log = logging.getLogger("benchmarks.start")
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-import _common
+from experiments import benchmark_support as _common
 
 CHILD = """
 import json, sys, time

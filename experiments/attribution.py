@@ -45,7 +45,7 @@ from fed_train.knn_tuning import (
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
 
 if TYPE_CHECKING:
-    from fed_train.bench import TableRunner
+    from experiments.tables import TableRunner
 
 BODIES: tuple[str, ...] = ("fedavg", "fedrep", "pfedgp")
 HEADS: tuple[str, ...] = ("own", "linear", "gp", "knn", "knn+own")

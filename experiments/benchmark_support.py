@@ -1,8 +1,7 @@
-"""Shared helpers of the edge-runtime benchmarks: machine description, thread limits, the global
-model and its embeddings, ONNX encoder export, benchmark datastores and bundles, CSV/markdown.
-
-The scripts import this as `_common` (their own folder is first on sys.path when they run), and
-put the repository root on sys.path so they run from any directory without an install.
+"""What the benchmark scripts and the experiments share: machine description, thread limits, the
+global model and its embeddings, ONNX encoder export, benchmark datastores and bundles, and the
+CSV / markdown / JSON writers of every report. The scripts under benchmarks/ are thin callers of
+this package (installed, or the source tree with `pip install -e .`); nothing imports them.
 """
 
 from __future__ import annotations
@@ -21,15 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from edge_runtime.bundle import write_bundle
+from edge_runtime.datastores import make_datastore, parse_recipe
+from edge_runtime.preprocess import prepare_input
+
+# the source checkout this module sits in (its default paths for results and data)
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import numpy as np  # noqa: E402
-
-from edge_runtime.bundle import write_bundle  # noqa: E402
-from edge_runtime.datastores import make_datastore, parse_recipe  # noqa: E402
-from edge_runtime.preprocess import prepare_input  # noqa: E402
 
 log = logging.getLogger("benchmarks")
 

@@ -36,12 +36,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import _common as C
 import numpy as np
 
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import choose_lambda, interpolate, softmax
+from experiments import benchmark_support as C
 from export.errors import BudgetError
 from export.evaluation import evaluate_export, reference_accuracy, weighted_mean
 from export.exporter import (

@@ -1,7 +1,8 @@
-"""The two experiments that existed as benchmark scripts before this family, run through their
-own code so they measure exactly what they measured: benchmarks/distribution_shift.py (on-device
-datastore updates under a label shift) and the ProtoNN grid of benchmarks/export_budget_curve.py
-(projection dimension x prototype fraction). Both use the family's shared global model."""
+"""The two device-side experiments: on-device datastore updates under a label shift
+(experiments.distribution_shift) and the ProtoNN grid of the budget curve
+(experiments.budget_curve: projection dimension x prototype fraction), run through the same code
+as their benchmark scripts so they measure exactly what those measure. Both use the family's
+shared global model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.encoder import Encoder
-from experiments.benchmark_scripts import benchmark_module
+from experiments import budget_curve, distribution_shift
 from experiments.context import Context
 from experiments.spec import DIMENSION, FRACTION, Claim, Experiment, Grid, Result
 from export.evaluation import reference_accuracy, weighted_mean
@@ -29,12 +30,11 @@ PROTONN_STEPS_QUICK = 30
 
 
 def _shift_curve(ctx: Context, settings: dict[str, int], out: Path) -> dict[str, Any]:
-    script = benchmark_module("distribution_shift")
     argv = ["--run", str(ctx.run_dir()), "--out", str(out), "--threads", "1"]
     for name, value in settings.items():
         argv += [f"--{name.replace('_', '-')}", str(value)]
-    if script.main(argv) != 0:
-        raise RuntimeError("benchmarks/distribution_shift.py failed")
+    if distribution_shift.main(argv) != 0:
+        raise RuntimeError("the distribution-shift run failed")
     with open(out / "curve.csv", newline="") as f:
         curve = [{**r, "step": int(r["step"]), "n": int(r["n"]),
                   **{k: float(r[k]) for k in ("mean_accuracy", "sem", "mean_datastore_size")}}
@@ -95,7 +95,6 @@ class _ProtoNNCases:
     first use: a rerun whose points are all cached builds nothing."""
 
     def __init__(self, ctx: Context) -> None:
-        bench = benchmark_module("export_budget_curve")
         run = ctx.run()
         clients = [c for c in run.clients() if c.num_train > 0]
         work = ctx.out / GRID / "work"
@@ -105,14 +104,13 @@ class _ProtoNNCases:
         settings = apply_knn_choice(ExportSettings(seed=ctx.seed), ctx.knn_choice())
         self.encoder = build_encoder(run, work, settings, run.clients())
         session = Encoder(self.encoder.path, intra_op_threads=1)
-        self.cases = [bench.ClientCase(session, c, run.dataset.num_classes, ctx.k, ctx.sigma)
+        self.cases = [budget_curve.ClientCase(session, c, run.dataset.num_classes, ctx.k, ctx.sigma)
                       for c in clients]
         self.clients = clients
         self.num_classes = run.dataset.num_classes
 
 
 def run_grid(ctx: Context, grids: dict[str, tuple]) -> Result:
-    bench = benchmark_module("export_budget_curve")
     steps = PROTONN_STEPS_QUICK if ctx.quick else SearchSpace.protonn_steps
     store = ctx.points(GRID)
     cases: _ProtoNNCases | None = None
@@ -133,14 +131,15 @@ def run_grid(ctx: Context, grids: dict[str, tuple]) -> Result:
         for m in sorted(grids["prototype_fractions"]):
             record = store.compute(
                 ctx.point_key(projection_dim=d, prototype_fraction=m, steps=steps),
-                lambda d=d, m=m: bench.protonn_grid(built().cases, [d], [m], built().num_classes,
-                                                    steps, ctx.k, ctx.sigma, ctx.seed)[0])
+                lambda d=d, m=m: budget_curve.protonn_grid(
+                    built().cases, [d], [m], built().num_classes, steps, ctx.k, ctx.sigma,
+                    ctx.seed)[0])
             points.append({**{k: record[k] for k in ("projection_dim", "prototype_fraction",
                                                       "mean_accuracy", "bytes_ratio")},
                            "drop_pp": 100 * (full - record["mean_accuracy"]),
                            "seconds": record["seconds"]})
     plot = ctx.out / GRID / "protonn_grid.png"
-    bench.plot_grid(points, full, plot)
+    budget_curve.plot_grid(points, full, plot)
     return Result(points, ("projection_dim", "prototype_fraction", "mean_accuracy", "bytes_ratio",
                            "drop_pp", "seconds"),
                   [("projection_dim", "d", ""), ("prototype_fraction", "m", "g"),

@@ -41,7 +41,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import _common as C
 import numpy as np
 
 from edge_runtime.bundle import UPDATE_STRATEGIES
@@ -50,6 +49,7 @@ from edge_runtime.encoder import Encoder
 from edge_runtime.knn import choose_lambda, softmax
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
+from experiments import benchmark_support as C
 
 log = logging.getLogger("benchmarks.shift")
 

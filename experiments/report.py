@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.benchmark_scripts import benchmark_module
+from experiments import benchmark_support as common
 from experiments.spec import Experiment, Result
 
 SUMMARY_FILE = "summary.md"
@@ -40,7 +40,6 @@ def percent(value: float | None) -> str:
 def write_report(experiment: Experiment, result: Result, out: Path, *, command: str,
                  scale_line: str, started: float) -> Path:
     """Write points.csv, clients.csv and summary.md into `out`; returns the summary's path."""
-    common = benchmark_module("_common")
     common.write_csv(out / "points.csv", result.points, result.point_columns)
     if result.clients:
         common.write_csv(out / "clients.csv", result.clients, result.client_columns)

@@ -27,9 +27,17 @@ from typing import Any
 
 import torch
 
+from experiments.attribution import BODIES, attribution_table, body_rows, format_attribution
+from experiments.lr_tuning import (
+    LR_GRID,
+    check_lr_grid,
+    choose_lr,
+    parse_lr_grid,
+    personalized_accuracies,
+    validation_score,
+)
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
-from fed_train.attribution import BODIES, attribution_table, body_rows, format_attribution
 from fed_train.errors import KnnperError, TrainingError
 from fed_train.evaluation import merge_results, plain_json, summarize
 from fed_train.knn_choice import add_knn_arguments, knn_request, load_or_choose
@@ -48,14 +56,6 @@ from fed_train.run import (
     prepare_clients,
 )
 from fed_train.simulation import simulate
-from fed_train.tuning import (
-    LR_GRID,
-    check_lr_grid,
-    choose_lr,
-    parse_lr_grid,
-    personalized_accuracies,
-    validation_score,
-)
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from experiments.tables import add_bench_command
 from fed_train import defaults
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import TrainingConfig, get_weights
-from fed_train.bench import add_bench_command
 from fed_train.client_files import write_client_files
 from fed_train.errors import KnnperError
 from fed_train.evaluation import client_accuracies, format_table, merge_results

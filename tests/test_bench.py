@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fed_train.algorithms.base import ClientData, PersonalModel
-from fed_train.bench import METHODS, BenchError, add_bench_command, check_validation_splits
-from fed_train.evaluation import client_accuracies
-from fed_train.tuning import (
+from experiments.lr_tuning import (
     LR_GRID,
     check_lr_grid,
     choose_lr,
@@ -21,6 +18,9 @@ from fed_train.tuning import (
     personalized_accuracies,
     validation_score,
 )
+from experiments.tables import METHODS, BenchError, add_bench_command, check_validation_splits
+from fed_train.algorithms.base import ClientData, PersonalModel
+from fed_train.evaluation import client_accuracies
 
 TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "2", "--local-epochs", "1",
         "--batch-size", "16", "--lr", "0.05"]
@@ -207,7 +207,7 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
     """The leak test: with every client's test labels permuted, every chosen hyper-parameter
     (learning rates, kNN-Per's k / sigma / normalisation / estimator and lambdas, Ditto's lambda,
     APFL's alpha, clusters, fine-tuning epochs) stays the same; only test accuracies move."""
-    import fed_train.bench as bench_module
+    import experiments.tables as bench_module
 
     real = bench_module.load_run_data
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from experiments.tables import TableRunner
 from fed_train import run as run_module
 from fed_train.algorithms.base import TrainingConfig, predict_proba
-from fed_train.bench import TableRunner
 from fed_train.cli import main
 from fed_train.data import load_dataset
 from fed_train.run import RunConfig, load_run
