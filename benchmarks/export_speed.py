@@ -72,7 +72,7 @@ def main() -> None:
     budgets = weak_strong_budgets(every, args.reference, args.delta_c, seed=0)
     budgets_file.write_text(json.dumps({str(k): v for k, v in budgets.items()}))
     ids = select_ids(run.partition.unseen, args.clients)
-    command = [sys.executable, "-m", "export.cli", "--threads", "1", "--no-progress", "export",
+    command = [sys.executable, "-m", "knnper_cli.main", "--threads", "1", "--no-progress", "export",
                str(Path(args.run).resolve()), "--out", str(work.resolve() / "bundles"),
                "--budgets", str(budgets_file.resolve()), "--clients", ",".join(map(str, ids))]
     if args.workers is not None:

@@ -30,10 +30,10 @@ import numpy as np
 
 from experiments import benchmark_support as _common
 from fed_train.algorithms.base import TrainingConfig, get_weights
-from fed_train.cli import evaluate_run
 from fed_train.deploy import LocalFederation, deploy_local
 from fed_train.flower.settings import FlowerSettings
 from fed_train.run import RunConfig, load_run, train
+from fed_train.run_evaluation import evaluate_run
 
 log = logging.getLogger("benchmarks.flower")
 

@@ -23,11 +23,11 @@ from experiments import benchmark_support as C
 from export.evaluation import evaluate_export
 from export.exporter import ExportSettings, apply_knn_choice, export_run
 from export.profiles import uniform_budgets
-from fed_train.cli import evaluate_run
 from fed_train.evaluation import summarize
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNN_MODES, KNNRequest
 from fed_train.run import load_run
+from fed_train.run_evaluation import evaluate_run
 
 COLUMNS = ("setting", "client_id", "unseen", "n_test", "server_accuracy", "device_accuracy",
            "server_lambda", "device_lambda", "device_recipe")

@@ -11,13 +11,10 @@ clients.csv and results.json.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
 import multiprocessing
-import shlex
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -32,7 +29,6 @@ from experiments.lr_tuning import (
     LR_GRID,
     check_lr_grid,
     choose_lr,
-    parse_lr_grid,
     personalized_accuracies,
     validation_score,
 )
@@ -40,7 +36,7 @@ from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.errors import KnnperError, TrainingError
 from fed_train.evaluation import merge_results, plain_json, summarize
-from fed_train.knn_choice import add_knn_arguments, knn_request, load_or_choose
+from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_tuning import client_rows, client_views
 from fed_train.models import EmbedHeadModel, build_model, default_model
@@ -442,68 +438,3 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
         _write_csv(out / "attribution.csv", result["attribution"]["clients"])
     (out / "table.md").write_text(format_markdown(result))
     (out / "results.json").write_text(json.dumps(plain_json(result), indent=2))
-
-
-def _positive(kind: type, upper: float | None = None):
-    """An argparse type: a positive number (at most `upper`), refused with a one-line reason."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0 or (upper is not None and value > upper):
-            bound = f"in (0, {upper:g}]" if upper is not None else "> 0"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
-
-    return parse
-
-
-def _cmd_table(args: argparse.Namespace) -> int:
-    from fed_train.cli import config_from_args  # here, not at the top: the CLI imports this module
-
-    if args.lr_grid is not None and not args.tune_lr:
-        raise BenchError("--lr-grid is used only with --tune-lr")
-    try:
-        grid = parse_lr_grid(args.lr_grid) if args.lr_grid is not None else LR_GRID
-    except ValueError as err:
-        raise BenchError(str(err)) from None
-    config = config_from_args(args)
-    hyper = {"knnper": {"capacity": args.capacity}}
-    command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    result = run_table(config, args.methods, Path(args.out), tune_lr=args.tune_lr, lr_grid=grid,
-                       hyper=hyper, progress=not getattr(args, "no_progress", False),
-                       knn=knn_request(args),
-                       workers=args.workers, attribution=args.attribution, command=command)
-    print(format_markdown(result))
-    print(f"wrote {args.out}/table.md, table1.csv, table2.csv, clients.csv, results.json")
-    return 0
-
-
-def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
-    """`knnper bench table ...`; the CLI passes this to `main(extra=...)`."""
-    from fed_train.cli import add_training_arguments  # here: the CLI imports this module
-
-    bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables")
-    sub = bench.add_subparsers(dest="bench_command", metavar="table", required=True)
-    p = sub.add_parser("table", help="every method on one partition: Table 1 (seen clients) and "
-                       "Table 2 (unseen clients) as CSV and markdown")
-    add_training_arguments(p)
-    p.add_argument("--methods", default="all",
-                   help=f"all, or a comma-separated list of: {', '.join(METHODS)}")
-    p.add_argument("--out", required=True, help="output folder (re-running resumes it)")
-    p.add_argument("--tune-lr", action="store_true",
-                   help="choose each method's learning rate on validation accuracy over the "
-                   "paper's grid (multiplies the cost by the grid's size)")
-    p.add_argument("--lr-grid", default=None,
-                   help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... "
-                   "10^-2.5)")
-    p.add_argument("--checkpoint-every", type=_positive(int), default=5,
-                   help="rounds between checkpoints of each training run")
-    add_knn_arguments(p, _positive(int), _positive(float))
-    p.add_argument("--capacity", type=_positive(float, 1.0), default=1.0,
-                   help="kNN-Per: fraction of each client's train split in its datastore")
-    p.add_argument("--workers", type=_positive(int), default=1,
-                   help="train the (method, learning rate) runs in this many processes")
-    p.add_argument("--attribution", action="store_true",
-                   help="also evaluate every head on every body (FedAvg, FedRep, pFedGP bodies; "
-                   "own, linear, GP, kNN and kNN-Per heads) into attribution.csv and table.md")
-    p.set_defaults(func=_cmd_table)

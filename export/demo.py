@@ -8,7 +8,6 @@ Dirichlet split the global model is already near its ceiling and local memory ad
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from dataclasses import dataclass, replace
@@ -21,15 +20,10 @@ from export.evaluation import evaluate_export, weighted_mean
 from export.exporter import ExportSettings, apply_knn_choice, build_encoder, export_run
 from export.profiles import uniform_budgets
 from fed_train import defaults
-from fed_train.cli import EVAL_METHODS, _positive_float, _positive_int, evaluate_run
-from fed_train.knn_choice import (
-    KNNChoice,
-    KNNRequest,
-    add_knn_arguments,
-    knn_request,
-    load_or_choose,
-)
+from fed_train.knn_choice import KNNChoice, load_or_choose
+from fed_train.knn_request import KNNRequest
 from fed_train.run import LoadedRun, RunConfig, load_run, train
+from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
 
 DEMO_PARTITION = {"partition": "pathological", "classes_per_client": 2}
 # Room for the datastore on top of the encoder, as a share of the largest client's full float32
@@ -125,23 +119,3 @@ def format_demo_table(rows: list[dict[str, Any]]) -> str:
     lines += [f"| {r['method']} | {r['where']} | {kb(r['budget'])} | {kb(r['bundle_bytes'])} | "
               f"{pct(r['seen'])} | {pct(r['unseen'])} |" for r in rows]
     return "\n".join(lines)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    rows, choice = run_demo(Path(args.out), seed=args.seed, progress=not args.no_progress,
-                            workers=args.workers, knn=knn_request(args))
-    print(choice.describe())
-    print(format_demo_table(rows))
-    print(f"run, evaluation and bundles in {args.out}")
-    return 0
-
-
-def add_demo_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the whole pipeline on scikit-learn's digits in about a "
-                       "minute: train, evaluate, export for weak and strong devices, run them")
-    p.add_argument("--out", default="runs/demo", help="run directory (re-running resumes it)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the partition and training")
-    p.add_argument("--workers", type=int, default=2,
-                   help="processes that size clients' datastores in parallel")
-    add_knn_arguments(p, _positive_int, _positive_float)
-    p.set_defaults(func=_cmd_demo)

@@ -15,7 +15,6 @@ An explicit k, sigma, normalisation or estimator overrides either by pinning tha
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -26,12 +25,10 @@ from typing import Any
 
 import torch
 
-from edge_runtime.knn import LAMBDA_ESTIMATORS, NORMALIZATIONS
+from edge_runtime.knn import LAMBDA_ESTIMATORS
 from fed_train.algorithms.base import ClientData
 from fed_train.errors import KnnperError
 from fed_train.knn_request import (
-    ESTIMATOR_CHOICES,
-    KNN_MODES,
     KNNRequest,
 )
 from fed_train.knn_tuning import KNNConfig, choose_knn
@@ -181,29 +178,3 @@ def _write_atomic(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)
-
-
-def add_knn_arguments(p: argparse.ArgumentParser, positive_int: Any, positive_float: Any) -> None:
-    """--knn-config and the flags that pin one value of it, for every command that runs
-    kNN-Per (evaluate, export, bench table, demo, experiment, deploy)."""
-    p.add_argument("--knn-config", choices=KNN_MODES, default="tuned",
-                   help="kNN-Per's k, sigma, normalisation and lambda estimator: chosen on the "
-                   "seen clients' pooled validation splits (tuned, saved in the run directory "
-                   "and reused) or the paper's fixed setting (k=10, sigma=1, raw embeddings, "
-                   "lambda on validation)")
-    p.add_argument("--k", type=positive_int, default=None,
-                   help="pin kNN-Per's number of neighbours (default: from --knn-config)")
-    p.add_argument("--sigma", type=positive_float, default=None,
-                   help="pin kNN-Per's kernel width (default: from --knn-config)")
-    p.add_argument("--normalize", choices=NORMALIZATIONS, default=None,
-                   help="pin the embedding normalisation before the kNN (default: from "
-                   "--knn-config)")
-    p.add_argument("--lambda-estimator", choices=ESTIMATOR_CHOICES, default=None,
-                   help="pin how each client picks lambda: its validation split (val), plus "
-                   "leave-one-out posteriors of its datastore (loo+val), or whichever wins 2-fold "
-                   "cross-validation inside the validation splits (auto; default: from "
-                   "--knn-config)")
-
-
-def knn_request(args: argparse.Namespace) -> KNNRequest:
-    return KNNRequest(args.knn_config, args.k, args.sigma, args.normalize, args.lambda_estimator)

@@ -16,13 +16,13 @@ from experiments.context import QUICK, Context
 from experiments.registry import EXPERIMENTS
 from experiments.report import write_report
 from experiments.spec import IID_ALPHA, Experiment
-from fed_train.cli import (
-    _positive_float,
-    _positive_int,
+from knnper_cli.args import (
+    add_knn_arguments,
     add_training_arguments,
     config_from_args,
+    knn_request,
+    positive_int,
 )
-from fed_train.knn_choice import add_knn_arguments, knn_request
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                            default=argparse.SUPPRESS, metavar="V,V,...",
                            help=f"{grid.help} (default {_shown(grid.full)}; with --quick "
                                 f"{_shown(grid.quick)})")
-        add_knn_arguments(q, _positive_int, _positive_float)
-        q.add_argument("--checkpoint-every", type=_positive_int, default=5,
+        add_knn_arguments(q)
+        q.add_argument("--checkpoint-every", type=positive_int, default=5,
                        help="FedAvg checkpoint period (base-model: every such checkpoint is a "
                             "point)")
         add_training_arguments(q)

@@ -1,17 +1,13 @@
-"""The `knnper` command line with the `export` and `demo` sub-commands added to train /
-evaluate: per-device bundles from a finished run, each sized to its device's memory budget."""
+"""`knnper export`: per-device bundles from a finished run, each sized to its device's memory
+budget and running the run's kNN-Per configuration."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.byte_count import byte_count
-from export.demo import add_demo_command
 from export.errors import BudgetError, ExportError
 from export.exporter import (
     REPORT_FILE,
@@ -28,11 +24,10 @@ from export.profiles import (
     weak_strong_budgets,
 )
 from export.sizing import BACKEND_CHOICES
-from fed_train import cli as fed_cli
-from fed_train.deploy import add_deploy_command
 from fed_train.errors import KnnperError
-from fed_train.knn_choice import add_knn_arguments, knn_request, load_or_choose
+from fed_train.knn_choice import load_or_choose
 from fed_train.run import load_run
+from knnper_cli.args import add_knn_arguments, byte_count, knn_request
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +51,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                    help=f"datastore backend: {', '.join(BACKEND_CHOICES)} (auto tries all)")
     p.add_argument("--quantize", default="int8", help="encoder precision: int8 or fp32")
     p.add_argument("--clients", default="all", help="all, seen, unseen, or ids like 0,3,7")
-    add_knn_arguments(p, fed_cli._positive_int, fed_cli._positive_float)
+    add_knn_arguments(p)
     p.add_argument("--update-strategy", default="fifo",
                    help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
                         "buffers new samples beside its prototypes)")
@@ -154,25 +149,3 @@ def _cmd_export(args: argparse.Namespace) -> int:
     print(format_export_summary(report))
     print(f"wrote {len(report['clients'])} bundle(s) and {Path(args.out) / REPORT_FILE}")
     return 0
-
-
-def add_experiment_command(sub: argparse._SubParsersAction) -> None:
-    """`knnper experiment`: the experiments package sits above export (it uses export and the
-    benchmark scripts), so it is imported when the command line is built, not with export."""
-    from experiments.cli import add_experiment_command as add
-
-    add(sub)
-
-
-COMMANDS = (add_export_command, add_demo_command, add_experiment_command, add_deploy_command)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    return fed_cli.build_parser(COMMANDS)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return fed_cli.main(argv, extra=COMMANDS)
-
-if __name__ == "__main__":
-    sys.exit(main())

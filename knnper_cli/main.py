@@ -4,11 +4,17 @@ extra to install, in one line, instead of failing with an import traceback."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import logging
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
+DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
+               "federated run, evaluate it, export per-device bundles. Start with `knnper demo`.")
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def missing_server_modules() -> list[str]:
@@ -22,9 +28,61 @@ def main(argv: Sequence[str] | None = None) -> int:
               "the server commands need the train extra: pip install 'knnper[train]' "
               "(on a device, use knnper-edge)", file=sys.stderr)
         return 2
-    from export.cli import main as cli_main  # imports torch: only once we know it is there
+    return run(argv)
 
-    return cli_main(argv)
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, one module per command group."""
+    # imported here: they import torch, which a runtime-only install lacks
+    from fed_train import defaults
+    from knnper_cli.args import Parser, positive_int
+    from knnper_cli.bench import add_bench_command
+    from knnper_cli.demo import add_demo_command
+    from knnper_cli.deploy import add_deploy_command
+    from knnper_cli.experiment import add_experiment_command
+    from knnper_cli.export import add_export_command
+    from knnper_cli.train import add_train_commands
+
+    parser = Parser(prog="knnper", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.add_argument("--threads", type=positive_int, default=defaults.THREADS,
+                        help="torch intra-op threads (1 trained the digits and Fashion-MNIST "
+                        "models fastest: BENCHMARKS.md)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for add in (add_train_commands, add_bench_command, add_export_command, add_demo_command,
+                add_experiment_command, add_deploy_command):
+        add(sub)
+    return parser
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130."""
+    import torch
+
+    from fed_train.errors import KnnperError
+
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (KnnperError, ValueError, FileNotFoundError) as err:
+        print(f"knnper: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"knnper: interrupted; run the same command again to resume {args.command}",
+              file=sys.stderr)
+        return INTERRUPTED
+
+
+def _version() -> str:
+    try:
+        return version("knnper")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+import knnper_cli.main as export_cli
 from edge_runtime.byte_count import MAX_BYTES, parse_byte_count
 from edge_runtime.cli import _build_parser as edge_parser
 from edge_runtime.cli import main as edge_main
-from export import cli as export_cli
 
 GOOD = {
     "500000": 500_000, "500kB": 500_000, "500KB": 500_000, "500kb": 500_000, "500k": 500_000,

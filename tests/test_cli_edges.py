@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import knnper_cli.main as export_cli
 from edge_runtime.bundle import remove_abandoned_temporaries
 from edge_runtime.cli import main as edge_main
-from export import cli as export_cli
 from fed_train.algorithms.base import TrainingConfig
-from fed_train.cli import main as train_main
 from fed_train.run import RunConfig, train
+from knnper_cli.main import main as train_main
 from tests.test_edge_runtime import IMAGE_SPEC, build_bundle, make_images
 
 

@@ -15,7 +15,7 @@ from experiments import context as experiment_context
 from experiments.lambda_vs_n import step_fit
 from experiments.points import PointStore
 from experiments.registry import EXPERIMENTS
-from export.cli import main
+from knnper_cli.main import main
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import knnper_cli.main as cli
 from edge_runtime.bundle import read_manifest
 from edge_runtime.encoder import Encoder
 from edge_runtime.runtime import Runtime
-from export import cli
 from export.errors import BudgetError, ExportError
 from export.exporter import ExportSettings, build_encoder, bundle_dir, export_run
 from export.sizing import SearchSpace, selection_key

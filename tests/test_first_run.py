@@ -12,13 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import knnper_cli.main as cli
+import knnper_cli.train as train_commands
 from edge_runtime.runtime import Runtime
-from export import cli, launcher
 from export.demo import DemoSize, format_demo_table, run_demo
-from fed_train import cli as fed_cli
-from fed_train import defaults
+from fed_train import defaults, run_evaluation
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.run import RunConfig, load_run, train
+from fed_train.run_evaluation import evaluate_run
+from knnper_cli.args import config_from_args
 
 
 def _options(parser: argparse.ArgumentParser, path: tuple[str, ...]):
@@ -45,9 +47,9 @@ def _help(parser: argparse.ArgumentParser, command: str) -> str:
 
 def test_train_and_bench_share_the_defaults_chosen_on_validation():
     args = cli.build_parser().parse_args(["train", "--out", "x"])
-    assert fed_cli.config_from_args(args).training == defaults.TRAINING
+    assert config_from_args(args).training == defaults.TRAINING
     bench = cli.build_parser().parse_args(["bench", "table", "--out", "x"])
-    assert fed_cli.config_from_args(bench).training == defaults.TRAINING
+    assert config_from_args(bench).training == defaults.TRAINING
     assert args.threads == defaults.THREADS == 1
 
 
@@ -58,12 +60,12 @@ def test_version_prints_and_exits_zero(capsys):
     assert capsys.readouterr().out.startswith("knnper ")
 
 
-def test_ctrl_c_ends_with_one_line_and_code_130(capsys):
-    def add_interrupted(sub):
-        p = sub.add_parser("stop", help="raises KeyboardInterrupt")
-        p.set_defaults(func=lambda args: (_ for _ in ()).throw(KeyboardInterrupt))
+def test_ctrl_c_ends_with_one_line_and_code_130(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
 
-    assert fed_cli.main(["stop"], extra=[add_interrupted]) == 130
+    monkeypatch.setattr(train_commands, "_cmd_train", interrupted)
+    assert cli.main(["train", "--out", "x"]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "interrupted" in err and "Traceback" not in err
 
@@ -72,7 +74,7 @@ def test_runtime_only_install_is_told_which_extra_to_install(monkeypatch, capsys
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("torch", "tqdm") else real(name, *a))
-    assert launcher.main(["--version"]) == 2
+    assert cli.main(["--version"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'knnper[train]'" in err
     assert "torch, tqdm" in err
@@ -89,13 +91,13 @@ def tiny_run(tmp_path_factory) -> Path:
 
 
 def test_evaluate_reuses_its_cached_local_results(tiny_run, monkeypatch):
-    first = fed_cli.evaluate_run(load_run(tiny_run), ["local"], progress=False)
+    first = evaluate_run(load_run(tiny_run), ["local"], progress=False)
 
     def no_training(*args, **kwargs):
         raise AssertionError("local models were trained again instead of read from the cache")
 
-    monkeypatch.setattr(fed_cli, "client_accuracies", no_training)
-    again = fed_cli.evaluate_run(load_run(tiny_run), ["local"], progress=False)
+    monkeypatch.setattr(run_evaluation, "client_accuracies", no_training)
+    again = evaluate_run(load_run(tiny_run), ["local"], progress=False)
     assert again == first
 
 

@@ -21,7 +21,6 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fed_train.algorithms import build_algorithm  # noqa: E402
 from fed_train.algorithms.base import TrainingConfig, get_weights  # noqa: E402
-from fed_train.cli import evaluate_run  # noqa: E402
 from fed_train.evaluation import client_accuracies  # noqa: E402
 from fed_train.flower.client_app import app as client_app  # noqa: E402
 from fed_train.flower.client_data import load_node_client  # noqa: E402
@@ -48,6 +47,7 @@ from fed_train.run import (  # noqa: E402
     run_partition,
     train,
 )
+from fed_train.run_evaluation import evaluate_run  # noqa: E402
 from fed_train.simulation import resume_from, simulate  # noqa: E402
 
 CLIENTS = 3
@@ -328,7 +328,7 @@ def test_stateful_algorithms_run_on_flower_like_the_simulation(tmp_path, algorit
 def test_deploy_config_writes_the_run_config_flwr_run_takes(tmp_path, capsys):
     import tomllib
 
-    from export.cli import main
+    from knnper_cli.main import main
 
     target = tmp_path / "run.toml"
     assert main(["deploy", "config", "--clients", "4", "--rounds", "3", "--algorithm", "ditto",
@@ -343,7 +343,7 @@ def test_deploy_certs_writes_private_keys_for_their_owner_only_and_never_overwri
                                                                                   capsys):
     from cryptography import x509
 
-    from export.cli import main
+    from knnper_cli.main import main
 
     out = tmp_path / "pki"
     assert main(["deploy", "certs", "--host", "fl.example.org", "--supernode-keys", "1",

@@ -21,7 +21,6 @@ pytest.importorskip("flwr")
 if shutil.which("flower-superlink") is None or shutil.which("flower-supernode") is None:
     pytest.skip("flwr's executables are not on PATH", allow_module_level=True)
 
-from export.cli import main  # noqa: E402
 from fed_train.deploy import (  # noqa: E402
     MARKER,
     Processes,
@@ -32,9 +31,10 @@ from fed_train.deploy import (  # noqa: E402
 )
 from fed_train.flower.pki import make_node_key, make_server_tls  # noqa: E402
 from fed_train.simulation import load_checkpoint  # noqa: E402
+from knnper_cli.main import main  # noqa: E402
 
 pytestmark = pytest.mark.slow
-KNNPER = [sys.executable, "-m", "export.cli"]
+KNNPER = [sys.executable, "-m", "knnper_cli.main"]
 TRAINING_FLAGS = ["--dataset", "digits", "--clients", "3", "--unseen-fraction", "0",
                   "--rounds", "2", "--local-epochs", "1", "--batch-size", "16", "--lr", "0.05",
                   "--momentum", "0.9", "--milestones", "0.5", "--seed", "0"]

@@ -12,8 +12,6 @@ import torch
 
 from edge_runtime.knn import choice_key
 from fed_train.algorithms.base import TrainingConfig
-from fed_train.cli import evaluate_run
-from fed_train.cli import main as knnper_main
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import KNN_CONFIG_FILE, load_or_choose, model_sha256
 from fed_train.knn_request import (
@@ -25,6 +23,8 @@ from fed_train.knn_request import (
     KNNRequest,
 )
 from fed_train.run import MODEL_FILE, RunConfig, load_run, train
+from fed_train.run_evaluation import evaluate_run
+from knnper_cli.main import main as knnper_main
 
 
 @pytest.fixture(scope="module")

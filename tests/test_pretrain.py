@@ -17,9 +17,9 @@ import torch
 from experiments.tables import TableRunner
 from fed_train import run as run_module
 from fed_train.algorithms.base import TrainingConfig, predict_proba
-from fed_train.cli import main
 from fed_train.data import load_dataset
 from fed_train.run import RunConfig, load_run
+from knnper_cli.main import main
 
 # 30% of digits' 1347 training images: enough for a body that beats one round from scratch
 PRETRAIN = ["--no-progress", "pretrain", "--dataset", "digits", "--server-fraction", "0.3",

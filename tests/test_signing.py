@@ -163,7 +163,7 @@ def test_cli_keygen_and_trusted_key(tmp_path, keys, capsys):
 
 
 def test_export_signs_every_bundle(tmp_path, keys, capsys):
-    from export import cli as export_cli
+    import knnper_cli.main as export_cli
     from fed_train.algorithms.base import TrainingConfig
     from fed_train.run import RunConfig, train
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from fed_train.cli import main
+from knnper_cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "4", "--local-epochs", "1",
@@ -24,7 +24,7 @@ TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "4", "--local-epoch
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "fed_train.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "knnper_cli.main", *args], capture_output=True,
                           text=True, env=env, timeout=300)
 
 
@@ -63,8 +63,8 @@ def test_evaluate_json_has_every_method_and_client(digits_run, tmp_path):
 
 def test_knnper_with_lambda_zero_everywhere_equals_fedavg(digits_run, monkeypatch):
     from fed_train.algorithms import knnper
-    from fed_train.cli import evaluate_run
     from fed_train.run import load_run
+    from fed_train.run_evaluation import evaluate_run
 
     monkeypatch.setattr(knnper, "estimate_lambda", lambda *a, **k: 0.0)
     result = evaluate_run(load_run(digits_run), ["fedavg", "knnper"], progress=False)
@@ -85,7 +85,7 @@ def test_a_killed_run_resumes_without_losing_rounds(tmp_path):
 
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "fed_train.cli", *_train_args(out, *args)],
+    proc = subprocess.Popen([sys.executable, "-m", "knnper_cli.main", *_train_args(out, *args)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120

@@ -1,0 +1,158 @@
+"""The argument types and flag groups every `knnper` command shares: one definition of a
+positive int, a fraction, a byte count (edge_runtime.byte_count, shared with knnper-edge), the
+training flags of `train` / `bench table` / `experiment` / `deploy`, and kNN-Per's
+configuration flags."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from edge_runtime.byte_count import byte_count
+from edge_runtime.knn import NORMALIZATIONS
+from fed_train import defaults
+from fed_train.algorithms.base import TrainingConfig
+from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, KNNRequest
+from fed_train.run import RunConfig
+
+__all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
+           "config_from_args", "fraction", "knn_request", "positive", "positive_float",
+           "positive_int"]
+
+
+class Parser(argparse.ArgumentParser):
+    """One line on stderr and exit 2 for a bad flag, like every other error of this CLI; every
+    option's help shows its default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def positive(kind: type, upper: float | None = None):
+    """An argparse type: a positive number (at most `upper`), refused with a one-line reason."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0 or (upper is not None and value > upper):
+            bound = f"in (0, {upper:g}]" if upper is not None else "> 0"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
+def add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """Data, partition and optimisation flags shared by `train` and `bench table`; the
+    optimisation defaults are fed_train.defaults.TRAINING (chosen on validation)."""
+    d = RunConfig()
+    t = defaults.TRAINING
+    p.add_argument("--dataset", default=d.dataset, help="digits, fashion-mnist, mnist, npz, "
+                   "cifar10, cifar100, femnist, shakespeare")
+    p.add_argument("--data", default=None,
+                   help="path of the data (file or directory); digits needs none")
+    p.add_argument("--max-train", type=positive_int, default=None,
+                   help="subsample the training set (stratified) to this many samples")
+    p.add_argument("--partition", default=d.partition,
+                   help="dirichlet, pachinko, pathological, natural")
+    p.add_argument("--alpha", type=positive_float, default=d.alpha,
+                   help="Dirichlet / pachinko concentration (smaller: more heterogeneous)")
+    p.add_argument("--beta", type=positive_float, default=d.beta,
+                   help="pachinko: concentration of the fine labels within a coarse label")
+    p.add_argument("--classes-per-client", type=positive_int, default=d.classes_per_client,
+                   help="pathological: classes each client holds")
+    p.add_argument("--clients", type=positive_int, default=d.clients, help="number of clients")
+    p.add_argument("--unseen-fraction", type=float, default=d.unseen_fraction,
+                   help="fraction of clients held out of training (evaluated as unseen)")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help="fraction of each client's train data kept for validation")
+    p.add_argument("--model", default=None,
+                   help="small-cnn, mobilenet-v2, char-lstm (None: chosen by input kind)")
+    p.add_argument("--rounds", type=positive_int, default=t.rounds,
+                   help="federated rounds")
+    p.add_argument("--participation", type=fraction, default=t.participation,
+                   help="fraction of training clients sampled per round")
+    p.add_argument("--local-epochs", type=positive_int, default=t.epochs,
+                   help="local epochs per round")
+    p.add_argument("--local-steps", type=positive_int, default=None,
+                   help="a fixed number of local SGD steps instead of epochs")
+    p.add_argument("--batch-size", type=positive_int, default=t.batch_size,
+                   help="local SGD batch size")
+    p.add_argument("--lr", type=positive_float, default=t.lr, help="client learning rate")
+    p.add_argument("--momentum", type=float, default=t.momentum, help="client SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=t.weight_decay,
+                   help="client SGD weight decay")
+    p.add_argument("--milestones", type=fraction, nargs="*", default=list(t.milestones),
+                   help="fractions of the rounds at which the learning rate decays")
+    p.add_argument("--lr-gamma", type=positive_float, default=t.gamma,
+                   help="learning-rate factor at each milestone")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the partition, initialisation and client sampling")
+    p.add_argument("--init", default=None,
+                   help="start every method from these weights: a `knnper pretrain` directory "
+                   "(its server split is then left out of the clients' data) or a .pt state dict")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    training = TrainingConfig(rounds=args.rounds, participation=args.participation,
+                              epochs=args.local_epochs, steps=args.local_steps,
+                              batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
+                              weight_decay=args.weight_decay, milestones=tuple(args.milestones),
+                              gamma=args.lr_gamma)
+    return RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
+                     partition=args.partition, alpha=args.alpha, beta=args.beta,
+                     classes_per_client=args.classes_per_client, clients=args.clients,
+                     unseen_fraction=args.unseen_fraction, val_fraction=args.val_fraction,
+                     model=args.model, init=args.init, seed=args.seed, training=training,
+                     checkpoint_every=getattr(args, "checkpoint_every",
+                                              defaults.CHECKPOINT_EVERY))
+
+
+def add_knn_arguments(p: argparse.ArgumentParser) -> None:
+    """--knn-config and the flags that pin one value of it, for every command that runs
+    kNN-Per (evaluate, export, bench table, demo, experiment, deploy)."""
+    p.add_argument("--knn-config", choices=KNN_MODES, default="tuned",
+                   help="kNN-Per's k, sigma, normalisation and lambda estimator: chosen on the "
+                   "seen clients' pooled validation splits (tuned, saved in the run directory "
+                   "and reused) or the paper's fixed setting (k=10, sigma=1, raw embeddings, "
+                   "lambda on validation)")
+    p.add_argument("--k", type=positive_int, default=None,
+                   help="pin kNN-Per's number of neighbours (default: from --knn-config)")
+    p.add_argument("--sigma", type=positive_float, default=None,
+                   help="pin kNN-Per's kernel width (default: from --knn-config)")
+    p.add_argument("--normalize", choices=NORMALIZATIONS, default=None,
+                   help="pin the embedding normalisation before the kNN (default: from "
+                   "--knn-config)")
+    p.add_argument("--lambda-estimator", choices=ESTIMATOR_CHOICES, default=None,
+                   help="pin how each client picks lambda: its validation split (val), plus "
+                   "leave-one-out posteriors of its datastore (loo+val), or whichever wins 2-fold "
+                   "cross-validation inside the validation splits (auto; default: from "
+                   "--knn-config)")
+
+
+def knn_request(args: argparse.Namespace) -> KNNRequest:
+    return KNNRequest(args.knn_config, args.k, args.sigma, args.normalize, args.lambda_estimator)

@@ -1,0 +1,66 @@
+"""`knnper bench table`: the paper's comparison tables (experiments.tables)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from experiments.lr_tuning import LR_GRID, parse_lr_grid
+from experiments.tables import METHODS, BenchError, format_markdown, run_table
+from knnper_cli.args import (
+    add_knn_arguments,
+    add_training_arguments,
+    config_from_args,
+    knn_request,
+    positive,
+)
+
+
+def _cmd_table(args: argparse.Namespace) -> int:
+    if args.lr_grid is not None and not args.tune_lr:
+        raise BenchError("--lr-grid is used only with --tune-lr")
+    try:
+        grid = parse_lr_grid(args.lr_grid) if args.lr_grid is not None else LR_GRID
+    except ValueError as err:
+        raise BenchError(str(err)) from None
+    config = config_from_args(args)
+    hyper = {"knnper": {"capacity": args.capacity}}
+    command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result = run_table(config, args.methods, Path(args.out), tune_lr=args.tune_lr, lr_grid=grid,
+                       hyper=hyper, progress=not getattr(args, "no_progress", False),
+                       knn=knn_request(args),
+                       workers=args.workers, attribution=args.attribution, command=command)
+    print(format_markdown(result))
+    print(f"wrote {args.out}/table.md, table1.csv, table2.csv, clients.csv, results.json")
+    return 0
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
+    """`knnper bench table ...`."""
+    bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables")
+    sub = bench.add_subparsers(dest="bench_command", metavar="table", required=True)
+    p = sub.add_parser("table", help="every method on one partition: Table 1 (seen clients) and "
+                       "Table 2 (unseen clients) as CSV and markdown")
+    add_training_arguments(p)
+    p.add_argument("--methods", default="all",
+                   help=f"all, or a comma-separated list of: {', '.join(METHODS)}")
+    p.add_argument("--out", required=True, help="output folder (re-running resumes it)")
+    p.add_argument("--tune-lr", action="store_true",
+                   help="choose each method's learning rate on validation accuracy over the "
+                   "paper's grid (multiplies the cost by the grid's size)")
+    p.add_argument("--lr-grid", default=None,
+                   help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... "
+                   "10^-2.5)")
+    p.add_argument("--checkpoint-every", type=positive(int), default=5,
+                   help="rounds between checkpoints of each training run")
+    add_knn_arguments(p)
+    p.add_argument("--capacity", type=positive(float, 1.0), default=1.0,
+                   help="kNN-Per: fraction of each client's train split in its datastore")
+    p.add_argument("--workers", type=positive(int), default=1,
+                   help="train the (method, learning rate) runs in this many processes")
+    p.add_argument("--attribution", action="store_true",
+                   help="also evaluate every head on every body (FedAvg, FedRep, pFedGP bodies; "
+                   "own, linear, GP, kNN and kNN-Per heads) into attribution.csv and table.md")
+    p.set_defaults(func=_cmd_table)

@@ -1,0 +1,30 @@
+"""`knnper demo`: the whole pipeline on scikit-learn's digits in about a minute
+(export.demo)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from export.demo import format_demo_table, run_demo
+from knnper_cli.args import add_knn_arguments, knn_request
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    rows, choice = run_demo(Path(args.out), seed=args.seed, progress=not args.no_progress,
+                            workers=args.workers, knn=knn_request(args))
+    print(choice.describe())
+    print(format_demo_table(rows))
+    print(f"run, evaluation and bundles in {args.out}")
+    return 0
+
+
+def add_demo_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the whole pipeline on scikit-learn's digits in about a "
+                       "minute: train, evaluate, export for weak and strong devices, run them")
+    p.add_argument("--out", default="runs/demo", help="run directory (re-running resumes it)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the partition and training")
+    p.add_argument("--workers", type=int, default=2,
+                   help="processes that size clients' datastores in parallel")
+    add_knn_arguments(p)
+    p.set_defaults(func=_cmd_demo)

@@ -1,0 +1,133 @@
+"""`knnper deploy`: the run as a real Flower federation (fed_train.deploy), its run config, and
+its certificates."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from pathlib import Path
+
+from fed_train.deploy import (
+    APP_DIR,
+    DeployError,
+    LocalFederation,
+    deploy_local,
+    run_config_toml,
+)
+from fed_train.evaluation import format_table
+from fed_train.flower.pki import make_node_key, make_server_tls
+from fed_train.flower.settings import FlowerSettings
+from knnper_cli.args import (
+    add_knn_arguments,
+    add_training_arguments,
+    config_from_args,
+    fraction,
+    positive_float,
+    positive_int,
+)
+
+
+def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
+    return FlowerSettings(run=config_from_args(args), run_dir=args.out, algorithm=args.algorithm,
+                          round_timeout=args.round_timeout, connect_timeout=args.connect_timeout,
+                          min_train_clients=args.min_train_clients,
+                          eval_methods=tuple(args.eval_methods), knn_config=args.knn_config,
+                          k=args.k or 0, sigma=args.sigma or 0.0,
+                          normalize=args.normalize or "", capacity=args.capacity,
+                          lambda_estimator=args.lambda_estimator or "")
+
+
+def _cmd_deploy_local(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    federation = LocalFederation(clients=args.clients, insecure=args.insecure,
+                                 startup_timeout=args.startup_timeout)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
+    try:
+        record = deploy_local(settings, federation)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(format_table(record["evaluation"]))
+    traffic = record["superlink_run"].get("network-traffic", {})
+    print(f"trained {settings.run.training.rounds} rounds on Flower into {args.out} "
+          f"({traffic.get('total-bytes', '?')} bytes through the SuperLink)")
+    return 0
+
+
+def _cmd_deploy_config(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args).check()
+    settings.run_dir = str(Path(args.out).resolve())
+    text = run_config_toml(settings)
+    if args.write:
+        Path(args.write).write_text(text)
+        print(f"wrote {args.write}: flwr run {APP_DIR} SUPERLINK --run-config {args.write}")
+    else:
+        print(text, end="")
+    return 0
+
+
+def _cmd_deploy_certs(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise DeployError(f"{out} is not empty; certificates and keys are never overwritten")
+    tls = make_server_tls(out, args.host)
+    print(f"wrote {tls.ca_cert} (give it to every SuperNode), {tls.cert} and {tls.key} (for "
+          f"the SuperLink on {args.host} only)")
+    for i in range(args.supernode_keys):
+        key = make_node_key(out / "supernodes", f"supernode-{i}")
+        print(f"wrote {key.private} (for SuperNode {i} only) and {key.public} (register it: "
+              f"flwr supernode register {key.public} SUPERLINK)")
+    return 0
+
+
+def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
+    from fed_train.defaults import CHECKPOINT_EVERY
+
+    add_training_arguments(p)
+    p.add_argument("--checkpoint-every", type=positive_int, default=CHECKPOINT_EVERY,
+                   help="rounds between checkpoints")
+    p.add_argument("--algorithm", default="fedavg",
+                   help="fedavg, knnper, fedavg+, clustered, ditto, fedrep, apfl, pfedgp")
+    p.add_argument("--eval-methods", nargs="+", default=["fedavg", "knnper"],
+                   help="personalizations evaluated on the clients after training")
+    add_knn_arguments(p)
+    p.add_argument("--capacity", type=fraction, default=1.0,
+                   help="fraction of each client's train split kept in its datastore")
+    p.add_argument("--round-timeout", type=positive_float, default=600.0,
+                   help="seconds the server waits for a round's replies")
+    p.add_argument("--connect-timeout", type=positive_float, default=120.0,
+                   help="seconds the server waits for every client's SuperNode")
+    p.add_argument("--min-train-clients", type=int, default=0,
+                   help="replies a round needs to go on (0: every sampled client)")
+
+
+def add_deploy_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("deploy", help="federated training on Flower (SuperLink + SuperNodes)")
+    where = p.add_subparsers(dest="where", required=True, parser_class=type(p))
+    local = where.add_parser("local", help="a whole federation on 127.0.0.1: one SuperLink, "
+                                           "one SuperNode per client, TLS and SuperNode "
+                                           "authentication")
+    _add_settings_arguments(local)
+    local.add_argument("--out", required=True, help="run directory (the same layout as "
+                                                    "`knnper train` writes)")
+    local.add_argument("--startup-timeout", type=positive_float, default=60.0,
+                       help="seconds the SuperLink may take to start listening")
+    local.add_argument("--insecure", action="store_true",
+                       help="no TLS and no SuperNode authentication (never across machines)")
+    local.set_defaults(func=_cmd_deploy_local)
+
+    config = where.add_parser("config", help="the run config file for `flwr run` against a "
+                                             "SuperLink of your own (real machines)")
+    _add_settings_arguments(config)
+    config.add_argument("--out", required=True,
+                        help="run directory on the machine that runs the ServerApp")
+    config.add_argument("--write", default=None, help="write the TOML here (default: stdout)")
+    config.set_defaults(func=_cmd_deploy_config)
+
+    certs = where.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode "
+                                           "key pairs for a federation across machines")
+    certs.add_argument("--host", required=True,
+                       help="the SuperLink's address as SuperNodes reach it (DNS name or IP)")
+    certs.add_argument("--supernode-keys", type=int, default=0,
+                       help="SuperNode authentication key pairs to make")
+    certs.add_argument("--out", required=True, help="an empty or new directory")
+    certs.set_defaults(func=_cmd_deploy_certs)
