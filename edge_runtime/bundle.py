@@ -55,6 +55,7 @@ from .datastores import (
     BACKENDS,
     DATASTORE_FILE_RE,
     file_generation,
+    format_recipe,
     load_datastore,
     parse_recipe,
 )
@@ -202,6 +203,12 @@ def _validate_backend(manifest: dict, fail) -> None:
         raise fail(f"backend 'recipe': {exc}") from None
     if recipe_name != name:
         raise fail(f"backend recipe {recipe!r} is not a {name} recipe")
+    try:
+        spelled = format_recipe(name, backend["params"])
+    except (ValueError, TypeError):
+        raise fail(f"backend 'params' are not {name} recipe parameters") from None
+    if recipe != spelled:  # what `info` shows is what the (signed) params say
+        raise fail(f"backend recipe {recipe!r} does not match its params ({spelled!r})")
 
 
 def _validate_files(files: dict, backend: str, fail) -> None:

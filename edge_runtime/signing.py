@@ -9,7 +9,9 @@ On-device updates (`Runtime.add`) rewrite manifest.json without any private key 
 the signed base stays in signature.json, and a runtime that trusts the exporter's key accepts
 the current manifest only when it equals the signed base in everything except what an update
 may change: the datastore's file names and sha256s, the datastore and total footprint (still
-bounded by the signed budget) and the recipe's sample count n. So the encoder and every setting
+bounded by the signed budget) and the recipe's sample counts: n, and a ProtoNN buffer's capacity b
+(the concatenate strategy grows them). The recipe string itself must be the one its parameters
+spell (`bundle.validate_manifest`), so it cannot say what they do not. So the encoder and every setting
 stay those the exporter signed; the stored samples after an update are the device's own, covered
 by the sha256 list against corruption but not by the signature (a key on the device, beside the
 bundle, would protect them no better against whoever can rewrite that storage).
@@ -176,6 +178,11 @@ def _check_against_base(manifest: dict, base: dict, where: str) -> None:
         raise fail("the datastore backend")
 
 
+# Recipe parameters an update may change: how many samples are stored (and, for ProtoNN, how
+# many the buffer holds); the budget still bounds the files they take.
+_COUNT_PARAMS = ("n", "buffer")
+
+
 def _fixed_params(backend: dict) -> dict:
-    """The recipe's parameters an update cannot change (all but the sample count n)."""
-    return {key: value for key, value in backend["params"].items() if key != "n"}
+    """The recipe's parameters an update cannot change (all but the sample counts)."""
+    return {key: value for key, value in backend["params"].items() if key not in _COUNT_PARAMS}
