@@ -153,7 +153,7 @@ def _npy_header(f: BinaryIO, what: str) -> tuple[tuple[int, ...], np.dtype, int]
         raise ValueError(f"{what} has unsupported .npy version {version}")
     shape, _, dtype = read_header(f, max_header_size=_MAX_NPY_HEADER)
     if dtype.hasobject:
-        raise ValueError(f"{what} holds Python objects")
+        raise ValueError(f"{what} holds Python objects (pickles: refused, allow_pickle=False)")
     return shape, dtype, f.tell()
 
 
