@@ -68,7 +68,11 @@ def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.Pat
     fd = os.open(os.fspath(private_path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(private_pem)
-    Path(public_path).write_bytes(public_pem)
+    try:
+        Path(public_path).write_bytes(public_pem)
+    except BaseException:  # a private key without its public half is of no use: no orphan
+        Path(private_path).unlink(missing_ok=True)
+        raise
     return fingerprint(key.public_key())
 
 
