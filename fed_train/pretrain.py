@@ -250,7 +250,9 @@ def _read_indices(path: Path) -> np.ndarray:
     if (not isinstance(indices, np.ndarray) or indices.ndim != 1
             or (indices.size and not np.issubdtype(indices.dtype, np.integer))):
         raise InitError(f"--init {path} must hold 1-D integer indices")
-    if indices.size and (indices.min() < 0 or len(np.unique(indices)) != len(indices)):
+    if indices.size == 0:  # pretraining had data: an empty list is a damaged record
+        raise InitError(f"--init {path} holds no indices (the server split cannot be empty)")
+    if indices.min() < 0 or len(np.unique(indices)) != len(indices):
         raise InitError(f"--init {path} holds negative or repeated indices")
     return indices.astype(np.int64)
 
