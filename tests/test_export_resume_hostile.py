@@ -104,3 +104,22 @@ def test_resume_rebuilds_every_tampered_bundle_and_journal_row(run_dir, tmp_path
     # a clean resume skips both, and still describes them
     assert export_cli.main(_export(run_dir, out, "2M", "--signing-key", str(key))) == 0
     assert _consistent(out, trusted)["clients"] == report["clients"]
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_temporary(run_dir, tmp_path,
+                                                                         capsys, monkeypatch):
+    import errno
+
+    from edge_runtime import _io
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_io.os, "fsync", full)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert export_cli.main(_export(run_dir, out)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith(("INFO", "WARNING"))]
+    assert len(lines) == 1 and "No space left on device" in lines[0], err
+    assert not [p.name for p in out.rglob("*") if ".tmp" in p.name]
