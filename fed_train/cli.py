@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -54,8 +56,31 @@ class _Parser(argparse.ArgumentParser):
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _learning_rate(text: str) -> float:
+    """A rate torch can apply to float32 weights (larger ones overflow inside the optimizer;
+    merely large ones end in the trainer's 'loss became NaN' error)."""
+    value = _positive_float(text)
+    if value > FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"must fit a float32 (at most {FLOAT32_MAX:.3g}), "
+                                         f"got {text}")
+    return value
+
+
+def _threads(text: str) -> int:
+    """1 to this machine's cores: more threads only contend, and huge counts fail to start."""
+    value = _positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"must be at most {cores} (this machine's cores), "
+                                         f"got {text}")
     return value
 
 
@@ -109,7 +134,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="a fixed number of local SGD steps instead of epochs")
     p.add_argument("--batch-size", type=_positive_int, default=t.batch_size,
                    help="local SGD batch size")
-    p.add_argument("--lr", type=_positive_float, default=t.lr, help="client learning rate")
+    p.add_argument("--lr", type=_learning_rate, default=t.lr, help="client learning rate")
     p.add_argument("--momentum", type=float, default=t.momentum, help="client SGD momentum")
     p.add_argument("--weight-decay", type=float, default=t.weight_decay,
                    help="client SGD weight decay")
@@ -134,7 +159,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      partition=args.partition, alpha=args.alpha, beta=args.beta,
                      classes_per_client=args.classes_per_client, clients=args.clients,
                      unseen_fraction=args.unseen_fraction, val_fraction=args.val_fraction,
-                     model=args.model, init=args.init, seed=args.seed, training=training,
+                     model=args.model, seed=args.seed, training=training,
+                     # absolute, so later commands find it from any directory
+                     init=None if args.init is None else str(Path(args.init).resolve()),
                      checkpoint_every=getattr(args, "checkpoint_every",
                                               defaults.CHECKPOINT_EVERY))
 
@@ -253,7 +280,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
                    help="stop after this many epochs without a better validation accuracy")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
                    help="SGD batch size")
-    p.add_argument("--lr", type=_positive_float, default=d.lr, help="SGD learning rate")
+    p.add_argument("--lr", type=_learning_rate, default=d.lr, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help="SGD weight decay")
@@ -304,7 +331,7 @@ def build_parser(extra: Sequence[CommandAdder] = ()) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    parser.add_argument("--threads", type=_positive_int, default=defaults.THREADS,
+    parser.add_argument("--threads", type=_threads, default=defaults.THREADS,
                         help="torch intra-op threads (1 trained the digits and Fashion-MNIST "
                         "models fastest: BENCHMARKS.md)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -316,6 +343,17 @@ def build_parser(extra: Sequence[CommandAdder] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(err: BaseException) -> str:
+    """An error as one line: a file system error by its reason and path (a full disk, a path
+    under a file), a MemoryError by what it means; multi-line messages joined."""
+    if isinstance(err, MemoryError):
+        return "out of memory (a size or budget larger than this machine can hold?)"
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    return " ".join(str(err).split()) or type(err).__name__
+
+
 def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) -> int:
     args = build_parser(extra).parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -323,8 +361,8 @@ def main(argv: Sequence[str] | None = None, extra: Sequence[CommandAdder] = ()) 
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (KnnperError, ValueError, FileNotFoundError) as err:
-        print(f"knnper: error: {err}", file=sys.stderr)
+    except (KnnperError, ValueError, OSError, MemoryError) as err:
+        print(f"knnper: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"knnper: interrupted; run the same command again to resume {args.command}",

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from edge_runtime.knn import leave_one_out_search, normalize_embeddings
+from edge_runtime.knn import estimate_lambda, leave_one_out_search, normalize_embeddings
 from fed_train.algorithms.base import get_weights
-from edge_runtime.knn import estimate_lambda
 from fed_train.algorithms.knnper import KNNPer
 from fed_train.evaluation import client_accuracies
 from fed_train.knn_tuning import (

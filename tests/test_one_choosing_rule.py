@@ -16,8 +16,8 @@ from edge_runtime.device_init import init_bundle
 from edge_runtime.knn import KNNHead, choice_key, choose_lambda, estimate_lambda, softmax
 from export.cli import main as export_main
 from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
-from fed_train.client_files import write_client_files
 from fed_train.cli import main as knnper_main
+from fed_train.client_files import write_client_files
 from fed_train.knn_choice import KNN_CONFIG_FILE
 from fed_train.knn_request import FROM_VALIDATION
 from fed_train.run import load_run
