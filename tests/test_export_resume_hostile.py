@@ -128,6 +128,6 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_temporary(run_dir,
 def test_a_petabyte_budget_exports_and_loads_without_allocating_it(run_dir, tmp_path):
     """The verifier used to read each file with f.read(budget + 1): a MemoryError at 1e15."""
     out = tmp_path / "out"
-    assert export_cli.main(_export(run_dir, out, "1e15")) == 0
+    assert export_cli.main(_export(run_dir, out, "1PB")) == 0
     report = _consistent(out)
     assert {row["budget"] for row in report["clients"]} == {10**15}
