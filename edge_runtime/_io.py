@@ -6,12 +6,15 @@ power) sees either the old file or the complete new one, never half of it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import uuid
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -102,6 +105,35 @@ def fsync_file(path: str | os.PathLike) -> None:
         os.fsync(f.fileno())
 
 
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """Open a file for reading only if it is a regular file: a named pipe or a device would
+    block the reader forever or never end, so it is refused (OSError) before any read. The
+    open itself does not block (O_NONBLOCK), which for regular files changes nothing."""
+    fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a pipe, device or directory)",
+                          os.fspath(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes | None:
+    """A regular file's bytes (`open_regular`), or None when it holds more than `limit`."""
+    with open_regular(path) as f:
+        return read_bounded(f, limit)
+
+
+def read_bounded(f: BinaryIO, limit: int) -> bytes | None:
+    """All of an open file's bytes, or None when it holds more than `limit`. Never asks for
+    more than the file's size plus one byte, so a huge limit allocates nothing up front."""
+    size = os.fstat(f.fileno()).st_size
+    data = f.read(min(limit, size) + 1)
+    return None if len(data) > limit else data
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -110,13 +142,42 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def check_npz_members(path: str | os.PathLike) -> None:
-    """Refuse an .npz whose arrays could take more memory than its file: every member must be
-    stored uncompressed (so a member's bytes in memory are its bytes on disk) and its .npy
-    header must declare exactly the array its data holds. Nothing is decompressed or allocated
-    before these checks pass; ValueError names the problem."""
+def _npy_header(f: BinaryIO, what: str) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, header bytes) of the .npy whose start `f` is at; nothing else is read."""
+    version = np.lib.format.read_magic(f)
+    read_header = {
+        (1, 0): np.lib.format.read_array_header_1_0,
+        (2, 0): np.lib.format.read_array_header_2_0,
+    }.get(version)
+    if read_header is None:
+        raise ValueError(f"{what} has unsupported .npy version {version}")
+    shape, _, dtype = read_header(f, max_header_size=_MAX_NPY_HEADER)
+    if dtype.hasobject:
+        raise ValueError(f"{what} holds Python objects (pickles: refused, allow_pickle=False)")
+    return shape, dtype, f.tell()
+
+
+def _data_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=object)) * dtype.itemsize
+
+
+def _check_member(what: str, shape, dtype, header_bytes: int, stored_bytes: int) -> int:
+    """The member's array bytes, after checking that its data is exactly what it declares."""
+    data_bytes = _data_bytes(shape, dtype)
+    if header_bytes + data_bytes != stored_bytes:
+        raise ValueError(
+            f"{what} declares a {dtype} array of shape {list(shape)} ({data_bytes} bytes) "
+            f"but holds {stored_bytes - header_bytes} bytes of data"
+        )
+    return data_bytes
+
+
+def _npz_members(path: str | os.PathLike, *, stored_only: bool) -> int:
+    """Check every member's .npy header against its (uncompressed) size, reading only headers;
+    returns the bytes its arrays take in memory. `stored_only`: refuse compressed members."""
     name = Path(path).name
-    with zipfile.ZipFile(path) as zf:
+    total = 0
+    with open_regular(path) as raw, zipfile.ZipFile(raw) as zf:
         members = zf.infolist()
         if len(members) > MAX_NPZ_MEMBERS:
             raise ValueError(f"{name} holds {len(members)} members, more than {MAX_NPZ_MEMBERS}")
@@ -126,29 +187,61 @@ def check_npz_members(path: str | os.PathLike) -> None:
             if info.filename in seen or not info.filename.endswith(".npy"):
                 raise ValueError(f"{what} is repeated or not an .npy array")
             seen.add(info.filename)
-            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            compressed = info.compress_type != zipfile.ZIP_STORED
+            if stored_only and (compressed or info.compress_size != info.file_size):
                 raise ValueError(
                     f"{what} is compressed; bundles store arrays uncompressed (np.savez), so that "
                     "their size on disk is the memory they take"
                 )
+            # zipfile never inflates a member past its declared file_size, so checking the
+            # header against that size bounds what decompressing it can produce
             with zf.open(info) as f:
-                version = np.lib.format.read_magic(f)
-                read_header = {
-                    (1, 0): np.lib.format.read_array_header_1_0,
-                    (2, 0): np.lib.format.read_array_header_2_0,
-                }.get(version)
-                if read_header is None:
-                    raise ValueError(f"{what} has unsupported .npy version {version}")
-                shape, _, dtype = read_header(f, max_header_size=_MAX_NPY_HEADER)
-                header_bytes = f.tell()
-            if dtype.hasobject:
-                raise ValueError(f"{what} holds Python objects")
-            data_bytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
-            if header_bytes + data_bytes != info.file_size:
-                raise ValueError(
-                    f"{what} declares a {dtype} array of shape {list(shape)} ({data_bytes} bytes) "
-                    f"but holds {info.file_size - header_bytes} bytes of data"
-                )
+                shape, dtype, header_bytes = _npy_header(f, what)
+            total += _check_member(what, shape, dtype, header_bytes, info.file_size)
+    return total
+
+
+def check_npz_members(path: str | os.PathLike) -> None:
+    """Refuse an .npz whose arrays could take more memory than its file: every member must be
+    stored uncompressed (so a member's bytes in memory are its bytes on disk) and its .npy
+    header must declare exactly the array its data holds. Nothing is decompressed or allocated
+    before these checks pass; ValueError names the problem."""
+    _npz_members(path, stored_only=True)
+
+
+def array_file_bytes(path: str | os.PathLike) -> int:
+    """The memory the arrays of an .npy or .npz file take once loaded, read from their headers
+    (nothing decompressed); ValueError when a header does not match the data behind it. Named
+    pipes and devices are refused (`open_regular`)."""
+    with open_regular(path) as f:
+        is_zip = f.read(4) == b"PK\x03\x04"
+        if not is_zip:
+            f.seek(0)
+            shape, dtype, header_bytes = _npy_header(f, Path(path).name)
+            return _check_member(Path(path).name, shape, dtype, header_bytes,
+                                 os.fstat(f.fileno()).st_size)
+    return _npz_members(path, stored_only=False)
+
+
+def load_arrays(path: str | os.PathLike, limit: int, what: str = "arrays"):
+    """np.load of an .npy / .npz once `array_file_bytes` shows its arrays take at most `limit`
+    bytes (ValueError otherwise, before anything is decompressed or allocated); never unpickles."""
+    need = array_file_bytes(path)
+    if need > limit:
+        raise ValueError(
+            f"{path}: its {what} would take {need} bytes in memory, over the limit of {limit} "
+            "bytes"
+        )
+    return np.load(path, allow_pickle=False)
+
+
+def memory_limit() -> int:
+    """Half of this machine's physical memory: what one input file's arrays may take (more
+    cannot be worked on, and a file that claims more is a mistake or an attack)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (AttributeError, ValueError, OSError):  # not POSIX: a fixed, generous bound
+        return 8 << 30
 
 
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:

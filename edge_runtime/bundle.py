@@ -46,6 +46,7 @@ import numpy as np
 from ._io import (
     fsync_dir,
     fsync_file,
+    read_regular,
     sha256_file,
     to_json_types,
     write_bytes_atomic,
@@ -55,6 +56,7 @@ from .datastores import (
     BACKENDS,
     DATASTORE_FILE_RE,
     file_generation,
+    format_recipe,
     load_datastore,
     parse_recipe,
 )
@@ -95,6 +97,9 @@ _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 # A real manifest is about 1 KB; these bound what a hostile one can cost to parse.
 MAX_MANIFEST_BYTES = 64 * 1024
 MAX_MANIFEST_DEPTH = 8
+# Most classes and embedding dimensions a bundle may declare: every prediction allocates arrays
+# this wide, so a hostile manifest must not choose their size freely.
+MAX_WIDTH = 1 << 16
 
 __all__ = [
     "BudgetExceeded",
@@ -168,6 +173,9 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
     for key in ("num_classes", "embedding_dim", "k", "budget_bytes"):
         if manifest[key] < 1:
             raise fail(f"{key!r} must be >= 1, got {manifest[key]}")
+    for key in ("num_classes", "embedding_dim"):  # sizes of what predictions allocate
+        if manifest[key] > MAX_WIDTH:
+            raise fail(f"{key!r} is {manifest[key]}, over the {MAX_WIDTH} this runtime takes")
     if not manifest["sigma"] > 0:
         raise fail(f"'sigma' must be > 0, got {manifest['sigma']}")
     if not 0.0 <= manifest["lambda"] <= 1.0:
@@ -225,6 +233,12 @@ def _validate_backend(manifest: dict, fail) -> None:
         raise fail(f"backend 'recipe': {exc}") from None
     if recipe_name != name:
         raise fail(f"backend recipe {recipe!r} is not a {name} recipe")
+    try:
+        spelled = format_recipe(name, backend["params"])
+    except (ValueError, TypeError):
+        raise fail(f"backend 'params' are not {name} recipe parameters") from None
+    if recipe != spelled:  # what `info` shows is what the (signed) params say
+        raise fail(f"backend recipe {recipe!r} does not match its params ({spelled!r})")
 
 
 def _validate_files(files: dict, backend: str, fail) -> None:
@@ -308,12 +322,15 @@ def _read_manifest_bytes(bundle_dir: Path) -> bytes:
     if not bundle_dir.is_dir():
         raise BundleError(f"{where}: not a directory")
     try:
-        with open(bundle_dir / MANIFEST, "rb") as f:
-            return f.read(MAX_MANIFEST_BYTES + 1)
+        raw = read_regular(bundle_dir / MANIFEST, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise BundleError(f"{where}: no {MANIFEST}") from None
     except OSError as exc:
         raise BundleError(f"{where}: cannot read {MANIFEST}: {exc.strerror}") from None
+    if raw is None:
+        raise BundleError(f"{where}: {MANIFEST}: over {MAX_MANIFEST_BYTES} bytes, too large "
+                          "for a manifest")
+    return raw
 
 
 def read_manifest(bundle_dir: str | os.PathLike) -> dict:
@@ -455,10 +472,11 @@ def bundle_lock(
 def _read_verified(bundle_dir: Path, name: str, manifest: dict, where: str) -> bytes:
     """The bytes of a listed file, checked against its sha256 once more: what runs is what
     was hashed, even if the file is swapped after `verify_files`."""
-    limit = manifest["budget_bytes"]
-    with open(bundle_dir / name, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit or hashlib.sha256(data).hexdigest() != manifest["files"][name]:
+    try:
+        data = read_regular(bundle_dir / name, manifest["budget_bytes"])
+    except OSError as exc:
+        raise BundleError(f"{where}: cannot read {name}: {exc.strerror}") from None
+    if data is None or hashlib.sha256(data).hexdigest() != manifest["files"][name]:
         raise BundleError(f"{where}: {name} changed while it was read")
     return data
 

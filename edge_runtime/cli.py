@@ -17,7 +17,7 @@ from zipfile import BadZipFile
 
 import numpy as np
 
-from ._io import write_bytes_atomic
+from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
 from .byte_count import byte_count
 from .knn import interpolate
 from .runtime import Runtime, check_labels
@@ -45,11 +45,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _threads(text: str) -> int:
+    """A thread count from 1 to this machine's cores: more only slows the device down, and
+    a huge count makes the thread pools hang while they start."""
+    value = _positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"must be at most {cores} (this machine's cores), "
+                                         f"got {text}")
+    return value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device.")
     p.add_argument(
         "--threads",
-        type=_positive_int,
+        type=_threads,
         default=1,
         help="onnxruntime intra-op and numpy BLAS threads (1 is fastest at batch 1)",
     )
@@ -140,9 +151,14 @@ def _one_line(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------- inputs
 
 
+# What the arrays of one input file may take in memory on a device (predictions and updates
+# process them whole); the headers are checked before anything is decompressed.
+DEVICE_INPUT_BYTES = 256 << 20
+
+
 def _load(path: str):
     try:
-        return np.load(path, allow_pickle=False)
+        return load_arrays(path, min(DEVICE_INPUT_BYTES, memory_limit()), "arrays")
     except FileNotFoundError:
         raise CLIError(f"no such file: {path}") from None
     except IsADirectoryError:
@@ -238,10 +254,13 @@ def cmd_add(args) -> int:
 
 def _read_spec_file(path: str) -> dict:
     try:
-        spec = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = read_regular(path, 1 << 20)
+        if raw is None:
+            raise CLIError(f"input spec {path} is over 1 MiB")
+        spec = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise CLIError(f"no such file: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CLIError(f"cannot read input spec {path}: {_one_line(exc)}") from None
     if isinstance(spec, dict) and "input" in spec and "kind" not in spec:
         spec = spec["input"]  # a whole manifest.json works too

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._io import write_bytes_atomic
+from ._io import read_regular, write_bytes_atomic
 from .bundle import ENCODER_FILE, BundleError
 from .runtime import Runtime
 
@@ -106,6 +106,9 @@ def write_portable(
         raise ValueError(f"--out must end in .onnx, got {out}")
     if not out.parent.is_dir():
         raise ValueError(f"cannot write {out}: {out.parent} is not a directory")
+    if out.resolve().is_relative_to(runtime.path.resolve()):
+        # over its encoder.onnx (through a link too), or files the bundle does not list
+        raise ValueError(f"--out {out} is inside the bundle {runtime.path}; write it elsewhere")
     model = build_portable(runtime, keys_as_inputs=keys_as_inputs)
     written = []
     if keys_as_inputs:
@@ -132,8 +135,8 @@ def portable_samples(runtime: Runtime) -> tuple[np.ndarray, np.ndarray]:
 def _verified_encoder_bytes(runtime: Runtime) -> bytes:
     """encoder.onnx read again, and checked against the manifest's sha256 once more (the file
     could have been replaced since the runtime loaded it)."""
-    data = (runtime.path / ENCODER_FILE).read_bytes()
-    if hashlib.sha256(data).hexdigest() != runtime.manifest["files"][ENCODER_FILE]:
+    data = read_regular(runtime.path / ENCODER_FILE, runtime.manifest["budget_bytes"])
+    if data is None or hashlib.sha256(data).hexdigest() != runtime.manifest["files"][ENCODER_FILE]:
         raise BundleError(
             f"bundle {runtime.path}: {ENCODER_FILE} changed since it was verified; load it again"
         )

@@ -6,11 +6,15 @@ training, in server-side evaluation and on the device.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 INPUT_KINDS = ("image", "tokens")
+# Values in one sample: 4096 x 4096 x 1 (64 MiB as float32); what a manifest's shape may ask
+# a device to allocate per sample, checked before anything is.
+MAX_INPUT_ELEMENTS = 1 << 24
 
 
 def validate_spec(spec: Any) -> dict:
@@ -34,6 +38,11 @@ def validate_spec(spec: Any) -> dict:
     ):
         raise ValueError(
             f"input spec 'shape' for {kind} must be {want_rank} positive integers, got {shape!r}"
+        )
+    if math.prod(shape) > MAX_INPUT_ELEMENTS:  # before any buffer of that shape is made
+        raise ValueError(
+            f"input spec 'shape' {list(shape)} has {math.prod(shape)} values per sample, over "
+            f"the {MAX_INPUT_ELEMENTS} this runtime takes"
         )
     if kind == "image":
         if spec.get("dtype", "uint8") != "uint8":

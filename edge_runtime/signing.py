@@ -9,7 +9,9 @@ On-device updates (`Runtime.add`) rewrite manifest.json without any private key 
 the signed base stays in signature.json, and a runtime that trusts the exporter's key accepts
 the current manifest only when it equals the signed base in everything except what an update
 may change: the datastore's file names and sha256s, the datastore and total footprint (still
-bounded by the signed budget) and the recipe's sample count n. So the encoder and every setting
+bounded by the signed budget) and the recipe's sample counts: n, and a ProtoNN buffer's capacity
+b (the concatenate strategy grows them). The recipe string must be the one its parameters spell
+(`bundle.validate_manifest`), so it cannot say what they do not. So the encoder and every setting
 stay those the exporter signed; the stored samples after an update are the device's own, covered
 by the sha256 list against corruption but not by the signature (a key on the device, beside the
 bundle, would protect them no better against whoever can rewrite that storage).
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ._io import read_regular
 from .errors import SignatureError
 
 SIGNATURE_FILE = "signature.json"
@@ -65,17 +68,20 @@ def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.Pat
     fd = os.open(os.fspath(private_path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(private_pem)
-    Path(public_path).write_bytes(public_pem)
+    try:
+        Path(public_path).write_bytes(public_pem)
+    except BaseException:  # a private key without its public half is of no use: no orphan
+        Path(private_path).unlink(missing_ok=True)
+        raise
     return fingerprint(key.public_key())
 
 
 def _read_key_file(path: str | os.PathLike) -> bytes:
     try:
-        with open(path, "rb") as f:
-            data = f.read(64 * 1024 + 1)
+        data = read_regular(path, 64 * 1024)
     except OSError as exc:
         raise SignatureError(f"cannot read key {path}: {exc.strerror}") from None
-    if len(data) > 64 * 1024:
+    if data is None:
         raise SignatureError(f"key file {path} is too large to be a key")
     return data
 
@@ -135,9 +141,11 @@ def verify_signature(
     if path.is_symlink() or not path.is_file():
         raise SignatureError(f"{where}: unsigned ({SIGNATURE_FILE} is missing) and a trusted "
                              "key is configured")
-    with open(path, "rb") as f:
-        raw = f.read(MAX_SIGNATURE_BYTES + 1)
-    if len(raw) > MAX_SIGNATURE_BYTES:
+    try:
+        raw = read_regular(path, MAX_SIGNATURE_BYTES)
+    except OSError as exc:
+        raise SignatureError(f"{where}: cannot read {SIGNATURE_FILE}: {exc.strerror}") from None
+    if raw is None:
         raise SignatureError(f"{where}: {SIGNATURE_FILE} is over {MAX_SIGNATURE_BYTES} bytes")
     try:
         doc = json.loads(raw)
@@ -176,6 +184,11 @@ def _check_against_base(manifest: dict, base: dict, where: str) -> None:
         raise fail("the datastore backend")
 
 
+# Recipe parameters an update may change: how many samples are stored (and, for ProtoNN, how
+# many the buffer holds); the budget still bounds the files they take.
+_COUNT_PARAMS = ("n", "buffer")
+
+
 def _fixed_params(backend: dict) -> dict:
-    """The recipe's parameters an update cannot change (all but the sample count n)."""
-    return {key: value for key, value in backend["params"].items() if key != "n"}
+    """The recipe's parameters an update cannot change (all but the sample counts)."""
+    return {key: value for key, value in backend["params"].items() if key not in _COUNT_PARAMS}

@@ -10,14 +10,16 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import write_bytes_atomic
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
@@ -27,6 +29,7 @@ from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
 )
+from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.signing import load_private_key
 from export.client_export import (
     ClientTask,
@@ -40,6 +43,7 @@ from export.journal import ExportJournal, json_default
 from export.onnx_export import export_onnx
 from export.progress import ClientProgress
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
+from export.resume import bundle_problem, row_problem
 from export.sizing import (
     BACKEND_CHOICES,
     ClientEmbeddings,
@@ -186,13 +190,12 @@ def build_encoder(run: LoadedRun, directory: Path, settings: ExportSettings,
 
 
 def _move_encoder(files: EncoderFiles, out_dir: Path) -> EncoderFiles:
-    """Move the encoder files into out_dir (each replaced atomically)."""
+    """Move the encoder files into out_dir (each replaced atomically; on a full disk nothing
+    is left behind)."""
     moved = {}
     for attr in ("path", "fp32_path"):
         src: Path = getattr(files, attr)
-        tmp = out_dir / f".{src.name}.tmp"
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, out_dir / src.name)
+        write_bytes_atomic(out_dir / src.name, src.read_bytes())
         moved[attr] = out_dir / src.name
     return replace(files, **moved)
 
@@ -278,7 +281,30 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
                                             int(run.model.embedding_dim))
         _check_budgets(chosen, budgets, encoder_files, smallest)  # before anything is written
         out_dir.mkdir(parents=True, exist_ok=True)
-        encoder_files = _move_encoder(encoder_files, out_dir)
+        with _exclusive(out_dir):
+            encoder_files = _move_encoder(encoder_files, out_dir)
+            return _export_locked(run, out_dir, budgets, settings, space, encoder_files,
+                                  chosen, progress, workers)
+
+
+@contextmanager
+def _exclusive(out_dir: Path) -> Iterator[None]:
+    """One export at a time per --out: two would mix their bundles and export.json. The lock
+    is flock(2) on the directory, released by the kernel if the export dies."""
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(directory_lock(out_dir, exclusive=True, timeout=0))
+        except LockTimeout:
+            raise ExportError(f"--out {out_dir} is in use by another export; wait for it to "
+                              "finish or choose another directory") from None
+        yield
+
+
+def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
+                   settings: ExportSettings, space: SearchSpace, encoder_files: EncoderFiles,
+                   chosen: list[ClientData], progress: bool,
+                   workers: int | None) -> dict[str, Any]:
+    """The bundles and export.json, while this process holds out_dir's lock."""
     context = SizingContext(encoder_files.path, encoder_files.nbytes, run.dataset.num_classes,
                             settings.k, settings.sigma, space, settings.seed,
                             settings.update_strategy, settings.signing_key,
@@ -287,7 +313,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
         _fingerprint(run, settings, space, encoder_files), budgets,
-        lambda cid: bundle_dir(out_dir, cid))
+        _resumable(out_dir, run, settings))
     todo = [c for c in chosen if c.client_id not in done]
     if done:
         log.info("resuming: %d of %d client(s) already exported", len(chosen) - len(todo),
@@ -320,6 +346,28 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
     return report
 
 
+def _resumable(out_dir: Path, run: LoadedRun,
+               settings: ExportSettings) -> Callable[[int, dict[str, Any]], bool]:
+    """Whether a journaled client can be skipped: its row is well formed and its bundle is
+    still the one the row describes, with this command's settings (else it is rebuilt)."""
+    trusted = ([load_private_key(settings.signing_key).public_key()]
+               if settings.signing_key else None)
+    input_spec = json.loads(json.dumps(run.dataset.input_spec, default=json_default))
+
+    def keep(cid: int, row: dict[str, Any]) -> bool:
+        problem = row_problem(row)
+        if problem is None:
+            expected = {"client_id": cid, "input": input_spec, "k": settings.k,
+                        "sigma": float(settings.sigma),
+                        "update_strategy": settings.update_strategy}
+            problem = bundle_problem(bundle_dir(out_dir, cid), row, expected, trusted)
+        if problem is not None:
+            log.warning("client %d: rebuilding its bundle: %s", cid, problem)
+        return problem is None
+
+    return keep
+
+
 def _check_budgets(clients: Sequence[ClientData], budgets: dict[int, int],
                    encoder: EncoderFiles, smallest_datastore: int) -> None:
     """Refuse before writing any bundle when some budget cannot hold the encoder, or the
@@ -341,9 +389,8 @@ def _check_budgets(clients: Sequence[ClientData], budgets: dict[int, int],
 
 
 def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=json_default) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=2, default=json_default) + "\n"
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingContext,

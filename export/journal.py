@@ -33,30 +33,38 @@ class ExportJournal:
         self.path = Path(path)
 
     def finished(self, fingerprint: dict[str, Any], budgets: dict[int, int],
-                 bundle_of: Callable[[int], Path]) -> dict[int, dict[str, Any]]:
-        """Rows of clients finished by an earlier call of this same export whose bundle is
-        there for the same budget; starts a new journal when there is none or it belongs to a
-        different export."""
+                 keep: Callable[[int, dict[str, Any]], bool]) -> dict[int, dict[str, Any]]:
+        """Rows of clients finished by an earlier call of this same export, for the same
+        budget, that `keep(client_id, row)` accepts (it re-verifies the bundle); starts a new
+        journal when there is none or it belongs to a different export."""
         rows: dict[int, dict[str, Any]] = {}
-        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        lines = self._lines()
         try:
             same = bool(lines) and json.loads(lines[0]) == {"fingerprint": fingerprint}
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             same = False
         for line in lines[1:] if same else []:
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue
             cid = row.get("client_id") if isinstance(row, dict) else None
-            if (isinstance(cid, int) and budgets.get(cid) == row.get("budget")
-                    and (bundle_of(cid) / "manifest.json").is_file()):
+            if (isinstance(cid, int) and not isinstance(cid, bool)
+                    and budgets.get(cid) == row.get("budget") and keep(cid, row)):
                 rows[cid] = row
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("".join(json.dumps(x, default=json_default) + "\n"
                                for x in [{"fingerprint": fingerprint}, *rows.values()]))
         os.replace(tmp, self.path)
         return rows
+
+    def _lines(self) -> list[str]:
+        if not self.path.is_file():
+            return []
+        try:
+            return self.path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):  # unreadable: start the journal afresh
+            return []
 
     def add(self, row: dict[str, Any]) -> None:
         line = (json.dumps(row, default=json_default) + "\n").encode()

@@ -102,7 +102,8 @@ def lognormal_budgets(client_ids: Sequence[int], reference: int, sigma: float = 
     ids = _check_clients(client_ids)
     reference = _check_bytes(reference, "--reference")
     if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
-        raise BudgetError(f"--sigma must be a finite number >= 0, got {sigma!r}")
+        raise BudgetError(f"--spread (the lognormal sigma) must be a finite number >= 0, got "
+                          f"{sigma!r}")
     draws = np.random.default_rng(seed).standard_normal(len(ids))
     return {cid: max(1, int(math.floor(reference * math.exp(sigma * float(e)))))
             for cid, e in zip(ids, draws, strict=True)}

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import load_arrays, memory_limit
+from edge_runtime.bundle import MAX_WIDTH
 from fed_train.errors import DataError
 
 __all__ = [
@@ -275,13 +277,14 @@ def _idx_loader(name: str) -> Callable[..., Dataset]:
 # --------------------------------------------------------------------------- npz
 
 _NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
+MIN_IMAGE_SIDE = 4
 _NPZ_OPTIONAL = ("groups_train", "groups_test", "coarse_train", "coarse_test", "num_classes")
 
 
 def _load_npz_file(path: Path, name: str, num_classes: int | None = None) -> Dataset:
     """Images and labels from a .npz (no pickle), validated key by key."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
+        with load_arrays(path, memory_limit(), "arrays") as archive:
             missing = [key for key in _NPZ_KEYS if key not in archive.files]
             if missing:
                 raise DataError(
@@ -308,9 +311,19 @@ def _load_npz_file(path: Path, name: str, num_classes: int | None = None) -> Dat
         raise DataError(f"{path}: x_train is empty")
 
     if "num_classes" in arrays:
-        num_classes = int(arrays["num_classes"])
+        declared = arrays["num_classes"]
+        if declared.shape != () or declared.dtype.kind not in "iu":
+            raise DataError(f"{path}: num_classes must be one integer, got {declared.dtype} "
+                            f"{list(declared.shape)}")
+        num_classes = int(declared)
     if num_classes is None:
         num_classes = int(max(y_train.max(), y_test.max(initial=0))) + 1
+    if not 1 <= num_classes <= MAX_WIDTH:  # the model's head is this wide
+        raise DataError(f"{path}: {num_classes} classes (from num_classes or the largest "
+                        f"label); this trainer takes 1 to {MAX_WIDTH}")
+    if min(x_train.shape[1:3]) < MIN_IMAGE_SIDE:
+        raise DataError(f"{path}: images are {x_train.shape[1]}x{x_train.shape[2]}; the models "
+                        f"pool twice and need at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} pixels")
     _check_label_range(y_train, num_classes, f"{path}: y_train")
     _check_label_range(y_test, num_classes, f"{path}: y_test")
 

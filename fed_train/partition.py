@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_runtime._io import load_arrays, memory_limit
 from fed_train.data import Dataset
 from fed_train.errors import PartitionError
 
@@ -124,7 +125,7 @@ class Partition:
         if not path.is_file():
             raise PartitionError(f"partition file {path} does not exist")
         try:
-            with np.load(path, allow_pickle=False) as archive:
+            with load_arrays(path, memory_limit(), "indices") as archive:
                 arrays = {key: archive[key] for key in archive.files}
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
             raise PartitionError(f"{path}: not a partition file ({exc})") from exc

@@ -12,7 +12,6 @@ import io
 import json
 import logging
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,12 +21,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from edge_runtime._io import array_file_bytes
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, local_sgd, predict_proba
 from fed_train.data import Dataset, load_dataset, stratified_subsample
 from fed_train.errors import KnnperError
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.simulation import client_seed
+from fed_train.torch_files import load_tensors
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +211,7 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
 def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     raw = _read_bounded(path, MAX_WEIGHTS_BYTES, "weights file")
     try:
-        with warnings.catch_warnings():  # torch warns about pickle protocols on odd files
-            warnings.simplefilter("ignore")
-            obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        obj = load_tensors(raw, MAX_WEIGHTS_BYTES)
     except Exception as err:  # torch raises many types for a corrupt or crafted file
         if "Weights only load failed" in str(err):
             reason = "it holds objects other than tensors (refused without running its code)"
@@ -244,13 +243,16 @@ def _read_record(path: Path) -> dict[str, Any]:
 def _read_indices(path: Path) -> np.ndarray:
     raw = _read_bounded(path, MAX_INDICES_BYTES, "server split")
     try:
+        array_file_bytes(path)  # the header declares exactly the data the file holds
         indices = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
         raise InitError(f"--init {path} is not a readable .npy file: {err}") from err
     if (not isinstance(indices, np.ndarray) or indices.ndim != 1
             or (indices.size and not np.issubdtype(indices.dtype, np.integer))):
         raise InitError(f"--init {path} must hold 1-D integer indices")
-    if indices.size and (indices.min() < 0 or len(np.unique(indices)) != len(indices)):
+    if indices.size == 0:  # pretraining had data: an empty list is a damaged record
+        raise InitError(f"--init {path} holds no indices (the server split cannot be empty)")
+    if indices.min() < 0 or len(np.unique(indices)) != len(indices):
         raise InitError(f"--init {path} holds negative or repeated indices")
     return indices.astype(np.int64)
 

@@ -3,14 +3,19 @@ Training writes one; evaluation and export read it back with `load_run`."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
+import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
 
+from edge_runtime._io import memory_limit, read_regular
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, Weights, get_weights, set_weights
@@ -20,6 +25,7 @@ from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
 from fed_train.pretrain import Init, check_init_record, init_weights, load_init
 from fed_train.simulation import SimulationResult, simulate
+from fed_train.torch_files import load_tensors
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +66,57 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> RunConfig:
+        """A config from JSON data (config.json, Flower's run config); RunError names the
+        first key that is unknown or of the wrong type."""
+        if not isinstance(data, dict):
+            raise RunError(f"config must be a JSON object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known - {"num_classes", "input_spec", "model_name", "init_sha256"}
+        unknown = set(data) - known - _RECORDED_KEYS
         if unknown:
             raise RunError(f"config has unknown keys: {', '.join(sorted(unknown))}")
         values = {k: v for k, v in data.items() if k in known}
-        training = dict(values.pop("training", {}))
-        if "milestones" in training:
+        training = values.pop("training", {})
+        if not isinstance(training, dict):
+            raise RunError("config 'training' must be a JSON object")
+        unknown = set(training) - {f.name for f in fields(TrainingConfig)}
+        if unknown:
+            raise RunError(f"config 'training' has unknown keys: {', '.join(sorted(unknown))}")
+        training = dict(training)
+        if isinstance(training.get("milestones"), list):
             training["milestones"] = tuple(training["milestones"])
-        return cls(**values, training=TrainingConfig(**training))
+        config = cls(**values, training=TrainingConfig(**training))
+        _check_types(config, "config")
+        _check_types(config.training, "config 'training'")
+        return config
+
+
+# Keys config.json records beside the settings (what the run found or computed).
+_RECORDED_KEYS = {"num_classes", "input_spec", "model_name", "init_sha256", "data_sha256"}
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the type a config field declares."""
+    if hint is type(None):
+        return value is None
+    if get_origin(hint) in (Union, types.UnionType):
+        return any(_fits(value, arg) for arg in get_args(hint))
+    if get_origin(hint) is tuple:
+        return isinstance(value, tuple) and all(_fits(v, get_args(hint)[0]) for v in value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value))
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+def _check_types(config: Any, where: str) -> None:
+    hints = get_type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if not _fits(value, hints[f.name]):
+            kind = str(hints[f.name]).replace("<class '", "").replace("'>", "")
+            raise RunError(f"{where} {f.name!r} must be {kind}, got {value!r}")
 
 
 @dataclass
@@ -116,6 +164,60 @@ def load_run_data(config: RunConfig) -> tuple[Dataset, Init | None]:
     return dataset, init
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_config(run_dir: Path) -> dict:
+    """config.json as a JSON object; RunError (one line) for anything else."""
+    path = run_dir / CONFIG_FILE
+    try:
+        raw = read_regular(path, MAX_CONFIG_BYTES)
+        data = None if raw is None else json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise RunError(f"{path} is not readable JSON: {' '.join(str(err).split())}") from None
+    if raw is None:
+        raise RunError(f"{path} is over {MAX_CONFIG_BYTES} bytes")
+    if not isinstance(data, dict):
+        raise RunError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_partition(run_dir: Path, dataset: Dataset) -> Partition:
+    """partition.npz, checked against the data set it indexes."""
+    partition = Partition.load(run_dir / PARTITION_FILE)
+    partition.check(dataset)
+    return partition
+
+
+def data_fingerprint(dataset: Dataset, partition: Partition) -> str:
+    """sha256 of what the clients are given: the data set's arrays as loaded (after --init's
+    server split is removed and --max-train subsamples) and every client's indices. Later
+    stages recompute it, so a changed server split, seed or data file cannot silently give
+    them other client data."""
+    h = hashlib.sha256()
+    for array in (dataset.x_train, dataset.y_train, dataset.x_test, dataset.y_test,
+                  partition.unseen):
+        h.update(str((array.dtype.str, array.shape)).encode())
+        h.update(np.ascontiguousarray(array).data)
+    for split in partition.clients:
+        for part in (split.train, split.val, split.test):
+            h.update(np.asarray(part, dtype=np.int64).tobytes() + b"|")
+    return h.hexdigest()
+
+
+def check_same_data(recorded: dict, dataset: Dataset, partition: Partition,
+                    run_dir: Path) -> None:
+    """Refuse a run whose data no longer match the fingerprint it recorded (runs from before
+    fingerprints recorded none and are not checked)."""
+    expected = recorded.get("data_sha256")
+    if expected is None:
+        return
+    if expected != data_fingerprint(dataset, partition):
+        raise RunError(f"{run_dir}: the data this run was trained on have changed (the data "
+                       "file, --init's server split, the seed or the partition): its clients "
+                       "would get other samples; retrain it or restore them")
+
+
 def init_record(init: Init | None) -> dict[str, str]:
     """What config.json keeps of the init besides its path: the weights' sha256."""
     return {} if init is None else {"init_sha256": init.sha256}
@@ -123,8 +225,12 @@ def init_record(init: Init | None) -> dict[str, str]:
 
 def check_same_init(previous: dict, saved: dict, where: Path) -> None:
     """Resuming from other initial weights would mix two runs in one folder."""
-    before = (previous.get("init"), previous.get("init_sha256"))
-    now = (saved.get("init"), saved.get("init_sha256"))
+    def where_from(record: dict) -> tuple[str | None, str | None]:
+        path = record.get("init")  # a run from before absolute paths may hold a relative one
+        return (path if not isinstance(path, str) else str(Path(path).resolve()),
+                record.get("init_sha256"))
+
+    before, now = where_from(previous), where_from(saved)
     if before[0] == now[0] and before[1] != now[1]:
         raise RunError(f"--init {now[0]} has changed since {where} was started from it (sha256 "
                        f"{before[1]} then, {now[1]} now)")
@@ -176,12 +282,18 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
              "input_spec": dataset.input_spec, **init_record(init)}
     config_path = run_dir / CONFIG_FILE
     if config_path.exists():
-        previous = json.loads(config_path.read_text())
+        previous = read_config(run_dir)
         check_same_init(previous, saved, run_dir)
+        if "init" in previous:  # the same file, perhaps recorded relative by an older version
+            saved["init"] = previous["init"]
+        partition = load_partition(run_dir, dataset)
+        check_same_data(previous, dataset, partition, run_dir)
+        saved["data_sha256"] = previous.get("data_sha256")  # a run from before fingerprints
+        if saved["data_sha256"] is None:
+            del saved["data_sha256"]
         if previous != json.loads(json.dumps(saved)):
             raise RunError(f"{run_dir} holds a run with a different configuration; "
                            "choose another --out or delete it")
-        partition = Partition.load(run_dir / PARTITION_FILE)
     else:
         partition = run_partition(config, dataset)
         try:
@@ -189,6 +301,7 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
         except OSError as err:  # --out is a file, or lies under one
             raise RunError(f"cannot make run directory {run_dir}: {err.strerror}") from None
         partition.save(run_dir / PARTITION_FILE)
+        saved["data_sha256"] = data_fingerprint(dataset, partition)
         config_path.write_text(json.dumps(saved, indent=2))
     return OpenRun(dataset, partition, model_name, start)
 
@@ -220,21 +333,26 @@ def load_run(run_dir: str | Path) -> LoadedRun:
         if not (run_dir / name).is_file():
             raise RunError(f"{run_dir} is not a finished run: {name} is missing "
                            "(train it with `knnper train ... --out RUN`)")
-    try:
-        raw = json.loads((run_dir / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as err:
-        raise RunError(f"{run_dir / CONFIG_FILE} is not valid JSON: {err}") from err
+    raw = read_config(run_dir)
     config = RunConfig.from_dict(raw)
     dataset, init = load_run_data(config)
     check_same_init(raw, {"init": config.init, **init_record(init)}, run_dir)
-    partition = Partition.load(run_dir / PARTITION_FILE)
+    partition = load_partition(run_dir, dataset)
+    check_same_data(raw, dataset, partition, run_dir)
     model_name = raw.get("model_name") or default_model(dataset.input_spec)
+    if not isinstance(model_name, str):
+        raise RunError(f"{run_dir / CONFIG_FILE}: 'model_name' must be a string")
     model = build_model(model_name, dataset.num_classes, dataset.input_spec)
     try:
-        state = torch.load(run_dir / MODEL_FILE, weights_only=True)
-        model.load_state_dict(state)
+        raw = read_regular(run_dir / MODEL_FILE, memory_limit())
+        if raw is None:
+            raise ValueError("it is larger than half of this machine's memory")
+        model.load_state_dict(load_tensors(raw, memory_limit()))
     except Exception as err:  # torch raises several types for a corrupt or mismatched file
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise RunError(f"{run_dir / MODEL_FILE} cannot be loaded: {reason}") from err
+    if not all(torch.isfinite(t).all() for t in model.state_dict().values()
+               if t.is_floating_point()):
+        raise RunError(f"{run_dir / MODEL_FILE} holds NaN or infinite weights")
     model.eval()
     return LoadedRun(config, dataset, partition, model, model_name, run_dir)

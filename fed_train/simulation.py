@@ -22,8 +22,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from edge_runtime._io import memory_limit, read_regular
 from fed_train.algorithms.base import Algorithm, ClientData, TrainingConfig, Weights, predict_proba
 from fed_train.errors import TrainingError
+from fed_train.torch_files import load_tensors
 
 log = logging.getLogger(__name__)
 
@@ -104,16 +106,18 @@ def load_checkpoint(path: Path) -> SimulationResult:
         return CheckpointError(f"checkpoint {path} {why}")
 
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path, memory_limit())
     except OSError as err:
         raise bad(f"cannot be read: {err.strerror}") from None
+    if data is None:
+        raise bad("is larger than half of this machine's memory")
     header, newline, payload = data.partition(b"\n")
     if not newline or not header.startswith(CHECKPOINT_MAGIC):
         raise bad("has no checksum header (empty, torn, or not written by knnper)")
     if hashlib.sha256(payload).hexdigest().encode("ascii") != header[len(CHECKPOINT_MAGIC):]:
         raise bad("does not match its checksum (corrupted)")
     try:
-        raw = torch.load(io.BytesIO(payload), weights_only=True)
+        raw = load_tensors(payload, memory_limit())
     except Exception as err:  # torch raises several types for unreadable data
         raise bad(f"cannot be read safely: {_first_line(err)}") from None
     if not isinstance(raw, dict) or set(raw) != _CHECKPOINT_KEYS:
@@ -141,9 +145,20 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def resume_from(run_dir: Path) -> SimulationResult | None:
+def _check_weights(path: Path, weights: Weights, like: Weights) -> None:
+    """A checkpoint's weights fit the run's model (names and shapes) and are finite: a
+    resealed one must not carry NaN into model.pt or fail deep inside training."""
+    shapes = {name: tuple(value.shape) for name, value in weights.items()}
+    if shapes != {name: tuple(value.shape) for name, value in like.items()}:
+        raise CheckpointError(f"checkpoint {path} holds weights of another model")
+    if not all(np.isfinite(value).all() for value in weights.values()):
+        raise CheckpointError(f"checkpoint {path} holds NaN or infinite weights")
+
+
+def resume_from(run_dir: Path, like: Weights | None = None) -> SimulationResult | None:
     """The newest good checkpoint, falling back past bad ones with a warning; None when there
-    are none, CheckpointError when there are some and none is good."""
+    are none, CheckpointError when there are some and none is good. `like`: the run's
+    initial weights, whose names and shapes a good checkpoint's weights have."""
     paths = sorted((run_dir / "checkpoints").glob("round_*.pt"), reverse=True)
     problems = []
     for path in paths:
@@ -151,6 +166,8 @@ def resume_from(run_dir: Path) -> SimulationResult | None:
             state = load_checkpoint(path)
             if checkpoint_round(path) != state.rounds_done:
                 raise CheckpointError(f"checkpoint {path} holds round {state.rounds_done}")
+            if like is not None:
+                _check_weights(path, state.weights, like)
         except (CheckpointError, ValueError) as err:  # ValueError: a name that is no round
             log.warning("%s; trying the one before", err)
             problems.append(str(err))
@@ -182,11 +199,32 @@ def _pooled_val_accuracy(algorithm: Algorithm, weights: Weights,
 
 
 def _truncate_metrics(path: Path, rounds_done: int) -> None:
-    """Drop log lines of rounds after the checkpoint we resume from: they will be re-run."""
+    """Drop log lines of rounds after the checkpoint we resume from: they will be re-run. A
+    torn last line (a kill mid-write) is dropped too; any other unreadable line stops the
+    resume with one line naming the file."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["round"] <= rounds_done]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} cannot be read: {_first_line(err)}") from None
+    kept = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            round_done = row["round"]
+            if not isinstance(round_done, int) or isinstance(round_done, bool):
+                raise TypeError
+        except (ValueError, TypeError, KeyError, RecursionError):
+            if number == len(lines):
+                log.warning("%s: dropping a torn last line (an interrupted write)", path)
+                continue
+            raise CheckpointError(f"{path} line {number} is not a round's JSON record with an "
+                                  "integer 'round'; fix or delete that line to resume") from None
+        if round_done <= rounds_done:
+            kept.append(line)
     path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -202,7 +240,7 @@ def sample_clients(seed: int, round_index: int, participants: int,
 def open_run_log(run_dir: Path, initial_weights: Weights) -> SimulationResult:
     """Where a run stands: its newest checkpoint, with the log lines of later rounds dropped
     (they will be re-run), or round 0."""
-    state = resume_from(run_dir) or SimulationResult(initial_weights, {}, 0)
+    state = resume_from(run_dir, initial_weights) or SimulationResult(initial_weights, {}, 0)
     _truncate_metrics(run_dir / "metrics.jsonl", state.rounds_done)
     return state
 

@@ -6,6 +6,9 @@ configuration flags."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from pathlib import Path
 from typing import Any
 
 from edge_runtime.byte_count import byte_count
@@ -16,8 +19,8 @@ from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, KNNRequest
 from fed_train.run import RunConfig
 
 __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
-           "config_from_args", "fraction", "knn_request", "positive", "positive_float",
-           "positive_int"]
+           "config_from_args", "fraction", "knn_request", "learning_rate", "positive",
+           "positive_float", "positive_int", "threads"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -34,8 +37,31 @@ class Parser(argparse.ArgumentParser):
 
 def positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def learning_rate(text: str) -> float:
+    """A rate torch can apply to float32 weights (larger ones overflow inside the optimizer;
+    merely large ones end in the trainer's 'loss became NaN' error)."""
+    value = positive_float(text)
+    if value > FLOAT32_MAX:
+        raise argparse.ArgumentTypeError(f"must fit a float32 (at most {FLOAT32_MAX:.3g}), "
+                                         f"got {text}")
+    return value
+
+
+def threads(text: str) -> int:
+    """1 to this machine's cores: more threads only contend, and huge counts fail to start."""
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"must be at most {cores} (this machine's cores), "
+                                         f"got {text}")
     return value
 
 
@@ -102,7 +128,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="a fixed number of local SGD steps instead of epochs")
     p.add_argument("--batch-size", type=positive_int, default=t.batch_size,
                    help="local SGD batch size")
-    p.add_argument("--lr", type=positive_float, default=t.lr, help="client learning rate")
+    p.add_argument("--lr", type=learning_rate, default=t.lr, help="client learning rate")
     p.add_argument("--momentum", type=float, default=t.momentum, help="client SGD momentum")
     p.add_argument("--weight-decay", type=float, default=t.weight_decay,
                    help="client SGD weight decay")
@@ -127,7 +153,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      partition=args.partition, alpha=args.alpha, beta=args.beta,
                      classes_per_client=args.classes_per_client, clients=args.clients,
                      unseen_fraction=args.unseen_fraction, val_fraction=args.val_fraction,
-                     model=args.model, init=args.init, seed=args.seed, training=training,
+                     model=args.model, seed=args.seed, training=training,
+                     # absolute, so later commands find it from any directory
+                     init=None if args.init is None else str(Path(args.init).resolve()),
                      checkpoint_every=getattr(args, "checkpoint_every",
                                               defaults.CHECKPOINT_EVERY))
 

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line, one module per command group."""
     # imported here: they import torch, which a runtime-only install lacks
     from fed_train import defaults
-    from knnper_cli.args import Parser, positive_int
+    from knnper_cli.args import Parser, threads
     from knnper_cli.bench import add_bench_command
     from knnper_cli.demo import add_demo_command
     from knnper_cli.deploy import add_deploy_command
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    parser.add_argument("--threads", type=positive_int, default=defaults.THREADS,
+    parser.add_argument("--threads", type=threads, default=defaults.THREADS,
                         help="torch intra-op threads (1 trained the digits and Fashion-MNIST "
                         "models fastest: BENCHMARKS.md)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -69,13 +69,24 @@ def run(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (KnnperError, ValueError, FileNotFoundError) as err:
-        print(f"knnper: error: {err}", file=sys.stderr)
+    except (KnnperError, ValueError, OSError, MemoryError) as err:
+        print(f"knnper: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"knnper: interrupted; run the same command again to resume {args.command}",
               file=sys.stderr)
         return INTERRUPTED
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line: a file system error by its reason and path (a full disk, a path
+    under a file), a MemoryError by what it means; multi-line messages joined."""
+    if isinstance(err, MemoryError):
+        return "out of memory (a size or budget larger than this machine can hold?)"
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def _version() -> str:

@@ -21,7 +21,7 @@ from knnper_cli.args import (
     config_from_args,
     fraction,
     knn_request,
-    positive_float,
+    learning_rate,
     positive_int,
 )
 
@@ -96,7 +96,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
                    help="stop after this many epochs without a better validation accuracy")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help="SGD batch size")
-    p.add_argument("--lr", type=positive_float, default=d.lr, help="SGD learning rate")
+    p.add_argument("--lr", type=learning_rate, default=d.lr, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help="SGD weight decay")

@@ -19,7 +19,6 @@ from fed_train.client_files import write_client_files
 from fed_train.knn_choice import KNN_CONFIG_FILE
 from fed_train.knn_request import FROM_VALIDATION
 from fed_train.run import load_run
-from knnper_cli.main import main as export_main
 from knnper_cli.main import main as knnper_main
 from tests.test_edge_runtime import (
     IMAGE_SPEC,
@@ -90,7 +89,7 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
     chosen = server["knn"]["config"]
     assert server["knn"]["source"] == dict.fromkeys(
         ("k", "sigma", "normalize", "lambda_estimator"), FROM_VALIDATION)
-    assert export_main(["--no-progress", "export", str(run), "--out", str(tmp_path / "b"),
+    assert knnper_main(["--no-progress", "export", str(run), "--out", str(tmp_path / "b"),
                         "--budget", "2MB", "--workers", "1"]) == 0
     report = json.loads((tmp_path / "b" / "export.json").read_text())
     assert report["knn"]["k"] == {"value": chosen["k"], "source": FROM_VALIDATION}

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_runtime._io import load_arrays, memory_limit
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms.base import ClientData
 from fed_train.flower.settings import FlowerConfigError
@@ -45,7 +46,7 @@ def _read_split(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if path.stat().st_size > MAX_SPLIT_BYTES:
         raise FlowerConfigError(f"{path} is larger than {MAX_SPLIT_BYTES} bytes")
     try:
-        with np.load(path, allow_pickle=False) as archive:
+        with load_arrays(path, memory_limit(), "arrays") as archive:
             x, y = archive["x"], archive["y"]
     except (OSError, ValueError, KeyError) as err:
         raise FlowerConfigError(f"{path} is not an npz with arrays x and y: {err}") from err

@@ -62,9 +62,9 @@ class FlowerSettings:
             if not (value > 0 and math.isfinite(value)):
                 raise FlowerConfigError(f"{name.replace('_', '-')} must be a positive number of "
                                         f"seconds, got {value}")
-        if self.min_train_clients < 0:
-            raise FlowerConfigError(f"min-train-clients must be >= 0, got "
-                                    f"{self.min_train_clients}")
+        if not 0 <= self.min_train_clients <= self.run.clients:
+            raise FlowerConfigError(f"min-train-clients must be from 0 to the run's "
+                                    f"{self.run.clients} clients, got {self.min_train_clients}")
         unknown = [m for m in self.eval_methods if m not in ALGORITHMS]
         if unknown:
             raise FlowerConfigError(f"unknown evaluation method(s) {', '.join(unknown)}; known: "

@@ -1,0 +1,74 @@
+"""Whether a client an earlier run of the same export finished can be skipped: its journal row
+must be well formed and its bundle must still be the one that row describes, made with this
+command's settings (verified in full: manifest, files, signature). Anything else is rebuilt, so
+a resumed export never reports a bundle it did not make."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from edge_runtime.bundle import BundleError, read_bundle
+from edge_runtime.datastores import BACKENDS
+from edge_runtime.signing import SIGNATURE_FILE
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def row_problem(row: Any) -> str | None:
+    """What is wrong with a journal row's fields, or None."""
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for key in ("client_id", "budget", "stored", "encoder_bytes", "datastore_bytes",
+                "total_bytes", "train_samples", "val_samples"):
+        if not _int(row.get(key)):
+            return f"{key!r} is not a non-negative integer"
+    if row.get("backend") not in BACKENDS or not isinstance(row.get("recipe"), str):
+        return "unknown backend or recipe"
+    if not isinstance(row.get("bundle"), str) or not isinstance(row.get("unseen"), bool):
+        return "'bundle' or 'unseen' is malformed"
+    if not (_real(row.get("lambda")) and 0 <= row["lambda"] <= 1):
+        return "'lambda' is not in [0, 1]"
+    for key in ("val_accuracy", "val_nll"):
+        if row.get(key) is not None and not _real(row[key]):
+            return f"{key!r} is not a number"
+    if not isinstance(row.get("candidates"), list):
+        return "'candidates' is not a list"
+    return None
+
+
+def bundle_problem(path: Path, row: dict[str, Any], expected: dict[str, Any],
+                   trusted_keys: Sequence[Any] | None) -> str | None:
+    """What makes the bundle at `path` differ from the journal row and this export's settings
+    (`expected`: manifest fields the command decides), or None when it can be kept.
+    `trusted_keys`: the signing key's public half when the export signs; then the bundle must
+    verify against it, and without it the bundle must be unsigned."""
+    if trusted_keys is None and (path / SIGNATURE_FILE).exists():
+        return "it is signed and this export does not sign"
+    try:
+        manifest = read_bundle(path, intra_op_threads=1, trusted_keys=trusted_keys).manifest
+    except BundleError as err:
+        return str(err)
+    got = {key: manifest[key] for key in expected}
+    if got != expected:
+        return f"its settings {got} are not this export's {expected}"
+    footprint = manifest["footprint"]
+    described = {"client_id": row["client_id"], "budget_bytes": row["budget"],
+                 "lambda": row["lambda"], "recipe": row["recipe"], "backend": row["backend"],
+                 "encoder": row["encoder_bytes"], "datastore": row["datastore_bytes"],
+                 "total": row["total_bytes"]}
+    actual = {"client_id": manifest["client_id"], "budget_bytes": manifest["budget_bytes"],
+              "lambda": manifest["lambda"], "recipe": manifest["backend"]["recipe"],
+              "backend": manifest["backend"]["name"], **footprint}
+    if described != actual:
+        return "it is not the bundle its journal row describes"
+    return None

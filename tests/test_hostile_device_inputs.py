@@ -1,0 +1,145 @@
+"""Careless or hostile inputs to the device commands end in one line and exit 2, never a hang,
+a traceback or an allocation sized by the attacker: named pipes, huge budgets, compressed
+archives that inflate past what a device holds, manifests that declare huge shapes or class
+counts, an --out inside the bundle, a thread count past the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_runtime import cli as edge_cli
+from edge_runtime._io import array_file_bytes, read_regular
+from edge_runtime.bundle import BundleError, read_manifest
+from edge_runtime.runtime import Runtime
+from tests.test_edge_runtime import IMAGE_SPEC, build_bundle, make_image_encoder, make_images
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX named pipes")
+
+
+def _fails_in_one_line(argv: list[str], capsys, *needles: str) -> str:
+    capsys.readouterr()
+    assert edge_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def _edit_manifest(bundle: Path, **changes) -> None:
+    m = json.loads((bundle / "manifest.json").read_text())
+    m.update(changes)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
+def test_a_manifest_that_is_a_named_pipe_is_refused_without_blocking(tmp_path, capsys):
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    os.mkfifo(bundle / "manifest.json")  # opening it for reading would wait for a writer
+    _fails_in_one_line(["info", str(bundle)], capsys, "not a regular file")
+    make_image_encoder(tmp_path / "enc.onnx")
+    x, y = make_images(10)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    _fails_in_one_line(["init", "--encoder", str(tmp_path / "enc.onnx"), "--data",
+                        str(tmp_path / "d.npz"), "--budget", "1MB", "--out", str(tmp_path / "o"),
+                        "--like", str(bundle)], capsys, "not a regular file")
+
+
+def test_data_and_keys_that_are_pipes_are_refused(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    os.mkfifo(tmp_path / "x.npz")
+    os.mkfifo(tmp_path / "key.pub")
+    _fails_in_one_line(["add", str(bundle), "--data", str(tmp_path / "x.npz")], capsys,
+                       "not a regular file")
+    _fails_in_one_line(["--trusted-key", str(tmp_path / "key.pub"), "info", str(bundle)],
+                       capsys)
+    with pytest.raises(OSError, match="not a regular file"):
+        read_regular(tmp_path / "x.npz", 10)
+
+
+def test_a_huge_budget_works_without_allocating_it(tmp_path, capsys):
+    """2**50 bytes: reading the encoder back used to ask for budget + 1 bytes up front."""
+    make_image_encoder(tmp_path / "enc.onnx")
+    x, y = make_images(30)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    (tmp_path / "spec.json").write_text(json.dumps(IMAGE_SPEC))
+    out = tmp_path / "b"
+    assert edge_cli.main(["init", "--encoder", str(tmp_path / "enc.onnx"), "--data",
+                          str(tmp_path / "d.npz"), "--budget", str(2**50), "--out", str(out),
+                          "--input-spec", str(tmp_path / "spec.json")]) == 0
+    rt = Runtime.load(out)
+    assert rt.manifest["budget_bytes"] == 2**50
+    assert rt.add(*make_images(5, 1)).added == 5
+
+
+def _compressed_npz(path: Path, n: int) -> None:
+    """n zero images, deflated: a few KB on disk that declare n * 64 bytes in memory."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        with zf.open("x.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(
+                f, {"descr": "|u1", "fortran_order": False, "shape": (n, 8, 8, 1)})
+            chunk = bytes(64 * 1000)
+            for _ in range(n // 1000):
+                f.write(chunk)
+        with zf.open("y.npy", "w") as f:
+            np.lib.format.write_array(f, np.zeros(n, np.int64))
+
+
+def test_a_compressed_archive_that_inflates_past_the_limit_is_refused_unread(
+    tmp_path, capsys, monkeypatch
+):
+    bundle = build_bundle(tmp_path)
+    _compressed_npz(tmp_path / "bomb.npz", 20_000)
+    assert (tmp_path / "bomb.npz").stat().st_size < 20_000
+    assert array_file_bytes(tmp_path / "bomb.npz") == 20_000 * 64 + 20_000 * 8
+    monkeypatch.setattr(edge_cli, "DEVICE_INPUT_BYTES", 1_000_000)
+    _fails_in_one_line(["add", str(bundle), "--data", str(tmp_path / "bomb.npz")], capsys,
+                       "over the limit of 1000000 bytes")
+
+
+def test_an_npy_that_declares_more_than_it_holds_is_refused_before_allocating(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    with open(tmp_path / "x.npy", "wb") as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "|u1", "fortran_order": False, "shape": (2**40, 8, 8, 1)})
+        f.write(bytes(64))
+    _fails_in_one_line(["predict", str(bundle), "--input", str(tmp_path / "x.npy")], capsys,
+                       "declares a uint8 array")
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"input": {**IMAGE_SPEC, "shape": [16000, 16000, 1]}}, "values per sample"),
+    ({"num_classes": 2**40}, "'num_classes' is 1099511627776, over"),
+    ({"embedding_dim": 2**20}, "'embedding_dim' is 1048576, over"),
+])
+def test_a_manifest_cannot_declare_sizes_a_device_would_allocate(tmp_path, capsys, changes,
+                                                                  needle):
+    bundle = build_bundle(tmp_path)
+    _edit_manifest(bundle, **changes)
+    with pytest.raises(BundleError, match=needle.replace("'", ".")):
+        read_manifest(bundle)
+    _fails_in_one_line(["info", str(bundle)], capsys, needle)
+
+
+def test_export_onnx_refuses_to_write_into_the_bundle_it_reads(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    before = (bundle / "encoder.onnx").read_bytes()
+    _fails_in_one_line(["export-onnx", str(bundle), "--out", str(bundle / "encoder.onnx")],
+                       capsys, "inside the bundle")
+    (tmp_path / "link").symlink_to(bundle)
+    _fails_in_one_line(["export-onnx", str(bundle), "--out",
+                        str(tmp_path / "link" / "p.onnx")], capsys, "inside the bundle")
+    assert (bundle / "encoder.onnx").read_bytes() == before
+    Runtime.load(bundle)
+    assert edge_cli.main(["export-onnx", str(bundle), "--out", str(tmp_path / "p.onnx")]) == 0
+
+
+def test_threads_past_the_machine_are_refused(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    _fails_in_one_line(["--threads", "100000", "info", str(bundle)], capsys, "at most")

@@ -1,0 +1,245 @@
+"""Run directories, data files, weights and flags are inputs: a hand edit, a kill mid-write, a
+crafted archive or a careless flag ends in one line and exit 2 (or is tolerated where the
+damage is a kill's torn last line), never a traceback, an unbounded allocation or a run that
+silently trains or exports on other data."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from export import cli as knnper_cli
+from fed_train import data as data_module
+from fed_train.algorithms.base import TrainingConfig
+from fed_train.data import load_dataset
+from fed_train.errors import DataError
+from fed_train.flower.settings import FlowerConfigError, FlowerSettings
+from fed_train.pretrain import InitError, load_init
+from fed_train.run import RunConfig, load_run, train
+from fed_train.simulation import CheckpointError, resume_from, save_checkpoint
+from fed_train.torch_files import load_tensors
+
+
+def _knnper(argv: list[str], capsys, *needles: str) -> str:
+    """Runs `knnper ARGV`, which must fail in one line with exit 2 naming every needle."""
+    capsys.readouterr()
+    try:
+        code = knnper_cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors exit from the parser
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if not line.startswith(("INFO", "WARNING"))]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+CONFIG = RunConfig(dataset="digits", clients=3, seed=0, max_train=600,
+                   training=TrainingConfig(rounds=2, epochs=1, batch_size=32))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hostile-runs") / "run"
+    train(CONFIG, path, progress=False)
+    return path
+
+
+@pytest.fixture
+def copy(run_dir, tmp_path) -> Path:
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _edit_config(run: Path, **changes) -> None:
+    config = json.loads((run / "config.json").read_text())
+    config.update(changes)
+    (run / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda c: _edit_config(c, evil=1), "unknown keys: evil"),
+    (lambda c: (c / "config.json").write_text("[1, 2]"), "must hold a JSON object"),
+    (lambda c: _edit_config(c, clients="ten"), "'clients' must be int"),
+    (lambda c: _edit_config(c, training={"lr": [1]}), "'lr' must be float"),
+    (lambda c: (c / "config.json").write_text('{"a": '), "not readable JSON"),
+])
+def test_a_hand_edited_config_is_one_line(copy, capsys, edit, needle):
+    edit(copy)
+    _knnper(["client-data", str(copy), "--client", "0", "--out", str(copy.parent / "cd")],
+            capsys, needle)
+
+
+def test_partition_indices_out_of_range_are_refused(copy, capsys):
+    with np.load(copy / "partition.npz") as f:
+        arrays = dict(f)
+    arrays["train_index"][0] = 10**6
+    np.savez(copy / "partition.npz", **arrays)
+    _knnper(["evaluate", str(copy), "--methods", "fedavg"], capsys, "out of range")
+
+
+def test_a_run_whose_data_changed_is_refused_by_every_later_stage(copy, capsys, tmp_path):
+    """--max-train draws its subsample with the seed: another seed gives other client data."""
+    _edit_config(copy, seed=5)
+    out = str(tmp_path / "o")
+    for argv in (["client-data", str(copy), "--client", "0", "--out", out],
+                 ["export", str(copy), "--out", out, "--budget", "2M"],
+                 ["evaluate", str(copy), "--methods", "fedavg"]):
+        _knnper(argv, capsys, "the data this run was trained on have changed")
+
+
+def test_the_fingerprint_is_recorded_and_an_unchanged_run_loads(run_dir):
+    assert len(json.loads((run_dir / "config.json").read_text())["data_sha256"]) == 64
+    assert load_run(run_dir).partition.num_clients == 3
+
+
+@pytest.mark.parametrize("damage", ["torn last line", "non-JSON line", "line without round"])
+def test_damaged_metrics_resume_or_name_the_file(copy, damage):
+    metrics = copy / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    if damage == "torn last line":  # a kill in the middle of writing round 3's line
+        metrics.write_text("\n".join([*lines, '{"round": 3, "lr"']))
+        train(CONFIG, copy, progress=False)
+        assert metrics.read_text().splitlines() == lines
+        return
+    bad = "garbage" if damage == "non-JSON line" else '{"lr": 0.1}'
+    metrics.write_text("\n".join([lines[0], bad, *lines[1:]]) + "\n")
+    with pytest.raises(CheckpointError, match=f"{metrics} line 2 is not a round's"):
+        train(CONFIG, copy, progress=False)
+
+
+def _weights() -> dict[str, np.ndarray]:
+    return {"w": np.ones((2, 3), np.float32)}
+
+
+@pytest.mark.parametrize(("weights", "needle"), [
+    ({"evil": np.ones((2, 3), np.float32)}, "weights of another model"),
+    ({"w": np.full((2, 3), np.nan, np.float32)}, "NaN or infinite"),
+])
+def test_a_resealed_checkpoint_of_other_or_nan_weights_is_not_resumed(tmp_path, weights, needle):
+    save_checkpoint(tmp_path / "checkpoints" / "round_0001.pt", 1, weights, {})
+    with pytest.raises(CheckpointError, match=needle):
+        resume_from(tmp_path, like=_weights())
+
+
+def _npz(path: Path, **changes) -> Path:
+    rng = np.random.default_rng(0)
+    arrays = {"x_train": rng.integers(0, 255, (20, 8, 8), np.uint8),
+              "y_train": np.arange(20) % 3, "x_test": rng.integers(0, 255, (6, 8, 8), np.uint8),
+              "y_test": np.arange(6) % 3, **changes}
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"num_classes": np.array([3, 4])}, "num_classes must be one integer"),
+    ({"num_classes": np.array(2**40)}, "classes (from num_classes or the largest label)"),
+    ({"y_train": np.r_[np.arange(19) % 3, 10**6]}, "1000001 classes"),
+    ({"x_train": np.zeros((20, 1, 1), np.uint8), "x_test": np.zeros((6, 1, 1), np.uint8)},
+     "at least 4x4"),
+])
+def test_training_data_that_would_build_a_huge_or_broken_model_is_refused(tmp_path, changes,
+                                                                          needle):
+    with pytest.raises(DataError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        load_dataset("npz", str(_npz(tmp_path / "d.npz", **changes)))
+
+
+def test_training_data_is_bounded_before_it_is_inflated(tmp_path, monkeypatch):
+    path = _npz(tmp_path / "d.npz")
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as out, \
+            zipfile.ZipFile(path) as src:
+        for name in src.namelist():
+            out.writestr(name, src.read(name))
+    monkeypatch.setattr(data_module, "memory_limit", lambda: 1000)
+    with pytest.raises(DataError, match="over the limit of 1000 bytes"):
+        load_dataset("npz", str(tmp_path / "bomb.npz"))
+    with open(tmp_path / "huge.npz", "wb") as f, zipfile.ZipFile(f, "w") as zf:
+        with zf.open("x_train.npy", "w") as member:
+            np.lib.format.write_array_header_1_0(
+                member, {"descr": "|u1", "fortran_order": False, "shape": (2**40, 8, 8)})
+    with pytest.raises(DataError, match="declares a uint8 array"):
+        load_dataset("npz", str(tmp_path / "huge.npz"))
+
+
+def test_a_torch_file_that_inflates_past_its_limit_is_refused_before_loading(tmp_path):
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(100_000)}, buf)
+    with pytest.raises(ValueError, match="would inflate to"):
+        load_tensors(buf.getvalue(), 1000)
+    assert load_tensors(buf.getvalue(), 10**7)["w"].shape == (100_000,)
+
+
+def test_an_empty_server_split_is_refused(tmp_path):
+    np.save(tmp_path / "server_indices.npy", np.zeros(0, np.int64))
+    torch.save({"w": torch.zeros(2)}, tmp_path / "model.pt")
+    (tmp_path / "pretrain.json").write_text(json.dumps({"dataset": "digits", "model": "x"}))
+    with pytest.raises(InitError, match="holds no indices"):
+        load_init(tmp_path)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["train", "--lr", "1e308"], "--lr"),
+    (["train", "--lr-gamma", "inf"], "--lr-gamma"),
+    (["--threads", "100000", "train"], "--threads"),
+    (["export", "RUN", "--out", "O", "--budget", "2M", "--workers", "0"], "--workers"),
+    (["export", "RUN", "--out", "O", "--budget", "2M", "--workers", "-3"], "--workers"),
+])
+def test_flags_out_of_range_are_one_line(argv, needle, capsys, tmp_path):
+    extra = ["--out", str(tmp_path / "r")] if "train" in argv else []
+    _knnper([*argv, *extra], capsys, needle)
+
+
+def test_spread_errors_name_spread(copy, capsys, tmp_path):
+    _knnper(["export", str(copy), "--out", str(tmp_path / "o"), "--profile", "lognormal",
+             "--reference", "2M", "--spread", "-1"], capsys, "--spread")
+
+
+def test_min_train_clients_past_the_run_is_refused():
+    with pytest.raises(FlowerConfigError, match="min-train-clients"):
+        FlowerSettings(run=RunConfig(clients=3), run_dir="r", min_train_clients=99).check()
+
+
+@pytest.mark.parametrize("argv", [
+    ["pretrain", "--out", "FILE"],
+    ["evaluate", "RUN", "--methods", "fedavg", "--json", "FILE/x.json"],
+    ["deploy", "config", "--out", "r", "--write", "FILE/run.toml"],
+])
+def test_outputs_under_a_file_are_one_line(argv, copy, capsys, tmp_path):
+    (tmp_path / "FILE").write_text("a file")
+    argv = [str(tmp_path / a) if a.startswith("FILE") else str(copy) if a == "RUN" else a
+            for a in argv]
+    _knnper(["--no-progress", *argv], capsys)
+
+
+def test_deploy_certs_under_a_file_is_one_line(capsys, tmp_path):
+    pytest.importorskip("cryptography")
+    (tmp_path / "FILE").write_text("a file")
+    _knnper(["deploy", "certs", "--host", "localhost", "--out", str(tmp_path / "FILE" / "c")],
+            capsys)
+
+
+def test_a_relative_init_is_recorded_absolute(tmp_path, monkeypatch):
+    from fed_train.cli import build_parser, config_from_args
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["train", "--init", "pre", "--out", "r"])
+    assert config_from_args(args).init == str(tmp_path / "pre")
+
+
+def test_keygen_leaves_no_private_key_when_the_public_one_cannot_be_written(tmp_path):
+    pytest.importorskip("cryptography")
+    from edge_runtime.signing import generate_key_pair
+
+    with pytest.raises(OSError):
+        generate_key_pair(tmp_path / "k.pem", tmp_path / "missing" / "k.pub")
+    assert not (tmp_path / "k.pem").exists()
+
