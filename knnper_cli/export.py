@@ -27,7 +27,7 @@ from export.sizing import BACKEND_CHOICES
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import load_or_choose
 from fed_train.run import load_run
-from knnper_cli.args import add_knn_arguments, byte_count, knn_request
+from knnper_cli.args import add_knn_arguments, byte_count, knn_request, positive_int
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +57,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                         "buffers new samples beside its prototypes)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of generated budgets and of datastore sampling / ProtoNN training")
-    p.add_argument("--workers", type=fed_cli._positive_int, default=None,
+    p.add_argument("--workers", type=positive_int, default=None,
                    help="processes sizing clients in parallel (None: one per usable core)")
     p.add_argument("--pruned-search", action="store_true",
                    help="skip HNSW and ProtoNN candidates that look unable to win and train "

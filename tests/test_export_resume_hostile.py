@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("cryptography")
 
+import knnper_cli.main as export_cli  # noqa: E402
 from edge_runtime.locking import directory_lock  # noqa: E402
 from edge_runtime.runtime import Runtime  # noqa: E402
 from edge_runtime.signing import SIGNATURE_FILE, generate_key_pair, load_public_key  # noqa: E402
-from export import cli as export_cli  # noqa: E402
 from export.exporter import JOURNAL_FILE, REPORT_FILE  # noqa: E402
 from fed_train.algorithms.base import TrainingConfig  # noqa: E402
 from fed_train.run import RunConfig, train  # noqa: E402
@@ -65,7 +65,7 @@ def test_an_export_into_a_folder_another_export_holds_is_refused(run_dir, tmp_pa
 def test_two_exports_into_one_folder_never_mix(run_dir, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "export.cli", *_export(run_dir, out, b)],
+    procs = [subprocess.Popen([sys.executable, "-m", "knnper_cli.main", *_export(run_dir, out, b)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for b in ("2M", "3M")]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]

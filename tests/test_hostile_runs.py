@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from export import cli as knnper_cli
+import knnper_cli.main as knnper_cli
 from fed_train import data as data_module
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.data import load_dataset
@@ -228,7 +228,8 @@ def test_deploy_certs_under_a_file_is_one_line(capsys, tmp_path):
 
 
 def test_a_relative_init_is_recorded_absolute(tmp_path, monkeypatch):
-    from fed_train.cli import build_parser, config_from_args
+    from knnper_cli.args import config_from_args
+    from knnper_cli.main import build_parser
 
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["train", "--init", "pre", "--out", "r"])
