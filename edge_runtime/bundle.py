@@ -26,10 +26,7 @@ no external data files. A signature (see `signing`) additionally guards the mani
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import math
-import numbers
 import os
 import re
 import shutil
@@ -53,55 +50,33 @@ from ._io import (
     write_json_atomic,
 )
 from .datastores import (
-    BACKENDS,
-    DATASTORE_FILE_RE,
     file_generation,
-    format_recipe,
     load_datastore,
-    parse_recipe,
 )
 from .encoder import Encoder
-from .errors import BudgetExceeded, BundleBusy, BundleError, SignatureError
+from .errors import BudgetExceeded, BundleBusy, BundleError, SignatureError, one_line
 from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock
+from .manifest import (
+    ENCODER_FILE,
+    MANIFEST,
+    UPDATE_STRATEGIES,
+    build_manifest,
+    datastore_files,
+    parse_manifest,
+    read_manifest,
+    read_manifest_bytes,
+    validate_manifest,
+)
 from .onnx_check import uses_external_data
-from .preprocess import prepare_input, validate_spec
+from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "knnper-bundle"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-ENCODER_FILE = "encoder.onnx"
-UPDATE_STRATEGIES = ("fifo", "concatenate", "fixed")
-
-_INT = "int"
-_NUM = "number"
-# Required manifest keys and their JSON types, in the order they are checked.
-_SCHEMA: dict[str, str | type] = {
-    "client_id": _INT,
-    "input": dict,
-    "num_classes": _INT,
-    "embedding_dim": _INT,
-    "k": _INT,
-    "sigma": _NUM,
-    "lambda": _NUM,
-    "backend": dict,
-    "update_strategy": str,
-    "budget_bytes": _INT,
-    "footprint": dict,
-    "files": dict,
-}
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-# A real manifest is about 1 KB; these bound what a hostile one can cost to parse.
-MAX_MANIFEST_BYTES = 64 * 1024
-MAX_MANIFEST_DEPTH = 8
-# Most classes and embedding dimensions a bundle may declare: every prediction allocates arrays
-# this wide, so a hostile manifest must not choose their size freely.
-MAX_WIDTH = 1 << 16
-
 __all__ = [
+    "ENCODER_FILE",
+    "MANIFEST",
+    "UPDATE_STRATEGIES",
     "BudgetExceeded",
     "Bundle",
     "BundleBusy",
@@ -121,223 +96,6 @@ class Bundle:
     manifest: dict
     encoder: Encoder
     datastore: Any
-
-
-# ----------------------------------------------------------------------------- manifest
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _type_ok(value: Any, kind: str | type) -> bool:
-    if kind == _INT:
-        return _is_int(value)
-    if kind == _NUM:
-        return _is_num(value)
-    return isinstance(value, kind)
-
-
-def _type_name(kind: str | type) -> str:
-    return kind if isinstance(kind, str) else {dict: "object", str: "string"}[kind]
-
-
-def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
-    """Check format, version, required keys, their types and ranges; BundleError if not."""
-
-    def fail(problem: str) -> BundleError:
-        return BundleError(f"{where}: {problem}")
-
-    if not isinstance(manifest, dict):
-        raise fail("must be a JSON object")
-    if manifest.get("format") != FORMAT:
-        raise fail(f"'format' must be {FORMAT!r}, got {manifest.get('format')!r}")
-    version = manifest.get("version")
-    if not _is_int(version) or version < 1:
-        raise fail(f"'version' must be a positive integer, got {version!r}")
-    if version > FORMAT_VERSION:
-        raise fail(f"newer format version {version}, this runtime reads {FORMAT_VERSION}")
-    for key, kind in _SCHEMA.items():
-        if key not in manifest:
-            raise fail(f"missing key {key!r}")
-        if not _type_ok(manifest[key], kind):
-            raise fail(f"{key!r} must be a JSON {_type_name(kind)}, got {manifest[key]!r}")
-    try:
-        validate_spec(manifest["input"])
-    except ValueError as exc:
-        raise fail(f"'input': {exc}") from None
-    for key in ("num_classes", "embedding_dim", "k", "budget_bytes"):
-        if manifest[key] < 1:
-            raise fail(f"{key!r} must be >= 1, got {manifest[key]}")
-    for key in ("num_classes", "embedding_dim"):  # sizes of what predictions allocate
-        if manifest[key] > MAX_WIDTH:
-            raise fail(f"{key!r} is {manifest[key]}, over the {MAX_WIDTH} this runtime takes")
-    if not manifest["sigma"] > 0:
-        raise fail(f"'sigma' must be > 0, got {manifest['sigma']}")
-    if not 0.0 <= manifest["lambda"] <= 1.0:
-        raise fail(f"'lambda' must be in [0, 1], got {manifest['lambda']}")
-    _validate_backend(manifest, fail)
-    strategy = manifest["update_strategy"]
-    if strategy not in UPDATE_STRATEGIES:
-        raise fail(f"'update_strategy' must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}")
-    footprint = manifest["footprint"]
-    for key in ("encoder", "datastore", "total"):
-        if not _is_int(footprint.get(key)) or footprint[key] < 0:
-            raise fail(f"'footprint' needs a non-negative integer {key!r}")
-    if footprint["total"] != footprint["encoder"] + footprint["datastore"]:
-        raise fail("'footprint' total is not encoder + datastore")
-    _validate_files(manifest["files"], manifest["backend"]["name"], fail)
-    if "knn_choice" in manifest:
-        _validate_knn_choice(manifest, fail)
-    return manifest
-
-
-KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
-KNN_CHOICE_SOURCES = ("validation", "flag", "paper default")
-
-
-def _validate_knn_choice(manifest: dict, fail) -> None:
-    """The optional record of where k, sigma, the normalisation and the lambda estimator came
-    from; its k and sigma must be the ones the bundle runs."""
-    choice = manifest["knn_choice"]
-    if not isinstance(choice, dict) or sorted(choice) != sorted(KNN_CHOICE_KEYS):
-        raise fail(f"'knn_choice' must be an object with keys {list(KNN_CHOICE_KEYS)}")
-    for key, entry in choice.items():
-        if (not isinstance(entry, dict) or sorted(entry) != ["source", "value"]
-                or entry["source"] not in KNN_CHOICE_SOURCES
-                or not isinstance(entry["value"], (str, int, float))
-                or isinstance(entry["value"], bool)):
-            raise fail(f"'knn_choice' {key!r} must be {{value, source}} with source one of "
-                       f"{list(KNN_CHOICE_SOURCES)}")
-    if choice["k"]["value"] != manifest["k"] or choice["sigma"]["value"] != manifest["sigma"]:
-        raise fail("'knn_choice' disagrees with the bundle's k or sigma")
-
-
-def _validate_backend(manifest: dict, fail) -> None:
-    backend = manifest["backend"]
-    name = backend.get("name")
-    if name not in BACKENDS:
-        raise fail(f"backend 'name' must be one of {sorted(BACKENDS)}, got {name!r}")
-    if not isinstance(backend.get("params"), dict):
-        raise fail("backend 'params' must be a JSON object")
-    recipe = backend.get("recipe")
-    if not isinstance(recipe, str):
-        raise fail("backend 'recipe' must be a string")
-    try:
-        recipe_name, _ = parse_recipe(recipe)
-    except ValueError as exc:
-        raise fail(f"backend 'recipe': {exc}") from None
-    if recipe_name != name:
-        raise fail(f"backend recipe {recipe!r} is not a {name} recipe")
-    try:
-        spelled = format_recipe(name, backend["params"])
-    except (ValueError, TypeError):
-        raise fail(f"backend 'params' are not {name} recipe parameters") from None
-    if recipe != spelled:  # what `info` shows is what the (signed) params say
-        raise fail(f"backend recipe {recipe!r} does not match its params ({spelled!r})")
-
-
-def _validate_files(files: dict, backend: str, fail) -> None:
-    for name, digest in files.items():
-        if not _FILE_NAME_RE.match(name) or name == MANIFEST:
-            raise fail(f"'files' lists an invalid file name {name!r}")
-        if not isinstance(digest, str) or not _SHA256_RE.match(digest):
-            raise fail(f"'files' entry {name!r} is not a lowercase hex sha256")
-        if name != ENCODER_FILE and not (
-            DATASTORE_FILE_RE.match(name) and not name.endswith(".tmp")
-        ):
-            raise fail(f"'files' lists {name!r}, which is neither the encoder nor a datastore file")
-    if ENCODER_FILE not in files:
-        raise fail(f"'files' does not list {ENCODER_FILE}")
-    want = {"flat": (1, 0), "protonn": (1, 0), "hnsw": (1, 1)}[backend]
-    got = (
-        sum(n.endswith(".npz") for n in files),
-        sum(n.endswith(".bin") for n in files),
-    )
-    if got != want:
-        raise fail(
-            f"a {backend} bundle lists {want[0]} .npz and {want[1]} .bin datastore file(s), "
-            f"got {sorted(n for n in files if n != ENCODER_FILE)}"
-        )
-
-
-def datastore_files(manifest: dict) -> list[str]:
-    """The datastore's files (everything the manifest lists except the encoder)."""
-    return sorted(n for n in manifest["files"] if n != ENCODER_FILE)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        repeated = sorted({key for key in keys if keys.count(key) > 1})
-        raise ValueError(f"duplicate key(s) {repeated}")
-    return dict(pairs)
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
-
-
-def parse_manifest(raw: bytes, where: str) -> dict:
-    """Bytes of a manifest -> the schema-checked manifest. BundleError, never RecursionError or
-    MemoryError: the size, the nesting and repeated keys are bounded or refused."""
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise BundleError(f"{where}: over {MAX_MANIFEST_BYTES} bytes, too large for a manifest")
-    try:
-        manifest = json.loads(
-            raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant
-        )
-    except UnicodeDecodeError:
-        raise BundleError(f"{where}: is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{where}: is not valid JSON ({exc})") from None
-    except RecursionError:
-        raise BundleError(f"{where}: nested too deeply") from None
-    except ValueError as exc:  # duplicate keys, NaN, integers too long to convert
-        raise BundleError(f"{where}: {_one_line(exc)}") from None
-    if _depth(manifest) > MAX_MANIFEST_DEPTH:
-        raise BundleError(f"{where}: nested deeper than {MAX_MANIFEST_DEPTH} levels")
-    return validate_manifest(manifest, where)
-
-
-def _read_manifest_bytes(bundle_dir: Path) -> bytes:
-    where = f"bundle {bundle_dir}"
-    if not bundle_dir.is_dir():
-        raise BundleError(f"{where}: not a directory")
-    try:
-        raw = read_regular(bundle_dir / MANIFEST, MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        raise BundleError(f"{where}: no {MANIFEST}") from None
-    except OSError as exc:
-        raise BundleError(f"{where}: cannot read {MANIFEST}: {exc.strerror}") from None
-    if raw is None:
-        raise BundleError(f"{where}: {MANIFEST}: over {MAX_MANIFEST_BYTES} bytes, too large "
-                          "for a manifest")
-    return raw
-
-
-def read_manifest(bundle_dir: str | os.PathLike) -> dict:
-    """Parse and schema-check manifest.json only (no file hashes): for `info` and `--like`."""
-    bundle_dir = Path(bundle_dir)
-    raw = _read_manifest_bytes(bundle_dir)
-    return parse_manifest(raw, f"bundle {bundle_dir}: {MANIFEST}")
 
 
 # ----------------------------------------------------------------------------- reading
@@ -410,7 +168,7 @@ def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: dict):
             embedding_dim=manifest["embedding_dim"],
         )
     except (ValueError, TypeError, KeyError, OSError, EOFError, RuntimeError, BadZipFile) as exc:
-        raise BundleError(f"bundle {bundle_dir}: datastore: {_one_line(exc)}") from None
+        raise BundleError(f"bundle {bundle_dir}: datastore: {one_line(exc)}") from None
 
 
 def read_bundle(
@@ -430,7 +188,7 @@ def read_bundle(
     bundle_dir = Path(bundle_dir)
     where = f"bundle {bundle_dir}"
     with bundle_lock(bundle_dir, exclusive=False, timeout=lock_timeout):
-        raw = _read_manifest_bytes(bundle_dir)
+        raw = read_manifest_bytes(bundle_dir)
         manifest = parse_manifest(raw, f"{where}: {MANIFEST}")
         if trusted_keys is not None:
             verify_signature(bundle_dir, manifest, trusted_keys, where)
@@ -446,7 +204,7 @@ def read_bundle(
             )
         encoder = Encoder(model, intra_op_threads=intra_op_threads)
     except ValueError as exc:
-        raise BundleError(f"{where}: {_one_line(exc)}") from None
+        raise BundleError(f"{where}: {one_line(exc)}") from None
     check_encoder(encoder, manifest, where)
     return Bundle(bundle_dir, manifest, encoder, datastore)
 
@@ -503,7 +261,7 @@ def check_encoder(encoder: Encoder, manifest: dict, where: str) -> None:
         z, logits = encoder.run(prepare_input(probe, spec))
     except ValueError as exc:
         raise BundleError(
-            f"{where}: the encoder does not take the manifest's input spec: {_one_line(exc)}"
+            f"{where}: the encoder does not take the manifest's input spec: {one_line(exc)}"
         ) from None
     if z.shape[1] != manifest["embedding_dim"] or logits.shape[1] != manifest["num_classes"]:
         raise BundleError(
@@ -514,79 +272,6 @@ def check_encoder(encoder: Encoder, manifest: dict, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------- writing
-
-_COMPUTED_KEYS = ("format", "version", "backend", "footprint", "files")
-_OPTIONAL_FIELDS = ("knn_choice",)
-_ALLOWED_FIELDS = set(_SCHEMA) | set(_COMPUTED_KEYS) | set(_OPTIONAL_FIELDS)
-
-
-def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
-    """A manifest (without footprint and files) from caller fields and a fitted datastore.
-
-    Required fields: client_id, input, lambda, budget_bytes. Taken from the datastore unless
-    given (and then checked against it): num_classes, embedding_dim, k, sigma. update_strategy
-    defaults to "fifo" ("concatenate" for a protonn datastore without a buffer, which has no
-    fifo capacity). backend always comes from the datastore.
-    """
-    unknown = sorted(set(manifest_fields) - _ALLOWED_FIELDS)
-    if unknown:
-        raise BundleError(f"write_bundle: unknown manifest field(s) {unknown}")
-    for key in ("client_id", "input", "lambda", "budget_bytes"):
-        if key not in manifest_fields:
-            raise BundleError(f"write_bundle: manifest field {key!r} is required")
-    if not hasattr(datastore, "embedding_dim_"):
-        raise BundleError("write_bundle: the datastore is not fitted")
-    derived = {
-        "num_classes": int(datastore.num_classes),
-        "embedding_dim": int(datastore.embedding_dim_),
-        "k": int(datastore.k),
-        "sigma": float(datastore.sigma),
-    }
-    for key, value in derived.items():
-        if key in manifest_fields and manifest_fields[key] != value:
-            raise BundleError(
-                f"write_bundle: manifest field {key!r} is {manifest_fields[key]!r} but the "
-                f"datastore has {value!r}"
-            )
-    backend = {
-        "name": datastore.backend,
-        "recipe": datastore.recipe,
-        "params": datastore.recipe_params(),
-    }
-    given = manifest_fields.get("backend")
-    if given is not None and (not isinstance(given, dict) or given.get("name") != backend["name"]):
-        raise BundleError(
-            f"write_bundle: manifest backend {given!r} is not the datastore's ({backend['name']})"
-        )
-    no_capacity = datastore.backend == "protonn" and not datastore.sample_store().n
-    default_strategy = "concatenate" if no_capacity else "fifo"
-    manifest = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "client_id": manifest_fields["client_id"],
-        "input": manifest_fields["input"],
-        **derived,
-        "lambda": manifest_fields["lambda"],
-        "backend": backend,
-        "update_strategy": manifest_fields.get("update_strategy", default_strategy),
-        "budget_bytes": manifest_fields["budget_bytes"],
-    }
-    for key in _OPTIONAL_FIELDS:
-        if key in manifest_fields:
-            manifest[key] = manifest_fields[key]
-    for key in ("format", "version"):
-        if key in manifest_fields and manifest_fields[key] != manifest[key]:
-            raise BundleError(
-                f"write_bundle: this runtime writes {key} {manifest[key]!r}, not "
-                f"{manifest_fields[key]!r}"
-            )
-    if isinstance(manifest["lambda"], numbers.Real) and not isinstance(manifest["lambda"], bool):
-        manifest["lambda"] = float(manifest["lambda"])
-    for key in ("client_id", "budget_bytes"):
-        if isinstance(manifest[key], np.integer):
-            manifest[key] = int(manifest[key])
-    return manifest
-
 
 def write_bundle(
     out_dir: str | os.PathLike,
@@ -842,6 +527,3 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
     return new
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__

@@ -19,6 +19,7 @@ import numpy as np
 
 from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
 from .byte_count import byte_count
+from .errors import one_line
 from .knn import interpolate
 from .runtime import Runtime, check_labels
 
@@ -141,11 +142,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
+    """errors.one_line, naming the type of an error a user would not recognise by its text."""
     known = (CLIError, ValueError, OSError, NotImplementedError, BadZipFile)
-    if not text:
-        return type(exc).__name__
-    return text if isinstance(exc, known) else f"{type(exc).__name__}: {text}"
+    text = one_line(exc)
+    return text if isinstance(exc, known) or text == type(exc).__name__ else (
+        f"{type(exc).__name__}: {text}")
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -4,6 +4,11 @@ message, so a caller (or the CLI) catches one type and prints one line."""
 from __future__ import annotations
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (its type's name when it has none)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 class BundleError(ValueError):
     """A bundle that cannot be used (or written) as it is; the message is one line."""
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from ._io import read_regular
 from .errors import SignatureError
+from .manifest import parse_manifest
 
 SIGNATURE_FILE = "signature.json"
 ALGORITHM = "ed25519"
@@ -134,7 +135,6 @@ def verify_signature(
     the signed base manifest. SignatureError (one line) when the bundle is unsigned, signed by
     an untrusted key, the signature does not verify, or the manifest departs from the signed
     base in anything an on-device update cannot change."""
-    from .bundle import parse_manifest  # the manifest parser lives with the bundle format
 
     _, _, invalid_signature = _crypto()
     path = Path(bundle_dir) / SIGNATURE_FILE
