@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from edge_runtime._io import load_arrays, memory_limit
-from edge_runtime.bundle import MAX_WIDTH
+from edge_runtime.manifest import MAX_WIDTH
 from fed_train.errors import DataError
 
 __all__ = [

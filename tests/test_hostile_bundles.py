@@ -19,8 +19,9 @@ import onnx
 import pytest
 
 import edge_runtime.bundle as bundle_module
-from edge_runtime.bundle import MAX_MANIFEST_BYTES, BundleError
+from edge_runtime.bundle import BundleError
 from edge_runtime.cli import main
+from edge_runtime.manifest import MAX_MANIFEST_BYTES
 from edge_runtime.runtime import Runtime
 from tests.test_edge_runtime import REPO, build_bundle, make_images, snapshot
 
