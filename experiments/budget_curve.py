@@ -42,7 +42,7 @@ from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import choose_lambda, interpolate, softmax
 from experiments import benchmark_support as C
-from export.errors import BudgetError
+from export.errors import BudgetInvalid
 from export.evaluation import evaluate_export, reference_accuracy, weighted_mean
 from export.exporter import (
     ExportSettings,
@@ -162,7 +162,7 @@ def budget_curve(cases: list[ClientCase], fractions: list[str], space: SearchSpa
                     "room_bytes": room, "full_bytes": case.full_bytes}
             try:
                 sizer.fit(case.data, room)
-            except BudgetError:
+            except BudgetInvalid:
                 for backend in (*BACKENDS, "auto"):
                     client_rows.append({**base, "backend": backend, "fits": False})
                 continue
@@ -351,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           if r["fraction"] == args.check_fraction and r["backend"] == "auto")
             check = {"fraction": args.check_fraction, "runtime_accuracy": device,
                      "benchmark_accuracy": inproc}
-        except BudgetError as err:
+        except BudgetInvalid as err:
             check = {"fraction": args.check_fraction, "error": str(err)}
 
     # 3. ProtoNN grid

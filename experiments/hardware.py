@@ -26,7 +26,7 @@ from experiments.context import Context
 from experiments.report import pyplot, save_figure, spearman, verdict
 from experiments.spec import DELTA_C, Claim, Experiment, Grid, Result
 from experiments.views import knnper_rows
-from export.errors import BudgetError
+from export.errors import BudgetInvalid
 from export.evaluation import evaluate_export, weighted_mean
 from export.exporter import (
     EncoderFiles,
@@ -108,7 +108,7 @@ class ByteBudgets:
         try:
             export_run(self.run, bundles, budgets, self.settings, encoder=self.encoder,
                        progress=self.ctx.progress)
-        except BudgetError as err:
+        except BudgetInvalid as err:
             return {"rows": [], "error": str(err), "clients": 0}
         rows = [{k: r[k] for k in ("client_id", "unseen", "budget", "recipe", "stored",
                                    "total_bytes", "lambda", "test_accuracy", "test_samples")}

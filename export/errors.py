@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fed_train.errors import KnnperError
 
-__all__ = ["ExportError", "BudgetError"]
+__all__ = ["ExportError", "BudgetInvalid"]
 
 
 class ExportError(KnnperError, ValueError):
@@ -12,5 +12,7 @@ class ExportError(KnnperError, ValueError):
     data. The `knnper` CLI prints the one-line message and exits with 2."""
 
 
-class BudgetError(ExportError):
-    """A device budget is malformed, or too small for even the encoder."""
+class BudgetInvalid(ExportError):
+    """A device budget the exporter cannot meet: malformed, or too small for even the encoder.
+    (The device's edge_runtime.errors.BudgetExceeded is a different event: an update or a write
+    that would take a valid budget's bytes.)"""

@@ -38,7 +38,7 @@ from export.client_export import (
     export_client_in_worker,
     init_worker,
 )
-from export.errors import BudgetError, ExportError
+from export.errors import BudgetInvalid, ExportError
 from export.journal import ExportJournal, json_default
 from export.onnx_export import export_onnx
 from export.progress import ClientProgress
@@ -268,7 +268,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
             raise ExportError(f"client {client.client_id} has no training samples to build a "
                               "datastore from")
         if client.client_id not in budgets:
-            raise BudgetError(f"no budget for client {client.client_id}")
+            raise BudgetInvalid(f"no budget for client {client.client_id}")
     existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     if not existing.is_dir():  # checked before the encoder is built
         raise ExportError(f"--out {out_dir}: {existing} exists and is not a directory")
@@ -372,10 +372,10 @@ def _check_budgets(clients: Sequence[ClientData], budgets: dict[int, int],
                    encoder: EncoderFiles, smallest_datastore: int) -> None:
     """Refuse before writing any bundle when some budget cannot hold the encoder, or the
     encoder plus the smallest datastore the search allows."""
-    def refuse(too_small: list[int], why: str) -> BudgetError:
+    def refuse(too_small: list[int], why: str) -> BudgetInvalid:
         cid = too_small[0]
         others = f" (and {len(too_small) - 1} other client(s))" if len(too_small) > 1 else ""
-        return BudgetError(f"client {cid}: budget {budgets[cid]} bytes {why}{others}")
+        return BudgetInvalid(f"client {cid}: budget {budgets[cid]} bytes {why}{others}")
 
     below = [c.client_id for c in clients if budgets[c.client_id] < encoder.nbytes]
     if below:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from export.errors import BudgetError
+from export.errors import BudgetInvalid
 
 PROFILES = ("uniform", "weak-strong", "lognormal")
 
@@ -18,18 +18,18 @@ PROFILES = ("uniform", "weak-strong", "lognormal")
 def _check_bytes(value: object, what: str) -> int:
     """A budget is a positive whole number of bytes; floats like 1e6 are accepted if whole."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise BudgetError(f"{what} must be a number of bytes, got {value!r}")
+        raise BudgetInvalid(f"{what} must be a number of bytes, got {value!r}")
     if not math.isfinite(float(value)) or float(value) != int(value) or int(value) < 1:
-        raise BudgetError(f"{what} must be a positive whole number of bytes, got {value!r}")
+        raise BudgetInvalid(f"{what} must be a positive whole number of bytes, got {value!r}")
     return int(value)
 
 
 def _check_clients(client_ids: Sequence[int]) -> list[int]:
     ids = [int(c) for c in client_ids]
     if not ids:
-        raise BudgetError("no clients to give budgets to")
+        raise BudgetInvalid("no clients to give budgets to")
     if len(set(ids)) != len(ids):
-        raise BudgetError("client ids must be distinct")
+        raise BudgetInvalid("client ids must be distinct")
     return ids
 
 
@@ -42,25 +42,25 @@ def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, int]:
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        raise BudgetError(f"budget file {path} does not exist") from None
+        raise BudgetInvalid(f"budget file {path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BudgetError(f"budget file {path} is not valid JSON: {err}") from None
+        raise BudgetInvalid(f"budget file {path} is not valid JSON: {err}") from None
     if not isinstance(raw, dict):
-        raise BudgetError(f"budget file {path} must hold an object {{client_id: bytes}}, "
+        raise BudgetInvalid(f"budget file {path} must hold an object {{client_id: bytes}}, "
                           f"got {type(raw).__name__}")
     budgets: dict[int, int] = {}
     for key, value in raw.items():
         try:
             cid = int(key)
         except ValueError:
-            raise BudgetError(f"budget file {path}: key {key!r} is not a client id") from None
+            raise BudgetInvalid(f"budget file {path}: key {key!r} is not a client id") from None
         if str(cid) != str(key).strip():
-            raise BudgetError(f"budget file {path}: key {key!r} is not a client id")
+            raise BudgetInvalid(f"budget file {path}: key {key!r} is not a client id")
         budgets[cid] = _check_bytes(value, f"budget of client {cid} in {path}")
     missing = [c for c in ids if c not in budgets]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
-        raise BudgetError(f"budget file {path} has no budget for client(s) {shown}")
+        raise BudgetInvalid(f"budget file {path} has no budget for client(s) {shown}")
     return {c: budgets[c] for c in ids}
 
 
@@ -78,7 +78,7 @@ def weak_strong_budgets(client_ids: Sequence[int], reference: int, delta_c: floa
     ids = _check_clients(client_ids)
     reference = _check_bytes(reference, "--reference")
     if not isinstance(delta_c, (int, float)) or not 0 <= delta_c < 0.5:
-        raise BudgetError(f"--delta-c must be in [0, 0.5), got {delta_c!r}")
+        raise BudgetInvalid(f"--delta-c must be in [0, 0.5), got {delta_c!r}")
     weak = weak_clients(ids, seed)
     out = {}
     for cid in ids:
@@ -102,7 +102,7 @@ def lognormal_budgets(client_ids: Sequence[int], reference: int, sigma: float = 
     ids = _check_clients(client_ids)
     reference = _check_bytes(reference, "--reference")
     if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
-        raise BudgetError(f"--spread (the lognormal sigma) must be a finite number >= 0, got "
+        raise BudgetInvalid(f"--spread (the lognormal sigma) must be a finite number >= 0, got "
                           f"{sigma!r}")
     draws = np.random.default_rng(seed).standard_normal(len(ids))
     return {cid: max(1, int(math.floor(reference * math.exp(sigma * float(e)))))

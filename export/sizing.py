@@ -14,7 +14,7 @@ dozen validation samples. Otherwise the search is exhaustive by default;
   the `protonn_finalists` best on validation are trained on to `protonn_steps`.
 On 20 clients of a Fashion-MNIST run the pruned search was 2.4x faster but changed 14 choices
 (ties on a few dozen validation samples broken differently, ProtoNN shapes dropped before they
-won) and lost 0.74 pp of test accuracy, so it is opt-in (BENCHMARKS.md, issue 13)."""
+won) and lost 0.74 pp of test accuracy, so it is opt-in (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from edge_runtime.knn import (
     softmax,
     split_score,
 )
-from export.errors import BudgetError, ExportError
+from export.errors import BudgetInvalid, ExportError
 from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class DatastoreSizer:
         if "protonn" in self.space.backends and not self._holds_all_fp32(candidates, data):
             candidates += self._protonn_search(data, room)
         if not candidates:
-            raise BudgetError(
+            raise BudgetInvalid(
                 f"client {data.client_id}: the budget leaves {room} bytes after the encoder, too "
                 f"few for any datastore of backend(s) {', '.join(self.space.backends)}")
         if len(data.y_val) == 0:

@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from export.errors import BudgetError, ExportError
+from export.errors import BudgetInvalid, ExportError
 from export.exporter import (
     REPORT_FILE,
     ExportSettings,
@@ -75,9 +75,9 @@ def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[i
     if args.budget is not None:
         return uniform_budgets(client_ids, args.budget)
     if args.profile not in PROFILES[1:]:
-        raise BudgetError(f"unknown --profile {args.profile!r}; known: {', '.join(PROFILES[1:])}")
+        raise BudgetInvalid(f"unknown --profile {args.profile!r}; known: {', '.join(PROFILES[1:])}")
     if args.reference is None:
-        raise BudgetError(f"--profile {args.profile} needs --reference BYTES")
+        raise BudgetInvalid(f"--profile {args.profile} needs --reference BYTES")
     if args.profile == "weak-strong":
         return weak_strong_budgets(client_ids, args.reference, args.delta_c, args.seed)
     return lognormal_budgets(client_ids, args.reference, args.spread, args.seed)

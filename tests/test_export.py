@@ -16,7 +16,7 @@ import knnper_cli.main as cli
 from edge_runtime.bundle import read_manifest
 from edge_runtime.encoder import Encoder
 from edge_runtime.runtime import Runtime
-from export.errors import BudgetError, ExportError
+from export.errors import BudgetInvalid, ExportError
 from export.exporter import ExportSettings, build_encoder, bundle_dir, export_run
 from export.sizing import SearchSpace, selection_key
 from fed_train.algorithms.base import TrainingConfig
@@ -144,7 +144,7 @@ def test_datastore_keys_are_the_shipped_encoders_embeddings(run, tmp_path, quant
 
 def test_budget_below_the_encoder_is_refused_before_writing(run, tmp_path, encoder_bytes):
     out = tmp_path / "out"
-    with pytest.raises(BudgetError, match=rf"client 1: budget 1000 bytes is below the size of "
+    with pytest.raises(BudgetInvalid, match=rf"client 1: budget 1000 bytes is below the size of "
                                           rf"the int8 encoder alone \({encoder_bytes} bytes\)"):
         export_run(run, out, {0: 10**7, 1: 1000}, ExportSettings(space=SMALL_SPACE),
                    clients="0,1", progress=False)
@@ -152,7 +152,7 @@ def test_budget_below_the_encoder_is_refused_before_writing(run, tmp_path, encod
 
 
 def test_budget_without_room_for_any_datastore_is_refused(run, tmp_path, encoder_bytes):
-    with pytest.raises(BudgetError, match="plus the smallest datastore"):
+    with pytest.raises(BudgetInvalid, match="plus the smallest datastore"):
         export_run(run, tmp_path / "out", {2: encoder_bytes + 10},
                    ExportSettings(space=SMALL_SPACE), clients="2", progress=False)
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from export.errors import BudgetError
+from export.errors import BudgetInvalid
 from export.profiles import (
     load_budgets,
     lognormal_budgets,
@@ -41,18 +41,18 @@ def test_budget_file_gives_each_client_its_budget(tmp_path):
     ],
 )
 def test_bad_budget_files_are_refused(tmp_path, content, message):
-    with pytest.raises(BudgetError, match=message):
+    with pytest.raises(BudgetInvalid, match=message):
         load_budgets(_write(tmp_path, content), [0, 1])
 
 
 def test_missing_budget_file_is_named(tmp_path):
-    with pytest.raises(BudgetError, match="does not exist"):
+    with pytest.raises(BudgetInvalid, match="does not exist"):
         load_budgets(tmp_path / "nope.json", [0])
 
 
 def test_one_budget_for_all():
     assert uniform_budgets([3, 1], 5000) == {3: 5000, 1: 5000}
-    with pytest.raises(BudgetError, match="positive whole number"):
+    with pytest.raises(BudgetInvalid, match="positive whole number"):
         uniform_budgets([0], 0)
 
 
@@ -71,7 +71,7 @@ def test_weak_strong_with_odd_clients_and_zero_delta():
 
 @pytest.mark.parametrize("delta", [0.5, -0.1, 1.0])
 def test_weak_strong_refuses_delta_outside_range(delta):
-    with pytest.raises(BudgetError, match="delta-c must be in"):
+    with pytest.raises(BudgetInvalid, match="delta-c must be in"):
         weak_strong_budgets([0, 1], 1000, delta)
 
 
@@ -84,12 +84,12 @@ def test_lognormal_spreads_around_the_reference():
     assert 0.4 < np.std(np.log(values)) < 0.6
     assert budgets == lognormal_budgets(ids, 100_000, sigma=0.5, seed=0)
     assert set(lognormal_budgets([0, 1], 1000, sigma=0.0).values()) == {1000}
-    with pytest.raises(BudgetError, match="sigma"):
+    with pytest.raises(BudgetInvalid, match="sigma"):
         lognormal_budgets(ids, 1000, sigma=-1.0)
 
 
 def test_no_clients_or_duplicates_are_refused():
-    with pytest.raises(BudgetError, match="no clients"):
+    with pytest.raises(BudgetInvalid, match="no clients"):
         uniform_budgets([], 10)
-    with pytest.raises(BudgetError, match="distinct"):
+    with pytest.raises(BudgetInvalid, match="distinct"):
         uniform_budgets([1, 1], 10)
