@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.byte_count import byte_count
+from edge_runtime.arg_types import byte_count
 from experiments import benchmark_support as C
 from export.evaluation import evaluate_export
 from export.exporter import ExportSettings, apply_knn_choice, export_run

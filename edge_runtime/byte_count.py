@@ -5,7 +5,6 @@ than rounded, since a budget is a promise about memory."""
 
 from __future__ import annotations
 
-import argparse
 import re
 from decimal import Decimal
 
@@ -27,11 +26,3 @@ def parse_byte_count(text: str) -> int:
     if not 1 <= value <= MAX_BYTES:
         raise ValueError(f"a byte count must be between 1 byte and 1 PiB, got {text!r}")
     return int(value)
-
-
-def byte_count(text: str) -> int:
-    """parse_byte_count as an argparse type: a bad value is a one-line usage error, exit 2."""
-    try:
-        return parse_byte_count(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None

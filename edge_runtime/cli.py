@@ -18,7 +18,7 @@ from zipfile import BadZipFile
 import numpy as np
 
 from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
-from .byte_count import byte_count
+from .arg_types import byte_count, threads
 from .errors import one_line
 from .knn import interpolate
 from .runtime import Runtime, check_labels
@@ -36,32 +36,11 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(f"{message} (see {self.prog} --help)")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _threads(text: str) -> int:
-    """A thread count from 1 to this machine's cores: more only slows the device down, and
-    a huge count makes the thread pools hang while they start."""
-    value = _positive_int(text)
-    cores = os.cpu_count() or 1
-    if value > cores:
-        raise argparse.ArgumentTypeError(f"must be at most {cores} (this machine's cores), "
-                                         f"got {text}")
-    return value
-
-
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device.")
     p.add_argument(
         "--threads",
-        type=_threads,
+        type=threads,
         default=1,
         help="onnxruntime intra-op and numpy BLAS threads (1 is fastest at batch 1)",
     )

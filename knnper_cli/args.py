@@ -6,12 +6,17 @@ configuration flags."""
 from __future__ import annotations
 
 import argparse
-import math
-import os
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.byte_count import byte_count
+from edge_runtime.arg_types import (
+    byte_count,
+    fraction,
+    positive,
+    positive_float,
+    positive_int,
+    threads,
+)
 from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
 from fed_train.algorithms.base import TrainingConfig
@@ -35,13 +40,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
 FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -55,41 +53,14 @@ def learning_rate(text: str) -> float:
     return value
 
 
-def threads(text: str) -> int:
-    """1 to this machine's cores: more threads only contend, and huge counts fail to start."""
-    value = positive_int(text)
-    cores = os.cpu_count() or 1
-    if value > cores:
-        raise argparse.ArgumentTypeError(f"must be at most {cores} (this machine's cores), "
-                                         f"got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def positive(kind: type, upper: float | None = None):
-    """An argparse type: a positive number (at most `upper`), refused with a one-line reason."""
-
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0 or (upper is not None and value > upper):
-            bound = f"in (0, {upper:g}]" if upper is not None else "> 0"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
-        return value
-
-    return parse
+def add_sgd_arguments(p: argparse.ArgumentParser, d: Any, what: str) -> None:
+    """--batch-size, --lr, --momentum and --weight-decay with `d`'s values as defaults."""
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                   help=f"{what} batch size")
+    p.add_argument("--lr", type=learning_rate, default=d.lr, help=f"{what} learning rate")
+    p.add_argument("--momentum", type=float, default=d.momentum, help=f"{what} momentum")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help=f"{what} weight decay")
 
 
 def add_training_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,12 +97,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="local epochs per round")
     p.add_argument("--local-steps", type=positive_int, default=None,
                    help="a fixed number of local SGD steps instead of epochs")
-    p.add_argument("--batch-size", type=positive_int, default=t.batch_size,
-                   help="local SGD batch size")
-    p.add_argument("--lr", type=learning_rate, default=t.lr, help="client learning rate")
-    p.add_argument("--momentum", type=float, default=t.momentum, help="client SGD momentum")
-    p.add_argument("--weight-decay", type=float, default=t.weight_decay,
-                   help="client SGD weight decay")
+    add_sgd_arguments(p, t, "local SGD")
     p.add_argument("--milestones", type=fraction, nargs="*", default=list(t.milestones),
                    help="fractions of the rounds at which the learning rate decays")
     p.add_argument("--lr-gamma", type=positive_float, default=t.gamma,

@@ -17,11 +17,11 @@ from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
 from knnper_cli.args import (
     add_knn_arguments,
+    add_sgd_arguments,
     add_training_arguments,
     config_from_args,
     fraction,
     knn_request,
-    learning_rate,
     positive_int,
 )
 
@@ -94,12 +94,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
                    help="most epochs of central training")
     p.add_argument("--patience", type=positive_int, default=d.patience,
                    help="stop after this many epochs without a better validation accuracy")
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
-                   help="SGD batch size")
-    p.add_argument("--lr", type=learning_rate, default=d.lr, help="SGD learning rate")
-    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help="SGD weight decay")
+    add_sgd_arguments(p, d, "SGD")
     p.add_argument("--augment", action="store_true",
                    help="random 4-pixel shifted crops and horizontal flips of the images (for "
                    "CIFAR-like data; not for digits or letters)")

@@ -1,0 +1,54 @@
+"""The argparse types both command lines share (`knnper-edge` here, `knnper` in knnper_cli):
+one definition of a positive number, a fraction, a thread count and a byte count, so the same
+text means the same value to both and a bad one is the same one-line error, exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+
+from .byte_count import parse_byte_count
+
+_NAMES = {int: "an integer", float: "a number"}
+
+
+def positive(kind: type, upper: float | None = None) -> Callable[[str], float | int]:
+    """A type for a finite number > 0 (at most `upper`)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {_NAMES[kind]}: {text!r}") from None
+        if not 0 < value < math.inf or (upper is not None and value > upper):
+            bound = f"in (0, {upper:g}]" if upper is not None else "a finite number > 0"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = positive(int)
+positive_float = positive(float)
+fraction = positive(float, 1.0)
+
+
+def threads(text: str) -> int:
+    """1 to this machine's cores: more threads only contend, and a huge count makes the thread
+    pools hang while they start."""
+    value = positive_int(text)
+    cores = os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"must be at most {cores} (this machine's cores), "
+                                         f"got {text}")
+    return value
+
+
+def byte_count(text: str) -> int:
+    """byte_count.parse_byte_count: a bad value is a one-line usage error, exit 2."""
+    try:
+        return parse_byte_count(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
