@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from experiments import base_model, capacity, folded, hardware, heterogeneity, k_sigma, lambda_vs_n
+from experiments import (
+    base_model,
+    capacity,
+    device_experiments,
+    hardware,
+    heterogeneity,
+    k_sigma,
+    lambda_vs_n,
+)
 from experiments.spec import Experiment
 
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
@@ -12,6 +20,6 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
     base_model.EXPERIMENT,
     lambda_vs_n.EXPERIMENT,
     k_sigma.EXPERIMENT,
-    folded.SHIFT_EXPERIMENT,
-    folded.GRID_EXPERIMENT,
+    device_experiments.SHIFT_EXPERIMENT,
+    device_experiments.GRID_EXPERIMENT,
 )}
