@@ -232,3 +232,19 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
         choices = {k: v for k, v in a.items() if k not in accuracy_columns}
         assert choices == {k: v for k, v in b.items() if k not in accuracy_columns}
     assert plain["seen"] != permuted["seen"]  # the permutation did reach the test labels
+
+
+def test_seeds_run_one_table_per_seed_and_summarize_them(tmp_path):
+    out = tmp_path / "seeds"
+    assert bench(*TINY, "--rounds", "1", "--methods", "fedavg,knnper", "--seed", "3",
+                 "--seeds", "2", "--out", str(out)) == 0
+    partitions = [json.loads((out / f"seed_{s}" / "results.json").read_text())
+                  for s in (3, 4)]
+    assert [p["config"]["seed"] for p in partitions] == [3, 4]
+    assert partitions[0]["clients"] != partitions[1]["clients"]
+    summary = json.loads((out / "seeds.json").read_text())
+    assert summary["seeds"] == [3, 4]
+    fedavg = summary["spread"]["seen"]["fedavg"]["mean"]
+    assert fedavg["values"] == [p["seen"]["fedavg"]["mean"] for p in partitions]
+    assert summary["versus_best"]["seen"]["mean"]["baseline"] == "fedavg"
+    assert "mean ± standard deviation" in (out / "seeds.md").read_text()
