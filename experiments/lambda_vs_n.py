@@ -15,6 +15,7 @@ import numpy as np
 from experiments.capacity import NAME as CAPACITY
 from experiments.capacity import capacity_point
 from experiments.context import Context
+from experiments.margins import call, interval
 from experiments.report import pyplot, save_figure, spearman
 from experiments.spec import FRACTION, Claim, Experiment, Grid, Result
 
@@ -64,7 +65,7 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    ("mean_lambda", "mean lambda", ".3f"),
                    ("share_lambda_above_half", "share lambda > 1/2", ".2f"),
                    ("mean_accuracy", "kNN-Per mean", ".4f")],
-                  _claims(n, lam, fit), plot, pairs,
+                  _claims(pairs, fit), plot, pairs,
                   ("capacity", "client_id", "unseen", "datastore_size", "lambda", "accuracy"),
                   [f"Upward step fit (the bound's shape): lambda {fit[1]:.2f} for n_m <= "
                    f"{fit[0]:g}, {fit[2]:.2f} above; it explains {fit[3]:.0%} of the variance "
@@ -72,24 +73,52 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    "no upward step fits better than a constant)."])
 
 
-def _claims(n: np.ndarray, lam: np.ndarray, fit: tuple) -> list[Claim]:
+def _by_client(pairs: list[dict]) -> list[np.ndarray]:
+    """Row indices of each client's pairs: one client's capacities are not independent, so the
+    bootstrap resamples whole clients."""
+    ids = sorted({p["client_id"] for p in pairs})
+    return [np.array([i for i, p in enumerate(pairs) if p["client_id"] == c]) for c in ids]
+
+
+def _claims(pairs: list[dict], fit: tuple) -> list[Claim]:
+    n = np.array([p["datastore_size"] for p in pairs], dtype=float)
+    lam = np.array([p["lambda"] for p in pairs], dtype=float)
+    groups = _by_client(pairs)
+
+    def rows(idx: np.ndarray) -> np.ndarray:
+        return np.concatenate([groups[i] for i in idx])
+
+    def rho_of(idx: list[np.ndarray]) -> float:
+        r = rows(idx[0])
+        value = spearman(n[r].tolist(), lam[r].tolist())
+        return float("nan") if value is None else value
+
     rho = spearman(n.tolist(), lam.tolist())
-    claims = [Claim("lambda_opt grows with the local dataset size n_m (Fig. 9, Theorem 4.1)",
-                    f"Spearman(n_m, lambda) = {rho:+.2f} over {len(n)} pairs; step fit: "
-                    f"{fit[1]:.2f} below n_m = {fit[0]:g}, {fit[2]:.2f} above"
-                    if rho is not None else "lambda or n_m constant",
-                    "not measured" if rho is None else ("agree" if rho > 0 else "disagree"))]
+    title = "lambda_opt grows with the local dataset size n_m (Fig. 9, Theorem 4.1)"
+    if rho is None:
+        claims = [Claim(title, "lambda or n_m constant", "not measured")]
+    else:
+        iv = interval(rho_of, [len(groups)])
+        claims = [Claim(title, f"Spearman(n_m, lambda) = {rho:+.2f} over {len(n)} pairs of "
+                        f"{len(groups)} clients, 95% interval (clients resampled) "
+                        f"[{iv['low']:+.2f}, {iv['high']:+.2f}]; step fit: {fit[1]:.2f} below "
+                        f"n_m = {fit[0]:g}, {fit[2]:.2f} above", call(iv))]
+    title = ("clients with about a hundred samples weigh the kNN more than the global model "
+             "(lambda > 1/2, Sec. 6)")
     around = (n >= 50) & (n <= 200)
     if around.any():
-        mean = float(lam[around].mean())
-        claims.append(Claim("clients with about a hundred samples weigh the kNN more than the "
-                            "global model (lambda > 1/2, Sec. 6)",
-                            f"mean lambda {mean:.2f} over {int(around.sum())} pairs with "
-                            "50 <= n_m <= 200", "agree" if mean > 0.5 else "disagree"))
+        def mean_of(idx: list[np.ndarray]) -> float:
+            r = rows(idx[0])
+            r = r[around[r]]
+            return float(lam[r].mean()) if len(r) else float("nan")
+
+        iv = interval(mean_of, [len(groups)])
+        claims.append(Claim(title, f"mean lambda {iv['effect']:.2f} over {int(around.sum())} "
+                            f"pairs with 50 <= n_m <= 200, 95% interval [{iv['low']:.2f}, "
+                            f"{iv['high']:.2f}]", call(iv, 0.5)))
     else:
-        claims.append(Claim("clients with about a hundred samples weigh the kNN more than the "
-                            "global model (lambda > 1/2, Sec. 6)",
-                            "no client datastore between 50 and 200 samples", "not measured"))
+        claims.append(Claim(title, "no client datastore between 50 and 200 samples",
+                            "not measured"))
     return claims
 
 

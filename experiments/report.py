@@ -83,13 +83,6 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
     return path
 
 
-def verdict(holds: int, out_of: int) -> str:
-    """'agree' when a claim holds at every point checked, 'partly' at some, else 'disagree'."""
-    if out_of == 0:
-        return "not measured"
-    return "agree" if holds == out_of else ("partly" if holds else "disagree")
-
-
 def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:
     """Rank correlation (None with fewer than 3 points or a constant side)."""
     from scipy.stats import spearmanr
