@@ -44,7 +44,8 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
     common.write_csv(out / "points.csv", result.points, result.point_columns)
     if result.clients:
         common.write_csv(out / "clients.csv", result.clients, result.client_columns)
-    computed = sum(float(p.get("seconds") or 0) for p in result.points)
+    computed = (result.compute_seconds if result.compute_seconds is not None
+                else sum(float(p.get("seconds") or 0) for p in result.points))
     lines = [
         f"# Experiment: {experiment.name}",
         "",
