@@ -13,7 +13,7 @@ import torch
 
 from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp, tally
-from experiments.report import pyplot, save_figure
+from experiments.report import finish_axes, pyplot, save_figure
 from experiments.spec import ALPHA, Claim, Experiment, Grid, Result, format_alpha
 from experiments.views import client_views, fedavg_rows, knn_outcome, row, summary_fields
 from fed_train.algorithms import build_algorithm
@@ -141,21 +141,29 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
 
 
 def _plot(points: list[dict], path):
+    """Each alpha's checkpoints joined in round order (first and last round labelled), kNN
+    accuracy against the global model's."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for a in dict.fromkeys(p["alpha"] for p in points):
-        pts = sorted((p for p in points if p["alpha"] == a), key=lambda p: p["fedavg_mean"])
+        pts = sorted((p for p in points if p["alpha"] == a), key=lambda p: p["round"])
         x = [p["fedavg_mean"] for p in pts]
         line, = ax.plot(x, [p["knn_only_mean"] for p in pts], "o-",
                         label=f"alpha {a}: kNN (lambda=1)")
         ax.plot(x, [p["knnper_mean"] for p in pts], "s--", color=line.get_color(), alpha=0.7,
                 label=f"alpha {a}: kNN-Per (lambda on val)")
-    lims = [min(ax.get_xlim()[0], ax.get_ylim()[0]), max(ax.get_xlim()[1], ax.get_ylim()[1])]
-    ax.plot(lims, lims, color="grey", lw=0.8, ls=":", label="y = x")
-    ax.set_xlabel("global model (FedAvg) mean test accuracy")
-    ax.set_ylabel("kNN / kNN-Per mean test accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+        for p in (pts[0], pts[-1]):
+            ax.annotate(f"r{p['round']}", (p["fedavg_mean"], p["knn_only_mean"]), fontsize=6,
+                        xytext=(3, -9), textcoords="offset points", color=line.get_color())
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":", label="y = x")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("global model (FedAvg) mean test accuracy (%), checkpoints in round order")
+    ax.set_ylabel("kNN / kNN-Per mean test accuracy (%)")
+    finish_axes(ax, "Claim: kNN accuracy is almost linear in the global model's accuracy")
+    from matplotlib.ticker import PercentFormatter  # matplotlib loads only when plotting
+
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     return save_figure(fig, path)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp, tally
-from experiments.report import pyplot, save_figure, spearman
+from experiments.report import finish_axes, pyplot, save_figure, spearman
 from experiments.spec import ALPHA, FRACTION, Claim, Experiment, Grid, Result, format_alpha
 from experiments.views import fedavg_rows, knnper_rows, summary_fields
 
@@ -133,9 +133,9 @@ def _plot(points: list[dict], path):
         ax.plot(caps, [curve[c] for c in caps], "o-", label=f"alpha {a}")
     ax.set_xlabel("capacity (fraction of the client's train split in its datastore; "
                   "0 = FedAvg)", fontsize=8)
-    ax.set_ylabel("kNN-Per mean test accuracy (all clients)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("kNN-Per mean test accuracy (%, all clients)")
+    ax.set_ylim(0, 1)
+    finish_axes(ax, "Claim: accuracy grows with the datastore's size, faster for smaller alpha")
     return save_figure(fig, path)
 
 

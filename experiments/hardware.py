@@ -24,7 +24,7 @@ from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from experiments.context import Context
 from experiments.margins import Aligned, call, interval, paired, pp
-from experiments.report import pyplot, save_figure, spearman
+from experiments.report import finish_axes, pyplot, save_figure, spearman
 from experiments.spec import DELTA_C, Claim, Experiment, Grid, Result
 from experiments.views import knnper_rows
 from export.errors import BudgetError
@@ -240,9 +240,10 @@ def _plot(points: list[dict], path):
         ax.plot(x, [p["strong_mean"] for _, p in pts], "^:", color=color, alpha=0.6,
                 label=f"{version}: strong")
     ax.set_xlabel("dC (weak clients hold 1/2 - dC, strong 1/2 + dC)")
-    ax.set_ylabel("kNN-Per mean test accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.set_ylabel("kNN-Per mean test accuracy (%)")
+    ax.set_ylim(0, 1)
+    finish_axes(ax, "Claim: with total memory fixed, spreading it unevenly (larger dC) lowers "
+                "accuracy")
     return save_figure(fig, path)
 
 

@@ -16,7 +16,7 @@ from experiments.capacity import NAME as CAPACITY
 from experiments.capacity import capacity_point
 from experiments.context import Context
 from experiments.margins import call, interval
-from experiments.report import pyplot, save_figure, spearman
+from experiments.report import finish_axes, pyplot, save_figure, spearman
 from experiments.spec import FRACTION, Claim, Experiment, Grid, Result
 
 NAME = "lambda-vs-n"
@@ -125,8 +125,10 @@ def _claims(pairs: list[dict], fit: tuple) -> list[Claim]:
 def _plot(n: np.ndarray, lam: np.ndarray, fit: tuple, path) -> Any:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    jitter = np.random.default_rng(0).uniform(-0.02, 0.02, len(lam))
-    ax.scatter(n, lam + jitter, s=8, alpha=0.35, label="one client at one capacity")
+    # identical (n_m, lambda) pairs drawn once, their marker area growing with their count
+    pairs, counts = np.unique(np.stack([n, lam], axis=1), axis=0, return_counts=True)
+    ax.scatter(pairs[:, 0], pairs[:, 1], s=6 * counts, alpha=0.35,
+               label="(client, capacity) pairs; area = how many")
     if len(n):
         edges = np.unique(np.geomspace(max(n.min(), 1), n.max() + 1, 9).round())
         which = np.digitize(n, edges)
@@ -136,11 +138,12 @@ def _plot(n: np.ndarray, lam: np.ndarray, fit: tuple, path) -> Any:
         xs = [n.min(), fit[0], fit[0], n.max()]
         ax.plot(xs, [fit[1], fit[1], fit[2], fit[2]], "--", color="tab:red",
                 label="step fit (the bound's shape)")
+    ax.axhline(0.5, color="grey", lw=0.8, ls=":", label="lambda = 1/2")
     ax.set_xscale("log")
-    ax.set_xlabel("datastore size n_m")
-    ax.set_ylabel("lambda chosen on validation")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("datastore size n_m (samples, log scale)")
+    ax.set_ylabel("lambda chosen on validation (weight of the kNN)")
+    finish_axes(ax, "Claim: lambda grows with the datastore size n_m", percent_y=False)
     return save_figure(fig, path)
 
 
