@@ -157,8 +157,8 @@ def _cell(s: Mapping[str, Any] | None, stat: str) -> str:
 def format_seeds(summary: Mapping[str, Any], titles: Mapping[str, str],
                  command: str | None = None) -> str:
     seeds = summary["seeds"]
-    lines = [f"# {len(seeds)} seeds ({', '.join(map(str, seeds))}): mean ± standard deviation "
-             "across seeds, %", "",
+    lines = [f"# {len(seeds)} seed{'s' if len(seeds) > 1 else ''} "
+             f"({', '.join(map(str, seeds))}): mean ± standard deviation across seeds, %", "",
              "Each seed draws its own partition and trains every method again; per-seed tables "
              "are in `seed_S/`. kNN-Per minus the best baseline: the average over seeds of the "
              f"per-seed difference, with a paired bootstrap 95% interval ({BOOTSTRAP} draws, "
