@@ -503,7 +503,7 @@ def _cmd_table(args: argparse.Namespace) -> int:
              "lambda_estimator": args.lambda_estimator, "workers": args.workers,
              "attribution": args.attribution}
     if args.seeds is not None:
-        _, summary = run_seeds(config, args.seeds, Path(args.out), command=command, **table)
+        run_seeds(config, args.seeds, Path(args.out), command=command, **table)
         print((Path(args.out) / "seeds.md").read_text())
         print(f"wrote {args.out}/seeds.md, seeds.csv, seeds.json and seed_S/ per seed")
         return 0
