@@ -53,8 +53,14 @@ class Checker:
             ok = math.isclose(float(expected), float(found), rel_tol=0, abs_tol=tol)
         else:
             ok = expected == found
-        if not ok:
-            self.mismatches.append(f"{where}: recomputed {expected!r}, file says {found!r}")
+        if ok:
+            return
+        if isinstance(expected, str) and isinstance(found, str):  # a rendered file: its first
+            pairs = zip(expected.splitlines(), found.splitlines())  # differing line
+            line, (expected, found) = next(((i, p) for i, p in enumerate(pairs, 1)
+                                            if p[0] != p[1]), (0, (expected[-80:], found[-80:])))
+            where = f"{where} line {line}"
+        self.mismatches.append(f"{where}: recomputed {expected!r}, file says {found!r}")
 
 
 def _value(text: str) -> Any:
