@@ -55,8 +55,8 @@ class Checker:
             ok = expected == found
         if ok:
             return
-        if isinstance(expected, str) and isinstance(found, str):  # a rendered file: its first
-            pairs = zip(expected.splitlines(), found.splitlines())  # differing line
+        if isinstance(expected, str) and isinstance(found, str):  # a rendered file: name its
+            pairs = zip(expected.splitlines(), found.splitlines(), strict=False)  # first diff
             line, (expected, found) = next(((i, p) for i, p in enumerate(pairs, 1)
                                             if p[0] != p[1]), (0, (expected[-80:], found[-80:])))
             where = f"{where} line {line}"
