@@ -47,6 +47,7 @@ from fed_train.run import (
     load_run_data,
     prepare_clients,
 )
+from fed_train.seeds import seed_dir, summarize_seeds, write_seeds
 from fed_train.simulation import simulate
 from fed_train.tuning import (
     LR_GRID,
@@ -353,6 +354,20 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     return result
 
 
+def run_seeds(config: RunConfig, seeds: int, out: str | Path, *, command: str | None = None,
+              **table: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The same table for seeds config.seed, config.seed + 1, ...: each in OUT/seed_S with its
+    own partition and training, then seeds.md / seeds.csv / seeds.json across them."""
+    if seeds < 1:
+        raise BenchError(f"seeds must be >= 1, got {seeds}")
+    numbers = [config.seed + i for i in range(seeds)]
+    results = [run_table(replace(config, seed=s), out=seed_dir(Path(out), s), command=command,
+                         **table) for s in numbers]
+    summary = summarize_seeds(results, numbers)
+    write_seeds(summary, Path(out), TITLES, command)
+    return results, summary
+
+
 def _summary_rows(result: dict[str, Any], group: str) -> list[dict[str, Any]]:
     rows = []
     for m in result["methods"]:
@@ -379,15 +394,22 @@ def _knn_lines(result: dict[str, Any]) -> list[str]:
     if not knn or "config" not in knn:
         return []
     c, report = knn["config"], knn.get("lambda_report", {})
-    source = knn["source"]
-    lines = ["## kNN-Per's choices", "",
-             f"- k = {c['k']} ({source['k']}), sigma = {c['sigma']:.3g} ({source['sigma']}), "
-             f"embeddings {c['normalize']} ({source['normalize']}); lr "
-             f"{result['lr']['knnper']:g}.",
-             f"- lambda per client by `{knn['estimator']}` ({source['lambda_estimator']})"
-             + ("; 2-fold cross-validation inside the validation splits: " + ", ".join(
-                 f"`{e}` {100 * v:.1f}%" for e, v in knn["lambda_cv"].items())
-                if knn["lambda_cv"] else "") + "."]
+    cv = ("; 2-fold cross-validation inside the validation splits: " + ", ".join(
+        f"`{e}` {100 * v:.1f}%" for e, v in knn["lambda_cv"].items())) if knn["lambda_cv"] else ""
+    if "source" in knn:
+        source = knn["source"]
+        lines = ["## kNN-Per's choices", "",
+                 f"- k = {c['k']} ({source['k']}), sigma = {c['sigma']:.3g} ({source['sigma']}), "
+                 f"embeddings {c['normalize']} ({source['normalize']}); lr "
+                 f"{result['lr']['knnper']:g}.",
+                 f"- lambda per client by `{knn['estimator']}` ({source['lambda_estimator']})"
+                 f"{cv}."]
+    else:  # results written before choices recorded their sources (BENCHMARKS.md's tables)
+        how = "chosen on pooled validation" if knn.get("tuned") else "fixed"
+        lines = ["## kNN-Per's choices", "",
+                 f"- k = {c['k']}, sigma = {c['sigma']:.3g}, embeddings {c['normalize']} ({how}; "
+                 f"lr {result['lr']['knnper']:g}).",
+                 f"- lambda per client by `{knn['estimator']}`{cv}."]
     if report.get("clients"):
         lines.append(f"- The honest lambda differs from the test-oracle lambda for "
                      f"{report['differs']} of {report['clients']} clients; the oracle would add "
@@ -469,10 +491,15 @@ def _cmd_table(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     hyper = {"knnper": {"capacity": args.capacity}}
     command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    result = run_table(config, args.methods, Path(args.out), tune_lr=args.tune_lr, lr_grid=grid,
-                       hyper=hyper, progress=not getattr(args, "no_progress", False),
-                       knn=knn_request(args),
-                       workers=args.workers, attribution=args.attribution, command=command)
+    table = {"methods": args.methods, "tune_lr": args.tune_lr, "lr_grid": grid, "hyper": hyper,
+             "progress": not getattr(args, "no_progress", False), "knn": knn_request(args),
+             "workers": args.workers, "attribution": args.attribution}
+    if args.seeds is not None:
+        run_seeds(config, args.seeds, Path(args.out), command=command, **table)
+        print((Path(args.out) / "seeds.md").read_text())
+        print(f"wrote {args.out}/seeds.md, seeds.csv, seeds.json and seed_S/ per seed")
+        return 0
+    result = run_table(config, out=Path(args.out), command=command, **table)
     print(format_markdown(result))
     print(f"wrote {args.out}/table.md, table1.csv, table2.csv, clients.csv, results.json")
     return 0
@@ -503,6 +530,11 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
                    help="kNN-Per: fraction of each client's train split in its datastore")
     p.add_argument("--workers", type=_positive(int), default=1,
                    help="train the (method, learning rate) runs in this many processes")
+    p.add_argument("--seeds", type=_positive(int), default=None,
+                   help="run the table for this many seeds (--seed, --seed + 1, ...), each with "
+                   "its own partition and training in OUT/seed_S, and write seeds.md: mean +- "
+                   "std across seeds and a paired bootstrap interval for kNN-Per minus the best "
+                   "baseline")
     p.add_argument("--attribution", action="store_true",
                    help="also evaluate every head on every body (FedAvg, FedRep, pFedGP bodies; "
                    "own, linear, GP, kNN and kNN-Per heads) into attribution.csv and table.md")
