@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -50,9 +51,27 @@ def curves(table: Path) -> list[dict]:
     return rows
 
 
-def plot_fedavg(rows: list[dict], initial: float | None, path: Path, title: str) -> None:
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+def diverged_lrs(folder: Path) -> set[str]:
+    """FedAvg's learning rates whose training diverged (results.json records them as None)."""
+    path = folder / "results.json"
+    if not path.exists():
+        return set()
+    scores = json.loads(path.read_text()).get("validation", {}).get("fedavg", {})
+    return {lr for lr, score in scores.items() if score is None}
+
+
+def plot_fedavg(rows: list[dict], initial: float | None, path: Path, title: str,
+                diverged: set[str] = frozenset()) -> None:
+    """One curve per learning rate, rounds as integers; a diverged rate is named in the legend
+    but not drawn (its few points before the loss became nan would squash the others)."""
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    skipped = []
     for lr in sorted({r["lr"] for r in rows if r["method"] == "fedavg"}):
+        if any(math.isclose(lr, float(d), rel_tol=1e-3) for d in diverged):
+            skipped.append(f"{lr:.3g}")
+            continue
         pts = [(r["round"], r["val_accuracy"]) for r in rows
                if r["method"] == "fedavg" and r["lr"] == lr and r["val_accuracy"] is not None]
         if not pts:
@@ -61,13 +80,26 @@ def plot_fedavg(rows: list[dict], initial: float | None, path: Path, title: str)
         if initial is not None:
             xs, ys = (0, *xs), (initial, *ys)
         ax.plot(xs, ys, marker="o", label=f"lr {lr:.3g}")
+    if skipped:
+        ax.plot([], [], " ", label=f"lr {', '.join(skipped)}: diverged, not drawn")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
     ax.set_xlabel("round")
-    ax.set_ylabel("FedAvg pooled validation accuracy")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("pooled validation accuracy (%)")
+    ax.set_title(f"{title}: does FedAvg's validation accuracy plateau over the rounds?",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+def read_curves(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{"method": r["method"], "lr": float(r["lr"]), "round": int(r["round"]),
+                 "val_accuracy": float(r["val_accuracy"]) if r["val_accuracy"] else None}
+                for r in csv.DictReader(f)]
 
 
 def main() -> None:
@@ -76,21 +108,24 @@ def main() -> None:
     p.add_argument("--name", required=True)
     p.add_argument("--pretrain", type=Path, default=None, help="its pretrain.json is copied too")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fair")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw OUT/NAME/fedavg_curve.png from its committed curves.csv")
     args = p.parse_args()
     dest = args.out / args.name
-    dest.mkdir(parents=True, exist_ok=True)
-    for path in [*(args.table / n for n in FILES), *args.table.glob("eval_*.json")]:
-        if path.exists():
-            shutil.copy(path, dest / path.name)
-    rows = curves(args.table)
-    with open(dest / "curves.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["method", "lr", "round", "val_accuracy",
-                                               "train_loss"])
-        writer.writeheader()
-        writer.writerows(rows)
-    if args.pretrain is not None:
-        shutil.copy(args.pretrain / "pretrain.json", dest / "pretrain.json")
-    plot_fedavg(rows, None, dest / "fedavg_curve.png", args.name)
+    if not args.replot:
+        dest.mkdir(parents=True, exist_ok=True)
+        for path in [*(args.table / n for n in FILES), *args.table.glob("eval_*.json")]:
+            if path.exists():
+                shutil.copy(path, dest / path.name)
+        with open(dest / "curves.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["method", "lr", "round", "val_accuracy",
+                                                   "train_loss"])
+            writer.writeheader()
+            writer.writerows(curves(args.table))
+        if args.pretrain is not None:
+            shutil.copy(args.pretrain / "pretrain.json", dest / "pretrain.json")
+    plot_fedavg(read_curves(dest / "curves.csv"), None, dest / "fedavg_curve.png", args.name,
+                diverged_lrs(dest))
     print(f"wrote {dest}")
 
 

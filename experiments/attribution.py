@@ -152,9 +152,12 @@ def attribution_table(runner: TableRunner, lrs: dict[str, float], *,
             key = f"{body}/{head}"
             result["summary"][key] = summarize(rows)
             for r in rows:
+                # the kNN heads' honest lambda: a choice, kept so the leak test can compare it
+                chosen = {"lambda": r["info"]["lambda"]} if "lambda" in r["info"] else {}
                 result["clients"].append({"body": body, "head": head,
                                           "client_id": r["client_id"], "unseen": r["unseen"],
-                                          "n_test": r["n_test"], "accuracy": r["accuracy"]})
+                                          "n_test": r["n_test"], "accuracy": r["accuracy"],
+                                          **chosen})
         for head, info in part["knn"].items():
             result["knn"][f"{body}/{head}"] = info
     return result

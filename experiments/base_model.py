@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from experiments.context import Context
-from experiments.report import pyplot, save_figure, verdict
+from experiments.margins import Aligned, call, interval, pp, tally
+from experiments.report import finish_axes, pyplot, save_figure
 from experiments.spec import ALPHA, Claim, Experiment, Grid, Result, format_alpha
 from experiments.views import client_views, fedavg_rows, knn_outcome, row, summary_fields
 from fed_train.algorithms import build_algorithm
@@ -59,9 +60,9 @@ def checkpoint_point(ctx: Context, alpha: float, path: Path) -> dict[str, Any]:
     return {"fedavg_mean": means["fedavg"], "knn_only_mean": means["knn_only"],
             "knnper_mean": means["knnper"],
             "rows": [{"client_id": t["client_id"], "unseen": t["unseen"], "n_test": t["n_test"],
-                      "knn_only": k["accuracy"], "knnper": t["accuracy"],
-                      "lambda": t["info"]["lambda"]} for k, t in zip(knn_only, tuned,
-                                                                     strict=True)]}
+                      "fedavg": f["accuracy"], "knn_only": k["accuracy"],
+                      "knnper": t["accuracy"], "lambda": t["info"]["lambda"]}
+                     for f, k, t in zip(fedavg_rows(views), knn_only, tuned, strict=True)]}
 
 
 def run(ctx: Context, grids: dict[str, tuple]) -> Result:
@@ -83,61 +84,90 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    ("fedavg_mean", "FedAvg", ".4f"), ("knn_only_mean", "kNN (lambda=1)", ".4f"),
                    ("knnper_mean", "kNN-Per (lambda on val)", ".4f"),
                    ("gain_pp", "gain (pp)", "+.1f")],
-                  _claims(points), plot, clients,
-                  ("alpha", "round", "client_id", "unseen", "n_test", "knn_only", "knnper",
-                   "lambda"))
+                  _claims(points, clients), plot, clients,
+                  ("alpha", "round", "client_id", "unseen", "n_test", "fedavg", "knn_only",
+                   "knnper", "lambda"))
 
 
-def _claims(points: list[dict]) -> list[Claim]:
+LINEAR_R = 0.9  # Pearson r from which "almost linear" is called
+
+
+def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
+    """Each claim with its margin: 95% bootstrap intervals over clients (paired across one
+    run's checkpoints; alphas, drawn as separate partitions, resampled apart). Needs the
+    per-client FedAvg accuracy (the "fedavg" column)."""
     alphas = list(dict.fromkeys(p["alpha"] for p in points))
-    linear, shown, weak_first, shown_gain = 0, [], 0, []
+    if not clients or clients[0].get("fedavg") is None:
+        return [Claim("every claim of this experiment", "the per-client rows hold no FedAvg "
+                      "accuracy, so no margin can be computed", "not measured")]
+    rounds = {a: sorted(p["round"] for p in points if p["alpha"] == a) for a in alphas}
+    series = {a: {m: Aligned(clients, [{"alpha": a, "round": r} for r in rounds[a]], m)
+                  for m in ("fedavg", "knn_only", "knnper")} for a in alphas}
+
+    def pearson(a: str, idx: np.ndarray) -> float:
+        x, y = series[a]["fedavg"].means(idx), series[a]["knn_only"].means(idx)
+        return float(np.corrcoef(x, y)[0, 1]) if x.std() and y.std() else float("nan")
+
+    def gains(a: str, idx: np.ndarray) -> np.ndarray:
+        return series[a]["knnper"].means(idx) - series[a]["fedavg"].means(idx)
+
+    linear, shown, weak_first, shown_gain = [], [], [], []
     for a in alphas:
-        pts = sorted((p for p in points if p["alpha"] == a), key=lambda p: p["round"])
-        x = np.array([p["fedavg_mean"] for p in pts])
-        y = np.array([p["knn_only_mean"] for p in pts])
-        r = float(np.corrcoef(x, y)[0, 1]) if len(pts) >= 3 and x.std() and y.std() else None
-        if r is not None:
-            linear += r >= 0.9
-            shown.append(f"alpha {a}: Pearson r = {r:.3f} over {len(pts)} checkpoints")
-        first, last = pts[0], pts[-1]
-        weak_first += first["gain_pp"] > last["gain_pp"]
-        shown_gain.append(f"alpha {a}: {first['gain_pp']:+.1f} pp at round {first['round']} "
-                          f"(FedAvg {100 * first['fedavg_mean']:.1f}%), {last['gain_pp']:+.1f} "
-                          f"pp at round {last['round']} (FedAvg {100 * last['fedavg_mean']:.1f}%)")
+        n = [len(series[a]["fedavg"])]
+        if len(rounds[a]) >= 3:
+            iv = interval(lambda idx, a=a: pearson(a, idx[0]), n)
+            linear.append(call(iv, LINEAR_R))
+            shown.append(f"alpha {a}: Pearson r = {iv['effect']:.3f} over {len(rounds[a])} "
+                         f"checkpoints, 95% interval [{iv['low']:.3f}, {iv['high']:.3f}]")
+        iv = interval(lambda idx, a=a: float(gains(a, idx[0])[0] - gains(a, idx[0])[-1]), n)
+        weak_first.append(call(iv))
+        g = gains(a, np.arange(n[0]))
+        shown_gain.append(f"alpha {a}: {100 * g[0]:+.1f} pp at round {rounds[a][0]}, "
+                          f"{100 * g[-1]:+.1f} pp at round {rounds[a][-1]}; first minus last "
+                          f"{pp(iv)}")
     claims = [
-        Claim("kNN accuracy (lambda = 1) is almost linear in the global model's accuracy",
-              "; ".join(shown) or "fewer than 3 checkpoints", verdict(linear, len(shown))),
+        Claim(f"kNN accuracy (lambda = 1) is almost linear (Pearson r >= {LINEAR_R}) in the "
+              "global model's accuracy", "; ".join(shown) or "fewer than 3 checkpoints",
+              tally(linear)),
         Claim("kNN-Per helps most when the global model is weak (issue 9's reading of Fig. 5)",
-              "; ".join(shown_gain), verdict(weak_first, len(alphas))),
+              "; ".join(shown_gain), tally(weak_first)),
     ]
     if len(alphas) >= 2:
-        final = {a: max((p for p in points if p["alpha"] == a), key=lambda p: p["round"])
-                 for a in alphas}
+        first, last = alphas[0], alphas[-1]
+        iv = interval(lambda idx: float(gains(first, idx[0])[-1] - gains(last, idx[1])[-1]),
+                      [len(series[first]["fedavg"]), len(series[last]["fedavg"])])
         claims.append(Claim(
             "kNN-Per's gain is larger for more heterogeneous data (smaller alpha)",
-            ", ".join(f"alpha {a}: {final[a]['gain_pp']:+.1f} pp" for a in alphas)
-            + " (final model)",
-            "agree" if final[alphas[0]]["gain_pp"] > final[alphas[-1]]["gain_pp"] else
-            "disagree"))
+            ", ".join(f"alpha {a}: {100 * gains(a, np.arange(len(series[a]['fedavg'])))[-1]:+.1f}"
+                      " pp" for a in alphas)
+            + f" (final model); alpha {first} minus alpha {last}: {pp(iv)}", call(iv)))
     return claims
 
 
 def _plot(points: list[dict], path):
+    """Each alpha's checkpoints joined in round order (first and last round labelled), kNN
+    accuracy against the global model's."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for a in dict.fromkeys(p["alpha"] for p in points):
-        pts = sorted((p for p in points if p["alpha"] == a), key=lambda p: p["fedavg_mean"])
+        pts = sorted((p for p in points if p["alpha"] == a), key=lambda p: p["round"])
         x = [p["fedavg_mean"] for p in pts]
         line, = ax.plot(x, [p["knn_only_mean"] for p in pts], "o-",
                         label=f"alpha {a}: kNN (lambda=1)")
         ax.plot(x, [p["knnper_mean"] for p in pts], "s--", color=line.get_color(), alpha=0.7,
                 label=f"alpha {a}: kNN-Per (lambda on val)")
-    lims = [min(ax.get_xlim()[0], ax.get_ylim()[0]), max(ax.get_xlim()[1], ax.get_ylim()[1])]
-    ax.plot(lims, lims, color="grey", lw=0.8, ls=":", label="y = x")
-    ax.set_xlabel("global model (FedAvg) mean test accuracy")
-    ax.set_ylabel("kNN / kNN-Per mean test accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+        for p in (pts[0], pts[-1]):
+            ax.annotate(f"r{p['round']}", (p["fedavg_mean"], p["knn_only_mean"]), fontsize=6,
+                        xytext=(3, -9), textcoords="offset points", color=line.get_color())
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":", label="y = x")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("global model (FedAvg) mean test accuracy (%), checkpoints in round order")
+    ax.set_ylabel("kNN / kNN-Per mean test accuracy (%)")
+    finish_axes(ax, "Claim: kNN accuracy is almost linear in the global model's accuracy")
+    from matplotlib.ticker import PercentFormatter  # matplotlib loads only when plotting
+
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     return save_figure(fig, path)
 
 

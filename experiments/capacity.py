@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from experiments.context import Context
-from experiments.report import pyplot, save_figure, spearman, verdict
+from experiments.margins import Aligned, call, interval, pp, tally
+from experiments.report import finish_axes, pyplot, save_figure, spearman
 from experiments.spec import ALPHA, FRACTION, Claim, Experiment, Grid, Result, format_alpha
 from experiments.views import fedavg_rows, knnper_rows, summary_fields
 
@@ -48,7 +51,7 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    ("method", "method", ""), ("all_mean", "mean (all)", ".4f"),
                    ("all_bottom_decile", "bottom 10% (all)", ".4f"),
                    ("unseen_mean", "mean (unseen)", ".4f")],
-                  _claims(points), plot, clients,
+                  _claims(points, clients), plot, clients,
                   ("alpha", "capacity", "method", "client_id", "unseen", "n_test", "accuracy",
                    "lambda", "datastore_size", "n_train"))
 
@@ -57,45 +60,69 @@ def _curve(points: list[dict], alpha: str, key: str = "all_mean") -> dict[float,
     return {p["capacity"]: p[key] for p in points if p["alpha"] == alpha}
 
 
-def _claims(points: list[dict]) -> list[Claim]:
+def _smaller(caps: list[float]) -> float | None:
+    """The largest capacity at least 3x smaller than the full datastore (the claim's factor)."""
+    small = [c for c in caps if 0 < c <= 1 / 3 + 1e-9]
+    return max(small) if small else None
+
+
+def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
+    """Each claim with its margin: 95% bootstrap intervals over clients (paired across the
+    capacities of one alpha's run; alphas, drawn as separate partitions, resampled apart)."""
     alphas = list(dict.fromkeys(p["alpha"] for p in points))
-    grows, rises, parts = 0, {}, []
+    caps = {a: sorted(c for c in _curve(points, a) if c > 0) for a in alphas}
+    aligned = {a: Aligned(clients, [{"alpha": a, "capacity": c} for c in (0.0, *caps[a])])
+               for a in alphas}
+
+    def rise(a: str, idx: np.ndarray) -> float:
+        m = aligned[a].means(idx)
+        return float(m[-1] - m[1])  # largest capacity minus smallest (row 0 is FedAvg)
+
+    calls, parts, rises = [], [], {}
     for a in alphas:
         curve = _curve(points, a)
-        caps = sorted(c for c in curve if c > 0)
-        rho = spearman(caps, [curve[c] for c in caps])
-        rises[a] = curve[caps[-1]] - curve[caps[0]]
-        grows += rises[a] > 0 and (rho is None or rho > 0)
-        parts.append(f"alpha {a}: {100 * curve[caps[0]]:.1f}% at {caps[0]:g} -> "
-                     f"{100 * curve[caps[-1]]:.1f}% at {caps[-1]:g}"
+        rho = spearman(caps[a], [curve[c] for c in caps[a]])
+        iv = interval(lambda idx, a=a: rise(a, idx[0]), [len(aligned[a])])
+        rises[a] = iv
+        calls.append(call(iv))
+        parts.append(f"alpha {a}: {100 * curve[caps[a][0]]:.1f}% at {caps[a][0]:g} -> "
+                     f"{100 * curve[caps[a][-1]]:.1f}% at {caps[a][-1]:g}, {pp(iv)}"
                      + (f" (Spearman {rho:+.2f})" if rho is not None else ""))
-    claims = [Claim("accuracy grows with capacity", "; ".join(parts),
-                    verdict(grows, len(alphas)))]
+    claims = [Claim("accuracy grows with capacity", "; ".join(parts), tally(calls))]
     if len(alphas) >= 2:
-        ordered = [rises[a] for a in alphas]
-        monotone = all(x > y for x, y in zip(ordered, ordered[1:], strict=False))
+        first, last = alphas[0], alphas[-1]
+        iv = interval(lambda idx: rise(first, idx[0]) - rise(last, idx[1]),
+                      [len(aligned[first]), len(aligned[last])])
         claims.append(Claim(
             "it grows faster for more heterogeneous clients (smaller alpha)",
             "rise from the smallest to the largest capacity: " + ", ".join(
-                f"alpha {a} {100 * rises[a]:+.1f} pp" for a in alphas),
-            "agree" if monotone else ("partly" if ordered[0] > ordered[-1] else "disagree")))
+                f"alpha {a} {100 * rises[a]['effect']:+.1f} pp" for a in alphas)
+            + f"; alpha {first} minus alpha {last}: {pp(iv)}", call(iv)))
     else:
         claims.append(Claim("it grows faster for more heterogeneous clients (smaller alpha)",
                             "one alpha only", "not measured"))
-    kept, shown = 0, []
+    calls, shown = [], []
     for a in alphas:
-        unseen = _curve(points, a, "unseen_mean")
-        caps = [c for c in unseen if c > 0]
-        if 1.0 not in unseen or unseen.get(0.0) is None or unseen[1.0] is None:
+        small = _smaller(caps[a])
+        if small is None or 1.0 not in caps[a]:
             continue
-        third = min(caps, key=lambda c: (abs(c - 1 / 3), c))
-        gain = unseen[1.0] - unseen[0.0]
-        share = (unseen[third] - unseen[0.0]) / gain if gain > 0 else float("nan")
-        kept += share >= 0.5
-        shown.append(f"alpha {a}: {share:.0%} of the gain at capacity {third:g}")
-    claims.append(Claim("new (unseen) clients keep most of kNN-Per's gain over FedAvg with a "
-                        "datastore 3x smaller", "; ".join(shown) or "needs capacity 1 and unseen "
-                        "clients", verdict(kept, len(shown))))
+        unseen = Aligned(clients, [{"alpha": a, "capacity": c} for c in (0.0, small, 1.0)],
+                         keep=lambda r: bool(r["unseen"]))
+        if len(unseen) < 2:
+            continue
+
+        def share(idx: list[np.ndarray], unseen: Aligned = unseen) -> float:
+            m = unseen.means(idx[0])
+            return float((m[1] - m[0]) / (m[2] - m[0])) if m[2] > m[0] else float("nan")
+
+        iv = interval(share, [len(unseen)])
+        calls.append(call(iv, 0.5))
+        shown.append(f"alpha {a}: {iv['effect']:.0%} of the gain at capacity {small:g} "
+                     f"({1 / small:.1f}x smaller), 95% interval [{iv['low']:.0%}, "
+                     f"{iv['high']:.0%}] over {len(unseen)} unseen clients")
+    claims.append(Claim("new (unseen) clients keep most (> 50%) of kNN-Per's gain over FedAvg "
+                        "with a datastore 3x smaller", "; ".join(shown) or "needs capacity 1, "
+                        "a capacity <= 1/3 and unseen clients", tally(calls)))
     return claims
 
 
@@ -108,9 +135,9 @@ def _plot(points: list[dict], path):
         ax.plot(caps, [curve[c] for c in caps], "o-", label=f"alpha {a}")
     ax.set_xlabel("capacity (fraction of the client's train split in its datastore; "
                   "0 = FedAvg)", fontsize=8)
-    ax.set_ylabel("kNN-Per mean test accuracy (all clients)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylabel("kNN-Per mean test accuracy (%, all clients)")
+    ax.set_ylim(0, 1)
+    finish_axes(ax, "Claim: accuracy grows with the datastore's size, faster for smaller alpha")
     return save_figure(fig, path)
 
 

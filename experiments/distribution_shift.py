@@ -252,17 +252,21 @@ def plot(points: list[dict], args: argparse.Namespace, path: Path, weights: str,
         ax.fill_between(t, m - s, m + s, color=color, alpha=0.15, linewidth=0)
     ax.axvline(args.shift_at - 0.5, color="grey", linestyle=":",
                label=f"shift (t0={args.shift_at})")
+    from matplotlib.ticker import PercentFormatter
+
     ax.set_xlabel("time step (one batch of labelled samples arrives per step)")
-    ax.set_ylabel("accuracy on the arriving batch")
+    ax.set_ylabel("accuracy on the arriving batch (%; band: +-1 standard error)")
     ax.set_ylim(0, 1.02)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_title(f"{dataset}, {args.shift} shift: {args.clients} clients x {args.seeds} "
-                 f"seeds, batch {args.batch}", fontsize=10)
-    ax.legend(fontsize=8, loc="best")
+    ax.set_title("Claim: after a label shift a fixed datastore stays down, FIFO recovers fastest"
+                 f"\n{dataset}, {args.shift} shift: {args.clients} clients x {args.seeds} "
+                 f"seeds, batch {args.batch}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.grid(alpha=0.3)
     fig.text(0.01, 0.01, weights, fontsize=6, color="grey")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

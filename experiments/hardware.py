@@ -23,7 +23,8 @@ import numpy as np
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from experiments.context import Context
-from experiments.report import pyplot, save_figure, spearman, verdict
+from experiments.margins import Aligned, call, interval, paired, pp
+from experiments.report import finish_axes, pyplot, save_figure, spearman
 from experiments.spec import DELTA_C, Claim, Experiment, Grid, Result
 from experiments.views import knnper_rows
 from export.errors import BudgetInvalid
@@ -166,12 +167,19 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    ("all_mean", "mean (all)", ".4f"), ("weak_mean", "weak", ".4f"),
                    ("strong_mean", "strong", ".4f"), ("mean_stored", "mean stored", ".1f"),
                    ("recipes", "datastores chosen", "")],
-                  _claims(points), plot, clients,
+                  _claims(points, clients, weak_clients(_ids(clients), ctx.seed)), plot, clients,
                   ("version", "delta_c", "client_id", "unseen", "budget", "recipe", "stored",
                    "total_bytes", "lambda", "test_accuracy", "test_samples"), notes)
 
 
-def _claims(points: list[dict]) -> list[Claim]:
+def _ids(clients: list[dict]) -> list[int]:
+    """Every client id, in the order the points split them into weak and strong."""
+    return sorted({int(c["client_id"]) for c in clients})
+
+
+def _claims(points: list[dict], clients: list[dict], weak: set[int]) -> list[Claim]:
+    """Each claim with its margin: 95% bootstrap intervals over clients, paired between the
+    smallest and largest dC (the same clients, the same weak half)."""
     claims = []
     for version in ("fractions", "bytes"):
         curve = {p["delta_c"]: p for p in points if p["version"] == version
@@ -181,22 +189,42 @@ def _claims(points: list[dict]) -> list[Claim]:
             claims.append(Claim(f"average accuracy falls as dC grows ({version})",
                                 "fewer than two dC values measured", "not measured"))
             continue
-        lo, hi = curve[dcs[0]], curve[dcs[-1]]
+        ends = [{"version": version, "delta_c": dcs[0]}, {"version": version, "delta_c": dcs[-1]}]
+        rows = {name: Aligned(clients, ends, "test_accuracy", "test_samples", keep=keep)
+                for name, keep in (("all", lambda r: True),
+                                   ("weak", lambda r: int(r["client_id"]) in weak),
+                                   ("strong", lambda r: int(r["client_id"]) not in weak))}
         rho = spearman(dcs, [curve[d]["all_mean"] for d in dcs])
-        lower = hi["all_mean"] < lo["all_mean"]
-        steady = rho is None or rho <= -MONOTONE  # a falling curve, not just a lower end
+        drop = paired(rows["all"], 0, 1)
+        falls = call(drop)
+        if falls == "agree" and rho is not None and rho > -MONOTONE:
+            falls = "partly"  # lower at the end, but not a falling curve
         claims.append(Claim(
             f"average accuracy falls as dC grows ({version})",
-            f"{100 * lo['all_mean']:.1f}% at dC {dcs[0]:g} -> {100 * hi['all_mean']:.1f}% at "
-            f"dC {dcs[-1]:g}" + (f" (Spearman {rho:+.2f})" if rho is not None else ""),
-            ("agree" if steady else "partly") if lower else "disagree"))
-        if None not in (lo["weak_mean"], hi["weak_mean"], lo["strong_mean"], hi["strong_mean"]):
-            loss = lo["weak_mean"] - hi["weak_mean"]
-            gain = hi["strong_mean"] - lo["strong_mean"]
-            claims.append(Claim(
-                f"strong clients gain less than weak ones lose ({version})",
-                f"weak {100 * -loss:+.1f} pp, strong {100 * gain:+.1f} pp from dC {dcs[0]:g} "
-                f"to {dcs[-1]:g}", verdict(int(gain < loss), 1)))
+            f"{100 * curve[dcs[0]]['all_mean']:.1f}% at dC {dcs[0]:g} -> "
+            f"{100 * curve[dcs[-1]]['all_mean']:.1f}% at dC {dcs[-1]:g}, drop {pp(drop)}"
+            + (f" (Spearman {rho:+.2f})" if rho is not None else ""), falls))
+        if len(rows["weak"]) < 2 or len(rows["strong"]) < 2:
+            continue
+        loss, gain = paired(rows["weak"], 0, 1), paired(rows["strong"], 1, 0)
+
+        def excess_of(idx: list[np.ndarray], w: Aligned = rows["weak"],
+                      s: Aligned = rows["strong"]) -> float:
+            wm, sm = w.means(idx[0]), s.means(idx[1])
+            return float((wm[0] - wm[1]) - (sm[1] - sm[0]))
+
+        excess = interval(excess_of, [len(rows["weak"]), len(rows["strong"])])
+        # the claim is diminishing returns: weak clients lose, strong ones gain, and less
+        if call(gain) == "disagree" or call(excess) == "disagree":
+            verdict = "disagree"
+        elif call(loss) == call(gain) == call(excess) == "agree":
+            verdict = "agree"
+        else:
+            verdict = "inconclusive"
+        claims.append(Claim(
+            f"strong clients gain less than weak ones lose ({version})",
+            f"from dC {dcs[0]:g} to {dcs[-1]:g}: weak clients lose {pp(loss)}, strong ones gain "
+            f"{pp(gain)}; loss minus gain {pp(excess)}", verdict))
     return claims
 
 
@@ -215,9 +243,10 @@ def _plot(points: list[dict], path):
         ax.plot(x, [p["strong_mean"] for _, p in pts], "^:", color=color, alpha=0.6,
                 label=f"{version}: strong")
     ax.set_xlabel("dC (weak clients hold 1/2 - dC, strong 1/2 + dC)")
-    ax.set_ylabel("kNN-Per mean test accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.set_ylabel("kNN-Per mean test accuracy (%)")
+    ax.set_ylim(0, 1)
+    finish_axes(ax, "Claim: with total memory fixed, spreading it unevenly (larger dC) lowers "
+                "accuracy")
     return save_figure(fig, path)
 
 

@@ -6,8 +6,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from experiments.context import Context
-from experiments.report import percent, pyplot, save_figure, spearman, verdict
+from experiments.margins import (
+    AGREE,
+    DISAGREE,
+    INCONCLUSIVE,
+    Aligned,
+    call,
+    interval,
+    paired,
+    pp,
+    tally,
+)
+from experiments.report import finish_axes, pyplot, save_figure, spearman
 from experiments.spec import ALPHA, IID_ALPHA, Claim, Experiment, Grid, Result, format_alpha
 from experiments.views import summary_fields
 from fed_train.algorithms import build_algorithm
@@ -49,7 +62,7 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    ("all_mean", "mean (all)", ".4f"),
                    ("all_bottom_decile", "bottom 10% (all)", ".4f"),
                    ("seen_mean", "mean (seen)", ".4f"), ("unseen_mean", "mean (unseen)", ".4f")],
-                  _claims(points), plot, clients,
+                  _claims(points, clients), plot, clients,
                   ("alpha", "method", "client_id", "unseen", "n_test", "accuracy", "lambda"))
 
 
@@ -57,46 +70,70 @@ def _by(points: list[dict], method: str, key: str = "all_mean") -> dict[str, flo
     return {p["alpha"]: p[key] for p in points if p["method"] == method}
 
 
-def _claims(points: list[dict]) -> list[Claim]:
+def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
+    """Each claim with its margin: 95% bootstrap intervals over clients (paired between methods
+    on one partition; each alpha's partition resampled on its own)."""
     alphas = list(dict.fromkeys(p["alpha"] for p in points))
-    knn, fed, loc = _by(points, "knnper"), _by(points, "fedavg"), _by(points, "local")
-    gain = {a: knn[a] - fed[a] for a in alphas}
+    aligned = {a: Aligned(clients, [{"alpha": a, "method": m} for m in METHODS])
+               for a in alphas}
+    knn, fed, loc = (METHODS.index(m) for m in ("knnper", "fedavg", "local"))
+
+    def gain(a: str, idx: np.ndarray) -> float:
+        m = aligned[a].means(idx)
+        return float(m[knn] - m[fed])
+
+    gains = {a: gain(a, np.arange(len(aligned[a]))) for a in alphas}
     values = [IID_ALPHA if a == "iid" else float(a) for a in alphas]
-    rho = spearman(values, [gain[a] for a in alphas])
-    shown = ", ".join(f"alpha {a}: {100 * gain[a]:+.1f} pp" for a in alphas)
-    grows = len(alphas) >= 2 and gain[alphas[0]] > gain[alphas[-1]] and (rho is None or rho < 0)
-    claims = [Claim("kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
-                    f"{shown}" + (f"; Spearman(alpha, gain) = {rho:+.2f}" if rho is not None
-                                  else ""),
-                    ("agree" if grows else "disagree") if len(alphas) >= 2 else "not measured")]
-    best = [a for a in alphas if knn[a] > fed[a] and knn[a] > loc[a]]
+    rho = spearman(values, [gains[a] for a in alphas])
+    shown = ", ".join(f"alpha {a}: {100 * gains[a]:+.1f} pp" for a in alphas)
+    if len(alphas) >= 2:
+        first, last = alphas[0], alphas[-1]
+        iv = interval(lambda idx: gain(first, idx[0]) - gain(last, idx[1]),
+                      [len(aligned[first]), len(aligned[last])])
+        claims = [Claim("kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
+                        f"{shown}" + (f"; Spearman(alpha, gain) = {rho:+.2f}" if rho is not None
+                                      else "") + f"; gain at alpha {first} minus at {last}: "
+                        f"{pp(iv)}", call(iv))]
+    else:
+        claims = [Claim("kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
+                        shown, "not measured")]
+    calls, parts = [], []
+    for a in alphas:
+        over_fed, over_loc = paired(aligned[a], knn, fed), paired(aligned[a], knn, loc)
+        both = (call(over_fed), call(over_loc))
+        calls.append(AGREE if both == (AGREE, AGREE) else
+                     DISAGREE if DISAGREE in both else INCONCLUSIVE)
+        parts.append(f"{a}: {pp(over_fed)} / {pp(over_loc)}")
     claims.append(Claim("kNN-Per is more accurate than FedAvg and Local (Table 1)",
-                        f"best of the three at {len(best)} of {len(alphas)} alphas (mean over "
-                        "all clients)", verdict(len(best), len(alphas))))
-    knn_b, fed_b = _by(points, "knnper", "all_bottom_decile"), _by(points, "fedavg",
-                                                                      "all_bottom_decile")
-    fair = [a for a in alphas if knn_b[a] >= fed_b[a]]
+                        "kNN-Per minus FedAvg / minus Local, mean over all clients: "
+                        + "; ".join(parts), tally(calls)))
+    calls, parts = [], []
+    for a in alphas:
+        iv = paired(aligned[a], knn, fed, "bottom_deciles")
+        calls.append(call(iv))
+        parts.append(f"{a}: {pp(iv)}")
     claims.append(Claim("the worst-off clients are better off with kNN-Per (bottom decile)",
-                        "bottom decile kNN-Per / FedAvg: " + ", ".join(
-                            f"{a}: {percent(knn_b[a])} / {percent(fed_b[a])}" for a in alphas),
-                        verdict(len(fair), len(alphas))))
+                        "bottom decile, kNN-Per minus FedAvg: " + "; ".join(parts),
+                        tally(calls)))
     return claims
 
 
 def _plot(points: list[dict], path):
     plt = pyplot()
     alphas = list(dict.fromkeys(p["alpha"] for p in points))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in ((axes[0], "all_mean", "mean accuracy (weighted by test size)"),
-                           (axes[1], "all_bottom_decile", "bottom decile")):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig.suptitle("Claim: kNN-Per's gain over FedAvg grows as the data get more heterogeneous",
+                 fontsize=10)
+    for ax, key, title in ((axes[0], "all_mean", "mean test accuracy (%, weighted by test size)"),
+                           (axes[1], "all_bottom_decile", "bottom-decile test accuracy (%)")):
         for method in METHODS:
             by = _by(points, method, key)
             ax.plot(range(len(alphas)), [by[a] for a in alphas], "o-", label=TITLES[method])
         ax.set_xticks(range(len(alphas)), alphas)
         ax.set_xlabel("Dirichlet alpha (smaller = more heterogeneous)")
         ax.set_ylabel(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.set_ylim(0, 1)
+        finish_axes(ax, legend=ax is axes[1])
     return save_figure(fig, path)
 
 

@@ -15,7 +15,8 @@ import numpy as np
 from experiments.capacity import NAME as CAPACITY
 from experiments.capacity import capacity_point
 from experiments.context import Context
-from experiments.report import pyplot, save_figure, spearman
+from experiments.margins import call, interval
+from experiments.report import finish_axes, pyplot, save_figure, spearman
 from experiments.spec import FRACTION, Claim, Experiment, Grid, Result
 
 NAME = "lambda-vs-n"
@@ -64,7 +65,7 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    ("mean_lambda", "mean lambda", ".3f"),
                    ("share_lambda_above_half", "share lambda > 1/2", ".2f"),
                    ("mean_accuracy", "kNN-Per mean", ".4f")],
-                  _claims(n, lam, fit), plot, pairs,
+                  _claims(pairs, fit), plot, pairs,
                   ("capacity", "client_id", "unseen", "datastore_size", "lambda", "accuracy"),
                   [f"Upward step fit (the bound's shape): lambda {fit[1]:.2f} for n_m <= "
                    f"{fit[0]:g}, {fit[2]:.2f} above; it explains {fit[3]:.0%} of the variance "
@@ -72,32 +73,62 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    "no upward step fits better than a constant)."])
 
 
-def _claims(n: np.ndarray, lam: np.ndarray, fit: tuple) -> list[Claim]:
+def _by_client(pairs: list[dict]) -> list[np.ndarray]:
+    """Row indices of each client's pairs: one client's capacities are not independent, so the
+    bootstrap resamples whole clients."""
+    ids = sorted({p["client_id"] for p in pairs})
+    return [np.array([i for i, p in enumerate(pairs) if p["client_id"] == c]) for c in ids]
+
+
+def _claims(pairs: list[dict], fit: tuple) -> list[Claim]:
+    n = np.array([p["datastore_size"] for p in pairs], dtype=float)
+    lam = np.array([p["lambda"] for p in pairs], dtype=float)
+    groups = _by_client(pairs)
+
+    def rows(idx: np.ndarray) -> np.ndarray:
+        return np.concatenate([groups[i] for i in idx])
+
+    def rho_of(idx: list[np.ndarray]) -> float:
+        r = rows(idx[0])
+        value = spearman(n[r].tolist(), lam[r].tolist())
+        return float("nan") if value is None else value
+
     rho = spearman(n.tolist(), lam.tolist())
-    claims = [Claim("lambda_opt grows with the local dataset size n_m (Fig. 9, Theorem 4.1)",
-                    f"Spearman(n_m, lambda) = {rho:+.2f} over {len(n)} pairs; step fit: "
-                    f"{fit[1]:.2f} below n_m = {fit[0]:g}, {fit[2]:.2f} above"
-                    if rho is not None else "lambda or n_m constant",
-                    "not measured" if rho is None else ("agree" if rho > 0 else "disagree"))]
+    title = "lambda_opt grows with the local dataset size n_m (Fig. 9, Theorem 4.1)"
+    if rho is None:
+        claims = [Claim(title, "lambda or n_m constant", "not measured")]
+    else:
+        iv = interval(rho_of, [len(groups)])
+        claims = [Claim(title, f"Spearman(n_m, lambda) = {rho:+.2f} over {len(n)} pairs of "
+                        f"{len(groups)} clients, 95% interval (clients resampled) "
+                        f"[{iv['low']:+.2f}, {iv['high']:+.2f}]; step fit: {fit[1]:.2f} below "
+                        f"n_m = {fit[0]:g}, {fit[2]:.2f} above", call(iv))]
+    title = ("clients with about a hundred samples weigh the kNN more than the global model "
+             "(lambda > 1/2, Sec. 6)")
     around = (n >= 50) & (n <= 200)
     if around.any():
-        mean = float(lam[around].mean())
-        claims.append(Claim("clients with about a hundred samples weigh the kNN more than the "
-                            "global model (lambda > 1/2, Sec. 6)",
-                            f"mean lambda {mean:.2f} over {int(around.sum())} pairs with "
-                            "50 <= n_m <= 200", "agree" if mean > 0.5 else "disagree"))
+        def mean_of(idx: list[np.ndarray]) -> float:
+            r = rows(idx[0])
+            r = r[around[r]]
+            return float(lam[r].mean()) if len(r) else float("nan")
+
+        iv = interval(mean_of, [len(groups)])
+        claims.append(Claim(title, f"mean lambda {iv['effect']:.2f} over {int(around.sum())} "
+                            f"pairs with 50 <= n_m <= 200, 95% interval [{iv['low']:.2f}, "
+                            f"{iv['high']:.2f}]", call(iv, 0.5)))
     else:
-        claims.append(Claim("clients with about a hundred samples weigh the kNN more than the "
-                            "global model (lambda > 1/2, Sec. 6)",
-                            "no client datastore between 50 and 200 samples", "not measured"))
+        claims.append(Claim(title, "no client datastore between 50 and 200 samples",
+                            "not measured"))
     return claims
 
 
 def _plot(n: np.ndarray, lam: np.ndarray, fit: tuple, path) -> Any:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    jitter = np.random.default_rng(0).uniform(-0.02, 0.02, len(lam))
-    ax.scatter(n, lam + jitter, s=8, alpha=0.35, label="one client at one capacity")
+    # identical (n_m, lambda) pairs drawn once, their marker area growing with their count
+    pairs, counts = np.unique(np.stack([n, lam], axis=1), axis=0, return_counts=True)
+    ax.scatter(pairs[:, 0], pairs[:, 1], s=6 * counts, alpha=0.35,
+               label="(client, capacity) pairs; area = how many")
     if len(n):
         edges = np.unique(np.geomspace(max(n.min(), 1), n.max() + 1, 9).round())
         which = np.digitize(n, edges)
@@ -107,11 +138,12 @@ def _plot(n: np.ndarray, lam: np.ndarray, fit: tuple, path) -> Any:
         xs = [n.min(), fit[0], fit[0], n.max()]
         ax.plot(xs, [fit[1], fit[1], fit[2], fit[2]], "--", color="tab:red",
                 label="step fit (the bound's shape)")
+    ax.axhline(0.5, color="grey", lw=0.8, ls=":", label="lambda = 1/2")
     ax.set_xscale("log")
-    ax.set_xlabel("datastore size n_m")
-    ax.set_ylabel("lambda chosen on validation")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlabel("datastore size n_m (samples, log scale)")
+    ax.set_ylabel("lambda chosen on validation (weight of the kNN)")
+    finish_axes(ax, "Claim: lambda grows with the datastore size n_m", percent_y=False)
     return save_figure(fig, path)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments import benchmark_support as common
-from experiments.spec import Experiment, Result
+from experiments.spec import Claim, Experiment, Result
 
 SUMMARY_FILE = "summary.md"
 
@@ -25,16 +25,33 @@ def pyplot():
     return plt
 
 
+def finish_axes(ax: Any, title: str | None = None, *, percent_y: bool = True,
+                legend: bool = True) -> None:
+    """What every experiment plot shares: accuracy ticks in %, a grid, the legend beside the
+    axes (never over the data) and a title that states the claim."""
+    from matplotlib.ticker import PercentFormatter
+
+    if percent_y:
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    if title:
+        ax.set_title(title, fontsize=9)
+
+
 def save_figure(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     pyplot().close(fig)
     return path
 
 
-def percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
+def claims_table(claims: Sequence[Claim]) -> list[str]:
+    """The claim-by-claim table's markdown lines."""
+    return ["| the paper | we measured | verdict |", "|---|---|---|",
+            *(f"| {c.paper} | {c.ours} | {c.verdict} |" for c in claims)]
 
 
 def write_report(experiment: Experiment, result: Result, out: Path, *, command: str,
@@ -43,7 +60,8 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
     common.write_csv(out / "points.csv", result.points, result.point_columns)
     if result.clients:
         common.write_csv(out / "clients.csv", result.clients, result.client_columns)
-    computed = sum(float(p.get("seconds") or 0) for p in result.points)
+    computed = (result.compute_seconds if result.compute_seconds is not None
+                else sum(float(p.get("seconds") or 0) for p in result.points))
     lines = [
         f"# Experiment: {experiment.name}",
         "",
@@ -61,9 +79,7 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
         "",
         "## Claims",
         "",
-        "| the paper | we measured | verdict |",
-        "|---|---|---|",
-        *(f"| {c.paper} | {c.ours} | {c.verdict} |" for c in result.claims),
+        *claims_table(result.claims),
         "",
         f"![{experiment.name}]({result.plot.name})",
         "",
@@ -80,13 +96,6 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
     path = out / SUMMARY_FILE
     path.write_text("\n".join(lines))
     return path
-
-
-def verdict(holds: int, out_of: int) -> str:
-    """'agree' when a claim holds at every point checked, 'partly' at some, else 'disagree'."""
-    if out_of == 0:
-        return "not measured"
-    return "agree" if holds == out_of else ("partly" if holds else "disagree")
 
 
 def spearman(x: Sequence[float], y: Sequence[float]) -> float | None:

@@ -95,6 +95,9 @@ class Result:
     clients: list[dict[str, Any]] = field(default_factory=list)
     client_columns: Sequence[str] = ()
     notes: list[str] = field(default_factory=list)
+    # compute time when the points do not each carry their own "seconds" (one record behind
+    # every point would otherwise be counted once per point)
+    compute_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from experiments.lr_tuning import (
     personalized_accuracies,
     validation_score,
 )
+from experiments.seeds import seed_dir, summarize_seeds, write_seeds
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.errors import KnnperError, TrainingError
@@ -349,6 +350,20 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     return result
 
 
+def run_seeds(config: RunConfig, seeds: int, out: str | Path, *, command: str | None = None,
+              **table: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The same table for seeds config.seed, config.seed + 1, ...: each in OUT/seed_S with its
+    own partition and training, then seeds.md / seeds.csv / seeds.json across them."""
+    if seeds < 1:
+        raise BenchError(f"seeds must be >= 1, got {seeds}")
+    numbers = [config.seed + i for i in range(seeds)]
+    results = [run_table(replace(config, seed=s), out=seed_dir(Path(out), s), command=command,
+                         **table) for s in numbers]
+    summary = summarize_seeds(results, numbers)
+    write_seeds(summary, Path(out), TITLES, command)
+    return results, summary
+
+
 def _summary_rows(result: dict[str, Any], group: str) -> list[dict[str, Any]]:
     rows = []
     for m in result["methods"]:
@@ -375,15 +390,22 @@ def _knn_lines(result: dict[str, Any]) -> list[str]:
     if not knn or "config" not in knn:
         return []
     c, report = knn["config"], knn.get("lambda_report", {})
-    source = knn["source"]
-    lines = ["## kNN-Per's choices", "",
-             f"- k = {c['k']} ({source['k']}), sigma = {c['sigma']:.3g} ({source['sigma']}), "
-             f"embeddings {c['normalize']} ({source['normalize']}); lr "
-             f"{result['lr']['knnper']:g}.",
-             f"- lambda per client by `{knn['estimator']}` ({source['lambda_estimator']})"
-             + ("; 2-fold cross-validation inside the validation splits: " + ", ".join(
-                 f"`{e}` {100 * v:.1f}%" for e, v in knn["lambda_cv"].items())
-                if knn["lambda_cv"] else "") + "."]
+    cv = ("; 2-fold cross-validation inside the validation splits: " + ", ".join(
+        f"`{e}` {100 * v:.1f}%" for e, v in knn["lambda_cv"].items())) if knn["lambda_cv"] else ""
+    if "source" in knn:
+        source = knn["source"]
+        lines = ["## kNN-Per's choices", "",
+                 f"- k = {c['k']} ({source['k']}), sigma = {c['sigma']:.3g} ({source['sigma']}), "
+                 f"embeddings {c['normalize']} ({source['normalize']}); lr "
+                 f"{result['lr']['knnper']:g}.",
+                 f"- lambda per client by `{knn['estimator']}` ({source['lambda_estimator']})"
+                 f"{cv}."]
+    else:  # results written before choices recorded their sources (BENCHMARKS.md's tables)
+        how = "chosen on pooled validation" if knn.get("tuned") else "fixed"
+        lines = ["## kNN-Per's choices", "",
+                 f"- k = {c['k']}, sigma = {c['sigma']:.3g}, embeddings {c['normalize']} ({how}; "
+                 f"lr {result['lr']['knnper']:g}).",
+                 f"- lambda per client by `{knn['estimator']}`{cv}."]
     if report.get("clients"):
         lines.append(f"- The honest lambda differs from the test-oracle lambda for "
                      f"{report['differs']} of {report['clients']} clients; the oracle would add "

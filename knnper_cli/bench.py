@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from experiments.lr_tuning import LR_GRID, parse_lr_grid
-from experiments.tables import METHODS, BenchError, format_markdown, run_table
+from experiments.tables import METHODS, BenchError, format_markdown, run_seeds, run_table
 from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
@@ -28,10 +28,15 @@ def _cmd_table(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     hyper = {"knnper": {"capacity": args.capacity}}
     command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    result = run_table(config, args.methods, Path(args.out), tune_lr=args.tune_lr, lr_grid=grid,
-                       hyper=hyper, progress=not getattr(args, "no_progress", False),
-                       knn=knn_request(args),
-                       workers=args.workers, attribution=args.attribution, command=command)
+    table = {"methods": args.methods, "tune_lr": args.tune_lr, "lr_grid": grid, "hyper": hyper,
+             "progress": not getattr(args, "no_progress", False), "knn": knn_request(args),
+             "workers": args.workers, "attribution": args.attribution}
+    if args.seeds is not None:
+        run_seeds(config, args.seeds, Path(args.out), command=command, **table)
+        print((Path(args.out) / "seeds.md").read_text())
+        print(f"wrote {args.out}/seeds.md, seeds.csv, seeds.json and seed_S/ per seed")
+        return 0
+    result = run_table(config, out=Path(args.out), command=command, **table)
     print(format_markdown(result))
     print(f"wrote {args.out}/table.md, table1.csv, table2.csv, clients.csv, results.json")
     return 0
@@ -60,6 +65,11 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
                    help="kNN-Per: fraction of each client's train split in its datastore")
     p.add_argument("--workers", type=positive(int), default=1,
                    help="train the (method, learning rate) runs in this many processes")
+    p.add_argument("--seeds", type=positive(int), default=None,
+                   help="run the table for this many seeds (--seed, --seed + 1, ...), each with "
+                   "its own partition and training in OUT/seed_S, and write seeds.md: mean +- "
+                   "std across seeds and a paired bootstrap interval for kNN-Per minus the best "
+                   "baseline")
     p.add_argument("--attribution", action="store_true",
                    help="also evaluate every head on every body (FedAvg, FedRep, pFedGP bodies; "
                    "own, linear, GP, kNN and kNN-Per heads) into attribution.csv and table.md")

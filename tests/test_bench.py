@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 
 import numpy as np
@@ -18,9 +19,10 @@ from experiments.lr_tuning import (
     personalized_accuracies,
     validation_score,
 )
-from experiments.tables import METHODS, BenchError, add_bench_command, check_validation_splits
+from experiments.tables import METHODS, BenchError, check_validation_splits
 from fed_train.algorithms.base import ClientData, PersonalModel
 from fed_train.evaluation import client_accuracies
+from knnper_cli.bench import add_bench_command
 
 TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "2", "--local-epochs", "1",
         "--batch-size", "16", "--lr", "0.05"]
@@ -202,27 +204,49 @@ def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(
         bench(*TINY[:-1], "0.9", "--methods", "fedavg", "--out", str(tmp_path / "fixed"))
 
 
+# ClusteredFL splits whenever three clients report (the official tolerances never split on so
+# small a run), so the test has several clusters for its new clients to choose from
+SPLIT_ALWAYS = {"eps1": 1e9, "eps2": 0.0, "min_split_size": 3}
+
+
 @pytest.mark.slow
 def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
-    """The leak test: with every client's test labels permuted, every chosen hyper-parameter
-    (learning rates, kNN-Per's k / sigma / normalisation / estimator and lambdas, Ditto's lambda,
-    APFL's alpha, clusters, fine-tuning epochs) stays the same; only test accuracies move."""
+    """The leak test: with every client's test labels changed, every choice a table makes stays
+    the same (learning rates; kNN-Per's k / sigma / normalisation / estimator and lambdas on the
+    loo+val path the fair tables took; Ditto's lambda; APFL's alpha; fine-tuning epochs; the
+    cluster a new client joins among several; and the attribution's kNN choices and lambdas on
+    every body); only test accuracies move."""
     import experiments.tables as bench_module
 
-    real = bench_module.load_run_data
+    real_prepare, real_table = bench_module.prepare_clients, bench_module.run_table
 
-    def permuted_test_labels(config):
-        dataset, init = real(config)
-        dataset.y_test = np.random.default_rng(7).permutation(dataset.y_test)
-        return dataset, init
+    def wrong_test_labels(dataset, partition):
+        # every client's test labels moved to the next class, after partitioning (the partition
+        # deals test samples by label): a choice made on test labels now prefers what is worst
+        # on the true ones, so it flips even where a random permutation leaves small test
+        # splits tied
+        return [dataclasses.replace(c, y_test=(c.y_test + 1) % dataset.num_classes)
+                for c in real_prepare(dataset, partition)]
 
-    argv = [*TINY, "--methods", "all", "--tune-lr", "--lr-grid", "0.1,0.03",
-            "--lambda-estimator", "auto"]
+    def with_clusters(*args, hyper, **kwargs):
+        return real_table(*args, hyper={**hyper, "clustered": SPLIT_ALWAYS}, **kwargs)
+
+    monkeypatch.setattr(bench_module, "run_table", with_clusters)
+    argv = [*TINY, "--clients", "12", "--unseen-fraction", "0.5", "--methods", "all",
+            "--tune-lr", "--lr-grid", "0.1,0.03", "--lambda-estimator", "loo+val",
+            "--attribution"]
     assert bench(*argv, "--out", str(tmp_path / "plain")) == 0
-    monkeypatch.setattr(bench_module, "load_run_data", permuted_test_labels)
+    monkeypatch.setattr(bench_module, "prepare_clients", wrong_test_labels)
     assert bench(*argv, "--out", str(tmp_path / "permuted")) == 0
     plain, permuted = (json.loads((tmp_path / d / "results.json").read_text())
                        for d in ("plain", "permuted"))
+    # the paths the test must take, or a leak there would go unseen
+    assert plain["knn"]["estimator"] == "loo+val"
+    new = [c for c in plain["clients"] if c["unseen"]]
+    assert new and all(c["clustered_picked_on_validation"] for c in new)
+    assert min(c["clustered_clusters"] for c in new) >= 2
+    assert {"fedavg/knn+own", "fedrep/knn", "pfedgp/knn+own"} <= set(plain["attribution"]["knn"])
+
     assert plain["lr"] == permuted["lr"]
     assert plain["validation"] == permuted["validation"]
     for key in ("config", "estimator", "lambda_cv", "grid"):
@@ -231,4 +255,28 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
     for a, b in zip(plain["clients"], permuted["clients"], strict=True):
         choices = {k: v for k, v in a.items() if k not in accuracy_columns}
         assert choices == {k: v for k, v in b.items() if k not in accuracy_columns}
-    assert plain["seen"] != permuted["seen"]  # the permutation did reach the test labels
+    for key, info in plain["attribution"]["knn"].items():
+        other = permuted["attribution"]["knn"][key]
+        assert ({k: v for k, v in info.items() if k != "lambda_report"}
+                == {k: v for k, v in other.items() if k != "lambda_report"}), key
+    for a, b in zip(plain["attribution"]["clients"], permuted["attribution"]["clients"],
+                    strict=True):
+        assert {k: v for k, v in a.items() if k != "accuracy"} == {
+            k: v for k, v in b.items() if k != "accuracy"}
+    assert plain["seen"] != permuted["seen"]  # the change did reach the test labels
+
+
+def test_seeds_run_one_table_per_seed_and_summarize_them(tmp_path):
+    out = tmp_path / "seeds"
+    assert bench(*TINY, "--rounds", "1", "--methods", "fedavg,knnper", "--seed", "3",
+                 "--seeds", "2", "--out", str(out)) == 0
+    partitions = [json.loads((out / f"seed_{s}" / "results.json").read_text())
+                  for s in (3, 4)]
+    assert [p["config"]["seed"] for p in partitions] == [3, 4]
+    assert partitions[0]["clients"] != partitions[1]["clients"]
+    summary = json.loads((out / "seeds.json").read_text())
+    assert summary["seeds"] == [3, 4]
+    fedavg = summary["spread"]["seen"]["fedavg"]["mean"]
+    assert fedavg["values"] == [p["seen"]["fedavg"]["mean"] for p in partitions]
+    assert summary["versus_best"]["seen"]["mean"]["baseline"] == "fedavg"
+    assert "mean ± standard deviation" in (out / "seeds.md").read_text()

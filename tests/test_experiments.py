@@ -49,9 +49,10 @@ def test_quick_experiment_writes_points_plot_and_summary(family, name, capsys):
     plot = next(p for p in folder.glob("*.png"))
     assert plot.read_bytes()[:8] == PNG and f"]({plot.name})" in summary
     verdicts = [line.split("|")[-2].strip() for line in summary.splitlines()
-                if line.startswith("| ") and line.rstrip().endswith(("agree |", "partly |",
-                                                                    "measured |"))]
-    assert verdicts and set(verdicts) <= {"agree", "disagree", "partly", "not measured"}
+                if line.startswith("| ") and line.rstrip().endswith(
+                    ("agree |", "partly |", "inconclusive |", "measured |"))]
+    assert verdicts and set(verdicts) <= {"agree", "disagree", "partly", "inconclusive",
+                                       "not measured"}
     assert capsys.readouterr().out.count("# Experiment:") == 1
 
 

@@ -1,0 +1,257 @@
+"""Recompute every figure of the fair tables from the committed per-client files and compare it
+with what the results files, the rendered tables and BENCHMARKS.md print; exit 1 on any
+mismatch. CI runs it, so a hand-edited or stale number cannot stay.
+
+    python benchmarks/check_figures.py
+
+What is recomputed, for each table folder (benchmarks/results/fair/NAME and every seed of
+benchmarks/results/seeds/NAME): each method's mean (weighted by test size) and bottom decile,
+seen and unseen, from clients.csv, against results.json, table1.csv, table2.csv and table.md;
+kNN-Per's test-oracle row and its lambda report; the attribution's summaries from
+attribution.csv. For the seeds folders: the mean +- std across seeds, the paired bootstrap
+intervals and verdicts and the lambda tie counts (seeds.json, seeds.csv, seeds.md). In
+BENCHMARKS.md: the fair section's two tables and the seeds section's tables.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from experiments.seeds import format_seeds, summarize_seeds  # noqa: E402
+from experiments.tables import TITLES, format_markdown  # noqa: E402
+from fed_train.evaluation import summarize  # noqa: E402
+
+FAIR = REPO / "benchmarks" / "results" / "fair"
+SEEDS = REPO / "benchmarks" / "results" / "seeds"
+FAIR_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
+               "Fashion-MNIST alpha 0.3": "fashion-mnist"}
+SEED_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
+               "Fashion-MNIST alpha 0.3": "fashion-mnist",
+               "kNN-Per vs FedAvg, Fashion-MNIST": "vs-fedavg-fashion-mnist",
+               "kNN-Per vs FedAvg, CIFAR-10": "vs-fedavg-cifar10"}
+TOLERANCE = 1e-9
+
+
+class Checker:
+    def __init__(self) -> None:
+        self.checked = 0
+        self.mismatches: list[str] = []
+
+    def same(self, where: str, expected: Any, found: Any, tol: float = TOLERANCE) -> None:
+        self.checked += 1
+        if isinstance(expected, float | int) and isinstance(found, float | int):
+            ok = math.isclose(float(expected), float(found), rel_tol=0, abs_tol=tol)
+        else:
+            ok = expected == found
+        if ok:
+            return
+        if isinstance(expected, str) and isinstance(found, str):  # a rendered file: name its
+            pairs = zip(expected.splitlines(), found.splitlines(), strict=False)  # first diff
+            line, (expected, found) = next(((i, p) for i, p in enumerate(pairs, 1)
+                                            if p[0] != p[1]), (0, (expected[-80:], found[-80:])))
+            where = f"{where} line {line}"
+        self.mismatches.append(f"{where}: recomputed {expected!r}, file says {found!r}")
+
+
+def _value(text: str) -> Any:
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    with open(path, newline="") as f:
+        return [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def method_rows(clients: Iterable[Mapping[str, Any]], column: str) -> list[dict[str, Any]]:
+    return [{"unseen": c["unseen"], "n_test": c["n_test"], "accuracy": c.get(column)}
+            for c in clients if c.get(column) is not None]
+
+
+def check_table(folder: Path, check: Checker) -> dict[str, Any]:
+    """One table folder; returns its results rebuilt from clients.csv (for the seeds check)."""
+    name = folder.relative_to(REPO)
+    results = json.loads((folder / "results.json").read_text())
+    clients = read_csv(folder / "clients.csv")
+    rebuilt = {**results, "clients": clients, "seen": {}, "unseen": {}}
+    for method in results["methods"]:
+        summary = summarize(method_rows(clients, method))
+        for group in ("seen", "unseen"):
+            if summary[group] is None:
+                continue
+            rebuilt[group][method] = summary[group]
+            for stat in ("mean", "bottom_decile", "clients"):
+                check.same(f"{name}/results.json {group} {method} {stat}", summary[group][stat],
+                           results[group][method][stat])
+    for group, table in (("seen", "table1.csv"), ("unseen", "table2.csv")):
+        for row in read_csv(folder / table):
+            s = rebuilt[group].get(row["method"])
+            for stat in ("mean", "bottom_decile"):
+                check.same(f"{name}/{table} {row['method']} {stat}",
+                           None if s is None else round(s[stat], 6), row[stat], 1e-6)
+    if "knn" in results and "oracle" in results["knn"]:
+        oracle = summarize(method_rows(clients, "knnper_oracle_accuracy"))
+        for group in ("seen", "unseen"):
+            if oracle[group] is not None:
+                for stat in ("mean", "bottom_decile"):
+                    check.same(f"{name} oracle {group} {stat}", oracle[group][stat],
+                               results["knn"]["oracle"][group][stat])
+        rebuilt["knn"] = {**results["knn"], "oracle": oracle}
+        _check_lambda_report(name, clients, results["knn"].get("lambda_report", {}), check)
+    if (folder / "attribution.csv").exists():
+        _check_attribution(name, read_csv(folder / "attribution.csv"), results, check)
+    # the rendered table, from the recomputed figures (choices and grids as recorded)
+    check.same(f"{name}/table.md", format_markdown(rebuilt), (folder / "table.md").read_text())
+    return rebuilt
+
+
+def _check_lambda_report(name: Path, clients: list[dict], report: Mapping[str, Any],
+                         check: Checker) -> None:
+    scored = [c for c in clients if c.get("knnper") is not None
+              and c.get("knnper_oracle_lambda") is not None]
+    if not report.get("clients"):
+        return
+    w = sum(c["n_test"] for c in scored)
+    honest = sum(c["knnper"] * c["n_test"] for c in scored) / w
+    oracle = sum(c["knnper_oracle_accuracy"] * c["n_test"] for c in scored) / w
+    check.same(f"{name} lambda report clients", len(scored), report["clients"])
+    check.same(f"{name} lambda report differs",
+               sum(c["knnper_lambda"] != c["knnper_oracle_lambda"] for c in scored),
+               report["differs"])
+    check.same(f"{name} lambda report cost_pp", 100 * (oracle - honest), report["cost_pp"], 1e-7)
+
+
+def _check_attribution(name: Path, rows: list[dict], results: Mapping[str, Any],
+                       check: Checker) -> None:
+    summary = results["attribution"]["summary"]
+    for key in summary:
+        body, head = key.split("/")
+        got = summarize([r for r in rows if r["body"] == body and r["head"] == head
+                         and r["accuracy"] is not None])
+        for group in ("seen", "unseen"):
+            if got[group] is None:
+                continue
+            for stat in ("mean", "bottom_decile"):
+                check.same(f"{name}/attribution.csv {key} {group} {stat}", got[group][stat],
+                           summary[key][group][stat])
+
+
+def check_seeds(folder: Path, check: Checker) -> dict[str, Any] | None:
+    if not (folder / "seeds.json").exists():
+        return None
+    name = folder.relative_to(REPO)
+    recorded = json.loads((folder / "seeds.json").read_text())
+    seeds = recorded["seeds"]
+    results = [check_table(folder / f"seed_{s}", check) for s in seeds]
+    summary = summarize_seeds(results, seeds)
+    _compare_tree(f"{name}/seeds.json", summary, recorded, check)
+    text = (folder / "seeds.md").read_text()
+    found = re.search(r"```bash\n(.*?)\n```", text, re.S)
+    check.same(f"{name}/seeds.md", format_seeds(summary, TITLES, found and found.group(1)), text)
+    for row in read_csv(folder / "seeds.csv"):
+        s = summary["spread"][row["group"]][row["method"]]
+        for stat in ("mean", "bottom_decile"):
+            for k in ("mean", "std"):
+                check.same(f"{name}/seeds.csv {row['group']} {row['method']} {stat}_{k}",
+                           s[stat][k], row[f"{stat}_{k}"], 1e-12)
+    return summary
+
+
+def _compare_tree(where: str, expected: Any, found: Any, check: Checker) -> None:
+    if isinstance(expected, dict) and isinstance(found, dict):
+        if set(expected) != set(found):
+            check.same(f"{where} keys", sorted(expected), sorted(found))
+        for k in set(expected) & set(found):
+            _compare_tree(f"{where}.{k}", expected[k], found[k], check)
+    elif isinstance(expected, list) and isinstance(found, list) and len(expected) == len(found):
+        for i, (a, b) in enumerate(zip(expected, found, strict=True)):
+            _compare_tree(f"{where}[{i}]", a, b, check)
+    else:
+        check.same(where, expected, found)
+
+
+def _markdown_table(text: str, heading: str) -> tuple[list[str], list[list[str]]]:
+    """The header and rows of the first table after `heading` in a markdown text."""
+    start = text.index(heading)
+    lines = []
+    for line in text[start:].splitlines()[1:]:
+        if line.startswith("|"):
+            lines.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif lines:
+            break
+    return lines[0], [r for r in lines[2:]]
+
+
+def _numbers(cell: str) -> list[float]:
+    return [float(x) for x in re.findall(r"-?\d+\.\d+", cell.replace("**", ""))]
+
+
+def check_benchmarks_md(text: str, fair: Mapping[str, dict], seeds: Mapping[str, dict],
+                        check: Checker) -> None:
+    by_title = {v: k for k, v in TITLES.items()}
+    for heading, group in (("### Seen clients (Table 1): mean / bottom 10%", "seen"),
+                           ("### Unseen clients (Table 2): mean / bottom 10%", "unseen")):
+        header, rows = _markdown_table(text, heading)
+        for row in rows:
+            label = row[0].replace("**", "")
+            column = "knnper_oracle_accuracy" if "test-oracle" in label else by_title.get(label)
+            for title, cell in zip(header[1:], row[1:], strict=True):
+                result = fair[FAIR_TABLES[title]]
+                s = (result["knn"]["oracle"][group] if column == "knnper_oracle_accuracy"
+                     else result[group][column])
+                check.same(f"BENCHMARKS.md {heading[4:20]} {label} {title}",
+                           [round(100 * s["mean"], 1), round(100 * s["bottom_decile"], 1)],
+                           _numbers(cell))
+    heading = "### Across seeds: mean ± std across seeds"
+    if heading not in text:
+        return
+    for group, suffix in (("seen", "seen clients"), ("unseen", "unseen clients")):
+        header, rows = _markdown_table(text, f"{heading}, {suffix}")
+        for row in rows:
+            label = row[0].replace("**", "")
+            method = "knnper_oracle" if "test-oracle" in label else by_title.get(label)
+            for title, cell in zip(header[1:], row[1:], strict=True):
+                summary = seeds.get(SEED_TABLES[title])
+                if summary is None or cell == "-":
+                    continue
+                s = summary["spread"][group][method]
+                check.same(f"BENCHMARKS.md seeds {group} {label} {title}",
+                           [round(100 * s[st][k], 1) for st in ("mean", "bottom_decile")
+                            for k in ("mean", "std")], _numbers(cell))
+
+
+def main() -> int:
+    check = Checker()
+    fair = {name: check_table(FAIR / name, check) for name in FAIR_TABLES.values()}
+    seeds = {}
+    for name in SEED_TABLES.values():
+        if (SEEDS / name).is_dir():
+            seeds[name] = check_seeds(SEEDS / name, check)
+    check_benchmarks_md((REPO / "BENCHMARKS.md").read_text(), fair,
+                        {k: v for k, v in seeds.items() if v}, check)
+    for line in check.mismatches:
+        print(f"MISMATCH {line}")
+    print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")
+    return 1 if check.mismatches else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Judge the committed experiment results again with the current claim rules and plots, from
+their own files (points.csv, clients.csv, steps.csv), without retraining anything: rewrites each
+summary.md's claim table (and the distribution shift's compute time, once per record) and
+redraws each plot.
+
+    python benchmarks/rejudge_experiments.py benchmarks/results/experiments/fashion-mnist
+
+An experiment whose files lack what a rule needs (the ProtoNN grid's validation accuracy, the
+base-model's per-client FedAvg accuracy, both recorded only by runs after this script) gets
+"not measured" claims until it is rerun with `knnper experiment`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from experiments import (  # noqa: E402
+    base_model,
+    budget_curve,
+    capacity,
+    device_experiments,
+    distribution_shift,
+    hardware,
+    heterogeneity,
+    k_sigma,
+    lambda_vs_n,
+)
+from experiments.report import claims_table  # noqa: E402
+from experiments.spec import Claim  # noqa: E402
+from export.profiles import weak_clients  # noqa: E402
+
+# columns that are labels, kept as written (alpha "0.1", "iid"; version "bytes")
+LABELS = {"alpha", "method", "version", "strategy", "recipe", "recipes"}
+# the scale every committed experiment ran with (BENCHMARKS.md): k = 10, sigma = 1, seed 0
+K, SIGMA, SEED = 10, 1.0, 0
+
+
+def _value(key: str, text: str) -> Any:
+    if key in LABELS:
+        return text
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [{k: _value(k, v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def judge(name: str, folder: Path) -> list[Claim]:
+    """The experiment's claims from its files, and its plot redrawn."""
+    points, clients = read(folder / "points.csv"), read(folder / "clients.csv")
+    if name == "heterogeneity":
+        heterogeneity._plot(points, folder / "heterogeneity.png")
+        return heterogeneity._claims(points, clients)
+    if name == "capacity":
+        capacity._plot(points, folder / "capacity.png")
+        return capacity._claims(points, clients)
+    if name == "k-sigma":
+        k_sigma._plot(points, folder / "k_sigma.png")
+        return k_sigma._claims(points, clients, K, SIGMA)
+    if name == "lambda-vs-n":
+        n = np.array([c["datastore_size"] for c in clients], dtype=float)
+        lam = np.array([c["lambda"] for c in clients], dtype=float)
+        fit = lambda_vs_n.step_fit(n, lam)
+        lambda_vs_n._plot(n, lam, fit, folder / "lambda_vs_n.png")
+        return lambda_vs_n._claims(clients, fit)
+    if name == "hardware":
+        hardware._plot(points, folder / "hardware.png")
+        return hardware._claims(points, clients, weak_clients(hardware._ids(clients), SEED))
+    if name == "base-model":
+        base_model._plot(points, folder / "base_model.png")
+        return base_model._claims(points, clients)
+    if name == device_experiments.SHIFT:
+        shift = distribution_shift
+        settings = device_experiments.SHIFT_FULL
+        args = Namespace(shift="dirichlet", **settings)
+        text = (folder / "shift.md").read_text()
+        dataset = "cifar10" if "cifar10" in str(folder) else "fashion-mnist"
+        run = re.search(r"--run (\S+)", text)
+        shift.plot(points, args, folder / "shift.png",
+                   f"global model: run {run.group(1) if run else '(see shift.md)'}", dataset)
+        return device_experiments.shift_claims(device_experiments.read_steps(folder), settings)
+    if name == device_experiments.GRID:
+        full = float(np.mean([p["mean_accuracy"] + p["drop_pp"] / 100 for p in points]))
+        budget_curve.plot_grid(
+            points, full, folder / "protonn_grid.png", cost_pp=device_experiments.COST_PP)
+        if not points or points[0].get("val_accuracy") is None:
+            return [Claim("ProtoNN cuts the datastore's memory 4x for a limited accuracy cost "
+                          f"(<= {device_experiments.COST_PP:g} pp)",
+                          "this run recorded no validation accuracy per point, so no point can be chosen without test data; "
+                          "rerun `knnper experiment protonn-grid`", "not measured")]
+        return device_experiments.grid_claims(points, clients, full)
+    raise SystemExit(f"{folder}: unknown experiment {name!r}")
+
+
+def rewrite(summary: Path, claims: list[Claim], compute_seconds: float | None) -> None:
+    text = summary.read_text()
+    start = text.index("| the paper | we measured | verdict |")
+    end = text.index("\n\n", start)
+    text = text[:start] + "\n".join(claims_table(claims)) + text[end:]
+    if compute_seconds is not None:
+        text = re.sub(r"(model trained by another experiment is not counted\): )\d+ s\.",
+                      rf"\g<1>{compute_seconds:.0f} s.", text)
+    summary.write_text(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folders", type=Path, nargs="+",
+                   help="experiment result folders, or a folder holding them")
+    args = p.parse_args()
+    folders = []
+    for f in args.folders:
+        folders += [f] if (f / "summary.md").exists() else sorted(
+            d for d in f.iterdir() if (d / "summary.md").exists())
+    for folder in folders:
+        claims = judge(folder.name, folder)
+        seconds = None
+        if folder.name == device_experiments.SHIFT:  # one record behind every point: counted once
+            seconds = read(folder / "points.csv")[0].get("seconds")
+        rewrite(folder / "summary.md", claims, seconds)
+        print(f"{folder}: " + ", ".join(c.verdict for c in claims))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""Margins for the experiments' verdicts. A claim is called "agree" or "disagree" only where its
+effect clears its margin: a 95% bootstrap interval over clients that excludes the claim's
+threshold, or, for the on-device stream, an effect beyond two standard errors over the
+(seed, client) streams. Anything closer is "inconclusive"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+DRAWS = 1000
+AGREE, DISAGREE, INCONCLUSIVE = "agree", "disagree", "inconclusive"
+
+
+def interval(effect: Callable[[list[np.ndarray]], float], sizes: Sequence[int], *,
+             draws: int = DRAWS, seed: int = 0) -> dict[str, float]:
+    """The effect on the data as measured and its 95% bootstrap interval. `sizes` are the
+    independent samples (one per separately partitioned run): each draw resamples every one of
+    them with replacement and passes the index arrays to `effect`."""
+    point = effect([np.arange(n) for n in sizes])
+    rng = np.random.default_rng(seed)
+    samples = np.array([effect([rng.integers(0, n, n) for n in sizes]) for _ in range(draws)],
+                       dtype=float)
+    low, high = np.nanpercentile(samples, [2.5, 97.5])
+    return {"effect": float(point), "low": float(low), "high": float(high)}
+
+
+def call(iv: Mapping[str, float], threshold: float = 0.0, *, above: bool = True) -> str:
+    """The claim "effect > threshold" (or "< threshold" with above=False), from its interval."""
+    if iv["low"] > threshold:
+        return AGREE if above else DISAGREE
+    if iv["high"] < threshold:
+        return DISAGREE if above else AGREE
+    return INCONCLUSIVE
+
+
+def two_se(values: Sequence[float], threshold: float = 0.0) -> tuple[dict[str, float], str]:
+    """Mean of independent per-unit effects, its standard error, and the call "mean > threshold"
+    with a margin of two standard errors."""
+    v = np.asarray(values, dtype=float)
+    mean = float(v.mean())
+    se = float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("inf")
+    iv = {"effect": mean, "se": se, "low": mean - 2 * se, "high": mean + 2 * se}
+    return iv, call(iv, threshold)
+
+
+def tally(calls: Sequence[str]) -> str:
+    """One verdict over several points: "agree" only where every point clears its margin,
+    "partly" where some do, "disagree" where none does and some contradict, else inconclusive."""
+    if not calls:
+        return "not measured"
+    agrees, disagrees = calls.count(AGREE), calls.count(DISAGREE)
+    if agrees == len(calls):
+        return AGREE
+    if agrees:
+        return "partly"
+    return DISAGREE if disagrees else INCONCLUSIVE
+
+
+def pp(iv: Mapping[str, float], scale: float = 100.0, unit: str = " pp") -> str:
+    """'+1.23 pp [+0.40, +2.10]' (95% interval) or '+1.23 pp +- 2 SE 0.80'."""
+    if "se" in iv:
+        return f"{scale * iv['effect']:+.2f}{unit} (2 SE {2 * scale * iv['se']:.2f})"
+    return (f"{scale * iv['effect']:+.2f}{unit} [{scale * iv['low']:+.2f}, "
+            f"{scale * iv['high']:+.2f}]")
+
+
+class Aligned:
+    """Per-client values of several points (one row each), over the clients present and scored
+    in all of them, with each client's test size as its weight."""
+
+    def __init__(self, clients: Iterable[Mapping[str, Any]], points: Sequence[Mapping[str, Any]],
+                 value: str = "accuracy", weight: str = "n_test",
+                 keep: Callable[[Mapping[str, Any]], bool] = lambda r: True) -> None:
+        tables = []
+        rows = [r for r in clients if keep(r)]
+        for point in points:
+            tables.append({int(r["client_id"]): r for r in rows
+                           if all(_same(r.get(k), v) for k, v in point.items())
+                           and r.get(value) is not None and r.get(weight)})
+        ids = sorted(set.intersection(*(set(t) for t in tables))) if tables else []
+        self.ids = ids
+        self.values = np.array([[float(t[i][value]) for i in ids] for t in tables])
+        self.weights = np.array([float(tables[0][i][weight]) for i in ids]) if ids else np.zeros(0)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def means(self, idx: np.ndarray) -> np.ndarray:
+        """Test-size-weighted mean of each point over the clients `idx`."""
+        w = self.weights[idx]
+        return (self.values[:, idx] * w).sum(1) / w.sum()
+
+    def bottom_deciles(self, idx: np.ndarray) -> np.ndarray:
+        """Each point's ceil(M/10)-th worst client (evaluation.bottom_decile) over `idx`."""
+        k = int(np.ceil(len(idx) / 10)) - 1
+        return np.sort(self.values[:, idx], axis=1)[:, k]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(b, float) or isinstance(a, float):
+        try:
+            return abs(float(a) - float(b)) < 1e-12
+        except (TypeError, ValueError):
+            return False
+    return str(a) == str(b)
+
+
+def paired(aligned: Aligned, a: int, b: int, stat: str = "means") -> dict[str, float]:
+    """Point a minus point b over the same clients (`stat`: "means" or "bottom_deciles"), with
+    its 95% interval from resampling those clients."""
+    of = getattr(aligned, stat)
+    return interval(lambda idx: float(of(idx[0])[a] - of(idx[0])[b]), [len(aligned)])

@@ -1,0 +1,215 @@
+"""One table over several seeds: what a reader needs before calling a method "best".
+
+Each seed draws its own partition and trains every method from its own initialisation (the same
+`--init` weights, when given, for every seed). The summary gives each method's mean and bottom
+decile as mean +- standard deviation across seeds, and a paired bootstrap 95% interval over
+clients for kNN-Per minus the best baseline: clients are resampled within each seed (a client's
+two accuracies stay together), and the statistic is the across-seed average of the per-seed
+difference. A method is called ahead only where that interval excludes zero; otherwise the
+verdict is "inconclusive".
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fed_train.evaluation import plain_json
+
+GROUPS = ("seen", "unseen")
+STATS = ("mean", "bottom_decile")
+BOOTSTRAP = 2000
+# fewer paired clients than this in a seed and resampling them says nothing about the population
+MIN_CLIENTS = 5
+SEEDS_FILE = "seeds.json"
+
+
+def seed_dir(out: Path, seed: int) -> Path:
+    return Path(out) / f"seed_{seed}"
+
+
+def _statistic(acc: np.ndarray, weights: np.ndarray, stat: str) -> np.ndarray:
+    """Mean weighted by test size, or the bottom decile (evaluation.bottom_decile's
+    ceil(M/10)-th worst client), along the last axis, so bootstrap draws stay vectorised."""
+    if stat == "mean":
+        return (acc * weights).sum(-1) / weights.sum(-1)
+    k = int(np.ceil(acc.shape[-1] / 10)) - 1
+    return np.sort(acc, axis=-1)[..., k]
+
+
+def _paired_arrays(clients: Sequence[Mapping[str, Any]], group: str, a: str,
+                   b: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = [r for r in clients if bool(r["unseen"]) == (group == "unseen")
+            and r.get(a) is not None and r.get(b) is not None]
+    return (np.array([float(r[a]) for r in rows]), np.array([float(r[b]) for r in rows]),
+            np.array([float(r["n_test"]) for r in rows]))
+
+
+def paired_bootstrap(per_seed: Sequence[Sequence[Mapping[str, Any]]], group: str, a: str, b: str,
+                     stat: str, *, draws: int = BOOTSTRAP,
+                     seed: int = 0) -> dict[str, float] | None:
+    """Method a minus method b: the point estimate (the average over seeds of the per-seed
+    difference of `stat`) and its paired bootstrap 95% interval, resampling each seed's clients
+    with replacement. None when a seed has fewer than MIN_CLIENTS clients with both accuracies."""
+    rng = np.random.default_rng(seed)
+    point, boot = [], []
+    for clients in per_seed:
+        acc_a, acc_b, w = _paired_arrays(clients, group, a, b)
+        if len(w) < MIN_CLIENTS:
+            return None
+        point.append(float(_statistic(acc_a, w, stat) - _statistic(acc_b, w, stat)))
+        idx = rng.integers(0, len(w), size=(draws, len(w)))
+        boot.append(_statistic(acc_a[idx], w[idx], stat) - _statistic(acc_b[idx], w[idx], stat))
+    samples = np.mean(boot, axis=0)
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return {"diff": float(np.mean(point)), "low": float(low), "high": float(high)}
+
+
+def across_seeds(results: Sequence[Mapping[str, Any]], methods: Sequence[str],
+                 oracle: bool = True) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """{group: {method: {stat: {"mean", "std", "values"}}}} over the seeds' summaries; the
+    kNN-Per test-oracle row (not a method) is kept as "knnper_oracle" when asked."""
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for group in GROUPS:
+        summaries = {m: [r[group].get(m) for r in results] for m in methods}
+        if oracle and all(r.get("knn", {}).get("oracle", {}).get(group) for r in results):
+            summaries["knnper_oracle"] = [r["knn"]["oracle"][group] for r in results]
+        out[group] = {}
+        for method, per_seed in summaries.items():
+            if any(s is None for s in per_seed):
+                continue
+            out[group][method] = {}
+            for stat in STATS:
+                values = [float(s[stat]) for s in per_seed]
+                out[group][method][stat] = {
+                    "mean": float(np.mean(values)),
+                    "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+                    "values": values}
+    return out
+
+
+def compare_to_best(results: Sequence[Mapping[str, Any]], spread: Mapping[str, Any],
+                    method: str = "knnper") -> dict[str, dict[str, dict[str, Any]]]:
+    """For each group and statistic: the baseline with the highest across-seed value, kNN-Per
+    minus it with its paired bootstrap interval, and the verdict the interval allows."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    clients = [r["clients"] for r in results]
+    for group in GROUPS:
+        methods = spread.get(group, {})
+        baselines = [m for m in methods if m not in (method, "knnper_oracle")]
+        if method not in methods or not baselines:
+            continue
+        out[group] = {}
+        for stat in STATS:
+            best = max(baselines, key=lambda m: methods[m][stat]["mean"])
+            interval = paired_bootstrap(clients, group, method, best, stat)
+            out[group][stat] = {"baseline": best, **(interval or {}),
+                                "verdict": verdict(interval, method, best)}
+    return out
+
+
+def verdict(interval: Mapping[str, float] | None, method: str, baseline: str) -> str:
+    """Who is ahead, only where the 95% interval of method minus baseline excludes zero."""
+    if not interval:
+        return f"not measured (fewer than {MIN_CLIENTS} clients in a seed)"
+    if interval["low"] > 0:
+        return f"{method} ahead"
+    if interval["high"] < 0:
+        return f"{baseline} ahead"
+    return "inconclusive"
+
+
+def lambda_ties(results: Sequence[Mapping[str, Any]]) -> list[dict[str, int]]:
+    """Per seed: clients whose honest lambda differs from the test oracle's, split into those
+    where the two lambdas give the same test accuracy (ties) and real differences."""
+    counts = []
+    for r in results:
+        differs = [c for c in r["clients"] if c.get("knnper_oracle_lambda") is not None
+                   and c.get("knnper") is not None
+                   and c["knnper_lambda"] != c["knnper_oracle_lambda"]]
+        ties = sum(c["knnper"] == c["knnper_oracle_accuracy"] for c in differs)
+        counts.append({"differs": len(differs), "same_accuracy": ties,
+                       "lower_accuracy": len(differs) - ties})
+    return counts
+
+
+def summarize_seeds(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
+    methods = list(results[0]["methods"])
+    spread = across_seeds(results, methods)
+    return plain_json({"seeds": list(seeds), "methods": methods, "spread": spread,
+                       "versus_best": compare_to_best(results, spread) if "knnper" in methods
+                       else {},
+                       "lambda_ties": lambda_ties(results) if "knnper" in methods else [],
+                       "lr": [r["lr"] for r in results]})
+
+
+def _cell(s: Mapping[str, Any] | None, stat: str) -> str:
+    if s is None:
+        return "-"
+    return f"{100 * s[stat]['mean']:.1f} ± {100 * s[stat]['std']:.1f}"
+
+
+def format_seeds(summary: Mapping[str, Any], titles: Mapping[str, str],
+                 command: str | None = None) -> str:
+    seeds = summary["seeds"]
+    lines = [f"# {len(seeds)} seed{'s' if len(seeds) > 1 else ''} "
+             f"({', '.join(map(str, seeds))}): mean ± standard deviation across seeds, %", "",
+             "Each seed draws its own partition and trains every method again; per-seed tables "
+             "are in `seed_S/`. kNN-Per minus the best baseline: the average over seeds of the "
+             f"per-seed difference, with a paired bootstrap 95% interval ({BOOTSTRAP} draws, "
+             "clients resampled within each seed). A method is called ahead only where that "
+             "interval excludes zero.", ""]
+    if command:
+        lines += ["Command:", "", "```bash", command, "```", ""]
+    for group, title in (("seen", "Clients seen in training"), ("unseen", "Unseen clients")):
+        spread = summary["spread"].get(group, {})
+        if not spread:
+            continue
+        lines += [f"## {title}", "", "| method | mean | bottom 10% |", "|---|---|---|"]
+        for m in [*summary["methods"], "knnper_oracle"]:
+            if m in spread:
+                name = ("(kNN-Per, test-oracle lambda: not a method)" if m == "knnper_oracle"
+                        else titles.get(m, m))
+                lines.append(f"| {name} | {_cell(spread[m], 'mean')} | "
+                             f"{_cell(spread[m], 'bottom_decile')} |")
+        lines.append("")
+        for stat, label in (("mean", "mean"), ("bottom_decile", "bottom decile")):
+            c = summary["versus_best"].get(group, {}).get(stat)
+            if c and "diff" in c:
+                lines.append(f"- {label}: kNN-Per minus {titles.get(c['baseline'], c['baseline'])}"
+                             f" = {100 * c['diff']:+.2f} pp, 95% interval "
+                             f"[{100 * c['low']:+.2f}, {100 * c['high']:+.2f}]: "
+                             f"**{c['verdict']}**.")
+        lines.append("")
+    if summary.get("lambda_ties"):
+        per = "; ".join(f"seed {s}: {t['differs']} differ, {t['same_accuracy']} of them with "
+                        f"the same test accuracy" for s, t in zip(seeds, summary["lambda_ties"],
+                                                                   strict=True))
+        lines += [f"Honest lambda versus the test oracle's: {per}. The oracle is chosen and "
+                  "scored on the same test samples, so its gain is optimistic.", ""]
+    return "\n".join(lines)
+
+
+def write_seeds(summary: Mapping[str, Any], out: Path, titles: Mapping[str, str],
+                command: str | None = None) -> None:
+    out = Path(out)
+    (out / SEEDS_FILE).write_text(json.dumps(summary, indent=2))
+    (out / "seeds.md").write_text(format_seeds(summary, titles, command))
+    rows = []
+    for group, methods in summary["spread"].items():
+        for method, stats in methods.items():
+            rows.append({"group": group, "method": method,
+                         **{f"{stat}_{k}": stats[stat][k] for stat in STATS
+                            for k in ("mean", "std")},
+                         **{f"{stat}_seed{s}": v for stat in STATS
+                            for s, v in zip(summary["seeds"], stats[stat]["values"],
+                                            strict=True)}})
+    with open(out / "seeds.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

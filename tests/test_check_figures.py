@@ -1,0 +1,53 @@
+"""benchmarks/check_figures.py: the committed fair tables recompute exactly, and an edited
+per-client figure or a printed number that disagrees is reported."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "check_figures.py"
+
+
+@pytest.fixture(scope="module")
+def cf():
+    spec = importlib.util.spec_from_file_location("check_figures", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_fair_tables_recompute_exactly(cf):
+    check = cf.Checker()
+    fair = {n: cf.check_table(cf.FAIR / n, check) for n in cf.FAIR_TABLES.values()}
+    cf.check_benchmarks_md((cf.REPO / "BENCHMARKS.md").read_text(), fair, {}, check)
+    assert check.checked > 300 and check.mismatches == []
+
+
+def test_an_edited_client_accuracy_is_a_mismatch(cf, tmp_path, monkeypatch):
+    folder = tmp_path / "cifar10"
+    shutil.copytree(cf.FAIR / "cifar10", folder)
+    rows = list(csv.DictReader((folder / "clients.csv").open()))
+    rows[1]["knnper"] = str(float(rows[1]["knnper"]) - 0.5)
+    with open(folder / "clients.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    check = cf.Checker()
+    monkeypatch.setattr(cf, "REPO", tmp_path)  # names in messages are relative to it
+    cf.check_table(folder, check)
+    assert any("knnper" in m for m in check.mismatches)
+
+
+def test_a_printed_cell_that_disagrees_is_a_mismatch(cf):
+    check = cf.Checker()
+    fair = {n: cf.check_table(cf.FAIR / n, check) for n in cf.FAIR_TABLES.values()}
+    text = (SCRIPT.parents[1] / "BENCHMARKS.md").read_text()
+    cell = "| FedRep | 72.3 / 57.7 |"
+    assert cell in text
+    cf.check_benchmarks_md(text.replace(cell, "| FedRep | 72.4 / 57.7 |"), fair, {}, check)
+    assert len(check.mismatches) == 1 and "FedRep" in check.mismatches[0]

@@ -1,0 +1,72 @@
+"""Across-seed summaries and the paired bootstrap that decides whether a method is ahead."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from experiments.seeds import across_seeds, compare_to_best, lambda_ties, paired_bootstrap
+
+
+def _clients(rng, n, a_mean, b_mean, noise=0.05):
+    base = rng.uniform(0.5, 0.8, n)
+    return [{"client_id": i, "unseen": False, "n_test": int(rng.integers(10, 50)),
+             "knnper": float(base[i] + a_mean + rng.normal(0, noise)),
+             "fedrep": float(base[i] + b_mean + rng.normal(0, noise)),
+             "fedavg": float(base[i] - 0.1)} for i in range(n)]
+
+
+def _result(clients):
+    def summary(m):
+        acc = np.array([c[m] for c in clients])
+        w = np.array([c["n_test"] for c in clients])
+        return {"mean": float(np.average(acc, weights=w)),
+                "bottom_decile": float(np.sort(acc)[int(np.ceil(len(acc) / 10)) - 1])}
+
+    methods = ["fedavg", "fedrep", "knnper"]
+    return {"methods": methods, "clients": clients, "seen": {m: summary(m) for m in methods},
+            "unseen": {}, "lr": {}}
+
+
+def test_a_clear_paired_gain_is_called_and_a_tiny_one_is_inconclusive():
+    rng = np.random.default_rng(0)
+    clear = [_result(_clients(rng, 60, 0.05, 0.0)) for _ in range(3)]
+    spread = across_seeds(clear, clear[0]["methods"], oracle=False)
+    verdict = compare_to_best(clear, spread)["seen"]["mean"]
+    assert verdict["baseline"] == "fedrep" and verdict["verdict"] == "knnper ahead"
+    assert verdict["low"] > 0 and verdict["low"] < verdict["diff"] < verdict["high"]
+    tiny = [_result(_clients(rng, 60, 0.002, 0.0)) for _ in range(3)]
+    spread = across_seeds(tiny, tiny[0]["methods"], oracle=False)
+    assert compare_to_best(tiny, spread)["seen"]["mean"]["verdict"] == "inconclusive"
+    behind = [_result(_clients(rng, 60, -0.05, 0.0)) for _ in range(3)]
+    spread = across_seeds(behind, behind[0]["methods"], oracle=False)
+    assert compare_to_best(behind, spread)["seen"]["mean"]["verdict"] == "fedrep ahead"
+
+
+def test_spread_is_mean_and_sample_std_across_seeds():
+    rng = np.random.default_rng(1)
+    results = [_result(_clients(rng, 20, 0.0, 0.0)) for _ in range(3)]
+    spread = across_seeds(results, ["fedavg"], oracle=False)["seen"]["fedavg"]["mean"]
+    values = [r["seen"]["fedavg"]["mean"] for r in results]
+    assert spread["mean"] == pytest.approx(np.mean(values))
+    assert spread["std"] == pytest.approx(np.std(values, ddof=1))
+
+
+def test_pairing_removes_the_clients_shared_difficulty():
+    """Clients differ a lot, the methods by a steady 1 pp: unpaired, that would be lost."""
+    rng = np.random.default_rng(2)
+    clients = _clients(rng, 80, 0.01, 0.0, noise=0.001)
+    interval = paired_bootstrap([clients], "seen", "knnper", "fedrep", "mean")
+    assert 0.008 < interval["low"] < interval["high"] < 0.012
+    assert paired_bootstrap([clients[:3]], "seen", "knnper", "fedrep", "mean") is None
+
+
+def test_lambda_ties_are_counted_apart_from_real_differences():
+    clients = [{"knnper": 0.5, "knnper_lambda": 0.3, "knnper_oracle_lambda": 0.5,
+                "knnper_oracle_accuracy": 0.5},
+               {"knnper": 0.5, "knnper_lambda": 0.3, "knnper_oracle_lambda": 0.7,
+                "knnper_oracle_accuracy": 0.6},
+               {"knnper": 0.5, "knnper_lambda": 0.3, "knnper_oracle_lambda": 0.3,
+                "knnper_oracle_accuracy": 0.5}]
+    assert lambda_ties([{"clients": clients}]) == [{"differs": 2, "same_accuracy": 1,
+                                                    "lower_accuracy": 1}]
