@@ -109,8 +109,9 @@ def judge(name: str, folder: Path) -> list[Claim]:
         if not points or points[0].get("val_accuracy") is None:
             return [Claim("ProtoNN cuts the datastore's memory 4x for a limited accuracy cost "
                           f"(<= {device_experiments.COST_PP:g} pp)",
-                          "this run recorded no validation accuracy per point, so no point can be chosen without test data; "
-                          "rerun `knnper experiment protonn-grid`", "not measured")]
+                          "this run recorded no validation accuracy per point, so no point can "
+                          "be chosen without test data; rerun `knnper experiment protonn-grid`",
+                          "not measured")]
         return device_experiments.grid_claims(points, clients, full)
     raise SystemExit(f"{folder}: unknown experiment {name!r}")
 
