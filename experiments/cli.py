@@ -36,8 +36,7 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
     names = p.add_subparsers(dest="experiment", metavar="NAME", required=True,
                              parser_class=type(p))
     for exp in EXPERIMENTS.values():
-        q = names.add_parser(exp.name, help=exp.help, description=f"The paper: {exp.claim}",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        q = names.add_parser(exp.name, help=exp.help, description=f"The paper: {exp.claim}")
         q.add_argument("--out", required=True, help="output folder, shared by the experiments "
                        "(global models in OUT/runs, this one's files in OUT/NAME)")
         q.add_argument("--quick", action="store_true", help="digits at a tiny scale and small "
