@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from export.sizing import (
 )
 from fed_train.algorithms.base import ClientData
 from fed_train.run import LoadedRun
+from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -332,18 +332,10 @@ def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingCont
         for task in tasks:
             yield export_client(task, context, sizer)
         return
-    # spawn, not fork: torch and onnxruntime hold thread pools that a forked child inherits
-    # in an undefined state
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=init_worker, initargs=(context,))
-    try:
+    with worker_pool(workers, init_worker, (context,)) as pool:
         futures = [pool.submit(export_client_in_worker, task) for task in tasks]
         for future in as_completed(futures):
             yield future.result()
-    finally:
-        # on an error or Ctrl-C: drop the clients not started; the workers finish the one in
-        # hand (they ignore SIGINT), so no bundle is left half-written
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def usable_cores() -> int:

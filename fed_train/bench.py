@@ -15,12 +15,11 @@ import argparse
 import csv
 import json
 import logging
-import multiprocessing
 import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,7 @@ from fed_train.tuning import (
     personalized_accuracies,
     validation_score,
 )
+from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -273,11 +273,9 @@ _JOB_COST = {"apfl": 6.0, "ditto": 5.0, "pfedgp": 2.0, "fedrep": 1.5, "fedavg": 
 
 
 def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple]]) -> None:
-    """Run the calls in up to `workers` spawned processes (torch and fork do not mix); a
-    worker's error stops the table with that error. Results land in OUT's caches."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(calls))),
-                             mp_context=context) as pool:
+    """Run the calls in up to `workers` worker processes; a worker's error stops the table with
+    that error, and so does Ctrl-C, at once. Results land in OUT's caches."""
+    with worker_pool(max(1, min(workers, len(calls)))) as pool:
         for future in as_completed([pool.submit(fn, *args) for fn, args in calls]):
             future.result()
 

@@ -27,6 +27,7 @@ from fed_train.errors import KnnperError
 from fed_train.flower.pki import NodeKey, ServerTLS, make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerConfigError, FlowerSettings
 from fed_train.run import open_run
+from fed_train.workers import ignoring_ctrl_c
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,12 @@ class Processes:
                 pass
 
     def stop_all(self) -> None:
-        """SIGTERM every group, wait (bounded), then SIGKILL what is left."""
+        """SIGTERM every group, wait (bounded), then SIGKILL what is left; a further Ctrl-C
+        waits for this rather than leave processes behind."""
+        with ignoring_ctrl_c():
+            self._stop_all()
+
+    def _stop_all(self) -> None:
         for name in reversed(list(self.running)):
             self.stop(name)
         deadline = time.monotonic() + STOP_SECONDS
