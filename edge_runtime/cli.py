@@ -7,6 +7,7 @@ status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback instead.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import logging
@@ -383,6 +384,9 @@ def cmd_info(args) -> int:
 def cmd_export_onnx(args) -> int:
     from .portable import write_portable
 
+    if importlib.util.find_spec("onnx") is None:
+        raise CLIError("export-onnx builds the graph with the onnx package, which this install "
+                       "lacks: pip install 'knnper[portable]'")
     if Path(args.out).suffix != ".onnx":
         raise CLIError(f"--out must end in .onnx, got {args.out}")
     written = write_portable(_runtime(args), args.out, keys_as_inputs=args.keys_as_inputs)

@@ -22,6 +22,7 @@ from fed_train.cli import (
     add_training_arguments,
     config_from_args,
 )
+from fed_train.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,14 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     config = replace(QUICK, seed=args.seed) if args.quick else config_from_args(args)
     grids = {g.name: getattr(args, g.name, None) or (g.quick if args.quick else g.full)
              for g in exp.grids}
-    ctx = Context(Path(args.out), config, k=args.k, sigma=args.sigma, quick=args.quick,
-                  progress=not args.no_progress)
     started = time.perf_counter()
-    result = exp.run(ctx, grids)
+    # how many points an experiment computes is its own business: lines count them, no total
+    with Progress(None, desc=f"experiment {exp.name}", unit="point",
+                  enabled=not args.no_progress) as bar:
+        ctx = Context(Path(args.out), config, k=args.k, sigma=args.sigma, quick=args.quick,
+                      progress=not args.no_progress,
+                      points_done=lambda computed: bar.update(measured=computed))
+        result = exp.run(ctx, grids)
     summary = write_report(exp, result, ctx.out / exp.name, command=command_line(args),
                            scale_line=ctx.scale_line(), started=started)
     print(summary.read_text())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ class Context:
     sigma: float = 1.0
     quick: bool = False
     progress: bool = True
+    points_done: Callable[[bool], None] = lambda computed: None  # see PointStore.on_point
     _runs: dict[str, LoadedRun] = field(default_factory=dict)
     _views: dict[str, list[ClientView]] = field(default_factory=dict)
 
@@ -82,7 +84,7 @@ class Context:
                 **values}
 
     def points(self, experiment: str) -> PointStore:
-        return PointStore(self.out / experiment / "points.jsonl")
+        return PointStore(self.out / experiment / "points.jsonl", self.points_done)
 
     def scale_line(self) -> str:
         c, t = self.config, self.config.training

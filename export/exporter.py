@@ -31,7 +31,6 @@ from export.client_export import (
 from export.errors import BudgetError, ExportError
 from export.journal import ExportJournal, json_default
 from export.onnx_export import export_onnx
-from export.progress import ClientProgress
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
 from export.sizing import (
     BACKEND_CHOICES,
@@ -40,6 +39,7 @@ from export.sizing import (
     smallest_datastore_bytes,
 )
 from fed_train.algorithms.base import ClientData
+from fed_train.progress import Progress
 from fed_train.run import LoadedRun
 from fed_train.workers import worker_pool
 
@@ -274,13 +274,13 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
     tasks = (ClientTask(client_embeddings(session, c), int(budgets[c.client_id]), c.unseen,
                         bundle_dir(out_dir, c.client_id), run.dataset.input_spec)
              for c in todo)
-    bar = ClientProgress(len(chosen), initial=len(chosen) - len(todo), enabled=progress)
-    try:
+    # a client's sizing time grows with its train split: the estimate is per sample
+    work = {c.client_id: max(1, c.num_train) for c in todo}
+    with Progress(len(chosen), desc="export", unit="client", enabled=progress,
+                  initial=len(chosen) - len(todo), total_work=sum(work.values())) as bar:
         for row in _export_clients(tasks, len(todo), context, workers):
             done[row["client_id"]] = row
-            bar.update()
-    finally:
-        bar.close()
+            bar.update(work[row["client_id"]])
     rows = [done[c.client_id] for c in chosen]
     report = {
         "run": str(run.run_dir),

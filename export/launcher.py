@@ -8,6 +8,8 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
+from edge_runtime.cli_help import package_version
+
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
 
 
@@ -17,6 +19,11 @@ def missing_server_modules() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     missing = missing_server_modules()
+    args = sys.argv[1:] if argv is None else list(argv)
+    if missing and args == ["--version"]:
+        print(f"knnper {package_version()} (device runtime only: no {', '.join(missing)}; "
+              "the server commands need pip install 'knnper[train]')")
+        return 0
     if missing:
         print(f"knnper: this install has the device runtime only (no {', '.join(missing)}); "
               "the server commands need the train extra: pip install 'knnper[train]' "

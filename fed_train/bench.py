@@ -35,6 +35,7 @@ from fed_train.evaluation import merge_results, plain_json, summarize
 from fed_train.knn_tuning import KNNConfig, add_knn_choice_arguments, choose_knn
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
+from fed_train.progress import Progress, track
 from fed_train.run import (
     CONFIG_FILE,
     PARTITION_FILE,
@@ -272,12 +273,15 @@ _JOB_COST = {"apfl": 6.0, "ditto": 5.0, "pfedgp": 2.0, "fedrep": 1.5, "fedavg": 
              "clustered": 1.2, "local": 1.0}
 
 
-def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple]]) -> None:
+def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple]], *,
+                  desc: str, progress: bool) -> None:
     """Run the calls in up to `workers` worker processes; a worker's error stops the table with
     that error, and so does Ctrl-C, at once. Results land in OUT's caches."""
-    with worker_pool(max(1, min(workers, len(calls)))) as pool:
+    with (worker_pool(max(1, min(workers, len(calls)))) as pool,
+          Progress(len(calls), desc=desc, unit="job", enabled=progress) as bar):
         for future in as_completed([pool.submit(fn, *args) for fn, args in calls]):
             future.result()
+            bar.update()
 
 
 def _table_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
@@ -329,12 +333,17 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
                          lambda_estimator=lambda_estimator)
     if workers > 1:
         _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, tune_knn,
-                                           lambda_estimator))
+                                           lambda_estimator),
+                      desc="bench table: training runs", progress=progress)
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
+    runs = [(method, lr) for method in names for lr in lrs]
+    by_run = {run: runner.rows(*run, diverged_ok=len(lrs) > 1)
+              for run in track(runs, total=len(runs), desc="bench table", unit="method run",
+                               enabled=progress)}
     for method in names:
-        by_lr = {lr: runner.rows(method, lr, diverged_ok=len(lrs) > 1) for lr in lrs}
+        by_lr = {lr: by_run[method, lr] for lr in lrs}
         if all(rows is None for rows in by_lr.values()):
             raise BenchError(f"{method}: training diverged at every learning rate of the grid")
         val = {lr: None if rows is None else validation_score(rows)
@@ -359,7 +368,8 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
         if workers > 1:
             _in_processes(workers, [(_attribution_job, (config, str(out), hyper, body, lr,
                                                         estimator))
-                                    for body, lr in body_lrs.items()])
+                                    for body, lr in body_lrs.items()],
+                          desc="bench table: attribution", progress=progress)
         result["attribution"] = attribution_table(runner, body_lrs, lambda_estimator=estimator,
                                                   progress=progress)
     write_outputs(result, Path(out))

@@ -165,3 +165,24 @@ def test_info_says_whether_the_signature_was_checked(tmp_path, capsys):
     assert "not checked" in out and "verified" not in out.replace("to verify", "")
     assert edge_main([*trusted, "info", str(signed)]) == 2
     assert "'lambda' differs from the signed manifest" in capsys.readouterr().err
+
+
+def test_export_onnx_without_onnx_names_the_portable_extra(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "onnx" else real(name, *a))
+    bundle = build_bundle(tmp_path)
+    assert edge_main(["export-onnx", str(bundle), "--out", str(tmp_path / "p.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'knnper[portable]'" in err and err.count("\n") == 1
+
+
+def test_portable_extra_gives_export_onnx_what_it_imports():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    portable = project["project"]["optional-dependencies"]["portable"]
+    assert any(dep.startswith("onnx") and not dep.startswith("onnxruntime") for dep in portable)
