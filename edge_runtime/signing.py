@@ -62,6 +62,8 @@ def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.Pat
     for path in (private_path, public_path):
         if Path(path).exists():
             raise SignatureError(f"refusing to overwrite {path}")
+    for path in (private_path, public_path):  # a keys/ folder of its own, readable by us only
+        Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(os.fspath(private_path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(private_pem)
