@@ -186,3 +186,40 @@ def test_portable_extra_gives_export_onnx_what_it_imports():
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     portable = project["project"]["optional-dependencies"]["portable"]
     assert any(dep.startswith("onnx") and not dep.startswith("onnxruntime") for dep in portable)
+
+
+def test_deploy_expects_the_nearest_measured_size_with_the_same_settings(tmp_path):
+    import json
+    from dataclasses import replace
+
+    from fed_train import defaults
+    from fed_train.flower.expected import expectation_line
+    from fed_train.run import RunConfig
+
+    def config(clients: int, rounds: int, **changes) -> RunConfig:
+        return RunConfig(dataset="digits", clients=clients,
+                         training=replace(defaults.TRAINING, rounds=rounds), **changes)
+
+    measured = [{"config": config(c, r).to_dict(), "fedavg_seen": 10.0 * c + r,
+                 "fedavg_unseen": 1.0, "knnper_seen": 90.0, "knnper_unseen": 80.0,
+                 "source": "bench"} for c in (5, 20) for r in (5, 20)]
+    path = tmp_path / "expected.json"
+    path.write_text(json.dumps({"runs": measured}))
+    line = expectation_line(config(5, 5), path)
+    assert line.startswith("expected (this size: digits, 5 clients, 5 rounds)")
+    assert "FedAvg 55.0% seen / 1.0% unseen, kNN-Per 90.0% seen / 80.0% unseen" in line
+    assert "nearest measured size: digits, 20 clients, 20 rounds" in expectation_line(
+        config(16, 30), path)
+    assert "no run with these settings" in expectation_line(config(5, 5, alpha=1.0), path)
+
+
+def test_train_writes_progress_lines_to_a_log(tmp_path, capsys):
+    from fed_train.algorithms.base import TrainingConfig
+    from fed_train.run import RunConfig, train
+
+    config = RunConfig(dataset="digits", clients=4, seed=0,
+                       training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05))
+    train(config, tmp_path / "run", progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert "fedavg: 2/2 rounds done in" in err

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
-import sys
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
