@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from edge_runtime._io import write_json_atomic
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
@@ -170,7 +171,7 @@ class TableRunner:
             raise BenchError(f"{run_dir} was trained with other settings "
                              f"({stamp.read_text().strip()}); delete it to retrain")
         run_dir.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps(identity))
+        write_json_atomic(stamp, identity)  # a worker may be terminated at any point
         algorithm = build_algorithm(trainer, self.model_fn, training, **hyper)
         result = simulate(algorithm, self.clients, training, self.initial_weights,
                           seed=self.config.seed, run_dir=run_dir,
@@ -223,8 +224,8 @@ class TableRunner:
                 raise
             log.warning("%s at lr=%g diverged: %s", method, lr, err)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps({"hyper": plain_json(identity), "diverged": str(err),
-                                         "rows": None}))
+            write_json_atomic(cache, {"hyper": plain_json(identity), "diverged": str(err),
+                                      "rows": None})
             return None
 
     def _rows(self, method: str, lr: float, identity: Mapping[str, Any],
@@ -259,7 +260,7 @@ class TableRunner:
         payload = {"hyper": plain_json(identity), "seconds": seconds, "rows": rows}
         if knn_record is not None:
             payload["knn"] = plain_json(knn_record)
-        cache.write_text(json.dumps(payload))
+        write_json_atomic(cache, payload)
         return rows
 
     def knn_record(self, lr: float) -> dict[str, Any] | None:
