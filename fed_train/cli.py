@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from edge_runtime._io import write_json_atomic
 from edge_runtime.cli_help import (
     DefaultsHelpFormatter,
     missing_command_message,
@@ -176,7 +177,7 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, k: int = 10, sigma: 
         per_method[method] = rows
         if method == "local":
             cache.parent.mkdir(exist_ok=True)
-            cache.write_text(json.dumps({"key": _local_cache_key(run), "rows": rows}))
+            write_json_atomic(cache, {"key": _local_cache_key(run), "rows": rows})
     result = merge_results(per_method)
     if knn_record is not None:
         result["knn"] = knn_record
