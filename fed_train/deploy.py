@@ -352,19 +352,20 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
 
 
 def round_split(rows: list[dict[str, Any]]) -> str | None:
-    """Where a round's time went: the clients' training (what `knnper train` spends on the
-    same round) and the rest, Flower's own floor on this machine."""
+    """Where a round's time went: the clients train side by side, so the round waits for the
+    slowest one's training; the rest is Flower's own floor on this machine. The summed
+    training is what `knnper train` does one client after another."""
     timed = [r for r in rows if "train_seconds" in r]
     if not timed:
         return None
     wall = sum(r["seconds"] for r in timed) / len(timed)
-    training = sum(r["train_seconds"] for r in timed) / len(timed)
+    summed = sum(r["train_seconds"] for r in timed) / len(timed)
     slowest = sum(r["train_seconds_max"] for r in timed) / len(timed)
-    return (f"per round (mean of {len(timed)}): {wall:.1f} s on Flower, of which {training:.2f} "
-            f"s is the clients' training (summed over the clients; the slowest client "
-            f"{slowest:.2f} s) and {max(0.0, wall - training):.1f} s Flower's floor: a new "
-            "ClientApp process per message that imports torch and flwr again, and 3 s polls "
-            "(BENCHMARKS.md, Flower deployment versus the simulation)")
+    return (f"per round (mean of {len(timed)}): {wall:.1f} s on Flower = {slowest:.2f} s of "
+            f"training on the slowest client ({summed:.2f} s summed over the clients, which "
+            f"share this machine's cores) + {max(0.0, wall - slowest):.1f} s Flower's floor: a "
+            "new ClientApp process per message that imports torch and flwr again, and 3 s "
+            "polls (BENCHMARKS.md, Flower deployment versus the simulation)")
 
 
 def _cmd_deploy_config(args: argparse.Namespace) -> int:
