@@ -5,6 +5,7 @@ extra to install, in one line, instead of failing with an import traceback."""
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -30,8 +31,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(on a device, use knnper-edge)", file=sys.stderr)
         return 2
     from export.cli import main as cli_main  # imports torch: only once we know it is there
+    from fed_train.cli import INTERRUPTED
 
-    return cli_main(argv)
+    code = cli_main(argv)
+    if code == INTERRUPTED:
+        # the command is over and its workers are gone: a further Ctrl-C while the
+        # interpreter exits would only print a traceback from an exit handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":
