@@ -183,7 +183,30 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
     if footprint["total"] != footprint["encoder"] + footprint["datastore"]:
         raise fail("'footprint' total is not encoder + datastore")
     _validate_files(manifest["files"], manifest["backend"]["name"], fail)
+    if "knn_choice" in manifest:
+        _validate_knn_choice(manifest, fail)
     return manifest
+
+
+KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
+KNN_CHOICE_SOURCES = ("validation", "flag", "paper default")
+
+
+def _validate_knn_choice(manifest: dict, fail) -> None:
+    """The optional record of where k, sigma, the normalisation and the lambda estimator came
+    from; its k and sigma must be the ones the bundle runs."""
+    choice = manifest["knn_choice"]
+    if not isinstance(choice, dict) or sorted(choice) != sorted(KNN_CHOICE_KEYS):
+        raise fail(f"'knn_choice' must be an object with keys {list(KNN_CHOICE_KEYS)}")
+    for key, entry in choice.items():
+        if (not isinstance(entry, dict) or sorted(entry) != ["source", "value"]
+                or entry["source"] not in KNN_CHOICE_SOURCES
+                or not isinstance(entry["value"], (str, int, float))
+                or isinstance(entry["value"], bool)):
+            raise fail(f"'knn_choice' {key!r} must be {{value, source}} with source one of "
+                       f"{list(KNN_CHOICE_SOURCES)}")
+    if choice["k"]["value"] != manifest["k"] or choice["sigma"]["value"] != manifest["sigma"]:
+        raise fail("'knn_choice' disagrees with the bundle's k or sigma")
 
 
 def _validate_backend(manifest: dict, fail) -> None:
@@ -475,7 +498,8 @@ def check_encoder(encoder: Encoder, manifest: dict, where: str) -> None:
 # ----------------------------------------------------------------------------- writing
 
 _COMPUTED_KEYS = ("format", "version", "backend", "footprint", "files")
-_ALLOWED_FIELDS = set(_SCHEMA) | set(_COMPUTED_KEYS)
+_OPTIONAL_FIELDS = ("knn_choice",)
+_ALLOWED_FIELDS = set(_SCHEMA) | set(_COMPUTED_KEYS) | set(_OPTIONAL_FIELDS)
 
 
 def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
@@ -529,6 +553,9 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
         "update_strategy": manifest_fields.get("update_strategy", default_strategy),
         "budget_bytes": manifest_fields["budget_bytes"],
     }
+    for key in _OPTIONAL_FIELDS:
+        if key in manifest_fields:
+            manifest[key] = manifest_fields[key]
     for key in ("format", "version"):
         if key in manifest_fields and manifest_fields[key] != manifest[key]:
             raise BundleError(

@@ -12,7 +12,6 @@ import io
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 from zipfile import BadZipFile
@@ -20,6 +19,7 @@ from zipfile import BadZipFile
 import numpy as np
 
 from ._io import write_bytes_atomic
+from .byte_count import byte_count
 from .cli_help import DefaultsHelpFormatter, missing_command_message, package_version
 from .device_init import DEFAULT_RECIPES
 from .knn import interpolate
@@ -97,7 +97,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("init", help="build a bundle for a new device from its own data")
     s.add_argument("--encoder", required=True, help="encoder.onnx")
     s.add_argument("--data", required=True, help=".npz with x, y (or x_train, y_train)")
-    s.add_argument("--budget", required=True, help="bytes, or with a unit: 2MB, 512KiB")
+    s.add_argument("--budget", required=True, type=byte_count,
+                   help="bytes, or with a unit: 500000, 500kB, 1.5MB, 2MiB")
     s.add_argument("--out", required=True, help="bundle directory to write")
     spec = s.add_mutually_exclusive_group(required=True)
     spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
@@ -199,22 +200,6 @@ def _load_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> tuple[np.n
             raise CLIError(f"cannot read {path}: {_one_line(exc)}") from None
         names = " or ".join(f"{a} and {b}" for a, b in alternatives)
         raise CLIError(f"{path} has arrays {sorted(data.files)}; expected {names}")
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20}
-_UNITS["gib"] = 2**30
-MAX_BUDGET = 2**50  # 1 PiB: no device has more; larger numbers are typos
-
-
-def parse_bytes(text: str) -> int:
-    """'2000000', '2MB', '512KiB' -> bytes."""
-    match = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,20})?)\s*([A-Za-z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise CLIError(f"cannot read budget {text!r}: use bytes, or a number with KB/MB/KiB/MiB")
-    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-    if not 1 <= value <= MAX_BUDGET:
-        raise CLIError(f"budget must be between 1 byte and 1 PiB, got {text!r}")
-    return int(value)
 
 
 # ----------------------------------------------------------------------------- commands
@@ -328,7 +313,7 @@ def cmd_init(args) -> int:
         spec = _read_spec_file(args.input_spec)
     if not Path(args.encoder).is_file():
         raise CLIError(f"no such file: {args.encoder}")
-    budget = parse_bytes(args.budget)
+    budget = args.budget
     x, y = _load_xy(args.data, (("x", "y"), ("x_train", "y_train")))
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
     report = init_bundle(

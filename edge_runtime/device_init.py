@@ -27,7 +27,16 @@ import numpy as np
 from .bundle import BundleError, write_bundle
 from .datastores import format_recipe, make_datastore, max_count_within, parse_recipe
 from .encoder import Encoder
-from .knn import LAMBDA_GRID, choose_lambda, interpolate, softmax
+from .knn import (
+    DEFAULT_K,
+    DEFAULT_SIGMA,
+    LAMBDA_GRID,
+    choose_lambda,
+    datastore_key,
+    interpolate,
+    softmax,
+    split_score,
+)
 from .preprocess import prepare_input, validate_spec
 from .runtime import check_labels
 
@@ -56,8 +65,8 @@ def init_bundle(
     out_dir: str | os.PathLike,
     *,
     input_spec: dict,
-    k: int = 10,
-    sigma: float = 1.0,
+    k: int = DEFAULT_K,
+    sigma: float = DEFAULT_SIGMA,
     recipes: list[str] | None = None,
     val_fraction: float = 0.2,
     seed: int = 0,
@@ -110,9 +119,7 @@ def init_bundle(
             ds.fit(z[train], y[train])
             p_local = ds.predict_proba(z[val])
             lam = choose_lambda(p_local, p_global_val, y[val], LAMBDA_GRID)
-            p = interpolate(p_local, p_global_val, lam)
-            acc = float(np.mean(p.argmax(1) == y[val]))
-            nll = float(-np.mean(np.log(np.clip(p[np.arange(n_val), y[val]], 1e-12, None))))
+            acc, nll = split_score(interpolate(p_local, p_global_val, lam), y[val])
         else:
             lam, acc, nll = choose_lambda(np.zeros((0, 1)), np.zeros((0, 1)), y[val]), None, None
         candidates.append(
@@ -124,14 +131,12 @@ def init_bundle(
             f"the budget of {budget_bytes} bytes leaves {room} bytes after the encoder "
             f"({encoder_bytes} bytes): not enough for one stored sample of any candidate recipe"
         )
-    # Best accuracy; ties to the lower log-loss, then the smaller footprint. Without a
-    # validation split, the first candidate (fp32 at the budget's maximum).
+    # The exporter's ranking (edge_runtime.knn.datastore_key; flat and hnsw are not trained).
+    # Without a validation split every candidate ties: the smallest footprint.
     best = min(
         candidates,
-        key=lambda c: (
-            -round(c["val_accuracy"] or 0.0, 12),
-            round(c["val_nll"] or 0.0, 12),
-            c["nbytes"],
+        key=lambda c: datastore_key(
+            c["val_accuracy"], c["val_nll"], trained=False, nbytes=c["nbytes"]
         ),
     )
     final = make_datastore(best["recipe"], num_classes, k, sigma, seed=seed).fit(z, y)

@@ -7,6 +7,17 @@ from __future__ import annotations
 import numpy as np
 
 LAMBDA_GRID: tuple[float, ...] = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
+# The paper's fixed setting, and the one place these defaults live: every signature and flag
+# that takes k, sigma or the embedding normalisation defaults to these names.
+DEFAULT_K = 10
+DEFAULT_SIGMA = 1.0
+DEFAULT_NORMALIZE = "none"
+LAMBDA_ESTIMATORS: tuple[str, ...] = ("val", "loo+val")
+# Mean log-losses that differ by less than this are a tie when choosing: on a few dozen
+# validation samples smaller differences are noise (fp32 against int8 keys of the same samples
+# differ by about 1e-3), and a tie then goes to the simpler choice (the smaller lambda, the
+# fewer bytes) instead of to the noise.
+NLL_DECIMALS = 2
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -46,29 +57,81 @@ def interpolate(p_local: np.ndarray, p_global: np.ndarray, lam: float) -> np.nda
     return lam * p_local + (1.0 - lam) * p_global
 
 
+def split_score(p: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(accuracy, mean log-loss) of class probabilities `p` on labels `y`: what every choice
+    made on a validation split is judged by."""
+    y = np.asarray(y, dtype=np.int64)
+    if len(y) == 0:
+        return 0.0, 0.0
+    accuracy = float(np.mean(p.argmax(axis=1) == y))
+    nll = float(-np.mean(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
+    return accuracy, nll
+
+
+def choice_key(accuracy: float | None, nll: float | None, *tie_breaks: float) -> tuple:
+    """The one ranking of validation scores, smallest first: the best accuracy, then the lower
+    log-loss to NLL_DECIMALS, then the caller's tie-breaks in order (a smaller lambda, fewer
+    bytes). Every place that chooses a lambda, a datastore or a kNN configuration ranks by it,
+    so the server, the exporter and the device choose alike on the same data."""
+    acc = 0.0 if accuracy is None else accuracy
+    loss = 0.0 if nll is None else nll
+    return (-round(acc, 12), round(loss, NLL_DECIMALS), *tie_breaks)
+
+
+def datastore_key(accuracy: float | None, nll: float | None, *, trained: bool,
+                  nbytes: int) -> tuple:
+    """choice_key for a datastore candidate, the exporter's and the device's alike. After the
+    validation score, a store of the samples themselves (flat, HNSW) goes before a trained
+    compression of them (ProtoNN): a tie on a few dozen validation samples is noise, and the
+    stored samples are what the server's kNN-Per evaluation measured. Then the fewer bytes."""
+    return choice_key(accuracy, nll, trained, nbytes)
+
+
 def choose_lambda(
     p_local: np.ndarray,
     p_global: np.ndarray,
     y: np.ndarray,
     grid: tuple[float, ...] = LAMBDA_GRID,
 ) -> float:
-    """The grid value with the best accuracy on a validation split.
+    """The grid value ranked first by `choice_key` on a validation split; 0.5 without one.
 
-    Validation splits are small, so accuracy often ties; ties go to the lower validation
-    log-loss, which still tells the grid values apart, then to the smaller lambda.
-    """
+    Validation splits are small, so accuracy often ties; the log-loss still tells most grid
+    values apart, and what it cannot goes to the smaller lambda (the global model)."""
     if len(y) == 0:
         return 0.5
-    y = np.asarray(y, dtype=np.int64)
-    best, best_score = grid[0], (-np.inf, -np.inf)
-    for lam in grid:
-        p = interpolate(p_local, p_global, lam)
-        acc = float(np.mean(p.argmax(axis=1) == y))
-        nll = float(-np.mean(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
-        score = (round(acc, 12), -round(nll, 12))
-        if score > best_score:
-            best, best_score = lam, score
-    return best
+    return min(grid, key=lambda lam: choice_key(
+        *split_score(interpolate(p_local, p_global, lam), y), lam))
+
+
+Posteriors = tuple[np.ndarray | None, np.ndarray, np.ndarray]
+
+
+def estimate_lambda(estimator: str, p_knn_val: np.ndarray, p_global_val: np.ndarray,
+                    y_val: np.ndarray, loo: Posteriors | None = None,
+                    grid: tuple[float, ...] = LAMBDA_GRID) -> float:
+    """A client's lambda. "val": chosen on its validation split. "loo+val": on the validation
+    split plus `loo`, the leave-one-out kNN posteriors of its own datastore with the global
+    model's output and the labels of those samples: many more samples than ~30 validation ones
+    (the kNN part is honest there, the global model saw them in training)."""
+    if estimator not in LAMBDA_ESTIMATORS:
+        raise ValueError(f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
+                         f"got {estimator!r}")
+    p_knn, p_global, y = p_knn_val, p_global_val, y_val
+    if estimator == "loo+val" and loo is not None and loo[0] is not None:
+        p_knn = np.concatenate([loo[0], p_knn])
+        p_global = np.concatenate([loo[1], p_global])
+        y = np.concatenate([loo[2], y])
+    return choose_lambda(p_knn, p_global, y, grid) if len(y) else 0.5
+
+
+def leave_one_out_posteriors(keys: np.ndarray, labels: np.ndarray, num_classes: int, k: int,
+                             sigma: float) -> np.ndarray | None:
+    """Each stored key's kNN posterior from the other stored keys (None with fewer than two):
+    the datastore half of the "loo+val" estimator."""
+    sq, idx = leave_one_out_search(keys, k)
+    if sq.shape[1] == 0:
+        return None
+    return kernel_posterior(sq, np.asarray(labels)[idx], num_classes, sigma, keys.shape[1])
 
 
 # Top-k method, chosen by measured switch points (benchmarks/runtime_scan.py, results in
@@ -278,7 +341,8 @@ class KNNHead:
     """Exact kNN posterior over a float32 datastore, scikit-learn style: fit(z, y),
     predict_proba(z)."""
 
-    def __init__(self, num_classes: int, k: int = 10, sigma: float = 1.0) -> None:
+    def __init__(self, num_classes: int, k: int = DEFAULT_K,
+                 sigma: float = DEFAULT_SIGMA) -> None:
         self.num_classes = num_classes
         self.k = k
         self.sigma = sigma

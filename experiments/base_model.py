@@ -42,11 +42,15 @@ def checkpoint_point(ctx: Context, alpha: float, path: Path) -> dict[str, Any]:
     run = ctx.run(alpha)
     model = run.model_factory()()
     set_weights(model, load_checkpoint(path).weights)
-    views = client_views(model, run.clients())
+    # the final model's configuration at every checkpoint: the experiment asks how the base
+    # model's quality moves kNN-Per with the kNN part held fixed
+    choice = ctx.knn_choice(alpha)
+    views = client_views(model, run.clients(), normalize=choice.config.normalize)
     knn_only, tuned = [], []
     for view in views:
-        outcome = knn_outcome(view, run.dataset.num_classes, k=ctx.k, sigma=ctx.sigma,
-                              capacity=1.0, seed=ctx.seed)
+        outcome = knn_outcome(view, run.dataset.num_classes, k=choice.config.k,
+                              sigma=choice.config.sigma, capacity=1.0, seed=ctx.seed,
+                              estimator=choice.lambda_estimator)
         knn_only.append(row(view, outcome.accuracy(view, lam=1.0)))
         tuned.append(row(view, outcome.accuracy(view), **{"lambda": outcome.lam}))
     means = {name: summary_fields(rows)["all_mean"]

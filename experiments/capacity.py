@@ -21,8 +21,10 @@ def capacity_point(ctx: Context, alpha: float, capacity: float) -> dict[str, Any
     if capacity == 0:
         rows = fedavg_rows(views)
     else:
-        rows = knnper_rows(views, ctx.num_classes(alpha), k=ctx.k, sigma=ctx.sigma,
-                           seed=ctx.seed, capacity=capacity)
+        choice = ctx.knn_choice(alpha)
+        rows = knnper_rows(views, ctx.num_classes(alpha), k=choice.config.k,
+                           sigma=choice.config.sigma, seed=ctx.seed, capacity=capacity,
+                           estimator=choice.lambda_estimator)
     return {"rows": rows, **summary_fields(rows)}
 
 

@@ -22,6 +22,7 @@ from fed_train.cli import (
     add_training_arguments,
     config_from_args,
 )
+from fed_train.knn_choice import add_knn_arguments, knn_request
 from fed_train.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,7 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                            default=argparse.SUPPRESS, metavar="V,V,...",
                            help=f"{grid.help} (default {_shown(grid.full)}; with --quick "
                                 f"{_shown(grid.quick)})")
-        q.add_argument("--k", type=_positive_int, default=10,
-                       help="kNN neighbours where not swept")
-        q.add_argument("--sigma", type=_positive_float, default=1.0,
-                       help="kNN kernel scale where not swept")
+        add_knn_arguments(q, _positive_int, _positive_float)
         q.add_argument("--checkpoint-every", type=_positive_int, default=5,
                        help="FedAvg checkpoint period (base-model: every such checkpoint is a "
                             "point)")
@@ -89,7 +87,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     # how many points an experiment computes is its own business: lines count them, no total
     with Progress(None, desc=f"experiment {exp.name}", unit="point",
                   enabled=not args.no_progress) as bar:
-        ctx = Context(Path(args.out), config, k=args.k, sigma=args.sigma, quick=args.quick,
+        ctx = Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
                       progress=not args.no_progress,
                       points_done=lambda computed: bar.update(measured=computed))
         result = exp.run(ctx, grids)

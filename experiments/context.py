@@ -16,6 +16,8 @@ from experiments.points import PointStore
 from experiments.spec import format_alpha
 from experiments.views import ClientView, client_views
 from fed_train.algorithms.base import TrainingConfig
+from fed_train.knn_choice import KNNChoice, load_or_choose
+from fed_train.knn_request import KNNRequest
 from fed_train.run import MODEL_FILE, LoadedRun, RunConfig, load_run, train
 
 log = logging.getLogger(__name__)
@@ -37,13 +39,13 @@ def config_id(config: RunConfig) -> str:
 class Context:
     out: Path
     config: RunConfig  # the scale; experiments vary alpha (and nothing else) per point
-    k: int = 10
-    sigma: float = 1.0
+    knn: KNNRequest = field(default_factory=KNNRequest)
     quick: bool = False
     progress: bool = True
     points_done: Callable[[bool], None] = lambda computed: None  # see PointStore.on_point
     _runs: dict[str, LoadedRun] = field(default_factory=dict)
     _views: dict[str, list[ClientView]] = field(default_factory=dict)
+    _choices: dict[str, KNNChoice] = field(default_factory=dict)
 
     @property
     def seed(self) -> int:
@@ -67,21 +69,42 @@ class Context:
             self._runs[name] = load_run(path)
         return self._runs[name]
 
+    def knn_choice(self, alpha: float | None = None) -> KNNChoice:
+        """kNN-Per's configuration for run(alpha): its saved choice, as `knnper evaluate` and
+        `knnper export` run it (fed_train.knn_choice), made on first use."""
+        name = config_id(self.config_for(alpha))
+        if name not in self._choices:
+            run = self.run(alpha)
+            self._choices[name] = load_or_choose(run.run_dir, run.model, run.clients(),
+                                                 self.knn, seed=self.seed)
+        return self._choices[name]
+
+    @property
+    def k(self) -> int:
+        """The base run's chosen k (where an experiment does not sweep it)."""
+        return self.knn_choice().config.k
+
+    @property
+    def sigma(self) -> float:
+        return self.knn_choice().config.sigma
+
     def views(self, alpha: float | None = None) -> list[ClientView]:
-        """Every client's embeddings under the final global model of run(alpha)."""
+        """Every client's embeddings under the final global model of run(alpha), normalised as
+        that run's kNN-Per configuration says."""
         name = config_id(self.config_for(alpha))
         if name not in self._views:
             run = self.run(alpha)
-            self._views[name] = client_views(run.model, run.clients())
+            self._views[name] = client_views(run.model, run.clients(),
+                                             normalize=self.knn_choice(alpha).config.normalize)
         return self._views[name]
 
     def num_classes(self, alpha: float | None = None) -> int:
         return int(self.run(alpha).dataset.num_classes)
 
     def point_key(self, alpha: float | None = None, **values: Any) -> dict[str, Any]:
-        """What a point depends on: the run's configuration (by its id), k, sigma, the values."""
-        return {"run": config_id(self.config_for(alpha)), "k": self.k, "sigma": self.sigma,
-                **values}
+        """What a point depends on: the run's configuration (by its id), what was asked of
+        kNN-Per's configuration (its choice follows from the run), the values."""
+        return {"run": config_id(self.config_for(alpha)), "knn": self.knn.key(), **values}
 
     def points(self, experiment: str) -> PointStore:
         return PointStore(self.out / experiment / "points.jsonl", self.points_done)
@@ -94,5 +117,5 @@ class Context:
                 f"train split), model {c.model or 'default for the input'}, FedAvg {t.rounds} "
                 f"rounds x {t.epochs} local epoch(s), batch {t.batch_size}, lr {t.lr:g} "
                 f"(momentum {t.momentum:g}), participation {t.participation:g}, seed {c.seed}; "
-                f"kNN k = {self.k}, sigma = {self.sigma:g} unless swept; lambda chosen per "
-                "client on its validation split from {0, .1, .3, .5, .7, .9, 1}")
+                f"{self.knn_choice().describe()} unless swept; lambda chosen per client from "
+                "{0, .1, .3, .5, .7, .9, 1}")

@@ -17,7 +17,7 @@ from experiments.benchmark_scripts import benchmark_module
 from experiments.context import Context
 from experiments.spec import DIMENSION, FRACTION, Claim, Experiment, Grid, Result
 from export.evaluation import reference_accuracy, weighted_mean
-from export.exporter import ExportSettings, build_encoder
+from export.exporter import ExportSettings, apply_knn_choice, build_encoder
 from export.sizing import SearchSpace
 
 SHIFT = "distribution-shift"
@@ -102,7 +102,7 @@ class _ProtoNNCases:
         if work.exists():
             shutil.rmtree(work)
         work.mkdir(parents=True)
-        settings = ExportSettings(k=ctx.k, sigma=ctx.sigma, seed=ctx.seed)
+        settings = apply_knn_choice(ExportSettings(seed=ctx.seed), ctx.knn_choice())
         self.encoder = build_encoder(run, work, settings, run.clients())
         session = Encoder(self.encoder.path, intra_op_threads=1)
         self.cases = [bench.ClientCase(session, c, run.dataset.num_classes, ctx.k, ctx.sigma)

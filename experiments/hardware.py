@@ -31,6 +31,7 @@ from export.evaluation import evaluate_export, weighted_mean
 from export.exporter import (
     EncoderFiles,
     ExportSettings,
+    apply_knn_choice,
     build_encoder,
     client_embeddings,
     export_run,
@@ -67,7 +68,8 @@ def fraction_point(ctx: Context, delta_c: float) -> dict[str, Any]:
     views = ctx.views()
     ids = [v.client_id for v in views]
     rows = knnper_rows(views, ctx.num_classes(), k=ctx.k, sigma=ctx.sigma, seed=ctx.seed,
-                       capacity=_shares(ids, delta_c, ctx.seed))
+                       capacity=_shares(ids, delta_c, ctx.seed),
+                       estimator=ctx.knn_choice().lambda_estimator)
     plain = [{"client_id": r["client_id"], "unseen": r["unseen"], "test_samples": r["n_test"],
               "test_accuracy": r["accuracy"], "lambda": r["info"]["lambda"],
               "stored": r["info"]["datastore_size"]} for r in rows]
@@ -81,8 +83,9 @@ class ByteBudgets:
     def __init__(self, ctx: Context, work: Path) -> None:
         self.ctx = ctx
         self.run = ctx.run()
-        self.settings = ExportSettings(k=ctx.k, sigma=ctx.sigma, seed=ctx.seed,
-                                       space=QUICK_SPACE if ctx.quick else SPACE)
+        self.settings = apply_knn_choice(
+            ExportSettings(seed=ctx.seed, space=QUICK_SPACE if ctx.quick else SPACE),
+            ctx.knn_choice())
         self.work = work
         clients = self.run.clients()
         self.encoder: EncoderFiles = build_encoder(self.run, _fresh(work / "encoder"),

@@ -23,7 +23,7 @@ SUMMARY_COLUMNS = ("all_mean", "all_bottom_decile", "all_clients", "seen_mean",
 
 def _evaluate(ctx: Context, alpha: float, method: str) -> dict[str, Any]:
     run = ctx.run(alpha)
-    hyper = {"k": ctx.k, "sigma": ctx.sigma} if method == "knnper" else {}
+    hyper = ctx.knn_choice(alpha).hyper() if method == "knnper" else {}
     algorithm = build_algorithm(method, run.model_factory(), run.config.training, **hyper)
     rows = client_accuracies(algorithm, get_weights(run.model), {}, run.clients(),
                              seed=run.config.seed, progress=ctx.progress)

@@ -17,7 +17,8 @@ FLAT_PP = 0.2
 
 
 def grid_point(ctx: Context, k: int, sigma: float) -> dict[str, Any]:
-    rows = knnper_rows(ctx.views(), ctx.num_classes(), k=k, sigma=sigma, seed=ctx.seed)
+    rows = knnper_rows(ctx.views(), ctx.num_classes(), k=k, sigma=sigma, seed=ctx.seed,
+                       estimator=ctx.knn_choice().lambda_estimator)
     return {"rows": rows, **summary_fields(rows)}
 
 

@@ -1,8 +1,8 @@
 """Each client's embeddings and global-model logits under one global model, computed once and
 swept many times: capacity, k, sigma and lambda change only the kNN part. The kNN head, the
-lambda choice (on the validation split) and the datastore sample are those of `knnper evaluate`
-(edge_runtime.knn and KNNPer's seeded datastore_indices), so a point at capacity 1, k = 10,
-sigma = 1 is exactly the kNN-Per of `knnper evaluate`."""
+lambda estimator and the datastore sample are those of `knnper evaluate` (edge_runtime.knn and
+KNNPer's seeded datastore_indices), so a point at capacity 1 with the run's chosen configuration
+is exactly the kNN-Per of `knnper evaluate`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.knn import KNNHead, choose_lambda, interpolate, softmax
+from edge_runtime.knn import (
+    DEFAULT_NORMALIZE,
+    KNNHead,
+    estimate_lambda,
+    interpolate,
+    leave_one_out_posteriors,
+    normalize_embeddings,
+    softmax,
+)
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.algorithms.knnper import datastore_indices
 from fed_train.evaluation import summarize
@@ -32,21 +40,27 @@ class ClientView:
     z_test: np.ndarray
     p_global_test: np.ndarray
     y_test: np.ndarray
+    p_global_train: np.ndarray  # for the "loo+val" lambda estimator
 
     @property
     def n_train(self) -> int:
         return len(self.y_train)
 
 
-def client_views(model: EmbedHeadModel, clients: Sequence[ClientData]) -> list[ClientView]:
+def client_views(model: EmbedHeadModel, clients: Sequence[ClientData], *,
+                 normalize: str = DEFAULT_NORMALIZE) -> list[ClientView]:
+    """Embeddings normalised as kNN-Per's configuration says (keys and queries alike)."""
     views = []
     for c in clients:
-        z_train, _ = embed_and_logits(model, c.x_train)
+        z_train, logits_train = embed_and_logits(model, c.x_train)
         z_val, logits_val = embed_and_logits(model, c.x_val)
         z_test, logits_test = embed_and_logits(model, c.x_test)
-        views.append(ClientView(c.client_id, c.unseen, z_train, c.y_train.numpy(), z_val,
-                                _probabilities(logits_val), c.y_val.numpy(), z_test,
-                                _probabilities(logits_test), c.y_test.numpy()))
+        views.append(ClientView(c.client_id, c.unseen, normalize_embeddings(z_train, normalize),
+                                c.y_train.numpy(), normalize_embeddings(z_val, normalize),
+                                _probabilities(logits_val), c.y_val.numpy(),
+                                normalize_embeddings(z_test, normalize),
+                                _probabilities(logits_test), c.y_test.numpy(),
+                                _probabilities(logits_train)))
     return views
 
 
@@ -70,14 +84,19 @@ class KnnOutcome:
 
 
 def knn_outcome(view: ClientView, num_classes: int, *, k: int, sigma: float, capacity: float,
-                seed: int) -> KnnOutcome:
+                seed: int, estimator: str = "val") -> KnnOutcome:
     """kNN-Per for one client, datastore = the seeded `capacity` fraction of its train split."""
     keep = datastore_indices(view.n_train, capacity,
                              client_seed(seed, 0, view.client_id, PERSONALIZE_STREAM))
     head = KNNHead(num_classes, k, sigma).fit(view.z_train[keep], view.y_train[keep])
     lam = 0.5
     if len(view.y_val):
-        lam = choose_lambda(head.predict_proba(view.z_val), view.p_global_val, view.y_val)
+        loo = None
+        if estimator == "loo+val":
+            loo = (leave_one_out_posteriors(head.keys_, head.labels_, num_classes, k, sigma),
+                   view.p_global_train[keep], head.labels_)
+        lam = estimate_lambda(estimator, head.predict_proba(view.z_val), view.p_global_val,
+                              view.y_val, loo)
     p_test = head.predict_proba(view.z_test) if len(view.y_test) else view.p_global_test
     return KnnOutcome(lam, len(keep), p_test)
 
@@ -106,13 +125,15 @@ def summary_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def knnper_rows(views: Sequence[ClientView], num_classes: int, *, k: int, sigma: float,
-                seed: int, capacity: float | dict[int, float] = 1.0) -> list[dict[str, Any]]:
+                seed: int, capacity: float | dict[int, float] = 1.0,
+                estimator: str = "val") -> list[dict[str, Any]]:
     """kNN-Per on every client (lambda chosen on validation); `capacity` may differ per client
     (a dict by client id)."""
     rows = []
     for view in views:
         cap = capacity[view.client_id] if isinstance(capacity, dict) else capacity
-        outcome = knn_outcome(view, num_classes, k=k, sigma=sigma, capacity=cap, seed=seed)
+        outcome = knn_outcome(view, num_classes, k=k, sigma=sigma, capacity=cap, seed=seed,
+                              estimator=estimator)
         rows.append(row(view, outcome.accuracy(view), **{"lambda": outcome.lam,
                                                          "datastore_size": outcome.stored,
                                                          "n_train": view.n_train}))

@@ -10,10 +10,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from edge_runtime.knn import NORMALIZATIONS
+from edge_runtime.byte_count import byte_count
 from export.demo import add_demo_command
 from export.errors import BudgetError, ExportError
-from export.exporter import REPORT_FILE, ExportSettings, export_run, select_ids
+from export.exporter import (
+    REPORT_FILE,
+    ExportSettings,
+    apply_knn_choice,
+    export_run,
+    select_ids,
+)
 from export.profiles import (
     PROFILES,
     load_budgets,
@@ -25,21 +31,8 @@ from export.sizing import BACKEND_CHOICES
 from fed_train import cli as fed_cli
 from fed_train.deploy import add_deploy_command
 from fed_train.errors import KnnperError
+from fed_train.knn_choice import add_knn_arguments, knn_request, load_or_choose
 from fed_train.run import load_run
-
-
-def _bytes(text: str) -> int:
-    """A byte count: 250000, 250k, 1.5M, 2MiB... (k/M/G are powers of 1000, Ki/Mi/Gi of 1024)."""
-    units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
-    raw = text.strip().lower().removesuffix("b")
-    number = raw.rstrip("kmgi")
-    try:
-        value = float(number) * units[raw[len(number):]]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r}") from None
-    if not 1 <= value < float("inf") or value != int(value):  # inf, 1e400: no OverflowError
-        raise argparse.ArgumentTypeError(f"must be a positive whole number of bytes: {text!r}")
-    return int(value)
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
@@ -49,10 +42,10 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="directory for the bundles and export.json")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budgets", metavar="FILE", help="JSON file {client_id: bytes}")
-    budget.add_argument("--budget", type=_bytes, metavar="BYTES",
-                        help="one budget for every device (250000, 250k, 1.5M, 2MiB)")
+    budget.add_argument("--budget", type=byte_count, metavar="BYTES",
+                        help="one budget for every device (500000, 500kB, 1.5MB, 2MiB)")
     budget.add_argument("--profile", help=f"generated budgets: {', '.join(PROFILES[1:])}")
-    p.add_argument("--reference", type=_bytes, metavar="BYTES",
+    p.add_argument("--reference", type=byte_count, metavar="BYTES",
                    help="reference budget in bytes for --profile (weak-strong: the devices get "
                         "(1/2 -+ delta_c) of it; lognormal: its median)")
     p.add_argument("--delta-c", type=float, default=0.25, metavar="D",
@@ -63,11 +56,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                    help=f"datastore backend: {', '.join(BACKEND_CHOICES)} (auto tries all)")
     p.add_argument("--quantize", default="int8", help="encoder precision: int8 or fp32")
     p.add_argument("--clients", default="all", help="all, seen, unseen, or ids like 0,3,7")
-    p.add_argument("--k", type=int, default=10, help="neighbours of the kNN head")
-    p.add_argument("--sigma", type=float, default=1.0, help="kernel width of the kNN head")
-    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
-                   help="embedding normalisation before the kNN (what `evaluate --tune-knn` "
-                        "chose), built into the encoder's embedding output")
+    add_knn_arguments(p, fed_cli._positive_int, fed_cli._positive_float)
     p.add_argument("--update-strategy", default="fifo",
                    help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
                         "buffers new samples beside its prototypes)")
@@ -141,18 +130,22 @@ PER_CLIENT_TABLE_MAX = 20  # above this many clients, only the summary is printe
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    settings = ExportSettings(quantize=args.quantize, backend=args.backend, k=args.k,
-                              sigma=args.sigma, normalize=args.normalize,
+    settings = ExportSettings(quantize=args.quantize, backend=args.backend,
                               update_strategy=args.update_strategy,
                               seed=args.seed, signing_key=args.signing_key)
     if args.pruned_search:
         settings.space = settings.space.pruned()
     settings.check()  # bad flags fail before the run is loaded
+    request = knn_request(args)
     try:
         run = load_run(args.run)
     except KnnperError as err:
         # torch's own message for a corrupt checkpoint runs over several lines; one is enough.
         raise ExportError(str(err).strip().splitlines()[0]) from err
+    choice = load_or_choose(run.run_dir, run.model, run.clients(), request,
+                            seed=run.config.seed)
+    print(choice.describe())
+    settings = apply_knn_choice(settings, choice)
     budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
     report = export_run(run, Path(args.out), budgets, settings, clients=args.clients,
                         progress=not args.no_progress, workers=args.workers)

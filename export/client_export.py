@@ -40,9 +40,12 @@ class SizingContext:
     update_strategy: str
     signing_key: str | None = None  # a path: workers load the key themselves
     journal: Path | None = None  # where each finished client is recorded (export.journal)
+    lambda_estimator: str = "val"
+    knn_provenance: dict[str, dict[str, Any]] | None = None  # recorded in every manifest
 
     def sizer(self) -> DatastoreSizer:
-        return DatastoreSizer(self.num_classes, k=self.k, sigma=self.sigma, space=self.space,
+        return DatastoreSizer(self.num_classes, k=self.k, sigma=self.sigma,
+                              lambda_estimator=self.lambda_estimator, space=self.space,
                               seed=self.seed)
 
 
@@ -56,6 +59,8 @@ def export_client(task: ClientTask, context: SizingContext,
     fields = {"client_id": int(data.client_id), "input": task.input_spec,
               "lambda": float(best.lam), "budget_bytes": task.budget,
               "update_strategy": context.update_strategy}
+    if context.knn_provenance is not None:
+        fields["knn_choice"] = context.knn_provenance
     try:
         key = load_private_key(context.signing_key) if context.signing_key else None
         manifest = write_bundle(task.target, fields, context.encoder_path, datastore,

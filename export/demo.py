@@ -18,10 +18,17 @@ from typing import Any
 import numpy as np
 
 from export.evaluation import evaluate_export, weighted_mean
-from export.exporter import ExportSettings, build_encoder, export_run
+from export.exporter import ExportSettings, apply_knn_choice, build_encoder, export_run
 from export.profiles import uniform_budgets
 from fed_train import defaults
-from fed_train.cli import EVAL_METHODS, evaluate_run
+from fed_train.cli import EVAL_METHODS, _positive_float, _positive_int, evaluate_run
+from fed_train.knn_choice import (
+    KNNChoice,
+    KNNRequest,
+    add_knn_arguments,
+    knn_request,
+    load_or_choose,
+)
 from fed_train.run import LoadedRun, RunConfig, load_run, train
 
 DEMO_PARTITION = {"partition": "pathological", "classes_per_client": 2}
@@ -60,19 +67,24 @@ def device_budgets(run: LoadedRun, encoder_bytes: int) -> dict[str, int]:
 
 
 def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
-             progress: bool = True, workers: int = 1) -> list[dict[str, Any]]:
-    """Train, evaluate, export for each device class, evaluate the bundles; the table's rows."""
+             progress: bool = True, workers: int = 1,
+             knn: KNNRequest | None = None) -> tuple[list[dict[str, Any]], KNNChoice]:
+    """Train, evaluate, export for each device class, evaluate the bundles: the table's rows
+    and kNN-Per's configuration, chosen once on validation and run by the server and every
+    bundle alike."""
     size = size or DemoSize()
     out = Path(out)
     train(demo_config(size, seed), out, progress=progress)
     run = load_run(out)
-    server = evaluate_run(run, EVAL_METHODS, progress=progress)
+    clients = run.clients()
+    choice = load_or_choose(run.run_dir, run.model, clients, knn or KNNRequest(),
+                            seed=run.config.seed)
+    server = evaluate_run(run, EVAL_METHODS, knn=knn, progress=progress)
     (out / "evaluation.json").write_text(json.dumps(server, indent=2))
     rows = [_server_row(name, server, method)
             for name, method in (("FedAvg", "fedavg"), ("Local", "local"),
                                  ("kNN-Per", "knnper"))]
-    settings = ExportSettings(seed=seed)
-    clients = run.clients()
+    settings = apply_knn_choice(ExportSettings(seed=seed), choice)
     encoder_dir = out / "encoder"
     encoder_dir.mkdir(parents=True, exist_ok=True)
     encoder = build_encoder(run, encoder_dir, settings, clients)
@@ -83,7 +95,7 @@ def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
                    progress=progress, workers=workers)
         rows.append(_device_row(device, budget, evaluate_export(run, bundles)))
     shutil.rmtree(encoder_dir)
-    return rows
+    return rows, choice
 
 
 def _server_row(name: str, result: dict[str, Any], method: str) -> dict[str, Any]:
@@ -116,8 +128,9 @@ def format_demo_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    rows = run_demo(Path(args.out), seed=args.seed, progress=not args.no_progress,
-                    workers=args.workers)
+    rows, choice = run_demo(Path(args.out), seed=args.seed, progress=not args.no_progress,
+                            workers=args.workers, knn=knn_request(args))
+    print(choice.describe())
     print(format_demo_table(rows))
     print(f"run, evaluation and bundles in {args.out}")
     return 0
@@ -130,4 +143,5 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the partition and training")
     p.add_argument("--workers", type=int, default=2,
                    help="processes that size clients' datastores in parallel")
+    add_knn_arguments(p, _positive_int, _positive_float)
     p.set_defaults(func=_cmd_demo)

@@ -19,7 +19,13 @@ import numpy as np
 
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
-from edge_runtime.knn import NORMALIZATIONS
+from edge_runtime.knn import (
+    DEFAULT_K,
+    DEFAULT_NORMALIZE,
+    DEFAULT_SIGMA,
+    LAMBDA_ESTIMATORS,
+    NORMALIZATIONS,
+)
 from edge_runtime.signing import load_private_key
 from export.client_export import (
     ClientTask,
@@ -39,6 +45,7 @@ from export.sizing import (
     smallest_datastore_bytes,
 )
 from fed_train.algorithms.base import ClientData
+from fed_train.knn_choice import KNNChoice
 from fed_train.progress import Progress
 from fed_train.run import LoadedRun
 from fed_train.workers import worker_pool
@@ -58,10 +65,14 @@ class ExportSettings:
 
     quantize: str = "int8"
     backend: str = "auto"
-    k: int = 10
-    sigma: float = 1.0
+    k: int = DEFAULT_K
+    sigma: float = DEFAULT_SIGMA
     # embedding normalisation before the kNN, baked into the encoder's "embedding" output
-    normalize: str = "none"
+    normalize: str = DEFAULT_NORMALIZE
+    lambda_estimator: str = "val"  # how each bundle's lambda is chosen (see DatastoreSizer)
+    # each kNN value with where it came from (validation / flag / paper default), written into
+    # every manifest and export.json: fed_train.knn_choice.KNNChoice.provenance()
+    knn_provenance: dict[str, dict[str, Any]] | None = None
     update_strategy: str = "fifo"
     # share of a client's train samples a protonn bundle reserves room for, as its buffer of
     # samples learned on the device (none with update_strategy "fixed")
@@ -84,6 +95,9 @@ class ExportSettings:
         if self.normalize not in NORMALIZATIONS:
             raise ExportError(f"unknown embedding normalisation {self.normalize!r}; known: "
                               f"{', '.join(NORMALIZATIONS)}")
+        if self.lambda_estimator not in LAMBDA_ESTIMATORS:
+            raise ExportError(f"unknown lambda estimator {self.lambda_estimator!r}; known: "
+                              f"{', '.join(LAMBDA_ESTIMATORS)}")
         if self.k < 1 or not self.sigma > 0:
             raise ExportError(f"k must be >= 1 and sigma > 0, got k={self.k}, "
                               f"sigma={self.sigma}")
@@ -94,6 +108,13 @@ class ExportSettings:
                 load_private_key(self.signing_key)
             except SignatureError as err:
                 raise ExportError(str(err)) from None
+
+
+def apply_knn_choice(settings: ExportSettings, choice: KNNChoice) -> ExportSettings:
+    """These settings running `choice`, with where each value came from for the manifests."""
+    return replace(settings, k=choice.config.k, sigma=choice.config.sigma,
+                   normalize=choice.config.normalize, lambda_estimator=choice.lambda_estimator,
+                   knn_provenance=choice.provenance())
 
 
 @dataclass
@@ -203,14 +224,14 @@ def client_embeddings(encoder: Encoder, client: ClientData) -> ClientEmbeddings:
     if client.num_train == 0:
         raise ExportError(f"client {client.client_id} has no training samples to build a "
                           "datastore from")
-    z_train = encoder.run(client.x_train.numpy())[0]
+    z_train, logits_train = encoder.run(client.x_train.numpy())
     if len(client.y_val):
         z_val, logits_val = encoder.run(client.x_val.numpy())
     else:
         z_val = np.zeros((0, z_train.shape[1]), np.float32)
         logits_val = np.zeros((0, 1), np.float32)
     return ClientEmbeddings(client.client_id, z_train, client.y_train.numpy(), z_val,
-                            logits_val, client.y_val.numpy())
+                            logits_val, client.y_val.numpy(), logits_train)
 
 
 def bundle_dir(out_dir: Path, client_id: int) -> Path:
@@ -261,7 +282,8 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
     context = SizingContext(encoder_files.path, encoder_files.nbytes, run.dataset.num_classes,
                             settings.k, settings.sigma, space, settings.seed,
                             settings.update_strategy, settings.signing_key,
-                            out_dir / JOURNAL_FILE)
+                            out_dir / JOURNAL_FILE, settings.lambda_estimator,
+                            settings.knn_provenance)
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
         _fingerprint(run, settings, space, encoder_files), budgets,
@@ -285,6 +307,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
     report = {
         "run": str(run.run_dir),
         "settings": {**asdict(settings), "space": asdict(space)},
+        "knn": settings.knn_provenance,
         "encoder": {"file": encoder_files.path.name, "quantize": encoder_files.quantize,
                     "bytes": encoder_files.nbytes, "fp32_file": encoder_files.fp32_path.name,
                     "fp32_bytes": encoder_files.fp32_nbytes,

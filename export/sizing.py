@@ -2,12 +2,14 @@
 key dtype x stored samples or prototypes x projection dimension), measure each one's exact bytes
 and its kNN-Per accuracy on the client's validation split, keep the best that fits.
 
-Cheap configurations (flat, HNSW) go first, ProtoNN (trained) last. The search is exhaustive
-by default; `SearchSpace.pruned()` stops paying for candidates that look unable to win:
+Cheap configurations (flat, HNSW) go first, ProtoNN (trained) last. ProtoNN compresses the
+datastore, so it is trained only where the budget cannot hold every train sample as float32 keys
+(when flat candidates are searched): a compression the budget does not ask for would replace
+the datastore that the server's kNN-Per evaluation measured with a model that won on a few
+dozen validation samples. Otherwise the search is exhaustive by default;
+`SearchSpace.pruned()` stops paying for candidates that look unable to win:
 - HNSW stores float32 keys plus links, so flat float32 keys always hold at least as many samples
   in the same room and search them exactly: HNSW is only tried where flat float32 is not.
-- ProtoNN compresses the datastore; when every train sample fits as float32 keys, ProtoNN is
-  not trained.
 - successive halving: every ProtoNN candidate gets `protonn_screen_steps` Adam steps, and only
   the `protonn_finalists` best on validation are trained on to `protonn_steps`.
 On 20 clients of a Fashion-MNIST run the pruned search was 2.4x faster but changed 14 choices
@@ -32,7 +34,17 @@ from edge_runtime.datastores import (
     ProtoNNDatastore,
     max_count_within,
 )
-from edge_runtime.knn import LAMBDA_GRID, choose_lambda, interpolate, softmax
+from edge_runtime.knn import (
+    DEFAULT_K,
+    DEFAULT_SIGMA,
+    LAMBDA_GRID,
+    datastore_key,
+    estimate_lambda,
+    interpolate,
+    leave_one_out_posteriors,
+    softmax,
+    split_score,
+)
 from export.errors import BudgetError, ExportError
 from protonn.training import ProtoNNClassifier
 
@@ -66,7 +78,7 @@ class SearchSpace:
     protonn_screen_steps: int | None = None  # successive halving: steps every candidate gets
     protonn_finalists: int = 3  # ... and how many go on to protonn_steps
     fill_budget: bool = True  # also try the most samples / prototypes that fit
-    prune: bool = False  # skip HNSW and ProtoNN where they look unable to win (module doc)
+    prune: bool = False  # skip HNSW where it cannot win, halve ProtoNN's finalists (module doc)
     # share of the train split a ProtoNN datastore reserves room for, as its buffer of samples
     # added on the device (the exporter sets it unless the update strategy is "fixed")
     protonn_buffer: float = 0.0
@@ -115,6 +127,8 @@ class ClientEmbeddings:
     z_val: np.ndarray
     logits_val: np.ndarray
     y_val: np.ndarray
+    # the global model's logits on the train split: the "loo+val" lambda estimator needs them
+    logits_train: np.ndarray | None = None
 
 
 def measure_nbytes(datastore: Datastore) -> int:
@@ -147,28 +161,30 @@ def smallest_datastore_bytes(space: SearchSpace, num_classes: int, dim: int) -> 
     return min(sizes)
 
 
-def selection_key(c: Candidate) -> tuple[float, float, int]:
-    """Best validation accuracy; ties (frequent on a few validation samples) go to the lower
-    validation log-loss rounded to 2 decimals, then to the fewer bytes. Rounding keeps the tiny
-    log-loss differences that key quantization causes (fp32 vs int8 keys) from outweighing a
-    4x saving in bytes; the device-side init uses the same order."""
-    acc = c.val_accuracy if c.val_accuracy is not None else 0.0
-    nll = round(c.val_nll, 2) if c.val_nll is not None else 0.0
-    return (-round(acc, 12), nll, c.nbytes)
+def selection_key(c: Candidate) -> tuple:
+    """edge_runtime.knn.datastore_key: the order `knnper-edge init` ranks its candidates by.
+    Its log-loss rounding keeps the tiny differences that key quantization causes (fp32
+    against int8 keys) from outweighing a 4x saving in bytes."""
+    return datastore_key(c.val_accuracy, c.val_nll, trained=c.backend == "protonn",
+                         nbytes=c.nbytes)
 
 
 class DatastoreSizer:
     """Per client: enumerate datastores that fit `room` bytes (the budget minus the encoder),
-    score each with kNN-Per on the validation split (lambda chosen on that same split), and keep
-    the best. scikit-learn style: settings here, work in `fit`, results in `best_`,
-    `datastore_`, `candidates_` (and `fitted_`: each candidate with its fitted datastore)."""
+    score each with kNN-Per on the validation split (lambda chosen by `lambda_estimator`: on
+    that split, or with "loo+val" on it plus leave-one-out posteriors of the client's train
+    embeddings as float32 keys, the datastore a full flat fp32 candidate holds; compressed
+    candidates share that datastore half), and keep the best. scikit-learn style: settings
+    here, work in `fit`, results in `best_`, `datastore_`, `candidates_` (and `fitted_`: each
+    candidate with its fitted datastore)."""
 
-    def __init__(self, num_classes: int, *, k: int = 10, sigma: float = 1.0,
-                 space: SearchSpace | None = None, seed: int = 0,
+    def __init__(self, num_classes: int, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
+                 lambda_estimator: str = "val", space: SearchSpace | None = None, seed: int = 0,
                  reuse_protonn: bool = False) -> None:
         self.num_classes = num_classes
         self.k = k
         self.sigma = sigma
+        self.lambda_estimator = lambda_estimator
         self.space = space or SearchSpace()
         self.seed = seed
         # Benchmarks size the same client under many budgets; a ProtoNN of a given shape on the
@@ -185,6 +201,7 @@ class DatastoreSizer:
         if not self.reuse_protonn:
             self._protonn_cache = {}  # within one fit: the classifiers the finalists train on
         self._p_global = softmax(np.asarray(data.logits_val, dtype=np.float64))
+        self._loo = self._leave_one_out(data)
         candidates: list[tuple[Candidate, Datastore]] = []
         seen: set[tuple[str, int]] = set()
         for build in self._builders(data, room):
@@ -222,22 +239,31 @@ class DatastoreSizer:
 
     def _holds_all_fp32(self, candidates: list[tuple[Candidate, Datastore]],
                         data: ClientEmbeddings) -> bool:
-        """Whether pruning applies: a flat float32 datastore of every train sample fits."""
-        return self.space.prune and any(
+        """Whether a flat float32 datastore of every train sample fits (then ProtoNN is not
+        trained: the module's doc says why)."""
+        return any(
             c.backend == "flat" and c.recipe.startswith("flat:fp32")
             and c.stored == len(data.y_train) for c, _ in candidates)
+
+    def _leave_one_out(self, data: ClientEmbeddings):
+        if self.lambda_estimator != "loo+val":
+            return None
+        if data.logits_train is None:
+            raise ExportError("the loo+val lambda estimator needs the train split's logits")
+        return (leave_one_out_posteriors(data.z_train, data.y_train, self.num_classes, self.k,
+                                         self.sigma),
+                softmax(np.asarray(data.logits_train, dtype=np.float64)), data.y_train)
 
     def _score(self, cand: Candidate, ds: Datastore, data: ClientEmbeddings) -> None:
         y = np.asarray(data.y_val)
         if len(y) == 0:
-            cand.lam = choose_lambda(np.zeros((0, 1)), np.zeros((0, 1)), y)
+            cand.lam = estimate_lambda("val", np.zeros((0, 1)), np.zeros((0, 1)), y)
             return
         p_local = ds.predict_proba(data.z_val)
-        cand.lam = float(choose_lambda(p_local, self._p_global, y, LAMBDA_GRID))
-        p = interpolate(p_local, self._p_global, cand.lam)
-        cand.val_accuracy = float(np.mean(p.argmax(axis=1) == y))
-        true = np.clip(p[np.arange(len(y)), y], 1e-12, None)
-        cand.val_nll = float(-np.mean(np.log(true)))
+        cand.lam = float(estimate_lambda(self.lambda_estimator, p_local, self._p_global, y,
+                                         self._loo, LAMBDA_GRID))
+        cand.val_accuracy, cand.val_nll = split_score(
+            interpolate(p_local, self._p_global, cand.lam), y)
 
     # -- enumeration
     def _counts(self, n_train: int, most: int) -> list[int]:

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import as_completed
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,12 @@ import torch
 from edge_runtime._io import write_json_atomic
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
-from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS
 from fed_train.attribution import BODIES, attribution_table, body_rows, format_attribution
 from fed_train.errors import KnnperError, TrainingError
 from fed_train.evaluation import merge_results, plain_json, summarize
-from fed_train.knn_tuning import KNNConfig, add_knn_choice_arguments, choose_knn
+from fed_train.knn_choice import add_knn_arguments, knn_request, load_or_choose
+from fed_train.knn_request import KNNRequest
+from fed_train.knn_tuning import client_rows, client_views
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
 from fed_train.progress import Progress, track
@@ -105,13 +106,8 @@ class TableRunner:
 
     def __init__(self, config: RunConfig, out: Path, *,
                  hyper: Mapping[str, Mapping[str, Any]] | None = None,
-                 progress: bool = True, tune_knn: bool = False,
-                 lambda_estimator: str = "val") -> None:
-        if lambda_estimator not in (*LAMBDA_ESTIMATORS, "auto"):
-            raise BenchError(f"unknown lambda estimator {lambda_estimator!r}; known: "
-                             f"{', '.join(LAMBDA_ESTIMATORS)}, auto")
-        self.tune_knn = tune_knn
-        self.lambda_estimator = lambda_estimator
+                 progress: bool = True, knn: KNNRequest | None = None) -> None:
+        self.knn = knn or KNNRequest()
         self.config = config
         self.out = Path(out)
         self.hyper = {m: dict(h) for m, h in (hyper or {}).items()}
@@ -180,29 +176,22 @@ class TableRunner:
         return result
 
     def _knn_identity(self) -> dict[str, Any]:
-        hyper = dict(self.hyper.get("knnper", {}))
-        if self.tune_knn:
-            hyper = {"tuned": True, "capacity": hyper.get("capacity", 1.0),
-                     "lambda_estimator": self.lambda_estimator}
-        elif self.lambda_estimator != "val":
-            hyper["lambda_estimator"] = self.lambda_estimator
-        return hyper
+        return {**self.hyper.get("knnper", {}), "knn": asdict(self.knn)}
 
     def _knn_choice(self, lr: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """kNN-Per's hyper-parameters at this learning rate and the record of how they were
-        chosen (see knn_tuning.choose_knn)."""
-        hyper = dict(self.hyper.get("knnper", {}))
-        if self.tune_knn and hyper.get("capacity", 1.0) != 1.0:
-            raise BenchError("--tune-knn chooses on full datastores: use --capacity 1")
+        chosen: the FedAvg run's saved choice (fed_train.knn_choice), made on first use."""
         training = replace(self.config.training, lr=lr)
         fedavg = build_algorithm("fedavg", self.model_fn, training)
-        fixed = KNNConfig(hyper.get("k", 10), hyper.get("sigma", 1.0),
-                          hyper.get("normalize", "none"))
-        config, estimator, record = choose_knn(
-            fedavg.global_model(self.train("fedavg", training).weights), self.clients,
-            tune=self.tune_knn, fixed=fixed, estimator=self.lambda_estimator,
-            seed=self.config.seed)
-        return {**hyper, **config.to_dict(), "lambda_estimator": estimator}, record
+        model = fedavg.global_model(self.train("fedavg", training).weights)
+        choice = load_or_choose(self.out / "runs" / "fedavg" / _lr_dir(lr), model, self.clients,
+                                self.knn, seed=self.config.seed)
+        # each client's lambda beside the test oracle's, for the report only (never saved with
+        # the choice, which holds nothing of the test splits)
+        oracle = client_rows(client_views(model, self.clients), choice.config,
+                             estimator=choice.lambda_estimator)
+        return ({**self.hyper.get("knnper", {}), **choice.hyper()},
+                {**choice.record, "oracle_rows": oracle})
 
     def rows(self, method: str, lr: float, *,
              diverged_ok: bool = False) -> list[dict[str, Any]] | None:
@@ -286,12 +275,10 @@ def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple
 
 
 def _table_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
-               tune_knn: bool, lambda_estimator: str, methods: list[str], lr: float,
-               diverged_ok: bool) -> None:
+               knn: KNNRequest, methods: list[str], lr: float, diverged_ok: bool) -> None:
     """One worker's share of a table: the methods that share one training run at one rate."""
     torch.set_num_threads(1)
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, tune_knn=tune_knn,
-                         lambda_estimator=lambda_estimator)
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, knn=knn)
     for method in methods:
         runner.rows(method, lr, diverged_ok=diverged_ok)
 
@@ -305,23 +292,23 @@ def _attribution_job(config: RunConfig, out: str,
 
 
 def _table_jobs(config: RunConfig, names: Sequence[str], lrs: Sequence[float], out: Path,
-                hyper: Mapping[str, Mapping[str, Any]] | None, tune_knn: bool,
-                lambda_estimator: str) -> list[tuple[Callable[..., None], tuple]]:
+                hyper: Mapping[str, Mapping[str, Any]] | None,
+                knn: KNNRequest) -> list[tuple[Callable[..., None], tuple]]:
     """One job per (training run, learning rate), the costliest first."""
     groups: dict[str, list[str]] = {}
     for m in names:
         groups.setdefault(TRAINED_BY.get(m, m), []).append(m)
     jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
                   key=lambda j: -_JOB_COST.get(j[0], 1.0))
-    return [(_table_job, (config, str(out), hyper, tune_knn, lambda_estimator, methods, lr,
-                          len(lrs) > 1)) for _, methods, lr in jobs]
+    return [(_table_job, (config, str(out), hyper, knn, methods, lr, len(lrs) > 1))
+            for _, methods, lr in jobs]
 
 
 def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, *,
               tune_lr: bool = False, lr_grid: Sequence[float] = LR_GRID,
               hyper: Mapping[str, Mapping[str, Any]] | None = None,
-              progress: bool = True, tune_knn: bool = False, lambda_estimator: str = "val",
-              workers: int = 1, attribution: bool = False,
+              progress: bool = True, knn: KNNRequest | None = None, workers: int = 1,
+              attribution: bool = False,
               command: str | None = None) -> dict[str, Any]:
     """Run every method, write the tables and per-client files into `out`, return the results
     (evaluation's JSON plus the learning rates, validation scores and kNN-Per's choices).
@@ -330,11 +317,10 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     lrs = check_lr_grid(lr_grid) if tune_lr else check_lr_grid([config.training.lr])
     if workers < 1:
         raise BenchError(f"workers must be >= 1, got {workers}")
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, tune_knn=tune_knn,
-                         lambda_estimator=lambda_estimator)
+    knn = knn or KNNRequest()
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, knn=knn)
     if workers > 1:
-        _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, tune_knn,
-                                           lambda_estimator),
+        _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, knn),
                       desc="bench table: training runs", progress=progress)
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
@@ -361,11 +347,10 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
         record = runner.knn_record(chosen["knnper"])
         oracle_rows = [{**r, "accuracy": r["info"].get("oracle_accuracy")}
                        for r in per_method["knnper"]]
-        result["knn"] = {**(record or {}), "tuned": tune_knn,
-                         "oracle": summarize(oracle_rows)}
+        result["knn"] = {**(record or {}), "oracle": summarize(oracle_rows)}
     if attribution:
         body_lrs = {b: chosen.get(b, lrs[0]) for b in BODIES}
-        estimator = lambda_estimator  # "auto": each body gets its own cross-validated choice
+        estimator = knn.estimator()  # "auto": each body gets its own cross-validated choice
         if workers > 1:
             _in_processes(workers, [(_attribution_job, (config, str(out), hyper, body, lr,
                                                         estimator))
@@ -403,13 +388,15 @@ def _knn_lines(result: dict[str, Any]) -> list[str]:
     if not knn or "config" not in knn:
         return []
     c, report = knn["config"], knn.get("lambda_report", {})
-    how = "chosen on pooled validation" if knn["tuned"] else "fixed"
+    source = knn["source"]
     lines = ["## kNN-Per's choices", "",
-             f"- k = {c['k']}, sigma = {c['sigma']:.3g}, embeddings {c['normalize']} ({how}; "
-             f"lr {result['lr']['knnper']:g}).",
-             f"- lambda per client by `{knn['estimator']}`; 2-fold cross-validation inside the "
-             "validation splits: " + ", ".join(f"`{e}` {100 * v:.1f}%"
-                                              for e, v in knn["lambda_cv"].items()) + "."]
+             f"- k = {c['k']} ({source['k']}), sigma = {c['sigma']:.3g} ({source['sigma']}), "
+             f"embeddings {c['normalize']} ({source['normalize']}); lr "
+             f"{result['lr']['knnper']:g}.",
+             f"- lambda per client by `{knn['estimator']}` ({source['lambda_estimator']})"
+             + ("; 2-fold cross-validation inside the validation splits: " + ", ".join(
+                 f"`{e}` {100 * v:.1f}%" for e, v in knn["lambda_cv"].items())
+                if knn["lambda_cv"] else "") + "."]
     if report.get("clients"):
         lines.append(f"- The honest lambda differs from the test-oracle lambda for "
                      f"{report['differs']} of {report['clients']} clients; the oracle would add "
@@ -489,12 +476,11 @@ def _cmd_table(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise BenchError(str(err)) from None
     config = config_from_args(args)
-    hyper = {"knnper": {"k": args.k, "sigma": args.sigma, "capacity": args.capacity,
-                        "normalize": args.normalize}}
+    hyper = {"knnper": {"capacity": args.capacity}}
     command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = run_table(config, args.methods, Path(args.out), tune_lr=args.tune_lr, lr_grid=grid,
                        hyper=hyper, progress=not getattr(args, "no_progress", False),
-                       tune_knn=args.tune_knn, lambda_estimator=args.lambda_estimator,
+                       knn=knn_request(args),
                        workers=args.workers, attribution=args.attribution, command=command)
     print(format_markdown(result))
     print(f"wrote {args.out}/table.md, table1.csv, table2.csv, clients.csv, results.json")
@@ -521,11 +507,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
                    "10^-2.5)")
     p.add_argument("--checkpoint-every", type=_positive(int), default=5,
                    help="rounds between checkpoints of each training run")
-    p.add_argument("--k", type=_positive(int), default=10, help="kNN-Per neighbours")
-    p.add_argument("--sigma", type=_positive(float), default=1.0, help="kNN-Per kernel scale")
+    add_knn_arguments(p, _positive(int), _positive(float))
     p.add_argument("--capacity", type=_positive(float, 1.0), default=1.0,
                    help="kNN-Per: fraction of each client's train split in its datastore")
-    add_knn_choice_arguments(p)
     p.add_argument("--workers", type=_positive(int), default=1,
                    help="train the (method, learning rate) runs in this many processes")
     p.add_argument("--attribution", action="store_true",

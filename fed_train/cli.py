@@ -27,7 +27,13 @@ from fed_train.client_files import write_client_files
 from fed_train.data import DEFAULT_PATHS
 from fed_train.errors import KnnperError
 from fed_train.evaluation import client_accuracies, format_table, merge_results
-from fed_train.knn_tuning import KNNConfig, add_knn_choice_arguments, choose_knn
+from fed_train.knn_choice import (
+    KNNRequest,
+    add_knn_arguments,
+    describe_record,
+    knn_request,
+    load_or_choose,
+)
 from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import LoadedRun, RunConfig, load_run, train
 
@@ -148,15 +154,16 @@ def _local_cache_key(run: LoadedRun) -> dict[str, Any]:
                                   "seed": run.config.seed}))
 
 
-def evaluate_run(run: LoadedRun, methods: Sequence[str], *, k: int = 10, sigma: float = 1.0,
-                 capacity: float = 1.0, normalize: str = "none", tune_knn: bool = False,
-                 lambda_estimator: str = "val", progress: bool = True) -> dict[str, Any]:
-    """Local, FedAvg and kNN-Per on every client of a finished run. Local models take as long to
-    train as the run itself, so their per-client results are cached in RUN/eval/local.json."""
+def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | None = None,
+                 capacity: float = 1.0, progress: bool = True) -> dict[str, Any]:
+    """Local, FedAvg and kNN-Per on every client of a finished run. kNN-Per runs the run's
+    saved configuration (chosen on validation the first time it is needed: fed_train.knn_choice).
+    Local models take as long to train as the run itself, so their per-client results are
+    cached in RUN/eval/local.json."""
     clients = run.clients()
     weights = get_weights(run.model)
     per_method: dict[str, list[dict[str, Any]]] = {}
-    knn_record = None
+    choice = None
     for method in methods:
         if method not in EVAL_METHODS:
             raise KnnperError(f"unknown method {method!r} for evaluate; known: "
@@ -169,8 +176,9 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, k: int = 10, sigma: 
                 continue
         hyper: dict[str, Any] = {}
         if method == "knnper":
-            hyper, knn_record = _knn_hyper(run, clients, k, sigma, capacity, normalize, tune_knn,
-                                           lambda_estimator)
+            choice = load_or_choose(run.run_dir, run.model, clients, knn or KNNRequest(),
+                                    seed=run.config.seed)
+            hyper = {**choice.hyper(), "capacity": capacity}
         algorithm = build_algorithm(method, run.model_factory(), run.config.training, **hyper)
         rows = client_accuracies(algorithm, weights, {}, clients, seed=run.config.seed,
                                  progress=progress)
@@ -179,26 +187,9 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, k: int = 10, sigma: 
             cache.parent.mkdir(exist_ok=True)
             write_json_atomic(cache, {"key": _local_cache_key(run), "rows": rows})
     result = merge_results(per_method)
-    if knn_record is not None:
-        result["knn"] = knn_record
+    if choice is not None:
+        result["knn"] = choice.record
     return result
-
-
-def _knn_hyper(run: LoadedRun, clients: list, k: int, sigma: float, capacity: float,
-               normalize: str, tune: bool, estimator: str) -> tuple[dict[str, Any], dict | None]:
-    """kNN-Per's settings: as given, or chosen on validation (`tune`, estimator "auto"), the
-    same way `bench table --tune-knn` chooses them."""
-    hyper = {"k": k, "sigma": sigma, "capacity": capacity, "normalize": normalize,
-             "lambda_estimator": estimator}
-    if not tune and estimator != "auto":
-        return hyper, None
-    if tune and capacity != 1.0:
-        raise KnnperError("--tune-knn chooses on full datastores: use --capacity 1")
-    config, chosen, record = choose_knn(run.model, clients, tune=tune,
-                                        fixed=KNNConfig(k, sigma, normalize),
-                                        estimator=estimator, seed=run.config.seed)
-    record.pop("oracle_rows")
-    return {**hyper, **config.to_dict(), "lambda_estimator": chosen}, record
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -217,13 +208,10 @@ def _report(result: dict[str, Any], json_path: str | None) -> None:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     run = load_run(args.run)
-    result = evaluate_run(run, args.methods, k=args.k, sigma=args.sigma, capacity=args.capacity,
-                          normalize=args.normalize, tune_knn=args.tune_knn,
-                          lambda_estimator=args.lambda_estimator, progress=not args.no_progress)
+    result = evaluate_run(run, args.methods, knn=knn_request(args), capacity=args.capacity,
+                          progress=not args.no_progress)
     if "knn" in result:
-        c = result["knn"]["config"]
-        print(f"kNN-Per: k={c['k']}, sigma={c['sigma']:g}, embeddings {c['normalize']}, "
-              f"lambda by {result['knn']['estimator']} (chosen on validation)")
+        print(describe_record(result["knn"]))
     _report(result, args.json)
     return 0
 
@@ -295,12 +283,9 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("evaluate", help="local / FedAvg / kNN-Per accuracy of a finished run")
     p.add_argument("run", help="run directory written by `knnper train`")
-    p.add_argument("--k", type=_positive_int, default=10, help="neighbours of the kNN head")
-    p.add_argument("--sigma", type=_positive_float, default=1.0,
-                   help="kernel width of the kNN head")
+    add_knn_arguments(p, _positive_int, _positive_float)
     p.add_argument("--capacity", type=_fraction, default=1.0,
                    help="fraction of each client's train split kept in its datastore")
-    add_knn_choice_arguments(p)
     p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
                    help=f"any of {', '.join(EVAL_METHODS)}")
     p.add_argument("--json", default=None, help="write summaries and per-client rows here")

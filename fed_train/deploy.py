@@ -27,6 +27,7 @@ from fed_train.errors import KnnperError
 from fed_train.flower.expected import expectation_line
 from fed_train.flower.pki import NodeKey, ServerTLS, make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerConfigError, FlowerSettings
+from fed_train.knn_choice import add_knn_arguments
 from fed_train.progress import Progress
 from fed_train.run import open_run
 from fed_train.workers import ignoring_ctrl_c
@@ -324,8 +325,10 @@ def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
     return FlowerSettings(run=config_from_args(args), run_dir=args.out, algorithm=args.algorithm,
                           round_timeout=args.round_timeout, connect_timeout=args.connect_timeout,
                           min_train_clients=args.min_train_clients,
-                          eval_methods=tuple(args.eval_methods), k=args.k, sigma=args.sigma,
-                          capacity=args.capacity)
+                          eval_methods=tuple(args.eval_methods), knn_config=args.knn_config,
+                          k=args.k or 0, sigma=args.sigma or 0.0,
+                          normalize=args.normalize or "", capacity=args.capacity,
+                          lambda_estimator=args.lambda_estimator or "")
 
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
@@ -405,9 +408,7 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
                    help="fedavg, knnper, fedavg+, clustered, ditto, fedrep, apfl, pfedgp")
     p.add_argument("--eval-methods", nargs="+", default=["fedavg", "knnper"],
                    help="personalizations evaluated on the clients after training")
-    p.add_argument("--k", type=_positive_int, default=10, help="neighbours of the kNN head")
-    p.add_argument("--sigma", type=_positive_float, default=1.0,
-                   help="kernel width of the kNN head")
+    add_knn_arguments(p, _positive_int, _positive_float)
     p.add_argument("--capacity", type=_fraction, default=1.0,
                    help="fraction of each client's train split kept in its datastore")
     p.add_argument("--round-timeout", type=_positive_float, default=600.0,

@@ -13,7 +13,6 @@ chosen here is exactly what a device computes.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,9 +20,15 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.knn import (
+    DEFAULT_K,
+    DEFAULT_NORMALIZE,
+    DEFAULT_SIGMA,
+    LAMBDA_ESTIMATORS,
     LAMBDA_GRID,
     NORMALIZATIONS,
+    choice_key,
     choose_lambda,
+    estimate_lambda,
     exact_search,
     interpolate,
     kernel_posterior,
@@ -32,22 +37,17 @@ from edge_runtime.knn import (
     softmax,
 )
 from fed_train.algorithms.base import ClientData, embed_and_logits
-from fed_train.algorithms.knnper import LAMBDA_ESTIMATORS, estimate_lambda
+from fed_train.knn_request import K_GRID, SIGMA_GRID
 from fed_train.models import EmbedHeadModel
-
-K_GRID: tuple[int, ...] = (5, 10, 20, 50)
-# half-decades from 1e-4 to 1e2: L2-normalised embeddings need small scales (squared distances
-# are at most 4, divided by the dimension), raw ReLU embeddings large ones
-SIGMA_GRID: tuple[float, ...] = tuple(float(10.0 ** (e / 2)) for e in range(-8, 5))
 
 
 @dataclass(frozen=True)
 class KNNConfig:
     """One point of kNN-Per's grid; the defaults are the paper's (k = 10, sigma = 1, raw)."""
 
-    k: int = 10
-    sigma: float = 1.0
-    normalize: str = "none"
+    k: int = DEFAULT_K
+    sigma: float = DEFAULT_SIGMA
+    normalize: str = DEFAULT_NORMALIZE
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,6 +153,59 @@ def _lambda_for(s: _Searched, config: KNNConfig, estimator: str,
                            v.p_val[rows], v.y_val[rows], loo, tuple(grid))
 
 
+def grid_points(ks: Sequence[int], sigmas: Sequence[float],
+                normalizations: Sequence[str]) -> list[KNNConfig]:
+    """The grid in the order it is scored and reported (ties go to the first)."""
+    if not ks or not sigmas or not normalizations:
+        raise ValueError("the k, sigma and normalisation grids must not be empty")
+    return [KNNConfig(int(k), float(sigma), how)
+            for how in normalizations for k in ks for sigma in sigmas]
+
+
+def grid_counts(view: ClientView, points: Sequence[KNNConfig],
+                lambdas: Sequence[float] = LAMBDA_GRID) -> np.ndarray:
+    """One client's share of the grid's score, [points, 3]: validation samples right, summed
+    log-loss and samples, each point with the client's own lambda chosen on its validation
+    split. Clients compute it on their own data (a Flower evaluation sends only these sums),
+    the server pools it."""
+    searched: dict[str, _Searched] = {}
+    out = np.zeros((len(points), 3))
+    k_max = max(c.k for c in points)
+    for i, config in enumerate(points):
+        if config.normalize not in searched:
+            searched[config.normalize] = _Searched(view, config.normalize, k_max, ("val",))
+        s = searched[config.normalize]
+        lam = _lambda_for(s, config, "val", grid=lambdas)
+        p = interpolate(s.posterior("val", config.k, config.sigma), view.p_val, lam)
+        c, nll = _correct_and_nll(p, view.y_val)
+        out[i] = (c, nll, len(view.y_val))
+    return out
+
+
+def pick_config(points: Sequence[KNNConfig],
+                counts: Sequence[np.ndarray]) -> tuple[KNNConfig, list[dict]]:
+    """The point with the best pooled validation score (edge_runtime.knn.choice_key) from the
+    clients' grid_counts, pooled in the order given (callers sort by client id, so the sums
+    are the same wherever they are made); returns it and every point's scores."""
+    if not counts:
+        raise ValueError("no seen client has both train and validation data: cannot choose k "
+                         "and sigma")
+    pooled = np.zeros((len(points), 3))
+    for c in counts:
+        pooled += c
+    scores = [{**config.to_dict(), "val_accuracy": float(correct / total),
+               "val_nll": float(nll / total)}
+              for config, (correct, nll, total) in zip(points, pooled, strict=True)]
+    best = min(range(len(points)),
+               key=lambda i: choice_key(scores[i]["val_accuracy"], scores[i]["val_nll"]))
+    return points[best], scores
+
+
+def choosing_views(views: Sequence[ClientView]) -> list[ClientView]:
+    """The clients a choice is made on: seen in training, with train and validation data."""
+    return [v for v in views if not v.unseen and len(v.y_val) and len(v.y_train)]
+
+
 def select_config(views: Sequence[ClientView], *, ks: Sequence[int] = K_GRID,
                   sigmas: Sequence[float] = SIGMA_GRID,
                   normalizations: Sequence[str] = NORMALIZATIONS,
@@ -161,55 +214,50 @@ def select_config(views: Sequence[ClientView], *, ks: Sequence[int] = K_GRID,
     its own lambda chosen on its validation split for that point); ties go to the lower
     validation log-loss. Returns it and every point's scores. `lambdas=(1.0,)` scores the kNN
     alone."""
-    seen = [v for v in views if not v.unseen and len(v.y_val) and len(v.y_train)]
-    if not seen:
-        raise ValueError("no seen client has both train and validation data: cannot choose k "
-                         "and sigma")
-    if not ks or not sigmas or not normalizations:
-        raise ValueError("the k, sigma and normalisation grids must not be empty")
-    scores = []
-    for how in normalizations:
-        searched = [_Searched(v, how, max(ks), ("val",)) for v in seen]
-        for k in ks:
-            for sigma in sigmas:
-                config = KNNConfig(int(k), float(sigma), how)
-                correct = total = 0
-                nll = 0.0
-                for s in searched:
-                    lam = _lambda_for(s, config, "val", grid=lambdas)
-                    p = interpolate(s.posterior("val", k, sigma), s.view.p_val, lam)
-                    c, n = _correct_and_nll(p, s.view.y_val)
-                    correct, nll, total = correct + c, nll + n, total + len(s.view.y_val)
-                scores.append({**config.to_dict(), "val_accuracy": correct / total,
-                               "val_nll": nll / total})
-    best = max(scores, key=lambda r: (round(r["val_accuracy"], 12), -round(r["val_nll"], 12)))
-    return KNNConfig(best["k"], best["sigma"], best["normalize"]), scores
+    points = grid_points(ks, sigmas, normalizations)
+    return pick_config(points, [grid_counts(v, points, lambdas)
+                                for v in choosing_views(views)])
+
+
+def estimator_counts(view: ClientView, config: KNNConfig, *, seed: int = 0,
+                     estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> np.ndarray:
+    """One client's two-fold cross-validation inside its validation split: [estimators, 2],
+    samples right and samples scored, lambda chosen by each estimator on one half (plus the
+    datastore for "loo+val") and scored on the other. The folds are seeded by (seed, client),
+    so a client draws the same ones wherever it computes them. Zeros for a client with fewer
+    than two validation or train samples."""
+    out = np.zeros((len(estimators), 2))
+    if view.unseen or len(view.y_val) < 2 or len(view.y_train) < 2:
+        return out
+    s = _Searched(view, config.normalize, config.k, ("val", "train"))
+    order = np.random.default_rng([seed, view.client_id]).permutation(len(view.y_val))
+    folds = (order[: len(order) // 2], order[len(order) // 2:])
+    p_knn_val = s.posterior("val", config.k, config.sigma)
+    for fit, score in (folds, folds[::-1]):
+        for i, est in enumerate(estimators):
+            lam = _lambda_for(s, config, est, val_rows=fit)
+            p = interpolate(p_knn_val[score], view.p_val[score], lam)
+            out[i] += (int(np.sum(p.argmax(axis=1) == view.y_val[score])), len(score))
+    return out
+
+
+def pool_estimators(counts: Sequence[np.ndarray],
+                    estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> dict[str, float]:
+    """Pooled cross-validated accuracy per estimator from the clients' estimator_counts."""
+    pooled = np.zeros((len(estimators), 2))
+    for c in counts:
+        pooled += c
+    if pooled[0, 1] == 0:
+        raise ValueError("no seen client has enough validation data to compare estimators")
+    return {est: float(pooled[i, 0] / pooled[i, 1]) for i, est in enumerate(estimators)}
 
 
 def compare_lambda_estimators(views: Sequence[ClientView], config: KNNConfig, *, seed: int = 0,
                               estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> dict[str, float]:
-    """Two-fold cross-validation inside each seen client's validation split: lambda chosen by
-    each estimator on one half (plus the datastore for "loo+val") and scored on the other half.
-    Pooled accuracy per estimator: which one to trust, decided without test data."""
-    rng = np.random.default_rng(seed)
-    correct = dict.fromkeys(estimators, 0)
-    total = 0
-    for v in views:
-        if v.unseen or len(v.y_val) < 2 or len(v.y_train) < 2:
-            continue
-        s = _Searched(v, config.normalize, config.k, ("val", "train"))
-        order = rng.permutation(len(v.y_val))
-        folds = (order[: len(order) // 2], order[len(order) // 2:])
-        p_knn_val = s.posterior("val", config.k, config.sigma)
-        for fit, score in (folds, folds[::-1]):
-            for est in estimators:
-                lam = _lambda_for(s, config, est, val_rows=fit)
-                p = interpolate(p_knn_val[score], v.p_val[score], lam)
-                correct[est] += int(np.sum(p.argmax(axis=1) == v.y_val[score]))
-            total += len(score)
-    if total == 0:
-        raise ValueError("no seen client has enough validation data to compare estimators")
-    return {est: correct[est] / total for est in estimators}
+    """Two-fold cross-validation inside each seen client's validation split (estimator_counts),
+    pooled: which estimator to trust, decided without test data."""
+    return pool_estimators([estimator_counts(v, config, seed=seed, estimators=estimators)
+                            for v in views], estimators)
 
 
 def pick_estimator(cv_scores: dict[str, float]) -> str:
@@ -277,32 +325,30 @@ def lambda_report(rows: Sequence[dict[str, Any]]) -> dict[str, float | int]:
             "cost_pp": float(100 * (np.average(oracle, weights=w) - np.average(honest, weights=w)))}
 
 
-def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *, tune: bool,
-               fixed: KNNConfig | None = None, estimator: str = "val",
+def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
+               ks: Sequence[int] = K_GRID, sigmas: Sequence[float] = SIGMA_GRID,
+               normalizations: Sequence[str] = NORMALIZATIONS, estimator: str = "auto",
                seed: int = 0) -> tuple[KNNConfig, str, dict[str, Any]]:
-    """kNN-Per's configuration on a trained global model: k, sigma and normalisation chosen on
-    pooled validation when `tune` (else `fixed`), the lambda estimator by cross-validation
-    inside the validation splits when `estimator` is "auto". Returns the configuration, the
-    estimator and a record of the choice, with each client's honest and test-oracle lambda (for
-    the report; nothing chosen depends on test labels)."""
+    """kNN-Per's configuration on a trained global model: the grid point (k, sigma,
+    normalisation) with the best pooled validation score of the seen clients (a one-point grid
+    is the fixed setting), and the lambda estimator by cross-validation inside the validation
+    splits when `estimator` is "auto". Returns the configuration, the estimator and a record of
+    the choice, with each client's honest and test-oracle lambda (for the report; nothing
+    chosen depends on test labels)."""
     views = client_views(model, clients)
-    config, scores = select_config(views) if tune else (fixed or KNNConfig(), [])
-    cv = compare_lambda_estimators(views, config, seed=seed)
+    seen = choosing_views(views)
+    if not seen and len(ks) == len(sigmas) == len(normalizations) == 1 and estimator != "auto":
+        # a fixed setting needs no validation data to be chosen
+        config, scores, cv = KNNConfig(int(ks[0]), float(sigmas[0]), normalizations[0]), [], {}
+    else:
+        config, scores = select_config(views, ks=ks, sigmas=sigmas,
+                                       normalizations=normalizations)
+        cv = compare_lambda_estimators(views, config, seed=seed)
     chosen = pick_estimator(cv) if estimator == "auto" else estimator
     oracle = client_rows(views, config, estimator=chosen)
     record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv, "estimator": chosen,
+              "chosen_on": {"splits": "validation splits of the seen clients, pooled",
+                            "clients": [v.client_id for v in seen],
+                            "samples": int(sum(len(v.y_val) for v in seen))},
               "lambda_report": lambda_report(oracle), "oracle_rows": oracle}
     return config, chosen, record
-
-
-def add_knn_choice_arguments(p: argparse.ArgumentParser) -> None:
-    """--normalize, --tune-knn and --lambda-estimator, shared by `evaluate` and `bench table`."""
-    p.add_argument("--normalize", choices=NORMALIZATIONS, default="none",
-                   help="kNN-Per: embedding normalisation before the kNN (without --tune-knn)")
-    p.add_argument("--tune-knn", action="store_true",
-                   help="choose kNN-Per's k, sigma and normalisation on the pooled validation "
-                   "splits of the seen clients (replaces --k, --sigma, --normalize)")
-    p.add_argument("--lambda-estimator", choices=(*LAMBDA_ESTIMATORS, "auto"), default="val",
-                   help="how each client picks kNN-Per's lambda: on its validation split, on it "
-                   "plus leave-one-out posteriors of its datastore, or whichever of the two wins "
-                   "2-fold cross-validation inside the validation splits")

@@ -151,12 +151,12 @@ def test_tuned_knn_table_with_workers_and_attribution(tmp_path):
     """kNN-Per's k / sigma / normalisation chosen on validation, the oracle-lambda report, two
     worker processes, and every head on every body: the same table a single process writes."""
     out = tmp_path / "table"
-    argv = [*TINY, "--methods", "fedavg,fedrep,pfedgp,knnper", "--tune-knn",
+    argv = [*TINY, "--methods", "fedavg,fedrep,pfedgp,knnper",
             "--lambda-estimator", "auto", "--attribution"]
     assert bench(*argv, "--workers", "2", "--out", str(out)) == 0
     result = json.loads((out / "results.json").read_text())
     knn = result["knn"]
-    assert knn["tuned"] and knn["config"]["k"] in (5, 10, 20, 50)
+    assert knn["source"]["k"] == "validation" and knn["config"]["k"] in (5, 10, 20, 50)
     assert knn["config"]["normalize"] in ("none", "l2")
     assert knn["estimator"] == max(knn["lambda_cv"], key=lambda e: (knn["lambda_cv"][e],
                                                                     e == "val"))
@@ -216,7 +216,7 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
         dataset.y_test = np.random.default_rng(7).permutation(dataset.y_test)
         return dataset, init
 
-    argv = [*TINY, "--methods", "all", "--tune-lr", "--lr-grid", "0.1,0.03", "--tune-knn",
+    argv = [*TINY, "--methods", "all", "--tune-lr", "--lr-grid", "0.1,0.03",
             "--lambda-estimator", "auto"]
     assert bench(*argv, "--out", str(tmp_path / "plain")) == 0
     monkeypatch.setattr(bench_module, "load_run_data", permuted_test_labels)

@@ -56,7 +56,7 @@ def _init(d: Path, budget: str, out: Path) -> list[str]:
 @pytest.mark.parametrize("budget", ["inf", "1e400", "1" * 400, "99999999999999GB", "0", "-1"])
 def test_edge_init_refuses_absurd_budgets(device, capsys, budget):
     d, _ = device
-    _one_line(capsys, edge_main(_init(d, budget, d / "new")), "budget")
+    _one_line(capsys, _exit_code(edge_main, _init(d, budget, d / "new")), "budget")
     assert not (d / "new").exists()
 
 
@@ -121,14 +121,6 @@ def run_dir(tmp_path_factory) -> Path:
                     training=TrainingConfig(rounds=1, epochs=1, batch_size=16)),
           path, progress=False)
     return path
-
-
-@pytest.mark.parametrize("budget", ["inf", "1e400", "nan"])
-def test_export_refuses_non_finite_budgets(run_dir, tmp_path, capsys, budget):
-    code = _exit_code(export_cli.main, ["export", str(run_dir), "--out", str(tmp_path / "b"),
-                                        f"--budget={budget}"])
-    _one_line(capsys, code, "must be a positive whole number of bytes")
-    assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("out", ["afile", "afile/sub"])

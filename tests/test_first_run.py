@@ -127,7 +127,7 @@ def test_client_data_refuses_a_client_the_run_does_not_have(tiny_run, tmp_path, 
 
 @pytest.mark.slow
 def test_demo_pipeline_prints_server_and_device_rows(tmp_path):
-    rows = run_demo(tmp_path / "demo", DemoSize(clients=6, rounds=3, local_epochs=1),
+    rows, _ = run_demo(tmp_path / "demo", DemoSize(clients=6, rounds=3, local_epochs=1),
                     progress=False, workers=1)
     assert [r["method"] for r in rows] == ["FedAvg", "Local", "kNN-Per", "kNN-Per", "kNN-Per"]
     weak, strong = rows[3], rows[4]

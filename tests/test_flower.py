@@ -35,6 +35,8 @@ from fed_train.flower.records import (  # noqa: E402
 from fed_train.flower.server_app import train_and_evaluate  # noqa: E402
 from fed_train.flower.settings import FlowerConfigError, FlowerSettings  # noqa: E402
 from fed_train.flower.strategy import FederationError  # noqa: E402
+from fed_train.knn_choice import choose
+from fed_train.knn_request import KNNRequest
 from fed_train.models import build_model  # noqa: E402
 from fed_train.partition import Partition  # noqa: E402
 from fed_train.run import (  # noqa: E402
@@ -159,6 +161,21 @@ def test_federated_knnper_evaluation_equals_server_side_evaluate(flower_and_simu
             assert abs(mine[method] - theirs[method]) <= 1e-6
     assert record["status"] == "completed"
     assert json.loads((root / "flower" / "flower.json").read_text())["evaluation"] == federated
+
+
+def test_federated_knn_choice_equals_the_central_one(flower_and_simulation):
+    """The configuration chosen from the clients' own sums is the one `knnper evaluate` would
+    choose on the pooled validation splits: same point, same estimator, same scores."""
+    root, record = flower_and_simulation
+    run = load_run(root / "flower")
+    central = choose(run.model, run.clients(), KNNRequest(), seed=run.config.seed)
+    federated = record["knn"]
+    assert federated["config"] == central.record["config"]
+    assert federated["estimator"] == central.record["estimator"]
+    assert federated["chosen_on"] == central.record["chosen_on"]
+    assert federated["lambda_cv"] == pytest.approx(central.record["lambda_cv"])
+    for mine, theirs in zip(federated["grid"], central.record["grid"], strict=True):
+        assert mine == pytest.approx(theirs)
 
 
 def test_a_client_lost_mid_run_counts_as_unsampled_when_the_minimum_allows(tmp_path):

@@ -10,7 +10,8 @@ import torch
 
 from edge_runtime.knn import leave_one_out_search, normalize_embeddings
 from fed_train.algorithms.base import get_weights
-from fed_train.algorithms.knnper import KNNPer, estimate_lambda
+from edge_runtime.knn import estimate_lambda
+from fed_train.algorithms.knnper import KNNPer
 from fed_train.evaluation import client_accuracies
 from fed_train.knn_tuning import (
     ClientView,
@@ -164,27 +165,3 @@ def test_estimator_comparison_scores_are_accuracies(trained):
     assert set(scores) == {"val", "loo+val"}
     assert all(0.0 <= s <= 1.0 for s in scores.values())
     assert get_weights(model_fn()).keys() == weights.keys()
-
-
-@pytest.mark.slow
-def test_evaluate_tunes_knn_on_validation_like_bench(tmp_path, capsys):
-    import json
-
-    from fed_train.cli import main
-
-    run = tmp_path / "run"
-    assert main(["--threads", "1", "--no-progress", "train", "--dataset", "digits", "--clients",
-                 "6", "--rounds", "2", "--out", str(run)]) == 0
-    out = tmp_path / "eval.json"
-    assert main(["--threads", "1", "--no-progress", "evaluate", str(run), "--methods", "knnper",
-                 "--tune-knn", "--lambda-estimator", "auto", "--json", str(out)]) == 0
-    assert "chosen on validation" in capsys.readouterr().out
-    result = json.loads(out.read_text())
-    knn = result["knn"]
-    assert knn["estimator"] in ("val", "loo+val") and len(knn["grid"]) == 4 * 13 * 2
-    chosen = knn["config"]
-    best = max(knn["grid"], key=lambda r: (round(r["val_accuracy"], 12), -round(r["val_nll"], 12)))
-    assert (best["k"], best["sigma"], best["normalize"]) == (chosen["k"], chosen["sigma"],
-                                                             chosen["normalize"])
-    assert main(["--threads", "1", "evaluate", str(run), "--tune-knn", "--capacity", "0.5",
-                 "--methods", "knnper"]) == 2

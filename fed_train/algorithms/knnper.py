@@ -11,13 +11,15 @@ import numpy as np
 import torch
 
 from edge_runtime.knn import (
-    LAMBDA_GRID,
+    DEFAULT_K,
+    DEFAULT_NORMALIZE,
+    DEFAULT_SIGMA,
+    LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
     KNNHead,
-    choose_lambda,
+    estimate_lambda,
     interpolate,
-    kernel_posterior,
-    leave_one_out_search,
+    leave_one_out_posteriors,
     normalize_embeddings,
     softmax,
 )
@@ -31,8 +33,6 @@ from fed_train.algorithms.base import (
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.models import EmbedHeadModel
 
-LAMBDA_ESTIMATORS: tuple[str, ...] = ("val", "loo+val")
-
 
 def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:
     """The training samples a client keeps: a seeded random `capacity` fraction (at least one)."""
@@ -44,33 +44,12 @@ def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=keep, replace=False))
 
 
-Posteriors = tuple[np.ndarray | None, np.ndarray, np.ndarray]
-
-
-def estimate_lambda(estimator: str, p_knn_val: np.ndarray, p_global_val: np.ndarray,
-                    y_val: np.ndarray, loo: Posteriors | None = None,
-                    grid: tuple[float, ...] = LAMBDA_GRID) -> float:
-    """A client's lambda. "val": chosen on its validation split. "loo+val": on the validation
-    split plus `loo`, the leave-one-out kNN posteriors of its own datastore with the global
-    model's output and the labels of those samples: many more samples than ~30 validation ones
-    (the kNN part is honest there, the global model saw them in training)."""
-    if estimator not in LAMBDA_ESTIMATORS:
-        raise ValueError(f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
-                         f"got {estimator!r}")
-    p_knn, p_global, y = p_knn_val, p_global_val, y_val
-    if estimator == "loo+val" and loo is not None and loo[0] is not None:
-        p_knn = np.concatenate([loo[0], p_knn])
-        p_global = np.concatenate([loo[1], p_global])
-        y = np.concatenate([loo[2], y])
-    return choose_lambda(p_knn, p_global, y, grid) if len(y) else 0.5
-
-
 class KNNPer(FedAvg):
     name = "knnper"
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
-                 k: int = 10, sigma: float = 1.0, capacity: float = 1.0,
-                 normalize: str = "none", lambda_estimator: str = "val") -> None:
+                 k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA, capacity: float = 1.0,
+                 normalize: str = DEFAULT_NORMALIZE, lambda_estimator: str = "val") -> None:
         super().__init__(model_fn, training)
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
@@ -89,9 +68,8 @@ class KNNPer(FedAvg):
                        logits_val: np.ndarray, y_val: np.ndarray) -> float:
         loo = None
         if self.lambda_estimator == "loo+val":
-            sq, idx = leave_one_out_search(head.keys_, self.k)
-            loo = (kernel_posterior(sq, head.labels_[idx], head.num_classes, self.sigma,
-                                    head.keys_.shape[1]) if sq.shape[1] else None,
+            loo = (leave_one_out_posteriors(head.keys_, head.labels_, head.num_classes, self.k,
+                                            self.sigma),
                    softmax(logits_train.astype(np.float64)), head.labels_)
         return estimate_lambda(self.lambda_estimator, head.predict_proba(z_val),
                                softmax(logits_val.astype(np.float64)), y_val, loo)

@@ -76,14 +76,22 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Personalize each requested method on this client's own data (kNN-Per: a datastore from
     its train split, lambda from its validation split, the edge runtime's kNN math) and report
-    its test accuracy with what was chosen; `knnper evaluate` computes the same rows."""
+    its test accuracy with what was chosen; `knnper evaluate` computes the same rows. Before
+    that, the server may ask for this client's share of choosing kNN-Per's configuration
+    (config "phase"): sums over its validation split, never the samples."""
     settings, spec, client = _setup(msg, context)
     weights = _received_weights(msg, spec)
-    client.unseen = bool(msg.content["config"]["unseen"])
+    config = msg.content["config"]
+    phase = str(config.get("phase", "evaluate"))
+    if phase != "evaluate":
+        return Message(RecordDict({"counts": _knn_choice_counts(phase, config, settings, spec,
+                                                               client, weights)}),
+                       reply_to=msg)
+    client.unseen = bool(config["unseen"])
+    knn_hyper = json.loads(str(config.get("knn", "{}")))
     rows, accuracies = ConfigRecord(), MetricRecord({"num-examples": int(client.y_test.shape[0])})
     for method in settings.eval_methods:
-        hyper = ({"k": settings.k, "sigma": settings.sigma, "capacity": settings.capacity}
-                 if method == "knnper" else {})
+        hyper = {**knn_hyper, "capacity": settings.capacity} if method == "knnper" else {}
         algorithm = build_algorithm(method, spec.model_fn(), settings.run.training, **hyper)
         state = load_state(context.state) if method == settings.algorithm else {}
         row = client_accuracies(algorithm, weights, {client.client_id: state}, [client],
@@ -92,3 +100,24 @@ def evaluate(msg: Message, context: Context) -> Message:
         if row["accuracy"] is not None:
             accuracies[f"{method}-accuracy"] = row["accuracy"]
     return Message(RecordDict({"rows": rows, "metrics": accuracies}), reply_to=msg)
+
+
+def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSettings,
+                       spec: ModelSpec, client: ClientData, weights: dict) -> ConfigRecord:
+    """This client's grid_counts ("knn-grid") or estimator_counts ("knn-estimators") under the
+    global model: the same sums the simulation pools (fed_train.knn_tuning)."""
+    from fed_train.knn_tuning import KNNConfig, client_views, estimator_counts, grid_counts
+
+    model = build_algorithm("fedavg", spec.model_fn(), settings.run.training).global_model(
+        weights)
+    view = client_views(model, [client])[0]
+    view.unseen = False  # only seen clients are asked
+    if phase == "knn-grid":
+        points = [KNNConfig(**p) for p in json.loads(str(config["points"]))]
+        counts = grid_counts(view, points)
+    elif phase == "knn-estimators":
+        counts = estimator_counts(view, KNNConfig(**json.loads(str(config["config"]))),
+                                  seed=settings.run.seed)
+    else:
+        raise ValueError(f"unknown evaluation phase {phase!r}")
+    return ConfigRecord({"client-id": client.client_id, "counts": json.dumps(counts.tolist())})

@@ -17,10 +17,21 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fed_train.algorithms import build_algorithm
+from fed_train.algorithms.base import set_weights
 from fed_train.evaluation import format_table
 from fed_train.flower.records import ModelSpec, to_array_record, to_weights
 from fed_train.flower.settings import FlowerSettings
 from fed_train.flower.strategy import FederationError, KnnperStrategy, reply_error
+from fed_train.knn_choice import (
+    KNN_CONFIG_FILE,
+    KNNChoice,
+    choice_from_record,
+    make_record,
+    model_sha256,
+    save_choice,
+    saved_choice,
+)
+from fed_train.knn_tuning import grid_points, pick_config, pick_estimator, pool_estimators
 from fed_train.run import open_run, save_model
 from fed_train.simulation import is_checkpoint_round, log_round, open_run_log
 
@@ -74,6 +85,48 @@ def find_clients(grid: Grid, settings: FlowerSettings, spec: ModelSpec,
     return node_of
 
 
+def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings: FlowerSettings,
+                         run_dir: Path, model: Any, server_round: int) -> KNNChoice:
+    """kNN-Per's configuration chosen as `knnper evaluate` chooses it, from sums the seen
+    clients compute on their own validation splits (the grid's scores, then the estimators'
+    cross-validation), and saved in the run directory so that evaluate and export reuse it."""
+    request = settings.knn_request()
+    path = run_dir / KNN_CONFIG_FILE
+    sha = model_sha256(model)
+    saved = saved_choice(path, sha, request)
+    if saved is not None:
+        return choice_from_record(saved, path)
+
+    def ask(config: dict[str, Any]) -> dict[int, Any]:
+        replies = grid.send_and_receive(
+            strategy.configure_knn_phase(server_round, arrays, ConfigRecord(config)),
+            timeout=settings.round_timeout)
+        counts = strategy.collect_knn_counts(replies)
+        if not counts:
+            raise FederationError("no seen client answered for kNN-Per's configuration")
+        return counts
+
+    points = grid_points(*request.grids())
+    grid_counts = ask({"phase": "knn-grid",
+                       "points": json.dumps([c.to_dict() for c in points])})
+    config, scores = pick_config(points, [c for c in grid_counts.values() if c[0, 2] > 0])
+    estimator = request.estimator()
+    cv: dict[str, float] = {}
+    if estimator == "auto":
+        cv = pool_estimators(list(ask({"phase": "knn-estimators",
+                                       "config": json.dumps(config.to_dict())}).values()))
+        estimator = pick_estimator(cv)
+    chosen_on = [cid for cid, c in grid_counts.items() if c[0, 2] > 0]
+    record = make_record(request, config, estimator, sha, grid=scores, lambda_cv=cv,
+                         clients=chosen_on,
+                         samples=sum(grid_counts[cid][0, 2] for cid in chosen_on),
+                         made_by="Flower: sums from each seen client's own validation split")
+    save_choice(path, record)
+    choice = choice_from_record(record, path)
+    log.info("%s", choice.describe())
+    return choice
+
+
 def _write_flower_file(run_dir: Path, record: dict[str, Any]) -> None:
     tmp = run_dir / f".{FLOWER_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2))
@@ -121,8 +174,19 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
         save_model(run_dir, run.model_fn(), state.weights)
     else:  # ClusteredFL's global state is one model per cluster: its checkpoints hold them
         log.info("%s keeps no single global model; model.pt is not written", algorithm.name)
+    evaluate_config = ConfigRecord()
+    if "knnper" in settings.eval_methods:
+        if set(state.weights) != set(strategy.model_weights):
+            raise FederationError(f"{algorithm.name} keeps no single global model for kNN-Per "
+                                  "to personalize: leave knnper out of --eval-methods")
+        model = run.model_fn()
+        set_weights(model, state.weights)
+        choice = federated_knn_choice(grid, strategy, arrays, settings, run_dir, model,
+                                      training.rounds + 1)
+        record["knn"] = choice.record
+        evaluate_config = ConfigRecord({"knn": json.dumps(choice.hyper())})
     replies = grid.send_and_receive(
-        strategy.configure_evaluate(training.rounds + 1, arrays, ConfigRecord(), grid),
+        strategy.configure_evaluate(training.rounds + 1, arrays, evaluate_config, grid),
         timeout=settings.round_timeout)
     strategy.aggregate_evaluate(training.rounds + 1, replies)
     record.update(status="completed", evaluation=strategy.evaluation)

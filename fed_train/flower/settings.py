@@ -12,6 +12,7 @@ from typing import Any
 
 from fed_train.algorithms import ALGORITHMS
 from fed_train.errors import KnnperError
+from fed_train.knn_request import KNNRequest
 from fed_train.run import RunConfig, RunError
 
 
@@ -30,9 +31,21 @@ class FlowerSettings:
     # personalizations evaluated on the clients at the end; the trained algorithm's own one
     # uses the state its clients kept
     eval_methods: tuple[str, ...] = ("fedavg", "knnper")
-    k: int = 10
-    sigma: float = 1.0
+    # kNN-Per's configuration as `--knn-config` and its pinning flags give it (fed_train.
+    # knn_choice); Flower's run config holds no None, so 0 / "" mean "not pinned"
+    knn_config: str = "tuned"
+    k: int = 0
+    sigma: float = 0.0
+    normalize: str = ""
+    lambda_estimator: str = ""
     capacity: float = 1.0
+
+    def knn_request(self) -> KNNRequest:
+        try:
+            return KNNRequest(self.knn_config, self.k or None, self.sigma or None,
+                              self.normalize or None, self.lambda_estimator or None)
+        except KnnperError as err:
+            raise FlowerConfigError(f"kNN settings: {err}") from None
 
     def check(self) -> FlowerSettings:
         algorithm = ALGORITHMS.get(self.algorithm)
@@ -56,10 +69,11 @@ class FlowerSettings:
         if unknown:
             raise FlowerConfigError(f"unknown evaluation method(s) {', '.join(unknown)}; known: "
                                     f"{', '.join(ALGORITHMS)}")
-        if self.k < 1 or not self.sigma > 0 or not 0 < self.capacity <= 1:
-            raise FlowerConfigError(f"kNN settings need k >= 1, sigma > 0, 0 < capacity <= 1; "
-                                    f"got k={self.k}, sigma={self.sigma}, "
+        if self.k < 0 or self.sigma < 0 or not 0 < self.capacity <= 1:
+            raise FlowerConfigError(f"kNN settings need k >= 1, sigma > 0 (0: chosen), "
+                                    f"0 < capacity <= 1; got k={self.k}, sigma={self.sigma}, "
                                     f"capacity={self.capacity}")
+        self.knn_request()
         return self
 
     def to_run_config(self) -> dict[str, Any]:
@@ -68,8 +82,9 @@ class FlowerSettings:
                 "algorithm": self.algorithm, "round-timeout": float(self.round_timeout),
                 "connect-timeout": float(self.connect_timeout),
                 "min-train-clients": int(self.min_train_clients),
-                "eval-methods": ",".join(self.eval_methods), "k": int(self.k),
-                "sigma": float(self.sigma), "capacity": float(self.capacity)}
+                "eval-methods": ",".join(self.eval_methods), "knn-config": self.knn_config,
+                "k": int(self.k), "sigma": float(self.sigma), "normalize": self.normalize,
+                "lambda-estimator": self.lambda_estimator, "capacity": float(self.capacity)}
 
     @classmethod
     def from_run_config(cls, values: dict[str, Any]) -> FlowerSettings:
@@ -88,7 +103,10 @@ class FlowerSettings:
                 min_train_clients=int(values.get("min-train-clients", d.min_train_clients)),
                 eval_methods=tuple(m for m in str(values.get("eval-methods", ",".join(
                     d.eval_methods))).split(",") if m),
+                knn_config=str(values.get("knn-config", d.knn_config)),
                 k=int(values.get("k", d.k)), sigma=float(values.get("sigma", d.sigma)),
+                normalize=str(values.get("normalize", d.normalize)),
+                lambda_estimator=str(values.get("lambda-estimator", d.lambda_estimator)),
                 capacity=float(values.get("capacity", d.capacity)))
         except (TypeError, ValueError) as err:
             raise FlowerConfigError(f"bad run config value: {err}") from err

@@ -151,6 +151,36 @@ class KnnperStrategy(Strategy):
             ConfigRecord({**config, "unseen": self.unseen[cid]}))}, server_round)
             for node, cid in self._sent.items()]
 
+    def configure_knn_phase(self, server_round: int, arrays,
+                            config: ConfigRecord) -> Iterable[Message]:
+        """Every seen client still there computes its share of a kNN-Per choice (a config
+        "phase"; only sums over its validation split come back)."""
+        self._sent = {node: cid for cid, node in sorted(self.node_of.items())
+                      if cid not in self.lost and not self.unseen[cid]}
+        return [self._message(node, MessageType.EVALUATE, {"arrays": arrays, "config": config},
+                              server_round) for node in self._sent]
+
+    def collect_knn_counts(self, replies: Iterable[Message]) -> dict[int, np.ndarray]:
+        """Each answering client's counts; a client that failed is left out (with a warning),
+        as in the evaluation: the choice is pooled over those that answered."""
+        counts: dict[int, np.ndarray] = {}
+        for reply in replies:
+            cid = self._sent.get(reply.metadata.src_node_id)
+            if cid is None:
+                continue
+            try:
+                if reply.has_error():
+                    raise ValueError(reply_error(reply))
+                array = np.asarray(json.loads(str(reply.content["counts"]["counts"])),
+                                   dtype=np.float64)
+                if array.ndim != 2 or not np.isfinite(array).all() or (array < 0).any():
+                    raise ValueError(f"counts of shape {array.shape} are not usable")
+            except (KeyError, TypeError, ValueError) as err:
+                log.warning("kNN-Per choice without client %d: %s", cid, err)
+                continue
+            counts[cid] = array
+        return dict(sorted(counts.items()))
+
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
         """The summary `knnper evaluate` prints (mean weighted by test size, bottom decile, for
         seen and unseen clients); the per-client rows are kept in `self.evaluation`."""

@@ -1,0 +1,133 @@
+"""kNN-Per's configuration is chosen once on validation, saved in the run directory with its
+evidence, reused by later commands, chosen again (with one line) when the model changes, and a
+damaged file is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from edge_runtime.knn import choice_key
+from fed_train.algorithms.base import TrainingConfig
+from fed_train.cli import evaluate_run
+from fed_train.cli import main as knnper_main
+from fed_train.errors import KnnperError
+from fed_train.knn_choice import KNN_CONFIG_FILE, load_or_choose, model_sha256
+from fed_train.knn_request import (
+    FROM_FLAG,
+    FROM_PAPER,
+    FROM_VALIDATION,
+    K_GRID,
+    SIGMA_GRID,
+    KNNRequest,
+)
+from fed_train.run import MODEL_FILE, RunConfig, load_run, train
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("knnchoice") / "run"
+    config = RunConfig(dataset="digits", clients=6, unseen_fraction=0.34, seed=3,
+                       training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05))
+    train(config, out, progress=False)
+    return out
+
+
+def test_requests_say_what_is_searched_and_where_each_value_comes_from():
+    tuned = KNNRequest()
+    assert tuned.grids() == (K_GRID, SIGMA_GRID, ("none", "l2"))
+    assert tuned.estimator() == "auto"
+    assert set(tuned.sources().values()) == {FROM_VALIDATION}
+    paper = KNNRequest("paper")
+    assert paper.grids() == ((10,), (1.0,), ("none",)) and paper.estimator() == "val"
+    assert set(paper.sources().values()) == {FROM_PAPER}
+    pinned = KNNRequest(k=5, normalize="l2")
+    assert pinned.grids() == ((5,), SIGMA_GRID, ("l2",))
+    assert pinned.sources() == {"k": FROM_FLAG, "sigma": FROM_VALIDATION,
+                                "normalize": FROM_FLAG, "lambda_estimator": FROM_VALIDATION}
+    assert KNNRequest("paper", lambda_estimator="loo+val").sources()["lambda_estimator"] == \
+        FROM_FLAG
+    for bad in ({"mode": "best"}, {"k": 0}, {"sigma": -1.0}, {"normalize": "l1"},
+                {"lambda_estimator": "test"}):
+        with pytest.raises(KnnperError):
+            KNNRequest(**bad)
+
+
+def test_the_choice_is_saved_with_its_evidence_and_reused(run_dir, monkeypatch):
+    run = load_run(run_dir)
+    clients = run.clients()
+    choice = load_or_choose(run_dir, run.model, clients, KNNRequest(), seed=0)
+    saved = json.loads((run_dir / KNN_CONFIG_FILE).read_text())
+    assert saved["model_sha256"] == model_sha256(run.model)
+    record = saved["choices"][KNNRequest().key()]
+    assert len(record["grid"]) == len(K_GRID) * len(SIGMA_GRID) * 2
+    best = min(record["grid"], key=lambda r: choice_key(r["val_accuracy"], r["val_nll"]))
+    assert (best["k"], best["sigma"], best["normalize"]) == (
+        choice.config.k, choice.config.sigma, choice.config.normalize)
+    assert set(record["lambda_cv"]) == {"val", "loo+val"}
+    seen = [c for c in clients if not c.unseen and len(c.y_val)]
+    assert record["chosen_on"]["clients"] == [c.client_id for c in seen]
+    assert record["chosen_on"]["samples"] == sum(len(c.y_val) for c in seen)
+    assert "oracle_rows" not in record  # nothing per client from the test splits is kept
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a saved choice must be reused, not made again")
+
+    monkeypatch.setattr("fed_train.knn_choice.choose_knn", refuse)
+    again = load_or_choose(run_dir, run.model, clients, KNNRequest(), seed=0)
+    assert again.hyper() == choice.hyper() and again.source == choice.source
+
+
+def test_a_changed_model_is_chosen_for_again_with_one_line(run_dir, tmp_path, caplog):
+    run = load_run(run_dir)
+    clients = run.clients()
+    load_or_choose(run_dir, run.model, clients, KNNRequest("paper"), seed=0)
+    with torch.no_grad():
+        next(run.model.parameters()).mul_(1.5)
+    with caplog.at_level(logging.WARNING):
+        load_or_choose(run_dir, run.model, clients, KNNRequest("paper"), seed=0)
+    lines = [r.getMessage() for r in caplog.records if "choosing kNN-Per" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    saved = json.loads((run_dir / KNN_CONFIG_FILE).read_text())
+    assert saved["model_sha256"] == model_sha256(run.model)
+    assert list(saved["choices"]) == [KNNRequest("paper").key()]  # the old weights' are gone
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"model_sha256": 1, "choices": {}}'])
+def test_a_damaged_file_is_refused_in_one_line(run_dir, tmp_path, capsys, content):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / KNN_CONFIG_FILE).write_text(content)
+    code = knnper_main(["--no-progress", "evaluate", str(copy), "--methods", "knnper"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and KNN_CONFIG_FILE in err, err
+
+
+def test_a_forged_saved_choice_is_refused(run_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    run = load_run(copy)
+    load_or_choose(copy, run.model, run.clients(), KNNRequest("paper"), seed=0)
+    saved = json.loads((copy / KNN_CONFIG_FILE).read_text())
+    saved["choices"][KNNRequest("paper").key()]["config"]["k"] = "ten"
+    (copy / KNN_CONFIG_FILE).write_text(json.dumps(saved))
+    with pytest.raises(KnnperError, match="malformed"):
+        load_or_choose(copy, run.model, run.clients(), KNNRequest("paper"), seed=0)
+
+
+def test_evaluate_runs_the_saved_choice_and_prints_where_it_came_from(run_dir, capsys):
+    assert knnper_main(["--no-progress", "evaluate", str(run_dir), "--methods", "knnper",
+                        "--knn-config", "paper", "--k", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "k=5 (flag)" in out and "sigma=1 (paper default)" in out
+    result = evaluate_run(load_run(run_dir), ["knnper"], knn=KNNRequest("paper", k=5),
+                          progress=False)
+    assert result["knn"]["config"] == {"k": 5, "sigma": 1.0, "normalize": "none"}
+    assert (run_dir / MODEL_FILE).exists()

@@ -1,0 +1,113 @@
+"""One rule chooses everywhere: the server's kNN-Per evaluation, the exporter's sizer and the
+device's `knnper-edge init` fed the same embeddings choose the same lambda and the same
+datastore, and a default train -> evaluate -> export -> device run gives every client the
+accuracy the server reported."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from edge_runtime.cli import main as edge_main
+from edge_runtime.device_init import init_bundle
+from edge_runtime.knn import KNNHead, choice_key, choose_lambda, estimate_lambda, softmax
+from export.cli import main as export_main
+from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
+from fed_train.client_files import write_client_files
+from fed_train.cli import main as knnper_main
+from fed_train.knn_choice import KNN_CONFIG_FILE
+from fed_train.knn_request import FROM_VALIDATION
+from fed_train.run import load_run
+from tests.test_edge_runtime import (
+    IMAGE_SPEC,
+    NUM_CLASSES,
+    make_image_encoder,
+    make_images,
+    raw_outputs,
+)
+
+DTYPES = ("fp32", "fp16", "int8")
+
+
+def test_choice_key_ranks_accuracy_then_rounded_log_loss_then_tie_breaks():
+    assert choice_key(0.9, 0.5) < choice_key(0.8, 0.1)
+    assert choice_key(0.9, 0.30) < choice_key(0.9, 0.32)
+    assert choice_key(0.9, 0.301, 0.1) < choice_key(0.9, 0.299, 0.3)  # a tie to 2 decimals
+    # ties on accuracy and log-loss go to the smaller lambda
+    p_local = np.array([[0.9, 0.1], [0.9, 0.1]])
+    assert choose_lambda(p_local, p_local, np.array([0, 1])) == 0.0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_server_sizer_and_device_init_choose_alike(tmp_path, seed):
+    encoder = make_image_encoder(tmp_path / "encoder.onnx", seed=seed)
+    x, y = make_images(160, seed=seed, signal=50)
+    val_fraction, budget = 0.25, 10**6
+    init = init_bundle(encoder, x, y, budget, tmp_path / "device", input_spec=IMAGE_SPEC,
+                       recipes=[f"flat:{t}" for t in DTYPES], val_fraction=val_fraction,
+                       seed=seed)
+    # the device's own split, fed to the server and the exporter as embeddings
+    order = np.random.default_rng(seed).permutation(len(y))
+    n_val = int(round(val_fraction * len(y)))
+    val, train = order[:n_val], order[n_val:]
+    z, logits = raw_outputs(encoder, x)
+    data = ClientEmbeddings(0, z[train], y[train], z[val], logits[val], y[val], logits[train])
+    sizer = DatastoreSizer(NUM_CLASSES, space=SearchSpace(backends=("flat",),
+                                                          flat_dtypes=DTYPES), seed=seed)
+    sizer.fit(data, budget - encoder.stat().st_size)
+    server = estimate_lambda("val", KNNHead(NUM_CLASSES).fit(z[train], y[train])
+                             .predict_proba(z[val]), softmax(logits[val]), y[val])
+
+    device = {c["recipe"].split(":n")[0]: c for c in init.candidates if
+              int(c["recipe"].split(":n")[1]) >= len(train)}
+    exporter = {c.recipe.split(":n")[0]: c for c in sizer.candidates_}
+    assert set(device) == set(exporter) == {f"flat:{t}" for t in DTYPES}
+    for recipe, cand in exporter.items():
+        assert device[recipe]["lambda"] == cand.lam, recipe
+        assert device[recipe]["val_accuracy"] == pytest.approx(cand.val_accuracy)
+    assert exporter["flat:fp32"].lam == server
+    assert init.recipe.split(":n")[0] == sizer.best_.recipe.split(":n")[0]
+    assert init.lam == sizer.best_.lam
+
+
+def _accuracy(capsys, bundle, data) -> tuple[float, int]:
+    assert edge_main(["evaluate", str(bundle), "--data", str(data)]) == 0
+    match = re.search(r"accuracy ([0-9.]+) on (\d+) samples", capsys.readouterr().out)
+    return float(match.group(1)), int(match.group(2))
+
+
+@pytest.mark.slow
+def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert knnper_main(["--no-progress", "train", "--dataset", "digits", "--clients", "8",
+                        "--rounds", "6", "--out", str(run)]) == 0
+    assert knnper_main(["--no-progress", "evaluate", str(run), "--methods", "knnper",
+                        "--json", str(tmp_path / "eval.json")]) == 0
+    server = json.loads((tmp_path / "eval.json").read_text())
+    chosen = server["knn"]["config"]
+    assert server["knn"]["source"] == dict.fromkeys(
+        ("k", "sigma", "normalize", "lambda_estimator"), FROM_VALIDATION)
+    assert export_main(["--no-progress", "export", str(run), "--out", str(tmp_path / "b"),
+                        "--budget", "2MB", "--workers", "1"]) == 0
+    report = json.loads((tmp_path / "b" / "export.json").read_text())
+    assert report["knn"]["k"] == {"value": chosen["k"], "source": FROM_VALIDATION}
+    saved = json.loads((run / KNN_CONFIG_FILE).read_text())
+    assert len(saved["choices"]) == 1  # export reused evaluate's choice
+    loaded = load_run(run)
+    capsys.readouterr()
+    for row in server["clients"]:
+        cid = row["client_id"]
+        bundle = tmp_path / "b" / f"client_{cid:04d}"
+        manifest = json.loads((bundle / "manifest.json").read_text())
+        assert (manifest["k"], manifest["sigma"]) == (chosen["k"], chosen["sigma"])
+        assert manifest["knn_choice"]["normalize"]["value"] == chosen["normalize"]
+        assert manifest["knn_choice"]["lambda_estimator"]["value"] == \
+            server["knn"]["estimator"]
+        write_client_files(loaded, cid, tmp_path / f"c{cid}")
+        acc, n = _accuracy(capsys, bundle, tmp_path / f"c{cid}" / "test.npz")
+        assert n == row["n_test"]
+        # the device prints 4 decimals: compare correct counts
+        assert abs(round(acc * n) - round(row["knnper"] * n)) <= 1, (cid, acc, row["knnper"])
