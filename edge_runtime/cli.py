@@ -20,7 +20,12 @@ import numpy as np
 
 from ._io import write_bytes_atomic
 from .byte_count import byte_count
-from .cli_help import DefaultsHelpFormatter, missing_command_message, package_version
+from .cli_help import (
+    DefaultsHelpFormatter,
+    install_hint,
+    missing_command_message,
+    package_version,
+)
 from .device_init import DEFAULT_RECIPES
 from .knn import interpolate
 from .runtime import Runtime, check_labels
@@ -371,7 +376,7 @@ def cmd_export_onnx(args) -> int:
 
     if importlib.util.find_spec("onnx") is None:
         raise CLIError("export-onnx builds the graph with the onnx package, which this install "
-                       "lacks: pip install 'knnper[portable]'")
+                       f"lacks: {install_hint('portable')}")
     if Path(args.out).suffix != ".onnx":
         raise CLIError(f"--out must end in .onnx, got {args.out}")
     written = write_portable(_runtime(args), args.out, keys_as_inputs=args.keys_as_inputs)

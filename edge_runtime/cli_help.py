@@ -40,3 +40,9 @@ def package_version() -> str:
         return version("knnper")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "unknown (not installed)"
+
+
+def install_hint(extra: str) -> str:
+    """How to add an extra: the package is not on PyPI, so `pip install knnper[x]` cannot
+    work; a clone or a built wheel can."""
+    return f"pip install '.[{extra}]' in a knnper clone (or the built wheel with [{extra}])"

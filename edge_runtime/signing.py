@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .cli_help import install_hint
 from .errors import SignatureError
 
 SIGNATURE_FILE = "signature.json"
@@ -41,7 +42,7 @@ def _crypto():
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:
         raise SignatureError(
-            "signed bundles need the cryptography package: pip install 'knnper[sign]'"
+            f"signed bundles need the cryptography package: {install_hint('sign')}"
         ) from None
     return ed25519, serialization, InvalidSignature
 

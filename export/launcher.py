@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from edge_runtime.cli_help import package_version
+from edge_runtime.cli_help import install_hint, package_version
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
 
@@ -23,11 +23,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if missing and args == ["--version"]:
         print(f"knnper {package_version()} (device runtime only: no {', '.join(missing)}; "
-              "the server commands need pip install 'knnper[train]')")
+              f"the server commands need {install_hint('train')})")
         return 0
     if missing:
         print(f"knnper: this install has the device runtime only (no {', '.join(missing)}); "
-              "the server commands need the train extra: pip install 'knnper[train]' "
+              f"the server commands need the train extra: {install_hint('train')} "
               "(on a device, use knnper-edge)", file=sys.stderr)
         return 2
     from export.cli import main as cli_main  # imports torch: only once we know it is there

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.cli_help import install_hint
 from fed_train.errors import KnnperError
 from fed_train.flower.expected import expectation_line
 from fed_train.flower.pki import NodeKey, ServerTLS, make_node_key, make_server_tls
@@ -272,7 +273,7 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
                                 f"{settings.run.clients} clients")
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
         if shutil.which(tool) is None:
-            raise DeployError(f"{tool} is not installed: pip install \"knnper[flower]\"")
+            raise DeployError(f"{tool} is not installed: {install_hint('flower')}")
     run_dir = Path(settings.run_dir).resolve()
     settings.run_dir = str(run_dir)
     open_run(settings.run, run_dir)  # a bad data set or run directory fails before any process

@@ -176,7 +176,7 @@ def test_export_onnx_without_onnx_names_the_portable_extra(tmp_path, monkeypatch
     bundle = build_bundle(tmp_path)
     assert edge_main(["export-onnx", str(bundle), "--out", str(tmp_path / "p.onnx")]) == 2
     err = capsys.readouterr().err
-    assert "pip install 'knnper[portable]'" in err and err.count("\n") == 1
+    assert "pip install '.[portable]' in a knnper clone" in err and err.count("\n") == 1
 
 
 def test_portable_extra_gives_export_onnx_what_it_imports():

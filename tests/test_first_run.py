@@ -74,7 +74,7 @@ def test_runtime_only_install_is_told_which_extra_to_install(monkeypatch, capsys
                         lambda name, *a: None if name in ("torch", "tqdm") else real(name, *a))
     assert launcher.main(["train", "--out", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install 'knnper[train]'" in err
+    assert err.count("\n") == 1 and "pip install '.[train]' in a knnper clone" in err
     assert "torch, tqdm" in err
     assert launcher.main(["--version"]) == 0
     out = capsys.readouterr().out
