@@ -61,7 +61,7 @@ def test_add_works_on_every_exported_backend_within_the_budget(
         shutil.copytree(path, bundle)
         rt = Runtime.load(bundle)
         assert rt.manifest["update_strategy"] == "fifo"
-        before, held = rt.predict_proba(x), len(rt.datastore.sample_store())
+        before, held = rt.components(x)[0], len(rt.datastore.sample_store())
         caplog.clear()
         update = rt.add(x, y, strategy=strategy)  # the README's example
         assert update.added > 0, row["recipe"]
@@ -72,8 +72,10 @@ def test_add_works_on_every_exported_backend_within_the_budget(
         assert rt.manifest["footprint"]["total"] <= rt.manifest["budget_bytes"]
         reloaded = Runtime.load(bundle)
         np.testing.assert_allclose(reloaded.predict_proba(x), rt.predict_proba(x))
-        # the samples just learned are found again: accuracy on them does not drop
-        assert (rt.predict(x) == y).mean() >= (before.argmax(1) == y).mean()
+        # the samples just learned are found again: the datastore's own accuracy on them does
+        # not drop (the interpolation may lean on the global model, and fifo evicts old samples)
+        after = rt.components(x)[0]
+        assert (after.argmax(1) == y).mean() >= (before.argmax(1) == y).mean(), row["recipe"]
 
 
 def test_fixed_strategy_reserves_no_protonn_buffer(exported):

@@ -66,7 +66,7 @@ def test_knnper_with_lambda_zero_everywhere_equals_fedavg(digits_run, monkeypatc
     from fed_train.cli import evaluate_run
     from fed_train.run import load_run
 
-    monkeypatch.setattr(knnper, "choose_lambda", lambda *a, **k: 0.0)
+    monkeypatch.setattr(knnper, "estimate_lambda", lambda *a, **k: 0.0)
     result = evaluate_run(load_run(digits_run), ["fedavg", "knnper"], progress=False)
     for row in result["clients"]:
         assert row["knnper"] == row["fedavg"]
