@@ -10,17 +10,23 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from edge_runtime._io import write_json_atomic
+from edge_runtime.cli_help import (
+    DefaultsHelpFormatter,
+    missing_command_message,
+    package_version,
+)
 from fed_train import defaults
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import TrainingConfig, get_weights
 from fed_train.bench import add_bench_command
 from fed_train.client_files import write_client_files
+from fed_train.data import DEFAULT_PATHS
 from fed_train.errors import KnnperError
 from fed_train.evaluation import client_accuracies, format_table, merge_results
 from fed_train.knn_choice import (
@@ -40,6 +46,10 @@ CommandAdder = Callable[[argparse._SubParsersAction], None]
 DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
                "federated run, evaluate it, export per-device bundles. Start with `knnper demo`.")
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+DATA_HELP = ("path of the data (file or directory); default: none needed for digits (it ships "
+             "with scikit-learn), " + ", ".join(f"{path} for {name}" for name, path
+                                                in DEFAULT_PATHS.items())
+             + "; every other data set needs one")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,11 +57,11 @@ class _Parser(argparse.ArgumentParser):
     option's help shows its default."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {missing_command_message(self, message)}\n")
 
 
 def _positive_float(text: str) -> float:
@@ -105,8 +115,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     t = defaults.TRAINING
     p.add_argument("--dataset", default=d.dataset, help="digits, fashion-mnist, mnist, npz, "
                    "cifar10, cifar100, femnist, shakespeare")
-    p.add_argument("--data", default=None,
-                   help="path of the data (file or directory); digits needs none")
+    p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--max-train", type=_positive_int, default=None,
                    help="subsample the training set (stratified) to this many samples")
     p.add_argument("--partition", default=d.partition,
@@ -123,7 +132,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="fraction of each client's train data kept for validation")
     p.add_argument("--model", default=None,
-                   help="small-cnn, mobilenet-v2, char-lstm (None: chosen by input kind)")
+                   help="small-cnn, mobilenet-v2, char-lstm (default: chosen by input kind)")
     p.add_argument("--rounds", type=_positive_int, default=t.rounds,
                    help="federated rounds")
     p.add_argument("--participation", type=_fraction, default=t.participation,
@@ -203,7 +212,7 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | No
         per_method[method] = rows
         if method == "local":
             cache.parent.mkdir(exist_ok=True)
-            cache.write_text(json.dumps({"key": _local_cache_key(run), "rows": rows}))
+            write_json_atomic(cache, {"key": _local_cache_key(run), "rows": rows})
     result = merge_results(per_method)
     if choice is not None:
         result["knn"] = choice.record
@@ -261,7 +270,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pretrain", help="train the model centrally on a server-held split that "
                        "no client sees, as the starting point for --init")
     p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
-    p.add_argument("--data", default=None, help="path of the data (file or directory)")
+    p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--out", required=True, help="directory for model.pt, pretrain.json and "
                    "server_indices.npy")
     p.add_argument("--public-data", default=None, help="train on this .npz (x_train, y_train, "
@@ -318,17 +327,10 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_client_data)
 
 
-def _version() -> str:
-    try:
-        return version("knnper")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "unknown (not installed)"
-
-
 def build_parser(extra: Sequence[CommandAdder] = ()) -> argparse.ArgumentParser:
     """The whole command line: these commands, bench's, and those `extra` adds."""
     parser = _Parser(prog="knnper", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--threads", type=_threads, default=defaults.THREADS,

@@ -23,11 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.cli_help import install_hint
 from fed_train.errors import KnnperError
+from fed_train.flower.expected import expectation_line
 from fed_train.flower.pki import NodeKey, ServerTLS, make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerConfigError, FlowerSettings
 from fed_train.knn_choice import add_knn_arguments
+from fed_train.progress import Progress
 from fed_train.run import open_run
+from fed_train.workers import ignoring_ctrl_c
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +135,12 @@ class Processes:
                 pass
 
     def stop_all(self) -> None:
-        """SIGTERM every group, wait (bounded), then SIGKILL what is left."""
+        """SIGTERM every group, wait (bounded), then SIGKILL what is left; a further Ctrl-C
+        waits for this rather than leave processes behind."""
+        with ignoring_ctrl_c():
+            self._stop_all()
+
+    def _stop_all(self) -> None:
         for name in reversed(list(self.running)):
             self.stop(name)
         deadline = time.monotonic() + STOP_SECONDS
@@ -180,13 +189,28 @@ def _run_timeout(settings: FlowerSettings) -> float:
     return settings.connect_timeout + (rounds + 1) * settings.round_timeout + 120.0
 
 
-def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float) -> dict[str, Any]:
-    """Wait for the run to finish; the run's real status comes from the SuperLink, since
-    `flwr run` returns as soon as the run is submitted."""
+def rounds_logged(run_dir: Path) -> list[dict[str, Any]]:
+    """The rounds the ServerApp has logged so far (metrics.jsonl; a torn last line skipped)."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break
+    return rows
+
+
+def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float,
+                bar: Progress) -> dict[str, Any]:
+    """Wait for the run to finish, counting its rounds on `bar`; the run's real status comes
+    from the SuperLink, since `flwr run` returns as soon as the run is submitted."""
     deadline = time.monotonic() + timeout
     last_ls = 0.0
     flower_file = run_dir / "flower.json"
     while time.monotonic() < deadline:
+        while bar.done < min(len(rounds_logged(run_dir)), bar.total or 0):
+            bar.update()
         if procs.running["superlink"].poll() is not None:
             raise DeployError(f"the SuperLink exited with code "
                               f"{procs.running['superlink'].returncode} during the run")
@@ -239,7 +263,8 @@ def start_supernode(procs: Processes, name: str, port: int, tls: ServerTLS | Non
     return procs.start(name, argv)
 
 
-def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[str, Any]:
+def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
+                 progress: bool = False) -> dict[str, Any]:
     """Run `settings` on a local federation; returns flower.json's record with the SuperLink's
     account of the run (status, bytes) added."""
     settings.check()
@@ -248,7 +273,7 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[
                                 f"{settings.run.clients} clients")
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
         if shutil.which(tool) is None:
-            raise DeployError(f"{tool} is not installed: pip install \"knnper[flower]\"")
+            raise DeployError(f"{tool} is not installed: {install_hint('flower')}")
     run_dir = Path(settings.run_dir).resolve()
     settings.run_dir = str(run_dir)
     open_run(settings.run, run_dir)  # a bad data set or run directory fails before any process
@@ -278,7 +303,10 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[
         run_id = str(submitted["run-id"])
         log.info("run %s submitted to the SuperLink on %s:%d (%s)", run_id, HOST, port,
                  "TLS, SuperNode authentication" if tls else "insecure")
-        status = _follow_run(procs, run_id, run_dir, _run_timeout(settings))
+        rounds = settings.run.training.rounds
+        with Progress(rounds, desc="deploy local", unit="round", enabled=progress,
+                      initial=min(len(rounds_logged(run_dir)), rounds)) as bar:
+            status = _follow_run(procs, run_id, run_dir, _run_timeout(settings), bar)
     finally:
         procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)
@@ -312,14 +340,36 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
                                  startup_timeout=args.startup_timeout)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
     try:
-        record = deploy_local(settings, federation)
+        first_round = len(rounds_logged(Path(args.out)))  # a resumed run's earlier rounds
+        record = deploy_local(settings, federation, progress=not args.no_progress)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(format_table(record["evaluation"]))
     traffic = record["superlink_run"].get("network-traffic", {})
     print(f"trained {settings.run.training.rounds} rounds on Flower into {args.out} "
           f"({traffic.get('total-bytes', '?')} bytes through the SuperLink)")
+    print(expectation_line(settings.run))
+    split = round_split(rounds_logged(Path(args.out))[first_round:])
+    if split:
+        print(split)
     return 0
+
+
+def round_split(rows: list[dict[str, Any]]) -> str | None:
+    """Where a round's time went: the clients train side by side, so the round waits for the
+    slowest one's training; the rest is Flower's own floor on this machine. The summed
+    training is what `knnper train` does one client after another."""
+    timed = [r for r in rows if "train_seconds" in r]
+    if not timed:
+        return None
+    wall = sum(r["seconds"] for r in timed) / len(timed)
+    summed = sum(r["train_seconds"] for r in timed) / len(timed)
+    slowest = sum(r["train_seconds_max"] for r in timed) / len(timed)
+    return (f"per round (mean of {len(timed)}): {wall:.1f} s on Flower = {slowest:.2f} s of "
+            f"training on the slowest client ({summed:.2f} s summed over the clients, which "
+            f"share this machine's cores) + {max(0.0, wall - slowest):.1f} s Flower's floor: a "
+            "new ClientApp process per message that imports torch and flwr again, and 3 s "
+            "polls (BENCHMARKS.md, Flower deployment versus the simulation)")
 
 
 def _cmd_deploy_config(args: argparse.Namespace) -> int:
