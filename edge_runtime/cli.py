@@ -7,6 +7,7 @@ status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback instead.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import logging
@@ -19,12 +20,22 @@ import numpy as np
 
 from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
 from .arg_types import byte_count, threads
+from .cli_help import (
+    DefaultsHelpFormatter,
+    install_hint,
+    missing_command_message,
+    package_version,
+)
+from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .knn import interpolate
 from .runtime import Runtime, check_labels
 
 PROG = "knnper-edge"
 EXIT_ERROR = 2
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
+STRATEGIES = ("fifo", "concatenate", "fixed")
+BUNDLE_HELP = "bundle directory (a client_NNNN folder that `knnper export` wrote)"
 
 
 class CLIError(Exception):
@@ -32,12 +43,19 @@ class CLIError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line, like every other error
-        raise CLIError(f"{message} (see {self.prog} --help)")
+        message = missing_command_message(self, message)
+        raise CLIError(message if "--help" in message else f"{message} (see {self.prog} --help)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device.")
+    p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device: "
+                "predict, evaluate and keep learning with a bundle that `knnper export` wrote.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     p.add_argument(
         "--threads",
         type=threads,
@@ -48,23 +66,29 @@ def _build_parser() -> argparse.ArgumentParser:
         "--trusted-key",
         action="append",
         metavar="PUBLIC.pem",
-        help="refuse bundles not signed by this Ed25519 key (repeat for several)",
+        help="refuse bundles not signed by this Ed25519 key (repeat for several; default: "
+        "signatures are not checked)",
     )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs")
-    s.add_argument("bundle")
+    s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
     s.add_argument("--output", help="write the [N, C] probabilities here (.npy)")
+    s.add_argument("--labels", action="store_true",
+                   help="print every predicted label, one per line (default: a summary)")
 
     s = sub.add_parser("evaluate", help="accuracy on a labelled .npz (x, y or x_test, y_test)")
-    s.add_argument("bundle")
-    s.add_argument("--data", required=True)
+    s.add_argument("bundle", help=BUNDLE_HELP)
+    s.add_argument("--data", required=True, help=".npz with x and y (or x_test and y_test)")
 
     s = sub.add_parser("add", help="learn from labelled samples (.npz with x, y)")
-    s.add_argument("bundle")
-    s.add_argument("--data", required=True)
-    s.add_argument("--strategy", choices=["fifo", "concatenate", "fixed"], default=None)
+    s.add_argument("bundle", help=BUNDLE_HELP)
+    s.add_argument("--data", required=True, help=".npz with x and y (or x_train and y_train)")
+    s.add_argument("--strategy", choices=STRATEGIES, default=None,
+                   help="fifo: evict the oldest samples for the new; concatenate: grow to the "
+                   "budget, then evict; fixed: keep the datastore as it is (default: the "
+                   "bundle's update_strategy)")
 
     s = sub.add_parser("init", help="build a bundle for a new device from its own data")
     s.add_argument("--encoder", required=True, help="encoder.onnx")
@@ -75,23 +99,29 @@ def _build_parser() -> argparse.ArgumentParser:
     spec = s.add_mutually_exclusive_group(required=True)
     spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
     spec.add_argument("--input-spec", help="JSON file with the input spec")
-    s.add_argument("--k", type=int, default=None)
-    s.add_argument("--sigma", type=float, default=None)
-    s.add_argument("--recipes", help="comma-separated candidates, e.g. flat:int8,flat:fp16")
-    s.add_argument("--val-fraction", type=float, default=0.2)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--strategy", choices=["fifo", "concatenate", "fixed"], default="fifo")
-    s.add_argument("--client-id", type=int, default=-1)
+    s.add_argument("--k", type=int, default=None,
+                   help="neighbours of the kNN head (default: --like's, else 10)")
+    s.add_argument("--sigma", type=float, default=None,
+                   help="kernel width of the kNN head (default: --like's, else 1)")
+    s.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
+                   help="comma-separated candidates, e.g. flat:int8,flat:fp16")
+    s.add_argument("--val-fraction", type=float, default=0.2,
+                   help="fraction of the data held out to choose the recipe and lambda")
+    s.add_argument("--seed", type=int, default=0, help="seed of the validation split")
+    s.add_argument("--strategy", choices=STRATEGIES, default="fifo",
+                   help="the bundle's update strategy for later `add` calls")
+    s.add_argument("--client-id", type=int, default=-1,
+                   help="client id written in the manifest (-1: a device of its own)")
 
     s = sub.add_parser("info", help="verify a bundle and summarize its manifest")
-    s.add_argument("bundle")
+    s.add_argument("bundle", help=BUNDLE_HELP)
 
     s = sub.add_parser(
         "export-onnx",
         help="the whole prediction as one ONNX graph (flat and "
         "protonn bundles) for devices without Python",
     )
-    s.add_argument("bundle")
+    s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--out", required=True, help="predictor .onnx file to write")
     s.add_argument(
         "--keys-as-inputs",
@@ -113,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         return _COMMANDS[args.command](args)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    except KeyboardInterrupt:  # every write is atomic: nothing is left half-done
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except Exception as exc:
         if os.environ.get("KNNPER_EDGE_DEBUG"):
             raise
@@ -196,8 +229,21 @@ def cmd_predict(args) -> int:
         buf = io.BytesIO()
         np.save(buf, proba)
         write_bytes_atomic(args.output, buf.getvalue())
-    sys.stdout.write("".join(f"{label}\n" for label in proba.argmax(axis=1)))
+    labels = proba.argmax(axis=1)
+    if args.labels:
+        sys.stdout.write("".join(f"{label}\n" for label in labels))
+    else:
+        print(_prediction_summary(labels, proba.shape[1], args.output))
     return 0
+
+
+def _prediction_summary(labels: np.ndarray, num_classes: int, output: str | None) -> str:
+    """How many inputs, how they spread over the classes, where the probabilities went."""
+    counts = np.bincount(labels, minlength=num_classes)
+    spread = ", ".join(f"{c}: {n}" for c, n in enumerate(counts) if n)
+    where = f"probabilities in {output}" if output else "--output FILE.npy keeps the probabilities"
+    return (f"predicted {labels.shape[0]} input(s); per label {{{spread}}}; {where}; "
+            "--labels prints each one")
 
 
 def cmd_evaluate(args) -> int:
@@ -225,11 +271,21 @@ def cmd_add(args) -> int:
     report = rt.add(x, y, strategy=args.strategy)
     budget = rt.manifest["budget_bytes"]
     print(
-        f"{report.strategy}: received {report.received}, added {report.added}, evicted "
-        f"{report.evicted}; datastore holds {report.size} samples; footprint "
-        f"{report.footprint_bytes}/{budget} bytes"
+        f"{report.strategy}: received {report.received}: added {report.added}, "
+        f"{_dropped(report)}; evicted {report.evicted} stored before; datastore holds "
+        f"{report.size} samples; footprint {report.footprint_bytes}/{budget} bytes"
     )
     return 0
+
+
+def _dropped(report) -> str:
+    """Why received samples were not added: every one of them is accounted for."""
+    if not report.dropped:
+        return "dropped 0"
+    if report.strategy == "fixed":
+        return f"dropped {report.dropped} (the fixed strategy keeps the datastore as it is)"
+    return (f"dropped the oldest {report.dropped} of them (the datastore holds at most "
+            f"{report.added} samples within its capacity and budget)")
 
 
 def _read_spec_file(path: str) -> dict:
@@ -296,7 +352,9 @@ def cmd_info(args) -> int:
     spec = m["input"]
     fp = m["footprint"]
     lines = [
-        f"bundle        {rt.path} (verified, format {m['format']} v{m['version']})",
+        f"bundle        {rt.path} (every file matches its sha256; format {m['format']} "
+        f"v{m['version']})",
+        f"signature     {_signature_status(rt.path, bool(args.trusted_key))}",
         f"client        {m['client_id']}",
         f"input         {spec['kind']} {spec['shape']}",
         f"classes       {m['num_classes']}",
@@ -315,11 +373,33 @@ def cmd_info(args) -> int:
 def cmd_export_onnx(args) -> int:
     from .portable import write_portable
 
+    if importlib.util.find_spec("onnx") is None:
+        raise CLIError("export-onnx builds the graph with the onnx package, which this install "
+                       f"lacks: {install_hint('portable')}")
     if Path(args.out).suffix != ".onnx":
         raise CLIError(f"--out must end in .onnx, got {args.out}")
     written = write_portable(_runtime(args), args.out, keys_as_inputs=args.keys_as_inputs)
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _signature_status(bundle: Path, checked: bool) -> str:
+    """Signed and verified, signed but not checked, or unsigned: `info` without a trusted key
+    reads a signature's key id but cannot tell whether the manifest still matches it."""
+    from .signing import MAX_SIGNATURE_BYTES, SIGNATURE_FILE
+
+    path = Path(bundle) / SIGNATURE_FILE
+    if not path.is_file():
+        return "unsigned"
+    if checked:  # Runtime.load verified it against a trusted key, or refused the bundle
+        return "signed and verified against a --trusted-key"
+    try:
+        with open(path, "rb") as f:
+            key = str(json.loads(f.read(MAX_SIGNATURE_BYTES))["key"])[:16]
+    except (OSError, ValueError, KeyError, TypeError):
+        key = "unreadable"
+    return (f"signed (key {key}...), not checked: give --trusted-key PUBLIC.pem to verify "
+            "it and the manifest against it")
 
 
 def _stored(datastore) -> str:

@@ -65,6 +65,12 @@ class UpdateReport:
     size: int
     footprint_bytes: int
 
+    @property
+    def dropped(self) -> int:
+        """Received samples not added: over the datastore's room (the oldest of them go), or
+        all of them under the fixed strategy."""
+        return self.received - self.added
+
 
 def check_labels(y: object, n: int, num_classes: int) -> np.ndarray:
     """Labels for n samples: integers in [0, num_classes), one per sample (a scalar for one)."""

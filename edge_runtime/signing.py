@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ._io import read_regular
+from .cli_help import install_hint
 from .errors import SignatureError
 from .manifest import parse_manifest
 
@@ -45,7 +46,7 @@ def _crypto():
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:
         raise SignatureError(
-            "signed bundles need the cryptography package: pip install 'knnper[sign]'"
+            f"signed bundles need the cryptography package: {install_hint('sign')}"
         ) from None
     return ed25519, serialization, InvalidSignature
 
@@ -66,6 +67,8 @@ def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.Pat
     for path in (private_path, public_path):
         if Path(path).exists():
             raise SignatureError(f"refusing to overwrite {path}")
+    for path in (private_path, public_path):  # a keys/ folder of its own, readable by us only
+        Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(os.fspath(private_path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(private_pem)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from edge_runtime._io import write_json_atomic
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import (
     ClientData,
@@ -95,7 +96,7 @@ def body_rows(runner: TableRunner, body: str, lr: float, *, lambda_estimator: st
             return cached["result"]
     result = _body_rows(runner, body, lr, lambda_estimator, heads, progress)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"identity": identity, "result": plain_json(result)}))
+    write_json_atomic(cache, {"identity": identity, "result": plain_json(result)})
     return result
 
 

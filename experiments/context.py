@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ class Context:
     knn: KNNRequest = field(default_factory=KNNRequest)
     quick: bool = False
     progress: bool = True
+    points_done: Callable[[bool], None] = lambda computed: None  # see PointStore.on_point
     _runs: dict[str, LoadedRun] = field(default_factory=dict)
     _views: dict[str, list[ClientView]] = field(default_factory=dict)
     _choices: dict[str, KNNChoice] = field(default_factory=dict)
@@ -105,7 +107,7 @@ class Context:
         return {"run": config_id(self.config_for(alpha)), "knn": self.knn.key(), **values}
 
     def points(self, experiment: str) -> PointStore:
-        return PointStore(self.out / experiment / "points.jsonl")
+        return PointStore(self.out / experiment / "points.jsonl", self.points_done)
 
     def scale_line(self) -> str:
         c, t = self.config, self.config.training

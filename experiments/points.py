@@ -20,8 +20,12 @@ def _key(key: dict[str, Any]) -> str:
 
 
 class PointStore:
-    def __init__(self, path: Path) -> None:
+    """`on_point(computed)`: called as each point is ready (computed now, or read back)."""
+
+    def __init__(self, path: Path,
+                 on_point: Callable[[bool], None] = lambda computed: None) -> None:
         self.path = Path(path)
+        self.on_point = on_point
         self._done: dict[str, dict[str, Any]] = {}
         self._torn_end = False  # a kill mid-append leaves a last line without its newline
         if self.path.exists():
@@ -42,6 +46,7 @@ class PointStore:
         """The record stored under `key`, or fn()'s, timed and appended (fsync'd) first."""
         found = self._done.get(_key(key))
         if found is not None:
+            self.on_point(False)
             return found
         started = time.perf_counter()
         record = fn()
@@ -54,6 +59,7 @@ class PointStore:
             os.fsync(f.fileno())
         self._torn_end = False
         self._done[_key(key)] = json.loads(json.dumps(record, default=_plain))
+        self.on_point(True)
         return self._done[_key(key)]
 
 

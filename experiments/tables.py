@@ -14,16 +14,16 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import multiprocessing
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from edge_runtime._io import write_json_atomic
 from experiments.attribution import BODIES, attribution_table, body_rows, format_attribution
 from experiments.lr_tuning import (
     LR_GRID,
@@ -42,6 +42,7 @@ from fed_train.knn_request import KNNRequest
 from fed_train.knn_tuning import client_rows, client_views
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
+from fed_train.progress import Progress, track
 from fed_train.run import (
     CONFIG_FILE,
     PARTITION_FILE,
@@ -53,6 +54,7 @@ from fed_train.run import (
     prepare_clients,
 )
 from fed_train.simulation import simulate
+from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +164,7 @@ class TableRunner:
             raise BenchError(f"{run_dir} was trained with other settings "
                              f"({stamp.read_text().strip()}); delete it to retrain")
         run_dir.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps(identity))
+        write_json_atomic(stamp, identity)  # a worker may be terminated at any point
         algorithm = build_algorithm(trainer, self.model_fn, training, **hyper)
         result = simulate(algorithm, self.clients, training, self.initial_weights,
                           seed=self.config.seed, run_dir=run_dir,
@@ -208,8 +210,8 @@ class TableRunner:
                 raise
             log.warning("%s at lr=%g diverged: %s", method, lr, err)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps({"hyper": plain_json(identity), "diverged": str(err),
-                                         "rows": None}))
+            write_json_atomic(cache, {"hyper": plain_json(identity), "diverged": str(err),
+                                      "rows": None})
             return None
 
     def _rows(self, method: str, lr: float, identity: Mapping[str, Any],
@@ -244,7 +246,7 @@ class TableRunner:
         payload = {"hyper": plain_json(identity), "seconds": seconds, "rows": rows}
         if knn_record is not None:
             payload["knn"] = plain_json(knn_record)
-        cache.write_text(json.dumps(payload))
+        write_json_atomic(cache, payload)
         return rows
 
     def knn_record(self, lr: float) -> dict[str, Any] | None:
@@ -258,14 +260,15 @@ _JOB_COST = {"apfl": 6.0, "ditto": 5.0, "pfedgp": 2.0, "fedrep": 1.5, "fedavg": 
              "clustered": 1.2, "local": 1.0}
 
 
-def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple]]) -> None:
-    """Run the calls in up to `workers` spawned processes (torch and fork do not mix); a
-    worker's error stops the table with that error. Results land in OUT's caches."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(calls))),
-                             mp_context=context) as pool:
+def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple]], *,
+                  desc: str, progress: bool) -> None:
+    """Run the calls in up to `workers` worker processes; a worker's error stops the table with
+    that error, and so does Ctrl-C, at once. Results land in OUT's caches."""
+    with (worker_pool(max(1, min(workers, len(calls)))) as pool,
+          Progress(len(calls), desc=desc, unit="job", enabled=progress) as bar):
         for future in as_completed([pool.submit(fn, *args) for fn, args in calls]):
             future.result()
+            bar.update()
 
 
 def _table_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
@@ -314,12 +317,17 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     knn = knn or KNNRequest()
     runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, knn=knn)
     if workers > 1:
-        _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, knn))
+        _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, knn),
+                      desc="bench table: training runs", progress=progress)
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
+    runs = [(method, lr) for method in names for lr in lrs]
+    by_run = {run: runner.rows(*run, diverged_ok=len(lrs) > 1)
+              for run in track(runs, total=len(runs), desc="bench table", unit="method run",
+                               enabled=progress)}
     for method in names:
-        by_lr = {lr: runner.rows(method, lr, diverged_ok=len(lrs) > 1) for lr in lrs}
+        by_lr = {lr: by_run[method, lr] for lr in lrs}
         if all(rows is None for rows in by_lr.values()):
             raise BenchError(f"{method}: training diverged at every learning rate of the grid")
         val = {lr: None if rows is None else validation_score(rows)
@@ -343,7 +351,8 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
         if workers > 1:
             _in_processes(workers, [(_attribution_job, (config, str(out), hyper, body, lr,
                                                         estimator))
-                                    for body, lr in body_lrs.items()])
+                                    for body, lr in body_lrs.items()],
+                          desc="bench table: attribution", progress=progress)
         result["attribution"] = attribution_table(runner, body_lrs, lambda_estimator=estimator,
                                                   progress=progress)
     write_outputs(result, Path(out))

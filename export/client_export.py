@@ -4,7 +4,6 @@ plain data (the client's embeddings and budget) and send back the report row."""
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,9 +88,8 @@ _worker: dict[str, Any] = {}
 
 
 def init_worker(context: SizingContext) -> None:
-    """Pool initializer. Ctrl-C goes to the whole process group: the exporter's process
-    handles it, and workers finish the client in hand instead of dying mid-write."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Pool initializer (fed_train.workers makes the worker deaf to Ctrl-C): one sizer per
+    worker, built once."""
     import torch
 
     torch.set_num_threads(1)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -41,7 +40,6 @@ from export.client_export import (
 from export.errors import BudgetInvalid, ExportError
 from export.journal import ExportJournal, json_default
 from export.onnx_export import export_onnx
-from export.progress import ClientProgress
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
 from export.resume import bundle_problem, row_problem
 from export.sizing import (
@@ -52,7 +50,9 @@ from export.sizing import (
 )
 from fed_train.algorithms.base import ClientData
 from fed_train.knn_choice import KNNChoice
+from fed_train.progress import Progress
 from fed_train.run import LoadedRun
+from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
@@ -322,13 +322,13 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
     tasks = (ClientTask(client_embeddings(session, c), int(budgets[c.client_id]), c.unseen,
                         bundle_dir(out_dir, c.client_id), run.dataset.input_spec)
              for c in todo)
-    bar = ClientProgress(len(chosen), initial=len(chosen) - len(todo), enabled=progress)
-    try:
+    # a client's sizing time grows with its train split: the estimate is per sample
+    work = {c.client_id: max(1, c.num_train) for c in todo}
+    with Progress(len(chosen), desc="export", unit="client", enabled=progress,
+                  initial=len(chosen) - len(todo), total_work=sum(work.values())) as bar:
         for row in _export_clients(tasks, len(todo), context, workers):
             done[row["client_id"]] = row
-            bar.update()
-    finally:
-        bar.close()
+            bar.update(work[row["client_id"]])
     rows = [done[c.client_id] for c in chosen]
     report = {
         "run": str(run.run_dir),
@@ -402,18 +402,10 @@ def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingCont
         for task in tasks:
             yield export_client(task, context, sizer)
         return
-    # spawn, not fork: torch and onnxruntime hold thread pools that a forked child inherits
-    # in an undefined state
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=init_worker, initargs=(context,))
-    try:
+    with worker_pool(workers, init_worker, (context,)) as pool:
         futures = [pool.submit(export_client_in_worker, task) for task in tasks]
         for future in as_completed(futures):
             yield future.result()
-    finally:
-        # on an error or Ctrl-C: drop the clients not started; the workers finish the one in
-        # hand (they ignore SIGINT), so no bundle is left half-written
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def usable_cores() -> int:

@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.cli_help import install_hint
 from fed_train.errors import KnnperError
 from fed_train.flower.pki import NodeKey, ServerTLS, make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerConfigError, FlowerSettings
+from fed_train.progress import Progress
 from fed_train.run import open_run
+from fed_train.workers import ignoring_ctrl_c
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +132,12 @@ class Processes:
                 pass
 
     def stop_all(self) -> None:
-        """SIGTERM every group, wait (bounded), then SIGKILL what is left."""
+        """SIGTERM every group, wait (bounded), then SIGKILL what is left; a further Ctrl-C
+        waits for this rather than leave processes behind."""
+        with ignoring_ctrl_c():
+            self._stop_all()
+
+    def _stop_all(self) -> None:
         for name in reversed(list(self.running)):
             self.stop(name)
         deadline = time.monotonic() + STOP_SECONDS
@@ -178,13 +186,28 @@ def _run_timeout(settings: FlowerSettings) -> float:
     return settings.connect_timeout + (rounds + 1) * settings.round_timeout + 120.0
 
 
-def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float) -> dict[str, Any]:
-    """Wait for the run to finish; the run's real status comes from the SuperLink, since
-    `flwr run` returns as soon as the run is submitted."""
+def rounds_logged(run_dir: Path) -> list[dict[str, Any]]:
+    """The rounds the ServerApp has logged so far (metrics.jsonl; a torn last line skipped)."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break
+    return rows
+
+
+def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float,
+                bar: Progress) -> dict[str, Any]:
+    """Wait for the run to finish, counting its rounds on `bar`; the run's real status comes
+    from the SuperLink, since `flwr run` returns as soon as the run is submitted."""
     deadline = time.monotonic() + timeout
     last_ls = 0.0
     flower_file = run_dir / "flower.json"
     while time.monotonic() < deadline:
+        while bar.done < min(len(rounds_logged(run_dir)), bar.total or 0):
+            bar.update()
         if procs.running["superlink"].poll() is not None:
             raise DeployError(f"the SuperLink exited with code "
                               f"{procs.running['superlink'].returncode} during the run")
@@ -237,7 +260,8 @@ def start_supernode(procs: Processes, name: str, port: int, tls: ServerTLS | Non
     return procs.start(name, argv)
 
 
-def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[str, Any]:
+def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
+                 progress: bool = False) -> dict[str, Any]:
     """Run `settings` on a local federation; returns flower.json's record with the SuperLink's
     account of the run (status, bytes) added."""
     settings.check()
@@ -246,7 +270,7 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[
                                 f"{settings.run.clients} clients")
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
         if shutil.which(tool) is None:
-            raise DeployError(f"{tool} is not installed: pip install \"knnper[flower]\"")
+            raise DeployError(f"{tool} is not installed: {install_hint('flower')}")
     run_dir = Path(settings.run_dir).resolve()
     settings.run_dir = str(run_dir)
     open_run(settings.run, run_dir)  # a bad data set or run directory fails before any process
@@ -276,7 +300,10 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation) -> dict[
         run_id = str(submitted["run-id"])
         log.info("run %s submitted to the SuperLink on %s:%d (%s)", run_id, HOST, port,
                  "TLS, SuperNode authentication" if tls else "insecure")
-        status = _follow_run(procs, run_id, run_dir, _run_timeout(settings))
+        rounds = settings.run.training.rounds
+        with Progress(rounds, desc="deploy local", unit="round", enabled=progress,
+                      initial=min(len(rounds_logged(run_dir)), rounds)) as bar:
+            status = _follow_run(procs, run_id, run_dir, _run_timeout(settings), bar)
     finally:
         procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)

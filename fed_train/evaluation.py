@@ -7,9 +7,9 @@ import math
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from fed_train.algorithms.base import Algorithm, ClientData, Weights
+from fed_train.progress import track
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
 
 
@@ -19,8 +19,10 @@ def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, 
     """One row per client: its test accuracy under `algorithm`'s personalization and what was
     chosen for it."""
     rows = []
-    # disable=None: a bar on a terminal only, no carriage returns in a log file
-    for client in tqdm(clients, desc=f"{algorithm.name} eval", disable=None if progress else True):
+    # a client's personalization (local training, its datastore) grows with its train split
+    for client in track(clients, total=len(clients), desc=f"{algorithm.name} eval",
+                        unit="client", enabled=progress,
+                        work=[max(1, c.num_train) for c in clients]):
         personal = algorithm.personalize(weights, client, states.get(client.client_id, {}),
                                          client_seed(seed, 0, client.client_id,
                                                      PERSONALIZE_STREAM))

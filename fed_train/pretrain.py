@@ -19,7 +19,6 @@ from typing import IO, Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from edge_runtime._io import array_file_bytes
 from edge_runtime.preprocess import prepare_input
@@ -27,6 +26,7 @@ from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, loca
 from fed_train.data import Dataset, load_dataset, stratified_subsample
 from fed_train.errors import KnnperError
 from fed_train.models import EmbedHeadModel, build_model, default_model
+from fed_train.progress import Progress
 from fed_train.simulation import client_seed
 from fed_train.torch_files import load_tensors
 
@@ -148,22 +148,23 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) 
                               weight_decay=config.weight_decay)
     history: list[dict[str, float]] = []
     best_state, best_epoch, best_acc = copy.deepcopy(model.state_dict()), 0, -1.0
-    # disable=None: a bar on a terminal only, no carriage returns in a log file
-    epochs = tqdm(range(1, config.epochs + 1), desc="pretrain", disable=None if progress else True)
-    for epoch in epochs:
+    epochs = Progress(config.epochs, desc="pretrain", unit="epoch", enabled=progress)
+    for epoch in range(1, config.epochs + 1):
         seed = client_seed(config.seed, epoch, 0)
         x_epoch = (augment_images(x_fit, np.random.default_rng(client_seed(config.seed, epoch, 1)))
                    if config.augment else x_fit)
         loss = local_sgd(model, x_epoch, y_fit, training, config.lr, seed=seed, epochs=1)
         acc = _accuracy(model, x[val], y[val])
         history.append({"epoch": epoch, "train_loss": round(loss, 6), "val_accuracy": acc})
-        epochs.set_postfix(loss=f"{loss:.3f}", val=f"{acc:.3f}")
+        epochs.set_postfix(f"epoch {epoch}: loss {loss:.3f}, val {acc:.3f}")
+        epochs.update()
         if acc > best_acc:
             best_state, best_epoch, best_acc = copy.deepcopy(model.state_dict()), epoch, acc
         elif epoch - best_epoch >= config.patience:
             log.info("no better validation accuracy for %d epochs: stopping at epoch %d",
                      config.patience, epoch)
             break
+    epochs.close()
     record = {**asdict(config), "model": model_name, "num_classes": target.num_classes,
               "train_size": len(target.y_train), "server_samples": int(len(server)),
               "samples": {"train": int(len(fit)), "val": int(len(val))},

@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from edge_runtime._io import write_json_atomic
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights
 from fed_train.errors import KnnperError
@@ -55,7 +56,7 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | No
         per_method[method] = rows
         if method == "local":
             cache.parent.mkdir(exist_ok=True)
-            cache.write_text(json.dumps({"key": _local_cache_key(run), "rows": rows}))
+            write_json_atomic(cache, {"key": _local_cache_key(run), "rows": rows})
     result = merge_results(per_method)
     if choice is not None:
         result["knn"] = choice.record

@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from edge_runtime._io import memory_limit, read_regular
 from fed_train.algorithms.base import Algorithm, ClientData, TrainingConfig, Weights, predict_proba
 from fed_train.errors import TrainingError
+from fed_train.progress import track
 from fed_train.torch_files import load_tensors
 
 log = logging.getLogger(__name__)
@@ -273,9 +273,8 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
     state = (open_run_log(run_dir, initial_weights) if run_dir is not None
              else SimulationResult(initial_weights, {}, 0))
     rounds = range(state.rounds_done, training.rounds)
-    for r in tqdm(rounds, desc=algorithm.name, disable=None if progress else True,  # tty only
-                  initial=state.rounds_done,
-                  total=training.rounds):
+    for r in track(rounds, total=training.rounds, initial=state.rounds_done,
+                   desc=algorithm.name, unit="round", enabled=progress):
         start = time.perf_counter()
         lr = training.lr_at(r, training.rounds)
         results = []

@@ -17,14 +17,16 @@ from edge_runtime.arg_types import (
     positive_int,
     threads,
 )
+from edge_runtime.cli_help import DefaultsHelpFormatter, missing_command_message
 from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
 from fed_train.algorithms.base import TrainingConfig
+from fed_train.data import DEFAULT_PATHS
 from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, KNNRequest
 from fed_train.run import RunConfig
 
 __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
-           "config_from_args", "fraction", "knn_request", "learning_rate", "positive",
+           "DATA_HELP", "config_from_args", "fraction", "knn_request", "learning_rate", "positive",
            "positive_float", "positive_int", "threads"]
 
 
@@ -33,11 +35,11 @@ class Parser(argparse.ArgumentParser):
     option's help shows its default."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {missing_command_message(self, message)}\n")
 
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -51,6 +53,12 @@ def learning_rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must fit a float32 (at most {FLOAT32_MAX:.3g}), "
                                          f"got {text}")
     return value
+
+
+DATA_HELP = ("path of the data (file or directory); default: none needed for digits (it ships "
+             "with scikit-learn), " + ", ".join(f"{path} for {name}" for name, path
+                                                in DEFAULT_PATHS.items())
+             + "; every other data set needs one")
 
 
 def add_sgd_arguments(p: argparse.ArgumentParser, d: Any, what: str) -> None:
@@ -70,8 +78,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     t = defaults.TRAINING
     p.add_argument("--dataset", default=d.dataset, help="digits, fashion-mnist, mnist, npz, "
                    "cifar10, cifar100, femnist, shakespeare")
-    p.add_argument("--data", default=None,
-                   help="path of the data (file or directory); digits needs none")
+    p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="subsample the training set (stratified) to this many samples")
     p.add_argument("--partition", default=d.partition,
@@ -88,7 +95,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="fraction of each client's train data kept for validation")
     p.add_argument("--model", default=None,
-                   help="small-cnn, mobilenet-v2, char-lstm (None: chosen by input kind)")
+                   help="small-cnn, mobilenet-v2, char-lstm (default: chosen by input kind)")
     p.add_argument("--rounds", type=positive_int, default=t.rounds,
                    help="federated rounds")
     p.add_argument("--participation", type=fraction, default=t.participation,

@@ -6,15 +6,18 @@ from __future__ import annotations
 import argparse
 import signal
 from pathlib import Path
+from typing import Any
 
 from fed_train.deploy import (
     APP_DIR,
     DeployError,
     LocalFederation,
     deploy_local,
+    rounds_logged,
     run_config_toml,
 )
 from fed_train.evaluation import format_table
+from fed_train.flower.expected import expectation_line
 from fed_train.flower.pki import make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerSettings
 from knnper_cli.args import (
@@ -43,14 +46,36 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
                                  startup_timeout=args.startup_timeout)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
     try:
-        record = deploy_local(settings, federation)
+        first_round = len(rounds_logged(Path(args.out)))  # a resumed run's earlier rounds
+        record = deploy_local(settings, federation, progress=not args.no_progress)
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(format_table(record["evaluation"]))
     traffic = record["superlink_run"].get("network-traffic", {})
     print(f"trained {settings.run.training.rounds} rounds on Flower into {args.out} "
           f"({traffic.get('total-bytes', '?')} bytes through the SuperLink)")
+    print(expectation_line(settings.run))
+    split = round_split(rounds_logged(Path(args.out))[first_round:])
+    if split:
+        print(split)
     return 0
+
+
+def round_split(rows: list[dict[str, Any]]) -> str | None:
+    """Where a round's time went: the clients train side by side, so the round waits for the
+    slowest one's training; the rest is Flower's own floor on this machine. The summed
+    training is what `knnper train` does one client after another."""
+    timed = [r for r in rows if "train_seconds" in r]
+    if not timed:
+        return None
+    wall = sum(r["seconds"] for r in timed) / len(timed)
+    summed = sum(r["train_seconds"] for r in timed) / len(timed)
+    slowest = sum(r["train_seconds_max"] for r in timed) / len(timed)
+    return (f"per round (mean of {len(timed)}): {wall:.1f} s on Flower = {slowest:.2f} s of "
+            f"training on the slowest client ({summed:.2f} s summed over the clients, which "
+            f"share this machine's cores) + {max(0.0, wall - slowest):.1f} s Flower's floor: a "
+            "new ClientApp process per message that imports torch and flwr again, and 3 s "
+            "polls (BENCHMARKS.md, Flower deployment versus the simulation)")
 
 
 def _cmd_deploy_config(args: argparse.Namespace) -> int:

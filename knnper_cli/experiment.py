@@ -16,6 +16,7 @@ from experiments.context import QUICK, Context
 from experiments.registry import EXPERIMENTS
 from experiments.report import write_report
 from experiments.spec import IID_ALPHA, Experiment
+from fed_train.progress import Progress
 from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
@@ -37,8 +38,7 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
     names = p.add_subparsers(dest="experiment", metavar="NAME", required=True,
                              parser_class=type(p))
     for exp in EXPERIMENTS.values():
-        q = names.add_parser(exp.name, help=exp.help, description=f"The paper: {exp.claim}",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        q = names.add_parser(exp.name, help=exp.help, description=f"The paper: {exp.claim}")
         q.add_argument("--out", required=True, help="output folder, shared by the experiments "
                        "(global models in OUT/runs, this one's files in OUT/NAME)")
         q.add_argument("--quick", action="store_true", help="digits at a tiny scale and small "
@@ -83,10 +83,14 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     config = replace(QUICK, seed=args.seed) if args.quick else config_from_args(args)
     grids = {g.name: getattr(args, g.name, None) or (g.quick if args.quick else g.full)
              for g in exp.grids}
-    ctx = Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
-                  progress=not args.no_progress)
     started = time.perf_counter()
-    result = exp.run(ctx, grids)
+    # how many points an experiment computes is its own business: lines count them, no total
+    with Progress(None, desc=f"experiment {exp.name}", unit="point",
+                  enabled=not args.no_progress) as bar:
+        ctx = Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
+                      progress=not args.no_progress,
+                      points_done=lambda computed: bar.update(measured=computed))
+        result = exp.run(ctx, grids)
     summary = write_report(exp, result, ctx.out / exp.name, command=command_line(args),
                            scale_line=ctx.scale_line(), started=started)
     print(summary.read_text())

@@ -58,7 +58,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of generated budgets and of datastore sampling / ProtoNN training")
     p.add_argument("--workers", type=positive_int, default=None,
-                   help="processes sizing clients in parallel (None: one per usable core)")
+                   help="processes sizing clients in parallel (default: one per usable core)")
     p.add_argument("--pruned-search", action="store_true",
                    help="skip HNSW and ProtoNN candidates that look unable to win and train "
                    "ProtoNN candidates by successive halving: faster, but it lost accuracy "

@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import signal
 import sys
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
+
+from edge_runtime.cli_help import install_hint, package_version
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
 DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
@@ -23,12 +25,22 @@ def missing_server_modules() -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     missing = missing_server_modules()
+    args = sys.argv[1:] if argv is None else list(argv)
+    if missing and args == ["--version"]:
+        print(f"knnper {package_version()} (device runtime only: no {', '.join(missing)}; "
+              f"the server commands need {install_hint('train')})")
+        return 0
     if missing:
         print(f"knnper: this install has the device runtime only (no {', '.join(missing)}); "
-              "the server commands need the train extra: pip install 'knnper[train]' "
+              f"the server commands need the train extra: {install_hint('train')} "
               "(on a device, use knnper-edge)", file=sys.stderr)
         return 2
-    return run(argv)
+    code = run(argv)
+    if code == INTERRUPTED:
+        # the command is over and its workers are gone: a further Ctrl-C while the
+        # interpreter exits would only print a traceback from an exit handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     from knnper_cli.train import add_train_commands
 
     parser = Parser(prog="knnper", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--threads", type=threads, default=defaults.THREADS,
@@ -87,13 +99,6 @@ def _one_line(err: BaseException) -> str:
         where = f": {err.filename}" if err.filename else ""
         return f"{err.strerror}{where}"
     return " ".join(str(err).split()) or type(err).__name__
-
-
-def _version() -> str:
-    try:
-        return version("knnper")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "unknown (not installed)"
 
 
 if __name__ == "__main__":

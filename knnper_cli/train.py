@@ -16,6 +16,7 @@ from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
 from knnper_cli.args import (
+    DATA_HELP,
     add_knn_arguments,
     add_sgd_arguments,
     add_training_arguments,
@@ -77,7 +78,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pretrain", help="train the model centrally on a server-held split that "
                        "no client sees, as the starting point for --init")
     p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
-    p.add_argument("--data", default=None, help="path of the data (file or directory)")
+    p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--out", required=True, help="directory for model.pt, pretrain.json and "
                    "server_indices.npy")
     p.add_argument("--public-data", default=None, help="train on this .npz (x_train, y_train, "

@@ -897,7 +897,8 @@ def test_cli_predict_evaluate_info(bundle, tmp_path, capsys):
     x, y = make_images(12, 8)
     np.save(tmp_path / "x.npy", x)
     code, out, _ = _cli(
-        capsys, "predict", bundle, "--input", tmp_path / "x.npy", "--output", tmp_path / "p.npy"
+        capsys, "predict", bundle, "--input", tmp_path / "x.npy", "--output", tmp_path / "p.npy",
+        "--labels",
     )
     assert code == 0
     proba = np.load(tmp_path / "p.npy")

@@ -4,7 +4,6 @@ terminal is plain lines, and an interrupted export resumes without redoing finis
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -18,7 +17,6 @@ from edgeml.pytorch.graph.protoNN import ProtoNN
 from edge_runtime.runtime import Runtime
 from export import exporter
 from export.exporter import JOURNAL_FILE, ExportSettings, export_run
-from export.progress import ClientProgress
 from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.run import RunConfig, load_run, train
@@ -83,18 +81,6 @@ def test_partial_fit_in_two_parts_is_fit_with_all_the_steps():
     assert parts.steps_done_ == 30
     for a, b in zip(whole.matrices().values(), parts.matrices().values(), strict=True):
         np.testing.assert_array_equal(a, b)
-
-
-def test_progress_off_a_terminal_is_plain_lines_without_carriage_returns():
-    stream = io.StringIO()
-    progress = ClientProgress(3, stream=stream, every_s=0.0)
-    for _ in range(3):
-        progress.update()
-    progress.close()
-    lines = stream.getvalue().splitlines()
-    assert "\r" not in stream.getvalue()
-    assert lines[0].startswith("export: 1/3 clients") and "left" in lines[0]
-    assert lines[-1].startswith("export: 3/3 clients")
 
 
 @pytest.fixture(scope="module")

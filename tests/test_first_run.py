@@ -74,10 +74,13 @@ def test_runtime_only_install_is_told_which_extra_to_install(monkeypatch, capsys
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("torch", "tqdm") else real(name, *a))
-    assert cli.main(["--version"]) == 2
+    assert cli.main(["train", "--out", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "pip install 'knnper[train]'" in err
+    assert err.count("\n") == 1 and "pip install '.[train]' in a knnper clone" in err
     assert "torch, tqdm" in err
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("knnper ") and "device runtime only" in out
 
 
 @pytest.fixture(scope="module")

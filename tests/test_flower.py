@@ -408,3 +408,19 @@ def test_a_failed_run_says_why_in_flower_json(tmp_path):
     record = json.loads((tmp_path / "run" / "flower.json").read_text())
     assert record["status"] == "failed"
     assert record["error"].startswith("after 1 s no SuperNode serves client(s) [1, 2]")
+
+
+def test_each_round_logs_the_clients_training_time_and_deploy_splits_it(flower_and_simulation):
+    from fed_train.deploy import round_split, rounds_logged
+
+    root, _ = flower_and_simulation
+    rows = rounds_logged(root / "flower")
+    for row in rows:
+        assert 0 < row["train_seconds_max"] <= row["train_seconds"] <= row["seconds"]
+    wall = sum(r["seconds"] for r in rows) / len(rows)
+    slowest = sum(r["train_seconds_max"] for r in rows) / len(rows)
+    summed = sum(r["train_seconds"] for r in rows) / len(rows)
+    line = round_split(rows)
+    assert f"mean of {len(rows)}): {wall:.1f} s on Flower = {slowest:.2f} s of training" in line
+    assert f"({summed:.2f} s summed over the clients" in line
+    assert f"+ {max(0.0, wall - slowest):.1f} s Flower's floor" in line

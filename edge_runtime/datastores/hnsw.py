@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .._io import fsync_dir, fsync_file, load_npz, save_npz_atomic, temp_path
+from ..cli_help import install_hint
 from ..hnsw_format import check_hnsw_index
 from ..knn import kernel_posterior
 from .common import (
@@ -33,7 +34,7 @@ def _import_hnswlib():
         return importlib.import_module("hnswlib")
     except ImportError:
         raise ValueError(
-            "hnsw datastores need the hnswlib package: pip install 'knnper[hnsw]'"
+            f"hnsw datastores need the hnswlib package: {install_hint('hnsw')}"
         ) from None
 
 

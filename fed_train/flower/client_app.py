@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -60,11 +61,13 @@ def train(msg: Message, context: Context) -> Message:
     weights = _received_weights(msg, spec)
     config = msg.content["config"]
     algorithm = build_algorithm(settings.algorithm, spec.model_fn(), settings.run.training)
+    started = time.perf_counter()
     result = algorithm.client_update(weights, client, load_state(context.state),
                                      float(config["lr"]), int(config["seed"]))
+    seconds = time.perf_counter() - started  # the training alone: what the simulation spends
     scalars = save_state(context.state, result.state)
     metrics = MetricRecord({"client-id": client.client_id, "num-examples": result.num_samples,
-                            "train-loss": float(result.loss)})
+                            "train-loss": float(result.loss), "train-seconds": seconds})
     return Message(RecordDict({"arrays": to_array_record(result.weights), "metrics": metrics,
                                "state": scalars}), reply_to=msg)
 

@@ -164,7 +164,9 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
         row = {"round": server_round, "lr": info["lr"], "clients": info["clients"],
                "train_loss": info["train_loss"],
                "seconds": round(time.perf_counter() - start, 3),
-               "bytes_down": info["bytes_down"], "bytes_up": info["bytes_up"]}
+               "bytes_down": info["bytes_down"], "bytes_up": info["bytes_up"],
+               "train_seconds": info["train_seconds"],
+               "train_seconds_max": info["train_seconds_max"]}
         log_round(run_dir, row, state,
                   is_checkpoint_round(server_round, training.rounds, config.checkpoint_every))
         log.info("round %d/%d: %s", server_round, training.rounds, row)

@@ -102,6 +102,7 @@ class KnnperStrategy(Strategy):
         results: dict[int, ClientResult] = {}
         failed: dict[int, str] = {}
         bytes_up = 0
+        train_seconds: list[float] = []  # each client's own training, without Flower's cost
         for reply in replies:
             cid = self._sent.get(reply.metadata.src_node_id)
             if cid is None:
@@ -115,6 +116,7 @@ class KnnperStrategy(Strategy):
                 failed[cid] = f"unusable reply: {err}"
                 continue
             bytes_up += reply.content["arrays"].count_bytes()
+            train_seconds.append(float(reply.content["metrics"].get("train-seconds", 0.0)))
         silent = sorted(set(self._sent.values()) - set(results) - set(failed))
         skipped = sorted(set(self._sampled) - set(self._sent.values()))
         self.lost.update(silent, failed)
@@ -135,7 +137,9 @@ class KnnperStrategy(Strategy):
                                        client_seed(seed, r, 0, AGGREGATE_STREAM))
         loss = float(np.average([x.loss for x in ordered],
                                 weights=[x.num_samples for x in ordered]))
-        self.round_info.update(clients=len(ordered), train_loss=loss, bytes_up=bytes_up)
+        self.round_info.update(clients=len(ordered), train_loss=loss, bytes_up=bytes_up,
+                               train_seconds=round(sum(train_seconds), 3),
+                               train_seconds_max=round(max(train_seconds, default=0.0), 3))
         return to_array_record(new), MetricRecord({"train-loss": loss, "clients": len(ordered)})
 
     def configure_evaluate(self, server_round: int, arrays, config: ConfigRecord,

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Run every command of README.md as pasted, in order, in a fresh clone of this commit, at
+digits scale, so the README stays true: a command that cannot be pasted, a file a command reads
+before an earlier one wrote it, or an output left outside the folders `.gitignore` covers fails
+the run.
+
+What is not run, and why: `pip install` (the environment running this script is the install the
+README describes; a `pip install -e .` from the throw-away clone would re-point it there),
+`python -m pytest` (.ci/run runs the tests itself), and blocks preceded by a
+`<!-- readme.py: skip (reason) -->` line. What is changed, and why, is SCALE: data-set sizes,
+never a flag's meaning. Python blocks run too, with `python -c`.
+
+    python .ci/readme.py              # run them all (minutes: it trains)
+    python .ci/readme.py --list       # print the commands as they would run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SKIP_MARK = re.compile(r"<!-- readme\.py: skip \((?P<why>[^)]+)\) -->")
+NOT_RUN = ("pip install", "python -m pytest")
+TRAINING = re.compile(r"^knnper (?:--threads \d+ )?(?:train|bench table|deploy local|"
+                      r"experiment) ")
+
+# (pattern, replacement, why): digits instead of Fashion-MNIST, and few clients and rounds
+SCALE: tuple[tuple[str, str | Callable[[re.Match], str], str], ...] = (
+    (r"--dataset fashion-mnist", "--dataset digits",
+     "digits ships with scikit-learn: no download, a second a round"),
+    (r" --data /usr/share/datasets/fashion-mnist", "", "digits needs no path"),
+    (r" --max-train \d+", "", "digits is smaller than any --max-train in the README"),
+    (r"--clients (\d+)", lambda m: f"--clients {min(int(m[1]), 10)}",
+     "digits' 1,797 images make at most ten clients of a useful size"),
+    (r"--rounds \d+", "--rounds 2", "two rounds check the pipeline; accuracy is not the point"),
+)
+
+
+@dataclass
+class Command:
+    line: int  # where it starts in README.md
+    kind: str  # "bash" or "python"
+    text: str  # as pasted (continuation lines joined)
+    run: str  # at digits scale
+
+
+def at_digits_scale(command: str) -> str:
+    for pattern, replacement, _ in SCALE:
+        command = re.sub(pattern, replacement, command)
+    if TRAINING.match(command) and not re.search(r"--rounds|--help|--quick", command):
+        command += " --rounds 2"  # the default rounds are the benchmark's, minutes each
+    return command
+
+
+def _runnable_part(command: str) -> str:
+    """The command less its `pip install` / pytest steps (see the module's docstring)."""
+    steps = [s.strip() for s in command.split(" && ")]
+    return " && ".join(s for s in steps if not s.startswith(NOT_RUN))
+
+
+def readme_commands(readme: Path = REPO / "README.md") -> list[Command]:
+    """The README's bash commands (one per logical line) and python blocks, in order, less the
+    skipped blocks and the steps not run."""
+    lines = readme.read_text().splitlines()
+    commands: list[Command] = []
+    i = 0
+    while i < len(lines):
+        fence = re.fullmatch(r"```(bash|python)", lines[i].strip())
+        if not fence:
+            i += 1
+            continue
+        previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        end = lines.index("```", i + 1)
+        block, start = lines[i + 1:end], i + 2
+        i = end + 1
+        if SKIP_MARK.search(previous):
+            continue
+        if fence[1] == "python":
+            commands.append(Command(start, "python", "\n".join(block), "\n".join(block)))
+            continue
+        pending, first = "", start
+        for n, raw in enumerate(block, start):
+            if not pending:
+                first = n
+            if raw.rstrip().endswith("\\"):
+                pending += raw.strip()[:-1].strip() + " "
+                continue
+            text = (pending + raw.strip()).strip()
+            pending = ""
+            code = text.split(" #")[0].strip() if not text.startswith("#") else ""
+            runnable = _runnable_part(code)
+            if runnable:
+                commands.append(Command(first, "bash", text, at_digits_scale(runnable)))
+    return commands
+
+
+def fresh_clone(destination: Path) -> None:
+    """This commit, cloned: what a user gets, without this checkout's ignored outputs."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    subprocess.run(["git", "init", "--quiet", str(destination)], check=True)
+    subprocess.run(["git", "-C", str(destination), "fetch", "--quiet", "--depth", "1",
+                    str(REPO), head], check=True)
+    subprocess.run(["git", "-C", str(destination), "checkout", "--quiet", "FETCH_HEAD"],
+                   check=True)
+
+
+def run_all(commands: list[Command], clone: Path) -> int:
+    env = {**os.environ, "PYTHONPATH": str(clone)}  # the clone's code, not this checkout's
+    for c in commands:
+        argv = (["bash", "-o", "pipefail", "-c", c.run] if c.kind == "bash"
+                else [sys.executable, "-c", c.run])
+        shown = c.run if c.kind == "bash" else f"python block at README.md:{c.line}"
+        print(f"README.md:{c.line}: $ {shown}", flush=True)
+        started = time.monotonic()
+        done = subprocess.run(argv, cwd=clone, env=env, stdin=subprocess.DEVNULL)
+        print(f"README.md:{c.line}: exit {done.returncode} in {time.monotonic() - started:.0f} s",
+              flush=True)
+        if done.returncode != 0:
+            print(f"readme.py: README.md:{c.line} failed: {c.text}", file=sys.stderr)
+            return 1
+    stray = subprocess.run(["git", "-C", str(clone), "status", "--porcelain"], check=True,
+                           capture_output=True, text=True).stdout
+    if stray.strip():
+        print("readme.py: the README's commands left files that .gitignore does not cover:\n"
+              + stray, file=sys.stderr)
+        return 1
+    print(f"readme.py: all {len(commands)} README commands ran in a fresh clone")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--list", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--keep", type=Path, default=None,
+                   help="clone into this new directory and keep it (default: a temporary one)")
+    args = p.parse_args(argv)
+    commands = readme_commands()
+    if args.list:
+        for c in commands:
+            print(f"README.md:{c.line}: {c.run if c.kind == 'bash' else '(python block)'}")
+        return 0
+    if args.keep is not None:
+        fresh_clone(args.keep)
+        return run_all(commands, args.keep)
+    with tempfile.TemporaryDirectory(prefix="knnper-readme-") as tmp:
+        fresh_clone(Path(tmp) / "knnper")
+        return run_all(commands, Path(tmp) / "knnper")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

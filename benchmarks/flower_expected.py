@@ -1,0 +1,76 @@
+"""What a `knnper deploy local` run of a given size is expected to reach, measured: FedAvg and
+kNN-Per accuracies of the in-process simulation (Flower reaches the same weights bit for bit,
+BENCHMARKS.md) at a few sizes of the default settings, with seconds per round of the training
+alone. `deploy local` prints the measured size nearest to the user's run.
+
+Writes fed_train/flower/expected.json (shipped with the package) and
+benchmarks/results/flower/expected.md. Resumable: each size's run directory is kept in --work.
+
+    python benchmarks/flower_expected.py --dataset digits --clients 5 10 20 --rounds 5 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import _common
+
+from fed_train import defaults
+from fed_train.run_evaluation import evaluate_run
+from fed_train.flower.expected import EXPECTED_FILE, MEASURED
+from fed_train.run import RunConfig, load_run, train
+
+RESULTS = _common.REPO / "benchmarks" / "results" / "flower"
+
+
+def measure(config: RunConfig, work: Path) -> dict:
+    path = work / f"{config.dataset}-c{config.clients}-r{config.training.rounds}"
+    started = time.perf_counter()
+    train(config, path, progress=False)
+    seconds = time.perf_counter() - started
+    rounds = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    result = evaluate_run(load_run(path), list(MEASURED), progress=False)
+    return {"config": config.to_dict(),
+            "seconds_per_round": round(sum(r["seconds"] for r in rounds) / len(rounds), 3),
+            "wall_seconds": round(seconds, 1),
+            **{f"{m}_{group}": round(100 * result[group][m]["mean"], 1)
+               for m in MEASURED for group in ("seen", "unseen") if m in result[group]}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--data", default=None)
+    p.add_argument("--clients", type=int, nargs="+", default=[5, 10, 20])
+    p.add_argument("--rounds", type=int, nargs="+", default=[5, 20])
+    p.add_argument("--work", type=Path, default=Path("runs/flower-expected"))
+    args = p.parse_args()
+    _common.setup_logging()
+    _common.limit_threads(1)
+    start = _common.machine_info()
+    runs = [measure(RunConfig(dataset=args.dataset, data=args.data, clients=c,
+                              training=replace(defaults.TRAINING, rounds=r)), args.work)
+            for c in args.clients for r in args.rounds]
+    record = {"command": _common.command_line(), "machine": start,
+              "source": "benchmarks/flower_expected.py", "runs": runs}
+    old = json.loads(EXPECTED_FILE.read_text())["runs"] if EXPECTED_FILE.is_file() else []
+    kept = [r for r in old if r["config"]["dataset"] != args.dataset]
+    record["runs"] = kept + runs
+    _common.write_json(EXPECTED_FILE, record)
+    rows = [{"dataset": r["config"]["dataset"], "clients": r["config"]["clients"],
+             "rounds": r["config"]["training"]["rounds"], **{k: v for k, v in r.items()
+                                                             if k != "config"}}
+            for r in record["runs"]]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "expected.md").write_text(
+        f"`{record['command']}`\n\n{_common.machine_line(start)}\n\n"
+        + _common.markdown_table(rows, [(k, k, "") for k in rows[0]]) + "\n")
+    print((RESULTS / "expected.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""A user's first hour, outside this machine: both command lines as helpful as each other (help
+with defaults, --version, a missing sub-command named), device commands that account for every
+sample and say what a signature check did, predict that prints a summary, Ctrl-C on one line."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import numpy as np
+import pytest
+
+from edge_runtime.bundle import write_bundle
+from edge_runtime.cli import _build_parser as edge_parser
+from edge_runtime.cli import main as edge_main
+from edge_runtime.datastores import ProtoNNDatastore
+from tests.test_edge_runtime import (
+    FIELDS,
+    NUM_CLASSES,
+    P,
+    build_bundle,
+    make_image_encoder,
+    make_images,
+)
+
+cli = pytest.importorskip("knnper_cli.main")  # the server CLI needs the train extra
+
+
+def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...]):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def _flat_help(parser: argparse.ArgumentParser) -> str:
+    return " ".join(parser.format_help().split())
+
+
+@pytest.mark.parametrize("build", [cli.build_parser, edge_parser], ids=["knnper", "knnper-edge"])
+def test_help_shows_each_default_once_and_never_none(build):
+    for path, parser in _parsers(build(), (build.__module__,)):
+        text = _flat_help(parser)
+        assert "(default: None)" not in text, path
+        assert "(default: False)" not in text, path
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction,
+                                   argparse._SubParsersAction)):
+                continue
+            assert action.help, (path, action.dest)
+            shown_help = parser._get_formatter()._get_help_string(action)
+            assert shown_help.lower().count("default:") <= 1, (path, action.dest)
+            shown = action.default not in (None, False, argparse.SUPPRESS)
+            if shown and action.option_strings and not action.required:
+                assert "default" in shown_help, (path, action.dest)
+
+
+def test_required_options_show_no_default():
+    export = next(p for path, p in _parsers(cli.build_parser(), ("knnper",))
+                  if path == ("knnper", "export"))
+    out = next(a for a in export._actions if a.dest == "out")
+    assert export._get_formatter()._get_help_string(out) == out.help
+
+
+def test_data_help_names_where_data_sets_are_looked_for():
+    train = next(p for path, p in _parsers(cli.build_parser(), ("knnper",))
+                 if path == ("knnper", "train"))
+    text = _flat_help(train)
+    assert "/usr/share/datasets/fashion-mnist for fashion-mnist" in text
+    assert "digits" in text
+
+
+def test_edge_version_prints_and_exits_zero(capsys):
+    assert edge_main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("knnper-edge ")
+
+
+@pytest.mark.parametrize("argv,commands", [
+    (["deploy"], "local, config, certs"),
+    (["bench"], "table"),
+])
+def test_a_missing_sub_command_lists_the_commands(argv, commands, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"a command is needed: {commands}" in err and "where" not in err
+    assert err.count("\n") == 1
+
+
+def test_edge_without_a_command_lists_the_commands(capsys):
+    assert edge_main([]) == 2
+    err = capsys.readouterr().err
+    assert "a command is needed: predict, evaluate, add" in err and err.count("\n") == 1
+
+
+def test_edge_ctrl_c_is_one_line_and_code_130(monkeypatch, capsys, tmp_path):
+    import edge_runtime.cli as edge_cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(edge_cli._COMMANDS, "info", interrupted)
+    assert edge_main(["info", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err == "knnper-edge: interrupted\n"
+
+
+def _buffered_protonn(tmp_path, buffer: int):
+    enc = make_image_encoder(tmp_path / "encoder.onnx")
+    rng = np.random.default_rng(0)
+    ds = ProtoNNDatastore.from_matrices(rng.normal(size=(3, P)), rng.normal(size=(3, 5)),
+                                        rng.random((NUM_CLASSES, 5)), 0.5, k=5, m=0.3,
+                                        buffer=buffer)
+    write_bundle(tmp_path / "b", {**FIELDS, "update_strategy": "fifo"}, enc, ds)
+    return tmp_path / "b"
+
+
+def test_add_accounts_for_every_received_sample(tmp_path, capsys):
+    bundle = _buffered_protonn(tmp_path, buffer=30)
+    x, y = make_images(76, 1)
+    np.savez(tmp_path / "new.npz", x=x, y=y)
+    assert edge_main(["add", str(bundle), "--data", str(tmp_path / "new.npz")]) == 0
+    out = capsys.readouterr().out
+    assert "received 76: added 30, dropped the oldest 46 of them" in out
+    assert "evicted 0" in out
+    assert edge_main(["add", str(bundle), "--data", str(tmp_path / "new.npz"),
+                      "--strategy", "fixed"]) == 0
+    assert "added 0, dropped 76 (the fixed strategy" in capsys.readouterr().out
+
+
+def test_predict_prints_a_summary_unless_labels_are_asked_for(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    x, _ = make_images(40, 2)
+    np.save(tmp_path / "x.npy", x)
+    assert edge_main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
+                      "--output", str(tmp_path / "p.npy")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("predicted 40 input(s)")
+    labels = np.load(tmp_path / "p.npy").argmax(1)
+    counts = dict(zip(*np.unique(labels, return_counts=True), strict=True))
+    assert "{" + ", ".join(f"{c}: {n}" for c, n in counts.items()) + "}" in out
+    assert edge_main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
+                      "--labels"]) == 0
+    assert [int(v) for v in capsys.readouterr().out.split()] == list(labels)
+
+
+def test_info_says_whether_the_signature_was_checked(tmp_path, capsys):
+    pytest.importorskip("cryptography")
+    from edge_runtime.signing import generate_key_pair
+    from tests.test_signing import _rewrite_manifest, signed_bundle
+
+    generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
+    unsigned = build_bundle(tmp_path)
+    assert edge_main(["info", str(unsigned)]) == 0
+    assert re.search(r"^signature +unsigned$", capsys.readouterr().out, re.M)
+    signed = signed_bundle(tmp_path, tmp_path.parent / tmp_path.name)
+    trusted = ["--trusted-key", str(tmp_path / "key.pub")]
+    assert edge_main([*trusted, "info", str(signed)]) == 0
+    assert "signed and verified against a --trusted-key" in capsys.readouterr().out
+    _rewrite_manifest(signed, **{"lambda": 1.0})  # an edit only the signature can catch
+    assert edge_main(["info", str(signed)]) == 0
+    out = capsys.readouterr().out
+    assert "not checked" in out and "verified" not in out.replace("to verify", "")
+    assert edge_main([*trusted, "info", str(signed)]) == 2
+    assert "'lambda' differs from the signed manifest" in capsys.readouterr().err
+
+
+def test_export_onnx_without_onnx_names_the_portable_extra(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "onnx" else real(name, *a))
+    bundle = build_bundle(tmp_path)
+    assert edge_main(["export-onnx", str(bundle), "--out", str(tmp_path / "p.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "pip install '.[portable]' in a knnper clone" in err and err.count("\n") == 1
+
+
+def test_portable_extra_gives_export_onnx_what_it_imports():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    portable = project["project"]["optional-dependencies"]["portable"]
+    assert any(dep.startswith("onnx") and not dep.startswith("onnxruntime") for dep in portable)
+
+
+def test_deploy_expects_the_nearest_measured_size_with_the_same_settings(tmp_path):
+    import json
+    from dataclasses import replace
+
+    from fed_train import defaults
+    from fed_train.flower.expected import expectation_line
+    from fed_train.run import RunConfig
+
+    def config(clients: int, rounds: int, **changes) -> RunConfig:
+        return RunConfig(dataset="digits", clients=clients,
+                         training=replace(defaults.TRAINING, rounds=rounds), **changes)
+
+    measured = [{"config": config(c, r).to_dict(), "fedavg_seen": 10.0 * c + r,
+                 "fedavg_unseen": 1.0, "knnper_seen": 90.0, "knnper_unseen": 80.0,
+                 "source": "bench"} for c in (5, 20) for r in (5, 20)]
+    path = tmp_path / "expected.json"
+    path.write_text(json.dumps({"runs": measured}))
+    line = expectation_line(config(5, 5), path)
+    assert line.startswith("expected (this size: digits, 5 clients, 5 rounds)")
+    assert "FedAvg 55.0% seen / 1.0% unseen, kNN-Per 90.0% seen / 80.0% unseen" in line
+    assert "nearest measured size: digits, 20 clients, 20 rounds" in expectation_line(
+        config(16, 30), path)
+    assert "no run with these settings" in expectation_line(config(5, 5, alpha=1.0), path)
+
+
+def test_train_writes_progress_lines_to_a_log(tmp_path, capsys):
+    from fed_train.algorithms.base import TrainingConfig
+    from fed_train.run import RunConfig, train
+
+    config = RunConfig(dataset="digits", clients=4, seed=0,
+                       training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05))
+    train(config, tmp_path / "run", progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    assert "fedavg: 2/2 rounds done in" in err

@@ -1,0 +1,96 @@
+"""The README's commands can be pasted: every `knnper` and `knnper-edge` command in it parses
+with the real command lines (as written and at the digits scale .ci/readme.py runs them), what
+they write lies in folders .gitignore covers, and the README's test command is .ci/run's.
+(.ci/readme.py runs them all in a fresh clone; .ci/run calls it.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge_runtime.cli import _build_parser as edge_parser
+
+cli = pytest.importorskip("knnper_cli.main")  # the server CLI needs the train extra
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("readme_runner", REPO / ".ci" / "readme.py")
+readme = importlib.util.module_from_spec(_spec)
+sys.modules["readme_runner"] = readme  # dataclasses look their module up there
+_spec.loader.exec_module(readme)
+
+
+def _steps(command: str) -> list[list[str]]:
+    return [shlex.split(step) for step in command.split(" && ") if step.strip()]
+
+
+def _parse(argv: list[str]) -> None:
+    if "--help" in argv:
+        return
+    if argv[0] == "knnper":
+        try:
+            cli.build_parser().parse_args(argv[1:])
+        except SystemExit as err:
+            raise AssertionError(f"`{shlex.join(argv)}` does not parse") from err
+    elif argv[0] == "knnper-edge":
+        edge_parser().parse_args(argv[1:])
+
+
+def test_the_readme_has_its_commands_in_order():
+    commands = readme.readme_commands()
+    runs = [c.run for c in commands]
+    assert len(commands) >= 25
+    assert runs[0] == "knnper demo"
+    first = {name: next(i for i, r in enumerate(runs) if name in r)
+             for name in ("knnper pretrain", "--init runs/pretrain-fmnist", "knnper-edge keygen",
+                          "--signing-key keys/signing.pem", "knnper client-data runs/fmnist "
+                          "--client 3", "data/client_3/test_x.npy")}
+    assert first["knnper pretrain"] < first["--init runs/pretrain-fmnist"]
+    assert first["knnper-edge keygen"] < first["--signing-key keys/signing.pem"]
+    assert first["knnper client-data runs/fmnist --client 3"] < first["data/client_3/test_x.npy"]
+
+
+def test_every_readme_command_parses_as_written_and_at_digits_scale():
+    for c in readme.readme_commands():
+        if c.kind != "bash":
+            continue
+        for text in (readme._runnable_part(c.text.split(" #")[0]), c.run):
+            for argv in _steps(text):
+                assert "[" not in " ".join(argv), f"README.md:{c.line}: {text}"
+                _parse(argv)
+
+
+def test_digits_scale_changes_sizes_only():
+    run = readme.at_digits_scale(
+        "knnper train --dataset fashion-mnist --data /usr/share/datasets/fashion-mnist "
+        "--max-train 8000 --clients 100 --out runs/x")
+    assert run == "knnper train --dataset digits --clients 10 --out runs/x --rounds 2"
+    assert readme.at_digits_scale("knnper experiment --help") == "knnper experiment --help"
+    assert all("fashion-mnist" not in c.run for c in readme.readme_commands())
+
+
+def test_pip_and_pytest_steps_are_left_to_ci():
+    runs = [c.run for c in readme.readme_commands()]
+    assert not any("pip install" in r or "pytest" in r for r in runs)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+@pytest.mark.parametrize("path", ["keys/signing.pem", "bundles/predictor.onnx",
+                                  "data/client_3/p.npy", "runs/fmnist/model.pt",
+                                  "bundles/my-device/manifest.json", "keys/pki/ca.crt"])
+def test_what_the_readme_writes_is_ignored_by_git(path):
+    ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", path])
+    assert ignored.returncode == 0, f"{path} is not covered by .gitignore"
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    text = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "&& python -m pytest -q\n" in text
+    assert "\npython -m pytest -q\n" in ci
+    assert "python .ci/readme.py" in ci
