@@ -20,9 +20,9 @@ from pathlib import Path
 import _common
 
 from fed_train import defaults
-from fed_train.run_evaluation import evaluate_run
 from fed_train.flower.expected import EXPECTED_FILE, MEASURED
 from fed_train.run import RunConfig, load_run, train
+from fed_train.run_evaluation import evaluate_run
 
 RESULTS = _common.REPO / "benchmarks" / "results" / "flower"
 
