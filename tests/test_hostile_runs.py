@@ -239,7 +239,8 @@ def test_keygen_leaves_no_private_key_when_the_public_one_cannot_be_written(tmp_
     pytest.importorskip("cryptography")
     from edge_runtime.signing import generate_key_pair
 
-    with pytest.raises(OSError):
-        generate_key_pair(tmp_path / "k.pem", tmp_path / "missing" / "k.pub")
+    (tmp_path / "afile").write_text("a file, not a folder")
+    with pytest.raises(OSError):  # missing folders are made; one under a file cannot be
+        generate_key_pair(tmp_path / "k.pem", tmp_path / "afile" / "k.pub")
     assert not (tmp_path / "k.pem").exists()
 
