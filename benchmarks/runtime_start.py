@@ -100,7 +100,7 @@ def batch1(rt: Runtime, images: np.ndarray, reps: int) -> dict[str, float]:
     predictor (the same prediction as one onnxruntime session), interleaved."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    portable = ort.InferenceSession(build_portable(rt).SerializeToString(), options,
+    portable = ort.InferenceSession(build_portable(rt), options,
                                     providers=["CPUExecutionProvider"])
     paths = {"encoder": rt.embed, "end_to_end": rt.predict_proba,
              "portable": lambda x: portable.run(["probabilities"], {"input": x})}
