@@ -61,9 +61,10 @@ class Predictor:
         model = build_predictor(
             manifest, datastore, encoder, samples="stored", probabilities="float64"
         )
-        # an encoder saved optimized is not optimized again, as `Encoder` loads it
+        # an encoder saved optimized needs only the basic level (constant folding of the
+        # head's shape arithmetic), as `Encoder` loads it with none
         level = (
-            ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
             if optimized_at_export
             else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         )
