@@ -10,7 +10,8 @@ two agree to about 1e-12 on the same distances.
 How the datastore's samples enter the graph (`samples`):
 - "constant": baked in as initializers (int8 keys are then prepacked by onnxruntime).
 - "portable": graph inputs "keys" [n, q] float32 and "labels" [n] int64, the public format of
-  `export-onnx --keys-as-inputs` (flat: all stored samples; ProtoNN: its buffer).
+  `export-onnx --keys-as-inputs` (flat: all stored samples; ProtoNN: its buffer); for an int8
+  bundle the float keys meet the query quantised as the integer scan quantises it.
 - "stored": graph inputs as the runtime holds them, so nothing is copied and `add` needs no new
   session: flat "keys_t" [p, n] in the stored dtype, "key_norms" [n] float32, "labels" [n]
   int64 (int8 keys also "key_sums" [n] int32); ProtoNN "keys_t" [d, count] float32 (its
