@@ -3,11 +3,15 @@ top-k switch point and BLAS threads at batch 1 (issue 12). One process, one run:
 a ratio to another measured in the same run.
 
     python benchmarks/runtime_scan.py --out OUT [--sizes 1000 10000 100000] [--dim 128]
+        [--batches 1 32]
 
 - Memory read speed: np.max over a 1 GiB float32 array (one core; the median of 5 passes).
 - Scan: the batch-1 distance step (one query's products with every key) over keys as the
   runtime holds them, [p, n] in their stored dtype; its speed is the key bytes read per second.
   The product over keys stored [n, p] (the layout before issue 12) is timed beside it.
+- Integer scan: int8 keys through onnxruntime's MatMulInteger as the runtime's single session
+  runs it (keys fed as an input, the query quantised to 7 bits; predictor_graph), against the
+  numpy float32 scan; at each batch size in --batches.
 - kneighbors: the whole batch-1 search (distances, top-k, ordering) per dtype.
 - Top-k: np.argpartition against the blockwise top-k on one row of distances, k = 10, for a
   range of row lengths; the runtime switches where blockwise starts to win
@@ -29,15 +33,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 from threadpoolctl import threadpool_limits
 
+from edge_runtime import onnx_proto as P
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.knn import _BLOCK, blockwise_topk, key_products
+from edge_runtime.predictor_graph import _Graph, _int8_products
 from experiments import benchmark_support as C
 
 log = logging.getLogger("benchmarks.scan")
 
-SCAN_COLUMNS = ["keys", "dim", "dtype", "key_bytes", "scan_ms", "scan_gb_s", "memory_gb_s",
+SCAN_COLUMNS = ["keys", "batch", "dim", "dtype", "key_bytes", "scan_ms", "integer_scan_ms",
+                "fp32_over_integer", "scan_gb_s", "memory_gb_s",
                 "scan_share_of_memory", "scan_ms_np_layout", "layout_speedup",
                 "kneighbors_ms", "kneighbors_ms_2_threads", "threads_2_over_1",
                 "scan_ms_vs_fp32", "bytes_vs_fp32"]
@@ -50,6 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000, 100_000])
     p.add_argument("--dim", type=C.positive_int, default=128, help="embedding dimension")
+    p.add_argument("--batches", type=C.positive_int, nargs="+", default=[1],
+                   help="queries per scan")
     p.add_argument("--topk-sizes", type=C.positive_int, nargs="+",
                    default=[1000, 2000, 3000, 5000, 7000, 10_000, 20_000, 50_000, 100_000])
     p.add_argument("--reps", type=C.positive_int, default=200, help="timed calls per variant")
@@ -59,6 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.sizes, args.topk_sizes, args.reps, args.memory_gib = [1000], [1000, 5000], 5, 0.05
+        args.batches = [1, 4]
     return args
 
 
@@ -86,42 +97,74 @@ def memory_read_speed(gib: float) -> float:
     return big.nbytes / seconds
 
 
+def integer_scan_session(scale: np.ndarray, dim: int) -> ort.InferenceSession:
+    """The runtime's integer scan of int8 keys (predictor_graph) alone, keys as an input."""
+    g = _Graph(17)
+    g.input("q", P.FLOAT, ["m", dim])
+    g.input("keys_t", P.INT8, [dim, "n"])
+    g.input("key_sums", P.INT32, ["n"])
+    g.nodes.append(P.node("Identity", [_int8_products(g, "q", "keys_t", "key_sums", scale)],
+                          ["products"]))
+    graph = P.graph("scan", g.nodes, g.inputs, [P.value_info("products", P.FLOAT, None)],
+                    g.initializers)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    return ort.InferenceSession(P.model(graph, ir_version=8, opsets={"": 17}, producer="bench"),
+                                options, providers=["CPUExecutionProvider"])
+
+
 def scan_rows(args: argparse.Namespace, rng: np.random.Generator,
               memory_bps: float) -> list[dict[str, Any]]:
     rows = []
     for n in args.sizes:
         z = rng.normal(size=(n, args.dim)).astype(np.float32)
         y = rng.integers(0, 10, n)
-        q = rng.normal(size=(1, args.dim)).astype(np.float32)
         stores = {dtype: FlatDatastore(10, dtype=dtype).fit(z, y)
                   for dtype in ("fp32", "fp16", "int8")}
-        keys_np = np.ascontiguousarray(z)  # [n, p], as before issue 12
-        scans = {d: (lambda ds=ds, q=q: key_products(q, ds.keys_t_, ds.scale_))
-                 for d, ds in stores.items()}
-        scans["np_layout"] = lambda q=q, keys=keys_np: q @ keys.T
-        scan = medians(scans, args.reps)
-        searches = {d: (lambda ds=ds, q=q: ds.kneighbors(q)) for d, ds in stores.items()}
-        search = medians(searches, args.reps)
-        with threadpool_limits(limits=2, user_api="blas"):
-            search2 = medians(searches, args.reps)
-        for dtype, ds in stores.items():
-            nbytes = ds.keys_t_.nbytes
-            rows.append({
-                "keys": n, "dim": args.dim, "dtype": dtype, "key_bytes": nbytes,
-                "scan_ms": 1e3 * scan[dtype], "scan_gb_s": nbytes / scan[dtype] / 1e9,
-                "memory_gb_s": memory_bps / 1e9,
-                "scan_share_of_memory": nbytes / scan[dtype] / memory_bps,
-                "scan_ms_np_layout": 1e3 * scan["np_layout"] if dtype == "fp32" else None,
-                "layout_speedup": scan["np_layout"] / scan[dtype] if dtype == "fp32" else None,
-                "kneighbors_ms": 1e3 * search[dtype],
-                "kneighbors_ms_2_threads": 1e3 * search2[dtype],
-                "threads_2_over_1": search2[dtype] / search[dtype],
-                "scan_ms_vs_fp32": scan[dtype] / scan["fp32"],
-                "bytes_vs_fp32": nbytes / stores["fp32"].keys_t_.nbytes,
-            })
-            log.info("%d keys %s: scan %.3f ms (%.0f%% of memory speed), search %.3f ms",
-                     n, dtype, rows[-1]["scan_ms"], 100 * rows[-1]["scan_share_of_memory"],
-                     rows[-1]["kneighbors_ms"])
+        del z
+        int8 = stores["int8"]
+        session = integer_scan_session(int8.scale_, args.dim)
+        for batch in args.batches:
+            q = rng.normal(size=(batch, args.dim)).astype(np.float32)
+            scans = {d: (lambda ds=ds, q=q: key_products(q, ds.keys_t_, ds.scale_))
+                     for d, ds in stores.items()}
+            scans["integer"] = lambda q=q, s=session, ds=int8: s.run(
+                None, {"q": q, "keys_t": ds.keys_t_, "key_sums": ds.key_sums_})
+            if batch == 1:
+                keys_np = stores["fp32"].keys()  # [n, p], as before issue 12
+                scans["np_layout"] = lambda q=q, keys=keys_np: q @ keys.T
+            scan = medians(scans, args.reps)
+            search = search2 = {}
+            if batch == 1:
+                del keys_np
+                searches = {d: (lambda ds=ds, q=q: ds.kneighbors(q)) for d, ds in stores.items()}
+                search = medians(searches, args.reps)
+                with threadpool_limits(limits=2, user_api="blas"):
+                    search2 = medians(searches, args.reps)
+            for dtype, ds in stores.items():
+                nbytes = ds.keys_t_.nbytes
+                fp32 = dtype == "fp32"
+                rows.append({
+                    "keys": n, "batch": batch, "dim": args.dim, "dtype": dtype,
+                    "key_bytes": nbytes, "scan_ms": 1e3 * scan[dtype],
+                    "integer_scan_ms": 1e3 * scan["integer"] if dtype == "int8" else None,
+                    "fp32_over_integer": scan["fp32"] / scan["integer"] if dtype == "int8"
+                    else None,
+                    "scan_gb_s": nbytes / scan[dtype] / 1e9,
+                    "memory_gb_s": memory_bps / 1e9,
+                    "scan_share_of_memory": nbytes / scan[dtype] / memory_bps,
+                    "scan_ms_np_layout": 1e3 * scan["np_layout"] if fp32 and batch == 1 else None,
+                    "layout_speedup": scan["np_layout"] / scan[dtype] if fp32 and batch == 1
+                    else None,
+                    "kneighbors_ms": 1e3 * search[dtype] if search else None,
+                    "kneighbors_ms_2_threads": 1e3 * search2[dtype] if search2 else None,
+                    "threads_2_over_1": search2[dtype] / search[dtype] if search else None,
+                    "scan_ms_vs_fp32": scan[dtype] / scan["fp32"],
+                    "bytes_vs_fp32": nbytes / stores["fp32"].keys_t_.nbytes,
+                })
+                log.info("%d keys, batch %d, %s: scan %.3f ms%s", n, batch, dtype,
+                         rows[-1]["scan_ms"], f", integer {1e3 * scan['integer']:.3f} ms"
+                         if dtype == "int8" else "")
     return rows
 
 
@@ -169,8 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict,
            machine_end: dict, seconds: float) -> str:
     scan_table = C.markdown_table(scans, [
-        ("keys", "keys", ","), ("dtype", "dtype", ""), ("key_bytes", "key bytes", ","),
-        ("scan_ms", "scan ms", ".3f"), ("scan_gb_s", "scan GB/s", ".2f"),
+        ("keys", "keys", ","), ("batch", "batch", ""), ("dtype", "dtype", ""),
+        ("key_bytes", "key bytes", ","), ("scan_ms", "numpy scan ms", ".3f"),
+        ("integer_scan_ms", "integer scan ms (onnxruntime)", ".3f"),
+        ("fp32_over_integer", "fp32 numpy / integer", ".2f"), ("scan_gb_s", "scan GB/s", ".2f"),
         ("scan_share_of_memory", "share of memory speed", ".2f"),
         ("scan_ms_np_layout", "[n, p] scan ms", ".3f"),
         ("layout_speedup", "[p, n] speedup", ".2f"),
@@ -193,7 +238,9 @@ def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict
         f"Memory read speed (np.max over a float32 array far larger than the caches, one core): "
         f"{memory_bps / 1e9:.2f} GB/s. Scan = one query's distance products with every key, "
         "over the keys as the runtime holds them ([p, n], stored dtype; int8 and fp16 widened "
-        "a block at a time); GB/s = key bytes / scan time. [n, p] scan = the float32 product "
+        "a block at a time; int8: the query quantised to 7 bits); integer scan = int8 keys "
+        "through onnxruntime's MatMulInteger as the runtime's single session runs it; "
+        "GB/s = key bytes / numpy scan time. [n, p] scan = the float32 product "
         "over keys stored [n, p], the layout before issue 12. Search = the whole batch-1 "
         "kneighbors (distances, top-k, ordering).",
         "",

@@ -68,6 +68,7 @@ from .manifest import (
     validate_manifest,
 )
 from .onnx_check import uses_external_data
+from .predictor import Predictor, has_single_session
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
 
@@ -96,6 +97,7 @@ class Bundle:
     manifest: dict
     encoder: Encoder
     datastore: Any
+    predictor: Predictor | None = None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -177,10 +179,13 @@ def read_bundle(
     intra_op_threads: int | None = None,
     trusted_keys: Sequence[Any] | None = None,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    with_predictor: bool = False,
 ) -> Bundle:
     """Read and verify a bundle: schema, version, footprint and budget, sha256s, the
     signature when `trusted_keys` (Ed25519 public keys, see `signing`) are given, the
     datastore's arrays, and the encoder's output sizes (one probe inference on a zero input).
+    `with_predictor`: also build the one-session predictor (`predictor`) where the datastore
+    has one, from the same verified encoder bytes.
 
     Reads under a shared lock, so a concurrent update is seen whole or not at all. The only
     write: datastore files no manifest lists (left by a writer that died) are removed.
@@ -206,7 +211,19 @@ def read_bundle(
     except ValueError as exc:
         raise BundleError(f"{where}: {one_line(exc)}") from None
     check_encoder(encoder, manifest, where)
-    return Bundle(bundle_dir, manifest, encoder, datastore)
+    predictor = None
+    try:
+        if with_predictor and has_single_session(datastore):
+            predictor = Predictor(
+                manifest,
+                datastore,
+                model,
+                intra_op_threads=intra_op_threads,
+                optimized_at_export=encoder.optimized_at_export,
+            )
+    except ValueError as exc:
+        raise BundleError(f"{where}: {one_line(exc)}") from None
+    return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
 
 
 @contextmanager

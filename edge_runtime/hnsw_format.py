@@ -19,8 +19,11 @@ Layout (little-endian, size_t = 8 bytes, tableint = uint32):
 
 from __future__ import annotations
 
+import io
 import math
+import os
 import struct
+from typing import BinaryIO
 
 import numpy as np
 
@@ -28,20 +31,34 @@ _HEADER = struct.Struct("<QQQQQQiIQQQdQ")
 _MAX_M = 10_000  # hnswlib warns above this; no real index comes near it
 
 
-def check_hnsw_index(data: bytes, dim: int, name: str = "hnsw.bin") -> np.ndarray:
-    """Validate an hnswlib l2/float32 index of dimension `dim`; returns its labels (uint64).
+# Level-0 records are checked this many bytes at a time, so the check never holds the file.
+_CHUNK_BYTES = 4 << 20
+
+
+def check_hnsw_index(
+    source: bytes | str | os.PathLike, dim: int, name: str = "hnsw.bin"
+) -> np.ndarray:
+    """Validate an hnswlib l2/float32 index of dimension `dim` (its bytes, or its path, which
+    is read a chunk at a time); returns its labels (uint64).
 
     ValueError (one line naming `name`) unless: the header's sizes are the ones hnswlib derives
     from M and dim; the file has exactly the records it declares; no memory is reserved beyond
     the stored elements; no element is marked deleted; every link list fits its room and names
     existing elements that live on that level; the entry point is an element on the top level.
     """
+    if isinstance(source, bytes):
+        return _check(io.BytesIO(source), len(source), dim, name)
+    with open(source, "rb") as f:
+        return _check(f, os.fstat(f.fileno()).st_size, dim, name)
 
+
+def _check(f: BinaryIO, size: int, dim: int, name: str) -> np.ndarray:
     def fail(problem: str) -> ValueError:
         return ValueError(f"{name} is not a valid hnswlib index: {problem}")
 
-    if len(data) < _HEADER.size:
-        raise fail(f"{len(data)} bytes is shorter than the header")
+    header = f.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise fail(f"{size} bytes is shorter than the header")
     (
         offset_level0,
         max_elements,
@@ -56,7 +73,7 @@ def check_hnsw_index(data: bytes, dim: int, name: str = "hnsw.bin") -> np.ndarra
         m,
         mult,
         _ef_construction,
-    ) = _HEADER.unpack_from(data)
+    ) = _HEADER.unpack(header)
     if not 2 <= m <= _MAX_M or max_m != m or max_m0 != 2 * m:
         raise fail(f"M={m}, maxM={max_m}, maxM0={max_m0} (hnswlib sets maxM=M, maxM0=2M)")
     if not (math.isfinite(mult) and abs(mult - 1.0 / math.log(m)) <= 1e-9 * mult):
@@ -74,18 +91,32 @@ def check_hnsw_index(data: bytes, dim: int, name: str = "hnsw.bin") -> np.ndarra
             "index holds at least one element and reserves no more than it holds)"
         )
     level0_end = _HEADER.size + count * per_element
-    if level0_end > len(data):
-        raise fail(f"{count} records of {per_element} bytes do not fit in {len(data)} bytes")
-    records = np.frombuffer(data, np.uint8, count * per_element, _HEADER.size)
-    records = records.reshape(count, per_element)
-    levels, upper = _upper_levels(data, level0_end, count, 4 + 4 * max_m, fail)
-
-    heads = records[:, :links0].copy().view("<u4")
-    _check_links(heads, 0, np.arange(count), max_m0, count, levels, fail)
-    if np.any(heads[:, 0] >> 16):
-        raise fail("elements are marked deleted (a bundle's index is saved compact)")
+    if level0_end > size:
+        raise fail(f"{count} records of {per_element} bytes do not fit in {size} bytes")
+    # the upper levels (about 1/M of the elements) come after level 0, which needs them
+    f.seek(level0_end)
+    levels, upper = _upper_levels(f.read(size - level0_end), 0, count, 4 + 4 * max_m, fail)
     for level, (owners, lists) in upper.items():
         _check_links(lists, level, owners, max_m, count, levels, fail)
+    del upper
+
+    labels = np.empty(count, np.uint64)
+    rows = max(1, _CHUNK_BYTES // per_element)
+    f.seek(_HEADER.size)
+    for start in range(0, count, rows):
+        stop = min(count, start + rows)
+        chunk = f.read((stop - start) * per_element)
+        if len(chunk) != (stop - start) * per_element:
+            raise fail("the file changed while it was read")
+        records = np.frombuffer(chunk, np.uint8).reshape(stop - start, per_element)
+        heads = records[:, :links0].copy().view("<u4")
+        _check_links(heads, 0, np.arange(start, stop), max_m0, count, levels, fail)
+        if np.any(heads[:, 0] >> 16):
+            raise fail("elements are marked deleted (a bundle's index is saved compact)")
+        vectors = records[:, offset_data:label_offset].copy().view("<f4")
+        if not np.all(np.isfinite(vectors)):
+            raise fail("stored vectors hold NaN or infinite values")
+        labels[start:stop] = records[:, label_offset:per_element].copy().view("<u8").ravel()
 
     top = int(levels.max())
     if not 0 <= entry_point < count or max_level != top or levels[entry_point] != top:
@@ -93,10 +124,6 @@ def check_hnsw_index(data: bytes, dim: int, name: str = "hnsw.bin") -> np.ndarra
             f"entry point {entry_point} on level {max_level} is not an element of the top level "
             f"{top}"
         )
-    vectors = records[:, offset_data:label_offset].copy().view("<f4")
-    if not np.all(np.isfinite(vectors)):
-        raise fail("stored vectors hold NaN or infinite values")
-    labels = records[:, label_offset:per_element].copy().view("<u8").ravel()
     if np.unique(labels).size != count:
         raise fail("two elements share a label")
     return labels

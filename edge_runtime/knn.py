@@ -180,8 +180,9 @@ def search_transposed(
 
     The [p, n] layout lets one query's distances stream the keys at memory speed (a matrix-vector
     product over contiguous rows). Keys narrower than float32 are widened a block at a time;
-    int8 keys stand for keys_t * scale[:, None] (one scale per dimension), folded into the
-    query. `key_norms` are the squared norms of the keys as the search sees them (float32).
+    int8 keys stand for keys_t * scale[:, None] (one scale per dimension) and are met by the
+    query quantised to int8 (`key_products`). `key_norms` are the squared norms of the keys as
+    the search sees them (float32).
     """
     n = keys_t.shape[1]
     k = min(k, n)
@@ -209,19 +210,45 @@ def transposed_key_norms(keys_t: np.ndarray, scale: np.ndarray | None = None) ->
     return norms
 
 
+# The query's int8 levels: 7 bits. onnxruntime's uint8 x int8 kernel on AVX2 without VNNI adds
+# pairs of products in 16 bits with saturation (vpmaddubsw), so the shifted query
+# (Q + QUERY_LEVELS + 1) must stay <= 127 for the integer products to be exact; measured here:
+# wrong products with full 8-bit queries, exact with 7-bit ones.
+QUERY_LEVELS = 63
+
+
+def int8_query(q: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(Q [m, p] float32 holding integers in [-QUERY_LEVELS, QUERY_LEVELS], s [m, 1] float32)
+    with Q * s ~ q * scale: the query quantised as the runtime's integer scan of int8 keys
+    quantises it (one symmetric scale per query; a zero query gets s = 1), in the same float32
+    steps."""
+    qs = np.asarray(q, np.float32) * scale[None, :]
+    peak = np.abs(qs).max(axis=1, keepdims=True)
+    levels = np.float32(QUERY_LEVELS)
+    s = np.where(peak > 0, peak / levels, np.float32(1.0)).astype(np.float32)
+    return np.rint(qs / s), s
+
+
 def key_products(q: np.ndarray, keys_t: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
-    """q @ (keys as the search sees them), [m, n] float32, without widening all keys at once."""
+    """q @ (keys as the search sees them), [m, n] float32, without widening all keys at once.
+
+    int8 keys (`scale` given) meet the query quantised by `int8_query`, so these products are
+    the float reference of the integer scan: integer products, exact in float32 while
+    63 * 127 * p < 2^24 (p <= 2096), times the query's scale."""
+    s = None
     if scale is not None:
-        q = q * scale[None, :]
+        q, s = int8_query(q, scale)
     vector = q.shape[0] == 1  # a matrix-vector product streams the keys fastest
     if keys_t.dtype == np.float32:
         return (q[0] @ keys_t)[None, :] if vector else q @ keys_t
     out = np.empty((q.shape[0], keys_t.shape[1]), dtype=np.float32)
-    for s, e, block in _float32_blocks(keys_t):
+    for s_, e, block in _float32_blocks(keys_t):
         if vector:
-            np.matmul(q[0], block, out=out[0, s:e])
+            np.matmul(q[0], block, out=out[0, s_:e])
         else:
-            np.matmul(q, block, out=out[:, s:e])
+            np.matmul(q, block, out=out[:, s_:e])
+    if s is not None:
+        out *= s
     return out
 
 

@@ -91,7 +91,17 @@ def prepare_checked(x: np.ndarray, spec: dict) -> np.ndarray:
     x = np.asarray(x)
     _check_dtype(x, spec)
     if spec["kind"] == "image":
-        return _prepare_image(x, spec)
+        return _normalise_image(_image_batch(x, spec), spec)
+    return _prepare_tokens(x, spec)
+
+
+def raw_checked(x: np.ndarray, spec: dict) -> np.ndarray:
+    """The same checks as `prepare_checked`, but the raw inputs back as a batch (uint8
+    [N, H, W, C] or int64 [N, L]): what a graph that normalises by itself takes."""
+    x = np.asarray(x)
+    _check_dtype(x, spec)
+    if spec["kind"] == "image":
+        return np.ascontiguousarray(_image_batch(x, spec))
     return _prepare_tokens(x, spec)
 
 
@@ -109,7 +119,8 @@ def _check_dtype(x: np.ndarray, spec: dict) -> None:
         raise ValueError(f"input dtype {x.dtype} is not supported: expected {expected}")
 
 
-def _prepare_image(x: np.ndarray, spec: dict) -> np.ndarray:
+def _image_batch(x: np.ndarray, spec: dict) -> np.ndarray:
+    """Checked uint8 images [N, H, W, C] (one image gets a batch axis)."""
     h, w, c = (int(s) for s in spec["shape"])
     if x.shape == (h, w, c) or (c == 1 and x.shape == (h, w)):
         x = x.reshape(1, h, w, c)
@@ -124,6 +135,11 @@ def _prepare_image(x: np.ndarray, spec: dict) -> np.ndarray:
         if x.size and (x.min() < 0 or x.max() > 255):
             raise ValueError(f"pixel values must be in 0..255, got range [{x.min()}, {x.max()}]")
         x = x.astype(np.uint8)
+    return x
+
+
+def _normalise_image(x: np.ndarray, spec: dict) -> np.ndarray:
+    c = int(spec["shape"][2])
     mean = np.asarray(spec["mean"], dtype=np.float32).reshape(1, c, 1, 1)
     std = np.asarray(spec["std"], dtype=np.float32).reshape(1, c, 1, 1)
     out = x.transpose(0, 3, 1, 2).astype(np.float32)

@@ -4,6 +4,11 @@
     rt.predict_proba(images)            # [N, C]: lambda * p_knn + (1 - lambda) * softmax(logits)
     rt.add(images, labels)              # the manifest's update strategy, persisted crash-safely
 
+`predict_proba` runs the whole prediction as one onnxruntime session (predictor.py) for flat
+float32 / int8 and ProtoNN bundles, and through the encoder and the numpy head (knn.py, the
+reference) for HNSW and float16 keys; `embed`, `components` and `posterior` always use the
+encoder and the numpy head.
+
 Update strategies (`add(x, y, strategy)`), with "capacity" = the recipe's n<count> if it has one,
 else the number of samples stored when the bundle was loaded:
 - fifo: add the new samples, then evict the oldest until the datastore holds at most
@@ -48,7 +53,8 @@ from .bundle import (
 from .datastores import max_count_within
 from .knn import interpolate, softmax
 from .locking import DEFAULT_LOCK_TIMEOUT
-from .preprocess import prepare_checked, validate_spec
+from .predictor import Predictor
+from .preprocess import prepare_checked, raw_checked, validate_spec
 from .threads import DEFAULT_THREADS, BlasThreads
 
 logger = logging.getLogger(__name__)
@@ -99,11 +105,13 @@ class Runtime:
         *,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         blas_threads: int | None = DEFAULT_THREADS,
+        predictor: Predictor | None = None,
     ) -> None:
         self.path = Path(path)
         self.manifest = manifest
         self.encoder = encoder
         self.datastore = datastore
+        self.predictor = predictor
         self.lock_timeout = lock_timeout
         self.size_at_load_ = len(datastore.sample_store())
         self._spec = validate_spec(manifest["input"])  # checked once here, not on every call
@@ -129,9 +137,12 @@ class Runtime:
             intra_op_threads=intra_op_threads,
             trusted_keys=trusted_keys,
             lock_timeout=lock_timeout,
+            with_predictor=True,
         )
         parts = (bundle.path, bundle.manifest, bundle.encoder, bundle.datastore)
-        return cls(*parts, lock_timeout=lock_timeout, blas_threads=blas_threads)
+        return cls(
+            *parts, lock_timeout=lock_timeout, blas_threads=blas_threads, predictor=bundle.predictor
+        )
 
     # -- properties from the manifest
     @property
@@ -180,7 +191,12 @@ class Runtime:
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """One sample or a batch of raw inputs -> [N, C] float64 probabilities."""
-        return self.posterior(*self.embed(x))
+        if self.predictor is None:
+            return self.posterior(*self.embed(x))
+        raw = raw_checked(x, self._spec)
+        if raw.shape[0] == 0:
+            return np.zeros((0, self.num_classes))
+        return self.predictor.run(raw, self.datastore)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         return self.predict_proba(x).argmax(axis=1)

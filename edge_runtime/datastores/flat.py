@@ -34,8 +34,9 @@ class FlatDatastore:
     memory speed, and in their stored dtype: float16 and int8 keys are widened a block at a time
     while scanning, never all at once, so the memory the keys take is the size of their file.
     int8 keys use one symmetric scale per dimension (max |z_d| / 127, fixed at fit; later samples
-    are clipped to it). On disk the keys are the [n, p] array in Fortran order, which is keys_t_
-    byte for byte: loading needs no transposed copy.
+    are clipped to it) and are searched by a query quantised to 7-bit integers, as the runtime's
+    integer scan does it (knn.key_products). On disk the keys are the [n, p] array in Fortran
+    order, which is keys_t_ byte for byte: loading needs no transposed copy.
     """
 
     backend = "flat"
@@ -119,7 +120,9 @@ class FlatDatastore:
         self.labels_ = labels
         self.order_ = order
         self.embedding_dim_ = int(keys_t.shape[0])
-        self._key_norms = transposed_key_norms(self.keys_t_, self.scale_)
+        self.key_norms_ = transposed_key_norms(self.keys_t_, self.scale_)
+        # the integer scan's correction for its query shift (see predictor_graph)
+        self.key_sums_ = self.keys_t_.sum(axis=0, dtype=np.int32) if self.dtype == "int8" else None
 
     def keys(self) -> np.ndarray:
         """The keys [n, p] as the search sees them, as a new float32 array (for inspection)."""
@@ -131,7 +134,7 @@ class FlatDatastore:
         """(squared distances, row indices into keys/labels_) of the k nearest, nearest first."""
         z = _check_query(z, self.embedding_dim_)
         return search_transposed(
-            z, self.keys_t_, self.k, key_norms=self._key_norms, scale=self.scale_
+            z, self.keys_t_, self.k, key_norms=self.key_norms_, scale=self.scale_
         )
 
     def predict_proba(self, z: np.ndarray) -> np.ndarray:
@@ -226,6 +229,6 @@ class FlatDatastore:
         else:
             ds.scale_ = None
         ds._set(keys.T, labels, order)  # Fortran-order keys: .T is C-contiguous, no copy
-        if not np.all(np.isfinite(ds._key_norms)):
+        if not np.all(np.isfinite(ds.key_norms_)):
             raise ValueError(f"{npz[0]}: keys hold NaN, infinite or overflowing values")
         return ds

@@ -252,14 +252,16 @@ class HNSWDatastore:
         hnswlib = _import_hnswlib()
         index = hnswlib.Index(space="l2", dim=int(embedding_dim))
         # hnswlib trusts its file; a crafted one crashes the process at query time
-        check_hnsw_index((Path(directory) / binary[0]).read_bytes(), embedding_dim, binary[0])
+        # streamed: the check holds a chunk of the file, not the file beside hnswlib's copy
+        stored = check_hnsw_index(Path(directory) / binary[0], embedding_dim, binary[0])
         try:
             index.load_index(os.fspath(Path(directory) / binary[0]), allow_replace_deleted=True)
         except RuntimeError as exc:
             raise ValueError(
                 f"{binary[0]} is not an hnswlib index of dimension {embedding_dim}: {exc}"
             ) from None
-        stored = np.sort(np.asarray(index.get_ids_list(), dtype=np.int64))
+        # the labels the check read (not get_ids_list, a Python list of every id)
+        stored = np.sort(stored.astype(np.int64))
         if index.element_count != n or not np.array_equal(stored, ids):
             raise ValueError(
                 f"{binary[0]} holds {index.element_count} items that do not match the {n} "

@@ -117,7 +117,7 @@ class ProtoNNDatastore:
         ds.Z_ = np.ascontiguousarray(Z, dtype=np.float32)
         ds.gamma_ = float(gamma_arr.reshape(()))
         ds.embedding_dim_ = int(W.shape[1])
-        ds._b_norms = np.einsum("ij,ij->j", ds.B_, ds.B_)
+        ds.prototype_norms_ = np.einsum("ij,ij->j", ds.B_, ds.B_)
         ds.buffer_weight_ = float(max(ds.Z_.max(axis=0).mean(), 0.0)) or 1.0
         ds._set_buffer(
             np.zeros((ds.W_.shape[0], 0), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -175,7 +175,7 @@ class ProtoNNDatastore:
         z = _check_query(z, self.embedding_dim_)
         wz = z @ self.W_.T
         wz_norms = np.einsum("ij,ij->i", wz, wz)[:, None].astype(np.float64)
-        sq = wz_norms - 2.0 * (wz @ self.B_) + self._b_norms[None, :]
+        sq = wz_norms - 2.0 * (wz @ self.B_) + self.prototype_norms_[None, :]
         held = len(self.buffer_labels_)
         if held:
             sq_buf = wz_norms - 2.0 * (wz @ self.buffer_keys_t_) + self._buffer_norms[None, :]

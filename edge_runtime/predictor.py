@@ -1,0 +1,88 @@
+"""The runtime's whole prediction as one onnxruntime session: raw input to probabilities in one
+`run`, with no numpy steps between the encoder and the answer (at batch 1 each of those costs
+more in call overhead than in arithmetic).
+
+The graph is `predictor_graph.build_predictor`'s, the one `knnper-edge export-onnx` writes,
+with the datastore's samples fed as inputs straight from the arrays the datastore holds (no
+copy), so `Runtime.add` changes what the next call sees without a new session. Used for flat
+float32 and int8 bundles and for ProtoNN; the numpy head (knn.py) stays the reference and
+serves HNSW and float16 keys (widening float16 keys inside the graph holds a float32 copy of
+all of them during each call, which the budget does not allow).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from .encoder import _first_line, _session, _session_options
+from .knn import _MAX_CHUNK_CELLS
+from .predictor_graph import build_predictor
+
+# Inputs per run at most, as the encoder alone runs them, to bound activations' memory.
+BATCH_ROWS = 256
+
+
+def has_single_session(datastore) -> bool:
+    """Whether this datastore's prediction runs as one session (see the module docstring)."""
+    if datastore.backend == "flat":
+        return datastore.dtype in ("fp32", "int8")
+    return datastore.backend == "protonn"
+
+
+def sample_feeds(datastore) -> dict[str, np.ndarray]:
+    """The graph's sample inputs ("stored" form), the datastore's own arrays."""
+    if datastore.backend == "protonn":
+        return {"keys_t": datastore.buffer_keys_t_, "labels": datastore.buffer_labels_}
+    feeds = {
+        "keys_t": datastore.keys_t_,
+        "key_norms": datastore.key_norms_,
+        "labels": datastore.labels_,
+    }
+    if datastore.dtype == "int8":
+        feeds["key_sums"] = datastore.key_sums_
+    return feeds
+
+
+class Predictor:
+    """One session over a bundle's encoder and datastore. `run(x, datastore)` takes raw
+    inputs as the manifest declares them (checked by the caller) and the datastore whose
+    current samples to search; batches are cut so a distance matrix stays bounded."""
+
+    def __init__(
+        self,
+        manifest: dict,
+        datastore,
+        encoder: bytes,
+        *,
+        intra_op_threads: int | None,
+        optimized_at_export: bool,
+    ) -> None:
+        model = build_predictor(
+            manifest, datastore, encoder, samples="stored", probabilities="float64"
+        )
+        # an encoder saved optimized needs only the basic level (constant folding of the
+        # head's shape arithmetic), as `Encoder` loads it with none
+        level = (
+            ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+            if optimized_at_export
+            else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        )
+        self.session = _session(model, _session_options(intra_op_threads, level), "the predictor")
+
+    def run(self, x: np.ndarray, datastore) -> np.ndarray:
+        """Raw inputs [N, ...] (N >= 1) -> probabilities [N, C] float64."""
+        feeds = sample_feeds(datastore)
+        searched = feeds["labels"].shape[0]
+        if datastore.backend == "protonn":
+            searched += len(datastore)  # the prototypes beside the buffer
+        rows = min(BATCH_ROWS, max(1, _MAX_CHUNK_CELLS // max(1, searched)))
+        parts = []
+        for start in range(0, x.shape[0], rows):
+            feeds["input"] = x[start : start + rows]
+            try:
+                (p,) = self.session.run(["probabilities"], feeds)
+            except Exception as exc:  # onnxruntime raises its own exception types
+                raise ValueError(f"the predictor failed: {_first_line(exc)}") from None
+            parts.append(p)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)

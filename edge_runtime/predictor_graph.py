@@ -1,0 +1,300 @@
+"""The one builder of the whole kNN-Per prediction as an ONNX graph: input normalisation, the
+encoder, the datastore's posterior and the lambda interpolation. `knnper-edge export-onnx`
+(portable.py) and the runtime's single session (predictor.py) both call `build_predictor`, so
+the graph a phone runs and the graph the Python runtime runs are the same code.
+
+Written at the protobuf level (onnx_proto), so the device needs no onnx package. The posterior
+is computed in float64 after the distances, as the numpy head does (edge_runtime/knn.py), so the
+two agree to about 1e-12 on the same distances.
+
+How the datastore's samples enter the graph (`samples`):
+- "constant": baked in as initializers (int8 keys are then prepacked by onnxruntime).
+- "portable": graph inputs "keys" [n, q] float32 and "labels" [n] int64, the public format of
+  `export-onnx --keys-as-inputs` (flat: all stored samples; ProtoNN: its buffer); for an int8
+  bundle the float keys meet the query quantised as the integer scan quantises it.
+- "stored": graph inputs as the runtime holds them, so nothing is copied and `add` needs no new
+  session: flat "keys_t" [p, n] in the stored dtype, "key_norms" [n] float32, "labels" [n]
+  int64 (int8 keys also "key_sums" [n] int32); ProtoNN "keys_t" [d, count] float32 (its
+  buffer) and "labels" [count] int64.
+
+int8 keys are scanned by onnxruntime's integer kernels (MatMulInteger, uint8 x int8): the query
+times the per-dimension scale is quantised to integers in [-63, 63] with one symmetric scale per
+query (7 bits: see knn.QUERY_LEVELS), shifted by +64 into uint8 (zero point 0), and 64 x each
+key's sum is subtracted from the int32 products, which makes them exactly the integer products
+of the quantised query and keys.
+`knn.int8_query` is the same quantisation in numpy, the float reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import onnx_proto as P
+from .knn import QUERY_LEVELS
+
+OPSET = 17
+ENCODER_INPUT = "knnper/encoder_input"
+SAMPLE_MODES = ("constant", "portable", "stored")
+BACKENDS = ("flat", "protonn")
+
+
+class _Graph:
+    """Nodes, initializers and inputs under construction, with fresh names."""
+
+    def __init__(self, opset: int) -> None:
+        self.opset = opset
+        self.nodes: list[bytes] = []
+        self.initializers: list[bytes] = []
+        self.inputs: list[bytes] = []
+        self._count = 0
+
+    def name(self, stem: str) -> str:
+        self._count += 1
+        return f"knnper/{stem}_{self._count}"
+
+    def const(self, value, dtype=np.float32) -> str:
+        name = self.name("const")
+        self.initializers.append(P.tensor(name, np.asarray(value, dtype)))
+        return name
+
+    def input(self, name: str, elem_type: int, shape) -> str:
+        self.inputs.append(P.value_info(name, elem_type, shape))
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: int = 1, **attrs):
+        names = [self.name(op.lower()) for _ in range(outputs)]
+        self.nodes.append(P.node(op, inputs, names, **attrs))
+        return names[0] if outputs == 1 else names
+
+    def reduce(self, op: str, x: str, axis: int, keepdims: int = 1) -> str:
+        """Reduce* over one axis: axes as an input from the opset that made it one."""
+        if op == "ReduceSum" or self.opset >= 18:
+            return self.node(op, [x, self.const([axis], np.int64)], keepdims=keepdims)
+        return self.node(op, [x], axes=[axis], keepdims=keepdims)
+
+    def cast(self, x: str, to: int) -> str:
+        return self.node("Cast", [x], to=to)
+
+
+def build_predictor(
+    manifest: dict,
+    datastore,
+    encoder: bytes,
+    *,
+    samples: str = "constant",
+    probabilities: str = "float32",
+) -> bytes:
+    """The predictor of a verified bundle's parts as ONNX model bytes.
+
+    Input "input": raw inputs as the manifest declares them (uint8 images [N, H, W, C] or int64
+    token ids [N, L]). Outputs: "probabilities" [N, C] (float32 or float64), "key" [N, q]
+    float32 (what a device stores for an input once labelled: the embedding for flat, W z for
+    ProtoNN), and the encoder's own "embedding" and "logits"."""
+    if samples not in SAMPLE_MODES:
+        raise ValueError(f"samples must be one of {SAMPLE_MODES}, got {samples!r}")
+    if datastore.backend not in BACKENDS:
+        raise ValueError(
+            f"a {datastore.backend} datastore has no ONNX form (an HNSW search is a graph "
+            "walk); export the client with a flat or protonn datastore"
+        )
+    parsed = P.ParsedModel(encoder)
+    if len(parsed.inputs) != 1:
+        raise ValueError(f"the encoder has {len(parsed.inputs)} inputs, expected one")
+    missing = {"embedding", "logits"} - set(parsed.outputs)
+    if missing:
+        raise ValueError(f"the encoder lacks output(s) {sorted(missing)}")
+    opsets = dict(parsed.opsets)
+    opsets[""] = max(opsets.get("", OPSET), OPSET)
+    g = _Graph(opsets[""])
+    spec = manifest["input"]
+    if spec["kind"] == "image":
+        g.input("input", P.UINT8, ["N", *spec["shape"]])
+        _normalise(g, spec)
+    else:
+        g.input("input", P.INT64, ["N", *spec["shape"]])
+        g.nodes.append(P.node("Identity", ["input"], [ENCODER_INPUT]))
+    # the graph's nodes: the input's preparation, the encoder's, then the kNN head's
+    head = P.nodes(g.nodes) + parsed.graph_body((parsed.inputs[0], ENCODER_INPUT))
+    g.nodes = []
+    z, logits = "embedding", "logits"
+    if datastore.backend == "flat":
+        key, p_local = _flat(g, manifest, datastore, z, samples)
+    else:
+        key, p_local = _protonn(g, manifest, datastore, z, samples)
+    p_global = g.cast(g.node("Softmax", [logits], axis=1), P.DOUBLE)
+    lam = float(manifest["lambda"])
+    mixed = g.node(
+        "Add",
+        [
+            g.node("Mul", [p_local, g.const(lam, np.float64)]),
+            g.node("Mul", [p_global, g.const(1.0 - lam, np.float64)]),
+        ],
+    )
+    out_type = {"float32": P.FLOAT, "float64": P.DOUBLE}[probabilities]
+    g.nodes.append(P.node("Cast", [mixed], ["probabilities"], to=out_type))
+    g.nodes.append(P.node("Identity", [key], ["key"]))
+    classes = int(manifest["num_classes"])
+    outputs = [
+        P.value_info("probabilities", out_type, ["N", classes]),
+        P.value_info("key", P.FLOAT, ["N", None]),
+        P.value_info("embedding", P.FLOAT, ["N", int(manifest["embedding_dim"])]),
+        P.value_info("logits", P.FLOAT, ["N", classes]),
+    ]
+    graph = P.graph("knnper_predictor", g.nodes, g.inputs, outputs, g.initializers, prefix=head)
+    return P.model(
+        graph + parsed.functions,
+        ir_version=max(parsed.ir_version, 8),
+        opsets=opsets,
+        producer="knnper-edge predictor",
+        metadata={
+            "knnper.client_id": str(manifest["client_id"]),
+            "knnper.recipe": manifest["backend"]["recipe"],
+            "knnper.samples": samples,
+        },
+    )
+
+
+def _normalise(g: _Graph, spec: dict) -> None:
+    """(x / 255 - mean) / std on NCHW float32, the same float32 steps as prepare_input."""
+    channels = int(spec["shape"][2])
+    x = g.cast("input", P.FLOAT)
+    x = g.node("Transpose", [x], perm=[0, 3, 1, 2])
+    x = g.node("Div", [x, g.const(255.0)])
+    x = g.node("Sub", [x, g.const(np.reshape(spec["mean"], (1, channels, 1, 1)))])
+    std = g.const(np.reshape(spec["std"], (1, channels, 1, 1)))
+    g.nodes.append(P.node("Div", [x, std], [ENCODER_INPUT]))
+
+
+def _row_norms(g: _Graph, x: str, axis: int) -> str:
+    return g.reduce("ReduceSum", g.node("Mul", [x, x]), axis)
+
+
+def _distances(g: _Graph, dots: str, q_norms: str, key_norms: str) -> str:
+    """max(-2 q.k + ||k||^2 + ||q||^2, 0), summed in the numpy head's order."""
+    sq = g.node("Add", [g.node("Mul", [dots, g.const(-2.0)]), key_norms])
+    return g.node("Relu", [g.node("Add", [sq, q_norms])])
+
+
+def _quantised_query(g: _Graph, q: str, scale: np.ndarray) -> tuple[str, str]:
+    """(Q [N, p] float32 integers in [-63, 63], s [N, 1]): knn.int8_query in the graph."""
+    qs = g.node("Mul", [q, g.const(scale[None, :])])
+    peak = g.reduce("ReduceMax", g.node("Abs", [qs]), 1)
+    s = g.node(
+        "Where",
+        [
+            g.node("Greater", [peak, g.const(0.0)]),
+            g.node("Div", [peak, g.const(float(QUERY_LEVELS))]),
+            g.const(1.0),
+        ],
+    )
+    return g.node("Round", [g.node("Div", [qs, s])]), s
+
+
+def _int8_products(g: _Graph, q: str, keys_t: str, key_sums: str, scale: np.ndarray) -> str:
+    """q . (keys_t * scale) [N, n] float32 through MatMulInteger; see the module docstring."""
+    quantised, s = _quantised_query(g, q, scale)
+    shift = QUERY_LEVELS + 1
+    shifted = g.cast(g.node("Add", [quantised, g.const(float(shift))]), P.UINT8)
+    products = g.node("MatMulInteger", [shifted, keys_t])
+    exact = g.node("Sub", [products, g.node("Mul", [key_sums, g.const(shift, np.int32)])])
+    return g.node("Mul", [g.cast(exact, P.FLOAT), s])
+
+
+def _portable_samples(g: _Graph) -> tuple[str, str]:
+    g.input("keys", P.FLOAT, ["n", None])
+    g.input("labels", P.INT64, ["n"])
+    return g.node("Transpose", ["keys"], perm=[1, 0]), "labels"
+
+
+def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str]:
+    int8 = ds.dtype == "int8"
+    if samples == "portable":
+        keys_t, labels = _portable_samples(g)
+        key_norms = _row_norms(g, keys_t, 0)
+        query = z
+        if int8:  # float keys k * scale meet the query as the integer scan quantises it
+            quantised, s = _quantised_query(g, z, ds.scale_)
+            query = g.node("Div", [g.node("Mul", [quantised, s]), g.const(ds.scale_[None, :])])
+        dots = g.node("MatMul", [query, keys_t])
+    else:
+        if samples == "stored":
+            stored_type = {"fp32": P.FLOAT, "fp16": P.FLOAT16, "int8": P.INT8}[ds.dtype]
+            keys_t = g.input("keys_t", stored_type, [int(ds.embedding_dim_), "n"])
+            key_norms = g.input("key_norms", P.FLOAT, ["n"])
+            labels = g.input("labels", P.INT64, ["n"])
+            key_sums = g.input("key_sums", P.INT32, ["n"]) if int8 else None
+        else:
+            keys_t = g.const(ds.keys_t_, ds.keys_t_.dtype)
+            key_norms = g.const(ds.key_norms_)
+            labels = g.const(ds.labels_, np.int64)
+            key_sums = g.const(ds.key_sums_, np.int32) if int8 else None
+        if int8:
+            dots = _int8_products(g, z, keys_t, key_sums, ds.scale_)
+        elif ds.dtype == "fp16":
+            dots = g.node("MatMul", [z, g.cast(keys_t, P.FLOAT)])
+        else:
+            dots = g.node("MatMul", [z, keys_t])
+    sq = _distances(g, dots, _row_norms(g, z, 1), key_norms)
+    n = g.node("Slice", [g.node("Shape", [sq]), g.const([1], np.int64), g.const([2], np.int64)])
+    k = g.node("Min", [n, g.const([int(manifest["k"])], np.int64)])
+    sq_k, idx = g.node("TopK", [sq, k], outputs=2, largest=0, sorted=1)
+    scale = 1.0 / (manifest["embedding_dim"] * manifest["sigma"])
+    weights = g.node(
+        "Softmax", [g.node("Mul", [g.cast(sq_k, P.DOUBLE), g.const(-scale, np.float64)])], axis=1
+    )
+    onehot = g.node(
+        "OneHot",
+        [
+            g.node("Gather", [labels, idx]),
+            g.const(int(manifest["num_classes"]), np.int64),
+            g.const([0.0, 1.0]),
+        ],
+        axis=-1,
+    )
+    weighted = g.node(
+        "Mul", [g.cast(onehot, P.DOUBLE), g.node("Unsqueeze", [weights, g.const([2], np.int64)])]
+    )
+    return z, g.reduce("ReduceSum", weighted, 1, keepdims=0)
+
+
+def _protonn(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str]:
+    classes = int(manifest["num_classes"])
+    wz = g.node("MatMul", [z, g.const(ds.W_.T)])
+    if samples == "constant":
+        B_all, Z_all = ds.prototypes()
+        prototypes, scores_t = g.const(B_all), g.const(Z_all.T)
+        norms = g.const(np.einsum("ij,ij->j", B_all, B_all))  # as ProtoNNDatastore sums them
+    else:
+        if samples == "portable":
+            buffer_t, labels = _portable_samples(g)
+        else:
+            buffer_t = g.input("keys_t", P.FLOAT, [int(ds.W_.shape[0]), "n"])
+            labels = g.input("labels", P.INT64, ["n"])
+        onehot = g.node(
+            "OneHot",
+            [labels, g.const(classes, np.int64), g.const([0.0, ds.buffer_weight_])],
+            axis=-1,
+        )
+        prototypes = g.node("Concat", [g.const(ds.B_), buffer_t], axis=1)
+        scores_t = g.node("Concat", [g.const(ds.Z_.T), onehot], axis=0)
+        buffer_norms = _row_norms(g, buffer_t, 0)
+        norms = g.node("Concat", [g.const(ds.prototype_norms_[None, :]), buffer_norms], axis=1)
+    dots = g.cast(g.node("MatMul", [wz, prototypes]), P.DOUBLE)
+    twice = g.node("Mul", [dots, g.const(2.0, np.float64)])
+    sq = g.node("Sub", [g.cast(_row_norms(g, wz, 1), P.DOUBLE), twice])
+    sq = g.node("Add", [sq, g.cast(norms, P.DOUBLE)])
+    nearest = g.reduce("ReduceMin", sq, 1)
+    shifted = g.node("Relu", [g.node("Sub", [sq, nearest])])
+    kernel = g.node("Exp", [g.node("Mul", [shifted, g.const(-(ds.gamma_**2), np.float64)])])
+    scores = g.cast(g.node("MatMul", [g.cast(kernel, P.FLOAT), scores_t]), P.DOUBLE)
+    scores = g.node("Relu", [scores])
+    total = g.reduce("ReduceSum", scores, 1)
+    p_local = g.node(
+        "Where",
+        [
+            g.node("Greater", [total, g.const(0.0, np.float64)]),
+            g.node("Div", [scores, total]),
+            g.const(1.0 / classes, np.float64),
+        ],
+    )
+    return wz, p_local
