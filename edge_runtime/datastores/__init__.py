@@ -64,7 +64,7 @@ def make_datastore(
     """An unfitted datastore for a recipe string; `options` are other hyper-parameters (seed...)."""
     name, params = parse_recipe(recipe)
     ds = BACKENDS[name](num_classes, k=k, sigma=sigma, **params, **options)
-    ds._check_params()
+    ds.check_params()
     return ds
 
 

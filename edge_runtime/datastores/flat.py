@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from .._io import load_npz, save_npz_atomic
-from ..knn import kernel_posterior, search_transposed, transposed_key_norms
+from ..knn import search_transposed, transposed_key_norms
+from .base import SampleDatastore
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
@@ -17,17 +18,15 @@ from .common import (
     _check_common,
     _check_fit_inputs,
     _check_labels_array,
-    _check_load_params,
     _check_positive_int,
     _check_query,
     _require,
     _subsample,
     datastore_file_name,
 )
-from .recipes import format_recipe
 
 
-class FlatDatastore:
+class FlatDatastore(SampleDatastore):
     """Exact kNN over stored keys, kept as float32, float16 or int8 on disk and in memory.
 
     Keys are held transposed, keys_t_ [p, n], so that one query's distances stream them at
@@ -59,7 +58,7 @@ class FlatDatastore:
         self.n = n
         self.seed = seed
 
-    def _check_params(self) -> None:
+    def check_params(self) -> None:
         _check_common(self.num_classes, self.k, self.sigma)
         if self.dtype not in FLAT_DTYPES:
             raise ValueError(f"flat dtype must be one of {list(FLAT_DTYPES)}, got {self.dtype!r}")
@@ -68,7 +67,7 @@ class FlatDatastore:
     # -- learning
     def fit(self, z: np.ndarray, y: np.ndarray) -> FlatDatastore:
         """Store (a seeded random subset of at most n of) the pairs (z_i, y_i)."""
-        self._check_params()
+        self.check_params()
         z, y = _check_fit_inputs(z, y, self.num_classes)
         if z.shape[0] == 0:
             raise ValueError("fit needs at least one sample")
@@ -137,12 +136,6 @@ class FlatDatastore:
             z, self.keys_t_, self.k, key_norms=self.key_norms_, scale=self.scale_
         )
 
-    def predict_proba(self, z: np.ndarray) -> np.ndarray:
-        sq, idx = self.kneighbors(z)
-        return kernel_posterior(
-            sq, self.labels_[idx], self.num_classes, self.sigma, self.embedding_dim_
-        )
-
     def __len__(self) -> int:
         return int(self.labels_.shape[0]) if hasattr(self, "labels_") else 0
 
@@ -154,20 +147,12 @@ class FlatDatastore:
         data = n_samples * (dim * itemsize + 16) + (4 * dim if self.dtype == "int8" else 0)
         return data + arrays * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
 
-    @property
-    def nbytes(self) -> int:
-        return self.estimate_nbytes(len(self), self.embedding_dim_)
-
     # -- recipe
     def recipe_params(self) -> dict:
         params: dict = {"dtype": self.dtype}
         if self.n is not None:
             params["n"] = int(self.n)
         return params
-
-    @property
-    def recipe(self) -> str:
-        return format_recipe(self.backend, self.recipe_params())
 
     # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
@@ -190,12 +175,9 @@ class FlatDatastore:
         embedding_dim: int | None = None,
     ) -> FlatDatastore:
         """Rebuild from saved files; ValueError names what is inconsistent."""
-        ds = cls(**_check_load_params(cls, params))
-        ds._check_params()
+        ds = cls.from_params(params)
         files = list(files) if files is not None else ["datastore.npz"]
-        npz = [f for f in files if f.endswith(".npz")]
-        if len(npz) != 1 or len(files) != 1:
-            raise ValueError(f"a flat datastore is one .npz file, got {files}")
+        npz = cls.files_by_kind(files, {".npz": 1}, "a flat datastore is one .npz file")[".npz"]
         arrays = load_npz(Path(directory) / npz[0])
         _require(arrays, ["keys", "labels", "order"], npz[0])
         keys, want = arrays["keys"], np.dtype(FLAT_DTYPES[ds.dtype])

@@ -12,21 +12,19 @@ import numpy as np
 from .._io import fsync_dir, fsync_file, load_npz, save_npz_atomic, temp_path
 from ..cli_help import install_hint
 from ..hnsw_format import check_hnsw_index
-from ..knn import kernel_posterior
+from .base import SampleDatastore
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
     _check_common,
     _check_fit_inputs,
     _check_labels_array,
-    _check_load_params,
     _check_positive_int,
     _check_query,
     _require,
     _subsample,
     datastore_file_name,
 )
-from .recipes import format_recipe
 
 
 def _import_hnswlib():
@@ -38,7 +36,7 @@ def _import_hnswlib():
         ) from None
 
 
-class HNSWDatastore:
+class HNSWDatastore(SampleDatastore):
     """Approximate kNN with an hnswlib graph (space "l2", which returns squared distances).
 
     The hnswlib label of each stored sample is its insertion stamp, so eviction of the oldest
@@ -83,7 +81,7 @@ class HNSWDatastore:
         self.seed = seed
         self.num_threads = num_threads
 
-    def _check_params(self) -> None:
+    def check_params(self) -> None:
         _check_common(self.num_classes, self.k, self.sigma)
         for name in ("M", "ef_construction", "ef", "num_threads"):
             _check_positive_int(name, getattr(self, name))
@@ -102,7 +100,7 @@ class HNSWDatastore:
         return index
 
     def fit(self, z: np.ndarray, y: np.ndarray) -> HNSWDatastore:
-        self._check_params()
+        self.check_params()
         z, y = _check_fit_inputs(z, y, self.num_classes)
         if z.shape[0] == 0:
             raise ValueError("fit needs at least one sample")
@@ -168,12 +166,6 @@ class HNSWDatastore:
                 ef = max(4 * ef, len(self)) if attempt == 1 else 4 * ef
         return sq, np.searchsorted(self.ids_, found.astype(np.int64))
 
-    def predict_proba(self, z: np.ndarray) -> np.ndarray:
-        sq, pos = self.kneighbors(z)
-        return kernel_posterior(
-            sq, self.labels_[pos], self.num_classes, self.sigma, self.embedding_dim_
-        )
-
     def __len__(self) -> int:
         return int(self.ids_.shape[0]) if hasattr(self, "ids_") else 0
 
@@ -186,10 +178,6 @@ class HNSWDatastore:
         npz = n_samples * 16 + 2 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
         return index + npz
 
-    @property
-    def nbytes(self) -> int:
-        return self.estimate_nbytes(len(self), self.embedding_dim_)
-
     def recipe_params(self) -> dict:
         params: dict = {
             "M": int(self.M),
@@ -199,10 +187,6 @@ class HNSWDatastore:
         if self.n is not None:
             params["n"] = int(self.n)
         return params
-
-    @property
-    def recipe(self) -> str:
-        return format_recipe(self.backend, self.recipe_params())
 
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         """Write datastore[.g].npz (labels, ids) and hnsw[.g].bin, each atomically."""
@@ -231,15 +215,13 @@ class HNSWDatastore:
         files: Sequence[str] | None = None,
         embedding_dim: int | None = None,
     ) -> HNSWDatastore:
-        ds = cls(**_check_load_params(cls, params))
-        ds._check_params()
+        ds = cls.from_params(params)
         if embedding_dim is None:
             raise ValueError("loading an hnsw datastore needs embedding_dim")
         files = list(files) if files is not None else ["datastore.npz", "hnsw.bin"]
-        npz = [f for f in files if f.endswith(".npz")]
-        binary = [f for f in files if f.endswith(".bin")]
-        if len(npz) != 1 or len(binary) != 1 or len(files) != 2:
-            raise ValueError(f"an hnsw datastore is one .npz and one .bin file, got {files}")
+        kinds = cls.files_by_kind(files, {".npz": 1, ".bin": 1},
+                                  "an hnsw datastore is one .npz and one .bin file")
+        npz, binary = kinds[".npz"], kinds[".bin"]
         arrays = load_npz(Path(directory) / npz[0])
         _require(arrays, ["labels"], npz[0])
         n = arrays["labels"].shape[0] if arrays["labels"].ndim == 1 else -1

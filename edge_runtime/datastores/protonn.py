@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .._io import load_npz, save_npz_atomic
+from .base import Datastore
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
@@ -23,12 +24,11 @@ from .common import (
     _require,
     datastore_file_name,
 )
-from .recipes import format_recipe
 
 _BUFFER_ARRAYS = ("buffer_keys", "buffer_labels", "buffer_order")
 
 
-class ProtoNNDatastore:
+class ProtoNNDatastore(Datastore):
     """ProtoNN-compressed datastore: projection W [d,p], prototypes B [d,m], prototype label
     scores Z [C,m], kernel width gamma. Training needs torch (the protonn package, server side),
     and the result comes here through `from_matrices`.
@@ -68,7 +68,7 @@ class ProtoNNDatastore:
         self.n = n
         self.buffer = buffer
 
-    def _check_params(self) -> None:
+    def check_params(self) -> None:
         _check_common(self.num_classes, self.k, self.sigma)
         _check_positive_int("d", self.d, allow_none=True)
         _check_positive_int("n", self.n, allow_none=True)
@@ -111,7 +111,7 @@ class ProtoNNDatastore:
         if gamma_arr.size != 1 or not np.isfinite(gamma_arr) or not gamma_arr.reshape(()) > 0:
             raise ValueError(f"gamma must be one positive number, got {gamma!r}")
         ds = cls(int(Z.shape[0]), k=k, sigma=sigma, d=int(W.shape[0]), m=m, n=n, buffer=buffer)
-        ds._check_params()
+        ds.check_params()
         ds.W_ = np.ascontiguousarray(W, dtype=np.float32)
         ds.B_ = np.ascontiguousarray(B, dtype=np.float32)
         ds.Z_ = np.ascontiguousarray(Z, dtype=np.float32)
@@ -213,10 +213,6 @@ class ProtoNNDatastore:
         base = data + 4 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
         return base + (self.buffer_nbytes(self.buffer) if self.buffer else 0)
 
-    @property
-    def nbytes(self) -> int:
-        return self.estimate_nbytes(len(self), self.embedding_dim_)
-
     # -- recipe
     def recipe_params(self) -> dict:
         params: dict = {}
@@ -229,10 +225,6 @@ class ProtoNNDatastore:
         if self.buffer is not None:
             params["buffer"] = int(self.buffer)
         return params
-
-    @property
-    def recipe(self) -> str:
-        return format_recipe(self.backend, self.recipe_params())
 
     # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
@@ -258,8 +250,7 @@ class ProtoNNDatastore:
     ) -> ProtoNNDatastore:
         params = dict(_check_load_params(cls, params))
         files = list(files) if files is not None else ["datastore.npz"]
-        if len(files) != 1 or not files[0].endswith(".npz"):
-            raise ValueError(f"a protonn datastore is one .npz file, got {files}")
+        cls.files_by_kind(files, {".npz": 1}, "a protonn datastore is one .npz file")
         arrays = load_npz(Path(directory) / files[0])
         _require(arrays, ["W", "B", "Z", "gamma"], files[0])
         num_classes = params.pop("num_classes")
