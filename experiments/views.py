@@ -44,9 +44,9 @@ def client_views(model: EmbedHeadModel, clients: Sequence[ClientData]) -> list[C
         z_train, _ = embed_and_logits(model, c.x_train)
         z_val, logits_val = embed_and_logits(model, c.x_val)
         z_test, logits_test = embed_and_logits(model, c.x_test)
-        views.append(ClientView(c.client_id, c.unseen, z_train, c.y_train.numpy(), z_val,
-                                _probabilities(logits_val), c.y_val.numpy(), z_test,
-                                _probabilities(logits_test), c.y_test.numpy()))
+        views.append(ClientView(c.client_id, c.unseen, z_train, c.y_train.cpu().numpy(), z_val,
+                                _probabilities(logits_val), c.y_val.cpu().numpy(), z_test,
+                                _probabilities(logits_test), c.y_test.cpu().numpy()))
     return views
 
 
