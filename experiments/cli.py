@@ -22,6 +22,7 @@ from fed_train.cli import (
     add_training_arguments,
     config_from_args,
 )
+from fed_train.device import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     grids = {g.name: getattr(args, g.name, None) or (g.quick if args.quick else g.full)
              for g in exp.grids}
     ctx = Context(Path(args.out), config, k=args.k, sigma=args.sigma, quick=args.quick,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, device=str(resolve_device(args.device)),
+                  client_batch=args.client_batch)
     started = time.perf_counter()
     result = exp.run(ctx, grids)
     summary = write_report(exp, result, ctx.out / exp.name, command=command_line(args),

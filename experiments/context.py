@@ -40,6 +40,8 @@ class Context:
     sigma: float = 1.0
     quick: bool = False
     progress: bool = True
+    device: str = "cpu"
+    client_batch: int = 1
     _runs: dict[str, LoadedRun] = field(default_factory=dict)
     _views: dict[str, list[ClientView]] = field(default_factory=dict)
 
@@ -61,8 +63,9 @@ class Context:
             path = self.out / "runs" / name
             if not (path / MODEL_FILE).is_file():
                 log.info("training the global model %s", path)
-                train(config, path, progress=self.progress)
-            self._runs[name] = load_run(path)
+                train(config, path, progress=self.progress, device=self.device,
+                      client_batch=self.client_batch)
+            self._runs[name] = load_run(path, self.device)
         return self._runs[name]
 
     def views(self, alpha: float | None = None) -> list[ClientView]:

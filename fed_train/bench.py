@@ -104,7 +104,8 @@ class TableRunner:
     def __init__(self, config: RunConfig, out: Path, *,
                  hyper: Mapping[str, Mapping[str, Any]] | None = None,
                  progress: bool = True, tune_knn: bool = False,
-                 lambda_estimator: str = "val") -> None:
+                 lambda_estimator: str = "val", device: str = "cpu",
+                 client_batch: int = 1) -> None:
         if lambda_estimator not in (*LAMBDA_ESTIMATORS, "auto"):
             raise BenchError(f"unknown lambda estimator {lambda_estimator!r}; known: "
                              f"{', '.join(LAMBDA_ESTIMATORS)}, auto")
@@ -114,12 +115,13 @@ class TableRunner:
         self.out = Path(out)
         self.hyper = {m: dict(h) for m, h in (hyper or {}).items()}
         self.progress = progress
+        self.device, self.client_batch = torch.device(device), client_batch
         self.dataset, self.init = load_run_data(config)
         self.model_name = config.model or default_model(self.dataset.input_spec)
         # every method starts here; a mismatched --init fails before anything is written
         self.initial_weights = initial_weights(self.model_fn, config.seed, self.init)
         saved = self._load_or_make_partition()
-        self.clients = prepare_clients(self.dataset, self.partition)
+        self.clients = prepare_clients(self.dataset, self.partition, self.device)
         check_validation_splits(self.clients)  # before writing anything into OUT
         if saved is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +130,8 @@ class TableRunner:
         self._trained: dict[tuple[str, float], Any] = {}
 
     def model_fn(self) -> EmbedHeadModel:
-        return build_model(self.model_name, self.dataset.num_classes, self.dataset.input_spec)
+        return build_model(self.model_name, self.dataset.num_classes,
+                           self.dataset.input_spec).to(self.device)
 
     def _load_or_make_partition(self) -> dict[str, Any] | None:
         """Load OUT's partition after checking that OUT holds this same table (its cached runs
@@ -173,7 +176,8 @@ class TableRunner:
         algorithm = build_algorithm(trainer, self.model_fn, training, **hyper)
         result = simulate(algorithm, self.clients, training, self.initial_weights,
                           seed=self.config.seed, run_dir=run_dir,
-                          checkpoint_every=self.config.checkpoint_every, progress=self.progress)
+                          checkpoint_every=self.config.checkpoint_every, progress=self.progress,
+                          client_batch=self.client_batch)
         self._trained[key] = result
         return result
 
@@ -284,26 +288,29 @@ def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple
 
 def _table_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
                tune_knn: bool, lambda_estimator: str, methods: list[str], lr: float,
-               diverged_ok: bool) -> None:
+               diverged_ok: bool, device: str, client_batch: int) -> None:
     """One worker's share of a table: the methods that share one training run at one rate."""
     torch.set_num_threads(1)
     runner = TableRunner(config, Path(out), hyper=hyper, progress=False, tune_knn=tune_knn,
-                         lambda_estimator=lambda_estimator)
+                         lambda_estimator=lambda_estimator, device=device,
+                         client_batch=client_batch)
     for method in methods:
         runner.rows(method, lr, diverged_ok=diverged_ok)
 
 
 def _attribution_job(config: RunConfig, out: str,
                      hyper: Mapping[str, Mapping[str, Any]] | None, body: str, lr: float,
-                     estimator: str) -> None:
+                     estimator: str, device: str, client_batch: int) -> None:
     torch.set_num_threads(1)
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=False)
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, device=device,
+                         client_batch=client_batch)
     body_rows(runner, body, lr, lambda_estimator=estimator)
 
 
 def _table_jobs(config: RunConfig, names: Sequence[str], lrs: Sequence[float], out: Path,
                 hyper: Mapping[str, Mapping[str, Any]] | None, tune_knn: bool,
-                lambda_estimator: str) -> list[tuple[Callable[..., None], tuple]]:
+                lambda_estimator: str, device: str,
+                client_batch: int) -> list[tuple[Callable[..., None], tuple]]:
     """One job per (training run, learning rate), the costliest first."""
     groups: dict[str, list[str]] = {}
     for m in names:
@@ -311,7 +318,7 @@ def _table_jobs(config: RunConfig, names: Sequence[str], lrs: Sequence[float], o
     jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
                   key=lambda j: -_JOB_COST.get(j[0], 1.0))
     return [(_table_job, (config, str(out), hyper, tune_knn, lambda_estimator, methods, lr,
-                          len(lrs) > 1)) for _, methods, lr in jobs]
+                          len(lrs) > 1, device, client_batch)) for _, methods, lr in jobs]
 
 
 def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, *,
@@ -319,7 +326,8 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
               hyper: Mapping[str, Mapping[str, Any]] | None = None,
               progress: bool = True, tune_knn: bool = False, lambda_estimator: str = "val",
               workers: int = 1, attribution: bool = False,
-              command: str | None = None) -> dict[str, Any]:
+              command: str | None = None, device: str = "cpu",
+              client_batch: int = 1) -> dict[str, Any]:
     """Run every method, write the tables and per-client files into `out`, return the results
     (evaluation's JSON plus the learning rates, validation scores and kNN-Per's choices).
     `workers` > 1 trains the (method, learning rate) runs in that many processes first."""
@@ -328,10 +336,11 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     if workers < 1:
         raise BenchError(f"workers must be >= 1, got {workers}")
     runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, tune_knn=tune_knn,
-                         lambda_estimator=lambda_estimator)
+                         lambda_estimator=lambda_estimator, device=device,
+                         client_batch=client_batch)
     if workers > 1:
         _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, tune_knn,
-                                           lambda_estimator))
+                                           lambda_estimator, device, client_batch))
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
@@ -360,7 +369,7 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
         estimator = lambda_estimator  # "auto": each body gets its own cross-validated choice
         if workers > 1:
             _in_processes(workers, [(_attribution_job, (config, str(out), hyper, body, lr,
-                                                        estimator))
+                                                        estimator, device, client_batch))
                                     for body, lr in body_lrs.items()])
         result["attribution"] = attribution_table(runner, body_lrs, lambda_estimator=estimator,
                                                   progress=progress)
@@ -472,6 +481,7 @@ def _positive(kind: type, upper: float | None = None):
 
 def _cmd_table(args: argparse.Namespace) -> int:
     from fed_train.cli import config_from_args  # here, not at the top: the CLI imports this module
+    from fed_train.device import resolve_device
 
     if args.lr_grid is not None and not args.tune_lr:
         raise BenchError("--lr-grid is used only with --tune-lr")
@@ -486,7 +496,8 @@ def _cmd_table(args: argparse.Namespace) -> int:
     result = run_table(config, args.methods, Path(args.out), tune_lr=args.tune_lr, lr_grid=grid,
                        hyper=hyper, progress=not getattr(args, "no_progress", False),
                        tune_knn=args.tune_knn, lambda_estimator=args.lambda_estimator,
-                       workers=args.workers, attribution=args.attribution, command=command)
+                       workers=args.workers, attribution=args.attribution, command=command,
+                       device=str(resolve_device(args.device)), client_batch=args.client_batch)
     print(format_markdown(result))
     print(f"wrote {args.out}/table.md, table1.csv, table2.csv, clients.csv, results.json")
     return 0
