@@ -121,7 +121,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     add_precision_argument(p)
     p.add_argument("--client-batch", type=_positive_int, default=1,
                    help="step up to this many sampled clients together (one vmap over their "
-                   "stacked weights): for a GPU; on 2 CPU cores it was no faster. Models with "
+                   "stacked weights): for a GPU; on 2 CPU cores it was 3x slower. Models with "
                    "BatchNorm or an LSTM train one after another (mobilenet-v2-gn can)")
 
 

@@ -1,7 +1,9 @@
 """Clients of a round stepped together (`--client-batch N`): one vmap of grad over their stacked
 parameters and optimiser state, so an accelerator runs N small per-client batches as one launch
-instead of N. On a GPU the small CNN's round ran 25x faster this way; on 2 CPU cores it gave no
-gain (BENCHMARKS.md), so the sequential path stays the default.
+instead of N. Small per-client batches leave a GPU launch-bound: a short script stepping 100
+small CNNs this way ran a round 25x faster on an H100 (quoted in BENCHMARKS.md; this trainer has
+not met a GPU yet). On 2 CPU cores it was 3x slower (grouped convolutions; BENCHMARKS.md), so one
+after another stays the default.
 
 A lane is one model being trained: a client's copy of the global model, or one of its personal
 models (Ditto, APFL). Each lane takes exactly the mini-batches and SGD-with-momentum updates that
