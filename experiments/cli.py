@@ -22,6 +22,7 @@ from fed_train.cli import (
     add_training_arguments,
     config_from_args,
 )
+from fed_train.device import resolve_device
 from fed_train.knn_choice import add_knn_arguments, knn_request
 from fed_train.progress import Progress
 
@@ -89,7 +90,8 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
                   enabled=not args.no_progress) as bar:
         ctx = Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
                       progress=not args.no_progress,
-                      points_done=lambda computed: bar.update(measured=computed))
+                      points_done=lambda computed: bar.update(measured=computed),
+                      device=str(resolve_device(args.device)), client_batch=args.client_batch)
         result = exp.run(ctx, grids)
     summary = write_report(exp, result, ctx.out / exp.name, command=command_line(args),
                            scale_line=ctx.scale_line(), started=started)

@@ -167,6 +167,8 @@ class LocalFederation:
     insecure: bool = False
     startup_timeout: float = 60.0
     superlink_port: int | None = None
+    device: str = "cpu"  # every SuperNode's node config `device`
+    app_dir: Path = APP_DIR  # benchmarks swap in an empty ClientApp to measure Flower's floor
 
 
 def _connection_toml(port: int, ca_cert: Path | None) -> str:
@@ -295,10 +297,12 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
                 list(pool.map(lambda key: register_supernode(procs, key), keys))
         for i, key in enumerate(keys):
             start_supernode(procs, f"supernode-{i}", port, tls, key,
-                            f"partition-id={i} num-partitions={federation.clients}")
+                            f"partition-id={i} num-partitions={federation.clients} "
+                            f'device="{federation.device}"')
         run_toml = work / "run.toml"
         run_toml.write_text(run_config_toml(settings))
-        submitted = procs.run_cli(["flwr", "run", str(APP_DIR), CONNECTION, "--run-config",
+        submitted = procs.run_cli(["flwr", "run", str(federation.app_dir), CONNECTION,
+                                   "--run-config",
                                    str(run_toml), "--format", "json"])
         run_id = str(submitted["run-id"])
         log.info("run %s submitted to the SuperLink on %s:%d (%s)", run_id, HOST, port,
@@ -333,11 +337,13 @@ def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
 
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
+    from fed_train.device import resolve_device
     from fed_train.evaluation import format_table
 
     settings = settings_from_args(args)
     federation = LocalFederation(clients=args.clients, insecure=args.insecure,
-                                 startup_timeout=args.startup_timeout)
+                                 startup_timeout=args.startup_timeout,
+                                 device=str(resolve_device(args.device)))
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
     try:
         first_round = len(rounds_logged(Path(args.out)))  # a resumed run's earlier rounds
