@@ -83,9 +83,8 @@ def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
     return {"cpu_s": float(np.median(cpu)), "wall_s": float(np.median(wall))}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The configuration flags, shared with flower_floor.py (the same rounds, nothing trained)."""
     p.add_argument("--tag", required=True, help="name of this configuration in the results")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--data", default=None)
@@ -103,18 +102,28 @@ def main() -> None:
                    help="run directories (not committed)")
     p.add_argument("--results", type=Path,
                    default=_common.REPO / "benchmarks" / "results" / "flower")
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
+                     clients=args.clients, unseen_fraction=args.unseen_fraction,
+                     seed=args.seed, checkpoint_every=1,
+                     training=TrainingConfig(rounds=args.rounds, epochs=args.local_epochs,
+                                             batch_size=args.batch_size, lr=args.lr,
+                                             momentum=args.momentum, milestones=(0.75,)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p)
     args = p.parse_args()
     # `timeout` sends SIGTERM: let it unwind like Ctrl-C, so deploy stops every process it started
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     _common.setup_logging()
     _common.limit_threads(1)
     load_before = _load()
-    config = RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
-                       clients=args.clients, unseen_fraction=args.unseen_fraction,
-                       seed=args.seed, checkpoint_every=1,
-                       training=TrainingConfig(rounds=args.rounds, epochs=args.local_epochs,
-                                               batch_size=args.batch_size, lr=args.lr,
-                                               momentum=args.momentum, milestones=(0.75,)))
+    config = run_config(args)
     work = args.work / args.tag
     sim_dir, flower_dir = work / "simulation", work / "flower"
 

@@ -43,6 +43,8 @@ class Context:
     quick: bool = False
     progress: bool = True
     points_done: Callable[[bool], None] = lambda computed: None  # see PointStore.on_point
+    device: str = "cpu"
+    client_batch: int = 1
     _runs: dict[str, LoadedRun] = field(default_factory=dict)
     _views: dict[str, list[ClientView]] = field(default_factory=dict)
     _choices: dict[str, KNNChoice] = field(default_factory=dict)
@@ -65,8 +67,9 @@ class Context:
             path = self.out / "runs" / name
             if not (path / MODEL_FILE).is_file():
                 log.info("training the global model %s", path)
-                train(config, path, progress=self.progress)
-            self._runs[name] = load_run(path)
+                train(config, path, progress=self.progress, device=self.device,
+                      client_batch=self.client_batch)
+            self._runs[name] = load_run(path, self.device)
         return self._runs[name]
 
     def knn_choice(self, alpha: float | None = None) -> KNNChoice:

@@ -66,7 +66,7 @@ class _ValidationRecorder:
         personal = self.algorithm.personalize(weights, client, state, seed)
         n_val = int(client.y_val.shape[0])
         acc = (float(np.mean(personal.predict_proba(client.x_val).argmax(1)
-                             == client.y_val.numpy())) if n_val else None)
+                             == client.y_val.cpu().numpy())) if n_val else None)
         self.scores[client.client_id] = (n_val, acc)
         return personal
 

@@ -103,18 +103,20 @@ class TableRunner:
 
     def __init__(self, config: RunConfig, out: Path, *,
                  hyper: Mapping[str, Mapping[str, Any]] | None = None,
-                 progress: bool = True, knn: KNNRequest | None = None) -> None:
+                 progress: bool = True, knn: KNNRequest | None = None, device: str = "cpu",
+                 client_batch: int = 1) -> None:
         self.knn = knn or KNNRequest()
         self.config = config
         self.out = Path(out)
         self.hyper = {m: dict(h) for m, h in (hyper or {}).items()}
         self.progress = progress
+        self.device, self.client_batch = torch.device(device), client_batch
         self.dataset, self.init = load_run_data(config)
         self.model_name = config.model or default_model(self.dataset.input_spec)
         # every method starts here; a mismatched --init fails before anything is written
         self.initial_weights = initial_weights(self.model_fn, config.seed, self.init)
         saved = self._load_or_make_partition()
-        self.clients = prepare_clients(self.dataset, self.partition)
+        self.clients = prepare_clients(self.dataset, self.partition, self.device)
         check_validation_splits(self.clients)  # before writing anything into OUT
         if saved is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +125,8 @@ class TableRunner:
         self._trained: dict[tuple[str, float], Any] = {}
 
     def model_fn(self) -> EmbedHeadModel:
-        return build_model(self.model_name, self.dataset.num_classes, self.dataset.input_spec)
+        return build_model(self.model_name, self.dataset.num_classes,
+                           self.dataset.input_spec).to(self.device)
 
     def _load_or_make_partition(self) -> dict[str, Any] | None:
         """Load OUT's partition after checking that OUT holds this same table (its cached runs
@@ -168,7 +171,8 @@ class TableRunner:
         algorithm = build_algorithm(trainer, self.model_fn, training, **hyper)
         result = simulate(algorithm, self.clients, training, self.initial_weights,
                           seed=self.config.seed, run_dir=run_dir,
-                          checkpoint_every=self.config.checkpoint_every, progress=self.progress)
+                          checkpoint_every=self.config.checkpoint_every, progress=self.progress,
+                          client_batch=self.client_batch)
         self._trained[key] = result
         return result
 
@@ -272,41 +276,44 @@ def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple
 
 
 def _table_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
-               knn: KNNRequest, methods: list[str], lr: float, diverged_ok: bool) -> None:
+               knn: KNNRequest, methods: list[str], lr: float, diverged_ok: bool, device: str,
+               client_batch: int) -> None:
     """One worker's share of a table: the methods that share one training run at one rate."""
     torch.set_num_threads(1)
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, knn=knn)
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, knn=knn, device=device,
+                         client_batch=client_batch)
     for method in methods:
         runner.rows(method, lr, diverged_ok=diverged_ok)
 
 
 def _attribution_job(config: RunConfig, out: str,
                      hyper: Mapping[str, Mapping[str, Any]] | None, body: str, lr: float,
-                     estimator: str) -> None:
+                     estimator: str, device: str, client_batch: int) -> None:
     torch.set_num_threads(1)
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=False)
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, device=device,
+                         client_batch=client_batch)
     body_rows(runner, body, lr, lambda_estimator=estimator)
 
 
 def _table_jobs(config: RunConfig, names: Sequence[str], lrs: Sequence[float], out: Path,
-                hyper: Mapping[str, Mapping[str, Any]] | None,
-                knn: KNNRequest) -> list[tuple[Callable[..., None], tuple]]:
+                hyper: Mapping[str, Mapping[str, Any]] | None, knn: KNNRequest, device: str,
+                client_batch: int) -> list[tuple[Callable[..., None], tuple]]:
     """One job per (training run, learning rate), the costliest first."""
     groups: dict[str, list[str]] = {}
     for m in names:
         groups.setdefault(TRAINED_BY.get(m, m), []).append(m)
     jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
                   key=lambda j: -_JOB_COST.get(j[0], 1.0))
-    return [(_table_job, (config, str(out), hyper, knn, methods, lr, len(lrs) > 1))
-            for _, methods, lr in jobs]
+    return [(_table_job, (config, str(out), hyper, knn, methods, lr, len(lrs) > 1, device,
+                          client_batch)) for _, methods, lr in jobs]
 
 
 def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, *,
               tune_lr: bool = False, lr_grid: Sequence[float] = LR_GRID,
               hyper: Mapping[str, Mapping[str, Any]] | None = None,
               progress: bool = True, knn: KNNRequest | None = None, workers: int = 1,
-              attribution: bool = False,
-              command: str | None = None) -> dict[str, Any]:
+              attribution: bool = False, command: str | None = None, device: str = "cpu",
+              client_batch: int = 1) -> dict[str, Any]:
     """Run every method, write the tables and per-client files into `out`, return the results
     (evaluation's JSON plus the learning rates, validation scores and kNN-Per's choices).
     `workers` > 1 trains the (method, learning rate) runs in that many processes first."""
@@ -315,9 +322,11 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     if workers < 1:
         raise BenchError(f"workers must be >= 1, got {workers}")
     knn = knn or KNNRequest()
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, knn=knn)
+    runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, knn=knn,
+                         device=device, client_batch=client_batch)
     if workers > 1:
-        _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, knn),
+        _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, knn, device,
+                                           client_batch),
                       desc="bench table: training runs", progress=progress)
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
@@ -350,7 +359,7 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
         estimator = knn.estimator()  # "auto": each body gets its own cross-validated choice
         if workers > 1:
             _in_processes(workers, [(_attribution_job, (config, str(out), hyper, body, lr,
-                                                        estimator))
+                                                        estimator, device, client_batch))
                                     for body, lr in body_lrs.items()],
                           desc="bench table: attribution", progress=progress)
         result["attribution"] = attribution_table(runner, body_lrs, lambda_estimator=estimator,

@@ -56,10 +56,10 @@ def client_views(model: EmbedHeadModel, clients: Sequence[ClientData], *,
         z_val, logits_val = embed_and_logits(model, c.x_val)
         z_test, logits_test = embed_and_logits(model, c.x_test)
         views.append(ClientView(c.client_id, c.unseen, normalize_embeddings(z_train, normalize),
-                                c.y_train.numpy(), normalize_embeddings(z_val, normalize),
-                                _probabilities(logits_val), c.y_val.numpy(),
+                                c.y_train.cpu().numpy(), normalize_embeddings(z_val, normalize),
+                                _probabilities(logits_val), c.y_val.cpu().numpy(),
                                 normalize_embeddings(z_test, normalize),
-                                _probabilities(logits_test), c.y_test.numpy(),
+                                _probabilities(logits_test), c.y_test.cpu().numpy(),
                                 _probabilities(logits_train)))
     return views
 

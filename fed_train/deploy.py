@@ -164,6 +164,8 @@ class LocalFederation:
     insecure: bool = False
     startup_timeout: float = 60.0
     superlink_port: int | None = None
+    device: str = "cpu"  # every SuperNode's node config `device`
+    app_dir: Path = APP_DIR  # benchmarks swap in an empty ClientApp to measure Flower's floor
 
 
 def _connection_toml(port: int, ca_cert: Path | None) -> str:
@@ -292,10 +294,12 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
                 list(pool.map(lambda key: register_supernode(procs, key), keys))
         for i, key in enumerate(keys):
             start_supernode(procs, f"supernode-{i}", port, tls, key,
-                            f"partition-id={i} num-partitions={federation.clients}")
+                            f"partition-id={i} num-partitions={federation.clients} "
+                            f'device="{federation.device}"')
         run_toml = work / "run.toml"
         run_toml.write_text(run_config_toml(settings))
-        submitted = procs.run_cli(["flwr", "run", str(APP_DIR), CONNECTION, "--run-config",
+        submitted = procs.run_cli(["flwr", "run", str(federation.app_dir), CONNECTION,
+                                   "--run-config",
                                    str(run_toml), "--format", "json"])
         run_id = str(submitted["run-id"])
         log.info("run %s submitted to the SuperLink on %s:%d (%s)", run_id, HOST, port,

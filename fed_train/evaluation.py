@@ -28,7 +28,7 @@ def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, 
                                                      PERSONALIZE_STREAM))
         n_test = int(client.y_test.shape[0])
         acc = (float(np.mean(personal.predict_proba(client.x_test).argmax(1)
-                             == client.y_test.numpy())) if n_test else None)
+                             == client.y_test.cpu().numpy())) if n_test else None)
         rows.append({"client_id": client.client_id, "unseen": client.unseen, "n_test": n_test,
                      "accuracy": acc, "info": personal.info})
     return rows

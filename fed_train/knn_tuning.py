@@ -91,9 +91,9 @@ def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
                      np.zeros((0, model.classifier.out_features)) for _, logits in parts]
         else:
             probs = list(base_probs(c))
-        views.append(ClientView(c.client_id, c.unseen, parts[0][0], c.y_train.numpy(),
-                                parts[1][0], c.y_val.numpy(), parts[2][0], c.y_test.numpy(),
-                                *probs))
+        views.append(ClientView(c.client_id, c.unseen, parts[0][0], c.y_train.cpu().numpy(),
+                                parts[1][0], c.y_val.cpu().numpy(), parts[2][0],
+                                c.y_test.cpu().numpy(), *probs))
     return views
 
 

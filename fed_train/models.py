@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -48,11 +49,21 @@ class SmallCNN(EmbedHeadModel):
         return self.hidden(self.features(x))
 
 
+def _norm(channels: int, norm: str) -> nn.Module:
+    """BatchNorm (the paper's) or GroupNorm: no running statistics, so the clients of a round
+    can step together (fed_train.stepping)."""
+    if norm == "batch":
+        return nn.BatchNorm2d(channels)
+    if norm == "group":
+        return nn.GroupNorm(math.gcd(channels, 32), channels)
+    raise ValueError(f"norm must be batch or group, got {norm!r}")
+
+
 def _conv_bn(inp: int, out: int, kernel: int, stride: int, groups: int = 1,
-             act: bool = True) -> list[nn.Module]:
+             act: bool = True, norm: str = "batch") -> list[nn.Module]:
     layers: list[nn.Module] = [
         nn.Conv2d(inp, out, kernel, stride, kernel // 2, groups=groups, bias=False),
-        nn.BatchNorm2d(out),
+        _norm(out, norm),
     ]
     if act:
         layers.append(nn.ReLU6(inplace=True))
@@ -60,14 +71,14 @@ def _conv_bn(inp: int, out: int, kernel: int, stride: int, groups: int = 1,
 
 
 class _InvertedResidual(nn.Module):
-    def __init__(self, inp: int, out: int, stride: int, expand: int) -> None:
+    def __init__(self, inp: int, out: int, stride: int, expand: int, norm: str) -> None:
         super().__init__()
         hidden = inp * expand
         layers: list[nn.Module] = []
         if expand != 1:
-            layers += _conv_bn(inp, hidden, 1, 1)
-        layers += _conv_bn(hidden, hidden, 3, stride, groups=hidden)
-        layers += _conv_bn(hidden, out, 1, 1, act=False)
+            layers += _conv_bn(inp, hidden, 1, 1, norm=norm)
+        layers += _conv_bn(hidden, hidden, 3, stride, groups=hidden, norm=norm)
+        layers += _conv_bn(hidden, out, 1, 1, act=False, norm=norm)
         self.block = nn.Sequential(*layers)
         self.residual = stride == 1 and inp == out
 
@@ -79,20 +90,21 @@ class _InvertedResidual(nn.Module):
 class MobileNetV2(EmbedHeadModel):
     """MobileNet-v2 (Sandler et al. 2018), the paper's model: the 1280-d pooled features are the
     embedding. Strides of the stem and the first stages are 1 for 32x32 inputs, as is usual on
-    CIFAR."""
+    CIFAR. `norm="group"` swaps BatchNorm for GroupNorm (mobilenet-v2-gn)."""
 
     _SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
                  (6, 160, 3, 2), (6, 320, 1, 1))
 
-    def __init__(self, num_classes: int, in_channels: int = 3, embedding_dim: int = 1280) -> None:
+    def __init__(self, num_classes: int, in_channels: int = 3, embedding_dim: int = 1280,
+                 norm: str = "batch") -> None:
         super().__init__()
-        layers: list[nn.Module] = _conv_bn(in_channels, 32, 3, 1)
+        layers: list[nn.Module] = _conv_bn(in_channels, 32, 3, 1, norm=norm)
         inp = 32
         for expand, out, repeats, stride in self._SETTINGS:
             for i in range(repeats):
-                layers.append(_InvertedResidual(inp, out, stride if i == 0 else 1, expand))
+                layers.append(_InvertedResidual(inp, out, stride if i == 0 else 1, expand, norm))
                 inp = out
-        layers += _conv_bn(inp, embedding_dim, 1, 1)
+        layers += _conv_bn(inp, embedding_dim, 1, 1, norm=norm)
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Linear(embedding_dim, num_classes)
@@ -130,6 +142,10 @@ def _mobilenet(num_classes: int, spec: dict) -> nn.Module:
     return MobileNetV2(num_classes, spec["shape"][2])
 
 
+def _mobilenet_gn(num_classes: int, spec: dict) -> nn.Module:
+    return MobileNetV2(num_classes, spec["shape"][2], norm="group")
+
+
 def _lstm(num_classes: int, spec: dict) -> nn.Module:
     return CharLSTM(num_classes, spec["vocab_size"])
 
@@ -137,6 +153,7 @@ def _lstm(num_classes: int, spec: dict) -> nn.Module:
 MODELS: dict[str, Callable[[int, dict], nn.Module]] = {
     "small-cnn": _small_cnn,
     "mobilenet-v2": _mobilenet,
+    "mobilenet-v2-gn": _mobilenet_gn,
     "char-lstm": _lstm,
 }
 

@@ -63,6 +63,7 @@ class PretrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     augment: bool = False  # random shifted crops and horizontal flips (CIFAR's usual recipe)
+    precision: str = "fp32"  # of the forward passes (fed_train.device.autocast)
     seed: int = 0
 
 
@@ -90,7 +91,7 @@ def augment_images(x: torch.Tensor, rng: np.random.Generator, shift: int = 4) ->
     """Each NCHW image flipped left-right with probability 1/2, then cropped back to its size
     from a zero-padded copy at a random offset of up to `shift` pixels."""
     n, channels, height, width = x.shape
-    flip = torch.from_numpy(rng.random(n) < 0.5)
+    flip = torch.from_numpy(rng.random(n) < 0.5).to(x.device)
     x = torch.where(flip[:, None, None, None], x.flip(3), x)
     padded = torch.nn.functional.pad(x, (shift, shift, shift, shift))
     rows = torch.from_numpy(rng.integers(0, 2 * shift + 1, n))[:, None] + torch.arange(height)
@@ -125,10 +126,12 @@ def _pretraining_data(config: PretrainConfig) -> tuple[Dataset, Dataset, np.ndar
     return target, public, np.zeros(0, dtype=np.int64)
 
 
-def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) -> dict[str, Any]:
-    """Train the model centrally, keep the epoch with the best held-out accuracy, and write
-    OUT/model.pt, OUT/server_indices.npy and OUT/pretrain.json (written last: it marks a
-    finished pretraining). Returns the record."""
+def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True,
+             device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Train the model centrally on `device`, keep the epoch with the best held-out accuracy,
+    and write OUT/model.pt (CPU tensors), OUT/server_indices.npy and OUT/pretrain.json (written
+    last: it marks a finished pretraining). Returns the record. One model, no clients: there is
+    nothing here to step together."""
     out = Path(out)
     if (out / RECORD_FILE).exists():
         raise InitError(f"{out} already holds a pretraining; choose another --out or delete it")
@@ -138,16 +141,17 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) 
         raise InitError(f"--augment crops and flips images; {config.dataset} holds "
                         f"{target.input_spec['kind']}")
     torch.manual_seed(config.seed)
-    model = build_model(model_name, target.num_classes, target.input_spec)
+    device = torch.device(device)
+    model = build_model(model_name, target.num_classes, target.input_spec).to(device)
     # the run's normalisation, so the weights see the inputs they will see in federated training
-    x = torch.from_numpy(prepare_input(source.x_train, target.input_spec))
+    x = torch.from_numpy(prepare_input(source.x_train, target.input_spec)).to(device)
     y = np.asarray(source.y_train, dtype=np.int64)
     fit, val = _split_validation(y, config.val_fraction, config.seed)
-    x_fit, y_fit = x[fit], torch.from_numpy(y[fit])
+    x_fit, y_fit = x[fit], torch.from_numpy(y[fit]).to(device)
     training = TrainingConfig(batch_size=config.batch_size, momentum=config.momentum,
-                              weight_decay=config.weight_decay)
+                              weight_decay=config.weight_decay, precision=config.precision)
     history: list[dict[str, float]] = []
-    best_state, best_epoch, best_acc = copy.deepcopy(model.state_dict()), 0, -1.0
+    best_state, best_epoch, best_acc = _cpu_state(model), 0, -1.0
     epochs = Progress(config.epochs, desc="pretrain", unit="epoch", enabled=progress)
     for epoch in range(1, config.epochs + 1):
         seed = client_seed(config.seed, epoch, 0)
@@ -159,7 +163,7 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) 
         epochs.set_postfix(f"epoch {epoch}: loss {loss:.3f}, val {acc:.3f}")
         epochs.update()
         if acc > best_acc:
-            best_state, best_epoch, best_acc = copy.deepcopy(model.state_dict()), epoch, acc
+            best_state, best_epoch, best_acc = _cpu_state(model), epoch, acc
         elif epoch - best_epoch >= config.patience:
             log.info("no better validation accuracy for %d epochs: stopping at epoch %d",
                      config.patience, epoch)
@@ -175,6 +179,11 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True) 
     _write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
     _write_atomic(out / RECORD_FILE, lambda f: f.write(json.dumps(record, indent=2).encode()))
     return record
+
+
+def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the weights on the CPU, so model.pt loads on a machine without the GPU."""
+    return {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}
 
 
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:

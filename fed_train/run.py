@@ -62,6 +62,8 @@ class RunConfig:
         data = asdict(self)
         if data["init"] is None:
             del data["init"]  # runs from scratch keep the config.json they were saved with
+        if data["training"]["precision"] == "fp32":
+            del data["training"]["precision"]  # and so do runs in the default precision
         return data
 
     @classmethod
@@ -127,17 +129,20 @@ class LoadedRun:
     model: EmbedHeadModel
     model_name: str
     run_dir: Path
+    device: torch.device = torch.device("cpu")  # where clients() and model_factory() place work
 
     def clients(self) -> list[ClientData]:
-        return prepare_clients(self.dataset, self.partition)
+        return prepare_clients(self.dataset, self.partition, self.device)
 
     def model_factory(self):
         return lambda: build_model(self.model_name, self.dataset.num_classes,
-                                   self.dataset.input_spec)
+                                   self.dataset.input_spec).to(self.device)
 
 
-def prepare_clients(dataset: Dataset, partition: Partition) -> list[ClientData]:
-    """Model-ready tensors per client, preprocessed once for the whole data set."""
+def prepare_clients(dataset: Dataset, partition: Partition,
+                    device: torch.device | str = "cpu") -> list[ClientData]:
+    """Model-ready tensors per client, preprocessed once for the whole data set and placed on
+    `device` once for the whole run."""
     x_train = torch.from_numpy(prepare_input(dataset.x_train, dataset.input_spec))
     x_test = torch.from_numpy(prepare_input(dataset.x_test, dataset.input_spec))
     y_train = torch.from_numpy(np.asarray(dataset.y_train, dtype=np.int64))
@@ -147,7 +152,8 @@ def prepare_clients(dataset: Dataset, partition: Partition) -> list[ClientData]:
         tr, va, te = (torch.from_numpy(np.asarray(s, dtype=np.int64))
                       for s in (split.train, split.val, split.test))
         out.append(ClientData(cid, x_train[tr], y_train[tr], x_train[va], y_train[va],
-                              x_test[te], y_test[te], bool(partition.unseen[cid])))
+                              x_test[te], y_test[te], bool(partition.unseen[cid]))
+                   .to(torch.device(device)))
     return out
 
 
@@ -314,20 +320,26 @@ def save_model(run_dir: Path, model: EmbedHeadModel, weights: Weights) -> None:
     tmp.replace(run_dir / MODEL_FILE)
 
 
-def train(config: RunConfig, run_dir: Path, *, progress: bool = True) -> SimulationResult:
-    """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run."""
+def train(config: RunConfig, run_dir: Path, *, progress: bool = True,
+          device: torch.device | str = "cpu", client_batch: int = 1) -> SimulationResult:
+    """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run; on
+    `device`, with up to `client_batch` clients stepped together (fed_train.stepping). The
+    checkpoints and model.pt hold CPU arrays whatever the device."""
     run_dir = Path(run_dir)
     run = open_run(config, run_dir)
-    clients = prepare_clients(run.dataset, run.partition)
-    algorithm = build_algorithm("fedavg", run.model_fn, config.training)
+    device = torch.device(device)
+    clients = prepare_clients(run.dataset, run.partition, device)
+    algorithm = build_algorithm("fedavg", lambda: run.model_fn().to(device), config.training)
     result = simulate(algorithm, clients, config.training, run.start,
                       seed=config.seed, run_dir=run_dir,
-                      checkpoint_every=config.checkpoint_every, progress=progress)
+                      checkpoint_every=config.checkpoint_every, progress=progress,
+                      client_batch=client_batch)
     save_model(run_dir, run.model_fn(), result.weights)
     return result
 
 
-def load_run(run_dir: str | Path) -> LoadedRun:
+def load_run(run_dir: str | Path, device: torch.device | str = "cpu") -> LoadedRun:
+    """A finished run, its model loaded on the CPU and then moved to `device`."""
     run_dir = Path(run_dir)
     for name in (CONFIG_FILE, PARTITION_FILE, MODEL_FILE):
         if not (run_dir / name).is_file():
@@ -354,5 +366,6 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     if not all(torch.isfinite(t).all() for t in model.state_dict().values()
                if t.is_floating_point()):
         raise RunError(f"{run_dir / MODEL_FILE} holds NaN or infinite weights")
-    model.eval()
-    return LoadedRun(config, dataset, partition, model, model_name, run_dir)
+    device = torch.device(device)
+    model.to(device).eval()
+    return LoadedRun(config, dataset, partition, model, model_name, run_dir, device)

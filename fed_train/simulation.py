@@ -193,7 +193,7 @@ def _pooled_val_accuracy(algorithm: Algorithm, weights: Weights,
     correct = total = 0
     for c in clients:
         if len(c.y_val):
-            correct += int((predict_proba(model, c.x_val).argmax(1) == c.y_val.numpy()).sum())
+            correct += int((predict_proba(model, c.x_val).argmax(1) == c.y_val.cpu().numpy()).sum())
             total += len(c.y_val)
     return correct / total if total else None
 
@@ -260,31 +260,55 @@ def log_round(run_dir: Path, row: dict[str, Any], state: SimulationResult, check
                         state.rounds_done, state.weights, state.states, keep_every)
 
 
+def _stepped_batch(algorithm: Algorithm, client_batch: int) -> int:
+    """How many clients step together: `client_batch`, or 1 with a one-line note when the
+    algorithm or its model cannot."""
+    if client_batch <= 1:
+        return 1
+    blocker = getattr(algorithm, "stepping_blocker", None)
+    why = ("its clients' updates do not step together" if blocker is None
+           or not hasattr(algorithm, "client_updates") else blocker())
+    if why is not None:
+        log.warning("%s: clients train one after another, not %d together: %s",
+                    algorithm.name, client_batch, why)
+        return 1
+    return client_batch
+
+
 def simulate(algorithm: Algorithm, clients: list[ClientData], training: TrainingConfig,
              initial_weights: Weights, *, seed: int = 0, run_dir: Path | None = None,
              checkpoint_every: int = 5, keep_every: int | None = None,
-             progress: bool = True) -> SimulationResult:
+             progress: bool = True, client_batch: int = 1) -> SimulationResult:
     """Run `training.rounds` rounds over the clients that are not held out as unseen.
-    `keep_every`: see save_checkpoint."""
+    `keep_every`: see save_checkpoint. `client_batch`: up to this many sampled clients step
+    together (fed_train.stepping) when the algorithm and model allow it."""
     participants = [c for c in clients if not c.unseen]
     if not participants:
         raise ValueError("no training clients: every client is held out as unseen")
     total = sum(c.num_train for c in participants)
     state = (open_run_log(run_dir, initial_weights) if run_dir is not None
              else SimulationResult(initial_weights, {}, 0))
+    client_batch = _stepped_batch(algorithm, client_batch)
     rounds = range(state.rounds_done, training.rounds)
     for r in track(rounds, total=training.rounds, initial=state.rounds_done,
                    desc=algorithm.name, unit="round", enabled=progress):
         start = time.perf_counter()
         lr = training.lr_at(r, training.rounds)
+        sampled = [participants[i] for i in sample_clients(seed, r, len(participants),
+                                                           training.participation)]
         results = []
-        for i in sample_clients(seed, r, len(participants), training.participation):
-            client = participants[i]
-            result = algorithm.client_update(state.weights, client,
-                                             state.states.get(client.client_id, {}), lr,
-                                             client_seed(seed, r, client.client_id))
-            state.states[client.client_id] = result.state
-            results.append(result)
+        for first in range(0, len(sampled), client_batch):
+            chunk = sampled[first:first + client_batch]
+            states = [state.states.get(c.client_id, {}) for c in chunk]
+            seeds = [client_seed(seed, r, c.client_id) for c in chunk]
+            if client_batch > 1:
+                done = algorithm.client_updates(state.weights, chunk, states, lr, seeds)
+            else:
+                done = [algorithm.client_update(state.weights, chunk[0], states[0], lr,
+                                                seeds[0])]
+            for client, result in zip(chunk, done, strict=True):
+                state.states[client.client_id] = result.state
+            results.extend(done)
         state.weights = algorithm.aggregate(state.weights, results, total,
                                             client_seed(seed, r, 0, AGGREGATE_STREAM))
         state.rounds_done = r + 1

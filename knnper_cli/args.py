@@ -22,6 +22,7 @@ from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.data import DEFAULT_PATHS
+from fed_train.device import DEVICES, PRECISIONS
 from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, KNNRequest
 from fed_train.run import RunConfig
 
@@ -114,6 +115,24 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", default=None,
                    help="start every method from these weights: a `knnper pretrain` directory "
                    "(its server split is then left out of the clients' data) or a .pt state dict")
+    add_device_argument(p)
+    add_precision_argument(p)
+    p.add_argument("--client-batch", type=positive_int, default=1,
+                   help="step up to this many sampled clients together (one vmap over their "
+                   "stacked weights): for a GPU; on 2 CPU cores it was 3x slower. Models with "
+                   "BatchNorm or an LSTM train one after another (mobilenet-v2-gn can)")
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to train and evaluate: auto takes the GPU when torch sees one; "
+                   "cuda without one is an error. Checkpoints and model.pt load on any device")
+
+
+def add_precision_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="of the training forward passes: bf16 autocasts them (weights and "
+                   "optimiser state stay fp32); saved with the run's training settings")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -121,7 +140,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                               epochs=args.local_epochs, steps=args.local_steps,
                               batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
                               weight_decay=args.weight_decay, milestones=tuple(args.milestones),
-                              gamma=args.lr_gamma)
+                              gamma=args.lr_gamma, precision=args.precision)
     return RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
                      partition=args.partition, alpha=args.alpha, beta=args.beta,
                      classes_per_client=args.classes_per_client, clients=args.clients,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from experiments.lr_tuning import LR_GRID, parse_lr_grid
 from experiments.tables import METHODS, BenchError, format_markdown, run_seeds, run_table
+from fed_train.device import resolve_device
 from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
@@ -30,7 +31,8 @@ def _cmd_table(args: argparse.Namespace) -> int:
     command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     table = {"methods": args.methods, "tune_lr": args.tune_lr, "lr_grid": grid, "hyper": hyper,
              "progress": not getattr(args, "no_progress", False), "knn": knn_request(args),
-             "workers": args.workers, "attribution": args.attribution}
+             "workers": args.workers, "attribution": args.attribution,
+             "device": str(resolve_device(args.device)), "client_batch": args.client_batch}
     if args.seeds is not None:
         run_seeds(config, args.seeds, Path(args.out), command=command, **table)
         print((Path(args.out) / "seeds.md").read_text())

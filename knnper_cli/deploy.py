@@ -16,6 +16,7 @@ from fed_train.deploy import (
     rounds_logged,
     run_config_toml,
 )
+from fed_train.device import resolve_device
 from fed_train.evaluation import format_table
 from fed_train.flower.expected import expectation_line
 from fed_train.flower.pki import make_node_key, make_server_tls
@@ -43,7 +44,8 @@ def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     federation = LocalFederation(clients=args.clients, insecure=args.insecure,
-                                 startup_timeout=args.startup_timeout)
+                                 startup_timeout=args.startup_timeout,
+                                 device=str(resolve_device(args.device)))
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
     try:
         first_round = len(rounds_logged(Path(args.out)))  # a resumed run's earlier rounds

@@ -16,6 +16,7 @@ from experiments.context import QUICK, Context
 from experiments.registry import EXPERIMENTS
 from experiments.report import write_report
 from experiments.spec import IID_ALPHA, Experiment
+from fed_train.device import resolve_device
 from fed_train.progress import Progress
 from knnper_cli.args import (
     add_knn_arguments,
@@ -89,7 +90,8 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
                   enabled=not args.no_progress) as bar:
         ctx = Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
                       progress=not args.no_progress,
-                      points_done=lambda computed: bar.update(measured=computed))
+                      points_done=lambda computed: bar.update(measured=computed),
+                      device=str(resolve_device(args.device)), client_batch=args.client_batch)
         result = exp.run(ctx, grids)
     summary = write_report(exp, result, ctx.out / exp.name, command=command_line(args),
                            scale_line=ctx.scale_line(), started=started)

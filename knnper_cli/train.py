@@ -10,6 +10,7 @@ from typing import Any
 
 from fed_train import defaults
 from fed_train.client_files import write_client_files
+from fed_train.device import resolve_device
 from fed_train.evaluation import format_table
 from fed_train.knn_choice import describe_record
 from fed_train.pretrain import PretrainConfig, pretrain
@@ -17,7 +18,9 @@ from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
 from knnper_cli.args import (
     DATA_HELP,
+    add_device_argument,
     add_knn_arguments,
+    add_precision_argument,
     add_sgd_arguments,
     add_training_arguments,
     config_from_args,
@@ -29,7 +32,8 @@ from knnper_cli.args import (
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    result = train(config, Path(args.out), progress=not args.no_progress)
+    result = train(config, Path(args.out), progress=not args.no_progress,
+                   device=resolve_device(args.device), client_batch=args.client_batch)
     print(f"trained {result.rounds_done} rounds into {args.out}")
     return 0
 
@@ -42,7 +46,7 @@ def _report(result: dict[str, Any], json_path: str | None) -> None:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    run = load_run(args.run)
+    run = load_run(args.run, resolve_device(args.device))
     result = evaluate_run(run, args.methods, knn=knn_request(args), capacity=args.capacity,
                           progress=not args.no_progress)
     if "knn" in result:
@@ -65,8 +69,9 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
                             epochs=args.epochs, patience=args.patience,
                             batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
                             weight_decay=args.weight_decay, augment=args.augment,
-                            seed=args.seed)
-    record = pretrain(config, Path(args.out), progress=not args.no_progress)
+                            precision=args.precision, seed=args.seed)
+    record = pretrain(config, Path(args.out), progress=not args.no_progress,
+                      device=resolve_device(args.device))
     print(f"pretrained {record['model']} on {record['samples']['train']} samples: validation "
           f"accuracy {record['val_accuracy']:.4f} at epoch {record['best_epoch']}; wrote "
           f"{args.out} (use it with --init {args.out})")
@@ -100,6 +105,8 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
                    help="random 4-pixel shifted crops and horizontal flips of the images (for "
                    "CIFAR-like data; not for digits or letters)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the split and the training")
+    add_device_argument(p)
+    add_precision_argument(p)
     p.set_defaults(func=_cmd_pretrain)
 
 
@@ -119,6 +126,7 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
                    help=f"any of {', '.join(EVAL_METHODS)}")
     p.add_argument("--json", default=None, help="write summaries and per-client rows here")
+    add_device_argument(p)  # the precision of local training is the run's own
     p.set_defaults(func=_cmd_evaluate)
 
     p = sub.add_parser("client-data", help="write one client's raw data as the .npz / .npy files "

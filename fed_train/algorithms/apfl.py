@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from fed_train.algorithms.base import (
     ClientData,
@@ -44,7 +45,9 @@ from fed_train.algorithms.personal import (
     make_optimizer,
     model_accuracy,
 )
+from fed_train.device import autocast
 from fed_train.models import EmbedHeadModel
+from fed_train.stepping import Lane, LossFn, Params, as_params, as_weights, step_together
 
 APFL_ALPHAS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -109,7 +112,8 @@ class APFL(FedAvg):
                     for name, b in v.named_buffers():
                         mixed_buffers[name].copy_(b)
                 mixed.zero_grad()
-                loss_v = nn.functional.cross_entropy(mixed(xb), yb)
+                with autocast(x.device, training.precision):
+                    loss_v = nn.functional.cross_entropy(mixed(xb), yb)
                 check_loss(loss_v, lr)
                 loss_v.backward()
                 opt.zero_grad()
@@ -122,7 +126,8 @@ class APFL(FedAvg):
                         b.copy_(mixed_buffers[name])
             if opt_w is not None:
                 opt_w.zero_grad()
-                loss = nn.functional.cross_entropy(w_model(xb), yb)
+                with autocast(x.device, training.precision):
+                    loss = nn.functional.cross_entropy(w_model(xb), yb)
                 check_loss(loss, lr)
                 loss.backward()
                 opt_w.step()
@@ -143,6 +148,54 @@ class APFL(FedAvg):
         personal = self._personal_weights()
         return ClientResult(get_weights(self._work), client.num_train, {"personal": personal},
                             loss)
+
+    def _joint_loss(self, names: list[str]) -> LossFn:
+        """One lane holds w ("w.<name>") and every v ("<i>.<name>"). The objective's gradient is
+        each model's APFL gradient: w's own loss, and for each v the loss of
+        alpha v + (1 - alpha) w with w held still (its gradient at v is alpha times the one at
+        v_bar, as `_joint_sgd` takes it). The reported loss is w's, as in `client_update`."""
+        model = self._work
+
+        def loss(params: Params, x: torch.Tensor, y: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            w = {n: params[f"w.{n}"] for n in names}
+            own = nn.functional.cross_entropy(functional_call(model, w, (x,)), y,
+                                              reduction="none")
+            objective = own
+            for i, alpha in enumerate(self.alphas):
+                mixed = {n: alpha * params[f"{i}.{n}"] + (1.0 - alpha) * w[n].detach()
+                         for n in names}
+                objective = objective + nn.functional.cross_entropy(
+                    functional_call(model, mixed, (x,)), y, reduction="none")
+            return objective, own
+
+        return loss
+
+    def client_updates(self, global_weights: Weights, clients: list[ClientData],
+                       states: list[dict[str, Any]], lr: float,
+                       seeds: list[int]) -> list[ClientResult]:
+        """`client_update` for several clients stepped together: one lane per client holding
+        its w and every v, all on the same mini-batches as `_joint_sgd` draws them."""
+        names = [name for name, _ in self._work.named_parameters()]
+        device = clients[0].x_train.device
+        lanes = []
+        for client, state, seed in zip(clients, states, seeds, strict=True):
+            previous = state.get("personal", {})
+            start = {f"w.{n}": p for n, p in as_params(global_weights, names, device).items()}
+            for i, alpha in enumerate(self.alphas):
+                v = as_params(previous.get(str(alpha), global_weights), names, device)
+                start.update({f"{i}.{n}": p for n, p in v.items()})
+            lanes.append(Lane(start, {}, client.x_train, client.y_train,
+                              list(batch_schedule(client.num_train, self.training, seed))))
+        trained, losses = step_together(self._joint_loss(names), lanes, self.training, lr)
+        results = []
+        for params, client, loss in zip(trained, clients, losses, strict=True):
+            plain = as_weights(params)
+            personal = {str(alpha): {**global_weights, **{n: plain[f"{i}.{n}"] for n in names}}
+                        for i, alpha in enumerate(self.alphas)}
+            results.append(ClientResult({**global_weights, **{n: plain[f"w.{n}"] for n in names}},
+                                        client.num_train, {"personal": personal}, loss))
+        return results
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:

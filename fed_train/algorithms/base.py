@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
+from fed_train.device import autocast
 from fed_train.errors import TrainingError
 from fed_train.models import EmbedHeadModel
 
 Weights = dict[str, np.ndarray]
+
+
+_SPLITS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
 
 
 @dataclass
@@ -36,6 +40,13 @@ class ClientData:
     def num_train(self) -> int:
         return int(self.y_train.shape[0])
 
+    def to(self, device: torch.device) -> ClientData:
+        """This client's tensors on `device`, moved once per run rather than once per batch (the
+        same object on the CPU, so the CPU path copies nothing)."""
+        if all(t.device == device for t in (self.x_train, self.y_train)):
+            return self
+        return replace(self, **{name: getattr(self, name).to(device) for name in _SPLITS})
+
 
 @dataclass
 class TrainingConfig:
@@ -51,6 +62,7 @@ class TrainingConfig:
     weight_decay: float = 0.0
     milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr decays
     gamma: float = 0.1
+    precision: str = "fp32"  # of the forward passes (fed_train.device.autocast)
 
     def lr_at(self, round_index: int, rounds: int) -> float:
         """Multi-step decay: lr times gamma for every milestone already passed."""
@@ -150,32 +162,43 @@ def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: Trai
     else:
         epochs_needed = epochs if epochs is not None else training.epochs
         budget = None
-    total, count, steps = 0.0, 0, 0
+    # the loss is summed where it is computed and checked once at the end: a per-step check
+    # would wait for an accelerator on every step; a NaN still never reaches the aggregate
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    count, steps = 0, 0
     for _ in range(epochs_needed):
         for idx in batches(n, training.batch_size, rng):
             if budget is not None and steps >= budget:
                 break
             index = torch.from_numpy(idx)
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x[index]), y[index])
-            if extra_loss is not None:
-                loss = loss + extra_loss()
-            if not torch.isfinite(loss):
-                raise TrainingError(f"the training loss became {loss.item()} (lr={lr:g}); "
-                                    "lower the learning rate")
+            with autocast(x.device, training.precision):
+                loss = nn.functional.cross_entropy(model(x[index]), y[index])
+                if extra_loss is not None:
+                    loss = loss + extra_loss()
             loss.backward()
             opt.step()
-            total += float(loss.detach()) * len(idx)
+            total += loss.detach().double() * len(idx)
             count += len(idx)
             steps += 1
-    return total / max(count, 1)
+    return finite_mean_loss(total, count, lr)
+
+
+def finite_mean_loss(total: torch.Tensor, count: int, lr: float) -> float:
+    """The mean training loss, or TrainingError when a step's loss was NaN or infinite (it
+    would average NaN weights into the global model)."""
+    mean = float(total) / max(count, 1)
+    if not math.isfinite(mean):
+        raise TrainingError(f"the training loss became {mean} (lr={lr:g}); "
+                            "lower the learning rate")
+    return mean
 
 
 @torch.no_grad()
 def predict_proba(model: nn.Module, x: torch.Tensor, batch_size: int = 1024) -> np.ndarray:
     model.eval()
     out = [torch.softmax(model(x[i:i + batch_size]), dim=1) for i in range(0, len(x), batch_size)]
-    return torch.cat(out).double().numpy() if out else np.zeros((0, 0))
+    return torch.cat(out).double().cpu().numpy() if out else np.zeros((0, 0))
 
 
 @torch.no_grad()
@@ -189,7 +212,7 @@ def embed_and_logits(model: EmbedHeadModel, x: torch.Tensor,
         logits.append(model.head(z))
     if not zs:
         return np.zeros((0, model.embedding_dim), np.float32), np.zeros((0, 0), np.float32)
-    return torch.cat(zs).numpy(), torch.cat(logits).numpy()
+    return torch.cat(zs).cpu().numpy(), torch.cat(logits).cpu().numpy()
 
 
 def model_predictor(model: nn.Module) -> Callable[[torch.Tensor], np.ndarray]:

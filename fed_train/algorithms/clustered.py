@@ -133,7 +133,7 @@ class ClusteredFL:
     def _train_loss(self, weights: Weights, client: ClientData) -> float:
         set_weights(self._work, weights)
         proba = predict_proba(self._work, client.x_train)
-        picked = proba[np.arange(len(proba)), client.y_train.numpy()]
+        picked = proba[np.arange(len(proba)), client.y_train.cpu().numpy()]
         return float(-np.mean(np.log(np.maximum(picked, 1e-12))))
 
     def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],

@@ -36,8 +36,22 @@ from fed_train.algorithms.base import (
     set_weights,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import epochs_only, model_accuracy, sgd, sub_seed
+from fed_train.algorithms.personal import (
+    batch_schedule,
+    epochs_only,
+    model_accuracy,
+    sgd,
+    sub_seed,
+)
 from fed_train.models import EmbedHeadModel
+from fed_train.stepping import (
+    Lane,
+    Params,
+    as_params,
+    as_weights,
+    cross_entropy_loss,
+    step_together,
+)
 
 DITTO_LAMBDAS: tuple[float, ...] = (10.0, 1.0, 0.1, 0.01)
 
@@ -72,8 +86,8 @@ class Ditto(FedAvg):
         t = lr lam / (1 + lr lam), applied in place."""
         shrink = lr * lam
         t = 1.0 if math.isinf(shrink) else shrink / (1.0 + shrink)
-        targets = {name: torch.from_numpy(np.asarray(anchor[name]))
-                   for name, _ in model.named_parameters()}
+        targets = {name: torch.from_numpy(np.asarray(anchor[name])).to(p.device)
+                   for name, p in model.named_parameters()}
 
         @torch.no_grad()
         def step() -> None:
@@ -104,6 +118,42 @@ class Ditto(FedAvg):
                                                          self.training, lr, sub_seed(seed, i))
         return ClientResult(get_weights(self._work), client.num_train, {"personal": personal},
                             loss)
+
+    def client_updates(self, global_weights: Weights, clients: list[ClientData],
+                       states: list[dict[str, Any]], lr: float,
+                       seeds: list[int]) -> list[ClientResult]:
+        """`client_update` for several clients: their global models and every personal model
+        (one per client and lambda) step together, the personal ones pulled towards w by the
+        same proximal step after each SGD step."""
+        names = [name for name, _ in self._work.named_parameters()]
+        device = clients[0].x_train.device
+        lanes = self.global_lanes(global_weights, clients, seeds)
+        pulls = [0.0] * len(lanes)  # lerp by 0 leaves the global lanes exactly as they are
+        for client, state, seed in zip(clients, states, seeds, strict=True):
+            previous = state.get("personal", {})
+            for i, lam in enumerate(self.lambdas):
+                start = as_params(previous.get(str(lam), global_weights), names, device)
+                schedule = batch_schedule(client.num_train, self.training, sub_seed(seed, i))
+                lanes.append(Lane(start, {}, client.x_train, client.y_train, list(schedule)))
+                shrink = lr * lam
+                pulls.append(1.0 if math.isinf(shrink) else shrink / (1.0 + shrink))
+        anchor = as_params(global_weights, names, device)
+        pull = torch.tensor(pulls, device=device)
+
+        def proximal(params: Params) -> Params:
+            return {name: torch.lerp(p, anchor[name], pull.view(-1, *([1] * anchor[name].dim())))
+                    for name, p in params.items()}
+
+        trained, losses = step_together(cross_entropy_loss(self._work), lanes, self.training, lr,
+                                        after_step=proximal)
+        results, k = [], len(clients)
+        for j, client in enumerate(clients):
+            own = trained[k + j * len(self.lambdas):k + (j + 1) * len(self.lambdas)]
+            personal = {str(lam): {**global_weights, **as_weights(p)}
+                        for lam, p in zip(self.lambdas, own, strict=True)}
+            results.append(ClientResult({**global_weights, **as_weights(trained[j])},
+                                        client.num_train, {"personal": personal}, losses[j]))
+        return results
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:

@@ -18,7 +18,16 @@ from fed_train.algorithms.base import (
     model_predictor,
     set_weights,
 )
+from fed_train.algorithms.personal import batch_schedule
 from fed_train.models import EmbedHeadModel
+from fed_train.stepping import (
+    Lane,
+    as_params,
+    as_weights,
+    cross_entropy_loss,
+    step_together,
+    stepping_blocker,
+)
 
 
 class FedAvg:
@@ -35,6 +44,28 @@ class FedAvg:
         set_weights(self._work, global_weights)
         loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed)
         return ClientResult(get_weights(self._work), client.num_train, state, loss)
+
+    def stepping_blocker(self) -> str | None:
+        return stepping_blocker(self._work)
+
+    def global_lanes(self, global_weights: Weights, clients: list[ClientData],
+                     seeds: list[int]) -> list[Lane]:
+        """One lane per client: the global model trained as `client_update` trains it."""
+        names = [name for name, _ in self._work.named_parameters()]
+        start = as_params(global_weights, names, clients[0].x_train.device)
+        return [Lane(start, {}, c.x_train, c.y_train,
+                     list(batch_schedule(c.num_train, self.training, seed)))
+                for c, seed in zip(clients, seeds, strict=True)]
+
+    def client_updates(self, global_weights: Weights, clients: list[ClientData],
+                       states: list[dict[str, Any]], lr: float,
+                       seeds: list[int]) -> list[ClientResult]:
+        """`client_update` for several clients, stepped together."""
+        trained, losses = step_together(cross_entropy_loss(self._work),
+                                        self.global_lanes(global_weights, clients, seeds),
+                                        self.training, lr)
+        return [ClientResult({**global_weights, **as_weights(p)}, c.num_train, state, loss)
+                for p, c, state, loss in zip(trained, clients, states, losses, strict=True)]
 
     def aggregate(self, global_weights: Weights, results: list[ClientResult],
                   total_samples: int, seed: int) -> Weights:

@@ -36,8 +36,16 @@ from fed_train.algorithms.base import (
     model_predictor,
     set_weights,
 )
-from fed_train.algorithms.personal import epochs_only, sgd, sub_seed
+from fed_train.algorithms.personal import batch_schedule, epochs_only, sgd, sub_seed
 from fed_train.models import EmbedHeadModel
+from fed_train.stepping import (
+    Lane,
+    as_params,
+    as_weights,
+    cross_entropy_loss,
+    step_together,
+    stepping_blocker,
+)
 
 
 class FedRep:
@@ -70,8 +78,9 @@ class FedRep:
         if epochs == 0 or client.num_train == 0:
             return
         z, _ = embed_and_logits(model, client.x_train)
-        sgd(model.classifier, torch.from_numpy(z), client.y_train, epochs_only(self.training), lr,
-            seed, epochs=epochs)
+        z_train = torch.from_numpy(z).to(client.y_train.device)
+        sgd(model.classifier, z_train, client.y_train, epochs_only(self.training), lr, seed,
+            epochs=epochs)
 
     def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                       lr: float, seed: int) -> ClientResult:
@@ -84,6 +93,32 @@ class FedRep:
         weights = get_weights(model)
         body = {n: weights[n] for n in self.body_names}
         return ClientResult(body, client.num_train, {"head": self._head(weights)}, loss)
+
+    def stepping_blocker(self) -> str | None:
+        return stepping_blocker(self._work)
+
+    def client_updates(self, global_weights: Weights, clients: list[ClientData],
+                       states: list[dict[str, Any]], lr: float,
+                       seeds: list[int]) -> list[ClientResult]:
+        """`client_update` for several clients: each trains its head on cached embeddings as
+        before (a linear model, cheap), then their bodies step together with the heads held."""
+        model = self._work
+        device = clients[0].x_train.device
+        body = [n for n, _ in model.named_parameters() if n not in self.head_names]
+        start = as_params(global_weights, body, device)
+        lanes, heads = [], []
+        for client, state, seed in zip(clients, states, seeds, strict=True):
+            set_weights(model, {**global_weights, **state.get("head", self._head(global_weights))})
+            self._train_head(model, client, self.head_epochs, self.head_lr or lr, seed)
+            head = self._head(get_weights(model))
+            heads.append(head)
+            schedule = batch_schedule(client.num_train, self.training, sub_seed(seed, 1))
+            lanes.append(Lane(start, as_params(head, sorted(self.head_names), device),
+                              client.x_train, client.y_train, list(schedule)))
+        trained, losses = step_together(cross_entropy_loss(model), lanes, self.training, lr)
+        return [ClientResult({n: w for n, w in {**global_weights, **as_weights(p)}.items()
+                              if n in self.body_names}, c.num_train, {"head": head}, loss)
+                for p, c, head, loss in zip(trained, clients, heads, losses, strict=True)]
 
     def aggregate(self, global_weights: Weights, results: list[ClientResult],
                   total_samples: int, seed: int) -> Weights:

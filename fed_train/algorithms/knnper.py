@@ -81,10 +81,10 @@ class KNNPer(FedAvg):
         keep = datastore_indices(client.num_train, self.capacity, seed)
         z_train, logits_train = embed_and_logits(model, client.x_train[torch.from_numpy(keep)])
         head = KNNHead(num_classes, self.k, self.sigma).fit(
-            normalize_embeddings(z_train, self.normalize), client.y_train.numpy()[keep])
+            normalize_embeddings(z_train, self.normalize), client.y_train.cpu().numpy()[keep])
         z_val, logits_val = embed_and_logits(model, client.x_val)
         lam = self._choose_lambda(head, logits_train, normalize_embeddings(z_val, self.normalize),
-                                  logits_val, client.y_val.numpy())
+                                  logits_val, client.y_val.cpu().numpy())
 
         def predict(x: torch.Tensor) -> np.ndarray:
             z, logits = embed_and_logits(model, x)

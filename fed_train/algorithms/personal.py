@@ -16,10 +16,12 @@ from fed_train.algorithms.base import (
     TrainingConfig,
     Weights,
     batches,
+    finite_mean_loss,
     get_weights,
     predict_proba,
     set_weights,
 )
+from fed_train.device import autocast
 from fed_train.errors import TrainingError
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -82,23 +84,24 @@ def sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: TrainingCo
     trainable = list(params) if params is not None else list(model.parameters())
     opt = make_optimizer(trainable, training, lr)
     model.train()
-    total, count = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    count = 0
     for idx in batch_schedule(int(y.shape[0]), training, seed, epochs):
         index = torch.from_numpy(idx)
         opt.zero_grad()
-        loss = loss_fn(model, x[index], y[index])
-        check_loss(loss, lr)
+        with autocast(x.device, training.precision):
+            loss = loss_fn(model, x[index], y[index])
         loss.backward()
         opt.step()
         if after_step is not None:
             after_step()
-        total += float(loss.detach()) * len(idx)
+        total += loss.detach().double() * len(idx)
         count += len(idx)
-    return total / count if count else float("nan")
+    return finite_mean_loss(total, count, lr) if count else float("nan")
 
 
 def accuracy(proba: np.ndarray, y: torch.Tensor | np.ndarray) -> float:
-    labels = y.numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
+    labels = y.cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
     return float(np.mean(np.asarray(proba).argmax(1) == labels))
 
 

@@ -138,7 +138,7 @@ class PFedGP:
             n = len(y)
             if n < 2:  # nothing to condition on: no signal, but keep the graph for backward
                 return z.sum() * 0.0
-            order = torch.randperm(n, generator=generator)
+            order = torch.randperm(n, generator=generator).to(y.device)
             n_target = min(n - 1, max(1, round(self.predict_ratio * n)))
             target, context = order[:n_target], order[n_target:]
             classes, y_context = client_classes(y[context])
@@ -193,7 +193,8 @@ class PFedGP:
             for i in range(0, len(x), 1024):
                 mean, var = gp_posterior(z_context, y_context, self._embed(model, x[i:i + 1024]),
                                          len(classes), **self.kernel)
-                out[i:i + 1024, classes.numpy()] = torch.softmax(gp_logits(mean, var), 1).numpy()
+                out[i:i + 1024, classes.cpu().numpy()] = torch.softmax(gp_logits(mean, var),
+                                                                   1).cpu().numpy()
             return out
 
         return PersonalModel(predict, {"context": int(len(keep)), "classes": int(len(classes))})

@@ -1,29 +1,27 @@
 """The ClientApp a SuperNode runs: it answers the server's query (which client am I, how many
 samples), trains with the algorithm's `client_update`, and evaluates personalized models on its
-own data. Only weights, sample counts, accuracies and the chosen settings leave the node."""
+own data. Only weights, sample counts, accuracies and the chosen settings leave the node.
+
+Flower starts a fresh process for every message, so this module imports only flwr at the top;
+each handler imports what its message needs (training: torch and the algorithm), and the
+client's raw splits are kept in the node's Context.state after the first message, so later ones
+do not load the data set and draw the partition again. The node config key `device` (cpu, cuda
+or auto; cpu when absent) says where this node trains."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fed_train.algorithms import build_algorithm
-from fed_train.algorithms.base import ClientData
-from fed_train.evaluation import client_accuracies
-from fed_train.flower.client_data import load_node_client
-from fed_train.flower.records import (
-    ModelSpec,
-    check_shapes,
-    load_state,
-    save_state,
-    to_array_record,
-    to_weights,
-)
-from fed_train.flower.settings import FlowerSettings
+if TYPE_CHECKING:
+    from fed_train.algorithms.base import ClientData
+    from fed_train.flower.records import ModelSpec
+    from fed_train.flower.settings import FlowerSettings
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +29,23 @@ app = ClientApp()
 
 
 def _setup(msg: Message, context: Context) -> tuple[FlowerSettings, ModelSpec, ClientData]:
+    from fed_train.device import resolve_device
+    from fed_train.flower.client_data import load_node_client
+    from fed_train.flower.records import ModelSpec
+    from fed_train.flower.settings import FlowerSettings
+
     settings = FlowerSettings.from_run_config(dict(context.run_config))
     spec = ModelSpec.from_record(msg.content["model"])
-    client = load_node_client(settings.run, dict(context.node_config), spec.input_spec,
-                              spec.num_classes)
-    return settings, spec, client
+    node_config = dict(context.node_config)
+    device = resolve_device(str(node_config.get("device", "cpu")))
+    client = load_node_client(settings.run, node_config, spec.input_spec, spec.num_classes,
+                              context.state)
+    return settings, spec.on(device), client.to(device)
 
 
 def _received_weights(msg: Message, spec: ModelSpec) -> dict:
+    from fed_train.flower.records import check_shapes, to_weights
+
     weights = to_weights(msg.content["arrays"])
     check_shapes(weights, spec.shapes(), sender="the server")
     return weights
@@ -57,6 +64,9 @@ def query(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    from fed_train.algorithms import build_algorithm
+    from fed_train.flower.records import load_state, save_state, to_array_record
+
     settings, spec, client = _setup(msg, context)
     weights = _received_weights(msg, spec)
     config = msg.content["config"]
@@ -76,9 +86,14 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate(msg: Message, context: Context) -> Message:
     """Personalize each requested method on this client's own data (kNN-Per: a datastore from
     its train split, lambda from its validation split, the edge runtime's kNN math) and report
-    its test accuracy with what was chosen; `knnper evaluate` computes the same rows. Before
+    its test accuracy with what was chosen; `knnper evaluate` computes the same rows. It needs
+    the final aggregated model, so it cannot ride on the last round's train reply. Before
     that, the server may ask for this client's share of choosing kNN-Per's configuration
     (config "phase"): sums over its validation split, never the samples."""
+    from fed_train.algorithms import build_algorithm
+    from fed_train.evaluation import client_accuracies
+    from fed_train.flower.records import load_state
+
     settings, spec, client = _setup(msg, context)
     weights = _received_weights(msg, spec)
     config = msg.content["config"]
@@ -106,6 +121,7 @@ def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSetting
                        spec: ModelSpec, client: ClientData, weights: dict) -> ConfigRecord:
     """This client's grid_counts ("knn-grid") or estimator_counts ("knn-estimators") under the
     global model: the same sums the simulation pools (fed_train.knn_tuning)."""
+    from fed_train.algorithms import build_algorithm
     from fed_train.knn_tuning import KNNConfig, client_views, estimator_counts, grid_counts
 
     model = build_algorithm("fedavg", spec.model_fn(), settings.run.training).global_model(

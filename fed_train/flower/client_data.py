@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import Array, ArrayRecord, RecordDict
 
 from edge_runtime._io import load_arrays, memory_limit
 from edge_runtime.preprocess import prepare_input
@@ -19,6 +20,7 @@ from fed_train.flower.settings import FlowerConfigError
 from fed_train.run import RunConfig, load_run_data, run_partition
 
 SPLIT_FILES = ("train", "val", "test")
+DATA_KEY = "knnper-client-data"  # this client's raw splits in the node's Context.state
 MAX_SPLIT_BYTES = 2 << 30  # a device's split larger than 2 GiB is a mistake, not data
 
 
@@ -72,15 +74,32 @@ def _client(client_id: int, splits: dict[str, tuple[np.ndarray, np.ndarray]],
 
 
 def load_node_client(config: RunConfig, node_config: dict[str, Any], input_spec: dict,
-                     num_classes: int) -> ClientData:
-    """This node's client, or a one-line FlowerConfigError naming what is wrong."""
+                     num_classes: int, store: RecordDict | None = None) -> ClientData:
+    """This node's client, or a one-line FlowerConfigError naming what is wrong. With `store`
+    (the node's Context.state, kept between the messages of a run) the raw splits are read
+    once per run: later messages skip loading the data set and drawing the partition."""
     client_id = node_partition_id(node_config, config.clients)
+    cached = store.get(DATA_KEY) if store is not None else None
+    if isinstance(cached, ArrayRecord):
+        splits = {name: (cached[f"{name}-x"].numpy(), cached[f"{name}-y"].numpy())
+                  for name in SPLIT_FILES}
+    else:
+        splits = _node_splits(client_id, config, node_config, input_spec, num_classes)
+        if store is not None:
+            store[DATA_KEY] = ArrayRecord({f"{name}-{part}": Array(np.ascontiguousarray(a))
+                                           for name, xy in splits.items()
+                                           for part, a in zip("xy", xy, strict=True)})
+    return _client(client_id, splits, input_spec, num_classes)
+
+
+def _node_splits(client_id: int, config: RunConfig, node_config: dict[str, Any],
+                 input_spec: dict, num_classes: int
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     if "data-dir" in node_config:
         root = Path(str(node_config["data-dir"])).expanduser()
         if not root.is_dir():
             raise FlowerConfigError(f"node config 'data-dir' {root} is not a directory")
-        splits = {name: _read_split(root / f"{name}.npz") for name in SPLIT_FILES}
-        return _client(client_id, splits, input_spec, num_classes)
+        return {name: _read_split(root / f"{name}.npz") for name in SPLIT_FILES}
     dataset, _ = load_run_data(config)
     local_spec = json.loads(json.dumps(dataset.input_spec))
     if dataset.num_classes != num_classes or local_spec != input_spec:
@@ -92,5 +111,4 @@ def load_node_client(config: RunConfig, node_config: dict[str, Any], input_spec:
     splits = {"train": (dataset.x_train[split.train], dataset.y_train[split.train]),
               "val": (dataset.x_train[split.val], dataset.y_train[split.val]),
               "test": (dataset.x_test[split.test], dataset.y_test[split.test])}
-    return _client(client_id, {k: (x, np.asarray(y, np.int64)) for k, (x, y) in splits.items()},
-                   input_spec, num_classes)
+    return {k: (x, np.asarray(y, np.int64)) for k, (x, y) in splits.items()}

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fed_train.algorithms.base import Weights, get_weights
@@ -98,6 +99,10 @@ class ModelSpec:
     name: str
     num_classes: int
     input_spec: dict
+    device: str = "cpu"  # where model_fn places the model; not sent
+
+    def on(self, device: torch.device | str) -> ModelSpec:
+        return replace(self, device=str(device))
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord({"name": self.name, "num-classes": self.num_classes,
@@ -109,7 +114,7 @@ class ModelSpec:
                    json.loads(str(record["input-spec"])))
 
     def model_fn(self) -> Callable[[], EmbedHeadModel]:
-        return lambda: build_model(self.name, self.num_classes, self.input_spec)
+        return lambda: build_model(self.name, self.num_classes, self.input_spec).to(self.device)
 
     def shapes(self) -> Weights:
         """A freshly built model's weights: what received weights are checked against."""
