@@ -51,7 +51,7 @@ class SmallCNN(EmbedHeadModel):
 
 def _norm(channels: int, norm: str) -> nn.Module:
     """BatchNorm (the paper's) or GroupNorm: no running statistics, so the clients of a round
-    can step together (fed_train.stepping)."""
+    can step together (fed_train.algorithms.stepping)."""
     if norm == "batch":
         return nn.BatchNorm2d(channels)
     if norm == "group":

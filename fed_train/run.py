@@ -323,8 +323,9 @@ def save_model(run_dir: Path, model: EmbedHeadModel, weights: Weights) -> None:
 def train(config: RunConfig, run_dir: Path, *, progress: bool = True,
           device: torch.device | str = "cpu", client_batch: int = 1) -> SimulationResult:
     """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run; on
-    `device`, with up to `client_batch` clients stepped together (fed_train.stepping). The
-    checkpoints and model.pt hold CPU arrays whatever the device."""
+    `device`, with up to `client_batch` clients stepped together
+    (fed_train.algorithms.stepping). The checkpoints and model.pt hold CPU arrays whatever the
+    device."""
     run_dir = Path(run_dir)
     run = open_run(config, run_dir)
     device = torch.device(device)

@@ -281,7 +281,7 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
              progress: bool = True, client_batch: int = 1) -> SimulationResult:
     """Run `training.rounds` rounds over the clients that are not held out as unseen.
     `keep_every`: see save_checkpoint. `client_batch`: up to this many sampled clients step
-    together (fed_train.stepping) when the algorithm and model allow it."""
+    together (fed_train.algorithms.stepping) when the algorithm and model allow it."""
     participants = [c for c in clients if not c.unseen]
     if not participants:
         raise ValueError("no training clients: every client is held out as unseen")

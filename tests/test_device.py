@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from fed_train.cli import main
+from knnper_cli.main import main
 from fed_train.device import DeviceError, autocast, resolve_device
 from fed_train.run import load_run
 

@@ -12,9 +12,9 @@ import torch
 
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, get_weights
+from fed_train.algorithms.stepping import stepping_blocker
 from fed_train.models import MobileNetV2, SmallCNN
 from fed_train.simulation import simulate
-from fed_train.stepping import stepping_blocker
 
 CLASSES = 4
 # momentum and weight decay on, so the stacked optimiser state is exercised too

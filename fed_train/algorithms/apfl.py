@@ -45,9 +45,9 @@ from fed_train.algorithms.personal import (
     make_optimizer,
     model_accuracy,
 )
+from fed_train.algorithms.stepping import Lane, LossFn, Params, as_params, as_weights, step_together
 from fed_train.device import autocast
 from fed_train.models import EmbedHeadModel
-from fed_train.stepping import Lane, LossFn, Params, as_params, as_weights, step_together
 
 APFL_ALPHAS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 

@@ -43,8 +43,7 @@ from fed_train.algorithms.personal import (
     sgd,
     sub_seed,
 )
-from fed_train.models import EmbedHeadModel
-from fed_train.stepping import (
+from fed_train.algorithms.stepping import (
     Lane,
     Params,
     as_params,
@@ -52,6 +51,7 @@ from fed_train.stepping import (
     cross_entropy_loss,
     step_together,
 )
+from fed_train.models import EmbedHeadModel
 
 DITTO_LAMBDAS: tuple[float, ...] = (10.0, 1.0, 0.1, 0.01)
 

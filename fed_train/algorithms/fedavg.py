@@ -19,8 +19,7 @@ from fed_train.algorithms.base import (
     set_weights,
 )
 from fed_train.algorithms.personal import batch_schedule
-from fed_train.models import EmbedHeadModel
-from fed_train.stepping import (
+from fed_train.algorithms.stepping import (
     Lane,
     as_params,
     as_weights,
@@ -28,6 +27,7 @@ from fed_train.stepping import (
     step_together,
     stepping_blocker,
 )
+from fed_train.models import EmbedHeadModel
 
 
 class FedAvg:

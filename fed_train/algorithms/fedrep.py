@@ -37,8 +37,7 @@ from fed_train.algorithms.base import (
     set_weights,
 )
 from fed_train.algorithms.personal import batch_schedule, epochs_only, sgd, sub_seed
-from fed_train.models import EmbedHeadModel
-from fed_train.stepping import (
+from fed_train.algorithms.stepping import (
     Lane,
     as_params,
     as_weights,
@@ -46,6 +45,7 @@ from fed_train.stepping import (
     step_together,
     stepping_blocker,
 )
+from fed_train.models import EmbedHeadModel
 
 
 class FedRep:
