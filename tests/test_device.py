@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from knnper_cli.main import main
 from fed_train.device import DeviceError, autocast, resolve_device
 from fed_train.run import load_run
+from knnper_cli.main import main
 
 TINY = ["--dataset", "digits", "--clients", "6", "--rounds", "2", "--batch-size", "16"]
 
