@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.folded import shift_claims
+from experiments.device_experiments import shift_claims
 from experiments.hardware import _claims as hardware_claims
 from experiments.margins import Aligned, call, paired, tally, two_se
 
