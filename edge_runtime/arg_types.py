@@ -23,7 +23,8 @@ def positive(kind: type, upper: float | None = None) -> Callable[[str], float | 
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {_NAMES[kind]}: {text!r}") from None
         if not 0 < value < math.inf or (upper is not None and value > upper):
-            bound = f"in (0, {upper:g}]" if upper is not None else "a finite number > 0"
+            bound = (f"in (0, {upper:g}]" if upper is not None else
+                     ">= 1" if kind is int else "a finite number > 0")
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return value
 

@@ -250,7 +250,7 @@ def _read_record(path: Path) -> dict[str, Any]:
     return record
 
 
-def _read_indices(path: Path) -> np.ndarray:
+def _read_indices(path: Path, public: bool) -> np.ndarray:
     raw = _read_bounded(path, MAX_INDICES_BYTES, "server split")
     try:
         array_file_bytes(path)  # the header declares exactly the data the file holds
@@ -260,9 +260,9 @@ def _read_indices(path: Path) -> np.ndarray:
     if (not isinstance(indices, np.ndarray) or indices.ndim != 1
             or (indices.size and not np.issubdtype(indices.dtype, np.integer))):
         raise InitError(f"--init {path} must hold 1-D integer indices")
-    if indices.size == 0:  # pretraining had data: an empty list is a damaged record
+    if indices.size == 0 and not public:  # a server split of the training set is never empty
         raise InitError(f"--init {path} holds no indices (the server split cannot be empty)")
-    if indices.min() < 0 or len(np.unique(indices)) != len(indices):
+    if indices.size and (indices.min() < 0 or len(np.unique(indices)) != len(indices)):
         raise InitError(f"--init {path} holds negative or repeated indices")
     return indices.astype(np.int64)
 
@@ -273,8 +273,11 @@ def load_init(path: str | Path) -> Init:
     location = Path(path)
     if location.is_dir():
         state, digest = _read_state_dict(location / WEIGHTS_FILE)
-        return Init(str(path), state, digest, _read_indices(location / SERVER_INDICES_FILE),
-                    _read_record(location / RECORD_FILE))
+        record = _read_record(location / RECORD_FILE)
+        # pretraining on --public-data takes nothing from the training set: no server split
+        public = record.get("public_data") is not None
+        return Init(str(path), state, digest,
+                    _read_indices(location / SERVER_INDICES_FILE, public), record)
     if not location.exists():
         raise InitError(f"--init {path}: no such file or directory (a pretrain directory from "
                         "`knnper pretrain` or a .pt state dict)")

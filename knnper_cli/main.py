@@ -35,10 +35,15 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"the server commands need the train extra: {install_hint('train')} "
               "(on a device, use knnper-edge)", file=sys.stderr)
         return 2
-    code = run(argv)
+    return run(argv)
+
+
+def console() -> int:
+    """The `knnper` console script: main(), then, once a command was interrupted and its
+    workers are gone, a further Ctrl-C while the interpreter exits is ignored (it could only
+    print a traceback from an exit handler)."""
+    code = main()
     if code == INTERRUPTED:
-        # the command is over and its workers are gone: a further Ctrl-C while the
-        # interpreter exits would only print a traceback from an exit handler
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     return code
 
@@ -102,4 +107,4 @@ def _one_line(err: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console())

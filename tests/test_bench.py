@@ -220,13 +220,13 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
 
     real_prepare, real_table = bench_module.prepare_clients, bench_module.run_table
 
-    def wrong_test_labels(dataset, partition):
+    def wrong_test_labels(dataset, partition, *args, **kwargs):
         # every client's test labels moved to the next class, after partitioning (the partition
         # deals test samples by label): a choice made on test labels now prefers what is worst
         # on the true ones, so it flips even where a random permutation leaves small test
         # splits tied
         return [dataclasses.replace(c, y_test=(c.y_test + 1) % dataset.num_classes)
-                for c in real_prepare(dataset, partition)]
+                for c in real_prepare(dataset, partition, *args, **kwargs)]
 
     def with_clusters(*args, hyper, **kwargs):
         return real_table(*args, hyper={**hyper, "clustered": SPLIT_ALWAYS}, **kwargs)

@@ -411,7 +411,8 @@ def test_a_failed_run_says_why_in_flower_json(tmp_path):
 
 
 def test_each_round_logs_the_clients_training_time_and_deploy_splits_it(flower_and_simulation):
-    from fed_train.deploy import round_split, rounds_logged
+    from fed_train.deploy import rounds_logged
+    from knnper_cli.deploy import round_split
 
     root, _ = flower_and_simulation
     rows = rounds_logged(root / "flower")
