@@ -217,6 +217,7 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
     cluster a new client joins among several; and the attribution's kNN choices and lambdas on
     every body); only test accuracies move."""
     import experiments.tables as bench_module
+    import knnper_cli.bench as bench_command
 
     real_prepare, real_table = bench_module.prepare_clients, bench_module.run_table
 
@@ -232,6 +233,7 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
         return real_table(*args, hyper={**hyper, "clustered": SPLIT_ALWAYS}, **kwargs)
 
     monkeypatch.setattr(bench_module, "run_table", with_clusters)
+    monkeypatch.setattr(bench_command, "run_table", with_clusters)  # the name the CLI calls
     argv = [*TINY, "--clients", "12", "--unseen-fraction", "0.5", "--methods", "all",
             "--tune-lr", "--lr-grid", "0.1,0.03", "--lambda-estimator", "loo+val",
             "--attribution"]
