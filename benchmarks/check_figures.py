@@ -15,7 +15,6 @@ BENCHMARKS.md: the fair section's two tables and the seeds section's tables.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
@@ -27,6 +26,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from experiments.benchmark_support import read_csv  # noqa: E402
 from experiments.seeds import format_seeds, summarize_seeds  # noqa: E402
 from experiments.tables import TITLES, format_markdown  # noqa: E402
 from fed_train.evaluation import summarize  # noqa: E402
@@ -61,24 +61,6 @@ class Checker:
                                             if p[0] != p[1]), (0, (expected[-80:], found[-80:])))
             where = f"{where} line {line}"
         self.mismatches.append(f"{where}: recomputed {expected!r}, file says {found!r}")
-
-
-def _value(text: str) -> Any:
-    if text == "":
-        return None
-    if text in ("True", "False"):
-        return text == "True"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def read_csv(path: Path) -> list[dict[str, Any]]:
-    with open(path, newline="") as f:
-        return [{k: _value(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def method_rows(clients: Iterable[Mapping[str, Any]], column: str) -> list[dict[str, Any]]:

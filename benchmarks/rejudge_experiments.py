@@ -13,7 +13,6 @@ base-model's per-client FedAvg accuracy, both recorded only by runs after this s
 from __future__ import annotations
 
 import argparse
-import csv
 import re
 import sys
 from argparse import Namespace
@@ -36,6 +35,7 @@ from experiments import (  # noqa: E402
     k_sigma,
     lambda_vs_n,
 )
+from experiments.benchmark_support import read_csv  # noqa: E402
 from experiments.report import claims_table  # noqa: E402
 from experiments.spec import Claim  # noqa: E402
 from export.profiles import weak_clients  # noqa: E402
@@ -46,26 +46,8 @@ LABELS = {"alpha", "method", "version", "strategy", "recipe", "recipes"}
 K, SIGMA, SEED = 10, 1.0, 0
 
 
-def _value(key: str, text: str) -> Any:
-    if key in LABELS:
-        return text
-    if text == "":
-        return None
-    if text in ("True", "False"):
-        return text == "True"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [{k: _value(k, v) for k, v in r.items()} for r in csv.DictReader(f)]
+    return read_csv(path, LABELS) if path.exists() else []
 
 
 def judge(name: str, folder: Path) -> list[Claim]:

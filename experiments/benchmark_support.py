@@ -108,6 +108,27 @@ def _csv_value(value: Any) -> Any:
     return "" if value is None else value
 
 
+def read_csv(path: Path, text_columns: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """write_csv's rows back with their types: "" is None, True / False, ints, floats, other
+    text as it is; `text_columns` stay text (labels such as alpha "0.3" or "iid")."""
+    with open(path, newline="") as f:
+        return [{k: v if k in text_columns else _typed(v) for k, v in r.items()}
+                for r in csv.DictReader(f)]
+
+
+def _typed(text: str) -> Any:
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def markdown_table(rows: Sequence[dict[str, Any]],
                    columns: Sequence[tuple[str, str, str]]) -> str:
     """columns: (key, header, format spec such as ".2f" or ""); missing values print as '-'."""
