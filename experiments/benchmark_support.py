@@ -24,6 +24,7 @@ import numpy as np
 
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import make_datastore, parse_recipe
+from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
 from edge_runtime.preprocess import prepare_input
 
 # the source checkout this module sits in (its default paths for results and data)
@@ -316,8 +317,8 @@ def _protonn_gamma(z: np.ndarray, d: int, m: float, seed: int) -> float:
 
 
 def build_datastore(recipe: str, z: np.ndarray, y: np.ndarray, num_classes: int, *,
-                    seed: int = 0, protonn_steps: int = 50, k: int = 10,
-                    sigma: float = 1.0) -> Any:
+                    seed: int = 0, protonn_steps: int = 50, k: int = DEFAULT_K,
+                    sigma: float = DEFAULT_SIGMA) -> Any:
     """A fitted datastore for a recipe. ProtoNN is trained with the protonn package (random
     prototype initialisation, `protonn_steps` Adam steps, gamma from a subsample), which keeps
     100k keys affordable; the shapes, not the trained values, set its cost."""

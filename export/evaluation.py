@@ -12,7 +12,7 @@ import numpy as np
 
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
-from edge_runtime.knn import choose_lambda, interpolate, softmax
+from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA, choose_lambda, interpolate, softmax
 from edge_runtime.runtime import Runtime
 from export.exporter import REPORT_FILE, client_embeddings
 from fed_train.algorithms.base import ClientData
@@ -44,7 +44,8 @@ def evaluate_export(run: LoadedRun, out_dir: str | Path) -> list[dict[str, Any]]
 
 
 def reference_accuracy(encoder_path: str | Path, clients: Sequence[ClientData], *,
-                       num_classes: int, k: int = 10, sigma: float = 1.0) -> list[dict[str, Any]]:
+                       num_classes: int, k: int = DEFAULT_K,
+                       sigma: float = DEFAULT_SIGMA) -> list[dict[str, Any]]:
     """kNN-Per per client with no budget: every train sample as float32 keys, lambda chosen on
     the validation split, accuracy on the test split; embeddings from `encoder_path`."""
     encoder = Encoder(encoder_path, intra_op_threads=1)

@@ -12,6 +12,7 @@ import torch
 from edgeml.pytorch.graph.protoNN import ProtoNN
 
 from edge_runtime.datastores import ProtoNNDatastore
+from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
 
 INIT_METHODS = ("kmeans", "random")
 # Scores below this count as zero in the loss: a query far from every prototype must not give
@@ -257,8 +258,8 @@ class ProtoNNClassifier:
         """W [d,p], B [d,m], Z [C,m], gamma: the arrays of a protonn datastore.npz."""
         return {"W": self.W_, "B": self.B_, "Z": self.Z_, "gamma": np.float64(self.gamma_)}
 
-    def to_datastore(self, *, k: int = 10, sigma: float = 1.0, m: float | None = None,
-                     n: int | None = None) -> ProtoNNDatastore:
+    def to_datastore(self, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
+                     m: float | None = None, n: int | None = None) -> ProtoNNDatastore:
         """The device-side datastore for these matrices (its numpy inference is the one that
         ships, so accuracy measured through it is what the device gets)."""
         return ProtoNNDatastore.from_matrices(self.W_, self.B_, self.Z_, self.gamma_, k=k,

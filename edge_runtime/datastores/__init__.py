@@ -23,6 +23,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..knn import DEFAULT_K, DEFAULT_SIGMA
 from .common import (
     DATASTORE_FILE_RE,
     FLAT_DTYPES,
@@ -59,7 +60,7 @@ BACKENDS: dict[str, type] = {
 
 
 def make_datastore(
-    recipe: str, num_classes: int, k: int = 10, sigma: float = 1.0, **options: Any
+    recipe: str, num_classes: int, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA, **options: Any
 ) -> FlatDatastore | HNSWDatastore | ProtoNNDatastore:
     """An unfitted datastore for a recipe string; `options` are other hyper-parameters (seed...)."""
     name, params = parse_recipe(recipe)

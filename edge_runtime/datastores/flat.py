@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .._io import load_npz, save_npz_atomic
-from ..knn import search_transposed, transposed_key_norms
+from ..knn import DEFAULT_K, DEFAULT_SIGMA, search_transposed, transposed_key_norms
 from .base import SampleDatastore
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
@@ -45,8 +45,8 @@ class FlatDatastore(SampleDatastore):
         self,
         num_classes: int,
         *,
-        k: int = 10,
-        sigma: float = 1.0,
+        k: int = DEFAULT_K,
+        sigma: float = DEFAULT_SIGMA,
         dtype: str = "fp32",
         n: int | None = None,
         seed: int = 0,

@@ -12,6 +12,7 @@ import numpy as np
 from .._io import fsync_dir, fsync_file, load_npz, save_npz_atomic, temp_path
 from ..cli_help import install_hint
 from ..hnsw_format import check_hnsw_index
+from ..knn import DEFAULT_K, DEFAULT_SIGMA
 from .base import SampleDatastore
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
@@ -62,8 +63,8 @@ class HNSWDatastore(SampleDatastore):
         self,
         num_classes: int,
         *,
-        k: int = 10,
-        sigma: float = 1.0,
+        k: int = DEFAULT_K,
+        sigma: float = DEFAULT_SIGMA,
         M: int = 16,
         ef_construction: int = 200,
         ef: int = 64,

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .._io import load_npz, save_npz_atomic
+from ..knn import DEFAULT_K, DEFAULT_SIGMA
 from .base import Datastore
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
@@ -53,8 +54,8 @@ class ProtoNNDatastore(Datastore):
         self,
         num_classes: int,
         *,
-        k: int = 10,
-        sigma: float = 1.0,
+        k: int = DEFAULT_K,
+        sigma: float = DEFAULT_SIGMA,
         d: int | None = None,
         m: float | None = None,
         n: int | None = None,
@@ -90,8 +91,8 @@ class ProtoNNDatastore(Datastore):
         Z: np.ndarray,
         gamma: float,
         *,
-        k: int = 10,
-        sigma: float = 1.0,
+        k: int = DEFAULT_K,
+        sigma: float = DEFAULT_SIGMA,
         m: float | None = None,
         n: int | None = None,
         buffer: int | None = None,
