@@ -113,6 +113,27 @@ def compare_to_best(results: Sequence[Mapping[str, Any]], spread: Mapping[str, A
     return out
 
 
+def compare_to_each(results: Sequence[Mapping[str, Any]], spread: Mapping[str, Any],
+                    method: str = "knnper") -> dict[str, dict[str, dict[str, Any]]]:
+    """kNN-Per minus every baseline, for each group and statistic, with its paired bootstrap
+    interval and verdict: what a claim against one named baseline (kNN-Per versus FedAvg, say)
+    needs, beside the best-baseline comparison."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    clients = [r["clients"] for r in results]
+    for group in GROUPS:
+        baselines = [m for m in spread.get(group, {}) if m not in (method, "knnper_oracle")]
+        if method not in spread.get(group, {}) or not baselines:
+            continue
+        out[group] = {}
+        for stat in STATS:
+            out[group][stat] = {}
+            for baseline in baselines:
+                interval = paired_bootstrap(clients, group, method, baseline, stat)
+                out[group][stat][baseline] = {**(interval or {}),
+                                              "verdict": verdict(interval, method, baseline)}
+    return out
+
+
 def verdict(interval: Mapping[str, float] | None, method: str, baseline: str) -> str:
     """Who is ahead, only where the 95% interval of method minus baseline excludes zero."""
     if not interval:
@@ -143,6 +164,8 @@ def summarize_seeds(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]) 
     spread = across_seeds(results, methods)
     return plain_json({"seeds": list(seeds), "methods": methods, "spread": spread,
                        "versus_best": compare_to_best(results, spread) if "knnper" in methods
+                       else {},
+                       "versus_each": compare_to_each(results, spread) if "knnper" in methods
                        else {},
                        "lambda_ties": lambda_ties(results) if "knnper" in methods else [],
                        "lr": [r["lr"] for r in results]})
@@ -185,6 +208,13 @@ def format_seeds(summary: Mapping[str, Any], titles: Mapping[str, str],
                              f" = {100 * c['diff']:+.2f} pp, 95% interval "
                              f"[{100 * c['low']:+.2f}, {100 * c['high']:+.2f}]: "
                              f"**{c['verdict']}**.")
+            each = summary.get("versus_each", {}).get(group, {}).get(stat, {})
+            shown = [f"{titles.get(m, m)} {100 * c['diff']:+.2f} [{100 * c['low']:+.2f}, "
+                     f"{100 * c['high']:+.2f}] ({c['verdict']})"
+                     for m, c in each.items() if "diff" in c]
+            if shown:
+                lines.append(f"- {label}, kNN-Per minus each baseline (pp, 95% interval): "
+                             + "; ".join(shown) + ".")
         lines.append("")
     if summary.get("lambda_ties"):
         per = "; ".join(f"seed {s}: {t['differs']} differ, {t['same_accuracy']} of them with "

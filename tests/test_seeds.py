@@ -5,7 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.seeds import across_seeds, compare_to_best, lambda_ties, paired_bootstrap
+from experiments.seeds import (
+    across_seeds,
+    compare_to_best,
+    compare_to_each,
+    lambda_ties,
+    paired_bootstrap,
+)
 
 
 def _clients(rng, n, a_mean, b_mean, noise=0.05):
@@ -41,6 +47,21 @@ def test_a_clear_paired_gain_is_called_and_a_tiny_one_is_inconclusive():
     behind = [_result(_clients(rng, 60, -0.05, 0.0)) for _ in range(3)]
     spread = across_seeds(behind, behind[0]["methods"], oracle=False)
     assert compare_to_best(behind, spread)["seen"]["mean"]["verdict"] == "fedrep ahead"
+
+
+def test_each_baseline_gets_its_own_interval_and_the_best_one_matches():
+    """kNN-Per 5 pp over FedRep and 15 pp over FedAvg (whose clients sit 10 pp below the shared
+    base): both called, and the best baseline's entry is compare_to_best's."""
+    rng = np.random.default_rng(3)
+    results = [_result(_clients(rng, 60, 0.05, 0.0)) for _ in range(3)]
+    spread = across_seeds(results, results[0]["methods"], oracle=False)
+    each = compare_to_each(results, spread)["seen"]["mean"]
+    assert set(each) == {"fedavg", "fedrep"}
+    assert each["fedavg"]["diff"] == pytest.approx(each["fedrep"]["diff"] + 0.10, abs=0.01)
+    assert each["fedavg"]["verdict"] == each["fedrep"]["verdict"] == "knnper ahead"
+    best = compare_to_best(results, spread)["seen"]["mean"]
+    assert {k: best[k] for k in ("diff", "low", "high")} == {
+        k: each["fedrep"][k] for k in ("diff", "low", "high")}
 
 
 def test_spread_is_mean_and_sample_std_across_seeds():
