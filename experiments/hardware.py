@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,9 @@ import numpy as np
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from experiments.context import Context
-from experiments.margins import Aligned, call, interval, paired, pp
+from experiments.margins import Aligned, call, interval, paired, pp, unit
 from experiments.report import finish_axes, pyplot, save_figure, spearman
-from experiments.spec import DELTA_C, Claim, Experiment, Grid, Result
+from experiments.spec import DELTA_C, Claim, Experiment, Grid, Measured, Result
 from experiments.views import knnper_rows
 from export.errors import BudgetInvalid
 from export.evaluation import evaluate_export, weighted_mean
@@ -136,7 +137,7 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def run(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
     store = ctx.points(NAME)
     space = QUICK_SPACE if ctx.quick else SPACE
     budgets: ByteBudgets | None = None
@@ -157,17 +158,22 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                            **{k: record.get(k) for k in COLUMNS[2:]},
                            "seconds": record["seconds"]})
             clients += [{"version": version, "delta_c": dc, **r} for r in record["rows"]]
-    plot = _plot(points, ctx.out / NAME / "hardware.png")
+    return Measured(points, clients, ("version", "delta_c"), (ctx.seed,),
+                    [{"backends": list(space.backends)}])
+
+
+def summarise(m: Measured, folder: Path) -> Result:
+    plot = _plot(m.points, folder / "hardware.png")
     notes = ["Weak and strong clients: a seeded half of all clients (seen and unseen), the same "
              "half in both versions. Byte budgets: the int8 encoder plus (1/2 -+ dC) x the bytes "
              "of the client's own full float32 flat datastore; the exporter searched "
-             f"{', '.join(space.backends)} datastores (ProtoNN left out for time)."]
-    return Result(points, (*COLUMNS, "seconds"),
+             f"{', '.join(m.facts[0]['backends'])} datastores (ProtoNN left out for time)."]
+    return Result(m.points, (*COLUMNS, "seconds"),
                   [("version", "version", ""), ("delta_c", "dC", ".2f"),
                    ("all_mean", "mean (all)", ".4f"), ("weak_mean", "weak", ".4f"),
                    ("strong_mean", "strong", ".4f"), ("mean_stored", "mean stored", ".1f"),
                    ("recipes", "datastores chosen", "")],
-                  _claims(points, clients, weak_clients(_ids(clients), ctx.seed)), plot, clients,
+                  _claims(m.points, m.clients, weak_of(m.clients, m.seeds)), plot, m.clients,
                   ("version", "delta_c", "client_id", "unseen", "budget", "recipe", "stored",
                    "total_bytes", "lambda", "test_accuracy", "test_samples"), notes)
 
@@ -177,7 +183,20 @@ def _ids(clients: list[dict]) -> list[int]:
     return sorted({int(c["client_id"]) for c in clients})
 
 
-def _claims(points: list[dict], clients: list[dict], weak: set[int]) -> list[Claim]:
+def weak_of(clients: list[dict], seeds: Sequence[int]) -> set:
+    """The weak half, as each seed split its own clients: client ids for one seed's rows,
+    (seed, client id) pairs for rows of several seeds combined."""
+    if not clients or "seed" not in clients[0]:
+        return weak_clients(_ids(clients), seeds[0])
+    return {(s, cid) for s in seeds
+            for cid in weak_clients(_ids([c for c in clients if c["seed"] == s]), s)}
+
+
+def _weak(row: dict, weak: set) -> bool:
+    return (unit(row) if "seed" in row else int(row["client_id"])) in weak
+
+
+def _claims(points: list[dict], clients: list[dict], weak: set) -> list[Claim]:
     """Each claim with its margin: 95% bootstrap intervals over clients, paired between the
     smallest and largest dC (the same clients, the same weak half)."""
     claims = []
@@ -192,8 +211,8 @@ def _claims(points: list[dict], clients: list[dict], weak: set[int]) -> list[Cla
         ends = [{"version": version, "delta_c": dcs[0]}, {"version": version, "delta_c": dcs[-1]}]
         rows = {name: Aligned(clients, ends, "test_accuracy", "test_samples", keep=keep)
                 for name, keep in (("all", lambda r: True),
-                                   ("weak", lambda r: int(r["client_id"]) in weak),
-                                   ("strong", lambda r: int(r["client_id"]) not in weak))}
+                                   ("weak", lambda r: _weak(r, weak)),
+                                   ("strong", lambda r: not _weak(r, weak)))}
         rho = spearman(dcs, [curve[d]["all_mean"] for d in dcs])
         drop = paired(rows["all"], 0, 1)
         falls = call(drop)
@@ -213,7 +232,7 @@ def _claims(points: list[dict], clients: list[dict], weak: set[int]) -> list[Cla
             wm, sm = w.means(idx[0]), s.means(idx[1])
             return float((wm[0] - wm[1]) - (sm[1] - sm[0]))
 
-        excess = interval(excess_of, [len(rows["weak"]), len(rows["strong"])])
+        excess = interval(excess_of, [rows["weak"].strata, rows["strong"].strata])
         # the claim is diminishing returns: weak clients lose, strong ones gain, and less
         if call(gain) == "disagree" or call(excess) == "disagree":
             verdict = "disagree"
@@ -258,4 +277,4 @@ EXPERIMENT = Experiment(
     "clients gain less than weak ones lose (Appendix, Fig. 10).",
     (Grid("delta_cs", DELTA_C, (0.0, 0.1, 0.2, 0.3, 0.4), (0.0, 0.3),
           "capacity spreads dC in [0, 0.5)"),),
-    run)
+    measure, summarise)
