@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 
 from experiments.context import Context
+from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, pp, tally
-from experiments.report import finish_axes, pyplot, save_figure, spearman
+from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
 from experiments.spec import (
     ALPHA,
     FRACTION,
@@ -71,7 +72,7 @@ def summarise(m: Measured, folder: Path) -> Result:
 
 
 def _curve(points: list[dict], alpha: str, key: str = "all_mean") -> dict[float, float]:
-    return {p["capacity"]: p[key] for p in points if p["alpha"] == alpha}
+    return {p["capacity"]: p.get(key) for p in points if p["alpha"] == alpha}
 
 
 def _smaller(caps: list[float]) -> float | None:
@@ -146,7 +147,8 @@ def _plot(points: list[dict], path):
     for a in dict.fromkeys(p["alpha"] for p in points):
         curve = _curve(points, a)
         caps = sorted(curve)
-        ax.plot(caps, [curve[c] for c in caps], "o-", label=f"alpha {a}")
+        std = _curve(points, a, "all_mean" + STD)
+        draw(ax, caps, [curve[c] for c in caps], "o-", [std[c] for c in caps], label=f"alpha {a}")
     ax.set_xlabel("capacity (fraction of the client's train split in its datastore; "
                   "0 = FedAvg)", fontsize=8)
     ax.set_ylabel("kNN-Per mean test accuracy (%, all clients)")

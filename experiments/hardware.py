@@ -24,8 +24,9 @@ import numpy as np
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from experiments.context import Context
+from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, paired, pp, unit
-from experiments.report import finish_axes, pyplot, save_figure, spearman
+from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
 from experiments.spec import DELTA_C, Claim, Experiment, Grid, Measured, Result
 from experiments.views import knnper_rows
 from export.errors import BudgetInvalid
@@ -198,7 +199,7 @@ def _weak(row: dict, weak: set) -> bool:
 
 def _claims(points: list[dict], clients: list[dict], weak: set) -> list[Claim]:
     """Each claim with its margin: 95% bootstrap intervals over clients, paired between the
-    smallest and largest dC (the same clients, the same weak half)."""
+    smallest and largest dC (the same clients, the same weak half; `weak` as weak_of gives it)."""
     claims = []
     for version in ("fractions", "bytes"):
         curve = {p["delta_c"]: p for p in points if p["version"] == version
@@ -256,7 +257,8 @@ def _plot(points: list[dict], path):
         if not pts:
             continue
         x = [d for d, _ in pts]
-        ax.plot(x, [p["all_mean"] for _, p in pts], "o-", color=color, label=f"{version}: all")
+        draw(ax, x, [p["all_mean"] for _, p in pts], "o-",
+             [p.get("all_mean" + STD) for _, p in pts], color=color, label=f"{version}: all")
         ax.plot(x, [p["weak_mean"] for _, p in pts], "v:", color=color, alpha=0.6,
                 label=f"{version}: weak")
         ax.plot(x, [p["strong_mean"] for _, p in pts], "^:", color=color, alpha=0.6,

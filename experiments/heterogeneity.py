@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from experiments.context import Context
+from experiments.experiment_seeds import STD
 from experiments.margins import (
     AGREE,
     DISAGREE,
@@ -21,7 +22,7 @@ from experiments.margins import (
     pp,
     tally,
 )
-from experiments.report import finish_axes, pyplot, save_figure, spearman
+from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
 from experiments.spec import (
     ALPHA,
     IID_ALPHA,
@@ -81,7 +82,7 @@ def summarise(m: Measured, folder: Path) -> Result:
 
 
 def _by(points: list[dict], method: str, key: str = "all_mean") -> dict[str, float]:
-    return {p["alpha"]: p[key] for p in points if p["method"] == method}
+    return {p["alpha"]: p.get(key) for p in points if p["method"] == method}
 
 
 def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
@@ -142,7 +143,9 @@ def _plot(points: list[dict], path):
                            (axes[1], "all_bottom_decile", "bottom-decile test accuracy (%)")):
         for method in METHODS:
             by = _by(points, method, key)
-            ax.plot(range(len(alphas)), [by[a] for a in alphas], "o-", label=TITLES[method])
+            std = _by(points, method, key + STD)
+            draw(ax, range(len(alphas)), [by[a] for a in alphas], "o-",
+                 [std.get(a) for a in alphas], label=TITLES[method])
         ax.set_xticks(range(len(alphas)), alphas)
         ax.set_xlabel("Dirichlet alpha (smaller = more heterogeneous)")
         ax.set_ylabel(title)
