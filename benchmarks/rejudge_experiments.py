@@ -96,11 +96,13 @@ def judge(name: str, folder: Path) -> list[Claim]:
         settings = device_experiments.SHIFT_FULL
         steps, runs = shift_steps(folder)
         args = Namespace(shift="dirichlet", **{**settings, "seeds": settings["seeds"] * runs})
-        text = (folder / "shift.md").read_text()
         dataset = "cifar10" if "cifar10" in str(folder) else "fashion-mnist"
-        run = re.search(r"--run (\S+)", text)
-        shift.plot(points, args, folder / "shift.png",
-                   f"global model: run {run.group(1) if run else '(see shift.md)'}", dataset)
+        if runs > 1:
+            weights = f"means over {runs} seeds, each on its own global model"
+        else:
+            run = re.search(r"--run (\S+)", (folder / "shift.md").read_text())
+            weights = f"global model: run {run.group(1) if run else '(see shift.md)'}"
+        shift.plot(points, args, folder / "shift.png", weights, dataset)
         return device_experiments.shift_claims(steps, settings)
     if name == device_experiments.GRID:
         full = float(np.mean([p["mean_accuracy"] + p["drop_pp"] / 100 for p in points]))
