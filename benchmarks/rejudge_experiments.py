@@ -5,6 +5,9 @@ redraws each plot.
 
     python benchmarks/rejudge_experiments.py benchmarks/results/experiments/fashion-mnist
 
+A multi-seed folder (`knnper experiment NAME --seeds N`) is judged as the command judged it: the
+combined rows (a `seed` column) in NAME/, and each seed's own in NAME/seed_S/.
+
 An experiment whose files lack what a rule needs (the ProtoNN grid's validation accuracy, the
 base-model's per-client FedAvg accuracy, both recorded only by runs after this script) gets
 "not measured" claims until it is rerun with `knnper experiment`.
@@ -38,7 +41,6 @@ from experiments import (  # noqa: E402
 from experiments.benchmark_support import read_csv  # noqa: E402
 from experiments.report import claims_table  # noqa: E402
 from experiments.spec import Claim  # noqa: E402
-from export.profiles import weak_clients  # noqa: E402
 
 # columns that are labels, kept as written (alpha "0.1", "iid"; version "bytes")
 LABELS = {"alpha", "method", "version", "strategy", "recipe", "recipes"}
@@ -50,9 +52,24 @@ def read(path: Path) -> list[dict[str, Any]]:
     return read_csv(path, LABELS) if path.exists() else []
 
 
+def seed_folders(folder: Path) -> list[Path]:
+    return sorted(d for d in folder.glob("seed_*") if (d / "summary.md").exists())
+
+
+def shift_steps(folder: Path) -> tuple[list[dict[str, Any]], int]:
+    """The streams behind a shift summary, and how many seeds ran them: a combined folder's
+    come from its seed_S/ folders, a stream being (seed, stream seed, client)."""
+    if (folder / "steps.csv").exists():
+        return device_experiments.read_steps(folder), 1
+    seeds = seed_folders(folder)
+    return [{**r, "seed": (d.name, r["seed"])} for d in seeds
+            for r in device_experiments.read_steps(d)], len(seeds)
+
+
 def judge(name: str, folder: Path) -> list[Claim]:
     """The experiment's claims from its files, and its plot redrawn."""
     points, clients = read(folder / "points.csv"), read(folder / "clients.csv")
+    seeds = sorted({c["seed"] for c in clients}) if clients and "seed" in clients[0] else [SEED]
     if name == "heterogeneity":
         heterogeneity._plot(points, folder / "heterogeneity.png")
         return heterogeneity._claims(points, clients)
@@ -70,20 +87,23 @@ def judge(name: str, folder: Path) -> list[Claim]:
         return lambda_vs_n._claims(clients, fit)
     if name == "hardware":
         hardware._plot(points, folder / "hardware.png")
-        return hardware._claims(points, clients, weak_clients(hardware._ids(clients), SEED))
+        return hardware._claims(points, clients, hardware.weak_of(clients, seeds))
     if name == "base-model":
         base_model._plot(points, folder / "base_model.png")
         return base_model._claims(points, clients)
     if name == device_experiments.SHIFT:
         shift = distribution_shift
         settings = device_experiments.SHIFT_FULL
-        args = Namespace(shift="dirichlet", **settings)
-        text = (folder / "shift.md").read_text()
+        steps, runs = shift_steps(folder)
+        args = Namespace(shift="dirichlet", **{**settings, "seeds": settings["seeds"] * runs})
         dataset = "cifar10" if "cifar10" in str(folder) else "fashion-mnist"
-        run = re.search(r"--run (\S+)", text)
-        shift.plot(points, args, folder / "shift.png",
-                   f"global model: run {run.group(1) if run else '(see shift.md)'}", dataset)
-        return device_experiments.shift_claims(device_experiments.read_steps(folder), settings)
+        if runs > 1:
+            weights = f"means over {runs} seeds, each on its own global model"
+        else:
+            run = re.search(r"--run (\S+)", (folder / "shift.md").read_text())
+            weights = f"global model: run {run.group(1) if run else '(see shift.md)'}"
+        shift.plot(points, args, folder / "shift.png", weights, dataset)
+        return device_experiments.shift_claims(steps, settings)
     if name == device_experiments.GRID:
         full = float(np.mean([p["mean_accuracy"] + p["drop_pp"] / 100 for p in points]))
         budget_curve.plot_grid(
@@ -118,10 +138,12 @@ def main() -> int:
     for f in args.folders:
         folders += [f] if (f / "summary.md").exists() else sorted(
             d for d in f.iterdir() if (d / "summary.md").exists())
+    folders = [g for f in folders for g in (f, *seed_folders(f))]
     for folder in folders:
-        claims = judge(folder.name, folder)
+        name = folder.parent.name if folder.name.startswith("seed_") else folder.name
+        claims = judge(name, folder)
         seconds = None
-        if folder.name == device_experiments.SHIFT:  # one record behind every point: counted once
+        if name == device_experiments.SHIFT:  # one record behind every point: counted once
             seconds = read(folder / "points.csv")[0].get("seconds")
         rewrite(folder / "summary.md", claims, seconds)
         print(f"{folder}: " + ", ".join(c.verdict for c in claims))

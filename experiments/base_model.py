@@ -14,7 +14,7 @@ import torch
 from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp, tally
 from experiments.report import finish_axes, pyplot, save_figure
-from experiments.spec import ALPHA, Claim, Experiment, Grid, Result, format_alpha
+from experiments.spec import ALPHA, Claim, Experiment, Grid, Measured, Result, format_alpha
 from experiments.views import client_views, fedavg_rows, knn_outcome, row, summary_fields
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights, set_weights
@@ -65,7 +65,7 @@ def checkpoint_point(ctx: Context, alpha: float, path: Path) -> dict[str, Any]:
                      for f, k, t in zip(fedavg_rows(views), knn_only, tuned, strict=True)]}
 
 
-def run(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
     store = ctx.points(NAME)
     points, clients = [], []
     for alpha in sorted(grids["alphas"]):
@@ -78,13 +78,17 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                            "gain_pp": 100 * (record["knnper_mean"] - record["fedavg_mean"]),
                            "seconds": record["seconds"]})
             clients += [{**label, **r} for r in record["rows"]]
-    plot = _plot(points, ctx.out / NAME / "base_model.png")
-    return Result(points, (*COLUMNS, "seconds"),
+    return Measured(points, clients, ("alpha", "round"), (ctx.seed,))
+
+
+def summarise(m: Measured, folder: Path) -> Result:
+    plot = _plot(m.points, folder / "base_model.png")
+    return Result(m.points, (*COLUMNS, "seconds"),
                   [("alpha", "alpha", ""), ("round", "round", ""),
                    ("fedavg_mean", "FedAvg", ".4f"), ("knn_only_mean", "kNN (lambda=1)", ".4f"),
                    ("knnper_mean", "kNN-Per (lambda on val)", ".4f"),
                    ("gain_pp", "gain (pp)", "+.1f")],
-                  _claims(points, clients), plot, clients,
+                  _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "round", "client_id", "unseen", "n_test", "fedavg", "knn_only",
                    "knnper", "lambda"))
 
@@ -113,7 +117,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
 
     linear, shown, weak_first, shown_gain = [], [], [], []
     for a in alphas:
-        n = [len(series[a]["fedavg"])]
+        n = [series[a]["fedavg"].strata]
         if len(rounds[a]) >= 3:
             iv = interval(lambda idx, a=a: pearson(a, idx[0]), n)
             linear.append(call(iv, LINEAR_R))
@@ -121,7 +125,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
                          f"checkpoints, 95% interval [{iv['low']:.3f}, {iv['high']:.3f}]")
         iv = interval(lambda idx, a=a: float(gains(a, idx[0])[0] - gains(a, idx[0])[-1]), n)
         weak_first.append(call(iv))
-        g = gains(a, np.arange(n[0]))
+        g = gains(a, np.arange(len(series[a]["fedavg"])))
         shown_gain.append(f"alpha {a}: {100 * g[0]:+.1f} pp at round {rounds[a][0]}, "
                           f"{100 * g[-1]:+.1f} pp at round {rounds[a][-1]}; first minus last "
                           f"{pp(iv)}")
@@ -135,7 +139,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     if len(alphas) >= 2:
         first, last = alphas[0], alphas[-1]
         iv = interval(lambda idx: float(gains(first, idx[0])[-1] - gains(last, idx[1])[-1]),
-                      [len(series[first]["fedavg"]), len(series[last]["fedavg"])])
+                      [series[first]["fedavg"].strata, series[last]["fedavg"].strata])
         claims.append(Claim(
             "kNN-Per's gain is larger for more heterogeneous data (smaller alpha)",
             ", ".join(f"alpha {a}: {100 * gains(a, np.arange(len(series[a]['fedavg'])))[-1]:+.1f}"
@@ -176,4 +180,4 @@ EXPERIMENT = Experiment(
     "kNN accuracy (lambda = 1) is almost linear in the global model's test accuracy, and "
     "better for more heterogeneous data (Sec. 6, Fig. 5; Appendix Figs. 12-13).",
     (Grid("alphas", ALPHA, (0.1, 0.3, 1.0), (0.3,), "Dirichlet concentrations, or iid"),),
-    run)
+    measure, summarise)

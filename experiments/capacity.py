@@ -4,14 +4,25 @@ datastore, for several alphas, the global model fixed per alpha (Fig. 3). Capaci
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from experiments.context import Context
+from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, pp, tally
-from experiments.report import finish_axes, pyplot, save_figure, spearman
-from experiments.spec import ALPHA, FRACTION, Claim, Experiment, Grid, Result, format_alpha
+from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
+from experiments.spec import (
+    ALPHA,
+    FRACTION,
+    Claim,
+    Experiment,
+    Grid,
+    Measured,
+    Result,
+    format_alpha,
+)
 from experiments.views import fedavg_rows, knnper_rows, summary_fields
 
 NAME = "capacity"
@@ -31,7 +42,7 @@ def capacity_point(ctx: Context, alpha: float, capacity: float) -> dict[str, Any
     return {"rows": rows, **summary_fields(rows)}
 
 
-def run(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
     store = ctx.points(NAME)
     points, clients = [], []
     for alpha in sorted(grids["alphas"]):
@@ -45,19 +56,23 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
             clients += [{**label, "client_id": r["client_id"], "unseen": r["unseen"],
                          "n_test": r["n_test"], "accuracy": r["accuracy"], **r["info"]}
                         for r in record["rows"]]
-    plot = _plot(points, ctx.out / NAME / "capacity.png")
-    return Result(points, ("alpha", "capacity", "method", *SUMMARY, "seconds"),
+    return Measured(points, clients, ("alpha", "capacity", "method"), (ctx.seed,))
+
+
+def summarise(m: Measured, folder: Path) -> Result:
+    plot = _plot(m.points, folder / "capacity.png")
+    return Result(m.points, ("alpha", "capacity", "method", *SUMMARY, "seconds"),
                   [("alpha", "alpha", ""), ("capacity", "capacity", ".2f"),
                    ("method", "method", ""), ("all_mean", "mean (all)", ".4f"),
                    ("all_bottom_decile", "bottom 10% (all)", ".4f"),
                    ("unseen_mean", "mean (unseen)", ".4f")],
-                  _claims(points, clients), plot, clients,
+                  _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "capacity", "method", "client_id", "unseen", "n_test", "accuracy",
                    "lambda", "datastore_size", "n_train"))
 
 
 def _curve(points: list[dict], alpha: str, key: str = "all_mean") -> dict[float, float]:
-    return {p["capacity"]: p[key] for p in points if p["alpha"] == alpha}
+    return {p["capacity"]: p.get(key) for p in points if p["alpha"] == alpha}
 
 
 def _smaller(caps: list[float]) -> float | None:
@@ -82,7 +97,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     for a in alphas:
         curve = _curve(points, a)
         rho = spearman(caps[a], [curve[c] for c in caps[a]])
-        iv = interval(lambda idx, a=a: rise(a, idx[0]), [len(aligned[a])])
+        iv = interval(lambda idx, a=a: rise(a, idx[0]), [aligned[a].strata])
         rises[a] = iv
         calls.append(call(iv))
         parts.append(f"alpha {a}: {100 * curve[caps[a][0]]:.1f}% at {caps[a][0]:g} -> "
@@ -92,7 +107,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     if len(alphas) >= 2:
         first, last = alphas[0], alphas[-1]
         iv = interval(lambda idx: rise(first, idx[0]) - rise(last, idx[1]),
-                      [len(aligned[first]), len(aligned[last])])
+                      [aligned[first].strata, aligned[last].strata])
         claims.append(Claim(
             "it grows faster for more heterogeneous clients (smaller alpha)",
             "rise from the smallest to the largest capacity: " + ", ".join(
@@ -115,7 +130,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
             m = unseen.means(idx[0])
             return float((m[1] - m[0]) / (m[2] - m[0])) if m[2] > m[0] else float("nan")
 
-        iv = interval(share, [len(unseen)])
+        iv = interval(share, [unseen.strata])
         calls.append(call(iv, 0.5))
         shown.append(f"alpha {a}: {iv['effect']:.0%} of the gain at capacity {small:g} "
                      f"({1 / small:.1f}x smaller), 95% interval [{iv['low']:.0%}, "
@@ -132,7 +147,8 @@ def _plot(points: list[dict], path):
     for a in dict.fromkeys(p["alpha"] for p in points):
         curve = _curve(points, a)
         caps = sorted(curve)
-        ax.plot(caps, [curve[c] for c in caps], "o-", label=f"alpha {a}")
+        std = _curve(points, a, "all_mean" + STD)
+        draw(ax, caps, [curve[c] for c in caps], "o-", [std[c] for c in caps], label=f"alpha {a}")
     ax.set_xlabel("capacity (fraction of the client's train split in its datastore; "
                   "0 = FedAvg)", fontsize=8)
     ax.set_ylabel("kNN-Per mean test accuracy (%, all clients)")
@@ -149,4 +165,4 @@ EXPERIMENT = Experiment(
     (Grid("alphas", ALPHA, (0.1, 0.3, 1.0), (0.3,), "Dirichlet concentrations, or iid"),
      Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
           "datastore sizes as fractions of each client's train split")),
-    run)
+    measure, summarise)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from experiments.points import PointStore
+from experiments.seeds import seed_dir
 from experiments.spec import format_alpha
 from experiments.views import ClientView, client_views
 from fed_train.algorithms.base import TrainingConfig
@@ -45,6 +46,7 @@ class Context:
     points_done: Callable[[bool], None] = lambda computed: None  # see PointStore.on_point
     device: str = "cpu"
     client_batch: int = 1
+    seed_folders: bool = False  # one of several seeds (`--seeds`): its own files in seed_S/
     _runs: dict[str, LoadedRun] = field(default_factory=dict)
     _views: dict[str, list[ClientView]] = field(default_factory=dict)
     _choices: dict[str, KNNChoice] = field(default_factory=dict)
@@ -109,16 +111,26 @@ class Context:
         kNN-Per's configuration (its choice follows from the run), the values."""
         return {"run": config_id(self.config_for(alpha)), "knn": self.knn.key(), **values}
 
+    def folder(self, experiment: str) -> Path:
+        """Where this seed's own files of an experiment go: OUT/NAME, or OUT/NAME/seed_S when
+        several seeds run into the same OUT/NAME."""
+        base = self.out / experiment
+        return seed_dir(base, self.seed) if self.seed_folders else base
+
     def points(self, experiment: str) -> PointStore:
         return PointStore(self.out / experiment / "points.jsonl", self.points_done)
 
-    def scale_line(self) -> str:
+    def scale_line(self, seeds: Sequence[int] = ()) -> str:
+        """The scale in a sentence; `seeds`: those of a multi-seed run (kNN-Per's configuration
+        named is then the first seed's)."""
         c, t = self.config, self.config.training
+        seed = (f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if len(seeds) > 1
+                else f"seed {c.seed}")
         data = c.dataset + (f" (max {c.max_train} train images)" if c.max_train else "")
         return (f"{data}, {c.partition} partition, {c.clients} clients "
                 f"({c.unseen_fraction:.0%} unseen, validation {c.val_fraction:.0%} of each "
                 f"train split), model {c.model or 'default for the input'}, FedAvg {t.rounds} "
                 f"rounds x {t.epochs} local epoch(s), batch {t.batch_size}, lr {t.lr:g} "
-                f"(momentum {t.momentum:g}), participation {t.participation:g}, seed {c.seed}; "
+                f"(momentum {t.momentum:g}), participation {t.participation:g}, {seed}; "
                 f"{self.knn_choice().describe()} unless swept; lambda chosen per client from "
                 "{0, .1, .3, .5, .7, .9, 1}")

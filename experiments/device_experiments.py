@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import shutil
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from edge_runtime.encoder import Encoder
 from experiments import budget_curve, distribution_shift
 from experiments.context import Context
 from experiments.margins import Aligned, call, paired, pp, two_se
-from experiments.spec import DIMENSION, FRACTION, Claim, Experiment, Grid, Result
+from experiments.spec import DIMENSION, FRACTION, Claim, Experiment, Grid, Measured, Result
 from export.evaluation import reference_accuracy, weighted_mean
 from export.exporter import ExportSettings, apply_knn_choice, build_encoder
 from export.sizing import SearchSpace
@@ -54,23 +55,48 @@ def read_steps(out: Path) -> list[dict[str, Any]]:
                 for r in csv.DictReader(f)]
 
 
-def run_shift(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure_shift(ctx: Context, grids: dict[str, tuple]) -> Measured:
     settings = SHIFT_QUICK if ctx.quick else SHIFT_FULL
-    out = ctx.out / SHIFT
+    out = ctx.folder(SHIFT)
     ctx.run()  # the shared global model, trained if this folder has none yet
-    record = ctx.points(SHIFT).compute(ctx.point_key(**settings),
+    # the benchmark's files are read back from its folder, so a seed's own folder is in the key
+    where = {"folder": out.name} if ctx.seed_folders else {}
+    record = ctx.points(SHIFT).compute(ctx.point_key(**settings, **where),
                                        lambda: _shift_curve(ctx, settings, out))
     points = [{k: r[k] for k in ("step", "strategy", "mean_accuracy", "sem", "n",
                                  "mean_datastore_size")} for r in record["curve"]]
-    notes = [f"benchmarks/distribution_shift.py ran as `{' '.join(record['argv'])}`; its own "
-             "files (steps.csv: every client, step and strategy; curve.csv; clients.csv; "
-             "shift.md) are in this folder."]
-    return Result(points, ("step", "strategy", "mean_accuracy", "sem", "n",
-                           "mean_datastore_size"),
+    return Measured(points, [], ("step", "strategy"), (ctx.seed,),
+                    [{"settings": settings, "argv": record["argv"], "steps": read_steps(out),
+                      "dataset": ctx.config.dataset}], compute_seconds=record["seconds"])
+
+
+def summarise_shift(m: Measured, folder: Path) -> Result:
+    settings = m.facts[0]["settings"]
+    if len(m.seeds) == 1:
+        steps, plot = m.facts[0]["steps"], folder / "shift.png"  # the benchmark drew it
+        notes = [f"benchmarks/distribution_shift.py ran as `{' '.join(m.facts[0]['argv'])}`; "
+                 "its own files (steps.csv: every client, step and strategy; curve.csv; "
+                 "clients.csv; shift.md) are in this folder."]
+    else:
+        # a stream is (seed, the benchmark's own stream seed, client)
+        steps = [{**r, "seed": (s, r["seed"])} for s, f in zip(m.seeds, m.facts, strict=True)
+                 for r in f["steps"]]
+        plot = folder / "shift.png"
+        distribution_shift.plot(
+            m.points, Namespace(shift="dirichlet", **{**settings, "seeds": settings["seeds"]
+                                                      * len(m.seeds)}), plot,
+            f"means over seeds {', '.join(map(str, m.seeds))}, each on its own global model",
+            m.facts[0]["dataset"])
+        notes = ["benchmarks/distribution_shift.py ran once per seed, on that seed's global "
+                 f"model, with its own {settings['seeds']} stream seed(s); its files are in "
+                 "seed_S/. The claims pool every seed's streams."]
+    return Result(m.points, ("step", "strategy", "mean_accuracy", "sem", "n",
+                             "mean_datastore_size"),
                   [("step", "step", ""), ("strategy", "strategy", ""),
-                   ("mean_accuracy", "accuracy", ".3f"), ("mean_datastore_size", "stored", ".0f")],
-                  shift_claims(read_steps(out), settings), out / "shift.png", notes=notes,
-                  compute_seconds=record["seconds"])
+                   ("mean_accuracy", "accuracy", ".3f"),
+                   ("mean_datastore_size", "stored", ".0f")],
+                  shift_claims(steps, settings), plot, notes=notes,
+                  compute_seconds=m.compute_seconds)
 
 
 def shift_claims(steps: list[dict], s: dict[str, int]) -> list[Claim]:
@@ -135,7 +161,7 @@ class _ProtoNNCases:
         self.num_classes = run.dataset.num_classes
 
 
-def run_grid(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure_grid(ctx: Context, grids: dict[str, tuple]) -> Measured:
     steps = PROTONN_STEPS_QUICK if ctx.quick else SearchSpace.protonn_steps
     store = ctx.points(GRID)
     cases: _ProtoNNCases | None = None
@@ -173,19 +199,27 @@ def run_grid(ctx: Context, grids: dict[str, tuple]) -> Result:
                          **{k: r[k] for k in ("client_id", "test_accuracy", "test_samples",
                                               "val_accuracy", "val_samples", "ratio")}}
                         for r in record["clients"]]
-    plot = ctx.out / GRID / "protonn_grid.png"
-    budget_curve.plot_grid(points, full, plot, cost_pp=COST_PP)
-    return Result(points, ("projection_dim", "prototype_fraction", "mean_accuracy",
-                           "val_accuracy", "bytes_ratio", "drop_pp", "seconds"),
+    return Measured(points, clients, ("projection_dim", "prototype_fraction"), (ctx.seed,),
+                    [{"full": full, "steps": steps}])
+
+
+def summarise_grid(m: Measured, folder: Path) -> Result:
+    full = float(np.mean([f["full"] for f in m.facts]))  # a seed's own, or the seeds' mean
+    plot = folder / "protonn_grid.png"
+    folder.mkdir(parents=True, exist_ok=True)  # plot_grid, the benchmark's, expects it
+    budget_curve.plot_grid(m.points, full, plot, cost_pp=COST_PP)
+    return Result(m.points, ("projection_dim", "prototype_fraction", "mean_accuracy",
+                             "val_accuracy", "bytes_ratio", "drop_pp", "seconds"),
                   [("projection_dim", "d", ""), ("prototype_fraction", "m", "g"),
                    ("val_accuracy", "val acc", ".4f"), ("mean_accuracy", "test acc", ".4f"),
                    ("bytes_ratio", "bytes / full", ".3f"), ("drop_pp", "drop (pp)", "+.2f")],
-                  grid_claims(points, clients, full), plot, clients,
+                  grid_claims(m.points, m.clients, full), plot, m.clients,
                   ("projection_dim", "prototype_fraction", "client_id", "test_accuracy",
                    "test_samples", "val_accuracy", "val_samples", "ratio"),
                   notes=[f"Full float32 flat datastore (the reference): {full:.4f}. ProtoNN "
-                         f"trained {steps} steps per client and point with the int8 encoder's "
-                         "embeddings (benchmarks/export_budget_curve.py's protonn_grid)."])
+                         f"trained {m.facts[0]['steps']} steps per client and point with the "
+                         "int8 encoder's embeddings (benchmarks/export_budget_curve.py's "
+                         "protonn_grid)."])
 
 
 # "a limited accuracy cost": the paper's CIFAR-10 figure is 0.7 pp; we call up to 1 pp limited
@@ -219,7 +253,7 @@ SHIFT_EXPERIMENT = Experiment(
     "with a fixed datastore accuracy drops at the shift; FIFO drops then recovers as new samples "
     "replace old ones; concatenate gains before the shift and recovers more slowly than FIFO "
     "after it (Sec. 6, Fig. 6; Appendix Fig. 14).",
-    (), run_shift)
+    (), measure_shift, summarise_shift)
 
 GRID_EXPERIMENT = Experiment(
     GRID, "ProtoNN-compressed datastores over projection dimension x prototype fraction "
@@ -230,4 +264,4 @@ GRID_EXPERIMENT = Experiment(
     (Grid("dims", DIMENSION, (8, 16, 32, 64), (8, 16), "ProtoNN projection dimensions"),
      Grid("prototype_fractions", FRACTION, (0.05, 0.1, 0.2, 0.3, 0.5), (0.1, 0.3),
           "prototypes as fractions of each client's train split")),
-    run_grid)
+    measure_grid, summarise_grid)

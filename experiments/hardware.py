@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ import numpy as np
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from experiments.context import Context
-from experiments.margins import Aligned, call, interval, paired, pp
-from experiments.report import finish_axes, pyplot, save_figure, spearman
-from experiments.spec import DELTA_C, Claim, Experiment, Grid, Result
+from experiments.experiment_seeds import STD
+from experiments.margins import Aligned, call, interval, paired, pp, unit
+from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
+from experiments.spec import DELTA_C, Claim, Experiment, Grid, Measured, Result
 from experiments.views import knnper_rows
 from export.errors import BudgetInvalid
 from export.evaluation import evaluate_export, weighted_mean
@@ -136,7 +138,7 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def run(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
     store = ctx.points(NAME)
     space = QUICK_SPACE if ctx.quick else SPACE
     budgets: ByteBudgets | None = None
@@ -157,17 +159,22 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                            **{k: record.get(k) for k in COLUMNS[2:]},
                            "seconds": record["seconds"]})
             clients += [{"version": version, "delta_c": dc, **r} for r in record["rows"]]
-    plot = _plot(points, ctx.out / NAME / "hardware.png")
+    return Measured(points, clients, ("version", "delta_c"), (ctx.seed,),
+                    [{"backends": list(space.backends)}])
+
+
+def summarise(m: Measured, folder: Path) -> Result:
+    plot = _plot(m.points, folder / "hardware.png")
     notes = ["Weak and strong clients: a seeded half of all clients (seen and unseen), the same "
              "half in both versions. Byte budgets: the int8 encoder plus (1/2 -+ dC) x the bytes "
              "of the client's own full float32 flat datastore; the exporter searched "
-             f"{', '.join(space.backends)} datastores (ProtoNN left out for time)."]
-    return Result(points, (*COLUMNS, "seconds"),
+             f"{', '.join(m.facts[0]['backends'])} datastores (ProtoNN left out for time)."]
+    return Result(m.points, (*COLUMNS, "seconds"),
                   [("version", "version", ""), ("delta_c", "dC", ".2f"),
                    ("all_mean", "mean (all)", ".4f"), ("weak_mean", "weak", ".4f"),
                    ("strong_mean", "strong", ".4f"), ("mean_stored", "mean stored", ".1f"),
                    ("recipes", "datastores chosen", "")],
-                  _claims(points, clients, weak_clients(_ids(clients), ctx.seed)), plot, clients,
+                  _claims(m.points, m.clients, weak_of(m.clients, m.seeds)), plot, m.clients,
                   ("version", "delta_c", "client_id", "unseen", "budget", "recipe", "stored",
                    "total_bytes", "lambda", "test_accuracy", "test_samples"), notes)
 
@@ -177,9 +184,22 @@ def _ids(clients: list[dict]) -> list[int]:
     return sorted({int(c["client_id"]) for c in clients})
 
 
-def _claims(points: list[dict], clients: list[dict], weak: set[int]) -> list[Claim]:
+def weak_of(clients: list[dict], seeds: Sequence[int]) -> set:
+    """The weak half, as each seed split its own clients: client ids for one seed's rows,
+    (seed, client id) pairs for rows of several seeds combined."""
+    if not clients or "seed" not in clients[0]:
+        return weak_clients(_ids(clients), seeds[0])
+    return {(s, cid) for s in seeds
+            for cid in weak_clients(_ids([c for c in clients if c["seed"] == s]), s)}
+
+
+def _weak(row: dict, weak: set) -> bool:
+    return (unit(row) if "seed" in row else int(row["client_id"])) in weak
+
+
+def _claims(points: list[dict], clients: list[dict], weak: set) -> list[Claim]:
     """Each claim with its margin: 95% bootstrap intervals over clients, paired between the
-    smallest and largest dC (the same clients, the same weak half)."""
+    smallest and largest dC (the same clients, the same weak half; `weak` as weak_of gives it)."""
     claims = []
     for version in ("fractions", "bytes"):
         curve = {p["delta_c"]: p for p in points if p["version"] == version
@@ -192,8 +212,8 @@ def _claims(points: list[dict], clients: list[dict], weak: set[int]) -> list[Cla
         ends = [{"version": version, "delta_c": dcs[0]}, {"version": version, "delta_c": dcs[-1]}]
         rows = {name: Aligned(clients, ends, "test_accuracy", "test_samples", keep=keep)
                 for name, keep in (("all", lambda r: True),
-                                   ("weak", lambda r: int(r["client_id"]) in weak),
-                                   ("strong", lambda r: int(r["client_id"]) not in weak))}
+                                   ("weak", lambda r: _weak(r, weak)),
+                                   ("strong", lambda r: not _weak(r, weak)))}
         rho = spearman(dcs, [curve[d]["all_mean"] for d in dcs])
         drop = paired(rows["all"], 0, 1)
         falls = call(drop)
@@ -213,7 +233,7 @@ def _claims(points: list[dict], clients: list[dict], weak: set[int]) -> list[Cla
             wm, sm = w.means(idx[0]), s.means(idx[1])
             return float((wm[0] - wm[1]) - (sm[1] - sm[0]))
 
-        excess = interval(excess_of, [len(rows["weak"]), len(rows["strong"])])
+        excess = interval(excess_of, [rows["weak"].strata, rows["strong"].strata])
         # the claim is diminishing returns: weak clients lose, strong ones gain, and less
         if call(gain) == "disagree" or call(excess) == "disagree":
             verdict = "disagree"
@@ -237,7 +257,8 @@ def _plot(points: list[dict], path):
         if not pts:
             continue
         x = [d for d, _ in pts]
-        ax.plot(x, [p["all_mean"] for _, p in pts], "o-", color=color, label=f"{version}: all")
+        draw(ax, x, [p["all_mean"] for _, p in pts], "o-",
+             [p.get("all_mean" + STD) for _, p in pts], color=color, label=f"{version}: all")
         ax.plot(x, [p["weak_mean"] for _, p in pts], "v:", color=color, alpha=0.6,
                 label=f"{version}: weak")
         ax.plot(x, [p["strong_mean"] for _, p in pts], "^:", color=color, alpha=0.6,
@@ -258,4 +279,4 @@ EXPERIMENT = Experiment(
     "clients gain less than weak ones lose (Appendix, Fig. 10).",
     (Grid("delta_cs", DELTA_C, (0.0, 0.1, 0.2, 0.3, 0.4), (0.0, 0.3),
           "capacity spreads dC in [0, 0.5)"),),
-    run)
+    measure, summarise)

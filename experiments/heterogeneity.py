@@ -4,11 +4,13 @@ evaluation.client_accuracies, exactly as `knnper evaluate` scores it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from experiments.context import Context
+from experiments.experiment_seeds import STD
 from experiments.margins import (
     AGREE,
     DISAGREE,
@@ -20,8 +22,17 @@ from experiments.margins import (
     pp,
     tally,
 )
-from experiments.report import finish_axes, pyplot, save_figure, spearman
-from experiments.spec import ALPHA, IID_ALPHA, Claim, Experiment, Grid, Result, format_alpha
+from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
+from experiments.spec import (
+    ALPHA,
+    IID_ALPHA,
+    Claim,
+    Experiment,
+    Grid,
+    Measured,
+    Result,
+    format_alpha,
+)
 from experiments.views import summary_fields
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights
@@ -43,7 +54,7 @@ def _evaluate(ctx: Context, alpha: float, method: str) -> dict[str, Any]:
     return {"rows": rows, **summary_fields(rows)}
 
 
-def run(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
     store = ctx.points(NAME)
     points, clients = [], []
     for alpha in sorted(grids["alphas"]):
@@ -56,18 +67,22 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
             clients += [{**label, "client_id": r["client_id"], "unseen": r["unseen"],
                          "n_test": r["n_test"], "accuracy": r["accuracy"],
                          "lambda": r["info"].get("lambda")} for r in record["rows"]]
-    plot = _plot(points, ctx.out / NAME / "heterogeneity.png")
-    return Result(points, ("alpha", "method", *SUMMARY_COLUMNS, "seconds"),
+    return Measured(points, clients, ("alpha", "method"), (ctx.seed,))
+
+
+def summarise(m: Measured, folder: Path) -> Result:
+    plot = _plot(m.points, folder / "heterogeneity.png")
+    return Result(m.points, ("alpha", "method", *SUMMARY_COLUMNS, "seconds"),
                   [("alpha", "alpha", ""), ("method", "method", ""),
                    ("all_mean", "mean (all)", ".4f"),
                    ("all_bottom_decile", "bottom 10% (all)", ".4f"),
                    ("seen_mean", "mean (seen)", ".4f"), ("unseen_mean", "mean (unseen)", ".4f")],
-                  _claims(points, clients), plot, clients,
+                  _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "method", "client_id", "unseen", "n_test", "accuracy", "lambda"))
 
 
 def _by(points: list[dict], method: str, key: str = "all_mean") -> dict[str, float]:
-    return {p["alpha"]: p[key] for p in points if p["method"] == method}
+    return {p["alpha"]: p.get(key) for p in points if p["method"] == method}
 
 
 def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
@@ -89,7 +104,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     if len(alphas) >= 2:
         first, last = alphas[0], alphas[-1]
         iv = interval(lambda idx: gain(first, idx[0]) - gain(last, idx[1]),
-                      [len(aligned[first]), len(aligned[last])])
+                      [aligned[first].strata, aligned[last].strata])
         claims = [Claim("kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
                         f"{shown}" + (f"; Spearman(alpha, gain) = {rho:+.2f}" if rho is not None
                                       else "") + f"; gain at alpha {first} minus at {last}: "
@@ -128,7 +143,9 @@ def _plot(points: list[dict], path):
                            (axes[1], "all_bottom_decile", "bottom-decile test accuracy (%)")):
         for method in METHODS:
             by = _by(points, method, key)
-            ax.plot(range(len(alphas)), [by[a] for a in alphas], "o-", label=TITLES[method])
+            std = _by(points, method, key + STD)
+            draw(ax, range(len(alphas)), [by[a] for a in alphas], "o-",
+                 [std.get(a) for a in alphas], label=TITLES[method])
         ax.set_xticks(range(len(alphas)), alphas)
         ax.set_xlabel("Dirichlet alpha (smaller = more heterogeneous)")
         ax.set_ylabel(title)
@@ -144,4 +161,4 @@ EXPERIMENT = Experiment(
     "Theorem 4.1).",
     (Grid("alphas", ALPHA, (0.1, 0.3, 0.5, 1.0, IID_ALPHA), (0.3, IID_ALPHA),
           "Dirichlet concentrations, or iid"),),
-    run)
+    measure, summarise)

@@ -3,6 +3,8 @@ one global model over a k x sigma grid, lambda chosen per client on validation a
 
 from __future__ import annotations
 
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,7 +12,7 @@ import numpy as np
 from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp
 from experiments.report import finish_axes, pyplot, save_figure
-from experiments.spec import NEIGHBOURS, POSITIVE, Claim, Experiment, Grid, Result
+from experiments.spec import NEIGHBOURS, POSITIVE, Claim, Experiment, Grid, Measured, Result
 from experiments.views import knnper_rows, summary_fields
 
 NAME = "k-sigma"
@@ -25,7 +27,7 @@ def grid_point(ctx: Context, k: int, sigma: float) -> dict[str, Any]:
     return {"rows": rows, **summary_fields(rows)}
 
 
-def run(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
     store = ctx.points(NAME)
     points, clients = [], []
     for sigma in sorted(grids["sigmas"]):
@@ -38,11 +40,18 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
             clients += [{"k": k, "sigma": sigma, "client_id": r["client_id"],
                          "unseen": r["unseen"], "n_test": r["n_test"], "accuracy": r["accuracy"],
                          "lambda": r["info"]["lambda"]} for r in record["rows"]]
-    plot = _plot(points, ctx.out / NAME / "k_sigma.png")
-    return Result(points, ("k", "sigma", "all_mean", "all_bottom_decile", "seconds"),
+    return Measured(points, clients, ("k", "sigma"), (ctx.seed,),
+                    [{"k": ctx.k, "sigma": ctx.sigma}])
+
+
+def summarise(m: Measured, folder: Path) -> Result:
+    # the claims' reference k and sigma: the run's chosen ones (the seeds' most common choice)
+    k, sigma = Counter((f["k"], f["sigma"]) for f in m.facts).most_common(1)[0][0]
+    plot = _plot(m.points, folder / "k_sigma.png")
+    return Result(m.points, ("k", "sigma", "all_mean", "all_bottom_decile", "seconds"),
                   [("k", "k", ""), ("sigma", "sigma", "g"), ("all_mean", "mean (all)", ".4f"),
                    ("all_bottom_decile", "bottom 10%", ".4f")],
-                  _claims(points, clients, ctx.k, ctx.sigma), plot, clients,
+                  _claims(m.points, m.clients, k, sigma), plot, m.clients,
                   ("k", "sigma", "client_id", "unseen", "n_test", "accuracy", "lambda"))
 
 
@@ -50,7 +59,7 @@ def _flat(clients: list[dict], points: list[dict[str, Any]]) -> tuple[dict[str, 
     """"Changes accuracy by less than FLAT_PP": agree only where the 95% interval of the spread
     (best minus worst point, re-ranked in every draw) lies below the bound, disagree above."""
     aligned = Aligned(clients, points)
-    iv = interval(lambda idx: float(np.ptp(aligned.means(idx[0]))), [len(aligned)])
+    iv = interval(lambda idx: float(np.ptp(aligned.means(idx[0]))), [aligned.strata])
     return iv, call(iv, FLAT_PP / 100, above=False)
 
 
@@ -117,4 +126,4 @@ EXPERIMENT = Experiment(
     (Grid("ks", NEIGHBOURS, (1, 3, 5, 7, 10, 14, 20, 30), (3, 10), "numbers of neighbours"),
      Grid("sigmas", POSITIVE, (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0), (1.0, 100.0),
           "kernel scales")),
-    run)
+    measure, summarise)

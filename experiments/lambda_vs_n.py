@@ -8,6 +8,7 @@ in a step. We fit that step (the threshold n* that best separates small from lar
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,9 +16,9 @@ import numpy as np
 from experiments.capacity import NAME as CAPACITY
 from experiments.capacity import capacity_point
 from experiments.context import Context
-from experiments.margins import call, interval
+from experiments.margins import call, interval, strata, unit
 from experiments.report import finish_axes, pyplot, save_figure, spearman
-from experiments.spec import FRACTION, Claim, Experiment, Grid, Result
+from experiments.spec import FRACTION, Claim, Experiment, Grid, Measured, Result
 
 NAME = "lambda-vs-n"
 
@@ -38,7 +39,7 @@ def step_fit(n: np.ndarray, lam: np.ndarray) -> tuple[float, float, float, float
     return (*best[:3], 1 - best_err / total)
 
 
-def run(ctx: Context, grids: dict[str, tuple]) -> Result:
+def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
     store = ctx.points(CAPACITY)  # the same points as the capacity experiment at this alpha
     alpha = ctx.config.alpha
     points, pairs = [], []
@@ -55,12 +56,17 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
         pairs += [{"capacity": capacity, "client_id": r["client_id"], "unseen": r["unseen"],
                    "datastore_size": r["info"]["datastore_size"], "lambda": r["info"]["lambda"],
                    "accuracy": r["accuracy"]} for r in rows]
+    return Measured(points, pairs, ("capacity",), (ctx.seed,))
+
+
+def summarise(m: Measured, folder: Path) -> Result:
+    pairs = m.clients
     n = np.array([p["datastore_size"] for p in pairs], dtype=float)
     lam = np.array([p["lambda"] for p in pairs], dtype=float)
     fit = step_fit(n, lam)
-    plot = _plot(n, lam, fit, ctx.out / NAME / "lambda_vs_n.png")
-    return Result(points, ("capacity", "mean_datastore_size", "mean_lambda",
-                           "share_lambda_above_half", "mean_accuracy", "seconds"),
+    plot = _plot(n, lam, fit, folder / "lambda_vs_n.png")
+    return Result(m.points, ("capacity", "mean_datastore_size", "mean_lambda",
+                             "share_lambda_above_half", "mean_accuracy", "seconds"),
                   [("capacity", "capacity", ".2f"), ("mean_datastore_size", "mean n_m", ".1f"),
                    ("mean_lambda", "mean lambda", ".3f"),
                    ("share_lambda_above_half", "share lambda > 1/2", ".2f"),
@@ -73,17 +79,19 @@ def run(ctx: Context, grids: dict[str, tuple]) -> Result:
                    "no upward step fits better than a constant)."])
 
 
-def _by_client(pairs: list[dict]) -> list[np.ndarray]:
-    """Row indices of each client's pairs: one client's capacities are not independent, so the
-    bootstrap resamples whole clients."""
-    ids = sorted({p["client_id"] for p in pairs})
-    return [np.array([i for i, p in enumerate(pairs) if p["client_id"] == c]) for c in ids]
+def _by_client(pairs: list[dict]) -> tuple[list[np.ndarray], tuple[int, ...]]:
+    """Row indices of each client's pairs, clients in (seed, id) order, and each seed's number
+    of clients: one client's capacities are not independent, so the bootstrap resamples whole
+    clients (within their seed)."""
+    units = sorted({unit(p) for p in pairs})
+    of = [unit(p) for p in pairs]
+    return ([np.array([i for i, u in enumerate(of) if u == c]) for c in units], strata(units))
 
 
 def _claims(pairs: list[dict], fit: tuple) -> list[Claim]:
     n = np.array([p["datastore_size"] for p in pairs], dtype=float)
     lam = np.array([p["lambda"] for p in pairs], dtype=float)
-    groups = _by_client(pairs)
+    groups, seeds = _by_client(pairs)
 
     def rows(idx: np.ndarray) -> np.ndarray:
         return np.concatenate([groups[i] for i in idx])
@@ -98,7 +106,7 @@ def _claims(pairs: list[dict], fit: tuple) -> list[Claim]:
     if rho is None:
         claims = [Claim(title, "lambda or n_m constant", "not measured")]
     else:
-        iv = interval(rho_of, [len(groups)])
+        iv = interval(rho_of, [seeds])
         claims = [Claim(title, f"Spearman(n_m, lambda) = {rho:+.2f} over {len(n)} pairs of "
                         f"{len(groups)} clients, 95% interval (clients resampled) "
                         f"[{iv['low']:+.2f}, {iv['high']:+.2f}]; step fit: {fit[1]:.2f} below "
@@ -112,7 +120,7 @@ def _claims(pairs: list[dict], fit: tuple) -> list[Claim]:
             r = r[around[r]]
             return float(lam[r].mean()) if len(r) else float("nan")
 
-        iv = interval(mean_of, [len(groups)])
+        iv = interval(mean_of, [seeds])
         claims.append(Claim(title, f"mean lambda {iv['effect']:.2f} over {int(around.sum())} "
                             f"pairs with 50 <= n_m <= 200, 95% interval [{iv['low']:.2f}, "
                             f"{iv['high']:.2f}]", call(iv, 0.5)))
@@ -154,4 +162,4 @@ EXPERIMENT = Experiment(
     "give lambda > 1/2 (Sec. 6, Appendix Fig. 9).",
     (Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
           "datastore sizes as fractions of each client's train split"),),
-    run)
+    measure, summarise)

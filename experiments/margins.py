@@ -1,11 +1,16 @@
 """Margins for the experiments' verdicts. A claim is called "agree" or "disagree" only where its
 effect clears its margin: a 95% bootstrap interval over clients that excludes the claim's
 threshold, or, for the on-device stream, an effect beyond two standard errors over the
-(seed, client) streams. Anything closer is "inconclusive"."""
+(seed, client) streams. Anything closer is "inconclusive".
+
+Rows from several seeds (a `seed` column, `knnper experiment --seeds N`) are pooled: a client is
+(seed, client id), and the bootstrap resamples clients within their own seed, since each seed is
+an independently drawn partition."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import groupby
 from typing import Any
 
 import numpy as np
@@ -14,14 +19,35 @@ DRAWS = 1000
 AGREE, DISAGREE, INCONCLUSIVE = "agree", "disagree", "inconclusive"
 
 
-def interval(effect: Callable[[list[np.ndarray]], float], sizes: Sequence[int], *,
+# One independent sample: its size, or the sizes of its strata (the seeds: consecutive blocks of
+# its units, each resampled on its own).
+Sample = int | Sequence[int]
+
+
+def _total(sample: Sample) -> int:
+    return sample if isinstance(sample, int) else sum(sample)
+
+
+def resample(rng: np.random.Generator, sample: Sample) -> np.ndarray:
+    """Indices drawn with replacement, each stratum's from its own block: a seed's clients are
+    only ever replaced by clients of the same seed. One stratum draws exactly as a plain size."""
+    if isinstance(sample, int):
+        return rng.integers(0, sample, sample)
+    starts = np.cumsum([0, *sample])
+    return np.concatenate([np.zeros(0, dtype=np.int64)]
+                          + [start + rng.integers(0, n, n)
+                             for start, n in zip(starts[:-1], sample, strict=True) if n])
+
+
+def interval(effect: Callable[[list[np.ndarray]], float], sizes: Sequence[Sample], *,
              draws: int = DRAWS, seed: int = 0) -> dict[str, float]:
     """The effect on the data as measured and its 95% bootstrap interval. `sizes` are the
-    independent samples (one per separately partitioned run): each draw resamples every one of
-    them with replacement and passes the index arrays to `effect`."""
-    point = effect([np.arange(n) for n in sizes])
+    independent samples (one per separately partitioned run; an Aligned's `strata` where its rows
+    come from several seeds): each draw resamples every one of them with replacement and passes
+    the index arrays to `effect`."""
+    point = effect([np.arange(_total(n)) for n in sizes])
     rng = np.random.default_rng(seed)
-    samples = np.array([effect([rng.integers(0, n, n) for n in sizes]) for _ in range(draws)],
+    samples = np.array([effect([resample(rng, n) for n in sizes]) for _ in range(draws)],
                        dtype=float)
     low, high = np.nanpercentile(samples, [2.5, 97.5])
     return {"effect": float(point), "low": float(low), "high": float(high)}
@@ -67,9 +93,20 @@ def pp(iv: Mapping[str, float], scale: float = 100.0, unit: str = " pp") -> str:
             f"{scale * iv['high']:+.2f}]")
 
 
+def unit(row: Mapping[str, Any]) -> tuple[Any, int]:
+    """Who a client row is: (seed, client id); the seed is None in a one-seed run's rows."""
+    return row.get("seed"), int(row["client_id"])
+
+
+def strata(units: Sequence[tuple[Any, int]]) -> tuple[int, ...]:
+    """How many of the sorted `units` each seed holds, in order: what `interval` resamples."""
+    return tuple(len(list(block)) for _, block in groupby(units, key=lambda u: u[0]))
+
+
 class Aligned:
     """Per-client values of several points (one row each), over the clients present and scored
-    in all of them, with each client's test size as its weight."""
+    in all of them, with each client's test size as its weight. Clients are sorted by (seed,
+    client id), so `strata` gives each seed's block for `interval`."""
 
     def __init__(self, clients: Iterable[Mapping[str, Any]], points: Sequence[Mapping[str, Any]],
                  value: str = "accuracy", weight: str = "n_test",
@@ -77,11 +114,12 @@ class Aligned:
         tables = []
         rows = [r for r in clients if keep(r)]
         for point in points:
-            tables.append({int(r["client_id"]): r for r in rows
+            tables.append({unit(r): r for r in rows
                            if all(_same(r.get(k), v) for k, v in point.items())
                            and r.get(value) is not None and r.get(weight)})
         ids = sorted(set.intersection(*(set(t) for t in tables))) if tables else []
         self.ids = ids
+        self.strata = strata(ids)
         self.values = np.array([[float(t[i][value]) for i in ids] for t in tables])
         self.weights = np.array([float(tables[0][i][weight]) for i in ids]) if ids else np.zeros(0)
 
@@ -112,4 +150,4 @@ def paired(aligned: Aligned, a: int, b: int, stat: str = "means") -> dict[str, f
     """Point a minus point b over the same clients (`stat`: "means" or "bottom_deciles"), with
     its 95% interval from resampling those clients."""
     of = getattr(aligned, stat)
-    return interval(lambda idx: float(of(idx[0])[a] - of(idx[0])[b]), [len(aligned)])
+    return interval(lambda idx: float(of(idx[0])[a] - of(idx[0])[b]), [aligned.strata])

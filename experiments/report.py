@@ -40,6 +40,15 @@ def finish_axes(ax: Any, title: str | None = None, *, percent_y: bool = True,
         ax.set_title(title, fontsize=9)
 
 
+def draw(ax: Any, x: Sequence[Any], y: Sequence[float], fmt: str,
+         std: Sequence[float | None] | None = None, **style: Any) -> Any:
+    """A curve; with bars of +- one standard deviation where its points carry one (the
+    across-seed `COLUMN_std` of `knnper experiment --seeds`)."""
+    if std is None or all(s is None for s in std):
+        return ax.plot(x, y, fmt, **style)[0]
+    return ax.errorbar(x, y, yerr=[s or 0.0 for s in std], fmt=fmt, capsize=3, **style).lines[0]
+
+
 def save_figure(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()

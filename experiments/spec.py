@@ -100,10 +100,30 @@ class Result:
     compute_seconds: float | None = None
 
 
+@dataclass
+class Measured:
+    """What an experiment measured for one seed, or for every seed combined
+    (experiments.experiment_seeds): the summary (claims, plot) is made from this alone, so one
+    seed and several are judged by the same code."""
+
+    points: list[dict[str, Any]]
+    clients: list[dict[str, Any]]  # rows carry a "seed" only when several seeds are combined
+    keys: tuple[str, ...]  # the point columns that name a point (its grid values)
+    seeds: tuple[int, ...]
+    # per seed, in `seeds` order: what the summary needs besides the rows (e.g. the chosen k)
+    facts: list[dict[str, Any]] = field(default_factory=list)
+    compute_seconds: float | None = None  # as Result.compute_seconds
+
+
 @dataclass(frozen=True)
 class Experiment:
     name: str
     help: str
     claim: str  # the paper's claim, in a sentence or two, with where it is in the paper
     grids: tuple[Grid, ...]
-    run: Callable[..., Result]  # run(ctx, grids) -> Result
+    measure: Callable[..., Measured]  # measure(ctx, grids): one seed's points and client rows
+    summarise: Callable[[Measured, Path], Result]  # claims, and the plot written into the folder
+
+    def run(self, ctx: Any, grids: dict[str, tuple]) -> Result:
+        """One seed, reported in OUT/NAME."""
+        return self.summarise(self.measure(ctx, grids), ctx.out / self.name)

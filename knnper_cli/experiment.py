@@ -1,8 +1,14 @@
-"""`knnper experiment NAME --out DIR [--quick]`: one of the paper's experiments into DIR/NAME
-(points.csv, clients.csv, a PNG plot, summary.md). Global models are trained into DIR/runs and
-shared by every experiment run into the same DIR; finished points are kept in
+"""`knnper experiment NAME --out DIR [--quick] [--seeds N]`: one of the paper's experiments into
+DIR/NAME (points.csv, clients.csv, a PNG plot, summary.md). Global models are trained into
+DIR/runs and shared by every experiment run into the same DIR; finished points are kept in
 DIR/NAME/points.jsonl, so an interrupted experiment resumes where it stopped. Grid values are
-checked while the command line is parsed, before anything is trained."""
+checked while the command line is parsed, before anything is trained.
+
+With --seeds N the experiment runs for seeds --seed .. --seed+N-1 (each its own partition and
+global models, all in DIR/runs and one points.jsonl): each seed's report goes to
+DIR/NAME/seed_S/, and DIR/NAME holds the combined one: points.csv with each column's mean and
+standard deviation across seeds, clients.csv with every seed's clients (a `seed` column), a plot
+of the means, and claims judged on all seeds, clients resampled within their own seed."""
 
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from experiments.context import QUICK, Context
+from experiments.experiment_seeds import combine, combined_result
 from experiments.registry import EXPERIMENTS
 from experiments.report import write_report
+from experiments.seeds import seed_dir
 from experiments.spec import IID_ALPHA, Experiment
 from fed_train.device import resolve_device
 from fed_train.progress import Progress
@@ -54,6 +62,13 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                        help="FedAvg checkpoint period (base-model: every such checkpoint is a "
                             "point)")
         add_training_arguments(q)
+        q.add_argument("--seeds", type=positive_int, default=1, metavar="N",
+                       help="run seeds --seed .. --seed+N-1, each with its own partition and "
+                            "global models: each seed's report in OUT/NAME/seed_S, and in "
+                            "OUT/NAME the mean +- std across seeds and claims judged on all "
+                            "seeds (clients resampled within their seed). distribution-shift "
+                            "runs its own stream seeds (3; 1 with --quick) on every seed's "
+                            "global model and pools all the streams")
         q.set_defaults(func=_cmd_experiment, spec=exp, parser=q)
 
 
@@ -81,20 +96,38 @@ def command_line(args: argparse.Namespace) -> str:
 
 def _cmd_experiment(args: argparse.Namespace) -> int:
     exp: Experiment = args.spec
-    config = replace(QUICK, seed=args.seed) if args.quick else config_from_args(args)
     grids = {g.name: getattr(args, g.name, None) or (g.quick if args.quick else g.full)
              for g in exp.grids}
+    folder = Path(args.out) / exp.name
+    seeds = range(args.seed, args.seed + args.seeds)
     started = time.perf_counter()
     # how many points an experiment computes is its own business: lines count them, no total
     with Progress(None, desc=f"experiment {exp.name}", unit="point",
                   enabled=not args.no_progress) as bar:
-        ctx = Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
-                      progress=not args.no_progress,
-                      points_done=lambda computed: bar.update(measured=computed),
-                      device=str(resolve_device(args.device)), client_batch=args.client_batch)
-        result = exp.run(ctx, grids)
-    summary = write_report(exp, result, ctx.out / exp.name, command=command_line(args),
-                           scale_line=ctx.scale_line(), started=started)
+        contexts = [_context(args, seed, bar) for seed in seeds]
+        if args.seeds == 1:
+            result = exp.run(contexts[0], grids)
+        else:
+            measured = []
+            for ctx in contexts:  # each seed reported as it finishes: an interruption keeps it
+                measured.append(exp.measure(ctx, grids))
+                one = argparse.Namespace(**{**vars(args), "seed": ctx.seed, "seeds": 1})
+                write_report(exp, exp.summarise(measured[-1], seed_dir(folder, ctx.seed)),
+                             seed_dir(folder, ctx.seed), command=command_line(one),
+                             scale_line=ctx.scale_line(), started=started)
+            result = combined_result(exp.summarise(combine(measured), folder), list(seeds))
+    summary = write_report(exp, result, folder, command=command_line(args),
+                           scale_line=contexts[0].scale_line(list(seeds)), started=started)
     print(summary.read_text())
     print(f"wrote {summary.parent}/points.csv, {result.plot.name} and {summary.name}")
     return 0
+
+
+def _context(args: argparse.Namespace, seed: int, bar: Progress) -> Context:
+    config = replace(QUICK, seed=seed) if args.quick else replace(config_from_args(args),
+                                                                   seed=seed)
+    return Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
+                   progress=not args.no_progress,
+                   points_done=lambda computed: bar.update(measured=computed),
+                   device=str(resolve_device(args.device)), client_batch=args.client_batch,
+                   seed_folders=args.seeds > 1)
