@@ -10,7 +10,8 @@ seen and unseen, from clients.csv, against results.json, table1.csv, table2.csv 
 kNN-Per's test-oracle row and its lambda report; the attribution's summaries from
 attribution.csv. For the seeds folders: the mean +- std across seeds, the paired bootstrap
 intervals and verdicts and the lambda tie counts (seeds.json, seeds.csv, seeds.md). In
-BENCHMARKS.md: the fair section's two tables and the seeds section's tables.
+BENCHMARKS.md: the fair section's two tables and the seeds section's tables, including its
+kNN-Per-minus-a-baseline intervals and verdicts.
 """
 
 from __future__ import annotations
@@ -220,6 +221,27 @@ def check_benchmarks_md(text: str, fair: Mapping[str, dict], seeds: Mapping[str,
                             for k in ("mean", "std")], _numbers(cell))
 
 
+def check_versus_md(text: str, seeds: Mapping[str, dict], check: Checker) -> None:
+    """The rows of BENCHMARKS.md's across-seed comparison table against each seeds.json:
+    kNN-Per minus the named baseline, its interval and its verdict."""
+    heading = "### Across seeds: kNN-Per minus a baseline"
+    if heading not in text:
+        return
+    by_title = {v: k for k, v in TITLES.items()}
+    _, rows = _markdown_table(text, heading)
+    for table, group, stat, baseline, cell, verdict in rows:
+        summary = seeds.get(SEED_TABLES[table])
+        if summary is None:
+            check.same(f"BENCHMARKS.md versus {table}", "a committed seeds.json", "none")
+            continue
+        stat_key = {"mean": "mean", "bottom decile": "bottom_decile"}[stat]
+        c = summary["versus_each"][group][stat_key][by_title[baseline.replace("**", "")]]
+        where = f"BENCHMARKS.md versus {table} {group} {stat} {baseline}"
+        check.same(where, [round(100 * c[k], 2) for k in ("diff", "low", "high")],
+                   _numbers(cell))
+        check.same(f"{where} verdict", c["verdict"], verdict.replace("**", ""))
+
+
 def main() -> int:
     check = Checker()
     fair = {name: check_table(FAIR / name, check) for name in FAIR_TABLES.values()}
@@ -229,6 +251,8 @@ def main() -> int:
             seeds[name] = check_seeds(SEEDS / name, check)
     check_benchmarks_md((REPO / "BENCHMARKS.md").read_text(), fair,
                         {k: v for k, v in seeds.items() if v}, check)
+    check_versus_md((REPO / "BENCHMARKS.md").read_text(), {k: v for k, v in seeds.items() if v},
+                    check)
     for line in check.mismatches:
         print(f"MISMATCH {line}")
     print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")

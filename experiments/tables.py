@@ -53,7 +53,7 @@ from fed_train.run import (
     load_run_data,
     prepare_clients,
 )
-from fed_train.simulation import simulate
+from fed_train.simulation import CheckpointError, simulate
 from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,8 @@ class TableRunner:
                 return cached["rows"]
         try:
             return self._rows(method, lr, identity, cache)
+        except CheckpointError:
+            raise  # a run folder to clean up, not a learning rate that diverged
         except TrainingError as err:
             if not diverged_ok:
                 raise

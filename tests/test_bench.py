@@ -204,6 +204,23 @@ def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(
         bench(*TINY[:-1], "0.9", "--methods", "fedavg", "--out", str(tmp_path / "fixed"))
 
 
+@pytest.mark.slow
+def test_a_broken_checkpoint_stops_the_table_instead_of_passing_for_a_divergence(tmp_path):
+    """A run folder whose checkpoints cannot be resumed (copied from an older version, say) is
+    a folder to clean up: tuning must not record that learning rate as diverged and go on."""
+    from fed_train.simulation import CheckpointError
+
+    out = tmp_path / "table"
+    grid = ("--methods", "fedavg", "--tune-lr", "--lr-grid", "0.1,0.05", "--out", str(out))
+    assert bench(*TINY, *grid) == 0
+    for path in (out / "runs" / "fedavg" / "lr_0.1" / "checkpoints").glob("round_*.pt"):
+        path.write_bytes(b"not a checkpoint")
+    (out / "eval" / "fedavg" / "lr_0.1.json").unlink()
+    with pytest.raises(CheckpointError, match="no good checkpoint"):
+        bench(*TINY, *grid)
+    assert not (out / "eval" / "fedavg" / "lr_0.1.json").exists()
+
+
 # ClusteredFL splits whenever three clients report (the official tolerances never split on so
 # small a run), so the test has several clusters for its new clients to choose from
 SPLIT_ALWAYS = {"eps1": 1e9, "eps2": 0.0, "min_split_size": 3}
