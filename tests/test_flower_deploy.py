@@ -168,6 +168,12 @@ def test_knnper_evaluate_on_the_flower_run_agrees_with_the_federated_evaluation(
     assert np.isfinite(row["knnper"])
 
 
+def _ctrl_c_as_typed() -> None:
+    """The child takes Ctrl-C as a terminal would deliver it, even where pytest itself runs as a
+    background job (which starts with SIGINT ignored, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_stopping_deploy_stops_every_process(tmp_path, sig):
     """Ctrl-C unwinds and stops the federation; a SIGKILLed deploy cannot, so the kernel stops
@@ -175,7 +181,7 @@ def test_stopping_deploy_stops_every_process(tmp_path, sig):
     run = tmp_path / "run"
     deploy = subprocess.Popen([*KNNPER, "--no-progress", "deploy", "local", *TRAINING_FLAGS,
                                "--out", str(run)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+                              stderr=subprocess.STDOUT, text=True, preexec_fn=_ctrl_c_as_typed)
     try:
         pids = run / "flower_logs" / "processes.json"
         _wait_for(lambda: pids.is_file() and "supernode-0" in pids.read_text(), 120,
