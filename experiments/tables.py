@@ -35,7 +35,7 @@ from experiments.lr_tuning import (
 from experiments.seeds import seed_dir, summarize_seeds, write_seeds
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
-from fed_train.errors import KnnperError, TrainingError
+from fed_train.errors import KnnperError, TrainingDiverged
 from fed_train.evaluation import merge_results, plain_json, summarize
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
@@ -53,7 +53,7 @@ from fed_train.run import (
     load_run_data,
     prepare_clients,
 )
-from fed_train.simulation import CheckpointError, simulate
+from fed_train.simulation import simulate
 from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
@@ -205,13 +205,11 @@ class TableRunner:
             cached = json.loads(cache.read_text())
             if cached.get("hyper") == plain_json(identity):
                 if cached["rows"] is None and not diverged_ok:
-                    raise TrainingError(cached["diverged"])
+                    raise TrainingDiverged(cached["diverged"])
                 return cached["rows"]
         try:
             return self._rows(method, lr, identity, cache)
-        except CheckpointError:
-            raise  # a run folder to clean up, not a learning rate that diverged
-        except TrainingError as err:
+        except TrainingDiverged as err:
             if not diverged_ok:
                 raise
             log.warning("%s at lr=%g diverged: %s", method, lr, err)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["KnnperError", "DataError", "PartitionError", "TrainingError"]
+__all__ = ["KnnperError", "DataError", "PartitionError", "TrainingError", "TrainingDiverged"]
 
 
 class KnnperError(Exception):
@@ -19,3 +19,8 @@ class PartitionError(KnnperError, ValueError):
 
 class TrainingError(KnnperError, RuntimeError):
     """Training went wrong in a way the user should hear about (for example a NaN loss)."""
+
+
+class TrainingDiverged(TrainingError):
+    """The training loss became NaN or infinite: this learning rate is unusable, which a
+    learning-rate grid records and skips (any other TrainingError stops it)."""

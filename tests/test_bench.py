@@ -184,13 +184,13 @@ def test_tuned_knn_table_with_workers_and_attribution(tmp_path):
 def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(tmp_path,
                                                                                  monkeypatch):
     import fed_train.algorithms.fedavg as fedavg_module
-    from fed_train.errors import TrainingError
+    from fed_train.errors import TrainingDiverged, TrainingError
 
     real = fedavg_module.local_sgd
 
     def diverge_at_large_lr(model, x, y, training, lr, seed, **kw):
         if lr > 0.5:
-            raise TrainingError(f"the training loss became nan (lr={lr:g})")
+            raise TrainingDiverged(f"the training loss became nan (lr={lr:g})")
         return real(model, x, y, training, lr, seed, **kw)
 
     monkeypatch.setattr(fedavg_module, "local_sgd", diverge_at_large_lr)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fed_train.device import autocast
-from fed_train.errors import TrainingError
+from fed_train.errors import TrainingDiverged
 from fed_train.models import EmbedHeadModel
 
 Weights = dict[str, np.ndarray]
@@ -185,11 +185,11 @@ def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: Trai
 
 
 def finite_mean_loss(total: torch.Tensor, count: int, lr: float) -> float:
-    """The mean training loss, or TrainingError when a step's loss was NaN or infinite (it
+    """The mean training loss, or TrainingDiverged when a step's loss was NaN or infinite (it
     would average NaN weights into the global model)."""
     mean = float(total) / max(count, 1)
     if not math.isfinite(mean):
-        raise TrainingError(f"the training loss became {mean} (lr={lr:g}); "
+        raise TrainingDiverged(f"the training loss became {mean} (lr={lr:g}); "
                             "lower the learning rate")
     return mean
 

@@ -22,7 +22,7 @@ from fed_train.algorithms.base import (
     set_weights,
 )
 from fed_train.device import autocast
-from fed_train.errors import TrainingError
+from fed_train.errors import TrainingDiverged
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -72,7 +72,7 @@ def make_optimizer(params: Iterable[nn.Parameter], training: TrainingConfig,
 
 def check_loss(loss: torch.Tensor, lr: float) -> None:
     if not torch.isfinite(loss):
-        raise TrainingError(f"the training loss became {loss.item()} (lr={lr:g}); "
+        raise TrainingDiverged(f"the training loss became {loss.item()} (lr={lr:g}); "
                             "lower the learning rate")
 
 

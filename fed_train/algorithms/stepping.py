@@ -100,7 +100,7 @@ def step_together(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, 
                   after_step: AfterStep | None = None) -> tuple[list[Params], list[float]]:
     """Train every lane by SGD (momentum and weight decay as torch.optim.SGD applies them) over
     its own schedule; returns each lane's trained parameters and mean reported loss. A NaN or
-    infinite loss in any lane raises TrainingError, as `local_sgd` does."""
+    infinite loss in any lane raises TrainingDiverged, as `local_sgd` does."""
     if not lanes:
         return [], []
     device = lanes[0].x.device
