@@ -93,31 +93,11 @@ def across_seeds(results: Sequence[Mapping[str, Any]], methods: Sequence[str],
     return out
 
 
-def compare_to_best(results: Sequence[Mapping[str, Any]], spread: Mapping[str, Any],
-                    method: str = "knnper") -> dict[str, dict[str, dict[str, Any]]]:
-    """For each group and statistic: the baseline with the highest across-seed value, kNN-Per
-    minus it with its paired bootstrap interval, and the verdict the interval allows."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    clients = [r["clients"] for r in results]
-    for group in GROUPS:
-        methods = spread.get(group, {})
-        baselines = [m for m in methods if m not in (method, "knnper_oracle")]
-        if method not in methods or not baselines:
-            continue
-        out[group] = {}
-        for stat in STATS:
-            best = max(baselines, key=lambda m: methods[m][stat]["mean"])
-            interval = paired_bootstrap(clients, group, method, best, stat)
-            out[group][stat] = {"baseline": best, **(interval or {}),
-                                "verdict": verdict(interval, method, best)}
-    return out
-
-
 def compare_to_each(results: Sequence[Mapping[str, Any]], spread: Mapping[str, Any],
                     method: str = "knnper") -> dict[str, dict[str, dict[str, Any]]]:
     """kNN-Per minus every baseline, for each group and statistic, with its paired bootstrap
     interval and verdict: what a claim against one named baseline (kNN-Per versus FedAvg, say)
-    needs, beside the best-baseline comparison."""
+    needs, and what compare_to_best picks from."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
     clients = [r["clients"] for r in results]
     for group in GROUPS:
@@ -131,6 +111,20 @@ def compare_to_each(results: Sequence[Mapping[str, Any]], spread: Mapping[str, A
                 interval = paired_bootstrap(clients, group, method, baseline, stat)
                 out[group][stat][baseline] = {**(interval or {}),
                                               "verdict": verdict(interval, method, baseline)}
+    return out
+
+
+def compare_to_best(spread: Mapping[str, Any],
+                    each: Mapping[str, Mapping[str, Mapping[str, Any]]]
+                    ) -> dict[str, dict[str, dict[str, Any]]]:
+    """For each group and statistic: the baseline with the highest across-seed value and
+    kNN-Per minus it, as compare_to_each measured it."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for group, stats in each.items():
+        out[group] = {}
+        for stat, by_baseline in stats.items():
+            best = max(by_baseline, key=lambda m: spread[group][m][stat]["mean"])
+            out[group][stat] = {"baseline": best, **by_baseline[best]}
     return out
 
 
@@ -162,11 +156,10 @@ def lambda_ties(results: Sequence[Mapping[str, Any]]) -> list[dict[str, int]]:
 def summarize_seeds(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
     methods = list(results[0]["methods"])
     spread = across_seeds(results, methods)
+    each = compare_to_each(results, spread) if "knnper" in methods else {}
     return plain_json({"seeds": list(seeds), "methods": methods, "spread": spread,
-                       "versus_best": compare_to_best(results, spread) if "knnper" in methods
-                       else {},
-                       "versus_each": compare_to_each(results, spread) if "knnper" in methods
-                       else {},
+                       "versus_best": compare_to_best(spread, each),
+                       "versus_each": each,
                        "lambda_ties": lambda_ties(results) if "knnper" in methods else [],
                        "lr": [r["lr"] for r in results]})
 

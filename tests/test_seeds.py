@@ -38,15 +38,17 @@ def test_a_clear_paired_gain_is_called_and_a_tiny_one_is_inconclusive():
     rng = np.random.default_rng(0)
     clear = [_result(_clients(rng, 60, 0.05, 0.0)) for _ in range(3)]
     spread = across_seeds(clear, clear[0]["methods"], oracle=False)
-    verdict = compare_to_best(clear, spread)["seen"]["mean"]
+    verdict = compare_to_best(spread, compare_to_each(clear, spread))["seen"]["mean"]
     assert verdict["baseline"] == "fedrep" and verdict["verdict"] == "knnper ahead"
     assert verdict["low"] > 0 and verdict["low"] < verdict["diff"] < verdict["high"]
     tiny = [_result(_clients(rng, 60, 0.002, 0.0)) for _ in range(3)]
     spread = across_seeds(tiny, tiny[0]["methods"], oracle=False)
-    assert compare_to_best(tiny, spread)["seen"]["mean"]["verdict"] == "inconclusive"
+    tiny_best = compare_to_best(spread, compare_to_each(tiny, spread))
+    assert tiny_best["seen"]["mean"]["verdict"] == "inconclusive"
     behind = [_result(_clients(rng, 60, -0.05, 0.0)) for _ in range(3)]
     spread = across_seeds(behind, behind[0]["methods"], oracle=False)
-    assert compare_to_best(behind, spread)["seen"]["mean"]["verdict"] == "fedrep ahead"
+    behind_best = compare_to_best(spread, compare_to_each(behind, spread))
+    assert behind_best["seen"]["mean"]["verdict"] == "fedrep ahead"
 
 
 def test_each_baseline_gets_its_own_interval_and_the_best_one_matches():
@@ -59,7 +61,7 @@ def test_each_baseline_gets_its_own_interval_and_the_best_one_matches():
     assert set(each) == {"fedavg", "fedrep"}
     assert each["fedavg"]["diff"] == pytest.approx(each["fedrep"]["diff"] + 0.10, abs=0.01)
     assert each["fedavg"]["verdict"] == each["fedrep"]["verdict"] == "knnper ahead"
-    best = compare_to_best(results, spread)["seen"]["mean"]
+    best = compare_to_best(spread, compare_to_each(results, spread))["seen"]["mean"]
     assert {k: best[k] for k in ("diff", "low", "high")} == {
         k: each["fedrep"][k] for k in ("diff", "low", "high")}
 
