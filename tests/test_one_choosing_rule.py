@@ -11,11 +11,22 @@ import re
 import numpy as np
 import pytest
 
+from edge_runtime.bundle import load_bundle_datastore
 from edge_runtime.cli import main as edge_main
 from edge_runtime.device_init import init_bundle
-from edge_runtime.knn import KNNHead, choice_key, choose_lambda, estimate_lambda, softmax
+from edge_runtime.encoder import Encoder
+from edge_runtime.knn import (
+    KNNHead,
+    choice_key,
+    choose_lambda,
+    estimate_lambda,
+    interpolate,
+    normalize_embeddings,
+    softmax,
+)
+from edge_runtime.preprocess import prepare_input
 from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
-from fed_train.client_files import write_client_files
+from fed_train.client_files import client_split, write_client_files
 from fed_train.knn_choice import KNN_CONFIG_FILE
 from fed_train.knn_request import FROM_VALIDATION
 from fed_train.run import load_run
@@ -78,8 +89,36 @@ def _accuracy(capsys, bundle, data) -> tuple[float, int]:
     return float(match.group(1)), int(match.group(2))
 
 
+# What int8 may cost against the float32 model on the same bundle configuration. The int8
+# encoder's numbers depend on the CPU's integer kernels (onnxruntime picks AVX2, AVX-512 VNNI or
+# AMX code paths with different requantisation), so this bound is the one comparison here whose
+# margin is a property of the CPU. Measured on this test's run: 2 samples on one client (0.4 pp of
+# the mean) on an AMD EPYC (AVX-512 VNNI) and on an Intel Xeon (AVX-512 VNNI, AMX), 0 on the
+# others; the bound leaves room for other kernels and is stated in the README.
+INT8_MAX_CLIENT_SAMPLES = 3
+INT8_MAX_MEAN_PP = 1.5
+
+
+def _server_int8_correct(run, cid: int, bundle, manifest: dict) -> int:
+    """The exporter's measurement of one bundle, made on the server: embeddings from the int8
+    encoder the bundle ships (its own session, not the device's fused graph), the bundle's
+    datastore through numpy's scan, the manifest's normalisation and lambda. Computed on this
+    CPU with this CPU's kernels, it is what the device must equal exactly, whatever they are."""
+    encoder = Encoder(bundle / "encoder.onnx", intra_op_threads=1)
+    store = load_bundle_datastore(bundle, manifest)
+    x_test, y_test = client_split(run, cid, "test")
+    z_test, logits = encoder.run(prepare_input(x_test, manifest["input"]))
+    normalize = manifest["knn_choice"]["normalize"]["value"]
+    p = interpolate(store.predict_proba(normalize_embeddings(z_test, normalize)),
+                    softmax(logits.astype(np.float64)), manifest["lambda"])
+    return int(np.sum(p.argmax(axis=1) == y_test))
+
+
 @pytest.mark.slow
 def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, capsys):
+    """Like with like: each device equals, sample for sample, the server's kNN-Per on the int8
+    encoder it was shipped (any CPU: both sides run the same kernels); against the float32
+    model the int8 encoder's cost is bounded separately (INT8_MAX_*)."""
     run = tmp_path / "run"
     assert knnper_main(["--no-progress", "train", "--dataset", "digits", "--clients", "8",
                         "--rounds", "6", "--out", str(run)]) == 0
@@ -97,6 +136,7 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
     assert len(saved["choices"]) == 1  # export reused evaluate's choice
     loaded = load_run(run)
     capsys.readouterr()
+    device_total = float_total = n_total = 0
     for row in server["clients"]:
         cid = row["client_id"]
         bundle = tmp_path / "b" / f"client_{cid:04d}"
@@ -108,5 +148,11 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
         write_client_files(loaded, cid, tmp_path / f"c{cid}")
         acc, n = _accuracy(capsys, bundle, tmp_path / f"c{cid}" / "test.npz")
         assert n == row["n_test"]
-        # the device prints 4 decimals: compare correct counts
-        assert abs(round(acc * n) - round(row["knnper"] * n)) <= 1, (cid, acc, row["knnper"])
+        device = round(acc * n)  # the device prints 4 decimals: compare correct counts
+        assert device == _server_int8_correct(loaded, cid, bundle, manifest), cid
+        float_correct = round(row["knnper"] * n)
+        assert abs(device - float_correct) <= INT8_MAX_CLIENT_SAMPLES, (cid, device,
+                                                                       float_correct)
+        device_total, float_total, n_total = (device_total + device,
+                                              float_total + float_correct, n_total + n)
+    assert 100 * abs(device_total - float_total) / n_total <= INT8_MAX_MEAN_PP
