@@ -4,6 +4,8 @@ benchmark reports is the accuracy a device gets."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 LAMBDA_GRID: tuple[float, ...] = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
@@ -87,6 +89,90 @@ def datastore_key(accuracy: float | None, nll: float | None, *, trained: bool,
     return choice_key(accuracy, nll, trained, nbytes)
 
 
+def lambda_counts(p_local: np.ndarray, p_global: np.ndarray, y: np.ndarray,
+                  grid: tuple[float, ...] = LAMBDA_GRID) -> np.ndarray:
+    """[len(grid), 3]: for each lambda, samples right, summed log-loss and samples scored. Sums,
+    not means, so that clients' evidence pools by addition (a federated client sends only these)
+    and `split_score`'s means are these divided by the count, to the last bit."""
+    y = np.asarray(y, dtype=np.int64)
+    out = np.zeros((len(grid), 3))
+    for i, lam in enumerate(grid):
+        p = interpolate(p_local, p_global, lam)
+        if len(y):
+            out[i] = (float(np.sum(p.argmax(axis=1) == y)),
+                      float(-np.sum(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None)))),
+                      len(y))
+    return out
+
+
+LAMBDA_RULES: tuple[str, ...] = ("client", "pooled", "shrunk")
+
+
+@dataclass(frozen=True)
+class LambdaRule:
+    """How a client's lambda comes from validation evidence ([grid, 3] `lambda_counts`).
+
+    "client": its own evidence only (the paper's rule). "pooled": one lambda for every client,
+    from `pooled`, the seen clients' evidence summed; a few dozen validation samples cannot tell
+    seven grid values apart, the pooled splits can. "shrunk": the client's own evidence plus the
+    pooled rates counted as `prior_samples` samples (a pseudo-count prior, the empirical-Bayes
+    posterior mean), so a client's own data decides only where it has enough of it."""
+
+    name: str = "client"
+    pooled: tuple[tuple[float, float, float], ...] = ()
+    prior_samples: float = 0.0
+    grid: tuple[float, ...] = LAMBDA_GRID
+
+    def __post_init__(self) -> None:
+        if self.name not in LAMBDA_RULES:
+            raise ValueError(f"lambda rule must be one of {', '.join(LAMBDA_RULES)}, "
+                             f"got {self.name!r}")
+        if self.name != "client":
+            pooled = np.asarray(self.pooled, dtype=np.float64)
+            if (pooled.shape != (len(self.grid), 3) or not np.isfinite(pooled).all()
+                    or (pooled < 0).any() or not (pooled[:, 2] > 0).all()):
+                raise ValueError(f"the {self.name} lambda rule needs pooled evidence: "
+                                 f"{len(self.grid)} rows of (correct, log-loss sum, samples > 0)")
+        if not (np.isfinite(self.prior_samples) and self.prior_samples >= 0):
+            raise ValueError(f"prior_samples must be finite and >= 0, got {self.prior_samples}")
+
+    def choose_from_counts(self, own: np.ndarray) -> float:
+        """The lambda this rule gives a client whose own evidence is `own` ([grid, 3])."""
+        own = np.asarray(own, dtype=np.float64)
+        if self.name == "client":
+            evidence = own
+        elif self.name == "pooled":
+            evidence = np.asarray(self.pooled, dtype=np.float64)
+        else:
+            pooled = np.asarray(self.pooled, dtype=np.float64)
+            evidence = own + self.prior_samples * pooled / pooled[:, 2:3]
+        if evidence[0, 2] == 0:
+            return 0.5  # nothing to go on
+        return min(self.grid, key=lambda lam: choice_key(
+            *_rates(evidence[self.grid.index(lam)]), lam))
+
+    def choose(self, p_local: np.ndarray, p_global: np.ndarray, y: np.ndarray) -> float:
+        """The lambda this rule gives a client from its validation posteriors."""
+        return self.choose_from_counts(lambda_counts(p_local, p_global, y, self.grid))
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "pooled": [list(map(float, r)) for r in self.pooled],
+                "prior_samples": float(self.prior_samples), "grid": list(self.grid)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LambdaRule:
+        return cls(str(d["name"]), tuple(tuple(float(v) for v in r) for r in d["pooled"]),
+                   float(d["prior_samples"]), tuple(float(v) for v in d["grid"]))
+
+
+CLIENT_RULE = LambdaRule()
+
+
+def _rates(counts: np.ndarray) -> tuple[float, float]:
+    correct, nll, n = counts
+    return float(correct / n), float(nll / n)
+
+
 def choose_lambda(
     p_local: np.ndarray,
     p_global: np.ndarray,
@@ -97,31 +183,37 @@ def choose_lambda(
 
     Validation splits are small, so accuracy often ties; the log-loss still tells most grid
     values apart, and what it cannot goes to the smaller lambda (the global model)."""
-    if len(y) == 0:
-        return 0.5
-    return min(grid, key=lambda lam: choice_key(
-        *split_score(interpolate(p_local, p_global, lam), y), lam))
+    return LambdaRule(grid=tuple(grid)).choose(p_local, p_global, y)
 
 
 Posteriors = tuple[np.ndarray | None, np.ndarray, np.ndarray]
 
 
-def estimate_lambda(estimator: str, p_knn_val: np.ndarray, p_global_val: np.ndarray,
-                    y_val: np.ndarray, loo: Posteriors | None = None,
-                    grid: tuple[float, ...] = LAMBDA_GRID) -> float:
-    """A client's lambda. "val": chosen on its validation split. "loo+val": on the validation
-    split plus `loo`, the leave-one-out kNN posteriors of its own datastore with the global
-    model's output and the labels of those samples: many more samples than ~30 validation ones
-    (the kNN part is honest there, the global model saw them in training)."""
+def estimator_evidence(estimator: str, p_knn_val: np.ndarray, p_global_val: np.ndarray,
+                       y_val: np.ndarray, loo: Posteriors | None = None) -> Posteriors:
+    """The samples a client's lambda is judged on. "val": its validation split. "loo+val": the
+    validation split plus `loo`, the leave-one-out kNN posteriors of its own datastore with the
+    global model's output and the labels of those samples: many more samples than ~30
+    validation ones (the kNN part is honest there, the global model saw them in training)."""
     if estimator not in LAMBDA_ESTIMATORS:
         raise ValueError(f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
                          f"got {estimator!r}")
-    p_knn, p_global, y = p_knn_val, p_global_val, y_val
     if estimator == "loo+val" and loo is not None and loo[0] is not None:
-        p_knn = np.concatenate([loo[0], p_knn])
-        p_global = np.concatenate([loo[1], p_global])
-        y = np.concatenate([loo[2], y])
-    return choose_lambda(p_knn, p_global, y, grid) if len(y) else 0.5
+        return (np.concatenate([loo[0], p_knn_val]), np.concatenate([loo[1], p_global_val]),
+                np.concatenate([loo[2], y_val]))
+    return p_knn_val, p_global_val, y_val
+
+
+def estimate_lambda(estimator: str, p_knn_val: np.ndarray, p_global_val: np.ndarray,
+                    y_val: np.ndarray, loo: Posteriors | None = None,
+                    grid: tuple[float, ...] = LAMBDA_GRID,
+                    rule: LambdaRule | None = None) -> float:
+    """A client's lambda: `rule` (the client's own evidence by default) applied to the samples
+    `estimator` judges on (`estimator_evidence`)."""
+    rule = LambdaRule(grid=tuple(grid)) if rule is None else rule
+    if tuple(rule.grid) != tuple(grid):
+        raise ValueError("the lambda rule's grid differs from the grid asked for")
+    return rule.choose(*estimator_evidence(estimator, p_knn_val, p_global_val, y_val, loo))
 
 
 def leave_one_out_posteriors(keys: np.ndarray, labels: np.ndarray, num_classes: int, k: int,

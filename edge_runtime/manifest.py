@@ -18,6 +18,7 @@ import numpy as np
 from ._io import read_regular
 from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
 from .errors import BundleError, one_line
+from .knn import LAMBDA_RULES
 from .preprocess import validate_spec
 
 FORMAT = "knnper-bundle"
@@ -131,8 +132,10 @@ def _validate_knn_choice(manifest: dict, fail) -> None:
     """The optional record of where k, sigma, the normalisation and the lambda estimator came
     from; its k and sigma must be the ones the bundle runs."""
     choice = manifest["knn_choice"]
-    if not isinstance(choice, dict) or sorted(choice) != sorted(KNN_CHOICE_KEYS):
-        raise fail(f"'knn_choice' must be an object with keys {list(KNN_CHOICE_KEYS)}")
+    if not isinstance(choice, dict) or sorted(set(choice) - {"lambda_rule"}) != \
+            sorted(KNN_CHOICE_KEYS):
+        raise fail(f"'knn_choice' must be an object with keys {list(KNN_CHOICE_KEYS)} "
+                   "(and, from bundles that record it, 'lambda_rule')")
     for key, entry in choice.items():
         if (not isinstance(entry, dict) or sorted(entry) != ["source", "value"]
                 or entry["source"] not in KNN_CHOICE_SOURCES
@@ -140,6 +143,8 @@ def _validate_knn_choice(manifest: dict, fail) -> None:
                 or isinstance(entry["value"], bool)):
             raise fail(f"'knn_choice' {key!r} must be {{value, source}} with source one of "
                        f"{list(KNN_CHOICE_SOURCES)}")
+    if "lambda_rule" in choice and choice["lambda_rule"]["value"] not in LAMBDA_RULES:
+        raise fail(f"'knn_choice' 'lambda_rule' must be one of {list(LAMBDA_RULES)}")
     if choice["k"]["value"] != manifest["k"] or choice["sigma"]["value"] != manifest["sigma"]:
         raise fail("'knn_choice' disagrees with the bundle's k or sigma")
 

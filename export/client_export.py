@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime.bundle import BundleError, write_bundle
+from edge_runtime.knn import CLIENT_RULE, LambdaRule
 from edge_runtime.signing import load_private_key
 from export.errors import ExportError
 from export.journal import ExportJournal
@@ -42,11 +43,12 @@ class SizingContext:
     journal: Path | None = None  # where each finished client is recorded (export.journal)
     lambda_estimator: str = "val"
     knn_provenance: dict[str, dict[str, Any]] | None = None  # recorded in every manifest
+    lambda_rule: LambdaRule = CLIENT_RULE
 
     def sizer(self) -> DatastoreSizer:
         return DatastoreSizer(self.num_classes, k=self.k, sigma=self.sigma,
-                              lambda_estimator=self.lambda_estimator, space=self.space,
-                              seed=self.seed)
+                              lambda_estimator=self.lambda_estimator,
+                              lambda_rule=self.lambda_rule, space=self.space, seed=self.seed)
 
 
 def export_client(task: ClientTask, context: SizingContext,

@@ -22,11 +22,13 @@ from edge_runtime._io import write_bytes_atomic
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
+    CLIENT_RULE,
     DEFAULT_K,
     DEFAULT_NORMALIZE,
     DEFAULT_SIGMA,
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
+    LambdaRule,
 )
 from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.signing import load_private_key
@@ -74,6 +76,7 @@ class ExportSettings:
     # embedding normalisation before the kNN, baked into the encoder's "embedding" output
     normalize: str = DEFAULT_NORMALIZE
     lambda_estimator: str = "val"  # how each bundle's lambda is chosen (see DatastoreSizer)
+    lambda_rule: LambdaRule = CLIENT_RULE  # ... and how that pools evidence across clients
     # each kNN value with where it came from (validation / flag / paper default), written into
     # every manifest and export.json: fed_train.knn_choice.KNNChoice.provenance()
     knn_provenance: dict[str, dict[str, Any]] | None = None
@@ -118,7 +121,7 @@ def apply_knn_choice(settings: ExportSettings, choice: KNNChoice) -> ExportSetti
     """These settings running `choice`, with where each value came from for the manifests."""
     return replace(settings, k=choice.config.k, sigma=choice.config.sigma,
                    normalize=choice.config.normalize, lambda_estimator=choice.lambda_estimator,
-                   knn_provenance=choice.provenance())
+                   lambda_rule=choice.lambda_rule, knn_provenance=choice.provenance())
 
 
 @dataclass
@@ -309,7 +312,7 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
                             settings.k, settings.sigma, space, settings.seed,
                             settings.update_strategy, settings.signing_key,
                             out_dir / JOURNAL_FILE, settings.lambda_estimator,
-                            settings.knn_provenance)
+                            settings.knn_provenance, settings.lambda_rule)
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
         _fingerprint(run, settings, space, encoder_files), budgets,

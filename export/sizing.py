@@ -35,9 +35,10 @@ from edge_runtime.datastores import (
     max_count_within,
 )
 from edge_runtime.knn import (
+    CLIENT_RULE,
     DEFAULT_K,
     DEFAULT_SIGMA,
-    LAMBDA_GRID,
+    LambdaRule,
     datastore_key,
     estimate_lambda,
     interpolate,
@@ -179,12 +180,14 @@ class DatastoreSizer:
     candidate with its fitted datastore)."""
 
     def __init__(self, num_classes: int, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
-                 lambda_estimator: str = "val", space: SearchSpace | None = None, seed: int = 0,
+                 lambda_estimator: str = "val", lambda_rule: LambdaRule = CLIENT_RULE,
+                 space: SearchSpace | None = None, seed: int = 0,
                  reuse_protonn: bool = False) -> None:
         self.num_classes = num_classes
         self.k = k
         self.sigma = sigma
         self.lambda_estimator = lambda_estimator
+        self.lambda_rule = lambda_rule
         self.space = space or SearchSpace()
         self.seed = seed
         # Benchmarks size the same client under many budgets; a ProtoNN of a given shape on the
@@ -257,11 +260,11 @@ class DatastoreSizer:
     def _score(self, cand: Candidate, ds: Datastore, data: ClientEmbeddings) -> None:
         y = np.asarray(data.y_val)
         if len(y) == 0:
-            cand.lam = estimate_lambda("val", np.zeros((0, 1)), np.zeros((0, 1)), y)
+            cand.lam = self.lambda_rule.choose(np.zeros((0, 1)), np.zeros((0, 1)), y)
             return
         p_local = ds.predict_proba(data.z_val)
         cand.lam = float(estimate_lambda(self.lambda_estimator, p_local, self._p_global, y,
-                                         self._loo, LAMBDA_GRID))
+                                         self._loo, rule=self.lambda_rule))
         cand.val_accuracy, cand.val_nll = split_score(
             interpolate(p_local, self._p_global, cand.lam), y)
 

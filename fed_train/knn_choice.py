@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from edge_runtime.knn import LAMBDA_ESTIMATORS
+from edge_runtime.knn import CLIENT_RULE, LAMBDA_ESTIMATORS, LambdaRule
 from fed_train.algorithms.base import ClientData
 from fed_train.errors import KnnperError
 from fed_train.knn_request import (
@@ -48,14 +48,17 @@ class KNNChoice:
     lambda_estimator: str
     source: dict[str, str]
     record: dict[str, Any] = field(repr=False)
+    lambda_rule: LambdaRule = CLIENT_RULE
 
     def hyper(self) -> dict[str, Any]:
-        """KNNPer's keyword arguments."""
-        return {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator}
+        """KNNPer's keyword arguments, as plain data (a Flower message carries them)."""
+        return {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
+                "lambda_rule": self.lambda_rule.to_dict()}
 
     def provenance(self) -> dict[str, dict[str, Any]]:
         """Each value with where it came from: what manifests and export.json record."""
-        values = self.hyper()
+        values = {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
+                  "lambda_rule": self.lambda_rule.name}
         return {name: {"value": values[name], "source": self.source[name]} for name in values}
 
     def describe(self) -> str:
@@ -67,7 +70,8 @@ def describe_record(record: dict[str, Any]) -> str:
     c, source = record["config"], record["source"]
     return (f"kNN-Per: k={c['k']} ({source['k']}), sigma={c['sigma']:g} ({source['sigma']}), "
             f"embeddings {c['normalize']} ({source['normalize']}), lambda by "
-            f"{record['estimator']} ({source['lambda_estimator']})")
+            f"{record['estimator']} ({source['lambda_estimator']}), lambda rule "
+            f"{record['lambda_rule']['name']} ({source['lambda_rule']})")
 
 
 def model_sha256(model: torch.nn.Module) -> str:
@@ -84,9 +88,12 @@ def model_sha256(model: torch.nn.Module) -> str:
 
 def make_record(request: KNNRequest, config: KNNConfig, estimator: str, sha: str, *,
                 grid: list[dict], lambda_cv: dict[str, float], clients: Sequence[int],
-                samples: int, **extra: Any) -> dict[str, Any]:
+                samples: int, lambda_rule: dict[str, Any] | None = None,
+                **extra: Any) -> dict[str, Any]:
     """The evidence saved with a choice, wherever it was made (here or in a Flower run)."""
-    return {"config": config.to_dict(), "estimator": estimator, "request": asdict(request),
+    rule = CLIENT_RULE.to_dict() if lambda_rule is None else lambda_rule
+    return {"config": config.to_dict(), "estimator": estimator, "lambda_rule": rule,
+            "request": asdict(request),
             "source": request.sources(), "model_sha256": sha, "grid": grid,
             "lambda_cv": lambda_cv,
             "chosen_on": {"splits": "validation splits of the seen clients, pooled",
@@ -100,12 +107,14 @@ def choose(model: EmbedHeadModel, clients: Sequence[ClientData], request: KNNReq
     ks, sigmas, normalizations = request.grids()
     config, estimator, found = choose_knn(model, clients, ks=ks, sigmas=sigmas,
                                           normalizations=normalizations,
-                                          estimator=request.estimator(), seed=seed)
+                                          estimator=request.estimator(), rule=request.rule(),
+                                          seed=seed)
     record = make_record(request, config, estimator, model_sha256(model), grid=found["grid"],
                          lambda_cv=found["lambda_cv"], clients=found["chosen_on"]["clients"],
                          samples=found["chosen_on"]["samples"],
+                         lambda_rule=found["lambda_rule"], lambda_rule_cv=found["lambda_rule_cv"],
                          lambda_report=found["lambda_report"])
-    return KNNChoice(config, estimator, request.sources(), record)
+    return choice_from_record(record, Path(KNN_CONFIG_FILE))
 
 
 def load_or_choose(directory: str | Path, model: EmbedHeadModel, clients: Sequence[ClientData],
@@ -164,14 +173,15 @@ def choice_from_record(record: Any, path: Path) -> KNNChoice:
         config = KNNConfig(**record["config"])
         request = KNNRequest(**record["request"])
         estimator, source = record["estimator"], record["source"]
+        rule = LambdaRule.from_dict(record["lambda_rule"])
         KNNRequest(k=config.k, sigma=config.sigma, normalize=config.normalize,
-                   lambda_estimator=estimator)  # the same checks as flags get
+                   lambda_estimator=estimator, lambda_rule=rule.name)  # as flags are checked
         if estimator not in LAMBDA_ESTIMATORS or source != request.sources():
             raise KnnperError("inconsistent estimator or sources")
-    except (KeyError, TypeError, KnnperError) as err:
+    except (KeyError, TypeError, ValueError, KnnperError) as err:
         raise KnnperError(f"{path}: a saved choice is malformed ({err}); delete the file to "
                           "choose kNN-Per's configuration again") from None
-    return KNNChoice(config, estimator, dict(source), record)
+    return KNNChoice(config, estimator, dict(source), record, rule)
 
 
 def _write_atomic(path: Path, obj: dict[str, Any]) -> None:

@@ -13,12 +13,14 @@ from edge_runtime.knn import (
     DEFAULT_NORMALIZE,
     DEFAULT_SIGMA,
     LAMBDA_ESTIMATORS,
+    LAMBDA_RULES,
     NORMALIZATIONS,
 )
 from fed_train.errors import KnnperError
 
 KNN_MODES = ("tuned", "paper")
 ESTIMATOR_CHOICES = (*LAMBDA_ESTIMATORS, "auto")
+RULE_CHOICES = (*LAMBDA_RULES, "auto")
 # where a value came from, as manifests and export.json record it
 FROM_VALIDATION, FROM_FLAG, FROM_PAPER = "validation", "flag", "paper default"
 K_GRID: tuple[int, ...] = (5, 10, 20, 50)
@@ -36,6 +38,7 @@ class KNNRequest:
     sigma: float | None = None
     normalize: str | None = None
     lambda_estimator: str | None = None
+    lambda_rule: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in KNN_MODES:
@@ -51,6 +54,9 @@ class KNNRequest:
         if self.lambda_estimator is not None and self.lambda_estimator not in ESTIMATOR_CHOICES:
             raise KnnperError(f"unknown lambda estimator {self.lambda_estimator!r}; known: "
                               f"{', '.join(ESTIMATOR_CHOICES)}")
+        if self.lambda_rule is not None and self.lambda_rule not in RULE_CHOICES:
+            raise KnnperError(f"unknown lambda rule {self.lambda_rule!r}; known: "
+                              f"{', '.join(RULE_CHOICES)}")
 
     @property
     def tuned(self) -> bool:
@@ -73,6 +79,13 @@ class KNNRequest:
             return self.lambda_estimator
         return "auto" if self.tuned else "val"
 
+    def rule(self) -> str:
+        """The lambda rule asked for ("auto": chosen by cross-validation; the paper's setting
+        keeps each client's own lambda)."""
+        if self.lambda_rule is not None:
+            return self.lambda_rule
+        return "auto" if self.tuned else "client"
+
     def sources(self) -> dict[str, str]:
         """Where each value will come from: a flag, the validation splits, or the paper."""
         unpinned = FROM_VALIDATION if self.tuned else FROM_PAPER
@@ -80,6 +93,8 @@ class KNNRequest:
                for name in ("k", "sigma", "normalize")}
         out["lambda_estimator"] = (FROM_VALIDATION if self.estimator() == "auto" else
                                    FROM_FLAG if self.lambda_estimator is not None else FROM_PAPER)
+        out["lambda_rule"] = (FROM_VALIDATION if self.rule() == "auto" else
+                              FROM_FLAG if self.lambda_rule is not None else FROM_PAPER)
         return out
 
     def key(self) -> str:

@@ -20,18 +20,22 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.knn import (
+    CLIENT_RULE,
     DEFAULT_K,
     DEFAULT_NORMALIZE,
     DEFAULT_SIGMA,
     LAMBDA_ESTIMATORS,
     LAMBDA_GRID,
+    LAMBDA_RULES,
     NORMALIZATIONS,
+    LambdaRule,
     choice_key,
     choose_lambda,
-    estimate_lambda,
+    estimator_evidence,
     exact_search,
     interpolate,
     kernel_posterior,
+    lambda_counts,
     leave_one_out_search,
     normalize_embeddings,
     softmax,
@@ -139,9 +143,10 @@ def _correct_and_nll(p: np.ndarray, y: np.ndarray) -> tuple[int, float]:
     return correct, nll
 
 
-def _lambda_for(s: _Searched, config: KNNConfig, estimator: str,
-                val_rows: np.ndarray | None = None, grid: Sequence[float] = LAMBDA_GRID) -> float:
-    """A client's lambda under `estimator`, on its whole validation split or the given rows."""
+def _evidence(s: _Searched, config: KNNConfig, estimator: str,
+              val_rows: np.ndarray | None = None):
+    """The (p_knn, p_global, y) a client's lambda is judged on under `estimator`, on its whole
+    validation split or the given rows."""
     v = s.view
     rows = np.arange(len(v.y_val)) if val_rows is None else val_rows
     loo = None
@@ -149,8 +154,18 @@ def _lambda_for(s: _Searched, config: KNNConfig, estimator: str,
         p_loo = (s.posterior("train", config.k, config.sigma)
                  if s.found["train"][0].shape[1] else None)  # a one-sample datastore has none
         loo = (p_loo, v.p_train, v.y_train)
-    return estimate_lambda(estimator, s.posterior("val", config.k, config.sigma)[rows],
-                           v.p_val[rows], v.y_val[rows], loo, tuple(grid))
+    return estimator_evidence(estimator, s.posterior("val", config.k, config.sigma)[rows],
+                              v.p_val[rows], v.y_val[rows], loo)
+
+
+def _lambda_for(s: _Searched, config: KNNConfig, estimator: str,
+                val_rows: np.ndarray | None = None, grid: Sequence[float] = LAMBDA_GRID,
+                rule: LambdaRule = CLIENT_RULE) -> float:
+    """A client's lambda under `estimator` and `rule`, on its whole validation split or the
+    given rows."""
+    if rule.name == "client":
+        rule = LambdaRule(grid=tuple(grid))
+    return rule.choose(*_evidence(s, config, estimator, val_rows))
 
 
 def grid_points(ks: Sequence[int], sigmas: Sequence[float],
@@ -230,8 +245,7 @@ def estimator_counts(view: ClientView, config: KNNConfig, *, seed: int = 0,
     if view.unseen or len(view.y_val) < 2 or len(view.y_train) < 2:
         return out
     s = _Searched(view, config.normalize, config.k, ("val", "train"))
-    order = np.random.default_rng([seed, view.client_id]).permutation(len(view.y_val))
-    folds = (order[: len(order) // 2], order[len(order) // 2:])
+    folds = _folds(view, seed)
     p_knn_val = s.posterior("val", config.k, config.sigma)
     for fit, score in (folds, folds[::-1]):
         for i, est in enumerate(estimators):
@@ -265,11 +279,134 @@ def pick_estimator(cv_scores: dict[str, float]) -> str:
     return max(cv_scores, key=lambda e: (cv_scores[e], e == "val"))
 
 
+def _splits_for(estimator: str, *extra: str) -> tuple[str, ...]:
+    return ("val", *extra, "train") if estimator == "loo+val" else ("val", *extra)
+
+
+def _folds(view: ClientView, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A client's two validation halves, seeded by (seed, client): the same wherever drawn."""
+    order = np.random.default_rng([seed, view.client_id]).permutation(len(view.y_val))
+    return order[: len(order) // 2], order[len(order) // 2:]
+
+
+def rule_evidence(view: ClientView, config: KNNConfig, estimator: str) -> np.ndarray:
+    """One client's share of the pooled lambda evidence: `lambda_counts` ([grid, 3]) on the
+    samples `estimator` judges on. A federated client sends only these sums."""
+    if len(view.y_train) == 0:
+        return np.zeros((len(LAMBDA_GRID), 3))
+    s = _Searched(view, config.normalize, config.k, _splits_for(estimator))
+    return lambda_counts(*_evidence(s, config, estimator))
+
+
+def rule_fold_counts(view: ClientView, config: KNNConfig, estimator: str, *,
+                     seed: int = 0) -> np.ndarray:
+    """One client's two-fold material for comparing lambda rules, [2 * grid, 5], fold-major
+    rows, one per (fold, lambda): the evidence of its fitting half (samples right, summed
+    log-loss, samples) and the samples right and scored on its other half at that lambda.
+    Zeros for a client with fewer than two validation or train samples."""
+    grid = len(LAMBDA_GRID)
+    out = np.zeros((2 * grid, 5))
+    if view.unseen or len(view.y_val) < 2 or len(view.y_train) < 2:
+        return out
+    s = _Searched(view, config.normalize, config.k, _splits_for(estimator))
+    p_knn_val = s.posterior("val", config.k, config.sigma)
+    folds = _folds(view, seed)
+    for f, (fit_rows, score_rows) in enumerate((folds, folds[::-1])):
+        rows = slice(f * grid, (f + 1) * grid)
+        out[rows, :3] = lambda_counts(*_evidence(s, config, estimator, fit_rows))
+        out[rows, 3:] = lambda_counts(p_knn_val[score_rows], view.p_val[score_rows],
+                                      view.y_val[score_rows])[:, [0, 2]]
+    return out
+
+
+def _prior_samples(evidence: Sequence[np.ndarray]) -> float:
+    """The shrunk rule's prior weight: the mean evidence size of the clients that have any, so
+    a client of typical size weighs its own evidence and the pooled one equally."""
+    sizes = [e[0, 2] for e in evidence if e[0, 2] > 0]
+    return float(np.mean(sizes)) if sizes else 0.0
+
+
+def fit_rule(name: str, evidence: Sequence[np.ndarray]) -> LambdaRule:
+    """The rule `name` with the pooled evidence of the clients' `rule_evidence` (summed in the
+    order given: callers sort by client id)."""
+    if name == "client":
+        return CLIENT_RULE
+    pooled = np.zeros((len(LAMBDA_GRID), 3))
+    for e in evidence:
+        pooled += e
+    if pooled[0, 2] == 0:
+        raise ValueError(f"the {name} lambda rule needs validation evidence from seen clients")
+    return LambdaRule(name, tuple(map(tuple, pooled.tolist())), _prior_samples(evidence))
+
+
+def pool_rules(folds: Sequence[np.ndarray],
+               rules: Sequence[str] = LAMBDA_RULES) -> dict[str, float]:
+    """Cross-validated accuracy of each rule from the clients' `rule_fold_counts`: in each fold,
+    the pooled rules are fitted on every client's fitting half only, and each client's lambda
+    is scored on its other half."""
+    grid = len(LAMBDA_GRID)
+    right, total = dict.fromkeys(rules, 0.0), 0.0
+    for f in range(2):
+        parts = [c[f * grid:(f + 1) * grid] for c in folds]
+        if not any(part[0, 2] for part in parts):
+            continue
+        fitted = {name: fit_rule(name, [part[:, :3] for part in parts]) for name in rules}
+        for part in parts:
+            if part[0, 4] == 0:
+                continue
+            total += part[0, 4]
+            for name, rule in fitted.items():
+                right[name] += part[LAMBDA_GRID.index(rule.choose_from_counts(part[:, :3])), 3]
+    if total == 0:
+        raise ValueError("no seen client has enough validation data to compare lambda rules")
+    return {name: float(right[name] / total) for name in rules}
+
+
+def compare_lambda_rules(views: Sequence[ClientView], config: KNNConfig, estimator: str, *,
+                         seed: int = 0) -> dict[str, float]:
+    """Which lambda rule to trust, decided by two-fold cross-validation inside the seen
+    clients' validation splits (never test data)."""
+    return pool_rules([rule_fold_counts(v, config, estimator, seed=seed) for v in views])
+
+
+def pick_rule(cv_scores: dict[str, float]) -> str:
+    """The rule with the best cross-validated accuracy; ties go to the earlier of
+    LAMBDA_RULES (the paper's per-client rule first)."""
+    return max(cv_scores, key=lambda r: (cv_scores[r], -LAMBDA_RULES.index(r)))
+
+
+CROSS_ORACLE_HALVINGS = 20
+
+
+def cross_oracle_accuracy(p_knn: np.ndarray, p_global: np.ndarray, y: np.ndarray, *,
+                          seed: int, halvings: int = CROSS_ORACLE_HALVINGS) -> float:
+    """What choosing lambda on test data is worth once the choice is not scored on the samples
+    that made it: lambda chosen on one half of the test split, scored on the other (both ways),
+    averaged over `halvings` seeded halvings."""
+    if len(y) < 2:
+        return float(np.mean(interpolate(p_knn, p_global, choose_lambda(p_knn, p_global, y))
+                             .argmax(1) == y)) if len(y) else float("nan")
+    rng = np.random.default_rng(seed)
+    accs = []
+    for _ in range(halvings):
+        order = rng.permutation(len(y))
+        halves = (order[: len(y) // 2], order[len(y) // 2:])
+        right = 0
+        for a, b in (halves, halves[::-1]):
+            lam = choose_lambda(p_knn[a], p_global[a], y[a])
+            right += int(np.sum(interpolate(p_knn[b], p_global[b], lam).argmax(1) == y[b]))
+        accs.append(right / len(y))
+    return float(np.mean(accs))
+
+
 def client_rows(views: Sequence[ClientView], config: KNNConfig, *, estimator: str = "val",
-                lambdas: Sequence[float] = LAMBDA_GRID) -> list[dict[str, Any]]:
+                lambdas: Sequence[float] = LAMBDA_GRID, rule: LambdaRule = CLIENT_RULE,
+                seed: int = 0) -> list[dict[str, Any]]:
     """One row per client: test accuracy with the honestly chosen lambda, and, for the report
     only, the lambda that the client's test labels would have chosen (the official code's
-    choice) and the accuracy it gives. Nothing here feeds back into any choice."""
+    choice, optimistic by construction: it is scored on the samples that chose it), the accuracy
+    it gives, and the split-half cross-oracle beside it. Nothing here feeds back into any
+    choice."""
     rows = []
     for v in views:
         n_test = len(v.y_test)
@@ -277,9 +414,8 @@ def client_rows(views: Sequence[ClientView], config: KNNConfig, *, estimator: st
             lam = 0.0
             p_knn = None
         else:
-            splits = ("val", "test", "train") if estimator == "loo+val" else ("val", "test")
-            s = _Searched(v, config.normalize, config.k, splits)
-            lam = _lambda_for(s, config, estimator, grid=lambdas)  # 0.5 with nothing to go on
+            s = _Searched(v, config.normalize, config.k, _splits_for(estimator, "test"))
+            lam = _lambda_for(s, config, estimator, grid=lambdas, rule=rule)
             p_knn = s.posterior("test", config.k, config.sigma)
         if n_test == 0:
             rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": 0,
@@ -290,10 +426,12 @@ def client_rows(views: Sequence[ClientView], config: KNNConfig, *, estimator: st
         oracle = choose_lambda(p_knn, v.p_test, v.y_test, tuple(lambdas))
         acc = float(np.mean(interpolate(p_knn, v.p_test, lam).argmax(1) == v.y_test))
         oracle_acc = float(np.mean(interpolate(p_knn, v.p_test, oracle).argmax(1) == v.y_test))
+        cross = cross_oracle_accuracy(p_knn, v.p_test, v.y_test, seed=seed + v.client_id)
         rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": n_test,
                      "accuracy": acc,
                      "info": {"lambda": lam, "oracle_lambda": oracle,
-                              "oracle_accuracy": oracle_acc}})
+                              "oracle_accuracy": oracle_acc,
+                              "cross_oracle_accuracy": cross}})
     return rows
 
 
@@ -317,36 +455,45 @@ def lambda_report(rows: Sequence[dict[str, Any]]) -> dict[str, float | int]:
     w = np.array([r["n_test"] for r in scored], dtype=np.float64)
     honest = np.array([r["accuracy"] for r in scored])
     oracle = np.array([r["info"]["oracle_accuracy"] for r in scored])
+    cross = np.array([r["info"]["cross_oracle_accuracy"] for r in scored])
     differs = [r["info"]["lambda"] != r["info"]["oracle_lambda"] for r in scored]
     return {"clients": len(scored), "differs": int(sum(differs)),
             "differs_fraction": float(np.mean(differs)),
             "honest_mean": float(np.average(honest, weights=w)),
             "oracle_mean": float(np.average(oracle, weights=w)),
+            "cross_oracle_mean": float(np.average(cross, weights=w)),
             "cost_pp": float(100 * (np.average(oracle, weights=w) - np.average(honest, weights=w)))}
 
 
 def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
                ks: Sequence[int] = K_GRID, sigmas: Sequence[float] = SIGMA_GRID,
                normalizations: Sequence[str] = NORMALIZATIONS, estimator: str = "auto",
-               seed: int = 0) -> tuple[KNNConfig, str, dict[str, Any]]:
+               rule: str = "client", seed: int = 0) -> tuple[KNNConfig, str, dict[str, Any]]:
     """kNN-Per's configuration on a trained global model: the grid point (k, sigma,
     normalisation) with the best pooled validation score of the seen clients (a one-point grid
-    is the fixed setting), and the lambda estimator by cross-validation inside the validation
-    splits when `estimator` is "auto". Returns the configuration, the estimator and a record of
-    the choice, with each client's honest and test-oracle lambda (for the report; nothing
-    chosen depends on test labels)."""
+    is the fixed setting), the lambda estimator and the lambda rule, each by cross-validation
+    inside the validation splits when asked for as "auto". Returns the configuration, the
+    estimator and a record of the choice (the fitted rule under "lambda_rule"), with each
+    client's honest, test-oracle and cross-oracle accuracy (for the report; nothing chosen
+    depends on test labels)."""
     views = client_views(model, clients)
     seen = choosing_views(views)
-    if not seen and len(ks) == len(sigmas) == len(normalizations) == 1 and estimator != "auto":
+    if not seen and len(ks) == len(sigmas) == len(normalizations) == 1 and estimator != "auto" \
+            and rule in ("client", "auto"):
         # a fixed setting needs no validation data to be chosen
         config, scores, cv = KNNConfig(int(ks[0]), float(sigmas[0]), normalizations[0]), [], {}
+        rule = "client"
     else:
         config, scores = select_config(views, ks=ks, sigmas=sigmas,
                                        normalizations=normalizations)
         cv = compare_lambda_estimators(views, config, seed=seed)
     chosen = pick_estimator(cv) if estimator == "auto" else estimator
-    oracle = client_rows(views, config, estimator=chosen)
+    rule_cv = compare_lambda_rules(views, config, chosen, seed=seed) if rule == "auto" else {}
+    fitted = fit_rule(pick_rule(rule_cv) if rule == "auto" else rule,
+                      [rule_evidence(v, config, chosen) for v in seen])
+    oracle = client_rows(views, config, estimator=chosen, rule=fitted, seed=seed)
     record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv, "estimator": chosen,
+              "lambda_rule": fitted.to_dict(), "lambda_rule_cv": rule_cv,
               "chosen_on": {"splits": "validation splits of the seen clients, pooled",
                             "clients": [v.client_id for v in seen],
                             "samples": int(sum(len(v.y_val) for v in seen))},

@@ -23,7 +23,7 @@ from fed_train import defaults
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.data import DEFAULT_PATHS
 from fed_train.device import DEVICES, PRECISIONS
-from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, KNNRequest
+from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, RULE_CHOICES, KNNRequest
 from fed_train.run import RunConfig
 
 __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
@@ -172,7 +172,14 @@ def add_knn_arguments(p: argparse.ArgumentParser) -> None:
                    "leave-one-out posteriors of its datastore (loo+val), or whichever wins 2-fold "
                    "cross-validation inside the validation splits (auto; default: from "
                    "--knn-config)")
+    p.add_argument("--lambda-rule", choices=RULE_CHOICES, default=None,
+                   help="pin how lambda pools evidence across clients: each client's own "
+                   "(client, the paper's), one lambda from the seen clients' pooled validation "
+                   "splits (pooled), each client's own evidence shrunk toward the pooled one "
+                   "(shrunk), or whichever wins 2-fold cross-validation inside the validation "
+                   "splits (auto; default: auto with --knn-config tuned, client with paper)")
 
 
 def knn_request(args: argparse.Namespace) -> KNNRequest:
-    return KNNRequest(args.knn_config, args.k, args.sigma, args.normalize, args.lambda_estimator)
+    return KNNRequest(args.knn_config, args.k, args.sigma, args.normalize, args.lambda_estimator,
+                      args.lambda_rule)

@@ -38,7 +38,8 @@ def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
                           eval_methods=tuple(args.eval_methods), knn_config=args.knn_config,
                           k=args.k or 0, sigma=args.sigma or 0.0,
                           normalize=args.normalize or "", capacity=args.capacity,
-                          lambda_estimator=args.lambda_estimator or "")
+                          lambda_estimator=args.lambda_estimator or "",
+                          lambda_rule=args.lambda_rule or "")
 
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:

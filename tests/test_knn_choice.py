@@ -39,19 +39,22 @@ def run_dir(tmp_path_factory):
 def test_requests_say_what_is_searched_and_where_each_value_comes_from():
     tuned = KNNRequest()
     assert tuned.grids() == (K_GRID, SIGMA_GRID, ("none", "l2"))
-    assert tuned.estimator() == "auto"
+    assert tuned.estimator() == "auto" and tuned.rule() == "auto"
     assert set(tuned.sources().values()) == {FROM_VALIDATION}
     paper = KNNRequest("paper")
     assert paper.grids() == ((10,), (1.0,), ("none",)) and paper.estimator() == "val"
+    assert paper.rule() == "client"
     assert set(paper.sources().values()) == {FROM_PAPER}
     pinned = KNNRequest(k=5, normalize="l2")
     assert pinned.grids() == ((5,), SIGMA_GRID, ("l2",))
     assert pinned.sources() == {"k": FROM_FLAG, "sigma": FROM_VALIDATION,
-                                "normalize": FROM_FLAG, "lambda_estimator": FROM_VALIDATION}
+                                "normalize": FROM_FLAG, "lambda_estimator": FROM_VALIDATION,
+                                "lambda_rule": FROM_VALIDATION}
     assert KNNRequest("paper", lambda_estimator="loo+val").sources()["lambda_estimator"] == \
         FROM_FLAG
+    assert KNNRequest("paper", lambda_rule="pooled").sources()["lambda_rule"] == FROM_FLAG
     for bad in ({"mode": "best"}, {"k": 0}, {"sigma": -1.0}, {"normalize": "l1"},
-                {"lambda_estimator": "test"}):
+                {"lambda_estimator": "test"}, {"lambda_rule": "oracle"}):
         with pytest.raises(KnnperError):
             KNNRequest(**bad)
 

@@ -17,6 +17,7 @@ from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
     KNNHead,
+    LambdaRule,
     estimate_lambda,
     interpolate,
     leave_one_out_posteriors,
@@ -49,7 +50,10 @@ class KNNPer(FedAvg):
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
                  k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA, capacity: float = 1.0,
-                 normalize: str = DEFAULT_NORMALIZE, lambda_estimator: str = "val") -> None:
+                 normalize: str = DEFAULT_NORMALIZE, lambda_estimator: str = "val",
+                 lambda_rule: dict[str, Any] | None = None) -> None:
+        """`lambda_rule` is `LambdaRule.to_dict()`'s plain data (what a Flower message
+        carries); None is each client's own lambda, the paper's rule."""
         super().__init__(model_fn, training)
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
@@ -63,6 +67,8 @@ class KNNPer(FedAvg):
                              f"got {lambda_estimator!r}")
         self.k, self.sigma, self.capacity = k, sigma, capacity
         self.normalize, self.lambda_estimator = normalize, lambda_estimator
+        self.lambda_rule = LambdaRule() if lambda_rule is None else \
+            LambdaRule.from_dict(lambda_rule)
 
     def _choose_lambda(self, head: KNNHead, logits_train: np.ndarray, z_val: np.ndarray,
                        logits_val: np.ndarray, y_val: np.ndarray) -> float:
@@ -72,7 +78,8 @@ class KNNPer(FedAvg):
                                             self.sigma),
                    softmax(logits_train.astype(np.float64)), head.labels_)
         return estimate_lambda(self.lambda_estimator, head.predict_proba(z_val),
-                               softmax(logits_val.astype(np.float64)), y_val, loo)
+                               softmax(logits_val.astype(np.float64)), y_val, loo,
+                               rule=self.lambda_rule)
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:

@@ -119,10 +119,18 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSettings,
                        spec: ModelSpec, client: ClientData, weights: dict) -> ConfigRecord:
-    """This client's grid_counts ("knn-grid") or estimator_counts ("knn-estimators") under the
-    global model: the same sums the simulation pools (fed_train.knn_tuning)."""
+    """This client's grid_counts ("knn-grid"), estimator_counts ("knn-estimators"),
+    rule_fold_counts ("knn-rule-folds") or rule_evidence ("knn-rule-evidence") under the global
+    model: the same sums the simulation pools (fed_train.knn_tuning)."""
     from fed_train.algorithms import build_algorithm
-    from fed_train.knn_tuning import KNNConfig, client_views, estimator_counts, grid_counts
+    from fed_train.knn_tuning import (
+        KNNConfig,
+        client_views,
+        estimator_counts,
+        grid_counts,
+        rule_evidence,
+        rule_fold_counts,
+    )
 
     model = build_algorithm("fedavg", spec.model_fn(), settings.run.training).global_model(
         weights)
@@ -134,6 +142,12 @@ def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSetting
     elif phase == "knn-estimators":
         counts = estimator_counts(view, KNNConfig(**json.loads(str(config["config"]))),
                                   seed=settings.run.seed)
+    elif phase == "knn-rule-folds":
+        counts = rule_fold_counts(view, KNNConfig(**json.loads(str(config["config"]))),
+                                  str(config["estimator"]), seed=settings.run.seed)
+    elif phase == "knn-rule-evidence":
+        counts = rule_evidence(view, KNNConfig(**json.loads(str(config["config"]))),
+                               str(config["estimator"]))
     else:
         raise ValueError(f"unknown evaluation phase {phase!r}")
     return ConfigRecord({"client-id": client.client_id, "counts": json.dumps(counts.tolist())})

@@ -31,7 +31,15 @@ from fed_train.knn_choice import (
     save_choice,
     saved_choice,
 )
-from fed_train.knn_tuning import grid_points, pick_config, pick_estimator, pool_estimators
+from fed_train.knn_tuning import (
+    fit_rule,
+    grid_points,
+    pick_config,
+    pick_estimator,
+    pick_rule,
+    pool_estimators,
+    pool_rules,
+)
 from fed_train.run import open_run, save_model
 from fed_train.simulation import is_checkpoint_round, log_round, open_run_log
 
@@ -117,7 +125,15 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
                                        "config": json.dumps(config.to_dict())}).values()))
         estimator = pick_estimator(cv)
     chosen_on = [cid for cid, c in grid_counts.items() if c[0, 2] > 0]
+    rule, rule_cv = request.rule(), {}
+    asked = {"config": json.dumps(config.to_dict()), "estimator": estimator}
+    if rule == "auto":
+        rule_cv = pool_rules(list(ask({"phase": "knn-rule-folds", **asked}).values()))
+        rule = pick_rule(rule_cv)
+    evidence = ask({"phase": "knn-rule-evidence", **asked}) if rule != "client" else {}
+    fitted = fit_rule(rule, [evidence[cid] for cid in chosen_on if cid in evidence])
     record = make_record(request, config, estimator, sha, grid=scores, lambda_cv=cv,
+                         lambda_rule=fitted.to_dict(), lambda_rule_cv=rule_cv,
                          clients=chosen_on,
                          samples=sum(grid_counts[cid][0, 2] for cid in chosen_on),
                          made_by="Flower: sums from each seen client's own validation split")

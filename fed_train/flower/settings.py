@@ -38,12 +38,14 @@ class FlowerSettings:
     sigma: float = 0.0
     normalize: str = ""
     lambda_estimator: str = ""
+    lambda_rule: str = ""
     capacity: float = 1.0
 
     def knn_request(self) -> KNNRequest:
         try:
             return KNNRequest(self.knn_config, self.k or None, self.sigma or None,
-                              self.normalize or None, self.lambda_estimator or None)
+                              self.normalize or None, self.lambda_estimator or None,
+                              self.lambda_rule or None)
         except KnnperError as err:
             raise FlowerConfigError(f"kNN settings: {err}") from None
 
@@ -84,7 +86,8 @@ class FlowerSettings:
                 "min-train-clients": int(self.min_train_clients),
                 "eval-methods": ",".join(self.eval_methods), "knn-config": self.knn_config,
                 "k": int(self.k), "sigma": float(self.sigma), "normalize": self.normalize,
-                "lambda-estimator": self.lambda_estimator, "capacity": float(self.capacity)}
+                "lambda-estimator": self.lambda_estimator, "lambda-rule": self.lambda_rule,
+                "capacity": float(self.capacity)}
 
     @classmethod
     def from_run_config(cls, values: dict[str, Any]) -> FlowerSettings:
@@ -107,6 +110,7 @@ class FlowerSettings:
                 k=int(values.get("k", d.k)), sigma=float(values.get("sigma", d.sigma)),
                 normalize=str(values.get("normalize", d.normalize)),
                 lambda_estimator=str(values.get("lambda-estimator", d.lambda_estimator)),
+                lambda_rule=str(values.get("lambda-rule", d.lambda_rule)),
                 capacity=float(values.get("capacity", d.capacity)))
         except (TypeError, ValueError) as err:
             raise FlowerConfigError(f"bad run config value: {err}") from err
