@@ -28,10 +28,10 @@ from .bundle import BundleError, write_bundle
 from .datastores import format_recipe, make_datastore, max_count_within, parse_recipe
 from .encoder import Encoder
 from .knn import (
+    CLIENT_RULE,
     DEFAULT_K,
     DEFAULT_SIGMA,
-    LAMBDA_GRID,
-    choose_lambda,
+    LambdaRule,
     datastore_key,
     interpolate,
     softmax,
@@ -73,12 +73,16 @@ def init_bundle(
     client_id: int = -1,
     update_strategy: str = "fifo",
     intra_op_threads: int | None = None,
+    lambda_rule: LambdaRule = CLIENT_RULE,
 ) -> InitReport:
     """Build and write a bundle for a new device (see the module docstring for the choice).
 
     `recipes`: candidate recipe strings (flat or hnsw; protonn needs server-side training).
     Ones without n<count> get the budget's maximum and its halves; ones with n are tried as
-    given if they fit. client_id -1 marks a device that never trained. Raises BundleError when
+    given if they fit. client_id -1 marks a device that never trained. `lambda_rule`: how lambda
+    is chosen from the validation split (a device on its own has no pooled evidence: its own
+    split, the paper's rule; one given a server's pooled rule chooses as the server does).
+    Raises BundleError when
     even the encoder (or the encoder plus one stored sample) exceeds the budget.
     """
     try:
@@ -118,10 +122,11 @@ def init_bundle(
         if n_val:
             ds.fit(z[train], y[train])
             p_local = ds.predict_proba(z[val])
-            lam = choose_lambda(p_local, p_global_val, y[val], LAMBDA_GRID)
+            lam = lambda_rule.choose(p_local, p_global_val, y[val])
             acc, nll = split_score(interpolate(p_local, p_global_val, lam), y[val])
         else:
-            lam, acc, nll = choose_lambda(np.zeros((0, 1)), np.zeros((0, 1)), y[val]), None, None
+            lam = lambda_rule.choose(np.zeros((0, 1)), np.zeros((0, 1)), y[val])
+            acc = nll = None
         candidates.append(
             {"recipe": recipe, "lambda": lam, "val_accuracy": acc, "val_nll": nll, "nbytes": nbytes}
         )

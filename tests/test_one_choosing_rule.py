@@ -17,10 +17,12 @@ from edge_runtime.device_init import init_bundle
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import (
     KNNHead,
+    LambdaRule,
     choice_key,
     choose_lambda,
     estimate_lambda,
     interpolate,
+    lambda_counts,
     normalize_embeddings,
     softmax,
 )
@@ -51,14 +53,27 @@ def test_choice_key_ranks_accuracy_then_rounded_log_loss_then_tie_breaks():
     assert choose_lambda(p_local, p_local, np.array([0, 1])) == 0.0
 
 
+def _rule(name: str, encoder, seed: int) -> LambdaRule:
+    """A rule of that name whose pooled evidence comes from other clients' images."""
+    if name == "client":
+        return LambdaRule()
+    x, y = make_images(120, seed=seed + 100, signal=20)
+    z, logits = raw_outputs(encoder, x)
+    evidence = lambda_counts(KNNHead(NUM_CLASSES).fit(z[:80], y[:80]).predict_proba(z[80:]),
+                             softmax(logits[80:]), y[80:])
+    return LambdaRule(name, tuple(map(tuple, evidence)), 25.0)
+
+
+@pytest.mark.parametrize("rule_name", ["client", "pooled", "shrunk"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_server_sizer_and_device_init_choose_alike(tmp_path, seed):
+def test_server_sizer_and_device_init_choose_alike(tmp_path, seed, rule_name):
     encoder = make_image_encoder(tmp_path / "encoder.onnx", seed=seed)
+    rule = _rule(rule_name, encoder, seed)
     x, y = make_images(160, seed=seed, signal=50)
     val_fraction, budget = 0.25, 10**6
     init = init_bundle(encoder, x, y, budget, tmp_path / "device", input_spec=IMAGE_SPEC,
                        recipes=[f"flat:{t}" for t in DTYPES], val_fraction=val_fraction,
-                       seed=seed)
+                       seed=seed, lambda_rule=rule)
     # the device's own split, fed to the server and the exporter as embeddings
     order = np.random.default_rng(seed).permutation(len(y))
     n_val = int(round(val_fraction * len(y)))
@@ -66,10 +81,11 @@ def test_server_sizer_and_device_init_choose_alike(tmp_path, seed):
     z, logits = raw_outputs(encoder, x)
     data = ClientEmbeddings(0, z[train], y[train], z[val], logits[val], y[val], logits[train])
     sizer = DatastoreSizer(NUM_CLASSES, space=SearchSpace(backends=("flat",),
-                                                          flat_dtypes=DTYPES), seed=seed)
+                                                          flat_dtypes=DTYPES), seed=seed,
+                           lambda_rule=rule)
     sizer.fit(data, budget - encoder.stat().st_size)
     server = estimate_lambda("val", KNNHead(NUM_CLASSES).fit(z[train], y[train])
-                             .predict_proba(z[val]), softmax(logits[val]), y[val])
+                             .predict_proba(z[val]), softmax(logits[val]), y[val], rule=rule)
 
     device = {c["recipe"].split(":n")[0]: c for c in init.candidates if
               int(c["recipe"].split(":n")[1]) >= len(train)}
