@@ -73,12 +73,14 @@ def paired_bootstrap(per_seed: Sequence[Sequence[Mapping[str, Any]]], group: str
 def across_seeds(results: Sequence[Mapping[str, Any]], methods: Sequence[str],
                  oracle: bool = True) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     """{group: {method: {stat: {"mean", "std", "values"}}}} over the seeds' summaries; the
-    kNN-Per test-oracle row (not a method) is kept as "knnper_oracle" when asked."""
+    kNN-Per test-oracle and cross-oracle rows (not methods) are kept as "knnper_oracle" and
+    "knnper_cross_oracle" when asked."""
     out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for group in GROUPS:
         summaries = {m: [r[group].get(m) for r in results] for m in methods}
-        if oracle and all(r.get("knn", {}).get("oracle", {}).get(group) for r in results):
-            summaries["knnper_oracle"] = [r["knn"]["oracle"][group] for r in results]
+        for key in ("oracle", "cross_oracle") if oracle else ():
+            if all((r.get("knn", {}).get(key) or {}).get(group) for r in results):
+                summaries[f"knnper_{key}"] = [r["knn"][key][group] for r in results]
         out[group] = {}
         for method, per_seed in summaries.items():
             if any(s is None for s in per_seed):
@@ -101,7 +103,8 @@ def compare_to_each(results: Sequence[Mapping[str, Any]], spread: Mapping[str, A
     out: dict[str, dict[str, dict[str, Any]]] = {}
     clients = [r["clients"] for r in results]
     for group in GROUPS:
-        baselines = [m for m in spread.get(group, {}) if m not in (method, "knnper_oracle")]
+        baselines = [m for m in spread.get(group, {})
+                     if m not in (method, "knnper_oracle", "knnper_cross_oracle")]
         if method not in spread.get(group, {}) or not baselines:
             continue
         out[group] = {}
@@ -187,10 +190,12 @@ def format_seeds(summary: Mapping[str, Any], titles: Mapping[str, str],
         if not spread:
             continue
         lines += [f"## {title}", "", "| method | mean | bottom 10% |", "|---|---|---|"]
-        for m in [*summary["methods"], "knnper_oracle"]:
+        for m in [*summary["methods"], "knnper_oracle", "knnper_cross_oracle"]:
             if m in spread:
-                name = ("(kNN-Per, test-oracle lambda: not a method)" if m == "knnper_oracle"
-                        else titles.get(m, m))
+                name = {"knnper_oracle": "(kNN-Per, test-oracle lambda, optimistic by "
+                                         "construction: not a method)",
+                        "knnper_cross_oracle": "(kNN-Per, split-half cross-oracle lambda on "
+                                               "test: not a method)"}.get(m, titles.get(m, m))
                 lines.append(f"| {name} | {_cell(spread[m], 'mean')} | "
                              f"{_cell(spread[m], 'bottom_decile')} |")
         lines.append("")
