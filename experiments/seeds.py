@@ -192,8 +192,7 @@ def format_seeds(summary: Mapping[str, Any], titles: Mapping[str, str],
         lines += [f"## {title}", "", "| method | mean | bottom 10% |", "|---|---|---|"]
         for m in [*summary["methods"], "knnper_oracle", "knnper_cross_oracle"]:
             if m in spread:
-                name = {"knnper_oracle": "(kNN-Per, test-oracle lambda, optimistic by "
-                                         "construction: not a method)",
+                name = {"knnper_oracle": "(kNN-Per, test-oracle lambda: not a method)",
                         "knnper_cross_oracle": "(kNN-Per, split-half cross-oracle lambda on "
                                                "test: not a method)"}.get(m, titles.get(m, m))
                 lines.append(f"| {name} | {_cell(spread[m], 'mean')} | "

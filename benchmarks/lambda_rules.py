@@ -1,0 +1,127 @@
+"""kNN-Per's lambda rules side by side on the same trained models: each client's own lambda (the
+paper's rule), one pooled lambda, the shrunk rule and the cross-validated choice among them, with
+the test-oracle and split-half cross-oracle rows for scale. Everything but the rows labelled
+oracle is chosen on validation; per-client rows are kept so the summary can be recomputed.
+
+    python benchmarks/lambda_rules.py --dataset fashion-mnist \
+        --data /usr/share/datasets/fashion-mnist --clients 30 --max-train 6000 --rounds 10 \
+        --seeds 3 --out benchmarks/results/lambda_rules/fashion-mnist
+
+Resumes: each seed's run and rows are kept under OUT/seed_S/."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from edge_runtime._io import write_json_atomic
+from edge_runtime.knn import LAMBDA_RULES
+from experiments.seeds import paired_bootstrap
+from fed_train.algorithms.base import TrainingConfig
+from fed_train.knn_request import KNNRequest
+from fed_train.knn_tuning import choose_knn
+from fed_train.run import RunConfig, load_run, train
+
+RULES = (*LAMBDA_RULES, "auto")
+COLUMNS = (*RULES, "oracle", "cross_oracle")
+
+
+def seed_rows(args: argparse.Namespace, seed: int) -> list[dict]:
+    """One row per client of this seed: its test accuracy under every rule and the oracles."""
+    out = Path(args.out) / f"seed_{seed}"
+    cached = out / "rows.json"
+    if cached.exists():
+        return json.loads(cached.read_text())["rows"]
+    config = RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
+                       partition="dirichlet", alpha=args.alpha, clients=args.clients, seed=seed,
+                       training=TrainingConfig(rounds=args.rounds))
+    train(config, out / "run", progress=False)
+    run = load_run(out / "run")
+    ks, sigmas, norms = KNNRequest().grids()
+    rows: dict[int, dict] = {}
+    for rule in RULES:
+        _, _, record = choose_knn(run.model, run.clients(), ks=ks, sigmas=sigmas,
+                                  normalizations=norms, rule=rule, seed=seed)
+        for r in record["oracle_rows"]:
+            row = rows.setdefault(r["client_id"], {"seed": seed, "client_id": r["client_id"],
+                                                   "unseen": r["unseen"], "n_test": r["n_test"]})
+            row[rule] = r["accuracy"]
+            row[f"{rule}_rule"] = record["lambda_rule"]["name"]
+            row["oracle"] = r["info"].get("oracle_accuracy")
+            row["cross_oracle"] = r["info"].get("cross_oracle_accuracy")
+    result = [rows[c] for c in sorted(rows) if rows[c]["n_test"]]
+    write_json_atomic(cached, {"rows": result})
+    return result
+
+
+def cpu_model() -> str:
+    """The CPU the figures were measured on (integer kernels and speed differ between them)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() \
+            else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def mean(rows: list[dict], group: str, column: str) -> float:
+    scored = [r for r in rows if r["unseen"] == (group == "unseen")]
+    return 100 * sum(r[column] * r["n_test"] for r in scored) / sum(r["n_test"] for r in scored)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--data", default=None, help="data folder for the data set")
+    p.add_argument("--max-train", type=int, default=None, help="training samples drawn")
+    p.add_argument("--alpha", type=float, default=0.3, help="Dirichlet concentration")
+    p.add_argument("--clients", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out", required=True, help="results folder (resumes)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    per_seed = [seed_rows(args, s) for s in range(args.seeds)]
+    out = Path(args.out)
+    with open(out / "clients.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(per_seed[0][0]))
+        writer.writeheader()
+        writer.writerows(r for rows in per_seed for r in rows)
+    lines = [f"# Lambda rules: {args.dataset}, {args.clients} clients, {args.rounds} rounds, "
+             f"{args.seeds} seeds", "",
+             f"Machine: {cpu_model()}; torch {torch.__version__}."
+             " Test accuracy in % (mean weighted by test size; per seed, then averaged). "
+             "The oracle rows choose lambda on test data: for scale only.", "",
+             "| rule | " + " | ".join(f"{g} mean" for g in ("seen", "unseen")) + " |",
+             "|---|---|---|"]
+    for column in COLUMNS:
+        cells = [sum(mean(rows, g, column) for rows in per_seed) / len(per_seed)
+                 for g in ("seen", "unseen")]
+        lines.append(f"| {column} | {cells[0]:.2f} | {cells[1]:.2f} |")
+    chosen = sorted({r["auto_rule"] for rows in per_seed for r in rows})
+    lines += ["", f"`auto` chose: {', '.join(chosen)}.", "",
+              "Rule minus `client` (paired bootstrap 95% interval over clients, within seeds):",
+              "", "| rule | group | mean (pp) | bottom decile (pp) |", "|---|---|---|---|"]
+    summary: dict = {}
+    for rule in ("pooled", "shrunk", "auto"):
+        for group in ("seen", "unseen"):
+            cells = []
+            for stat in ("mean", "bottom_decile"):
+                iv = paired_bootstrap(per_seed, group, rule, "client", stat)
+                summary[f"{rule}-{group}-{stat}"] = iv
+                cells.append("-" if iv is None else
+                             f"{100 * iv['diff']:+.2f} [{100 * iv['low']:+.2f}, "
+                             f"{100 * iv['high']:+.2f}]")
+            lines.append(f"| {rule} | {group} | {cells[0]} | {cells[1]} |")
+    write_json_atomic(out / "summary.json", {"args": vars(args), "intervals": summary})
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
