@@ -143,7 +143,7 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
     server = json.loads((tmp_path / "eval.json").read_text())
     chosen = server["knn"]["config"]
     assert server["knn"]["source"] == dict.fromkeys(
-        ("k", "sigma", "normalize", "lambda_estimator"), FROM_VALIDATION)
+        ("k", "sigma", "normalize", "lambda_estimator", "lambda_rule"), FROM_VALIDATION)
     assert knnper_main(["--no-progress", "export", str(run), "--out", str(tmp_path / "b"),
                         "--budget", "2MB", "--workers", "1"]) == 0
     report = json.loads((tmp_path / "b" / "export.json").read_text())
@@ -161,6 +161,8 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
         assert manifest["knn_choice"]["normalize"]["value"] == chosen["normalize"]
         assert manifest["knn_choice"]["lambda_estimator"]["value"] == \
             server["knn"]["estimator"]
+        assert manifest["knn_choice"]["lambda_rule"] == {
+            "value": server["knn"]["lambda_rule"]["name"], "source": FROM_VALIDATION}
         write_client_files(loaded, cid, tmp_path / f"c{cid}")
         acc, n = _accuracy(capsys, bundle, tmp_path / f"c{cid}" / "test.npz")
         assert n == row["n_test"]
