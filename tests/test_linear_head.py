@@ -23,19 +23,32 @@ def digits():
 
 @pytest.mark.parametrize("l2", [1.0, 1e-1, 1e-2, 1e-3])
 def test_probabilities_match_scikit_learn(digits, l2):
-    """Same objective as LogisticRegression(lbfgs) with C = 1 / (n * l2): the probabilities
-    on held-out samples agree to 1e-5 when both are solved tightly (measured: 2e-6, the
-    float32 rounding of the weights; an l2 off by 10% moves them by 4e-3 or more)."""
+    """Same objective as LogisticRegression(lbfgs) with C = 1 / (n * l2) on the embeddings
+    divided by their standard deviation (centring them changes nothing with an unpenalised
+    intercept): the probabilities on held-out samples agree to 1e-4 when both are solved
+    tightly (measured: at most 2e-5, from the float32 weights; an l2 off by 10% moves them by
+    1e-2 or more)."""
     x, y = digits
     z, t = x[:300], y[:300]
+    scale = np.std(z.astype(np.float64) - z.mean(axis=0))
     ours = LinearHead(10, l2=l2, max_iter=5000, tol=1e-9).fit(z, t)
     # in float64: given float32, scikit-learn also solves in float32, to about 1e-4
     ref = LogisticRegression(C=1.0 / (len(t) * l2), tol=1e-12, max_iter=20000).fit(
-        z.astype(np.float64), t)
+        z.astype(np.float64) / scale, t)
     held_out = x[300:800]
     np.testing.assert_allclose(ours.predict_proba(held_out),
-                               ref.predict_proba(held_out.astype(np.float64)), atol=1e-5)
-    assert np.mean(ours.predict(held_out) == ref.predict(held_out)) > 0.995
+                               ref.predict_proba(held_out.astype(np.float64) / scale), atol=1e-4)
+    assert np.mean(ours.predict(held_out) == ref.predict(held_out / scale)) > 0.995
+
+
+def test_the_embeddings_scale_does_not_change_the_head(digits):
+    """Rescaled embeddings (raw ReLU features, unit vectors) get the same probabilities with
+    the same l2: the grid means one thing whatever the body's scale."""
+    x, y = digits
+    a = LinearHead(10, l2=1e-2, tol=1e-9).fit(x[:300], y[:300])
+    b = LinearHead(10, l2=1e-2, tol=1e-9).fit(x[:300] * 40.0, y[:300])
+    np.testing.assert_allclose(a.predict_proba(x[300:]), b.predict_proba(x[300:] * 40.0),
+                               atol=1e-5)
 
 
 def test_separable_pair_has_the_hand_solved_probability():
@@ -85,16 +98,16 @@ def test_fit_is_deterministic_and_float32(digits):
 
 
 def test_fits_a_large_client_quickly():
-    """The largest size a client holds here (1000 samples, p = 512, 100 classes), every grid
-    value, well within a second each on one shared core."""
+    """The largest size a client holds here (1000 samples, p = 512, 100 classes) at every grid
+    value: measured 0.05 to 1.2 s a fit with the two shared cores loaded five-fold."""
     rng = np.random.default_rng(2)
     centres = rng.normal(size=(100, 512))
     y = rng.integers(0, 100, 1000)
-    z = (centres[y] + 3 * rng.normal(size=(1000, 512))).astype(np.float32)
+    z = np.maximum(centres[y] + 3 * rng.normal(size=(1000, 512)), 0).astype(np.float32)
     for l2 in L2_GRID:
         start = time.perf_counter()
         LinearHead(100, l2=l2).fit(z, y)
-        assert time.perf_counter() - start < 2.0, l2
+        assert time.perf_counter() - start < 5.0, l2
 
 
 @pytest.mark.parametrize(("z", "y", "message"), [
