@@ -33,9 +33,9 @@ _MAX_HALVINGS = 40
 class LinearHead:
     """Multinomial logistic regression, scikit-learn style: fit(z, y), predict_proba(z).
 
-    Classes absent from the training labels get a zero weight row and an intercept low enough
-    that on every training sample each has probability at most 1 / (n + 1), the chance Laplace's
-    rule gives an outcome never seen in n draws: small and finite, never the argmax."""
+    Classes absent from the training labels get a zero weight column and an intercept low enough
+    that on every training sample each has probability at most 1 / (n + 1): small, finite (the
+    unpenalised optimum would be -inf), and below the likeliest seen class there."""
 
     def __init__(self, num_classes: int, l2: float = DEFAULT_L2, max_iter: int = 500,
                  tol: float = 1e-5) -> None:
