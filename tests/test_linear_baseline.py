@@ -101,6 +101,17 @@ def test_personal_model_is_the_linear_head_on_fedavg_embeddings():
         build_algorithm("linear", model_fn, TRAINING, l2=0.0)
 
 
+def test_a_client_without_train_data_keeps_the_global_model():
+    full = make_clients(1)[0]
+    client = dataclasses.replace(full, x_train=full.x_train[:0], y_train=full.y_train[:0])
+    weights = initial_weights()
+    personal = build_algorithm("linear", model_fn, TRAINING).personalize(weights, client, {}, 0)
+    fedavg = build_algorithm("fedavg", model_fn, TRAINING).personalize(weights, client, {}, 0)
+    np.testing.assert_array_equal(personal.predict_proba(client.x_test),
+                                  fedavg.predict_proba(client.x_test))
+    assert personal.info == {"l2": None}
+
+
 def test_bench_table_runs_the_linear_baseline_on_fedavgs_run(tmp_path):
     out = tmp_path / "table"
     assert bench(*TINY, "--rounds", "1", "--methods", "fedavg,linear,knnper",
