@@ -3,10 +3,10 @@ clients) on one partition, every method with the same rounds, local epochs, batc
 rate schedule and model.
 
 One partition is drawn and saved in OUT. Each training run lives in OUT/runs/METHOD/lr_LR and
-checkpoints, so an interrupted table resumes; FedAvg is trained once and personalized three ways
-(FedAvg, FedAvg+, kNN-Per). Per-client results of each method are cached in OUT/eval, so adding a
-method to a finished table only runs that method. Outputs: table.md, table1.csv, table2.csv,
-clients.csv and results.json.
+checkpoints, so an interrupted table resumes; FedAvg is trained once and personalized four ways
+(FedAvg, FedAvg+, FedAvg + linear head, kNN-Per). Per-client results of each method are cached in
+OUT/eval, so adding a method to a finished table only runs that method. Outputs: table.md,
+table1.csv, table2.csv, clients.csv and results.json.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from edge_runtime._io import write_json_atomic
+from edge_runtime.linear_head import L2_GRID
 from experiments.attribution import BODIES, attribution_table, body_rows, format_attribution
 from experiments.lr_tuning import (
     LR_GRID,
@@ -40,6 +41,7 @@ from fed_train.evaluation import merge_results, plain_json, summarize
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_tuning import client_rows, client_views
+from fed_train.linear_tuning import choose_l2
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
 from fed_train.progress import Progress, track
@@ -58,13 +60,13 @@ from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
-METHODS: tuple[str, ...] = ("local", "fedavg", "fedavg+", "clustered", "ditto", "fedrep", "apfl",
-                            "pfedgp", "knnper")
-TITLES = {"local": "Local", "fedavg": "FedAvg", "fedavg+": "FedAvg+", "clustered": "ClusteredFL",
-          "ditto": "Ditto", "fedrep": "FedRep", "apfl": "APFL", "pfedgp": "pFedGP",
-          "knnper": "kNN-Per"}
+METHODS: tuple[str, ...] = ("local", "fedavg", "fedavg+", "linear", "clustered", "ditto", "fedrep",
+                            "apfl", "pfedgp", "knnper")
+TITLES = {"local": "Local", "fedavg": "FedAvg", "fedavg+": "FedAvg+",
+          "linear": "FedAvg + linear head", "clustered": "ClusteredFL", "ditto": "Ditto",
+          "fedrep": "FedRep", "apfl": "APFL", "pfedgp": "pFedGP", "knnper": "kNN-Per"}
 # methods that personalize another method's training run instead of training their own
-TRAINED_BY = {"fedavg+": "fedavg", "knnper": "fedavg"}
+TRAINED_BY = {"fedavg+": "fedavg", "linear": "fedavg", "knnper": "fedavg"}
 
 
 class BenchError(KnnperError, ValueError):
@@ -195,12 +197,29 @@ class TableRunner:
         return ({**self.hyper.get("knnper", {}), **choice.hyper()},
                 {**choice.record, "oracle_rows": oracle})
 
+    def _linear_choice(self, lr: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The linear head's l2 at this learning rate, chosen on the seen clients' pooled
+        validation splits of the FedAvg run (fed_train.linear_tuning), and the record of it."""
+        training = replace(self.config.training, lr=lr)
+        model = build_algorithm("fedavg", self.model_fn, training).global_model(
+            self.train("fedavg", training).weights)
+        l2, record = choose_l2(client_views(model, self.clients))
+        return {**self.hyper.get("linear", {}), "l2": l2}, record
+
+    def _identity(self, method: str) -> dict[str, Any]:
+        """What a method's cached rows depend on besides the training run."""
+        if method == "knnper":
+            return self._knn_identity()
+        if method == "linear":
+            return {**self.hyper.get("linear", {}), "l2_grid": list(L2_GRID)}
+        return self.hyper.get(method, {})
+
     def rows(self, method: str, lr: float, *,
              diverged_ok: bool = False) -> list[dict[str, Any]] | None:
         """Per-client rows of `method` at learning rate `lr`, from the cache when it is there.
         With `diverged_ok` (a learning-rate grid), a run whose loss diverges is recorded and
         gives None instead of stopping the table: that learning rate cannot be chosen."""
-        identity = self._knn_identity() if method == "knnper" else self.hyper.get(method, {})
+        identity = self._identity(method)
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
         if cache.exists():
             cached = json.loads(cache.read_text())
@@ -223,9 +242,11 @@ class TableRunner:
               cache: Path) -> list[dict[str, Any]]:
         start = time.perf_counter()
         hyper = self.hyper.get(method, {})
-        knn_record = None
+        knn_record = linear_record = None
         if method == "knnper":
             hyper, knn_record = self._knn_choice(lr)
+        elif method == "linear":
+            hyper, linear_record = self._linear_choice(lr)
         training = replace(self.config.training, lr=lr)
         algorithm = build_algorithm(method, self.model_fn, training, **hyper)
         if getattr(algorithm, "federated", True):
@@ -251,13 +272,22 @@ class TableRunner:
         payload = {"hyper": plain_json(identity), "seconds": seconds, "rows": rows}
         if knn_record is not None:
             payload["knn"] = plain_json(knn_record)
+        if linear_record is not None:
+            payload["linear"] = plain_json(linear_record)
         write_json_atomic(cache, payload)
         return rows
 
     def knn_record(self, lr: float) -> dict[str, Any] | None:
         """How kNN-Per's hyper-parameters were chosen at `lr` (written by `rows`)."""
-        cache = self.out / "eval" / "knnper" / f"{_lr_dir(lr)}.json"
-        return json.loads(cache.read_text()).get("knn") if cache.exists() else None
+        return self._choice_record("knnper", "knn", lr)
+
+    def linear_record(self, lr: float) -> dict[str, Any] | None:
+        """How the linear head's l2 was chosen at `lr` (written by `rows`)."""
+        return self._choice_record("linear", "linear", lr)
+
+    def _choice_record(self, method: str, key: str, lr: float) -> dict[str, Any] | None:
+        cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
+        return json.loads(cache.read_text()).get(key) if cache.exists() else None
 
 
 # rough cost of each training group in FedAvg-equivalents, to start the longest jobs first
@@ -358,6 +388,8 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
                       for r in per_method["knnper"]]
         result["knn"] = {**(record or {}), "oracle": summarize(oracle_rows),
                          "cross_oracle": summarize(cross_rows)}
+    if "linear" in names:
+        result["linear"] = runner.linear_record(chosen["linear"])
     if attribution:
         body_lrs = {b: chosen.get(b, lrs[0]) for b in BODIES}
         estimator = knn.estimator()  # "auto": each body gets its own cross-validated choice
@@ -451,6 +483,19 @@ def _knn_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _linear_lines(result: dict[str, Any]) -> list[str]:
+    """The linear head's l2 and what it was chosen on."""
+    record = result.get("linear")
+    if not record:
+        return []
+    on = record["chosen_on"]
+    scores = ", ".join(f"{g['l2']:.3g}: {100 * g['val_accuracy']:.1f}%" for g in record["grid"])
+    return ["## FedAvg + linear head's choice", "",
+            f"- l2 = {record['config']['l2']:.3g}, chosen on the pooled validation splits of "
+            f"{len(on['clients'])} seen clients ({on['samples']} samples); lr "
+            f"{result['lr']['linear']:g}. Validation accuracy per l2: {scores}.", ""]
+
+
 def format_markdown(result: dict[str, Any]) -> str:
     """Table 1 and Table 2 in markdown: accuracy in %, mean / bottom decile per method."""
     c = result["config"]
@@ -482,7 +527,7 @@ def format_markdown(result: dict[str, Any]) -> str:
                              f"{100 * o['mean']:.1f} | {100 * o['bottom_decile']:.1f} | "
                              f"{result['lr']['knnper']:.3g} |")
         lines.append("")
-    lines += _knn_lines(result)
+    lines += _knn_lines(result) + _linear_lines(result)
     if "attribution" in result:
         lines.append(format_attribution(result["attribution"]))
     return "\n".join(lines)

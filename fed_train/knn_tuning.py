@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -197,14 +197,24 @@ def grid_counts(view: ClientView, points: Sequence[KNNConfig],
     return out
 
 
-def pick_config(points: Sequence[KNNConfig],
-                counts: Sequence[np.ndarray]) -> tuple[KNNConfig, list[dict]]:
+class GridPoint(Protocol):
+    """A point of any grid chosen on pooled validation (kNN-Per's, the linear head's)."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+Point = TypeVar("Point", bound=GridPoint)
+
+
+def pick_config(points: Sequence[Point],
+                counts: Sequence[np.ndarray]) -> tuple[Point, list[dict]]:
     """The point with the best pooled validation score (edge_runtime.knn.choice_key) from the
-    clients' grid_counts, pooled in the order given (callers sort by client id, so the sums
-    are the same wherever they are made); returns it and every point's scores."""
+    clients' per-point counts (right, summed log-loss, samples; e.g. grid_counts), pooled in
+    the order given (callers sort by client id, so the sums are the same wherever they are
+    made); returns it and every point's scores. Ties go to the first point."""
     if not counts:
-        raise ValueError("no seen client has both train and validation data: cannot choose k "
-                         "and sigma")
+        raise ValueError("no seen client has both train and validation data: cannot choose on "
+                         "validation")
     pooled = np.zeros((len(points), 3))
     for c in counts:
         pooled += c

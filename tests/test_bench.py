@@ -231,8 +231,8 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
     """The leak test: with every client's test labels changed, every choice a table makes stays
     the same (learning rates; kNN-Per's k / sigma / normalisation / estimator and lambdas on the
     loo+val path the fair tables took; Ditto's lambda; APFL's alpha; fine-tuning epochs; the
-    cluster a new client joins among several; and the attribution's kNN choices and lambdas on
-    every body); only test accuracies move."""
+    cluster a new client joins among several; the linear head's l2; and the attribution's kNN
+    choices and lambdas on every body); only test accuracies move."""
     import experiments.tables as bench_module
     import knnper_cli.bench as bench_command
 
@@ -270,6 +270,7 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
     assert plain["validation"] == permuted["validation"]
     for key in ("config", "estimator", "lambda_cv", "grid"):
         assert plain["knn"][key] == permuted["knn"][key], key
+    assert plain["linear"] == permuted["linear"]  # the linear head's l2 and its evidence
     accuracy_columns = {"n_test", *METHODS, "knnper_oracle_lambda", "knnper_oracle_accuracy"}
     for a, b in zip(plain["clients"], permuted["clients"], strict=True):
         choices = {k: v for k, v in a.items() if k not in accuracy_columns}

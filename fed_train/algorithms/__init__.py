@@ -13,6 +13,7 @@ from fed_train.algorithms.fedavg import FedAvg
 from fed_train.algorithms.fedavg_plus import FedAvgPlus
 from fed_train.algorithms.fedrep import FedRep
 from fed_train.algorithms.knnper import KNNPer
+from fed_train.algorithms.linear import LinearPer
 from fed_train.algorithms.local import Local
 from fed_train.algorithms.pfedgp import PFedGP
 from fed_train.models import EmbedHeadModel
@@ -22,6 +23,7 @@ ALGORITHMS: dict[str, Callable[..., Algorithm]] = {
     "fedavg": FedAvg,
     "knnper": KNNPer,
     "fedavg+": FedAvgPlus,
+    "linear": LinearPer,
     "clustered": ClusteredFL,
     "ditto": Ditto,
     "fedrep": FedRep,
