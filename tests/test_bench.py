@@ -268,10 +268,11 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
 
     assert plain["lr"] == permuted["lr"]
     assert plain["validation"] == permuted["validation"]
-    for key in ("config", "estimator", "lambda_cv", "grid"):
+    for key in ("config", "estimator", "lambda_cv", "grid", "lambda_rule", "lambda_rule_cv"):
         assert plain["knn"][key] == permuted["knn"][key], key
     assert plain["linear"] == permuted["linear"]  # the linear head's l2 and its evidence
-    accuracy_columns = {"n_test", *METHODS, "knnper_oracle_lambda", "knnper_oracle_accuracy"}
+    accuracy_columns = {"n_test", *METHODS, "knnper_oracle_lambda", "knnper_oracle_accuracy",
+                        "knnper_cross_oracle_accuracy"}
     for a, b in zip(plain["clients"], permuted["clients"], strict=True):
         choices = {k: v for k, v in a.items() if k not in accuracy_columns}
         assert choices == {k: v for k, v in b.items() if k not in accuracy_columns}
