@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _common
 import numpy as np
 import torch
 
+from experiments import benchmark_support as _common
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, get_weights
 from fed_train.device import resolve_device
