@@ -260,7 +260,7 @@ def log_round(run_dir: Path, row: dict[str, Any], state: SimulationResult, check
                         state.rounds_done, state.weights, state.states, keep_every)
 
 
-def _stepped_batch(algorithm: Algorithm, client_batch: int) -> int:
+def stepped_batch(algorithm: Algorithm, client_batch: int) -> int:
     """How many clients step together: `client_batch`, or 1 with a one-line note when the
     algorithm or its model cannot."""
     if client_batch <= 1:
@@ -288,7 +288,7 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
     total = sum(c.num_train for c in participants)
     state = (open_run_log(run_dir, initial_weights) if run_dir is not None
              else SimulationResult(initial_weights, {}, 0))
-    client_batch = _stepped_batch(algorithm, client_batch)
+    client_batch = stepped_batch(algorithm, client_batch)
     rounds = range(state.rounds_done, training.rounds)
     for r in track(rounds, total=training.rounds, initial=state.rounds_done,
                    desc=algorithm.name, unit="round", enabled=progress):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fed_train.device import DeviceError, autocast, resolve_device
+from fed_train.models import MODELS
 from fed_train.run import load_run
 from knnper_cli.main import main
 
@@ -70,3 +71,11 @@ def test_suite_hides_accelerators_unless_the_gpu_tests_are_selected(request):
     assert not selects_gpu("") and not selects_gpu("not gpu") and not selects_gpu("slow")
     if not selects_gpu(request.config.getoption("markexpr") or ""):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_help_lists_every_model(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in MODELS)
