@@ -115,7 +115,8 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train FedAvg's global model on a partitioned data set")
     add_training_arguments(p)
     p.add_argument("--checkpoint-every", type=positive_int, default=defaults.CHECKPOINT_EVERY,
-                   help="rounds between checkpoints (Ctrl-C loses at most this many)")
+                   help="rounds between checkpoints (Ctrl-C loses at most this many; a write "
+                   "that would take over a tenth of the training time waits for a later round)")
     p.add_argument("--out", required=True, help="run directory (re-running resumes it)")
     p.set_defaults(func=_cmd_train)
 
