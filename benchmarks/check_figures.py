@@ -16,6 +16,7 @@ kNN-Per-minus-a-baseline intervals and verdicts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -243,6 +244,7 @@ def check_versus_md(text: str, seeds: Mapping[str, dict], check: Checker) -> Non
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     check = Checker()
     fair = {name: check_table(FAIR / name, check) for name in FAIR_TABLES.values()}
     seeds = {}

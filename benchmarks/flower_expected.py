@@ -17,8 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import _common
-
+from experiments import benchmark_support as _common
 from fed_train import defaults
 from fed_train.flower.expected import EXPECTED_FILE, MEASURED
 from fed_train.run import RunConfig, load_run, train

@@ -17,10 +17,10 @@ import signal
 import time
 from pathlib import Path
 
-import _common
 import numpy as np
 from flower_rounds import _load, add_arguments, run_config
 
+from experiments import benchmark_support as _common
 from fed_train.deploy import LocalFederation, deploy_local
 from fed_train.flower.settings import FlowerSettings
 

@@ -15,11 +15,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import _common as C
 import numpy as np
 
 from edge_runtime.knn import exact_search, interpolate, kernel_posterior, softmax
 from edge_runtime.runtime import Runtime
+from experiments import benchmark_support as C
 from export.exporter import ExportSettings, export_run
 from export.sizing import SearchSpace
 from fed_train.algorithms.base import TrainingConfig

@@ -18,15 +18,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _common
 import numpy as np
 import torch
 
+from experiments import benchmark_support as _common
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, get_weights
 from fed_train.device import resolve_device
 from fed_train.models import build_model
-from fed_train.simulation import simulate
+from fed_train.simulation import simulate, stepped_batch
 
 log = logging.getLogger("benchmarks.train_throughput")
 SPEC = {"kind": "image", "shape": [32, 32, 3]}
@@ -46,9 +46,9 @@ class Case:
         model, mode, *rest = text.split(":")
         return cls(model, 1 if mode == "seq" else int(mode), rest[0] if rest else "fp32")
 
-    @property
-    def mode(self) -> str:
-        return "seq" if self.client_batch == 1 else f"together x{self.client_batch}"
+
+def mode_label(client_batch: int) -> str:
+    return "seq" if client_batch == 1 else f"together x{client_batch}"
 
 
 def synthetic_clients(count: int, samples: int, device: torch.device) -> list[ClientData]:
@@ -62,8 +62,9 @@ def synthetic_clients(count: int, samples: int, device: torch.device) -> list[Cl
 
 
 def time_case(case: Case, clients: list[ClientData], device: torch.device, batch_size: int,
-              rounds: int) -> float:
-    """Mean seconds of the timed rounds (after one warm-up round)."""
+              rounds: int) -> tuple[float, int]:
+    """Mean seconds of the timed rounds (after one warm-up round), and how many clients
+    actually stepped together: 1 where the model cannot (BatchNorm), whatever was asked."""
     training = TrainingConfig(rounds=1, epochs=1, batch_size=batch_size, lr=0.01,
                               momentum=0.9, milestones=(), precision=case.precision)
 
@@ -73,6 +74,7 @@ def time_case(case: Case, clients: list[ClientData], device: torch.device, batch
     torch.manual_seed(0)
     algorithm = build_algorithm("fedavg", model_fn, training)
     weights = get_weights(model_fn())
+    together = stepped_batch(algorithm, case.client_batch)
     seconds = []
     for r in range(rounds + 1):
         if device.type == "cuda":
@@ -83,8 +85,8 @@ def time_case(case: Case, clients: list[ClientData], device: torch.device, batch
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-        log.info("%s %s round %d: %.2f s", case.model, case.mode, r, seconds[-1])
-    return float(np.mean(seconds[1:]))
+        log.info("%s %s round %d: %.2f s", case.model, mode_label(together), r, seconds[-1])
+    return float(np.mean(seconds[1:])), together
 
 
 def main() -> None:
@@ -110,11 +112,11 @@ def main() -> None:
     rows, sequential = [], {}
     for text in args.cases:
         case = Case.parse(text)
-        seconds = time_case(case, clients, device, args.batch_size, args.rounds)
+        seconds, together = time_case(case, clients, device, args.batch_size, args.rounds)
         if case.client_batch == 1:
             sequential[(case.model, case.precision)] = seconds
         base = sequential.get((case.model, case.precision))
-        rows.append({"case": text, "model": case.model, "mode": case.mode,
+        rows.append({"case": text, "model": case.model, "mode": mode_label(together),
                      "precision": case.precision,
                      "device": torch.cuda.get_device_name() if device.type == "cuda"
                      else f"cpu ({args.threads} threads)",
@@ -130,7 +132,8 @@ def main() -> None:
                                                        "loadavg_1_5_15"),
                                                    "rows": rows})
     _common.write_csv(out / f"{args.tag}.csv", rows, COLUMNS)
-    print(_common.markdown_table(rows, [("case", "case", ""), ("device", "device", ""),
+    print(_common.markdown_table(rows, [("case", "case", ""), ("mode", "ran", ""),
+                                        ("device", "device", ""),
                                         ("seconds_per_round", "s/round", ".2f"),
                                         ("samples_per_s", "samples/s", ",.0f"),
                                         ("speedup_vs_seq", "vs seq", ".2f")]))

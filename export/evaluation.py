@@ -57,9 +57,9 @@ def reference_accuracy(encoder_path: str | Path, clients: Sequence[ClientData], 
         if len(data.y_val):
             lam = choose_lambda(store.predict_proba(data.z_val),
                                 softmax(data.logits_val.astype(np.float64)), data.y_val)
-        y_test = client.y_test.numpy()
+        y_test = client.y_test.cpu().numpy()
         if len(y_test):
-            z_test, logits_test = encoder.run(client.x_test.numpy())
+            z_test, logits_test = encoder.run(client.x_test.cpu().numpy())
             p = interpolate(store.predict_proba(z_test), softmax(logits_test.astype(np.float64)),
                             lam)
             acc = float(np.mean(p.argmax(axis=1) == y_test))

@@ -204,9 +204,9 @@ def _move_encoder(files: EncoderFiles, out_dir: Path) -> EncoderFiles:
 
 
 def _validation_inputs(clients: Sequence[ClientData], limit: int = 1024) -> np.ndarray:
-    pools = [c.x_val.numpy() for c in clients if not c.unseen and len(c.y_val)]
+    pools = [c.x_val.cpu().numpy() for c in clients if not c.unseen and len(c.y_val)]
     if not pools:
-        pools = [c.x_train.numpy() for c in clients if not c.unseen]
+        pools = [c.x_train.cpu().numpy() for c in clients if not c.unseen]
     return np.concatenate(pools)[:limit]
 
 
@@ -230,14 +230,14 @@ def client_embeddings(encoder: Encoder, client: ClientData) -> ClientEmbeddings:
     if client.num_train == 0:
         raise ExportError(f"client {client.client_id} has no training samples to build a "
                           "datastore from")
-    z_train, logits_train = encoder.run(client.x_train.numpy())
+    z_train, logits_train = encoder.run(client.x_train.cpu().numpy())
     if len(client.y_val):
-        z_val, logits_val = encoder.run(client.x_val.numpy())
+        z_val, logits_val = encoder.run(client.x_val.cpu().numpy())
     else:
         z_val = np.zeros((0, z_train.shape[1]), np.float32)
         logits_val = np.zeros((0, 1), np.float32)
-    return ClientEmbeddings(client.client_id, z_train, client.y_train.numpy(), z_val,
-                            logits_val, client.y_val.numpy(), logits_train)
+    return ClientEmbeddings(client.client_id, z_train, client.y_train.cpu().numpy(), z_val,
+                            logits_val, client.y_val.cpu().numpy(), logits_train)
 
 
 def bundle_dir(out_dir: Path, client_id: int) -> Path:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import warnings
@@ -24,6 +25,14 @@ OUTPUT_NAMES = ("embedding", "logits")
 DEFAULT_OPSET = 17
 # fp32 ONNX against fp32 torch: kernels differ only in summation order.
 FP32_TOLERANCE = 1e-4
+
+
+def on_cpu(model: nn.Module) -> nn.Module:
+    """`model`, or a CPU copy of it when it sits on an accelerator: tracing, onnxruntime and
+    numpy all read host memory, and the caller's model stays where it trains."""
+    if all(t.device.type == "cpu" for t in model.state_dict().values()):
+        return model
+    return copy.deepcopy(model).cpu()
 
 
 class EmbedLogits(nn.Module):
@@ -59,6 +68,7 @@ def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str 
     disagrees with torch by more than `atol`.
     """
     path = Path(path)
+    model = on_cpu(model)
     example_t = torch.as_tensor(np.asarray(example))
     if example_t.ndim < 1 or example_t.shape[0] == 0:
         raise ExportError("export needs a non-empty example batch to trace the model")

@@ -54,7 +54,7 @@ def calibration_inputs(clients: Sequence[ClientData], n: int = DEFAULT_CALIBRATI
     """A seeded sample of `n` prepared inputs from the train splits of the clients that took part
     in training: data the server saw anyway. Never a test split, never an unseen client's data,
     so no number reported later was tuned on what it is measured on."""
-    pools = [c.x_train.numpy() for c in clients if not c.unseen and c.num_train > 0]
+    pools = [c.x_train.cpu().numpy() for c in clients if not c.unseen and c.num_train > 0]
     if not pools:
         raise ExportError("no training client has training samples to calibrate the int8 encoder")
     pool = np.concatenate(pools)

@@ -30,6 +30,12 @@ from fed_train.torch_files import load_tensors
 log = logging.getLogger(__name__)
 
 KEEP_CHECKPOINTS = 2  # the newest two: if the last one is unreadable, the one before still is
+# A checkpoint round's write is skipped while writing would take more than this share of the
+# time (every client's personal models, at 200 clients, take seconds per round to write);
+# writes under CHECKPOINT_FREE_SECONDS are never skipped. The round's log line (and its
+# validation accuracy) is written either way, and a resumed run replays the rounds exactly.
+CHECKPOINT_SHARE = 0.1
+CHECKPOINT_FREE_SECONDS = 1.0
 CHECKPOINT_MAGIC = b"knnper-checkpoint 1 sha256 "
 _CHECKPOINT_KEYS = {"rounds_done", "weights", "states"}
 
@@ -260,7 +266,7 @@ def log_round(run_dir: Path, row: dict[str, Any], state: SimulationResult, check
                         state.rounds_done, state.weights, state.states, keep_every)
 
 
-def _stepped_batch(algorithm: Algorithm, client_batch: int) -> int:
+def stepped_batch(algorithm: Algorithm, client_batch: int) -> int:
     """How many clients step together: `client_batch`, or 1 with a one-line note when the
     algorithm or its model cannot."""
     if client_batch <= 1:
@@ -288,7 +294,8 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
     total = sum(c.num_train for c in participants)
     state = (open_run_log(run_dir, initial_weights) if run_dir is not None
              else SimulationResult(initial_weights, {}, 0))
-    client_batch = _stepped_batch(algorithm, client_batch)
+    client_batch = stepped_batch(algorithm, client_batch)
+    write_seconds = trained_seconds = 0.0  # the last checkpoint's write; training since it
     rounds = range(state.rounds_done, training.rounds)
     for r in track(rounds, total=training.rounds, initial=state.rounds_done,
                    desc=algorithm.name, unit="round", enabled=progress):
@@ -321,9 +328,17 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
         if run_dir is not None:
             checkpoint = is_checkpoint_round(state.rounds_done, training.rounds,
                                              checkpoint_every)
+            trained_seconds += row["seconds"]
             if checkpoint:
                 row["val_accuracy"] = _pooled_val_accuracy(algorithm, state.weights,
                                                            participants)
-            log_round(run_dir, row, state, checkpoint, keep_every)
+            write = checkpoint and (
+                write_seconds < CHECKPOINT_FREE_SECONDS or state.rounds_done == training.rounds
+                or trained_seconds * CHECKPOINT_SHARE >= write_seconds
+                or (keep_every is not None and state.rounds_done % keep_every == 0))
+            begun = time.perf_counter()
+            log_round(run_dir, row, state, write, keep_every)
+            if write:
+                write_seconds, trained_seconds = time.perf_counter() - begun, 0.0
         log.debug("round %d: %s", r + 1, row)
     return state

@@ -24,6 +24,7 @@ from fed_train.algorithms.base import TrainingConfig
 from fed_train.data import DEFAULT_PATHS
 from fed_train.device import DEVICES, PRECISIONS
 from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, RULE_CHOICES, KNNRequest
+from fed_train.models import MODELS
 from fed_train.run import RunConfig
 
 __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
@@ -96,7 +97,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="fraction of each client's train data kept for validation")
     p.add_argument("--model", default=None,
-                   help="small-cnn, mobilenet-v2, char-lstm (default: chosen by input kind)")
+                   help=f"{', '.join(MODELS)} (default: chosen by input kind)")
     p.add_argument("--rounds", type=positive_int, default=t.rounds,
                    help="federated rounds")
     p.add_argument("--participation", type=fraction, default=t.participation,

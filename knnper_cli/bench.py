@@ -61,7 +61,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... "
                    "10^-2.5)")
     p.add_argument("--checkpoint-every", type=positive(int), default=5,
-                   help="rounds between checkpoints of each training run")
+                   help="rounds between checkpoints of each training run (a write that would "
+                   "take over a tenth of the training time waits for a later round)")
     add_knn_arguments(p)
     p.add_argument("--capacity", type=positive(float, 1.0), default=1.0,
                    help="kNN-Per: fraction of each client's train split in its datastore")

@@ -13,6 +13,7 @@ from fed_train.client_files import write_client_files
 from fed_train.device import resolve_device
 from fed_train.evaluation import format_table
 from fed_train.knn_choice import describe_record
+from fed_train.models import MODELS
 from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
@@ -95,7 +96,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="draw the server fraction of this many training samples")
     p.add_argument("--model", default=None,
-                   help="small-cnn, mobilenet-v2, char-lstm (default: by input kind)")
+                   help=f"{', '.join(MODELS)} (default: by input kind)")
     p.add_argument("--epochs", type=positive_int, default=d.epochs,
                    help="most epochs of central training")
     p.add_argument("--patience", type=positive_int, default=d.patience,
@@ -114,7 +115,8 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train FedAvg's global model on a partitioned data set")
     add_training_arguments(p)
     p.add_argument("--checkpoint-every", type=positive_int, default=defaults.CHECKPOINT_EVERY,
-                   help="rounds between checkpoints (Ctrl-C loses at most this many)")
+                   help="rounds between checkpoints (Ctrl-C loses at most this many; a write "
+                   "that would take over a tenth of the training time waits for a later round)")
     p.add_argument("--out", required=True, help="run directory (re-running resumes it)")
     p.set_defaults(func=_cmd_train)
 

@@ -300,3 +300,21 @@ def test_pfedgp_trains_the_shared_kernel_and_classifies_with_each_clients_gp():
 def test_bad_hyper_parameters_are_refused(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("update_global", [True, False])
+def test_apfl_divergence_in_the_global_or_a_personal_model_stops_the_round(update_global):
+    """Losses are checked once after the local steps (no wait on the device per step), and a
+    NaN in any of the models still raises."""
+    from fed_train.errors import TrainingDiverged
+
+    weights = {k: np.full_like(v, np.nan) if k.endswith("bias") else v
+               for k, v in initial_weights().items()}
+    apfl = APFL(model_fn, TRAINING, alphas=(0.5,))
+    client = make_clients(1)[0]
+    with pytest.raises(TrainingDiverged, match="lower the learning rate"):
+        if update_global:
+            apfl.client_update(weights, client, {}, 0.1, 0)
+        else:
+            apfl.client_update(initial_weights(), client,
+                               {"personal": {"0.5": weights}}, 0.1, 0)

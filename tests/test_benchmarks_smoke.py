@@ -1,13 +1,19 @@
-"""The edge-runtime benchmarks run end to end at smoke size, from a directory outside the
-repository, and write their tables and plot (they are slow-marked but stay in the default run)."""
+"""Every script under benchmarks/ runs: each prints its --help (found by glob, so a new script is
+covered without a new test), and each with a smallest real case runs it end to end from a
+folder outside the repository. The edge-runtime benchmarks' smoke runs also check their tables
+and plot (slow-marked, they need Fashion-MNIST)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
+import runpy
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -15,13 +21,140 @@ import pytest
 from fed_train.data import DEFAULT_PATHS
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not DEFAULT_PATHS["fashion-mnist"].is_dir(),
-                       reason="Fashion-MNIST is not installed (apt-get install "
-                              "dataset-fashion-mnist)"),
-]
+needs_fashion_mnist = pytest.mark.skipif(
+    not DEFAULT_PATHS["fashion-mnist"].is_dir(),
+    reason="Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A script's smallest real case: its arguments, with {out} a fresh folder, {run} a finished
+    one-round digits run and {copy} a copy of the committed experiment results (a script that
+    rewrites results in place works on that)."""
+
+    args: tuple[str, ...]
+    slow: bool = False
+    module: str | None = None  # an optional dependency the case needs
+
+
+CASES: dict[str, Case] = {
+    "check_figures.py": Case(()),
+    "table_margins.py": Case(("--check",)),
+    "split_public.py": Case(("--dataset", "digits", "--client-train", "500", "--out", "{out}")),
+    "load_checks.py": Case(("--sizes", "100", "--reps", "1", "--out", "{out}")),
+    "train_throughput.py": Case(("--tag", "smoke", "--clients", "2", "--samples", "8",
+                                 "--rounds", "1", "--threads", "1", "--cases", "small-cnn:seq",
+                                 "small-cnn:2", "--results", "{out}"), slow=True),
+    "int8_query_accuracy.py": Case(("--clients", "2", "--rounds", "1", "--out", "{out}"),
+                                   slow=True),
+    "demo_partition.py": Case(("--rounds", "1", "--out", "{out}", "--work", "{out}/work"),
+                              slow=True),
+    "collect_fair_table.py": Case(("{run}", "--name", "smoke", "--out", "{out}"), slow=True),
+    "export_speed.py": Case(("{run}", "--label", "smoke", "--out", "{out}", "--work",
+                             "{out}/work"), slow=True),
+    "knn_config_device.py": Case(("--run", "{run}", "--budget", "1MB", "--out", "{out}"),
+                                 slow=True),
+    "thread_count.py": Case(("--threads", "1", "--steps", "2", "--repeats", "1", "--out",
+                             "{out}"), slow=True),
+    "rejudge_experiments.py": Case(("{copy}",), slow=True),
+    "export_budget_curve.py": Case(("--smoke", "--out", "{out}"), slow=True),
+    "flower_rounds.py": Case(("--tag", "smoke", "--clients", "2", "--rounds", "1", "--results",
+                              "{out}", "--work", "{out}/work"), slow=True, module="flwr"),
+    "flower_floor.py": Case(("--tag", "smoke", "--clients", "2", "--rounds", "1", "--results",
+                             "{out}", "--work", "{out}/work"), slow=True, module="flwr"),
+}
+# scripts whose smallest case is run by a test of its own below (which checks its tables)
+OWN_TEST = {"runtime_latency.py", "runtime_memory.py", "distribution_shift.py",
+            "runtime_scan.py", "runtime_start.py", "paper_order.py"}
+# scripts with no case small enough to run here, and why
+NO_CASE = {
+    "flower_expected.py": "rewrites the package's fed_train/flower/expected.json (what deploy "
+                          "local expects): any real case changes the source tree",
+    "paper_tables.py": "its --smoke trains three tables of every method (about 5 minutes "
+                       "here); `bench table`, which it runs, is tested in test_bench.py",
+}
+
+
+def test_every_script_has_a_case_or_a_reason():
+    assert not set(CASES) & OWN_TEST and not set(CASES) & set(NO_CASE)
+    assert sorted({*CASES, *OWN_TEST, *NO_CASE}) == SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_prints_its_help(script, tmp_path, monkeypatch, capsys):
+    """In this process (the imports are paid once): from another folder, as a user runs it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # what `python benchmarks/X.py` puts first
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), "--help"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    assert exited.value.code in (0, None)
+    assert "usage:" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # --help writes nothing
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("bench") / "run"
+    proc = subprocess.run([sys.executable, "-m", "knnper_cli.main", "--no-progress", "train",
+                           "--dataset", "digits", "--clients", "4", "--rounds", "1",
+                           "--batch-size", "16", "--checkpoint-every", "1", "--out", str(run)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run
+
+
+@pytest.mark.parametrize("script", [pytest.param(name, marks=[pytest.mark.slow] if case.slow
+                                                 else []) for name, case in CASES.items()])
+def test_smallest_case_runs(script, tmp_path, request):
+    case = CASES[script]
+    if case.module is not None:
+        pytest.importorskip(case.module)
+    out = tmp_path / "out"
+    values = {"out": str(out)}
+    if any("{run}" in a for a in case.args):
+        values["run"] = str(request.getfixturevalue("tiny_run"))
+    if any("{copy}" in a for a in case.args):
+        values["copy"] = str(tmp_path / "copy")
+        shutil.copytree(BENCHMARKS / "results" / "experiments" / "fashion-mnist",
+                        tmp_path / "copy")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script),
+                           *(a.format(**values) for a in case.args)],
+                          cwd=elsewhere, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if "{out}" in " ".join(case.args):
+        assert any(p.is_file() for p in out.rglob("*")), "the case wrote no results"
+    assert not list(elsewhere.iterdir()), "the script wrote into the folder it ran from"
+
+
+@pytest.mark.slow
+def test_paper_order_runs_tiny_on_the_cpu_and_resumes(tmp_path):
+    """The GPU-scale command at its tiny scale: every stage, both tables under both kNN-Per
+    rules; run again, it skips what finished and trains and evaluates nothing."""
+    out = tmp_path / "out"
+    command = [sys.executable, str(BENCHMARKS / "paper_order.py"), "--tiny", "--device", "cpu",
+               "--no-progress", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert first.returncode == 0, first.stderr[-4000:]
+    summary = (out / "summary.md").read_text()
+    assert "model mobilenet-v2-gn" in summary and "model small-cnn" in summary
+    assert summary.count("| paper's rule") == 2 and summary.count("| project default") == 2
+    assert all(f"| {m} |" in summary for m in ("Local", "FedAvg", "Ditto", "APFL", "pFedGP"))
+    written = {p: p.stat().st_mtime_ns for p in out.rglob("*.pt")}
+    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    stages = json.loads((out / "stages.json").read_text())["stages"]
+    assert stages["split"]["skipped"] and stages["pretrain"]["skipped"]
+    assert " at lr=" not in again.stderr  # every method's rows came from the caches
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*.pt")} == written  # nothing retrained
 
 
 def run_smoke(script: str, tmp_path: Path) -> Path:
@@ -41,6 +174,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
+@needs_fashion_mnist
 def test_latency_smoke_times_every_backend_against_torch(tmp_path):
     out = run_smoke("runtime_latency.py", tmp_path)
     rows = read_csv(out / "latency.csv")
@@ -57,6 +192,8 @@ def test_latency_smoke_times_every_backend_against_torch(tmp_path):
     assert (out / "run.json").is_file()
 
 
+@pytest.mark.slow
+@needs_fashion_mnist
 def test_memory_smoke_runtime_process_is_small_and_torch_free(tmp_path):
     out = run_smoke("runtime_memory.py", tmp_path)
     rows = read_csv(out / "memory.csv")
@@ -71,6 +208,8 @@ def test_memory_smoke_runtime_process_is_small_and_torch_free(tmp_path):
     assert (out / "memory.md").read_text().count("edge runtime loads bundle") == 3
 
 
+@pytest.mark.slow
+@needs_fashion_mnist
 def test_distribution_shift_smoke_updates_each_copy_by_its_strategy(tmp_path):
     out = run_smoke("distribution_shift.py", tmp_path)
     rows = read_csv(out / "steps.csv")
@@ -93,6 +232,8 @@ def test_distribution_shift_smoke_updates_each_copy_by_its_strategy(tmp_path):
     assert "shift.png" in (out / "shift.md").read_text()
 
 
+@pytest.mark.slow
+@needs_fashion_mnist
 def test_scan_smoke_measures_every_key_dtype_against_memory_speed(tmp_path):
     out = run_smoke("runtime_scan.py", tmp_path)
     rows = read_csv(out / "scan.csv")
@@ -103,6 +244,8 @@ def test_scan_smoke_measures_every_key_dtype_against_memory_speed(tmp_path):
     assert read_csv(out / "topk.csv")
 
 
+@pytest.mark.slow
+@needs_fashion_mnist
 def test_start_smoke_times_start_and_batch_one(tmp_path):
     out = run_smoke("runtime_start.py", tmp_path)
     starts = read_csv(out / "start.csv")

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,44 @@ def test_simulation_resumes_from_the_previous_good_checkpoint(tmp_path):
     rounds = [json.loads(line)["round"] for line in (run / "metrics.jsonl").open()]
     assert rounds == [1, 2, 3, 4]
     load_checkpoint(run / "checkpoints" / "round_0004.pt")  # rewritten whole
+
+
+def test_slow_checkpoint_writes_are_spaced_out_and_the_run_is_unchanged(tmp_path, monkeypatch):
+    """Ditto's personal models in every checkpoint: where writing one takes longer than a tenth
+    of the training since the last, the write waits (the log line and validation accuracy do
+    not), the last round is always written, and the weights and states are the same."""
+    from fed_train import simulation
+    from fed_train.algorithms.ditto import Ditto
+
+    clients = make_clients(4)
+    training = TRAINING.__class__(**{**TRAINING.__dict__, "rounds": 4})
+
+    def ditto():
+        return Ditto(model_fn, training, lambdas=(0.1,))
+
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+    reference = simulate(ditto(), clients, training, initial_weights(), seed=0,
+                         run_dir=tmp_path / "a", checkpoint_every=1, progress=False)
+    real_save = simulation.save_checkpoint
+    written = []
+
+    def slow_save(path, rounds_done, *args, **kwargs):
+        written.append(rounds_done)
+        time.sleep(0.3)
+        return real_save(path, rounds_done, *args, **kwargs)
+
+    monkeypatch.setattr(simulation, "save_checkpoint", slow_save)
+    monkeypatch.setattr(simulation, "CHECKPOINT_FREE_SECONDS", 0.1)
+    spaced = simulate(ditto(), clients, training, initial_weights(), seed=0,
+                      run_dir=tmp_path / "b", checkpoint_every=1, progress=False)
+    assert written[0] == 1 and written[-1] == 4 and len(written) < 4
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").open()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["val_accuracy"] is not None for r in rows)
+    for name, value in reference.weights.items():
+        np.testing.assert_array_equal(spaced.weights[name], value)
+    for cid, state in reference.states.items():
+        for lam, personal in state["personal"].items():
+            for name, value in personal.items():
+                np.testing.assert_array_equal(spaced.states[cid]["personal"][lam][name], value)

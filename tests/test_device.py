@@ -4,11 +4,13 @@ refusal of a GPU that is not there, and run files that load on the CPU."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 from fed_train.device import DeviceError, autocast, resolve_device
+from fed_train.models import MODELS
 from fed_train.run import load_run
 from knnper_cli.main import main
 
@@ -60,3 +62,20 @@ def test_evaluate_and_pretrain_take_a_device(tmp_path):
     assert main(["--no-progress", "pretrain", "--dataset", "digits", "--epochs", "1",
                  "--device", "cpu", "--precision", "bf16", "--out", str(pre)]) == 0
     assert json.loads((pre / "pretrain.json").read_text())["precision"] == "bf16"
+
+
+def test_suite_hides_accelerators_unless_the_gpu_tests_are_selected(request):
+    from conftest import selects_gpu
+
+    assert selects_gpu("gpu") and selects_gpu("slow or gpu") and selects_gpu("(gpu)")
+    assert not selects_gpu("") and not selects_gpu("not gpu") and not selects_gpu("slow")
+    if not selects_gpu(request.config.getoption("markexpr") or ""):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and not torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_help_lists_every_model(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in MODELS)

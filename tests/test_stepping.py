@@ -116,3 +116,52 @@ def test_bf16_precision_trains_close_to_fp32_but_not_equal():
     assert 0.0 < diff < 0.1
     assert _max_diff(bf16.weights, _run("fedavg", 3, replace(TRAINING,
                                                              precision="bf16")).weights) < 1e-2
+
+
+def _lane_cap(lanes: int) -> str:
+    """A KNNPER_LANE_MEMORY that holds `lanes` lanes of this test's model, by the estimate."""
+    from fed_train.algorithms.stepping import MEMORY_SHARE, Lane, cross_entropy_loss, lane_bytes
+
+    client = _clients()[0]
+    model = _model()
+    lane = Lane(dict(model.named_parameters()), {}, client.x_train, client.y_train, [])
+    return str(int((lanes + 0.5) * lane_bytes(cross_entropy_loss(model), lane, TRAINING)
+                   / MEMORY_SHARE))
+
+
+def test_lanes_beyond_the_memory_cap_step_in_chunks_to_the_same_models(monkeypatch, caplog):
+    """Ditto: 3 clients' global lanes and 2 personal lanes each, 9 lanes in chunks of 2 (its
+    proximal step reads each chunk's own lanes' pull)."""
+    sequential = _run("ditto", 1, lambdas=(10.0, 0.1))
+    monkeypatch.setenv("KNNPER_LANE_MEMORY", _lane_cap(2))
+    with caplog.at_level(logging.INFO, logger="fed_train.algorithms.stepping"):
+        together = _run("ditto", 3, lambdas=(10.0, 0.1))
+    assert "stepping 9 lanes in chunks of 2" in caplog.text
+    assert _max_diff(sequential.weights, together.weights) < TOLERANCE
+    assert _max_diff({str(k): v for k, v in sequential.states.items()},
+                     {str(k): v for k, v in together.states.items()}) < TOLERANCE
+
+
+def test_a_chunk_out_of_memory_is_halved_and_retried(monkeypatch, caplog):
+    """A device that holds two lanes while the estimate says all fit: the first chunks run out
+    of memory, are halved, and the run ends with the models it would have had."""
+    from fed_train.algorithms import stepping
+
+    sequential = _run("apfl", 1, alphas=(0.0, 0.9))
+    real = stepping._step_chunk
+    tried = []
+
+    def two_lanes_fit(loss_fn, lanes, *args):
+        tried.append(len(lanes))
+        if len(lanes) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (a two-lane device)")
+        return real(loss_fn, lanes, *args)
+
+    monkeypatch.setattr(stepping, "_step_chunk", two_lanes_fit)
+    monkeypatch.setenv("KNNPER_LANE_MEMORY", "1TB")
+    with caplog.at_level(logging.INFO, logger="fed_train.algorithms.stepping"):
+        together = _run("apfl", 4, alphas=(0.0, 0.9))
+    assert "out of memory stepping" in caplog.text and max(tried) > 2
+    assert _max_diff(sequential.weights, together.weights) < TOLERANCE
+    assert _max_diff({str(k): v for k, v in sequential.states.items()},
+                     {str(k): v for k, v in together.states.items()}) < TOLERANCE

@@ -32,6 +32,7 @@ from fed_train.algorithms.base import (
     PersonalModel,
     TrainingConfig,
     Weights,
+    finite_mean_loss,
     get_weights,
     model_predictor,
     set_weights,
@@ -39,7 +40,6 @@ from fed_train.algorithms.base import (
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.algorithms.personal import (
     batch_schedule,
-    check_loss,
     epochs_only,
     float_keys,
     make_optimizer,
@@ -101,7 +101,11 @@ class APFL(FedAvg):
         mixed_params = dict(mixed.named_parameters())
         mixed_buffers = dict(mixed.named_buffers())
         x, y = client.x_train, client.y_train
-        total, count = 0.0, 0
+        # losses are summed where they are computed and checked once at the end, as in
+        # `local_sgd`: a per-step check would wait for an accelerator on every step
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        personal_total = torch.zeros_like(total)
+        count = 0
         for idx in batch_schedule(int(y.shape[0]), training, seed, epochs):
             index = torch.from_numpy(idx)
             xb, yb = x[index], y[index]
@@ -114,7 +118,7 @@ class APFL(FedAvg):
                 mixed.zero_grad()
                 with autocast(x.device, training.precision):
                     loss_v = nn.functional.cross_entropy(mixed(xb), yb)
-                check_loss(loss_v, lr)
+                personal_total += loss_v.detach().double()
                 loss_v.backward()
                 opt.zero_grad()
                 for name, p in v.named_parameters():
@@ -128,12 +132,12 @@ class APFL(FedAvg):
                 opt_w.zero_grad()
                 with autocast(x.device, training.precision):
                     loss = nn.functional.cross_entropy(w_model(xb), yb)
-                check_loss(loss, lr)
                 loss.backward()
                 opt_w.step()
-                total += float(loss.detach()) * len(idx)
+                total += loss.detach().double() * len(idx)
                 count += len(idx)
-        return total / count if count else float("nan")
+        finite_mean_loss(personal_total, 1, lr)
+        return finite_mean_loss(total, count, lr) if count else float("nan")
 
     def _personal_weights(self) -> dict[str, Weights]:
         return {str(a): get_weights(v) for a, v in zip(self.alphas, self._personal, strict=True)}

@@ -140,8 +140,9 @@ class Ditto(FedAvg):
         anchor = as_params(global_weights, names, device)
         pull = torch.tensor(pulls, device=device)
 
-        def proximal(params: Params) -> Params:
-            return {name: torch.lerp(p, anchor[name], pull.view(-1, *([1] * anchor[name].dim())))
+        def proximal(params: Params, which: slice) -> Params:
+            weight = pull[which]
+            return {name: torch.lerp(p, anchor[name], weight.view(-1, *([1] * anchor[name].dim())))
                     for name, p in params.items()}
 
         trained, losses = step_together(cross_entropy_loss(self._work), lanes, self.training, lr,

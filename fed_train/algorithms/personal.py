@@ -22,7 +22,6 @@ from fed_train.algorithms.base import (
     set_weights,
 )
 from fed_train.device import autocast
-from fed_train.errors import TrainingDiverged
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -68,12 +67,6 @@ def make_optimizer(params: Iterable[nn.Parameter], training: TrainingConfig,
                    lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(list(params), lr=lr, momentum=training.momentum,
                            weight_decay=training.weight_decay)
-
-
-def check_loss(loss: torch.Tensor, lr: float) -> None:
-    if not torch.isfinite(loss):
-        raise TrainingDiverged(f"the training loss became {loss.item()} (lr={lr:g}); "
-                            "lower the learning rate")
 
 
 def sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: TrainingConfig, lr: float,

@@ -74,7 +74,7 @@ def gp_posterior(z_context: torch.Tensor, y_context: torch.Tensor, z_query: torc
     prior = targets.mean(0)
     k_cc = rbf_kernel(z_context, z_context, lengthscale, outputscale)
     k_qc = rbf_kernel(z_query, z_context, lengthscale, outputscale)
-    eye = torch.eye(len(z_context), dtype=dtype)
+    eye = torch.eye(len(z_context), dtype=dtype, device=z_context.device)
     means, variances = [], []
     for start in range(0, num_classes, CLASS_CHUNK):
         cls = slice(start, min(start + CLASS_CHUNK, num_classes))
@@ -170,7 +170,8 @@ class PFedGP:
     def _embed(self, model: EmbedHeadModel, x: torch.Tensor) -> torch.Tensor:
         model.eval()
         parts = [normalise(model.embed(x[i:i + 1024])) for i in range(0, len(x), 1024)]
-        return torch.cat(parts).double() if parts else torch.zeros(0, model.embedding_dim)
+        return torch.cat(parts).double() if parts else torch.zeros(0, model.embedding_dim,
+                                                              device=x.device)
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:

@@ -10,11 +10,19 @@ models (Ditto, APFL). Each lane takes exactly the mini-batches and SGD-with-mome
 `local_sgd` gives it for the same seed: batches shorter than the batch size are padded and masked
 out of the loss, and a lane whose schedule has ended (a client with fewer samples) keeps its
 parameters and momentum unchanged while the others step on.
+
+Lanes are independent, so they are stepped in chunks that fit the accelerator's free memory
+(or KNNPER_LANE_MEMORY, a byte count such as 2GB, where set): each lane's bytes are estimated
+from the tensors one forward pass saves for backward, and a chunk that still runs out of memory
+is halved and stepped again from its inputs (stepping is a pure function of them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,14 +30,23 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from edge_runtime.byte_count import parse_byte_count
 from fed_train.algorithms.base import TrainingConfig, finite_mean_loss
 from fed_train.device import autocast
+
+log = logging.getLogger(__name__)
+
+LANE_MEMORY_ENV = "KNNPER_LANE_MEMORY"
+# of the free memory, what the lanes may plan to use: the rest covers the allocator's
+# fragmentation and temporaries the estimate does not see
+MEMORY_SHARE = 0.7
 
 Params = dict[str, torch.Tensor]
 # (parameters of one lane, a batch of inputs, their labels) -> (objective, reported), each one
 # value per sample: the gradient follows the objective, the mean loss reports the second
 LossFn = Callable[[Params, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-AfterStep = Callable[[Params], Params]
+# (stacked parameters of some lanes, which lanes of the whole list they are) -> parameters
+AfterStep = Callable[[Params, slice], Params]
 
 
 @dataclass
@@ -96,13 +113,9 @@ def _batches(lanes: list[Lane], batch_size: int, device: torch.device
             torch.from_numpy(mask).to(device))
 
 
-def step_together(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, lr: float,
-                  after_step: AfterStep | None = None) -> tuple[list[Params], list[float]]:
-    """Train every lane by SGD (momentum and weight decay as torch.optim.SGD applies them) over
-    its own schedule; returns each lane's trained parameters and mean reported loss. A NaN or
-    infinite loss in any lane raises TrainingDiverged, as `local_sgd` does."""
-    if not lanes:
-        return [], []
+def _step_chunk(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, lr: float,
+                after_step: AfterStep | None, which: slice) -> tuple[list[Params], list[float]]:
+    """`step_together` for lanes that fit in memory together: `which` of the whole list."""
     device = lanes[0].x.device
     x_all, y_all, rows, mask = _batches(lanes, training.batch_size, device)
     params = _stack([lane.trainable for lane in lanes])
@@ -134,7 +147,7 @@ def step_together(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, 
                 momentum[name] = _where(active, g, momentum[name])
             updated[name] = p - lr * g
         if after_step is not None:
-            updated = after_step(updated)
+            updated = after_step(updated, which)
         params = {name: _where(active, updated[name], p) for name, p in params.items()}
         objective_total += objective.double() * counts.double()
         reported_total += reported.double() * counts.double()
@@ -145,6 +158,83 @@ def step_together(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, 
     losses = [finite_mean_loss(total, count, lr) if count else float("nan")
               for total, count in zip(reported_total.cpu(), counts, strict=True)]
     return [{name: p[j] for name, p in params.items()} for j in range(len(lanes))], losses
+
+
+def step_together(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, lr: float,
+                  after_step: AfterStep | None = None) -> tuple[list[Params], list[float]]:
+    """Train every lane by SGD (momentum and weight decay as torch.optim.SGD applies them) over
+    its own schedule; returns each lane's trained parameters and mean reported loss. A NaN or
+    infinite loss in any lane raises TrainingDiverged, as `local_sgd` does. Lanes go in chunks
+    that fit in memory (see the module's docstring)."""
+    if not lanes:
+        return [], []
+    device = lanes[0].x.device
+    memory = lane_memory(device)
+    chunk = len(lanes)
+    if memory is not None:
+        per_lane = lane_bytes(loss_fn, lanes[0], training)
+        chunk = max(1, min(len(lanes), int(MEMORY_SHARE * memory // per_lane)))
+        log.info("stepping %d lanes in chunks of %d (%.0f MiB free, about %.0f MiB per lane)",
+                 len(lanes), chunk, memory / 2**20, per_lane / 2**20)
+    trained: list[Params] = []
+    losses: list[float] = []
+    while len(trained) < len(lanes):
+        which = slice(len(trained), min(len(lanes), len(trained) + chunk))
+        part = lanes[which]
+        try:
+            params, part_losses = _step_chunk(loss_fn, part, training, lr, after_step, which)
+        except torch.cuda.OutOfMemoryError:
+            if chunk == 1:
+                raise
+            chunk = max(1, len(part) // 2)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning("out of memory stepping %d lanes together: retrying %d at a time",
+                        len(part), chunk)
+            continue
+        trained += params
+        losses += part_losses
+    return trained, losses
+
+
+def lane_memory(device: torch.device) -> int | None:
+    """Bytes the lanes may use: KNNPER_LANE_MEMORY where set, else the accelerator's free
+    memory; None on the CPU (stepped lanes there are bounded by the client batch only)."""
+    text = os.environ.get(LANE_MEMORY_ENV)
+    if text:
+        return parse_byte_count(text)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return None
+
+
+@contextmanager
+def _counting_saved(total: list[int]) -> Iterator[None]:
+    """Add up the bytes of every tensor autograd saves for backward inside the block."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def lane_bytes(loss_fn: LossFn, lane: Lane, training: TrainingConfig) -> int:
+    """One lane's memory at one step, estimated: its parameters four times over (the stacked
+    copy, gradient, momentum and update) and what a forward pass saves for backward at the
+    batch size, from two probes (one sample and two: the per-sample part and the fixed part)."""
+    params = {n: p.detach().requires_grad_() for n, p in lane.trainable.items()}
+    saved = []
+    for n in (1, 2):
+        total = [0]
+        with _counting_saved(total), autocast(lane.x.device, training.precision):
+            loss_fn({**params, **lane.fixed}, lane.x[:n], lane.y[:n])
+        saved.append(total[0])
+    per_sample = max(0, saved[1] - saved[0])
+    fixed = max(0, saved[0] - per_sample)
+    param_bytes = sum(p.numel() * p.element_size() for p in lane.trainable.values())
+    return 4 * param_bytes + fixed + training.batch_size * per_sample
 
 
 def _where(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
