@@ -125,6 +125,9 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
 
 
 KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
+# recorded by newer exporters: how lambda pools evidence, what the kNN is interpolated with
+KNN_CHOICE_OPTIONAL = ("lambda_rule", "base")
+KNN_BASES = ("global", "linear")
 KNN_CHOICE_SOURCES = ("validation", "flag", "paper default")
 
 
@@ -132,10 +135,10 @@ def _validate_knn_choice(manifest: dict, fail) -> None:
     """The optional record of where k, sigma, the normalisation and the lambda estimator came
     from; its k and sigma must be the ones the bundle runs."""
     choice = manifest["knn_choice"]
-    if not isinstance(choice, dict) or sorted(set(choice) - {"lambda_rule"}) != \
+    if not isinstance(choice, dict) or sorted(set(choice) - set(KNN_CHOICE_OPTIONAL)) != \
             sorted(KNN_CHOICE_KEYS):
         raise fail(f"'knn_choice' must be an object with keys {list(KNN_CHOICE_KEYS)} "
-                   "(and, from bundles that record it, 'lambda_rule')")
+                   f"(and, from bundles that record them, {list(KNN_CHOICE_OPTIONAL)})")
     for key, entry in choice.items():
         if (not isinstance(entry, dict) or sorted(entry) != ["source", "value"]
                 or entry["source"] not in KNN_CHOICE_SOURCES
@@ -145,6 +148,8 @@ def _validate_knn_choice(manifest: dict, fail) -> None:
                        f"{list(KNN_CHOICE_SOURCES)}")
     if "lambda_rule" in choice and choice["lambda_rule"]["value"] not in LAMBDA_RULES:
         raise fail(f"'knn_choice' 'lambda_rule' must be one of {list(LAMBDA_RULES)}")
+    if "base" in choice and choice["base"]["value"] not in KNN_BASES:
+        raise fail(f"'knn_choice' 'base' must be one of {list(KNN_BASES)}")
     if choice["k"]["value"] != manifest["k"] or choice["sigma"]["value"] != manifest["sigma"]:
         raise fail("'knn_choice' disagrees with the bundle's k or sigma")
 

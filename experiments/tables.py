@@ -40,8 +40,7 @@ from fed_train.errors import KnnperError, TrainingDiverged
 from fed_train.evaluation import merge_results, plain_json, summarize
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
-from fed_train.knn_tuning import client_rows, client_views
-from fed_train.linear_tuning import choose_l2
+from fed_train.knn_tuning import choose_l2, client_rows, client_views, linear_base_views
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
 from fed_train.progress import Progress, track
@@ -191,7 +190,10 @@ class TableRunner:
                                 self.knn, seed=self.config.seed)
         # each client's lambda beside the test oracle's, for the report only (never saved with
         # the choice, which holds nothing of the test splits)
-        oracle = client_rows(client_views(model, self.clients), choice.config,
+        views = client_views(model, self.clients)
+        if choice.base == "linear":
+            views = linear_base_views(views, choice.l2)
+        oracle = client_rows(views, choice.config,
                              estimator=choice.lambda_estimator, rule=choice.lambda_rule,
                              seed=self.config.seed)
         return ({**self.hyper.get("knnper", {}), **choice.hyper()},
@@ -199,7 +201,7 @@ class TableRunner:
 
     def _linear_choice(self, lr: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """The linear head's l2 at this learning rate, chosen on the seen clients' pooled
-        validation splits of the FedAvg run (fed_train.linear_tuning), and the record of it."""
+        validation splits of the FedAvg run (fed_train.knn_tuning), and the record of it."""
         training = replace(self.config.training, lr=lr)
         model = build_algorithm("fedavg", self.model_fn, training).global_model(
             self.train("fedavg", training).weights)

@@ -25,6 +25,7 @@ class ClientTask:
     unseen: bool
     target: Path
     input_spec: dict
+    encoder: bytes | None = None  # this client's own encoder (linear base); None: the shared one
 
 
 @dataclass
@@ -56,7 +57,9 @@ def export_client(task: ClientTask, context: SizingContext,
     """Size, write the bundle atomically, and return the client's row of export.json."""
     sizer = sizer or context.sizer()
     data = task.data
-    sizer.fit(data, task.budget - context.encoder_bytes)
+    encoder = context.encoder_path if task.encoder is None else task.encoder
+    sizer.fit(data, task.budget - (context.encoder_bytes if task.encoder is None
+                                   else len(task.encoder)))
     best, datastore = sizer.best_, sizer.datastore_
     fields = {"client_id": int(data.client_id), "input": task.input_spec,
               "lambda": float(best.lam), "budget_bytes": task.budget,
@@ -65,8 +68,7 @@ def export_client(task: ClientTask, context: SizingContext,
         fields["knn_choice"] = context.knn_provenance
     try:
         key = load_private_key(context.signing_key) if context.signing_key else None
-        manifest = write_bundle(task.target, fields, context.encoder_path, datastore,
-                                signing_key=key)
+        manifest = write_bundle(task.target, fields, encoder, datastore, signing_key=key)
     except BundleError as err:
         raise ExportError(f"client {data.client_id}: {err}") from err
     row = {

@@ -30,6 +30,7 @@ from edge_runtime.knn import (
     NORMALIZATIONS,
     LambdaRule,
 )
+from edge_runtime.linear_head import LinearHead
 from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.signing import load_private_key
 from export.client_export import (
@@ -42,6 +43,7 @@ from export.client_export import (
 from export.errors import BudgetInvalid, ExportError
 from export.journal import ExportJournal, json_default
 from export.onnx_export import export_onnx
+from export.personal_encoder import with_linear_head
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
 from export.resume import bundle_problem, row_problem
 from export.sizing import (
@@ -50,7 +52,7 @@ from export.sizing import (
     SearchSpace,
     smallest_datastore_bytes,
 )
-from fed_train.algorithms.base import ClientData
+from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.knn_choice import KNNChoice
 from fed_train.progress import Progress
 from fed_train.run import LoadedRun
@@ -77,6 +79,11 @@ class ExportSettings:
     normalize: str = DEFAULT_NORMALIZE
     lambda_estimator: str = "val"  # how each bundle's lambda is chosen (see DatastoreSizer)
     lambda_rule: LambdaRule = CLIENT_RULE  # ... and how that pools evidence across clients
+    # what the kNN is interpolated with: the global model, or each client's linear head (fitted
+    # with l2 on the server's float embeddings of its train split, shipped as its encoder's
+    # classifier: export.personal_encoder)
+    base: str = "global"
+    l2: float | None = None
     # each kNN value with where it came from (validation / flag / paper default), written into
     # every manifest and export.json: fed_train.knn_choice.KNNChoice.provenance()
     knn_provenance: dict[str, dict[str, Any]] | None = None
@@ -105,6 +112,10 @@ class ExportSettings:
         if self.lambda_estimator not in LAMBDA_ESTIMATORS:
             raise ExportError(f"unknown lambda estimator {self.lambda_estimator!r}; known: "
                               f"{', '.join(LAMBDA_ESTIMATORS)}")
+        if self.base not in ("global", "linear") or \
+                (self.base == "linear") != (self.l2 is not None and self.l2 > 0):
+            raise ExportError(f"base must be 'global', or 'linear' with l2 > 0; got "
+                              f"{self.base!r}, l2={self.l2}")
         if self.k < 1 or not self.sigma > 0:
             raise ExportError(f"k must be >= 1 and sigma > 0, got k={self.k}, "
                               f"sigma={self.sigma}")
@@ -121,7 +132,8 @@ def apply_knn_choice(settings: ExportSettings, choice: KNNChoice) -> ExportSetti
     """These settings running `choice`, with where each value came from for the manifests."""
     return replace(settings, k=choice.config.k, sigma=choice.config.sigma,
                    normalize=choice.config.normalize, lambda_estimator=choice.lambda_estimator,
-                   lambda_rule=choice.lambda_rule, knn_provenance=choice.provenance())
+                   lambda_rule=choice.lambda_rule, base=choice.base, l2=choice.l2,
+                   knn_provenance=choice.provenance())
 
 
 @dataclass
@@ -322,8 +334,7 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
         log.info("resuming: %d of %d client(s) already exported", len(chosen) - len(todo),
                  len(chosen))
     session = Encoder(encoder_files.path, intra_op_threads=1)
-    tasks = (ClientTask(client_embeddings(session, c), int(budgets[c.client_id]), c.unseen,
-                        bundle_dir(out_dir, c.client_id), run.dataset.input_spec)
+    tasks = (_client_task(run, c, session, encoder_files, settings, budgets, out_dir)
              for c in todo)
     # a client's sizing time grows with its train split: the estimate is per sample
     work = {c.client_id: max(1, c.num_train) for c in todo}
@@ -347,6 +358,24 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
     }
     _write_json_atomic(out_dir / REPORT_FILE, report)
     return report
+
+
+def _client_task(run: LoadedRun, client: ClientData, session: Encoder,
+                 encoder_files: EncoderFiles, settings: ExportSettings,
+                 budgets: dict[int, int], out_dir: Path) -> ClientTask:
+    """One client's sizing input: its embeddings from the exported encoder and, with the linear
+    base, its own encoder (its linear head as the classifier), whose logits the sizer's lambda
+    is chosen against, as the device will compute them."""
+    personal = None
+    if settings.base == "linear":
+        z_train, _ = embed_and_logits(run.model, client.x_train)
+        head = LinearHead(run.dataset.num_classes, l2=settings.l2).fit(
+            z_train, client.y_train.cpu().numpy())
+        personal = with_linear_head(encoder_files.path, head)
+        session = Encoder(personal, intra_op_threads=1)
+    return ClientTask(client_embeddings(session, client), int(budgets[client.client_id]),
+                      client.unseen, bundle_dir(out_dir, client.client_id),
+                      run.dataset.input_spec, personal)
 
 
 def _resumable(out_dir: Path, run: LoadedRun,

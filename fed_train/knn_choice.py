@@ -49,16 +49,18 @@ class KNNChoice:
     source: dict[str, str]
     record: dict[str, Any] = field(repr=False)
     lambda_rule: LambdaRule = CLIENT_RULE
+    base: str = "global"  # what the kNN is interpolated with: the global model or a linear head
+    l2: float | None = None  # the linear head's regularisation, with the linear base
 
     def hyper(self) -> dict[str, Any]:
         """KNNPer's keyword arguments, as plain data (a Flower message carries them)."""
         return {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
-                "lambda_rule": self.lambda_rule.to_dict()}
+                "lambda_rule": self.lambda_rule.to_dict(), "base": self.base, "l2": self.l2}
 
     def provenance(self) -> dict[str, dict[str, Any]]:
         """Each value with where it came from: what manifests and export.json record."""
         values = {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
-                  "lambda_rule": self.lambda_rule.name}
+                  "lambda_rule": self.lambda_rule.name, "base": self.base}
         return {name: {"value": values[name], "source": self.source[name]} for name in values}
 
     def describe(self) -> str:
@@ -71,7 +73,14 @@ def describe_record(record: dict[str, Any]) -> str:
     return (f"kNN-Per: k={c['k']} ({source['k']}), sigma={c['sigma']:g} ({source['sigma']}), "
             f"embeddings {c['normalize']} ({source['normalize']}), lambda by "
             f"{record['estimator']} ({source['lambda_estimator']}), lambda rule "
-            f"{record['lambda_rule']['name']} ({source['lambda_rule']})")
+            f"{record['lambda_rule']['name']} ({source['lambda_rule']}), interpolated with the "
+            f"{_base_words(record['base'])} ({source['base']})")
+
+
+def _base_words(base: dict[str, Any]) -> str:
+    if base["name"] == "linear":
+        return f"clients' linear heads (l2={base['l2']:g})"
+    return "global model"
 
 
 def model_sha256(model: torch.nn.Module) -> str:
@@ -89,10 +98,12 @@ def model_sha256(model: torch.nn.Module) -> str:
 def make_record(request: KNNRequest, config: KNNConfig, estimator: str, sha: str, *,
                 grid: list[dict], lambda_cv: dict[str, float], clients: Sequence[int],
                 samples: int, lambda_rule: dict[str, Any] | None = None,
-                **extra: Any) -> dict[str, Any]:
+                base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """The evidence saved with a choice, wherever it was made (here or in a Flower run)."""
     rule = CLIENT_RULE.to_dict() if lambda_rule is None else lambda_rule
+    base = {"name": "global", "l2": None, "l2_choice": {}} if base is None else base
     return {"config": config.to_dict(), "estimator": estimator, "lambda_rule": rule,
+            "base": base,
             "request": asdict(request),
             "source": request.sources(), "model_sha256": sha, "grid": grid,
             "lambda_cv": lambda_cv,
@@ -108,11 +119,12 @@ def choose(model: EmbedHeadModel, clients: Sequence[ClientData], request: KNNReq
     config, estimator, found = choose_knn(model, clients, ks=ks, sigmas=sigmas,
                                           normalizations=normalizations,
                                           estimator=request.estimator(), rule=request.rule(),
-                                          seed=seed)
+                                          base=request.base_choice(), seed=seed)
     record = make_record(request, config, estimator, model_sha256(model), grid=found["grid"],
                          lambda_cv=found["lambda_cv"], clients=found["chosen_on"]["clients"],
                          samples=found["chosen_on"]["samples"],
                          lambda_rule=found["lambda_rule"], lambda_rule_cv=found["lambda_rule_cv"],
+                         base=found["base"], base_cv=found["base_cv"],
                          lambda_report=found["lambda_report"])
     return choice_from_record(record, Path(KNN_CONFIG_FILE))
 
@@ -174,14 +186,18 @@ def choice_from_record(record: Any, path: Path) -> KNNChoice:
         request = KNNRequest(**record["request"])
         estimator, source = record["estimator"], record["source"]
         rule = LambdaRule.from_dict(record["lambda_rule"])
+        base, l2 = record["base"]["name"], record["base"]["l2"]
         KNNRequest(k=config.k, sigma=config.sigma, normalize=config.normalize,
-                   lambda_estimator=estimator, lambda_rule=rule.name)  # as flags are checked
+                   lambda_estimator=estimator, lambda_rule=rule.name,
+                   base=base)  # as flags are checked
+        if base == "auto" or (base == "linear") != (isinstance(l2, float) and l2 > 0):
+            raise KnnperError("inconsistent base or l2")
         if estimator not in LAMBDA_ESTIMATORS or source != request.sources():
             raise KnnperError("inconsistent estimator or sources")
     except (KeyError, TypeError, ValueError, KnnperError) as err:
         raise KnnperError(f"{path}: a saved choice is malformed ({err}); delete the file to "
                           "choose kNN-Per's configuration again") from None
-    return KNNChoice(config, estimator, dict(source), record, rule)
+    return KNNChoice(config, estimator, dict(source), record, rule, base, l2)
 
 
 def _write_atomic(path: Path, obj: dict[str, Any]) -> None:

@@ -21,6 +21,8 @@ from fed_train.errors import KnnperError
 KNN_MODES = ("tuned", "paper")
 ESTIMATOR_CHOICES = (*LAMBDA_ESTIMATORS, "auto")
 RULE_CHOICES = (*LAMBDA_RULES, "auto")
+# what kNN-Per's kNN is interpolated with: the global model, or each client's linear head
+BASE_CHOICES = ("global", "linear", "auto")
 # where a value came from, as manifests and export.json record it
 FROM_VALIDATION, FROM_FLAG, FROM_PAPER = "validation", "flag", "paper default"
 K_GRID: tuple[int, ...] = (5, 10, 20, 50)
@@ -39,6 +41,7 @@ class KNNRequest:
     normalize: str | None = None
     lambda_estimator: str | None = None
     lambda_rule: str | None = None
+    base: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in KNN_MODES:
@@ -57,6 +60,8 @@ class KNNRequest:
         if self.lambda_rule is not None and self.lambda_rule not in RULE_CHOICES:
             raise KnnperError(f"unknown lambda rule {self.lambda_rule!r}; known: "
                               f"{', '.join(RULE_CHOICES)}")
+        if self.base is not None and self.base not in BASE_CHOICES:
+            raise KnnperError(f"unknown base {self.base!r}; known: {', '.join(BASE_CHOICES)}")
 
     @property
     def tuned(self) -> bool:
@@ -86,6 +91,13 @@ class KNNRequest:
             return self.lambda_rule
         return "auto" if self.tuned else "client"
 
+    def base_choice(self) -> str:
+        """What the kNN is interpolated with ("auto": chosen by cross-validation; the paper's
+        setting keeps the global model)."""
+        if self.base is not None:
+            return self.base
+        return "auto" if self.tuned else "global"
+
     def sources(self) -> dict[str, str]:
         """Where each value will come from: a flag, the validation splits, or the paper."""
         unpinned = FROM_VALIDATION if self.tuned else FROM_PAPER
@@ -95,6 +107,8 @@ class KNNRequest:
                                    FROM_FLAG if self.lambda_estimator is not None else FROM_PAPER)
         out["lambda_rule"] = (FROM_VALIDATION if self.rule() == "auto" else
                               FROM_FLAG if self.lambda_rule is not None else FROM_PAPER)
+        out["base"] = (FROM_VALIDATION if self.base_choice() == "auto" else
+                       FROM_FLAG if self.base is not None else FROM_PAPER)
         return out
 
     def key(self) -> str:

@@ -14,7 +14,7 @@ chosen here is exactly what a device computes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -40,6 +40,7 @@ from edge_runtime.knn import (
     normalize_embeddings,
     softmax,
 )
+from edge_runtime.linear_head import L2_GRID, LinearHead
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.knn_request import K_GRID, SIGMA_GRID
 from fed_train.models import EmbedHeadModel
@@ -475,35 +476,119 @@ def lambda_report(rows: Sequence[dict[str, Any]]) -> dict[str, float | int]:
             "cost_pp": float(100 * (np.average(oracle, weights=w) - np.average(honest, weights=w)))}
 
 
+@dataclass(frozen=True)
+class LinearConfig:
+    """One point of the linear head's grid."""
+
+    l2: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def l2_counts(view: ClientView, grid: Sequence[float] = L2_GRID) -> np.ndarray:
+    """One client's share of the choice, [grid, 3]: for a head fitted on its train split with
+    each l2, validation samples right, summed log-loss and samples."""
+    out = np.zeros((len(grid), 3))
+    n = len(view.y_val)
+    if n == 0 or len(view.y_train) == 0:  # nothing to fit or to judge by
+        return out
+    for i, l2 in enumerate(grid):
+        head = LinearHead(view.num_classes, l2=l2).fit(view.z_train, view.y_train)
+        correct, nll = _correct_and_nll(head.predict_proba(view.z_val), view.y_val)
+        out[i] = (correct, nll, n)
+    return out
+
+
+def choose_l2(views: Sequence[ClientView],
+              grid: Sequence[float] = L2_GRID) -> tuple[float, dict[str, Any]]:
+    """The l2 whose heads score best on the seen clients' pooled validation splits (ties: the
+    stronger regularisation, first in the grid), and the record of the choice: every grid
+    value's scores and which clients and samples it was made on."""
+    seen = choosing_views(views)
+    config, scores = pick_config([LinearConfig(float(l2)) for l2 in grid],
+                                 [l2_counts(v, grid) for v in seen])
+    return config.l2, {"config": config.to_dict(), "grid": scores,
+                       "chosen_on": {"splits": "validation splits of the seen clients, pooled",
+                                     "clients": [v.client_id for v in seen],
+                                     "samples": int(sum(len(v.y_val) for v in seen))}}
+
+
+BASES: tuple[str, ...] = ("global", "linear")
+
+
+def linear_base_views(views: Sequence[ClientView], l2: float) -> list[ClientView]:
+    """The same clients with the global model's probabilities replaced by each client's linear
+    head (fitted on its raw train embeddings, the classifier's own input): the base kNN-Per
+    interpolates with when the linear base is chosen. A client without train data keeps the
+    global model."""
+    out = []
+    for v in views:
+        if len(v.y_train) == 0:
+            out.append(v)
+            continue
+        head = LinearHead(v.num_classes, l2=l2).fit(v.z_train, v.y_train)
+        probs = [head.predict_proba(z) if len(z) else np.zeros((0, v.num_classes))
+                 for z in (v.z_train, v.z_val, v.z_test)]
+        out.append(replace(v, p_train=probs[0], p_val=probs[1], p_test=probs[2]))
+    return out
+
+
+def pick_base_and_rule(cv: dict[str, dict[str, float]]) -> tuple[str, str]:
+    """The (base, rule) pair with the best cross-validated accuracy; ties go to the earlier
+    base of BASES, then the earlier rule of LAMBDA_RULES (the paper's setting first)."""
+    pairs = [(b, r) for b in cv for r in cv[b]]
+    return max(pairs, key=lambda br: (cv[br[0]][br[1]], -BASES.index(br[0]),
+                                      -LAMBDA_RULES.index(br[1])))
+
+
 def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
                ks: Sequence[int] = K_GRID, sigmas: Sequence[float] = SIGMA_GRID,
                normalizations: Sequence[str] = NORMALIZATIONS, estimator: str = "auto",
-               rule: str = "client", seed: int = 0) -> tuple[KNNConfig, str, dict[str, Any]]:
+               rule: str = "client", base: str = "global",
+               seed: int = 0) -> tuple[KNNConfig, str, dict[str, Any]]:
     """kNN-Per's configuration on a trained global model: the grid point (k, sigma,
     normalisation) with the best pooled validation score of the seen clients (a one-point grid
-    is the fixed setting), the lambda estimator and the lambda rule, each by cross-validation
-    inside the validation splits when asked for as "auto". Returns the configuration, the
-    estimator and a record of the choice (the fitted rule under "lambda_rule"), with each
-    client's honest, test-oracle and cross-oracle accuracy (for the report; nothing chosen
-    depends on test labels)."""
+    is the fixed setting), the lambda estimator, the lambda rule and the base the kNN is
+    interpolated with (the global model, or each client's linear head on the same embeddings),
+    each by cross-validation inside the validation splits when asked for as "auto". Returns the
+    configuration, the estimator and a record of the choice (the fitted rule under
+    "lambda_rule", the base and its l2 under "base"), with each client's honest, test-oracle
+    and cross-oracle accuracy (for the report; nothing chosen depends on test labels)."""
     views = client_views(model, clients)
     seen = choosing_views(views)
     if not seen and len(ks) == len(sigmas) == len(normalizations) == 1 and estimator != "auto" \
-            and rule in ("client", "auto"):
+            and rule in ("client", "auto") and base in ("global", "auto"):
         # a fixed setting needs no validation data to be chosen
         config, scores, cv = KNNConfig(int(ks[0]), float(sigmas[0]), normalizations[0]), [], {}
-        rule = "client"
+        rule, base = "client", "global"
     else:
         config, scores = select_config(views, ks=ks, sigmas=sigmas,
                                        normalizations=normalizations)
         cv = compare_lambda_estimators(views, config, seed=seed)
     chosen = pick_estimator(cv) if estimator == "auto" else estimator
-    rule_cv = compare_lambda_rules(views, config, chosen, seed=seed) if rule == "auto" else {}
-    fitted = fit_rule(pick_rule(rule_cv) if rule == "auto" else rule,
-                      [rule_evidence(v, config, chosen) for v in seen])
+    bases = BASES if base == "auto" else (base,)
+    base_views = {"global": views}
+    l2_record: dict[str, Any] = {}
+    if "linear" in bases:
+        l2, l2_record = choose_l2(views)
+        base_views["linear"] = linear_base_views(views, l2)
+    rules = LAMBDA_RULES if rule == "auto" else (rule,)
+    base_cv: dict[str, dict[str, float]] = {}
+    if len(bases) * len(rules) > 1:
+        base_cv = {b: pool_rules([rule_fold_counts(v, config, chosen, seed=seed)
+                                  for v in base_views[b]], rules) for b in bases}
+        base, rule = pick_base_and_rule(base_cv)
+    else:
+        base, rule = bases[0], rules[0]
+    views = base_views[base]
+    seen = choosing_views(views)
+    fitted = fit_rule(rule, [rule_evidence(v, config, chosen) for v in seen])
     oracle = client_rows(views, config, estimator=chosen, rule=fitted, seed=seed)
     record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv, "estimator": chosen,
-              "lambda_rule": fitted.to_dict(), "lambda_rule_cv": rule_cv,
+              "lambda_rule": fitted.to_dict(), "lambda_rule_cv": base_cv.get(base, {}),
+              "base": {"name": base, "l2": l2_record["config"]["l2"] if base == "linear"
+                       else None, "l2_choice": l2_record}, "base_cv": base_cv,
               "chosen_on": {"splits": "validation splits of the seen clients, pooled",
                             "clients": [v.client_id for v in seen],
                             "samples": int(sum(len(v.y_val) for v in seen))},

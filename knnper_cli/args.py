@@ -23,7 +23,13 @@ from fed_train import defaults
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.data import DEFAULT_PATHS
 from fed_train.device import DEVICES, PRECISIONS
-from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, RULE_CHOICES, KNNRequest
+from fed_train.knn_request import (
+    BASE_CHOICES,
+    ESTIMATOR_CHOICES,
+    KNN_MODES,
+    RULE_CHOICES,
+    KNNRequest,
+)
 from fed_train.models import MODELS
 from fed_train.run import RunConfig
 
@@ -179,8 +185,13 @@ def add_knn_arguments(p: argparse.ArgumentParser) -> None:
                    "splits (pooled), each client's own evidence shrunk toward the pooled one "
                    "(shrunk), or whichever wins 2-fold cross-validation inside the validation "
                    "splits (auto; default: auto with --knn-config tuned, client with paper)")
+    p.add_argument("--base", choices=BASE_CHOICES, default=None,
+                   help="pin what the kNN is interpolated with: the global model (global, the "
+                   "paper's), each client's linear head fitted on its own embeddings (linear), "
+                   "or whichever wins 2-fold cross-validation inside the validation splits "
+                   "(auto; default: auto with --knn-config tuned, global with paper)")
 
 
 def knn_request(args: argparse.Namespace) -> KNNRequest:
     return KNNRequest(args.knn_config, args.k, args.sigma, args.normalize, args.lambda_estimator,
-                      args.lambda_rule)
+                      args.lambda_rule, args.base)

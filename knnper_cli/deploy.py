@@ -39,7 +39,7 @@ def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
                           k=args.k or 0, sigma=args.sigma or 0.0,
                           normalize=args.normalize or "", capacity=args.capacity,
                           lambda_estimator=args.lambda_estimator or "",
-                          lambda_rule=args.lambda_rule or "")
+                          lambda_rule=args.lambda_rule or "", base=args.base or "")
 
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:

@@ -49,12 +49,15 @@ def test_requests_say_what_is_searched_and_where_each_value_comes_from():
     assert pinned.grids() == ((5,), SIGMA_GRID, ("l2",))
     assert pinned.sources() == {"k": FROM_FLAG, "sigma": FROM_VALIDATION,
                                 "normalize": FROM_FLAG, "lambda_estimator": FROM_VALIDATION,
-                                "lambda_rule": FROM_VALIDATION}
+                                "lambda_rule": FROM_VALIDATION, "base": FROM_VALIDATION}
     assert KNNRequest("paper", lambda_estimator="loo+val").sources()["lambda_estimator"] == \
         FROM_FLAG
     assert KNNRequest("paper", lambda_rule="pooled").sources()["lambda_rule"] == FROM_FLAG
+    assert paper.base_choice() == "global" and tuned.base_choice() == "auto"
+    assert KNNRequest("paper", base="linear").sources()["base"] == FROM_FLAG
     for bad in ({"mode": "best"}, {"k": 0}, {"sigma": -1.0}, {"normalize": "l1"},
-                {"lambda_estimator": "test"}, {"lambda_rule": "oracle"}):
+                {"lambda_estimator": "test"}, {"lambda_rule": "oracle"},
+                {"base": "local"}):
         with pytest.raises(KnnperError):
             KNNRequest(**bad)
 

@@ -15,8 +15,7 @@ from edge_runtime.linear_head import L2_GRID, LinearHead
 from experiments.tables import TITLES
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import embed_and_logits
-from fed_train.knn_tuning import ClientView
-from fed_train.linear_tuning import choose_l2, l2_counts
+from fed_train.knn_tuning import ClientView, choose_l2, l2_counts
 from tests.test_baselines import CLASSES, TRAINING, initial_weights, make_clients, model_fn
 from tests.test_bench import TINY, bench
 

@@ -30,7 +30,7 @@ from edge_runtime.preprocess import prepare_input
 from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
 from fed_train.client_files import client_split, write_client_files
 from fed_train.knn_choice import KNN_CONFIG_FILE
-from fed_train.knn_request import FROM_VALIDATION
+from fed_train.knn_request import FROM_FLAG, FROM_VALIDATION
 from fed_train.run import load_run
 from knnper_cli.main import main as knnper_main
 from tests.test_edge_runtime import (
@@ -130,22 +130,33 @@ def _server_int8_correct(run, cid: int, bundle, manifest: dict) -> int:
     return int(np.sum(p.argmax(axis=1) == y_test))
 
 
+PIPELINES = {"default": [], "linear-pooled": ["--base", "linear", "--lambda-rule", "pooled"],
+             "global-shrunk": ["--base", "global", "--lambda-rule", "shrunk"]}
+
+
 @pytest.mark.slow
-def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, capsys):
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, capsys, pipeline):
     """Like with like: each device equals, sample for sample, the server's kNN-Per on the int8
     encoder it was shipped (any CPU: both sides run the same kernels); against the float32
     model the int8 encoder's cost is bounded separately (INT8_MAX_*)."""
     run = tmp_path / "run"
     assert knnper_main(["--no-progress", "train", "--dataset", "digits", "--clients", "8",
                         "--rounds", "6", "--out", str(run)]) == 0
+    flags = PIPELINES[pipeline]
     assert knnper_main(["--no-progress", "evaluate", str(run), "--methods", "knnper",
-                        "--json", str(tmp_path / "eval.json")]) == 0
+                        "--json", str(tmp_path / "eval.json"), *flags]) == 0
     server = json.loads((tmp_path / "eval.json").read_text())
     chosen = server["knn"]["config"]
-    assert server["knn"]["source"] == dict.fromkeys(
-        ("k", "sigma", "normalize", "lambda_estimator", "lambda_rule"), FROM_VALIDATION)
+    pinned = {"lambda_rule", "base"} if flags else set()
+    assert server["knn"]["source"] == {
+        name: FROM_FLAG if name in pinned else FROM_VALIDATION
+        for name in ("k", "sigma", "normalize", "lambda_estimator", "lambda_rule", "base")}
+    if flags:
+        assert [server["knn"]["base"]["name"], server["knn"]["lambda_rule"]["name"]] == \
+            [flags[1], flags[3]]
     assert knnper_main(["--no-progress", "export", str(run), "--out", str(tmp_path / "b"),
-                        "--budget", "2MB", "--workers", "1"]) == 0
+                        "--budget", "2MB", "--workers", "1", *flags]) == 0
     report = json.loads((tmp_path / "b" / "export.json").read_text())
     assert report["knn"]["k"] == {"value": chosen["k"], "source": FROM_VALIDATION}
     saved = json.loads((run / KNN_CONFIG_FILE).read_text())
@@ -161,8 +172,10 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
         assert manifest["knn_choice"]["normalize"]["value"] == chosen["normalize"]
         assert manifest["knn_choice"]["lambda_estimator"]["value"] == \
             server["knn"]["estimator"]
-        assert manifest["knn_choice"]["lambda_rule"] == {
-            "value": server["knn"]["lambda_rule"]["name"], "source": FROM_VALIDATION}
+        for name in ("lambda_rule", "base"):
+            assert manifest["knn_choice"][name] == {
+                "value": server["knn"][name]["name"],
+                "source": server["knn"]["source"][name]}
         write_client_files(loaded, cid, tmp_path / f"c{cid}")
         acc, n = _accuracy(capsys, bundle, tmp_path / f"c{cid}" / "test.npz")
         assert n == row["n_test"]

@@ -24,6 +24,7 @@ from edge_runtime.knn import (
     normalize_embeddings,
     softmax,
 )
+from edge_runtime.linear_head import LinearHead
 from fed_train.algorithms.base import (
     ClientData,
     PersonalModel,
@@ -51,9 +52,12 @@ class KNNPer(FedAvg):
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
                  k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA, capacity: float = 1.0,
                  normalize: str = DEFAULT_NORMALIZE, lambda_estimator: str = "val",
-                 lambda_rule: dict[str, Any] | None = None) -> None:
+                 lambda_rule: dict[str, Any] | None = None, base: str = "global",
+                 l2: float | None = None) -> None:
         """`lambda_rule` is `LambdaRule.to_dict()`'s plain data (what a Flower message
-        carries); None is each client's own lambda, the paper's rule."""
+        carries); None is each client's own lambda, the paper's rule. `base` is what the kNN
+        is interpolated with: the global model, or ("linear") a linear head fitted with `l2`
+        on the client's raw train embeddings (the global classifier's own input)."""
         super().__init__(model_fn, training)
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
@@ -69,33 +73,48 @@ class KNNPer(FedAvg):
         self.normalize, self.lambda_estimator = normalize, lambda_estimator
         self.lambda_rule = LambdaRule() if lambda_rule is None else \
             LambdaRule.from_dict(lambda_rule)
+        if base not in ("global", "linear") or (base == "linear") != (l2 is not None and l2 > 0):
+            raise ValueError(f"base must be 'global', or 'linear' with l2 > 0; got {base!r}, "
+                             f"l2={l2}")
+        self.base, self.l2 = base, l2
 
-    def _choose_lambda(self, head: KNNHead, logits_train: np.ndarray, z_val: np.ndarray,
-                       logits_val: np.ndarray, y_val: np.ndarray) -> float:
+    def _choose_lambda(self, head: KNNHead, p_base_train: np.ndarray, z_val: np.ndarray,
+                       p_base_val: np.ndarray, y_val: np.ndarray) -> float:
         loo = None
         if self.lambda_estimator == "loo+val":
             loo = (leave_one_out_posteriors(head.keys_, head.labels_, head.num_classes, self.k,
-                                            self.sigma),
-                   softmax(logits_train.astype(np.float64)), head.labels_)
-        return estimate_lambda(self.lambda_estimator, head.predict_proba(z_val),
-                               softmax(logits_val.astype(np.float64)), y_val, loo,
-                               rule=self.lambda_rule)
+                                            self.sigma), p_base_train, head.labels_)
+        return estimate_lambda(self.lambda_estimator, head.predict_proba(z_val), p_base_val,
+                               y_val, loo, rule=self.lambda_rule)
+
+    def _base(self, num_classes: int, z_train: np.ndarray,
+              y_train: np.ndarray) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+        """The client's base predictor from (raw embeddings, logits): the global model's softmax,
+        or its own linear head."""
+        if self.base == "global" or len(y_train) == 0:
+            return lambda z, logits: softmax(logits.astype(np.float64))
+        linear = LinearHead(num_classes, l2=self.l2).fit(z_train, y_train)
+        return lambda z, logits: linear.predict_proba(z)
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:
         model = self.global_model(global_weights)
         num_classes = model.classifier.out_features
+        y_all = client.y_train.cpu().numpy()
         keep = datastore_indices(client.num_train, self.capacity, seed)
-        z_train, logits_train = embed_and_logits(model, client.x_train[torch.from_numpy(keep)])
+        z_all, logits_all = embed_and_logits(model, client.x_train)
+        base = self._base(num_classes, z_all, y_all)
+        z_train, logits_train = z_all[keep], logits_all[keep]
         head = KNNHead(num_classes, self.k, self.sigma).fit(
-            normalize_embeddings(z_train, self.normalize), client.y_train.cpu().numpy()[keep])
+            normalize_embeddings(z_train, self.normalize), y_all[keep])
         z_val, logits_val = embed_and_logits(model, client.x_val)
-        lam = self._choose_lambda(head, logits_train, normalize_embeddings(z_val, self.normalize),
-                                  logits_val, client.y_val.cpu().numpy())
+        lam = self._choose_lambda(head, base(z_train, logits_train),
+                                  normalize_embeddings(z_val, self.normalize),
+                                  base(z_val, logits_val), client.y_val.cpu().numpy())
 
         def predict(x: torch.Tensor) -> np.ndarray:
             z, logits = embed_and_logits(model, x)
             return interpolate(head.predict_proba(normalize_embeddings(z, self.normalize)),
-                               softmax(logits.astype(np.float64)), lam)
+                               base(z, logits), lam)
 
         return PersonalModel(predict, {"lambda": lam, "datastore_size": int(len(keep))})

@@ -16,6 +16,8 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from edge_runtime.knn import LAMBDA_RULES
+from edge_runtime.linear_head import L2_GRID
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import set_weights
 from fed_train.evaluation import format_table
@@ -32,11 +34,13 @@ from fed_train.knn_choice import (
     saved_choice,
 )
 from fed_train.knn_tuning import (
+    BASES,
+    LinearConfig,
     fit_rule,
     grid_points,
+    pick_base_and_rule,
     pick_config,
     pick_estimator,
-    pick_rule,
     pool_estimators,
     pool_rules,
 )
@@ -125,15 +129,29 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
                                        "config": json.dumps(config.to_dict())}).values()))
         estimator = pick_estimator(cv)
     chosen_on = [cid for cid, c in grid_counts.items() if c[0, 2] > 0]
-    rule, rule_cv = request.rule(), {}
+    bases = BASES if request.base_choice() == "auto" else (request.base_choice(),)
+    rules = LAMBDA_RULES if request.rule() == "auto" else (request.rule(),)
     asked = {"config": json.dumps(config.to_dict()), "estimator": estimator}
-    if rule == "auto":
-        rule_cv = pool_rules(list(ask({"phase": "knn-rule-folds", **asked}).values()))
-        rule = pick_rule(rule_cv)
-    evidence = ask({"phase": "knn-rule-evidence", **asked}) if rule != "client" else {}
+    l2_choice: dict[str, Any] = {}
+    if "linear" in bases:
+        l2_grid = [LinearConfig(float(v)) for v in L2_GRID]
+        best, l2_scores = pick_config(l2_grid, list(ask({"phase": "knn-l2"}).values()))
+        l2_choice = {"config": best.to_dict(), "grid": l2_scores}
+    under = {b: {**asked, "linear-l2": l2_choice["config"]["l2"] if b == "linear" else 0.0}
+             for b in bases}
+    base_cv: dict[str, dict[str, float]] = {}
+    if len(bases) * len(rules) > 1:
+        base_cv = {b: pool_rules(list(ask({"phase": "knn-rule-folds", **under[b]}).values()),
+                                 rules) for b in bases}
+        base, rule = pick_base_and_rule(base_cv)
+    else:
+        base, rule = bases[0], rules[0]
+    evidence = ask({"phase": "knn-rule-evidence", **under[base]}) if rule != "client" else {}
     fitted = fit_rule(rule, [evidence[cid] for cid in chosen_on if cid in evidence])
     record = make_record(request, config, estimator, sha, grid=scores, lambda_cv=cv,
-                         lambda_rule=fitted.to_dict(), lambda_rule_cv=rule_cv,
+                         lambda_rule=fitted.to_dict(), lambda_rule_cv=base_cv.get(base, {}),
+                         base={"name": base, "l2": under[base]["linear-l2"] or None,
+                               "l2_choice": l2_choice}, base_cv=base_cv,
                          clients=chosen_on,
                          samples=sum(grid_counts[cid][0, 2] for cid in chosen_on),
                          made_by="Flower: sums from each seen client's own validation split")

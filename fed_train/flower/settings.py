@@ -39,13 +39,14 @@ class FlowerSettings:
     normalize: str = ""
     lambda_estimator: str = ""
     lambda_rule: str = ""
+    base: str = ""
     capacity: float = 1.0
 
     def knn_request(self) -> KNNRequest:
         try:
             return KNNRequest(self.knn_config, self.k or None, self.sigma or None,
                               self.normalize or None, self.lambda_estimator or None,
-                              self.lambda_rule or None)
+                              self.lambda_rule or None, self.base or None)
         except KnnperError as err:
             raise FlowerConfigError(f"kNN settings: {err}") from None
 
@@ -87,6 +88,7 @@ class FlowerSettings:
                 "eval-methods": ",".join(self.eval_methods), "knn-config": self.knn_config,
                 "k": int(self.k), "sigma": float(self.sigma), "normalize": self.normalize,
                 "lambda-estimator": self.lambda_estimator, "lambda-rule": self.lambda_rule,
+                "base": self.base,
                 "capacity": float(self.capacity)}
 
     @classmethod
@@ -111,6 +113,7 @@ class FlowerSettings:
                 normalize=str(values.get("normalize", d.normalize)),
                 lambda_estimator=str(values.get("lambda-estimator", d.lambda_estimator)),
                 lambda_rule=str(values.get("lambda-rule", d.lambda_rule)),
+                base=str(values.get("base", d.base)),
                 capacity=float(values.get("capacity", d.capacity)))
         except (TypeError, ValueError) as err:
             raise FlowerConfigError(f"bad run config value: {err}") from err
