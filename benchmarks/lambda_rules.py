@@ -1,7 +1,10 @@
-"""kNN-Per's lambda rules side by side on the same trained models: each client's own lambda (the
-paper's rule), one pooled lambda, the shrunk rule and the cross-validated choice among them, with
-the test-oracle and split-half cross-oracle rows for scale. Everything but the rows labelled
-oracle is chosen on validation; per-client rows are kept so the summary can be recomputed.
+"""kNN-Per's personalization rules side by side on the same trained models: each client's own
+lambda (the paper's rule), one pooled lambda, the shrunk rule and the cross-validated choice
+among them, all with the global model as the base; the kNN interpolated with each client's linear
+head instead (rule cross-validated); FedAvg's body with the linear head alone; and the project's
+default (base and rule both cross-validated). The test-oracle and split-half cross-oracle rows
+(global base, per-client rule) are for scale. Everything but the oracle rows is chosen on
+validation; per-client rows are kept so the summary can be recomputed.
 
     python benchmarks/lambda_rules.py --dataset fashion-mnist \
         --data /usr/share/datasets/fashion-mnist --clients 30 --max-train 6000 --rounds 10 \
@@ -17,6 +20,7 @@ import json
 import platform
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from edge_runtime._io import write_json_atomic
@@ -24,11 +28,14 @@ from edge_runtime.knn import LAMBDA_RULES
 from experiments.seeds import paired_bootstrap
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.knn_request import KNNRequest
-from fed_train.knn_tuning import choose_knn
+from fed_train.knn_tuning import choose_knn, choose_l2, client_views, linear_base_views
 from fed_train.run import RunConfig, load_run, train
 
 RULES = (*LAMBDA_RULES, "auto")
-COLUMNS = (*RULES, "oracle", "cross_oracle")
+# column: (lambda rule, base) given to choose_knn
+SETTINGS = {**{rule: (rule, "global") for rule in RULES}, "knn+linear": ("auto", "linear"),
+            "default": ("auto", "auto")}
+COLUMNS = (*SETTINGS, "linear_alone", "oracle", "cross_oracle")
 
 
 def seed_rows(args: argparse.Namespace, seed: int) -> list[dict]:
@@ -36,7 +43,9 @@ def seed_rows(args: argparse.Namespace, seed: int) -> list[dict]:
     out = Path(args.out) / f"seed_{seed}"
     cached = out / "rows.json"
     if cached.exists():
-        return json.loads(cached.read_text())["rows"]
+        saved = json.loads(cached.read_text())
+        if saved.get("columns") == list(COLUMNS):
+            return saved["rows"]
     config = RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
                        partition="dirichlet", alpha=args.alpha, clients=args.clients, seed=seed,
                        training=TrainingConfig(rounds=args.rounds))
@@ -44,18 +53,24 @@ def seed_rows(args: argparse.Namespace, seed: int) -> list[dict]:
     run = load_run(out / "run")
     ks, sigmas, norms = KNNRequest().grids()
     rows: dict[int, dict] = {}
-    for rule in RULES:
+    for column, (rule, base) in SETTINGS.items():
         _, _, record = choose_knn(run.model, run.clients(), ks=ks, sigmas=sigmas,
-                                  normalizations=norms, rule=rule, seed=seed)
+                                  normalizations=norms, rule=rule, base=base, seed=seed)
         for r in record["oracle_rows"]:
             row = rows.setdefault(r["client_id"], {"seed": seed, "client_id": r["client_id"],
                                                    "unseen": r["unseen"], "n_test": r["n_test"]})
-            row[rule] = r["accuracy"]
-            row[f"{rule}_rule"] = record["lambda_rule"]["name"]
-            row["oracle"] = r["info"].get("oracle_accuracy")
-            row["cross_oracle"] = r["info"].get("cross_oracle_accuracy")
+            row[column] = r["accuracy"]
+            row[f"{column}_rule"] = f"{record['base']['name']}/{record['lambda_rule']['name']}"
+            if column == "client":
+                row["oracle"] = r["info"].get("oracle_accuracy")
+                row["cross_oracle"] = r["info"].get("cross_oracle_accuracy")
+    views = client_views(run.model, run.clients())
+    l2, _ = choose_l2(views)
+    for v in linear_base_views(views, l2):
+        if len(v.y_test):
+            rows[v.client_id]["linear_alone"] = float(np.mean(v.p_test.argmax(1) == v.y_test))
     result = [rows[c] for c in sorted(rows) if rows[c]["n_test"]]
-    write_json_atomic(cached, {"rows": result})
+    write_json_atomic(cached, {"columns": list(COLUMNS), "rows": result})
     return result
 
 
@@ -103,12 +118,14 @@ def main() -> None:
         cells = [sum(mean(rows, g, column) for rows in per_seed) / len(per_seed)
                  for g in ("seen", "unseen")]
         lines.append(f"| {column} | {cells[0]:.2f} | {cells[1]:.2f} |")
-    chosen = sorted({r["auto_rule"] for rows in per_seed for r in rows})
-    lines += ["", f"`auto` chose: {', '.join(chosen)}.", "",
+    for column in ("auto", "default"):
+        chosen = sorted({r[f"{column}_rule"] for rows in per_seed for r in rows})
+        lines.append(f"`{column}` chose (base/rule): {', '.join(chosen)}.")
+    lines += ["",
               "Rule minus `client` (paired bootstrap 95% interval over clients, within seeds):",
               "", "| rule | group | mean (pp) | bottom decile (pp) |", "|---|---|---|---|"]
     summary: dict = {}
-    for rule in ("pooled", "shrunk", "auto"):
+    for rule in ("pooled", "shrunk", "auto", "knn+linear", "default", "linear_alone"):
         for group in ("seen", "unseen"):
             cells = []
             for stat in ("mean", "bottom_decile"):
