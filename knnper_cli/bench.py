@@ -9,6 +9,7 @@ from pathlib import Path
 
 from experiments.lr_tuning import LR_GRID, parse_lr_grid
 from experiments.tables import METHODS, BenchError, format_markdown, run_seeds, run_table
+from fed_train import defaults
 from fed_train.device import resolve_device
 from knnper_cli.args import (
     add_knn_arguments,
@@ -60,8 +61,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr-grid", default=None,
                    help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... "
                    "10^-2.5)")
-    p.add_argument("--checkpoint-every", type=positive(int), default=5,
-                   help="rounds between checkpoints of each training run")
+    p.add_argument("--checkpoint-every", type=positive(int), default=defaults.CHECKPOINT_EVERY,
+                   help="rounds between checkpoints of each training run, in workers too "
+                   "(Ctrl-C loses at most this many)")
     add_knn_arguments(p)
     p.add_argument("--capacity", type=positive(float, 1.0), default=1.0,
                    help="kNN-Per: fraction of each client's train split in its datastore")

@@ -299,3 +299,22 @@ def test_seeds_run_one_table_per_seed_and_summarize_them(tmp_path):
     assert fedavg["values"] == [p["seen"]["fedavg"]["mean"] for p in partitions]
     assert summary["versus_best"]["seen"]["mean"]["baseline"] == "fedavg"
     assert "mean ± standard deviation" in (out / "seeds.md").read_text()
+
+
+def test_an_interrupted_table_keeps_each_finished_client(tmp_path, monkeypatch):
+    from fed_train.algorithms.local import Local
+    from tests.test_training import _interrupt_after
+
+    out = tmp_path / "table"
+    with monkeypatch.context() as m:
+        first = _interrupt_after(m, Local, 3)
+        with pytest.raises(KeyboardInterrupt):
+            bench(*TINY, "--methods", "local", "--out", str(out))
+    assert len(first) == 3
+    with monkeypatch.context() as m:
+        resumed = _interrupt_after(m, Local, 100)
+        assert bench(*TINY, "--methods", "local", "--out", str(out)) == 0
+    assert len(resumed) == 8 - 3 and not set(first) & set(resumed)
+    assert not list((out / "eval").rglob("*.partial.jsonl"))  # the method's rows replace it
+    rows = json.loads((out / "results.json").read_text())["clients"]
+    assert sorted(r["client_id"] for r in rows) == list(range(8))
