@@ -165,4 +165,4 @@ EXPERIMENT = Experiment(
     (Grid("alphas", ALPHA, (0.1, 0.3, 1.0), (0.3,), "Dirichlet concentrations, or iid"),
      Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
           "datastore sizes as fractions of each client's train split")),
-    measure, summarise)
+    measure, summarise, lambda g: len(g["alphas"]) * (1 + len(g["capacities"])))

@@ -264,4 +264,5 @@ GRID_EXPERIMENT = Experiment(
     (Grid("dims", DIMENSION, (8, 16, 32, 64), (8, 16), "ProtoNN projection dimensions"),
      Grid("prototype_fractions", FRACTION, (0.05, 0.1, 0.2, 0.3, 0.5), (0.1, 0.3),
           "prototypes as fractions of each client's train split")),
-    measure_grid, summarise_grid)
+    measure_grid, summarise_grid,
+    lambda g: 1 + len(g["dims"]) * len(g["prototype_fractions"]))  # the flat reference too

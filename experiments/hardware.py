@@ -279,4 +279,4 @@ EXPERIMENT = Experiment(
     "clients gain less than weak ones lose (Appendix, Fig. 10).",
     (Grid("delta_cs", DELTA_C, (0.0, 0.1, 0.2, 0.3, 0.4), (0.0, 0.3),
           "capacity spreads dC in [0, 0.5)"),),
-    measure, summarise)
+    measure, summarise, lambda g: 2 * len(g["delta_cs"]))  # fractions and bytes

@@ -161,4 +161,4 @@ EXPERIMENT = Experiment(
     "Theorem 4.1).",
     (Grid("alphas", ALPHA, (0.1, 0.3, 0.5, 1.0, IID_ALPHA), (0.3, IID_ALPHA),
           "Dirichlet concentrations, or iid"),),
-    measure, summarise)
+    measure, summarise, lambda g: len(g["alphas"]) * len(METHODS))

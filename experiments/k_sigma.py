@@ -126,4 +126,4 @@ EXPERIMENT = Experiment(
     (Grid("ks", NEIGHBOURS, (1, 3, 5, 7, 10, 14, 20, 30), (3, 10), "numbers of neighbours"),
      Grid("sigmas", POSITIVE, (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0), (1.0, 100.0),
           "kernel scales")),
-    measure, summarise)
+    measure, summarise, lambda g: len(g["sigmas"]) * len(g["ks"]))

@@ -162,4 +162,4 @@ EXPERIMENT = Experiment(
     "give lambda > 1/2 (Sec. 6, Appendix Fig. 9).",
     (Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
           "datastore sizes as fractions of each client's train split"),),
-    measure, summarise)
+    measure, summarise, lambda g: len(g["capacities"]))

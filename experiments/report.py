@@ -4,15 +4,33 @@ and the claim-by-claim table)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from experiments import benchmark_support as common
-from experiments.spec import Claim, Experiment, Result
+from experiments.spec import Claim, Experiment, ExperimentError, Result
 
 SUMMARY_FILE = "summary.md"
+SETTINGS_FILE = "report.json"  # what a folder's report was measured with
+
+
+def refuse_other_report(folder: Path, settings: dict[str, Any], command: str) -> None:
+    """Stop before anything is trained when `folder` holds a report measured with other
+    settings (data, scale, grids, seeds, kNN-Per's request): running on would replace it."""
+    path = folder / SETTINGS_FILE
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, RecursionError):
+        return  # unreadable: nothing to compare with, the report is remade
+    if isinstance(saved, dict) and saved.get("settings") != json.loads(json.dumps(settings)):
+        raise ExperimentError(f"{folder} holds a report made with other flags "
+                              f"(`{saved.get('command')}`), not `{command}`; choose another "
+                              "--out, or add --force to replace that report")
 
 
 def pyplot():
@@ -64,8 +82,9 @@ def claims_table(claims: Sequence[Claim]) -> list[str]:
 
 
 def write_report(experiment: Experiment, result: Result, out: Path, *, command: str,
-                 scale_line: str, started: float) -> Path:
-    """Write points.csv, clients.csv and summary.md into `out`; returns the summary's path."""
+                 scale_line: str, started: float, settings: dict[str, Any]) -> Path:
+    """Write points.csv, clients.csv, summary.md and the settings they were measured with
+    (refuse_other_report reads them) into `out`; returns the summary's path."""
     common.write_csv(out / "points.csv", result.points, result.point_columns)
     if result.clients:
         common.write_csv(out / "clients.csv", result.clients, result.client_columns)
@@ -104,6 +123,8 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
     ]
     path = out / SUMMARY_FILE
     path.write_text("\n".join(lines))
+    (out / SETTINGS_FILE).write_text(json.dumps({"command": command, "settings": settings},
+                                                indent=2) + "\n")
     return path
 
 

@@ -123,6 +123,9 @@ class Experiment:
     grids: tuple[Grid, ...]
     measure: Callable[..., Measured]  # measure(ctx, grids): one seed's points and client rows
     summarise: Callable[[Measured, Path], Result]  # claims, and the plot written into the folder
+    # how many points measure(ctx, grids) computes, for a time-left estimate; None: not known
+    # ahead (it depends on the run, e.g. how many checkpoints training left)
+    count: Callable[[dict[str, tuple]], int] | None = None
 
     def run(self, ctx: Any, grids: dict[str, tuple]) -> Result:
         """One seed, reported in OUT/NAME."""

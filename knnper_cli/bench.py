@@ -15,6 +15,7 @@ from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
     config_from_args,
+    examples,
     knn_request,
     positive,
 )
@@ -47,10 +48,17 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     """`knnper bench table ...`."""
-    bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables")
+    table_examples = examples(
+        "knnper bench table --dataset fashion-mnist --clients 50 --max-train 8000 --rounds 15 "
+        "--methods all --out runs/table",
+        "knnper bench table --methods local,fedavg,knnper --tune-lr --workers 2 --out runs/t",
+        note="Re-running the same command resumes: finished training runs, methods and clients "
+        "are kept in OUT.")
+    bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables",
+                                  epilog=table_examples)
     sub = bench.add_subparsers(dest="bench_command", metavar="table", required=True)
     p = sub.add_parser("table", help="every method on one partition: Table 1 (seen clients) and "
-                       "Table 2 (unseen clients) as CSV and markdown")
+                       "Table 2 (unseen clients) as CSV and markdown", epilog=table_examples)
     add_training_arguments(p)
     p.add_argument("--methods", default="all",
                    help=f"all, or a comma-separated list of: {', '.join(METHODS)}")

@@ -27,12 +27,21 @@ from export.sizing import BACKEND_CHOICES
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import load_or_choose
 from fed_train.run import load_run
-from knnper_cli.args import add_knn_arguments, byte_count, knn_request, positive_int
+from knnper_cli.args import add_knn_arguments, byte_count, examples, knn_request, positive_int
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write per-device bundles (int8 ONNX encoder + datastore "
-                                      "sized to each device's budget) from a finished run")
+                                      "sized to each device's budget) from a finished run",
+                       epilog=examples(
+                           "knnper export runs/fmnist --out bundles/500k --budget 500kB",
+                           "knnper export runs/fmnist --out bundles/weak-strong --profile "
+                           "weak-strong --reference 2MB --delta-c 0.3",
+                           note="Before writing, the export lists the clients whose best "
+                           "datastore is an HNSW index: a device needs the hnsw extra "
+                           "(hnswlib) to load those, and `knnper-edge export-onnx` cannot make "
+                           "one ONNX file of them. --device-extras none keeps every bundle "
+                           "loadable by the runtime alone."))
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--out", required=True, help="directory for the bundles and export.json")
     budget = p.add_mutually_exclusive_group(required=True)

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line, one module per command group."""
     # imported here: they import torch, which a runtime-only install lacks
     from fed_train import defaults
-    from knnper_cli.args import Parser, threads
+    from knnper_cli.args import Parser, examples, threads
     from knnper_cli.bench import add_bench_command
     from knnper_cli.demo import add_demo_command
     from knnper_cli.deploy import add_deploy_command
@@ -60,7 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
     from knnper_cli.export import add_export_command
     from knnper_cli.train import add_train_commands
 
-    parser = Parser(prog="knnper", description=DESCRIPTION)
+    parser = Parser(prog="knnper", description=DESCRIPTION, epilog=examples(
+        "knnper demo                                        # the whole pipeline, a minute",
+        "knnper train --out runs/digits                     # 1. train FedAvg",
+        "knnper evaluate runs/digits                        # 2. Local, FedAvg, kNN-Per",
+        "knnper export runs/digits --out bundles/d --budget 500kB   # 3. bundles per device",
+        "knnper client-data runs/digits --client 3 --out data/client_3",
+        "knnper-edge evaluate bundles/d/client_0003 --data data/client_3/test.npz  # 4. device",
+        note="`knnper COMMAND --help` gives each command's options and an example."))
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")

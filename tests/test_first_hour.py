@@ -223,3 +223,86 @@ def test_train_writes_progress_lines_to_a_log(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "\r" not in err
     assert "fedavg: 2/2 rounds done in" in err
+
+
+@pytest.mark.parametrize("build", [cli.build_parser, edge_parser], ids=["knnper", "knnper-edge"])
+def test_every_command_has_an_example_to_paste(build):
+    for path, parser in _parsers(build(), (build.__module__,)):
+        help_text = parser.format_help()
+        assert "example" in help_text.split("\n\n", 2)[-1], path
+        prog = "knnper-edge" if build is edge_parser else "knnper"
+        assert re.search(rf"^  {prog} ", help_text, re.M), path  # indented, as pasted
+
+
+def test_edge_help_gives_the_order_of_use_and_add_says_it_rewrites_in_place():
+    top = _flat_help(edge_parser())
+    assert "Order of use:" in top
+    assert top.index("info bundles") < top.index("predict bundles") < top.index("add bundles")
+    add = next(p for path, p in _parsers(edge_parser(), ()) if path == ("add",))
+    assert "rewrite the bundle in place" in _flat_help(add)
+    init = next(p for path, p in _parsers(edge_parser(), ()) if path == ("init",))
+    assert '"kind": "image", "shape": [H, W, C]' in _flat_help(init)  # the --input-spec format
+
+
+def test_init_refuses_an_existing_bundle_without_force(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    before = {p.name: p.read_bytes() for p in bundle.iterdir()}
+    x, y = make_images(40, 3)
+    np.savez(tmp_path / "own.npz", x=x, y=y)
+    argv = ["init", "--encoder", str(bundle / "encoder.onnx"), "--data",
+            str(tmp_path / "own.npz"), "--budget", "1MB", "--like", str(bundle),
+            "--out", str(bundle)]
+    assert edge_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds a bundle" in err and "--force" in err and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in bundle.iterdir()} == before
+    fresh = tmp_path / "fresh"
+    assert edge_main([*argv[:-1], str(fresh)]) == 0
+    assert edge_main([*argv[:-1], str(fresh), "--force"]) == 0
+
+
+def test_info_and_evaluate_say_what_they_show_in_words(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    x, y = make_images(12, 4)
+    np.savez(tmp_path / "test.npz", x=x, y=y)
+    assert edge_main(["info", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^client +\S+ \((a device's own|the federated client)", out, re.M)
+    assert re.search(r"^ +\(flat keys \(exact search\); keys stored as", out, re.M)
+    assert edge_main(["evaluate", str(bundle), "--data", str(tmp_path / "test.npz")]) == 0
+    out = capsys.readouterr().out
+    assert re.match(r"accuracy \d+\.\d% on 12 samples \(\d+ right; lambda .*global model "
+                    r"\d+\.\d%, datastore alone \d+\.\d%\)$", out.strip())
+
+
+def test_a_recipe_in_words_names_every_part():
+    from edge_runtime.datastores.recipes import describe_recipe
+
+    assert describe_recipe("flat:int8:n1944") == ("flat keys (exact search); keys stored as "
+                                                  "int8; n1944: built from 1944 of the "
+                                                  "client's samples")
+    assert describe_recipe("hnsw:M16:ef64").count(";") == 2
+    assert "b40: room for 40 samples added on the device" in describe_recipe("protonn:d8:b40")
+
+
+def test_an_experiment_report_made_with_other_flags_is_kept(tmp_path, capsys, monkeypatch):
+    import json
+
+    from experiments import context as experiment_context
+
+    def trained(*args, **kwargs):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(experiment_context, "train", trained)
+    folder = tmp_path / "capacity"
+    folder.mkdir()
+    (folder / "report.json").write_text(json.dumps({"command": "knnper experiment capacity "
+                                                    "--out elsewhere", "settings": {"a": 1}}))
+    (folder / "summary.md").write_text("kept")
+    argv = ["--no-progress", "experiment", "capacity", "--quick", "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds a report made with other flags" in err and "--force" in err
+    assert err.count("\n") == 1 and (folder / "summary.md").read_text() == "kept"
+    with pytest.raises(AssertionError, match="trained"):  # --force goes on to train
+        cli.main([*argv, "--force"])
