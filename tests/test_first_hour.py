@@ -306,3 +306,59 @@ def test_an_experiment_report_made_with_other_flags_is_kept(tmp_path, capsys, mo
     assert err.count("\n") == 1 and (folder / "summary.md").read_text() == "kept"
     with pytest.raises(AssertionError, match="trained"):  # --force goes on to train
         cli.main([*argv, "--force"])
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    from fed_train.algorithms.base import TrainingConfig
+    from fed_train.run import RunConfig, load_run, train
+
+    path = tmp_path_factory.mktemp("first-hour") / "run"
+    train(RunConfig(dataset="digits", clients=4, seed=0,
+                    training=TrainingConfig(rounds=1, epochs=1, batch_size=16, lr=0.05)),
+          path, progress=False)
+    return load_run(path)
+
+
+@pytest.mark.parametrize("extras", ["any", "none"])
+def test_export_says_before_writing_that_hnsw_bundles_need_an_extra(small_run, tmp_path,
+                                                                    monkeypatch, caplog, extras):
+    import logging
+
+    from export import exporter
+
+    seen = {}
+
+    def before_any_bundle(run, out_dir, budgets, settings, space, *rest):
+        seen["space"] = space.backends
+        seen["warned"] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        raise KeyboardInterrupt  # stop here: nothing more to check
+
+    monkeypatch.setattr(exporter, "_export_locked", before_any_bundle)
+    settings = exporter.ExportSettings(device_extras=extras)
+    with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
+        exporter.export_run(small_run, tmp_path / "b", dict.fromkeys(range(4), 2_000_000),
+                            settings, progress=False)
+    hnsw_warning = [m for m in seen["warned"] if "hnsw extra" in m]
+    if extras == "any":
+        assert "hnsw" in seen["space"] and len(hnsw_warning) == 1
+        assert "export-onnx" in hnsw_warning[0] and "--device-extras none" in hnsw_warning[0]
+    else:
+        assert "hnsw" not in seen["space"] and not hnsw_warning
+    assert not any((tmp_path / "b").glob("client_*"))
+
+
+def test_device_extras_none_refuses_the_hnsw_backend():
+    from export.errors import ExportError
+    from export.exporter import ExportSettings
+
+    with pytest.raises(ExportError, match="--device-extras none rules it out"):
+        ExportSettings(backend="hnsw", device_extras="none").check()
+
+
+def test_the_export_names_the_clients_whose_bundles_need_an_extra():
+    from export.exporter import needing_extras
+
+    rows = [{"client_id": 0, "backend": "flat"}, {"client_id": 3, "backend": "hnsw"},
+            {"client_id": 7, "backend": "hnsw"}, {"client_id": 8, "backend": "protonn"}]
+    assert needing_extras(rows) == {"hnsw": [3, 7]}
