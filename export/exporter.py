@@ -360,7 +360,7 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
              for c in todo)
     # a client's sizing time grows with its train split: the estimate is per sample
     work = {c.client_id: max(1, c.num_train) for c in todo}
-    with Progress(len(chosen), desc="export", unit="client", enabled=progress,
+    with Progress(len(chosen), desc=f"export {out_dir.name}", unit="client", enabled=progress,
                   initial=len(chosen) - len(todo), total_work=sum(work.values())) as bar:
         for row in _export_clients(tasks, len(todo), context, workers):
             done[row["client_id"]] = row

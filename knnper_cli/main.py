@@ -5,6 +5,7 @@ extra to install, in one line, instead of failing with an import traceback."""
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import logging
 import signal
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130."""
     import torch
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from fed_train.errors import KnnperError
 
@@ -92,14 +94,20 @@ def run(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        with logging_redirect_tqdm():  # a log line above the bars, not glued to one
+            return args.func(args)
     except (KnnperError, ValueError, OSError, MemoryError) as err:
         print(f"knnper: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"knnper: interrupted; run the same command again to resume {args.command}",
-              file=sys.stderr)
-        return INTERRUPTED
+        pass
+    # out of the handler, the interrupted frames are gone: their progress bars close (and
+    # print) now, so the message below is the last line
+    gc.collect()
+    sys.stdout.flush()
+    print(f"knnper: interrupted; run the same command again to resume {args.command}",
+          file=sys.stderr, flush=True)
+    return INTERRUPTED
 
 
 def _one_line(err: BaseException) -> str:

@@ -5,7 +5,9 @@ sample and say what a signature check did, predict that prints a summary, Ctrl-C
 from __future__ import annotations
 
 import argparse
+import io
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -362,3 +364,40 @@ def test_the_export_names_the_clients_whose_bundles_need_an_extra():
     rows = [{"client_id": 0, "backend": "flat"}, {"client_id": 3, "backend": "hnsw"},
             {"client_id": 7, "backend": "hnsw"}, {"client_id": 8, "backend": "protonn"}]
     assert needing_extras(rows) == {"hnsw": [3, 7]}
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal: progress shows tqdm's bar."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_after_ctrl_c_the_message_is_the_last_line_and_logs_stay_off_the_bars(monkeypatch):
+    import logging
+
+    import knnper_cli.train as train_cli
+    from fed_train.progress import track
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+
+    def interrupted_mid_bar(args):
+        for i in track(range(10), total=10, desc="fedavg", unit="round"):
+            logging.getLogger("knnper.test").warning("a line the bar must not swallow")
+            if i == 2:
+                raise KeyboardInterrupt  # the generator, and its bar, are still open here
+
+    monkeypatch.setattr(train_cli, "_cmd_train", interrupted_mid_bar)
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    try:
+        root.handlers = [logging.StreamHandler(terminal)]  # as basicConfig would make it
+        assert cli.run(["train", "--out", "unused"]) == 130
+    finally:
+        root.handlers = handlers
+    lines = [line for line in re.split(r"[\r\n]", terminal.getvalue()) if line.strip()]
+    assert lines[-1] == "knnper: interrupted; run the same command again to resume train"
+    warned = [line for line in lines if "a line the bar must not swallow" in line]
+    assert len(warned) == 3 and all(line.startswith("WARNING") or line.startswith("a line")
+                                    for line in warned)
