@@ -85,8 +85,8 @@ def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "base_model.png")
     return Result(m.points, (*COLUMNS, "seconds"),
                   [("alpha", "alpha", ""), ("round", "round", ""),
-                   ("fedavg_mean", "FedAvg", ".4f"), ("knn_only_mean", "kNN (lambda=1)", ".4f"),
-                   ("knnper_mean", "kNN-Per (lambda on val)", ".4f"),
+                   ("fedavg_mean", "FedAvg", ".2%"), ("knn_only_mean", "kNN (lambda=1)", ".2%"),
+                   ("knnper_mean", "kNN-Per (lambda on val)", ".2%"),
                    ("gain_pp", "gain (pp)", "+.1f")],
                   _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "round", "client_id", "unseen", "n_test", "fedavg", "knn_only",

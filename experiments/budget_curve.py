@@ -449,28 +449,28 @@ def render_markdown(run_path: Path, encoder_rows: list[dict], size_ratio: float,
     parts.append("")
     parts.append(C.markdown_table(encoder_rows, [
         ("encoder", "encoder", ""), ("bytes", "bytes", ""),
-        ("knnper_accuracy", "kNN-Per acc", ".4f"),
+        ("knnper_accuracy", "kNN-Per acc", ".2%"),
         ("vs_fp32_embedding_cosine_min", "min cos to fp32", ".5f"),
-        ("vs_fp32_argmax_agreement", "argmax agreement", ".4f")]))
+        ("vs_fp32_argmax_agreement", "argmax agreement", ".2%")]))
     parts += ["", "Accuracy versus datastore budget (fraction of each client's full float32 "
               f"flat datastore, on top of the int8 encoder); full datastore: {ref['int8']:.4f}.",
               ""]
     parts.append(C.markdown_table(curve, [
         ("fraction", "budget", ""), ("backend", "backend", ""),
-        ("clients_fitting", "clients fitting", ""), ("mean_accuracy", "mean acc", ".4f"),
+        ("clients_fitting", "clients fitting", ""), ("mean_accuracy", "mean acc", ".2%"),
         ("bytes_ratio", "bytes / full", ".3f"), ("recipes", "most chosen", "")]))
     if check:
         if "error" in check:
             parts += ["", f"Device check at {check['fraction']}: {check['error']}"]
         else:
             parts += ["", f"Device check at {check['fraction']}: auto bundles written with "
-                      f"export_run and run through Runtime: {check['runtime_accuracy']:.4f} "
-                      f"(benchmark: {check['benchmark_accuracy']:.4f})."]
+                      f"export_run and run through Runtime: {check['runtime_accuracy']:.2%} "
+                      f"(benchmark: {check['benchmark_accuracy']:.2%})."]
     parts += ["", f"ProtoNN grid ({n_grid} clients; full float32 flat datastore "
               f"{grid_reference:.4f}):", ""]
     parts.append(C.markdown_table(grid, [
         ("projection_dim", "d", ""), ("prototype_fraction", "m", ""),
-        ("mean_accuracy", "mean acc", ".4f"), ("bytes_ratio", "bytes / full", ".3f")]))
+        ("mean_accuracy", "mean acc", ".2%"), ("bytes_ratio", "bytes / full", ".3f")]))
     parts += ["", f"Command: `{C.command_line()}`", "", f"Machine: {C.machine_line(info)}",
               "", f"Took {seconds:.0f} s."]
     return "\n".join(parts)

@@ -63,9 +63,9 @@ def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "capacity.png")
     return Result(m.points, ("alpha", "capacity", "method", *SUMMARY, "seconds"),
                   [("alpha", "alpha", ""), ("capacity", "capacity", ".2f"),
-                   ("method", "method", ""), ("all_mean", "mean (all)", ".4f"),
-                   ("all_bottom_decile", "bottom 10% (all)", ".4f"),
-                   ("unseen_mean", "mean (unseen)", ".4f")],
+                   ("method", "method", ""), ("all_mean", "mean (all)", ".2%"),
+                   ("all_bottom_decile", "bottom 10% (all)", ".2%"),
+                   ("unseen_mean", "mean (unseen)", ".2%")],
                   _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "capacity", "method", "client_id", "unseen", "n_test", "accuracy",
                    "lambda", "datastore_size", "n_train"))

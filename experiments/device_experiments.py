@@ -93,7 +93,7 @@ def summarise_shift(m: Measured, folder: Path) -> Result:
     return Result(m.points, ("step", "strategy", "mean_accuracy", "sem", "n",
                              "mean_datastore_size"),
                   [("step", "step", ""), ("strategy", "strategy", ""),
-                   ("mean_accuracy", "accuracy", ".3f"),
+                   ("mean_accuracy", "accuracy", ".1%"),
                    ("mean_datastore_size", "stored", ".0f")],
                   shift_claims(steps, settings), plot, notes=notes,
                   compute_seconds=m.compute_seconds)
@@ -211,7 +211,7 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
     return Result(m.points, ("projection_dim", "prototype_fraction", "mean_accuracy",
                              "val_accuracy", "bytes_ratio", "drop_pp", "seconds"),
                   [("projection_dim", "d", ""), ("prototype_fraction", "m", "g"),
-                   ("val_accuracy", "val acc", ".4f"), ("mean_accuracy", "test acc", ".4f"),
+                   ("val_accuracy", "val acc", ".2%"), ("mean_accuracy", "test acc", ".2%"),
                    ("bytes_ratio", "bytes / full", ".3f"), ("drop_pp", "drop (pp)", "+.2f")],
                   grid_claims(m.points, m.clients, full), plot, m.clients,
                   ("projection_dim", "prototype_fraction", "client_id", "test_accuracy",

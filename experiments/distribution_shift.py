@@ -293,7 +293,7 @@ def summary(rows: list[dict], args: argparse.Namespace) -> list[dict]:
 def _after_shift(rows: list[dict], shift_at: int) -> str:
     after = [r for r in rows if r["step"] >= shift_at]
     return ", ".join(
-        f"{s} {np.mean([r['accuracy'] for r in after if r['strategy'] == s]):.3f}" for s in CURVES)
+        f"{s} {np.mean([r['accuracy'] for r in after if r['strategy'] == s]):.1%}" for s in CURVES)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -343,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(points, args, args.out / "shift.png", weights, run.dataset.name)
     table = summary(rows, args)
     columns = [("strategy", "strategy", "")] + [
-        (k, k, ".1f" if k.endswith("size") else ".3f") for k in table[0] if k != "strategy"]
+        (k, k, ".1f" if k.endswith("size") else ".1%") for k in table[0] if k != "strategy"]
     text = "\n".join([
         "# Robustness to distribution shift: on-device datastore updates",
         "",

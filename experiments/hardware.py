@@ -171,8 +171,8 @@ def summarise(m: Measured, folder: Path) -> Result:
              f"{', '.join(m.facts[0]['backends'])} datastores (ProtoNN left out for time)."]
     return Result(m.points, (*COLUMNS, "seconds"),
                   [("version", "version", ""), ("delta_c", "dC", ".2f"),
-                   ("all_mean", "mean (all)", ".4f"), ("weak_mean", "weak", ".4f"),
-                   ("strong_mean", "strong", ".4f"), ("mean_stored", "mean stored", ".1f"),
+                   ("all_mean", "mean (all)", ".2%"), ("weak_mean", "weak", ".2%"),
+                   ("strong_mean", "strong", ".2%"), ("mean_stored", "mean stored", ".1f"),
                    ("recipes", "datastores chosen", "")],
                   _claims(m.points, m.clients, weak_of(m.clients, m.seeds)), plot, m.clients,
                   ("version", "delta_c", "client_id", "unseen", "budget", "recipe", "stored",

@@ -74,9 +74,9 @@ def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "heterogeneity.png")
     return Result(m.points, ("alpha", "method", *SUMMARY_COLUMNS, "seconds"),
                   [("alpha", "alpha", ""), ("method", "method", ""),
-                   ("all_mean", "mean (all)", ".4f"),
-                   ("all_bottom_decile", "bottom 10% (all)", ".4f"),
-                   ("seen_mean", "mean (seen)", ".4f"), ("unseen_mean", "mean (unseen)", ".4f")],
+                   ("all_mean", "mean (all)", ".2%"),
+                   ("all_bottom_decile", "bottom 10% (all)", ".2%"),
+                   ("seen_mean", "mean (seen)", ".2%"), ("unseen_mean", "mean (unseen)", ".2%")],
                   _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "method", "client_id", "unseen", "n_test", "accuracy", "lambda"))
 

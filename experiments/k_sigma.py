@@ -49,8 +49,8 @@ def summarise(m: Measured, folder: Path) -> Result:
     k, sigma = Counter((f["k"], f["sigma"]) for f in m.facts).most_common(1)[0][0]
     plot = _plot(m.points, folder / "k_sigma.png")
     return Result(m.points, ("k", "sigma", "all_mean", "all_bottom_decile", "seconds"),
-                  [("k", "k", ""), ("sigma", "sigma", "g"), ("all_mean", "mean (all)", ".4f"),
-                   ("all_bottom_decile", "bottom 10%", ".4f")],
+                  [("k", "k", ""), ("sigma", "sigma", "g"), ("all_mean", "mean (all)", ".2%"),
+                   ("all_bottom_decile", "bottom 10%", ".2%")],
                   _claims(m.points, m.clients, k, sigma), plot, m.clients,
                   ("k", "sigma", "client_id", "unseen", "n_test", "accuracy", "lambda"))
 

@@ -70,7 +70,7 @@ def summarise(m: Measured, folder: Path) -> Result:
                   [("capacity", "capacity", ".2f"), ("mean_datastore_size", "mean n_m", ".1f"),
                    ("mean_lambda", "mean lambda", ".3f"),
                    ("share_lambda_above_half", "share lambda > 1/2", ".2f"),
-                   ("mean_accuracy", "kNN-Per mean", ".4f")],
+                   ("mean_accuracy", "kNN-Per mean", ".2%")],
                   _claims(pairs, fit), plot, pairs,
                   ("capacity", "client_id", "unseen", "datastore_size", "lambda", "accuracy"),
                   [f"Upward step fit (the bound's shape): lambda {fit[1]:.2f} for n_m <= "
