@@ -107,7 +107,8 @@ def judge(name: str, folder: Path) -> list[Claim]:
     if name == device_experiments.GRID:
         full = float(np.mean([p["mean_accuracy"] + p["drop_pp"] / 100 for p in points]))
         budget_curve.plot_grid(
-            points, full, folder / "protonn_grid.png", cost_pp=device_experiments.COST_PP)
+            points, full, folder / "protonn_grid.png", scale=str(folder.parent.name),
+            cost_pp=device_experiments.COST_PP)
         if not points or points[0].get("val_accuracy") is None:
             return [Claim("ProtoNN cuts the datastore's memory 4x for a limited accuracy cost "
                           f"(<= {device_experiments.COST_PP:g} pp)",

@@ -207,7 +207,7 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
     full = float(np.mean([f["full"] for f in m.facts]))  # a seed's own, or the seeds' mean
     plot = folder / "protonn_grid.png"
     folder.mkdir(parents=True, exist_ok=True)  # plot_grid, the benchmark's, expects it
-    budget_curve.plot_grid(m.points, full, plot, cost_pp=COST_PP)
+    budget_curve.plot_grid(m.points, full, plot, scale=m.scale, cost_pp=COST_PP)
     return Result(m.points, ("projection_dim", "prototype_fraction", "mean_accuracy",
                              "val_accuracy", "bytes_ratio", "drop_pp", "seconds"),
                   [("projection_dim", "d", ""), ("prototype_fraction", "m", "g"),

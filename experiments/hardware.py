@@ -26,7 +26,7 @@ from edge_runtime.encoder import Encoder
 from experiments.context import Context
 from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, paired, pp, unit
-from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
+from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import DELTA_C, Claim, Experiment, Grid, Measured, Result
 from experiments.views import knnper_rows
 from export.errors import BudgetInvalid
@@ -164,7 +164,7 @@ def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
 
 
 def summarise(m: Measured, folder: Path) -> Result:
-    plot = _plot(m.points, folder / "hardware.png")
+    plot = _plot(m.points, folder / "hardware.png", m.scale)
     notes = ["Weak and strong clients: a seeded half of all clients (seen and unseen), the same "
              "half in both versions. Byte budgets: the int8 encoder plus (1/2 -+ dC) x the bytes "
              "of the client's own full float32 flat datastore; the exporter searched "
@@ -248,9 +248,14 @@ def _claims(points: list[dict], clients: list[dict], weak: set) -> list[Claim]:
     return claims
 
 
-def _plot(points: list[dict], path):
+VERSION_WORDS = {"fractions": "memory as datastore fractions",
+                 "bytes": "memory as byte budgets (bundles written)"}
+
+
+def _plot(points: list[dict], path, scale: str):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    shown, spread = [], []
     for version, color in (("fractions", "tab:blue"), ("bytes", "tab:orange")):
         pts = sorted((p["delta_c"], p) for p in points if p["version"] == version
                      and p["all_mean"] is not None)
@@ -258,17 +263,21 @@ def _plot(points: list[dict], path):
             continue
         x = [d for d, _ in pts]
         draw(ax, x, [p["all_mean"] for _, p in pts], "o-",
-             [p.get("all_mean" + STD) for _, p in pts], color=color, label=f"{version}: all")
+             [p.get("all_mean" + STD) for _, p in pts], color=color,
+             label=f"{VERSION_WORDS[version]}: all clients")
         ax.plot(x, [p["weak_mean"] for _, p in pts], "v:", color=color, alpha=0.6,
-                label=f"{version}: weak")
+                label=f"{VERSION_WORDS[version]}: weak clients")
         ax.plot(x, [p["strong_mean"] for _, p in pts], "^:", color=color, alpha=0.6,
-                label=f"{version}: strong")
+                label=f"{VERSION_WORDS[version]}: strong clients")
+        for _, p in pts:
+            shown += [p["all_mean"], p["weak_mean"], p["strong_mean"]]
+            spread += [p.get("all_mean" + STD), None, None]
     ax.set_xlabel("dC (weak clients hold 1/2 - dC, strong 1/2 + dC)")
     ax.set_ylabel("kNN-Per mean test accuracy (%)")
-    ax.set_ylim(0, 1)
+    fit_y(ax, shown, spread)
     finish_axes(ax, "Claim: with total memory fixed, spreading it unevenly (larger dC) lowers "
                 "accuracy")
-    return save_figure(fig, path)
+    return save_figure(fig, path, scale)
 
 
 EXPERIMENT = Experiment(

@@ -113,6 +113,7 @@ class Measured:
     # per seed, in `seeds` order: what the summary needs besides the rows (e.g. the chosen k)
     facts: list[dict[str, Any]] = field(default_factory=list)
     compute_seconds: float | None = None  # as Result.compute_seconds
+    scale: str = ""  # the data set and scale in a line, under every figure's title
 
 
 @dataclass(frozen=True)
@@ -129,4 +130,6 @@ class Experiment:
 
     def run(self, ctx: Any, grids: dict[str, tuple]) -> Result:
         """One seed, reported in OUT/NAME."""
-        return self.summarise(self.measure(ctx, grids), ctx.out / self.name)
+        measured = self.measure(ctx, grids)
+        measured.scale = ctx.figure_scale()
+        return self.summarise(measured, ctx.out / self.name)

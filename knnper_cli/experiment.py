@@ -133,12 +133,15 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
             measured = []
             for ctx in contexts:  # each seed reported as it finishes: an interruption keeps it
                 measured.append(exp.measure(ctx, grids))
+                measured[-1].scale = ctx.figure_scale()
                 one = argparse.Namespace(**{**vars(args), "seed": ctx.seed, "seeds": 1})
                 write_report(exp, exp.summarise(measured[-1], seed_dir(folder, ctx.seed)),
                              seed_dir(folder, ctx.seed), command=command_line(one),
                              scale_line=ctx.scale_line(), started=started,
                              settings=settings(ctx))
-            result = combined_result(exp.summarise(combine(measured), folder), list(seeds))
+            together = combine(measured)
+            together.scale = contexts[0].figure_scale(list(seeds))
+            result = combined_result(exp.summarise(together, folder), list(seeds))
     summary = write_report(exp, result, folder, command=command_line(args),
                            scale_line=contexts[0].scale_line(list(seeds)), started=started,
                            settings=settings(*contexts))
