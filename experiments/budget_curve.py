@@ -466,7 +466,7 @@ def render_markdown(run_path: Path, encoder_rows: list[dict], size_ratio: float,
         ("vs_fp32_embedding_cosine_min", "min cos to fp32", ".5f"),
         ("vs_fp32_argmax_agreement", "argmax agreement", ".2%")]))
     parts += ["", "Accuracy versus datastore budget (fraction of each client's full float32 "
-              f"flat datastore, on top of the int8 encoder); full datastore: {ref['int8']:.4f}.",
+              f"flat datastore, on top of the int8 encoder); full datastore: {ref['int8']:.2%}.",
               ""]
     parts.append(C.markdown_table(curve, [
         ("fraction", "budget", ""), ("backend", "backend", ""),
@@ -480,7 +480,7 @@ def render_markdown(run_path: Path, encoder_rows: list[dict], size_ratio: float,
                       f"export_run and run through Runtime: {check['runtime_accuracy']:.2%} "
                       f"(benchmark: {check['benchmark_accuracy']:.2%})."]
     parts += ["", f"ProtoNN grid ({n_grid} clients; full float32 flat datastore "
-              f"{grid_reference:.4f}):", ""]
+              f"{grid_reference:.2%}):", ""]
     parts.append(C.markdown_table(grid, [
         ("projection_dim", "d", ""), ("prototype_fraction", "m", ""),
         ("mean_accuracy", "mean acc", ".2%"), ("bytes_ratio", "bytes / full", ".3f")]))

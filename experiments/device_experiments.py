@@ -121,7 +121,7 @@ def shift_claims(steps: list[dict], s: dict[str, int]) -> list[Claim]:
         iv, verdict = two_se(diffs)
         mean_a = np.mean([window_mean(u, *a) for u in streams])
         mean_b = np.mean([window_mean(u, *b) for u in streams])
-        return f"{mean_a:.3f} vs {mean_b:.3f}, difference {pp(iv)}", verdict
+        return f"{mean_a:.1%} vs {mean_b:.1%}, difference {pp(iv)}", verdict
 
     claims = []
     for title, a, b, where in (
@@ -216,7 +216,7 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
                   grid_claims(m.points, m.clients, full), plot, m.clients,
                   ("projection_dim", "prototype_fraction", "client_id", "test_accuracy",
                    "test_samples", "val_accuracy", "val_samples", "ratio"),
-                  notes=[f"Full float32 flat datastore (the reference): {full:.4f}. ProtoNN "
+                  notes=[f"Full float32 flat datastore (the reference): {full:.2%}. ProtoNN "
                          f"trained {m.facts[0]['steps']} steps per client and point with the "
                          "int8 encoder's embeddings (benchmarks/export_budget_curve.py's "
                          "protonn_grid)."])
