@@ -5,9 +5,9 @@ before an earlier one wrote it, or an output left outside the folders `.gitignor
 the run.
 
 `knnper demo` runs at full size, and the table it prints is checked against the README's within
-DEMO_TOLERANCE: the device rows and bundle sizes depend on the CPU's integer kernels (the int8
-encoder runs on onnxruntime's, which differ between AVX2 and AVX-512 VNNI / AMX), the server
-rows do not.
+DEMO_TOLERANCE: its figures depend on the CPU a little (the device rows and bundle sizes on
+onnxruntime's integer kernels for the int8 encoder, which differ between AVX2 and AVX-512 VNNI /
+AMX; the server rows on torch's float32 kernels in training).
 
 What is not run, and why: `pip install` (the environment running this script is the install the
 README describes; a `pip install -e .` from the throw-away clone would re-point it there),
@@ -51,11 +51,10 @@ SCALE: tuple[tuple[str, str | Callable[[re.Match], str], str], ...] = (
 
 
 DEMO = "knnper demo"
-# how far a printed demo figure may be from the README's: (accuracy in pp, size in kB), for the
-# rows the int8 encoder runs (measured: the weak device 98.3% on an AMD EPYC with AVX2, 98.1%
-# on an Intel Xeon with AVX-512 VNNI and AMX; the strong bundles 42 kB against 41 kB); the
-# server's rows (torch, float32) must match as printed
-DEMO_TOLERANCE = {"device": (0.5, 2.0), "server": (0.0, 0.0)}
+# how far a printed demo figure may be from the README's: (accuracy in pp, size in kB). Measured
+# differences (README.md lists them): the weak device's seen clients 98.3% / 98.1%, the strong
+# bundles' mean 42 / 41 kB, FedAvg's seen clients 92.2% / 92.0% (one or two test samples)
+DEMO_TOLERANCE = (0.5, 2.0)
 
 
 def markdown_rows(text: str, header: str) -> dict[tuple[str, str], dict[str, str]]:
@@ -85,7 +84,7 @@ def demo_differences(readme_text: str, printed: str) -> list[str]:
         return [f"rows differ: README {sorted(want)}, printed {sorted(got)}"]
     problems = []
     for key, row in want.items():
-        pp, kb = DEMO_TOLERANCE["device" if "device" in key[1] else "server"]
+        pp, kb = DEMO_TOLERANCE
         for column, expected in row.items():
             if column in ("method", "where"):
                 continue

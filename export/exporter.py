@@ -310,8 +310,8 @@ def _warn_device_extras(space: SearchSpace) -> None:
             log.warning("%s datastores are among those tried: a client whose most accurate "
                         "datastore is %s gets a bundle that a device loads only with the %s "
                         "extra and that `knnper-edge export-onnx` cannot turn into one ONNX "
-                        "file (the clients are listed at the end); --device-extras none leaves "
-                        "%s out", backend, backend, NEEDS_DEVICE_EXTRA[backend], backend)
+                        "file (export.json names each client's backend); --device-extras none "
+                        "leaves %s out", backend, backend, NEEDS_DEVICE_EXTRA[backend], backend)
 
 
 def needing_extras(rows: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
