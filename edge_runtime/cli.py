@@ -140,9 +140,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", required=True, type=byte_count,
                    help="bytes, or with a unit: 500000, 500kB, 1.5MB, 2MiB")
     s.add_argument("--out", required=True, help="bundle directory to write (refused if it "
-                   "exists and is not empty, unless --force)")
+                   "holds a bundle, unless --force)")
     s.add_argument("--force", action="store_true",
-                   help="replace what --out holds (a bundle there loses what `add` taught it)")
+                   help="replace the bundle --out holds (it loses what `add` taught it)")
     spec = s.add_mutually_exclusive_group(required=True)
     spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
     spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
@@ -380,11 +380,9 @@ def cmd_init(args) -> int:
         spec = _read_spec_file(args.input_spec)
     if not Path(args.encoder).is_file():
         raise CLIError(f"no such file: {args.encoder}")
-    out = Path(args.out)
-    if not args.force and (out.is_file() or (out.is_dir() and any(out.iterdir()))):
-        what = "a bundle" if (out / "manifest.json").is_file() else "files"
-        raise CLIError(f"--out {out} already holds {what}; choose another --out, or add "
-                       "--force to replace it (a bundle loses what `add` taught it)")
+    if not args.force and (Path(args.out) / "manifest.json").is_file():
+        raise CLIError(f"--out {args.out} already holds a bundle; choose another --out, or add "
+                       "--force to replace it (it loses what `add` taught it)")
     budget = args.budget
     x, y = _load_xy(args.data, (("x", "y"), ("x_train", "y_train")))
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
