@@ -43,6 +43,10 @@ def test_quick_experiment_writes_points_plot_and_summary(family, name, capsys):
     folder = family / name
     points = read_csv(folder / "points.csv")
     assert points, name
+    experiment = EXPERIMENTS[name]
+    if experiment.count is not None:  # the progress line's total is what was computed
+        computed = (folder / "points.jsonl").read_text().splitlines()
+        assert len(computed) == experiment.count({g.name: g.quick for g in experiment.grids})
     summary = (folder / "summary.md").read_text()
     assert "**The paper:**" in summary and "| the paper | we measured | verdict |" in summary
     assert f"Command: `knnper --threads 1 experiment {name} --out {family} --quick`" in summary

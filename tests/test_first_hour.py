@@ -401,3 +401,13 @@ def test_after_ctrl_c_the_message_is_the_last_line_and_logs_stay_off_the_bars(mo
     warned = [line for line in lines if "a line the bar must not swallow" in line]
     assert len(warned) == 3 and all(line.startswith("WARNING") or line.startswith("a line")
                                     for line in warned)
+
+
+def test_experiments_that_know_their_point_count_give_the_progress_a_total():
+    from experiments.registry import EXPERIMENTS
+
+    counted = {name for name, e in EXPERIMENTS.items() if e.count is not None}
+    assert counted == set(EXPERIMENTS) - {"base-model"}  # its checkpoints decide its points
+    quick = {g.name: g.quick for g in EXPERIMENTS["capacity"].grids}
+    assert EXPERIMENTS["capacity"].count(quick) == len(quick["alphas"]) * (
+        1 + len(quick["capacities"]))  # FedAvg's capacity 0 is a point too
