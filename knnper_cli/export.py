@@ -40,11 +40,11 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                            "knnper export runs/fmnist --out bundles/500k --budget 500kB",
                            "knnper export runs/fmnist --out bundles/weak-strong --profile "
                            "weak-strong --reference 2MB --delta-c 0.3",
-                           note="Before writing, the export lists the clients whose best "
-                           "datastore is an HNSW index: a device needs the hnsw extra "
-                           "(hnswlib) to load those, and `knnper-edge export-onnx` cannot make "
-                           "one ONNX file of them. --device-extras none keeps every bundle "
-                           "loadable by the runtime alone."))
+                           note="HNSW bundles need the hnsw extra (hnswlib) on the device, "
+                           "and `knnper-edge export-onnx` cannot make one ONNX file of them. "
+                           "With --backend auto the export says so before writing any bundle "
+                           "and names the clients that got one at the end; --device-extras "
+                           "none leaves HNSW out, so every bundle loads on the runtime alone."))
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--out", required=True, help="directory for the bundles and export.json")
     budget = p.add_mutually_exclusive_group(required=True)
