@@ -54,12 +54,12 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(message if "--help" in message else f"{message} (see {self.prog} --help)")
 
 
-B = "bundles/500k/client_0003"  # the README's bundle, in the examples
+EXAMPLE = "bundles/500k/client_0003"  # the README's bundle, in the examples
 ORDER_OF_USE = examples(
-    f"knnper-edge info {B}                          # 1. check it",
-    f"knnper-edge predict {B} --input x.npy         # 2. use it",
-    f"knnper-edge evaluate {B} --data test.npz      # 3. measure it",
-    f"knnper-edge add {B} --data new.npz            # 4. teach it",
+    f"knnper-edge info {EXAMPLE}                          # 1. check it",
+    f"knnper-edge predict {EXAMPLE} --input x.npy         # 2. use it",
+    f"knnper-edge evaluate {EXAMPLE} --data test.npz      # 3. measure it",
+    f"knnper-edge add {EXAMPLE} --data new.npz            # 4. teach it",
     note="Order of use: a bundle comes from `knnper export` on the server (one client_NNNN "
     "folder per device), or from `knnper-edge init` with the device's own data; `info` checks "
     "it, `predict` and `evaluate` use it, `add` teaches it labelled samples (rewriting it in "
@@ -94,8 +94,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs", epilog=examples(
-        f"knnper-edge predict {B} --input data/client_3/test_x.npy --output p.npy",
-        f"knnper-edge predict {B} --input data/client_3/test_x.npy --labels > labels.txt"))
+        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --output p.npy",
+        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --labels > labels.txt"))
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
     s.add_argument("--output", help="write the [N, C] probabilities here (.npy)")
@@ -103,18 +103,19 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="print every predicted label, one per line (default: a summary)")
 
     s = sub.add_parser("evaluate", help="accuracy on a labelled .npz (x, y or x_test, y_test)",
-                       epilog=examples(f"knnper-edge evaluate {B} --data data/client_3/test.npz",
-                                       note="Prints the bundle's accuracy in %, beside the global "
-                                       "model's alone and the datastore's alone."))
+                       epilog=examples(f"knnper-edge evaluate {EXAMPLE} --data "
+                                       "data/client_3/test.npz",
+                                       note="Prints the bundle's accuracy in %, beside the "
+                                       "global model's alone and the datastore's alone."))
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--data", required=True, help=".npz with x and y (or x_test and y_test)")
 
     s = sub.add_parser(
         "add", help="learn from labelled samples (.npz with x, y); rewrites the bundle in place",
-        description="Add labelled samples to the bundle's datastore and rewrite the bundle in "
-        "place (its datastore file, manifest and signature; atomically, so a crash leaves the "
-        "old bundle or the new one). Copy the folder first to keep the bundle as exported.",
-        epilog=examples(f"knnper-edge add {B} --data data/client_3/val.npz --strategy fifo",
+        description="Add labelled samples to the bundle's datastore: the bundle is rewritten in "
+        "place (a crash leaves the old bundle or the new one, never a mix). Copy the folder "
+        "first to keep the bundle as exported.",
+        epilog=examples(f"knnper-edge add {EXAMPLE} --data data/client_3/val.npz --strategy fifo",
                         note="Prints what became of every sample received: added, dropped "
                         "(and why), and how many samples stored before were evicted to make "
                         "room; then what the datastore holds and its bytes against the "
@@ -129,7 +130,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("init", help="build a bundle for a new device from its own data",
                        epilog=examples(
                            "knnper-edge init --encoder bundles/500k/encoder.onnx --data "
-                           f"data/client_7/train.npz --budget 300KB --like {B} --out "
+                           f"data/client_7/train.npz --budget 300KB --like {EXAMPLE} --out "
                            "bundles/my-device",
                            "knnper-edge init --encoder encoder.onnx --data train.npz --budget "
                            "2MB --input-spec spec.json --out bundles/my-device",
@@ -161,8 +162,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="client id written in the manifest (-1: a device of its own)")
 
     s = sub.add_parser("info", help="verify a bundle and summarize its manifest",
-                       epilog=examples(f"knnper-edge info {B}",
-                                       f"knnper-edge --trusted-key keys/signing.pub info {B}",
+                       epilog=examples(f"knnper-edge info {EXAMPLE}",
+                                       f"knnper-edge --trusted-key keys/signing.pub info {EXAMPLE}",
                                        note="Each line says what it shows: the client the "
                                        "bundle was exported for (-1: a device's own, from "
                                        "`init`), the datastore's recipe and each of its parts "
@@ -174,8 +175,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "export-onnx",
         help="the whole prediction as one ONNX graph (flat and "
         "protonn bundles) for devices without Python",
-        epilog=examples(f"knnper-edge export-onnx {B} --out bundles/predictor.onnx",
-                        f"knnper-edge export-onnx {B} --out bundles/predictor-app.onnx "
+        epilog=examples(f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.onnx",
+                        f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor-app.onnx "
                         "--keys-as-inputs"),
     )
     s.add_argument("bundle", help=BUNDLE_HELP)

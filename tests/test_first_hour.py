@@ -241,7 +241,7 @@ def test_edge_help_gives_the_order_of_use_and_add_says_it_rewrites_in_place():
     assert "Order of use:" in top
     assert top.index("info bundles") < top.index("predict bundles") < top.index("add bundles")
     add = next(p for path, p in _parsers(edge_parser(), ()) if path == ("add",))
-    assert "rewrite the bundle in place" in _flat_help(add)
+    assert "the bundle is rewritten in place" in _flat_help(add)
     init = next(p for path, p in _parsers(edge_parser(), ()) if path == ("init",))
     assert '"kind": "image", "shape": [H, W, C]' in _flat_help(init)  # the --input-spec format
 
