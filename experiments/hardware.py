@@ -254,7 +254,7 @@ VERSION_WORDS = {"fractions": "memory as datastore fractions",
 
 def _plot(points: list[dict], path, scale: str):
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.4))  # room for the axes beside a legend of six
     shown, spread = [], []
     for version, color in (("fractions", "tab:blue"), ("bytes", "tab:orange")):
         pts = sorted((p["delta_c"], p) for p in points if p["version"] == version

@@ -5,6 +5,7 @@ and the claim-by-claim table)."""
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,7 +95,7 @@ def fit_y(ax: Any, values: Sequence[float | None], std: Sequence[float | None] =
 def save_figure(fig: Any, path: Path, scale: str) -> Path:
     """The figure as PNG, its data set and scale under the title (every figure says what it
     was measured on)."""
-    title = fig.get_suptitle()
+    title, scale = fig.get_suptitle(), textwrap.fill(scale, 120)
     fig.suptitle(f"{title}\n{scale}" if title else scale, fontsize=8 if not title else 10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
