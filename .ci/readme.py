@@ -4,6 +4,11 @@ digits scale, so the README stays true: a command that cannot be pasted, a file 
 before an earlier one wrote it, or an output left outside the folders `.gitignore` covers fails
 the run.
 
+`knnper demo` runs at full size, and the table it prints is checked against the README's within
+DEMO_TOLERANCE: its figures depend on the CPU a little (the device rows and bundle sizes on
+onnxruntime's integer kernels for the int8 encoder, which differ between AVX2 and AVX-512 VNNI /
+AMX; the server rows on torch's float32 kernels in training).
+
 What is not run, and why: `pip install` (the environment running this script is the install the
 README describes; a `pip install -e .` from the throw-away clone would re-point it there),
 `python -m pytest` (.ci/run runs the tests itself), and blocks preceded by a
@@ -43,6 +48,52 @@ SCALE: tuple[tuple[str, str | Callable[[re.Match], str], str], ...] = (
      "digits' 1,797 images make at most ten clients of a useful size"),
     (r"--rounds \d+", "--rounds 2", "two rounds check the pipeline; accuracy is not the point"),
 )
+
+
+DEMO = "knnper demo"
+# how far a printed demo figure may be from the README's: (accuracy in pp, size in kB). Measured
+# differences (README.md lists them): the weak device's seen clients 98.3% / 98.1%, the strong
+# bundles' mean 42 / 41 kB, FedAvg's seen clients 92.2% / 92.0% (one or two test samples)
+DEMO_TOLERANCE = (0.5, 2.0)
+
+
+def markdown_rows(text: str, header: str) -> dict[tuple[str, str], dict[str, str]]:
+    """The rows of the first markdown table in `text` whose header line starts with `header`,
+    by (method, where)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    columns = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        row = dict(zip(columns, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        rows[row["method"], row["where"]] = row
+    return rows
+
+
+def _number(cell: str) -> float | None:
+    return None if cell == "-" else float(cell.removesuffix(" kB"))
+
+
+def demo_differences(readme_text: str, printed: str) -> list[str]:
+    """Where the demo's printed table is outside DEMO_TOLERANCE of the README's."""
+    header = "| method | where |"
+    want, got = markdown_rows(readme_text, header), markdown_rows(printed, header)
+    if set(want) != set(got):
+        return [f"rows differ: README {sorted(want)}, printed {sorted(got)}"]
+    problems = []
+    for key, row in want.items():
+        pp, kb = DEMO_TOLERANCE
+        for column, expected in row.items():
+            if column in ("method", "where"):
+                continue
+            a, b = _number(expected), _number(got[key][column])
+            bound = kb if expected.endswith("kB") else pp
+            if (a is None) != (b is None) or (a is not None and abs(a - b) > bound + 1e-9):
+                problems.append(f"{' / '.join(key)}, {column}: README {expected}, printed "
+                                f"{got[key][column]} (tolerance {bound:g})")
+    return problems
 
 
 @dataclass
@@ -122,7 +173,15 @@ def run_all(commands: list[Command], clone: Path) -> int:
         shown = c.run if c.kind == "bash" else f"python block at README.md:{c.line}"
         print(f"README.md:{c.line}: $ {shown}", flush=True)
         started = time.monotonic()
-        done = subprocess.run(argv, cwd=clone, env=env, stdin=subprocess.DEVNULL)
+        done = subprocess.run(argv, cwd=clone, env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE if c.run == DEMO else None, text=True)
+        if c.run == DEMO:
+            print(done.stdout, end="", flush=True)
+            problems = demo_differences((clone / "README.md").read_text(), done.stdout or "")
+            if done.returncode == 0 and problems:
+                print("readme.py: knnper demo printed a table outside the README's tolerance:\n"
+                      + "\n".join(problems), file=sys.stderr)
+                return 1
         print(f"README.md:{c.line}: exit {done.returncode} in {time.monotonic() - started:.0f} s",
               flush=True)
         if done.returncode != 0:

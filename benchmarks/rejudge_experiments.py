@@ -66,30 +66,42 @@ def shift_steps(folder: Path) -> tuple[list[dict[str, Any]], int]:
             for r in device_experiments.read_steps(d)], len(seeds)
 
 
+def figure_scale(folder: Path) -> str:
+    """The data set and scale for a redrawn figure's title: the report's "Scale:" line up to
+    its first ';', less its parentheses (the folder's data set when there is none)."""
+    summary = folder / "summary.md"
+    lines = summary.read_text().splitlines() if summary.exists() else []
+    line = next((x for x in lines if x.startswith("Scale: ")), None)
+    if line is None:
+        return folder.parent.name
+    return re.sub(r" \([^()]*\)", "", line.removeprefix("Scale: ").split(";")[0])
+
+
 def judge(name: str, folder: Path) -> list[Claim]:
     """The experiment's claims from its files, and its plot redrawn."""
     points, clients = read(folder / "points.csv"), read(folder / "clients.csv")
     seeds = sorted({c["seed"] for c in clients}) if clients and "seed" in clients[0] else [SEED]
+    scale = figure_scale(folder)
     if name == "heterogeneity":
-        heterogeneity._plot(points, folder / "heterogeneity.png")
+        heterogeneity._plot(points, folder / "heterogeneity.png", scale)
         return heterogeneity._claims(points, clients)
     if name == "capacity":
-        capacity._plot(points, folder / "capacity.png")
+        capacity._plot(points, folder / "capacity.png", scale)
         return capacity._claims(points, clients)
     if name == "k-sigma":
-        k_sigma._plot(points, folder / "k_sigma.png")
+        k_sigma._plot(points, folder / "k_sigma.png", scale)
         return k_sigma._claims(points, clients, K, SIGMA)
     if name == "lambda-vs-n":
         n = np.array([c["datastore_size"] for c in clients], dtype=float)
         lam = np.array([c["lambda"] for c in clients], dtype=float)
         fit = lambda_vs_n.step_fit(n, lam)
-        lambda_vs_n._plot(n, lam, fit, folder / "lambda_vs_n.png")
+        lambda_vs_n._plot(n, lam, fit, folder / "lambda_vs_n.png", scale)
         return lambda_vs_n._claims(clients, fit)
     if name == "hardware":
-        hardware._plot(points, folder / "hardware.png")
+        hardware._plot(points, folder / "hardware.png", scale)
         return hardware._claims(points, clients, hardware.weak_of(clients, seeds))
     if name == "base-model":
-        base_model._plot(points, folder / "base_model.png")
+        base_model._plot(points, folder / "base_model.png", scale)
         return base_model._claims(points, clients)
     if name == device_experiments.SHIFT:
         shift = distribution_shift
@@ -107,7 +119,8 @@ def judge(name: str, folder: Path) -> list[Claim]:
     if name == device_experiments.GRID:
         full = float(np.mean([p["mean_accuracy"] + p["drop_pp"] / 100 for p in points]))
         budget_curve.plot_grid(
-            points, full, folder / "protonn_grid.png", cost_pp=device_experiments.COST_PP)
+            points, full, folder / "protonn_grid.png", scale=scale,
+            cost_pp=device_experiments.COST_PP)
         if not points or points[0].get("val_accuracy") is None:
             return [Claim("ProtoNN cuts the datastore's memory 4x for a limited accuracy cost "
                           f"(<= {device_experiments.COST_PP:g} pp)",

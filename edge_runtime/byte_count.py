@@ -1,7 +1,8 @@
 """Byte counts as people write them, read the same way by both command lines: `500000`,
-`500kB`, `1.5MB`, `2MiB`, `1.5M` (SI powers of 1000 and IEC powers of 1024, any case, the `B`
-optional). Whole bytes only: a count that works out to a fraction of a byte is refused rather
-than rounded, since a budget is a promise about memory."""
+`500kB`, `1.5MB`, `2MiB`, `1.5M`, `2 MB` (SI powers of 1000 and IEC powers of 1024, any case,
+the `B` optional, a space before the unit allowed: README.md says so). Whole bytes only: a
+count that works out to a fraction of a byte is refused rather than rounded, since a budget is
+a promise about memory."""
 
 from __future__ import annotations
 

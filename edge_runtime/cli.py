@@ -22,10 +22,12 @@ from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
 from .arg_types import byte_count, threads
 from .cli_help import (
     DefaultsHelpFormatter,
+    examples,
     install_hint,
     missing_command_message,
     package_version,
 )
+from .datastores.recipes import describe_recipe
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .knn import interpolate
@@ -52,9 +54,29 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(message if "--help" in message else f"{message} (see {self.prog} --help)")
 
 
+EXAMPLE = "bundles/500k/client_0003"  # the README's bundle, in the examples
+ORDER_OF_USE = examples(
+    f"knnper-edge info {EXAMPLE}                          # 1. check it",
+    f"knnper-edge predict {EXAMPLE} --input x.npy         # 2. use it",
+    f"knnper-edge evaluate {EXAMPLE} --data test.npz      # 3. measure it",
+    f"knnper-edge add {EXAMPLE} --data new.npz            # 4. teach it",
+    note="Order of use: a bundle comes from `knnper export` on the server (one client_NNNN "
+    "folder per device), or from `knnper-edge init` with the device's own data; `info` checks "
+    "it, `predict` and `evaluate` use it, `add` teaches it labelled samples (rewriting it in "
+    "place), `export-onnx` makes one ONNX file of it for apps without Python, `keygen` makes "
+    "the key pair that signs bundles. `knnper-edge COMMAND --help` gives each one's options.")
+INPUT_SPEC_HELP = (
+    "JSON file with the input spec (what the encoder takes): for images "
+    '{"kind": "image", "shape": [H, W, C], "dtype": "uint8", "mean": [C floats], '
+    '"std": [C floats > 0]} (a pixel becomes (x/255 - mean) / std), for text '
+    '{"kind": "tokens", "shape": [L], "dtype": "int64", "vocab_size": V}; a bundle\'s '
+    "manifest.json works too (its \"input\" field is read)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device: "
-                "predict, evaluate and keep learning with a bundle that `knnper export` wrote.")
+                "predict, evaluate and keep learning with a bundle that `knnper export` wrote.",
+                epilog=ORDER_OF_USE)
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     p.add_argument(
         "--threads",
@@ -71,18 +93,33 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs")
+    s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs", epilog=examples(
+        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --output p.npy",
+        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --labels > labels.txt"))
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
     s.add_argument("--output", help="write the [N, C] probabilities here (.npy)")
     s.add_argument("--labels", action="store_true",
                    help="print every predicted label, one per line (default: a summary)")
 
-    s = sub.add_parser("evaluate", help="accuracy on a labelled .npz (x, y or x_test, y_test)")
+    s = sub.add_parser("evaluate", help="accuracy on a labelled .npz (x, y or x_test, y_test)",
+                       epilog=examples(f"knnper-edge evaluate {EXAMPLE} --data "
+                                       "data/client_3/test.npz",
+                                       note="Prints the bundle's accuracy in %, beside the "
+                                       "global model's alone and the datastore's alone."))
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--data", required=True, help=".npz with x and y (or x_test and y_test)")
 
-    s = sub.add_parser("add", help="learn from labelled samples (.npz with x, y)")
+    s = sub.add_parser(
+        "add", help="learn from labelled samples (.npz with x, y); rewrites the bundle in place",
+        description="Add labelled samples to the bundle's datastore: the bundle is rewritten in "
+        "place (a crash leaves the old bundle or the new one, never a mix). Copy the folder "
+        "first to keep the bundle as exported.",
+        epilog=examples(f"knnper-edge add {EXAMPLE} --data data/client_3/val.npz --strategy fifo",
+                        note="Prints what became of every sample received: added, dropped "
+                        "(and why), and how many samples stored before were evicted to make "
+                        "room; then what the datastore holds and its bytes against the "
+                        "budget."))
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--data", required=True, help=".npz with x and y (or x_train and y_train)")
     s.add_argument("--strategy", choices=STRATEGIES, default=None,
@@ -90,15 +127,26 @@ def _build_parser() -> argparse.ArgumentParser:
                    "budget, then evict; fixed: keep the datastore as it is (default: the "
                    "bundle's update_strategy)")
 
-    s = sub.add_parser("init", help="build a bundle for a new device from its own data")
+    s = sub.add_parser("init", help="build a bundle for a new device from its own data",
+                       epilog=examples(
+                           "knnper-edge init --encoder bundles/500k/encoder.onnx --data "
+                           f"data/client_7/train.npz --budget 300KB --like {EXAMPLE} --out "
+                           "bundles/my-device",
+                           "knnper-edge init --encoder encoder.onnx --data train.npz --budget "
+                           "2MB --input-spec spec.json --out bundles/my-device",
+                           note='spec.json, for 28x28 grey images: {"kind": "image", "shape": '
+                           '[28, 28, 1], "dtype": "uint8", "mean": [0.286], "std": [0.353]}'))
     s.add_argument("--encoder", required=True, help="encoder.onnx")
     s.add_argument("--data", required=True, help=".npz with x, y (or x_train, y_train)")
     s.add_argument("--budget", required=True, type=byte_count,
                    help="bytes, or with a unit: 500000, 500kB, 1.5MB, 2MiB")
-    s.add_argument("--out", required=True, help="bundle directory to write")
+    s.add_argument("--out", required=True, help="bundle directory to write (refused if it "
+                   "holds a bundle, unless --force)")
+    s.add_argument("--force", action="store_true",
+                   help="replace the bundle --out holds (it loses what `add` taught it)")
     spec = s.add_mutually_exclusive_group(required=True)
     spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
-    spec.add_argument("--input-spec", help="JSON file with the input spec")
+    spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
     s.add_argument("--k", type=int, default=None,
                    help="neighbours of the kNN head (default: --like's, else 10)")
     s.add_argument("--sigma", type=float, default=None,
@@ -113,13 +161,23 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--client-id", type=int, default=-1,
                    help="client id written in the manifest (-1: a device of its own)")
 
-    s = sub.add_parser("info", help="verify a bundle and summarize its manifest")
+    s = sub.add_parser("info", help="verify a bundle and summarize its manifest",
+                       epilog=examples(f"knnper-edge info {EXAMPLE}",
+                                       f"knnper-edge --trusted-key keys/signing.pub info {EXAMPLE}",
+                                       note="Each line says what it shows: the client the "
+                                       "bundle was exported for (-1: a device's own, from "
+                                       "`init`), the datastore's recipe and each of its parts "
+                                       "in words (n1944: built from 1944 of the client's "
+                                       "samples), and the bytes against the budget."))
     s.add_argument("bundle", help=BUNDLE_HELP)
 
     s = sub.add_parser(
         "export-onnx",
         help="the whole prediction as one ONNX graph (flat and "
         "protonn bundles) for devices without Python",
+        epilog=examples(f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.onnx",
+                        f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor-app.onnx "
+                        "--keys-as-inputs"),
     )
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--out", required=True, help="predictor .onnx file to write")
@@ -130,7 +188,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "OUT.keys.f32 and OUT.labels.i64) instead of baking them in",
     )
 
-    s = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles")
+    s = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles",
+                       epilog=examples("knnper-edge keygen --private keys/signing.pem --public "
+                                       "keys/signing.pub",
+                                       note="Then `knnper export ... --signing-key "
+                                       "keys/signing.pem` signs bundles, and `knnper-edge "
+                                       "--trusted-key keys/signing.pub` refuses any other."))
     s.add_argument("--private", required=True, help="private key to write (PEM, mode 0600)")
     s.add_argument("--public", required=True, help="public key to write (PEM)")
     return p
@@ -255,12 +318,13 @@ def cmd_evaluate(args) -> int:
     p_local, p_global = rt.components(x)
     if p_local.shape[0] != y.shape[0]:
         raise CLIError(f"{args.data}: {p_local.shape[0]} inputs but {y.shape[0]} labels")
-    acc = float(np.mean(interpolate(p_local, p_global, rt.lam).argmax(1) == y))
+    right = int(np.sum(interpolate(p_local, p_global, rt.lam).argmax(1) == y))
     acc_global = float(np.mean(p_global.argmax(1) == y))
     acc_local = float(np.mean(p_local.argmax(1) == y))
     print(
-        f"accuracy {acc:.4f} on {y.shape[0]} samples (lambda {rt.lam:g}; global model "
-        f"{acc_global:.4f}, datastore alone {acc_local:.4f})"
+        f"accuracy {100 * right / y.shape[0]:.1f}% on {y.shape[0]} samples ({right} right; "
+        f"lambda {rt.lam:g}; global model {100 * acc_global:.1f}%, datastore alone "
+        f"{100 * acc_local:.1f}%)"
     )
     return 0
 
@@ -317,6 +381,9 @@ def cmd_init(args) -> int:
         spec = _read_spec_file(args.input_spec)
     if not Path(args.encoder).is_file():
         raise CLIError(f"no such file: {args.encoder}")
+    if not args.force and (Path(args.out) / "manifest.json").is_file():
+        raise CLIError(f"--out {args.out} already holds a bundle; choose another --out, or add "
+                       "--force to replace it (it loses what `add` taught it)")
     budget = args.budget
     x, y = _load_xy(args.data, (("x", "y"), ("x_train", "y_train")))
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
@@ -336,7 +403,7 @@ def cmd_init(args) -> int:
         update_strategy=args.strategy,
         intra_op_threads=args.threads,
     )
-    acc = "n/a" if report.val_accuracy is None else f"{report.val_accuracy:.4f}"
+    acc = "n/a" if report.val_accuracy is None else f"{100 * report.val_accuracy:.1f}%"
     fp = report.manifest["footprint"]
     print(
         f"wrote {args.out}: {report.recipe}, lambda {report.lam:g}, validation accuracy {acc}; "
@@ -355,12 +422,15 @@ def cmd_info(args) -> int:
         f"bundle        {rt.path} (every file matches its sha256; format {m['format']} "
         f"v{m['version']})",
         f"signature     {_signature_status(rt.path, bool(args.trusted_key))}",
-        f"client        {m['client_id']}",
+        f"client        {m['client_id']}"
+        + (" (a device's own bundle, from `knnper-edge init`)" if m["client_id"] == -1
+           else " (the federated client it was exported for)"),
         f"input         {spec['kind']} {spec['shape']}",
         f"classes       {m['num_classes']}",
         f"embedding     {m['embedding_dim']}",
         f"kNN           k={m['k']} sigma={m['sigma']:g} lambda={m['lambda']:g}",
         f"datastore     {m['backend']['recipe']}, {_stored(rt.datastore)}",
+        f"              ({describe_recipe(m['backend']['recipe'])})",
         f"update        {m['update_strategy']}",
         f"footprint     {fp['total']} of {m['budget_bytes']} bytes (encoder {fp['encoder']}, "
         f"datastore {fp['datastore']})",

@@ -19,6 +19,37 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             return text
         return f"{text} (default: %(default)s)"
 
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Paragraphs reflow as argparse's do; lines indented by two spaces (the examples of
+        `examples`) stay as written, so a command can be pasted from the help."""
+        out: list[str] = []
+        paragraph: list[str] = []
+
+        def flush() -> None:
+            if paragraph:
+                out.append(super(DefaultsHelpFormatter, self)._fill_text(
+                    " ".join(paragraph), width, indent))
+                paragraph.clear()
+
+        for line in text.splitlines():
+            if line.startswith("  ") and line.strip():
+                flush()
+                out.append(indent + line)
+            elif not line.strip():
+                flush()
+                out.append("")
+            else:
+                paragraph.append(line.strip())
+        flush()
+        return "\n".join(out)
+
+
+def examples(*commands: str, note: str = "") -> str:
+    """An epilog with commands to paste (one per line) and an optional sentence after them."""
+    text = "example" + ("s" if len(commands) > 1 else "") + ":\n"
+    text += "\n".join(f"  {c}" for c in commands)
+    return text + (f"\n\n{note}" if note else "")
+
 
 def missing_command_message(parser: argparse.ArgumentParser, message: str) -> str:
     """argparse names a missing sub-command by its internal dest ("required: where"), a word

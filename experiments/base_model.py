@@ -13,7 +13,7 @@ import torch
 
 from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp, tally
-from experiments.report import finish_axes, pyplot, save_figure
+from experiments.report import finish_axes, fit_y, pyplot, save_figure
 from experiments.spec import ALPHA, Claim, Experiment, Grid, Measured, Result, format_alpha
 from experiments.views import client_views, fedavg_rows, knn_outcome, row, summary_fields
 from fed_train.algorithms import build_algorithm
@@ -82,11 +82,11 @@ def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
 
 
 def summarise(m: Measured, folder: Path) -> Result:
-    plot = _plot(m.points, folder / "base_model.png")
+    plot = _plot(m.points, folder / "base_model.png", m.scale)
     return Result(m.points, (*COLUMNS, "seconds"),
                   [("alpha", "alpha", ""), ("round", "round", ""),
-                   ("fedavg_mean", "FedAvg", ".4f"), ("knn_only_mean", "kNN (lambda=1)", ".4f"),
-                   ("knnper_mean", "kNN-Per (lambda on val)", ".4f"),
+                   ("fedavg_mean", "FedAvg", ".2%"), ("knn_only_mean", "kNN (lambda=1)", ".2%"),
+                   ("knnper_mean", "kNN-Per (lambda on val)", ".2%"),
                    ("gain_pp", "gain (pp)", "+.1f")],
                   _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "round", "client_id", "unseen", "n_test", "fedavg", "knn_only",
@@ -148,7 +148,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     return claims
 
 
-def _plot(points: list[dict], path):
+def _plot(points: list[dict], path, scale: str):
     """Each alpha's checkpoints joined in round order (first and last round labelled), kNN
     accuracy against the global model's."""
     plt = pyplot()
@@ -163,16 +163,21 @@ def _plot(points: list[dict], path):
         for p in (pts[0], pts[-1]):
             ax.annotate(f"r{p['round']}", (p["fedavg_mean"], p["knn_only_mean"]), fontsize=6,
                         xytext=(3, -9), textcoords="offset points", color=line.get_color())
-    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":", label="y = x")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
+    xs = [p["fedavg_mean"] for p in points]
+    ys = [p[k] for p in points for k in ("knn_only_mean", "knnper_mean")]
+    lo, hi = min(xs + ys), max(xs + ys)
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls=":",
+            label="y = x (as accurate as FedAvg's model)")
     ax.set_xlabel("global model (FedAvg) mean test accuracy (%), checkpoints in round order")
     ax.set_ylabel("kNN / kNN-Per mean test accuracy (%)")
+    fit_y(ax, ys)
+    pad = max((max(xs) - min(xs)) * 0.1, 0.005)
+    ax.set_xlim(max(min(xs) - pad, 0.0), min(max(xs) + pad, 1.0))  # fitted, as the y axis
     finish_axes(ax, "Claim: kNN accuracy is almost linear in the global model's accuracy")
     from matplotlib.ticker import PercentFormatter  # matplotlib loads only when plotting
 
     ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
-    return save_figure(fig, path)
+    return save_figure(fig, path, scale)
 
 
 EXPERIMENT = Experiment(

@@ -42,6 +42,7 @@ from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import choose_lambda, interpolate, softmax
 from experiments import benchmark_support as C
+from experiments.report import fit_y
 from export.errors import BudgetInvalid
 from export.evaluation import evaluate_export, reference_accuracy, weighted_mean
 from export.exporter import (
@@ -253,57 +254,68 @@ def protonn_grid(cases: list[ClientCase], dims: list[int], fractions: list[float
 # ----------------------------------------------------------------------------- plots
 
 
-def plot_curve(curve: list[dict], reference: float, path: Path) -> None:
+def plot_curve(curve: list[dict], reference: float, path: Path, scale: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    shown = [reference]
     for backend, style in zip((*BACKENDS, "auto"), ("o-", "s-", "^-", "k*-"), strict=True):
         pts = [(r["fraction_value"], r["mean_accuracy"]) for r in curve
                if r["backend"] == backend and r["mean_accuracy"] is not None]
         if pts:
             xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, style, label=backend, alpha=0.9 if backend == "auto" else 0.7)
+            ax.plot(xs, ys, style, label=backend if backend != "auto" else "auto (best of all)",
+                    alpha=0.9 if backend == "auto" else 0.7)
+            shown += ys
     ax.set_xscale("log", base=2)
-    ax.set_title("Accuracy of the chosen datastores at each budget")
-    _finish(fig, ax, reference, "datastore budget / bytes of the full float32 flat datastore", path)
+    ax.set_title(f"Accuracy of the chosen datastores at each budget\n{scale}", fontsize=9)
+    _finish(fig, ax, reference, "datastore budget / bytes of the full float32 flat datastore", path,
+            shown)
 
 
-def plot_grid(grid: list[dict], reference: float, path: Path, cost_pp: float = 1.0) -> None:
+def plot_grid(grid: list[dict], reference: float, path: Path, *, scale: str,
+              cost_pp: float = 1.0) -> None:
     """Accuracy against bytes (the claim is about memory): the full datastore's accuracy, the
-    claim's cost bound below it, and the 1/4-of-the-bytes line; the y axis starts at 0."""
+    claim's cost bound below it, and the 1/4-of-the-bytes line; the y axis fitted to them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    shown = [reference, reference - cost_pp / 100]
     for d in sorted({r["projection_dim"] for r in grid}):
         pts = sorted((r["bytes_ratio"], r["mean_accuracy"]) for r in grid
                      if r["projection_dim"] == d)
         xs, ys = zip(*pts, strict=True)
-        ax.plot(xs, ys, "o-", label=f"d = {d} (m rising to the right)")
+        ax.plot(xs, ys, "o-", label=f"ProtoNN, projection d = {d} (prototypes m rising to "
+                "the right)")
+        shown += ys
     ax.axhline(reference - cost_pp / 100, color="tab:red", ls=":",
                label=f"full datastore - {cost_pp:g} pp (the cost bound)")
     ax.axvline(0.25, color="black", lw=0.8, ls="-.", label="1/4 of the bytes")
     ax.set_xscale("log", base=2)
     ax.set_xlim(right=1.2)  # the full datastore (1.0) stays in view
-    ax.set_ylim(0, 1)
-    ax.set_title("ProtoNN: accuracy at a fraction of the datastore's bytes")
+    ax.set_title(f"ProtoNN: accuracy at a fraction of the datastore's bytes\n{scale}",
+                 fontsize=9)
     _finish(fig, ax, reference, "bytes / bytes of the full float32 flat datastore (log scale)",
-            path)
+            path, shown)
 
 
-def _finish(fig, ax, reference: float, xlabel: str, path: Path) -> None:
-    """What both plots share: the full-datastore reference line, labels, the legend beside the
-    axes (never over the data), and saving as PNG."""
+def _finish(fig, ax, reference: float, xlabel: str, path: Path, shown: Sequence[float]) -> None:
+    """What both plots share: the full-datastore reference line, labels, a y axis fitted to
+    what is `shown`, the legend beside the axes (never over the data), and saving as PNG."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import PercentFormatter
 
-    ax.axhline(reference, color="grey", ls="--", label="full float32 flat")
+    ax.axhline(reference, color="grey", ls="--", label="full float32 flat datastore")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("kNN-Per mean test accuracy (fraction)")
+    ax.set_ylabel("kNN-Per mean test accuracy (%)")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    fit_y(ax, list(shown))
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -413,8 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     C.write_csv(out / "protonn_grid.csv", grid,
                 ["projection_dim", "prototype_fraction", "mean_accuracy", "val_accuracy",
                  "bytes_ratio", "seconds"])
-    plot_curve(curve, ref["int8"], out / "budget_curve.png")
-    plot_grid(grid, grid_reference, out / "protonn_grid.png")
+    scale = f"run {Path(run_path).name}, {len(cases)} clients ({len(grid_cases)} in the grid)"
+    plot_curve(curve, ref["int8"], out / "budget_curve.png", scale)
+    plot_grid(grid, grid_reference, out / "protonn_grid.png", scale=scale)
     info = C.machine_info()
     md = render_markdown(run_path, encoder_rows, size_ratio, accuracy_cost_pp, curve, ref,
                          check, grid, grid_reference, len(cases), len(grid_cases), info,
@@ -449,28 +462,28 @@ def render_markdown(run_path: Path, encoder_rows: list[dict], size_ratio: float,
     parts.append("")
     parts.append(C.markdown_table(encoder_rows, [
         ("encoder", "encoder", ""), ("bytes", "bytes", ""),
-        ("knnper_accuracy", "kNN-Per acc", ".4f"),
+        ("knnper_accuracy", "kNN-Per acc", ".2%"),
         ("vs_fp32_embedding_cosine_min", "min cos to fp32", ".5f"),
-        ("vs_fp32_argmax_agreement", "argmax agreement", ".4f")]))
+        ("vs_fp32_argmax_agreement", "argmax agreement", ".2%")]))
     parts += ["", "Accuracy versus datastore budget (fraction of each client's full float32 "
-              f"flat datastore, on top of the int8 encoder); full datastore: {ref['int8']:.4f}.",
+              f"flat datastore, on top of the int8 encoder); full datastore: {ref['int8']:.2%}.",
               ""]
     parts.append(C.markdown_table(curve, [
         ("fraction", "budget", ""), ("backend", "backend", ""),
-        ("clients_fitting", "clients fitting", ""), ("mean_accuracy", "mean acc", ".4f"),
+        ("clients_fitting", "clients fitting", ""), ("mean_accuracy", "mean acc", ".2%"),
         ("bytes_ratio", "bytes / full", ".3f"), ("recipes", "most chosen", "")]))
     if check:
         if "error" in check:
             parts += ["", f"Device check at {check['fraction']}: {check['error']}"]
         else:
             parts += ["", f"Device check at {check['fraction']}: auto bundles written with "
-                      f"export_run and run through Runtime: {check['runtime_accuracy']:.4f} "
-                      f"(benchmark: {check['benchmark_accuracy']:.4f})."]
+                      f"export_run and run through Runtime: {check['runtime_accuracy']:.2%} "
+                      f"(benchmark: {check['benchmark_accuracy']:.2%})."]
     parts += ["", f"ProtoNN grid ({n_grid} clients; full float32 flat datastore "
-              f"{grid_reference:.4f}):", ""]
+              f"{grid_reference:.2%}):", ""]
     parts.append(C.markdown_table(grid, [
         ("projection_dim", "d", ""), ("prototype_fraction", "m", ""),
-        ("mean_accuracy", "mean acc", ".4f"), ("bytes_ratio", "bytes / full", ".3f")]))
+        ("mean_accuracy", "mean acc", ".2%"), ("bytes_ratio", "bytes / full", ".3f")]))
     parts += ["", f"Command: `{C.command_line()}`", "", f"Machine: {C.machine_line(info)}",
               "", f"Took {seconds:.0f} s."]
     return "\n".join(parts)

@@ -12,7 +12,7 @@ import numpy as np
 from experiments.context import Context
 from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, pp, tally
-from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
+from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import (
     ALPHA,
     FRACTION,
@@ -60,12 +60,12 @@ def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
 
 
 def summarise(m: Measured, folder: Path) -> Result:
-    plot = _plot(m.points, folder / "capacity.png")
+    plot = _plot(m.points, folder / "capacity.png", m.scale)
     return Result(m.points, ("alpha", "capacity", "method", *SUMMARY, "seconds"),
                   [("alpha", "alpha", ""), ("capacity", "capacity", ".2f"),
-                   ("method", "method", ""), ("all_mean", "mean (all)", ".4f"),
-                   ("all_bottom_decile", "bottom 10% (all)", ".4f"),
-                   ("unseen_mean", "mean (unseen)", ".4f")],
+                   ("method", "method", ""), ("all_mean", "mean (all)", ".2%"),
+                   ("all_bottom_decile", "bottom 10% (all)", ".2%"),
+                   ("unseen_mean", "mean (unseen)", ".2%")],
                   _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "capacity", "method", "client_id", "unseen", "n_test", "accuracy",
                    "lambda", "datastore_size", "n_train"))
@@ -141,20 +141,28 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     return claims
 
 
-def _plot(points: list[dict], path):
+def _plot(points: list[dict], path, scale: str):
+    """kNN-Per's curve over the capacities it was measured at, and FedAvg (capacity 0: no
+    datastore) as a horizontal reference line in the same colour, not a point of the curve."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    shown, spread = [], []
     for a in dict.fromkeys(p["alpha"] for p in points):
         curve = _curve(points, a)
-        caps = sorted(curve)
         std = _curve(points, a, "all_mean" + STD)
-        draw(ax, caps, [curve[c] for c in caps], "o-", [std[c] for c in caps], label=f"alpha {a}")
-    ax.set_xlabel("capacity (fraction of the client's train split in its datastore; "
-                  "0 = FedAvg)", fontsize=8)
-    ax.set_ylabel("kNN-Per mean test accuracy (%, all clients)")
-    ax.set_ylim(0, 1)
+        caps = sorted(c for c in curve if c > 0)
+        line = draw(ax, caps, [curve[c] for c in caps], "o-", [std[c] for c in caps],
+                    label=f"kNN-Per, alpha {a}")
+        if 0.0 in curve:
+            ax.axhline(curve[0.0], color=line.get_color(), ls="--", lw=1,
+                       label=f"FedAvg (no datastore), alpha {a}")
+        shown += [curve[c] for c in curve]
+        spread += [std.get(c) for c in curve]
+    ax.set_xlabel("capacity (fraction of the client's train split in its datastore)", fontsize=8)
+    ax.set_ylabel("mean test accuracy (%, all clients)")
+    fit_y(ax, shown, spread)
     finish_axes(ax, "Claim: accuracy grows with the datastore's size, faster for smaller alpha")
-    return save_figure(fig, path)
+    return save_figure(fig, path, scale)
 
 
 EXPERIMENT = Experiment(
@@ -165,4 +173,4 @@ EXPERIMENT = Experiment(
     (Grid("alphas", ALPHA, (0.1, 0.3, 1.0), (0.3,), "Dirichlet concentrations, or iid"),
      Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
           "datastore sizes as fractions of each client's train split")),
-    measure, summarise)
+    measure, summarise, lambda g: len(g["alphas"]) * (1 + len(g["capacities"])))

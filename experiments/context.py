@@ -120,6 +120,14 @@ class Context:
     def points(self, experiment: str) -> PointStore:
         return PointStore(self.out / experiment / "points.jsonl", self.points_done)
 
+    def figure_scale(self, seeds: Sequence[int] = ()) -> str:
+        """The data set and scale in a short line, for a figure's title."""
+        c, t = self.config, self.config.training
+        data = c.dataset + (f" ({c.max_train} train images)" if c.max_train else "")
+        seed = f"{len(seeds)} seeds" if len(seeds) > 1 else f"seed {c.seed}"
+        return (f"{data}, {c.partition} partition, {c.clients} clients, FedAvg {t.rounds} "
+                f"rounds, {seed}" + (" (--quick)" if self.quick else ""))
+
     def scale_line(self, seeds: Sequence[int] = ()) -> str:
         """The scale in a sentence; `seeds`: those of a multi-seed run (kNN-Per's configuration
         named is then the first seed's)."""

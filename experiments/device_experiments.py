@@ -93,7 +93,7 @@ def summarise_shift(m: Measured, folder: Path) -> Result:
     return Result(m.points, ("step", "strategy", "mean_accuracy", "sem", "n",
                              "mean_datastore_size"),
                   [("step", "step", ""), ("strategy", "strategy", ""),
-                   ("mean_accuracy", "accuracy", ".3f"),
+                   ("mean_accuracy", "accuracy", ".1%"),
                    ("mean_datastore_size", "stored", ".0f")],
                   shift_claims(steps, settings), plot, notes=notes,
                   compute_seconds=m.compute_seconds)
@@ -121,7 +121,7 @@ def shift_claims(steps: list[dict], s: dict[str, int]) -> list[Claim]:
         iv, verdict = two_se(diffs)
         mean_a = np.mean([window_mean(u, *a) for u in streams])
         mean_b = np.mean([window_mean(u, *b) for u in streams])
-        return f"{mean_a:.3f} vs {mean_b:.3f}, difference {pp(iv)}", verdict
+        return f"{mean_a:.1%} vs {mean_b:.1%}, difference {pp(iv)}", verdict
 
     claims = []
     for title, a, b, where in (
@@ -207,16 +207,16 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
     full = float(np.mean([f["full"] for f in m.facts]))  # a seed's own, or the seeds' mean
     plot = folder / "protonn_grid.png"
     folder.mkdir(parents=True, exist_ok=True)  # plot_grid, the benchmark's, expects it
-    budget_curve.plot_grid(m.points, full, plot, cost_pp=COST_PP)
+    budget_curve.plot_grid(m.points, full, plot, scale=m.scale, cost_pp=COST_PP)
     return Result(m.points, ("projection_dim", "prototype_fraction", "mean_accuracy",
                              "val_accuracy", "bytes_ratio", "drop_pp", "seconds"),
                   [("projection_dim", "d", ""), ("prototype_fraction", "m", "g"),
-                   ("val_accuracy", "val acc", ".4f"), ("mean_accuracy", "test acc", ".4f"),
+                   ("val_accuracy", "val acc", ".2%"), ("mean_accuracy", "test acc", ".2%"),
                    ("bytes_ratio", "bytes / full", ".3f"), ("drop_pp", "drop (pp)", "+.2f")],
                   grid_claims(m.points, m.clients, full), plot, m.clients,
                   ("projection_dim", "prototype_fraction", "client_id", "test_accuracy",
                    "test_samples", "val_accuracy", "val_samples", "ratio"),
-                  notes=[f"Full float32 flat datastore (the reference): {full:.4f}. ProtoNN "
+                  notes=[f"Full float32 flat datastore (the reference): {full:.2%}. ProtoNN "
                          f"trained {m.facts[0]['steps']} steps per client and point with the "
                          "int8 encoder's embeddings (benchmarks/export_budget_curve.py's "
                          "protonn_grid)."])
@@ -253,7 +253,7 @@ SHIFT_EXPERIMENT = Experiment(
     "with a fixed datastore accuracy drops at the shift; FIFO drops then recovers as new samples "
     "replace old ones; concatenate gains before the shift and recovers more slowly than FIFO "
     "after it (Sec. 6, Fig. 6; Appendix Fig. 14).",
-    (), measure_shift, summarise_shift)
+    (), measure_shift, summarise_shift, lambda g: 1)  # the whole stream is one point
 
 GRID_EXPERIMENT = Experiment(
     GRID, "ProtoNN-compressed datastores over projection dimension x prototype fraction "
@@ -264,4 +264,5 @@ GRID_EXPERIMENT = Experiment(
     (Grid("dims", DIMENSION, (8, 16, 32, 64), (8, 16), "ProtoNN projection dimensions"),
      Grid("prototype_fractions", FRACTION, (0.05, 0.1, 0.2, 0.3, 0.5), (0.1, 0.3),
           "prototypes as fractions of each client's train split")),
-    measure_grid, summarise_grid)
+    measure_grid, summarise_grid,
+    lambda g: 1 + len(g["dims"]) * len(g["prototype_fractions"]))  # the flat reference too

@@ -50,6 +50,7 @@ from edge_runtime.knn import choose_lambda, softmax
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
 from experiments import benchmark_support as C
+from experiments.report import fit_y
 
 log = logging.getLogger("benchmarks.shift")
 
@@ -242,6 +243,7 @@ def plot(points: list[dict], args: argparse.Namespace, path: Path, weights: str,
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {"fifo": ("tab:blue", "-"), "concatenate": ("tab:orange", "-"),
               "fixed": ("tab:green", "-"), GLOBAL: ("black", "--")}
+    shown, spread = [], []
     for strategy in CURVES:
         pts = [p for p in points if p["strategy"] == strategy]
         t = np.array([p["step"] for p in pts])
@@ -250,13 +252,15 @@ def plot(points: list[dict], args: argparse.Namespace, path: Path, weights: str,
         color, line = styles[strategy]
         ax.plot(t, m, line, color=color, label=strategy, marker="o", markersize=3)
         ax.fill_between(t, m - s, m + s, color=color, alpha=0.15, linewidth=0)
+        shown += list(m)
+        spread += list(s)
     ax.axvline(args.shift_at - 0.5, color="grey", linestyle=":",
                label=f"shift (t0={args.shift_at})")
     from matplotlib.ticker import PercentFormatter
 
     ax.set_xlabel("time step (one batch of labelled samples arrives per step)")
     ax.set_ylabel("accuracy on the arriving batch (%; band: +-1 standard error)")
-    ax.set_ylim(0, 1.02)
+    fit_y(ax, shown, spread)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_title("Claim: after a label shift a fixed datastore stays down, FIFO recovers fastest"
@@ -293,7 +297,7 @@ def summary(rows: list[dict], args: argparse.Namespace) -> list[dict]:
 def _after_shift(rows: list[dict], shift_at: int) -> str:
     after = [r for r in rows if r["step"] >= shift_at]
     return ", ".join(
-        f"{s} {np.mean([r['accuracy'] for r in after if r['strategy'] == s]):.3f}" for s in CURVES)
+        f"{s} {np.mean([r['accuracy'] for r in after if r['strategy'] == s]):.1%}" for s in CURVES)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -343,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plot(points, args, args.out / "shift.png", weights, run.dataset.name)
     table = summary(rows, args)
     columns = [("strategy", "strategy", "")] + [
-        (k, k, ".1f" if k.endswith("size") else ".3f") for k in table[0] if k != "strategy"]
+        (k, k, ".1f" if k.endswith("size") else ".1%") for k in table[0] if k != "strategy"]
     text = "\n".join([
         "# Robustness to distribution shift: on-device datastore updates",
         "",

@@ -26,7 +26,7 @@ from edge_runtime.encoder import Encoder
 from experiments.context import Context
 from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, paired, pp, unit
-from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
+from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import DELTA_C, Claim, Experiment, Grid, Measured, Result
 from experiments.views import knnper_rows
 from export.errors import BudgetInvalid
@@ -164,15 +164,15 @@ def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
 
 
 def summarise(m: Measured, folder: Path) -> Result:
-    plot = _plot(m.points, folder / "hardware.png")
+    plot = _plot(m.points, folder / "hardware.png", m.scale)
     notes = ["Weak and strong clients: a seeded half of all clients (seen and unseen), the same "
              "half in both versions. Byte budgets: the int8 encoder plus (1/2 -+ dC) x the bytes "
              "of the client's own full float32 flat datastore; the exporter searched "
              f"{', '.join(m.facts[0]['backends'])} datastores (ProtoNN left out for time)."]
     return Result(m.points, (*COLUMNS, "seconds"),
                   [("version", "version", ""), ("delta_c", "dC", ".2f"),
-                   ("all_mean", "mean (all)", ".4f"), ("weak_mean", "weak", ".4f"),
-                   ("strong_mean", "strong", ".4f"), ("mean_stored", "mean stored", ".1f"),
+                   ("all_mean", "mean (all)", ".2%"), ("weak_mean", "weak", ".2%"),
+                   ("strong_mean", "strong", ".2%"), ("mean_stored", "mean stored", ".1f"),
                    ("recipes", "datastores chosen", "")],
                   _claims(m.points, m.clients, weak_of(m.clients, m.seeds)), plot, m.clients,
                   ("version", "delta_c", "client_id", "unseen", "budget", "recipe", "stored",
@@ -248,9 +248,14 @@ def _claims(points: list[dict], clients: list[dict], weak: set) -> list[Claim]:
     return claims
 
 
-def _plot(points: list[dict], path):
+VERSION_WORDS = {"fractions": "memory as datastore fractions",
+                 "bytes": "memory as byte budgets (bundles written)"}
+
+
+def _plot(points: list[dict], path, scale: str):
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.4))  # room for the axes beside a legend of six
+    shown, spread = [], []
     for version, color in (("fractions", "tab:blue"), ("bytes", "tab:orange")):
         pts = sorted((p["delta_c"], p) for p in points if p["version"] == version
                      and p["all_mean"] is not None)
@@ -258,17 +263,21 @@ def _plot(points: list[dict], path):
             continue
         x = [d for d, _ in pts]
         draw(ax, x, [p["all_mean"] for _, p in pts], "o-",
-             [p.get("all_mean" + STD) for _, p in pts], color=color, label=f"{version}: all")
+             [p.get("all_mean" + STD) for _, p in pts], color=color,
+             label=f"{VERSION_WORDS[version]}: all clients")
         ax.plot(x, [p["weak_mean"] for _, p in pts], "v:", color=color, alpha=0.6,
-                label=f"{version}: weak")
+                label=f"{VERSION_WORDS[version]}: weak clients")
         ax.plot(x, [p["strong_mean"] for _, p in pts], "^:", color=color, alpha=0.6,
-                label=f"{version}: strong")
+                label=f"{VERSION_WORDS[version]}: strong clients")
+        for _, p in pts:
+            shown += [p["all_mean"], p["weak_mean"], p["strong_mean"]]
+            spread += [p.get("all_mean" + STD), None, None]
     ax.set_xlabel("dC (weak clients hold 1/2 - dC, strong 1/2 + dC)")
     ax.set_ylabel("kNN-Per mean test accuracy (%)")
-    ax.set_ylim(0, 1)
+    fit_y(ax, shown, spread)
     finish_axes(ax, "Claim: with total memory fixed, spreading it unevenly (larger dC) lowers "
                 "accuracy")
-    return save_figure(fig, path)
+    return save_figure(fig, path, scale)
 
 
 EXPERIMENT = Experiment(
@@ -279,4 +288,4 @@ EXPERIMENT = Experiment(
     "clients gain less than weak ones lose (Appendix, Fig. 10).",
     (Grid("delta_cs", DELTA_C, (0.0, 0.1, 0.2, 0.3, 0.4), (0.0, 0.3),
           "capacity spreads dC in [0, 0.5)"),),
-    measure, summarise)
+    measure, summarise, lambda g: 2 * len(g["delta_cs"]))  # fractions and bytes

@@ -22,7 +22,7 @@ from experiments.margins import (
     pp,
     tally,
 )
-from experiments.report import draw, finish_axes, pyplot, save_figure, spearman
+from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import (
     ALPHA,
     IID_ALPHA,
@@ -71,12 +71,12 @@ def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
 
 
 def summarise(m: Measured, folder: Path) -> Result:
-    plot = _plot(m.points, folder / "heterogeneity.png")
+    plot = _plot(m.points, folder / "heterogeneity.png", m.scale)
     return Result(m.points, ("alpha", "method", *SUMMARY_COLUMNS, "seconds"),
                   [("alpha", "alpha", ""), ("method", "method", ""),
-                   ("all_mean", "mean (all)", ".4f"),
-                   ("all_bottom_decile", "bottom 10% (all)", ".4f"),
-                   ("seen_mean", "mean (seen)", ".4f"), ("unseen_mean", "mean (unseen)", ".4f")],
+                   ("all_mean", "mean (all)", ".2%"),
+                   ("all_bottom_decile", "bottom 10% (all)", ".2%"),
+                   ("seen_mean", "mean (seen)", ".2%"), ("unseen_mean", "mean (unseen)", ".2%")],
                   _claims(m.points, m.clients), plot, m.clients,
                   ("alpha", "method", "client_id", "unseen", "n_test", "accuracy", "lambda"))
 
@@ -133,7 +133,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     return claims
 
 
-def _plot(points: list[dict], path):
+def _plot(points: list[dict], path, scale: str):
     plt = pyplot()
     alphas = list(dict.fromkeys(p["alpha"] for p in points))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -141,17 +141,20 @@ def _plot(points: list[dict], path):
                  fontsize=10)
     for ax, key, title in ((axes[0], "all_mean", "mean test accuracy (%, weighted by test size)"),
                            (axes[1], "all_bottom_decile", "bottom-decile test accuracy (%)")):
+        shown, spread = [], []
         for method in METHODS:
             by = _by(points, method, key)
             std = _by(points, method, key + STD)
             draw(ax, range(len(alphas)), [by[a] for a in alphas], "o-",
                  [std.get(a) for a in alphas], label=TITLES[method])
+            shown += [by[a] for a in alphas]
+            spread += [std.get(a) for a in alphas]
         ax.set_xticks(range(len(alphas)), alphas)
         ax.set_xlabel("Dirichlet alpha (smaller = more heterogeneous)")
         ax.set_ylabel(title)
-        ax.set_ylim(0, 1)
+        fit_y(ax, shown, spread)
         finish_axes(ax, legend=ax is axes[1])
-    return save_figure(fig, path)
+    return save_figure(fig, path, scale)
 
 
 EXPERIMENT = Experiment(
@@ -161,4 +164,4 @@ EXPERIMENT = Experiment(
     "Theorem 4.1).",
     (Grid("alphas", ALPHA, (0.1, 0.3, 0.5, 1.0, IID_ALPHA), (0.3, IID_ALPHA),
           "Dirichlet concentrations, or iid"),),
-    measure, summarise)
+    measure, summarise, lambda g: len(g["alphas"]) * len(METHODS))

@@ -47,10 +47,10 @@ def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
 def summarise(m: Measured, folder: Path) -> Result:
     # the claims' reference k and sigma: the run's chosen ones (the seeds' most common choice)
     k, sigma = Counter((f["k"], f["sigma"]) for f in m.facts).most_common(1)[0][0]
-    plot = _plot(m.points, folder / "k_sigma.png")
+    plot = _plot(m.points, folder / "k_sigma.png", m.scale)
     return Result(m.points, ("k", "sigma", "all_mean", "all_bottom_decile", "seconds"),
-                  [("k", "k", ""), ("sigma", "sigma", "g"), ("all_mean", "mean (all)", ".4f"),
-                   ("all_bottom_decile", "bottom 10%", ".4f")],
+                  [("k", "k", ""), ("sigma", "sigma", "g"), ("all_mean", "mean (all)", ".2%"),
+                   ("all_bottom_decile", "bottom 10%", ".2%")],
                   _claims(m.points, m.clients, k, sigma), plot, m.clients,
                   ("k", "sigma", "client_id", "unseen", "n_test", "accuracy", "lambda"))
 
@@ -89,24 +89,40 @@ def _claims(points: list[dict], clients: list[dict], k: int, sigma: float) -> li
     return claims
 
 
-def _plot(points: list[dict], path):
+def _shade(ax: Any, lo: float, hi: float, measured: list[float], what: str) -> None:
+    """The claim's range, shaded only where a grid value was measured: a shade over no point
+    would look like evidence."""
+    inside = [v for v in measured if lo <= v <= hi]
+    if len(inside) >= 2:
+        ax.axvspan(min(inside), max(inside), color="grey", alpha=0.12,
+                   label=f"the claim's {what} range, where measured")
+
+
+# markers and dashes that differ line to line, so lines that coincide still show each colour
+STYLES = [dict(marker=m, ls=ls, markersize=s) for m, ls, s in
+          (("o", "-", 7), ("s", "--", 6), ("^", ":", 5), ("v", "-.", 4), ("D", "-", 3),
+           ("x", "--", 6))]
+
+
+def _plot(points: list[dict], path, scale: str):
     """Accuracy below the best grid point, in pp, so the claim's 0.2 pp bound can be drawn at
-    its true size; the claim's ranges of k and sigma are shaded."""
+    its true size; the claim's ranges of k and sigma are shaded over the measured values."""
     plt = pyplot()
     best = max(p["all_mean"] for p in points)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.4))
     fig.suptitle(f"Claim: k in [7, 14] and sigma in [0.1, 100] move accuracy by less than "
                  f"{FLAT_PP} pp", fontsize=10)
-    for sigma in sorted({p["sigma"] for p in points}):
+    sigmas, ks = sorted({p["sigma"] for p in points}), sorted({p["k"] for p in points})
+    for i, sigma in enumerate(sigmas):
         pts = sorted((p["k"], p["all_mean"]) for p in points if p["sigma"] == sigma)
-        left.plot([k for k, _ in pts], [100 * (a - best) for _, a in pts], "o-",
-                  label=f"sigma {sigma:g}")
-    for k in sorted({p["k"] for p in points}):
+        left.plot([k for k, _ in pts], [100 * (a - best) for _, a in pts],
+                  label=f"sigma {sigma:g}", **STYLES[i % len(STYLES)])
+    for i, k in enumerate(ks):
         pts = sorted((p["sigma"], p["all_mean"]) for p in points if p["k"] == k)
-        right.plot([s for s, _ in pts], [100 * (a - best) for _, a in pts], "o-",
-                   label=f"k {k}")
-    left.axvspan(7, 14, color="grey", alpha=0.12, label="the claim's k range")
-    right.axvspan(0.1, 100, color="grey", alpha=0.12, label="the claim's sigma range")
+        right.plot([s for s, _ in pts], [100 * (a - best) for _, a in pts],
+                   label=f"k {k}", **STYLES[i % len(STYLES)])
+    _shade(left, 7, 14, ks, "k")
+    _shade(right, 0.1, 100, sigmas, "sigma")
     left.set_xlabel("neighbours k")
     right.set_xlabel("kernel scale sigma (log scale)")
     right.set_xscale("log")
@@ -115,7 +131,7 @@ def _plot(points: list[dict], path):
                    label=f"within {FLAT_PP} pp of the best point")
         ax.set_ylabel("mean accuracy minus the best point (pp)")
         finish_axes(ax, percent_y=False)
-    return save_figure(fig, path)
+    return save_figure(fig, path, scale)
 
 
 EXPERIMENT = Experiment(
@@ -126,4 +142,4 @@ EXPERIMENT = Experiment(
     (Grid("ks", NEIGHBOURS, (1, 3, 5, 7, 10, 14, 20, 30), (3, 10), "numbers of neighbours"),
      Grid("sigmas", POSITIVE, (0.01, 0.1, 1.0, 10.0, 100.0, 1000.0), (1.0, 100.0),
           "kernel scales")),
-    measure, summarise)
+    measure, summarise, lambda g: len(g["sigmas"]) * len(g["ks"]))

@@ -64,13 +64,13 @@ def summarise(m: Measured, folder: Path) -> Result:
     n = np.array([p["datastore_size"] for p in pairs], dtype=float)
     lam = np.array([p["lambda"] for p in pairs], dtype=float)
     fit = step_fit(n, lam)
-    plot = _plot(n, lam, fit, folder / "lambda_vs_n.png")
+    plot = _plot(n, lam, fit, folder / "lambda_vs_n.png", m.scale)
     return Result(m.points, ("capacity", "mean_datastore_size", "mean_lambda",
                              "share_lambda_above_half", "mean_accuracy", "seconds"),
                   [("capacity", "capacity", ".2f"), ("mean_datastore_size", "mean n_m", ".1f"),
                    ("mean_lambda", "mean lambda", ".3f"),
                    ("share_lambda_above_half", "share lambda > 1/2", ".2f"),
-                   ("mean_accuracy", "kNN-Per mean", ".4f")],
+                   ("mean_accuracy", "kNN-Per mean", ".2%")],
                   _claims(pairs, fit), plot, pairs,
                   ("capacity", "client_id", "unseen", "datastore_size", "lambda", "accuracy"),
                   [f"Upward step fit (the bound's shape): lambda {fit[1]:.2f} for n_m <= "
@@ -130,7 +130,7 @@ def _claims(pairs: list[dict], fit: tuple) -> list[Claim]:
     return claims
 
 
-def _plot(n: np.ndarray, lam: np.ndarray, fit: tuple, path) -> Any:
+def _plot(n: np.ndarray, lam: np.ndarray, fit: tuple, path, scale: str) -> Any:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     # identical (n_m, lambda) pairs drawn once, their marker area growing with their count
@@ -148,11 +148,11 @@ def _plot(n: np.ndarray, lam: np.ndarray, fit: tuple, path) -> Any:
                 label="step fit (the bound's shape)")
     ax.axhline(0.5, color="grey", lw=0.8, ls=":", label="lambda = 1/2")
     ax.set_xscale("log")
-    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylim(-0.05, 1.05)  # lambda's whole range {0, ..., 1}: the claim is about its level
     ax.set_xlabel("datastore size n_m (samples, log scale)")
-    ax.set_ylabel("lambda chosen on validation (weight of the kNN)")
+    ax.set_ylabel("lambda chosen on validation (weight of the kNN; axis 0 to 1)")
     finish_axes(ax, "Claim: lambda grows with the datastore size n_m", percent_y=False)
-    return save_figure(fig, path)
+    return save_figure(fig, path, scale)
 
 
 EXPERIMENT = Experiment(
@@ -162,4 +162,4 @@ EXPERIMENT = Experiment(
     "give lambda > 1/2 (Sec. 6, Appendix Fig. 9).",
     (Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
           "datastore sizes as fractions of each client's train split"),),
-    measure, summarise)
+    measure, summarise, lambda g: len(g["capacities"]))

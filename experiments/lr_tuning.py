@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from fed_train.algorithms.base import Algorithm, ClientData, PersonalModel, Weights
+from fed_train.algorithms.base import Algorithm, ClientData, Weights
 from fed_train.evaluation import client_accuracies
+from fed_train.journal import ClientRows
 
 LR_GRID: tuple[float, ...] = tuple(float(10.0**-e) for e in (0.5, 1.0, 1.5, 2.0, 2.5))
 MAX_LR = 1.0  # SGD on these models diverges long before; a larger value is a typo
@@ -52,36 +53,14 @@ def parse_lr_grid(text: str) -> tuple[float, ...]:
     return check_lr_grid(values)
 
 
-class _ValidationRecorder:
-    """Wraps an algorithm so that each personalized model is also scored on the client's
-    validation split the moment it is built, without personalizing twice."""
-
-    def __init__(self, algorithm: Algorithm) -> None:
-        self.algorithm = algorithm
-        self.name = algorithm.name
-        self.scores: dict[int, tuple[int, float | None]] = {}
-
-    def personalize(self, weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
-        personal = self.algorithm.personalize(weights, client, state, seed)
-        n_val = int(client.y_val.shape[0])
-        acc = (float(np.mean(personal.predict_proba(client.x_val).argmax(1)
-                             == client.y_val.cpu().numpy())) if n_val else None)
-        self.scores[client.client_id] = (n_val, acc)
-        return personal
-
-
 def personalized_accuracies(algorithm: Algorithm, weights: Weights,
                             states: dict[int, dict[str, Any]], clients: list[ClientData], *,
-                            seed: int = 0, progress: bool = False) -> list[dict[str, Any]]:
+                            seed: int = 0, progress: bool = False,
+                            journal: ClientRows | None = None) -> list[dict[str, Any]]:
     """evaluation.client_accuracies' rows (same seeds, same test accuracies) plus each client's
-    validation accuracy ("n_val", "val_accuracy"), from a single personalization per client:
-    personalizing can mean training (Local, FedAvg+, new clients)."""
-    recorder = _ValidationRecorder(algorithm)
-    rows = client_accuracies(recorder, weights, states, clients, seed=seed, progress=progress)
-    for row in rows:
-        row["n_val"], row["val_accuracy"] = recorder.scores[row["client_id"]]
-    return rows
+    validation accuracy ("n_val", "val_accuracy"): what choosing a learning rate reads."""
+    return client_accuracies(algorithm, weights, states, clients, seed=seed, progress=progress,
+                             validation=True, journal=journal)
 
 
 def validation_score(rows: list[dict[str, Any]]) -> float | None:

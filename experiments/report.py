@@ -4,15 +4,34 @@ and the claim-by-claim table)."""
 
 from __future__ import annotations
 
+import json
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from experiments import benchmark_support as common
-from experiments.spec import Claim, Experiment, Result
+from experiments.spec import Claim, Experiment, ExperimentError, Result
 
 SUMMARY_FILE = "summary.md"
+SETTINGS_FILE = "report.json"  # what a folder's report was measured with
+
+
+def refuse_other_report(folder: Path, settings: dict[str, Any], command: str) -> None:
+    """Stop before anything is trained when `folder` holds a report measured with other
+    settings (data, scale, grids, seeds, kNN-Per's request): running on would replace it."""
+    path = folder / SETTINGS_FILE
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, RecursionError):
+        return  # unreadable: nothing to compare with, the report is remade
+    if isinstance(saved, dict) and saved.get("settings") != json.loads(json.dumps(settings)):
+        raise ExperimentError(f"{folder} holds a report made with other flags "
+                              f"(`{saved.get('command')}`), not `{command}`; choose another "
+                              "--out, or add --force to replace that report")
 
 
 def pyplot():
@@ -40,16 +59,44 @@ def finish_axes(ax: Any, title: str | None = None, *, percent_y: bool = True,
         ax.set_title(title, fontsize=9)
 
 
+ERROR_BARS = "bars: +-1 s.d. across seeds"
+
+
 def draw(ax: Any, x: Sequence[Any], y: Sequence[float], fmt: str,
          std: Sequence[float | None] | None = None, **style: Any) -> Any:
     """A curve; with bars of +- one standard deviation where its points carry one (the
-    across-seed `COLUMN_std` of `knnper experiment --seeds`)."""
+    across-seed `COLUMN_std` of `knnper experiment --seeds`), said in its legend entry."""
     if std is None or all(s is None for s in std):
         return ax.plot(x, y, fmt, **style)[0]
+    if "label" in style:
+        style["label"] = f"{style['label']} ({ERROR_BARS})"
     return ax.errorbar(x, y, yerr=[s or 0.0 for s in std], fmt=fmt, capsize=3, **style).lines[0]
 
 
-def save_figure(fig: Any, path: Path) -> Path:
+def fit_y(ax: Any, values: Sequence[float | None], std: Sequence[float | None] = (), *,
+          percent: bool = True) -> tuple[float, float]:
+    """A y axis fitted to the data (and their error bars), so the effect being judged is not
+    squeezed into a corner of 0-100%; the label says the range, since it no longer starts at
+    0. Returns the limits."""
+    stds = list(std) or [None] * len(values)
+    spread = [(v, s or 0.0) for v, s in zip(values, stds, strict=True) if v is not None]
+    lo = min(v - s for v, s in spread)
+    hi = max(v + s for v, s in spread)
+    pad = max((hi - lo) * 0.1, 0.005 if percent else 1e-3)
+    lo, hi = lo - pad, hi + pad
+    if percent:
+        lo, hi = max(lo, 0.0), min(hi, 1.0)
+    ax.set_ylim(lo, hi)
+    shown = f"{100 * lo:.0f}% to {100 * hi:.0f}%" if percent else f"{lo:.3g} to {hi:.3g}"
+    ax.set_ylabel(f"{ax.get_ylabel()}\n(axis {shown}, fitted to the data)")
+    return lo, hi
+
+
+def save_figure(fig: Any, path: Path, scale: str) -> Path:
+    """The figure as PNG, its data set and scale under the title (every figure says what it
+    was measured on)."""
+    title, scale = fig.get_suptitle(), textwrap.fill(scale, 120)
+    fig.suptitle(f"{title}\n{scale}" if title else scale, fontsize=8 if not title else 10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -64,8 +111,9 @@ def claims_table(claims: Sequence[Claim]) -> list[str]:
 
 
 def write_report(experiment: Experiment, result: Result, out: Path, *, command: str,
-                 scale_line: str, started: float) -> Path:
-    """Write points.csv, clients.csv and summary.md into `out`; returns the summary's path."""
+                 scale_line: str, started: float, settings: dict[str, Any]) -> Path:
+    """Write points.csv, clients.csv, summary.md and the settings they were measured with
+    (refuse_other_report reads them) into `out`; returns the summary's path."""
     common.write_csv(out / "points.csv", result.points, result.point_columns)
     if result.clients:
         common.write_csv(out / "clients.csv", result.clients, result.client_columns)
@@ -104,6 +152,8 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
     ]
     path = out / SUMMARY_FILE
     path.write_text("\n".join(lines))
+    (out / SETTINGS_FILE).write_text(json.dumps({"command": command, "settings": settings},
+                                                indent=2) + "\n")
     return path
 
 

@@ -113,6 +113,7 @@ class Measured:
     # per seed, in `seeds` order: what the summary needs besides the rows (e.g. the chosen k)
     facts: list[dict[str, Any]] = field(default_factory=list)
     compute_seconds: float | None = None  # as Result.compute_seconds
+    scale: str = ""  # the data set and scale in a line, under every figure's title
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,12 @@ class Experiment:
     grids: tuple[Grid, ...]
     measure: Callable[..., Measured]  # measure(ctx, grids): one seed's points and client rows
     summarise: Callable[[Measured, Path], Result]  # claims, and the plot written into the folder
+    # how many points measure(ctx, grids) computes, for a time-left estimate; None: not known
+    # ahead (it depends on the run, e.g. how many checkpoints training left)
+    count: Callable[[dict[str, tuple]], int] | None = None
 
     def run(self, ctx: Any, grids: dict[str, tuple]) -> Result:
         """One seed, reported in OUT/NAME."""
-        return self.summarise(self.measure(ctx, grids), ctx.out / self.name)
+        measured = self.measure(ctx, grids)
+        measured.scale = ctx.figure_scale()
+        return self.summarise(measured, ctx.out / self.name)

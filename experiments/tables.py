@@ -38,12 +38,13 @@ from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.errors import KnnperError, TrainingDiverged
 from fed_train.evaluation import merge_results, plain_json, summarize
+from fed_train.journal import ClientRows
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_tuning import choose_l2, client_rows, client_views, linear_base_views
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
-from fed_train.progress import Progress, track
+from fed_train.progress import Progress
 from fed_train.run import (
     CONFIG_FILE,
     PARTITION_FILE,
@@ -216,19 +217,31 @@ class TableRunner:
             return {**self.hyper.get("linear", {}), "l2_grid": list(L2_GRID)}
         return self.hyper.get(method, {})
 
-    def rows(self, method: str, lr: float, *,
-             diverged_ok: bool = False) -> list[dict[str, Any]] | None:
-        """Per-client rows of `method` at learning rate `lr`, from the cache when it is there.
-        With `diverged_ok` (a learning-rate grid), a run whose loss diverges is recorded and
-        gives None instead of stopping the table: that learning rate cannot be chosen."""
+    def _cached(self, method: str, lr: float) -> tuple[Any, Path, dict[str, Any] | None]:
+        """The settings `method`'s rows at `lr` depend on, their cache file, and what it holds
+        when it was made with these same settings."""
         identity = self._identity(method)
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
         if cache.exists():
             cached = json.loads(cache.read_text())
             if cached.get("hyper") == plain_json(identity):
-                if cached["rows"] is None and not diverged_ok:
-                    raise TrainingDiverged(cached["diverged"])
-                return cached["rows"]
+                return identity, cache, cached
+        return identity, cache, None
+
+    def is_cached(self, method: str, lr: float) -> bool:
+        """Whether `rows` reads these rows back: no time of this call goes into them."""
+        return self._cached(method, lr)[2] is not None
+
+    def rows(self, method: str, lr: float, *,
+             diverged_ok: bool = False) -> list[dict[str, Any]] | None:
+        """Per-client rows of `method` at learning rate `lr`, from the cache when it is there.
+        With `diverged_ok` (a learning-rate grid), a run whose loss diverges is recorded and
+        gives None instead of stopping the table: that learning rate cannot be chosen."""
+        identity, cache, cached = self._cached(method, lr)
+        if cached is not None:
+            if cached["rows"] is None and not diverged_ok:
+                raise TrainingDiverged(cached["diverged"])
+            return cached["rows"]
         try:
             return self._rows(method, lr, identity, cache)
         except TrainingDiverged as err:
@@ -256,8 +269,12 @@ class TableRunner:
             weights, states = sim.weights, sim.states
         else:
             weights, states = {}, {}
-        rows = plain_json(personalized_accuracies(algorithm, weights, states, self.clients,
-                                              seed=self.config.seed, progress=self.progress))
+        # each finished client is kept until the method's rows are: an interrupted table
+        # resumes at the next client (a local model or a new client's training each)
+        journal = ClientRows(cache.with_suffix(".partial.jsonl"), plain_json(identity))
+        rows = personalized_accuracies(algorithm, weights, states, self.clients,
+                                       seed=self.config.seed, progress=self.progress,
+                                       journal=journal)
         if knn_record is not None:
             # the test-oracle lambda, for the report only: the honest lambda must be the same
             # one the algorithm chose
@@ -277,6 +294,7 @@ class TableRunner:
         if linear_record is not None:
             payload["linear"] = plain_json(linear_record)
         write_json_atomic(cache, payload)
+        journal.remove()
         return rows
 
     def knn_record(self, lr: float) -> dict[str, Any] | None:
@@ -297,15 +315,23 @@ _JOB_COST = {"apfl": 6.0, "ditto": 5.0, "pfedgp": 2.0, "fedrep": 1.5, "fedavg": 
              "clustered": 1.2, "local": 1.0}
 
 
-def _in_processes(workers: int, calls: Sequence[tuple[Callable[..., None], tuple]], *,
-                  desc: str, progress: bool) -> None:
+Job = tuple[Callable[..., None], tuple, float]  # function, arguments, its cost (for estimates)
+
+
+def _in_processes(workers: int, calls: Sequence[Job], *, desc: str, progress: bool,
+                  done: int = 0) -> None:
     """Run the calls in up to `workers` worker processes; a worker's error stops the table with
-    that error, and so does Ctrl-C, at once. Results land in OUT's caches."""
+    that error, and so does Ctrl-C, at once. Results land in OUT's caches. `done`: jobs found
+    finished before this call (counted, never timed)."""
+    if not calls:
+        return
     with (worker_pool(max(1, min(workers, len(calls)))) as pool,
-          Progress(len(calls), desc=desc, unit="job", enabled=progress) as bar):
-        for future in as_completed([pool.submit(fn, *args) for fn, args in calls]):
+          Progress(done + len(calls), desc=desc, unit="job", enabled=progress, initial=done,
+                   total_work=sum(cost for _, _, cost in calls)) as bar):
+        futures = {pool.submit(fn, *args): cost for fn, args, cost in calls}
+        for future in as_completed(futures):
             future.result()
-            bar.update()
+            bar.update(futures[future])
 
 
 def _table_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
@@ -328,17 +354,21 @@ def _attribution_job(config: RunConfig, out: str,
     body_rows(runner, body, lr, lambda_estimator=estimator)
 
 
-def _table_jobs(config: RunConfig, names: Sequence[str], lrs: Sequence[float], out: Path,
+def _table_jobs(runner: TableRunner, names: Sequence[str], lrs: Sequence[float],
                 hyper: Mapping[str, Mapping[str, Any]] | None, knn: KNNRequest, device: str,
-                client_batch: int) -> list[tuple[Callable[..., None], tuple]]:
-    """One job per (training run, learning rate), the costliest first."""
+                client_batch: int) -> tuple[list[Job], int]:
+    """One job per (training run, learning rate), the costliest first, less the jobs whose
+    rows are all cached already; and how many those were."""
     groups: dict[str, list[str]] = {}
     for m in names:
         groups.setdefault(TRAINED_BY.get(m, m), []).append(m)
     jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
                   key=lambda j: -_JOB_COST.get(j[0], 1.0))
-    return [(_table_job, (config, str(out), hyper, knn, methods, lr, len(lrs) > 1, device,
-                          client_batch)) for _, methods, lr in jobs]
+    todo = [(_table_job, (runner.config, str(runner.out), hyper, knn, methods, lr,
+                          len(lrs) > 1, device, client_batch), _JOB_COST.get(trainer, 1.0))
+            for trainer, methods, lr in jobs
+            if not all(runner.is_cached(m, lr) for m in methods)]
+    return todo, len(jobs) - len(todo)
 
 
 def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, *,
@@ -358,16 +388,19 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, knn=knn,
                          device=device, client_batch=client_batch)
     if workers > 1:
-        _in_processes(workers, _table_jobs(config, names, lrs, Path(out), hyper, knn, device,
-                                           client_batch),
-                      desc="bench table: training runs", progress=progress)
+        jobs, done = _table_jobs(runner, names, lrs, hyper, knn, device, client_batch)
+        _in_processes(workers, jobs, desc="bench table: training runs", progress=progress,
+                      done=done)
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
     runs = [(method, lr) for method in names for lr in lrs]
-    by_run = {run: runner.rows(*run, diverged_ok=len(lrs) > 1)
-              for run in track(runs, total=len(runs), desc="bench table", unit="method run",
-                               enabled=progress)}
+    by_run: dict[tuple[str, float], list[dict[str, Any]] | None] = {}
+    with Progress(len(runs), desc="bench table", unit="method run", enabled=progress) as bar:
+        for run in runs:
+            measured = not runner.is_cached(*run)  # a cached run's time says nothing of the rest
+            by_run[run] = runner.rows(*run, diverged_ok=len(lrs) > 1)
+            bar.update(measured=measured)
     for method in names:
         by_lr = {lr: by_run[method, lr] for lr in lrs}
         if all(rows is None for rows in by_lr.values()):
@@ -397,7 +430,7 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
         estimator = knn.estimator()  # "auto": each body gets its own cross-validated choice
         if workers > 1:
             _in_processes(workers, [(_attribution_job, (config, str(out), hyper, body, lr,
-                                                        estimator, device, client_batch))
+                                                        estimator, device, client_batch), 1.0)
                                     for body, lr in body_lrs.items()],
                           desc="bench table: attribution", progress=progress)
         result["attribution"] = attribution_table(runner, body_lrs, lambda_estimator=estimator,

@@ -65,6 +65,10 @@ FP32_ENCODER_FILE = "encoder.fp32.onnx"
 REPORT_FILE = "export.json"
 JOURNAL_FILE = "export.journal.jsonl"
 UPDATE_STRATEGIES = ("fifo", "concatenate", "fixed")
+# backends a device loads only with an extra installed (which one), and that have no one-file
+# ONNX form (`knnper-edge export-onnx`: an HNSW search is a graph walk)
+NEEDS_DEVICE_EXTRA = {"hnsw": "hnsw"}
+DEVICE_EXTRAS = ("any", "none")  # --device-extras: "none" tries only what the runtime alone loads
 
 
 @dataclass
@@ -88,6 +92,7 @@ class ExportSettings:
     # every manifest and export.json: fed_train.knn_choice.KNNChoice.provenance()
     knn_provenance: dict[str, dict[str, Any]] | None = None
     update_strategy: str = "fifo"
+    device_extras: str = "any"  # "none": no backend that needs an extra on the device
     # share of a client's train samples a protonn bundle reserves room for, as its buffer of
     # samples learned on the device (none with update_strategy "fixed")
     protonn_buffer: float = 0.1
@@ -103,6 +108,12 @@ class ExportSettings:
         if self.backend not in BACKEND_CHOICES:
             raise ExportError(f"unknown backend {self.backend!r}; known: "
                               f"{', '.join(BACKEND_CHOICES)}")
+        if self.device_extras not in DEVICE_EXTRAS:
+            raise ExportError(f"unknown device extras {self.device_extras!r}; known: "
+                              f"{', '.join(DEVICE_EXTRAS)}")
+        if self.device_extras == "none" and self.backend in NEEDS_DEVICE_EXTRA:
+            raise ExportError(f"--backend {self.backend} needs the {self.backend} extra on the "
+                              "device; --device-extras none rules it out")
         if self.update_strategy not in UPDATE_STRATEGIES:
             raise ExportError(f"unknown update strategy {self.update_strategy!r}; known: "
                               f"{', '.join(UPDATE_STRATEGIES)}")
@@ -275,6 +286,9 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
     space = replace(settings.space.restricted_to(settings.backend),
                     protonn_buffer=0.0 if settings.update_strategy == "fixed"
                     else settings.protonn_buffer)
+    if settings.device_extras == "none":
+        space = replace(space, backends=tuple(b for b in space.backends
+                                              if b not in NEEDS_DEVICE_EXTRA))
     out_dir = Path(out_dir)
     every_client = run.clients()
     chosen = select_clients(every_client, clients)
@@ -295,11 +309,33 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
         smallest = smallest_datastore_bytes(space, run.dataset.num_classes,
                                             int(run.model.embedding_dim))
         _check_budgets(chosen, budgets, encoder_files, smallest)  # before anything is written
+        _warn_device_extras(space)
         out_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(out_dir):
             encoder_files = _move_encoder(encoder_files, out_dir)
             return _export_locked(run, out_dir, budgets, settings, space, encoder_files,
                                   chosen, progress, workers)
+
+
+def _warn_device_extras(space: SearchSpace) -> None:
+    """Say before any bundle is written that some may need more than the runtime alone: the
+    README's device install has no extras, and a bundle it cannot load is found on the device."""
+    for backend in space.backends:
+        if backend in NEEDS_DEVICE_EXTRA:
+            log.warning("%s datastores are among those tried: a client whose most accurate "
+                        "datastore is %s gets a bundle that a device loads only with the %s "
+                        "extra and that `knnper-edge export-onnx` cannot turn into one ONNX "
+                        "file (export.json names each client's backend); --device-extras none "
+                        "leaves %s out", backend, backend, NEEDS_DEVICE_EXTRA[backend], backend)
+
+
+def needing_extras(rows: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per backend that needs a device extra: the clients whose bundle has it."""
+    found: dict[str, list[int]] = {}
+    for r in rows:
+        if r["backend"] in NEEDS_DEVICE_EXTRA:
+            found.setdefault(r["backend"], []).append(int(r["client_id"]))
+    return found
 
 
 @contextmanager
@@ -338,7 +374,7 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
              for c in todo)
     # a client's sizing time grows with its train split: the estimate is per sample
     work = {c.client_id: max(1, c.num_train) for c in todo}
-    with Progress(len(chosen), desc="export", unit="client", enabled=progress,
+    with Progress(len(chosen), desc=f"export {out_dir.name}", unit="client", enabled=progress,
                   initial=len(chosen) - len(todo), total_work=sum(work.values())) as bar:
         for row in _export_clients(tasks, len(todo), context, workers):
             done[row["client_id"]] = row

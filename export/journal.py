@@ -8,29 +8,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import numpy as np
+from fed_train.journal import Journal, json_default
 
 
-def json_default(value: Any) -> Any:
-    """numpy scalars and paths, as JSON."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-class ExportJournal:
+class ExportJournal(Journal):
     """A header line with the export's fingerprint, then one JSON line per finished client,
-    appended once its bundle is in place. Each line goes out in one write() to a file opened
-    for appending, so lines from parallel workers do not interleave; a torn line (a kill in
-    the middle of a write) is skipped."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+    appended once its bundle is in place."""
 
     def finished(self, fingerprint: dict[str, Any], budgets: dict[int, int],
                  keep: Callable[[int, dict[str, Any]], bool]) -> dict[int, dict[str, Any]]:
@@ -38,17 +23,8 @@ class ExportJournal:
         budget, that `keep(client_id, row)` accepts (it re-verifies the bundle); starts a new
         journal when there is none or it belongs to a different export."""
         rows: dict[int, dict[str, Any]] = {}
-        lines = self._lines()
-        try:
-            same = bool(lines) and json.loads(lines[0]) == {"fingerprint": fingerprint}
-        except (json.JSONDecodeError, RecursionError):
-            same = False
-        for line in lines[1:] if same else []:
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
-                continue
-            cid = row.get("client_id") if isinstance(row, dict) else None
+        for row in self.rows({"fingerprint": fingerprint}) or []:
+            cid = row.get("client_id")
             if (isinstance(cid, int) and not isinstance(cid, bool)
                     and budgets.get(cid) == row.get("budget") and keep(cid, row)):
                 rows[cid] = row
@@ -57,19 +33,3 @@ class ExportJournal:
                                for x in [{"fingerprint": fingerprint}, *rows.values()]))
         os.replace(tmp, self.path)
         return rows
-
-    def _lines(self) -> list[str]:
-        if not self.path.is_file():
-            return []
-        try:
-            return self.path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):  # unreadable: start the journal afresh
-            return []
-
-    def add(self, row: dict[str, Any]) -> None:
-        line = (json.dumps(row, default=json_default) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)

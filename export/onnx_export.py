@@ -96,7 +96,9 @@ def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str 
     if not diff <= atol:
         raise ExportError(f"the ONNX model differs from torch by {diff:.3g} (> {atol:g}) on the "
                           "example batch; the exporter mistranslated an operator")
-    log.info("exported %s (%d bytes, max |onnx - torch| = %.2g)", path, path.stat().st_size, diff)
+    # by name: the file may be in a temporary folder that is gone by the time anyone reads this
+    log.info("exported %s (%d bytes, max |onnx - torch| = %.2g)", path.name,
+             path.stat().st_size, diff)
     return diff
 
 

@@ -144,6 +144,6 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, calibration: np.n
             raise ExportError(f"int8 quantization failed: {err}") from err
         finally:
             logging.getLogger().removeFilter(advice_filter)
-    log.info("quantized %s -> %s (%d -> %d bytes, kept float: %s)", fp32_path, out_path,
+    log.info("quantized %s -> %s (%d -> %d bytes, kept float: %s)", fp32_path.name, out_path.name,
              fp32_path.stat().st_size, out_path.stat().st_size, exclude)
     return out_path

@@ -9,28 +9,48 @@ from typing import Any
 import numpy as np
 
 from fed_train.algorithms.base import Algorithm, ClientData, Weights
-from fed_train.progress import track
+from fed_train.journal import ClientRows
+from fed_train.progress import Progress
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
 
 
+def _accuracy(personal: Any, x: Any, y: Any) -> float | None:
+    n = int(y.shape[0])
+    return float(np.mean(personal.predict_proba(x).argmax(1) == y.cpu().numpy())) if n else None
+
+
 def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, dict[str, Any]],
-                      clients: list[ClientData], *, seed: int = 0,
-                      progress: bool = False) -> list[dict[str, Any]]:
+                      clients: list[ClientData], *, seed: int = 0, progress: bool = False,
+                      validation: bool = False,
+                      journal: ClientRows | None = None) -> list[dict[str, Any]]:
     """One row per client: its test accuracy under `algorithm`'s personalization and what was
-    chosen for it."""
+    chosen for it; with `validation`, also its validation accuracy ("n_val", "val_accuracy")
+    from the same personalization (personalizing can mean training). `journal`: each row is
+    appended as its client finishes and rows already there are reused, so an interrupted call
+    resumes at the first unfinished client (each client's seed is its own: same rows)."""
+    done = journal.start() if journal is not None else {}
     rows = []
     # a client's personalization (local training, its datastore) grows with its train split
-    for client in track(clients, total=len(clients), desc=f"{algorithm.name} eval",
-                        unit="client", enabled=progress,
-                        work=[max(1, c.num_train) for c in clients]):
-        personal = algorithm.personalize(weights, client, states.get(client.client_id, {}),
-                                         client_seed(seed, 0, client.client_id,
-                                                     PERSONALIZE_STREAM))
-        n_test = int(client.y_test.shape[0])
-        acc = (float(np.mean(personal.predict_proba(client.x_test).argmax(1)
-                             == client.y_test.cpu().numpy())) if n_test else None)
-        rows.append({"client_id": client.client_id, "unseen": client.unseen, "n_test": n_test,
-                     "accuracy": acc, "info": personal.info})
+    with Progress(len(clients), desc=f"{algorithm.name} eval", unit="client", enabled=progress,
+                  total_work=sum(max(1, c.num_train) for c in clients)) as bar:
+        for client in clients:
+            row = done.get(client.client_id)
+            if row is None:
+                personal = algorithm.personalize(weights, client,
+                                                 states.get(client.client_id, {}),
+                                                 client_seed(seed, 0, client.client_id,
+                                                             PERSONALIZE_STREAM))
+                row = plain_json({"client_id": client.client_id, "unseen": client.unseen,
+                                  "n_test": int(client.y_test.shape[0]),
+                                  "accuracy": _accuracy(personal, client.x_test, client.y_test),
+                                  "info": personal.info})
+                if validation:
+                    row.update(n_val=int(client.y_val.shape[0]),
+                               val_accuracy=_accuracy(personal, client.x_val, client.y_val))
+                if journal is not None:
+                    journal.add(row)
+            rows.append(row)
+            bar.update(max(1, client.num_train), measured=client.client_id not in done)
     return rows
 
 

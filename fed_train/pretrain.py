@@ -160,7 +160,7 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True,
         loss = local_sgd(model, x_epoch, y_fit, training, config.lr, seed=seed, epochs=1)
         acc = _accuracy(model, x[val], y[val])
         history.append({"epoch": epoch, "train_loss": round(loss, 6), "val_accuracy": acc})
-        epochs.set_postfix(f"epoch {epoch}: loss {loss:.3f}, val {acc:.3f}")
+        epochs.set_postfix(f"epoch {epoch}: loss {loss:.3f}, val {acc:.1%}")
         epochs.update()
         if acc > best_acc:
             best_state, best_epoch, best_acc = _cpu_state(model), epoch, acc

@@ -17,7 +17,7 @@ from edge_runtime.arg_types import (
     positive_int,
     threads,
 )
-from edge_runtime.cli_help import DefaultsHelpFormatter, missing_command_message
+from edge_runtime.cli_help import DefaultsHelpFormatter, examples, missing_command_message
 from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
 from fed_train.algorithms.base import TrainingConfig
@@ -34,8 +34,8 @@ from fed_train.models import MODELS
 from fed_train.run import RunConfig
 
 __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
-           "DATA_HELP", "config_from_args", "fraction", "knn_request", "learning_rate", "positive",
-           "positive_float", "positive_int", "threads"]
+           "DATA_HELP", "config_from_args", "examples", "fraction", "knn_request",
+           "learning_rate", "positive", "positive_float", "positive_int", "threads"]
 
 
 class Parser(argparse.ArgumentParser):

@@ -9,11 +9,13 @@ from pathlib import Path
 
 from experiments.lr_tuning import LR_GRID, parse_lr_grid
 from experiments.tables import METHODS, BenchError, format_markdown, run_seeds, run_table
+from fed_train import defaults
 from fed_train.device import resolve_device
 from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
     config_from_args,
+    examples,
     knn_request,
     positive,
 )
@@ -46,10 +48,17 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     """`knnper bench table ...`."""
-    bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables")
+    table_examples = examples(
+        "knnper bench table --dataset fashion-mnist --clients 50 --max-train 8000 --rounds 15 "
+        "--methods all --out runs/table",
+        "knnper bench table --methods local,fedavg,knnper --tune-lr --workers 2 --out runs/t",
+        note="Re-running the same command resumes: finished training runs, methods and clients "
+        "are kept in OUT.")
+    bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables",
+                                  epilog=table_examples)
     sub = bench.add_subparsers(dest="bench_command", metavar="table", required=True)
     p = sub.add_parser("table", help="every method on one partition: Table 1 (seen clients) and "
-                       "Table 2 (unseen clients) as CSV and markdown")
+                       "Table 2 (unseen clients) as CSV and markdown", epilog=table_examples)
     add_training_arguments(p)
     p.add_argument("--methods", default="all",
                    help=f"all, or a comma-separated list of: {', '.join(METHODS)}")
@@ -60,9 +69,10 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lr-grid", default=None,
                    help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... "
                    "10^-2.5)")
-    p.add_argument("--checkpoint-every", type=positive(int), default=5,
-                   help="rounds between checkpoints of each training run (a write that would "
-                   "take over a tenth of the training time waits for a later round)")
+    p.add_argument("--checkpoint-every", type=positive(int), default=defaults.CHECKPOINT_EVERY,
+                   help="rounds between checkpoints of each training run, in workers too "
+                   "(Ctrl-C loses at most this many; a write that would take over a tenth of "
+                   "the training time waits for a later round)")
     add_knn_arguments(p)
     p.add_argument("--capacity", type=positive(float, 1.0), default=1.0,
                    help="kNN-Per: fraction of each client's train split in its datastore")

@@ -25,6 +25,7 @@ from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
     config_from_args,
+    examples,
     fraction,
     positive_float,
     positive_int,
@@ -129,11 +130,14 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_deploy_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("deploy", help="federated training on Flower (SuperLink + SuperNodes)")
+    local_example = "knnper deploy local --dataset digits --clients 5 --rounds 5 --out runs/flower"
+    p = sub.add_parser("deploy", help="federated training on Flower (SuperLink + SuperNodes)",
+                       epilog=examples(local_example, "knnper deploy certs --host "
+                                       "fl.example.org --supernode-keys 20 --out keys/pki"))
     where = p.add_subparsers(dest="where", required=True, parser_class=type(p))
     local = where.add_parser("local", help="a whole federation on 127.0.0.1: one SuperLink, "
                                            "one SuperNode per client, TLS and SuperNode "
-                                           "authentication")
+                                           "authentication", epilog=examples(local_example))
     _add_settings_arguments(local)
     local.add_argument("--out", required=True, help="run directory (the same layout as "
                                                     "`knnper train` writes)")
@@ -144,7 +148,10 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     local.set_defaults(func=_cmd_deploy_local)
 
     config = where.add_parser("config", help="the run config file for `flwr run` against a "
-                                             "SuperLink of your own (real machines)")
+                                             "SuperLink of your own (real machines)",
+                            epilog=examples("knnper deploy config --dataset fashion-mnist "
+                                            "--clients 20 --rounds 20 --out /srv/runs/fl "
+                                            "--write runs/fl.toml"))
     _add_settings_arguments(config)
     config.add_argument("--out", required=True,
                         help="run directory on the machine that runs the ServerApp")
@@ -152,7 +159,9 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     config.set_defaults(func=_cmd_deploy_config)
 
     certs = where.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode "
-                                           "key pairs for a federation across machines")
+                                           "key pairs for a federation across machines",
+                           epilog=examples("knnper deploy certs --host fl.example.org "
+                                           "--supernode-keys 20 --out keys/pki"))
     certs.add_argument("--host", required=True,
                        help="the SuperLink's address as SuperNodes reach it (DNS name or IP)")
     certs.add_argument("--supernode-keys", type=int, default=0,

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 from experiments.context import QUICK, Context
 from experiments.experiment_seeds import combine, combined_result
 from experiments.registry import EXPERIMENTS
-from experiments.report import write_report
+from experiments.report import refuse_other_report, write_report
 from experiments.seeds import seed_dir
 from experiments.spec import IID_ALPHA, Experiment
 from fed_train.device import resolve_device
@@ -30,6 +31,7 @@ from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
     config_from_args,
+    examples,
     knn_request,
     positive_int,
 )
@@ -43,11 +45,18 @@ def _shown(values: tuple) -> str:
 
 def add_experiment_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("experiment", help="the paper's experiments, one command each: CSV, PNG "
-                       "plot and a summary with the paper's claims", description=__doc__)
+                       "plot and a summary with the paper's claims", description=__doc__,
+                       epilog=examples("knnper experiment capacity --quick --out runs/exp",
+                                       "knnper experiment heterogeneity --dataset fashion-mnist "
+                                       "--clients 30 --rounds 10 --out runs/exp-fmnist"))
     names = p.add_subparsers(dest="experiment", metavar="NAME", required=True,
                              parser_class=type(p))
     for exp in EXPERIMENTS.values():
-        q = names.add_parser(exp.name, help=exp.help, description=f"The paper: {exp.claim}")
+        q = names.add_parser(exp.name, help=exp.help, description=f"The paper: {exp.claim}",
+                             epilog=examples(
+                                 f"knnper experiment {exp.name} --quick --out runs/exp",
+                                 f"knnper experiment {exp.name} --quick --seeds 3 --out "
+                                 "runs/exp-seeds"))
         q.add_argument("--out", required=True, help="output folder, shared by the experiments "
                        "(global models in OUT/runs, this one's files in OUT/NAME)")
         q.add_argument("--quick", action="store_true", help="digits at a tiny scale and small "
@@ -69,6 +78,9 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                             "seeds (clients resampled within their seed). distribution-shift "
                             "runs its own stream seeds (3; 1 with --quick) on every seed's "
                             "global model and pools all the streams")
+        q.add_argument("--force", action="store_true",
+                       help="replace a report in OUT/NAME that was made with other flags "
+                       "(without it the command refuses before training anything)")
         q.set_defaults(func=_cmd_experiment, spec=exp, parser=q)
 
 
@@ -77,7 +89,8 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["knnper"] + (["--threads", str(args.threads)] if args.threads else [])
     parts += ["experiment", args.spec.name]
     for action in args.parser._actions:
-        if not action.option_strings or action.dest in ("help", "spec", "parser", "func"):
+        if not action.option_strings or action.dest in ("help", "spec", "parser", "func",
+                                                         "force"):
             continue
         value = getattr(args, action.dest, None)  # grids left out are not in args at all
         if value is None or value == action.default:
@@ -101,23 +114,37 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
     folder = Path(args.out) / exp.name
     seeds = range(args.seed, args.seed + args.seeds)
     started = time.perf_counter()
-    # how many points an experiment computes is its own business: lines count them, no total
-    with Progress(None, desc=f"experiment {exp.name}", unit="point",
+
+    def settings(*contexts: Context) -> dict[str, Any]:
+        """What a report's figures depend on (not how they were shown or how fast)."""
+        return {"configs": [c.config.to_dict() for c in contexts], "quick": args.quick,
+                "grids": {name: sorted(values) for name, values in grids.items()},
+                "knn": asdict(knn_request(args))}
+
+    total = exp.count(grids) * args.seeds if exp.count is not None else None
+    with Progress(total, desc=f"experiment {exp.name}", unit="point",
                   enabled=not args.no_progress) as bar:
         contexts = [_context(args, seed, bar) for seed in seeds]
+        if not args.force:
+            refuse_other_report(folder, settings(*contexts), command_line(args))
         if args.seeds == 1:
             result = exp.run(contexts[0], grids)
         else:
             measured = []
             for ctx in contexts:  # each seed reported as it finishes: an interruption keeps it
                 measured.append(exp.measure(ctx, grids))
+                measured[-1].scale = ctx.figure_scale()
                 one = argparse.Namespace(**{**vars(args), "seed": ctx.seed, "seeds": 1})
                 write_report(exp, exp.summarise(measured[-1], seed_dir(folder, ctx.seed)),
                              seed_dir(folder, ctx.seed), command=command_line(one),
-                             scale_line=ctx.scale_line(), started=started)
-            result = combined_result(exp.summarise(combine(measured), folder), list(seeds))
+                             scale_line=ctx.scale_line(), started=started,
+                             settings=settings(ctx))
+            together = combine(measured)
+            together.scale = contexts[0].figure_scale(list(seeds))
+            result = combined_result(exp.summarise(together, folder), list(seeds))
     summary = write_report(exp, result, folder, command=command_line(args),
-                           scale_line=contexts[0].scale_line(list(seeds)), started=started)
+                           scale_line=contexts[0].scale_line(list(seeds)), started=started,
+                           settings=settings(*contexts))
     print(summary.read_text())
     print(f"wrote {summary.parent}/points.csv, {result.plot.name} and {summary.name}")
     return 0

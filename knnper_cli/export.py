@@ -10,10 +10,13 @@ from typing import Any
 
 from export.errors import BudgetInvalid, ExportError
 from export.exporter import (
+    DEVICE_EXTRAS,
+    NEEDS_DEVICE_EXTRA,
     REPORT_FILE,
     ExportSettings,
     apply_knn_choice,
     export_run,
+    needing_extras,
     select_ids,
 )
 from export.profiles import (
@@ -27,12 +30,21 @@ from export.sizing import BACKEND_CHOICES
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import load_or_choose
 from fed_train.run import load_run
-from knnper_cli.args import add_knn_arguments, byte_count, knn_request, positive_int
+from knnper_cli.args import add_knn_arguments, byte_count, examples, knn_request, positive_int
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write per-device bundles (int8 ONNX encoder + datastore "
-                                      "sized to each device's budget) from a finished run")
+                                      "sized to each device's budget) from a finished run",
+                       epilog=examples(
+                           "knnper export runs/fmnist --out bundles/500k --budget 500kB",
+                           "knnper export runs/fmnist --out bundles/weak-strong --profile "
+                           "weak-strong --reference 2MB --delta-c 0.3",
+                           note="HNSW bundles need the hnsw extra (hnswlib) on the device, "
+                           "and `knnper-edge export-onnx` cannot make one ONNX file of them. "
+                           "With --backend auto the export says so before writing any bundle "
+                           "and names the clients that got one at the end; --device-extras "
+                           "none leaves HNSW out, so every bundle loads on the runtime alone."))
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--out", required=True, help="directory for the bundles and export.json")
     budget = p.add_mutually_exclusive_group(required=True)
@@ -49,6 +61,11 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                    help="lognormal: sigma of log(budget)")
     p.add_argument("--backend", default="auto",
                    help=f"datastore backend: {', '.join(BACKEND_CHOICES)} (auto tries all)")
+    p.add_argument("--device-extras", choices=DEVICE_EXTRAS, default="any",
+                   help="none: try only datastores the device runtime loads without extras "
+                   "and that `knnper-edge export-onnx` can make one file of (no HNSW); any: "
+                   "HNSW too, where it is the most accurate (the device then needs the hnsw "
+                   "extra)")
     p.add_argument("--quantize", default="int8", help="encoder precision: int8 or fp32")
     p.add_argument("--clients", default="all", help="all, seen, unseen, or ids like 0,3,7")
     add_knn_arguments(p)
@@ -86,10 +103,10 @@ def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[i
 def format_export_table(report: dict[str, Any]) -> str:
     """One line per client: budget, chosen backend and recipe, bytes, validation accuracy."""
     head = ("client", "seen", "budget", "backend", "recipe", "stored", "bytes", "lambda",
-            "val acc")
+            "val acc %")
     rows = [head]
     for r in report["clients"]:
-        acc = "-" if r["val_accuracy"] is None else f"{r['val_accuracy']:.3f}"
+        acc = "-" if r["val_accuracy"] is None else f"{100 * r['val_accuracy']:.1f}"
         rows.append((str(r["client_id"]), "no" if r["unseen"] else "yes", str(r["budget"]),
                      r["backend"], r["recipe"], str(r["stored"]), str(r["total_bytes"]),
                      f"{r['lambda']:.1f}", acc))
@@ -108,13 +125,13 @@ def format_export_summary(report: dict[str, Any]) -> str:
     groups: dict[int, list[dict[str, Any]]] = {}
     for r in report["clients"]:
         groups.setdefault(r["budget"], []).append(r)
-    lines = ["| budget | clients | chosen backends | mean bytes | mean val acc |",
+    lines = ["| budget | clients | chosen backends | mean bytes | mean val acc % |",
              "|---|---|---|---|---|"]
     for budget in sorted(groups):
         rows = groups[budget]
         chosen = Counter(r["backend"] for r in rows)
         accs = [r["val_accuracy"] for r in rows if r["val_accuracy"] is not None]
-        acc = f"{sum(accs) / len(accs):.3f}" if accs else "-"
+        acc = f"{100 * sum(accs) / len(accs):.1f}" if accs else "-"
         lines.append(f"| {budget} | {len(rows)} | "
                      f"{', '.join(f'{b} {n}' for b, n in sorted(chosen.items()))} | "
                      f"{sum(r['total_bytes'] for r in rows) / len(rows):.0f} | {acc} |")
@@ -127,6 +144,7 @@ PER_CLIENT_TABLE_MAX = 20  # above this many clients, only the summary is printe
 def _cmd_export(args: argparse.Namespace) -> int:
     settings = ExportSettings(quantize=args.quantize, backend=args.backend,
                               update_strategy=args.update_strategy,
+                              device_extras=args.device_extras,
                               seed=args.seed, signing_key=args.signing_key)
     if args.pruned_search:
         settings.space = settings.space.pruned()
@@ -147,5 +165,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if len(report["clients"]) <= PER_CLIENT_TABLE_MAX:
         print(format_export_table(report))
     print(format_export_summary(report))
+    for backend, ids in needing_extras(report["clients"]).items():
+        shown = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")
+        print(f"{len(ids)} of {len(report['clients'])} bundle(s) use {backend} (client "
+              f"{shown}): a device loads them only with the {NEEDS_DEVICE_EXTRA[backend]} "
+              "extra, and `knnper-edge export-onnx` cannot make one file of them; "
+              "--device-extras none avoids it")
     print(f"wrote {len(report['clients'])} bundle(s) and {Path(args.out) / REPORT_FILE}")
     return 0

@@ -5,6 +5,7 @@ extra to install, in one line, instead of failing with an import traceback."""
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import logging
 import signal
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line, one module per command group."""
     # imported here: they import torch, which a runtime-only install lacks
     from fed_train import defaults
-    from knnper_cli.args import Parser, threads
+    from knnper_cli.args import Parser, examples, threads
     from knnper_cli.bench import add_bench_command
     from knnper_cli.demo import add_demo_command
     from knnper_cli.deploy import add_deploy_command
@@ -60,7 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     from knnper_cli.export import add_export_command
     from knnper_cli.train import add_train_commands
 
-    parser = Parser(prog="knnper", description=DESCRIPTION)
+    parser = Parser(prog="knnper", description=DESCRIPTION, epilog=examples(
+        "knnper demo                                        # the whole pipeline, a minute",
+        "knnper train --out runs/digits                     # 1. train FedAvg",
+        "knnper evaluate runs/digits                        # 2. Local, FedAvg, kNN-Per",
+        "knnper export runs/digits --out bundles/d --budget 500kB   # 3. bundles per device",
+        "knnper client-data runs/digits --client 3 --out data/client_3",
+        "knnper-edge evaluate bundles/d/client_0003 --data data/client_3/test.npz  # 4. device",
+        note="`knnper COMMAND --help` gives each command's options and an example."))
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -77,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130."""
     import torch
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     from fed_train.errors import KnnperError
 
@@ -85,14 +94,20 @@ def run(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        with logging_redirect_tqdm():  # a log line above the bars, not glued to one
+            return args.func(args)
     except (KnnperError, ValueError, OSError, MemoryError) as err:
         print(f"knnper: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"knnper: interrupted; run the same command again to resume {args.command}",
-              file=sys.stderr)
-        return INTERRUPTED
+        pass
+    # out of the handler, the interrupted frames are gone: their progress bars close (and
+    # print) now, so the message below is the last line
+    gc.collect()
+    sys.stdout.flush()
+    print(f"knnper: interrupted; run the same command again to resume {args.command}",
+          file=sys.stderr, flush=True)
+    return INTERRUPTED
 
 
 def _one_line(err: BaseException) -> str:

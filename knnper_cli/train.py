@@ -25,6 +25,7 @@ from knnper_cli.args import (
     add_sgd_arguments,
     add_training_arguments,
     config_from_args,
+    examples,
     fraction,
     knn_request,
     positive_int,
@@ -74,7 +75,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
     record = pretrain(config, Path(args.out), progress=not args.no_progress,
                       device=resolve_device(args.device))
     print(f"pretrained {record['model']} on {record['samples']['train']} samples: validation "
-          f"accuracy {record['val_accuracy']:.4f} at epoch {record['best_epoch']}; wrote "
+          f"accuracy {100 * record['val_accuracy']:.1f}% at epoch {record['best_epoch']}; wrote "
           f"{args.out} (use it with --init {args.out})")
     return 0
 
@@ -82,7 +83,11 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     d = PretrainConfig()
     p = sub.add_parser("pretrain", help="train the model centrally on a server-held split that "
-                       "no client sees, as the starting point for --init")
+                       "no client sees, as the starting point for --init", epilog=examples(
+                           "knnper pretrain --dataset fashion-mnist --server-fraction 0.1 --out "
+                           "runs/pretrain-fmnist",
+                           "knnper train --dataset fashion-mnist --init runs/pretrain-fmnist "
+                           "--out runs/fmnist-init"))
     p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
     p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--out", required=True, help="directory for model.pt, pretrain.json and "
@@ -112,7 +117,12 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_core_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train FedAvg's global model on a partitioned data set")
+    p = sub.add_parser("train", help="train FedAvg's global model on a partitioned data set",
+                       epilog=examples(
+                           "knnper train --out runs/digits                     # digits, a minute",
+                           "knnper train --dataset fashion-mnist --partition dirichlet --alpha "
+                           "0.3 --clients 100 --out runs/fmnist",
+                           note="Re-running the same command resumes from the last checkpoint."))
     add_training_arguments(p)
     p.add_argument("--checkpoint-every", type=positive_int, default=defaults.CHECKPOINT_EVERY,
                    help="rounds between checkpoints (Ctrl-C loses at most this many; a write "
@@ -120,7 +130,12 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="run directory (re-running resumes it)")
     p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("evaluate", help="local / FedAvg / kNN-Per accuracy of a finished run")
+    p = sub.add_parser("evaluate", help="local / FedAvg / kNN-Per accuracy of a finished run",
+                       epilog=examples(
+                           "knnper evaluate runs/fmnist --json runs/fmnist/evaluation.json",
+                           "knnper evaluate runs/fmnist --knn-config paper --methods knnper",
+                           note="Each client's local model is kept in RUN/eval/local.jsonl as "
+                           "it finishes: an interrupted evaluate resumes there."))
     p.add_argument("run", help="run directory written by `knnper train`")
     add_knn_arguments(p)
     p.add_argument("--capacity", type=fraction, default=1.0,
@@ -132,7 +147,8 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_evaluate)
 
     p = sub.add_parser("client-data", help="write one client's raw data as the .npz / .npy files "
-                       "the device commands (knnper-edge) take")
+                       "the device commands (knnper-edge) take", epilog=examples(
+                           "knnper client-data runs/fmnist --client 3 --out data/client_3"))
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--client", type=int, required=True, help="client id")
     p.add_argument("--out", required=True, help="directory for train.npz, val.npz, test.npz "

@@ -122,6 +122,35 @@ def test_personalized_accuracies_match_evaluation_and_add_validation():
     assert [(r["n_val"], r["val_accuracy"]) for r in rows] == [(2, 1.0), (0, None)]
 
 
+def test_rows_read_back_from_a_journal_are_counted_but_never_timed(tmp_path, monkeypatch):
+    from fed_train import evaluation
+    from fed_train.journal import ClientRows
+
+    class Constant:
+        name = "constant"
+
+        def personalize(self, weights, client, state, seed):
+            return PersonalModel(lambda x: np.tile([1.0, 0.0], (len(x), 1)))
+
+    updates = []
+    real = evaluation.Progress
+
+    class Recorder(real):
+        def update(self, work=1.0, *, measured=True):
+            updates.append(measured)
+            super().update(work, measured=measured)
+
+    monkeypatch.setattr(evaluation, "Progress", Recorder)
+    clients = [_client(i, 2) for i in range(4)]
+    journal = ClientRows(tmp_path / "rows.jsonl", {"method": "constant"})
+    first = client_accuracies(Constant(), {}, {}, clients[:2], journal=journal)
+    again = client_accuracies(Constant(), {}, {}, clients, journal=journal)
+    assert again[:2] == first and updates == [True, True, False, False, True, True]
+    other = ClientRows(tmp_path / "rows.jsonl", {"method": "another"})  # other settings
+    client_accuracies(Constant(), {}, {}, clients, journal=other)
+    assert updates[-4:] == [True] * 4
+
+
 @pytest.mark.parametrize("grid", [[0.1, 3.0], [0.0], [-0.01], [float("nan")], []])
 def test_learning_rate_grid_values_out_of_range_are_refused(grid):
     with pytest.raises(ValueError, match="out of range|empty"):
@@ -301,3 +330,22 @@ def test_seeds_run_one_table_per_seed_and_summarize_them(tmp_path):
     assert fedavg["values"] == [p["seen"]["fedavg"]["mean"] for p in partitions]
     assert summary["versus_best"]["seen"]["mean"]["baseline"] == "fedavg"
     assert "mean ± standard deviation" in (out / "seeds.md").read_text()
+
+
+def test_an_interrupted_table_keeps_each_finished_client(tmp_path, monkeypatch):
+    from fed_train.algorithms.local import Local
+    from tests.test_training import _interrupt_after
+
+    out = tmp_path / "table"
+    with monkeypatch.context() as m:
+        first = _interrupt_after(m, Local, 3)
+        with pytest.raises(KeyboardInterrupt):
+            bench(*TINY, "--methods", "local", "--out", str(out))
+    assert len(first) == 3
+    with monkeypatch.context() as m:
+        resumed = _interrupt_after(m, Local, 100)
+        assert bench(*TINY, "--methods", "local", "--out", str(out)) == 0
+    assert len(resumed) == 8 - 3 and not set(first) & set(resumed)
+    assert not list((out / "eval").rglob("*.partial.jsonl"))  # the method's rows replace it
+    rows = json.loads((out / "results.json").read_text())["clients"]
+    assert sorted(r["client_id"] for r in rows) == list(range(8))

@@ -3,6 +3,8 @@ export` and `knnper-edge init`, and every malformed one is a one-line error with
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import knnper_cli.main as export_cli
@@ -14,7 +16,7 @@ GOOD = {
     "500000": 500_000, "500kB": 500_000, "500KB": 500_000, "500kb": 500_000, "500k": 500_000,
     "1.5MB": 1_500_000, "1.5M": 1_500_000, "1.5mb": 1_500_000, "2MiB": 2 * 2**20,
     "2mib": 2 * 2**20, "2Mi": 2 * 2**20, "512KiB": 512 * 1024, "1GB": 10**9, "1GiB": 2**30,
-    " 7 ": 7, "0.5kB": 500, "1B": 1, "1PiB": MAX_BYTES,
+    " 7 ": 7, "0.5kB": 500, "1B": 1, "1PiB": MAX_BYTES, "2 MB": 2_000_000, "2M": 2_000_000,
 }
 BAD = ["", " ", "1.5", "0.1", "1.0005kB", "-1", "-1kB", "+5", "nan", "inf", "-inf", "1e15",
        "1e400", "0", "0kB", "kB", "MB", "2XB", "1.5.5MB", "1 000", "2MiBB", "1" * 400,
@@ -67,3 +69,18 @@ def test_every_malformed_byte_string_is_one_line_and_exit_2(tmp_path, capsys, te
     assert code == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err and "byte" in err, err
     assert not out.exists()
+
+
+def test_the_readme_lists_spellings_the_parser_takes_and_refuses():
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    sentence = readme[readme.index("Budgets are written"):].split("error.")[0]
+    accepted, refused = sentence.split("anything else")
+    for text in re.findall(r"`([^`]+)`", accepted):
+        if text != "B":
+            assert parse_byte_count(text) > 0, text
+    for text in re.findall(r"`([^`]+)`", refused):
+        with pytest.raises(ValueError):
+            parse_byte_count(text)
+    assert "`2 MB`" in accepted and "`2M`" in accepted

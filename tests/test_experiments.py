@@ -15,6 +15,7 @@ from experiments import context as experiment_context
 from experiments.lambda_vs_n import step_fit
 from experiments.points import PointStore
 from experiments.registry import EXPERIMENTS
+from knnper_cli import experiment as experiment_cli
 from knnper_cli.main import main
 
 pytestmark = pytest.mark.slow
@@ -38,8 +39,18 @@ def family(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
-def test_quick_experiment_writes_points_plot_and_summary(family, name, capsys):
+def test_quick_experiment_writes_points_plot_and_summary(family, name, capsys, monkeypatch):
+    bars = []
+
+    class Counted(experiment_cli.Progress):
+        def __init__(self, total, **kwargs):
+            super().__init__(total, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(experiment_cli, "Progress", Counted)
     assert knnper("experiment", name, "--quick", "--out", str(family)) == 0
+    if EXPERIMENTS[name].count is not None:  # the progress total is what the points are
+        assert bars[0].total is not None and bars[0].done == bars[0].total, name
     folder = family / name
     points = read_csv(folder / "points.csv")
     assert points, name

@@ -5,7 +5,9 @@ sample and say what a signature check did, predict that prints a summary, Ctrl-C
 from __future__ import annotations
 
 import argparse
+import io
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -223,3 +225,189 @@ def test_train_writes_progress_lines_to_a_log(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "\r" not in err
     assert "fedavg: 2/2 rounds done in" in err
+
+
+@pytest.mark.parametrize("build", [cli.build_parser, edge_parser], ids=["knnper", "knnper-edge"])
+def test_every_command_has_an_example_to_paste(build):
+    for path, parser in _parsers(build(), (build.__module__,)):
+        help_text = parser.format_help()
+        assert "example" in help_text.split("\n\n", 2)[-1], path
+        prog = "knnper-edge" if build is edge_parser else "knnper"
+        assert re.search(rf"^  {prog} ", help_text, re.M), path  # indented, as pasted
+
+
+def test_edge_help_gives_the_order_of_use_and_add_says_it_rewrites_in_place():
+    top = _flat_help(edge_parser())
+    assert "Order of use:" in top
+    assert top.index("info bundles") < top.index("predict bundles") < top.index("add bundles")
+    add = next(p for path, p in _parsers(edge_parser(), ()) if path == ("add",))
+    assert "the bundle is rewritten in place" in _flat_help(add)
+    init = next(p for path, p in _parsers(edge_parser(), ()) if path == ("init",))
+    assert '"kind": "image", "shape": [H, W, C]' in _flat_help(init)  # the --input-spec format
+
+
+def test_init_refuses_an_existing_bundle_without_force(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    before = {p.name: p.read_bytes() for p in bundle.iterdir()}
+    x, y = make_images(40, 3)
+    np.savez(tmp_path / "own.npz", x=x, y=y)
+    argv = ["init", "--encoder", str(bundle / "encoder.onnx"), "--data",
+            str(tmp_path / "own.npz"), "--budget", "1MB", "--like", str(bundle),
+            "--out", str(bundle)]
+    assert edge_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds a bundle" in err and "--force" in err and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in bundle.iterdir()} == before
+    fresh = tmp_path / "fresh"
+    assert edge_main([*argv[:-1], str(fresh)]) == 0
+    assert edge_main([*argv[:-1], str(fresh), "--force"]) == 0
+
+
+def test_info_and_evaluate_say_what_they_show_in_words(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    x, y = make_images(12, 4)
+    np.savez(tmp_path / "test.npz", x=x, y=y)
+    assert edge_main(["info", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^client +\S+ \((a device's own|the federated client)", out, re.M)
+    assert re.search(r"^ +\(flat keys \(exact search\); keys stored as", out, re.M)
+    assert edge_main(["evaluate", str(bundle), "--data", str(tmp_path / "test.npz")]) == 0
+    out = capsys.readouterr().out
+    assert re.match(r"accuracy \d+\.\d% on 12 samples \(\d+ right; lambda .*global model "
+                    r"\d+\.\d%, datastore alone \d+\.\d%\)$", out.strip())
+
+
+def test_a_recipe_in_words_names_every_part():
+    from edge_runtime.datastores.recipes import describe_recipe
+
+    assert describe_recipe("flat:int8:n1944") == ("flat keys (exact search); keys stored as "
+                                                  "int8; n1944: built from 1944 of the "
+                                                  "client's samples")
+    assert describe_recipe("hnsw:M16:ef64").count(";") == 2
+    assert "b40: room for 40 samples added on the device" in describe_recipe("protonn:d8:b40")
+
+
+def test_an_experiment_report_made_with_other_flags_is_kept(tmp_path, capsys, monkeypatch):
+    import json
+
+    from experiments import context as experiment_context
+
+    def trained(*args, **kwargs):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(experiment_context, "train", trained)
+    folder = tmp_path / "capacity"
+    folder.mkdir()
+    (folder / "report.json").write_text(json.dumps({"command": "knnper experiment capacity "
+                                                    "--out elsewhere", "settings": {"a": 1}}))
+    (folder / "summary.md").write_text("kept")
+    argv = ["--no-progress", "experiment", "capacity", "--quick", "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds a report made with other flags" in err and "--force" in err
+    assert err.count("\n") == 1 and (folder / "summary.md").read_text() == "kept"
+    with pytest.raises(AssertionError, match="trained"):  # --force goes on to train
+        cli.main([*argv, "--force"])
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    from fed_train.algorithms.base import TrainingConfig
+    from fed_train.run import RunConfig, load_run, train
+
+    path = tmp_path_factory.mktemp("first-hour") / "run"
+    train(RunConfig(dataset="digits", clients=4, seed=0,
+                    training=TrainingConfig(rounds=1, epochs=1, batch_size=16, lr=0.05)),
+          path, progress=False)
+    return load_run(path)
+
+
+@pytest.mark.parametrize("extras", ["any", "none"])
+def test_export_says_before_writing_that_hnsw_bundles_need_an_extra(small_run, tmp_path,
+                                                                    monkeypatch, caplog, extras):
+    import logging
+
+    from export import exporter
+
+    seen = {}
+
+    def before_any_bundle(run, out_dir, budgets, settings, space, *rest):
+        seen["space"] = space.backends
+        seen["warned"] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        raise KeyboardInterrupt  # stop here: nothing more to check
+
+    monkeypatch.setattr(exporter, "_export_locked", before_any_bundle)
+    settings = exporter.ExportSettings(device_extras=extras)
+    with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
+        exporter.export_run(small_run, tmp_path / "b", dict.fromkeys(range(4), 2_000_000),
+                            settings, progress=False)
+    hnsw_warning = [m for m in seen["warned"] if "hnsw extra" in m]
+    if extras == "any":
+        assert "hnsw" in seen["space"] and len(hnsw_warning) == 1
+        assert "export-onnx" in hnsw_warning[0] and "--device-extras none" in hnsw_warning[0]
+    else:
+        assert "hnsw" not in seen["space"] and not hnsw_warning
+    assert not any((tmp_path / "b").glob("client_*"))
+
+
+def test_device_extras_none_refuses_the_hnsw_backend():
+    from export.errors import ExportError
+    from export.exporter import ExportSettings
+
+    with pytest.raises(ExportError, match="--device-extras none rules it out"):
+        ExportSettings(backend="hnsw", device_extras="none").check()
+
+
+def test_the_export_names_the_clients_whose_bundles_need_an_extra():
+    from export.exporter import needing_extras
+
+    rows = [{"client_id": 0, "backend": "flat"}, {"client_id": 3, "backend": "hnsw"},
+            {"client_id": 7, "backend": "hnsw"}, {"client_id": 8, "backend": "protonn"}]
+    assert needing_extras(rows) == {"hnsw": [3, 7]}
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal: progress shows tqdm's bar."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_after_ctrl_c_the_message_is_the_last_line_and_logs_stay_off_the_bars(monkeypatch):
+    import logging
+
+    import knnper_cli.train as train_cli
+    from fed_train.progress import track
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+
+    def interrupted_mid_bar(args):
+        for i in track(range(10), total=10, desc="fedavg", unit="round"):
+            logging.getLogger("knnper.test").warning("a line the bar must not swallow")
+            if i == 2:
+                raise KeyboardInterrupt  # the generator, and its bar, are still open here
+
+    monkeypatch.setattr(train_cli, "_cmd_train", interrupted_mid_bar)
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+    try:
+        root.handlers = [logging.StreamHandler(terminal)]  # as basicConfig would make it
+        assert cli.run(["train", "--out", "unused"]) == 130
+    finally:
+        root.handlers = handlers
+    lines = [line for line in re.split(r"[\r\n]", terminal.getvalue()) if line.strip()]
+    assert lines[-1] == "knnper: interrupted; run the same command again to resume train"
+    warned = [line for line in lines if "a line the bar must not swallow" in line]
+    assert len(warned) == 3 and all(line.startswith("WARNING") or line.startswith("a line")
+                                    for line in warned)
+
+
+def test_experiments_that_know_their_point_count_give_the_progress_a_total():
+    from experiments.registry import EXPERIMENTS
+
+    counted = {name for name, e in EXPERIMENTS.items() if e.count is not None}
+    assert counted == set(EXPERIMENTS) - {"base-model"}  # its checkpoints decide its points
+    quick = {g.name: g.quick for g in EXPERIMENTS["capacity"].grids}
+    assert EXPERIMENTS["capacity"].count(quick) == len(quick["alphas"]) * (
+        1 + len(quick["capacities"]))  # FedAvg's capacity 0 is a point too

@@ -16,8 +16,9 @@ import knnper_cli.main as cli
 import knnper_cli.train as train_commands
 from edge_runtime.runtime import Runtime
 from export.demo import DemoSize, format_demo_table, run_demo
-from fed_train import defaults, run_evaluation
+from fed_train import defaults
 from fed_train.algorithms.base import TrainingConfig
+from fed_train.algorithms.local import Local
 from fed_train.run import RunConfig, load_run, train
 from fed_train.run_evaluation import evaluate_run
 from knnper_cli.args import config_from_args
@@ -99,7 +100,7 @@ def test_evaluate_reuses_its_cached_local_results(tiny_run, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("local models were trained again instead of read from the cache")
 
-    monkeypatch.setattr(run_evaluation, "client_accuracies", no_training)
+    monkeypatch.setattr(Local, "personalize", no_training)
     again = evaluate_run(load_run(tiny_run), ["local"], progress=False)
     assert again == first
 

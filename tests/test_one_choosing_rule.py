@@ -99,10 +99,11 @@ def test_server_sizer_and_device_init_choose_alike(tmp_path, seed, rule_name):
     assert init.lam == sizer.best_.lam
 
 
-def _accuracy(capsys, bundle, data) -> tuple[float, int]:
+def _device_correct(capsys, bundle, data) -> tuple[int, int]:
+    """(samples right, samples) as `knnper-edge evaluate` prints them."""
     assert edge_main(["evaluate", str(bundle), "--data", str(data)]) == 0
-    match = re.search(r"accuracy ([0-9.]+) on (\d+) samples", capsys.readouterr().out)
-    return float(match.group(1)), int(match.group(2))
+    match = re.search(r"on (\d+) samples \((\d+) right", capsys.readouterr().out)
+    return int(match.group(2)), int(match.group(1))
 
 
 # What int8 may cost against the float32 model on the same bundle configuration. The int8
@@ -177,9 +178,8 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
                 "value": server["knn"][name]["name"],
                 "source": server["knn"]["source"][name]}
         write_client_files(loaded, cid, tmp_path / f"c{cid}")
-        acc, n = _accuracy(capsys, bundle, tmp_path / f"c{cid}" / "test.npz")
+        device, n = _device_correct(capsys, bundle, tmp_path / f"c{cid}" / "test.npz")
         assert n == row["n_test"]
-        device = round(acc * n)  # the device prints 4 decimals: compare correct counts
         assert device == _server_int8_correct(loaded, cid, bundle, manifest), cid
         float_correct = round(row["knnper"] * n)
         assert abs(device - float_correct) <= INT8_MAX_CLIENT_SAMPLES, (cid, device,

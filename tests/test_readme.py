@@ -94,3 +94,38 @@ def test_the_readme_test_command_is_what_ci_runs():
     assert "&& python -m pytest -q\n" in text
     assert "\npython -m pytest -q\n" in ci
     assert "python .ci/readme.py" in ci
+
+
+def _printed_demo(**changes: str) -> str:
+    """The README's demo table as `knnper demo` prints it, with some cells changed
+    ("method/where/column": new value)."""
+    text = (REPO / "README.md").read_text()
+    rows = readme.markdown_rows(text, "| method | where |")
+    lines = ["| method | where | budget | bundle (mean) | seen acc % | unseen acc % |",
+             "|---|---|---|---|---|---|"]
+    for (method, where), row in rows.items():
+        cells = [changes.get(f"{method}/{where}/{c}", row[c]) for c in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "kNN-Per configuration ...\n" + "\n".join(lines) + "\nrun, evaluation and bundles in x\n"
+
+
+def test_the_demo_table_is_checked_against_the_readme_within_its_tolerance():
+    text = (REPO / "README.md").read_text()
+    assert readme.demo_differences(text, _printed_demo()) == []
+    # what an Intel Xeon with AVX-512 VNNI prints: int8 kernels, inside the tolerance
+    intel = _printed_demo(**{"kNN-Per/weak device (runtime)/seen acc %": "98.1",
+                             "kNN-Per/strong device (runtime)/bundle (mean)": "41 kB"})
+    assert readme.demo_differences(text, intel) == []
+    worse = readme.demo_differences(text, _printed_demo(
+        **{"kNN-Per/weak device (runtime)/seen acc %": "97.0"}))
+    assert len(worse) == 1 and "weak device (runtime), seen acc %" in worse[0]
+    # what an AMD EPYC with AVX-512 prints: FedAvg one test sample lower, inside the tolerance
+    fedavg = "FedAvg/server/seen acc %"
+    assert readme.demo_differences(text, _printed_demo(**{fedavg: "92.0"})) == []
+    assert len(readme.demo_differences(text, _printed_demo(**{fedavg: "91.0"}))) == 1
+
+
+def test_the_readme_says_which_demo_figures_depend_on_the_cpu():
+    text = " ".join((REPO / "README.md").read_text().split())
+    pp, kb = readme.DEMO_TOLERANCE
+    assert f"within {pp:g} pp" in text and f"{kb:g} kB" in text and "integer kernels" in text

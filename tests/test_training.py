@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,7 +59,44 @@ def test_evaluate_json_has_every_method_and_client(digits_run, tmp_path):
             assert 0.0 <= summary["bottom_decile"] <= summary["mean"] + 1e-9 <= 1.0 + 1e-9
     assert len(result["clients"]) == 8
     assert all(0.0 <= row["knnper_lambda"] <= 1.0 for row in result["clients"])
-    assert (digits_run / "eval" / "local.json").is_file()  # cached for the next evaluate
+    assert (digits_run / "eval" / "local.jsonl").is_file()  # cached for the next evaluate
+
+
+def _interrupt_after(monkeypatch, algorithm_class, n: int) -> list[int]:
+    """Make `algorithm_class.personalize` raise KeyboardInterrupt (a Ctrl-C) on its n+1-th call;
+    returns the ids of the clients it personalized."""
+    real, seen = algorithm_class.personalize, []
+
+    def personalize(self, weights, client, state, seed):
+        if len(seen) == n:
+            raise KeyboardInterrupt
+        seen.append(client.client_id)
+        return real(self, weights, client, state, seed)
+
+    monkeypatch.setattr(algorithm_class, "personalize", personalize)
+    return seen
+
+
+def test_an_interrupted_evaluate_resumes_at_the_client_it_stopped_at(digits_run, monkeypatch):
+    from fed_train.algorithms.local import Local
+    from fed_train.run import load_run
+    from fed_train.run_evaluation import evaluate_run
+
+    journal = digits_run / "eval" / "local.jsonl"
+    journal.unlink(missing_ok=True)
+    shutil.rmtree(digits_run / "eval", ignore_errors=True)  # as a fresh run: no eval folder
+    with monkeypatch.context() as m:
+        first = _interrupt_after(m, Local, 3)
+        with pytest.raises(KeyboardInterrupt):
+            evaluate_run(load_run(digits_run), ["local"], progress=False)
+    assert len(first) == 3
+    with monkeypatch.context() as m:
+        resumed = _interrupt_after(m, Local, 100)
+        result = evaluate_run(load_run(digits_run), ["local"], progress=False)
+    assert len(resumed) == 8 - 3 and not set(first) & set(resumed)
+    journal.unlink()
+    fresh = evaluate_run(load_run(digits_run), ["local"], progress=False)
+    assert result["clients"] == fresh["clients"]  # each client's own seed: the same models
 
 
 def test_knnper_with_lambda_zero_everywhere_equals_fedavg(digits_run, monkeypatch):

@@ -80,3 +80,22 @@ def format_recipe(name: str, params: dict) -> str:
         if params.get(key) is not None:
             parts.append(fmt.format(params[key]))
     return ":".join(parts)
+
+
+_BACKEND_WORDS = {"flat": "flat keys (exact search)", "hnsw": "an HNSW graph index",
+                  "protonn": "ProtoNN prototypes"}
+_PARAM_WORDS = {"dtype": "keys stored as {}", "n": "n{0}: built from {0} of the client's samples",
+                "M": "M{0}: {0} links per node", "ef": "ef{0}: search width {0}",
+                "ef_construction": "efc{0}: construction width {0}",
+                "d": "d{0}: keys projected to {0} dimensions",
+                "m": "m{0:g}: prototypes {0:g} x the samples",
+                "buffer": "b{0}: room for {0} samples added on the device"}
+
+
+def describe_recipe(recipe: str) -> str:
+    """A recipe in words, for a person reading `knnper-edge info`: "flat:fp32:n1944" ->
+    "flat keys (exact search); keys stored as fp32; n1944: built from 1944 of the client's
+    samples"."""
+    name, params = parse_recipe(recipe)
+    return "; ".join([_BACKEND_WORDS[name], *(_PARAM_WORDS[key].format(value)
+                                               for key, value in params.items())])

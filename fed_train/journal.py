@@ -1,0 +1,90 @@
+"""Append-only journals of finished units (a client evaluated, a bundle written), so that a
+command interrupted by Ctrl-C or a kill resumes at the first unit it had not finished. A header
+line says what the journal belongs to; each finished unit is one JSON line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def json_default(value: Any) -> Any:
+    """numpy scalars and paths, as JSON."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+class Journal:
+    """Each line goes out in one write() to a file opened for appending, so lines from
+    parallel processes do not interleave; a torn line (a kill in the middle of a write) is
+    skipped when read back."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def _lines(self) -> list[str]:
+        if not self.path.is_file():
+            return []
+        try:
+            return self.path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):  # unreadable: start the journal afresh
+            return []
+
+    def rows(self, header: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The rows after `header`, or None when the journal is missing or has another
+        header (it belongs to another command or other settings)."""
+        lines = self._lines()
+        try:
+            if not lines or json.loads(lines[0]) != header:
+                return None
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        rows = []
+        for line in lines[1:]:
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def add(self, row: dict[str, Any]) -> None:
+        line = (json.dumps(row, default=json_default) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+
+class ClientRows(Journal):
+    """Per-client result rows of one evaluation (keyed by `client_id`), written as each client
+    finishes: personalizing a client can mean training a model for it. `key`: what the rows
+    depend on (settings, model), JSON-ready."""
+
+    def __init__(self, path: Path, key: Any) -> None:
+        super().__init__(path)
+        self.key = key
+
+    def start(self) -> dict[int, dict[str, Any]]:
+        """The rows an earlier, interrupted call with this same key finished; a journal with
+        another key (other settings, another model) is started afresh."""
+        header = {"key": json.loads(json.dumps(self.key, default=json_default))}  # as read
+        found = self.rows(header)
+        if found is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(header) + "\n")
+            return {}
+        return {r["client_id"]: r for r in found if isinstance(r.get("client_id"), int)}
+
+    def remove(self) -> None:
+        """Once the complete result is saved elsewhere."""
+        self.path.unlink(missing_ok=True)
