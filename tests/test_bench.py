@@ -182,8 +182,11 @@ def test_tuned_knn_table_with_workers_and_attribution(tmp_path):
     """kNN-Per's k / sigma / normalisation chosen on validation, the oracle-lambda report, two
     worker processes, and every head on every body: the same table a single process writes."""
     out = tmp_path / "table"
+    # the attribution's knn+own head is the kNN with each body's own model and each client's
+    # own lambda: the table's kNN-Per with that base and rule pinned
     argv = [*TINY, "--methods", "fedavg,fedrep,pfedgp,knnper",
-            "--lambda-estimator", "auto", "--attribution"]
+            "--lambda-estimator", "auto", "--lambda-rule", "client", "--base", "global",
+            "--attribution"]
     assert bench(*argv, "--workers", "2", "--out", str(out)) == 0
     result = json.loads((out / "results.json").read_text())
     knn = result["knn"]
