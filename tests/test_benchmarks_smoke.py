@@ -59,6 +59,8 @@ CASES: dict[str, Case] = {
     "thread_count.py": Case(("--threads", "1", "--steps", "2", "--repeats", "1", "--out",
                              "{out}"), slow=True),
     "rejudge_experiments.py": Case(("{copy}",), slow=True),
+    "lambda_rules.py": Case(("--clients", "6", "--rounds", "1", "--seeds", "1", "--out",
+                             "{out}"), slow=True),
     "export_budget_curve.py": Case(("--smoke", "--out", "{out}"), slow=True),
     "flower_rounds.py": Case(("--tag", "smoke", "--clients", "2", "--rounds", "1", "--results",
                               "{out}", "--work", "{out}/work"), slow=True, module="flwr"),
