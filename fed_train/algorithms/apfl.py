@@ -35,6 +35,7 @@ from fed_train.algorithms.base import (
     finite_mean_loss,
     get_weights,
     model_predictor,
+    on_device,
     set_weights,
 )
 from fed_train.algorithms.fedavg import FedAvg
@@ -106,8 +107,8 @@ class APFL(FedAvg):
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         personal_total = torch.zeros_like(total)
         count = 0
-        for idx in batch_schedule(int(y.shape[0]), training, seed, epochs):
-            index = torch.from_numpy(idx)
+        for index in on_device(batch_schedule(int(y.shape[0]), training, seed, epochs),
+                               x.device):
             xb, yb = x[index], y[index]
             for alpha, v, opt in zip(self.alphas, self._personal, opts_v, strict=True):
                 with torch.no_grad():  # v_bar from w before its own step, as in Algorithm 1
@@ -134,8 +135,8 @@ class APFL(FedAvg):
                     loss = nn.functional.cross_entropy(w_model(xb), yb)
                 loss.backward()
                 opt_w.step()
-                total += loss.detach().double() * len(idx)
-                count += len(idx)
+                total += loss.detach().double() * len(index)
+                count += len(index)
         finite_mean_loss(personal_total, 1, lr)
         return finite_mean_loss(total, count, lr) if count else float("nan")
 

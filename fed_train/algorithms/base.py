@@ -5,7 +5,7 @@ and the paper's aggregation rule. An algorithm is a client half (`client_update`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -141,6 +141,19 @@ def batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterable[np.nd
         yield order[start:start + batch_size]
 
 
+def on_device(schedule: Iterable[np.ndarray], device: torch.device) -> Iterator[torch.Tensor]:
+    """A schedule's index arrays as slices of one tensor copied to `device` once: a copy from
+    host memory on every step would make the host wait for the device on every step."""
+    parts = list(schedule)
+    if not parts:
+        return
+    flat = torch.from_numpy(np.concatenate(parts)).to(device)
+    start = 0
+    for part in parts:
+        yield flat[start:start + len(part)]
+        start += len(part)
+
+
 def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: TrainingConfig,
               lr: float, seed: int, params: Iterable[nn.Parameter] | None = None,
               extra_loss: Callable[[], torch.Tensor] | None = None,
@@ -165,22 +178,23 @@ def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: Trai
     # the loss is summed where it is computed and checked once at the end: a per-step check
     # would wait for an accelerator on every step; a NaN still never reaches the aggregate
     total = torch.zeros((), dtype=torch.float64, device=x.device)
-    count, steps = 0, 0
+    schedule: list[np.ndarray] = []
     for _ in range(epochs_needed):
         for idx in batches(n, training.batch_size, rng):
-            if budget is not None and steps >= budget:
+            if budget is not None and len(schedule) >= budget:
                 break
-            index = torch.from_numpy(idx)
-            opt.zero_grad()
-            with autocast(x.device, training.precision):
-                loss = nn.functional.cross_entropy(model(x[index]), y[index])
-                if extra_loss is not None:
-                    loss = loss + extra_loss()
-            loss.backward()
-            opt.step()
-            total += loss.detach().double() * len(idx)
-            count += len(idx)
-            steps += 1
+            schedule.append(idx)
+    count = 0
+    for index in on_device(schedule, x.device):
+        opt.zero_grad()
+        with autocast(x.device, training.precision):
+            loss = nn.functional.cross_entropy(model(x[index]), y[index])
+            if extra_loss is not None:
+                loss = loss + extra_loss()
+        loss.backward()
+        opt.step()
+        total += loss.detach().double() * len(index)
+        count += len(index)
     return finite_mean_loss(total, count, lr)
 
 

@@ -100,21 +100,32 @@ class FedRep:
     def client_updates(self, global_weights: Weights, clients: list[ClientData],
                        states: list[dict[str, Any]], lr: float,
                        seeds: list[int]) -> list[ClientResult]:
-        """`client_update` for several clients: each trains its head on cached embeddings as
-        before (a linear model, cheap), then their bodies step together with the heads held."""
+        """`client_update` for several clients: their heads step together on the embeddings of
+        the global body (every client's, as `client_update` computes them), then their bodies
+        step together with the heads held."""
         model = self._work
         device = clients[0].x_train.device
+        set_weights(model, global_weights)
+        head_training = epochs_only(self.training)
+        # the classifier's own names (weight, bias) for its functional call
+        local = {n: n.removeprefix("classifier.") for n in sorted(self.head_names)}
+        head_lanes = []
+        for client, state, seed in zip(clients, states, seeds, strict=True):
+            head = state.get("head", self._head(global_weights))
+            z = torch.from_numpy(embed_and_logits(model, client.x_train)[0]).to(device)
+            schedule = batch_schedule(client.num_train, head_training, seed, self.head_epochs)
+            head_lanes.append(Lane({local[n]: p for n, p in as_params(head, list(local),
+                                                                      device).items()},
+                                   {}, z, client.y_train, list(schedule)))
+        trained_heads, _ = step_together(cross_entropy_loss(model.classifier), head_lanes,
+                                         head_training, self.head_lr or lr)
+        heads = [{n: as_weights(p)[local[n]] for n in local} for p in trained_heads]
         body = [n for n, _ in model.named_parameters() if n not in self.head_names]
         start = as_params(global_weights, body, device)
-        lanes, heads = [], []
-        for client, state, seed in zip(clients, states, seeds, strict=True):
-            set_weights(model, {**global_weights, **state.get("head", self._head(global_weights))})
-            self._train_head(model, client, self.head_epochs, self.head_lr or lr, seed)
-            head = self._head(get_weights(model))
-            heads.append(head)
-            schedule = batch_schedule(client.num_train, self.training, sub_seed(seed, 1))
-            lanes.append(Lane(start, as_params(head, sorted(self.head_names), device),
-                              client.x_train, client.y_train, list(schedule)))
+        lanes = [Lane(start, as_params(head, sorted(self.head_names), device), client.x_train,
+                      client.y_train,
+                      list(batch_schedule(client.num_train, self.training, sub_seed(seed, 1))))
+                 for client, head, seed in zip(clients, heads, seeds, strict=True)]
         trained, losses = step_together(cross_entropy_loss(model), lanes, self.training, lr)
         return [ClientResult({n: w for n, w in {**global_weights, **as_weights(p)}.items()
                               if n in self.body_names}, c.num_train, {"head": head}, loss)

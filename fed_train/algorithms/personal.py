@@ -18,6 +18,7 @@ from fed_train.algorithms.base import (
     batches,
     finite_mean_loss,
     get_weights,
+    on_device,
     predict_proba,
     set_weights,
 )
@@ -79,8 +80,7 @@ def sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: TrainingCo
     model.train()
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     count = 0
-    for idx in batch_schedule(int(y.shape[0]), training, seed, epochs):
-        index = torch.from_numpy(idx)
+    for index in on_device(batch_schedule(int(y.shape[0]), training, seed, epochs), x.device):
         opt.zero_grad()
         with autocast(x.device, training.precision):
             loss = loss_fn(model, x[index], y[index])
@@ -88,8 +88,8 @@ def sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: TrainingCo
         opt.step()
         if after_step is not None:
             after_step()
-        total += loss.detach().double() * len(idx)
-        count += len(idx)
+        total += loss.detach().double() * len(index)
+        count += len(index)
     return finite_mean_loss(total, count, lr) if count else float("nan")
 
 
