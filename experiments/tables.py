@@ -193,7 +193,7 @@ class TableRunner:
         # the choice, which holds nothing of the test splits)
         views = client_views(model, self.clients)
         if choice.base == "linear":
-            views = linear_base_views(views, choice.l2)
+            views = linear_base_views(views, choice.l2, choice.config.normalize)
         oracle = client_rows(views, choice.config,
                              estimator=choice.lambda_estimator, rule=choice.lambda_rule,
                              seed=self.config.seed)

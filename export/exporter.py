@@ -29,6 +29,7 @@ from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
     LambdaRule,
+    normalize_embeddings,
 )
 from edge_runtime.linear_head import LinearHead
 from edge_runtime.locking import LockTimeout, directory_lock
@@ -84,8 +85,8 @@ class ExportSettings:
     lambda_estimator: str = "val"  # how each bundle's lambda is chosen (see DatastoreSizer)
     lambda_rule: LambdaRule = CLIENT_RULE  # ... and how that pools evidence across clients
     # what the kNN is interpolated with: the global model, or each client's linear head (fitted
-    # with l2 on the server's float embeddings of its train split, shipped as its encoder's
-    # classifier: export.personal_encoder)
+    # with l2 on the server's float embeddings of its train split, normalised as the kNN's, and
+    # shipped as its encoder's classifier: export.personal_encoder)
     base: str = "global"
     l2: float | None = None
     # each kNN value with where it came from (validation / flag / paper default), written into
@@ -406,7 +407,7 @@ def _client_task(run: LoadedRun, client: ClientData, session: Encoder,
     if settings.base == "linear":
         z_train, _ = embed_and_logits(run.model, client.x_train)
         head = LinearHead(run.dataset.num_classes, l2=settings.l2).fit(
-            z_train, client.y_train.cpu().numpy())
+            normalize_embeddings(z_train, settings.normalize), client.y_train.cpu().numpy())
         personal = with_linear_head(encoder_files.path, head)
         session = Encoder(personal, intra_op_threads=1)
     return ClientTask(client_embeddings(session, client), int(budgets[client.client_id]),

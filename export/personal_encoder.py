@@ -1,11 +1,12 @@
 """A client's encoder with its own linear head in place of the global classifier: the exported
-graph's "logits" output becomes that client's linear head on the same embeddings, so every
+graph's "logits" output becomes that client's linear head on the graph's "embedding" output
+(the embeddings its kNN searches, normalised as the run's kNN configuration says), so every
 device path (the runtime's single session, `add`, the one-file ONNX predictor) interpolates the
 kNN with the client's head without knowing it exists.
 
-The head's weights replace the classifier's initializers in place (same names, shapes and
-dtype), so the file keeps its size and the budget its encoder share; the int8 exporter keeps the
-classifier in float, so the head runs at full precision."""
+The global classifier's nodes and weights are removed and the head is one float Gemm (p x C
+weights), so the bundle's budget counts the head through the encoder's bytes, and an int8
+encoder's quantized classifier does not clip the head's logits."""
 
 from __future__ import annotations
 
@@ -13,43 +14,59 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from edge_runtime.linear_head import LinearHead
 from export.errors import ExportError
 from export.onnx_export import OUTPUT_NAMES
 
-
-def _gemm_attributes(node: onnx.NodeProto) -> dict[str, float]:
-    out = {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}
-    for a in node.attribute:
-        if a.name in out:
-            out[a.name] = a.f if a.type == onnx.AttributeProto.FLOAT else a.i
-    return out
+HEAD_NAME = "personal_linear_head"
 
 
 def with_linear_head(encoder: bytes | str | Path, head: LinearHead) -> bytes:
-    """The encoder's bytes with the Gemm that produces "logits" computing `head` instead:
-    logits = z @ coef_ + intercept_ on the classifier's own input."""
+    """The encoder's bytes with "logits" = embedding @ coef_ + intercept_ (then softmax on the
+    device, as for the global model's logits)."""
     model = onnx.load_from_string(encoder) if isinstance(encoder, bytes) else onnx.load(encoder)
-    logits = OUTPUT_NAMES[1]
-    node = next((n for n in model.graph.node if logits in n.output), None)
-    inits = {init.name: init for init in model.graph.initializer}
-    if node is None or node.op_type != "Gemm" or len(node.input) != 3 \
-            or node.input[1] not in inits or node.input[2] not in inits:
-        raise ExportError("the linear base needs an encoder whose logits come from one Gemm "
-                          "with constant weights and bias (a linear classifier)")
-    attrs = _gemm_attributes(node)
-    if attrs["transA"] or attrs["alpha"] == 0 or attrs["beta"] == 0:
-        raise ExportError("the encoder's classifier Gemm has a form the linear base cannot "
-                          f"rewrite ({attrs})")
-    weight = head.coef_.T if attrs["transB"] else head.coef_  # coef_ is [p, C]
-    for name, value in ((node.input[1], weight / attrs["alpha"]),
-                        (node.input[2], head.intercept_ / attrs["beta"])):
-        old = inits[name]
-        new = np.ascontiguousarray(value, dtype=np.float32)
-        if tuple(old.dims) != new.shape or old.data_type != onnx.TensorProto.FLOAT:
-            raise ExportError(f"classifier initializer {name!r} is {list(old.dims)} "
-                              f"(type {old.data_type}); the linear head gives {list(new.shape)}")
-        old.CopyFrom(numpy_helper.from_array(new, name))
+    graph = model.graph
+    embedding, logits = OUTPUT_NAMES
+    if sorted(o.name for o in graph.output) != sorted(OUTPUT_NAMES):
+        raise ExportError(f"the encoder's outputs are {[o.name for o in graph.output]}, not "
+                          f"{list(OUTPUT_NAMES)}")
+    dim = head.coef_.shape[0]
+    for node in graph.node:  # the global classifier's output becomes a dead end, pruned below
+        for i, name in enumerate(node.output):
+            if name == logits:
+                node.output[i] = f"{logits}/global"
+    weight = numpy_helper.from_array(np.ascontiguousarray(head.coef_, np.float32),
+                                     f"{HEAD_NAME}.weight")
+    bias = numpy_helper.from_array(np.ascontiguousarray(head.intercept_, np.float32),
+                                   f"{HEAD_NAME}.bias")
+    graph.initializer.extend([weight, bias])
+    graph.node.append(helper.make_node("Gemm", [embedding, weight.name, bias.name], [logits],
+                                       name=HEAD_NAME))
+    _prune(graph)
+    out = {o.name: o for o in graph.output}[embedding]
+    dims = out.type.tensor_type.shape.dim
+    if len(dims) == 2 and dims[1].HasField("dim_value") and dims[1].dim_value != dim:
+        raise ExportError(f"the encoder's embedding has {dims[1].dim_value} dimensions; the "
+                          f"linear head was fitted on {dim}")
     return model.SerializeToString()
+
+
+def _prune(graph: onnx.GraphProto) -> None:
+    """Drop the nodes, initializers and shape records no graph output depends on."""
+    needed = {o.name for o in graph.output}
+    keep = []
+    for node in reversed(graph.node):  # ONNX graphs are topologically sorted
+        if needed.intersection(node.output):
+            keep.append(node)
+            needed.update(node.input)
+    keep.reverse()
+    del graph.node[:]
+    graph.node.extend(keep)
+    inits = [i for i in graph.initializer if i.name in needed]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+    infos = [v for v in graph.value_info if v.name in needed]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)

@@ -517,19 +517,30 @@ def choose_l2(views: Sequence[ClientView],
 BASES: tuple[str, ...] = ("global", "linear")
 
 
-def linear_base_views(views: Sequence[ClientView], l2: float) -> list[ClientView]:
+def normalized_views(views: Sequence[ClientView], normalize: str) -> list[ClientView]:
+    """The same clients with their embeddings normalised as the kNN's are: what the exported
+    encoder's "embedding" output gives the device, and so what a linear head there reads."""
+    if normalize == "none":
+        return list(views)
+    return [replace(v, z_train=normalize_embeddings(v.z_train, normalize),
+                    z_val=normalize_embeddings(v.z_val, normalize),
+                    z_test=normalize_embeddings(v.z_test, normalize)) for v in views]
+
+
+def linear_base_views(views: Sequence[ClientView], l2: float,
+                      normalize: str = "none") -> list[ClientView]:
     """The same clients with the global model's probabilities replaced by each client's linear
-    head (fitted on its raw train embeddings, the classifier's own input): the base kNN-Per
-    interpolates with when the linear base is chosen. A client without train data keeps the
-    global model."""
+    head (fitted with `l2` on its train embeddings, normalised as the kNN's: the encoder's
+    "embedding" output on the device): the base kNN-Per interpolates with when the linear base
+    is chosen. A client without train data keeps the global model."""
     out = []
-    for v in views:
+    for v, n in zip(views, normalized_views(views, normalize), strict=True):
         if len(v.y_train) == 0:
             out.append(v)
             continue
-        head = LinearHead(v.num_classes, l2=l2).fit(v.z_train, v.y_train)
+        head = LinearHead(v.num_classes, l2=l2).fit(n.z_train, n.y_train)
         probs = [head.predict_proba(z) if len(z) else np.zeros((0, v.num_classes))
-                 for z in (v.z_train, v.z_val, v.z_test)]
+                 for z in (n.z_train, n.z_val, n.z_test)]
         out.append(replace(v, p_train=probs[0], p_val=probs[1], p_test=probs[2]))
     return out
 
@@ -571,8 +582,8 @@ def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
     base_views = {"global": views}
     l2_record: dict[str, Any] = {}
     if "linear" in bases:
-        l2, l2_record = choose_l2(views)
-        base_views["linear"] = linear_base_views(views, l2)
+        l2, l2_record = choose_l2(normalized_views(views, config.normalize))
+        base_views["linear"] = linear_base_views(views, l2, config.normalize)
     rules = LAMBDA_RULES if rule == "auto" else (rule,)
     base_cv: dict[str, dict[str, float]] = {}
     if len(bases) * len(rules) > 1:

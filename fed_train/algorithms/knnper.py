@@ -57,7 +57,7 @@ class KNNPer(FedAvg):
         """`lambda_rule` is `LambdaRule.to_dict()`'s plain data (what a Flower message
         carries); None is each client's own lambda, the paper's rule. `base` is what the kNN
         is interpolated with: the global model, or ("linear") a linear head fitted with `l2`
-        on the client's raw train embeddings (the global classifier's own input)."""
+        on the client's train embeddings, normalised as the kNN's are."""
         super().__init__(model_fn, training)
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
@@ -90,11 +90,13 @@ class KNNPer(FedAvg):
     def _base(self, num_classes: int, z_train: np.ndarray,
               y_train: np.ndarray) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
         """The client's base predictor from (raw embeddings, logits): the global model's softmax,
-        or its own linear head."""
+        or its own linear head on the embeddings normalised as the kNN's are (what the exported
+        encoder's "embedding" output gives it on the device)."""
         if self.base == "global" or len(y_train) == 0:
             return lambda z, logits: softmax(logits.astype(np.float64))
-        linear = LinearHead(num_classes, l2=self.l2).fit(z_train, y_train)
-        return lambda z, logits: linear.predict_proba(z)
+        linear = LinearHead(num_classes, l2=self.l2).fit(
+            normalize_embeddings(z_train, self.normalize), y_train)
+        return lambda z, logits: linear.predict_proba(normalize_embeddings(z, self.normalize))
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:

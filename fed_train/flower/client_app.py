@@ -130,6 +130,7 @@ def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSetting
         grid_counts,
         l2_counts,
         linear_base_views,
+        normalized_views,
         rule_evidence,
         rule_fold_counts,
     )
@@ -139,7 +140,8 @@ def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSetting
     view = client_views(model, [client])[0]
     view.unseen = False  # only seen clients are asked
     if float(config.get("linear-l2", 0.0)) > 0:  # the rule phases under the linear base
-        view = linear_base_views([view], float(config["linear-l2"]))[0]
+        view = linear_base_views([view], float(config["linear-l2"]),
+                                 KNNConfig(**json.loads(str(config["config"]))).normalize)[0]
     if phase == "knn-grid":
         points = [KNNConfig(**p) for p in json.loads(str(config["points"]))]
         counts = grid_counts(view, points)
@@ -147,7 +149,8 @@ def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSetting
         counts = estimator_counts(view, KNNConfig(**json.loads(str(config["config"]))),
                                   seed=settings.run.seed)
     elif phase == "knn-l2":
-        counts = l2_counts(view)
+        normalize = KNNConfig(**json.loads(str(config["config"]))).normalize
+        counts = l2_counts(normalized_views([view], normalize)[0])
     elif phase == "knn-rule-folds":
         counts = rule_fold_counts(view, KNNConfig(**json.loads(str(config["config"]))),
                                   str(config["estimator"]), seed=settings.run.seed)

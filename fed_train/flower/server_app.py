@@ -135,7 +135,8 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
     l2_choice: dict[str, Any] = {}
     if "linear" in bases:
         l2_grid = [LinearConfig(float(v)) for v in L2_GRID]
-        best, l2_scores = pick_config(l2_grid, list(ask({"phase": "knn-l2"}).values()))
+        best, l2_scores = pick_config(l2_grid, list(ask({"phase": "knn-l2",
+                                                          **asked}).values()))
         l2_choice = {"config": best.to_dict(), "grid": l2_scores}
     under = {b: {**asked, "linear-l2": l2_choice["config"]["l2"] if b == "linear" else 0.0}
              for b in bases}
