@@ -191,3 +191,20 @@ def test_export_onnx_refuses_to_write_into_the_bundle_it_reads(tmp_path, capsys)
 def test_threads_past_the_machine_are_refused(tmp_path, capsys):
     bundle = build_bundle(tmp_path)
     _fails_in_one_line(["--threads", "100000", "info", str(bundle)], capsys, "at most")
+
+
+def test_predict_reads_and_writes_a_large_input_in_chunks(tmp_path, capsys, monkeypatch):
+    """Memory-mapped in, chunk by chunk out: the probabilities file equals one call's."""
+    bundle = build_bundle(tmp_path)
+    x, _ = make_images(25, seed=3)
+    np.save(tmp_path / "x.npy", x)
+    monkeypatch.setattr(edge_cli, "CHUNK_ROWS", 7)
+    out = tmp_path / "p.npy"
+    assert edge_cli.main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
+                          "--output", str(out)]) == 0
+    assert "predicted 25 input(s)" in capsys.readouterr().out
+    np.testing.assert_allclose(np.load(out), Runtime.load(bundle).predict_proba(x), atol=1e-12)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("p.npy")) == ["p.npy"]
+    np.save(tmp_path / "one.npy", x[0])
+    assert edge_cli.main(["predict", str(bundle), "--input", str(tmp_path / "one.npy")]) == 0
+    assert "predicted 1 input(s)" in capsys.readouterr().out
