@@ -72,17 +72,27 @@ class Predictor:
 
     def run(self, x: np.ndarray, datastore) -> np.ndarray:
         """Raw inputs [N, ...] (N >= 1) -> probabilities [N, C] float64."""
+        return self._fetch(["probabilities"], x, datastore)[0]
+
+    def embed(self, x: np.ndarray, datastore) -> tuple[np.ndarray, np.ndarray]:
+        """Raw inputs [N, ...] (N >= 1) -> the encoder's (embedding [N, p], logits [N, C]),
+        from the same session: a bundle holds one."""
+        z, logits = self._fetch(["embedding", "logits"], x, datastore)
+        return z, logits
+
+    def _fetch(self, outputs: list[str], x: np.ndarray, datastore) -> list[np.ndarray]:
         feeds = sample_feeds(datastore)
         searched = feeds["labels"].shape[0]
         if datastore.backend == "protonn":
             searched += len(datastore)  # the prototypes beside the buffer
         rows = min(BATCH_ROWS, max(1, _MAX_CHUNK_CELLS // max(1, searched)))
-        parts = []
+        parts: list[list[np.ndarray]] = [[] for _ in outputs]
         for start in range(0, x.shape[0], rows):
             feeds["input"] = x[start : start + rows]
             try:
-                (p,) = self.session.run(["probabilities"], feeds)
+                values = self.session.run(outputs, feeds)
             except Exception as exc:  # onnxruntime raises its own exception types
                 raise ValueError(f"the predictor failed: {_first_line(exc)}") from None
-            parts.append(p)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            for part, value in zip(parts, values, strict=True):
+                part.append(value)
+        return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]

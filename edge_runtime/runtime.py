@@ -51,6 +51,7 @@ from .bundle import (
     read_manifest,
 )
 from .datastores import max_count_within
+from .encoder import Encoder
 from .knn import interpolate, softmax
 from .locking import DEFAULT_LOCK_TIMEOUT
 from .predictor import Predictor
@@ -103,7 +104,7 @@ class Runtime:
         self,
         path: Path,
         manifest: dict,
-        encoder,
+        encoder: Encoder | None,
         datastore,
         *,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
@@ -170,11 +171,24 @@ class Runtime:
     # -- inference
     def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Raw inputs -> (embeddings [N,p], logits [N,C]); input checks happen here."""
-        xp = prepare_checked(x, self._spec)
-        if xp.shape[0] == 0:
+        batch = self._checked(x)
+        if batch.shape[0] == 0:
             dim = self.manifest["embedding_dim"]
             return np.zeros((0, dim), np.float32), np.zeros((0, self.num_classes), np.float32)
-        return self.encoder.run(xp)
+        return self._encode(batch)
+
+    def _checked(self, x: np.ndarray) -> np.ndarray:
+        """Checked inputs as a batch in the form the bundle's session takes: raw for the
+        single-session predictor (it normalises in its graph), normalised for the encoder."""
+        if self.predictor is not None:
+            return raw_checked(x, self._spec)
+        return prepare_checked(x, self._spec)
+
+    def _encode(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A `_checked` batch (N >= 1) -> (embeddings, logits) through the bundle's session."""
+        if self.predictor is not None:
+            return self.predictor.embed(batch, self.datastore)
+        return self.encoder.run(batch)
 
     def components(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(p_local from the datastore, p_global = softmax(logits)), each [N, C]."""
@@ -241,14 +255,14 @@ class Runtime:
         first_kept = count - min(count, target)
         zs, kept, seen = [], [], 0
         for x, y in chunks:
-            xp = prepare_checked(x, self._spec)
+            xp = self._checked(x)
             labels = check_labels(y, xp.shape[0], self.num_classes)
             skip = max(0, first_kept - seen)
             seen += xp.shape[0]
             if seen > count:
                 raise ValueError(f"got more than the {count} samples announced")
             if skip < xp.shape[0]:
-                zs.append(self.encoder.run(xp[skip:])[0])
+                zs.append(self._encode(xp[skip:])[0])
                 kept.append(labels[skip:])
         if seen != count:
             raise ValueError(f"got {seen} samples, {count} were announced")
