@@ -33,7 +33,13 @@ def has_single_session(datastore) -> bool:
 def sample_feeds(datastore) -> dict[str, np.ndarray]:
     """The graph's sample inputs ("stored" form), the datastore's own arrays."""
     if datastore.backend == "protonn":
-        return {"keys_t": datastore.buffer_keys_t_, "labels": datastore.buffer_labels_}
+        return {
+            "prototypes": datastore.B_,
+            "prototype_scores": datastore.Z_,
+            "prototype_norms": datastore.prototype_norms_,
+            "keys_t": datastore.buffer_keys_t_,
+            "labels": datastore.buffer_labels_,
+        }
     feeds = {
         "keys_t": datastore.keys_t_,
         "key_norms": datastore.key_norms_,

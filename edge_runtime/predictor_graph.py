@@ -14,8 +14,9 @@ How the datastore's samples enter the graph (`samples`):
   bundle the float keys meet the query quantised as the integer scan quantises it.
 - "stored": graph inputs as the runtime holds them, so nothing is copied and `add` needs no new
   session: flat "keys_t" [p, n] in the stored dtype, "key_norms" [n] float32, "labels" [n]
-  int64 (int8 keys also "key_sums" [n] int32); ProtoNN "keys_t" [d, count] float32 (its
-  buffer) and "labels" [count] int64.
+  int64 (int8 keys also "key_sums" [n] int32); ProtoNN "prototypes" B [d, m],
+  "prototype_scores" Z [C, m], "prototype_norms" [m] (float32) and its buffer, "keys_t"
+  [d, count] float32 and "labels" [count] int64.
 
 int8 keys are scanned by onnxruntime's integer kernels (MatMulInteger, uint8 x int8): the query
 times the per-dimension scale is quantised to integers in [-63, 63] with one symmetric scale per
@@ -258,36 +259,64 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
 
 
 def _protonn(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str]:
+    """ProtoNN's posterior. The prototypes and the buffer of added samples are scored as two
+    parts whose squared distances meet only to find the nearest: nothing as large as the
+    prototypes is concatenated on a call."""
     classes = int(manifest["num_classes"])
     wz = g.node("MatMul", [z, g.const(ds.W_.T)])
+    wz_norms = g.cast(_row_norms(g, wz, 1), P.DOUBLE)
     if samples == "constant":
         B_all, Z_all = ds.prototypes()
-        prototypes, scores_t = g.const(B_all), g.const(Z_all.T)
-        norms = g.const(np.einsum("ij,ij->j", B_all, B_all))  # as ProtoNNDatastore sums them
+        norms = np.einsum("ij,ij->j", B_all, B_all)  # as ProtoNNDatastore sums them
+        parts = [(g.const(B_all), g.const(norms), g.const(Z_all), True)]
     else:
-        if samples == "portable":
-            buffer_t, labels = _portable_samples(g)
-        else:
-            buffer_t = g.input("keys_t", P.FLOAT, [int(ds.W_.shape[0]), "n"])
+        if samples == "stored":
+            d, m = (int(s) for s in ds.B_.shape)
+            prototypes = g.input("prototypes", P.FLOAT, [d, m])
+            scores_by_class = g.input("prototype_scores", P.FLOAT, [classes, m])
+            norms = g.input("prototype_norms", P.FLOAT, [m])
+            buffer_t = g.input("keys_t", P.FLOAT, [d, "n"])
             labels = g.input("labels", P.INT64, ["n"])
+        else:
+            prototypes, scores_by_class = g.const(ds.B_), g.const(ds.Z_)
+            norms = g.const(ds.prototype_norms_)
+            buffer_t, labels = _portable_samples(g)
         onehot = g.node(
             "OneHot",
             [labels, g.const(classes, np.int64), g.const([0.0, ds.buffer_weight_])],
             axis=-1,
         )
-        prototypes = g.node("Concat", [g.const(ds.B_), buffer_t], axis=1)
-        scores_t = g.node("Concat", [g.const(ds.Z_.T), onehot], axis=0)
-        buffer_norms = _row_norms(g, buffer_t, 0)
-        norms = g.node("Concat", [g.const(ds.prototype_norms_[None, :]), buffer_norms], axis=1)
-    dots = g.cast(g.node("MatMul", [wz, prototypes]), P.DOUBLE)
-    twice = g.node("Mul", [dots, g.const(2.0, np.float64)])
-    sq = g.node("Sub", [g.cast(_row_norms(g, wz, 1), P.DOUBLE), twice])
-    sq = g.node("Add", [sq, g.cast(norms, P.DOUBLE)])
+        parts = [
+            (prototypes, norms, scores_by_class, True),
+            (buffer_t, _row_norms(g, buffer_t, 0), onehot, False),
+        ]
+    sq_parts = []
+    for keys_t, key_norms, _, _ in parts:
+        twice = g.node(
+            "Mul", [g.cast(g.node("MatMul", [wz, keys_t]), P.DOUBLE), g.const(2.0, np.float64)]
+        )
+        sq_parts.append(g.node("Add", [g.node("Sub", [wz_norms, twice]), g.cast(key_norms,
+                                                                                  P.DOUBLE)]))
+    sq = sq_parts[0] if len(sq_parts) == 1 else g.node("Concat", sq_parts, axis=1)
     nearest = g.reduce("ReduceMin", sq, 1)
     shifted = g.node("Relu", [g.node("Sub", [sq, nearest])])
     kernel = g.node("Exp", [g.node("Mul", [shifted, g.const(-(ds.gamma_**2), np.float64)])])
-    scores = g.cast(g.node("MatMul", [g.cast(kernel, P.FLOAT), scores_t]), P.DOUBLE)
-    scores = g.node("Relu", [scores])
+    kernel = g.cast(kernel, P.FLOAT)
+    if len(parts) == 1:
+        scores = g.node("Gemm", [kernel, parts[0][2]], transB=1)
+    else:
+        m = g.const([int(ds.B_.shape[1])], np.int64)
+        axis = g.const([1], np.int64)
+        k_prototypes = g.node("Slice", [kernel, g.const([0], np.int64), m, axis])
+        k_buffer = g.node("Slice", [kernel, m, g.const([np.iinfo(np.int64).max], np.int64), axis])
+        scores = g.node(
+            "Add",
+            [
+                g.node("Gemm", [k_prototypes, parts[0][2]], transB=1),
+                g.node("MatMul", [k_buffer, parts[1][2]]),
+            ],
+        )
+    scores = g.node("Relu", [g.cast(scores, P.DOUBLE)])
     total = g.reduce("ReduceSum", scores, 1)
     p_local = g.node(
         "Where",
