@@ -69,7 +69,7 @@ from .manifest import (
 )
 from .onnx_check import uses_external_data
 from .onnx_proto import ParsedModel
-from .predictor import Predictor, has_single_session
+from .predictor import BATCH_ROWS, Predictor, has_single_session
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
 
@@ -214,7 +214,7 @@ def read_bundle(
         if with_predictor and has_single_session(datastore):
             predictor = _predictor(model, manifest, datastore, intra_op_threads, where)
         else:
-            encoder = Encoder(model, intra_op_threads=intra_op_threads)
+            encoder = Encoder(model, intra_op_threads=intra_op_threads, batch_size=BATCH_ROWS)
     except ValueError as exc:
         raise BundleError(f"{where}: {one_line(exc)}") from None
     del model  # the session holds what it needs

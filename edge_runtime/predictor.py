@@ -15,12 +15,15 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from .datastores.common import WORK_CELLS
 from .encoder import _first_line, _session, _session_options
-from .knn import _MAX_CHUNK_CELLS
 from .predictor_graph import build_predictor
 
-# Inputs per run at most, as the encoder alone runs them, to bound activations' memory.
-BATCH_ROWS = 256
+# A run's intermediates must fit in the 2 MiB a bundle's memory may pass its budget by (with
+# onnxruntime's own session; see datastores.common.WORK_CELLS): at most BATCH_ROWS inputs (the
+# encoder's activations grow with them) and distance matrices [rows, searched] of at most
+# WORK_CELLS cells, or one row. A larger batch runs in turn.
+BATCH_ROWS = 4
 
 
 def has_single_session(datastore) -> bool:
@@ -91,7 +94,7 @@ class Predictor:
         searched = feeds["labels"].shape[0]
         if datastore.backend == "protonn":
             searched += len(datastore)  # the prototypes beside the buffer
-        rows = min(BATCH_ROWS, max(1, _MAX_CHUNK_CELLS // max(1, searched)))
+        rows = max(1, min(BATCH_ROWS, WORK_CELLS // max(1, searched)))
         parts: list[list[np.ndarray]] = [[] for _ in outputs]
         for start in range(0, x.shape[0], rows):
             feeds["input"] = x[start : start + rows]
