@@ -28,7 +28,7 @@ from .common import (
 
 # Bytes of a flat search's intermediates alive at once per distance cell (int32 products, float32
 # distances and their steps), as measured by benchmarks/runtime_memory.py, rounded up.
-FLAT_CELL_BYTES = 24
+FLAT_CELL_BYTES = 32
 
 
 class FlatDatastore(SampleDatastore):
