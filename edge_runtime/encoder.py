@@ -102,10 +102,6 @@ def _session_options(
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
     options.graph_optimization_level = level
-    # No arena and no memory pattern: each holds on to the largest batch's intermediates for the
-    # session's life (an arena also rounds its blocks up), memory a device's budget does not have.
-    options.enable_cpu_mem_arena = False
-    options.enable_mem_pattern = False
     return options
 
 
