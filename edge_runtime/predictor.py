@@ -95,13 +95,18 @@ class Predictor:
         if datastore.backend == "protonn":
             searched += len(datastore)  # the prototypes beside the buffer
         rows = max(1, min(BATCH_ROWS, WORK_CELLS // max(1, searched)))
+        if x.shape[0] <= rows:  # one run, as at batch 1: nothing to gather
+            feeds["input"] = x
+            return self._run(outputs, feeds)
         parts: list[list[np.ndarray]] = [[] for _ in outputs]
         for start in range(0, x.shape[0], rows):
             feeds["input"] = x[start : start + rows]
-            try:
-                values = self.session.run(outputs, feeds)
-            except Exception as exc:  # onnxruntime raises its own exception types
-                raise ValueError(f"the predictor failed: {_first_line(exc)}") from None
-            for part, value in zip(parts, values, strict=True):
+            for part, value in zip(parts, self._run(outputs, feeds), strict=True):
                 part.append(value)
-        return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]
+        return [np.concatenate(p) for p in parts]
+
+    def _run(self, outputs: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        try:
+            return self.session.run(outputs, feeds)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise ValueError(f"the predictor failed: {_first_line(exc)}") from None

@@ -149,16 +149,15 @@ class FlatDatastore(SampleDatastore):
         """Upper bound on what n_samples keys of dimension dim cost a device: the saved
         datastore.npz, and the key norms (int8: and sums) and search intermediates beside it
         (common.search_nbytes)."""
+        held = 4 + 4 * (self.dtype == "int8")
+        return self.file_nbytes(n_samples, dim) + search_nbytes(n_samples, held, FLAT_CELL_BYTES)
+
+    def file_nbytes(self, n_samples: int, dim: int) -> int:
+        """Upper bound on the saved datastore.npz for n_samples keys of dimension dim."""
         itemsize = np.dtype(FLAT_DTYPES[self.dtype]).itemsize
         arrays = 3 + (self.dtype == "int8")
         data = n_samples * (dim * itemsize + 16) + (4 * dim if self.dtype == "int8" else 0)
-        held = 4 + 4 * (self.dtype == "int8")
-        return (
-            data
-            + arrays * _NPZ_ARRAY_OVERHEAD
-            + _NPZ_FILE_OVERHEAD
-            + search_nbytes(n_samples, held, FLAT_CELL_BYTES)
-        )
+        return data + arrays * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
 
     # -- recipe
     def recipe_params(self) -> dict:

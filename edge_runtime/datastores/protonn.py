@@ -217,13 +217,18 @@ class ProtoNNDatastore(Datastore):
         """Upper bound on what n_prototypes cost a device with the buffer full to capacity: the
         saved file, and the norms and search intermediates beside it (common.search_nbytes)."""
         held = self.buffer or 0
-        return (
-            self.file_nbytes(n_prototypes, dim)
-            + (self.buffer_nbytes(held) if held else 0)
-            + search_nbytes(n_prototypes + held, 4, PROTONN_CELL_BYTES)
+        return self.file_nbytes(n_prototypes, dim) + search_nbytes(
+            n_prototypes + held, 4, PROTONN_CELL_BYTES
         )
 
     def file_nbytes(self, n_prototypes: int, dim: int) -> int:
+        """Upper bound on the saved file for n_prototypes, with the buffer full to capacity."""
+        held = self.buffer or 0
+        return self._matrices_nbytes(n_prototypes, dim) + (
+            self.buffer_nbytes(held) if held else 0
+        )
+
+    def _matrices_nbytes(self, n_prototypes: int, dim: int) -> int:
         """Upper bound on the saved file for n_prototypes, without the buffer."""
         d = self.d or dim
         data = 4 * (d * dim + d * n_prototypes + self.num_classes * n_prototypes) + 8
@@ -341,7 +346,7 @@ class _SampleBuffer:
         ds = self.datastore
         searched = len(ds) + count
         return (
-            ds.file_nbytes(len(ds), dim)
+            ds._matrices_nbytes(len(ds), dim)
             + ds.buffer_nbytes(count)
             + search_nbytes(searched, 4, PROTONN_CELL_BYTES)
         )
