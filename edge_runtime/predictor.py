@@ -3,8 +3,10 @@
 more in call overhead than in arithmetic).
 
 The graph is `predictor_graph.build_predictor`'s, the one `knnper-edge export-onnx` writes,
-with the datastore's samples fed as inputs straight from the arrays the datastore holds (no
-copy), so `Runtime.add` changes what the next call sees without a new session. Used for flat
+with the datastore's samples (and ProtoNN's prototypes) fed as inputs straight from the arrays
+the datastore holds (no copy, nothing held twice), so `Runtime.add` changes what the next call
+sees without a new session. The same session gives the encoder's outputs (`embed`): a bundle
+holds one. Used for flat
 float32 and int8 bundles and for ProtoNN; the numpy head (knn.py) stays the reference and
 serves HNSW and float16 keys (widening float16 keys inside the graph holds a float32 copy of
 all of them during each call, which the budget does not allow).

@@ -170,12 +170,18 @@ def _row_norms(g: _Graph, x: str, axis: int) -> str:
     return g.reduce("ReduceSum", g.node("Mul", [x, x]), axis)
 
 
-def _distances(g: _Graph, minus_twice_dots: str, q_norms: str, key_norms: str) -> str:
-    """max(-2 q.k + ||k||^2 + ||q||^2, 0), summed in the numpy head's order. The -2 is taken
-    by the query (or the int8 scale) before the products: scaling by a power of two is exact,
-    and it saves a pass over the [N, n] products."""
-    sq = g.node("Add", [minus_twice_dots, key_norms])
-    return g.node("Relu", [g.node("Add", [sq, q_norms])])
+def _nearest(g: _Graph, minus_twice_dots: str, q_norms: str, key_norms: str, k: int):
+    """(squared distances [N, k'], their columns), nearest first, k' = min(k, n): distances
+    max(-2 q.k + ||k||^2 + ||q||^2, 0), summed in the numpy head's order. Only what orders the
+    keys passes over all n of them: the -2 is taken by the query (or the int8 scale) before the
+    products (scaling by a power of two is exact), and ||q||^2 and the clamp, which leave the
+    order as it is, are applied to the k nearest."""
+    partial = g.node("Add", [minus_twice_dots, key_norms])
+    n = g.node("Slice", [g.node("Shape", [partial]), g.const([1], np.int64),
+                         g.const([2], np.int64)])
+    k_n = g.node("Min", [n, g.const([k], np.int64)])
+    partial_k, idx = g.node("TopK", [partial, k_n], outputs=2, largest=0, sorted=1)
+    return g.node("Relu", [g.node("Add", [partial_k, q_norms])]), idx
 
 
 def _quantised_query(g: _Graph, q: str, scale: np.ndarray) -> tuple[str, str]:
@@ -241,10 +247,7 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
             dots = g.node("MatMul", [_minus_twice(g, z), g.cast(keys_t, P.FLOAT)])
         else:
             dots = g.node("MatMul", [_minus_twice(g, z), keys_t])
-    sq = _distances(g, dots, _row_norms(g, z, 1), key_norms)
-    n = g.node("Slice", [g.node("Shape", [sq]), g.const([1], np.int64), g.const([2], np.int64)])
-    k = g.node("Min", [n, g.const([int(manifest["k"])], np.int64)])
-    sq_k, idx = g.node("TopK", [sq, k], outputs=2, largest=0, sorted=1)
+    sq_k, idx = _nearest(g, dots, _row_norms(g, z, 1), key_norms, int(manifest["k"]))
     scale = 1.0 / (manifest["embedding_dim"] * manifest["sigma"])
     weights = g.node(
         "Softmax", [g.node("Mul", [g.cast(sq_k, P.DOUBLE), g.const(-scale, np.float64)])], axis=1

@@ -6,8 +6,10 @@
 
 `predict_proba` runs the whole prediction as one onnxruntime session (predictor.py) for flat
 float32 / int8 and ProtoNN bundles, and through the encoder and the numpy head (knn.py, the
-reference) for HNSW and float16 keys; `embed`, `components` and `posterior` always use the
-encoder and the numpy head.
+reference) for HNSW and float16 keys. A bundle holds one session: for the single-session ones
+`embed` (and `add`, `components`) take the encoder's outputs from the predictor's session;
+`components` and `posterior` always use the numpy head. `add_chunks` takes samples as chunks
+(a file read lazily): only the newest ones a strategy keeps are embedded.
 
 Update strategies (`add(x, y, strategy)`), with "capacity" = the recipe's n<count> if it has one,
 else the number of samples stored when the bundle was loaded:
