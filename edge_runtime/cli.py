@@ -193,14 +193,6 @@ def _load(path: str):
         raise CLIError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
 
 
-def _load_npy(path: str) -> np.ndarray:
-    data = _load(path)
-    if not isinstance(data, np.ndarray):
-        data.close()
-        raise CLIError(f"{path} is an .npz archive; expected one .npy array")
-    return data
-
-
 def _lazy_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> NpzRows | None:
     """x and y of an .npz as rows read lazily, when they have one label per row; None when
     they cannot be (then `_load_xy` reads them whole, or says what is wrong)."""
