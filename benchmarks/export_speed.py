@@ -28,18 +28,26 @@ from export.profiles import weak_strong_budgets
 from fed_train.run import load_run
 
 SUMMARY = ("label", "clients", "workers", "search", "wall_s", "clients_per_min",
-           "test_accuracy", "protonn_share", "load_before", "load_after", "command")
+           "test_accuracy", "protonn_share", "load_before", "load_after", "machine", "command")
 PER_CLIENT = ("label", "client_id", "unseen", "budget", "backend", "recipe", "total_bytes",
               "val_accuracy", "test_accuracy", "test_samples")
 
 
 def _append(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
-    new = not path.exists()
-    with open(path, "a", newline="") as f:
+    """Append rows; a file written before a column was added is rewritten with it (blank in
+    its old rows), so every row stays under its own header."""
+    old: list[dict] = []
+    mode = "a" if path.exists() else "w"
+    if path.exists():
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            if tuple(reader.fieldnames or ()) != columns:
+                old, mode = list(reader), "w"
+    with open(path, mode, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
-        if new:
+        if mode == "w":
             writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(old + rows)
 
 
 def main() -> None:
@@ -93,6 +101,7 @@ def main() -> None:
                "test_accuracy": round(weighted_mean(rows), 5),
                "protonn_share": round(sum(r["backend"] == "protonn" for r in rows) / len(rows), 3),
                "load_before": round(load, 2), "load_after": round(load_after, 2),
+               "machine": _common.machine_line(_common.machine_info()),
                "command": _common.command_line()}
     args.out.mkdir(parents=True, exist_ok=True)
     _append(args.out / "speed.csv", [summary], SUMMARY)

@@ -13,6 +13,7 @@ import os
 import stat
 import uuid
 import zipfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -44,7 +45,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def _replace_synced(tmp: Path, final: Path, *, sync_dir: bool) -> None:
+def replace_synced(tmp: Path, final: Path, *, sync_dir: bool = True) -> None:
+    """Rename a written, fsynced temporary over `final`, durably."""
     os.replace(tmp, final)
     if sync_dir:
         fsync_dir(final.parent)
@@ -59,7 +61,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool =
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        _replace_synced(tmp, final, sync_dir=sync_dir)
+        replace_synced(tmp, final, sync_dir=sync_dir)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -94,7 +96,7 @@ def save_npz_atomic(
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
-        _replace_synced(tmp, final, sync_dir=sync_dir)
+        replace_synced(tmp, final, sync_dir=sync_dir)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -142,8 +144,9 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _npy_header(f: BinaryIO, what: str) -> tuple[tuple[int, ...], np.dtype, int]:
-    """(shape, dtype, header bytes) of the .npy whose start `f` is at; nothing else is read."""
+def _npy_header(f: BinaryIO, what: str) -> tuple[tuple[int, ...], np.dtype, int, bool]:
+    """(shape, dtype, header bytes, Fortran order) of the .npy whose start `f` is at; nothing
+    else is read."""
     version = np.lib.format.read_magic(f)
     read_header = {
         (1, 0): np.lib.format.read_array_header_1_0,
@@ -151,10 +154,10 @@ def _npy_header(f: BinaryIO, what: str) -> tuple[tuple[int, ...], np.dtype, int]
     }.get(version)
     if read_header is None:
         raise ValueError(f"{what} has unsupported .npy version {version}")
-    shape, _, dtype = read_header(f, max_header_size=_MAX_NPY_HEADER)
+    shape, fortran, dtype = read_header(f, max_header_size=_MAX_NPY_HEADER)
     if dtype.hasobject:
         raise ValueError(f"{what} holds Python objects (pickles: refused, allow_pickle=False)")
-    return shape, dtype, f.tell()
+    return shape, dtype, f.tell(), fortran
 
 
 def _data_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
@@ -196,7 +199,7 @@ def _npz_members(path: str | os.PathLike, *, stored_only: bool) -> int:
             # zipfile never inflates a member past its declared file_size, so checking the
             # header against that size bounds what decompressing it can produce
             with zf.open(info) as f:
-                shape, dtype, header_bytes = _npy_header(f, what)
+                shape, dtype, header_bytes, _ = _npy_header(f, what)
             total += _check_member(what, shape, dtype, header_bytes, info.file_size)
     return total
 
@@ -217,7 +220,7 @@ def array_file_bytes(path: str | os.PathLike) -> int:
         is_zip = f.read(4) == b"PK\x03\x04"
         if not is_zip:
             f.seek(0)
-            shape, dtype, header_bytes = _npy_header(f, Path(path).name)
+            shape, dtype, header_bytes, _ = _npy_header(f, Path(path).name)
             return _check_member(Path(path).name, shape, dtype, header_bytes,
                                  os.fstat(f.fileno()).st_size)
     return _npz_members(path, stored_only=False)
@@ -250,3 +253,58 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     check_npz_members(path)
     with np.load(path, allow_pickle=False) as f:
         return {name: f[name] for name in f.files}
+
+
+class NpzRows:
+    """Members of an .npz with the same number of rows, read together a chunk of rows at a time
+    (a compressed member is inflated as it is read), so that what a device command holds does
+    not grow with the file. Headers are checked against the members' sizes when opened; a
+    member with two or more axes must be in C order (Fortran order cannot be cut into rows)."""
+
+    def __init__(self, path: str | os.PathLike, names: Sequence[str]) -> None:
+        self.path = Path(path)
+        self.names = tuple(names)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, np.dtype] = {}
+        with open_regular(self.path) as raw, zipfile.ZipFile(raw) as zf:
+            for name in self.names:
+                what = f"{self.path.name}: member {name!r}"
+                info = zf.getinfo(f"{name}.npy")
+                with zf.open(info) as f:
+                    shape, dtype, header_bytes, fortran = _npy_header(f, what)
+                _check_member(what, shape, dtype, header_bytes, info.file_size)
+                if not shape:
+                    raise ValueError(f"{what} is a scalar, not rows")
+                if fortran and len(shape) > 1:
+                    raise ValueError(f"{what} is in Fortran order; rows cannot be read in turn")
+                self.shapes[name], self.dtypes[name] = shape, dtype
+        counts = {self.shapes[name][0] for name in self.names}
+        if len(counts) != 1:
+            sizes = ", ".join(f"{n} {self.shapes[n][0]}" for n in self.names)
+            raise ValueError(f"{self.path.name}: members have different numbers of rows ({sizes})")
+
+    def __len__(self) -> int:
+        return self.shapes[self.names[0]][0]
+
+    def chunks(self, rows: int) -> Iterator[tuple[np.ndarray, ...]]:
+        """Consecutive chunks of at most `rows` rows, one array per member, in order."""
+        with open_regular(self.path) as raw, zipfile.ZipFile(raw) as zf:
+            streams = [zf.open(f"{name}.npy") for name in self.names]
+            try:
+                pairs = list(zip(streams, self.names, strict=True))
+                for f, name in pairs:
+                    _npy_header(f, name)  # skip to the data
+                for start in range(0, len(self), rows):
+                    count = min(rows, len(self) - start)
+                    yield tuple(self._read(f, name, count) for f, name in pairs)
+            finally:
+                for f in streams:
+                    f.close()
+
+    def _read(self, f: BinaryIO, name: str, count: int) -> np.ndarray:
+        shape, dtype = self.shapes[name], self.dtypes[name]
+        row_bytes = _data_bytes(shape[1:], dtype)
+        data = f.read(count * row_bytes)
+        if len(data) != count * row_bytes:
+            raise ValueError(f"{self.path.name}: member {name!r} ended early")
+        return np.frombuffer(data, dtype).reshape(count, *shape[1:])

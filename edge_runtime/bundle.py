@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +53,7 @@ from .datastores import (
     file_generation,
     load_datastore,
 )
-from .encoder import Encoder
+from .encoder import OPTIMIZED_KEY, Encoder
 from .errors import BudgetExceeded, BundleBusy, BundleError, SignatureError, one_line
 from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock
 from .manifest import (
@@ -68,7 +68,8 @@ from .manifest import (
     validate_manifest,
 )
 from .onnx_check import uses_external_data
-from .predictor import Predictor, has_single_session
+from .onnx_proto import ParsedModel
+from .predictor import BATCH_ROWS, Predictor, has_single_session
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
 
@@ -91,11 +92,13 @@ __all__ = [
 
 @dataclass
 class Bundle:
-    """A verified bundle: its manifest, the encoder session and the loaded datastore."""
+    """A verified bundle: its manifest, the loaded datastore and one onnxruntime session, the
+    encoder's or (`read_bundle(with_predictor=True)`, where the datastore has one) the whole
+    predictor's, which gives the encoder's outputs too."""
 
     path: Path
     manifest: dict
-    encoder: Encoder
+    encoder: Encoder | None
     datastore: Any
     predictor: Predictor | None = None
 
@@ -201,28 +204,24 @@ def read_bundle(
         model = _read_verified(bundle_dir, ENCODER_FILE, manifest, where)
         _remove_stale_quietly(bundle_dir, manifest)
         datastore = load_bundle_datastore(bundle_dir, manifest)
+    encoder, predictor = None, None
     try:
         if uses_external_data(model):
             raise ValueError(
                 f"{ENCODER_FILE} keeps tensors in external data files; a bundle's encoder must "
                 "embed every tensor (the sha256 list does not cover other files)"
             )
-        encoder = Encoder(model, intra_op_threads=intra_op_threads)
-    except ValueError as exc:
-        raise BundleError(f"{where}: {one_line(exc)}") from None
-    check_encoder(encoder, manifest, where)
-    predictor = None
-    try:
         if with_predictor and has_single_session(datastore):
-            predictor = Predictor(
-                manifest,
-                datastore,
-                model,
-                intra_op_threads=intra_op_threads,
-                optimized_at_export=encoder.optimized_at_export,
-            )
+            predictor = _predictor(model, manifest, datastore, intra_op_threads, where)
+        else:
+            encoder = Encoder(model, intra_op_threads=intra_op_threads, batch_size=BATCH_ROWS)
     except ValueError as exc:
         raise BundleError(f"{where}: {one_line(exc)}") from None
+    del model  # the session holds what it needs
+    if predictor is not None:
+        check_encoder(lambda raw: predictor.embed(raw, datastore), manifest, where)
+    else:
+        _check_encoder_alone(encoder, manifest, where)
     return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
 
 
@@ -269,13 +268,37 @@ def _remove_stale_quietly(bundle_dir: Path, manifest: dict) -> None:
                        ", ".join(sorted(removed)))
 
 
-def check_encoder(encoder: Encoder, manifest: dict, where: str) -> None:
-    """One inference on a zero input of the manifest's input spec: it must run and give
-    embedding_dim and num_classes outputs."""
+def _predictor(
+    model: bytes, manifest: dict, datastore: Any, intra_op_threads: int | None, where: str
+) -> Predictor:
+    """The one-session predictor; when onnxruntime refuses its graph, the encoder alone is
+    checked first, so that an encoder that does not match the manifest is named as such."""
+    try:
+        return Predictor(
+            manifest,
+            datastore,
+            model,
+            intra_op_threads=intra_op_threads,
+            optimized_at_export=OPTIMIZED_KEY in ParsedModel(model).metadata,
+        )
+    except ValueError:
+        _check_encoder_alone(Encoder(model, intra_op_threads=1), manifest, where)
+        raise
+
+
+def _check_encoder_alone(encoder: Encoder, manifest: dict, where: str) -> None:
+    check_encoder(lambda raw: encoder.run(prepare_input(raw, manifest["input"])), manifest, where)
+
+
+def check_encoder(
+    embed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], manifest: dict, where: str
+) -> None:
+    """One inference (`embed`: raw inputs -> embeddings, logits) on a zero input of the
+    manifest's input spec: it must run and give embedding_dim and num_classes outputs."""
     spec = manifest["input"]
     probe = np.zeros([1, *spec["shape"]], dtype=np.uint8 if spec["kind"] == "image" else np.int64)
     try:
-        z, logits = encoder.run(prepare_input(probe, spec))
+        z, logits = embed(probe)
     except ValueError as exc:
         raise BundleError(
             f"{where}: the encoder does not take the manifest's input spec: {one_line(exc)}"

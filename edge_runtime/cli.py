@@ -8,17 +8,27 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import io
 import json
 import logging
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
-from zipfile import BadZipFile
+from zipfile import BadZipFile, ZipFile
 
 import numpy as np
 
-from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
+from ._io import (
+    NpzRows,
+    array_file_bytes,
+    fsync_file,
+    load_arrays,
+    memory_limit,
+    open_regular,
+    read_regular,
+    replace_synced,
+    temp_path,
+)
 from .arg_types import byte_count, threads
 from .cli_help import (
     DefaultsHelpFormatter,
@@ -31,6 +41,7 @@ from .datastores.recipes import describe_recipe
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .knn import interpolate
+from .preprocess import is_one_sample
 from .runtime import Runtime, check_labels
 
 PROG = "knnper-edge"
@@ -227,9 +238,11 @@ def _one_line(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------- inputs
 
 
-# What the arrays of one input file may take in memory on a device (predictions and updates
-# process them whole); the headers are checked before anything is decompressed.
+# What the arrays of one input file may take in memory on a device when they cannot be read in
+# rows (one sample, a Fortran-order array); the headers are checked before anything is
+# decompressed. Inputs with a sample axis are read CHUNK_ROWS at a time, whatever their size.
 DEVICE_INPUT_BYTES = 256 << 20
+CHUNK_ROWS = 4096
 
 
 def _load(path: str):
@@ -243,12 +256,20 @@ def _load(path: str):
         raise CLIError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
 
 
-def _load_npy(path: str) -> np.ndarray:
-    data = _load(path)
-    if not isinstance(data, np.ndarray):
-        data.close()
-        raise CLIError(f"{path} is an .npz archive; expected one .npy array")
-    return data
+def _lazy_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> NpzRows | None:
+    """x and y of an .npz as rows read lazily, when they have one label per row; None when
+    they cannot be (then `_load_xy` reads them whole, or says what is wrong)."""
+    try:
+        with open_regular(path) as f, ZipFile(f) as zf:
+            names = set(zf.namelist())
+        for xk, yk in alternatives:
+            if f"{xk}.npy" in names and f"{yk}.npy" in names:
+                rows = NpzRows(path, (xk, yk))
+                shapes = rows.shapes
+                return rows if len(shapes[xk]) >= 2 and len(shapes[yk]) == 1 else None
+    except (ValueError, OSError, BadZipFile, KeyError):
+        return None
+    return None
 
 
 def _load_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -285,19 +306,66 @@ def cmd_predict(args) -> int:
         raise CLIError(f"--output must end in .npy, got {args.output}")
     if args.output and not Path(args.output).resolve().parent.is_dir():
         raise CLIError(f"--output {args.output}: {Path(args.output).parent} is not a directory")
-    x = _load_npy(args.input)
+    x = _map_npy(args.input)
     rt = _runtime(args)
-    proba = rt.predict_proba(x)
-    if args.output:
-        buf = io.BytesIO()
-        np.save(buf, proba)
-        write_bytes_atomic(args.output, buf.getvalue())
-    labels = proba.argmax(axis=1)
+    if x.ndim == 0 or is_one_sample(x.shape, rt.input_spec):
+        x = x[None]  # one sample: the runtime checks it as it would a batch of one
+    output = _ProbabilityFile(args.output, x.shape[0], rt.num_classes) if args.output else None
+    labels = np.zeros(x.shape[0], np.int64)
+    with output or nullcontext():
+        for start in range(0, x.shape[0], CHUNK_ROWS):
+            proba = rt.predict_proba(x[start : start + CHUNK_ROWS])
+            labels[start : start + proba.shape[0]] = proba.argmax(axis=1)
+            if output is not None:
+                output.array[start : start + proba.shape[0]] = proba
     if args.labels:
         sys.stdout.write("".join(f"{label}\n" for label in labels))
     else:
-        print(_prediction_summary(labels, proba.shape[1], args.output))
+        print(_prediction_summary(labels, rt.num_classes, args.output))
     return 0
+
+
+def _map_npy(path: str) -> np.ndarray:
+    """An .npy memory-mapped (its header checked against its size first): rows are read as
+    they are predicted, so a large input is not held in memory."""
+    try:
+        array_file_bytes(path)
+        x = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise CLIError(f"no such file: {path}") from None
+    except IsADirectoryError:
+        raise CLIError(f"{path} is a directory, not a file") from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise CLIError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
+    if not isinstance(x, np.ndarray):
+        x.close()
+        raise CLIError(f"{path} is an .npz archive; expected one .npy array")
+    return x
+
+
+class _ProbabilityFile:
+    """The [N, C] float64 probabilities written row chunks at a time into a temporary .npy,
+    renamed into place (fsynced) only when every row is written."""
+
+    def __init__(self, path: str, rows: int, classes: int) -> None:
+        self.path = Path(path)
+        self.tmp = temp_path(self.path)
+        self.array = np.lib.format.open_memmap(
+            self.tmp, mode="w+", dtype=np.float64, shape=(rows, classes)
+        )
+
+    def __enter__(self) -> _ProbabilityFile:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        try:
+            if kind is None:
+                self.array.flush()
+                fsync_file(self.tmp)
+                replace_synced(self.tmp, self.path)
+        finally:
+            del self.array
+            self.tmp.unlink(missing_ok=True)
 
 
 def _prediction_summary(labels: np.ndarray, num_classes: int, output: str | None) -> str:
@@ -310,19 +378,32 @@ def _prediction_summary(labels: np.ndarray, num_classes: int, output: str | None
 
 
 def cmd_evaluate(args) -> int:
-    x, y = _load_xy(args.data, (("x", "y"), ("x_test", "y_test")))
-    if y.ndim != 1 or y.shape[0] == 0:
-        raise CLIError(f"{args.data}: labels must be a non-empty 1-D array, got {list(y.shape)}")
+    alternatives = (("x", "y"), ("x_test", "y_test"))
+    rows = _lazy_xy(args.data, alternatives)
+    if rows is None:
+        x, y = _load_xy(args.data, alternatives)
+        if y.ndim != 1 or y.shape[0] == 0:
+            raise CLIError(
+                f"{args.data}: labels must be a non-empty 1-D array, got {list(y.shape)}"
+            )
+        chunks, count = [(x, y)], y.shape[0]
+    else:
+        chunks, count = rows.chunks(CHUNK_ROWS), len(rows)
+        if count == 0:
+            raise CLIError(f"{args.data}: labels must be a non-empty 1-D array, got [0]")
     rt = _runtime(args)
-    y = check_labels(y, y.shape[0], rt.num_classes)
-    p_local, p_global = rt.components(x)
-    if p_local.shape[0] != y.shape[0]:
-        raise CLIError(f"{args.data}: {p_local.shape[0]} inputs but {y.shape[0]} labels")
-    right = int(np.sum(interpolate(p_local, p_global, rt.lam).argmax(1) == y))
-    acc_global = float(np.mean(p_global.argmax(1) == y))
-    acc_local = float(np.mean(p_local.argmax(1) == y))
+    correct = np.zeros(3, np.int64)  # kNN-Per, global model, datastore alone
+    for x, y in chunks:
+        y = check_labels(y, y.shape[0], rt.num_classes)
+        p_local, p_global = rt.components(x)
+        if p_local.shape[0] != y.shape[0]:
+            raise CLIError(f"{args.data}: {p_local.shape[0]} inputs but {y.shape[0]} labels")
+        for i, p in enumerate((interpolate(p_local, p_global, rt.lam), p_global, p_local)):
+            correct[i] += int(np.sum(p.argmax(1) == y))
+    right = int(correct[0])
+    acc_global, acc_local = (correct[1:] / count).tolist()
     print(
-        f"accuracy {100 * right / y.shape[0]:.1f}% on {y.shape[0]} samples ({right} right; "
+        f"accuracy {100 * right / count:.1f}% on {count} samples ({right} right; "
         f"lambda {rt.lam:g}; global model {100 * acc_global:.1f}%, datastore alone "
         f"{100 * acc_local:.1f}%)"
     )
@@ -330,9 +411,15 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_add(args) -> int:
-    x, y = _load_xy(args.data, (("x", "y"), ("x_train", "y_train")))
-    rt = _runtime(args)
-    report = rt.add(x, y, strategy=args.strategy)
+    alternatives = (("x", "y"), ("x_train", "y_train"))
+    rows = _lazy_xy(args.data, alternatives)
+    if rows is None:
+        x, y = _load_xy(args.data, alternatives)
+        rt = _runtime(args)
+        report = rt.add(x, y, strategy=args.strategy)
+    else:
+        rt = _runtime(args)
+        report = rt.add_chunks(rows.chunks(CHUNK_ROWS), len(rows), strategy=args.strategy)
     budget = rt.manifest["budget_bytes"]
     print(
         f"{report.strategy}: received {report.received}: added {report.added}, "

@@ -118,7 +118,7 @@ def init_bundle(
     candidates = []
     for recipe in _candidate_recipes(recipes, num_classes, k, sigma, dim, room, seed, n_all):
         ds = make_datastore(recipe, num_classes, k, sigma, seed=seed)
-        nbytes = ds.estimate_nbytes(min(ds.n, n_all), dim)
+        nbytes = ds.file_nbytes(min(ds.n, n_all), dim)  # ranked by files, as the exporter
         if n_val:
             ds.fit(z[train], y[train])
             p_local = ds.predict_proba(z[val])

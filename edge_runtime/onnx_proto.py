@@ -204,15 +204,19 @@ def _name(message: bytes, field: int = 1) -> str:
 
 
 class ParsedModel:
-    """The parts of a ModelProto an inlining needs: ir_version, opsets, and the graph's raw
-    fields, its real inputs (those that are not initializers) and its output names."""
+    """The parts of a ModelProto an inlining needs: ir_version, opsets, its metadata, and the
+    graph's raw fields, its real inputs (those that are not initializers) and its output names."""
 
     def __init__(self, data: bytes) -> None:
         self.ir_version, self.opsets, graph_bytes = 0, {}, None
         self.functions = b""  # model-local functions (25), kept as they are
+        self.metadata: dict[str, str] = {}
         for number, _, value, raw in fields(data):
             if number == 25:
                 self.functions += raw
+            elif number == 14:
+                entry = {f: v.decode("utf-8") for f, _, v, _ in fields(value)}
+                self.metadata[entry.get(1, "")] = entry.get(2, "")
             elif number == 1:
                 self.ir_version = int(value)
             elif number == 7:

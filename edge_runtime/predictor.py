@@ -3,8 +3,10 @@
 more in call overhead than in arithmetic).
 
 The graph is `predictor_graph.build_predictor`'s, the one `knnper-edge export-onnx` writes,
-with the datastore's samples fed as inputs straight from the arrays the datastore holds (no
-copy), so `Runtime.add` changes what the next call sees without a new session. Used for flat
+with the datastore's samples (and ProtoNN's prototypes) fed as inputs straight from the arrays
+the datastore holds (no copy, nothing held twice), so `Runtime.add` changes what the next call
+sees without a new session. The same session gives the encoder's outputs (`embed`): a bundle
+holds one. Used for flat
 float32 and int8 bundles and for ProtoNN; the numpy head (knn.py) stays the reference and
 serves HNSW and float16 keys (widening float16 keys inside the graph holds a float32 copy of
 all of them during each call, which the budget does not allow).
@@ -15,12 +17,15 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from .datastores.common import WORK_CELLS
 from .encoder import _first_line, _session, _session_options
-from .knn import _MAX_CHUNK_CELLS
 from .predictor_graph import build_predictor
 
-# Inputs per run at most, as the encoder alone runs them, to bound activations' memory.
-BATCH_ROWS = 256
+# A run's intermediates must fit in the 2 MiB a bundle's memory may pass its budget by (with
+# onnxruntime's own session; see datastores.common.WORK_CELLS): at most BATCH_ROWS inputs (the
+# encoder's activations grow with them) and distance matrices [rows, searched] of at most
+# WORK_CELLS cells, or one row. A larger batch runs in turn.
+BATCH_ROWS = 4
 
 
 def has_single_session(datastore) -> bool:
@@ -33,7 +38,13 @@ def has_single_session(datastore) -> bool:
 def sample_feeds(datastore) -> dict[str, np.ndarray]:
     """The graph's sample inputs ("stored" form), the datastore's own arrays."""
     if datastore.backend == "protonn":
-        return {"keys_t": datastore.buffer_keys_t_, "labels": datastore.buffer_labels_}
+        return {
+            "prototypes": datastore.B_,
+            "prototype_scores": datastore.Z_,
+            "prototype_norms": datastore.prototype_norms_,
+            "keys_t": datastore.buffer_keys_t_,
+            "labels": datastore.buffer_labels_,
+        }
     feeds = {
         "keys_t": datastore.keys_t_,
         "key_norms": datastore.key_norms_,
@@ -72,17 +83,32 @@ class Predictor:
 
     def run(self, x: np.ndarray, datastore) -> np.ndarray:
         """Raw inputs [N, ...] (N >= 1) -> probabilities [N, C] float64."""
+        return self._fetch(["probabilities"], x, datastore)[0]
+
+    def embed(self, x: np.ndarray, datastore) -> tuple[np.ndarray, np.ndarray]:
+        """Raw inputs [N, ...] (N >= 1) -> the encoder's (embedding [N, p], logits [N, C]),
+        from the same session: a bundle holds one."""
+        z, logits = self._fetch(["embedding", "logits"], x, datastore)
+        return z, logits
+
+    def _fetch(self, outputs: list[str], x: np.ndarray, datastore) -> list[np.ndarray]:
         feeds = sample_feeds(datastore)
         searched = feeds["labels"].shape[0]
         if datastore.backend == "protonn":
             searched += len(datastore)  # the prototypes beside the buffer
-        rows = min(BATCH_ROWS, max(1, _MAX_CHUNK_CELLS // max(1, searched)))
-        parts = []
+        rows = max(1, min(BATCH_ROWS, WORK_CELLS // max(1, searched)))
+        if x.shape[0] <= rows:  # one run, as at batch 1: nothing to gather
+            feeds["input"] = x
+            return self._run(outputs, feeds)
+        parts: list[list[np.ndarray]] = [[] for _ in outputs]
         for start in range(0, x.shape[0], rows):
             feeds["input"] = x[start : start + rows]
-            try:
-                (p,) = self.session.run(["probabilities"], feeds)
-            except Exception as exc:  # onnxruntime raises its own exception types
-                raise ValueError(f"the predictor failed: {_first_line(exc)}") from None
-            parts.append(p)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            for part, value in zip(parts, self._run(outputs, feeds), strict=True):
+                part.append(value)
+        return [np.concatenate(p) for p in parts]
+
+    def _run(self, outputs: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        try:
+            return self.session.run(outputs, feeds)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise ValueError(f"the predictor failed: {_first_line(exc)}") from None

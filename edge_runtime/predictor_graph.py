@@ -14,8 +14,9 @@ How the datastore's samples enter the graph (`samples`):
   bundle the float keys meet the query quantised as the integer scan quantises it.
 - "stored": graph inputs as the runtime holds them, so nothing is copied and `add` needs no new
   session: flat "keys_t" [p, n] in the stored dtype, "key_norms" [n] float32, "labels" [n]
-  int64 (int8 keys also "key_sums" [n] int32); ProtoNN "keys_t" [d, count] float32 (its
-  buffer) and "labels" [count] int64.
+  int64 (int8 keys also "key_sums" [n] int32); ProtoNN "prototypes" B [d, m],
+  "prototype_scores" Z [C, m], "prototype_norms" [m] (float32) and its buffer, "keys_t"
+  [d, count] float32 and "labels" [count] int64.
 
 int8 keys are scanned by onnxruntime's integer kernels (MatMulInteger, uint8 x int8): the query
 times the per-dimension scale is quantised to integers in [-63, 63] with one symmetric scale per
@@ -169,10 +170,18 @@ def _row_norms(g: _Graph, x: str, axis: int) -> str:
     return g.reduce("ReduceSum", g.node("Mul", [x, x]), axis)
 
 
-def _distances(g: _Graph, dots: str, q_norms: str, key_norms: str) -> str:
-    """max(-2 q.k + ||k||^2 + ||q||^2, 0), summed in the numpy head's order."""
-    sq = g.node("Add", [g.node("Mul", [dots, g.const(-2.0)]), key_norms])
-    return g.node("Relu", [g.node("Add", [sq, q_norms])])
+def _nearest(g: _Graph, minus_twice_dots: str, q_norms: str, key_norms: str, k: int):
+    """(squared distances [N, k'], their columns), nearest first, k' = min(k, n): distances
+    max(-2 q.k + ||k||^2 + ||q||^2, 0), summed in the numpy head's order. Only what orders the
+    keys passes over all n of them: the -2 is taken by the query (or the int8 scale) before the
+    products (scaling by a power of two is exact), and ||q||^2 and the clamp, which leave the
+    order as it is, are applied to the k nearest."""
+    partial = g.node("Add", [minus_twice_dots, key_norms])
+    n = g.node("Slice", [g.node("Shape", [partial]), g.const([1], np.int64),
+                         g.const([2], np.int64)])
+    k_n = g.node("Min", [n, g.const([k], np.int64)])
+    partial_k, idx = g.node("TopK", [partial, k_n], outputs=2, largest=0, sorted=1)
+    return g.node("Relu", [g.node("Add", [partial_k, q_norms])]), idx
 
 
 def _quantised_query(g: _Graph, q: str, scale: np.ndarray) -> tuple[str, str]:
@@ -191,13 +200,17 @@ def _quantised_query(g: _Graph, q: str, scale: np.ndarray) -> tuple[str, str]:
 
 
 def _int8_products(g: _Graph, q: str, keys_t: str, key_sums: str, scale: np.ndarray) -> str:
-    """q . (keys_t * scale) [N, n] float32 through MatMulInteger; see the module docstring."""
+    """-2 q . (keys_t * scale) [N, n] float32 through MatMulInteger; see the module docstring."""
     quantised, s = _quantised_query(g, q, scale)
     shift = QUERY_LEVELS + 1
     shifted = g.cast(g.node("Add", [quantised, g.const(float(shift))]), P.UINT8)
     products = g.node("MatMulInteger", [shifted, keys_t])
     exact = g.node("Sub", [products, g.node("Mul", [key_sums, g.const(shift, np.int32)])])
-    return g.node("Mul", [g.cast(exact, P.FLOAT), s])
+    return g.node("Mul", [g.cast(exact, P.FLOAT), g.node("Mul", [s, g.const(-2.0)])])
+
+
+def _minus_twice(g: _Graph, query: str) -> str:
+    return g.node("Mul", [query, g.const(-2.0)])
 
 
 def _portable_samples(g: _Graph) -> tuple[str, str]:
@@ -215,7 +228,7 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
         if int8:  # float keys k * scale meet the query as the integer scan quantises it
             quantised, s = _quantised_query(g, z, ds.scale_)
             query = g.node("Div", [g.node("Mul", [quantised, s]), g.const(ds.scale_[None, :])])
-        dots = g.node("MatMul", [query, keys_t])
+        dots = g.node("MatMul", [_minus_twice(g, query), keys_t])
     else:
         if samples == "stored":
             stored_type = {"fp32": P.FLOAT, "fp16": P.FLOAT16, "int8": P.INT8}[ds.dtype]
@@ -231,13 +244,10 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
         if int8:
             dots = _int8_products(g, z, keys_t, key_sums, ds.scale_)
         elif ds.dtype == "fp16":
-            dots = g.node("MatMul", [z, g.cast(keys_t, P.FLOAT)])
+            dots = g.node("MatMul", [_minus_twice(g, z), g.cast(keys_t, P.FLOAT)])
         else:
-            dots = g.node("MatMul", [z, keys_t])
-    sq = _distances(g, dots, _row_norms(g, z, 1), key_norms)
-    n = g.node("Slice", [g.node("Shape", [sq]), g.const([1], np.int64), g.const([2], np.int64)])
-    k = g.node("Min", [n, g.const([int(manifest["k"])], np.int64)])
-    sq_k, idx = g.node("TopK", [sq, k], outputs=2, largest=0, sorted=1)
+            dots = g.node("MatMul", [_minus_twice(g, z), keys_t])
+    sq_k, idx = _nearest(g, dots, _row_norms(g, z, 1), key_norms, int(manifest["k"]))
     scale = 1.0 / (manifest["embedding_dim"] * manifest["sigma"])
     weights = g.node(
         "Softmax", [g.node("Mul", [g.cast(sq_k, P.DOUBLE), g.const(-scale, np.float64)])], axis=1
@@ -258,36 +268,64 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
 
 
 def _protonn(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str]:
+    """ProtoNN's posterior. The prototypes and the buffer of added samples are scored as two
+    parts whose squared distances meet only to find the nearest: nothing as large as the
+    prototypes is concatenated on a call."""
     classes = int(manifest["num_classes"])
     wz = g.node("MatMul", [z, g.const(ds.W_.T)])
+    wz_norms = g.cast(_row_norms(g, wz, 1), P.DOUBLE)
     if samples == "constant":
         B_all, Z_all = ds.prototypes()
-        prototypes, scores_t = g.const(B_all), g.const(Z_all.T)
-        norms = g.const(np.einsum("ij,ij->j", B_all, B_all))  # as ProtoNNDatastore sums them
+        norms = np.einsum("ij,ij->j", B_all, B_all)  # as ProtoNNDatastore sums them
+        parts = [(g.const(B_all), g.const(norms), g.const(Z_all), True)]
     else:
-        if samples == "portable":
-            buffer_t, labels = _portable_samples(g)
-        else:
-            buffer_t = g.input("keys_t", P.FLOAT, [int(ds.W_.shape[0]), "n"])
+        if samples == "stored":
+            d, m = (int(s) for s in ds.B_.shape)
+            prototypes = g.input("prototypes", P.FLOAT, [d, m])
+            scores_by_class = g.input("prototype_scores", P.FLOAT, [classes, m])
+            norms = g.input("prototype_norms", P.FLOAT, [m])
+            buffer_t = g.input("keys_t", P.FLOAT, [d, "n"])
             labels = g.input("labels", P.INT64, ["n"])
+        else:
+            prototypes, scores_by_class = g.const(ds.B_), g.const(ds.Z_)
+            norms = g.const(ds.prototype_norms_)
+            buffer_t, labels = _portable_samples(g)
         onehot = g.node(
             "OneHot",
             [labels, g.const(classes, np.int64), g.const([0.0, ds.buffer_weight_])],
             axis=-1,
         )
-        prototypes = g.node("Concat", [g.const(ds.B_), buffer_t], axis=1)
-        scores_t = g.node("Concat", [g.const(ds.Z_.T), onehot], axis=0)
-        buffer_norms = _row_norms(g, buffer_t, 0)
-        norms = g.node("Concat", [g.const(ds.prototype_norms_[None, :]), buffer_norms], axis=1)
-    dots = g.cast(g.node("MatMul", [wz, prototypes]), P.DOUBLE)
-    twice = g.node("Mul", [dots, g.const(2.0, np.float64)])
-    sq = g.node("Sub", [g.cast(_row_norms(g, wz, 1), P.DOUBLE), twice])
-    sq = g.node("Add", [sq, g.cast(norms, P.DOUBLE)])
+        parts = [
+            (prototypes, norms, scores_by_class, True),
+            (buffer_t, _row_norms(g, buffer_t, 0), onehot, False),
+        ]
+    sq_parts = []
+    for keys_t, key_norms, _, _ in parts:
+        twice = g.node(
+            "Mul", [g.cast(g.node("MatMul", [wz, keys_t]), P.DOUBLE), g.const(2.0, np.float64)]
+        )
+        sq_parts.append(g.node("Add", [g.node("Sub", [wz_norms, twice]), g.cast(key_norms,
+                                                                                  P.DOUBLE)]))
+    sq = sq_parts[0] if len(sq_parts) == 1 else g.node("Concat", sq_parts, axis=1)
     nearest = g.reduce("ReduceMin", sq, 1)
     shifted = g.node("Relu", [g.node("Sub", [sq, nearest])])
     kernel = g.node("Exp", [g.node("Mul", [shifted, g.const(-(ds.gamma_**2), np.float64)])])
-    scores = g.cast(g.node("MatMul", [g.cast(kernel, P.FLOAT), scores_t]), P.DOUBLE)
-    scores = g.node("Relu", [scores])
+    kernel = g.cast(kernel, P.FLOAT)
+    if len(parts) == 1:
+        scores = g.node("Gemm", [kernel, parts[0][2]], transB=1)
+    else:
+        m = g.const([int(ds.B_.shape[1])], np.int64)
+        axis = g.const([1], np.int64)
+        k_prototypes = g.node("Slice", [kernel, g.const([0], np.int64), m, axis])
+        k_buffer = g.node("Slice", [kernel, m, g.const([np.iinfo(np.int64).max], np.int64), axis])
+        scores = g.node(
+            "Add",
+            [
+                g.node("Gemm", [k_prototypes, parts[0][2]], transB=1),
+                g.node("MatMul", [k_buffer, parts[1][2]]),
+            ],
+        )
+    scores = g.node("Relu", [g.cast(scores, P.DOUBLE)])
     total = g.reduce("ReduceSum", scores, 1)
     p_local = g.node(
         "Where",

@@ -119,10 +119,19 @@ def _check_dtype(x: np.ndarray, spec: dict) -> None:
         raise ValueError(f"input dtype {x.dtype} is not supported: expected {expected}")
 
 
+def is_one_sample(shape: tuple[int, ...], spec: dict) -> bool:
+    """Whether an input of this shape is one sample without a batch axis (which the runtime
+    accepts), rather than a batch."""
+    if spec["kind"] != "image":
+        return len(shape) == 1
+    h, w, c = (int(s) for s in spec["shape"])
+    return shape == (h, w, c) or (c == 1 and shape == (h, w))
+
+
 def _image_batch(x: np.ndarray, spec: dict) -> np.ndarray:
     """Checked uint8 images [N, H, W, C] (one image gets a batch axis)."""
     h, w, c = (int(s) for s in spec["shape"])
-    if x.shape == (h, w, c) or (c == 1 and x.shape == (h, w)):
+    if is_one_sample(x.shape, spec):
         x = x.reshape(1, h, w, c)
     elif c == 1 and x.ndim == 3 and x.shape[1:] == (h, w):
         x = x.reshape(x.shape[0], h, w, 1)

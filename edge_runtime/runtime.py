@@ -6,8 +6,10 @@
 
 `predict_proba` runs the whole prediction as one onnxruntime session (predictor.py) for flat
 float32 / int8 and ProtoNN bundles, and through the encoder and the numpy head (knn.py, the
-reference) for HNSW and float16 keys; `embed`, `components` and `posterior` always use the
-encoder and the numpy head.
+reference) for HNSW and float16 keys. A bundle holds one session: for the single-session ones
+`embed` (and `add`, `components`) take the encoder's outputs from the predictor's session;
+`components` and `posterior` always use the numpy head. `add_chunks` takes samples as chunks
+(a file read lazily): only the newest ones a strategy keeps are embedded.
 
 Update strategies (`add(x, y, strategy)`), with "capacity" = the recipe's n<count> if it has one,
 else the number of samples stored when the bundle was loaded:
@@ -33,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ from .bundle import (
     read_manifest,
 )
 from .datastores import max_count_within
+from .encoder import Encoder
 from .knn import interpolate, softmax
 from .locking import DEFAULT_LOCK_TIMEOUT
 from .predictor import Predictor
@@ -58,6 +61,9 @@ from .preprocess import prepare_checked, raw_checked, validate_spec
 from .threads import DEFAULT_THREADS, BlasThreads
 
 logger = logging.getLogger(__name__)
+
+# Samples `add` checks (and embeds, when it keeps them) at a time: bounds its working memory.
+ADD_CHUNK_ROWS = 4096
 
 
 @dataclass
@@ -100,7 +106,7 @@ class Runtime:
         self,
         path: Path,
         manifest: dict,
-        encoder,
+        encoder: Encoder | None,
         datastore,
         *,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
@@ -167,11 +173,24 @@ class Runtime:
     # -- inference
     def embed(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Raw inputs -> (embeddings [N,p], logits [N,C]); input checks happen here."""
-        xp = prepare_checked(x, self._spec)
-        if xp.shape[0] == 0:
+        batch = self._checked(x)
+        if batch.shape[0] == 0:
             dim = self.manifest["embedding_dim"]
             return np.zeros((0, dim), np.float32), np.zeros((0, self.num_classes), np.float32)
-        return self.encoder.run(xp)
+        return self._encode(batch)
+
+    def _checked(self, x: np.ndarray) -> np.ndarray:
+        """Checked inputs as a batch in the form the bundle's session takes: raw for the
+        single-session predictor (it normalises in its graph), normalised for the encoder."""
+        if self.predictor is not None:
+            return raw_checked(x, self._spec)
+        return prepare_checked(x, self._spec)
+
+    def _encode(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A `_checked` batch (N >= 1) -> (embeddings, logits) through the bundle's session."""
+        if self.predictor is not None:
+            return self.predictor.embed(batch, self.datastore)
+        return self.encoder.run(batch)
 
     def components(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(p_local from the datastore, p_global = softmax(logits)), each [N, C]."""
@@ -205,36 +224,63 @@ class Runtime:
     def add(self, x: np.ndarray, y: object, strategy: str | None = None) -> UpdateReport:
         """Embed labelled samples and update the datastore by `strategy` (default: the
         manifest's update_strategy), then persist the bundle crash-safely."""
+        batch = raw_checked(x, self._spec)
+        labels = check_labels(y, batch.shape[0], self.num_classes)
+        rows = ADD_CHUNK_ROWS
+        chunks = (
+            (batch[start : start + rows], labels[start : start + rows])
+            for start in range(0, batch.shape[0], rows)
+        )
+        return self.add_chunks(chunks, batch.shape[0], strategy)
+
+    def add_chunks(
+        self,
+        chunks: Iterable[tuple[np.ndarray, object]],
+        count: int,
+        strategy: str | None = None,
+    ) -> UpdateReport:
+        """`add` of `count` labelled samples that arrive as consecutive (x, y) chunks, oldest
+        first: every chunk is checked, but only the newest samples the strategy can keep are
+        embedded and held, so memory does not grow with the input (a file read lazily)."""
         strategy = self.manifest["update_strategy"] if strategy is None else strategy
         if strategy not in UPDATE_STRATEGIES:
             raise ValueError(
                 f"update strategy must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}"
             )
-        xp = prepare_checked(x, self._spec)
-        labels = check_labels(y, xp.shape[0], self.num_classes)
-        received = xp.shape[0]
-        if strategy == "fixed" or received == 0:
-            return self._report(strategy, received, 0, 0)
-        if strategy == "fifo" and self.capacity < 1:
+        if strategy == "fifo" and count and self.capacity < 1:
             raise ValueError(
                 f"bundle {self.path}: {self.datastore.recipe} reserves no room for new samples "
                 "(a protonn recipe needs a buffer, b<count>); use strategy 'concatenate' or "
                 "'fixed'"
             )
-        z, _ = self.encoder.run(xp)
+        target = self._target(strategy) if strategy != "fixed" and count else 0
+        first_kept = count - min(count, target)
+        zs, kept, seen = [], [], 0
+        for x, y in chunks:
+            xp = self._checked(x)
+            labels = check_labels(y, xp.shape[0], self.num_classes)
+            skip = max(0, first_kept - seen)
+            seen += xp.shape[0]
+            if seen > count:
+                raise ValueError(f"got more than the {count} samples announced")
+            if skip < xp.shape[0]:
+                zs.append(self._encode(xp[skip:])[0])
+                kept.append(labels[skip:])
+        if seen != count:
+            raise ValueError(f"got {seen} samples, {count} were announced")
+        if not zs:
+            return self._report(strategy, count, 0, 0)
+        z, labels = np.concatenate(zs), np.concatenate(kept)
         with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):
             if read_manifest(self.path) != self.manifest:
                 raise BundleError(
                     f"bundle {self.path}: manifest.json changed on disk since the bundle was "
                     "loaded (another writer?); load it again"
                 )
-            return self._update(z, labels, strategy, received)
+            return self._update(z, labels, strategy, count, target)
 
-    def _update(
-        self, z: np.ndarray, labels: np.ndarray, strategy: str, received: int
-    ) -> UpdateReport:
-        """Evict and add in memory by `strategy`, then commit; the caller holds the lock."""
-        ds = self.datastore.sample_store()
+    def _target(self, strategy: str) -> int:
+        """How many samples the datastore may hold after an update by `strategy`."""
         fits = self._max_fit()
         if fits < 1:
             raise BudgetExceeded(
@@ -251,12 +297,16 @@ class Runtime:
                 self.manifest["budget_bytes"],
                 target,
             )
+        return target
+
+    def _update(
+        self, z: np.ndarray, labels: np.ndarray, strategy: str, received: int, target: int
+    ) -> UpdateReport:
+        """Evict and add in memory by `strategy` (z: the newest samples it keeps, at most
+        `target`), then commit; the caller holds the lock."""
+        ds = self.datastore.sample_store()
         old = len(ds)
-        if received >= target:
-            z, labels = z[-target:], labels[-target:]
-            evict = old
-        else:
-            evict = max(0, old + received - target)
+        evict = old if received >= target else max(0, old + received - target)
         try:
             ds.evict_oldest(evict)
             ds.add(z, labels)

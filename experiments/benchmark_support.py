@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime
 
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import make_datastore, parse_recipe
@@ -45,8 +46,15 @@ def command_line() -> str:
     return shlex.join([Path(sys.executable).name, *sys.argv])
 
 
+# The instruction sets the integer and float kernels' speed depends on, by /proc/cpuinfo flag:
+# timings from CPUs that differ here are not comparable.
+CPU_FEATURES = {"AVX2": ("avx2",), "AVX-512 VNNI": ("avx512_vnni",), "AVX-VNNI": ("avx_vnni",),
+                "AMX": ("amx_int8", "amx_tile")}
+
+
 def machine_info() -> dict[str, Any]:
-    """CPU model and core counts (from lscpu), load average, library versions."""
+    """CPU model, its vector instruction sets (CPU_FEATURES), core counts (from lscpu), load
+    average, library versions (onnxruntime always: the runtime's kernels are its)."""
     info: dict[str, Any] = {
         "cpu_model": platform.processor() or platform.machine(),
         "cpus_online": os.cpu_count(),
@@ -69,9 +77,13 @@ def machine_info() -> dict[str, Any]:
                       ("CPU max MHz", "max_mhz"), ("Hypervisor vendor", "hypervisor")):
         if fields.get(key):
             info[name] = fields[key]
+    flags = set(fields.get("Flags", "").split())
+    info["cpu_features"] = {name: any(f in flags for f in names)
+                            for name, names in CPU_FEATURES.items()} if flags else None
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15"] = [round(v, 2) for v in os.getloadavg()]
-    for module in ("numpy", "onnxruntime", "torch", "hnswlib"):
+    info["onnxruntime"] = onnxruntime.__version__
+    for module in ("numpy", "torch", "hnswlib"):
         mod = sys.modules.get(module)
         if mod is not None:
             info[module] = getattr(mod, "__version__", "?")
@@ -83,7 +95,16 @@ def machine_line(info: dict[str, Any]) -> str:
     load = info.get("loadavg_1_5_15")
     return (f"{info['cpu_model']}, {cores} CPUs ({info.get('cpus_usable')} usable)"
             + (f", load average {load[0]} / {load[1]} / {load[2]}" if load else "")
+            + f"; {cpu_features_line(info)}; onnxruntime {info.get('onnxruntime', '?')}"
             + f"; Python {info['python']}")
+
+
+def cpu_features_line(info: dict[str, Any]) -> str:
+    """'AVX2 yes, AVX-512 VNNI yes, AVX-VNNI no, AMX no' (or that they are unknown)."""
+    features = info.get("cpu_features")
+    if not features:
+        return "instruction sets unknown (no lscpu flags)"
+    return ", ".join(f"{name} {'yes' if has else 'no'}" for name, has in features.items())
 
 
 def report_head(title: str, start: dict[str, Any], end: dict[str, Any], note: str) -> list[str]:

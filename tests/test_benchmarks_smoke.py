@@ -168,6 +168,8 @@ def run_smoke(script: str, tmp_path: Path) -> Path:
                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Command:" in proc.stdout and "Machine:" in proc.stdout
+    assert "onnxruntime 1." in proc.stdout
+    assert "AVX-512 VNNI" in proc.stdout or "instruction sets unknown" in proc.stdout
     return out
 
 

@@ -128,10 +128,13 @@ def test_encoder_with_external_data_is_refused(tmp_path):
 
 
 def test_encoder_runs_from_the_bytes_that_were_hashed(bundle, monkeypatch):
+    """Whichever session holds it: the encoder's own, or the one-session predictor's."""
     given = []
-    real = bundle_module.Encoder
+    encoder, predictor = bundle_module.Encoder, bundle_module.Predictor
     monkeypatch.setattr(bundle_module, "Encoder", lambda model, **kw: given.append(model)
-                        or real(model, **kw))
+                        or encoder(model, **kw))
+    monkeypatch.setattr(bundle_module, "Predictor", lambda m, ds, model, **kw:
+                        given.append(model) or predictor(m, ds, model, **kw))
     Runtime.load(bundle)
     assert given == [(bundle / "encoder.onnx").read_bytes()]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -17,7 +19,13 @@ from edge_runtime import cli as edge_cli
 from edge_runtime._io import array_file_bytes, read_regular
 from edge_runtime.bundle import BundleError, read_manifest
 from edge_runtime.runtime import Runtime
-from tests.test_edge_runtime import IMAGE_SPEC, build_bundle, make_image_encoder, make_images
+from tests.test_edge_runtime import (
+    IMAGE_SPEC,
+    NUM_CLASSES,
+    build_bundle,
+    make_image_encoder,
+    make_images,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX named pipes")
 
@@ -78,8 +86,10 @@ def test_a_huge_budget_works_without_allocating_it(tmp_path, capsys):
     assert rt.add(*make_images(5, 1)).added == 5
 
 
-def _compressed_npz(path: Path, n: int) -> None:
-    """n zero images, deflated: a few KB on disk that declare n * 64 bytes in memory."""
+def _compressed_npz(path: Path, n: int) -> np.ndarray:
+    """n zero images, deflated: a few KB on disk that declare n * 64 bytes in memory; returns
+    their labels (0, 1, 2, ... modulo the classes, so which ones were kept shows)."""
+    y = np.arange(n, dtype=np.int64) % NUM_CLASSES
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         with zf.open("x.npy", "w", force_zip64=True) as f:
             np.lib.format.write_array_header_1_0(
@@ -87,20 +97,58 @@ def _compressed_npz(path: Path, n: int) -> None:
             chunk = bytes(64 * 1000)
             for _ in range(n // 1000):
                 f.write(chunk)
-        with zf.open("y.npy", "w") as f:
-            np.lib.format.write_array(f, np.zeros(n, np.int64))
+        with zf.open("y.npy", "w", force_zip64=True) as f:
+            np.lib.format.write_array(f, y)
+    return y
 
 
-def test_a_compressed_archive_that_inflates_past_the_limit_is_refused_unread(
+def test_a_compressed_archive_that_inflates_past_the_limit_is_streamed(
     tmp_path, capsys, monkeypatch
 ):
+    """Read in rows, not whole: the limit on what a file may take in memory does not apply,
+    and the newest samples are kept, as an in-memory add keeps them."""
     bundle = build_bundle(tmp_path)
-    _compressed_npz(tmp_path / "bomb.npz", 20_000)
+    reference = build_bundle(tmp_path, name="reference")
+    y = _compressed_npz(tmp_path / "bomb.npz", 20_000)
     assert (tmp_path / "bomb.npz").stat().st_size < 20_000
     assert array_file_bytes(tmp_path / "bomb.npz") == 20_000 * 64 + 20_000 * 8
     monkeypatch.setattr(edge_cli, "DEVICE_INPUT_BYTES", 1_000_000)
-    _fails_in_one_line(["add", str(bundle), "--data", str(tmp_path / "bomb.npz")], capsys,
-                       "over the limit of 1000000 bytes")
+    monkeypatch.setattr(edge_cli, "CHUNK_ROWS", 3_000)  # the kept samples span two chunks
+    assert edge_cli.main(["add", str(bundle), "--data", str(tmp_path / "bomb.npz")]) == 0
+    assert "received 20000: added 60" in capsys.readouterr().out
+    streamed = Runtime.load(bundle).datastore
+    np.testing.assert_array_equal(streamed.labels_, y[-60:])
+    Runtime.load(reference).add(np.zeros((60, 8, 8, 1), np.uint8), y[-60:])
+    np.testing.assert_allclose(streamed.keys(), Runtime.load(reference).datastore.keys(),
+                               atol=1e-6)
+    assert edge_cli.main(["evaluate", str(bundle), "--data", str(tmp_path / "bomb.npz")]) == 0
+    assert "on 20000 samples" in capsys.readouterr().out
+
+
+_PEAK_OF_ADD = """
+import sys
+from edge_runtime.cli import main
+from edge_runtime.runtime import Runtime
+import numpy as np
+Runtime.load(sys.argv[1]).predict_proba(np.zeros((1, 8, 8, 1), np.uint8))  # the bundle alone
+before = int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
+assert main(["add", sys.argv[1], "--data", sys.argv[2]]) == 0
+peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+print(peak - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+def test_add_of_an_archive_that_inflates_to_a_million_images_stays_small(tmp_path):
+    """72 MB inflated (64 MB of pixels, 256 MB once normalised): add holds a chunk at a time."""
+    bundle = build_bundle(tmp_path)
+    _compressed_npz(tmp_path / "big.npz", 1_000_000)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", _PEAK_OF_ADD, str(bundle),
+                          str(tmp_path / "big.npz")], capture_output=True, text=True, env=env,
+                         timeout=300, check=True).stdout
+    grown_mib = int(out.strip().splitlines()[-1]) / 1024
+    assert grown_mib < 24, f"add of the archive grew the process by {grown_mib:.1f} MiB"
 
 
 def test_an_npy_that_declares_more_than_it_holds_is_refused_before_allocating(tmp_path, capsys):
@@ -143,3 +191,20 @@ def test_export_onnx_refuses_to_write_into_the_bundle_it_reads(tmp_path, capsys)
 def test_threads_past_the_machine_are_refused(tmp_path, capsys):
     bundle = build_bundle(tmp_path)
     _fails_in_one_line(["--threads", "100000", "info", str(bundle)], capsys, "at most")
+
+
+def test_predict_reads_and_writes_a_large_input_in_chunks(tmp_path, capsys, monkeypatch):
+    """Memory-mapped in, chunk by chunk out: the probabilities file equals one call's."""
+    bundle = build_bundle(tmp_path)
+    x, _ = make_images(25, seed=3)
+    np.save(tmp_path / "x.npy", x)
+    monkeypatch.setattr(edge_cli, "CHUNK_ROWS", 7)
+    out = tmp_path / "p.npy"
+    assert edge_cli.main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
+                          "--output", str(out)]) == 0
+    assert "predicted 25 input(s)" in capsys.readouterr().out
+    np.testing.assert_allclose(np.load(out), Runtime.load(bundle).predict_proba(x), atol=1e-12)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("p.npy")) == ["p.npy"]
+    np.save(tmp_path / "one.npy", x[0])
+    assert edge_cli.main(["predict", str(bundle), "--input", str(tmp_path / "one.npy")]) == 0
+    assert "predicted 1 input(s)" in capsys.readouterr().out

@@ -39,6 +39,11 @@ class Datastore:
     def estimate_nbytes(self, n: int, dim: int) -> int:
         raise NotImplementedError
 
+    def file_nbytes(self, n: int, dim: int) -> int:
+        """Upper bound on the saved files alone: `estimate_nbytes` without what a device holds
+        beside them (the bytes candidates are ranked by, as the exporter measures files)."""
+        return self.estimate_nbytes(n, dim)
+
     @classmethod
     def from_params(cls, params: dict) -> Any:
         """An unfitted datastore from a manifest's (hostile) params, checked before any file

@@ -16,6 +16,22 @@ _NPZ_ARRAY_OVERHEAD = 512
 _NPZ_FILE_OVERHEAD = 512
 
 
+# The memory model a budget is held to, in memory as on disk. A device process may pass its
+# budget by 2 MiB: onnxruntime's session of the bundle, and a prediction's distance matrices of up
+# to WORK_CELLS cells (the predictor cuts its batches to that). What a datastore holds beside its
+# files (key norms, sums) and the intermediates of a search past WORK_CELLS cells (one input
+# against every key) are counted in the budget: `search_nbytes`, part of each backend's
+# `estimate_nbytes`, by which the exporter, `knnper-edge init` and `add` size a datastore and
+# benchmarks/runtime_memory.py sets the budget it checks.
+WORK_CELLS = 1 << 13
+
+
+def search_nbytes(searched: int, held_per_key: int, cell_bytes: int) -> int:
+    """Bytes a device holds beside a datastore's files to search `searched` keys:
+    `held_per_key` each, and `cell_bytes` for every distance cell past WORK_CELLS."""
+    return searched * held_per_key + cell_bytes * max(0, searched - WORK_CELLS)
+
+
 def datastore_file_name(stem: str, ext: str, generation: int) -> str:
     """datastore.npz for generation 0, datastore.<g>.npz after g on-device updates."""
     return f"{stem}.{ext}" if generation == 0 else f"{stem}.{generation}.{ext}"

@@ -23,7 +23,12 @@ from .common import (
     _require,
     _subsample,
     datastore_file_name,
+    search_nbytes,
 )
+
+# Bytes of a flat search's intermediates alive at once per distance cell (int32 products, float32
+# distances and their steps), as measured by benchmarks/runtime_memory.py, rounded up.
+FLAT_CELL_BYTES = 32
 
 
 class FlatDatastore(SampleDatastore):
@@ -141,7 +146,14 @@ class FlatDatastore(SampleDatastore):
 
     # -- footprint
     def estimate_nbytes(self, n_samples: int, dim: int) -> int:
-        """Upper bound on the saved datastore.npz size for n_samples keys of dimension dim."""
+        """Upper bound on what n_samples keys of dimension dim cost a device: the saved
+        datastore.npz, and the key norms (int8: and sums) and search intermediates beside it
+        (common.search_nbytes)."""
+        held = 4 + 4 * (self.dtype == "int8")
+        return self.file_nbytes(n_samples, dim) + search_nbytes(n_samples, held, FLAT_CELL_BYTES)
+
+    def file_nbytes(self, n_samples: int, dim: int) -> int:
+        """Upper bound on the saved datastore.npz for n_samples keys of dimension dim."""
         itemsize = np.dtype(FLAT_DTYPES[self.dtype]).itemsize
         arrays = 3 + (self.dtype == "int8")
         data = n_samples * (dim * itemsize + 16) + (4 * dim if self.dtype == "int8" else 0)

@@ -24,7 +24,13 @@ from .common import (
     _is_real,
     _require,
     datastore_file_name,
+    search_nbytes,
 )
+
+# Bytes of a ProtoNN search's intermediates alive at once per distance cell (float64 distances,
+# their kernel, its float32 copy and slices), as measured by benchmarks/runtime_memory.py,
+# rounded up.
+PROTONN_CELL_BYTES = 64
 
 _BUFFER_ARRAYS = ("buffer_keys", "buffer_labels", "buffer_order")
 
@@ -208,11 +214,25 @@ class ProtoNNDatastore(Datastore):
         return count * (4 * d + 16) + len(_BUFFER_ARRAYS) * _NPZ_ARRAY_OVERHEAD
 
     def estimate_nbytes(self, n_prototypes: int, dim: int) -> int:
+        """Upper bound on what n_prototypes cost a device with the buffer full to capacity: the
+        saved file, and the norms and search intermediates beside it (common.search_nbytes)."""
+        held = self.buffer or 0
+        return self.file_nbytes(n_prototypes, dim) + search_nbytes(
+            n_prototypes + held, 4, PROTONN_CELL_BYTES
+        )
+
+    def file_nbytes(self, n_prototypes: int, dim: int) -> int:
         """Upper bound on the saved file for n_prototypes, with the buffer full to capacity."""
+        held = self.buffer or 0
+        return self._matrices_nbytes(n_prototypes, dim) + (
+            self.buffer_nbytes(held) if held else 0
+        )
+
+    def _matrices_nbytes(self, n_prototypes: int, dim: int) -> int:
+        """Upper bound on the saved file for n_prototypes, without the buffer."""
         d = self.d or dim
         data = 4 * (d * dim + d * n_prototypes + self.num_classes * n_prototypes) + 8
-        base = data + 4 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
-        return base + (self.buffer_nbytes(self.buffer) if self.buffer else 0)
+        return data + 4 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
 
     # -- recipe
     def recipe_params(self) -> dict:
@@ -324,5 +344,9 @@ class _SampleBuffer:
 
     def estimate_nbytes(self, count: int, dim: int) -> int:
         ds = self.datastore
-        without = ProtoNNDatastore(ds.num_classes, d=ds.d).estimate_nbytes(len(ds), dim)
-        return without + ds.buffer_nbytes(count)
+        searched = len(ds) + count
+        return (
+            ds._matrices_nbytes(len(ds), dim)
+            + ds.buffer_nbytes(count)
+            + search_nbytes(searched, 4, PROTONN_CELL_BYTES)
+        )
