@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 
 from .byte_count import parse_byte_count
+from .knn import k_sigma_problem
 
 _NAMES = {int: "an integer", float: "a number"}
 
@@ -34,6 +35,24 @@ def positive(kind: type, upper: float | None = None) -> Callable[[str], float | 
 positive_int = positive(int)
 positive_float = positive(float)
 fraction = positive(float, 1.0)
+
+
+def k_neighbours(text: str) -> int:
+    """kNN-Per's k, refused at parse time when no device could run it (knn.k_sigma_problem)."""
+    value = positive_int(text)
+    problem = k_sigma_problem(k=value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem.removeprefix("k "))
+    return value
+
+
+def kernel_sigma(text: str) -> float:
+    """kNN-Per's sigma, refused at parse time when the kernel would underflow or overflow."""
+    value = positive_float(text)
+    problem = k_sigma_problem(sigma=value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem.removeprefix("sigma "))
+    return value
 
 
 def threads(text: str) -> int:

@@ -19,7 +19,7 @@ from zipfile import BadZipFile
 import numpy as np
 
 from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
-from .arg_types import byte_count, threads
+from .arg_types import byte_count, k_neighbours, kernel_sigma, threads
 from .cli_help import (
     DefaultsHelpFormatter,
     install_hint,
@@ -99,9 +99,9 @@ def _build_parser() -> argparse.ArgumentParser:
     spec = s.add_mutually_exclusive_group(required=True)
     spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
     spec.add_argument("--input-spec", help="JSON file with the input spec")
-    s.add_argument("--k", type=int, default=None,
+    s.add_argument("--k", type=k_neighbours, default=None,
                    help="neighbours of the kNN head (default: --like's, else 10)")
-    s.add_argument("--sigma", type=float, default=None,
+    s.add_argument("--sigma", type=kernel_sigma, default=None,
                    help="kernel width of the kNN head (default: --like's, else 1)")
     s.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
                    help="comma-separated candidates, e.g. flat:int8,flat:fp16")

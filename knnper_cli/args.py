@@ -12,6 +12,8 @@ from typing import Any
 from edge_runtime.arg_types import (
     byte_count,
     fraction,
+    k_neighbours,
+    kernel_sigma,
     positive,
     positive_float,
     positive_int,
@@ -160,9 +162,9 @@ def add_knn_arguments(p: argparse.ArgumentParser) -> None:
                    "seen clients' pooled validation splits (tuned, saved in the run directory "
                    "and reused) or the paper's fixed setting (k=10, sigma=1, raw embeddings, "
                    "lambda on validation)")
-    p.add_argument("--k", type=positive_int, default=None,
+    p.add_argument("--k", type=k_neighbours, default=None,
                    help="pin kNN-Per's number of neighbours (default: from --knn-config)")
-    p.add_argument("--sigma", type=positive_float, default=None,
+    p.add_argument("--sigma", type=kernel_sigma, default=None,
                    help="pin kNN-Per's kernel width (default: from --knn-config)")
     p.add_argument("--normalize", choices=NORMALIZATIONS, default=None,
                    help="pin the embedding normalisation before the kNN (default: from "

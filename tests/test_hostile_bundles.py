@@ -247,7 +247,7 @@ def _long_integer(bundle: Path) -> None:
 
 HOSTILE_MANIFESTS = {
     "over 64 KiB": (_huge, "too large for a manifest"),
-    "30000 nested brackets": (_deep_brackets, "nested too deeply"),
+    "30000 nested brackets": (_deep_brackets, "nested deeper than 8 levels"),
     "20-deep field": (_nested_field, "nested deeper than 8 levels"),
     "duplicate key": (_duplicate_key, "duplicate key(s) ['lambda']"),
     "NaN": (_nan, "NaN is not a JSON number"),
