@@ -313,7 +313,7 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
         _fingerprint(run, settings, space, encoder_files), budgets,
-        _resumable(out_dir, run, settings))
+        _resumable(out_dir, run, settings, sha256_file(encoder_files.path)))
     todo = [c for c in chosen if c.client_id not in done]
     if done:
         log.info("resuming: %d of %d client(s) already exported", len(chosen) - len(todo),
@@ -346,8 +346,8 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
     return report
 
 
-def _resumable(out_dir: Path, run: LoadedRun,
-               settings: ExportSettings) -> Callable[[int, dict[str, Any]], bool]:
+def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
+               encoder_sha256: str) -> Callable[[int, dict[str, Any]], bool]:
     """Whether a journaled client can be skipped: its row is well formed and its bundle is
     still the one the row describes, with this command's settings (else it is rebuilt)."""
     trusted = ([load_private_key(settings.signing_key).public_key()]
@@ -360,7 +360,8 @@ def _resumable(out_dir: Path, run: LoadedRun,
             expected = {"client_id": cid, "input": input_spec, "k": settings.k,
                         "sigma": float(settings.sigma),
                         "update_strategy": settings.update_strategy}
-            problem = bundle_problem(bundle_dir(out_dir, cid), row, expected, trusted)
+            problem = bundle_problem(bundle_dir(out_dir, cid), row, expected, trusted,
+                                     encoder_sha256)
         if problem is not None:
             log.warning("client %d: rebuilding its bundle: %s", cid, problem)
         return problem is None

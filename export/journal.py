@@ -13,6 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import parse_json, read_regular, write_bytes_atomic
+
+# A row is a few hundred bytes per client; a larger journal is not one this exporter wrote.
+MAX_JOURNAL_BYTES = 64 << 20
+
+
+def _parse(line: str) -> Any:
+    """One journal line as JSON (bounded nesting, no NaN); ValueError when it is not."""
+    return parse_json(line.encode("utf-8"))
+
 
 def json_default(value: Any) -> Any:
     """numpy scalars and paths, as JSON."""
@@ -40,30 +50,28 @@ class ExportJournal:
         rows: dict[int, dict[str, Any]] = {}
         lines = self._lines()
         try:
-            same = bool(lines) and json.loads(lines[0]) == {"fingerprint": fingerprint}
-        except (json.JSONDecodeError, RecursionError):
+            same = bool(lines) and _parse(lines[0]) == {"fingerprint": fingerprint}
+        except ValueError:
             same = False
         for line in lines[1:] if same else []:
             try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
+                row = _parse(line)
+            except ValueError:
                 continue
             cid = row.get("client_id") if isinstance(row, dict) else None
             if (isinstance(cid, int) and not isinstance(cid, bool)
                     and budgets.get(cid) == row.get("budget") and keep(cid, row)):
                 rows[cid] = row
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(x, default=json_default) + "\n"
-                               for x in [{"fingerprint": fingerprint}, *rows.values()]))
-        os.replace(tmp, self.path)
+        text = "".join(json.dumps(x, default=json_default) + "\n"
+                       for x in [{"fingerprint": fingerprint}, *rows.values()])
+        write_bytes_atomic(self.path, text.encode("utf-8"))
         return rows
 
     def _lines(self) -> list[str]:
-        if not self.path.is_file():
-            return []
         try:
-            return self.path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):  # unreadable: start the journal afresh
+            raw = read_regular(self.path, MAX_JOURNAL_BYTES)
+            return [] if raw is None else raw.decode("utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):  # missing, unreadable, a pipe: start afresh
             return []
 
     def add(self, row: dict[str, Any]) -> None:

@@ -12,15 +12,15 @@ import io
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from edge_runtime._io import array_file_bytes
+from edge_runtime._io import array_file_bytes, write_atomic
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, local_sgd, predict_proba
 from fed_train.data import Dataset, load_dataset, stratified_subsample
@@ -175,23 +175,15 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True,
               "best_epoch": best_epoch, "epochs_run": len(history), "val_accuracy": best_acc,
               "history": history}
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / SERVER_INDICES_FILE, lambda f: np.save(f, server.astype(np.int64)))
-    _write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
-    _write_atomic(out / RECORD_FILE, lambda f: f.write(json.dumps(record, indent=2).encode()))
+    write_atomic(out / SERVER_INDICES_FILE, lambda f: np.save(f, server.astype(np.int64)))
+    write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
+    write_atomic(out / RECORD_FILE, lambda f: f.write(json.dumps(record, indent=2).encode()))
     return record
 
 
 def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of the weights on the CPU, so model.pt loads on a machine without the GPU."""
     return {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}
-
-
-def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """A killed pretraining leaves no half-written file under the final name."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    tmp.replace(path)
 
 
 # --------------------------------------------------------------------------- --init

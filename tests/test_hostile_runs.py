@@ -245,3 +245,41 @@ def test_keygen_leaves_no_private_key_when_the_public_one_cannot_be_written(tmp_
         generate_key_pair(tmp_path / "k.pem", tmp_path / "afile" / "k.pub")
     assert not (tmp_path / "k.pem").exists()
 
+
+
+def test_planted_symlinks_at_old_temporary_names_are_never_followed(copy, tmp_path):
+    """knn_config.json.tmp, model.pt.tmp and the journal's .tmp were fixed names: a symlink
+    planted there made a write land outside the run. Temporaries are now unique and created
+    with O_EXCL, so the planted links and their targets stay untouched."""
+    from export.journal import ExportJournal
+    from fed_train.knn_choice import KNN_CONFIG_FILE, load_or_choose
+    from fed_train.knn_request import KNNRequest
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    names = [KNN_CONFIG_FILE + ".tmp", "model.pt.tmp", "export.journal.jsonl.tmp"]
+    for name in names:
+        (copy / name).symlink_to(victim)
+    run = load_run(copy)
+    load_or_choose(copy, run.model, run.clients(), KNNRequest("paper"))
+    from fed_train.run import save_model
+    save_model(copy, run.model, {k: v.numpy() for k, v in run.model.state_dict().items()})
+    ExportJournal(copy / "export.journal.jsonl").finished({"x": 1}, {}, lambda c, r: True)
+    assert victim.read_text() == "mine"
+    assert all((copy / name).is_symlink() for name in names)
+    assert load_run(copy).partition.num_clients == 3
+
+
+def test_open_exclusive_refuses_a_planted_name(tmp_path):
+    from edge_runtime._io import open_exclusive
+
+    (tmp_path / "t").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError):
+        open_exclusive(tmp_path / "t")
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_an_edited_clients_count_is_refused(copy, capsys):
+    _edit_config(copy, clients=5)
+    _knnper(["evaluate", str(copy), "--methods", "fedavg"], capsys,
+            "'clients' is 5 but the run was trained with 3")
