@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: warning: %(message)s")
     try:
         args = _build_parser().parse_args(argv)
-        return _COMMANDS[args.command](args)
+        # values are checked where they are loaded (finite, in range); a floating-point
+        # warning would only print numpy's source lines before the one-line error
+        with np.errstate(all="ignore"):
+            return _COMMANDS[args.command](args)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except KeyboardInterrupt:  # every write is atomic: nothing is left half-done
