@@ -26,6 +26,7 @@ from .cli_help import (
     missing_command_message,
     package_version,
 )
+from .console import INTERRUPTED
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .knn import interpolate
@@ -33,7 +34,6 @@ from .runtime import Runtime, check_labels
 
 PROG = "knnper-edge"
 EXIT_ERROR = 2
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 STRATEGIES = ("fifo", "concatenate", "fixed")
 BUNDLE_HELP = "bundle directory (a client_NNNN folder that `knnper export` wrote)"
 

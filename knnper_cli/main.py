@@ -12,11 +12,11 @@ import sys
 from collections.abc import Sequence
 
 from edge_runtime.cli_help import install_hint, package_version
+from edge_runtime.console import INTERRUPTED, exit_on_interrupt
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
 DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
                "federated run, evaluate it, export per-device bundles. Start with `knnper demo`.")
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def missing_server_modules() -> list[str]:
@@ -75,12 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130."""
-    import torch
+    """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130 (also
+    while torch and the command modules import, before the command's own handling)."""
+    with exit_on_interrupt("knnper"):
+        import torch
 
-    from fed_train.errors import KnnperError
+        from fed_train.errors import KnnperError
 
-    args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")

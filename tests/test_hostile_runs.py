@@ -283,3 +283,40 @@ def test_an_edited_clients_count_is_refused(copy, capsys):
     _edit_config(copy, clients=5)
     _knnper(["evaluate", str(copy), "--methods", "fedavg"], capsys,
             "'clients' is 5 but the run was trained with 3")
+
+
+def _ctrl_c_as_typed() -> None:
+    """The child takes Ctrl-C as a terminal delivers it, even when pytest runs as a background
+    job (started with SIGINT ignored, which children inherit)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("module", ["knnper_cli.main", "edge_runtime.console"])
+@pytest.mark.parametrize("delay", [0.3, 0.8, 2.0])
+def test_ctrl_c_while_the_heavy_modules_import_is_one_line_and_130(module, delay, tmp_path):
+    """The first seconds of a command import numpy, onnxruntime and torch: Ctrl-C there used
+    to print a traceback from inside the import."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = (["--no-progress", "train", "--dataset", "digits", "--clients", "3", "--rounds",
+             "50", "--out", str(tmp_path / "run")] if module == "knnper_cli.main" else
+            ["info", str(tmp_path)])
+    repo = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen([sys.executable, "-m", module, *argv],
+                             env={**os.environ, "PYTHONPATH": str(repo)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_ctrl_c_as_typed)
+    time.sleep(delay)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=120)
+    if child.returncode == 2 and module == "edge_runtime.console":
+        return  # it had already finished: `info` of a folder that is no bundle, one line
+    lines = [line for line in err.splitlines() if not line.startswith(("INFO", "WARNING"))]
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and len(lines) == 1 and "interrupted" in lines[0], err
