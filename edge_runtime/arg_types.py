@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from .byte_count import parse_byte_count
 from .knn import k_sigma_problem
@@ -72,3 +73,39 @@ def byte_count(text: str) -> int:
         return parse_byte_count(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _writable_directory(directory: Path, text: str) -> None:
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {directory} is not writable")
+
+
+def output_dir(text: str) -> str:
+    """A directory a command will create or write into, checked before any work starts (a
+    long evaluation or export must not fail at its last step): an existing one must be a
+    directory, a new one must be creatable (its nearest existing ancestor a writable
+    directory)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot make {text}: {base} is not a directory")
+    _writable_directory(base, text)
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file a command will write, checked before any work starts: not a directory, in an
+    existing writable directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    if not path.parent.is_dir():
+        missing = "" if path.parent.exists() else " (it does not exist)"
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {path.parent} is not a "
+                                         f"directory{missing}")
+    _writable_directory(path.parent, text)
+    return text

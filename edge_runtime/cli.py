@@ -19,7 +19,14 @@ from zipfile import BadZipFile
 import numpy as np
 
 from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
-from .arg_types import byte_count, k_neighbours, kernel_sigma, threads
+from .arg_types import (
+    byte_count,
+    k_neighbours,
+    kernel_sigma,
+    output_dir,
+    output_file,
+    threads,
+)
 from .cli_help import (
     DefaultsHelpFormatter,
     install_hint,
@@ -74,7 +81,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs")
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
-    s.add_argument("--output", help="write the [N, C] probabilities here (.npy)")
+    s.add_argument("--output", type=output_file, help="write the [N, C] probabilities here (.npy)")
     s.add_argument("--labels", action="store_true",
                    help="print every predicted label, one per line (default: a summary)")
 
@@ -95,7 +102,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", required=True, help=".npz with x, y (or x_train, y_train)")
     s.add_argument("--budget", required=True, type=byte_count,
                    help="bytes, or with a unit: 500000, 500kB, 1.5MB, 2MiB")
-    s.add_argument("--out", required=True, help="bundle directory to write")
+    s.add_argument("--out", required=True, type=output_dir,
+                   help="bundle directory to write")
     spec = s.add_mutually_exclusive_group(required=True)
     spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
     spec.add_argument("--input-spec", help="JSON file with the input spec")
@@ -122,7 +130,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "protonn bundles) for devices without Python",
     )
     s.add_argument("bundle", help=BUNDLE_HELP)
-    s.add_argument("--out", required=True, help="predictor .onnx file to write")
+    s.add_argument("--out", required=True, type=output_file,
+                   help="predictor .onnx file to write")
     s.add_argument(
         "--keys-as-inputs",
         action="store_true",

@@ -14,6 +14,8 @@ from edge_runtime.arg_types import (
     fraction,
     k_neighbours,
     kernel_sigma,
+    output_dir,
+    output_file,
     positive,
     positive_float,
     positive_int,
@@ -29,7 +31,8 @@ from fed_train.knn_request import ESTIMATOR_CHOICES, KNN_MODES, KNNRequest
 from fed_train.run import RunConfig
 
 __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
-           "DATA_HELP", "config_from_args", "fraction", "knn_request", "learning_rate", "positive",
+           "DATA_HELP", "config_from_args", "fraction", "knn_request", "learning_rate",
+           "output_dir", "output_file", "positive",
            "positive_float", "positive_int", "threads"]
 
 

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from export.demo import format_demo_table, run_demo
-from knnper_cli.args import add_knn_arguments, knn_request
+from knnper_cli.args import add_knn_arguments, knn_request, output_dir
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -22,7 +22,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the whole pipeline on scikit-learn's digits in about a "
                        "minute: train, evaluate, export for weak and strong devices, run them")
-    p.add_argument("--out", default="runs/demo", help="run directory (re-running resumes it)")
+    p.add_argument("--out", default="runs/demo", type=output_dir,
+                   help="run directory (re-running resumes it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the partition and training")
     p.add_argument("--workers", type=int, default=2,
                    help="processes that size clients' datastores in parallel")

@@ -26,6 +26,8 @@ from knnper_cli.args import (
     add_training_arguments,
     config_from_args,
     fraction,
+    output_dir,
+    output_file,
     positive_float,
     positive_int,
 )
@@ -134,7 +136,8 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
                                            "one SuperNode per client, TLS and SuperNode "
                                            "authentication")
     _add_settings_arguments(local)
-    local.add_argument("--out", required=True, help="run directory (the same layout as "
+    local.add_argument("--out", required=True, type=output_dir,
+                       help="run directory (the same layout as "
                                                     "`knnper train` writes)")
     local.add_argument("--startup-timeout", type=positive_float, default=60.0,
                        help="seconds the SuperLink may take to start listening")
@@ -147,7 +150,8 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     _add_settings_arguments(config)
     config.add_argument("--out", required=True,
                         help="run directory on the machine that runs the ServerApp")
-    config.add_argument("--write", default=None, help="write the TOML here (default: stdout)")
+    config.add_argument("--write", default=None, type=output_file,
+                        help="write the TOML here (default: stdout)")
     config.set_defaults(func=_cmd_deploy_config)
 
     certs = where.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode "
@@ -156,5 +160,5 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
                        help="the SuperLink's address as SuperNodes reach it (DNS name or IP)")
     certs.add_argument("--supernode-keys", type=int, default=0,
                        help="SuperNode authentication key pairs to make")
-    certs.add_argument("--out", required=True, help="an empty or new directory")
+    certs.add_argument("--out", required=True, type=output_dir, help="an empty or new directory")
     certs.set_defaults(func=_cmd_deploy_certs)

@@ -31,6 +31,7 @@ from knnper_cli.args import (
     add_training_arguments,
     config_from_args,
     knn_request,
+    output_dir,
     positive_int,
 )
 
@@ -48,7 +49,8 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                              parser_class=type(p))
     for exp in EXPERIMENTS.values():
         q = names.add_parser(exp.name, help=exp.help, description=f"The paper: {exp.claim}")
-        q.add_argument("--out", required=True, help="output folder, shared by the experiments "
+        q.add_argument("--out", required=True, type=output_dir,
+                       help="output folder, shared by the experiments "
                        "(global models in OUT/runs, this one's files in OUT/NAME)")
         q.add_argument("--quick", action="store_true", help="digits at a tiny scale and small "
                        "grids (under a minute; overrides the data and training flags)")

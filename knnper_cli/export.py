@@ -27,14 +27,21 @@ from export.sizing import BACKEND_CHOICES
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import load_or_choose
 from fed_train.run import load_run
-from knnper_cli.args import add_knn_arguments, byte_count, knn_request, positive_int
+from knnper_cli.args import (
+    add_knn_arguments,
+    byte_count,
+    knn_request,
+    output_dir,
+    positive_int,
+)
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write per-device bundles (int8 ONNX encoder + datastore "
                                       "sized to each device's budget) from a finished run")
     p.add_argument("run", help="run directory written by `knnper train`")
-    p.add_argument("--out", required=True, help="directory for the bundles and export.json")
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="directory for the bundles and export.json")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budgets", metavar="FILE", help="JSON file {client_id: bytes}")
     budget.add_argument("--budget", type=byte_count, metavar="BYTES",

@@ -26,6 +26,8 @@ from knnper_cli.args import (
     config_from_args,
     fraction,
     knn_request,
+    output_dir,
+    output_file,
     positive_int,
 )
 
@@ -84,7 +86,8 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
                        "no client sees, as the starting point for --init")
     p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
     p.add_argument("--data", default=None, help=DATA_HELP)
-    p.add_argument("--out", required=True, help="directory for model.pt, pretrain.json and "
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="directory for model.pt, pretrain.json and "
                    "server_indices.npy")
     p.add_argument("--public-data", default=None, help="train on this .npz (x_train, y_train, "
                    "x_test, y_test) instead of a split of the training set")
@@ -115,7 +118,8 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     add_training_arguments(p)
     p.add_argument("--checkpoint-every", type=positive_int, default=defaults.CHECKPOINT_EVERY,
                    help="rounds between checkpoints (Ctrl-C loses at most this many)")
-    p.add_argument("--out", required=True, help="run directory (re-running resumes it)")
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="run directory (re-running resumes it)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("evaluate", help="local / FedAvg / kNN-Per accuracy of a finished run")
@@ -125,7 +129,8 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                    help="fraction of each client's train split kept in its datastore")
     p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
                    help=f"any of {', '.join(EVAL_METHODS)}")
-    p.add_argument("--json", default=None, help="write summaries and per-client rows here")
+    p.add_argument("--json", default=None, type=output_file,
+                   help="write summaries and per-client rows here")
     add_device_argument(p)  # the precision of local training is the run's own
     p.set_defaults(func=_cmd_evaluate)
 
@@ -133,7 +138,8 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                        "the device commands (knnper-edge) take")
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--client", type=int, required=True, help="client id")
-    p.add_argument("--out", required=True, help="directory for train.npz, val.npz, test.npz "
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="directory for train.npz, val.npz, test.npz "
                    "(x, y) and test_x.npy")
     p.set_defaults(func=_cmd_client_data)
 

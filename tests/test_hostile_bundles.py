@@ -245,7 +245,17 @@ def _long_integer(bundle: Path) -> None:
     )
 
 
+def _set_field(name: str, value):
+    def edit(bundle: Path) -> None:
+        m = json.loads(_manifest_text(bundle))
+        m[name] = value
+        (bundle / "manifest.json").write_text(json.dumps(m))
+    return edit
+
+
 HOSTILE_MANIFESTS = {
+    "k of 2^63": (_set_field("k", 2**63), "k must be an integer from 1 to"),
+    "subnormal sigma": (_set_field("sigma", 1e-320), "sigma must be a number from 1e-30"),
     "over 64 KiB": (_huge, "too large for a manifest"),
     "30000 nested brackets": (_deep_brackets, "nested deeper than 8 levels"),
     "20-deep field": (_nested_field, "nested deeper than 8 levels"),

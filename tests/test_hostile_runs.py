@@ -320,3 +320,49 @@ def test_ctrl_c_while_the_heavy_modules_import_is_one_line_and_130(module, delay
     lines = [line for line in err.splitlines() if not line.startswith(("INFO", "WARNING"))]
     assert child.returncode == 130, err
     assert "Traceback" not in err and len(lines) == 1 and "interrupted" in lines[0], err
+
+
+def test_output_paths_are_checked_before_any_work(run_dir, tmp_path, capsys, monkeypatch):
+    """`evaluate --json FILE/x.json` used to fail only after the whole evaluation."""
+    import fed_train.run
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the run was loaded before the output path was checked")
+
+    monkeypatch.setattr(fed_train.run, "load_dataset", no_work)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, needle in (
+        (["evaluate", str(run_dir), "--json", str(afile / "x.json")], "afile is not a directory"),
+        (["evaluate", str(run_dir), "--json", str(tmp_path)], "is a directory, not a file"),
+        (["export", str(run_dir), "--out", str(afile), "--budget", "2M"],
+         "exists and is not a directory"),
+        (["client-data", str(run_dir), "--client", "0", "--out", str(afile / "d")],
+         "afile is not a directory"),
+    ):
+        _knnper(argv, capsys, needle)
+    assert afile.read_text() == "x"
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [
+    ("--k", str(2**63), "--k: must be an integer from 1 to"),
+    ("--k", "0", ">= 1"),
+    ("--sigma", "1e-320", "must be a number from 1e-30 to 1e+30"),
+    ("--sigma", "1e31", "must be a number from 1e-30 to 1e+30"),
+    ("--sigma", "nan", "a finite number > 0"),
+])
+def test_k_and_sigma_no_device_could_run_are_refused_at_parse_time(run_dir, tmp_path, capsys,
+                                                                   flag, value, needle):
+    _knnper(["export", str(run_dir), "--out", str(tmp_path / "o"), "--budget", "2M",
+             flag, value], capsys, needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--k", str(2**63)), ("--sigma", "1e-320")])
+def test_device_init_refuses_the_same_k_and_sigma(flag, value, capsys):
+    from edge_runtime.cli import main as edge_main
+
+    code = edge_main(["init", "--encoder", "e.onnx", "--data", "d.npz", "--budget", "1M",
+                      "--out", "o", "--input-spec", "s.json", flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and flag in err, err
