@@ -13,6 +13,7 @@ import errno
 import gzip
 import hashlib
 import json
+import logging
 import os
 import stat
 import uuid
@@ -24,12 +25,16 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 TMP_SUFFIX = ".tmp"
 # Most arrays an .npz in a bundle may hold, and the longest .npy header numpy should parse.
 MAX_NPZ_MEMBERS = 16
 _MAX_NPY_HEADER = 4096
 # JSON the project reads is a few levels deep; deeper is damage or an attack (RecursionError)
 MAX_JSON_DEPTH = 32
+# a cache of per-client rows: a few MB for thousands of clients
+MAX_CACHE_BYTES = 256 << 20
 
 
 def temp_path(final: Path) -> Path:
@@ -368,3 +373,20 @@ def read_exactly(f: BinaryIO, size: int, *, short_ok: bool = False) -> bytes:
     if len(out) < size and not short_ok:
         raise ValueError(f"is truncated ({len(out)} bytes where {size} are needed)")
     return bytes(out)
+
+
+def read_json_cache(path: str | os.PathLike, limit: int = MAX_CACHE_BYTES) -> dict | None:
+    """A cache file's JSON object, or None when there is none or it cannot be used (damaged,
+    too large, not an object: one warning line, and the caller computes it again). Callers
+    still compare the cache's recorded identity with their own before using it."""
+    try:
+        value = read_json(path, limit=limit, fix="computing it again")
+    except FileNotFoundError:
+        return None
+    except JSONFileError as err:
+        log.warning("%s", err)
+        return None
+    if not isinstance(value, dict):
+        log.warning("%s is not a JSON object; computing it again", path)
+        return None
+    return value

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
-import json
 import logging
 import os
 import sys
@@ -18,7 +17,13 @@ from zipfile import BadZipFile
 
 import numpy as np
 
-from ._io import load_arrays, memory_limit, read_regular, write_bytes_atomic
+from ._io import (
+    JSONFileError,
+    load_arrays,
+    memory_limit,
+    read_json,
+    write_bytes_atomic,
+)
 from .arg_types import (
     byte_count,
     k_neighbours,
@@ -302,14 +307,12 @@ def _dropped(report) -> str:
 
 def _read_spec_file(path: str) -> dict:
     try:
-        raw = read_regular(path, 1 << 20)
-        if raw is None:
-            raise CLIError(f"input spec {path} is over 1 MiB")
-        spec = json.loads(raw.decode("utf-8"))
+        spec = read_json(path, limit=1 << 20, fix="give the input spec as a JSON object (or a "
+                         "bundle's manifest.json)")
     except FileNotFoundError:
         raise CLIError(f"no such file: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CLIError(f"cannot read input spec {path}: {_one_line(exc)}") from None
+    except JSONFileError as exc:
+        raise CLIError(f"input spec {exc}") from None
     if isinstance(spec, dict) and "input" in spec and "kind" not in spec:
         spec = spec["input"]  # a whole manifest.json works too
     return spec
@@ -406,8 +409,7 @@ def _signature_status(bundle: Path, checked: bool) -> str:
     if checked:  # Runtime.load verified it against a trusted key, or refused the bundle
         return "signed and verified against a --trusted-key"
     try:
-        with open(path, "rb") as f:
-            key = str(json.loads(f.read(MAX_SIGNATURE_BYTES))["key"])[:16]
+        key = str(read_json(path, limit=MAX_SIGNATURE_BYTES, fix="")["key"])[:16]
     except (OSError, ValueError, KeyError, TypeError):
         key = "unreadable"
     return (f"signed (key {key}...), not checked: give --trusted-key PUBLIC.pem to verify "

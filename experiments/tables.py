@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from edge_runtime._io import write_json_atomic
+from edge_runtime._io import JSONFileError, read_json, read_json_cache, write_json_atomic
 from experiments.attribution import BODIES, attribution_table, body_rows, format_attribution
 from experiments.lr_tuning import (
     LR_GRID,
@@ -69,6 +69,14 @@ TRAINED_BY = {"fedavg+": "fedavg", "knnper": "fedavg"}
 
 class BenchError(KnnperError, ValueError):
     """A table that cannot be made with the given methods, grid, partition or output folder."""
+
+
+def _read_identity(path: Path) -> Any:
+    """A JSON file that says what an output folder holds (config.json, bench.json)."""
+    try:
+        return read_json(path, limit=1 << 20, fix="delete it (or choose another --out)")
+    except JSONFileError as err:
+        raise BenchError(str(err)) from None
 
 
 def parse_methods(text: str | Sequence[str]) -> list[str]:
@@ -121,7 +129,7 @@ class TableRunner:
         if saved is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             self.partition.save(self.out / PARTITION_FILE)
-            (self.out / CONFIG_FILE).write_text(json.dumps(saved, indent=2))
+            write_json_atomic(self.out / CONFIG_FILE, saved)
         self._trained: dict[tuple[str, float], Any] = {}
 
     def model_fn(self) -> EmbedHeadModel:
@@ -140,7 +148,7 @@ class TableRunner:
         saved = json.loads(json.dumps(saved))
         path = self.out / CONFIG_FILE
         if path.exists():
-            previous = json.loads(path.read_text())
+            previous = _read_identity(path)
             check_same_init(previous, saved, self.out)
             if previous != saved:
                 raise BenchError(f"{self.out} holds a table with a different configuration; "
@@ -163,7 +171,7 @@ class TableRunner:
         hyper = self.hyper.get(trainer, {})
         stamp = run_dir / "bench.json"
         identity = plain_json({"method": trainer, "lr": training.lr, "hyper": hyper})
-        if stamp.exists() and json.loads(stamp.read_text()) != identity:
+        if stamp.exists() and _read_identity(stamp) != identity:
             raise BenchError(f"{run_dir} was trained with other settings "
                              f"({stamp.read_text().strip()}); delete it to retrain")
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -201,12 +209,12 @@ class TableRunner:
         gives None instead of stopping the table: that learning rate cannot be chosen."""
         identity = self._knn_identity() if method == "knnper" else self.hyper.get(method, {})
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
-        if cache.exists():
-            cached = json.loads(cache.read_text())
-            if cached.get("hyper") == plain_json(identity):
-                if cached["rows"] is None and not diverged_ok:
-                    raise TrainingDiverged(cached["diverged"])
-                return cached["rows"]
+        cached = read_json_cache(cache)
+        if cached is not None and cached.get("hyper") == plain_json(identity) \
+                and (isinstance(cached.get("rows"), list) or cached.get("rows") is None):
+            if cached["rows"] is None and not diverged_ok:
+                raise TrainingDiverged(str(cached.get("diverged")))
+            return cached["rows"]
         try:
             return self._rows(method, lr, identity, cache)
         except TrainingDiverged as err:
@@ -256,7 +264,8 @@ class TableRunner:
     def knn_record(self, lr: float) -> dict[str, Any] | None:
         """How kNN-Per's hyper-parameters were chosen at `lr` (written by `rows`)."""
         cache = self.out / "eval" / "knnper" / f"{_lr_dir(lr)}.json"
-        return json.loads(cache.read_text()).get("knn") if cache.exists() else None
+        cached = read_json_cache(cache)
+        return None if cached is None else cached.get("knn")
 
 
 # rough cost of each training group in FedAvg-equivalents, to start the longest jobs first

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_runtime._io import array_file_bytes, write_atomic
+from edge_runtime._io import array_file_bytes, parse_json, read_regular, write_atomic
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, local_sgd, predict_proba
 from fed_train.data import Dataset, load_dataset, stratified_subsample
@@ -202,12 +202,16 @@ class Init:
 
 
 def _read_bounded(path: Path, limit: int, what: str) -> bytes:
-    if not path.is_file():
-        raise InitError(f"--init {path}: {what} is missing")
-    size = path.stat().st_size
-    if size > limit:
-        raise InitError(f"--init {path}: {size} bytes, more than the {limit} a {what} may have")
-    return path.read_bytes()
+    """A regular file's bytes (pipes and devices refused before reading), at most `limit`."""
+    try:
+        raw = read_regular(path, limit)
+    except FileNotFoundError:
+        raise InitError(f"--init {path}: {what} is missing") from None
+    except OSError as err:
+        raise InitError(f"--init {path}: {what} cannot be read ({err.strerror})") from None
+    if raw is None:
+        raise InitError(f"--init {path}: more than the {limit} bytes a {what} may have")
+    return raw
 
 
 def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -233,9 +237,9 @@ def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 def _read_record(path: Path) -> dict[str, Any]:
     try:
-        record = json.loads(_read_bounded(path, MAX_RECORD_BYTES, "pretrain record"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InitError(f"--init {path} is not valid JSON: {err}") from err
+        record = parse_json(_read_bounded(path, MAX_RECORD_BYTES, "pretrain record"))
+    except ValueError as err:
+        raise InitError(f"--init {path} {err}; run `knnper pretrain` again") from None
     if not isinstance(record, dict) or not all(
             isinstance(record.get(k), str) for k in ("dataset", "model")):
         raise InitError(f"--init {path} must be a JSON object naming its dataset and model")

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from edge_runtime._io import write_json_atomic
+from edge_runtime._io import read_json_cache, write_json_atomic
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights
 from fed_train.errors import KnnperError
@@ -40,9 +40,10 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | No
             raise KnnperError(f"unknown method {method!r} for evaluate; known: "
                               f"{', '.join(EVAL_METHODS)}")
         cache = run.run_dir / "eval" / "local.json"
-        if method == "local" and cache.exists():
-            cached = json.loads(cache.read_text())
-            if cached.get("key") == _local_cache_key(run):
+        cached = read_json_cache(cache) if method == "local" else None
+        if cached is not None:
+            if cached.get("key") == _local_cache_key(run) and isinstance(cached.get("rows"),
+                                                                        list):
                 per_method[method] = cached["rows"]
                 continue
         hyper: dict[str, Any] = {}
