@@ -75,37 +75,61 @@ def byte_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _writable_directory(directory: Path, text: str) -> None:
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: {directory} is not writable")
+class OutputDir(str):
+    """A directory a command will create or write into (`check_outputs` checks it)."""
+
+
+class OutputFile(str):
+    """A file a command will write (`check_outputs` checks it)."""
 
 
 def output_dir(text: str) -> str:
-    """A directory a command will create or write into, checked before any work starts (a
-    long evaluation or export must not fail at its last step): an existing one must be a
-    directory, a new one must be creatable (its nearest existing ancestor a writable
-    directory)."""
+    """The argparse type of an output directory: parsing stays free of the file system (a
+    command line can be parsed anywhere); `check_outputs` checks it before the work starts."""
+    return OutputDir(text)
+
+
+def output_file(text: str) -> str:
+    """The argparse type of an output file (see output_dir)."""
+    return OutputFile(text)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Check every output path of a parsed command line before any work starts (a long
+    evaluation or export must not fail at its last step); ValueError names the flag's value
+    and the problem."""
+    for value in vars(args).values():
+        if isinstance(value, OutputDir):
+            _check_output_dir(value)
+        elif isinstance(value, OutputFile):
+            _check_output_file(value)
+
+
+def _writable_directory(directory: Path, text: str) -> None:
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{text}: {directory} is not writable")
+
+
+def _check_output_dir(text: str) -> None:
+    """An existing directory, or a new one whose nearest existing ancestor is a writable
+    directory."""
     path = Path(text)
     if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+        raise ValueError(f"{text} exists and is not a directory")
     base = path
     while not base.exists() and base != base.parent:
         base = base.parent
     if not base.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot make {text}: {base} is not a directory")
+        raise ValueError(f"cannot make {text}: {base} is not a directory")
     _writable_directory(base, text)
-    return text
 
 
-def output_file(text: str) -> str:
-    """A file a command will write, checked before any work starts: not a directory, in an
-    existing writable directory."""
+def _check_output_file(text: str) -> None:
+    """Not a directory, in an existing writable directory."""
     path = Path(text)
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+        raise ValueError(f"{text} is a directory, not a file")
     if not path.parent.is_dir():
         missing = "" if path.parent.exists() else " (it does not exist)"
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {path.parent} is not a "
-                                         f"directory{missing}")
+        raise ValueError(f"cannot write {text}: {path.parent} is not a directory{missing}")
     _writable_directory(path.parent, text)
-    return text

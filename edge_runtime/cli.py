@@ -26,6 +26,7 @@ from ._io import (
 )
 from .arg_types import (
     byte_count,
+    check_outputs,
     k_neighbours,
     kernel_sigma,
     output_dir,
@@ -38,9 +39,9 @@ from .cli_help import (
     missing_command_message,
     package_version,
 )
-from .console import INTERRUPTED
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
+from .interrupt import INTERRUPTED
 from .knn import interpolate
 from .runtime import Runtime, check_labels
 
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         # values are checked where they are loaded (finite, in range); a floating-point
         # warning would only print numpy's source lines before the one-line error
         with np.errstate(all="ignore"):
+            check_outputs(args)
             return _COMMANDS[args.command](args)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)

@@ -1,48 +1,15 @@
-"""The `knnper-edge` console script, and Ctrl-C while a command's heavy modules import.
-
-A KeyboardInterrupt raised inside `import numpy` or `import torch` prints a traceback from
-wherever the import was; the commands' own handling (one line, exit 130) only starts once they
-run. Until then nothing has been read or written, so ending the process at once is safe. This
-module imports only the standard library, so its handler is in place within milliseconds.
-"""
+"""The `knnper-edge` console script: edge_runtime.cli, imported (numpy, onnxruntime) with
+Ctrl-C already handled, so an interrupt in the first instant is one line and exit 130."""
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
-
-
-@contextmanager
-def exit_on_interrupt(prog: str) -> Iterator[None]:
-    """Inside: Ctrl-C prints "PROG: interrupted" and exits 130 at once. The previous handler
-    returns afterwards; an ignored SIGINT (a background job) stays ignored, and outside the
-    main thread (where handlers cannot be set) nothing changes."""
-
-    def interrupted(signum: int, frame: object) -> None:
-        os.write(2, f"{prog}: interrupted\n".encode())
-        os._exit(INTERRUPTED)
-
-    previous = None
-    try:
-        if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-            previous = signal.signal(signal.SIGINT, interrupted)
-    except ValueError:  # not the main thread
-        previous = None
-    try:
-        yield
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+from .interrupt import exit_on_interrupt
 
 
 def main() -> int:
-    """`knnper-edge`: edge_runtime.cli.main, its imports (numpy, onnxruntime) made with
-    Ctrl-C already handled."""
+    """`knnper-edge`: edge_runtime.cli.main, its imports made with Ctrl-C already handled."""
     with exit_on_interrupt("knnper-edge"):
         from .cli import main as cli_main
     return cli_main()

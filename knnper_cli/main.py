@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from edge_runtime.cli_help import install_hint, package_version
-from edge_runtime.console import INTERRUPTED, exit_on_interrupt
+from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
 DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
@@ -78,8 +78,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130 (also
     while torch and the command modules import, before the command's own handling)."""
     with exit_on_interrupt("knnper"):
+        import numpy as np
         import torch
 
+        from edge_runtime.arg_types import check_outputs
         from fed_train.errors import KnnperError
 
         args = build_parser().parse_args(argv)
@@ -87,7 +89,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        # files are checked where they are loaded (finite, in range): a floating-point
+        # warning would only print numpy's source lines before the one-line error
+        with np.errstate(all="ignore"):
+            check_outputs(args)
+            return args.func(args)
     except (KnnperError, ValueError, OSError, MemoryError) as err:
         print(f"knnper: error: {_one_line(err)}", file=sys.stderr)
         return 2
