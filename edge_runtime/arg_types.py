@@ -14,6 +14,9 @@ from .byte_count import parse_byte_count
 from .knn import k_sigma_problem
 
 _NAMES = {int: "an integer", float: "a number"}
+INT64_MAX = 2**63 - 1  # counts end up in numpy and torch integers
+SEED_MAX = 2**32 - 1  # the widest seed every library the project seeds takes
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def positive(kind: type, upper: float | None = None) -> Callable[[str], float | int]:
@@ -28,6 +31,9 @@ def positive(kind: type, upper: float | None = None) -> Callable[[str], float | 
             bound = (f"in (0, {upper:g}]" if upper is not None else
                      ">= 1" if kind is int else "a finite number > 0")
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        if kind is int and value > INT64_MAX:
+            raise argparse.ArgumentTypeError(f"must be at most {INT64_MAX} (2^63 - 1), got "
+                                             f"{text}")
         return value
 
     return parse
@@ -36,6 +42,28 @@ def positive(kind: type, upper: float | None = None) -> Callable[[str], float | 
 positive_int = positive(int)
 positive_float = positive(float)
 fraction = positive(float, 1.0)
+
+
+def non_negative(kind: type, upper: float) -> Callable[[str], float | int]:
+    """A type for a finite number from 0 to `upper` (an integer, or a number)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {_NAMES[kind]}: {text!r}") from None
+        if not 0 <= value <= upper:
+            shown = upper if kind is int else f"{upper:g}"
+            raise argparse.ArgumentTypeError(f"must be from 0 to {shown}, got {text}")
+        return value
+
+    return parse
+
+
+seed = non_negative(int, SEED_MAX)
+count = non_negative(int, INT64_MAX)
+# momentum, weight decay: a float32 optimizer applies them, so they must fit one
+non_negative_float = non_negative(float, FLOAT32_MAX)
 
 
 def k_neighbours(text: str) -> int:

@@ -31,6 +31,7 @@ from .arg_types import (
     kernel_sigma,
     output_dir,
     output_file,
+    seed,
     threads,
 )
 from .cli_help import (
@@ -121,7 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="comma-separated candidates, e.g. flat:int8,flat:fp16")
     s.add_argument("--val-fraction", type=float, default=0.2,
                    help="fraction of the data held out to choose the recipe and lambda")
-    s.add_argument("--seed", type=int, default=0, help="seed of the validation split")
+    s.add_argument("--seed", type=seed, default=0, help="seed of the validation split")
     s.add_argument("--strategy", choices=STRATEGIES, default="fifo",
                    help="the bundle's update strategy for later `add` calls")
     s.add_argument("--client-id", type=int, default=-1,

@@ -25,6 +25,7 @@ from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
     config_from_args,
+    count,
     fraction,
     output_dir,
     output_file,
@@ -125,7 +126,7 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the server waits for a round's replies")
     p.add_argument("--connect-timeout", type=positive_float, default=120.0,
                    help="seconds the server waits for every client's SuperNode")
-    p.add_argument("--min-train-clients", type=int, default=0,
+    p.add_argument("--min-train-clients", type=count, default=0,
                    help="replies a round needs to go on (0: every sampled client)")
 
 
@@ -158,7 +159,7 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
                                            "key pairs for a federation across machines")
     certs.add_argument("--host", required=True,
                        help="the SuperLink's address as SuperNodes reach it (DNS name or IP)")
-    certs.add_argument("--supernode-keys", type=int, default=0,
+    certs.add_argument("--supernode-keys", type=count, default=0,
                        help="SuperNode authentication key pairs to make")
     certs.add_argument("--out", required=True, type=output_dir, help="an empty or new directory")
     certs.set_defaults(func=_cmd_deploy_certs)

@@ -33,6 +33,7 @@ from knnper_cli.args import (
     knn_request,
     output_dir,
     positive_int,
+    seed,
 )
 
 
@@ -62,7 +63,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--update-strategy", default="fifo",
                    help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
                         "buffers new samples beside its prototypes)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=seed, default=0,
                    help="seed of generated budgets and of datastore sampling / ProtoNN training")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="processes sizing clients in parallel (default: one per usable core)")

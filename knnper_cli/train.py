@@ -24,11 +24,13 @@ from knnper_cli.args import (
     add_sgd_arguments,
     add_training_arguments,
     config_from_args,
+    count,
     fraction,
     knn_request,
     output_dir,
     output_file,
     positive_int,
+    seed,
 )
 
 
@@ -107,7 +109,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--augment", action="store_true",
                    help="random 4-pixel shifted crops and horizontal flips of the images (for "
                    "CIFAR-like data; not for digits or letters)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the split and the training")
+    p.add_argument("--seed", type=seed, default=d.seed, help="seed of the split and the training")
     add_device_argument(p)
     add_precision_argument(p)
     p.set_defaults(func=_cmd_pretrain)
@@ -137,7 +139,7 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("client-data", help="write one client's raw data as the .npz / .npy files "
                        "the device commands (knnper-edge) take")
     p.add_argument("run", help="run directory written by `knnper train`")
-    p.add_argument("--client", type=int, required=True, help="client id")
+    p.add_argument("--client", type=count, required=True, help="client id")
     p.add_argument("--out", required=True, type=output_dir,
                    help="directory for train.npz, val.npz, test.npz "
                    "(x, y) and test_x.npy")

@@ -366,3 +366,17 @@ def test_device_init_refuses_the_same_k_and_sigma(flag, value, capsys):
                       "--out", "o", "--input-spec", "s.json", flag, value])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and flag in err, err
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [
+    ("--seed", "-1", "--seed: must be from 0 to 4294967295"),
+    ("--seed", str(2**70), "--seed: must be from 0 to 4294967295"),
+    ("--rounds", str(10**23), "--rounds: must be at most 9223372036854775807"),
+    ("--momentum", "nan", "--momentum: must be from 0 to"),
+    ("--weight-decay", "inf", "--weight-decay: must be from 0 to"),
+])
+def test_numeric_training_flags_are_bounded_at_parse_time(tmp_path, capsys, flag, value,
+                                                          needle):
+    _knnper(["train", "--dataset", "digits", "--out", str(tmp_path / "r"), flag, value],
+            capsys, needle)
+    assert not (tmp_path / "r").exists()
