@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import uuid
 import zipfile
@@ -41,6 +42,43 @@ def temp_path(final: Path) -> Path:
     """A temporary name beside `final` that no other writer (process or thread) will pick:
     <name>.tmp-<pid>-<random>, so a writer only ever cleans up its own temporaries."""
     return final.with_name(f"{final.name}{TMP_SUFFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def writer_alive(pid: int) -> bool:
+    """Whether the process that owns a temporary (by the pid in its name) may still run."""
+    if pid == os.getpid() or os.name == "nt":  # on Windows os.kill(pid, 0) would end it
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but belongs to someone else
+        return True
+    return True
+
+
+_WRITER_TMP_RE = re.compile(rf"^.+{re.escape(TMP_SUFFIX)}-(\d+)-[0-9a-f]{{8}}$")
+
+
+def remove_dead_writers_files(directory: str | os.PathLike) -> list[str]:
+    """Remove the temporary files (`temp_path` names) that killed writers left in
+    `directory`: a unique name is never reused, so nothing else would clean them up. Those of
+    live processes are theirs to finish."""
+    removed = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:  # not there yet
+        return removed
+    for entry in entries:
+        match = _WRITER_TMP_RE.match(entry.name)
+        if (match and not entry.is_symlink() and entry.is_file()
+                and not writer_alive(int(match[1]))):
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    if removed:
+        log.warning("removed %d temporary file(s) left by interrupted writes in %s",
+                    len(removed), directory)
+    return removed
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime._io import write_bytes_atomic
+from edge_runtime._io import remove_dead_writers_files, write_bytes_atomic
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
@@ -426,5 +426,7 @@ def _fingerprint(run: LoadedRun, settings: ExportSettings, space: SearchSpace,
 def remove_stale_temporaries(out_dir: Path) -> None:
     """Temporary bundle directories that an interrupted export left behind (write_bundle
     renames its temporary directory into place only once the bundle is complete); those of
-    an export still running into the same directory are left to it."""
+    an export still running into the same directory are left to it; and the temporary files
+    of killed writers (the journal's, export.json's)."""
     remove_abandoned_temporaries(out_dir)
+    remove_dead_writers_files(out_dir)

@@ -20,6 +20,7 @@ from edge_runtime._io import (
     memory_limit,
     read_json,
     read_regular,
+    remove_dead_writers_files,
     write_atomic,
     write_json_atomic,
 )
@@ -298,6 +299,7 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
              "input_spec": dataset.input_spec, **init_record(init)}
     config_path = run_dir / CONFIG_FILE
     if config_path.exists():
+        remove_dead_writers_files(run_dir)
         previous = read_config(run_dir)
         check_same_init(previous, saved, run_dir)
         if "init" in previous:  # the same file, perhaps recorded relative by an older version

@@ -24,6 +24,7 @@ from edge_runtime._io import (
     memory_limit,
     parse_json,
     read_regular,
+    remove_dead_writers_files,
     write_atomic,
     write_bytes_atomic,
 )
@@ -161,6 +162,7 @@ def resume_from(run_dir: Path, like: Weights | None = None) -> SimulationResult 
     """The newest good checkpoint, falling back past bad ones with a warning; None when there
     are none, CheckpointError when there are some and none is good. `like`: the run's
     initial weights, whose names and shapes a good checkpoint's weights have."""
+    remove_dead_writers_files(run_dir / "checkpoints")
     paths = sorted((run_dir / "checkpoints").glob("round_*.pt"), reverse=True)
     problems = []
     for path in paths:

@@ -380,3 +380,25 @@ def test_numeric_training_flags_are_bounded_at_parse_time(tmp_path, capsys, flag
     _knnper(["train", "--dataset", "digits", "--out", str(tmp_path / "r"), flag, value],
             capsys, needle)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_killed_writers_temporaries_are_removed_at_the_next_start(copy, tmp_path):
+    """Unique temporary names are never reused: the next train removes those whose writer is
+    gone, keeps a live writer's, and never follows a link."""
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = [copy / f"model.pt.tmp-{gone.pid}-0123abcd",
+            copy / "checkpoints" / f"round_0001.pt.tmp-{gone.pid}-89abcdef"]
+    live = copy / f"knn_config.json.tmp-{os.getpid()}-0123abcd"
+    link = copy / f"metrics.jsonl.tmp-{gone.pid}-00000000"
+    for path in (*dead, live):
+        path.write_bytes(b"half")
+    (tmp_path / "target").write_text("mine")
+    link.symlink_to(tmp_path / "target")
+    train(CONFIG, copy, progress=False)
+    assert not any(p.exists() for p in dead)
+    assert live.exists() and link.is_symlink() and (tmp_path / "target").read_text() == "mine"
