@@ -226,9 +226,11 @@ def read_idx(path: str | Path) -> np.ndarray:
                 raise DataError(f"{path}: dims {dims} declare {size} bytes, more than half of "
                                 "this machine's memory")
             data = read_exactly(f, size + 1, short_ok=True)
+    except DataError:
+        raise
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except ValueError as exc:
+    except ValueError as exc:  # from read_exactly: "cannot be inflated (...)"
         raise DataError(f"{path} {exc}") from None
     if len(data) < size:
         raise DataError(f"{path}: truncated IDX file (dims {dims} need {size} bytes of data, "
@@ -408,13 +410,16 @@ def _load_batch(path: Path) -> dict[str, Any]:
     """One official CIFAR batch as a dict with str keys (Python 2 pickles give bytes keys).
     A regular file of at most MAX_BATCH_BYTES, unpickled with numpy arrays as the only
     globals; a pickle's memo can make a few bytes refer to one list a million times, so
-    what it decodes to is bounded again in _batch_arrays before numpy converts it."""
+    what it decodes to is checked in _batch_arrays before numpy converts it."""
     if not path.is_file():
         raise DataError(f"{path}: missing CIFAR batch file")
     try:
         raw = read_regular(path, MAX_BATCH_BYTES)
-        if raw is None:
-            raise DataError(f"{path}: over {MAX_BATCH_BYTES} bytes, larger than a CIFAR batch")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if raw is None:
+        raise DataError(f"{path}: over {MAX_BATCH_BYTES} bytes, larger than a CIFAR batch")
+    try:
         obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except (
         pickle.UnpicklingError,

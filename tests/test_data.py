@@ -626,3 +626,11 @@ def test_a_cifar_pickle_of_object_arrays_is_refused(tmp_path):
         {b"data": _cifar_images(2, 0), b"labels": labels}, protocol=4))
     with pytest.raises(DataError, match="object arrays are not allowed"):
         load_dataset("cifar10", tmp_path)
+
+
+def test_an_idx_error_names_the_file_once(tmp_path):
+    path = tmp_path / "bad.gz"
+    path.write_bytes(gzip.compress(b"\x01\x02\x03\x04"))
+    with pytest.raises(DataError) as info:
+        read_idx(path)
+    assert str(info.value).count(str(path)) == 1 and "not an IDX file" in str(info.value)
