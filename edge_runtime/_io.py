@@ -1,34 +1,84 @@
-"""Durable file writes for bundles: write a temporary name, fsync, rename, fsync the directory.
+"""File input and output for every layer: durable writes (a unique temporary name created with
+O_EXCL, fsync, rename, fsync the directory) and bounded reads (regular files only, sizes checked
+before anything is allocated, JSON parsed with its size, nesting and numbers bounded).
 
 A rename within one directory is atomic on POSIX file systems, so a reader (or a device that lost
-power) sees either the old file or the complete new one, never half of it.
+power) sees either the old file or the complete new one, never half of it. A writer that created
+its temporary file with O_EXCL never follows a symlink planted at that name.
 """
 
 from __future__ import annotations
 
 import errno
+import gzip
 import hashlib
 import json
+import logging
 import os
+import re
 import stat
 import uuid
 import zipfile
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
 # Most arrays an .npz in a bundle may hold, and the longest .npy header numpy should parse.
 MAX_NPZ_MEMBERS = 16
 _MAX_NPY_HEADER = 4096
+# JSON the project reads is a few levels deep; deeper is damage or an attack (RecursionError)
+MAX_JSON_DEPTH = 32
+# a cache of per-client rows: a few MB for thousands of clients
+MAX_CACHE_BYTES = 256 << 20
 
 
 def temp_path(final: Path) -> Path:
     """A temporary name beside `final` that no other writer (process or thread) will pick:
     <name>.tmp-<pid>-<random>, so a writer only ever cleans up its own temporaries."""
     return final.with_name(f"{final.name}{TMP_SUFFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def writer_alive(pid: int) -> bool:
+    """Whether the process that owns a temporary (by the pid in its name) may still run."""
+    if pid == os.getpid() or os.name == "nt":  # on Windows os.kill(pid, 0) would end it
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but belongs to someone else
+        return True
+    return True
+
+
+_WRITER_TMP_RE = re.compile(rf"^.+{re.escape(TMP_SUFFIX)}-(\d+)-[0-9a-f]{{8}}$")
+
+
+def remove_dead_writers_files(directory: str | os.PathLike) -> list[str]:
+    """Remove the temporary files (`temp_path` names) that killed writers left in
+    `directory`: a unique name is never reused, so nothing else would clean them up. Those of
+    live processes are theirs to finish."""
+    removed = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:  # not there yet
+        return removed
+    for entry in entries:
+        match = _WRITER_TMP_RE.match(entry.name)
+        if (match and not entry.is_symlink() and entry.is_file()
+                and not writer_alive(int(match[1]))):
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+    if removed:
+        log.warning("removed %d temporary file(s) left by interrupted writes in %s",
+                    len(removed), directory)
+    return removed
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -52,19 +102,34 @@ def replace_synced(tmp: Path, final: Path, *, sync_dir: bool = True) -> None:
         fsync_dir(final.parent)
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
-    """Write `data` to `path` through `path.tmp`, fsynced, then renamed over `path`."""
+def open_exclusive(path: Path) -> BinaryIO:
+    """A new file opened for writing that did not exist before (O_EXCL): a symlink or file
+    someone planted at the name is never followed or overwritten (FileExistsError instead)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return os.fdopen(os.open(path, flags, 0o644), "wb")
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], *,
+                 sync_dir: bool = True) -> None:
+    """Call `write` on a new unique temporary file beside `path` (`temp_path`, `open_exclusive`),
+    fsync it and rename it over `path`; on any failure the temporary file is removed."""
     final = Path(path)
     tmp = temp_path(final)
+    f = open_exclusive(tmp)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        with f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         replace_synced(tmp, final, sync_dir=sync_dir)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
+    """Write `data` to `path` through a unique temporary file (`write_atomic`)."""
+    write_atomic(path, lambda f: f.write(data), sync_dir=sync_dir)
 
 
 def _numpy_to_json(value: object) -> object:
@@ -80,8 +145,9 @@ def to_json_types(obj: dict) -> dict:
     return json.loads(json.dumps(obj, default=_numpy_to_json))
 
 
-def write_json_atomic(path: str | os.PathLike, obj: dict, *, sync_dir: bool = True) -> None:
-    text = json.dumps(obj, indent=2, default=_numpy_to_json) + "\n"
+def write_json_atomic(path: str | os.PathLike, obj: dict, *, sync_dir: bool = True,
+                      indent: int = 2) -> None:
+    text = json.dumps(obj, indent=indent, default=_numpy_to_json) + "\n"
     write_bytes_atomic(path, text.encode("utf-8"), sync_dir=sync_dir)
 
 
@@ -89,17 +155,7 @@ def save_npz_atomic(
     path: str | os.PathLike, arrays: dict[str, np.ndarray], *, sync_dir: bool = True
 ) -> None:
     """np.savez (uncompressed: the file size is the memory the arrays take) through a temp name."""
-    final = Path(path)
-    tmp = temp_path(final)
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        replace_synced(tmp, final, sync_dir=sync_dir)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda f: np.savez(f, **arrays), sync_dir=sync_dir)
 
 
 def fsync_file(path: str | os.PathLike) -> None:
@@ -308,3 +364,122 @@ class NpzRows:
         if len(data) != count * row_bytes:
             raise ValueError(f"{self.path.name}: member {name!r} ended early")
         return np.frombuffer(data, dtype).reshape(count, *shape[1:])
+class JSONFileError(ValueError):
+    """A JSON file that cannot be used; the message is one line naming the file and the fix."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """object_pairs_hook refusing repeated keys (JSON allows them; the last would win silently)."""
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"duplicate key(s) {repeated}")
+    return dict(pairs)
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def parse_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH, strict: bool = True) -> Any:
+    """Bytes -> a JSON value; ValueError whose message completes "<file> ..." for anything else
+    (never RecursionError, UnicodeDecodeError without a message, or a huge integer parsed).
+    `strict` also refuses repeated keys; NaN and Infinity are refused always."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("is not UTF-8 text") from None
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant,
+                           object_pairs_hook=unique_keys if strict else None)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"is not valid JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"is nested deeper than {max_depth} levels") from None
+    except ValueError as exc:  # repeated keys, NaN, integers of more than 4300 digits
+        raise ValueError(f"is not usable JSON ({' '.join(str(exc).split())})") from None
+    if json_depth(value) > max_depth:
+        raise ValueError(f"is nested deeper than {max_depth} levels")
+    return value
+
+
+def read_json(path: str | os.PathLike, *, limit: int, fix: str,
+              max_depth: int = MAX_JSON_DEPTH, strict: bool = True) -> Any:
+    """The JSON value in a regular file of at most `limit` bytes (a `.gz` name is inflated, at
+    most `limit` bytes of it). Any problem is a JSONFileError naming the file, the problem and
+    `fix` (what the user should do); FileNotFoundError passes through for callers that treat
+    a missing file as absent."""
+    try:
+        raw = read_data_bytes(path, limit)
+        return parse_json(raw, max_depth=max_depth, strict=strict)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise JSONFileError(f"{path} cannot be read ({exc.strerror or exc}); {fix}") from None
+    except ValueError as exc:
+        raise JSONFileError(f"{path} {exc}; {fix}") from None
+
+
+def read_data_bytes(path: str | os.PathLike, limit: int) -> bytes:
+    """A regular file's bytes, inflated when its name ends in .gz, reading no more than `limit`
+    bytes of content (ValueError past it): a small .gz cannot inflate to gigabytes in memory."""
+    with open_regular(path) as f:
+        if not os.fspath(path).endswith(".gz"):
+            data = read_bounded(f, limit)
+        else:
+            with gzip.GzipFile(fileobj=f) as gz:
+                data = read_exactly(gz, limit + 1, short_ok=True)
+            data = None if len(data) > limit else data
+    if data is None:
+        raise ValueError(f"is over {limit} bytes")
+    return data
+
+
+def read_exactly(f: BinaryIO, size: int, *, short_ok: bool = False) -> bytes:
+    """`size` bytes of a stream (a .gz inflates as it is read) in chunks, so memory grows with
+    the bytes that are really there and never with a size a header only claims. ValueError
+    (its message completes "<file> ...") when the stream ends first (unless `short_ok`) or
+    cannot be inflated."""
+    out = bytearray()
+    try:
+        while len(out) < size:
+            chunk = f.read(min(size - len(out), 1 << 20))
+            if not chunk:
+                break
+            out += chunk
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise ValueError(f"cannot be inflated ({exc})") from None
+    if len(out) < size and not short_ok:
+        raise ValueError(f"is truncated ({len(out)} bytes where {size} are needed)")
+    return bytes(out)
+
+
+def read_json_cache(path: str | os.PathLike, limit: int = MAX_CACHE_BYTES) -> dict | None:
+    """A cache file's JSON object, or None when there is none or it cannot be used (damaged,
+    too large, not an object: one warning line, and the caller computes it again). Callers
+    still compare the cache's recorded identity with their own before using it."""
+    try:
+        value = read_json(path, limit=limit, fix="computing it again")
+    except FileNotFoundError:
+        return None
+    except JSONFileError as err:
+        log.warning("%s", err)
+        return None
+    if not isinstance(value, dict):
+        log.warning("%s is not a JSON object; computing it again", path)
+        return None
+    return value

@@ -8,10 +8,15 @@ import argparse
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from .byte_count import parse_byte_count
+from .knn import k_sigma_problem
 
 _NAMES = {int: "an integer", float: "a number"}
+INT64_MAX = 2**63 - 1  # counts end up in numpy and torch integers
+SEED_MAX = 2**32 - 1  # the widest seed every library the project seeds takes
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def positive(kind: type, upper: float | None = None) -> Callable[[str], float | int]:
@@ -26,6 +31,9 @@ def positive(kind: type, upper: float | None = None) -> Callable[[str], float | 
             bound = (f"in (0, {upper:g}]" if upper is not None else
                      ">= 1" if kind is int else "a finite number > 0")
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        if kind is int and value > INT64_MAX:
+            raise argparse.ArgumentTypeError(f"must be at most {INT64_MAX} (2^63 - 1), got "
+                                             f"{text}")
         return value
 
     return parse
@@ -34,6 +42,46 @@ def positive(kind: type, upper: float | None = None) -> Callable[[str], float | 
 positive_int = positive(int)
 positive_float = positive(float)
 fraction = positive(float, 1.0)
+
+
+def non_negative(kind: type, upper: float) -> Callable[[str], float | int]:
+    """A type for a finite number from 0 to `upper` (an integer, or a number)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {_NAMES[kind]}: {text!r}") from None
+        if not 0 <= value <= upper:
+            shown = upper if kind is int else f"{upper:g}"
+            raise argparse.ArgumentTypeError(f"must be from 0 to {shown}, got {text}")
+        return value
+
+    return parse
+
+
+seed = non_negative(int, SEED_MAX)
+count = non_negative(int, INT64_MAX)
+# momentum, weight decay: a float32 optimizer applies them, so they must fit one
+non_negative_float = non_negative(float, FLOAT32_MAX)
+
+
+def k_neighbours(text: str) -> int:
+    """kNN-Per's k, refused at parse time when no device could run it (knn.k_sigma_problem)."""
+    value = positive_int(text)
+    problem = k_sigma_problem(k=value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem.removeprefix("k "))
+    return value
+
+
+def kernel_sigma(text: str) -> float:
+    """kNN-Per's sigma, refused at parse time when the kernel would underflow or overflow."""
+    value = positive_float(text)
+    problem = k_sigma_problem(sigma=value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem.removeprefix("sigma "))
+    return value
 
 
 def threads(text: str) -> int:
@@ -53,3 +101,63 @@ def byte_count(text: str) -> int:
         return parse_byte_count(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+class OutputDir(str):
+    """A directory a command will create or write into (`check_outputs` checks it)."""
+
+
+class OutputFile(str):
+    """A file a command will write (`check_outputs` checks it)."""
+
+
+def output_dir(text: str) -> str:
+    """The argparse type of an output directory: parsing stays free of the file system (a
+    command line can be parsed anywhere); `check_outputs` checks it before the work starts."""
+    return OutputDir(text)
+
+
+def output_file(text: str) -> str:
+    """The argparse type of an output file (see output_dir)."""
+    return OutputFile(text)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Check every output path of a parsed command line before any work starts (a long
+    evaluation or export must not fail at its last step); ValueError names the flag's value
+    and the problem."""
+    for value in vars(args).values():
+        if isinstance(value, OutputDir):
+            _check_output_dir(value)
+        elif isinstance(value, OutputFile):
+            _check_output_file(value)
+
+
+def _writable_directory(directory: Path, text: str) -> None:
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{text}: {directory} is not writable")
+
+
+def _check_output_dir(text: str) -> None:
+    """An existing directory, or a new one whose nearest existing ancestor is a writable
+    directory."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{text} exists and is not a directory")
+    base = path
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ValueError(f"cannot make {text}: {base} is not a directory")
+    _writable_directory(base, text)
+
+
+def _check_output_file(text: str) -> None:
+    """Not a directory, in an existing writable directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise ValueError(f"{text} is a directory, not a file")
+    if not path.parent.is_dir():
+        missing = "" if path.parent.exists() else " (it does not exist)"
+        raise ValueError(f"cannot write {text}: {path.parent} is not a directory{missing}")
+    _writable_directory(path.parent, text)

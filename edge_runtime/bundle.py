@@ -48,6 +48,7 @@ from ._io import (
     to_json_types,
     write_bytes_atomic,
     write_json_atomic,
+    writer_alive,
 )
 from .datastores import (
     file_generation,
@@ -416,25 +417,13 @@ def remove_abandoned_temporaries(directory: Path) -> list[str]:
     removed = []
     for entry in directory.iterdir():
         match = _ABANDONED_RE.match(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and not _alive(int(match[1])):
+        if match and entry.is_dir() and not entry.is_symlink() and not writer_alive(int(match[1])):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     if removed:
         logger.warning("removed %d directories left by interrupted bundle writes in %s",
                        len(removed), directory)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid() or os.name == "nt":  # on Windows os.kill(pid, 0) would end it
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists but belongs to someone else
-        return True
-    return True
 
 
 def _check_fields_only(manifest: dict) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -19,17 +18,27 @@ from zipfile import BadZipFile, ZipFile
 import numpy as np
 
 from ._io import (
+    JSONFileError,
     NpzRows,
     array_file_bytes,
     fsync_file,
     load_arrays,
     memory_limit,
     open_regular,
-    read_regular,
+    read_json,
     replace_synced,
     temp_path,
 )
-from .arg_types import byte_count, threads
+from .arg_types import (
+    byte_count,
+    check_outputs,
+    k_neighbours,
+    kernel_sigma,
+    output_dir,
+    output_file,
+    seed,
+    threads,
+)
 from .cli_help import (
     DefaultsHelpFormatter,
     examples,
@@ -40,13 +49,13 @@ from .cli_help import (
 from .datastores.recipes import describe_recipe
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
+from .interrupt import INTERRUPTED
 from .knn import interpolate
 from .preprocess import is_one_sample
 from .runtime import Runtime, check_labels
 
 PROG = "knnper-edge"
 EXIT_ERROR = 2
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 STRATEGIES = ("fifo", "concatenate", "fixed")
 BUNDLE_HELP = "bundle directory (a client_NNNN folder that `knnper export` wrote)"
 
@@ -109,7 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
         f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --labels > labels.txt"))
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
-    s.add_argument("--output", help="write the [N, C] probabilities here (.npy)")
+    s.add_argument("--output", type=output_file, help="write the [N, C] probabilities here (.npy)")
     s.add_argument("--labels", action="store_true",
                    help="print every predicted label, one per line (default: a summary)")
 
@@ -151,22 +160,23 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", required=True, help=".npz with x, y (or x_train, y_train)")
     s.add_argument("--budget", required=True, type=byte_count,
                    help="bytes, or with a unit: 500000, 500kB, 1.5MB, 2MiB")
-    s.add_argument("--out", required=True, help="bundle directory to write (refused if it "
-                   "holds a bundle, unless --force)")
+    s.add_argument("--out", required=True, type=output_dir,
+                   help="bundle directory to write (refused if it holds a bundle, unless "
+                   "--force)")
     s.add_argument("--force", action="store_true",
                    help="replace the bundle --out holds (it loses what `add` taught it)")
     spec = s.add_mutually_exclusive_group(required=True)
     spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
     spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
-    s.add_argument("--k", type=int, default=None,
+    s.add_argument("--k", type=k_neighbours, default=None,
                    help="neighbours of the kNN head (default: --like's, else 10)")
-    s.add_argument("--sigma", type=float, default=None,
+    s.add_argument("--sigma", type=kernel_sigma, default=None,
                    help="kernel width of the kNN head (default: --like's, else 1)")
     s.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
                    help="comma-separated candidates, e.g. flat:int8,flat:fp16")
     s.add_argument("--val-fraction", type=float, default=0.2,
                    help="fraction of the data held out to choose the recipe and lambda")
-    s.add_argument("--seed", type=int, default=0, help="seed of the validation split")
+    s.add_argument("--seed", type=seed, default=0, help="seed of the validation split")
     s.add_argument("--strategy", choices=STRATEGIES, default="fifo",
                    help="the bundle's update strategy for later `add` calls")
     s.add_argument("--client-id", type=int, default=-1,
@@ -191,7 +201,8 @@ def _build_parser() -> argparse.ArgumentParser:
                         "--keys-as-inputs"),
     )
     s.add_argument("bundle", help=BUNDLE_HELP)
-    s.add_argument("--out", required=True, help="predictor .onnx file to write")
+    s.add_argument("--out", required=True, type=output_file,
+                   help="predictor .onnx file to write")
     s.add_argument(
         "--keys-as-inputs",
         action="store_true",
@@ -214,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"{PROG}: warning: %(message)s")
     try:
         args = _build_parser().parse_args(argv)
-        return _COMMANDS[args.command](args)
+        # values are checked where they are loaded (finite, in range); a floating-point
+        # warning would only print numpy's source lines before the one-line error
+        with np.errstate(all="ignore"):
+            check_outputs(args)
+            return _COMMANDS[args.command](args)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except KeyboardInterrupt:  # every write is atomic: nothing is left half-done
@@ -441,14 +456,12 @@ def _dropped(report) -> str:
 
 def _read_spec_file(path: str) -> dict:
     try:
-        raw = read_regular(path, 1 << 20)
-        if raw is None:
-            raise CLIError(f"input spec {path} is over 1 MiB")
-        spec = json.loads(raw.decode("utf-8"))
+        spec = read_json(path, limit=1 << 20, fix="give the input spec as a JSON object (or a "
+                         "bundle's manifest.json)")
     except FileNotFoundError:
         raise CLIError(f"no such file: {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CLIError(f"cannot read input spec {path}: {_one_line(exc)}") from None
+    except JSONFileError as exc:
+        raise CLIError(f"input spec {exc}") from None
     if isinstance(spec, dict) and "input" in spec and "kind" not in spec:
         spec = spec["input"]  # a whole manifest.json works too
     return spec
@@ -551,8 +564,7 @@ def _signature_status(bundle: Path, checked: bool) -> str:
     if checked:  # Runtime.load verified it against a trusted key, or refused the bundle
         return "signed and verified against a --trusted-key"
     try:
-        with open(path, "rb") as f:
-            key = str(json.loads(f.read(MAX_SIGNATURE_BYTES))["key"])[:16]
+        key = str(read_json(path, limit=MAX_SIGNATURE_BYTES, fix="")["key"])[:16]
     except (OSError, ValueError, KeyError, TypeError):
         key = "unreadable"
     return (f"signed (key {key}...), not checked: give --trusted-key PUBLIC.pem to verify "

@@ -20,6 +20,23 @@ LAMBDA_ESTIMATORS: tuple[str, ...] = ("val", "loo+val")
 # differ by about 1e-3), and a tie then goes to the simpler choice (the smaller lambda, the
 # fewer bytes) instead of to the noise.
 NLL_DECIMALS = 2
+# What a device can run: k indexes arrays as an int64, and the kernel divides squared distances
+# by p * sigma, which must stay a normal float32 for every embedding width (1 to 65,536) so that
+# the device's float32 arithmetic neither underflows it to 0 (0/0 is NaN) nor overflows it.
+K_MAX = 2**63 - 1
+SIGMA_MIN, SIGMA_MAX = 1e-30, 1e30
+
+
+def k_sigma_problem(k: object = None, sigma: object = None) -> str | None:
+    """Why k or sigma (None: not given) cannot run on a device, or None when both can. One
+    check for flags, saved kNN choices and manifests alike."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer))
+                          or not 1 <= k <= K_MAX):
+        return f"k must be an integer from 1 to {K_MAX} (2^63 - 1), got {k!r}"
+    if sigma is not None and (isinstance(sigma, bool) or not isinstance(sigma, (int, float))
+                              or not SIGMA_MIN <= sigma <= SIGMA_MAX):
+        return f"sigma must be a number from {SIGMA_MIN:g} to {SIGMA_MAX:g}, got {sigma!r}"
+    return None
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -5,7 +5,6 @@ manifest against the current one) import it, so neither imports the other."""
 
 from __future__ import annotations
 
-import json
 import math
 import numbers
 import os
@@ -15,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ._io import read_regular
+from ._io import parse_json, read_regular
 from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
-from .errors import BundleError, one_line
-from .knn import LAMBDA_RULES
+from .errors import BundleError
+from .knn import LAMBDA_RULES, k_sigma_problem
 from .preprocess import validate_spec
 
 FORMAT = "knnper-bundle"
@@ -104,8 +103,9 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
     for key in ("num_classes", "embedding_dim"):  # sizes of what predictions allocate
         if manifest[key] > MAX_WIDTH:
             raise fail(f"{key!r} is {manifest[key]}, over the {MAX_WIDTH} this runtime takes")
-    if not manifest["sigma"] > 0:
-        raise fail(f"'sigma' must be > 0, got {manifest['sigma']}")
+    problem = k_sigma_problem(manifest["k"], manifest["sigma"])
+    if problem:
+        raise fail(problem)
     if not 0.0 <= manifest["lambda"] <= 1.0:
         raise fail(f"'lambda' must be in [0, 1], got {manifest['lambda']}")
     _validate_backend(manifest, fail)
@@ -207,50 +207,15 @@ def datastore_files(manifest: dict) -> list[str]:
     return sorted(n for n in manifest["files"] if n != ENCODER_FILE)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        repeated = sorted({key for key in keys if keys.count(key) > 1})
-        raise ValueError(f"duplicate key(s) {repeated}")
-    return dict(pairs)
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
-
-
 def parse_manifest(raw: bytes, where: str) -> dict:
     """Bytes of a manifest -> the schema-checked manifest. BundleError, never RecursionError or
     MemoryError: the size, the nesting and repeated keys are bounded or refused."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise BundleError(f"{where}: over {MAX_MANIFEST_BYTES} bytes, too large for a manifest")
     try:
-        manifest = json.loads(
-            raw.decode("utf-8"), object_pairs_hook=_unique_keys, parse_constant=_refuse_constant
-        )
-    except UnicodeDecodeError:
-        raise BundleError(f"{where}: is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise BundleError(f"{where}: is not valid JSON ({exc})") from None
-    except RecursionError:
-        raise BundleError(f"{where}: nested too deeply") from None
-    except ValueError as exc:  # duplicate keys, NaN, integers too long to convert
-        raise BundleError(f"{where}: {one_line(exc)}") from None
-    if _depth(manifest) > MAX_MANIFEST_DEPTH:
-        raise BundleError(f"{where}: nested deeper than {MAX_MANIFEST_DEPTH} levels")
+        manifest = parse_json(raw, max_depth=MAX_MANIFEST_DEPTH)
+    except ValueError as exc:  # not UTF-8 or JSON, too deep, repeated keys, NaN, huge integers
+        raise BundleError(f"{where}: {exc}") from None
     return validate_manifest(manifest, where)
 
 

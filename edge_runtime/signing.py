@@ -22,13 +22,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._io import read_regular
+from ._io import parse_json, read_regular
 from .cli_help import install_hint
 from .errors import SignatureError
 from .manifest import parse_manifest
@@ -151,7 +150,7 @@ def verify_signature(
     if raw is None:
         raise SignatureError(f"{where}: {SIGNATURE_FILE} is over {MAX_SIGNATURE_BYTES} bytes")
     try:
-        doc = json.loads(raw)
+        doc = parse_json(raw)
         signed = base64.b64decode(doc["manifest"], validate=True)
         signature = base64.b64decode(doc["signature"], validate=True)
         algorithm, key_id = doc["algorithm"], doc["key"]

@@ -17,12 +17,11 @@ knn_tuning); the oracle lambda is reported beside each kNN row and used for noth
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from edge_runtime._io import write_json_atomic
+from edge_runtime._io import read_json_cache, write_json_atomic
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import (
     ClientData,
@@ -90,10 +89,9 @@ def body_rows(runner: TableRunner, body: str, lr: float, *, lambda_estimator: st
     cached in OUT/attribution so a resumed or parallel table computes each body once."""
     cache = runner.out / "attribution" / f"{body}_lr_{lr:.4g}.json"
     identity = {"heads": list(heads), "lambda_estimator": lambda_estimator}
-    if cache.exists():
-        cached = json.loads(cache.read_text())
-        if cached.get("identity") == identity:
-            return cached["result"]
+    cached = read_json_cache(cache)
+    if cached is not None and cached.get("identity") == identity and "result" in cached:
+        return cached["result"]
     result = _body_rows(runner, body, lr, lambda_estimator, heads, progress)
     cache.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(cache, {"identity": identity, "result": plain_json(result)})

@@ -12,7 +12,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from edge_runtime._io import parse_json, read_regular
+from fed_train.errors import KnnperError
+
 log = logging.getLogger(__name__)
+
+
+MAX_POINTS_BYTES = 256 << 20  # a few hundred bytes per computed point
+
+
+def _read_points(path: Path) -> str:
+    """The store's text: a regular file of at most MAX_POINTS_BYTES, UTF-8."""
+    try:
+        raw = read_regular(path, MAX_POINTS_BYTES)
+        if raw is None:
+            raise ValueError(f"over {MAX_POINTS_BYTES} bytes")
+        return raw.decode("utf-8")
+    except (OSError, ValueError) as err:  # a pipe or device, too large, not UTF-8
+        raise KnnperError(f"{path} cannot be read ({err}); delete it to compute its points "
+                          "again") from None
 
 
 def _key(key: dict[str, Any]) -> str:
@@ -29,13 +47,13 @@ class PointStore:
         self._done: dict[str, dict[str, Any]] = {}
         self._torn_end = False  # a kill mid-append leaves a last line without its newline
         if self.path.exists():
-            text = self.path.read_text()
+            text = _read_points(self.path)
             self._torn_end = bool(text) and not text.endswith("\n")
             for line in text.splitlines():
                 try:
-                    entry = json.loads(line)
+                    entry = parse_json(line.encode("utf-8"))
                     self._done[_key(entry["key"])] = entry["record"]
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError):
                     log.warning("%s: skipping a torn line (the point will be recomputed)",
                                 self.path)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from edge_runtime._io import write_json_atomic
+from edge_runtime._io import JSONFileError, read_json, read_json_cache, write_json_atomic
 from edge_runtime.linear_head import L2_GRID
 from experiments.attribution import BODIES, attribution_table, body_rows, format_attribution
 from experiments.lr_tuning import (
@@ -71,6 +71,14 @@ TRAINED_BY = {"fedavg+": "fedavg", "linear": "fedavg", "knnper": "fedavg"}
 
 class BenchError(KnnperError, ValueError):
     """A table that cannot be made with the given methods, grid, partition or output folder."""
+
+
+def _read_identity(path: Path) -> Any:
+    """A JSON file that says what an output folder holds (config.json, bench.json)."""
+    try:
+        return read_json(path, limit=1 << 20, fix="delete it (or choose another --out)")
+    except JSONFileError as err:
+        raise BenchError(str(err)) from None
 
 
 def parse_methods(text: str | Sequence[str]) -> list[str]:
@@ -123,7 +131,7 @@ class TableRunner:
         if saved is not None:
             self.out.mkdir(parents=True, exist_ok=True)
             self.partition.save(self.out / PARTITION_FILE)
-            (self.out / CONFIG_FILE).write_text(json.dumps(saved, indent=2))
+            write_json_atomic(self.out / CONFIG_FILE, saved)
         self._trained: dict[tuple[str, float], Any] = {}
 
     def model_fn(self) -> EmbedHeadModel:
@@ -142,7 +150,7 @@ class TableRunner:
         saved = json.loads(json.dumps(saved))
         path = self.out / CONFIG_FILE
         if path.exists():
-            previous = json.loads(path.read_text())
+            previous = _read_identity(path)
             check_same_init(previous, saved, self.out)
             if previous != saved:
                 raise BenchError(f"{self.out} holds a table with a different configuration; "
@@ -165,7 +173,7 @@ class TableRunner:
         hyper = self.hyper.get(trainer, {})
         stamp = run_dir / "bench.json"
         identity = plain_json({"method": trainer, "lr": training.lr, "hyper": hyper})
-        if stamp.exists() and json.loads(stamp.read_text()) != identity:
+        if stamp.exists() and _read_identity(stamp) != identity:
             raise BenchError(f"{run_dir} was trained with other settings "
                              f"({stamp.read_text().strip()}); delete it to retrain")
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -222,10 +230,10 @@ class TableRunner:
         when it was made with these same settings."""
         identity = self._identity(method)
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
-        if cache.exists():
-            cached = json.loads(cache.read_text())
-            if cached.get("hyper") == plain_json(identity):
-                return identity, cache, cached
+        cached = read_json_cache(cache)
+        if cached is not None and cached.get("hyper") == plain_json(identity) \
+                and (isinstance(cached.get("rows"), list) or cached.get("rows") is None):
+            return identity, cache, cached
         return identity, cache, None
 
     def is_cached(self, method: str, lr: float) -> bool:
@@ -240,7 +248,7 @@ class TableRunner:
         identity, cache, cached = self._cached(method, lr)
         if cached is not None:
             if cached["rows"] is None and not diverged_ok:
-                raise TrainingDiverged(cached["diverged"])
+                raise TrainingDiverged(str(cached.get("diverged")))
             return cached["rows"]
         try:
             return self._rows(method, lr, identity, cache)
@@ -306,8 +314,8 @@ class TableRunner:
         return self._choice_record("linear", "linear", lr)
 
     def _choice_record(self, method: str, key: str, lr: float) -> dict[str, Any] | None:
-        cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
-        return json.loads(cache.read_text()).get(key) if cache.exists() else None
+        cached = read_json_cache(self.out / "eval" / method / f"{_lr_dir(lr)}.json")
+        return None if cached is None else cached.get(key)
 
 
 # rough cost of each training group in FedAvg-equivalents, to start the longest jobs first

@@ -4,6 +4,7 @@ and write the bundles plus an export.json summary."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime._io import write_bytes_atomic
+from edge_runtime._io import remove_dead_writers_files, write_bytes_atomic
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
@@ -365,7 +366,7 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
         _fingerprint(run, settings, space, encoder_files), budgets,
-        _resumable(out_dir, run, settings))
+        _resumable(out_dir, run, settings, encoder_files))
     todo = [c for c in chosen if c.client_id not in done]
     if done:
         log.info("resuming: %d of %d client(s) already exported", len(chosen) - len(todo),
@@ -403,25 +404,45 @@ def _client_task(run: LoadedRun, client: ClientData, session: Encoder,
     """One client's sizing input: its embeddings from the exported encoder and, with the linear
     base, its own encoder (its linear head as the classifier), whose logits the sizer's lambda
     is chosen against, as the device will compute them."""
-    personal = None
-    if settings.base == "linear":
-        z_train, _ = embed_and_logits(run.model, client.x_train)
-        head = LinearHead(run.dataset.num_classes, l2=settings.l2).fit(
-            normalize_embeddings(z_train, settings.normalize), client.y_train.cpu().numpy())
-        personal = with_linear_head(encoder_files.path, head)
+    personal = _personal_encoder(run, client, encoder_files.path, settings)
+    if personal is not None:
         session = Encoder(personal, intra_op_threads=1)
     return ClientTask(client_embeddings(session, client), int(budgets[client.client_id]),
                       client.unseen, bundle_dir(out_dir, client.client_id),
                       run.dataset.input_spec, personal)
 
 
-def _resumable(out_dir: Path, run: LoadedRun,
-               settings: ExportSettings) -> Callable[[int, dict[str, Any]], bool]:
+def _personal_encoder(run: LoadedRun, client: ClientData, encoder: Path,
+                      settings: ExportSettings) -> bytes | None:
+    """With the linear base, the client's own encoder: its linear head, fitted with the chosen
+    l2 on the server's float embeddings of its train split (normalised as the kNN's, as the
+    server's evaluation fits it), in place of the global classifier. None otherwise."""
+    if settings.base != "linear":
+        return None
+    z_train, _ = embed_and_logits(run.model, client.x_train)
+    head = LinearHead(run.dataset.num_classes, l2=settings.l2).fit(
+        normalize_embeddings(z_train, settings.normalize), client.y_train.cpu().numpy())
+    return with_linear_head(encoder, head)
+
+
+def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
+               encoder: EncoderFiles) -> Callable[[int, dict[str, Any]], bool]:
     """Whether a journaled client can be skipped: its row is well formed and its bundle is
-    still the one the row describes, with this command's settings (else it is rebuilt)."""
+    still the one the row describes, with this command's settings and encoder (the client's
+    own, with the linear base), else it is rebuilt."""
     trusted = ([load_private_key(settings.signing_key).public_key()]
                if settings.signing_key else None)
     input_spec = json.loads(json.dumps(run.dataset.input_spec, default=json_default))
+    shared_sha256 = sha256_file(encoder.path)
+    clients: dict[int, ClientData] = {}
+
+    def encoder_sha256(cid: int) -> str:
+        if settings.base != "linear":
+            return shared_sha256
+        if not clients:
+            clients.update((c.client_id, c) for c in run.clients())
+        personal = _personal_encoder(run, clients[cid], encoder.path, settings)
+        return hashlib.sha256(personal).hexdigest()
 
     def keep(cid: int, row: dict[str, Any]) -> bool:
         problem = row_problem(row)
@@ -429,7 +450,8 @@ def _resumable(out_dir: Path, run: LoadedRun,
             expected = {"client_id": cid, "input": input_spec, "k": settings.k,
                         "sigma": float(settings.sigma),
                         "update_strategy": settings.update_strategy}
-            problem = bundle_problem(bundle_dir(out_dir, cid), row, expected, trusted)
+            problem = bundle_problem(bundle_dir(out_dir, cid), row, expected, trusted,
+                                     encoder_sha256(cid))
         if problem is not None:
             log.warning("client %d: rebuilding its bundle: %s", cid, problem)
         return problem is None
@@ -494,5 +516,7 @@ def _fingerprint(run: LoadedRun, settings: ExportSettings, space: SearchSpace,
 def remove_stale_temporaries(out_dir: Path) -> None:
     """Temporary bundle directories that an interrupted export left behind (write_bundle
     renames its temporary directory into place only once the bundle is complete); those of
-    an export still running into the same directory are left to it."""
+    an export still running into the same directory are left to it; and the temporary files
+    of killed writers (the journal's, export.json's)."""
     remove_abandoned_temporaries(out_dir)
+    remove_dead_writers_files(out_dir)

@@ -6,10 +6,10 @@ still recorded."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
+from edge_runtime._io import write_bytes_atomic
 from fed_train.journal import Journal, json_default
 
 
@@ -28,8 +28,7 @@ class ExportJournal(Journal):
             if (isinstance(cid, int) and not isinstance(cid, bool)
                     and budgets.get(cid) == row.get("budget") and keep(cid, row)):
                 rows[cid] = row
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(x, default=json_default) + "\n"
-                               for x in [{"fingerprint": fingerprint}, *rows.values()]))
-        os.replace(tmp, self.path)
+        text = "".join(json.dumps(x, default=json_default) + "\n"
+                       for x in [{"fingerprint": fingerprint}, *rows.values()])
+        write_bytes_atomic(self.path, text.encode("utf-8"))
         return rows

@@ -3,13 +3,13 @@ generated (one budget for all, the paper's weak/strong split, a log-normal sprea
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from edge_runtime._io import JSONFileError, read_json
 from export.errors import BudgetInvalid
 
 PROFILES = ("uniform", "weak-strong", "lognormal")
@@ -33,6 +33,9 @@ def _check_clients(client_ids: Sequence[int]) -> list[int]:
     return ids
 
 
+MAX_BUDGET_FILE_BYTES = 16 << 20  # a line per client
+
+
 def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, int]:
     """Budgets from a JSON file {"<client id>": bytes, ...}. Every requested client must have one;
     entries for other clients are ignored only if they name real clients of the run, so that a
@@ -40,11 +43,12 @@ def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, int]:
     path = Path(path)
     ids = _check_clients(client_ids)
     try:
-        raw = json.loads(path.read_text())
+        raw = read_json(path, limit=MAX_BUDGET_FILE_BYTES,
+                        fix='write it as {"<client id>": bytes, ...}')
     except FileNotFoundError:
         raise BudgetInvalid(f"budget file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BudgetInvalid(f"budget file {path} is not valid JSON: {err}") from None
+    except JSONFileError as err:
+        raise BudgetInvalid(f"budget file {err}") from None
     if not isinstance(raw, dict):
         raise BudgetInvalid(f"budget file {path} must hold an object {{client_id: bytes}}, "
                           f"got {type(raw).__name__}")

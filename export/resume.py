@@ -13,6 +13,7 @@ from typing import Any
 
 from edge_runtime.bundle import BundleError, read_bundle
 from edge_runtime.datastores import BACKENDS
+from edge_runtime.manifest import ENCODER_FILE
 from edge_runtime.signing import SIGNATURE_FILE
 
 
@@ -47,17 +48,21 @@ def row_problem(row: Any) -> str | None:
 
 
 def bundle_problem(path: Path, row: dict[str, Any], expected: dict[str, Any],
-                   trusted_keys: Sequence[Any] | None) -> str | None:
+                   trusted_keys: Sequence[Any] | None, encoder_sha256: str) -> str | None:
     """What makes the bundle at `path` differ from the journal row and this export's settings
-    (`expected`: manifest fields the command decides), or None when it can be kept.
-    `trusted_keys`: the signing key's public half when the export signs; then the bundle must
-    verify against it, and without it the bundle must be unsigned."""
+    (`expected`: manifest fields the command decides; `encoder_sha256`: this export's
+    encoder, so a bundle of another model is rebuilt even when its row was rewritten to
+    match), or None when it can be kept. `trusted_keys`: the signing key's public half when
+    the export signs; then the bundle must verify against it, and without it the bundle must
+    be unsigned."""
     if trusted_keys is None and (path / SIGNATURE_FILE).exists():
         return "it is signed and this export does not sign"
     try:
         manifest = read_bundle(path, intra_op_threads=1, trusted_keys=trusted_keys).manifest
     except BundleError as err:
         return str(err)
+    if manifest["files"][ENCODER_FILE] != encoder_sha256:
+        return "its encoder is not this export's (another model or export)"
     got = {key: manifest[key] for key in expected}
     if got != expected:
         return f"its settings {got} are not this export's {expected}"

@@ -5,13 +5,13 @@ normalisation the encoder applies itself."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
+from edge_runtime._io import write_atomic
 from fed_train.errors import KnnperError
 from fed_train.run import LoadedRun
 
@@ -49,8 +49,5 @@ def write_client_files(run: LoadedRun, client_id: int, out_dir: Path) -> list[Pa
 
 
 def _save_atomic(path: Path, save: Callable[[BinaryIO], None]) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        save(f)
-    os.replace(tmp, path)
+    write_atomic(path, save)
     return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import inspect
-import json
+import io
 import logging
 import math
 import pickle
@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime._io import load_arrays, memory_limit
+from edge_runtime._io import (
+    JSONFileError,
+    load_arrays,
+    memory_limit,
+    open_regular,
+    read_exactly,
+    read_json,
+    read_regular,
+)
 from edge_runtime.manifest import MAX_WIDTH
 from fed_train.errors import DataError
 
@@ -132,15 +140,10 @@ def _require_path(path: Path | None, name: str) -> Path:
     return path
 
 
-def _read_bytes(path: Path) -> bytes:
-    """The file's bytes, gunzipped when the name ends in .gz."""
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        return path.read_bytes()
-    except (OSError, EOFError, zlib.error) as exc:
-        raise DataError(f"{path}: cannot read ({exc})") from exc
+def _json_limit() -> int:
+    """Most bytes one JSON data file may hold: parsed, its numbers and strings take several
+    times their text, so an eighth of the memory one input may take."""
+    return memory_limit() // 8
 
 
 def _as_labels(y: Any, what: str) -> np.ndarray:
@@ -198,29 +201,44 @@ _IDX_DTYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x
 
 
 def read_idx(path: str | Path) -> np.ndarray:
-    """Parse one IDX file (optionally .gz): magic 00 00 <type> <ndim>, big-endian uint32 dims."""
+    """Parse one IDX file (optionally .gz): magic 00 00 <type> <ndim>, big-endian uint32 dims.
+    The header is read first and the data after it inflated incrementally with the size the
+    header declares as the bound, so memory never exceeds that size (itself bounded by
+    memory_limit) however far a crafted .gz would inflate."""
     path = Path(path)
-    raw = _read_bytes(path)
-    if len(raw) < 4:
-        raise DataError(f"{path}: truncated IDX file ({len(raw)} bytes, no header)")
-    if raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES or raw[3] == 0:
-        raise DataError(f"{path}: not an IDX file (magic number 0x{raw[:4].hex()})")
-    ndim = raw[3]
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataError(f"{path}: truncated IDX file (header needs {header} bytes)")
-    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
-    count = math.prod(dims)
-    expected = header + count * dtype.itemsize
-    if len(raw) < expected:
-        raise DataError(
-            f"{path}: truncated IDX file ({len(raw)} bytes, dims {dims} need {expected})"
-        )
-    if len(raw) > expected:
-        raise DataError(f"{path}: {len(raw) - expected} unexpected bytes after the IDX data")
-    data = np.frombuffer(raw, dtype=dtype, count=count, offset=header).reshape(dims)
-    return data.astype(dtype.newbyteorder("="))
+    try:
+        with open_regular(path) as raw_file, (
+                gzip.GzipFile(fileobj=raw_file) if path.suffix == ".gz" else raw_file) as f:
+            magic = read_exactly(f, 4, short_ok=True)
+            if len(magic) < 4:
+                raise DataError(f"{path}: truncated IDX file ({len(magic)} bytes, no header)")
+            if magic[0] != 0 or magic[1] != 0 or magic[2] not in _IDX_DTYPES or magic[3] == 0:
+                raise DataError(f"{path}: not an IDX file (magic number 0x{magic.hex()})")
+            ndim = magic[3]
+            dims_raw = read_exactly(f, 4 * ndim, short_ok=True)
+            if len(dims_raw) < 4 * ndim:
+                raise DataError(f"{path}: truncated IDX file (header needs {4 + 4 * ndim} "
+                                "bytes)")
+            dims = tuple(int(d) for d in np.frombuffer(dims_raw, dtype=">u4"))
+            dtype = np.dtype(_IDX_DTYPES[magic[2]])
+            size = math.prod(dims) * dtype.itemsize
+            if size > memory_limit():
+                raise DataError(f"{path}: dims {dims} declare {size} bytes, more than half of "
+                                "this machine's memory")
+            data = read_exactly(f, size + 1, short_ok=True)
+    except DataError:
+        raise
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # from read_exactly: "cannot be inflated (...)"
+        raise DataError(f"{path} {exc}") from None
+    if len(data) < size:
+        raise DataError(f"{path}: truncated IDX file (dims {dims} need {size} bytes of data, "
+                        f"it holds {len(data)})")
+    if len(data) > size:
+        raise DataError(f"{path}: unexpected bytes after the IDX data")
+    array = np.frombuffer(data, dtype=dtype).reshape(dims)
+    return array.astype(dtype.newbyteorder("="))
 
 
 def _find_idx(directory: Path, stems: tuple[str, ...]) -> Path:
@@ -368,20 +386,41 @@ class _RestrictedUnpickler(pickle.Unpickler):
             ("numpy.core.multiarray", "_reconstruct"): _numpy_reconstruct,
             ("numpy._core.multiarray", "_reconstruct"): _numpy_reconstruct,
             ("numpy", "ndarray"): lambda: np.ndarray,
-            ("numpy", "dtype"): lambda: np.dtype,
+            ("numpy", "dtype"): lambda: _plain_dtype,
         }
         if (module, name) not in allowed:
             raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a data batch")
         return allowed[(module, name)]()
 
 
+def _plain_dtype(*args: Any) -> np.dtype:
+    """np.dtype for a batch's arrays, which hold numbers: an object dtype would be a pickle
+    inside the pickle."""
+    dtype = np.dtype(*args)
+    if dtype.hasobject:
+        raise pickle.UnpicklingError("object arrays are not allowed in a data batch")
+    return dtype
+
+
+# An official batch holds 10,000 (CIFAR-10) or 50,000 (CIFAR-100) images: 154 MB at most.
+MAX_BATCH_BYTES = 1 << 30
+
+
 def _load_batch(path: Path) -> dict[str, Any]:
-    """One official CIFAR batch as a dict with str keys (Python 2 pickles give bytes keys)."""
+    """One official CIFAR batch as a dict with str keys (Python 2 pickles give bytes keys).
+    A regular file of at most MAX_BATCH_BYTES, unpickled with numpy arrays as the only
+    globals; a pickle's memo can make a few bytes refer to one list a million times, so
+    what it decodes to is checked in _batch_arrays before numpy converts it."""
     if not path.is_file():
         raise DataError(f"{path}: missing CIFAR batch file")
     try:
-        with open(path, "rb") as f:
-            obj = _RestrictedUnpickler(f, encoding="bytes").load()
+        raw = read_regular(path, MAX_BATCH_BYTES)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if raw is None:
+        raise DataError(f"{path}: over {MAX_BATCH_BYTES} bytes, larger than a CIFAR batch")
+    try:
+        obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except (
         pickle.UnpicklingError,
         EOFError,
@@ -391,8 +430,11 @@ def _load_batch(path: Path) -> dict[str, Any]:
         IndexError,
         KeyError,
         OSError,
+        MemoryError,
+        RecursionError,
     ) as exc:
-        raise DataError(f"{path}: not a valid CIFAR batch ({exc})") from exc
+        raise DataError(f"{path}: not a valid CIFAR batch ({type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())[:200]})") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: not a valid CIFAR batch (a {type(obj).__name__}, not a dict)")
     return {k.decode("latin-1") if isinstance(k, bytes) else str(k): v for k, v in obj.items()}
@@ -404,17 +446,33 @@ def _batch_arrays(path: Path, label_keys: tuple[str, ...]) -> list[np.ndarray]:
     missing = [key for key in ("data",) + label_keys if key not in batch]
     if missing:
         raise DataError(f"{path}: CIFAR batch lacks {', '.join(missing)}")
-    data = np.asarray(batch["data"])
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-        raise DataError(f"{path}: CIFAR data must be uint8 [N,3072], got {data.dtype} {data.shape}")
+    data = batch["data"]
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
+            or data.shape[1] != 3 * 32 * 32:
+        got = (f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray)
+               else type(data).__name__)
+        raise DataError(f"{path}: CIFAR data must be a uint8 array [N,3072], got {got}")
     images = np.ascontiguousarray(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
     out = [images]
     for key in label_keys:
-        labels = _as_labels(np.asarray(batch[key]), f"{path}: {key}")
+        labels = _batch_labels(batch[key], f"{path}: {key}")
         if len(labels) != len(images):
             raise DataError(f"{path}: {len(labels)} {key} for {len(images)} images")
         out.append(labels)
     return out
+
+
+def _batch_labels(value: Any, what: str) -> np.ndarray:
+    """A batch's labels: a flat list of ints or a 1-D integer array. Checked element by element
+    before numpy sees them: a list of lists shared through the pickle's memo would otherwise
+    convert to an array of gigabytes, and a huge int would overflow."""
+    if isinstance(value, list):
+        if not all(type(v) is int and 0 <= v < 2**31 for v in value):
+            raise DataError(f"{what}: labels must be a flat list of small non-negative integers")
+        value = np.asarray(value, dtype=np.int64)
+    if not isinstance(value, np.ndarray):
+        raise DataError(f"{what}: labels must be a list or an array, got {type(value).__name__}")
+    return _as_labels(value, what)
 
 
 def _cifar_pickles(directory: Path, name: str) -> Dataset:
@@ -511,6 +569,17 @@ def download_cifar(name: str, dest: str | Path) -> Path:
 # --------------------------------------------------------------------------- LEAF JSON
 
 
+def _read_data_json(file: Path, fix: str) -> Any:
+    """A JSON data file through the project's one bounded reader (regular files only, at most
+    _json_limit bytes even once inflated); DataError naming the file and `fix`."""
+    try:
+        return read_json(file, limit=_json_limit(), fix=fix, strict=False)
+    except FileNotFoundError:
+        raise DataError(f"{file}: missing; {fix}") from None
+    except JSONFileError as exc:
+        raise DataError(str(exc)) from None
+
+
 def _leaf_split_dirs(location: Path) -> tuple[Path, Path] | None:
     """LEAF's train/ and test/ folders, at `location` or under `location/data`."""
     for base in (location, location / "data"):
@@ -526,11 +595,7 @@ def _read_leaf_users(directory: Path) -> dict[str, dict[str, list]]:
         raise DataError(f"{directory}: no LEAF .json files")
     users: dict[str, dict[str, list]] = {}
     for file in files:
-        try:
-            with open(file, encoding="utf-8") as f:
-                obj = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DataError(f"{file}: not a readable LEAF JSON file ({exc})") from exc
+        obj = _read_data_json(file, "restore the LEAF file or remove it from the folder")
         user_data = obj.get("user_data") if isinstance(obj, dict) else None
         if not isinstance(user_data, dict):
             raise DataError(f"{file}: LEAF JSON needs a 'user_data' object")
@@ -630,10 +695,7 @@ def _shakespeare_by_role(
     file: Path, min_chars: int, max_windows: int, test_fraction: float
 ) -> Dataset:
     """One client per speaking role; each role's windows split in time, LEAF style."""
-    try:
-        obj = json.loads(_read_bytes(file).decode("utf-8"))
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise DataError(f"{file}: not a readable by-role JSON file ({exc})") from exc
+    obj = _read_data_json(file, "restore or re-download the by-role file")
     roles = obj.get("users") if isinstance(obj, dict) else None
     if not isinstance(roles, dict):
         raise DataError(f"{file}: by-role JSON needs a 'users' object of role -> lines")

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edge_runtime._io import parse_json, read_json, read_regular, write_json_atomic
 from edge_runtime.cli_help import install_hint
 from fed_train.errors import KnnperError
 from fed_train.flower.pki import NodeKey, ServerTLS, make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerConfigError, FlowerSettings
 from fed_train.progress import Progress
 from fed_train.run import open_run
+from fed_train.simulation import MAX_METRICS_BYTES
 from fed_train.workers import ignoring_ctrl_c
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ LOG_DIR = "flower_logs"
 STOP_SECONDS = 10.0  # SIGTERM grace before SIGKILL
 CLI_SECONDS = 120.0  # one `flwr` command (register, run, ls)
 POLL_SECONDS = 1.0
+MAX_FLOWER_FILE_BYTES = 16 << 20  # flower.json: the run's record and its result table
 PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 
 
@@ -190,14 +193,25 @@ def _run_timeout(settings: FlowerSettings) -> float:
 
 def rounds_logged(run_dir: Path) -> list[dict[str, Any]]:
     """The rounds the ServerApp has logged so far (metrics.jsonl; a torn last line skipped)."""
-    path = run_dir / "metrics.jsonl"
+    try:
+        raw = read_regular(run_dir / "metrics.jsonl", MAX_METRICS_BYTES)
+    except OSError:  # not written yet (or not a file: the ServerApp will say so)
+        return []
     rows = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
+    for line in (raw or b"").splitlines():
         try:
-            rows.append(json.loads(line))
+            rows.append(parse_json(line, strict=False))
         except ValueError:
             break
     return rows
+
+
+def _read_flower_file(path: Path) -> dict[str, Any]:
+    """flower.json, which the ServerApp writes: a JSON object (ValueError otherwise)."""
+    record = read_json(path, limit=MAX_FLOWER_FILE_BYTES, fix="run the deployment again")
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return record
 
 
 def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float,
@@ -214,12 +228,10 @@ def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float,
             raise DeployError(f"the SuperLink exited with code "
                               f"{procs.running['superlink'].returncode} during the run")
         done = False
-        if flower_file.is_file():
-            try:
-                done = json.loads(flower_file.read_text()).get("status") in ("completed",
-                                                                             "failed")
-            except ValueError:
-                pass  # being replaced right now
+        try:
+            done = _read_flower_file(flower_file).get("status") in ("completed", "failed")
+        except (OSError, ValueError):
+            pass  # not written yet
         if done or time.monotonic() - last_ls > 15.0:
             last_ls = time.monotonic()
             listing = procs.run_cli(["flwr", "ls", CONNECTION, "--run-id", run_id,
@@ -311,10 +323,14 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
     finally:
         procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)
-    record = json.loads((run_dir / "flower.json").read_text()) if (
-        run_dir / "flower.json").is_file() else {}
+    try:
+        record = _read_flower_file(run_dir / "flower.json")
+    except FileNotFoundError:
+        record = {}
+    except (OSError, ValueError) as err:
+        raise DeployError(f"{run_dir / 'flower.json'}: {err}") from None
     record["superlink_run"] = status
-    (run_dir / "flower.json").write_text(json.dumps(record, indent=2))
+    write_json_atomic(run_dir / "flower.json", record)
     if status["status"] != "finished:completed" or record.get("status") != "completed":
         reason = record.get("error") or status.get("status-details") or status["status"]
         raise DeployError(f"the Flower run {status['status']}: {reason} (logs in {log_dir})")

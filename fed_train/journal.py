@@ -11,6 +11,16 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import parse_json, read_regular, write_bytes_atomic
+
+# A row is a few hundred bytes per client; a larger journal is not one these commands wrote.
+MAX_JOURNAL_BYTES = 64 << 20
+
+
+def _parse(line: str) -> Any:
+    """One journal line as JSON (bounded nesting, no NaN); ValueError when it is not."""
+    return parse_json(line.encode("utf-8"))
+
 
 def json_default(value: Any) -> Any:
     """numpy scalars and paths, as JSON."""
@@ -30,11 +40,12 @@ class Journal:
         self.path = Path(path)
 
     def _lines(self) -> list[str]:
-        if not self.path.is_file():
-            return []
+        """A regular file's lines, read bounded; missing, unreadable or not a regular file (a
+        pipe, a device): none, and the journal starts afresh."""
         try:
-            return self.path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):  # unreadable: start the journal afresh
+            raw = read_regular(self.path, MAX_JOURNAL_BYTES)
+            return [] if raw is None else raw.decode("utf-8").splitlines()
+        except (OSError, ValueError):
             return []
 
     def rows(self, header: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -42,15 +53,15 @@ class Journal:
         header (it belongs to another command or other settings)."""
         lines = self._lines()
         try:
-            if not lines or json.loads(lines[0]) != header:
+            if not lines or _parse(lines[0]) != header:
                 return None
-        except (json.JSONDecodeError, RecursionError):
+        except ValueError:
             return None
         rows = []
         for line in lines[1:]:
             try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
+                row = _parse(line)
+            except ValueError:
                 continue
             if isinstance(row, dict):
                 rows.append(row)
@@ -81,7 +92,7 @@ class ClientRows(Journal):
         found = self.rows(header)
         if found is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(header) + "\n")
+            write_bytes_atomic(self.path, (json.dumps(header) + "\n").encode("utf-8"))
             return {}
         return {r["client_id"]: r for r in found if isinstance(r.get("client_id"), int)}
 

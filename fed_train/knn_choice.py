@@ -16,7 +16,6 @@ An explicit k, sigma, normalisation or estimator overrides either by pinning tha
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,13 +24,28 @@ from typing import Any
 
 import torch
 
-from edge_runtime.knn import CLIENT_RULE, LAMBDA_ESTIMATORS, LambdaRule
+from edge_runtime._io import JSONFileError, read_json, write_json_atomic
+from edge_runtime.knn import (
+    CLIENT_RULE,
+    LAMBDA_ESTIMATORS,
+    NORMALIZATIONS,
+    LambdaRule,
+    choice_key,
+    k_sigma_problem,
+)
 from fed_train.algorithms.base import ClientData
 from fed_train.errors import KnnperError
 from fed_train.knn_request import (
     KNNRequest,
 )
-from fed_train.knn_tuning import KNNConfig, choose_knn
+from fed_train.knn_tuning import (
+    BASES,
+    KNNConfig,
+    choose_knn,
+    grid_points,
+    pick_base_and_rule,
+    pick_estimator,
+)
 from fed_train.models import EmbedHeadModel
 
 log = logging.getLogger(__name__)
@@ -150,7 +164,11 @@ def saved_choice(path: Path, sha: str, request: KNNRequest) -> dict[str, Any] | 
         log.warning("%s was chosen for other weights (model sha256 %s..., now %s...): choosing "
                     "kNN-Per's configuration again", path, saved["model_sha256"][:12], sha[:12])
         return None
-    return None if saved is None else saved["choices"].get(request.key())
+    record = None if saved is None else saved["choices"].get(request.key())
+    if record is not None and (not isinstance(record, dict)
+                               or record.get("request") != asdict(request)):
+        raise _malformed(path, "a saved choice is filed under another request")
+    return record
 
 
 def save_choice(path: Path, record: dict[str, Any]) -> None:
@@ -159,48 +177,130 @@ def save_choice(path: Path, record: dict[str, Any]) -> None:
     choices = {} if saved is None or saved["model_sha256"] != record["model_sha256"] \
         else saved["choices"]
     choices[KNNRequest(**record["request"]).key()] = record
-    _write_atomic(path, {"model_sha256": record["model_sha256"], "choices": choices})
+    write_json_atomic(path, {"model_sha256": record["model_sha256"], "choices": choices},
+                      indent=1)
+
+
+_FIX = "delete it to choose kNN-Per's configuration again"
+
+
+def _malformed(path: Path, problem: str) -> KnnperError:
+    return KnnperError(f"{path}: {problem}; {_FIX}")
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    if not path.is_file() or path.stat().st_size > _MAX_FILE_BYTES:
-        raise KnnperError(f"{path} is not a kNN configuration file (delete it to choose again)")
     try:
-        saved = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise KnnperError(f"{path} is not valid JSON ({err.msg}); delete it to choose "
-                          "kNN-Per's configuration again") from None
+        saved = read_json(path, limit=_MAX_FILE_BYTES, fix=_FIX)
+    except FileNotFoundError:
+        return None
+    except JSONFileError as err:
+        raise KnnperError(str(err)) from None
     if (not isinstance(saved, dict) or not isinstance(saved.get("model_sha256"), str)
             or not isinstance(saved.get("choices"), dict)):
-        raise KnnperError(f"{path} lacks model_sha256 or choices; delete it to choose kNN-Per's "
-                          "configuration again")
+        raise _malformed(path, "it lacks model_sha256 or choices")
     return saved
 
 
-def choice_from_record(record: Any, path: Path) -> KNNChoice:
-    """A saved record as a choice, checked as flags are: the file may have been edited."""
+def _typed(value: Any, kind: type, what: str) -> Any:
+    """`value` when it is a `kind` (a JSON true is no int, an int is a float), else KnnperError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+        raise KnnperError(f"{what} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _config(entry: Any, what: str) -> KNNConfig:
+    """A grid point or the chosen point of a saved record, each field's type and range checked."""
+    if not isinstance(entry, dict):
+        raise KnnperError(f"{what} must be an object")
     try:
-        config = KNNConfig(**record["config"])
-        request = KNNRequest(**record["request"])
-        estimator, source = record["estimator"], record["source"]
-        rule = LambdaRule.from_dict(record["lambda_rule"])
-        base, l2 = record["base"]["name"], record["base"]["l2"]
-        KNNRequest(k=config.k, sigma=config.sigma, normalize=config.normalize,
-                   lambda_estimator=estimator, lambda_rule=rule.name,
-                   base=base)  # as flags are checked
-        if base == "auto" or (base == "linear") != (isinstance(l2, float) and l2 > 0):
-            raise KnnperError("inconsistent base or l2")
+        config = KNNConfig(_typed(entry["k"], int, f"{what} k"),
+                           float(_typed(entry["sigma"], float, f"{what} sigma")),
+                           _typed(entry["normalize"], str, f"{what} normalize"))
+    except KeyError as err:
+        raise KnnperError(f"{what} lacks {err}") from None
+    problem = k_sigma_problem(config.k, config.sigma)
+    if problem or config.normalize not in NORMALIZATIONS:
+        raise KnnperError(f"{what}: {problem or f'unknown normalisation {config.normalize!r}'}")
+    return config
+
+
+def _check_evidence(record: dict[str, Any], request: KNNRequest, config: KNNConfig,
+                    estimator: str) -> None:
+    """The saved scores must choose the saved values, as choose_knn would have: the grid must
+    be the request's and its best point the saved one, and an "auto" estimator the one its
+    cross-validated accuracies rank first. A file edited to other values is refused (an honest
+    re-choice costs one evaluation; running an unvalidated setting labelled "validation" would
+    mislead every report and manifest)."""
+    grid, cv = record.get("grid"), record.get("lambda_cv")
+    if not isinstance(grid, list) or not isinstance(cv, dict):
+        raise KnnperError("grid or lambda_cv is missing")
+    points = grid_points(*request.grids())
+    if grid:
+        saved = [_config(g, f"grid point {i}") for i, g in enumerate(grid)]
+        scores = [(_typed(g.get("val_accuracy"), float, f"grid point {i} val_accuracy"),
+                   _typed(g.get("val_nll"), float, f"grid point {i} val_nll"))
+                  for i, g in enumerate(grid)]
+        if saved != points:
+            raise KnnperError("its grid is not the one this request searches")
+        best = min(range(len(saved)), key=lambda i: choice_key(*scores[i]))
+        winner = saved[best]
+    else:  # a fixed setting chosen without validation data
+        winner = points[0] if len(points) == 1 else None
+    if winner != config:
+        raise KnnperError(f"its scores choose {winner}, not the saved {config} (edited?)")
+    if request.estimator() == "auto":
+        if set(cv) != set(LAMBDA_ESTIMATORS) or pick_estimator(
+                {e: _typed(cv[e], float, f"lambda_cv {e}") for e in LAMBDA_ESTIMATORS}) \
+                != estimator:
+            raise KnnperError(f"its lambda_cv does not choose the saved estimator {estimator!r} "
+                              "(edited?)")
+    elif estimator != request.estimator():
+        raise KnnperError(f"estimator {estimator!r} is not the requested "
+                          f"{request.estimator()!r} (edited?)")
+
+
+def choice_from_record(record: Any, path: Path) -> KNNChoice:
+    """A saved record as a choice, checked as flags are (types and ranges) and against its own
+    evidence: the file may have been edited."""
+    try:
+        if not isinstance(record, dict):
+            raise KnnperError("it is not an object")
+        config = _config(record.get("config"), "config")
+        request_fields = record.get("request")
+        if not isinstance(request_fields, dict):
+            raise KnnperError("request must be an object")
+        request = KNNRequest(**request_fields)
+        estimator, source = record.get("estimator"), record.get("source")
         if estimator not in LAMBDA_ESTIMATORS or source != request.sources():
             raise KnnperError("inconsistent estimator or sources")
+        rule = LambdaRule.from_dict(record["lambda_rule"])
+        base, l2 = record["base"]["name"], record["base"]["l2"]
+        if base not in BASES or (base == "linear") != (isinstance(l2, float) and l2 > 0):
+            raise KnnperError(f"base {base!r} with l2 {l2!r} is not a base")
+        _check_evidence(record, request, config, estimator)
+        _check_base_evidence(record, request, base, rule.name)
     except (KeyError, TypeError, ValueError, KnnperError) as err:
-        raise KnnperError(f"{path}: a saved choice is malformed ({err}); delete the file to "
-                          "choose kNN-Per's configuration again") from None
+        raise _malformed(path, f"a saved choice is malformed or edited ({err})") from None
     return KNNChoice(config, estimator, dict(source), record, rule, base, l2)
 
 
-def _write_atomic(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
+def _check_base_evidence(record: dict[str, Any], request: KNNRequest, base: str,
+                         rule: str) -> None:
+    """The saved base and lambda rule must be the ones asked for, or, where asked for as
+    "auto", the pair the saved cross-validated accuracies rank first (a choice made without
+    validation data is the paper's global base and per-client rule)."""
+    cv = record.get("base_cv")
+    if not isinstance(cv, dict):
+        raise KnnperError("base_cv is missing")
+    for asked, saved, what in ((request.base_choice(), base, "base"),
+                               (request.rule(), rule, "lambda rule")):
+        if asked != "auto" and asked != saved:
+            raise KnnperError(f"{what} {saved!r} is not the requested {asked!r} (edited?)")
+    if cv:
+        scores = {b: {r: _typed(v, float, f"base_cv {b}/{r}") for r, v in rules.items()}
+                  for b, rules in cv.items()}
+        if pick_base_and_rule(scores) != (base, rule):
+            raise KnnperError(f"its base_cv does not choose the saved {base}/{rule} (edited?)")
+    elif "auto" in (request.base_choice(), request.rule()) and (base, rule) != ("global",
+                                                                               "client"):
+        raise KnnperError(f"{base}/{rule} was chosen without cross-validation (edited?)")

@@ -15,6 +15,7 @@ from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     LAMBDA_RULES,
     NORMALIZATIONS,
+    k_sigma_problem,
 )
 from fed_train.errors import KnnperError
 
@@ -47,10 +48,9 @@ class KNNRequest:
         if self.mode not in KNN_MODES:
             raise KnnperError(f"unknown kNN configuration {self.mode!r}; known: "
                               f"{', '.join(KNN_MODES)}")
-        if self.k is not None and self.k < 1:
-            raise KnnperError(f"k must be >= 1, got {self.k}")
-        if self.sigma is not None and not self.sigma > 0:
-            raise KnnperError(f"sigma must be > 0, got {self.sigma}")
+        problem = k_sigma_problem(self.k, self.sigma)
+        if problem:
+            raise KnnperError(problem)
         if self.normalize is not None and self.normalize not in NORMALIZATIONS:
             raise KnnperError(f"unknown normalisation {self.normalize!r}; known: "
                               f"{', '.join(NORMALIZATIONS)}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
-import os
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_runtime._io import load_arrays, memory_limit
+from edge_runtime._io import load_arrays, memory_limit, save_npz_atomic
 from fed_train.data import Dataset
 from fed_train.errors import PartitionError
 
@@ -113,10 +112,7 @@ class Partition:
             arrays[f"{part}_index"] = (
                 np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
             )
-        partial = path.with_name(path.name + ".part")
-        with open(partial, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(partial, path)
+        save_npz_atomic(path, arrays)
 
     @classmethod
     def load(cls, path: str | Path) -> Partition:

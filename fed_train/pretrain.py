@@ -12,15 +12,15 @@ import io
 import json
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from edge_runtime._io import array_file_bytes
+from edge_runtime._io import array_file_bytes, parse_json, read_regular, write_atomic
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, local_sgd, predict_proba
 from fed_train.data import Dataset, load_dataset, stratified_subsample
@@ -175,23 +175,15 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True,
               "best_epoch": best_epoch, "epochs_run": len(history), "val_accuracy": best_acc,
               "history": history}
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / SERVER_INDICES_FILE, lambda f: np.save(f, server.astype(np.int64)))
-    _write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
-    _write_atomic(out / RECORD_FILE, lambda f: f.write(json.dumps(record, indent=2).encode()))
+    write_atomic(out / SERVER_INDICES_FILE, lambda f: np.save(f, server.astype(np.int64)))
+    write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
+    write_atomic(out / RECORD_FILE, lambda f: f.write(json.dumps(record, indent=2).encode()))
     return record
 
 
 def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of the weights on the CPU, so model.pt loads on a machine without the GPU."""
     return {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}
-
-
-def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """A killed pretraining leaves no half-written file under the final name."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-    tmp.replace(path)
 
 
 # --------------------------------------------------------------------------- --init
@@ -210,12 +202,16 @@ class Init:
 
 
 def _read_bounded(path: Path, limit: int, what: str) -> bytes:
-    if not path.is_file():
-        raise InitError(f"--init {path}: {what} is missing")
-    size = path.stat().st_size
-    if size > limit:
-        raise InitError(f"--init {path}: {size} bytes, more than the {limit} a {what} may have")
-    return path.read_bytes()
+    """A regular file's bytes (pipes and devices refused before reading), at most `limit`."""
+    try:
+        raw = read_regular(path, limit)
+    except FileNotFoundError:
+        raise InitError(f"--init {path}: {what} is missing") from None
+    except OSError as err:
+        raise InitError(f"--init {path}: {what} cannot be read ({err.strerror})") from None
+    if raw is None:
+        raise InitError(f"--init {path}: more than the {limit} bytes a {what} may have")
+    return raw
 
 
 def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -241,9 +237,9 @@ def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 def _read_record(path: Path) -> dict[str, Any]:
     try:
-        record = json.loads(_read_bounded(path, MAX_RECORD_BYTES, "pretrain record"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InitError(f"--init {path} is not valid JSON: {err}") from err
+        record = parse_json(_read_bounded(path, MAX_RECORD_BYTES, "pretrain record"))
+    except ValueError as err:
+        raise InitError(f"--init {path} {err}; run `knnper pretrain` again") from None
     if not isinstance(record, dict) or not all(
             isinstance(record.get(k), str) for k in ("dataset", "model")):
         raise InitError(f"--init {path} must be a JSON object naming its dataset and model")

@@ -15,7 +15,15 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import numpy as np
 import torch
 
-from edge_runtime._io import memory_limit, read_regular
+from edge_runtime._io import (
+    JSONFileError,
+    memory_limit,
+    read_json,
+    read_regular,
+    remove_dead_writers_files,
+    write_atomic,
+    write_json_atomic,
+)
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, Weights, get_weights, set_weights
@@ -177,21 +185,24 @@ def read_config(run_dir: Path) -> dict:
     """config.json as a JSON object; RunError (one line) for anything else."""
     path = run_dir / CONFIG_FILE
     try:
-        raw = read_regular(path, MAX_CONFIG_BYTES)
-        data = None if raw is None else json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        data = read_json(path, limit=MAX_CONFIG_BYTES,
+                         fix="restore it or train the run again")
+    except (OSError, JSONFileError) as err:
         raise RunError(f"{path} is not readable JSON: {' '.join(str(err).split())}") from None
-    if raw is None:
-        raise RunError(f"{path} is over {MAX_CONFIG_BYTES} bytes")
     if not isinstance(data, dict):
         raise RunError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
 
 
-def load_partition(run_dir: Path, dataset: Dataset) -> Partition:
-    """partition.npz, checked against the data set it indexes."""
+def load_partition(run_dir: Path, dataset: Dataset, clients: int) -> Partition:
+    """partition.npz, checked against the data set it indexes and against config.json's client
+    count (the data fingerprint covers the partition, not that field; an edit must not pass)."""
     partition = Partition.load(run_dir / PARTITION_FILE)
     partition.check(dataset)
+    if partition.num_clients != clients:
+        raise RunError(f"{run_dir / CONFIG_FILE} says 'clients' is {clients} but the run was "
+                       f"trained with {partition.num_clients} ({PARTITION_FILE}); restore the "
+                       "file or train the run again")
     return partition
 
 
@@ -288,11 +299,12 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
              "input_spec": dataset.input_spec, **init_record(init)}
     config_path = run_dir / CONFIG_FILE
     if config_path.exists():
+        remove_dead_writers_files(run_dir)
         previous = read_config(run_dir)
         check_same_init(previous, saved, run_dir)
         if "init" in previous:  # the same file, perhaps recorded relative by an older version
             saved["init"] = previous["init"]
-        partition = load_partition(run_dir, dataset)
+        partition = load_partition(run_dir, dataset, config.clients)
         check_same_data(previous, dataset, partition, run_dir)
         saved["data_sha256"] = previous.get("data_sha256")  # a run from before fingerprints
         if saved["data_sha256"] is None:
@@ -308,16 +320,15 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
             raise RunError(f"cannot make run directory {run_dir}: {err.strerror}") from None
         partition.save(run_dir / PARTITION_FILE)
         saved["data_sha256"] = data_fingerprint(dataset, partition)
-        config_path.write_text(json.dumps(saved, indent=2))
+        write_json_atomic(config_path, saved)
     return OpenRun(dataset, partition, model_name, start)
 
 
 def save_model(run_dir: Path, model: EmbedHeadModel, weights: Weights) -> None:
-    """The final global model, written under a temporary name and renamed."""
+    """The final global model, written under a unique temporary name and renamed."""
     set_weights(model, weights)
-    tmp = run_dir / (MODEL_FILE + ".tmp")
-    torch.save(model.state_dict(), tmp)
-    tmp.replace(run_dir / MODEL_FILE)
+    state = model.state_dict()
+    write_atomic(run_dir / MODEL_FILE, lambda f: torch.save(state, f))
 
 
 def train(config: RunConfig, run_dir: Path, *, progress: bool = True,
@@ -350,7 +361,7 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu") -> LoadedR
     config = RunConfig.from_dict(raw)
     dataset, init = load_run_data(config)
     check_same_init(raw, {"init": config.init, **init_record(init)}, run_dir)
-    partition = load_partition(run_dir, dataset)
+    partition = load_partition(run_dir, dataset, config.clients)
     check_same_data(raw, dataset, partition, run_dir)
     model_name = raw.get("model_name") or default_model(dataset.input_spec)
     if not isinstance(model_name, str):

@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_runtime._io import memory_limit, read_regular
+from edge_runtime._io import (
+    memory_limit,
+    parse_json,
+    read_regular,
+    remove_dead_writers_files,
+    write_atomic,
+    write_bytes_atomic,
+)
 from fed_train.algorithms.base import Algorithm, ClientData, TrainingConfig, Weights, predict_proba
 from fed_train.errors import TrainingError
 from fed_train.progress import track
@@ -37,6 +43,7 @@ KEEP_CHECKPOINTS = 2  # the newest two: if the last one is unreadable, the one b
 CHECKPOINT_SHARE = 0.1
 CHECKPOINT_FREE_SECONDS = 1.0
 CHECKPOINT_MAGIC = b"knnper-checkpoint 1 sha256 "
+MAX_METRICS_BYTES = 256 << 20  # metrics.jsonl: a few hundred bytes per round
 _CHECKPOINT_KEYS = {"rounds_done", "weights", "states"}
 
 
@@ -84,8 +91,9 @@ def checkpoint_round(path: Path) -> int:
 
 def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
                     states: dict[int, dict[str, Any]], keep_every: int | None = None) -> None:
-    """A checksum header line plus torch.save's bytes, written to a temporary name, fsynced
-    and renamed: a kill mid-write never leaves a torn checkpoint under the final name.
+    """A checksum header line plus torch.save's bytes, written to a unique temporary name,
+    fsynced and renamed (write_atomic): a kill mid-write never leaves a torn checkpoint under
+    the final name.
     Older checkpoints are deleted except the newest two and, with `keep_every`, those of every
     keep_every-th round (experiments on the global model's quality along training read them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,13 +101,8 @@ def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
     torch.save({"rounds_done": rounds_done, "weights": _to_tensors(weights),
                 "states": {str(k): _to_tensors(v) for k, v in states.items()}}, buf)
     payload = buf.getvalue()
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(CHECKPOINT_MAGIC + hashlib.sha256(payload).hexdigest().encode("ascii") + b"\n")
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    header = CHECKPOINT_MAGIC + hashlib.sha256(payload).hexdigest().encode("ascii") + b"\n"
+    write_atomic(path, lambda f: (f.write(header), f.write(payload)))
     for stale in sorted(path.parent.glob("round_*.pt"))[:-KEEP_CHECKPOINTS]:
         if keep_every is None or checkpoint_round(stale) % keep_every:
             stale.unlink()
@@ -165,6 +168,7 @@ def resume_from(run_dir: Path, like: Weights | None = None) -> SimulationResult 
     """The newest good checkpoint, falling back past bad ones with a warning; None when there
     are none, CheckpointError when there are some and none is good. `like`: the run's
     initial weights, whose names and shapes a good checkpoint's weights have."""
+    remove_dead_writers_files(run_dir / "checkpoints")
     paths = sorted((run_dir / "checkpoints").glob("round_*.pt"), reverse=True)
     problems = []
     for path in paths:
@@ -211,19 +215,23 @@ def _truncate_metrics(path: Path, rounds_done: int) -> None:
     if not path.exists():
         return
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} cannot be read: {_first_line(err)}") from None
+        raw = read_regular(path, MAX_METRICS_BYTES)
+        if raw is None:
+            raise ValueError(f"it is over {MAX_METRICS_BYTES} bytes")
+        lines = raw.decode("utf-8").splitlines()
+    except (OSError, ValueError) as err:  # a pipe, a device, not UTF-8, too large
+        raise CheckpointError(f"{path} cannot be read: {_first_line(err)}; restore or delete "
+                              "it to resume") from None
     kept = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = parse_json(line.encode("utf-8"), strict=False)
             round_done = row["round"]
             if not isinstance(round_done, int) or isinstance(round_done, bool):
                 raise TypeError
-        except (ValueError, TypeError, KeyError, RecursionError):
+        except (ValueError, TypeError, KeyError):
             if number == len(lines):
                 log.warning("%s: dropping a torn last line (an interrupted write)", path)
                 continue
@@ -231,7 +239,7 @@ def _truncate_metrics(path: Path, rounds_done: int) -> None:
                                   "integer 'round'; fix or delete that line to resume") from None
         if round_done <= rounds_done:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    write_bytes_atomic(path, "".join(line + "\n" for line in kept).encode("utf-8"))
 
 
 def sample_clients(seed: int, round_index: int, participants: int,

@@ -10,11 +10,19 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime.arg_types import (
+    FLOAT32_MAX,
     byte_count,
+    count,
     fraction,
+    k_neighbours,
+    kernel_sigma,
+    non_negative_float,
+    output_dir,
+    output_file,
     positive,
     positive_float,
     positive_int,
+    seed,
     threads,
 )
 from edge_runtime.cli_help import DefaultsHelpFormatter, examples, missing_command_message
@@ -34,8 +42,9 @@ from fed_train.models import MODELS
 from fed_train.run import RunConfig
 
 __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
-           "DATA_HELP", "config_from_args", "examples", "fraction", "knn_request",
-           "learning_rate", "positive", "positive_float", "positive_int", "threads"]
+           "DATA_HELP", "config_from_args", "count", "examples", "fraction", "knn_request",
+           "learning_rate", "output_dir", "output_file", "positive", "seed",
+           "positive_float", "positive_int", "threads"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,9 +57,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {missing_command_message(self, message)}\n")
-
-
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 def learning_rate(text: str) -> float:
@@ -74,8 +80,9 @@ def add_sgd_arguments(p: argparse.ArgumentParser, d: Any, what: str) -> None:
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help=f"{what} batch size")
     p.add_argument("--lr", type=learning_rate, default=d.lr, help=f"{what} learning rate")
-    p.add_argument("--momentum", type=float, default=d.momentum, help=f"{what} momentum")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+    p.add_argument("--momentum", type=non_negative_float, default=d.momentum,
+                   help=f"{what} momentum")
+    p.add_argument("--weight-decay", type=non_negative_float, default=d.weight_decay,
                    help=f"{what} weight decay")
 
 
@@ -117,7 +124,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions of the rounds at which the learning rate decays")
     p.add_argument("--lr-gamma", type=positive_float, default=t.gamma,
                    help="learning-rate factor at each milestone")
-    p.add_argument("--seed", type=int, default=d.seed,
+    p.add_argument("--seed", type=seed, default=d.seed,
                    help="seed of the partition, initialisation and client sampling")
     p.add_argument("--init", default=None,
                    help="start every method from these weights: a `knnper pretrain` directory "
@@ -167,9 +174,9 @@ def add_knn_arguments(p: argparse.ArgumentParser) -> None:
                    "seen clients' pooled validation splits (tuned, saved in the run directory "
                    "and reused) or the paper's fixed setting (k=10, sigma=1, raw embeddings, "
                    "lambda on validation)")
-    p.add_argument("--k", type=positive_int, default=None,
+    p.add_argument("--k", type=k_neighbours, default=None,
                    help="pin kNN-Per's number of neighbours (default: from --knn-config)")
-    p.add_argument("--sigma", type=positive_float, default=None,
+    p.add_argument("--sigma", type=kernel_sigma, default=None,
                    help="pin kNN-Per's kernel width (default: from --knn-config)")
     p.add_argument("--normalize", choices=NORMALIZATIONS, default=None,
                    help="pin the embedding normalisation before the kNN (default: from "

@@ -17,6 +17,7 @@ from knnper_cli.args import (
     config_from_args,
     examples,
     knn_request,
+    output_dir,
     positive,
 )
 
@@ -62,7 +63,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     add_training_arguments(p)
     p.add_argument("--methods", default="all",
                    help=f"all, or a comma-separated list of: {', '.join(METHODS)}")
-    p.add_argument("--out", required=True, help="output folder (re-running resumes it)")
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="output folder (re-running resumes it)")
     p.add_argument("--tune-lr", action="store_true",
                    help="choose each method's learning rate on validation accuracy over the "
                    "paper's grid (multiplies the cost by the grid's size)")

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from export.demo import format_demo_table, run_demo
-from knnper_cli.args import add_knn_arguments, examples, knn_request
+from knnper_cli.args import add_knn_arguments, examples, knn_request, output_dir, positive_int, seed
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -24,9 +24,10 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
                        "minute: train, evaluate, export for weak and strong devices, run them",
                        epilog=examples("knnper demo", "knnper demo --knn-config paper --out "
                                        "runs/demo-paper"))
-    p.add_argument("--out", default="runs/demo", help="run directory (re-running resumes it)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the partition and training")
-    p.add_argument("--workers", type=int, default=2,
+    p.add_argument("--out", default="runs/demo", type=output_dir,
+                   help="run directory (re-running resumes it)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the partition and training")
+    p.add_argument("--workers", type=positive_int, default=2,
                    help="processes that size clients' datastores in parallel")
     add_knn_arguments(p)
     p.set_defaults(func=_cmd_demo)

@@ -25,8 +25,11 @@ from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
     config_from_args,
+    count,
     examples,
     fraction,
+    output_dir,
+    output_file,
     positive_float,
     positive_int,
 )
@@ -125,7 +128,7 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the server waits for a round's replies")
     p.add_argument("--connect-timeout", type=positive_float, default=120.0,
                    help="seconds the server waits for every client's SuperNode")
-    p.add_argument("--min-train-clients", type=int, default=0,
+    p.add_argument("--min-train-clients", type=count, default=0,
                    help="replies a round needs to go on (0: every sampled client)")
 
 
@@ -139,7 +142,8 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
                                            "one SuperNode per client, TLS and SuperNode "
                                            "authentication", epilog=examples(local_example))
     _add_settings_arguments(local)
-    local.add_argument("--out", required=True, help="run directory (the same layout as "
+    local.add_argument("--out", required=True, type=output_dir,
+                       help="run directory (the same layout as "
                                                     "`knnper train` writes)")
     local.add_argument("--startup-timeout", type=positive_float, default=60.0,
                        help="seconds the SuperLink may take to start listening")
@@ -155,7 +159,8 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     _add_settings_arguments(config)
     config.add_argument("--out", required=True,
                         help="run directory on the machine that runs the ServerApp")
-    config.add_argument("--write", default=None, help="write the TOML here (default: stdout)")
+    config.add_argument("--write", default=None, type=output_file,
+                        help="write the TOML here (default: stdout)")
     config.set_defaults(func=_cmd_deploy_config)
 
     certs = where.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode "
@@ -164,7 +169,7 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
                                            "--supernode-keys 20 --out keys/pki"))
     certs.add_argument("--host", required=True,
                        help="the SuperLink's address as SuperNodes reach it (DNS name or IP)")
-    certs.add_argument("--supernode-keys", type=int, default=0,
+    certs.add_argument("--supernode-keys", type=count, default=0,
                        help="SuperNode authentication key pairs to make")
-    certs.add_argument("--out", required=True, help="an empty or new directory")
+    certs.add_argument("--out", required=True, type=output_dir, help="an empty or new directory")
     certs.set_defaults(func=_cmd_deploy_certs)

@@ -33,6 +33,7 @@ from knnper_cli.args import (
     config_from_args,
     examples,
     knn_request,
+    output_dir,
     positive_int,
 )
 
@@ -57,7 +58,8 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                                  f"knnper experiment {exp.name} --quick --out runs/exp",
                                  f"knnper experiment {exp.name} --quick --seeds 3 --out "
                                  "runs/exp-seeds"))
-        q.add_argument("--out", required=True, help="output folder, shared by the experiments "
+        q.add_argument("--out", required=True, type=output_dir,
+                       help="output folder, shared by the experiments "
                        "(global models in OUT/runs, this one's files in OUT/NAME)")
         q.add_argument("--quick", action="store_true", help="digits at a tiny scale and small "
                        "grids (under a minute; overrides the data and training flags)")

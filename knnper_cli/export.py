@@ -30,7 +30,15 @@ from export.sizing import BACKEND_CHOICES
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import load_or_choose
 from fed_train.run import load_run
-from knnper_cli.args import add_knn_arguments, byte_count, examples, knn_request, positive_int
+from knnper_cli.args import (
+    add_knn_arguments,
+    byte_count,
+    examples,
+    knn_request,
+    output_dir,
+    positive_int,
+    seed,
+)
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +54,8 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                            "and names the clients that got one at the end; --device-extras "
                            "none leaves HNSW out, so every bundle loads on the runtime alone."))
     p.add_argument("run", help="run directory written by `knnper train`")
-    p.add_argument("--out", required=True, help="directory for the bundles and export.json")
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="directory for the bundles and export.json")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budgets", metavar="FILE", help="JSON file {client_id: bytes}")
     budget.add_argument("--budget", type=byte_count, metavar="BYTES",
@@ -72,7 +81,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--update-strategy", default="fifo",
                    help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
                         "buffers new samples beside its prototypes)")
-    p.add_argument("--seed", type=int, default=0,
+    p.add_argument("--seed", type=seed, default=0,
                    help="seed of generated budgets and of datastore sampling / ProtoNN training")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="processes sizing clients in parallel (default: one per usable core)")

@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from edge_runtime.cli_help import install_hint, package_version
+from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
 DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
                "federated run, evaluate it, export per-device bundles. Start with `knnper demo`.")
-INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
 def missing_server_modules() -> list[str]:
@@ -83,18 +83,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130."""
-    import torch
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130 (also
+    while torch and the command modules import, before the command's own handling)."""
+    with exit_on_interrupt("knnper"):
+        import numpy as np
+        import torch
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from fed_train.errors import KnnperError
+        from edge_runtime.arg_types import check_outputs
+        from fed_train.errors import KnnperError
 
-    args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        with logging_redirect_tqdm():  # a log line above the bars, not glued to one
+        # files are checked where they are loaded (finite, in range): a floating-point
+        # warning would only print numpy's source lines before the one-line error; log lines
+        # go above the progress bars, not glued to one
+        with np.errstate(all="ignore"), logging_redirect_tqdm():
+            check_outputs(args)
             return args.func(args)
     except (KnnperError, ValueError, OSError, MemoryError) as err:
         print(f"knnper: error: {_one_line(err)}", file=sys.stderr)

@@ -25,10 +25,14 @@ from knnper_cli.args import (
     add_sgd_arguments,
     add_training_arguments,
     config_from_args,
+    count,
     examples,
     fraction,
     knn_request,
+    output_dir,
+    output_file,
     positive_int,
+    seed,
 )
 
 
@@ -90,7 +94,8 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
                            "--out runs/fmnist-init"))
     p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
     p.add_argument("--data", default=None, help=DATA_HELP)
-    p.add_argument("--out", required=True, help="directory for model.pt, pretrain.json and "
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="directory for model.pt, pretrain.json and "
                    "server_indices.npy")
     p.add_argument("--public-data", default=None, help="train on this .npz (x_train, y_train, "
                    "x_test, y_test) instead of a split of the training set")
@@ -110,7 +115,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--augment", action="store_true",
                    help="random 4-pixel shifted crops and horizontal flips of the images (for "
                    "CIFAR-like data; not for digits or letters)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the split and the training")
+    p.add_argument("--seed", type=seed, default=d.seed, help="seed of the split and the training")
     add_device_argument(p)
     add_precision_argument(p)
     p.set_defaults(func=_cmd_pretrain)
@@ -127,7 +132,8 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=positive_int, default=defaults.CHECKPOINT_EVERY,
                    help="rounds between checkpoints (Ctrl-C loses at most this many; a write "
                    "that would take over a tenth of the training time waits for a later round)")
-    p.add_argument("--out", required=True, help="run directory (re-running resumes it)")
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="run directory (re-running resumes it)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("evaluate", help="local / FedAvg / kNN-Per accuracy of a finished run",
@@ -142,7 +148,8 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                    help="fraction of each client's train split kept in its datastore")
     p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
                    help=f"any of {', '.join(EVAL_METHODS)}")
-    p.add_argument("--json", default=None, help="write summaries and per-client rows here")
+    p.add_argument("--json", default=None, type=output_file,
+                   help="write summaries and per-client rows here")
     add_device_argument(p)  # the precision of local training is the run's own
     p.set_defaults(func=_cmd_evaluate)
 
@@ -150,8 +157,9 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                        "the device commands (knnper-edge) take", epilog=examples(
                            "knnper client-data runs/fmnist --client 3 --out data/client_3"))
     p.add_argument("run", help="run directory written by `knnper train`")
-    p.add_argument("--client", type=int, required=True, help="client id")
-    p.add_argument("--out", required=True, help="directory for train.npz, val.npz, test.npz "
+    p.add_argument("--client", type=count, required=True, help="client id")
+    p.add_argument("--out", required=True, type=output_dir,
+                   help="directory for train.npz, val.npz, test.npz "
                    "(x, y) and test_x.npy")
     p.set_defaults(func=_cmd_client_data)
 

@@ -182,14 +182,14 @@ def test_wrong_magic_is_refused(tmp_path):
 def test_trailing_bytes_are_refused(tmp_path):
     path = tmp_path / "long"
     path.write_bytes(_idx_bytes(np.zeros(3, np.uint8)) + b"xx")
-    with pytest.raises(DataError, match="2 unexpected bytes"):
+    with pytest.raises(DataError, match="unexpected bytes after the IDX data"):
         read_idx(path)
 
 
 def test_corrupt_gzip_is_a_data_error(tmp_path):
     path = tmp_path / "x.gz"
     path.write_bytes(gzip.compress(_idx_bytes(np.zeros(30, np.uint8)))[:-12])
-    with pytest.raises(DataError, match=r"x.gz: cannot read"):
+    with pytest.raises(DataError, match=r"x.gz cannot be inflated"):
         read_idx(path)
 
 
@@ -449,7 +449,7 @@ def test_leaf_broken_json_names_the_file(tmp_path):
     _write_leaf(tmp_path / "data", "train", {"u": _femnist_user(1, 0.0, 1)})
     _write_leaf(tmp_path / "data", "test", {"u": _femnist_user(1, 0.0, 1)})
     (tmp_path / "data" / "test" / "broken.json").write_text("{not json")
-    with pytest.raises(DataError, match=r"broken.json: not a readable LEAF JSON file"):
+    with pytest.raises(DataError, match=r"broken.json is not valid JSON .*; restore the LEAF file"):
         load_dataset("femnist", tmp_path)
 
 
@@ -550,3 +550,87 @@ def test_real_shakespeare_by_role():
     assert ds.x_train.shape[1] == SEQ_LEN and ds.x_train.max() < VOCAB_SIZE
     assert (ds.x_train == UNK_ID).mean() < 0.01
     assert len(ds.y_test) == pytest.approx(0.2 * (len(ds.y_train) + len(ds.y_test)), rel=0.05)
+
+
+# ----------------------------------------------------------------------- hostile data files
+
+
+def _peak_bytes(load) -> int:
+    """The most memory Python allocated while `load` ran (it must raise DataError)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError) as info:
+            load()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("plant", ["fifo", "dev-zero"])
+def test_leaf_folder_refuses_a_pipe_or_device_without_reading_it(tmp_path, plant):
+    _write_leaf(tmp_path, "train", {"u": _femnist_user(1, 0.0, 1)})
+    _write_leaf(tmp_path, "test", {"u": _femnist_user(1, 0.0, 1)})
+    planted = tmp_path / "test" / "z.json"
+    if plant == "fifo":
+        os.mkfifo(planted)  # opening it for reading the usual way would wait forever
+    else:
+        planted.symlink_to("/dev/zero")  # reading it would never end
+    with pytest.raises(DataError, match=r"z.json cannot be read \(not a regular file"):
+        load_dataset("femnist", tmp_path)
+
+
+def test_an_idx_gzip_bomb_inflates_no_further_than_its_header_declares(tmp_path):
+    """A 10-image header followed by 200 MB of zeros (a 200 kB file): refused after reading
+    the declared size plus one byte, never inflated whole."""
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    header = _idx_bytes(np.zeros((10, 28, 28), np.uint8))
+    with gzip.open(path, "wb") as f:
+        f.write(header)
+        for _ in range(200):
+            f.write(bytes(1 << 20))
+    assert path.stat().st_size < 1 << 20
+    assert _peak_bytes(lambda: read_idx(path)) < 16 << 20
+
+
+def test_an_idx_header_declaring_more_than_memory_is_refused_before_reading(tmp_path):
+    path = tmp_path / "x.gz"
+    path.write_bytes(gzip.compress(b"\0\0\x08\x03" + struct.pack(">III", 2**32 - 1, 2**20,
+                                                                 2**20)))
+    with pytest.raises(DataError, match="more than half of this machine's memory"):
+        read_idx(path)
+
+
+def test_a_cifar_pickle_of_shared_lists_is_refused_without_allocating(tmp_path):
+    """A few kB of pickle whose memo makes one row stand for millions: numpy would have asked
+    for gigabytes converting it."""
+    row = [0] * 3072
+    shared = [row] * 1000
+    _write_cifar10(tmp_path)
+    (tmp_path / "data_batch_2").write_bytes(pickle.dumps({b"data": [shared] * 1000,
+                                                          b"labels": [1]}, protocol=2))
+    assert (tmp_path / "data_batch_2").stat().st_size < 20_000
+    assert _peak_bytes(lambda: load_dataset("cifar10", tmp_path)) < 64 << 20
+    (tmp_path / "data_batch_2").write_bytes(pickle.dumps(
+        {b"data": _cifar_images(2, 0), b"labels": [shared] * 1000}, protocol=4))
+    with pytest.raises(DataError, match="labels must be a flat list"):
+        load_dataset("cifar10", tmp_path)
+
+
+def test_a_cifar_pickle_of_object_arrays_is_refused(tmp_path):
+    _write_cifar10(tmp_path)
+    labels = np.array([1, "x"], dtype=object)
+    (tmp_path / "data_batch_2").write_bytes(pickle.dumps(
+        {b"data": _cifar_images(2, 0), b"labels": labels}, protocol=4))
+    with pytest.raises(DataError, match="object arrays are not allowed"):
+        load_dataset("cifar10", tmp_path)
+
+
+def test_an_idx_error_names_the_file_once(tmp_path):
+    path = tmp_path / "bad.gz"
+    path.write_bytes(gzip.compress(b"\x01\x02\x03\x04"))
+    with pytest.raises(DataError) as info:
+        read_idx(path)
+    assert str(info.value).count(str(path)) == 1 and "not an IDX file" in str(info.value)

@@ -131,3 +131,34 @@ def test_a_petabyte_budget_exports_and_loads_without_allocating_it(run_dir, tmp_
     assert export_cli.main(_export(run_dir, out, "1PB")) == 0
     report = _consistent(out)
     assert {row["budget"] for row in report["clients"]} == {10**15}
+
+
+def test_resume_rebuilds_another_models_bundle_whose_row_was_rewritten_to_match(
+        run_dir, tmp_path, caplog):
+    """Every field of the row and the manifest matches this export's: only the encoder is
+    another model's, and that alone must send the bundle back to be rebuilt."""
+    import logging
+
+    from edge_runtime._io import sha256_file
+
+    other_run = tmp_path / "other-run"
+    train(RunConfig(dataset="digits", clients=3, seed=0,
+                    training=TrainingConfig(rounds=1, epochs=1, batch_size=32, lr=0.02)),
+          other_run, progress=False)
+    out, other = tmp_path / "out", tmp_path / "other"
+    assert export_cli.main(_export(run_dir, out)) == 0
+    assert export_cli.main(_export(other_run, other)) == 0
+    assert sha256_file(out / "encoder.onnx") != sha256_file(other / "encoder.onnx")
+    shutil.rmtree(out / "client_0000")
+    shutil.copytree(other / "client_0000", out / "client_0000")
+    lines = (out / JOURNAL_FILE).read_text().splitlines()
+    theirs = {json.loads(line)["client_id"]: line
+              for line in (other / JOURNAL_FILE).read_text().splitlines()[1:]}
+    rows = [theirs[0] if json.loads(line)["client_id"] == 0 else line for line in lines[1:]]
+    (out / JOURNAL_FILE).write_text("\n".join([lines[0], *rows]) + "\n")
+    with caplog.at_level(logging.WARNING):
+        assert export_cli.main(_export(run_dir, out)) == 0
+    assert "its encoder is not this export's" in caplog.text
+    assert Runtime.load(out / "client_0000").manifest["files"]["encoder.onnx"] == \
+        sha256_file(out / "encoder.onnx")
+    _consistent(out)

@@ -248,9 +248,19 @@ def _long_integer(bundle: Path) -> None:
     )
 
 
+def _set_field(name: str, value):
+    def edit(bundle: Path) -> None:
+        m = json.loads(_manifest_text(bundle))
+        m[name] = value
+        (bundle / "manifest.json").write_text(json.dumps(m))
+    return edit
+
+
 HOSTILE_MANIFESTS = {
+    "k of 2^63": (_set_field("k", 2**63), "k must be an integer from 1 to"),
+    "subnormal sigma": (_set_field("sigma", 1e-320), "sigma must be a number from 1e-30"),
     "over 64 KiB": (_huge, "too large for a manifest"),
-    "30000 nested brackets": (_deep_brackets, "nested too deeply"),
+    "30000 nested brackets": (_deep_brackets, "nested deeper than 8 levels"),
     "20-deep field": (_nested_field, "nested deeper than 8 levels"),
     "duplicate key": (_duplicate_key, "duplicate key(s) ['lambda']"),
     "NaN": (_nan, "NaN is not a JSON number"),
@@ -286,3 +296,68 @@ def test_stale_generation_left_by_a_killed_update_is_removed_at_load(bundle):
     assert sorted(p.name for p in bundle.iterdir()) == [
         "datastore.npz", "encoder.onnx", "manifest.json", "notes.txt"
     ]
+
+
+# ----------------------------------------------------------------------------- datastore values
+
+
+def _protonn_bundle(tmp_path: Path) -> Path:
+    from edge_runtime.bundle import write_bundle
+    from edge_runtime.datastores.protonn import ProtoNNDatastore
+    from tests.test_edge_runtime import FIELDS, NUM_CLASSES, P, make_image_encoder
+
+    enc = make_image_encoder(tmp_path / "encoder.onnx")
+    rng = np.random.default_rng(0)
+    ds = ProtoNNDatastore.from_matrices(rng.normal(size=(3, P)), rng.normal(size=(3, 5)),
+                                        rng.random((NUM_CLASSES, 5)), 0.5)
+    write_bundle(tmp_path / "b", {**FIELDS, "budget_bytes": 10**6}, enc, ds)
+    return tmp_path / "b"
+
+
+def _rewrite_member(bundle: Path, name: str, value: np.ndarray) -> None:
+    """Replace one array of datastore.npz (stored, as bundles keep them) and re-list hashes."""
+    with np.load(bundle / "datastore.npz") as f:
+        arrays = dict(f)
+    arrays[name] = value
+    np.savez(bundle / "datastore.npz", **arrays)
+    rehash(bundle)
+
+
+@pytest.mark.parametrize(("case", "fragment"), [
+    ("protonn Z 1e300", "datastore.npz: Z holds NaN or values past float32's range"),
+    ("protonn Z sums past float32", "datastore.npz: Z's class scores can reach"),
+    ("protonn gamma 1e300", "datastore.npz: gamma must be one positive number whose square"),
+    ("int8 scale 1e-45", "datastore.npz: scale must be"),
+    ("int8 scale 1e300", "datastore.npz: scale must be"),
+])
+def test_crafted_datastore_values_are_refused_naming_bundle_and_field(case, fragment,
+                                                                      tmp_path):
+    if case.startswith("protonn"):
+        bundle = _protonn_bundle(tmp_path)
+        with np.load(bundle / "datastore.npz") as f:
+            z = f["Z"].astype(np.float64)
+        value = {"protonn Z 1e300": np.full_like(z, 1e300),
+                 "protonn Z sums past float32": np.full_like(z, 3e38).astype(np.float32),
+                 "protonn gamma 1e300": np.float64(1e300)}[case]
+        _rewrite_member(bundle, "gamma" if "gamma" in case else "Z", value)
+    else:
+        bundle = build_bundle(tmp_path, "flat:int8")
+        with np.load(bundle / "datastore.npz") as f:
+            scale = f["scale"].astype(np.float64)
+        _rewrite_member(bundle, "scale", np.full_like(scale, float(case.split()[-1])))
+    assert_refused(bundle, fragment)
+    # a separate process, warnings on: numpy's RuntimeWarnings must not print before the line
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", "import sys; from edge_runtime.cli import main; "
+         "sys.exit(main(sys.argv[1:]))", "predict", str(bundle), "--input",
+         str(_images_file(tmp_path))],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert fragment in done.stderr and str(bundle) in done.stderr, done.stderr
+
+
+def _images_file(tmp_path: Path) -> Path:
+    path = tmp_path / "x.npy"
+    np.save(path, make_images(2)[0])
+    return path

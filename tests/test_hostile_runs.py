@@ -245,3 +245,183 @@ def test_keygen_leaves_no_private_key_when_the_public_one_cannot_be_written(tmp_
         generate_key_pair(tmp_path / "k.pem", tmp_path / "afile" / "k.pub")
     assert not (tmp_path / "k.pem").exists()
 
+
+
+def test_planted_symlinks_at_old_temporary_names_are_never_followed(copy, tmp_path):
+    """knn_config.json.tmp, model.pt.tmp and the journal's .tmp were fixed names: a symlink
+    planted there made a write land outside the run. Temporaries are now unique and created
+    with O_EXCL, so the planted links and their targets stay untouched."""
+    from export.journal import ExportJournal
+    from fed_train.knn_choice import KNN_CONFIG_FILE, load_or_choose
+    from fed_train.knn_request import KNNRequest
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine")
+    names = [KNN_CONFIG_FILE + ".tmp", "model.pt.tmp", "export.journal.jsonl.tmp"]
+    for name in names:
+        (copy / name).symlink_to(victim)
+    run = load_run(copy)
+    load_or_choose(copy, run.model, run.clients(), KNNRequest("paper"))
+    from fed_train.run import save_model
+    save_model(copy, run.model, {k: v.numpy() for k, v in run.model.state_dict().items()})
+    ExportJournal(copy / "export.journal.jsonl").finished({"x": 1}, {}, lambda c, r: True)
+    assert victim.read_text() == "mine"
+    assert all((copy / name).is_symlink() for name in names)
+    assert load_run(copy).partition.num_clients == 3
+
+
+def test_open_exclusive_refuses_a_planted_name(tmp_path):
+    from edge_runtime._io import open_exclusive
+
+    (tmp_path / "t").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError):
+        open_exclusive(tmp_path / "t")
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_an_edited_clients_count_is_refused(copy, capsys):
+    _edit_config(copy, clients=5)
+    _knnper(["evaluate", str(copy), "--methods", "fedavg"], capsys,
+            "'clients' is 5 but the run was trained with 3")
+
+
+def _ctrl_c_as_typed() -> None:
+    """The child takes Ctrl-C as a terminal delivers it, even when pytest runs as a background
+    job (started with SIGINT ignored, which children inherit)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _repo_env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0, 2.0, 4.0])
+def test_ctrl_c_while_the_heavy_modules_import_is_one_line_and_130(delay, tmp_path):
+    """The first seconds of `knnper` import torch and the command modules: Ctrl-C there used
+    to print a traceback from inside the import. Later it is the command's own handling."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-m", "knnper_cli.main", "--no-progress", "train",
+                              "--dataset", "digits", "--clients", "3", "--rounds", "50",
+                              "--out", str(tmp_path / "run")],
+                             env=_repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=_ctrl_c_as_typed)
+    time.sleep(delay)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if not line.startswith(("INFO", "WARNING"))]
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and len(lines) == 1 and "interrupted" in lines[0], err
+
+
+def test_the_early_ctrl_c_handler_is_in_place_before_numpy_imports():
+    """knnper-edge's entry point installs it importing the standard library only, then
+    imports the command line (numpy, onnxruntime) under it: one line and 130."""
+    import signal
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", "import sys, edge_runtime.console, "
+                            "knnper_cli.main; print(sorted({'numpy', 'torch', 'onnxruntime'} "
+                            "& set(sys.modules)))"], env=_repo_env(), capture_output=True,
+                           text=True, timeout=60)
+    assert probe.stdout.strip() == "[]", probe.stderr
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; from edge_runtime.interrupt import "
+         "exit_on_interrupt\nwith exit_on_interrupt('knnper-edge'):\n"
+         "    print('importing', flush=True); time.sleep(60)"],
+        env=_repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_ctrl_c_as_typed)
+    assert child.stdout.readline() == "importing\n"
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 130 and err == "knnper-edge: interrupted\n", err
+
+
+def test_output_paths_are_checked_before_any_work(run_dir, tmp_path, capsys, monkeypatch):
+    """`evaluate --json FILE/x.json` used to fail only after the whole evaluation."""
+    import fed_train.run
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the run was loaded before the output path was checked")
+
+    monkeypatch.setattr(fed_train.run, "load_dataset", no_work)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, needle in (
+        (["evaluate", str(run_dir), "--json", str(afile / "x.json")], "afile is not a directory"),
+        (["evaluate", str(run_dir), "--json", str(tmp_path)], "is a directory, not a file"),
+        (["export", str(run_dir), "--out", str(afile), "--budget", "2M"],
+         "exists and is not a directory"),
+        (["client-data", str(run_dir), "--client", "0", "--out", str(afile / "d")],
+         "afile is not a directory"),
+    ):
+        _knnper(argv, capsys, needle)
+    assert afile.read_text() == "x"
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [
+    ("--k", str(2**63), "--k: must be at most 9223372036854775807"),
+    ("--k", "0", ">= 1"),
+    ("--sigma", "1e-320", "must be a number from 1e-30 to 1e+30"),
+    ("--sigma", "1e31", "must be a number from 1e-30 to 1e+30"),
+    ("--sigma", "nan", "a finite number > 0"),
+])
+def test_k_and_sigma_no_device_could_run_are_refused_at_parse_time(run_dir, tmp_path, capsys,
+                                                                   flag, value, needle):
+    _knnper(["export", str(run_dir), "--out", str(tmp_path / "o"), "--budget", "2M",
+             flag, value], capsys, needle)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--k", str(2**63)), ("--sigma", "1e-320")])
+def test_device_init_refuses_the_same_k_and_sigma(flag, value, capsys):
+    from edge_runtime.cli import main as edge_main
+
+    code = edge_main(["init", "--encoder", "e.onnx", "--data", "d.npz", "--budget", "1M",
+                      "--out", "o", "--input-spec", "s.json", flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and flag in err, err
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [
+    ("--seed", "-1", "--seed: must be from 0 to 4294967295"),
+    ("--seed", str(2**70), "--seed: must be from 0 to 4294967295"),
+    ("--rounds", str(10**23), "--rounds: must be at most 9223372036854775807"),
+    ("--momentum", "nan", "--momentum: must be from 0 to"),
+    ("--weight-decay", "inf", "--weight-decay: must be from 0 to"),
+])
+def test_numeric_training_flags_are_bounded_at_parse_time(tmp_path, capsys, flag, value,
+                                                          needle):
+    _knnper(["train", "--dataset", "digits", "--out", str(tmp_path / "r"), flag, value],
+            capsys, needle)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_killed_writers_temporaries_are_removed_at_the_next_start(copy, tmp_path):
+    """Unique temporary names are never reused: the next train removes those whose writer is
+    gone, keeps a live writer's, and never follows a link."""
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = [copy / f"model.pt.tmp-{gone.pid}-0123abcd",
+            copy / "checkpoints" / f"round_0001.pt.tmp-{gone.pid}-89abcdef"]
+    live = copy / f"knn_config.json.tmp-{os.getpid()}-0123abcd"
+    link = copy / f"metrics.jsonl.tmp-{gone.pid}-00000000"
+    for path in (*dead, live):
+        path.write_bytes(b"half")
+    (tmp_path / "target").write_text("mine")
+    link.symlink_to(tmp_path / "target")
+    train(CONFIG, copy, progress=False)
+    assert not any(p.exists() for p in dead)
+    assert live.exists() and link.is_symlink() and (tmp_path / "target").read_text() == "mine"

@@ -137,3 +137,100 @@ def test_evaluate_runs_the_saved_choice_and_prints_where_it_came_from(run_dir, c
                           progress=False)
     assert result["knn"]["config"] == {"k": 5, "sigma": 1.0, "normalize": "none"}
     assert (run_dir / MODEL_FILE).exists()
+
+
+@pytest.fixture(scope="module")
+def chosen(run_dir, tmp_path_factory):
+    """A copy of the run with a saved tuned and a saved paper choice."""
+    import shutil
+
+    copy = tmp_path_factory.mktemp("knnchoice-edits") / "run"
+    shutil.copytree(run_dir, copy)
+    run = load_run(copy)
+    for request in (KNNRequest(), KNNRequest("paper")):
+        load_or_choose(copy, run.model, run.clients(), request, seed=0)
+    return copy
+
+
+def _refused_by_evaluate(run, tmp_path, capsys, write, *needles: str,
+                         knn: str = "paper") -> None:
+    """`evaluate` on a copy whose knn_config.json `write` changed fails in one line, exit 2."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    path = copy / KNN_CONFIG_FILE
+    write(path, json.loads(path.read_text()))
+    capsys.readouterr()
+    code = knnper_main(["--no-progress", "evaluate", str(copy), "--methods", "knnper",
+                        "--knn-config", knn])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    for needle in (str(path), "delete it", *needles):
+        assert needle in err, err
+
+
+def _edit_paper(**changes):
+    def write(path, saved):
+        config = saved["choices"][KNNRequest("paper").key()]["config"]
+        for key, value in changes.items():
+            if value is _MISSING:
+                del config[key]
+            else:
+                config[key] = value
+        path.write_text(json.dumps(saved))
+    return write
+
+
+_MISSING = object()
+
+
+@pytest.mark.parametrize(("write", "needle"), [
+    (lambda p, s: p.write_bytes(b"\x00\xff\xfe binary"), "not UTF-8"),
+    (lambda p, s: p.write_bytes(json.dumps(s).encode("utf-16")), "not UTF-8"),
+    (lambda p, s: p.write_text("[" * 100_000 + "]" * 100_000), "nested deeper"),
+    (lambda p, s: p.write_text('{"model_sha256": ' + "7" * 5000 + "}"), "not usable JSON"),
+    (_edit_paper(k=2.5), "k must be int"),
+    (_edit_paper(k=True), "k must be int"),
+    (_edit_paper(k=None), "k must be int"),
+    (_edit_paper(k=_MISSING), "lacks 'k'"),
+    (_edit_paper(k=2**70), "k must be an integer from 1"),
+    (_edit_paper(sigma=1e-320), "sigma must be a number from"),
+    (_edit_paper(k=5), "its scores choose"),
+])
+def test_a_damaged_or_edited_choice_is_refused_in_one_line(chosen, tmp_path, capsys, write,
+                                                           needle):
+    _refused_by_evaluate(chosen, tmp_path, capsys, write, needle)
+
+
+def test_a_choice_edited_to_another_grid_point_is_refused(chosen, tmp_path, capsys):
+    """Values that stay in range and in the grid are still not what the saved scores chose."""
+    def write(path, saved):
+        record = saved["choices"][KNNRequest().key()]
+        others = [g for g in record["grid"] if {k: g[k] for k in ("k", "sigma", "normalize")}
+                  != record["config"]]
+        record["config"] = {k: others[0][k] for k in ("k", "sigma", "normalize")}
+        path.write_text(json.dumps(saved))
+
+    _refused_by_evaluate(chosen, tmp_path, capsys, write, "its scores choose", "edited",
+                         knn="tuned")
+
+
+def test_an_edited_estimator_is_refused(chosen, tmp_path, capsys):
+    def write(path, saved):
+        record = saved["choices"][KNNRequest().key()]
+        record["estimator"] = next(e for e in ("val", "loo+val") if e != record["estimator"])
+        path.write_text(json.dumps(saved))
+
+    _refused_by_evaluate(chosen, tmp_path, capsys, write, "lambda_cv does not choose",
+                         knn="tuned")
+
+
+def test_a_fifo_as_the_choice_file_is_refused_without_blocking(chosen, tmp_path, capsys):
+    import os
+
+    def write(path, saved):
+        path.unlink()
+        os.mkfifo(path)
+
+    _refused_by_evaluate(chosen, tmp_path, capsys, write, "not a regular file")

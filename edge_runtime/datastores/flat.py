@@ -212,17 +212,24 @@ class FlatDatastore(SampleDatastore):
         if ds.dtype == "int8":
             _require(arrays, ["scale"], npz[0])
             scale = arrays["scale"]
+            if scale.dtype.kind == "f" and scale.shape == (dim,):
+                with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+                    scale = scale.astype(np.float32)
+            # normal float32s: a subnormal scale (1e-45) is exact in one session's arithmetic
+            # and 0 or NaN in another's, so the server and devices would disagree
             if (
-                scale.dtype.kind != "f"
+                scale.dtype != np.float32
                 or scale.shape != (dim,)
                 or not np.all(np.isfinite(scale))
-                or np.any(scale <= 0)
+                or np.any(scale < np.finfo(np.float32).tiny)
             ):
-                raise ValueError(f"{npz[0]}: scale must be {dim} positive finite numbers")
-            ds.scale_ = scale.astype(np.float32)
+                raise ValueError(f"{npz[0]}: scale must be {dim} positive, finite, normal "
+                                 "float32 numbers")
+            ds.scale_ = scale
         else:
             ds.scale_ = None
-        ds._set(keys.T, labels, order)  # Fortran-order keys: .T is C-contiguous, no copy
+        with np.errstate(over="ignore", invalid="ignore"):
+            ds._set(keys.T, labels, order)  # Fortran-order keys: .T is C-contiguous, no copy
         if not np.all(np.isfinite(ds.key_norms_)):
             raise ValueError(f"{npz[0]}: keys hold NaN, infinite or overflowing values")
         return ds

@@ -3,6 +3,7 @@ buffer of samples learned on the device, searched beside the prototypes."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from .common import (
 PROTONN_CELL_BYTES = 64
 
 _BUFFER_ARRAYS = ("buffer_keys", "buffer_labels", "buffer_order")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class ProtoNNDatastore(Datastore):
@@ -107,24 +109,36 @@ class ProtoNNDatastore(Datastore):
         empty buffer of capacity `buffer` for samples added on the device."""
         W, B, Z = (np.asarray(a) for a in (W, B, Z))
         for name, a in (("W", W), ("B", B), ("Z", Z)):
-            if a.ndim != 2 or a.dtype.kind not in "fiu" or not np.all(np.isfinite(a)):
-                raise ValueError(f"{name} must be a finite 2-D array, got shape {list(a.shape)}")
+            if a.ndim != 2 or a.dtype.kind not in "fiu":
+                raise ValueError(f"{name} must be a 2-D array of numbers, got shape "
+                                 f"{list(a.shape)}")
         if B.shape[0] != W.shape[0] or Z.shape[1] != B.shape[1]:
             raise ValueError(
                 f"ProtoNN shapes disagree: W {list(W.shape)} [d,p], B {list(B.shape)} [d,m], "
                 f"Z {list(Z.shape)} [C,m]"
             )
         gamma_arr = np.asarray(gamma, dtype=np.float64)
-        if gamma_arr.size != 1 or not np.isfinite(gamma_arr) or not gamma_arr.reshape(()) > 0:
-            raise ValueError(f"gamma must be one positive number, got {gamma!r}")
+        g = float(gamma_arr.reshape(())) if gamma_arr.size == 1 else math.nan
+        # the kernel is exp(-gamma^2 * d): gamma^2 must be finite, or 0 * inf makes it NaN
+        if not (g > 0 and math.isfinite(g * g)):
+            raise ValueError(f"gamma must be one positive number whose square is finite, got "
+                             f"{gamma!r}")
         ds = cls(int(Z.shape[0]), k=k, sigma=sigma, d=int(W.shape[0]), m=m, n=n, buffer=buffer)
         ds.check_params()
-        ds.W_ = np.ascontiguousarray(W, dtype=np.float32)
-        ds.B_ = np.ascontiguousarray(B, dtype=np.float32)
-        ds.Z_ = np.ascontiguousarray(Z, dtype=np.float32)
-        ds.gamma_ = float(gamma_arr.reshape(()))
+        ds.W_, ds.B_, ds.Z_ = (_float32_matrix(name, a) for name, a in (("W", W), ("B", B),
+                                                                         ("Z", Z)))
+        ds.gamma_ = g
         ds.embedding_dim_ = int(W.shape[1])
-        ds.prototype_norms_ = np.einsum("ij,ij->j", ds.B_, ds.B_)
+        with np.errstate(over="ignore", invalid="ignore"):
+            ds.prototype_norms_ = np.einsum("ij,ij->j", ds.B_, ds.B_)
+            # a class score sums Z over the prototypes, each weighted by a kernel of at most 1
+            score_bound = np.abs(ds.Z_).astype(np.float64).sum(axis=1).max(initial=0.0)
+        if not np.all(np.isfinite(ds.prototype_norms_)):
+            raise ValueError("B's prototypes overflow float32 (their squared norms are not "
+                             "finite)")
+        if not score_bound <= FLOAT32_MAX:
+            raise ValueError(f"Z's class scores can reach {score_bound:.3g}, past float32's "
+                             f"{FLOAT32_MAX:.3g}: they would overflow to NaN")
         ds.buffer_weight_ = float(max(ds.Z_.max(axis=0).mean(), 0.0)) or 1.0
         ds._set_buffer(
             np.zeros((ds.W_.shape[0], 0), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -275,13 +289,17 @@ class ProtoNNDatastore(Datastore):
         arrays = load_npz(Path(directory) / files[0])
         _require(arrays, ["W", "B", "Z", "gamma"], files[0])
         num_classes = params.pop("num_classes")
-        ds = cls.from_matrices(
-            arrays["W"],
-            arrays["B"],
-            arrays["Z"],
-            arrays["gamma"],
-            **{key: params[key] for key in ("k", "sigma", "m", "n", "buffer") if key in params},
-        )
+        try:
+            ds = cls.from_matrices(
+                arrays["W"],
+                arrays["B"],
+                arrays["Z"],
+                arrays["gamma"],
+                **{key: params[key] for key in ("k", "sigma", "m", "n", "buffer")
+                   if key in params},
+            )
+        except ValueError as exc:  # name the file: the message names the field
+            raise ValueError(f"{files[0]}: {exc}") from None
         if ds.num_classes != num_classes:
             raise ValueError(f"{files[0]}: Z has {ds.num_classes} classes, expected {num_classes}")
         if params.get("d") is not None and params["d"] != ds.d:
@@ -310,9 +328,20 @@ class ProtoNNDatastore(Datastore):
         order = order.astype(np.int64, copy=False)
         if held > 1 and not np.all(order[1:] > order[:-1]):
             raise ValueError(f"{file}: buffer_order stamps must be increasing (oldest first)")
-        self._set_buffer(keys.T, labels, order)
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._set_buffer(keys.T, labels, order)
         if not np.all(np.isfinite(self._buffer_norms)):
             raise ValueError(f"{file}: buffer_keys hold NaN, infinite or overflowing values")
+
+
+def _float32_matrix(name: str, a: np.ndarray) -> np.ndarray:
+    """A matrix as the float32 the device computes in, refusing values that are not finite
+    there (1e300 is a finite float64 but an infinite float32)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.all(np.isfinite(out)):
+        raise ValueError(f"{name} holds NaN or values past float32's range")
+    return out
 
 
 class _SampleBuffer:

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from edge_runtime._io import read_json
 from fed_train.run import RunConfig
 
 EXPECTED_FILE = Path(__file__).with_name("expected.json")
@@ -27,9 +28,10 @@ def _settings(config: dict[str, Any]) -> dict[str, Any]:
 def nearest_measured(config: RunConfig, path: Path = EXPECTED_FILE) -> dict[str, Any] | None:
     """The measured run with the same settings whose clients and rounds are nearest (by
     ratio), or None when no run with these settings was measured."""
-    if not path.is_file():
+    try:
+        runs = read_json(path, limit=1 << 20, fix="restore it from the package")["runs"]
+    except FileNotFoundError:
         return None
-    runs = json.loads(path.read_text())["runs"]
     want = _settings(config.to_dict())
     same = [r for r in runs if _settings(r["config"]) == want]
     if not same:

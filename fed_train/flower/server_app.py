@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from edge_runtime._io import write_json_atomic
 from edge_runtime.knn import LAMBDA_RULES
 from edge_runtime.linear_head import L2_GRID
 from fed_train.algorithms import build_algorithm
@@ -163,9 +163,7 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
 
 
 def _write_flower_file(run_dir: Path, record: dict[str, Any]) -> None:
-    tmp = run_dir / f".{FLOWER_FILE}.tmp"
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, run_dir / FLOWER_FILE)
+    write_json_atomic(run_dir / FLOWER_FILE, record)
 
 
 def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:

@@ -10,10 +10,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from edge_runtime._io import parse_json
 from fed_train.algorithms import ALGORITHMS
 from fed_train.errors import KnnperError
 from fed_train.knn_request import KNNRequest
-from fed_train.run import RunConfig, RunError
+from fed_train.run import RunConfig
 
 
 class FlowerConfigError(KnnperError, ValueError):
@@ -94,10 +95,10 @@ class FlowerSettings:
     @classmethod
     def from_run_config(cls, values: dict[str, Any]) -> FlowerSettings:
         try:
-            run = RunConfig.from_dict(json.loads(str(values.get("run", "{}"))))
-        except (json.JSONDecodeError, TypeError, RunError) as err:
+            run = RunConfig.from_dict(parse_json(str(values.get("run", "{}")).encode("utf-8")))
+        except (ValueError, TypeError) as err:  # RunError is a ValueError
             raise FlowerConfigError(f"run config 'run' is not a knnper run configuration: "
-                                    f"{err}") from err
+                                    f"{' '.join(str(err).split())}") from None
         d = cls()
         try:
             settings = cls(
