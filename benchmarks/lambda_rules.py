@@ -121,20 +121,25 @@ def main() -> None:
     for column in ("auto", "default"):
         chosen = sorted({r[f"{column}_rule"] for rows in per_seed for r in rows})
         lines.append(f"`{column}` chose (base/rule): {', '.join(chosen)}.")
-    lines += ["",
-              "Rule minus `client` (paired bootstrap 95% interval over clients, within seeds):",
-              "", "| rule | group | mean (pp) | bottom decile (pp) |", "|---|---|---|---|"]
+    lines.append("")
     summary: dict = {}
-    for rule in ("pooled", "shrunk", "auto", "knn+linear", "default", "linear_alone"):
-        for group in ("seen", "unseen"):
-            cells = []
-            for stat in ("mean", "bottom_decile"):
-                iv = paired_bootstrap(per_seed, group, rule, "client", stat)
-                summary[f"{rule}-{group}-{stat}"] = iv
-                cells.append("-" if iv is None else
-                             f"{100 * iv['diff']:+.2f} [{100 * iv['low']:+.2f}, "
-                             f"{100 * iv['high']:+.2f}]")
-            lines.append(f"| {rule} | {group} | {cells[0]} | {cells[1]} |")
+    for reference, compared in (("client", ("pooled", "shrunk", "auto", "knn+linear", "default",
+                                            "linear_alone")),
+                                ("linear_alone", ("knn+linear", "default"))):
+        lines += [f"Minus `{reference}` (paired bootstrap 95% interval over clients, within "
+                  "seeds):", "", "| setting | group | mean (pp) | bottom decile (pp) |",
+                  "|---|---|---|---|"]
+        for rule in compared:
+            for group in ("seen", "unseen"):
+                cells = []
+                for stat in ("mean", "bottom_decile"):
+                    iv = paired_bootstrap(per_seed, group, rule, reference, stat)
+                    summary[f"{rule}-minus-{reference}-{group}-{stat}"] = iv
+                    cells.append("-" if iv is None else
+                                 f"{100 * iv['diff']:+.2f} [{100 * iv['low']:+.2f}, "
+                                 f"{100 * iv['high']:+.2f}]")
+                lines.append(f"| {rule} | {group} | {cells[0]} | {cells[1]} |")
+        lines.append("")
     write_json_atomic(out / "summary.json", {"args": vars(args), "intervals": summary})
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
