@@ -144,6 +144,9 @@ class LambdaRule:
         if self.name not in LAMBDA_RULES:
             raise ValueError(f"lambda rule must be one of {', '.join(LAMBDA_RULES)}, "
                              f"got {self.name!r}")
+        if not self.grid or len(set(self.grid)) != len(self.grid) \
+                or not all(0.0 <= lam <= 1.0 for lam in self.grid):
+            raise ValueError(f"a lambda grid holds distinct values in [0, 1], got {self.grid}")
         if self.name != "client":
             pooled = np.asarray(self.pooled, dtype=np.float64)
             if (pooled.shape != (len(self.grid), 3) or not np.isfinite(pooled).all()

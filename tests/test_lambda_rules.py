@@ -98,6 +98,9 @@ def test_rules_round_trip_and_refuse_missing_evidence():
         LambdaRule("pooled")
     with pytest.raises(ValueError, match="lambda rule must be one of"):
         LambdaRule("oracle")
+    for grid in ((), (0.0, 0.0), (0.5, 1.5)):
+        with pytest.raises(ValueError, match="distinct values in"):
+            LambdaRule(grid=grid)
     with pytest.raises(ValueError, match="needs validation evidence"):
         fit_rule("pooled", [np.zeros((7, 3))])
     assert fit_rule("client", []) == LambdaRule()
