@@ -226,6 +226,35 @@ def test_an_edited_estimator_is_refused(chosen, tmp_path, capsys):
                          knn="tuned")
 
 
+def _edit_tuned(change):
+    def write(path, saved):
+        change(saved["choices"][KNNRequest().key()])
+        path.write_text(json.dumps(saved))
+    return write
+
+
+def _other_base(record):
+    record["base"] = ({"name": "global", "l2": None, "l2_choice": {}}
+                      if record["base"]["name"] == "linear" else
+                      {"name": "linear", "l2": 0.01, "l2_choice": {}})
+
+
+def _other_rule(record):
+    record["lambda_rule"]["name"] = next(r for r in ("client", "pooled")
+                                         if r != record["lambda_rule"]["name"])
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (_other_base, "base_cv does not choose"),
+    (_other_rule, "base_cv does not choose"),
+    (lambda r: r["base"].update(l2=-1.0), "is not a base"),
+    (lambda r: r["lambda_rule"].update(grid=[0.0, 2.0]), "distinct values in"),
+])
+def test_an_edited_base_or_lambda_rule_is_refused(chosen, tmp_path, capsys, change, needle):
+    """The saved base and rule are what their own cross-validation chose, or refused."""
+    _refused_by_evaluate(chosen, tmp_path, capsys, _edit_tuned(change), needle, knn="tuned")
+
+
 def test_a_fifo_as_the_choice_file_is_refused_without_blocking(chosen, tmp_path, capsys):
     import os
 
