@@ -503,6 +503,12 @@ def _knn_lines(result: dict[str, Any]) -> list[str]:
                 if knn.get("lambda_rule_cv") else "")
             lines.append(f"- lambda rule `{knn['lambda_rule']['name']}` "
                          f"({source.get('lambda_rule', 'paper default')}){rule_cv}.")
+        if "base" in knn:
+            base = knn["base"]
+            what = (f"each client's linear head (l2 = {base['l2']:g})"
+                    if base["name"] == "linear" else "the global model")
+            lines.append(f"- the kNN interpolated with {what} "
+                         f"({source.get('base', 'paper default')}).")
     else:  # results written before choices recorded their sources (BENCHMARKS.md's tables)
         how = "chosen on pooled validation" if knn.get("tuned") else "fixed"
         lines = ["## kNN-Per's choices", "",
