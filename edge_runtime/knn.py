@@ -106,19 +106,26 @@ def datastore_key(accuracy: float | None, nll: float | None, *, trained: bool,
     return choice_key(accuracy, nll, trained, nbytes)
 
 
+def split_sums(p: np.ndarray, y: np.ndarray) -> tuple[int, float]:
+    """(samples right, summed log-loss) of class probabilities `p` on labels `y`: the sums that
+    pool across clients by addition, and whose means are `split_score`'s to the last bit."""
+    y = np.asarray(y, dtype=np.int64)
+    if len(y) == 0:
+        return 0, 0.0
+    correct = int(np.sum(p.argmax(axis=1) == y))
+    nll = float(-np.sum(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
+    return correct, nll
+
+
 def lambda_counts(p_local: np.ndarray, p_global: np.ndarray, y: np.ndarray,
                   grid: tuple[float, ...] = LAMBDA_GRID) -> np.ndarray:
     """[len(grid), 3]: for each lambda, samples right, summed log-loss and samples scored. Sums,
     not means, so that clients' evidence pools by addition (a federated client sends only these)
     and `split_score`'s means are these divided by the count, to the last bit."""
-    y = np.asarray(y, dtype=np.int64)
     out = np.zeros((len(grid), 3))
     for i, lam in enumerate(grid):
-        p = interpolate(p_local, p_global, lam)
         if len(y):
-            out[i] = (float(np.sum(p.argmax(axis=1) == y)),
-                      float(-np.sum(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None)))),
-                      len(y))
+            out[i] = (*split_sums(interpolate(p_local, p_global, lam), y), len(y))
     return out
 
 

@@ -39,6 +39,7 @@ from edge_runtime.knn import (
     leave_one_out_search,
     normalize_embeddings,
     softmax,
+    split_sums,
 )
 from edge_runtime.linear_head import L2_GRID, LinearHead
 from fed_train.algorithms.base import ClientData, embed_and_logits
@@ -136,14 +137,6 @@ class _Searched:
                                 sigma, self.dim)
 
 
-def _correct_and_nll(p: np.ndarray, y: np.ndarray) -> tuple[int, float]:
-    if len(y) == 0:
-        return 0, 0.0
-    correct = int(np.sum(p.argmax(axis=1) == y))
-    nll = float(-np.sum(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
-    return correct, nll
-
-
 def _evidence(s: _Searched, config: KNNConfig, estimator: str,
               val_rows: np.ndarray | None = None):
     """The (p_knn, p_global, y) a client's lambda is judged on under `estimator`, on its whole
@@ -193,7 +186,7 @@ def grid_counts(view: ClientView, points: Sequence[KNNConfig],
         s = searched[config.normalize]
         lam = _lambda_for(s, config, "val", grid=lambdas)
         p = interpolate(s.posterior("val", config.k, config.sigma), view.p_val, lam)
-        c, nll = _correct_and_nll(p, view.y_val)
+        c, nll = split_sums(p, view.y_val)
         out[i] = (c, nll, len(view.y_val))
     return out
 
@@ -373,19 +366,6 @@ def pool_rules(folds: Sequence[np.ndarray],
     return {name: float(right[name] / total) for name in rules}
 
 
-def compare_lambda_rules(views: Sequence[ClientView], config: KNNConfig, estimator: str, *,
-                         seed: int = 0) -> dict[str, float]:
-    """Which lambda rule to trust, decided by two-fold cross-validation inside the seen
-    clients' validation splits (never test data)."""
-    return pool_rules([rule_fold_counts(v, config, estimator, seed=seed) for v in views])
-
-
-def pick_rule(cv_scores: dict[str, float]) -> str:
-    """The rule with the best cross-validated accuracy; ties go to the earlier of
-    LAMBDA_RULES (the paper's per-client rule first)."""
-    return max(cv_scores, key=lambda r: (cv_scores[r], -LAMBDA_RULES.index(r)))
-
-
 CROSS_ORACLE_HALVINGS = 20
 
 
@@ -495,7 +475,7 @@ def l2_counts(view: ClientView, grid: Sequence[float] = L2_GRID) -> np.ndarray:
         return out
     for i, l2 in enumerate(grid):
         head = LinearHead(view.num_classes, l2=l2).fit(view.z_train, view.y_train)
-        correct, nll = _correct_and_nll(head.predict_proba(view.z_val), view.y_val)
+        correct, nll = split_sums(head.predict_proba(view.z_val), view.y_val)
         out[i] = (correct, nll, n)
     return out
 

@@ -21,7 +21,7 @@ from fed_train.knn_tuning import (
     KNNConfig,
     cross_oracle_accuracy,
     fit_rule,
-    pick_rule,
+    pick_base_and_rule,
     pool_rules,
     rule_evidence,
     rule_fold_counts,
@@ -147,9 +147,15 @@ def test_rule_cross_validation_scores_each_half_with_a_rule_fitted_on_the_others
 
 
 def test_rule_ties_go_to_the_papers_rule_first():
+    def pick_rule(scores):
+        return pick_base_and_rule({"global": scores})[1]
+
     assert pick_rule({"client": 0.8, "pooled": 0.8, "shrunk": 0.8}) == "client"
     assert pick_rule({"client": 0.7, "pooled": 0.8, "shrunk": 0.8}) == "pooled"
     assert pick_rule({"client": 0.7, "pooled": 0.75, "shrunk": 0.8}) == "shrunk"
+    # and between bases, the global model first
+    assert pick_base_and_rule({"global": {"client": 0.8}, "linear": {"client": 0.8}}) == \
+        ("global", "client")
 
 
 def test_cross_oracle_never_scores_a_choice_on_the_samples_that_made_it():
