@@ -66,22 +66,22 @@ count = non_negative(int, INT64_MAX)
 non_negative_float = non_negative(float, FLOAT32_MAX)
 
 
-def k_neighbours(text: str) -> int:
-    """kNN-Per's k, refused at parse time when no device could run it (knn.k_sigma_problem)."""
-    value = positive_int(text)
-    problem = k_sigma_problem(k=value)
-    if problem:
-        raise argparse.ArgumentTypeError(problem.removeprefix("k "))
-    return value
+def _runnable(name: str, parse: Callable[[str], int | float]) -> Callable[[str], int | float]:
+    """kNN-Per's `name` (k or sigma), refused at parse time when no device could run it
+    (knn.k_sigma_problem: k past an int64, a kernel that underflows or overflows)."""
+
+    def check(text: str) -> int | float:
+        value = parse(text)
+        problem = k_sigma_problem(**{name: value})
+        if problem:
+            raise argparse.ArgumentTypeError(problem.removeprefix(f"{name} "))
+        return value
+
+    return check
 
 
-def kernel_sigma(text: str) -> float:
-    """kNN-Per's sigma, refused at parse time when the kernel would underflow or overflow."""
-    value = positive_float(text)
-    problem = k_sigma_problem(sigma=value)
-    if problem:
-        raise argparse.ArgumentTypeError(problem.removeprefix("sigma "))
-    return value
+k_neighbours = _runnable("k", positive_int)
+kernel_sigma = _runnable("sigma", positive_float)
 
 
 def threads(text: str) -> int:
