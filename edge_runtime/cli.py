@@ -50,7 +50,6 @@ from .datastores.recipes import describe_recipe
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .interrupt import INTERRUPTED
-from .knn import interpolate
 from .preprocess import is_one_sample
 from .runtime import Runtime, check_labels
 
@@ -408,12 +407,13 @@ def cmd_evaluate(args) -> int:
             raise CLIError(f"{args.data}: labels must be a non-empty 1-D array, got [0]")
     rt = _runtime(args)
     correct = np.zeros(3, np.int64)  # kNN-Per, global model, datastore alone
+    head = rt.head
     for x, y in chunks:
         y = check_labels(y, y.shape[0], rt.num_classes)
         p_local, p_global = rt.components(x)
         if p_local.shape[0] != y.shape[0]:
             raise CLIError(f"{args.data}: {p_local.shape[0]} inputs but {y.shape[0]} labels")
-        for i, p in enumerate((interpolate(p_local, p_global, rt.lam), p_global, p_local)):
+        for i, p in enumerate((head.mix(p_local, p_global), p_global, p_local)):
             correct[i] += int(np.sum(p.argmax(1) == y))
     right = int(correct[0])
     acc_global, acc_local = (correct[1:] / count).tolist()

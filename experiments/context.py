@@ -12,10 +12,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.personal_head import ClientSplits
 from experiments.points import PointStore
 from experiments.seeds import seed_dir
 from experiments.spec import format_alpha
-from experiments.views import ClientView, client_views
+from experiments.views import client_views
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import KNNChoice, load_or_choose
@@ -49,7 +50,7 @@ class Context:
     client_batch: int = 1
     seed_folders: bool = False  # one of several seeds (`--seeds`): its own files in seed_S/
     _runs: dict[str, LoadedRun] = field(default_factory=dict)
-    _views: dict[str, list[ClientView]] = field(default_factory=dict)
+    _views: dict[str, list[ClientSplits]] = field(default_factory=dict)
     _choices: dict[str, KNNChoice] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,7 +105,7 @@ class Context:
     def sigma(self) -> float:
         return self.knn_choice().config.sigma
 
-    def views(self, alpha: float | None = None) -> list[ClientView]:
+    def views(self, alpha: float | None = None) -> list[ClientSplits]:
         """Every client's embeddings under the final global model of run(alpha), normalised as
         that run's kNN-Per configuration says."""
         name = config_id(self.config_for(alpha))

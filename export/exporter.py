@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from edge_runtime._io import remove_dead_writers_files, write_bytes_atomic
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
@@ -34,6 +35,7 @@ from edge_runtime.knn import (
 )
 from edge_runtime.linear_head import LinearHead
 from edge_runtime.locking import LockTimeout, directory_lock
+from edge_runtime.personal_head import ClientSplits
 from edge_runtime.signing import load_private_key
 from export.client_export import (
     ClientTask,
@@ -50,7 +52,6 @@ from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
 from export.resume import bundle_problem, row_problem
 from export.sizing import (
     BACKEND_CHOICES,
-    ClientEmbeddings,
     SearchSpace,
     smallest_datastore_bytes,
 )
@@ -249,20 +250,21 @@ def compare_encoders(reference: Path, other: Path, x: np.ndarray) -> dict[str, f
             "argmax_agreement": float(np.mean(l0.argmax(1) == l1.argmax(1)))}
 
 
-def client_embeddings(encoder: Encoder, client: ClientData) -> ClientEmbeddings:
-    """Train and validation embeddings from the exported encoder through onnxruntime, as the
-    device computes them: what is stored is what the device will query with."""
+def client_embeddings(encoder: Encoder, client: ClientData, *,
+                      test: bool = False) -> ClientSplits:
+    """The client's splits through the exported encoder in onnxruntime, as the device computes
+    them: what is stored is what the device will query with. The test split only if asked."""
     if client.num_train == 0:
         raise ExportError(f"client {client.client_id} has no training samples to build a "
                           "datastore from")
-    z_train, logits_train = encoder.run(client.x_train.cpu().numpy())
-    if len(client.y_val):
-        z_val, logits_val = encoder.run(client.x_val.cpu().numpy())
-    else:
-        z_val = np.zeros((0, z_train.shape[1]), np.float32)
-        logits_val = np.zeros((0, 1), np.float32)
-    return ClientEmbeddings(client.client_id, z_train, client.y_train.cpu().numpy(), z_val,
-                            logits_val, client.y_val.cpu().numpy(), logits_train)
+
+    def split(x: torch.Tensor, y: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (*encoder.run(x.cpu().numpy()), y.cpu().numpy())
+
+    return ClientSplits.from_logits(
+        client.client_id, client.unseen, split(client.x_train, client.y_train),
+        split(client.x_val, client.y_val) if len(client.y_val) else None,
+        split(client.x_test, client.y_test) if test and len(client.y_test) else None)
 
 
 def bundle_dir(out_dir: Path, client_id: int) -> Path:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from edge_runtime.knn import estimate_lambda, leave_one_out_search, normalize_embeddings
+from edge_runtime.personal_head import ClientSplits
 from fed_train.algorithms.base import get_weights
 from fed_train.algorithms.knnper import KNNPer
 from fed_train.evaluation import client_accuracies
 from fed_train.knn_tuning import (
-    ClientView,
     KNNConfig,
     client_rows,
     client_views,
@@ -45,7 +45,7 @@ def test_l2_normalisation_puts_rows_on_the_unit_sphere_and_keeps_zero_rows():
         normalize_embeddings(z, "l1")
 
 
-def _direction_views(seed: int = 0) -> list[ClientView]:
+def _direction_views(seed: int = 0) -> list[ClientSplits]:
     """Labels given by an embedding's direction, magnitudes random over two decades: only L2
     normalisation lets Euclidean neighbours see the label."""
     rng = np.random.default_rng(seed)
@@ -62,7 +62,7 @@ def _direction_views(seed: int = 0) -> list[ClientView]:
     for cid in range(4):
         (zt, yt), (zv, yv), (zs, ys) = split(60), split(30), split(30)
         flat = np.full((1, 3), 1 / 3)
-        views.append(ClientView(cid, False, zt, yt, zv, yv, zs, ys,
+        views.append(ClientSplits(cid, False, zt, yt, zv, yv, zs, ys,
                                 np.repeat(flat, 60, 0), np.repeat(flat, 30, 0),
                                 np.repeat(flat, 30, 0)))
     return views

@@ -26,8 +26,9 @@ from edge_runtime.knn import (
     normalize_embeddings,
     softmax,
 )
+from edge_runtime.personal_head import ClientSplits
 from edge_runtime.preprocess import prepare_input
-from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
+from export.sizing import DatastoreSizer, SearchSpace
 from fed_train.client_files import client_split, write_client_files
 from fed_train.knn_choice import KNN_CONFIG_FILE
 from fed_train.knn_request import FROM_FLAG, FROM_VALIDATION
@@ -79,7 +80,8 @@ def test_server_sizer_and_device_init_choose_alike(tmp_path, seed, rule_name):
     n_val = int(round(val_fraction * len(y)))
     val, train = order[:n_val], order[n_val:]
     z, logits = raw_outputs(encoder, x)
-    data = ClientEmbeddings(0, z[train], y[train], z[val], logits[val], y[val], logits[train])
+    data = ClientSplits.from_logits(0, True, (z[train], logits[train], y[train]),
+                                    (z[val], logits[val], y[val]))
     sizer = DatastoreSizer(NUM_CLASSES, space=SearchSpace(backends=("flat",),
                                                           flat_dtypes=DTYPES), seed=seed,
                            lambda_rule=rule)
