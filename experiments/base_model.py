@@ -20,6 +20,7 @@ from experiments.views import (
     client_views,
     fedavg_rows,
     knn_head,
+    pooled_heads,
     row,
     summary_fields,
 )
@@ -54,13 +55,15 @@ def checkpoint_point(ctx: Context, alpha: float, path: Path) -> dict[str, Any]:
     # model's quality moves kNN-Per with the kNN part held fixed
     choice = ctx.knn_choice(alpha)
     views = client_views(model, run.clients(), normalize=choice.config.normalize)
-    knn_only, tuned = [], []
-    for view in views:
-        head = knn_head(view, run.dataset.num_classes, k=choice.config.k,
-                        sigma=choice.config.sigma, capacity=1.0, seed=ctx.seed,
-                        estimator=choice.lambda_estimator)
-        knn_only.append(row(view, accuracy_on_test(head.with_lambda(1.0), view)))
-        tuned.append(row(view, accuracy_on_test(head, view), **{"lambda": head.lambda_}))
+    heads = pooled_heads(views, [
+        knn_head(view, run.dataset.num_classes, k=choice.config.k, sigma=choice.config.sigma,
+                 capacity=1.0, seed=ctx.seed, estimator=choice.lambda_estimator,
+                 l2=choice.l2 if choice.base == "linear" else None) for view in views],
+        choice.lambda_rule.name)
+    knn_only = [row(view, accuracy_on_test(head.with_lambda(1.0), view))
+                for view, head in zip(views, heads, strict=True)]
+    tuned = [row(view, accuracy_on_test(head, view), **{"lambda": head.lambda_})
+             for view, head in zip(views, heads, strict=True)]
     means = {name: summary_fields(rows)["all_mean"]
              for name, rows in (("fedavg", fedavg_rows(views)), ("knn_only", knn_only),
                                 ("knnper", tuned))}

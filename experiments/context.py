@@ -18,7 +18,6 @@ from experiments.seeds import seed_dir
 from experiments.spec import format_alpha
 from experiments.views import client_views
 from fed_train.algorithms.base import TrainingConfig
-from fed_train.errors import KnnperError
 from fed_train.knn_choice import KNNChoice, load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.run import MODEL_FILE, LoadedRun, RunConfig, load_run, train
@@ -54,14 +53,11 @@ class Context:
     _choices: dict[str, KNNChoice] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # The experiments' kNN pipeline (experiments.views) is the paper's: the kNN interpolated
-        # with the global model, lambda from each client's own evidence. Those two are pinned
-        # here; the other bases and rules are compared by benchmarks/lambda_rules.py.
-        if self.knn.base not in (None, "global") or self.knn.lambda_rule not in (None, "client"):
-            raise KnnperError("the experiments run kNN-Per with --base global and --lambda-rule "
-                              "client (the paper's); compare the others with "
-                              "benchmarks/lambda_rules.py or `knnper bench table`")
-        self.knn = replace(self.knn, base="global", lambda_rule="client")
+        # The experiments' kNN pipeline defaults to the paper's: the kNN interpolated with the
+        # global model, lambda from each client's own evidence (what their claims are about);
+        # --base and --lambda-rule run them with the project's other settings.
+        self.knn = replace(self.knn, base=self.knn.base or "global",
+                           lambda_rule=self.knn.lambda_rule or "client")
 
     @property
     def seed(self) -> int:

@@ -16,8 +16,9 @@ from edge_runtime.personal_head import ClientSplits, PersonalHead
 from fed_train.algorithms.base import ClientData
 from fed_train.algorithms.knnper import datastore_indices
 from fed_train.evaluation import summarize
+from fed_train.knn_choice import KNNChoice
+from fed_train.knn_tuning import choosing_views, fit_rule, normalized_views
 from fed_train.knn_tuning import client_views as embedded_views
-from fed_train.knn_tuning import normalized_views
 from fed_train.models import EmbedHeadModel
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
 
@@ -30,12 +31,29 @@ def client_views(model: EmbedHeadModel, clients: Sequence[ClientData], *,
 
 
 def knn_head(view: ClientSplits, num_classes: int, *, k: int, sigma: float, capacity: float,
-             seed: int, estimator: str = "val") -> PersonalHead:
+             seed: int, estimator: str = "val", l2: float | None = None) -> PersonalHead:
     """kNN-Per for one client, datastore = the seeded `capacity` fraction of its train split
-    (KNNPer's own sample), lambda chosen on its validation split."""
+    (KNNPer's own sample), lambda chosen on its validation split by its own evidence; `l2`: a
+    linear head as the base."""
     keep = datastore_indices(view.n_train, capacity,
                              client_seed(seed, 0, view.client_id, PERSONALIZE_STREAM))
-    return PersonalHead(num_classes, k=k, sigma=sigma, estimator=estimator).fit(view, keep=keep)
+    return PersonalHead(num_classes, k=k, sigma=sigma, estimator=estimator,
+                        l2=l2).fit(view, keep=keep)
+
+
+def pooled_heads(views: Sequence[ClientSplits], heads: Sequence[PersonalHead],
+                 rule: str) -> list[PersonalHead]:
+    """The heads with lambda chosen by `rule`, its pooled evidence summed over the seen
+    clients' own (each head's `evidence_`, which no rule changes) at this very point: a pooled
+    rule is fitted wherever k, sigma or the capacity differ, as the server fits it once for the
+    chosen configuration."""
+    if rule == "client":
+        return list(heads)
+    seen = {v.client_id for v in choosing_views(views)}
+    fitted = fit_rule(rule, [h.evidence_ for v, h in sorted(zip(views, heads, strict=True),
+                                                            key=lambda vh: vh[0].client_id)
+                             if v.client_id in seen])
+    return [h.with_lambda(fitted.choose_from_counts(h.evidence_)) for h in heads]
 
 
 def accuracy_on_test(head: PersonalHead, view: ClientSplits) -> float | None:
@@ -66,19 +84,29 @@ def summary_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def knnper_rows(views: Sequence[ClientSplits], num_classes: int, *, k: int, sigma: float,
+                seed: int, capacity: float | dict[int, float] = 1.0, estimator: str = "val",
+                rule: str = "client", l2: float | None = None) -> list[dict[str, Any]]:
+    """kNN-Per on every client (lambda chosen on validation by `rule`, base the global model or
+    with `l2` each client's linear head); `capacity` may differ per client (a dict by id)."""
+    heads = [knn_head(view, num_classes, k=k, sigma=sigma, seed=seed, estimator=estimator, l2=l2,
+                      capacity=capacity[view.client_id] if isinstance(capacity, dict)
+                      else capacity) for view in views]
+    return [row(view, accuracy_on_test(head, view), **{"lambda": head.lambda_,
+                                                       "datastore_size": head.stored_,
+                                                       "n_train": view.n_train})
+            for view, head in zip(views, pooled_heads(views, heads, rule), strict=True)]
+
+
+def choice_rows(views: Sequence[ClientSplits], num_classes: int, choice: KNNChoice, *,
                 seed: int, capacity: float | dict[int, float] = 1.0,
-                estimator: str = "val") -> list[dict[str, Any]]:
-    """kNN-Per on every client (lambda chosen on validation); `capacity` may differ per client
-    (a dict by client id)."""
-    rows = []
-    for view in views:
-        cap = capacity[view.client_id] if isinstance(capacity, dict) else capacity
-        head = knn_head(view, num_classes, k=k, sigma=sigma, capacity=cap, seed=seed,
-                        estimator=estimator)
-        rows.append(row(view, accuracy_on_test(head, view), **{"lambda": head.lambda_,
-                                                            "datastore_size": head.stored_,
-                                                            "n_train": view.n_train}))
-    return rows
+                k: int | None = None, sigma: float | None = None) -> list[dict[str, Any]]:
+    """`knnper_rows` with a run's kNN choice (its estimator, rule and base); `k` / `sigma`
+    override its values (the k-sigma sweep)."""
+    return knnper_rows(views, num_classes, k=choice.config.k if k is None else k,
+                       sigma=choice.config.sigma if sigma is None else sigma, seed=seed,
+                       capacity=capacity, estimator=choice.lambda_estimator,
+                       rule=choice.lambda_rule.name,
+                       l2=choice.l2 if choice.base == "linear" else None)
 
 
 def fedavg_rows(views: Sequence[ClientSplits]) -> list[dict[str, Any]]:

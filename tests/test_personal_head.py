@@ -127,3 +127,25 @@ def test_server_exporter_device_init_and_runtime_choose_and_predict_alike(tmp_pa
     runtime = Runtime.load(tmp_path / "device")
     np.testing.assert_allclose(runtime.predict_proba(x_new), on_server, atol=1e-5)
     np.testing.assert_array_equal(runtime.predict(x_new), on_server.argmax(axis=1))
+
+
+def test_the_experiments_pool_lambda_at_each_point_as_the_server_does():
+    from experiments.views import knnper_rows
+    from fed_train.knn_tuning import fit_rule
+
+    rng = np.random.default_rng(5)
+    views = []
+    for cid in range(6):
+        y = rng.integers(0, 2, 50)
+        z = (rng.normal(size=(50, 3)) + 1.5 * y[:, None]).astype(np.float32)
+        p = softmax(rng.normal(size=(50, 2)))
+        views.append(ClientSplits(cid, cid == 5, z[:30], y[:30], z[30:40], y[30:40], z[40:],
+                                  y[40:], p[:30], p[30:40], p[40:]))
+    own = knnper_rows(views, 2, k=5, sigma=1.0, seed=0)
+    pooled = knnper_rows(views, 2, k=5, sigma=1.0, seed=0, rule="pooled")
+    heads = [PersonalHead(2, k=5).fit(v) for v in views]
+    expected = fit_rule("pooled", [h.evidence_ for h in heads[:5]]).choose_from_counts(
+        heads[0].evidence_)
+    assert {r["info"]["lambda"] for r in pooled} == {expected}  # one lambda, from seen clients
+    assert [r["info"]["lambda"] for r in own] == [h.lambda_ for h in heads]
+    assert len({h.lambda_ for h in heads}) > 1  # their own evidence disagrees
