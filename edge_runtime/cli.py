@@ -165,7 +165,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true",
                    help="replace the bundle --out holds (it loses what `add` taught it)")
     spec = s.add_mutually_exclusive_group(required=True)
-    spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
+    spec.add_argument("--like", help="take the input spec (and k, sigma, and the server's "
+                      "pooled lambda rule where it ships one) from this bundle")
     spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
     s.add_argument("--k", type=k_neighbours, default=None,
                    help="neighbours of the kNN head (default: --like's, else 10)")
@@ -470,11 +471,13 @@ def _read_spec_file(path: str) -> dict:
 def cmd_init(args) -> int:
     from .bundle import read_manifest
     from .device_init import init_bundle
+    from .knn import CLIENT_RULE
+    from .manifest import lambda_rule_of
 
-    k, sigma = args.k, args.sigma
+    k, sigma, rule = args.k, args.sigma, CLIENT_RULE
     if args.like:
         like = read_manifest(args.like)
-        spec = like["input"]
+        spec, rule = like["input"], lambda_rule_of(like)
         k = like["k"] if k is None else k
         sigma = like["sigma"] if sigma is None else sigma
     else:
@@ -502,6 +505,7 @@ def cmd_init(args) -> int:
         client_id=args.client_id,
         update_strategy=args.strategy,
         intra_op_threads=args.threads,
+        lambda_rule=rule,
     )
     acc = "n/a" if report.val_accuracy is None else f"{100 * report.val_accuracy:.1f}%"
     fp = report.manifest["footprint"]

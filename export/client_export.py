@@ -67,6 +67,8 @@ def export_client(task: ClientTask, context: SizingContext,
               "update_strategy": context.update_strategy}
     if context.knn_provenance is not None:
         fields["knn_choice"] = context.knn_provenance
+    if context.lambda_rule.name != "client":  # its pooled evidence: `init --like` chooses by it
+        fields["lambda_rule"] = context.lambda_rule.to_dict()
     try:
         key = load_private_key(context.signing_key) if context.signing_key else None
         manifest = write_bundle(task.target, fields, encoder, datastore, signing_key=key)

@@ -4,6 +4,8 @@ same lambda and predict the same classes."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -149,3 +151,31 @@ def test_the_experiments_pool_lambda_at_each_point_as_the_server_does():
     assert {r["info"]["lambda"] for r in pooled} == {expected}  # one lambda, from seen clients
     assert [r["info"]["lambda"] for r in own] == [h.lambda_ for h in heads]
     assert len({h.lambda_ for h in heads}) > 1  # their own evidence disagrees
+
+
+def test_init_like_a_bundle_chooses_lambda_by_the_rule_it_ships(tmp_path, capsys):
+    from edge_runtime.bundle import read_manifest, write_bundle
+    from edge_runtime.cli import main as edge_main
+    from edge_runtime.datastores import FlatDatastore
+
+    encoder = make_image_encoder(tmp_path / "encoder.onnx", seed=4)
+    x, y = make_images(60, seed=4, signal=50)
+    z, _ = raw_outputs(encoder, x)
+    pooled = np.zeros((len(LAMBDA_GRID), 3))
+    pooled[:, 2] = 100
+    pooled[LAMBDA_GRID.index(0.9), 0] = 100  # the seen clients were right at 0.9 alone
+    rule = LambdaRule("pooled", tuple(map(tuple, pooled)))
+    write_bundle(tmp_path / "exported", {"client_id": 1, "input": IMAGE_SPEC, "lambda": 0.9,
+                                         "budget_bytes": 10**6, "lambda_rule": rule.to_dict()},
+                 encoder, FlatDatastore(NUM_CLASSES).fit(z, y))
+    np.savez(tmp_path / "own.npz", x=x, y=y)
+    for name, like in (("device", True), ("plain", False)):
+        spec = ["--like", str(tmp_path / "exported")] if like else \
+            ["--input-spec", str(tmp_path / "spec.json")]
+        (tmp_path / "spec.json").write_text(json.dumps(IMAGE_SPEC))
+        assert edge_main(["init", "--encoder", str(encoder), "--data", str(tmp_path / "own.npz"),
+                          "--budget", "1MB", "--out", str(tmp_path / name), *spec]) == 0
+    capsys.readouterr()
+    own = init_bundle(encoder, x, y, 10**6, tmp_path / "direct", input_spec=IMAGE_SPEC)
+    assert read_manifest(tmp_path / "device")["lambda"] == 0.9  # the pooled rule's choice
+    assert read_manifest(tmp_path / "plain")["lambda"] == own.lam != 0.9  # its own evidence
