@@ -28,7 +28,14 @@ from edge_runtime._io import (
     write_atomic,
     write_bytes_atomic,
 )
-from fed_train.algorithms.base import Algorithm, ClientData, TrainingConfig, Weights, predict_proba
+from fed_train.algorithms.base import (
+    Algorithm,
+    ClientData,
+    TrainingConfig,
+    Weights,
+    predict_proba,
+    sub_seed,
+)
 from fed_train.errors import TrainingError
 from fed_train.progress import track
 from fed_train.torch_files import load_tensors
@@ -65,7 +72,7 @@ def client_seed(seed: int, round_index: int, client_id: int,
                 stream: int = TRAIN_STREAM) -> int:
     """One independent stream per (run, purpose, round, client), so a resumed run replays
     exactly and personalization never reuses a training stream."""
-    return int(np.random.SeedSequence([seed, stream, round_index, client_id]).generate_state(1)[0])
+    return sub_seed(seed, stream, round_index, client_id)
 
 
 def _to_tensors(obj: Any) -> Any:
