@@ -127,6 +127,24 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], *
         raise
 
 
+def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object], *,
+                      sync_dir: bool = True) -> None:
+    """`write_atomic` for a writer that takes a file name, not an open file (hnswlib's
+    save_index, a download): it writes a new unique temporary name beside `path` (created
+    first with O_EXCL, so no planted symlink is followed), which is fsynced and renamed over
+    `path`; on any failure the temporary file is removed."""
+    final = Path(path)
+    tmp = temp_path(final)
+    try:
+        open_exclusive(tmp).close()
+        write(tmp)
+        fsync_file(tmp)
+        replace_synced(tmp, final, sync_dir=sync_dir)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
     """Write `data` to `path` through a unique temporary file (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(data), sync_dir=sync_dir)

@@ -29,6 +29,7 @@ from edge_runtime._io import (
     read_exactly,
     read_json,
     read_regular,
+    write_path_atomic,
 )
 from edge_runtime.manifest import MAX_WIDTH
 from fed_train.errors import DataError
@@ -545,13 +546,11 @@ def download_cifar(name: str, dest: str | Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     archive = dest / url.rsplit("/", 1)[1]
     if not archive.is_file():
-        partial = archive.with_name(archive.name + ".part")
         log.info("downloading %s to %s", url, archive)
         try:
-            urllib.request.urlretrieve(url, partial)
+            write_path_atomic(archive, lambda tmp: urllib.request.urlretrieve(url, tmp))
         except (urllib.error.URLError, OSError) as exc:
             raise DataError(f"cannot download {url} ({exc})") from exc
-        partial.replace(archive)
     digest = hashlib.md5(archive.read_bytes()).hexdigest()
     if digest != md5:
         raise DataError(f"{archive}: md5 {digest} does not match the official {md5}; delete it")
