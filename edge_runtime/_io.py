@@ -150,22 +150,27 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool =
     write_atomic(path, lambda f: f.write(data), sync_dir=sync_dir)
 
 
-def _numpy_to_json(value: object) -> object:
+def json_default(value: object) -> object:
+    """json.dumps' `default` for every file the project writes: numpy scalars and arrays as
+    Python numbers and lists, paths as strings."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def to_json_types(obj: dict) -> dict:
-    """obj as JSON will give it back (numpy scalars to Python, tuples to lists)."""
-    return json.loads(json.dumps(obj, default=_numpy_to_json))
+def to_json_types(obj: Any) -> Any:
+    """obj as JSON will give it back (numpy scalars to Python, tuples to lists, keys to
+    strings): what a row or key read back from a file will be, so the two compare equal."""
+    return json.loads(json.dumps(obj, default=json_default))
 
 
 def write_json_atomic(path: str | os.PathLike, obj: dict, *, sync_dir: bool = True,
                       indent: int = 2) -> None:
-    text = json.dumps(obj, indent=indent, default=_numpy_to_json) + "\n"
+    text = json.dumps(obj, indent=indent, default=json_default) + "\n"
     write_bytes_atomic(path, text.encode("utf-8"), sync_dir=sync_dir)
 
 

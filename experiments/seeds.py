@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import to_json_types
 from experiments.margins import INCONCLUSIVE, call, interval, statistic
-from fed_train.evaluation import plain_json
 
 GROUPS = ("seen", "unseen")
 STATS = ("mean", "bottom_decile")
@@ -148,7 +148,7 @@ def summarize_seeds(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]) 
     methods = list(results[0]["methods"])
     spread = across_seeds(results, methods)
     each = compare_to_each(results, spread) if "knnper" in methods else {}
-    return plain_json({"seeds": list(seeds), "methods": methods, "spread": spread,
+    return to_json_types({"seeds": list(seeds), "methods": methods, "spread": spread,
                        "versus_best": compare_to_best(spread, each),
                        "versus_each": each,
                        "lambda_ties": lambda_ties(results) if "knnper" in methods else [],
