@@ -26,6 +26,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .errors import one_line
+
 log = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
@@ -434,7 +436,7 @@ def parse_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH, strict: bool = Tr
     except RecursionError:
         raise ValueError(f"is nested deeper than {max_depth} levels") from None
     except ValueError as exc:  # repeated keys, NaN, integers of more than 4300 digits
-        raise ValueError(f"is not usable JSON ({' '.join(str(exc).split())})") from None
+        raise ValueError(f"is not usable JSON ({one_line(exc)})") from None
     if json_depth(value) > max_depth:
         raise ValueError(f"is nested deeper than {max_depth} levels")
     return value

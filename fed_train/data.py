@@ -31,6 +31,7 @@ from edge_runtime._io import (
     read_regular,
     write_path_atomic,
 )
+from edge_runtime.errors import one_line
 from edge_runtime.manifest import MAX_WIDTH
 from fed_train.errors import DataError
 
@@ -435,7 +436,7 @@ def _load_batch(path: Path) -> dict[str, Any]:
         RecursionError,
     ) as exc:
         raise DataError(f"{path}: not a valid CIFAR batch ({type(exc).__name__}: "
-                        f"{' '.join(str(exc).split())[:200]})") from None
+                        f"{one_line(exc)[:200]})") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: not a valid CIFAR batch (a {type(obj).__name__}, not a dict)")
     return {k.decode("latin-1") if isinstance(k, bytes) else str(k): v for k, v in obj.items()}
