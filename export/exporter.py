@@ -5,7 +5,6 @@ and write the bundles plus an export.json summary."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -20,7 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_runtime._io import remove_dead_writers_files, write_bytes_atomic
+from edge_runtime._io import (
+    remove_dead_writers_files,
+    to_json_types,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
@@ -45,7 +49,7 @@ from export.client_export import (
     init_worker,
 )
 from export.errors import BudgetInvalid, ExportError
-from export.journal import ExportJournal, json_default
+from export.journal import ExportJournal
 from export.onnx_export import export_onnx
 from export.personal_encoder import with_linear_head
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
@@ -396,7 +400,7 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
                     "calibration": "seeded sample of the training clients' train splits"},
         "clients": rows,
     }
-    _write_json_atomic(out_dir / REPORT_FILE, report)
+    write_json_atomic(out_dir / REPORT_FILE, report)
     return report
 
 
@@ -434,7 +438,7 @@ def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
     own, with the linear base), else it is rebuilt."""
     trusted = ([load_private_key(settings.signing_key).public_key()]
                if settings.signing_key else None)
-    input_spec = json.loads(json.dumps(run.dataset.input_spec, default=json_default))
+    input_spec = to_json_types(run.dataset.input_spec)
     shared_sha256 = sha256_file(encoder.path)
     clients: dict[int, ClientData] = {}
 
@@ -481,11 +485,6 @@ def _check_budgets(clients: Sequence[ClientData], budgets: dict[int, int],
                             f"bytes) plus the smallest datastore ({smallest_datastore} bytes)")
 
 
-def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    text = json.dumps(obj, indent=2, default=json_default) + "\n"
-    write_bytes_atomic(path, text.encode("utf-8"))
-
-
 def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingContext,
                     workers: int | None) -> Iterator[dict[str, Any]]:
     """Each client's row as it finishes: in this process, or in a pool of worker processes."""
@@ -508,11 +507,11 @@ def usable_cores() -> int:
 def _fingerprint(run: LoadedRun, settings: ExportSettings, space: SearchSpace,
                  encoder: EncoderFiles) -> dict[str, Any]:
     """What makes two exports the same export: the run, every setting, the encoder's bytes."""
-    return json.loads(json.dumps({
+    return to_json_types({
         "run": str(Path(run.run_dir).resolve()),
         "settings": {**asdict(settings), "space": asdict(space)},
         "encoder_sha256": sha256_file(encoder.path),
-    }, default=json_default))
+    })
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:

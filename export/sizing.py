@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.datastores import (
+    BACKENDS,
     FlatDatastore,
     HNSWDatastore,
     ProtoNNDatastore,
@@ -41,7 +42,6 @@ from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("flat", "hnsw", "protonn")
 BACKEND_CHOICES = ("auto", *BACKENDS)
 Datastore = FlatDatastore | HNSWDatastore | ProtoNNDatastore
 
@@ -58,7 +58,7 @@ class SearchSpace:
     accuracy from 0.824 to 0.836 at a budget of the full datastore (0.836 with no budget) and
     from 0.818 to 0.825 at a quarter of it."""
 
-    backends: tuple[str, ...] = BACKENDS
+    backends: tuple[str, ...] = tuple(BACKENDS)
     flat_dtypes: tuple[str, ...] = ("fp32", "fp16", "int8")
     count_fractions: tuple[float, ...] = (1.0,)
     hnsw_M: tuple[int, ...] = (8, 16)

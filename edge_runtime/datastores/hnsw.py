@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._io import fsync_dir, fsync_file, save_npz_atomic, temp_path
+from .._io import fsync_dir, save_npz_atomic, write_path_atomic
 from ..cli_help import install_hint
 from ..hnsw_format import check_hnsw_index
 from ..knn import DEFAULT_K, DEFAULT_SIGMA
@@ -164,14 +164,8 @@ class HNSWDatastore(SampleDatastore):
         directory = Path(directory)
         npz = datastore_file_name("datastore", "npz", generation)
         binary = datastore_file_name("hnsw", "bin", generation)
-        tmp = temp_path(directory / binary)
-        try:
-            self.index_.save_index(os.fspath(tmp))
-            fsync_file(tmp)
-            os.replace(tmp, directory / binary)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_path_atomic(directory / binary, lambda tmp: self.index_.save_index(os.fspath(tmp)),
+                          sync_dir=False)
         save_npz_atomic(directory / npz, {"labels": self.labels_, "ids": self.ids_}, sync_dir=False)
         fsync_dir(directory)
         return [npz, binary]
