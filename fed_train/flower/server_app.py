@@ -24,7 +24,7 @@ from fed_train.algorithms.base import set_weights
 from fed_train.evaluation import format_table
 from fed_train.flower.records import ModelSpec, points_record, to_array_record, to_weights
 from fed_train.flower.settings import FlowerSettings
-from fed_train.flower.strategy import FederationError, KnnperStrategy, reply_error
+from fed_train.flower.strategy import FederationError, KnnperStrategy, read_replies
 from fed_train.knn_choice import (
     KNN_CONFIG_FILE,
     KNNChoice,
@@ -82,21 +82,30 @@ def find_clients(grid: Grid, settings: FlowerSettings, spec: ModelSpec,
         queries = [Message(RecordDict({"model": spec.to_record()}), dst_node_id=n,
                            message_type=MessageType.QUERY) for n in new]
         remaining = max(1.0, deadline - time.monotonic())
-        for reply in grid.send_and_receive(queries, timeout=remaining):
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                raise FederationError(f"SuperNode {node} cannot serve a client: "
-                                      f"{reply_error(reply)}")
-            cid = int(reply.content["metrics"]["client-id"])
+        got = read_replies(grid.send_and_receive(queries, timeout=remaining),
+                           {n: n for n in new}, lambda node, reply: _served_client(reply, clients))
+        if got.failed:
+            node, why = next(iter(got.failed.items()))
+            raise FederationError(f"SuperNode {node} cannot serve a client: {why}")
+        for node, (cid, reported) in got.read.items():
             if cid in node_of:
                 raise FederationError(f"SuperNodes {node_of[cid]} and {node} both serve client "
                                       f"{cid}")
-            reported = int(reply.content["metrics"]["num-train"])
             if cid in num_train and reported != num_train[cid]:
                 raise FederationError(f"client {cid} holds {reported} training samples, the "
                                       f"server's partition gives it {num_train[cid]}")
             node_of[cid] = node
     return node_of
+
+
+def _served_client(reply: Message, clients: int) -> tuple[int, int]:
+    """The client a node serves and its training samples, as its query reply says."""
+    metrics = reply.content.metric_records["metrics"]
+    cid, reported = metrics["client-id"], metrics["num-train"]
+    if not (isinstance(cid, int) and 0 <= cid < clients and isinstance(reported, int)):
+        raise ValueError(f"client {cid!r:.40} with {reported!r:.40} training samples is not "
+                         f"one of the run's clients 0 to {clients - 1}")
+    return cid, reported
 
 
 def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings: FlowerSettings,

@@ -59,6 +59,30 @@ class Replies(Generic[T]):
     silent: list[int]
 
 
+def read_replies(replies: Iterable[Message], sent: dict[int, int],
+                 read: Callable[[int, Message], T]) -> Replies[T]:
+    """Every phase's reply check. `sent` maps each asked node to the id its reply is filed
+    under (a client id; the node's own before clients are known); other replies are ignored.
+    An error reply leaves its sender out with Flower's reason; `read` takes what a reply
+    carries and raises KeyError, TypeError or ValueError on content it cannot use, which
+    leaves that sender out too: a client's fault never stops the server by itself."""
+    read_ok: dict[int, T] = {}
+    failed: dict[int, str] = {}
+    for reply in replies:
+        key = sent.get(reply.metadata.src_node_id)
+        if key is None:
+            continue
+        if reply.has_error():
+            failed[key] = reply_error(reply)
+            continue
+        try:
+            read_ok[key] = read(key, reply)
+        except (KeyError, TypeError, ValueError) as err:
+            failed[key] = f"unusable reply: {err}"
+    silent = sorted(set(sent.values()) - set(read_ok) - set(failed))
+    return Replies(dict(sorted(read_ok.items())), dict(sorted(failed.items())), silent)
+
+
 def _checked_choices(method: str, chosen: Any) -> dict[str, Any]:
     """What a client's personalization chose, as the evaluation JSON writes it: a few flat
     scalars (None, flags, finite numbers, short names)."""
@@ -121,28 +145,6 @@ class KnnperStrategy(Strategy):
                                    "round": server_round})}, server_round)
                 for node, cid in self._sent.items()]
 
-    def read_replies(self, replies: Iterable[Message],
-                     read: Callable[[int, Message], T]) -> Replies[T]:
-        """Every phase's reply check. Replies from clients this phase did not ask are ignored;
-        an error reply leaves its client out with Flower's reason; `read` takes what a reply
-        carries and raises KeyError, TypeError or ValueError on content it cannot use, which
-        leaves that client out too: a client's fault never stops the server by itself."""
-        read_ok: dict[int, T] = {}
-        failed: dict[int, str] = {}
-        for reply in replies:
-            cid = self._sent.get(reply.metadata.src_node_id)
-            if cid is None:
-                continue
-            if reply.has_error():
-                failed[cid] = reply_error(reply)
-                continue
-            try:
-                read_ok[cid] = read(cid, reply)
-            except (KeyError, TypeError, ValueError) as err:
-                failed[cid] = f"unusable reply: {err}"
-        silent = sorted(set(self._sent.values()) - set(read_ok) - set(failed))
-        return Replies(dict(sorted(read_ok.items())), dict(sorted(failed.items())), silent)
-
     def _train_result(self, cid: int, reply: Message) -> tuple[ClientResult, int, float]:
         """A reply checked before it is aggregated: weight shapes and the sample count (n_m
         weighs the client's model, so it must be the partition's, not what a client claims).
@@ -164,7 +166,7 @@ class KnnperStrategy(Strategy):
         return result, arrays.count_bytes(), seconds
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        got = self.read_replies(replies, self._train_result)
+        got = read_replies(replies, self._sent, self._train_result)
         skipped = sorted(set(self._sampled) - set(self._sent.values()))
         self.lost.update(got.silent, got.failed)
         needed = min(self.settings.min_train_clients or len(self._sampled), len(self._sampled))
@@ -217,7 +219,7 @@ class KnnperStrategy(Strategy):
         """Each answering client's sums for `phase`, each of `shape`; a client that failed is
         left out (with a warning), as in the evaluation: the choice is pooled over those that
         answered."""
-        got = self.read_replies(replies, lambda cid, reply: read_counts(
+        got = read_replies(replies, self._sent, lambda cid, reply: read_counts(
             reply.content.array_records["counts"], phase, shape))
         for cid, why in got.failed.items():
             log.warning("kNN-Per choice without client %d: %s", cid, why)
@@ -253,7 +255,7 @@ class KnnperStrategy(Strategy):
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
         """The summary `knnper evaluate` prints (mean weighted by test size, bottom decile, for
         seen and unseen clients); the per-client rows are kept in `self.evaluation`."""
-        got = self.read_replies(replies, self._evaluation_rows)
+        got = read_replies(replies, self._sent, self._evaluation_rows)
         per_method: dict[str, list[dict[str, Any]]] = {}
         for rows in got.read.values():  # by client id
             for method, row in rows.items():
