@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from edge_runtime.errors import one_line
 from fed_train.algorithms.base import Algorithm, ClientResult, Weights
 from fed_train.errors import KnnperError
 from fed_train.evaluation import merge_results
@@ -78,7 +79,7 @@ def read_replies(replies: Iterable[Message], sent: dict[int, int],
         try:
             read_ok[key] = read(key, reply)
         except (KeyError, TypeError, ValueError) as err:
-            failed[key] = f"unusable reply: {err}"
+            failed[key] = f"unusable reply: {one_line(err, first_line=True)}"
     silent = sorted(set(sent.values()) - set(read_ok) - set(failed))
     return Replies(dict(sorted(read_ok.items())), dict(sorted(failed.items())), silent)
 
