@@ -80,13 +80,10 @@ class ExportSettings:
 
     quantize: str = "int8"
     backend: str = "auto"
-    # kNN-Per as every bundle runs it, with where each value came from (written into every
-    # manifest and export.json): k and sigma; the embedding normalisation, baked into the
-    # encoder's "embedding" output; how each bundle's lambda is chosen (see DatastoreSizer) and
-    # pools evidence across clients; and what the kNN is interpolated with: the global model,
-    # or each client's linear head (fitted with l2 on the server's float embeddings of its
-    # train split, normalised as the kNN's, and shipped as its encoder's classifier:
-    # export.personal_encoder)
+    # kNN-Per as every bundle runs it, with where each value came from (in every manifest and
+    # export.json): its normalisation is baked into the encoder's "embedding" output, and with
+    # the linear base each client's linear head ships as its encoder's classifier
+    # (export.personal_encoder)
     knn: KNNChoice = field(default_factory=KNNChoice)
     update_strategy: str = "fifo"
     device_extras: str = "any"  # "none": no backend that needs an extra on the device
@@ -135,7 +132,6 @@ class ExportSettings:
                 load_private_key(self.signing_key)
             except SignatureError as err:
                 raise ExportError(str(err)) from None
-
 
     def to_dict(self, space: SearchSpace) -> dict[str, Any]:
         """What export.json and the journal's fingerprint record: every setting, the kNN
