@@ -436,11 +436,10 @@ def cmd_add(args) -> int:
     else:
         rt = _runtime(args)
         report = rt.add_chunks(rows.chunks(CHUNK_ROWS), len(rows), strategy=args.strategy)
-    budget = rt.manifest["budget_bytes"]
     print(
         f"{report.strategy}: received {report.received}: added {report.added}, "
         f"{_dropped(report)}; evicted {report.evicted} stored before; datastore holds "
-        f"{report.size} samples; footprint {report.footprint_bytes}/{budget} bytes"
+        f"{report.size} samples; footprint {report.footprint_bytes}/{rt.budget.total} bytes"
     )
     return 0
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .budget import Budget
 from .bundle import BundleError, write_bundle
 from .datastores import format_recipe, make_datastore, max_count_within, parse_recipe
 from .encoder import Encoder
@@ -81,15 +82,13 @@ def init_bundle(
         validate_spec(input_spec)
     except ValueError as exc:
         raise ValueError(f"input spec: {exc}") from None
-    if not isinstance(budget_bytes, (int, np.integer)) or budget_bytes < 1:
-        raise ValueError(f"budget_bytes must be a positive integer, got {budget_bytes!r}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    encoder_bytes = Path(encoder_path).stat().st_size
-    if encoder_bytes > budget_bytes:
+    budget = Budget(budget_bytes, Path(encoder_path).stat().st_size)
+    if budget.room < 0:
         raise BundleError(
-            f"the encoder alone takes {encoder_bytes} bytes, over the budget of "
-            f"{budget_bytes} bytes"
+            f"the encoder alone takes {budget.encoder} bytes, over the budget of "
+            f"{budget.total} bytes"
         )
     encoder = Encoder(encoder_path, intra_op_threads=intra_op_threads)
     xp = prepare_input(x, input_spec)
@@ -108,9 +107,9 @@ def init_bundle(
                                       (z[val], logits[val], y[val]))
     head = PersonalHead(num_classes, k=k, sigma=sigma, rule=lambda_rule)
 
-    room = budget_bytes - encoder_bytes
     candidates = []
-    for recipe in _candidate_recipes(recipes, num_classes, k, sigma, dim, room, seed, n_all):
+    for recipe in _candidate_recipes(recipes, num_classes, k, sigma, dim, budget.room, seed,
+                                     n_all):
         ds = make_datastore(recipe, num_classes, k, sigma, seed=seed)
         nbytes = ds.file_nbytes(min(ds.n, n_all), dim)  # ranked by files, as the exporter
         head.fit(splits, datastore=ds.fit(z[train], y[train]))
@@ -122,8 +121,8 @@ def init_bundle(
                     head.val_accuracy_)
     if not candidates:
         raise BundleError(
-            f"the budget of {budget_bytes} bytes leaves {room} bytes after the encoder "
-            f"({encoder_bytes} bytes): not enough for one stored sample of any candidate recipe"
+            f"the budget of {budget.total} bytes leaves {budget.room} bytes after the encoder "
+            f"({budget.encoder} bytes): not enough for one stored sample of any candidate recipe"
         )
     # The exporter's ranking (edge_runtime.knn.datastore_key; flat and hnsw are not trained).
     # Without a validation split every candidate ties: the smallest footprint.
@@ -138,7 +137,7 @@ def init_bundle(
         "client_id": int(client_id),
         "input": input_spec,
         "lambda": float(best["lambda"]),
-        "budget_bytes": int(budget_bytes),
+        "budget_bytes": budget.total,
         "update_strategy": update_strategy,
     }
     manifest = write_bundle(out_dir, fields, encoder_path, final)

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from .budget import Budget
 from .bundle import (
     UPDATE_STRATEGIES,
     BudgetExceeded,
@@ -164,6 +165,11 @@ class Runtime:
     def head(self) -> PersonalHead:
         """The bundle's personal head: its datastore and lambda over the encoder's outputs."""
         return PersonalHead.fitted(self.num_classes, self.datastore, self.lam)
+
+    @property
+    def budget(self) -> Budget:
+        """What the bundle may take, the encoder's share in it, and the datastore's room."""
+        return Budget.of(self.manifest)
 
     @property
     def input_spec(self) -> dict:
@@ -292,16 +298,16 @@ class Runtime:
         if fits < 1:
             raise BudgetExceeded(
                 f"bundle {self.path}: no stored sample fits the budget of "
-                f"{self.manifest['budget_bytes']} bytes",
+                f"{self.budget.total} bytes",
                 self.manifest["footprint"]["total"],
-                self.manifest["budget_bytes"],
+                self.budget.total,
             )
         target = min(self.capacity, fits) if strategy == "fifo" else fits
         if strategy == "fifo" and target < self.capacity:
             logger.warning(
                 "fifo: capacity %d samples does not fit the budget of %d bytes; keeping %d",
                 self.capacity,
-                self.manifest["budget_bytes"],
+                self.budget.total,
                 target,
             )
         return target
@@ -331,7 +337,7 @@ class Runtime:
             logger.warning(
                 "concatenate: the datastore reached the budget of %d bytes; evicted the %d "
                 "oldest samples and now holds %d",
-                self.manifest["budget_bytes"],
+                self.budget.total,
                 evict,
                 len(ds),
             )
@@ -349,10 +355,9 @@ class Runtime:
 
     def _max_fit(self) -> int:
         """The most stored samples whose (estimated) datastore files fit next to the encoder."""
-        room = self.manifest["budget_bytes"] - self.manifest["footprint"]["encoder"]
         dim = self.manifest["embedding_dim"]
         store = self.datastore.sample_store()
-        return max_count_within(lambda n: store.estimate_nbytes(n, dim), room)
+        return max_count_within(lambda n: store.estimate_nbytes(n, dim), self.budget.room)
 
     def _persist(self) -> int:
         """Commit the datastore; if the real files overshoot the budget (estimates for hnsw),
@@ -372,5 +377,5 @@ class Runtime:
         raise BudgetExceeded(
             f"bundle {self.path}: could not fit the updated datastore in the budget",
             0,
-            self.manifest["budget_bytes"],
+            self.budget.total,
         )

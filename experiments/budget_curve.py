@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime.budget import Budget
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.personal_head import PersonalHead
@@ -59,6 +60,8 @@ from export.sizing import (
     measure_nbytes,
     selection_key,
 )
+from fed_train.knn_choice import KNNChoice
+from fed_train.knn_tuning import KNNConfig
 from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger("benchmarks.export")
@@ -148,8 +151,8 @@ def budget_curve(cases: list[ClientCase], fractions: list[str], space: SearchSpa
                  num_classes: int, k: int, sigma: float,
                  seed: int) -> tuple[list[dict], list[dict]]:
     """Per fraction and backend: mean test accuracy of the best-on-validation choice."""
-    sizer = DatastoreSizer(num_classes, k=k, sigma=sigma, space=space, seed=seed,
-                           reuse_protonn=True)
+    sizer = DatastoreSizer(num_classes, knn=KNNChoice(KNNConfig(k, sigma)), space=space,
+                           seed=seed, reuse_protonn=True)
     client_rows: list[dict] = []
     for text in fractions:
         f = _fraction(text)
@@ -160,7 +163,7 @@ def budget_curve(cases: list[ClientCase], fractions: list[str], space: SearchSpa
                     "unseen": case.client.unseen, "test_samples": int(len(case.data.y_test)),
                     "room_bytes": room, "full_bytes": case.full_bytes}
             try:
-                sizer.fit(case.data, room)
+                sizer.fit(case.data, Budget(room, encoder=0))
             except BudgetInvalid:
                 for backend in (*BACKENDS, "auto"):
                     client_rows.append({**base, "backend": backend, "fits": False})
@@ -340,7 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             protonn_fractions=(0.3,), protonn_steps=50)
 
     # 1. encoders
-    settings = ExportSettings(k=args.k, sigma=args.sigma, seed=args.seed, space=space)
+    settings = ExportSettings(knn=KNNChoice(KNNConfig(args.k, args.sigma)), seed=args.seed,
+                              space=space)
     every_client = run.clients()
     enc = build_encoder(run, _fresh(out / "encoders"), settings, every_client)
     clients = select_clients(every_client, args.clients)

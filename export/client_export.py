@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.budget import Budget
 from edge_runtime.bundle import BundleError, write_bundle
-from edge_runtime.knn import CLIENT_RULE, LambdaRule
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.signing import load_private_key
 from export.errors import ExportError
 from export.journal import ExportJournal
 from export.sizing import DatastoreSizer, SearchSpace
+from fed_train.knn_choice import KNNChoice
 
 
 @dataclass
@@ -22,7 +23,7 @@ class ClientTask:
     """What a worker needs for one client; embeddings are computed by the exporter's process."""
 
     data: ClientSplits
-    budget: int
+    budget: Budget  # its encoder's share: the shared encoder's, or this client's own
     unseen: bool
     target: Path
     input_spec: dict
@@ -34,23 +35,16 @@ class SizingContext:
     """What stays the same for every client of an export."""
 
     encoder_path: Path
-    encoder_bytes: int
     num_classes: int
-    k: int
-    sigma: float
+    knn: KNNChoice  # what every bundle runs; its provenance is recorded in every manifest
     space: SearchSpace
     seed: int
     update_strategy: str
     signing_key: str | None = None  # a path: workers load the key themselves
     journal: Path | None = None  # where each finished client is recorded (export.journal)
-    lambda_estimator: str = "val"
-    knn_provenance: dict[str, dict[str, Any]] | None = None  # recorded in every manifest
-    lambda_rule: LambdaRule = CLIENT_RULE
 
     def sizer(self) -> DatastoreSizer:
-        return DatastoreSizer(self.num_classes, k=self.k, sigma=self.sigma,
-                              lambda_estimator=self.lambda_estimator,
-                              lambda_rule=self.lambda_rule, space=self.space, seed=self.seed)
+        return DatastoreSizer(self.num_classes, knn=self.knn, space=self.space, seed=self.seed)
 
 
 def export_client(task: ClientTask, context: SizingContext,
@@ -59,16 +53,17 @@ def export_client(task: ClientTask, context: SizingContext,
     sizer = sizer or context.sizer()
     data = task.data
     encoder = context.encoder_path if task.encoder is None else task.encoder
-    sizer.fit(data, task.budget - (context.encoder_bytes if task.encoder is None
-                                   else len(task.encoder)))
+    sizer.fit(data, task.budget)
     best, datastore = sizer.best_, sizer.datastore_
     fields = {"client_id": int(data.client_id), "input": task.input_spec,
-              "lambda": float(best.lam), "budget_bytes": task.budget,
+              "lambda": float(best.lam), "budget_bytes": task.budget.total,
               "update_strategy": context.update_strategy}
-    if context.knn_provenance is not None:
-        fields["knn_choice"] = context.knn_provenance
-    if context.lambda_rule.name != "client":  # its pooled evidence: `init --like` chooses by it
-        fields["lambda_rule"] = context.lambda_rule.to_dict()
+    provenance = context.knn.provenance()
+    if provenance is not None:
+        fields["knn_choice"] = provenance
+    rule = context.knn.lambda_rule
+    if rule.name != "client":  # its pooled evidence: `init --like` chooses by it
+        fields["lambda_rule"] = rule.to_dict()
     try:
         key = load_private_key(context.signing_key) if context.signing_key else None
         manifest = write_bundle(task.target, fields, encoder, datastore, signing_key=key)
@@ -76,7 +71,7 @@ def export_client(task: ClientTask, context: SizingContext,
         raise ExportError(f"client {data.client_id}: {err}") from err
     row = {
         "client_id": int(data.client_id), "unseen": bool(task.unseen),
-        "bundle": task.target.name, "budget": task.budget,
+        "bundle": task.target.name, "budget": task.budget.total,
         "backend": best.backend, "recipe": best.recipe, "stored": best.stored,
         "encoder_bytes": manifest["footprint"]["encoder"],
         "datastore_bytes": manifest["footprint"]["datastore"],

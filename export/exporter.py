@@ -9,10 +9,10 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import as_completed
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +25,12 @@ from edge_runtime._io import (
     write_bytes_atomic,
     write_json_atomic,
 )
+from edge_runtime.budget import Budget
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
-    CLIENT_RULE,
-    DEFAULT_K,
-    DEFAULT_NORMALIZE,
-    DEFAULT_SIGMA,
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
-    LambdaRule,
     normalize_embeddings,
 )
 from edge_runtime.linear_head import LinearHead
@@ -84,20 +80,11 @@ class ExportSettings:
 
     quantize: str = "int8"
     backend: str = "auto"
-    k: int = DEFAULT_K
-    sigma: float = DEFAULT_SIGMA
-    # embedding normalisation before the kNN, baked into the encoder's "embedding" output
-    normalize: str = DEFAULT_NORMALIZE
-    lambda_estimator: str = "val"  # how each bundle's lambda is chosen (see DatastoreSizer)
-    lambda_rule: LambdaRule = CLIENT_RULE  # ... and how that pools evidence across clients
-    # what the kNN is interpolated with: the global model, or each client's linear head (fitted
-    # with l2 on the server's float embeddings of its train split, normalised as the kNN's, and
-    # shipped as its encoder's classifier: export.personal_encoder)
-    base: str = "global"
-    l2: float | None = None
-    # each kNN value with where it came from (validation / flag / paper default), written into
-    # every manifest and export.json: fed_train.knn_choice.KNNChoice.provenance()
-    knn_provenance: dict[str, dict[str, Any]] | None = None
+    # kNN-Per as every bundle runs it, with where each value came from (in every manifest and
+    # export.json): its normalisation is baked into the encoder's "embedding" output, and with
+    # the linear base each client's linear head ships as its encoder's classifier
+    # (export.personal_encoder)
+    knn: KNNChoice = field(default_factory=KNNChoice)
     update_strategy: str = "fifo"
     device_extras: str = "any"  # "none": no backend that needs an extra on the device
     # share of a client's train samples a protonn bundle reserves room for, as its buffer of
@@ -124,19 +111,20 @@ class ExportSettings:
         if self.update_strategy not in UPDATE_STRATEGIES:
             raise ExportError(f"unknown update strategy {self.update_strategy!r}; known: "
                               f"{', '.join(UPDATE_STRATEGIES)}")
-        if self.normalize not in NORMALIZATIONS:
-            raise ExportError(f"unknown embedding normalisation {self.normalize!r}; known: "
+        knn, config = self.knn, self.knn.config
+        if config.normalize not in NORMALIZATIONS:
+            raise ExportError(f"unknown embedding normalisation {config.normalize!r}; known: "
                               f"{', '.join(NORMALIZATIONS)}")
-        if self.lambda_estimator not in LAMBDA_ESTIMATORS:
-            raise ExportError(f"unknown lambda estimator {self.lambda_estimator!r}; known: "
+        if knn.lambda_estimator not in LAMBDA_ESTIMATORS:
+            raise ExportError(f"unknown lambda estimator {knn.lambda_estimator!r}; known: "
                               f"{', '.join(LAMBDA_ESTIMATORS)}")
-        if self.base not in ("global", "linear") or \
-                (self.base == "linear") != (self.l2 is not None and self.l2 > 0):
+        if knn.base not in ("global", "linear") or \
+                (knn.base == "linear") != (knn.l2 is not None and knn.l2 > 0):
             raise ExportError(f"base must be 'global', or 'linear' with l2 > 0; got "
-                              f"{self.base!r}, l2={self.l2}")
-        if self.k < 1 or not self.sigma > 0:
-            raise ExportError(f"k must be >= 1 and sigma > 0, got k={self.k}, "
-                              f"sigma={self.sigma}")
+                              f"{knn.base!r}, l2={knn.l2}")
+        if config.k < 1 or not config.sigma > 0:
+            raise ExportError(f"k must be >= 1 and sigma > 0, got k={config.k}, "
+                              f"sigma={config.sigma}")
         if self.calibration_samples < 1:
             raise ExportError("calibration_samples must be >= 1")
         if self.signing_key is not None:
@@ -145,13 +133,25 @@ class ExportSettings:
             except SignatureError as err:
                 raise ExportError(str(err)) from None
 
+    def to_dict(self, space: SearchSpace) -> dict[str, Any]:
+        """What export.json and the journal's fingerprint record: every setting, the kNN
+        choice's values one by one with their provenance, and the space as searched."""
+        knn = self.knn
+        values = {**knn.config.to_dict(), "lambda_estimator": knn.lambda_estimator,
+                  "lambda_rule": asdict(knn.lambda_rule), "base": knn.base, "l2": knn.l2,
+                  "knn_provenance": knn.provenance()}
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "knn":
+                out.update(values)
+            else:
+                out[f.name] = asdict(space) if f.name == "space" else getattr(self, f.name)
+        return out
+
 
 def apply_knn_choice(settings: ExportSettings, choice: KNNChoice) -> ExportSettings:
     """These settings running `choice`, with where each value came from for the manifests."""
-    return replace(settings, k=choice.config.k, sigma=choice.config.sigma,
-                   normalize=choice.config.normalize, lambda_estimator=choice.lambda_estimator,
-                   lambda_rule=choice.lambda_rule, base=choice.base, l2=choice.l2,
-                   knn_provenance=choice.provenance())
+    return replace(settings, knn=choice)
 
 
 @dataclass
@@ -208,7 +208,7 @@ def build_encoder(run: LoadedRun, directory: Path, settings: ExportSettings,
     clients = run.clients() if clients is None else clients
     calibration = calibration_inputs(clients, settings.calibration_samples, settings.seed)
     fp32_path, path = directory / FP32_ENCODER_FILE, directory / ENCODER_FILE
-    diff = export_onnx(run.model, calibration, fp32_path, normalize=settings.normalize)
+    diff = export_onnx(run.model, calibration, fp32_path, normalize=settings.knn.config.normalize)
     if settings.quantize == "int8":
         quantize_int8(fp32_path, path, calibration)
     else:
@@ -275,7 +275,7 @@ def bundle_dir(out_dir: Path, client_id: int) -> Path:
     return out_dir / f"client_{client_id:04d}"
 
 
-def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
+def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, int],
                settings: ExportSettings | None = None, *, clients: str = "all",
                encoder: EncoderFiles | None = None, progress: bool = True,
                workers: int | None = 1) -> dict[str, Any]:
@@ -316,7 +316,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: dict[int, int],
                               f"ask for {settings.quantize}")
         smallest = smallest_datastore_bytes(space, run.dataset.num_classes,
                                             int(run.model.embedding_dim))
-        _check_budgets(chosen, budgets, encoder_files, smallest)  # before anything is written
+        budgets = _client_budgets(chosen, budgets, encoder_files, smallest)  # before writing
         _warn_device_extras(space)
         out_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(out_dir):
@@ -359,16 +359,14 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
         yield
 
 
-def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
+def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, Budget],
                    settings: ExportSettings, space: SearchSpace, encoder_files: EncoderFiles,
                    chosen: list[ClientData], progress: bool,
                    workers: int | None) -> dict[str, Any]:
     """The bundles and export.json, while this process holds out_dir's lock."""
-    context = SizingContext(encoder_files.path, encoder_files.nbytes, run.dataset.num_classes,
-                            settings.k, settings.sigma, space, settings.seed,
-                            settings.update_strategy, settings.signing_key,
-                            out_dir / JOURNAL_FILE, settings.lambda_estimator,
-                            settings.knn_provenance, settings.lambda_rule)
+    context = SizingContext(encoder_files.path, run.dataset.num_classes, settings.knn, space,
+                            settings.seed, settings.update_strategy, settings.signing_key,
+                            out_dir / JOURNAL_FILE)
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
         _fingerprint(run, settings, space, encoder_files), budgets,
@@ -390,8 +388,8 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
     rows = [done[c.client_id] for c in chosen]
     report = {
         "run": str(run.run_dir),
-        "settings": {**asdict(settings), "space": asdict(space)},
-        "knn": settings.knn_provenance,
+        "settings": settings.to_dict(space),
+        "knn": settings.knn.provenance(),
         "encoder": {"file": encoder_files.path.name, "quantize": encoder_files.quantize,
                     "bytes": encoder_files.nbytes, "fp32_file": encoder_files.fp32_path.name,
                     "fp32_bytes": encoder_files.fp32_nbytes,
@@ -406,16 +404,17 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
 
 def _client_task(run: LoadedRun, client: ClientData, session: Encoder,
                  encoder_files: EncoderFiles, settings: ExportSettings,
-                 budgets: dict[int, int], out_dir: Path) -> ClientTask:
+                 budgets: dict[int, Budget], out_dir: Path) -> ClientTask:
     """One client's sizing input: its embeddings from the exported encoder and, with the linear
     base, its own encoder (its linear head as the classifier), whose logits the sizer's lambda
     is chosen against, as the device will compute them."""
     personal = _personal_encoder(run, client, encoder_files.path, settings)
+    budget = budgets[client.client_id]
     if personal is not None:
         session = Encoder(personal, intra_op_threads=1)
-    return ClientTask(client_embeddings(session, client), int(budgets[client.client_id]),
-                      client.unseen, bundle_dir(out_dir, client.client_id),
-                      run.dataset.input_spec, personal)
+        budget = replace(budget, encoder=len(personal))
+    return ClientTask(client_embeddings(session, client), budget, client.unseen,
+                      bundle_dir(out_dir, client.client_id), run.dataset.input_spec, personal)
 
 
 def _personal_encoder(run: LoadedRun, client: ClientData, encoder: Path,
@@ -423,11 +422,12 @@ def _personal_encoder(run: LoadedRun, client: ClientData, encoder: Path,
     """With the linear base, the client's own encoder: its linear head, fitted with the chosen
     l2 on the server's float embeddings of its train split (normalised as the kNN's, as the
     server's evaluation fits it), in place of the global classifier. None otherwise."""
-    if settings.base != "linear":
+    knn = settings.knn
+    if knn.base != "linear":
         return None
     z_train, _ = embed_and_logits(run.model, client.x_train)
-    head = LinearHead(run.dataset.num_classes, l2=settings.l2).fit(
-        normalize_embeddings(z_train, settings.normalize), client.y_train.cpu().numpy())
+    head = LinearHead(run.dataset.num_classes, l2=knn.l2).fit(
+        normalize_embeddings(z_train, knn.config.normalize), client.y_train.cpu().numpy())
     return with_linear_head(encoder, head)
 
 
@@ -443,7 +443,7 @@ def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
     clients: dict[int, ClientData] = {}
 
     def encoder_sha256(cid: int) -> str:
-        if settings.base != "linear":
+        if settings.knn.base != "linear":
             return shared_sha256
         if not clients:
             clients.update((c.client_id, c) for c in run.clients())
@@ -453,8 +453,8 @@ def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
     def keep(cid: int, row: dict[str, Any]) -> bool:
         problem = row_problem(row)
         if problem is None:
-            expected = {"client_id": cid, "input": input_spec, "k": settings.k,
-                        "sigma": float(settings.sigma),
+            expected = {"client_id": cid, "input": input_spec, "k": settings.knn.config.k,
+                        "sigma": float(settings.knn.config.sigma),
                         "update_strategy": settings.update_strategy}
             problem = bundle_problem(bundle_dir(out_dir, cid), row, expected, trusted,
                                      encoder_sha256(cid))
@@ -465,24 +465,31 @@ def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
     return keep
 
 
-def _check_budgets(clients: Sequence[ClientData], budgets: dict[int, int],
-                   encoder: EncoderFiles, smallest_datastore: int) -> None:
-    """Refuse before writing any bundle when some budget cannot hold the encoder, or the
-    encoder plus the smallest datastore the search allows."""
+def _client_budgets(clients: Sequence[ClientData], budgets: Mapping[int, int],
+                    encoder: EncoderFiles, smallest_datastore: int) -> dict[int, Budget]:
+    """Each client's budget with the encoder in it. Refused before writing any bundle when
+    some budget is not a number of bytes, cannot hold the encoder, or cannot hold the encoder
+    plus the smallest datastore the search allows."""
     def refuse(too_small: list[int], why: str) -> BudgetInvalid:
         cid = too_small[0]
         others = f" (and {len(too_small) - 1} other client(s))" if len(too_small) > 1 else ""
         return BudgetInvalid(f"client {cid}: budget {budgets[cid]} bytes {why}{others}")
 
-    below = [c.client_id for c in clients if budgets[c.client_id] < encoder.nbytes]
+    out = {}
+    for c in clients:
+        try:
+            out[c.client_id] = Budget(budgets[c.client_id], encoder.nbytes)
+        except ValueError as err:
+            raise BudgetInvalid(f"client {c.client_id}: {err}") from None
+    below = [cid for cid, budget in out.items() if budget.room < 0]
     if below:
         raise refuse(below, f"is below the size of the {encoder.quantize} encoder alone "
                             f"({encoder.nbytes} bytes)")
-    need = encoder.nbytes + smallest_datastore
-    tight = [c.client_id for c in clients if budgets[c.client_id] < need]
+    tight = [cid for cid, budget in out.items() if budget.room < smallest_datastore]
     if tight:
         raise refuse(tight, f"cannot hold the {encoder.quantize} encoder ({encoder.nbytes} "
                             f"bytes) plus the smallest datastore ({smallest_datastore} bytes)")
+    return out
 
 
 def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingContext,
@@ -509,7 +516,7 @@ def _fingerprint(run: LoadedRun, settings: ExportSettings, space: SearchSpace,
     """What makes two exports the same export: the run, every setting, the encoder's bytes."""
     return to_json_types({
         "run": str(Path(run.run_dir).resolve()),
-        "settings": {**asdict(settings), "space": asdict(space)},
+        "settings": settings.to_dict(space),
         "encoder_sha256": sha256_file(encoder.path),
     })
 

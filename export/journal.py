@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from edge_runtime._io import json_default, write_bytes_atomic
+from edge_runtime.budget import Budget
 from fed_train.journal import Journal
 
 
@@ -17,7 +18,7 @@ class ExportJournal(Journal):
     """A header line with the export's fingerprint, then one JSON line per finished client,
     appended once its bundle is in place."""
 
-    def finished(self, fingerprint: dict[str, Any], budgets: dict[int, int],
+    def finished(self, fingerprint: dict[str, Any], budgets: dict[int, Budget],
                  keep: Callable[[int, dict[str, Any]], bool]) -> dict[int, dict[str, Any]]:
         """Rows of clients finished by an earlier call of this same export, for the same
         budget, that `keep(client_id, row)` accepts (it re-verifies the bundle); starts a new
@@ -25,8 +26,8 @@ class ExportJournal(Journal):
         rows: dict[int, dict[str, Any]] = {}
         for row in self.rows({"fingerprint": fingerprint}) or []:
             cid = row.get("client_id")
-            if (isinstance(cid, int) and not isinstance(cid, bool)
-                    and budgets.get(cid) == row.get("budget") and keep(cid, row)):
+            if (isinstance(cid, int) and not isinstance(cid, bool) and cid in budgets
+                    and budgets[cid].total == row.get("budget") and keep(cid, row)):
                 rows[cid] = row
         text = "".join(json.dumps(x, default=json_default) + "\n"
                        for x in [{"fingerprint": fingerprint}, *rows.values()])

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime.budget import Budget
 from edge_runtime.datastores import (
     BACKENDS,
     FlatDatastore,
@@ -35,9 +36,10 @@ from edge_runtime.datastores import (
     ProtoNNDatastore,
     max_count_within,
 )
-from edge_runtime.knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule, datastore_key
+from edge_runtime.knn import datastore_key
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from export.errors import BudgetInvalid, ExportError
+from fed_train.knn_choice import KNNChoice
 from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger(__name__)
@@ -146,23 +148,20 @@ def selection_key(c: Candidate) -> tuple:
 
 
 class DatastoreSizer:
-    """Per client: enumerate datastores that fit `room` bytes (the budget minus the encoder),
-    score each with kNN-Per on the validation split (lambda chosen by `lambda_estimator`: on
-    that split, or with "loo+val" on it plus leave-one-out posteriors of the client's train
-    embeddings as float32 keys, the datastore a full flat fp32 candidate holds; compressed
-    candidates share that datastore half), and keep the best. scikit-learn style: settings
-    here, work in `fit`, results in `best_`, `datastore_`, `candidates_` (and `fitted_`: each
-    candidate with its fitted datastore)."""
+    """Per client: enumerate datastores that fit the budget's room (what the encoder leaves),
+    score each with kNN-Per on the validation split as `knn` runs it (k, sigma, and lambda
+    chosen by its estimator and rule: with "loo+val" on that split plus leave-one-out
+    posteriors of the client's train embeddings as float32 keys, the datastore a full flat
+    fp32 candidate holds; compressed candidates share that datastore half), and keep the best.
+    scikit-learn style: settings here (None: the paper's kNN-Per), work in `fit`, results in
+    `best_`, `datastore_`, `candidates_` (and `fitted_`: each candidate with its fitted
+    datastore)."""
 
-    def __init__(self, num_classes: int, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
-                 lambda_estimator: str = "val", lambda_rule: LambdaRule = CLIENT_RULE,
+    def __init__(self, num_classes: int, *, knn: KNNChoice | None = None,
                  space: SearchSpace | None = None, seed: int = 0,
                  reuse_protonn: bool = False) -> None:
         self.num_classes = num_classes
-        self.k = k
-        self.sigma = sigma
-        self.lambda_estimator = lambda_estimator
-        self.lambda_rule = lambda_rule
+        self.knn = knn or KNNChoice()
         self.space = space or SearchSpace()
         self.seed = seed
         # Benchmarks size the same client under many budgets; a ProtoNN of a given shape on the
@@ -172,14 +171,15 @@ class DatastoreSizer:
         self._protonn_cache: dict[tuple, Any] = {}
 
     # -- the search
-    def fit(self, data: ClientSplits, room: int) -> DatastoreSizer:
+    def fit(self, data: ClientSplits, budget: Budget) -> DatastoreSizer:
+        room = budget.room
         if len(data.y_train) == 0:
             raise ExportError(f"client {data.client_id} has no training samples to build a "
                               "datastore from")
         if not self.reuse_protonn:
             self._protonn_cache = {}  # within one fit: the classifiers the finalists train on
-        self._loo = (self._head().leave_one_out(data) if self.lambda_estimator == "loo+val"
-                     else None)
+        self._loo = (self._head().leave_one_out(data)
+                     if self.knn.lambda_estimator == "loo+val" else None)
         candidates: list[tuple[Candidate, Datastore]] = []
         seen: set[tuple[str, int]] = set()
         for build in self._builders(data, room):
@@ -226,8 +226,9 @@ class DatastoreSizer:
     def _head(self) -> PersonalHead:
         """A candidate's head: its datastore, the encoder's base (the global model, or the
         client's linear head inside its own encoder) and the export's lambda rule."""
-        return PersonalHead(self.num_classes, k=self.k, sigma=self.sigma,
-                            rule=self.lambda_rule, estimator=self.lambda_estimator)
+        knn = self.knn
+        return PersonalHead(self.num_classes, k=knn.config.k, sigma=knn.config.sigma,
+                            rule=knn.lambda_rule, estimator=knn.lambda_estimator)
 
     def _score(self, cand: Candidate, ds: Datastore, data: ClientSplits) -> None:
         head = self._head().fit(data, datastore=ds, loo=self._loo)
@@ -282,8 +283,9 @@ class DatastoreSizer:
               room: int) -> tuple[Candidate, Datastore] | None:
         n_train = len(data.y_train)
         probe = FlatDatastore(self.num_classes, dtype=dtype)
+        k, sigma = self.knn.config.k, self.knn.config.sigma
         return self._fit_within(
-            lambda c: FlatDatastore(self.num_classes, k=self.k, sigma=self.sigma, dtype=dtype,
+            lambda c: FlatDatastore(self.num_classes, k=k, sigma=sigma, dtype=dtype,
                                     n=_n_param(c, n_train, capacity), seed=self.seed),
             lambda c: probe.estimate_nbytes(c, data.z_train.shape[1]),
             data, count, room, "flat")
@@ -292,8 +294,9 @@ class DatastoreSizer:
               room: int) -> tuple[Candidate, Datastore] | None:
         n_train = len(data.y_train)
         probe = HNSWDatastore(self.num_classes, M=links)
+        k, sigma = self.knn.config.k, self.knn.config.sigma
         return self._fit_within(
-            lambda c: HNSWDatastore(self.num_classes, k=self.k, sigma=self.sigma, M=links,
+            lambda c: HNSWDatastore(self.num_classes, k=k, sigma=sigma, M=links,
                                     ef=self.space.hnsw_ef, n=_n_param(c, n_train, capacity),
                                     seed=self.seed),
             lambda c: probe.estimate_nbytes(c, data.z_train.shape[1]),
@@ -383,7 +386,7 @@ class DatastoreSizer:
                                         steps=steps, seed=self.seed)
             clf.partial_fit(data.z_train, data.y_train, steps - getattr(clf, "steps_done_", 0))
             fraction = float(f"{clf.n_prototypes_ / len(data.y_train):.4g}")
-            ds = clf.to_datastore(k=self.k, sigma=self.sigma, m=fraction)
+            ds = clf.to_datastore(k=self.knn.config.k, sigma=self.knn.config.sigma, m=fraction)
             self._protonn_cache[shape] = clf
             self._protonn_cache[(*shape, steps)] = ds
         ds.buffer = self._protonn_buffer(len(data.y_train))

@@ -56,12 +56,14 @@ _MAX_FILE_BYTES = 16 << 20  # a real file is a few hundred kB (the grid and per-
 
 @dataclass(frozen=True)
 class KNNChoice:
-    """The configuration a model's devices run, where each value came from, and the evidence."""
+    """The configuration a model's devices run, where each value came from, and the evidence.
+    One built in code, with no sources (the paper's setting by default), runs the same but is
+    recorded nowhere: it has no provenance."""
 
-    config: KNNConfig
-    lambda_estimator: str
-    source: dict[str, str]
-    record: dict[str, Any] = field(repr=False)
+    config: KNNConfig = KNNConfig()
+    lambda_estimator: str = "val"
+    source: dict[str, str] = field(default_factory=dict)
+    record: dict[str, Any] = field(default_factory=dict, repr=False)
     lambda_rule: LambdaRule = CLIENT_RULE
     base: str = "global"  # what the kNN is interpolated with: the global model or a linear head
     l2: float | None = None  # the linear head's regularisation, with the linear base
@@ -71,8 +73,11 @@ class KNNChoice:
         return {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
                 "lambda_rule": self.lambda_rule.to_dict(), "base": self.base, "l2": self.l2}
 
-    def provenance(self) -> dict[str, dict[str, Any]]:
-        """Each value with where it came from: what manifests and export.json record."""
+    def provenance(self) -> dict[str, dict[str, Any]] | None:
+        """Each value with where it came from: what manifests and export.json record (None
+        without sources)."""
+        if not self.source:
+            return None
         values = {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
                   "lambda_rule": self.lambda_rule.name, "base": self.base}
         return {name: {"value": values[name], "source": self.source[name]} for name in values}

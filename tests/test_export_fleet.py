@@ -14,6 +14,7 @@ import pytest
 import torch
 from edgeml.pytorch.graph.protoNN import ProtoNN
 
+from edge_runtime.budget import Budget
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.runtime import Runtime
 from export import exporter
@@ -44,21 +45,21 @@ def _backends(sizer: DatastoreSizer) -> set[str]:
 
 
 def test_exhaustive_search_is_the_default_and_trains_every_protonn_to_the_end():
-    sizer = DatastoreSizer(3, space=SPACE).fit(_embeddings(), 4_000)
+    sizer = DatastoreSizer(3, space=SPACE).fit(_embeddings(), Budget(4_000, encoder=0))
     assert _backends(sizer) == {"flat", "hnsw", "protonn"}
     steps = [c.steps for c in sizer.candidates_ if c.backend == "protonn"]
     assert len(steps) > SPACE.protonn_finalists and set(steps) == {SPACE.protonn_steps}
 
 
 def test_pruned_search_skips_hnsw_and_protonn_when_every_key_fits_in_float32():
-    sizer = DatastoreSizer(3, space=SPACE.pruned(5)).fit(_embeddings(), 10**6)
+    sizer = DatastoreSizer(3, space=SPACE.pruned(5)).fit(_embeddings(), Budget(10**6, encoder=0))
     assert _backends(sizer) == {"flat"}
     assert any(c.recipe.startswith("flat:fp32") and c.stored == 120 for c in sizer.candidates_)
 
 
 def test_successive_halving_trains_only_the_finalists_to_the_end():
     space = SPACE.pruned(5)
-    sizer = DatastoreSizer(3, space=space).fit(_embeddings(), 4_000)
+    sizer = DatastoreSizer(3, space=space).fit(_embeddings(), Budget(4_000, encoder=0))
     assert "hnsw" not in _backends(sizer)
     steps = [c.steps for c in sizer.candidates_ if c.backend == "protonn"]
     assert steps.count(space.protonn_steps) == space.protonn_finalists

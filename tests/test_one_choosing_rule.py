@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 
+from edge_runtime.budget import Budget
 from edge_runtime.bundle import load_bundle_datastore
 from edge_runtime.cli import main as edge_main
 from edge_runtime.device_init import init_bundle
@@ -29,7 +30,7 @@ from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.preprocess import prepare_input
 from export.sizing import DatastoreSizer, SearchSpace
 from fed_train.client_files import client_split, write_client_files
-from fed_train.knn_choice import KNN_CONFIG_FILE
+from fed_train.knn_choice import KNN_CONFIG_FILE, KNNChoice
 from fed_train.knn_request import FROM_FLAG, FROM_VALIDATION
 from fed_train.run import load_run
 from knnper_cli.main import main as knnper_main
@@ -83,8 +84,8 @@ def test_server_sizer_and_device_init_choose_alike(tmp_path, seed, rule_name):
                                     (z[val], logits[val], y[val]))
     sizer = DatastoreSizer(NUM_CLASSES, space=SearchSpace(backends=("flat",),
                                                           flat_dtypes=DTYPES), seed=seed,
-                           lambda_rule=rule)
-    sizer.fit(data, budget - encoder.stat().st_size)
+                           knn=KNNChoice(lambda_rule=rule))
+    sizer.fit(data, Budget(budget, encoder.stat().st_size))
     server = PersonalHead(NUM_CLASSES, rule=rule).fit(data).lambda_
 
     device = {c["recipe"].split(":n")[0]: c for c in init.candidates if

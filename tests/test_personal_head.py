@@ -9,12 +9,14 @@ import json
 import numpy as np
 import pytest
 
+from edge_runtime.budget import Budget
 from edge_runtime.device_init import init_bundle
 from edge_runtime.knn import CLIENT_RULE, LAMBDA_GRID, KNNHead, LambdaRule, softmax
 from edge_runtime.linear_head import LinearHead
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.runtime import Runtime
 from export.sizing import DatastoreSizer, SearchSpace
+from fed_train.knn_choice import KNNChoice
 from tests.test_edge_runtime import (
     IMAGE_SPEC,
     NUM_CLASSES,
@@ -115,7 +117,8 @@ def test_server_exporter_device_init_and_runtime_choose_and_predict_alike(tmp_pa
     server = PersonalHead(NUM_CLASSES, rule=rule).fit(data)
     sizer = DatastoreSizer(NUM_CLASSES, space=SearchSpace(backends=("flat",),
                                                           flat_dtypes=("fp32",)),
-                           seed=3, lambda_rule=rule).fit(data, budget - encoder.stat().st_size)
+                           seed=3, knn=KNNChoice(lambda_rule=rule)).fit(
+        data, Budget(budget, encoder.stat().st_size))
     assert server.lambda_ == sizer.best_.lam == init.lam
     assert server.val_accuracy_ == pytest.approx(sizer.best_.val_accuracy)
     assert server.val_accuracy_ == pytest.approx(init.val_accuracy)

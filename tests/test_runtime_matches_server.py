@@ -13,6 +13,8 @@ from edge_runtime.runtime import Runtime
 from export.exporter import ExportSettings, export_run
 from export.sizing import SearchSpace
 from fed_train.algorithms.base import TrainingConfig, embed_and_logits
+from fed_train.knn_choice import KNNChoice
+from fed_train.knn_tuning import KNNConfig
 from fed_train.run import RunConfig, load_run, train
 
 
@@ -79,7 +81,8 @@ def test_l2_normalised_bundles_equal_server_side_knnper_with_l2(tmp_path):
                        training=TrainingConfig(rounds=2, batch_size=16, lr=0.05, momentum=0.9))
     train(config, tmp_path / "run", progress=False)
     run = load_run(tmp_path / "run")
-    settings = ExportSettings(quantize="fp32", backend="flat", k=5, sigma=0.01, normalize="l2",
+    settings = ExportSettings(quantize="fp32", backend="flat",
+                              knn=KNNChoice(KNNConfig(5, 0.01, "l2")),
                               space=SearchSpace(flat_dtypes=("fp32",)))
     budgets = {c: 10**8 for c in range(len(run.partition.clients))}
     report = export_run(run, tmp_path / "bundles", budgets, settings, progress=False)

@@ -1,0 +1,36 @@
+"""The one budget value: the room a datastore gets is the total less the encoder, wherever it is
+asked for (exporter, sizer, device init, the runtime's fit check)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_runtime.budget import Budget
+
+
+def test_room_is_what_the_encoder_leaves_and_may_be_negative():
+    assert Budget(10_000, 3_000).room == 7_000
+    assert Budget(2_000, 3_000).room == -1_000  # the callers refuse it, each in its own words
+
+
+def test_a_manifest_gives_its_budget_and_encoder_share():
+    manifest = {"budget_bytes": 500_000, "footprint": {"encoder": 36_122, "datastore": 1,
+                                                       "total": 36_123}}
+    assert Budget.of(manifest) == Budget(500_000, 36_122)
+
+
+def test_numpy_integers_become_python_ints():
+    budget = Budget(np.int64(1_000), np.int32(10))
+    assert type(budget.total) is int and type(budget.encoder) is int
+
+
+@pytest.mark.parametrize("total", [0, -5, 1.5, 1e6, True, "100"])
+def test_a_total_must_be_a_positive_whole_number_of_bytes(total):
+    with pytest.raises(ValueError, match="budget_bytes must be a positive integer"):
+        Budget(total, 0)
+
+
+def test_an_encoder_share_must_be_a_count():
+    with pytest.raises(ValueError, match="non-negative integer"):
+        Budget(1_000, -1)
