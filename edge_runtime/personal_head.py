@@ -129,6 +129,9 @@ class PersonalHead:
         self.num_classes = num_classes
         self.k, self.sigma, self.normalize, self.l2 = k, sigma, normalize, l2
         self.rule, self.estimator = rule, estimator
+        # no linear part until `fit` fits one: the base is then the output the caller passes
+        # (the global model's, or a client encoder's own head on the exporter's side)
+        self.linear_: LinearHead | None = None
 
     # -- fitting
     def fit(self, client: ClientSplits, *, keep: np.ndarray | None = None,
@@ -168,8 +171,8 @@ class PersonalHead:
 
     def leave_one_out(self, client: ClientSplits, keep: np.ndarray | None = None) -> Posteriors:
         """The "loo+val" estimator's extra evidence: each kept train sample's kNN posterior from
-        the other kept samples (float keys), with the base's output and its label. Needs the
-        linear part fitted (`fit` does it first)."""
+        the other kept samples (float keys), with the base's output and its label (a linear
+        base's only once `fit` has fitted it, which it does first)."""
         keep = np.arange(client.n_train) if keep is None else np.asarray(keep)
         keys = self._normalized(client.z_train[keep])
         return (leave_one_out_posteriors(keys, client.y_train[keep], self.num_classes, self.k,

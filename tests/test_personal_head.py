@@ -182,3 +182,17 @@ def test_init_like_a_bundle_chooses_lambda_by_the_rule_it_ships(tmp_path, capsys
     own = init_bundle(encoder, x, y, 10**6, tmp_path / "direct", input_spec=IMAGE_SPEC)
     assert read_manifest(tmp_path / "device")["lambda"] == 0.9  # the pooled rule's choice
     assert read_manifest(tmp_path / "plain")["lambda"] == own.lam != 0.9  # its own evidence
+
+
+def test_the_sizer_scores_candidates_with_the_loo_estimator():
+    rng = np.random.default_rng(7)
+    y = rng.integers(0, NUM_CLASSES, 90)
+    z = (rng.normal(size=(90, 6)) + 2 * y[:, None]).astype(np.float32)
+    logits = rng.normal(size=(90, NUM_CLASSES)).astype(np.float32)
+    data = ClientSplits.from_logits(0, False, (z[:60], logits[:60], y[:60]),
+                                    (z[60:], logits[60:], y[60:]))
+    space = SearchSpace(backends=("flat",), flat_dtypes=("fp32",))
+    sizer = DatastoreSizer(NUM_CLASSES, space=space,
+                           knn=KNNChoice(lambda_estimator="loo+val")).fit(data, Budget(10**6, 0))
+    loo = PersonalHead(NUM_CLASSES, estimator="loo+val").fit(data)
+    assert sizer.best_.lam == loo.lambda_
