@@ -20,7 +20,7 @@ from typing import Any
 
 from edge_runtime.arg_types import byte_count
 from experiments import benchmark_support as C
-from experiments.seeds import paired_bootstrap
+from experiments.table_seeds import paired_bootstrap
 from export.evaluation import evaluate_export
 from export.exporter import ExportSettings, apply_knn_choice, export_run
 from export.profiles import uniform_budgets

@@ -32,8 +32,8 @@ from split_public import split
 
 from experiments import benchmark_support as C
 from experiments.tables import format_markdown, run_table
+from fed_train.accelerator import PRECISIONS, resolve_device
 from fed_train.algorithms.base import TrainingConfig
-from fed_train.device import PRECISIONS, resolve_device
 from fed_train.knn_request import KNNRequest
 from fed_train.pretrain import RECORD_FILE, PretrainConfig, pretrain
 from fed_train.run import RunConfig

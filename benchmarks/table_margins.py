@@ -2,7 +2,7 @@
 kNN-Per-versus-FedAvg runs (issue 2) and the from-scratch baseline tables (issue 5). For every
 group (seen, unseen) and statistic (mean, bottom decile) it gives the best method minus the
 runner-up, and kNN-Per minus every other method, each with the paired bootstrap 95% interval
-over clients that `bench table --seeds` uses (experiments.seeds.paired_bootstrap), so a method
+over clients that `bench table --seeds` uses (experiments.table_seeds.paired_bootstrap), so a method
 is bolded as best only where its interval excludes zero.
 
     python benchmarks/table_margins.py            # writes benchmarks/results/margins/
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.benchmark_support import markdown_table, read_csv, write_csv  # noqa: E402
-from experiments.seeds import GROUPS, STATS, paired_bootstrap, verdict  # noqa: E402
+from experiments.table_seeds import GROUPS, STATS, paired_bootstrap, verdict  # noqa: E402
 from experiments.tables import TITLES  # noqa: E402
 from fed_train.evaluation import summarize  # noqa: E402
 

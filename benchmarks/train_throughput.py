@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from experiments import benchmark_support as _common
+from fed_train.accelerator import resolve_device
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, get_weights
-from fed_train.device import resolve_device
 from fed_train.models import build_model
 from fed_train.simulation import simulate, stepped_batch
 

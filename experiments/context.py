@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments.points import PointStore
-from experiments.seeds import seed_dir
 from experiments.spec import format_alpha
+from experiments.table_seeds import seed_dir
 from experiments.views import ClientView, client_views
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.errors import KnnperError

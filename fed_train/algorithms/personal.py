@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fed_train.accelerator import autocast
 from fed_train.algorithms.base import (
     ClientData,
     TrainingConfig,
@@ -22,7 +23,6 @@ from fed_train.algorithms.base import (
     predict_proba,
     set_weights,
 )
-from fed_train.device import autocast
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
