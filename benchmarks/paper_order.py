@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from split_public import split
 
 from experiments import benchmark_support as C
 from experiments.tables import format_markdown, run_table
@@ -36,6 +35,7 @@ from fed_train.accelerator import PRECISIONS, resolve_device
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.knn_request import KNNRequest
 from fed_train.pretrain import RECORD_FILE, PretrainConfig, pretrain
+from fed_train.public_split import split_public
 from fed_train.run import RunConfig
 
 log = logging.getLogger("benchmarks.paper_order")
@@ -56,7 +56,9 @@ class Scale:
     mobilenet_rounds: int
     cnn_clients: int
     cnn_rounds: int
-    cnn_max_train: int | None  # None: the whole training set, as the paper
+    # training images kept, in both tables; None: all of them (the CNN: the whole training
+    # set, as the paper; MobileNet: the clients' part of the split)
+    max_train: int | None
 
 
 GPU = Scale("cifar10", 15_000, 5_000, 12, 100, 20, 200, 100, None)
@@ -65,11 +67,12 @@ TINY = Scale("digits", 300, 100, 1, 5, 1, 5, 1, 300)
 
 def tables(scale: Scale, data: str | None, init: Path, seed: int) -> dict[str, RunConfig]:
     clients = str(init.parent / "data" / "clients.npz")
-    mobilenet = RunConfig(dataset=scale.dataset, data=clients, partition="dirichlet", alpha=0.3,
+    mobilenet = RunConfig(dataset=scale.dataset, data=clients, max_train=scale.max_train,
+                          partition="dirichlet", alpha=0.3,
                           clients=scale.mobilenet_clients, model="mobilenet-v2-gn", seed=seed,
                           checkpoint_every=1, init=str(init),
                           training=replace(FAIR_TRAINING, rounds=scale.mobilenet_rounds))
-    cnn = RunConfig(dataset=scale.dataset, data=data, max_train=scale.cnn_max_train,
+    cnn = RunConfig(dataset=scale.dataset, data=data, max_train=scale.max_train,
                     partition="dirichlet", alpha=0.3, clients=scale.cnn_clients,
                     model="small-cnn", seed=seed, checkpoint_every=1,
                     training=TrainingConfig(rounds=scale.cnn_rounds, epochs=1, batch_size=32,
@@ -132,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: %s", name, "done before" if done else f"{stages[name]['seconds']} s")
 
     stage("split", (out / "data" / "clients.npz").is_file(),
-          lambda: split(scale.dataset, data, scale.client_train, scale.client_test, args.seed,
-                        out / "data"))
+          lambda: split_public(scale.dataset, data, scale.client_train, scale.client_test,
+                               args.seed, out / "data"))
     init = out / "pretrain"
     stage("pretrain", (init / RECORD_FILE).is_file(),
           lambda: pretrain(PretrainConfig(dataset=scale.dataset, data=str(out / "data" /

@@ -1,7 +1,8 @@
 """Seconds per federated round and samples per second of the project's own trainer (FedAvg's
 client updates through `simulate`), clients one after another versus stepped together
-(`--client-batch`), on synthetic CIFAR-shaped data: the cases of issue 22's table. Run it on the
-CPU here and on a GPU with `--device cuda`; every row names the device it ran on.
+(`--client-batch`), on synthetic CIFAR-shaped data: the cases of BENCHMARKS.md's table of the
+trainer at scale. Run it on the CPU here and on a GPU with `--device cuda`; every row names the
+device it ran on.
 
 A case is MODEL:MODE[:PRECISION], MODE `seq` (one after another) or a number (clients stepped
 together). The first round of each case is a warm-up (allocations, cuDNN's choices) and is not
