@@ -41,6 +41,12 @@ SEED_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
                "Fashion-MNIST alpha 0.3": "fashion-mnist",
                "kNN-Per vs FedAvg, Fashion-MNIST": "vs-fedavg-fashion-mnist",
                "kNN-Per vs FedAvg, CIFAR-10": "vs-fedavg-cifar10"}
+# The same tables rerun with the project's default personalization (base and lambda rule
+# cross-validated on validation), in BENCHMARKS.md's section with DEFAULT_HEADING.
+DEFAULT_SEED_TABLES = {f"{title}, default": f"{name}-default"
+                       for title, name in SEED_TABLES.items()}
+SEEDS_HEADING = "### Across seeds"
+DEFAULT_HEADING = "### The default across seeds"
 TOLERANCE = 1e-9
 
 
@@ -188,8 +194,7 @@ def _numbers(cell: str) -> list[float]:
     return [float(x) for x in re.findall(r"-?\d+\.\d+", cell.replace("**", ""))]
 
 
-def check_benchmarks_md(text: str, fair: Mapping[str, dict], seeds: Mapping[str, dict],
-                        check: Checker) -> None:
+def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> None:
     by_title = {v: k for k, v in TITLES.items()}
     for heading, group in (("### Seen clients (Table 1): mean / bottom 10%", "seen"),
                            ("### Unseen clients (Table 2): mean / bottom 10%", "unseen")):
@@ -204,16 +209,24 @@ def check_benchmarks_md(text: str, fair: Mapping[str, dict], seeds: Mapping[str,
                 check.same(f"BENCHMARKS.md {heading[4:20]} {label} {title}",
                            [round(100 * s["mean"], 1), round(100 * s["bottom_decile"], 1)],
                            _numbers(cell))
-    heading = "### Across seeds: mean ± std across seeds"
+
+
+def check_seeds_md(text: str, seeds: Mapping[str, dict], check: Checker,
+                   heading: str = SEEDS_HEADING,
+                   tables: Mapping[str, str] = SEED_TABLES) -> None:
+    """The across-seed tables of BENCHMARKS.md under `heading` against each seeds.json."""
+    by_title = {v: k for k, v in TITLES.items()}
+    heading = f"{heading}: mean ± std across seeds"
     if heading not in text:
         return
     for group, suffix in (("seen", "seen clients"), ("unseen", "unseen clients")):
         header, rows = _markdown_table(text, f"{heading}, {suffix}")
         for row in rows:
             label = row[0].replace("**", "")
-            method = "knnper_oracle" if "test-oracle" in label else by_title.get(label)
+            method = ("knnper_oracle" if "test-oracle" in label else
+                      "knnper_cross_oracle" if "cross-oracle" in label else by_title.get(label))
             for title, cell in zip(header[1:], row[1:], strict=True):
-                summary = seeds.get(SEED_TABLES[title])
+                summary = seeds.get(tables[title])
                 if summary is None or cell == "-":
                     continue
                 s = summary["spread"][group][method]
@@ -222,16 +235,18 @@ def check_benchmarks_md(text: str, fair: Mapping[str, dict], seeds: Mapping[str,
                             for k in ("mean", "std")], _numbers(cell))
 
 
-def check_versus_md(text: str, seeds: Mapping[str, dict], check: Checker) -> None:
-    """The rows of BENCHMARKS.md's across-seed comparison table against each seeds.json:
-    kNN-Per minus the named baseline, its interval and its verdict."""
-    heading = "### Across seeds: kNN-Per minus a baseline"
+def check_versus_md(text: str, seeds: Mapping[str, dict], check: Checker,
+                    heading: str = SEEDS_HEADING,
+                    tables: Mapping[str, str] = SEED_TABLES) -> None:
+    """The rows of BENCHMARKS.md's across-seed comparison table under `heading` against each
+    seeds.json: kNN-Per minus the named baseline, its interval and its verdict."""
+    heading = f"{heading}: kNN-Per minus a baseline"
     if heading not in text:
         return
     by_title = {v: k for k, v in TITLES.items()}
     _, rows = _markdown_table(text, heading)
     for table, group, stat, baseline, cell, verdict in rows:
-        summary = seeds.get(SEED_TABLES[table])
+        summary = seeds.get(tables[table])
         if summary is None:
             check.same(f"BENCHMARKS.md versus {table}", "a committed seeds.json", "none")
             continue
@@ -248,13 +263,15 @@ def main() -> int:
     check = Checker()
     fair = {name: check_table(FAIR / name, check) for name in FAIR_TABLES.values()}
     seeds = {}
-    for name in SEED_TABLES.values():
+    for name in (*SEED_TABLES.values(), *DEFAULT_SEED_TABLES.values()):
         if (SEEDS / name).is_dir():
             seeds[name] = check_seeds(SEEDS / name, check)
-    check_benchmarks_md((REPO / "BENCHMARKS.md").read_text(), fair,
-                        {k: v for k, v in seeds.items() if v}, check)
-    check_versus_md((REPO / "BENCHMARKS.md").read_text(), {k: v for k, v in seeds.items() if v},
-                    check)
+    text = (REPO / "BENCHMARKS.md").read_text()
+    found = {k: v for k, v in seeds.items() if v}
+    check_benchmarks_md(text, fair, check)
+    for heading, tables in ((SEEDS_HEADING, SEED_TABLES), (DEFAULT_HEADING, DEFAULT_SEED_TABLES)):
+        check_seeds_md(text, found, check, heading, tables)
+        check_versus_md(text, found, check, heading, tables)
     for line in check.mismatches:
         print(f"MISMATCH {line}")
     print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_runtime.knn import exact_search, interpolate, kernel_posterior, softmax
+from edge_runtime.knn import exact_search, kernel_posterior, softmax
 from edge_runtime.runtime import Runtime
 from experiments import benchmark_support as C
 from export.exporter import ExportSettings, export_run
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ds = rt.datastore
         sq, nb = exact_search(z, ds.keys(), ds.k)  # float query, keys as int8 x scale
         p_local = kernel_posterior(sq, ds.labels_[nb], ds.num_classes, ds.sigma, z.shape[1])
-        before = interpolate(p_local, softmax(logits), rt.lam).argmax(1)
+        before = rt.head.mix(p_local, softmax(logits)).argmax(1)
         counts["quantised_query_correct"] += int(np.sum(now == y))
         counts["float_query_correct"] += int(np.sum(before == y))
         counts["argmax_agree"] += int(np.sum(now == before))

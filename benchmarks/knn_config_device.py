@@ -20,7 +20,7 @@ from typing import Any
 
 from edge_runtime.arg_types import byte_count
 from experiments import benchmark_support as C
-from experiments.table_seeds import paired_bootstrap
+from experiments.table_seeds import paired_bootstrap, verdict
 from export.evaluation import evaluate_export
 from export.exporter import ExportSettings, apply_knn_choice, export_run
 from export.profiles import uniform_budgets
@@ -97,7 +97,8 @@ def summary(rows: list[dict], knn: dict[str, dict]) -> list[dict]:
 
 def tuned_minus_paper(rows: list[dict]) -> list[dict]:
     """Tuned minus paper per group and place: the difference of means (pp) with a paired
-    bootstrap 95% interval over clients (fed_train.seeds); 'inconclusive' where it holds 0."""
+    bootstrap 95% interval over clients (experiments.table_seeds); 'inconclusive' where it holds
+    0."""
     out = []
     for where in ("server", "device"):
         by_client: dict[int, dict] = {}
@@ -109,11 +110,9 @@ def tuned_minus_paper(rows: list[dict]) -> list[dict]:
             iv = paired_bootstrap([list(by_client.values())], group, "tuned", "paper", "mean")
             if iv is None:
                 continue
-            verdict = ("inconclusive" if iv["low"] <= 0 <= iv["high"] else
-                       "tuned ahead" if iv["low"] > 0 else "paper ahead")
             out.append({"where": where, "group": group, "diff_pp": 100 * iv["diff"],
                         "low_pp": 100 * iv["low"], "high_pp": 100 * iv["high"],
-                        "verdict": verdict})
+                        "verdict": verdict(iv, "tuned", "paper")})
     return out
 
 

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.encoder import Encoder
-from edge_runtime.knn import interpolate, softmax
+from edge_runtime.knn import softmax
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
 from experiments import benchmark_support as C
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 def torch_path(x: np.ndarray, rt: Runtime = rt) -> np.ndarray:
                     zq, logits = torch_logits(x)
-                    return interpolate(rt.datastore.predict_proba(zq), softmax(logits), rt.lam)
+                    return rt.head.predict_proba(zq, softmax(logits))
 
                 row = {"backend": backend, "recipe": manifest["backend"]["recipe"],
                        "keys": size, "stored": len(rt.datastore),

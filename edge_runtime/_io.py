@@ -26,6 +26,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .errors import one_line
+
 log = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
@@ -127,27 +129,50 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], *
         raise
 
 
+def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object], *,
+                      sync_dir: bool = True) -> None:
+    """`write_atomic` for a writer that takes a file name, not an open file (hnswlib's
+    save_index, a download): it writes a new unique temporary name beside `path` (created
+    first with O_EXCL, so no planted symlink is followed), which is fsynced and renamed over
+    `path`; on any failure the temporary file is removed."""
+    final = Path(path)
+    tmp = temp_path(final)
+    try:
+        open_exclusive(tmp).close()
+        write(tmp)
+        fsync_file(tmp)
+        replace_synced(tmp, final, sync_dir=sync_dir)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
     """Write `data` to `path` through a unique temporary file (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(data), sync_dir=sync_dir)
 
 
-def _numpy_to_json(value: object) -> object:
+def json_default(value: object) -> object:
+    """json.dumps' `default` for every file the project writes: numpy scalars and arrays as
+    Python numbers and lists, paths as strings."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):
         return value.tolist()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
-def to_json_types(obj: dict) -> dict:
-    """obj as JSON will give it back (numpy scalars to Python, tuples to lists)."""
-    return json.loads(json.dumps(obj, default=_numpy_to_json))
+def to_json_types(obj: Any) -> Any:
+    """obj as JSON will give it back (numpy scalars to Python, tuples to lists, keys to
+    strings): what a row or key read back from a file will be, so the two compare equal."""
+    return json.loads(json.dumps(obj, default=json_default))
 
 
 def write_json_atomic(path: str | os.PathLike, obj: dict, *, sync_dir: bool = True,
                       indent: int = 2) -> None:
-    text = json.dumps(obj, indent=indent, default=_numpy_to_json) + "\n"
+    text = json.dumps(obj, indent=indent, default=json_default) + "\n"
     write_bytes_atomic(path, text.encode("utf-8"), sync_dir=sync_dir)
 
 
@@ -411,7 +436,7 @@ def parse_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH, strict: bool = Tr
     except RecursionError:
         raise ValueError(f"is nested deeper than {max_depth} levels") from None
     except ValueError as exc:  # repeated keys, NaN, integers of more than 4300 digits
-        raise ValueError(f"is not usable JSON ({' '.join(str(exc).split())})") from None
+        raise ValueError(f"is not usable JSON ({one_line(exc)})") from None
     if json_depth(value) > max_depth:
         raise ValueError(f"is nested deeper than {max_depth} levels")
     return value

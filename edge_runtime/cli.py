@@ -50,7 +50,6 @@ from .datastores.recipes import describe_recipe
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .interrupt import INTERRUPTED
-from .knn import interpolate
 from .preprocess import is_one_sample
 from .runtime import Runtime, check_labels
 
@@ -166,7 +165,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true",
                    help="replace the bundle --out holds (it loses what `add` taught it)")
     spec = s.add_mutually_exclusive_group(required=True)
-    spec.add_argument("--like", help="take the input spec (and k, sigma) from this bundle")
+    spec.add_argument("--like", help="take the input spec (and k, sigma, and the server's "
+                      "pooled lambda rule where it ships one) from this bundle")
     spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
     s.add_argument("--k", type=k_neighbours, default=None,
                    help="neighbours of the kNN head (default: --like's, else 10)")
@@ -408,12 +408,13 @@ def cmd_evaluate(args) -> int:
             raise CLIError(f"{args.data}: labels must be a non-empty 1-D array, got [0]")
     rt = _runtime(args)
     correct = np.zeros(3, np.int64)  # kNN-Per, global model, datastore alone
+    head = rt.head
     for x, y in chunks:
         y = check_labels(y, y.shape[0], rt.num_classes)
         p_local, p_global = rt.components(x)
         if p_local.shape[0] != y.shape[0]:
             raise CLIError(f"{args.data}: {p_local.shape[0]} inputs but {y.shape[0]} labels")
-        for i, p in enumerate((interpolate(p_local, p_global, rt.lam), p_global, p_local)):
+        for i, p in enumerate((head.mix(p_local, p_global), p_global, p_local)):
             correct[i] += int(np.sum(p.argmax(1) == y))
     right = int(correct[0])
     acc_global, acc_local = (correct[1:] / count).tolist()
@@ -470,11 +471,13 @@ def _read_spec_file(path: str) -> dict:
 def cmd_init(args) -> int:
     from .bundle import read_manifest
     from .device_init import init_bundle
+    from .knn import CLIENT_RULE
+    from .manifest import lambda_rule_of
 
-    k, sigma = args.k, args.sigma
+    k, sigma, rule = args.k, args.sigma, CLIENT_RULE
     if args.like:
         like = read_manifest(args.like)
-        spec = like["input"]
+        spec, rule = like["input"], lambda_rule_of(like)
         k = like["k"] if k is None else k
         sigma = like["sigma"] if sigma is None else sigma
     else:
@@ -502,6 +505,7 @@ def cmd_init(args) -> int:
         client_id=args.client_id,
         update_strategy=args.strategy,
         intra_op_threads=args.threads,
+        lambda_rule=rule,
     )
     acc = "n/a" if report.val_accuracy is None else f"{100 * report.val_accuracy:.1f}%"
     fp = report.manifest["footprint"]

@@ -27,16 +27,8 @@ import numpy as np
 from .bundle import BundleError, write_bundle
 from .datastores import format_recipe, make_datastore, max_count_within, parse_recipe
 from .encoder import Encoder
-from .knn import (
-    CLIENT_RULE,
-    DEFAULT_K,
-    DEFAULT_SIGMA,
-    LambdaRule,
-    datastore_key,
-    interpolate,
-    softmax,
-    split_score,
-)
+from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule, datastore_key
+from .personal_head import ClientSplits, PersonalHead
 from .preprocess import prepare_input, validate_spec
 from .runtime import check_labels
 
@@ -112,25 +104,22 @@ def init_bundle(
     n_val = int(round(val_fraction * n_all)) if n_all >= 2 else 0
     n_val = min(n_val, n_all - 1)
     val, train = order[:n_val], order[n_val:]
-    p_global_val = softmax(logits[val])
+    splits = ClientSplits.from_logits(client_id, True, (z[train], logits[train], y[train]),
+                                      (z[val], logits[val], y[val]))
+    head = PersonalHead(num_classes, k=k, sigma=sigma, rule=lambda_rule)
 
     room = budget_bytes - encoder_bytes
     candidates = []
     for recipe in _candidate_recipes(recipes, num_classes, k, sigma, dim, room, seed, n_all):
         ds = make_datastore(recipe, num_classes, k, sigma, seed=seed)
         nbytes = ds.file_nbytes(min(ds.n, n_all), dim)  # ranked by files, as the exporter
-        if n_val:
-            ds.fit(z[train], y[train])
-            p_local = ds.predict_proba(z[val])
-            lam = lambda_rule.choose(p_local, p_global_val, y[val])
-            acc, nll = split_score(interpolate(p_local, p_global_val, lam), y[val])
-        else:
-            lam = lambda_rule.choose(np.zeros((0, 1)), np.zeros((0, 1)), y[val])
-            acc = nll = None
+        head.fit(splits, datastore=ds.fit(z[train], y[train]))
         candidates.append(
-            {"recipe": recipe, "lambda": lam, "val_accuracy": acc, "val_nll": nll, "nbytes": nbytes}
+            {"recipe": recipe, "lambda": head.lambda_, "val_accuracy": head.val_accuracy_,
+             "val_nll": head.val_nll_, "nbytes": nbytes}
         )
-        logger.info("candidate %s: lambda %.1f, validation accuracy %s", recipe, lam, acc)
+        logger.info("candidate %s: lambda %.1f, validation accuracy %s", recipe, head.lambda_,
+                    head.val_accuracy_)
     if not candidates:
         raise BundleError(
             f"the budget of {budget_bytes} bytes leaves {room} bytes after the encoder "

@@ -7,6 +7,8 @@ import os
 import numpy as np
 import onnxruntime as ort
 
+from .errors import one_line
+
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 # Metadata key the exporter sets on an encoder it saved already optimized by onnxruntime; such
 # an encoder is loaded with graph optimization off (session creation several times faster).
@@ -77,7 +79,8 @@ class Encoder:
                 z, logits = self.session.run(["embedding", "logits"], {self.input_name: chunk})
             except Exception as exc:
                 raise ValueError(
-                    f"encoder failed on input of shape {list(chunk.shape)}: {_first_line(exc)}"
+                    f"encoder failed on input of shape {list(chunk.shape)}: "
+                    f"{one_line(exc, first_line=True)}"
                 ) from None
             z, logits = np.asarray(z), np.asarray(logits)
             n = chunk.shape[0]
@@ -111,7 +114,8 @@ def _session(source: str | bytes, options: ort.SessionOptions, name: str):
             source, sess_options=options, providers=["CPUExecutionProvider"]
         )
     except Exception as exc:  # onnxruntime raises its own exception types
-        raise ValueError(f"cannot load {name} as an ONNX model: {_first_line(exc)}") from None
+        raise ValueError(f"cannot load {name} as an ONNX model: "
+                         f"{one_line(exc, first_line=True)}") from None
 
 
 def optimize_encoder(model: bytes) -> bytes:
@@ -134,8 +138,3 @@ def optimize_encoder(model: bytes) -> bytes:
     for key, value in {OPTIMIZED_KEY: "extended", "onnxruntime": ort.__version__}.items():
         proto.metadata_props.add(key=key, value=value)
     return proto.SerializeToString()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

@@ -4,9 +4,14 @@ message, so a caller (or the CLI) catches one type and prints one line."""
 from __future__ import annotations
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception's message on one line (its type's name when it has none)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
+def one_line(exc: BaseException, *, first_line: bool = False) -> str:
+    """An exception's message on one line (its type's name when it has none): its lines joined,
+    or with `first_line` the first alone (onnxruntime's and torch's messages run on for a
+    screen after the line that names the problem)."""
+    text = str(exc).strip()
+    if first_line and text:
+        text = text.splitlines()[0]
+    return " ".join(text.split()) or type(exc).__name__
 
 
 class BundleError(ValueError):

@@ -231,18 +231,6 @@ def estimator_evidence(estimator: str, p_knn_val: np.ndarray, p_global_val: np.n
     return p_knn_val, p_global_val, y_val
 
 
-def estimate_lambda(estimator: str, p_knn_val: np.ndarray, p_global_val: np.ndarray,
-                    y_val: np.ndarray, loo: Posteriors | None = None,
-                    grid: tuple[float, ...] = LAMBDA_GRID,
-                    rule: LambdaRule | None = None) -> float:
-    """A client's lambda: `rule` (the client's own evidence by default) applied to the samples
-    `estimator` judges on (`estimator_evidence`)."""
-    rule = LambdaRule(grid=tuple(grid)) if rule is None else rule
-    if tuple(rule.grid) != tuple(grid):
-        raise ValueError("the lambda rule's grid differs from the grid asked for")
-    return rule.choose(*estimator_evidence(estimator, p_knn_val, p_global_val, y_val, loo))
-
-
 def leave_one_out_posteriors(keys: np.ndarray, labels: np.ndarray, num_classes: int, k: int,
                              sigma: float) -> np.ndarray | None:
     """Each stored key's kNN posterior from the other stored keys (None with fewer than two):

@@ -17,7 +17,7 @@ import numpy as np
 from ._io import parse_json, read_regular
 from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
 from .errors import BundleError
-from .knn import LAMBDA_RULES, k_sigma_problem
+from .knn import CLIENT_RULE, LAMBDA_RULES, LambdaRule, k_sigma_problem
 from .preprocess import validate_spec
 
 FORMAT = "knnper-bundle"
@@ -121,7 +121,47 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
     _validate_files(manifest["files"], manifest["backend"]["name"], fail)
     if "knn_choice" in manifest:
         _validate_knn_choice(manifest, fail)
+    if "lambda_rule" in manifest:
+        _lambda_rule(manifest, fail)
     return manifest
+
+
+# A lambda grid longer than this is not one a server chooses from (LAMBDA_GRID has 7 values).
+MAX_LAMBDA_GRID = 64
+
+
+def _lambda_rule(manifest: dict, fail) -> LambdaRule:
+    """The manifest's pooled lambda rule (LambdaRule.to_dict()'s data: what `init --like`
+    chooses a new device's lambda with), checked before anything is built from it."""
+    rule = manifest["lambda_rule"]
+    if not isinstance(rule, dict) or sorted(rule) != ["grid", "name", "pooled",
+                                                      "prior_samples"]:
+        raise fail("'lambda_rule' must be an object with keys name, pooled, prior_samples, grid")
+    grid, pooled = rule["grid"], rule["pooled"]
+    if (not isinstance(grid, list) or not 1 <= len(grid) <= MAX_LAMBDA_GRID
+            or not isinstance(pooled, list) or len(pooled) not in (0, len(grid))
+            or not all(isinstance(r, list) and len(r) == 3 and all(map(_is_num, r))
+                       for r in pooled)
+            or not all(map(_is_num, grid)) or not _is_num(rule["prior_samples"])
+            or not isinstance(rule["name"], str)):
+        raise fail(f"'lambda_rule' needs a grid of 1 to {MAX_LAMBDA_GRID} numbers and a "
+                   "(correct, log-loss sum, samples) row of numbers per grid value")
+    try:
+        parsed = LambdaRule.from_dict(rule)
+    except ValueError as exc:
+        raise fail(f"'lambda_rule': {exc}") from None
+    named = manifest.get("knn_choice", {}).get("lambda_rule", {}).get("value", parsed.name)
+    if named != parsed.name:
+        raise fail(f"'lambda_rule' is {parsed.name!r} but 'knn_choice' says {named!r}")
+    return parsed
+
+
+def lambda_rule_of(manifest: dict) -> LambdaRule:
+    """How a bundle's lambda was chosen from validation evidence: its pooled rule, or each
+    client's own evidence (the paper's) where it records none. `manifest` is validated."""
+    if "lambda_rule" not in manifest:
+        return CLIENT_RULE
+    return _lambda_rule(manifest, BundleError)
 
 
 KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
@@ -243,7 +283,7 @@ def read_manifest(bundle_dir: str | os.PathLike) -> dict:
 
 
 _COMPUTED_KEYS = ("format", "version", "backend", "footprint", "files")
-_OPTIONAL_FIELDS = ("knn_choice",)
+_OPTIONAL_FIELDS = ("knn_choice", "lambda_rule")
 _ALLOWED_FIELDS = set(_SCHEMA) | set(_COMPUTED_KEYS) | set(_OPTIONAL_FIELDS)
 
 

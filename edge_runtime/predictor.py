@@ -18,7 +18,8 @@ import numpy as np
 import onnxruntime as ort
 
 from .datastores.common import WORK_CELLS
-from .encoder import _first_line, _session, _session_options
+from .encoder import _session, _session_options
+from .errors import one_line
 from .predictor_graph import build_predictor
 
 # A run's intermediates must fit in the 2 MiB a bundle's memory may pass its budget by (with
@@ -111,4 +112,4 @@ class Predictor:
         try:
             return self.session.run(outputs, feeds)
         except Exception as exc:  # onnxruntime raises its own exception types
-            raise ValueError(f"the predictor failed: {_first_line(exc)}") from None
+            raise ValueError(f"the predictor failed: {one_line(exc, first_line=True)}") from None

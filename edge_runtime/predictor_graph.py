@@ -36,7 +36,8 @@ from .knn import QUERY_LEVELS
 OPSET = 17
 ENCODER_INPUT = "knnper/encoder_input"
 SAMPLE_MODES = ("constant", "portable", "stored")
-BACKENDS = ("flat", "protonn")
+# the datastore backends with an ONNX form: an HNSW search is a graph walk, not tensor ops
+GRAPH_BACKENDS = ("flat", "protonn")
 
 
 class _Graph:
@@ -93,7 +94,7 @@ def build_predictor(
     ProtoNN), and the encoder's own "embedding" and "logits"."""
     if samples not in SAMPLE_MODES:
         raise ValueError(f"samples must be one of {SAMPLE_MODES}, got {samples!r}")
-    if datastore.backend not in BACKENDS:
+    if datastore.backend not in GRAPH_BACKENDS:
         raise ValueError(
             f"a {datastore.backend} datastore has no ONNX form (an HNSW search is a graph "
             "walk); export the client with a flat or protonn datastore"

@@ -54,8 +54,9 @@ from .bundle import (
 )
 from .datastores import max_count_within
 from .encoder import Encoder
-from .knn import interpolate, softmax
+from .knn import softmax
 from .locking import DEFAULT_LOCK_TIMEOUT
+from .personal_head import PersonalHead
 from .predictor import Predictor
 from .preprocess import prepare_checked, raw_checked, validate_spec
 from .threads import DEFAULT_THREADS, BlasThreads
@@ -160,6 +161,11 @@ class Runtime:
         return float(self.manifest["lambda"])
 
     @property
+    def head(self) -> PersonalHead:
+        """The bundle's personal head: its datastore and lambda over the encoder's outputs."""
+        return PersonalHead.fitted(self.num_classes, self.datastore, self.lam)
+
+    @property
     def input_spec(self) -> dict:
         return self.manifest["input"]
 
@@ -198,15 +204,16 @@ class Runtime:
         if z.shape[0] == 0:
             empty = np.zeros((0, self.num_classes))
             return empty, empty
+        head = self.head
         with self._blas_threads():
-            return self.datastore.predict_proba(z), softmax(logits)
+            return head.local_proba(z), head.base_proba(z, softmax(logits))
 
     def posterior(self, z: np.ndarray, logits: np.ndarray) -> np.ndarray:
         """kNN-Per from encoder outputs: lambda * p_local + (1 - lambda) * softmax(logits)."""
         if z.shape[0] == 0:
             return np.zeros((0, self.num_classes))
         with self._blas_threads():
-            return interpolate(self.datastore.predict_proba(z), softmax(logits), self.lam)
+            return self.head.predict_proba(z, softmax(logits))
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """One sample or a batch of raw inputs -> [N, C] float64 probabilities."""

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from edge_runtime._io import read_json_cache, write_json_atomic
+from edge_runtime._io import read_json_cache, to_json_types, write_json_atomic
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import (
     ClientData,
@@ -32,7 +32,7 @@ from fed_train.algorithms.base import (
 )
 from fed_train.algorithms.fedrep import FedRep
 from fed_train.algorithms.pfedgp import PFedGP
-from fed_train.evaluation import client_accuracies, plain_json, summarize
+from fed_train.evaluation import client_accuracies, summarize
 from fed_train.knn_tuning import (
     base_probs_of,
     client_rows,
@@ -94,7 +94,7 @@ def body_rows(runner: TableRunner, body: str, lr: float, *, lambda_estimator: st
         return cached["result"]
     result = _body_rows(runner, body, lr, lambda_estimator, heads, progress)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(cache, {"identity": identity, "result": plain_json(result)})
+    write_json_atomic(cache, {"identity": identity, "result": to_json_types(result)})
     return result
 
 

@@ -15,7 +15,15 @@ from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp, tally
 from experiments.report import finish_axes, fit_y, pyplot, save_figure
 from experiments.spec import ALPHA, Claim, Experiment, Grid, Measured, Result, format_alpha
-from experiments.views import client_views, fedavg_rows, knn_outcome, row, summary_fields
+from experiments.views import (
+    accuracy_on_test,
+    client_views,
+    fedavg_rows,
+    knn_head,
+    pooled_heads,
+    row,
+    summary_fields,
+)
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights, set_weights
 from fed_train.simulation import checkpoint_round, load_checkpoint, simulate
@@ -47,13 +55,15 @@ def checkpoint_point(ctx: Context, alpha: float, path: Path) -> dict[str, Any]:
     # model's quality moves kNN-Per with the kNN part held fixed
     choice = ctx.knn_choice(alpha)
     views = client_views(model, run.clients(), normalize=choice.config.normalize)
-    knn_only, tuned = [], []
-    for view in views:
-        outcome = knn_outcome(view, run.dataset.num_classes, k=choice.config.k,
-                              sigma=choice.config.sigma, capacity=1.0, seed=ctx.seed,
-                              estimator=choice.lambda_estimator)
-        knn_only.append(row(view, outcome.accuracy(view, lam=1.0)))
-        tuned.append(row(view, outcome.accuracy(view), **{"lambda": outcome.lam}))
+    heads = pooled_heads(views, [
+        knn_head(view, run.dataset.num_classes, k=choice.config.k, sigma=choice.config.sigma,
+                 capacity=1.0, seed=ctx.seed, estimator=choice.lambda_estimator,
+                 l2=choice.l2 if choice.base == "linear" else None) for view in views],
+        choice.lambda_rule.name)
+    knn_only = [row(view, accuracy_on_test(head.with_lambda(1.0), view))
+                for view, head in zip(views, heads, strict=True)]
+    tuned = [row(view, accuracy_on_test(head, view), **{"lambda": head.lambda_})
+             for view, head in zip(views, heads, strict=True)]
     means = {name: summary_fields(rows)["all_mean"]
              for name, rows in (("fedavg", fedavg_rows(views)), ("knn_only", knn_only),
                                 ("knnper", tuned))}

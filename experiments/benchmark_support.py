@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
+from edge_runtime.arg_types import positive_int
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import make_datastore, parse_recipe
 from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
@@ -378,13 +379,6 @@ def write_benchmark_bundle(out_dir: Path, encoder: Path, datastore: Any, spec: d
 
 def recipe_label(recipe: str) -> str:
     return parse_recipe(recipe)[0]
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"must be >= 1, got {text}")
-    return value
 
 
 def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from experiments.spec import (
     Result,
     format_alpha,
 )
-from experiments.views import fedavg_rows, knnper_rows, summary_fields
+from experiments.views import choice_rows, fedavg_rows, summary_fields
 
 NAME = "capacity"
 SUMMARY = ("all_mean", "all_bottom_decile", "seen_mean", "unseen_mean", "unseen_clients")
@@ -36,9 +36,8 @@ def capacity_point(ctx: Context, alpha: float, capacity: float) -> dict[str, Any
         rows = fedavg_rows(views)
     else:
         choice = ctx.knn_choice(alpha)
-        rows = knnper_rows(views, ctx.num_classes(alpha), k=choice.config.k,
-                           sigma=choice.config.sigma, seed=ctx.seed, capacity=capacity,
-                           estimator=choice.lambda_estimator)
+        rows = choice_rows(views, ctx.num_classes(alpha), choice, seed=ctx.seed,
+                           capacity=capacity)
     return {"rows": rows, **summary_fields(rows)}
 
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.personal_head import ClientSplits
 from experiments.points import PointStore
 from experiments.spec import format_alpha
 from experiments.table_seeds import seed_dir
-from experiments.views import ClientView, client_views
+from experiments.views import client_views
 from fed_train.algorithms.base import TrainingConfig
-from fed_train.errors import KnnperError
 from fed_train.knn_choice import KNNChoice, load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.run import MODEL_FILE, LoadedRun, RunConfig, load_run, train
@@ -49,18 +49,15 @@ class Context:
     client_batch: int = 1
     seed_folders: bool = False  # one of several seeds (`--seeds`): its own files in seed_S/
     _runs: dict[str, LoadedRun] = field(default_factory=dict)
-    _views: dict[str, list[ClientView]] = field(default_factory=dict)
+    _views: dict[str, list[ClientSplits]] = field(default_factory=dict)
     _choices: dict[str, KNNChoice] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # The experiments' kNN pipeline (experiments.views) is the paper's: the kNN interpolated
-        # with the global model, lambda from each client's own evidence. Those two are pinned
-        # here; the other bases and rules are compared by benchmarks/lambda_rules.py.
-        if self.knn.base not in (None, "global") or self.knn.lambda_rule not in (None, "client"):
-            raise KnnperError("the experiments run kNN-Per with --base global and --lambda-rule "
-                              "client (the paper's); compare the others with "
-                              "benchmarks/lambda_rules.py or `knnper bench table`")
-        self.knn = replace(self.knn, base="global", lambda_rule="client")
+        # The experiments' kNN pipeline defaults to the paper's: the kNN interpolated with the
+        # global model, lambda from each client's own evidence (what their claims are about);
+        # --base and --lambda-rule run them with the project's other settings.
+        self.knn = replace(self.knn, base=self.knn.base or "global",
+                           lambda_rule=self.knn.lambda_rule or "client")
 
     @property
     def seed(self) -> int:
@@ -104,7 +101,7 @@ class Context:
     def sigma(self) -> float:
         return self.knn_choice().config.sigma
 
-    def views(self, alpha: float | None = None) -> list[ClientView]:
+    def views(self, alpha: float | None = None) -> list[ClientSplits]:
         """Every client's embeddings under the final global model of run(alpha), normalised as
         that run's kNN-Per configuration says."""
         name = config_id(self.config_for(alpha))

@@ -46,7 +46,7 @@ import numpy as np
 from edge_runtime.bundle import UPDATE_STRATEGIES
 from edge_runtime.datastores import format_recipe, make_datastore, parse_recipe
 from edge_runtime.encoder import Encoder
-from edge_runtime.knn import choose_lambda, softmax
+from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
 from experiments import benchmark_support as C
@@ -162,7 +162,7 @@ def run_client(run: Any, cid: int, seed: int, encoder_path: Path, encoder: Encod
     split = run.partition.clients[cid]
     rng = np.random.default_rng([seed, cid])
     x_tr, y_tr = ds_.x_train[split.train], ds_.y_train[split.train].astype(np.int64)
-    z_tr, _ = encoder.run(prepare_input(x_tr, spec))
+    z_tr, logits_tr = encoder.run(prepare_input(x_tr, spec))
     name, params = parse_recipe(args.recipe)
     if name == "protonn":
         datastore = C.build_datastore(args.recipe, z_tr, y_tr, num_classes, seed=seed,
@@ -173,12 +173,15 @@ def run_client(run: Any, cid: int, seed: int, encoder_path: Path, encoder: Encod
             params["n"] = args.capacity
         datastore = make_datastore(format_recipe(name, params), num_classes,
                                    seed=seed).fit(z_tr, y_tr)
-    if args.lam == "val" and len(split.val):
-        z_val, logits_val = encoder.run(prepare_input(ds_.x_train[split.val], spec))
-        lam = choose_lambda(datastore.predict_proba(z_val), softmax(logits_val),
-                            ds_.y_train[split.val])
+    if args.lam == "val":
+        val = None
+        if len(split.val):
+            x_val = prepare_input(ds_.x_train[split.val], spec)
+            val = (*encoder.run(x_val), ds_.y_train[split.val])
+        splits = ClientSplits.from_logits(cid, False, (z_tr, logits_tr, y_tr), val)
+        lam = PersonalHead(num_classes).fit(splits, datastore=datastore).lambda_
     else:
-        lam = 0.5 if args.lam == "val" else float(args.lam)
+        lam = float(args.lam)
     dim, store = datastore.embedding_dim_, datastore.sample_store()
     budget = (encoder_path.stat().st_size + (1 << 12)
               + store.estimate_nbytes(len(store) + args.steps * args.batch, dim))

@@ -28,7 +28,7 @@ from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, paired, pp, unit
 from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import DELTA_C, Claim, Experiment, Grid, Measured, Result
-from experiments.views import knnper_rows
+from experiments.views import choice_rows
 from export.errors import BudgetInvalid
 from export.evaluation import evaluate_export, weighted_mean
 from export.exporter import (
@@ -70,9 +70,8 @@ def _group_means(rows: list[dict], weak: set[int]) -> dict[str, Any]:
 def fraction_point(ctx: Context, delta_c: float) -> dict[str, Any]:
     views = ctx.views()
     ids = [v.client_id for v in views]
-    rows = knnper_rows(views, ctx.num_classes(), k=ctx.k, sigma=ctx.sigma, seed=ctx.seed,
-                       capacity=_shares(ids, delta_c, ctx.seed),
-                       estimator=ctx.knn_choice().lambda_estimator)
+    rows = choice_rows(views, ctx.num_classes(), ctx.knn_choice(), seed=ctx.seed,
+                       capacity=_shares(ids, delta_c, ctx.seed))
     plain = [{"client_id": r["client_id"], "unseen": r["unseen"], "test_samples": r["n_test"],
               "test_accuracy": r["accuracy"], "lambda": r["info"]["lambda"],
               "stored": r["info"]["datastore_size"]} for r in rows]

@@ -13,7 +13,7 @@ from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp
 from experiments.report import finish_axes, pyplot, save_figure
 from experiments.spec import NEIGHBOURS, POSITIVE, Claim, Experiment, Grid, Measured, Result
-from experiments.views import knnper_rows, summary_fields
+from experiments.views import choice_rows, summary_fields
 
 NAME = "k-sigma"
 # What "not sensitive" means in the claims: the paper's "less than 0.2 pp" for k, and for sigma
@@ -22,8 +22,8 @@ FLAT_PP = 0.2
 
 
 def grid_point(ctx: Context, k: int, sigma: float) -> dict[str, Any]:
-    rows = knnper_rows(ctx.views(), ctx.num_classes(), k=k, sigma=sigma, seed=ctx.seed,
-                       estimator=ctx.knn_choice().lambda_estimator)
+    rows = choice_rows(ctx.views(), ctx.num_classes(), ctx.knn_choice(), seed=ctx.seed, k=k,
+                       sigma=sigma)
     return {"rows": rows, **summary_fields(rows)}
 
 

@@ -1,7 +1,8 @@
-"""Margins for the experiments' verdicts. A claim is called "agree" or "disagree" only where its
-effect clears its margin: a 95% bootstrap interval over clients that excludes the claim's
-threshold, or, for the on-device stream, an effect beyond two standard errors over the
-(seed, client) streams. Anything closer is "inconclusive".
+"""Margins for every verdict the project prints. A claim is called "agree" or "disagree" only
+where its effect clears its margin: a 95% bootstrap interval over clients that excludes the
+claim's threshold, or, for the on-device stream, an effect beyond two standard errors over the
+(seed, client) streams. Anything closer is "inconclusive". The across-seed tables
+(experiments.table_seeds) use the same bootstrap and call, in their own words ("knnper ahead").
 
 Rows from several seeds (a `seed` column, `knnper experiment --seeds N`) are pooled: a client is
 (seed, client id), and the bootstrap resamples clients within their own seed, since each seed is
@@ -28,38 +29,50 @@ def _total(sample: Sample) -> int:
     return sample if isinstance(sample, int) else sum(sample)
 
 
-def resample(rng: np.random.Generator, sample: Sample) -> np.ndarray:
+def resample(rng: np.random.Generator, sample: Sample, draws: tuple[int, ...] = ()) -> np.ndarray:
     """Indices drawn with replacement, each stratum's from its own block: a seed's clients are
-    only ever replaced by clients of the same seed. One stratum draws exactly as a plain size."""
+    only ever replaced by clients of the same seed. One stratum draws exactly as a plain size.
+    `draws`: that many resamples at once, one per row (each stratum's block drawn whole)."""
     if isinstance(sample, int):
-        return rng.integers(0, sample, sample)
+        return rng.integers(0, sample, (*draws, sample))
     starts = np.cumsum([0, *sample])
-    return np.concatenate([np.zeros(0, dtype=np.int64)]
-                          + [start + rng.integers(0, n, n)
-                             for start, n in zip(starts[:-1], sample, strict=True) if n])
+    return np.concatenate([np.zeros((*draws, 0), dtype=np.int64)]
+                          + [start + rng.integers(0, n, (*draws, n))
+                             for start, n in zip(starts[:-1], sample, strict=True) if n],
+                          axis=-1)
 
 
-def interval(effect: Callable[[list[np.ndarray]], float], sizes: Sequence[Sample], *,
-             draws: int = DRAWS, seed: int = 0) -> dict[str, float]:
+def interval(effect: Callable[[list[np.ndarray]], Any], sizes: Sequence[Sample], *,
+             draws: int = DRAWS, seed: int = 0, batched: bool = False) -> dict[str, float]:
     """The effect on the data as measured and its 95% bootstrap interval. `sizes` are the
     independent samples (one per separately partitioned run; an Aligned's `strata` where its rows
     come from several seeds): each draw resamples every one of them with replacement and passes
-    the index arrays to `effect`."""
+    the index arrays to `effect`. A `batched` effect gets every draw at once instead (index
+    arrays [draws, n], each sample's drawn whole in turn) and returns one value per draw, so
+    thousands of draws cost a few array operations; it must give the same value on one draw's
+    1-D arrays (the point estimate). One sample draws the same indices either way."""
     point = effect([np.arange(_total(n)) for n in sizes])
     rng = np.random.default_rng(seed)
-    samples = np.array([effect([resample(rng, n) for n in sizes]) for _ in range(draws)],
-                       dtype=float)
+    if batched:
+        samples = np.asarray(effect([resample(rng, n, (draws,)) for n in sizes]), dtype=float)
+    else:
+        samples = np.array([effect([resample(rng, n) for n in sizes]) for _ in range(draws)],
+                           dtype=float)
     low, high = np.nanpercentile(samples, [2.5, 97.5])
     return {"effect": float(point), "low": float(low), "high": float(high)}
 
 
-def call(iv: Mapping[str, float], threshold: float = 0.0, *, above: bool = True) -> str:
-    """The claim "effect > threshold" (or "< threshold" with above=False), from its interval."""
+def call(iv: Mapping[str, float], threshold: float = 0.0, *, above: bool = True,
+         words: tuple[str, str, str] = (AGREE, DISAGREE, INCONCLUSIVE)) -> str:
+    """The claim "effect > threshold" (or "< threshold" with above=False), from its interval:
+    words[0] where the interval bears the claim out, words[1] where it contradicts it, words[2]
+    where it holds the threshold (the across-seed tables name the method ahead instead)."""
+    agree, disagree, neither = words
     if iv["low"] > threshold:
-        return AGREE if above else DISAGREE
+        return agree if above else disagree
     if iv["high"] < threshold:
-        return DISAGREE if above else AGREE
-    return INCONCLUSIVE
+        return disagree if above else agree
+    return neither
 
 
 def two_se(values: Sequence[float], threshold: float = 0.0) -> tuple[dict[str, float], str]:
@@ -91,6 +104,15 @@ def pp(iv: Mapping[str, float], scale: float = 100.0, unit: str = " pp") -> str:
         return f"{scale * iv['effect']:+.2f}{unit} (2 SE {2 * scale * iv['se']:.2f})"
     return (f"{scale * iv['effect']:+.2f}{unit} [{scale * iv['low']:+.2f}, "
             f"{scale * iv['high']:+.2f}]")
+
+
+def statistic(values: np.ndarray, weights: np.ndarray, stat: str) -> np.ndarray:
+    """Along the last axis: the mean weighted by test size ("mean"), or the bottom decile
+    ("bottom_decile", evaluation.bottom_decile's ceil(M/10)-th worst client)."""
+    if stat == "mean":
+        return (values * weights).sum(-1) / weights.sum(-1)
+    k = int(np.ceil(values.shape[-1] / 10)) - 1
+    return np.sort(values, axis=-1)[..., k]
 
 
 def unit(row: Mapping[str, Any]) -> tuple[Any, int]:
@@ -128,13 +150,11 @@ class Aligned:
 
     def means(self, idx: np.ndarray) -> np.ndarray:
         """Test-size-weighted mean of each point over the clients `idx`."""
-        w = self.weights[idx]
-        return (self.values[:, idx] * w).sum(1) / w.sum()
+        return statistic(self.values[:, idx], self.weights[idx], "mean")
 
     def bottom_deciles(self, idx: np.ndarray) -> np.ndarray:
         """Each point's ceil(M/10)-th worst client (evaluation.bottom_decile) over `idx`."""
-        k = int(np.ceil(len(idx) / 10)) - 1
-        return np.sort(self.values[:, idx], axis=1)[:, k]
+        return statistic(self.values[:, idx], self.weights[idx], "bottom_decile")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edge_runtime._io import parse_json, read_regular
+from edge_runtime._io import json_default, parse_json, read_regular, to_json_types
 from fed_train.errors import KnnperError
 
 log = logging.getLogger(__name__)
@@ -72,16 +72,11 @@ class PointStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(("\n" if self._torn_end else "")
-                    + json.dumps({"key": key, "record": record}, default=_plain) + "\n")
+                    + json.dumps({"key": key, "record": record}, default=json_default) + "\n")
             f.flush()
             os.fsync(f.fileno())
         self._torn_end = False
-        self._done[_key(key)] = json.loads(json.dumps(record, default=_plain))
+        self._done[_key(key)] = to_json_types(record)
         self.on_point(True)
         return self._done[_key(key)]
 
-
-def _plain(value: Any) -> Any:
-    if hasattr(value, "item"):  # numpy scalars
-        return value.item()
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")

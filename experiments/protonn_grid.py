@@ -41,7 +41,7 @@ import numpy as np
 
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
-from edge_runtime.knn import choose_lambda, interpolate, softmax
+from edge_runtime.personal_head import PersonalHead
 from experiments import benchmark_support as C
 from experiments.report import fit_y
 from export.errors import BudgetInvalid
@@ -117,41 +117,32 @@ def train_smoke_run(out: Path) -> Path:
 
 
 class ClientCase:
-    """One client's embeddings from the int8 encoder (train, validation, test) and the bytes
-    of its full float32 flat datastore."""
+    """One client's splits through the int8 encoder (train, validation, test) and the bytes of
+    its full float32 flat datastore."""
 
     def __init__(self, encoder: Encoder, client: Any, num_classes: int, k: int,
                  sigma: float) -> None:
         self.client = client
-        self.data = client_embeddings(encoder, client)
-        self.y_test = client.y_test.numpy()
-        if len(self.y_test):
-            self.z_test, self.logits_test = encoder.run(client.x_test.numpy())
-        else:
-            self.z_test = self.logits_test = None
+        self.data = client_embeddings(encoder, client, test=True)
+        self.head = PersonalHead(num_classes, k=k, sigma=sigma)
         full = FlatDatastore(num_classes, k=k, sigma=sigma).fit(self.data.z_train,
                                                                  self.data.y_train)
         self.full_bytes = measure_nbytes(full)
 
     def test_accuracy(self, datastore: Any, lam: float) -> float:
-        if self.z_test is None:
-            return float("nan")
-        p = interpolate(datastore.predict_proba(self.z_test),
-                        softmax(self.logits_test.astype(np.float64)), lam)
-        return float(np.mean(p.argmax(axis=1) == self.y_test))
+        return self._accuracy(datastore, lam, "test")
 
     def val_accuracy(self, datastore: Any, lam: float) -> float:
-        if len(self.data.y_val) == 0:
-            return float("nan")
-        p = interpolate(datastore.predict_proba(self.data.z_val),
-                        softmax(self.data.logits_val.astype(np.float64)), lam)
-        return float(np.mean(p.argmax(axis=1) == self.data.y_val))
+        return self._accuracy(datastore, lam, "val")
+
+    def _accuracy(self, datastore: Any, lam: float, split: str) -> float:
+        head = PersonalHead.fitted(self.head.num_classes, datastore, lam)
+        acc = head.accuracy(getattr(self.data, f"z_{split}"), getattr(self.data, f"p_{split}"),
+                            getattr(self.data, f"y_{split}"))
+        return float("nan") if acc is None else acc
 
     def lambda_on_validation(self, datastore: Any) -> float:
-        if len(self.data.y_val) == 0:
-            return 0.5
-        return choose_lambda(datastore.predict_proba(self.data.z_val),
-                             softmax(self.data.logits_val.astype(np.float64)), self.data.y_val)
+        return self.head.fit(self.data, datastore=datastore).lambda_
 
 
 def budget_curve(cases: list[ClientCase], fractions: list[str], space: SearchSpace,
@@ -167,7 +158,7 @@ def budget_curve(cases: list[ClientCase], fractions: list[str], space: SearchSpa
         for case in cases:
             room = int(math.floor(f * case.full_bytes))
             base = {"fraction": text, "client_id": case.client.client_id,
-                    "unseen": case.client.unseen, "test_samples": int(len(case.y_test)),
+                    "unseen": case.client.unseen, "test_samples": int(len(case.data.y_test)),
                     "room_bytes": room, "full_bytes": case.full_bytes}
             try:
                 sizer.fit(case.data, room)
@@ -235,7 +226,7 @@ def protonn_grid(cases: list[ClientCase], dims: list[int], fractions: list[float
                 lam = case.lambda_on_validation(ds)
                 per_client.append({"client_id": case.client.client_id,
                                    "test_accuracy": case.test_accuracy(ds, lam),
-                                   "test_samples": int(len(case.y_test)),
+                                   "test_samples": int(len(case.data.y_test)),
                                    "val_accuracy": case.val_accuracy(ds, lam),
                                    "val_samples": int(len(case.data.y_val)),
                                    "ratio": measure_nbytes(ds) / case.full_bytes})
@@ -406,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         args.k, args.sigma, args.seed)
     grid_reference = weighted_mean(
         [{"test_accuracy": c.test_accuracy(full, c.lambda_on_validation(full)),
-          "test_samples": len(c.y_test)}
+          "test_samples": len(c.data.y_test)}
          for c in grid_cases
          for full in [FlatDatastore(num_classes, k=args.k, sigma=args.sigma).fit(
              c.data.z_train, c.data.y_train)]])

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from fed_train.evaluation import plain_json
+from edge_runtime._io import to_json_types
+from experiments.margins import INCONCLUSIVE, call, interval, statistic
 
 GROUPS = ("seen", "unseen")
 STATS = ("mean", "bottom_decile")
@@ -33,15 +34,6 @@ SEEDS_FILE = "seeds.json"
 
 def seed_dir(out: Path, seed: int) -> Path:
     return Path(out) / f"seed_{seed}"
-
-
-def _statistic(acc: np.ndarray, weights: np.ndarray, stat: str) -> np.ndarray:
-    """Mean weighted by test size, or the bottom decile (evaluation.bottom_decile's
-    ceil(M/10)-th worst client), along the last axis, so bootstrap draws stay vectorised."""
-    if stat == "mean":
-        return (acc * weights).sum(-1) / weights.sum(-1)
-    k = int(np.ceil(acc.shape[-1] / 10)) - 1
-    return np.sort(acc, axis=-1)[..., k]
 
 
 def _paired_arrays(clients: Sequence[Mapping[str, Any]], group: str, a: str,
@@ -57,19 +49,19 @@ def paired_bootstrap(per_seed: Sequence[Sequence[Mapping[str, Any]]], group: str
                      seed: int = 0) -> dict[str, float] | None:
     """Method a minus method b: the point estimate (the average over seeds of the per-seed
     difference of `stat`) and its paired bootstrap 95% interval, resampling each seed's clients
-    with replacement. None when a seed has fewer than MIN_CLIENTS clients with both accuracies."""
-    rng = np.random.default_rng(seed)
-    point, boot = [], []
-    for clients in per_seed:
-        acc_a, acc_b, w = _paired_arrays(clients, group, a, b)
-        if len(w) < MIN_CLIENTS:
-            return None
-        point.append(float(_statistic(acc_a, w, stat) - _statistic(acc_b, w, stat)))
-        idx = rng.integers(0, len(w), size=(draws, len(w)))
-        boot.append(_statistic(acc_a[idx], w[idx], stat) - _statistic(acc_b[idx], w[idx], stat))
-    samples = np.mean(boot, axis=0)
-    low, high = np.percentile(samples, [2.5, 97.5])
-    return {"diff": float(np.mean(point)), "low": float(low), "high": float(high)}
+    with replacement (margins.interval, every draw at once). None when a seed has fewer than
+    MIN_CLIENTS clients with both accuracies."""
+    paired = [_paired_arrays(clients, group, a, b) for clients in per_seed]
+    if any(len(w) < MIN_CLIENTS for _, _, w in paired):
+        return None
+
+    def difference(idx: list[np.ndarray]) -> np.ndarray:
+        return np.mean([statistic(acc_a[i], w[i], stat) - statistic(acc_b[i], w[i], stat)
+                        for (acc_a, acc_b, w), i in zip(paired, idx, strict=True)], axis=0)
+
+    iv = interval(difference, [len(w) for _, _, w in paired], draws=draws, seed=seed,
+                  batched=True)
+    return {"diff": iv["effect"], "low": iv["low"], "high": iv["high"]}
 
 
 def across_seeds(results: Sequence[Mapping[str, Any]], methods: Sequence[str],
@@ -113,9 +105,9 @@ def compare_to_each(results: Sequence[Mapping[str, Any]], spread: Mapping[str, A
         for stat in STATS:
             out[group][stat] = {}
             for baseline in baselines:
-                interval = paired_bootstrap(clients, group, method, baseline, stat)
-                out[group][stat][baseline] = {**(interval or {}),
-                                              "verdict": verdict(interval, method, baseline)}
+                iv = paired_bootstrap(clients, group, method, baseline, stat)
+                out[group][stat][baseline] = {**(iv or {}),
+                                              "verdict": verdict(iv, method, baseline)}
     return out
 
 
@@ -133,15 +125,11 @@ def compare_to_best(spread: Mapping[str, Any],
     return out
 
 
-def verdict(interval: Mapping[str, float] | None, method: str, baseline: str) -> str:
+def verdict(iv: Mapping[str, float] | None, method: str, baseline: str) -> str:
     """Who is ahead, only where the 95% interval of method minus baseline excludes zero."""
-    if not interval:
+    if not iv:
         return f"not measured (fewer than {MIN_CLIENTS} clients in a seed)"
-    if interval["low"] > 0:
-        return f"{method} ahead"
-    if interval["high"] < 0:
-        return f"{baseline} ahead"
-    return "inconclusive"
+    return call(iv, words=(f"{method} ahead", f"{baseline} ahead", INCONCLUSIVE))
 
 
 def lambda_ties(results: Sequence[Mapping[str, Any]]) -> list[dict[str, int]]:
@@ -162,7 +150,7 @@ def summarize_seeds(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]) 
     methods = list(results[0]["methods"])
     spread = across_seeds(results, methods)
     each = compare_to_each(results, spread) if "knnper" in methods else {}
-    return plain_json({"seeds": list(seeds), "methods": methods, "spread": spread,
+    return to_json_types({"seeds": list(seeds), "methods": methods, "spread": spread,
                        "versus_best": compare_to_best(spread, each),
                        "versus_each": each,
                        "lambda_ties": lambda_ties(results) if "knnper" in methods else [],

@@ -23,7 +23,13 @@ from typing import Any
 
 import torch
 
-from edge_runtime._io import JSONFileError, read_json, read_json_cache, write_json_atomic
+from edge_runtime._io import (
+    JSONFileError,
+    read_json,
+    read_json_cache,
+    to_json_types,
+    write_json_atomic,
+)
 from edge_runtime.linear_head import L2_GRID
 from experiments.attribution import BODIES, attribution_table, body_rows, format_attribution
 from experiments.lr_tuning import (
@@ -37,7 +43,7 @@ from experiments.table_seeds import seed_dir, summarize_seeds, write_seeds
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.errors import KnnperError, TrainingDiverged
-from fed_train.evaluation import merge_results, plain_json, summarize
+from fed_train.evaluation import merge_results, summarize
 from fed_train.journal import ClientRows
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
@@ -172,7 +178,7 @@ class TableRunner:
         run_dir = self.out / "runs" / trainer / _lr_dir(training.lr)
         hyper = self.hyper.get(trainer, {})
         stamp = run_dir / "bench.json"
-        identity = plain_json({"method": trainer, "lr": training.lr, "hyper": hyper})
+        identity = to_json_types({"method": trainer, "lr": training.lr, "hyper": hyper})
         if stamp.exists() and _read_identity(stamp) != identity:
             raise BenchError(f"{run_dir} was trained with other settings "
                              f"({stamp.read_text().strip()}); delete it to retrain")
@@ -231,7 +237,7 @@ class TableRunner:
         identity = self._identity(method)
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
         cached = read_json_cache(cache)
-        if cached is not None and cached.get("hyper") == plain_json(identity) \
+        if cached is not None and cached.get("hyper") == to_json_types(identity) \
                 and (isinstance(cached.get("rows"), list) or cached.get("rows") is None):
             return identity, cache, cached
         return identity, cache, None
@@ -257,7 +263,7 @@ class TableRunner:
                 raise
             log.warning("%s at lr=%g diverged: %s", method, lr, err)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(cache, {"hyper": plain_json(identity), "diverged": str(err),
+            write_json_atomic(cache, {"hyper": to_json_types(identity), "diverged": str(err),
                                       "rows": None})
             return None
 
@@ -279,7 +285,7 @@ class TableRunner:
             weights, states = {}, {}
         # each finished client is kept until the method's rows are: an interrupted table
         # resumes at the next client (a local model or a new client's training each)
-        journal = ClientRows(cache.with_suffix(".partial.jsonl"), plain_json(identity))
+        journal = ClientRows(cache.with_suffix(".partial.jsonl"), to_json_types(identity))
         rows = personalized_accuracies(algorithm, weights, states, self.clients,
                                        seed=self.config.seed, progress=self.progress,
                                        journal=journal)
@@ -296,11 +302,11 @@ class TableRunner:
         seconds = round(time.perf_counter() - start, 1)
         log.info("%s at lr=%g: %.1f s", method, lr, seconds)
         cache.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"hyper": plain_json(identity), "seconds": seconds, "rows": rows}
+        payload = {"hyper": to_json_types(identity), "seconds": seconds, "rows": rows}
         if knn_record is not None:
-            payload["knn"] = plain_json(knn_record)
+            payload["knn"] = to_json_types(knn_record)
         if linear_record is not None:
-            payload["linear"] = plain_json(linear_record)
+            payload["linear"] = to_json_types(linear_record)
         write_json_atomic(cache, payload)
         journal.remove()
         return rows
@@ -589,4 +595,4 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     if "attribution" in result:
         _write_csv(out / "attribution.csv", result["attribution"]["clients"])
     (out / "table.md").write_text(format_markdown(result))
-    (out / "results.json").write_text(json.dumps(plain_json(result), indent=2))
+    (out / "results.json").write_text(json.dumps(to_json_types(result), indent=2))

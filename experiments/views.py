@@ -1,113 +1,72 @@
 """Each client's embeddings and global-model logits under one global model, computed once and
-swept many times: capacity, k, sigma and lambda change only the kNN part. The kNN head, the
-lambda estimator and the datastore sample are those of `knnper evaluate` (edge_runtime.knn and
-KNNPer's seeded datastore_indices), so a point at capacity 1 with the run's chosen configuration
-is exactly the kNN-Per of `knnper evaluate`."""
+swept many times: capacity, k, sigma and lambda change only the kNN part. The personal head
+and the datastore sample are those of `knnper evaluate` (edge_runtime.personal_head and KNNPer's
+seeded datastore_indices), so a point at capacity 1 with the run's chosen configuration is
+exactly the kNN-Per of `knnper evaluate`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from edge_runtime.knn import (
-    DEFAULT_NORMALIZE,
-    KNNHead,
-    estimate_lambda,
-    interpolate,
-    leave_one_out_posteriors,
-    normalize_embeddings,
-    softmax,
-)
-from fed_train.algorithms.base import ClientData, embed_and_logits
+from edge_runtime.knn import DEFAULT_NORMALIZE
+from edge_runtime.personal_head import ClientSplits, PersonalHead
+from fed_train.algorithms.base import ClientData
 from fed_train.algorithms.knnper import datastore_indices
 from fed_train.evaluation import summarize
+from fed_train.knn_choice import KNNChoice
+from fed_train.knn_tuning import choosing_views, fit_rule, normalized_views
+from fed_train.knn_tuning import client_views as embedded_views
 from fed_train.models import EmbedHeadModel
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
 
 
-@dataclass
-class ClientView:
-    client_id: int
-    unseen: bool
-    z_train: np.ndarray
-    y_train: np.ndarray
-    z_val: np.ndarray
-    p_global_val: np.ndarray
-    y_val: np.ndarray
-    z_test: np.ndarray
-    p_global_test: np.ndarray
-    y_test: np.ndarray
-    p_global_train: np.ndarray  # for the "loo+val" lambda estimator
-
-    @property
-    def n_train(self) -> int:
-        return len(self.y_train)
-
-
 def client_views(model: EmbedHeadModel, clients: Sequence[ClientData], *,
-                 normalize: str = DEFAULT_NORMALIZE) -> list[ClientView]:
-    """Embeddings normalised as kNN-Per's configuration says (keys and queries alike)."""
-    views = []
-    for c in clients:
-        z_train, logits_train = embed_and_logits(model, c.x_train)
-        z_val, logits_val = embed_and_logits(model, c.x_val)
-        z_test, logits_test = embed_and_logits(model, c.x_test)
-        views.append(ClientView(c.client_id, c.unseen, normalize_embeddings(z_train, normalize),
-                                c.y_train.cpu().numpy(), normalize_embeddings(z_val, normalize),
-                                _probabilities(logits_val), c.y_val.cpu().numpy(),
-                                normalize_embeddings(z_test, normalize),
-                                _probabilities(logits_test), c.y_test.cpu().numpy(),
-                                _probabilities(logits_train)))
-    return views
+                 normalize: str = DEFAULT_NORMALIZE) -> list[ClientSplits]:
+    """Embeddings normalised as kNN-Per's configuration says (keys and queries alike), once
+    for every sweep over them."""
+    return normalized_views(embedded_views(model, clients), normalize)
 
 
-def _probabilities(logits: np.ndarray) -> np.ndarray:
-    return softmax(logits.astype(np.float64)) if logits.size else logits.astype(np.float64)
-
-
-@dataclass
-class KnnOutcome:
-    """One client's kNN posterior on its test split and the lambda its validation split chose."""
-
-    lam: float
-    stored: int
-    p_knn_test: np.ndarray
-
-    def accuracy(self, view: ClientView, lam: float | None = None) -> float | None:
-        if not len(view.y_test):
-            return None
-        p = interpolate(self.p_knn_test, view.p_global_test, self.lam if lam is None else lam)
-        return float(np.mean(p.argmax(axis=1) == view.y_test))
-
-
-def knn_outcome(view: ClientView, num_classes: int, *, k: int, sigma: float, capacity: float,
-                seed: int, estimator: str = "val") -> KnnOutcome:
-    """kNN-Per for one client, datastore = the seeded `capacity` fraction of its train split."""
+def knn_head(view: ClientSplits, num_classes: int, *, k: int, sigma: float, capacity: float,
+             seed: int, estimator: str = "val", l2: float | None = None) -> PersonalHead:
+    """kNN-Per for one client, datastore = the seeded `capacity` fraction of its train split
+    (KNNPer's own sample), lambda chosen on its validation split by its own evidence; `l2`: a
+    linear head as the base."""
     keep = datastore_indices(view.n_train, capacity,
                              client_seed(seed, 0, view.client_id, PERSONALIZE_STREAM))
-    head = KNNHead(num_classes, k, sigma).fit(view.z_train[keep], view.y_train[keep])
-    lam = 0.5
-    if len(view.y_val):
-        loo = None
-        if estimator == "loo+val":
-            loo = (leave_one_out_posteriors(head.keys_, head.labels_, num_classes, k, sigma),
-                   view.p_global_train[keep], head.labels_)
-        lam = estimate_lambda(estimator, head.predict_proba(view.z_val), view.p_global_val,
-                              view.y_val, loo)
-    p_test = head.predict_proba(view.z_test) if len(view.y_test) else view.p_global_test
-    return KnnOutcome(lam, len(keep), p_test)
+    return PersonalHead(num_classes, k=k, sigma=sigma, estimator=estimator,
+                        l2=l2).fit(view, keep=keep)
 
 
-def global_accuracy(view: ClientView) -> float | None:
+def pooled_heads(views: Sequence[ClientSplits], heads: Sequence[PersonalHead],
+                 rule: str) -> list[PersonalHead]:
+    """The heads with lambda chosen by `rule`, its pooled evidence summed over the seen
+    clients' own (each head's `evidence_`, which no rule changes) at this very point: a pooled
+    rule is fitted wherever k, sigma or the capacity differ, as the server fits it once for the
+    chosen configuration."""
+    if rule == "client":
+        return list(heads)
+    seen = {v.client_id for v in choosing_views(views)}
+    fitted = fit_rule(rule, [h.evidence_ for v, h in sorted(zip(views, heads, strict=True),
+                                                            key=lambda vh: vh[0].client_id)
+                             if v.client_id in seen])
+    return [h.with_lambda(fitted.choose_from_counts(h.evidence_)) for h in heads]
+
+
+def accuracy_on_test(head: PersonalHead, view: ClientSplits) -> float | None:
+    return head.accuracy(view.z_test, view.p_test, view.y_test)
+
+
+def global_accuracy(view: ClientSplits) -> float | None:
     if not len(view.y_test):
         return None
-    return float(np.mean(view.p_global_test.argmax(axis=1) == view.y_test))
+    return float(np.mean(view.p_test.argmax(axis=1) == view.y_test))
 
 
-def row(view: ClientView, accuracy: float | None, **info: Any) -> dict[str, Any]:
+def row(view: ClientSplits, accuracy: float | None, **info: Any) -> dict[str, Any]:
     """A per-client row in evaluation.client_accuracies' form, so its summaries apply."""
     return {"client_id": view.client_id, "unseen": view.unseen, "n_test": len(view.y_test),
             "accuracy": accuracy, "info": info}
@@ -124,21 +83,31 @@ def summary_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def knnper_rows(views: Sequence[ClientView], num_classes: int, *, k: int, sigma: float,
+def knnper_rows(views: Sequence[ClientSplits], num_classes: int, *, k: int, sigma: float,
+                seed: int, capacity: float | dict[int, float] = 1.0, estimator: str = "val",
+                rule: str = "client", l2: float | None = None) -> list[dict[str, Any]]:
+    """kNN-Per on every client (lambda chosen on validation by `rule`, base the global model or
+    with `l2` each client's linear head); `capacity` may differ per client (a dict by id)."""
+    heads = [knn_head(view, num_classes, k=k, sigma=sigma, seed=seed, estimator=estimator, l2=l2,
+                      capacity=capacity[view.client_id] if isinstance(capacity, dict)
+                      else capacity) for view in views]
+    return [row(view, accuracy_on_test(head, view), **{"lambda": head.lambda_,
+                                                       "datastore_size": head.stored_,
+                                                       "n_train": view.n_train})
+            for view, head in zip(views, pooled_heads(views, heads, rule), strict=True)]
+
+
+def choice_rows(views: Sequence[ClientSplits], num_classes: int, choice: KNNChoice, *,
                 seed: int, capacity: float | dict[int, float] = 1.0,
-                estimator: str = "val") -> list[dict[str, Any]]:
-    """kNN-Per on every client (lambda chosen on validation); `capacity` may differ per client
-    (a dict by client id)."""
-    rows = []
-    for view in views:
-        cap = capacity[view.client_id] if isinstance(capacity, dict) else capacity
-        outcome = knn_outcome(view, num_classes, k=k, sigma=sigma, capacity=cap, seed=seed,
-                              estimator=estimator)
-        rows.append(row(view, outcome.accuracy(view), **{"lambda": outcome.lam,
-                                                         "datastore_size": outcome.stored,
-                                                         "n_train": view.n_train}))
-    return rows
+                k: int | None = None, sigma: float | None = None) -> list[dict[str, Any]]:
+    """`knnper_rows` with a run's kNN choice (its estimator, rule and base); `k` / `sigma`
+    override its values (the k-sigma sweep)."""
+    return knnper_rows(views, num_classes, k=choice.config.k if k is None else k,
+                       sigma=choice.config.sigma if sigma is None else sigma, seed=seed,
+                       capacity=capacity, estimator=choice.lambda_estimator,
+                       rule=choice.lambda_rule.name,
+                       l2=choice.l2 if choice.base == "linear" else None)
 
 
-def fedavg_rows(views: Sequence[ClientView]) -> list[dict[str, Any]]:
+def fedavg_rows(views: Sequence[ClientSplits]) -> list[dict[str, Any]]:
     return [row(view, global_accuracy(view)) for view in views]

@@ -10,17 +10,18 @@ from typing import Any
 
 from edge_runtime.bundle import BundleError, write_bundle
 from edge_runtime.knn import CLIENT_RULE, LambdaRule
+from edge_runtime.personal_head import ClientSplits
 from edge_runtime.signing import load_private_key
 from export.errors import ExportError
 from export.journal import ExportJournal
-from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
+from export.sizing import DatastoreSizer, SearchSpace
 
 
 @dataclass
 class ClientTask:
     """What a worker needs for one client; embeddings are computed by the exporter's process."""
 
-    data: ClientEmbeddings
+    data: ClientSplits
     budget: int
     unseen: bool
     target: Path
@@ -66,6 +67,8 @@ def export_client(task: ClientTask, context: SizingContext,
               "update_strategy": context.update_strategy}
     if context.knn_provenance is not None:
         fields["knn_choice"] = context.knn_provenance
+    if context.lambda_rule.name != "client":  # its pooled evidence: `init --like` chooses by it
+        fields["lambda_rule"] = context.lambda_rule.to_dict()
     try:
         key = load_private_key(context.signing_key) if context.signing_key else None
         manifest = write_bundle(task.target, fields, encoder, datastore, signing_key=key)

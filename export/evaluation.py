@@ -12,7 +12,8 @@ import numpy as np
 from edge_runtime._io import JSONFileError, read_json
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
-from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA, choose_lambda, interpolate, softmax
+from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
+from edge_runtime.personal_head import PersonalHead
 from edge_runtime.runtime import Runtime
 from export.errors import ExportError
 from export.exporter import REPORT_FILE, client_embeddings
@@ -69,20 +70,12 @@ def reference_accuracy(encoder_path: str | Path, clients: Sequence[ClientData], 
     encoder = Encoder(encoder_path, intra_op_threads=1)
     rows = []
     for client in clients:
-        data = client_embeddings(encoder, client)
+        data = client_embeddings(encoder, client, test=True)
         store = FlatDatastore(num_classes, k=k, sigma=sigma).fit(data.z_train, data.y_train)
-        lam = 0.5
-        if len(data.y_val):
-            lam = choose_lambda(store.predict_proba(data.z_val),
-                                softmax(data.logits_val.astype(np.float64)), data.y_val)
-        y_test = client.y_test.cpu().numpy()
-        if len(y_test):
-            z_test, logits_test = encoder.run(client.x_test.cpu().numpy())
-            p = interpolate(store.predict_proba(z_test), softmax(logits_test.astype(np.float64)),
-                            lam)
-            acc = float(np.mean(p.argmax(axis=1) == y_test))
-        else:
-            acc = float("nan")
-        rows.append({"client_id": client.client_id, "unseen": client.unseen, "lambda": lam,
-                     "test_accuracy": acc, "test_samples": int(len(y_test))})
+        head = PersonalHead(num_classes, k=k, sigma=sigma).fit(data, datastore=store)
+        acc = head.accuracy(data.z_test, data.p_test, data.y_test)
+        rows.append({"client_id": client.client_id, "unseen": client.unseen,
+                     "lambda": head.lambda_,
+                     "test_accuracy": float("nan") if acc is None else acc,
+                     "test_samples": int(len(data.y_test))})
     return rows

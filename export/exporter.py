@@ -5,7 +5,6 @@ and write the bundles plus an export.json summary."""
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -18,8 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from edge_runtime._io import remove_dead_writers_files, write_bytes_atomic
+from edge_runtime._io import (
+    remove_dead_writers_files,
+    to_json_types,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
@@ -34,6 +39,7 @@ from edge_runtime.knn import (
 )
 from edge_runtime.linear_head import LinearHead
 from edge_runtime.locking import LockTimeout, directory_lock
+from edge_runtime.personal_head import ClientSplits
 from edge_runtime.signing import load_private_key
 from export.client_export import (
     ClientTask,
@@ -43,14 +49,13 @@ from export.client_export import (
     init_worker,
 )
 from export.errors import BudgetInvalid, ExportError
-from export.journal import ExportJournal, json_default
+from export.journal import ExportJournal
 from export.onnx_export import export_onnx
 from export.personal_encoder import with_linear_head
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
 from export.resume import bundle_problem, row_problem
 from export.sizing import (
     BACKEND_CHOICES,
-    ClientEmbeddings,
     SearchSpace,
     smallest_datastore_bytes,
 )
@@ -249,20 +254,21 @@ def compare_encoders(reference: Path, other: Path, x: np.ndarray) -> dict[str, f
             "argmax_agreement": float(np.mean(l0.argmax(1) == l1.argmax(1)))}
 
 
-def client_embeddings(encoder: Encoder, client: ClientData) -> ClientEmbeddings:
-    """Train and validation embeddings from the exported encoder through onnxruntime, as the
-    device computes them: what is stored is what the device will query with."""
+def client_embeddings(encoder: Encoder, client: ClientData, *,
+                      test: bool = False) -> ClientSplits:
+    """The client's splits through the exported encoder in onnxruntime, as the device computes
+    them: what is stored is what the device will query with. The test split only if asked."""
     if client.num_train == 0:
         raise ExportError(f"client {client.client_id} has no training samples to build a "
                           "datastore from")
-    z_train, logits_train = encoder.run(client.x_train.cpu().numpy())
-    if len(client.y_val):
-        z_val, logits_val = encoder.run(client.x_val.cpu().numpy())
-    else:
-        z_val = np.zeros((0, z_train.shape[1]), np.float32)
-        logits_val = np.zeros((0, 1), np.float32)
-    return ClientEmbeddings(client.client_id, z_train, client.y_train.cpu().numpy(), z_val,
-                            logits_val, client.y_val.cpu().numpy(), logits_train)
+
+    def split(x: torch.Tensor, y: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (*encoder.run(x.cpu().numpy()), y.cpu().numpy())
+
+    return ClientSplits.from_logits(
+        client.client_id, client.unseen, split(client.x_train, client.y_train),
+        split(client.x_val, client.y_val) if len(client.y_val) else None,
+        split(client.x_test, client.y_test) if test and len(client.y_test) else None)
 
 
 def bundle_dir(out_dir: Path, client_id: int) -> Path:
@@ -394,7 +400,7 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, int],
                     "calibration": "seeded sample of the training clients' train splits"},
         "clients": rows,
     }
-    _write_json_atomic(out_dir / REPORT_FILE, report)
+    write_json_atomic(out_dir / REPORT_FILE, report)
     return report
 
 
@@ -432,7 +438,7 @@ def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
     own, with the linear base), else it is rebuilt."""
     trusted = ([load_private_key(settings.signing_key).public_key()]
                if settings.signing_key else None)
-    input_spec = json.loads(json.dumps(run.dataset.input_spec, default=json_default))
+    input_spec = to_json_types(run.dataset.input_spec)
     shared_sha256 = sha256_file(encoder.path)
     clients: dict[int, ClientData] = {}
 
@@ -479,11 +485,6 @@ def _check_budgets(clients: Sequence[ClientData], budgets: dict[int, int],
                             f"bytes) plus the smallest datastore ({smallest_datastore} bytes)")
 
 
-def _write_json_atomic(path: Path, obj: dict[str, Any]) -> None:
-    text = json.dumps(obj, indent=2, default=json_default) + "\n"
-    write_bytes_atomic(path, text.encode("utf-8"))
-
-
 def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingContext,
                     workers: int | None) -> Iterator[dict[str, Any]]:
     """Each client's row as it finishes: in this process, or in a pool of worker processes."""
@@ -506,11 +507,11 @@ def usable_cores() -> int:
 def _fingerprint(run: LoadedRun, settings: ExportSettings, space: SearchSpace,
                  encoder: EncoderFiles) -> dict[str, Any]:
     """What makes two exports the same export: the run, every setting, the encoder's bytes."""
-    return json.loads(json.dumps({
+    return to_json_types({
         "run": str(Path(run.run_dir).resolve()),
         "settings": {**asdict(settings), "space": asdict(space)},
         "encoder_sha256": sha256_file(encoder.path),
-    }, default=json_default))
+    })
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:

@@ -9,8 +9,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from edge_runtime._io import write_bytes_atomic
-from fed_train.journal import Journal, json_default
+from edge_runtime._io import json_default, write_bytes_atomic
+from fed_train.journal import Journal
 
 
 class ExportJournal(Journal):

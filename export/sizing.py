@@ -29,29 +29,19 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.datastores import (
+    BACKENDS,
     FlatDatastore,
     HNSWDatastore,
     ProtoNNDatastore,
     max_count_within,
 )
-from edge_runtime.knn import (
-    CLIENT_RULE,
-    DEFAULT_K,
-    DEFAULT_SIGMA,
-    LambdaRule,
-    datastore_key,
-    estimate_lambda,
-    interpolate,
-    leave_one_out_posteriors,
-    softmax,
-    split_score,
-)
+from edge_runtime.knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule, datastore_key
+from edge_runtime.personal_head import ClientSplits, PersonalHead
 from export.errors import BudgetInvalid, ExportError
 from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("flat", "hnsw", "protonn")
 BACKEND_CHOICES = ("auto", *BACKENDS)
 Datastore = FlatDatastore | HNSWDatastore | ProtoNNDatastore
 
@@ -68,7 +58,7 @@ class SearchSpace:
     accuracy from 0.824 to 0.836 at a budget of the full datastore (0.836 with no budget) and
     from 0.818 to 0.825 at a quarter of it."""
 
-    backends: tuple[str, ...] = BACKENDS
+    backends: tuple[str, ...] = tuple(BACKENDS)
     flat_dtypes: tuple[str, ...] = ("fp32", "fp16", "int8")
     count_fractions: tuple[float, ...] = (1.0,)
     hnsw_M: tuple[int, ...] = (8, 16)
@@ -115,21 +105,6 @@ class Candidate:
         return {"recipe": self.recipe, "backend": self.backend, "bytes": self.nbytes,
                 "stored": self.stored, "lambda": self.lam, "val_accuracy": self.val_accuracy,
                 "val_nll": self.val_nll, "steps": self.steps}
-
-
-@dataclass
-class ClientEmbeddings:
-    """What sizing needs from one client, computed with the exported encoder as on the device:
-    train embeddings (the datastore) and validation embeddings, logits and labels."""
-
-    client_id: int
-    z_train: np.ndarray
-    y_train: np.ndarray
-    z_val: np.ndarray
-    logits_val: np.ndarray
-    y_val: np.ndarray
-    # the global model's logits on the train split: the "loo+val" lambda estimator needs them
-    logits_train: np.ndarray | None = None
 
 
 def measure_nbytes(datastore: Datastore) -> int:
@@ -197,14 +172,14 @@ class DatastoreSizer:
         self._protonn_cache: dict[tuple, Any] = {}
 
     # -- the search
-    def fit(self, data: ClientEmbeddings, room: int) -> DatastoreSizer:
+    def fit(self, data: ClientSplits, room: int) -> DatastoreSizer:
         if len(data.y_train) == 0:
             raise ExportError(f"client {data.client_id} has no training samples to build a "
                               "datastore from")
         if not self.reuse_protonn:
             self._protonn_cache = {}  # within one fit: the classifiers the finalists train on
-        self._p_global = softmax(np.asarray(data.logits_val, dtype=np.float64))
-        self._loo = self._leave_one_out(data)
+        self._loo = (self._head().leave_one_out(data) if self.lambda_estimator == "loo+val"
+                     else None)
         candidates: list[tuple[Candidate, Datastore]] = []
         seen: set[tuple[str, int]] = set()
         for build in self._builders(data, room):
@@ -241,32 +216,23 @@ class DatastoreSizer:
         return self
 
     def _holds_all_fp32(self, candidates: list[tuple[Candidate, Datastore]],
-                        data: ClientEmbeddings) -> bool:
+                        data: ClientSplits) -> bool:
         """Whether a flat float32 datastore of every train sample fits (then ProtoNN is not
         trained: the module's doc says why)."""
         return any(
             c.backend == "flat" and c.recipe.startswith("flat:fp32")
             and c.stored == len(data.y_train) for c, _ in candidates)
 
-    def _leave_one_out(self, data: ClientEmbeddings):
-        if self.lambda_estimator != "loo+val":
-            return None
-        if data.logits_train is None:
-            raise ExportError("the loo+val lambda estimator needs the train split's logits")
-        return (leave_one_out_posteriors(data.z_train, data.y_train, self.num_classes, self.k,
-                                         self.sigma),
-                softmax(np.asarray(data.logits_train, dtype=np.float64)), data.y_train)
+    def _head(self) -> PersonalHead:
+        """A candidate's head: its datastore, the encoder's base (the global model, or the
+        client's linear head inside its own encoder) and the export's lambda rule."""
+        return PersonalHead(self.num_classes, k=self.k, sigma=self.sigma,
+                            rule=self.lambda_rule, estimator=self.lambda_estimator)
 
-    def _score(self, cand: Candidate, ds: Datastore, data: ClientEmbeddings) -> None:
-        y = np.asarray(data.y_val)
-        if len(y) == 0:
-            cand.lam = self.lambda_rule.choose(np.zeros((0, 1)), np.zeros((0, 1)), y)
-            return
-        p_local = ds.predict_proba(data.z_val)
-        cand.lam = float(estimate_lambda(self.lambda_estimator, p_local, self._p_global, y,
-                                         self._loo, rule=self.lambda_rule))
-        cand.val_accuracy, cand.val_nll = split_score(
-            interpolate(p_local, self._p_global, cand.lam), y)
+    def _score(self, cand: Candidate, ds: Datastore, data: ClientSplits) -> None:
+        head = self._head().fit(data, datastore=ds, loo=self._loo)
+        cand.lam, cand.val_accuracy, cand.val_nll = (head.lambda_, head.val_accuracy_,
+                                                     head.val_nll_)
 
     # -- enumeration
     def _counts(self, n_train: int, most: int) -> list[int]:
@@ -288,7 +254,7 @@ class DatastoreSizer:
 
         return self._counts(n, _most_within(estimate, room, n)), max_count_within(estimate, room)
 
-    def _builders(self, data: ClientEmbeddings,
+    def _builders(self, data: ClientSplits,
                   room: int) -> Iterator[Callable[[], tuple[Candidate, Datastore] | None]]:
         n, dim = data.z_train.shape
         for backend in self.space.backends:
@@ -312,7 +278,7 @@ class DatastoreSizer:
             else:
                 raise ExportError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
-    def _flat(self, data: ClientEmbeddings, dtype: str, count: int, capacity: int,
+    def _flat(self, data: ClientSplits, dtype: str, count: int, capacity: int,
               room: int) -> tuple[Candidate, Datastore] | None:
         n_train = len(data.y_train)
         probe = FlatDatastore(self.num_classes, dtype=dtype)
@@ -322,7 +288,7 @@ class DatastoreSizer:
             lambda c: probe.estimate_nbytes(c, data.z_train.shape[1]),
             data, count, room, "flat")
 
-    def _hnsw(self, data: ClientEmbeddings, links: int, count: int, capacity: int,
+    def _hnsw(self, data: ClientSplits, links: int, count: int, capacity: int,
               room: int) -> tuple[Candidate, Datastore] | None:
         n_train = len(data.y_train)
         probe = HNSWDatastore(self.num_classes, M=links)
@@ -334,7 +300,7 @@ class DatastoreSizer:
             data, count, room, "hnsw")
 
     def _fit_within(self, make: Callable[[int], Datastore], estimate: Callable[[int], int],
-                    data: ClientEmbeddings, count: int, room: int,
+                    data: ClientSplits, count: int, room: int,
                     backend: str) -> tuple[Candidate, Datastore] | None:
         """Fit with `count` samples and measure the exact bytes. Over `room` (the estimates are
         not exact): shrink the count in proportion until it fits. The budget-filling candidate
@@ -359,7 +325,7 @@ class DatastoreSizer:
             count = min(n_train, count + int(extra))
         return fitted
 
-    def _protonn_shapes(self, data: ClientEmbeddings, room: int) -> list[tuple[int, int]]:
+    def _protonn_shapes(self, data: ClientSplits, room: int) -> list[tuple[int, int]]:
         """(projection dim, prototypes) pairs whose estimated bytes fit the room."""
         n, dim = data.z_train.shape
         shapes = []
@@ -379,7 +345,7 @@ class DatastoreSizer:
         share = self.space.protonn_buffer
         return max(1, round(share * n_train)) if share else None
 
-    def _protonn_search(self, data: ClientEmbeddings,
+    def _protonn_search(self, data: ClientSplits,
                         room: int) -> list[tuple[Candidate, Datastore]]:
         """Successive halving: every shape that fits gets the screening steps, the best
         `protonn_finalists` on validation get the rest; every model is a candidate with the
@@ -404,7 +370,7 @@ class DatastoreSizer:
                       cand.nbytes, cand.val_accuracy, cand.steps)
         return list(scored.values())
 
-    def _protonn(self, data: ClientEmbeddings, d: int, m: int, steps: int,
+    def _protonn(self, data: ClientSplits, d: int, m: int, steps: int,
                  room: int) -> tuple[Candidate, Datastore] | None:
         """The (d, m) ProtoNN trained to `steps` (continuing its earlier training, if any)."""
         shape = (data.client_id, d, m, hashlib.sha1(np.ascontiguousarray(data.z_train).data)

@@ -29,7 +29,9 @@ from edge_runtime._io import (
     read_exactly,
     read_json,
     read_regular,
+    write_path_atomic,
 )
+from edge_runtime.errors import one_line
 from edge_runtime.manifest import MAX_WIDTH
 from fed_train.errors import DataError
 
@@ -434,7 +436,7 @@ def _load_batch(path: Path) -> dict[str, Any]:
         RecursionError,
     ) as exc:
         raise DataError(f"{path}: not a valid CIFAR batch ({type(exc).__name__}: "
-                        f"{' '.join(str(exc).split())[:200]})") from None
+                        f"{one_line(exc)[:200]})") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: not a valid CIFAR batch (a {type(obj).__name__}, not a dict)")
     return {k.decode("latin-1") if isinstance(k, bytes) else str(k): v for k, v in obj.items()}
@@ -545,13 +547,11 @@ def download_cifar(name: str, dest: str | Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     archive = dest / url.rsplit("/", 1)[1]
     if not archive.is_file():
-        partial = archive.with_name(archive.name + ".part")
         log.info("downloading %s to %s", url, archive)
         try:
-            urllib.request.urlretrieve(url, partial)
+            write_path_atomic(archive, lambda tmp: urllib.request.urlretrieve(url, tmp))
         except (urllib.error.URLError, OSError) as exc:
             raise DataError(f"cannot download {url} ({exc})") from exc
-        partial.replace(archive)
     digest = hashlib.md5(archive.read_bytes()).hexdigest()
     if digest != md5:
         raise DataError(f"{archive}: md5 {digest} does not match the official {md5}; delete it")

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import to_json_types
 from fed_train.algorithms.base import Algorithm, ClientData, Weights
 from fed_train.journal import ClientRows
 from fed_train.progress import Progress
@@ -40,7 +41,7 @@ def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, 
                                                  states.get(client.client_id, {}),
                                                  client_seed(seed, 0, client.client_id,
                                                              PERSONALIZE_STREAM))
-                row = plain_json({"client_id": client.client_id, "unseen": client.unseen,
+                row = to_json_types({"client_id": client.client_id, "unseen": client.unseen,
                                   "n_test": int(client.y_test.shape[0]),
                                   "accuracy": _accuracy(personal, client.x_test, client.y_test),
                                   "info": personal.info})
@@ -52,17 +53,6 @@ def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, 
             rows.append(row)
             bar.update(max(1, client.num_train), measured=client.client_id not in done)
     return rows
-
-
-def plain_json(obj: Any) -> Any:
-    """JSON-ready copies of rows whose info may hold numpy scalars."""
-    if isinstance(obj, dict):
-        return {str(k): plain_json(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [plain_json(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
 
 
 def bottom_decile(accuracies: list[float]) -> float:

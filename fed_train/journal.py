@@ -9,9 +9,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from edge_runtime._io import parse_json, read_regular, write_bytes_atomic
+from edge_runtime._io import (
+    json_default,
+    parse_json,
+    read_regular,
+    to_json_types,
+    write_bytes_atomic,
+)
 
 # A row is a few hundred bytes per client; a larger journal is not one these commands wrote.
 MAX_JOURNAL_BYTES = 64 << 20
@@ -20,15 +24,6 @@ MAX_JOURNAL_BYTES = 64 << 20
 def _parse(line: str) -> Any:
     """One journal line as JSON (bounded nesting, no NaN); ValueError when it is not."""
     return parse_json(line.encode("utf-8"))
-
-
-def json_default(value: Any) -> Any:
-    """numpy scalars and paths, as JSON."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 class Journal:
@@ -88,7 +83,7 @@ class ClientRows(Journal):
     def start(self) -> dict[int, dict[str, Any]]:
         """The rows an earlier, interrupted call with this same key finished; a journal with
         another key (other settings, another model) is started afresh."""
-        header = {"key": json.loads(json.dumps(self.key, default=json_default))}  # as read
+        header = {"key": to_json_types(self.key)}  # as read
         found = self.rows(header)
         if found is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ from edge_runtime.knn import (
     split_sums,
 )
 from edge_runtime.linear_head import L2_GRID, LinearHead
+from edge_runtime.personal_head import ClientSplits
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.knn_request import K_GRID, SIGMA_GRID
 from fed_train.models import EmbedHeadModel
@@ -59,34 +60,11 @@ class KNNConfig:
         return asdict(self)
 
 
-@dataclass
-class ClientView:
-    """One client under one trained body: its datastore (train embeddings and labels), its
-    validation and test embeddings, and the base predictor's class probabilities on each split
-    (the global model for FedAvg's body, the body's own personalized model otherwise)."""
-
-    client_id: int
-    unseen: bool
-    z_train: np.ndarray
-    y_train: np.ndarray
-    z_val: np.ndarray
-    y_val: np.ndarray
-    z_test: np.ndarray
-    y_test: np.ndarray
-    p_train: np.ndarray
-    p_val: np.ndarray
-    p_test: np.ndarray
-
-    @property
-    def num_classes(self) -> int:
-        return int(self.p_val.shape[1] if self.p_val.size else self.p_test.shape[1])
-
-
 BaseProbs = Callable[[ClientData], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
-                 base_probs: BaseProbs | None = None) -> list[ClientView]:
+                 base_probs: BaseProbs | None = None) -> list[ClientSplits]:
     """Embed every client's splits once with `model`'s body. Without `base_probs` the base
     predictor is the model's own head (the global model)."""
     views = []
@@ -97,9 +75,9 @@ def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
                      np.zeros((0, model.classifier.out_features)) for _, logits in parts]
         else:
             probs = list(base_probs(c))
-        views.append(ClientView(c.client_id, c.unseen, parts[0][0], c.y_train.cpu().numpy(),
-                                parts[1][0], c.y_val.cpu().numpy(), parts[2][0],
-                                c.y_test.cpu().numpy(), *probs))
+        views.append(ClientSplits(c.client_id, c.unseen, parts[0][0], c.y_train.cpu().numpy(),
+                                  parts[1][0], c.y_val.cpu().numpy(), parts[2][0],
+                                  c.y_test.cpu().numpy(), *probs))
     return views
 
 
@@ -108,7 +86,7 @@ class _Searched:
     splits asked for ("val", "test", and "train": leave-one-out over the datastore); every
     (k, sigma) point then only re-weights them. Choosing never asks for "test"."""
 
-    def __init__(self, view: ClientView, normalize: str, k_max: int,
+    def __init__(self, view: ClientSplits, normalize: str, k_max: int,
                  splits: Sequence[str]) -> None:
         self.view = view
         self.dim = view.z_train.shape[1]
@@ -171,7 +149,7 @@ def grid_points(ks: Sequence[int], sigmas: Sequence[float],
             for how in normalizations for k in ks for sigma in sigmas]
 
 
-def grid_counts(view: ClientView, points: Sequence[KNNConfig],
+def grid_counts(view: ClientSplits, points: Sequence[KNNConfig],
                 lambdas: Sequence[float] = LAMBDA_GRID) -> np.ndarray:
     """One client's share of the grid's score, [points, 3]: validation samples right, summed
     log-loss and samples, each point with the client's own lambda chosen on its validation
@@ -220,12 +198,12 @@ def pick_config(points: Sequence[Point],
     return points[best], scores
 
 
-def choosing_views(views: Sequence[ClientView]) -> list[ClientView]:
+def choosing_views(views: Sequence[ClientSplits]) -> list[ClientSplits]:
     """The clients a choice is made on: seen in training, with train and validation data."""
     return [v for v in views if not v.unseen and len(v.y_val) and len(v.y_train)]
 
 
-def select_config(views: Sequence[ClientView], *, ks: Sequence[int] = K_GRID,
+def select_config(views: Sequence[ClientSplits], *, ks: Sequence[int] = K_GRID,
                   sigmas: Sequence[float] = SIGMA_GRID,
                   normalizations: Sequence[str] = NORMALIZATIONS,
                   lambdas: Sequence[float] = LAMBDA_GRID) -> tuple[KNNConfig, list[dict]]:
@@ -238,7 +216,7 @@ def select_config(views: Sequence[ClientView], *, ks: Sequence[int] = K_GRID,
                                 for v in choosing_views(views)])
 
 
-def estimator_counts(view: ClientView, config: KNNConfig, *, seed: int = 0,
+def estimator_counts(view: ClientSplits, config: KNNConfig, *, seed: int = 0,
                      estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> np.ndarray:
     """One client's two-fold cross-validation inside its validation split: [estimators, 2],
     samples right and samples scored, lambda chosen by each estimator on one half (plus the
@@ -270,7 +248,7 @@ def pool_estimators(counts: Sequence[np.ndarray],
     return {est: float(pooled[i, 0] / pooled[i, 1]) for i, est in enumerate(estimators)}
 
 
-def compare_lambda_estimators(views: Sequence[ClientView], config: KNNConfig, *, seed: int = 0,
+def compare_lambda_estimators(views: Sequence[ClientSplits], config: KNNConfig, *, seed: int = 0,
                               estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> dict[str, float]:
     """Two-fold cross-validation inside each seen client's validation split (estimator_counts),
     pooled: which estimator to trust, decided without test data."""
@@ -287,13 +265,13 @@ def _splits_for(estimator: str, *extra: str) -> tuple[str, ...]:
     return ("val", *extra, "train") if estimator == "loo+val" else ("val", *extra)
 
 
-def _folds(view: ClientView, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _folds(view: ClientSplits, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """A client's two validation halves, seeded by (seed, client): the same wherever drawn."""
     order = np.random.default_rng([seed, view.client_id]).permutation(len(view.y_val))
     return order[: len(order) // 2], order[len(order) // 2:]
 
 
-def rule_evidence(view: ClientView, config: KNNConfig, estimator: str) -> np.ndarray:
+def rule_evidence(view: ClientSplits, config: KNNConfig, estimator: str) -> np.ndarray:
     """One client's share of the pooled lambda evidence: `lambda_counts` ([grid, 3]) on the
     samples `estimator` judges on. A federated client sends only these sums."""
     if len(view.y_train) == 0:
@@ -302,7 +280,7 @@ def rule_evidence(view: ClientView, config: KNNConfig, estimator: str) -> np.nda
     return lambda_counts(*_evidence(s, config, estimator))
 
 
-def rule_fold_counts(view: ClientView, config: KNNConfig, estimator: str, *,
+def rule_fold_counts(view: ClientSplits, config: KNNConfig, estimator: str, *,
                      seed: int = 0) -> np.ndarray:
     """One client's two-fold material for comparing lambda rules, [2 * grid, 5], fold-major
     rows, one per (fold, lambda): the evidence of its fitting half (samples right, summed
@@ -390,7 +368,7 @@ def cross_oracle_accuracy(p_knn: np.ndarray, p_global: np.ndarray, y: np.ndarray
     return float(np.mean(accs))
 
 
-def client_rows(views: Sequence[ClientView], config: KNNConfig, *, estimator: str = "val",
+def client_rows(views: Sequence[ClientSplits], config: KNNConfig, *, estimator: str = "val",
                 lambdas: Sequence[float] = LAMBDA_GRID, rule: LambdaRule = CLIENT_RULE,
                 seed: int = 0) -> list[dict[str, Any]]:
     """One row per client: test accuracy with the honestly chosen lambda, and, for the report
@@ -466,7 +444,7 @@ class LinearConfig:
         return asdict(self)
 
 
-def l2_counts(view: ClientView, grid: Sequence[float] = L2_GRID) -> np.ndarray:
+def l2_counts(view: ClientSplits, grid: Sequence[float] = L2_GRID) -> np.ndarray:
     """One client's share of the choice, [grid, 3]: for a head fitted on its train split with
     each l2, validation samples right, summed log-loss and samples."""
     out = np.zeros((len(grid), 3))
@@ -480,7 +458,7 @@ def l2_counts(view: ClientView, grid: Sequence[float] = L2_GRID) -> np.ndarray:
     return out
 
 
-def choose_l2(views: Sequence[ClientView],
+def choose_l2(views: Sequence[ClientSplits],
               grid: Sequence[float] = L2_GRID) -> tuple[float, dict[str, Any]]:
     """The l2 whose heads score best on the seen clients' pooled validation splits (ties: the
     stronger regularisation, first in the grid), and the record of the choice: every grid
@@ -497,7 +475,7 @@ def choose_l2(views: Sequence[ClientView],
 BASES: tuple[str, ...] = ("global", "linear")
 
 
-def normalized_views(views: Sequence[ClientView], normalize: str) -> list[ClientView]:
+def normalized_views(views: Sequence[ClientSplits], normalize: str) -> list[ClientSplits]:
     """The same clients with their embeddings normalised as the kNN's are: what the exported
     encoder's "embedding" output gives the device, and so what a linear head there reads."""
     if normalize == "none":
@@ -507,8 +485,8 @@ def normalized_views(views: Sequence[ClientView], normalize: str) -> list[Client
                     z_test=normalize_embeddings(v.z_test, normalize)) for v in views]
 
 
-def linear_base_views(views: Sequence[ClientView], l2: float,
-                      normalize: str = "none") -> list[ClientView]:
+def linear_base_views(views: Sequence[ClientSplits], l2: float,
+                      normalize: str = "none") -> list[ClientSplits]:
     """The same clients with the global model's probabilities replaced by each client's linear
     head (fitted with `l2` on its train embeddings, normalised as the kNN's: the encoder's
     "embedding" output on the device): the base kNN-Per interpolates with when the linear base

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from edge_runtime._io import array_file_bytes, parse_json, read_regular, write_atomic
+from edge_runtime.errors import one_line
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, local_sgd, predict_proba
 from fed_train.data import Dataset, load_dataset, stratified_subsample
@@ -222,8 +223,8 @@ def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:
         if "Weights only load failed" in str(err):
             reason = "it holds objects other than tensors (refused without running its code)"
         else:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            reason = f"{type(err).__name__}: {first}" if first else type(err).__name__
+            first = one_line(err, first_line=True)
+            reason = first if first == type(err).__name__ else f"{type(err).__name__}: {first}"
         raise InitError(f"--init {path} is not a readable torch state dict: {reason}") from err
     if not isinstance(obj, Mapping):
         raise InitError(f"--init {path} is not a state dict (it holds a {type(obj).__name__}; "

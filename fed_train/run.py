@@ -24,6 +24,7 @@ from edge_runtime._io import (
     write_atomic,
     write_json_atomic,
 )
+from edge_runtime.errors import one_line
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, Weights, get_weights, set_weights
@@ -188,7 +189,7 @@ def read_config(run_dir: Path) -> dict:
         data = read_json(path, limit=MAX_CONFIG_BYTES,
                          fix="restore it or train the run again")
     except (OSError, JSONFileError) as err:
-        raise RunError(f"{path} is not readable JSON: {' '.join(str(err).split())}") from None
+        raise RunError(f"{path} is not readable JSON: {one_line(err)}") from None
     if not isinstance(data, dict):
         raise RunError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -373,7 +374,7 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu") -> LoadedR
             raise ValueError("it is larger than half of this machine's memory")
         model.load_state_dict(load_tensors(raw, memory_limit()))
     except Exception as err:  # torch raises several types for a corrupt or mismatched file
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = one_line(err, first_line=True)
         raise RunError(f"{run_dir / MODEL_FILE} cannot be loaded: {reason}") from err
     if not all(torch.isfinite(t).all() for t in model.state_dict().values()
                if t.is_floating_point()):

@@ -28,7 +28,15 @@ from edge_runtime._io import (
     write_atomic,
     write_bytes_atomic,
 )
-from fed_train.algorithms.base import Algorithm, ClientData, TrainingConfig, Weights, predict_proba
+from edge_runtime.errors import one_line
+from fed_train.algorithms.base import (
+    Algorithm,
+    ClientData,
+    TrainingConfig,
+    Weights,
+    predict_proba,
+    sub_seed,
+)
 from fed_train.errors import TrainingError
 from fed_train.progress import track
 from fed_train.torch_files import load_tensors
@@ -65,7 +73,7 @@ def client_seed(seed: int, round_index: int, client_id: int,
                 stream: int = TRAIN_STREAM) -> int:
     """One independent stream per (run, purpose, round, client), so a resumed run replays
     exactly and personalization never reuses a training stream."""
-    return int(np.random.SeedSequence([seed, stream, round_index, client_id]).generate_state(1)[0])
+    return sub_seed(seed, stream, round_index, client_id)
 
 
 def _to_tensors(obj: Any) -> Any:
@@ -128,7 +136,7 @@ def load_checkpoint(path: Path) -> SimulationResult:
     try:
         raw = load_tensors(payload, memory_limit())
     except Exception as err:  # torch raises several types for unreadable data
-        raise bad(f"cannot be read safely: {_first_line(err)}") from None
+        raise bad(f"cannot be read safely: {one_line(err, first_line=True)}") from None
     if not isinstance(raw, dict) or set(raw) != _CHECKPOINT_KEYS:
         raise bad(f"must hold {sorted(_CHECKPOINT_KEYS)}, got {_keys_or_type(raw)}")
     rounds, weights, states = raw["rounds_done"], raw["weights"], raw["states"]
@@ -147,11 +155,6 @@ def load_checkpoint(path: Path) -> SimulationResult:
 
 def _keys_or_type(value: Any) -> str:
     return repr(sorted(map(str, value))) if isinstance(value, dict) else type(value).__name__
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _check_weights(path: Path, weights: Weights, like: Weights) -> None:
@@ -220,8 +223,8 @@ def _truncate_metrics(path: Path, rounds_done: int) -> None:
             raise ValueError(f"it is over {MAX_METRICS_BYTES} bytes")
         lines = raw.decode("utf-8").splitlines()
     except (OSError, ValueError) as err:  # a pipe, a device, not UTF-8, too large
-        raise CheckpointError(f"{path} cannot be read: {_first_line(err)}; restore or delete "
-                              "it to resume") from None
+        raise CheckpointError(f"{path} cannot be read: {one_line(err, first_line=True)}; "
+                              "restore or delete it to resume") from None
     kept = []
     for number, line in enumerate(lines, 1):
         if not line.strip():

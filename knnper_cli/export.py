@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.errors import one_line
 from export.errors import BudgetInvalid, ExportError
 from export.exporter import (
     DEVICE_EXTRAS,
@@ -163,7 +164,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         run = load_run(args.run)
     except KnnperError as err:
         # torch's own message for a corrupt checkpoint runs over several lines; one is enough.
-        raise ExportError(str(err).strip().splitlines()[0]) from err
+        raise ExportError(one_line(err, first_line=True)) from err
     choice = load_or_choose(run.run_dir, run.model, run.clients(), request,
                             seed=run.config.seed)
     print(choice.describe())

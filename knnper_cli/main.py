@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from edge_runtime.cli_help import install_hint, package_version
+from edge_runtime.errors import one_line
 from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
@@ -126,7 +127,7 @@ def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.strerror:
         where = f": {err.filename}" if err.filename else ""
         return f"{err.strerror}{where}"
-    return " ".join(str(err).split()) or type(err).__name__
+    return one_line(err)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ import pytest
 import torch
 from edgeml.pytorch.graph.protoNN import ProtoNN
 
+from edge_runtime.personal_head import ClientSplits
 from edge_runtime.runtime import Runtime
 from export import exporter
 from export.exporter import JOURNAL_FILE, ExportSettings, export_run
-from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
+from export.sizing import DatastoreSizer, SearchSpace
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.run import RunConfig, load_run, train
 from protonn.training import ProtoNNClassifier, prototype_scores
@@ -26,14 +27,16 @@ SPACE = SearchSpace(protonn_dims=(4, 8), protonn_fractions=(0.1, 0.3), protonn_s
                     hnsw_M=(8,))
 
 
-def _embeddings(seed: int = 0) -> ClientEmbeddings:
+def _embeddings(seed: int = 0) -> ClientSplits:
     rng = np.random.default_rng(seed)
     centres = rng.normal(scale=3.0, size=(3, 16))
     y_train, y_val = rng.integers(0, 3, 120), rng.integers(0, 3, 40)
     z_train = (centres[y_train] + rng.normal(size=(120, 16))).astype(np.float32)
     z_val = (centres[y_val] + rng.normal(size=(40, 16))).astype(np.float32)
     logits = rng.normal(size=(40, 3)).astype(np.float32)
-    return ClientEmbeddings(0, z_train, y_train, z_val, logits, y_val)
+    logits_train = rng.normal(size=(120, 3)).astype(np.float32)
+    return ClientSplits.from_logits(0, False, (z_train, logits_train, y_train),
+                                    (z_val, logits, y_val))
 
 
 def _backends(sizer: DatastoreSizer) -> set[str]:

@@ -266,6 +266,20 @@ HOSTILE_MANIFESTS = {
     "NaN": (_nan, "NaN is not a JSON number"),
     "5000-digit integer": (_long_integer, "integer string conversion"),
     "not UTF-8": (lambda b: (b / "manifest.json").write_bytes(b"\xff\xfe{}"), "not UTF-8"),
+    "lambda rule not an object": (_set_field("lambda_rule", [1]), "'lambda_rule' must be an"),
+    "lambda rule of 1000 grid values": (
+        _set_field("lambda_rule", {"name": "pooled", "pooled": [], "prior_samples": 0,
+                                   "grid": [0.5] * 1000}), "a grid of 1 to 64 numbers"),
+    "lambda rule without evidence": (
+        _set_field("lambda_rule", {"name": "pooled", "pooled": [], "prior_samples": 0,
+                                   "grid": [0.0, 1.0]}), "needs pooled evidence"),
+    "lambda rule with negative counts": (
+        _set_field("lambda_rule", {"name": "shrunk", "pooled": [[-1, 2, 3], [1, 2, 3]],
+                                   "prior_samples": 1, "grid": [0.0, 1.0]}),
+        "needs pooled evidence"),
+    "lambda rule named otherwise": (
+        _set_field("lambda_rule", {"name": "oracle", "pooled": [], "prior_samples": 0,
+                                   "grid": [0.5]}), "lambda rule must be one of"),
 }
 
 

@@ -279,6 +279,24 @@ def test_open_exclusive_refuses_a_planted_name(tmp_path):
     assert not (tmp_path / "elsewhere").exists()
 
 
+def test_a_path_writer_replaces_whole_or_leaves_the_old_file(tmp_path):
+    """hnswlib's save_index and a download write to a name: they get a unique temporary one,
+    renamed over the file only once written; a writer that fails leaves no temporary behind."""
+    from edge_runtime._io import write_path_atomic
+
+    def disk_full_midway(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise OSError("no space left on device")
+
+    final = tmp_path / "index.bin"
+    final.write_bytes(b"old")
+    with pytest.raises(OSError):
+        write_path_atomic(final, disk_full_midway)
+    assert final.read_bytes() == b"old" and sorted(tmp_path.iterdir()) == [final]
+    write_path_atomic(final, lambda tmp: tmp.write_bytes(b"new"))
+    assert final.read_bytes() == b"new" and sorted(tmp_path.iterdir()) == [final]
+
+
 def test_an_edited_clients_count_is_refused(copy, capsys):
     _edit_config(copy, clients=5)
     _knnper(["evaluate", str(copy), "--methods", "fedavg"], capsys,

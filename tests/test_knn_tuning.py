@@ -8,12 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from edge_runtime.knn import estimate_lambda, leave_one_out_search, normalize_embeddings
+from edge_runtime.knn import (
+    CLIENT_RULE,
+    estimator_evidence,
+    leave_one_out_search,
+    normalize_embeddings,
+)
+from edge_runtime.personal_head import ClientSplits
 from fed_train.algorithms.base import get_weights
 from fed_train.algorithms.knnper import KNNPer
 from fed_train.evaluation import client_accuracies
 from fed_train.knn_tuning import (
-    ClientView,
     KNNConfig,
     client_rows,
     client_views,
@@ -45,7 +50,7 @@ def test_l2_normalisation_puts_rows_on_the_unit_sphere_and_keeps_zero_rows():
         normalize_embeddings(z, "l1")
 
 
-def _direction_views(seed: int = 0) -> list[ClientView]:
+def _direction_views(seed: int = 0) -> list[ClientSplits]:
     """Labels given by an embedding's direction, magnitudes random over two decades: only L2
     normalisation lets Euclidean neighbours see the label."""
     rng = np.random.default_rng(seed)
@@ -62,7 +67,7 @@ def _direction_views(seed: int = 0) -> list[ClientView]:
     for cid in range(4):
         (zt, yt), (zv, yv), (zs, ys) = split(60), split(30), split(30)
         flat = np.full((1, 3), 1 / 3)
-        views.append(ClientView(cid, False, zt, yt, zv, yv, zs, ys,
+        views.append(ClientSplits(cid, False, zt, yt, zv, yv, zs, ys,
                                 np.repeat(flat, 60, 0), np.repeat(flat, 30, 0),
                                 np.repeat(flat, 30, 0)))
     return views
@@ -87,7 +92,7 @@ def test_empty_grids_and_clients_without_validation_are_refused():
         select_config(views)
 
 
-def test_estimate_lambda_with_loo_uses_the_datastore_samples():
+def test_the_loo_estimator_adds_the_datastore_samples_to_the_evidence():
     # validation alone prefers the global model (lambda 0). With the 20 datastore samples,
     # lambda 0.5 and 0.7 get all 21 right; 0.7 has the lower log-loss (0.371 x 20 + 0.598 for
     # the validation sample, against 0.598 x 20 + 0.431)
@@ -95,10 +100,13 @@ def test_estimate_lambda_with_loo_uses_the_datastore_samples():
     p_knn_val, p_glob_val = np.array([[0.4, 0.6]]), np.array([[0.9, 0.1]])
     y_tr = np.ones(20, dtype=np.int64)
     loo = (np.tile([[0.1, 0.9]], (20, 1)), np.tile([[0.8, 0.2]], (20, 1)), y_tr)
-    assert estimate_lambda("val", p_knn_val, p_glob_val, y_val) == 0.0
-    assert estimate_lambda("loo+val", p_knn_val, p_glob_val, y_val, loo) == 0.7
+    def estimate(*args):
+        return CLIENT_RULE.choose(*estimator_evidence(*args))
+
+    assert estimate("val", p_knn_val, p_glob_val, y_val) == 0.0
+    assert estimate("loo+val", p_knn_val, p_glob_val, y_val, loo) == 0.7
     with pytest.raises(ValueError, match="lambda estimator"):
-        estimate_lambda("test", p_knn_val, p_glob_val, y_val)
+        estimate("test", p_knn_val, p_glob_val, y_val)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from edge_runtime.knn import (
     lambda_counts,
     split_score,
 )
+from edge_runtime.personal_head import ClientSplits
 from fed_train.knn_tuning import (
-    ClientView,
     KNNConfig,
     cross_oracle_accuracy,
     fit_rule,
@@ -113,7 +113,7 @@ def _view(cid: int, seed: int, n_val: int = 12, n_train: int = 20, p: int = 4, c
     y_val = rng.integers(0, c, n_val)
     z_val = rng.normal(size=(n_val, p)).astype(np.float32) + y_val[:, None]
     probs = [rng.dirichlet(np.ones(c), size=m) for m in (n_train, n_val, 0)]
-    return ClientView(cid, False, z_train, y_train, z_val, y_val,
+    return ClientSplits(cid, False, z_train, y_train, z_val, y_val,
                       np.zeros((0, p), np.float32), np.zeros(0, np.int64), *probs)
 
 

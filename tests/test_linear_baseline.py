@@ -12,16 +12,17 @@ import numpy as np
 import pytest
 
 from edge_runtime.linear_head import L2_GRID, LinearHead
+from edge_runtime.personal_head import ClientSplits
 from experiments.tables import TITLES
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import embed_and_logits
-from fed_train.knn_tuning import ClientView, choose_l2, l2_counts
+from fed_train.knn_tuning import choose_l2, l2_counts
 from tests.helpers.bench_table import TINY, bench
 from tests.helpers.federation import CLASSES, TRAINING, initial_weights, make_clients, model_fn
 
 
 def _view(cid: int, rng: np.random.Generator, *, unseen: bool = False, n_val: int = 40,
-          noise: float = 1.5) -> ClientView:
+          noise: float = 1.5) -> ClientSplits:
     """A client with 3 classes around fixed centres in 8 dimensions: noisy enough that the
     regularisation matters on validation."""
     centres = np.eye(3, 8) * 2.0
@@ -32,11 +33,11 @@ def _view(cid: int, rng: np.random.Generator, *, unseen: bool = False, n_val: in
 
     (zt, yt), (zv, yv), (zs, ys) = split(15), split(n_val), split(40)
     probs = [np.full((len(y), 3), 1 / 3) for y in (yt, yv, ys)]
-    return ClientView(cid, unseen, zt, yt, zv, yv, zs, ys, *probs)
+    return ClientSplits(cid, unseen, zt, yt, zv, yv, zs, ys, *probs)
 
 
 @pytest.fixture()
-def views() -> list[ClientView]:
+def views() -> list[ClientSplits]:
     rng = np.random.default_rng(0)
     return [_view(c, rng, unseen=c >= 6) for c in range(8)]
 

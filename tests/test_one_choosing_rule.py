@@ -20,14 +20,14 @@ from edge_runtime.knn import (
     LambdaRule,
     choice_key,
     choose_lambda,
-    estimate_lambda,
     interpolate,
     lambda_counts,
     normalize_embeddings,
     softmax,
 )
+from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.preprocess import prepare_input
-from export.sizing import ClientEmbeddings, DatastoreSizer, SearchSpace
+from export.sizing import DatastoreSizer, SearchSpace
 from fed_train.client_files import client_split, write_client_files
 from fed_train.knn_choice import KNN_CONFIG_FILE
 from fed_train.knn_request import FROM_FLAG, FROM_VALIDATION
@@ -79,13 +79,13 @@ def test_server_sizer_and_device_init_choose_alike(tmp_path, seed, rule_name):
     n_val = int(round(val_fraction * len(y)))
     val, train = order[:n_val], order[n_val:]
     z, logits = raw_outputs(encoder, x)
-    data = ClientEmbeddings(0, z[train], y[train], z[val], logits[val], y[val], logits[train])
+    data = ClientSplits.from_logits(0, True, (z[train], logits[train], y[train]),
+                                    (z[val], logits[val], y[val]))
     sizer = DatastoreSizer(NUM_CLASSES, space=SearchSpace(backends=("flat",),
                                                           flat_dtypes=DTYPES), seed=seed,
                            lambda_rule=rule)
     sizer.fit(data, budget - encoder.stat().st_size)
-    server = estimate_lambda("val", KNNHead(NUM_CLASSES).fit(z[train], y[train])
-                             .predict_proba(z[val]), softmax(logits[val]), y[val], rule=rule)
+    server = PersonalHead(NUM_CLASSES, rule=rule).fit(data).lambda_
 
     device = {c["recipe"].split(":n")[0]: c for c in init.candidates if
               int(c["recipe"].split(":n")[1]) >= len(train)}

@@ -86,12 +86,12 @@ def test_an_interrupted_evaluate_resumes_at_the_client_it_stopped_at(digits_run,
 
 
 def test_knnper_with_lambda_zero_everywhere_equals_fedavg(digits_run, monkeypatch):
-    from fed_train.algorithms import knnper
+    from edge_runtime.knn import LambdaRule
     from fed_train.knn_request import KNNRequest
     from fed_train.run import load_run
     from fed_train.run_evaluation import evaluate_run
 
-    monkeypatch.setattr(knnper, "estimate_lambda", lambda *a, **k: 0.0)
+    monkeypatch.setattr(LambdaRule, "choose_from_counts", lambda self, own: 0.0)
     result = evaluate_run(load_run(digits_run), ["fedavg", "knnper"], progress=False,
                           knn=KNNRequest(base="global"))  # lambda 0 is then the global model
     for row in result["clients"]:

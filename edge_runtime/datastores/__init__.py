@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..knn import DEFAULT_K, DEFAULT_SIGMA
+from .base import BaseDatastore
 from .common import (
     DATASTORE_FILE_RE,
     FLAT_DTYPES,
@@ -38,6 +39,7 @@ from .recipes import format_recipe, parse_recipe
 
 __all__ = [
     "BACKENDS",
+    "BaseDatastore",
     "DATASTORE_FILE_RE",
     "FLAT_DTYPES",
     "FlatDatastore",

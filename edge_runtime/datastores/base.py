@@ -1,36 +1,95 @@
-"""What every datastore backend shares: the recipe string that names it, the checks a loaded
-one goes through before its files are read, the file layout check, and (for the backends that
-store samples) the kernel posterior over the k nearest. Each backend adds its own search and its
-own files."""
+"""What every datastore backend shares: its parameters, read from its `__init__` signature (as
+scikit-learn's `BaseEstimator` reads an estimator's) and checked through one table; the recipe
+string that names it; and the start of `load`, which a bundle's hostile params and files go
+through before a backend reads what the files hold. For the backends that store samples, also
+the kernel posterior over the k nearest. Each backend adds its own search and its own files."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import inspect
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from .._io import load_npz
 from ..knn import kernel_posterior
-from .common import _check_load_params
-from .recipes import format_recipe
+from . import recipes
+from .common import ParamCheck, _check_positive_int, _check_positive_number, _optional, _require
+
+DatastoreT = TypeVar("DatastoreT", bound="BaseDatastore")
 
 
-class Datastore:
+@dataclass(frozen=True)
+class SavedFiles:
+    """A saved datastore as `load` found it: the listed files by extension (the layout checked),
+    and the arrays of its .npz (read bounded, the backend's required arrays present)."""
+
+    directory: Path
+    by_kind: dict[str, list[str]]
+    npz: str
+    arrays: dict[str, np.ndarray]
+
+
+class BaseDatastore:
     """The interface the runtime and the exporter use: fit, add, evict_oldest, predict_proba,
-    save / load, recipe, estimate_nbytes, nbytes, sample_store. Subclasses set `backend`."""
+    save / load, recipe, estimate_nbytes, nbytes, sample_store.
 
-    backend: str = ""
+    A backend sets `backend`, `FILES`, `FILES_RULE` and `NPZ_ARRAYS`, adds the checks of its
+    own parameters to `PARAM_CHECKS`, implements `_restore`, and writes `__init__` as its
+    signature over the body `self._init_params(locals())`: the one list of its parameters."""
+
+    backend: ClassVar[str] = ""
+    # the names of __init__'s parameters, read from its signature when a backend is defined
+    PARAM_NAMES: ClassVar[tuple[str, ...]] = ()
+    # per parameter name, the check a value must pass; a parameter without one is unchecked
+    PARAM_CHECKS: ClassVar[dict[str, ParamCheck]] = {
+        "num_classes": _check_positive_int,
+        "k": _check_positive_int,
+        "sigma": _check_positive_number,
+        "n": _optional(_check_positive_int),
+    }
+    # the files a save writes (their generation-0 names: one of each extension), the sentence a
+    # different list is refused with, and the arrays the .npz must hold
+    FILES: ClassVar[tuple[str, ...]] = ()
+    FILES_RULE: ClassVar[str] = ""
+    NPZ_ARRAYS: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in vars(cls):
+            cls.PARAM_NAMES = tuple(inspect.signature(cls.__init__).parameters)[1:]
+            stray = sorted(set(cls.PARAM_CHECKS) - set(cls.PARAM_NAMES))
+            if stray:
+                raise TypeError(f"{cls.__name__} checks parameters it does not take: {stray}")
+
+    def _init_params(self, arguments: Mapping[str, Any]) -> None:
+        """The shared constructor: each parameter kept as the attribute of its name, unchecked
+        (scikit-learn's convention; `check_params` checks them)."""
+        for name in self.PARAM_NAMES:
+            setattr(self, name, arguments[name])
+
+    def get_params(self) -> dict[str, Any]:
+        """The constructor's arguments by name, as scikit-learn's `get_params` gives them."""
+        return {name: getattr(self, name) for name in self.PARAM_NAMES}
 
     def check_params(self) -> None:
         """Raise ValueError for constructor arguments the backend cannot use."""
-        raise NotImplementedError
+        for name in self.PARAM_NAMES:
+            check = self.PARAM_CHECKS.get(name)
+            if check is not None:
+                check(name, getattr(self, name))
 
     def recipe_params(self) -> dict:
-        raise NotImplementedError
+        return recipes.recipe_params(self.backend, self.get_params())
 
     @property
     def recipe(self) -> str:
-        return format_recipe(self.backend, self.recipe_params())
+        return recipes.format_recipe(self.backend, self.recipe_params())
 
     @property
     def nbytes(self) -> int:
@@ -45,25 +104,48 @@ class Datastore:
         return self.estimate_nbytes(n, dim)
 
     @classmethod
-    def from_params(cls, params: dict) -> Any:
+    def from_params(cls: type[DatastoreT], params: dict) -> DatastoreT:
         """An unfitted datastore from a manifest's (hostile) params, checked before any file
         of it is read."""
-        ds = cls(**_check_load_params(cls, params))
+        unknown = sorted(set(params) - set(cls.PARAM_NAMES))
+        if unknown:
+            raise ValueError(f"unknown {cls.backend} datastore parameter(s) {unknown}")
+        if "num_classes" not in params:
+            raise ValueError("loading a datastore needs num_classes")
+        ds = cls(**params)
         ds.check_params()
         return ds
 
-    @staticmethod
-    def files_by_kind(files: Sequence[str], layout: dict[str, int], what: str) -> dict[str, list]:
-        """The listed files grouped by extension, refused unless they are exactly `layout`
-        ({".npz": 1, ".bin": 1}: one of each)."""
-        grouped = {ext: [f for f in files if f.endswith(ext)] for ext in layout}
-        if any(len(grouped[ext]) != count for ext, count in layout.items()) or \
-                len(files) != sum(layout.values()):
-            raise ValueError(f"{what}, got {list(files)}")
-        return grouped
+    @classmethod
+    def load(
+        cls: type[DatastoreT],
+        directory: str | os.PathLike,
+        params: dict,
+        *,
+        files: Sequence[str] | None = None,
+        embedding_dim: int | None = None,
+    ) -> DatastoreT:
+        """Rebuild from saved files (`FILES` when none are named); ValueError names what is
+        inconsistent. The params are checked before any file is read, the file list before the
+        .npz is, and the .npz is read bounded; then the backend checks what the files hold."""
+        ds = cls.from_params(params)
+        names = list(files) if files is not None else list(cls.FILES)
+        layout = Counter(Path(name).suffix for name in cls.FILES)
+        by_kind = {ext: [f for f in names if f.endswith(ext)] for ext in layout}
+        if any(len(by_kind[ext]) != count for ext, count in layout.items()) or \
+                len(names) != sum(layout.values()):
+            raise ValueError(f"{cls.FILES_RULE}, got {names}")
+        npz = by_kind[".npz"][0]
+        arrays = load_npz(Path(directory) / npz)
+        _require(arrays, cls.NPZ_ARRAYS, npz)
+        return ds._restore(SavedFiles(Path(directory), by_kind, npz, arrays), embedding_dim)
+
+    def _restore(self: DatastoreT, saved: SavedFiles, embedding_dim: int | None) -> DatastoreT:
+        """This (unfitted, checked) datastore filled from its saved files, each checked."""
+        raise NotImplementedError
 
 
-class SampleDatastore(Datastore):
+class SampleDatastore(BaseDatastore):
     """A backend that stores samples and searches them (flat, HNSW): the kNN-Per posterior is
     the kernel over what `kneighbors` finds."""
 

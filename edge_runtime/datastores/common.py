@@ -118,30 +118,26 @@ def _check_labels_array(labels: np.ndarray, n: int, num_classes: int, file: str)
     return labels.astype(np.int64)
 
 
-def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
+# A parameter check: (name, value) -> None, or ValueError naming both.
+ParamCheck = Callable[[str, Any], None]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _check_common(num_classes: Any, k: Any, sigma: Any) -> None:
-    if not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
-        raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
-    _check_positive_int("k", k)
-    if not _is_real(sigma) or not sigma > 0 or not math.isfinite(sigma):
-        raise ValueError(f"sigma must be a positive number, got {sigma!r}")
+def _check_positive_number(name: str, value: Any) -> None:
+    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not is_real or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _optional(check: ParamCheck) -> ParamCheck:
+    """`check`, with None allowed (a parameter left unset)."""
 
+    def check_unless_none(name: str, value: Any) -> None:
+        if value is not None:
+            check(name, value)
 
-def _check_load_params(cls: type, params: dict) -> dict:
-    allowed = cls.PARAM_NAMES
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"unknown {cls.backend} datastore parameter(s) {unknown}")
-    if "num_classes" not in params:
-        raise ValueError("loading a datastore needs num_classes")
-    return params
+    return check_unless_none

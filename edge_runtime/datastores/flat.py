@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from .._io import load_npz, save_npz_atomic
+from .._io import save_npz_atomic
 from ..knn import DEFAULT_K, DEFAULT_SIGMA, search_transposed, transposed_key_norms
-from .base import SampleDatastore
+from .base import SampleDatastore, SavedFiles
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
     FLAT_DTYPES,
-    _check_common,
     _check_fit_inputs,
     _check_labels_array,
-    _check_positive_int,
     _check_query,
     _require,
     _subsample,
@@ -29,6 +27,11 @@ from .common import (
 # Bytes of a flat search's intermediates alive at once per distance cell (int32 products, float32
 # distances and their steps), as measured by benchmarks/runtime_memory.py, rounded up.
 FLAT_CELL_BYTES = 32
+
+
+def _check_dtype(name: str, value: Any) -> None:
+    if value not in FLAT_DTYPES:
+        raise ValueError(f"flat {name} must be one of {list(FLAT_DTYPES)}, got {value!r}")
 
 
 class FlatDatastore(SampleDatastore):
@@ -44,7 +47,10 @@ class FlatDatastore(SampleDatastore):
     """
 
     backend = "flat"
-    PARAM_NAMES = ("num_classes", "k", "sigma", "dtype", "n", "seed")
+    PARAM_CHECKS = {**SampleDatastore.PARAM_CHECKS, "dtype": _check_dtype}
+    FILES = ("datastore.npz",)
+    FILES_RULE = "a flat datastore is one .npz file"
+    NPZ_ARRAYS = ("keys", "labels", "order")
 
     def __init__(
         self,
@@ -56,18 +62,7 @@ class FlatDatastore(SampleDatastore):
         n: int | None = None,
         seed: int = 0,
     ) -> None:
-        self.num_classes = num_classes
-        self.k = k
-        self.sigma = sigma
-        self.dtype = dtype
-        self.n = n
-        self.seed = seed
-
-    def check_params(self) -> None:
-        _check_common(self.num_classes, self.k, self.sigma)
-        if self.dtype not in FLAT_DTYPES:
-            raise ValueError(f"flat dtype must be one of {list(FLAT_DTYPES)}, got {self.dtype!r}")
-        _check_positive_int("n", self.n, allow_none=True)
+        self._init_params(locals())
 
     # -- learning
     def fit(self, z: np.ndarray, y: np.ndarray) -> FlatDatastore:
@@ -159,13 +154,6 @@ class FlatDatastore(SampleDatastore):
         data = n_samples * (dim * itemsize + 16) + (4 * dim if self.dtype == "int8" else 0)
         return data + arrays * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
 
-    # -- recipe
-    def recipe_params(self) -> dict:
-        params: dict = {"dtype": self.dtype}
-        if self.n is not None:
-            params["n"] = int(self.n)
-        return params
-
     # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         """Write datastore[.<generation>].npz (atomically, fsynced); returns the file names."""
@@ -177,40 +165,27 @@ class FlatDatastore(SampleDatastore):
         save_npz_atomic(Path(directory) / name, arrays)
         return [name]
 
-    @classmethod
-    def load(
-        cls,
-        directory: str | os.PathLike,
-        params: dict,
-        *,
-        files: Sequence[str] | None = None,
-        embedding_dim: int | None = None,
-    ) -> FlatDatastore:
-        """Rebuild from saved files; ValueError names what is inconsistent."""
-        ds = cls.from_params(params)
-        files = list(files) if files is not None else ["datastore.npz"]
-        npz = cls.files_by_kind(files, {".npz": 1}, "a flat datastore is one .npz file")[".npz"]
-        arrays = load_npz(Path(directory) / npz[0])
-        _require(arrays, ["keys", "labels", "order"], npz[0])
-        keys, want = arrays["keys"], np.dtype(FLAT_DTYPES[ds.dtype])
+    def _restore(self, saved: SavedFiles, embedding_dim: int | None) -> FlatDatastore:
+        npz, arrays = saved.npz, saved.arrays
+        keys, want = arrays["keys"], np.dtype(FLAT_DTYPES[self.dtype])
         if keys.dtype != want:
             raise ValueError(
-                f"{npz[0]}: keys are {keys.dtype} but the recipe says {ds.dtype} ({want})"
+                f"{npz}: keys are {keys.dtype} but the recipe says {self.dtype} ({want})"
             )
         if keys.ndim != 2 or keys.shape[0] < 1:
-            raise ValueError(f"{npz[0]}: keys must be [n >= 1, p], got {list(keys.shape)}")
+            raise ValueError(f"{npz}: keys must be [n >= 1, p], got {list(keys.shape)}")
         n, dim = keys.shape
         if embedding_dim is not None and dim != embedding_dim:
-            raise ValueError(f"{npz[0]}: keys have dimension {dim}, expected {embedding_dim}")
-        labels = _check_labels_array(arrays["labels"], n, ds.num_classes, npz[0])
+            raise ValueError(f"{npz}: keys have dimension {dim}, expected {embedding_dim}")
+        labels = _check_labels_array(arrays["labels"], n, self.num_classes, npz)
         order = arrays["order"]
         if order.dtype.kind not in "iu" or order.shape != (n,):
-            raise ValueError(f"{npz[0]}: order must be integers of shape [{n}]")
+            raise ValueError(f"{npz}: order must be integers of shape [{n}]")
         order = order.astype(np.int64, copy=False)
         if n > 1 and not np.all(order[1:] > order[:-1]):
-            raise ValueError(f"{npz[0]}: order stamps must be increasing (oldest first)")
-        if ds.dtype == "int8":
-            _require(arrays, ["scale"], npz[0])
+            raise ValueError(f"{npz}: order stamps must be increasing (oldest first)")
+        if self.dtype == "int8":
+            _require(arrays, ["scale"], npz)
             scale = arrays["scale"]
             if scale.dtype.kind == "f" and scale.shape == (dim,):
                 with np.errstate(over="ignore", under="ignore", invalid="ignore"):
@@ -223,13 +198,13 @@ class FlatDatastore(SampleDatastore):
                 or not np.all(np.isfinite(scale))
                 or np.any(scale < np.finfo(np.float32).tiny)
             ):
-                raise ValueError(f"{npz[0]}: scale must be {dim} positive, finite, normal "
+                raise ValueError(f"{npz}: scale must be {dim} positive, finite, normal "
                                  "float32 numbers")
-            ds.scale_ = scale
+            self.scale_ = scale
         else:
-            ds.scale_ = None
+            self.scale_ = None
         with np.errstate(over="ignore", invalid="ignore"):
-            ds._set(keys.T, labels, order)  # Fortran-order keys: .T is C-contiguous, no copy
-        if not np.all(np.isfinite(ds.key_norms_)):
-            raise ValueError(f"{npz[0]}: keys hold NaN, infinite or overflowing values")
-        return ds
+            self._set(keys.T, labels, order)  # Fortran-order keys: .T is C-contiguous, no copy
+        if not np.all(np.isfinite(self.key_norms_)):
+            raise ValueError(f"{npz}: keys hold NaN, infinite or overflowing values")
+        return self

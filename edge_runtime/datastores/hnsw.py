@@ -4,25 +4,22 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from .._io import fsync_dir, fsync_file, load_npz, save_npz_atomic, temp_path
+from .._io import fsync_dir, save_npz_atomic, write_path_atomic
 from ..cli_help import install_hint
 from ..hnsw_format import check_hnsw_index
 from ..knn import DEFAULT_K, DEFAULT_SIGMA
-from .base import SampleDatastore
+from .base import SampleDatastore, SavedFiles
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
-    _check_common,
     _check_fit_inputs,
     _check_labels_array,
     _check_positive_int,
     _check_query,
-    _require,
     _subsample,
     datastore_file_name,
 )
@@ -47,17 +44,13 @@ class HNSWDatastore(SampleDatastore):
     """
 
     backend = "hnsw"
-    PARAM_NAMES = (
-        "num_classes",
-        "k",
-        "sigma",
-        "M",
-        "ef_construction",
-        "ef",
-        "n",
-        "seed",
-        "num_threads",
-    )
+    PARAM_CHECKS = {
+        **SampleDatastore.PARAM_CHECKS,
+        **dict.fromkeys(("M", "ef_construction", "ef", "num_threads"), _check_positive_int),
+    }
+    FILES = ("datastore.npz", "hnsw.bin")
+    FILES_RULE = "an hnsw datastore is one .npz and one .bin file"
+    NPZ_ARRAYS = ("labels",)
 
     def __init__(
         self,
@@ -72,21 +65,7 @@ class HNSWDatastore(SampleDatastore):
         seed: int = 0,
         num_threads: int = 1,
     ) -> None:
-        self.num_classes = num_classes
-        self.k = k
-        self.sigma = sigma
-        self.M = M
-        self.ef_construction = ef_construction
-        self.ef = ef
-        self.n = n
-        self.seed = seed
-        self.num_threads = num_threads
-
-    def check_params(self) -> None:
-        _check_common(self.num_classes, self.k, self.sigma)
-        for name in ("M", "ef_construction", "ef", "num_threads"):
-            _check_positive_int(name, getattr(self, name))
-        _check_positive_int("n", self.n, allow_none=True)
+        self._init_params(locals())
 
     def _new_index(self, dim: int, max_elements: int):
         hnswlib = _import_hnswlib()
@@ -179,80 +158,50 @@ class HNSWDatastore(SampleDatastore):
         npz = n_samples * 16 + 2 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
         return index + npz
 
-    def recipe_params(self) -> dict:
-        params: dict = {
-            "M": int(self.M),
-            "ef": int(self.ef),
-            "ef_construction": int(self.ef_construction),
-        }
-        if self.n is not None:
-            params["n"] = int(self.n)
-        return params
-
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         """Write datastore[.g].npz (labels, ids) and hnsw[.g].bin, each atomically."""
         self._compact()
         directory = Path(directory)
         npz = datastore_file_name("datastore", "npz", generation)
         binary = datastore_file_name("hnsw", "bin", generation)
-        tmp = temp_path(directory / binary)
-        try:
-            self.index_.save_index(os.fspath(tmp))
-            fsync_file(tmp)
-            os.replace(tmp, directory / binary)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_path_atomic(directory / binary, lambda tmp: self.index_.save_index(os.fspath(tmp)),
+                          sync_dir=False)
         save_npz_atomic(directory / npz, {"labels": self.labels_, "ids": self.ids_}, sync_dir=False)
         fsync_dir(directory)
         return [npz, binary]
 
-    @classmethod
-    def load(
-        cls,
-        directory: str | os.PathLike,
-        params: dict,
-        *,
-        files: Sequence[str] | None = None,
-        embedding_dim: int | None = None,
-    ) -> HNSWDatastore:
-        ds = cls.from_params(params)
+    def _restore(self, saved: SavedFiles, embedding_dim: int | None) -> HNSWDatastore:
         if embedding_dim is None:
             raise ValueError("loading an hnsw datastore needs embedding_dim")
-        files = list(files) if files is not None else ["datastore.npz", "hnsw.bin"]
-        kinds = cls.files_by_kind(files, {".npz": 1, ".bin": 1},
-                                  "an hnsw datastore is one .npz and one .bin file")
-        npz, binary = kinds[".npz"], kinds[".bin"]
-        arrays = load_npz(Path(directory) / npz[0])
-        _require(arrays, ["labels"], npz[0])
+        npz, arrays, binary = saved.npz, saved.arrays, saved.by_kind[".bin"][0]
         n = arrays["labels"].shape[0] if arrays["labels"].ndim == 1 else -1
         ids = arrays.get("ids", np.arange(max(n, 0), dtype=np.int64))
         if ids.dtype.kind not in "iu" or ids.ndim != 1 or n < 1 or ids.shape[0] != n:
-            raise ValueError(f"{npz[0]}: labels and ids must be 1-D of the same length >= 1")
+            raise ValueError(f"{npz}: labels and ids must be 1-D of the same length >= 1")
         if np.any(np.diff(ids) <= 0) or ids[0] < 0:
-            raise ValueError(f"{npz[0]}: ids must be increasing non-negative stamps")
-        labels = _check_labels_array(arrays["labels"], n, ds.num_classes, npz[0])
+            raise ValueError(f"{npz}: ids must be increasing non-negative stamps")
+        labels = _check_labels_array(arrays["labels"], n, self.num_classes, npz)
         hnswlib = _import_hnswlib()
         index = hnswlib.Index(space="l2", dim=int(embedding_dim))
         # hnswlib trusts its file; a crafted one crashes the process at query time
         # streamed: the check holds a chunk of the file, not the file beside hnswlib's copy
-        stored = check_hnsw_index(Path(directory) / binary[0], embedding_dim, binary[0])
+        stored = check_hnsw_index(saved.directory / binary, embedding_dim, binary)
         try:
-            index.load_index(os.fspath(Path(directory) / binary[0]), allow_replace_deleted=True)
+            index.load_index(os.fspath(saved.directory / binary), allow_replace_deleted=True)
         except RuntimeError as exc:
             raise ValueError(
-                f"{binary[0]} is not an hnswlib index of dimension {embedding_dim}: {exc}"
+                f"{binary} is not an hnswlib index of dimension {embedding_dim}: {exc}"
             ) from None
         # the labels the check read (not get_ids_list, a Python list of every id)
         stored = np.sort(stored.astype(np.int64))
         if index.element_count != n or not np.array_equal(stored, ids):
             raise ValueError(
-                f"{binary[0]} holds {index.element_count} items that do not match the {n} "
-                f"labels in {npz[0]}"
+                f"{binary} holds {index.element_count} items that do not match the {n} "
+                f"labels in {npz}"
             )
-        ds.index_, ds.ids_, ds.labels_ = index, ids.astype(np.int64), labels
-        if index.M != ds.M:
-            raise ValueError(f"{binary[0]} was built with M={index.M}, the recipe says M={ds.M}")
-        ds.embedding_dim_ = int(embedding_dim)
-        ds._next_id = int(ids[-1]) + 1
-        return ds
+        self.index_, self.ids_, self.labels_ = index, ids.astype(np.int64), labels
+        if index.M != self.M:
+            raise ValueError(f"{binary} was built with M={index.M}, the recipe says M={self.M}")
+        self.embedding_dim_ = int(embedding_dim)
+        self._next_id = int(ids[-1]) + 1
+        return self

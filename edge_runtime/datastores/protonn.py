@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from .._io import load_npz, save_npz_atomic
+from .._io import save_npz_atomic
 from ..knn import DEFAULT_K, DEFAULT_SIGMA
-from .base import Datastore
+from .base import BaseDatastore, SavedFiles
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
-    _check_common,
     _check_fit_inputs,
     _check_labels_array,
-    _check_load_params,
     _check_positive_int,
+    _check_positive_number,
     _check_query,
-    _is_real,
+    _optional,
     _require,
     datastore_file_name,
     search_nbytes,
@@ -37,7 +35,7 @@ _BUFFER_ARRAYS = ("buffer_keys", "buffer_labels", "buffer_order")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-class ProtoNNDatastore(Datastore):
+class ProtoNNDatastore(BaseDatastore):
     """ProtoNN-compressed datastore: projection W [d,p], prototypes B [d,m], prototype label
     scores Z [C,m], kernel width gamma. Training needs torch (the protonn package, server side),
     and the result comes here through `from_matrices`.
@@ -56,7 +54,15 @@ class ProtoNNDatastore(Datastore):
     """
 
     backend = "protonn"
-    PARAM_NAMES = ("num_classes", "k", "sigma", "d", "m", "n", "buffer")
+    PARAM_CHECKS = {
+        **BaseDatastore.PARAM_CHECKS,
+        "d": _optional(_check_positive_int),
+        "m": _optional(_check_positive_number),
+        "buffer": _optional(_check_positive_int),
+    }
+    FILES = ("datastore.npz",)
+    FILES_RULE = "a protonn datastore is one .npz file"
+    NPZ_ARRAYS = ("W", "B", "Z", "gamma")
 
     def __init__(
         self,
@@ -69,21 +75,7 @@ class ProtoNNDatastore(Datastore):
         n: int | None = None,
         buffer: int | None = None,
     ) -> None:
-        self.num_classes = num_classes
-        self.k = k
-        self.sigma = sigma
-        self.d = d
-        self.m = m
-        self.n = n
-        self.buffer = buffer
-
-    def check_params(self) -> None:
-        _check_common(self.num_classes, self.k, self.sigma)
-        _check_positive_int("d", self.d, allow_none=True)
-        _check_positive_int("n", self.n, allow_none=True)
-        _check_positive_int("buffer", self.buffer, allow_none=True)
-        if self.m is not None and not (_is_real(self.m) and self.m > 0):
-            raise ValueError(f"m must be a positive number, got {self.m!r}")
+        self._init_params(locals())
 
     def fit(self, z: np.ndarray, y: np.ndarray) -> ProtoNNDatastore:
         raise NotImplementedError(
@@ -248,19 +240,6 @@ class ProtoNNDatastore(Datastore):
         data = 4 * (d * dim + d * n_prototypes + self.num_classes * n_prototypes) + 8
         return data + 4 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
 
-    # -- recipe
-    def recipe_params(self) -> dict:
-        params: dict = {}
-        if self.d is not None:
-            params["d"] = int(self.d)
-        if self.m is not None:
-            params["m"] = float(self.m)
-        if self.n is not None:
-            params["n"] = int(self.n)
-        if self.buffer is not None:
-            params["buffer"] = int(self.buffer)
-        return params
-
     # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         name = datastore_file_name("datastore", "npz", generation)
@@ -274,46 +253,28 @@ class ProtoNNDatastore(Datastore):
         save_npz_atomic(Path(directory) / name, arrays)
         return [name]
 
-    @classmethod
-    def load(
-        cls,
-        directory: str | os.PathLike,
-        params: dict,
-        *,
-        files: Sequence[str] | None = None,
-        embedding_dim: int | None = None,
-    ) -> ProtoNNDatastore:
-        params = dict(_check_load_params(cls, params))
-        files = list(files) if files is not None else ["datastore.npz"]
-        cls.files_by_kind(files, {".npz": 1}, "a protonn datastore is one .npz file")
-        arrays = load_npz(Path(directory) / files[0])
-        _require(arrays, ["W", "B", "Z", "gamma"], files[0])
-        num_classes = params.pop("num_classes")
+    def _restore(self, saved: SavedFiles, embedding_dim: int | None) -> ProtoNNDatastore:
+        """A datastore of these params built from the saved matrices (`from_matrices`, which
+        checks them), then its buffer."""
+        npz, arrays = saved.npz, saved.arrays
+        params = self.get_params()
+        num_classes, d = params.pop("num_classes"), params.pop("d")
         try:
-            ds = cls.from_matrices(
-                arrays["W"],
-                arrays["B"],
-                arrays["Z"],
-                arrays["gamma"],
-                **{key: params[key] for key in ("k", "sigma", "m", "n", "buffer")
-                   if key in params},
-            )
+            ds = self.from_matrices(arrays["W"], arrays["B"], arrays["Z"], arrays["gamma"],
+                                    **params)
         except ValueError as exc:  # name the file: the message names the field
-            raise ValueError(f"{files[0]}: {exc}") from None
+            raise ValueError(f"{npz}: {exc}") from None
         if ds.num_classes != num_classes:
-            raise ValueError(f"{files[0]}: Z has {ds.num_classes} classes, expected {num_classes}")
-        if params.get("d") is not None and params["d"] != ds.d:
-            raise ValueError(
-                f"{files[0]}: W projects to {ds.d} dimensions, the recipe says {params['d']}"
-            )
+            raise ValueError(f"{npz}: Z has {ds.num_classes} classes, expected {num_classes}")
+        if d is not None and d != ds.d:
+            raise ValueError(f"{npz}: W projects to {ds.d} dimensions, the recipe says {d}")
         if embedding_dim is not None and ds.embedding_dim_ != embedding_dim:
             raise ValueError(
-                f"{files[0]}: W takes dimension {ds.embedding_dim_}, expected {embedding_dim}"
+                f"{npz}: W takes dimension {ds.embedding_dim_}, expected {embedding_dim}"
             )
-        present = [name for name in _BUFFER_ARRAYS if name in arrays]
-        if present:
-            _require(arrays, _BUFFER_ARRAYS, files[0])
-            ds._load_buffer(arrays, files[0])
+        if any(name in arrays for name in _BUFFER_ARRAYS):
+            _require(arrays, _BUFFER_ARRAYS, npz)
+            ds._load_buffer(arrays, npz)
         return ds
 
     def _load_buffer(self, arrays: dict[str, np.ndarray], file: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 # Per backend: (token pattern, parameter name, converter); the first full match wins.
@@ -71,6 +71,14 @@ def _read_token(name: str, token: str, recipe: str) -> tuple[str, Any]:
     raise ValueError(
         f"cannot read {token!r} in recipe {recipe!r}: {name} recipes take {_TOKEN_HELP[name]}"
     )
+
+
+def recipe_params(name: str, params: Mapping[str, Any]) -> dict:
+    """The recipe's parameters among a datastore's `params` (None: unset, left out), in the
+    recipe's order and as the recipe reads them (int, float or str): what a manifest records."""
+    convert = {key: converter for _, key, converter in _TOKENS[name]}
+    return {key: convert[key](params[key]) for key, _ in _FORMAT[name]
+            if params.get(key) is not None}
 
 
 def format_recipe(name: str, params: dict) -> str:

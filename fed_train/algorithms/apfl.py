@@ -33,20 +33,16 @@ from fed_train.algorithms.base import (
     PersonalModel,
     TrainingConfig,
     Weights,
+    batch_schedule,
     finite_mean_loss,
     get_weights,
+    make_optimizer,
     model_predictor,
     on_device,
     set_weights,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import (
-    batch_schedule,
-    epochs_only,
-    float_keys,
-    make_optimizer,
-    model_accuracy,
-)
+from fed_train.algorithms.personal import epochs_only, float_keys, model_accuracy
 from fed_train.algorithms.stepping import Lane, LossFn, Params, as_params, as_weights, step_together
 from fed_train.models import EmbedHeadModel
 
@@ -138,7 +134,7 @@ class APFL(FedAvg):
                 total += loss.detach().double() * len(index)
                 count += len(index)
         finite_mean_loss(personal_total, 1, lr)
-        return finite_mean_loss(total, count, lr) if count else float("nan")
+        return finite_mean_loss(total, count, lr)
 
     def _personal_weights(self) -> dict[str, Weights]:
         return {str(a): get_weights(v) for a, v in zip(self.alphas, self._personal, strict=True)}

@@ -135,10 +135,40 @@ def aggregate_weights(global_weights: Weights, updates: list[tuple[Weights, int]
     return out
 
 
+def sub_seed(seed: int, *keys: int) -> int:
+    """An independent stream for one part of a run (a round's client, a personal model, an
+    epoch): the same keys always give the same stream, other keys an unrelated one."""
+    return int(np.random.SeedSequence([seed, *keys]).generate_state(1)[0])
+
+
 def batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterable[np.ndarray]:
     order = rng.permutation(n)
     for start in range(0, n, batch_size):
         yield order[start:start + batch_size]
+
+
+def batch_schedule(n: int, training: TrainingConfig, seed: int,
+                   epochs: int | None = None) -> Iterator[np.ndarray]:
+    """The mini-batch indices `local_sgd` steps through for this seed: `training.steps` of them
+    when set, else `epochs` (default `training.epochs`) passes over a fresh permutation each.
+    Methods that step on their own (APFL, clients stepped together) draw the same batches, so a
+    method that reduces to FedAvg (APFL with alpha = 0) reproduces it bit for bit."""
+    if n == 0:
+        return
+    rng = np.random.default_rng(seed)
+    if training.steps is not None:
+        epochs_needed = math.ceil(training.steps / math.ceil(n / training.batch_size))
+        budget: int | None = training.steps
+    else:
+        epochs_needed = epochs if epochs is not None else training.epochs
+        budget = None
+    steps = 0
+    for _ in range(epochs_needed):
+        for idx in batches(n, training.batch_size, rng):
+            if budget is not None and steps >= budget:
+                return
+            yield idx
+            steps += 1
 
 
 def on_device(schedule: Iterable[np.ndarray], device: torch.device) -> Iterator[torch.Tensor]:
@@ -154,54 +184,56 @@ def on_device(schedule: Iterable[np.ndarray], device: torch.device) -> Iterator[
         start += len(part)
 
 
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def make_optimizer(params: Iterable[nn.Parameter], training: TrainingConfig,
+                   lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(list(params), lr=lr, momentum=training.momentum,
+                           weight_decay=training.weight_decay)
+
+
 def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: TrainingConfig,
-              lr: float, seed: int, params: Iterable[nn.Parameter] | None = None,
-              extra_loss: Callable[[], torch.Tensor] | None = None,
-              epochs: int | None = None) -> float:
-    """Plain SGD over the client's data; returns the mean loss. A NaN loss stops the run with a
-    clear error instead of silently averaging NaN weights into the global model."""
-    rng = np.random.default_rng(seed)
+              lr: float, seed: int, *, epochs: int | None = None,
+              params: Iterable[nn.Parameter] | None = None, loss_fn: LossFn = cross_entropy,
+              after_step: Callable[[], None] | None = None) -> float:
+    """SGD over the client's data in `batch_schedule`'s order; returns the mean loss (NaN when
+    there is no data). Every method's local training is this loop, with hooks for what differs:
+    `params`, the parameters that train (FedRep's body; default all); `loss_fn`, the loss of a
+    batch (pFedGP's predictive loss; default cross-entropy); `after_step`, run after each
+    optimiser step (Ditto's proximal step). A NaN or infinite loss stops the run
+    (`finite_mean_loss`) instead of averaging NaN weights into the global model."""
     trainable = list(params) if params is not None else list(model.parameters())
-    opt = torch.optim.SGD(trainable, lr=lr, momentum=training.momentum,
-                          weight_decay=training.weight_decay)
+    opt = make_optimizer(trainable, training, lr)
     model.train()
-    n = int(y.shape[0])
-    if n == 0:
-        return float("nan")
-    if training.steps is not None:
-        per_epoch = math.ceil(n / training.batch_size)
-        epochs_needed = math.ceil(training.steps / per_epoch)
-        budget = training.steps
-    else:
-        epochs_needed = epochs if epochs is not None else training.epochs
-        budget = None
     # the loss is summed where it is computed and checked once at the end: a per-step check
     # would wait for an accelerator on every step; a NaN still never reaches the aggregate
     total = torch.zeros((), dtype=torch.float64, device=x.device)
-    schedule: list[np.ndarray] = []
-    for _ in range(epochs_needed):
-        for idx in batches(n, training.batch_size, rng):
-            if budget is not None and len(schedule) >= budget:
-                break
-            schedule.append(idx)
     count = 0
-    for index in on_device(schedule, x.device):
+    for index in on_device(batch_schedule(int(y.shape[0]), training, seed, epochs), x.device):
         opt.zero_grad()
         with autocast(x.device, training.precision):
-            loss = nn.functional.cross_entropy(model(x[index]), y[index])
-            if extra_loss is not None:
-                loss = loss + extra_loss()
+            loss = loss_fn(model, x[index], y[index])
         loss.backward()
         opt.step()
+        if after_step is not None:
+            after_step()
         total += loss.detach().double() * len(index)
         count += len(index)
     return finite_mean_loss(total, count, lr)
 
 
 def finite_mean_loss(total: torch.Tensor, count: int, lr: float) -> float:
-    """The mean training loss, or TrainingDiverged when a step's loss was NaN or infinite (it
-    would average NaN weights into the global model)."""
-    mean = float(total) / max(count, 1)
+    """The mean training loss over `count` samples (NaN when there were none), or
+    TrainingDiverged when a step's loss was NaN or infinite (it would average NaN weights into
+    the global model)."""
+    if count == 0:
+        return float("nan")
+    mean = float(total) / count
     if not math.isfinite(mean):
         raise TrainingDiverged(f"the training loss became {mean} (lr={lr:g}); "
                             "lower the learning rate")

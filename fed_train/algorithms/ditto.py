@@ -30,19 +30,15 @@ from fed_train.algorithms.base import (
     PersonalModel,
     TrainingConfig,
     Weights,
+    batch_schedule,
     get_weights,
     local_sgd,
     model_predictor,
     set_weights,
-)
-from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import (
-    batch_schedule,
-    epochs_only,
-    model_accuracy,
-    sgd,
     sub_seed,
 )
+from fed_train.algorithms.fedavg import FedAvg
+from fed_train.algorithms.personal import epochs_only, model_accuracy
 from fed_train.algorithms.stepping import (
     Lane,
     Params,
@@ -102,8 +98,9 @@ class Ditto(FedAvg):
                         training: TrainingConfig, lr: float, seed: int,
                         epochs: int | None = None) -> tuple[Weights, float]:
         set_weights(self._personal, start)
-        loss = sgd(self._personal, client.x_train, client.y_train, training, lr, seed,
-                   epochs=epochs, after_step=self._prox_step(self._personal, anchor, lam, lr))
+        loss = local_sgd(self._personal, client.x_train, client.y_train, training, lr, seed,
+                         epochs=epochs,
+                         after_step=self._prox_step(self._personal, anchor, lam, lr))
         return get_weights(self._personal), loss
 
     def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],

@@ -13,12 +13,12 @@ from fed_train.algorithms.base import (
     TrainingConfig,
     Weights,
     aggregate_weights,
+    batch_schedule,
     get_weights,
     local_sgd,
     model_predictor,
     set_weights,
 )
-from fed_train.algorithms.personal import batch_schedule
 from fed_train.algorithms.stepping import (
     Lane,
     as_params,

@@ -30,13 +30,15 @@ from fed_train.algorithms.base import (
     TrainingConfig,
     Weights,
     aggregate_weights,
+    batch_schedule,
     embed_and_logits,
     get_weights,
     local_sgd,
     model_predictor,
     set_weights,
+    sub_seed,
 )
-from fed_train.algorithms.personal import batch_schedule, epochs_only, sgd, sub_seed
+from fed_train.algorithms.personal import epochs_only
 from fed_train.algorithms.stepping import (
     Lane,
     as_params,
@@ -79,8 +81,8 @@ class FedRep:
             return
         z, _ = embed_and_logits(model, client.x_train)
         z_train = torch.from_numpy(z).to(client.y_train.device)
-        sgd(model.classifier, z_train, client.y_train, epochs_only(self.training), lr, seed,
-            epochs=epochs)
+        local_sgd(model.classifier, z_train, client.y_train, epochs_only(self.training), lr, seed,
+                  epochs=epochs)
 
     def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                       lr: float, seed: int) -> ClientResult:

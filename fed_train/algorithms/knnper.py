@@ -16,15 +16,10 @@ from edge_runtime.knn import (
     DEFAULT_SIGMA,
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
-    KNNHead,
     LambdaRule,
-    estimate_lambda,
-    interpolate,
-    leave_one_out_posteriors,
-    normalize_embeddings,
     softmax,
 )
-from edge_runtime.linear_head import LinearHead
+from edge_runtime.personal_head import ClientSplits, PersonalHead
 from fed_train.algorithms.base import (
     ClientData,
     PersonalModel,
@@ -78,45 +73,23 @@ class KNNPer(FedAvg):
                              f"l2={l2}")
         self.base, self.l2 = base, l2
 
-    def _choose_lambda(self, head: KNNHead, p_base_train: np.ndarray, z_val: np.ndarray,
-                       p_base_val: np.ndarray, y_val: np.ndarray) -> float:
-        loo = None
-        if self.lambda_estimator == "loo+val":
-            loo = (leave_one_out_posteriors(head.keys_, head.labels_, head.num_classes, self.k,
-                                            self.sigma), p_base_train, head.labels_)
-        return estimate_lambda(self.lambda_estimator, head.predict_proba(z_val), p_base_val,
-                               y_val, loo, rule=self.lambda_rule)
-
-    def _base(self, num_classes: int, z_train: np.ndarray,
-              y_train: np.ndarray) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-        """The client's base predictor from (raw embeddings, logits): the global model's softmax,
-        or its own linear head on the embeddings normalised as the kNN's are (what the exported
-        encoder's "embedding" output gives it on the device)."""
-        if self.base == "global" or len(y_train) == 0:
-            return lambda z, logits: softmax(logits.astype(np.float64))
-        linear = LinearHead(num_classes, l2=self.l2).fit(
-            normalize_embeddings(z_train, self.normalize), y_train)
-        return lambda z, logits: linear.predict_proba(normalize_embeddings(z, self.normalize))
-
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:
         model = self.global_model(global_weights)
         num_classes = model.classifier.out_features
-        y_all = client.y_train.cpu().numpy()
-        keep = datastore_indices(client.num_train, self.capacity, seed)
-        z_all, logits_all = embed_and_logits(model, client.x_train)
-        base = self._base(num_classes, z_all, y_all)
-        z_train, logits_train = z_all[keep], logits_all[keep]
-        head = KNNHead(num_classes, self.k, self.sigma).fit(
-            normalize_embeddings(z_train, self.normalize), y_all[keep])
+        z_train, logits_train = embed_and_logits(model, client.x_train)
         z_val, logits_val = embed_and_logits(model, client.x_val)
-        lam = self._choose_lambda(head, base(z_train, logits_train),
-                                  normalize_embeddings(z_val, self.normalize),
-                                  base(z_val, logits_val), client.y_val.cpu().numpy())
+        splits = ClientSplits.from_logits(
+            client.client_id, client.unseen, (z_train, logits_train, client.y_train.cpu().numpy()),
+            (z_val, logits_val, client.y_val.cpu().numpy()))
+        head = PersonalHead(num_classes, k=self.k, sigma=self.sigma, normalize=self.normalize,
+                            l2=self.l2 if self.base == "linear" else None, rule=self.lambda_rule,
+                            estimator=self.lambda_estimator)
+        head.fit(splits, keep=datastore_indices(client.num_train, self.capacity, seed))
 
         def predict(x: torch.Tensor) -> np.ndarray:
             z, logits = embed_and_logits(model, x)
-            return interpolate(head.predict_proba(normalize_embeddings(z, self.normalize)),
-                               base(z, logits), lam)
+            return head.predict_proba(z, softmax(logits.astype(np.float64)))
 
-        return PersonalModel(predict, {"lambda": lam, "datastore_size": int(len(keep))})
+        return PersonalModel(predict, {"lambda": head.lambda_,
+                                       "datastore_size": head.stored_})

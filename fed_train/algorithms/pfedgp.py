@@ -40,9 +40,9 @@ from fed_train.algorithms.base import (
     Weights,
     aggregate_weights,
     get_weights,
+    local_sgd,
     set_weights,
 )
-from fed_train.algorithms.personal import sgd
 from fed_train.models import EmbedHeadModel
 
 CLASS_CHUNK = 16  # classes solved together: bounds memory at chunk x context^2
@@ -157,8 +157,8 @@ class PFedGP:
                       lr: float, seed: int) -> ClientResult:
         set_weights(self._work, global_weights)
         generator = torch.Generator().manual_seed(seed)
-        loss = sgd(self._work, client.x_train, client.y_train, self.training, lr, seed,
-                   loss_fn=self._predictive_loss(generator))
+        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed,
+                         loss_fn=self._predictive_loss(generator))
         return ClientResult(get_weights(self._work), client.num_train, state, loss)
 
     def aggregate(self, global_weights: Weights, results: list[ClientResult],

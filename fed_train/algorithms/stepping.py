@@ -153,9 +153,8 @@ def _step_chunk(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, lr
         reported_total += reported.double() * counts.double()
     counts = [sum(len(idx) for idx in lane.schedule) for lane in lanes]
     for total, count in zip(objective_total.cpu(), counts, strict=True):
-        if count:
-            finite_mean_loss(total, count, lr)
-    losses = [finite_mean_loss(total, count, lr) if count else float("nan")
+        finite_mean_loss(total, count, lr)
+    losses = [finite_mean_loss(total, count, lr)
               for total, count in zip(reported_total.cpu(), counts, strict=True)]
     return [{name: p[j] for name, p in params.items()} for j in range(len(lanes))], losses
 

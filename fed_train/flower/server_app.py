@@ -16,6 +16,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from edge_runtime._io import write_json_atomic
+from edge_runtime.errors import one_line
 from edge_runtime.knn import LAMBDA_RULES
 from edge_runtime.linear_head import L2_GRID
 from fed_train.algorithms import build_algorithm
@@ -235,7 +236,7 @@ def main(grid: Grid, context: Context) -> None:
         train_and_evaluate(grid, settings)
     except Exception as err:
         # the launcher only sees "failed"; the run directory says why, in one line
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = one_line(err, first_line=True)
         run_dir = Path(settings.run_dir)
         if run_dir.is_dir():
             _write_flower_file(run_dir, {"algorithm": settings.algorithm, "status": "failed",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_runtime._io import parse_json
+from edge_runtime.errors import one_line
 from fed_train.algorithms import ALGORITHMS
 from fed_train.errors import KnnperError
 from fed_train.knn_request import KNNRequest
@@ -98,7 +99,7 @@ class FlowerSettings:
             run = RunConfig.from_dict(parse_json(str(values.get("run", "{}")).encode("utf-8")))
         except (ValueError, TypeError) as err:  # RunError is a ValueError
             raise FlowerConfigError(f"run config 'run' is not a knnper run configuration: "
-                                    f"{' '.join(str(err).split())}") from None
+                                    f"{one_line(err)}") from None
         d = cls()
         try:
             settings = cls(
