@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=C.REPO / "runs" / "paper_order")
     p.add_argument("--data", default=str(CIFAR10), help="CIFAR-10 npz or folder")
     p.add_argument("--tiny", action="store_true",
-                   help="digits, a few clients, one round: checks the pipeline on a CPU")
+                   help="300 digits images, a few clients, one round: checks the pipeline on a CPU")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--client-batch", type=C.positive_int, default=1,
                    help="clients stepped together (100 on a GPU; 1 on a CPU is faster)")
