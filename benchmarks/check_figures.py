@@ -45,6 +45,9 @@ SEED_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
 # cross-validated on validation), in BENCHMARKS.md's section with DEFAULT_HEADING.
 DEFAULT_SEED_TABLES = {f"{title}, default": f"{name}-default"
                        for title, name in SEED_TABLES.items()}
+# kNN-Per alone with the paper's per-client lambda rule, paired with the default tables by
+# benchmarks/rule_pairs.py: their per-client figures are recomputed here too
+PAPER_RULE_FOLDERS = ("fashion-mnist-paper-rule", "cifar10-paper-rule")
 SEEDS_HEADING = "### Across seeds"
 DEFAULT_HEADING = "### The default across seeds"
 TOLERANCE = 1e-9
@@ -263,7 +266,7 @@ def main() -> int:
     check = Checker()
     fair = {name: check_table(FAIR / name, check) for name in FAIR_TABLES.values()}
     seeds = {}
-    for name in (*SEED_TABLES.values(), *DEFAULT_SEED_TABLES.values()):
+    for name in (*SEED_TABLES.values(), *DEFAULT_SEED_TABLES.values(), *PAPER_RULE_FOLDERS):
         if (SEEDS / name).is_dir():
             seeds[name] = check_seeds(SEEDS / name, check)
     text = (REPO / "BENCHMARKS.md").read_text()

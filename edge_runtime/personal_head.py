@@ -29,6 +29,7 @@ from .knn import (
     Posteriors,
     estimator_evidence,
     interpolate,
+    k_sigma_problem,
     lambda_counts,
     leave_one_out_posteriors,
     normalize_embeddings,
@@ -88,6 +89,22 @@ def _as_split(split: Split) -> Split:
     return (np.asarray(z, np.float32), np.asarray(logits), np.asarray(y, np.int64))
 
 
+def check_settings(k: int, sigma: float, normalize: str, estimator: str,
+                   l2: float | None) -> None:
+    """ValueError unless a head with these settings can run (server and device alike)."""
+    problem = k_sigma_problem(k, sigma)
+    if problem:
+        raise ValueError(problem)
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, "
+                         f"got {normalize!r}")
+    if estimator not in LAMBDA_ESTIMATORS:
+        raise ValueError(f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
+                         f"got {estimator!r}")
+    if l2 is not None and not l2 > 0:
+        raise ValueError(f"a linear head's l2 must be positive, got {l2}")
+
+
 class KNNPart(Protocol):
     """What the head needs of a kNN part: any fitted edge_runtime datastore, or KNNHead."""
 
@@ -108,14 +125,7 @@ class PersonalHead:
     def __init__(self, num_classes: int, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
                  normalize: str = DEFAULT_NORMALIZE, l2: float | None = None,
                  rule: LambdaRule = CLIENT_RULE, estimator: str = "val") -> None:
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, "
-                             f"got {normalize!r}")
-        if estimator not in LAMBDA_ESTIMATORS:
-            raise ValueError(f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
-                             f"got {estimator!r}")
-        if l2 is not None and not l2 > 0:
-            raise ValueError(f"a linear head's l2 must be positive, got {l2}")
+        check_settings(k, sigma, normalize, estimator, l2)
         self.num_classes = num_classes
         self.k, self.sigma, self.normalize, self.l2 = k, sigma, normalize, l2
         self.rule, self.estimator = rule, estimator

@@ -42,6 +42,7 @@ class Case:
 CASES: dict[str, Case] = {
     "check_figures.py": Case(()),
     "table_margins.py": Case(("--check",)),
+    "rule_pairs.py": Case(("--check",)),
     "split_public.py": Case(("--dataset", "digits", "--client-train", "500", "--out", "{out}")),
     "load_checks.py": Case(("--sizes", "100", "--reps", "1", "--out", "{out}")),
     "train_throughput.py": Case(("--tag", "smoke", "--clients", "2", "--samples", "8",

@@ -6,7 +6,7 @@ SuperLink and SuperNodes are exercised in test_flower_deploy.py."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from fed_train.flower.client_data import load_node_client  # noqa: E402
 from fed_train.flower.records import (  # noqa: E402
     ModelSpec,
     check_shapes,
+    counts_record,
     join_state,
     split_state,
     to_array_record,
@@ -359,23 +360,74 @@ def test_deploy_certs_writes_private_keys_for_their_owner_only_and_never_overwri
     assert (out / "server.key").read_bytes() == before
 
 
+class TamperingGrid(InProcessGrid):
+    """Each reply passes through `tamper(message, reply)` on its way back, as a broken or
+    hostile client would send it."""
+
+    def __init__(self, run_config: dict, node_configs: list[dict],
+                 tamper: Callable[[Message, Message], None]) -> None:
+        super().__init__(run_config, node_configs)
+        self.tamper = tamper
+
+    def send_and_receive(self, messages, *, timeout=None):
+        asked = {msg.metadata.dst_node_id: msg for msg in messages}
+        replies = super().send_and_receive(messages, timeout=timeout)
+        for reply in replies:
+            self.tamper(asked[reply.metadata.src_node_id], reply)
+        return replies
+
+
 def test_a_client_sending_another_models_weights_is_refused_by_the_server(tmp_path):
     settings = _settings(tmp_path / "run")
 
-    class TamperingGrid(InProcessGrid):
-        def send_and_receive(self, messages, *, timeout=None):
-            replies = super().send_and_receive(messages, timeout=timeout)
-            for reply in replies:
-                if reply.metadata.src_node_id == 101 and reply.metadata.message_type == "train":
-                    spec = ModelSpec.from_record(messages[0].content["model"])
-                    reply.content["arrays"] = to_array_record(
-                        ModelSpec(spec.name, 3, spec.input_spec).shapes())
-            return replies
+    def other_model(msg: Message, reply: Message) -> None:
+        if reply.metadata.src_node_id == 101 and reply.metadata.message_type == "train":
+            spec = ModelSpec.from_record(msg.content["model"])
+            reply.content["arrays"] = to_array_record(
+                ModelSpec(spec.name, 3, spec.input_spec).shapes())
 
-    grid = TamperingGrid(settings.to_run_config(), _nodes())
+    grid = TamperingGrid(settings.to_run_config(), _nodes(), other_model)
     with pytest.raises(FederationError, match=r"client 1: unusable reply: client 1 sent "
                                               r"classifier\.\w+ with shape \(3"):
         train_and_evaluate(grid, settings)
+
+
+def test_unusable_sums_or_rows_leave_their_client_out_and_the_run_goes_on(tmp_path):
+    """Sums of another shape keep a client out of the kNN-Per choice; a row whose choices JSON
+    cannot hold keeps a client out of the evaluation; neither stops the run."""
+    settings = _settings(tmp_path / "run")
+    tampered: dict[str, int] = {}
+
+    def hostile(msg: Message, reply: Message) -> None:
+        if reply.metadata.message_type != "evaluate":
+            return
+        node, phase = reply.metadata.src_node_id, msg.content["config"].get("phase")
+        if phase == "knn-grid" and "sums" not in tampered:
+            tampered["sums"] = node - 100
+            reply.content["counts"] = counts_record("knn-grid", np.ones((1, 3)))
+        elif phase is None and node == 102:
+            reply.content["info"] = ConfigRecord({"knnper/lambda": b"0.5"})
+
+    record = train_and_evaluate(TamperingGrid(settings.to_run_config(), _nodes(), hostile),
+                                settings)
+    assert record["status"] == "completed"
+    chosen_on = record["knn"]["chosen_on"]["clients"]
+    assert chosen_on and tampered["sums"] not in chosen_on
+    assert record["evaluation"]["missing_clients"] == [2]
+
+
+def test_a_node_claiming_a_client_outside_the_run_is_refused(tmp_path):
+    settings = _settings(tmp_path / "run")
+
+    def impostor(msg: Message, reply: Message) -> None:
+        if reply.metadata.src_node_id == 102:
+            reply.content["metrics"]["client-id"] = 99
+
+    with pytest.raises(FederationError, match=r"SuperNode 102 cannot serve a client: unusable "
+                                              r"reply: client 99 with \d+ training samples is "
+                                              r"not one of the run's clients 0 to 2"):
+        train_and_evaluate(TamperingGrid(settings.to_run_config(), _nodes(), impostor),
+                           settings)
 
 
 def test_a_failed_flower_run_resumes_from_its_checkpoint_to_the_simulations_result(

@@ -14,12 +14,10 @@ from edge_runtime.knn import (
     DEFAULT_K,
     DEFAULT_NORMALIZE,
     DEFAULT_SIGMA,
-    LAMBDA_ESTIMATORS,
-    NORMALIZATIONS,
     LambdaRule,
     softmax,
 )
-from edge_runtime.personal_head import ClientSplits, PersonalHead
+from edge_runtime.personal_head import ClientSplits, PersonalHead, check_settings
 from fed_train.algorithms.base import (
     ClientData,
     PersonalModel,
@@ -54,23 +52,14 @@ class KNNPer(FedAvg):
         is interpolated with: the global model, or ("linear") a linear head fitted with `l2`
         on the client's train embeddings, normalised as the kNN's are."""
         super().__init__(model_fn, training)
-        if k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
-        if sigma <= 0:
-            raise ValueError(f"sigma must be positive, got {sigma}")
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, "
-                             f"got {normalize!r}")
-        if lambda_estimator not in LAMBDA_ESTIMATORS:
-            raise ValueError(f"lambda_estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
-                             f"got {lambda_estimator!r}")
+        if base not in ("global", "linear") or (base == "linear") != (l2 is not None and l2 > 0):
+            raise ValueError(f"base must be 'global', or 'linear' with l2 > 0; got {base!r}, "
+                             f"l2={l2}")
+        check_settings(k, sigma, normalize, lambda_estimator, l2 if base == "linear" else None)
         self.k, self.sigma, self.capacity = k, sigma, capacity
         self.normalize, self.lambda_estimator = normalize, lambda_estimator
         self.lambda_rule = LambdaRule() if lambda_rule is None else \
             LambdaRule.from_dict(lambda_rule)
-        if base not in ("global", "linear") or (base == "linear") != (l2 is not None and l2 > 0):
-            raise ValueError(f"base must be 'global', or 'linear' with l2 > 0; got {base!r}, "
-                             f"l2={l2}")
         self.base, self.l2 = base, l2
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],

@@ -15,10 +15,12 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from fed_train.algorithms.base import ClientData
     from fed_train.flower.records import ModelSpec
     from fed_train.flower.settings import FlowerSettings
@@ -92,39 +94,41 @@ def evaluate(msg: Message, context: Context) -> Message:
     (config "phase"): sums over its validation split, never the samples."""
     from fed_train.algorithms import build_algorithm
     from fed_train.evaluation import client_accuracies
-    from fed_train.flower.records import load_state
+    from fed_train.flower.records import counts_record, load_state, to_config_record
 
     settings, spec, client = _setup(msg, context)
     weights = _received_weights(msg, spec)
     config = msg.content["config"]
     phase = str(config.get("phase", "evaluate"))
     if phase != "evaluate":
-        return Message(RecordDict({"counts": _knn_choice_counts(phase, config, settings, spec,
-                                                               client, weights)}),
-                       reply_to=msg)
+        counts = _knn_choice_counts(phase, msg.content, settings, spec, client, weights)
+        return Message(RecordDict({"counts": counts_record(phase, counts)}), reply_to=msg)
     client.unseen = bool(config["unseen"])
     knn_hyper = json.loads(str(config.get("knn", "{}")))
-    rows, accuracies = ConfigRecord(), MetricRecord({"num-examples": int(client.y_test.shape[0])})
+    metrics = MetricRecord({"num-examples": int(client.y_test.shape[0])})
+    info: dict[str, dict] = {}
     for method in settings.eval_methods:
         hyper = {**knn_hyper, "capacity": settings.capacity} if method == "knnper" else {}
         algorithm = build_algorithm(method, spec.model_fn(), settings.run.training, **hyper)
         state = load_state(context.state) if method == settings.algorithm else {}
         row = client_accuracies(algorithm, weights, {client.client_id: state}, [client],
                                 seed=settings.run.seed)[0]
-        rows[method] = json.dumps(row)
+        info[method] = row["info"]
         if row["accuracy"] is not None:
-            accuracies[f"{method}-accuracy"] = row["accuracy"]
-    return Message(RecordDict({"rows": rows, "metrics": accuracies}), reply_to=msg)
+            metrics[f"{method}-accuracy"] = row["accuracy"]
+    return Message(RecordDict({"metrics": metrics, "info": to_config_record(info)}),
+                   reply_to=msg)
 
 
-def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSettings,
-                       spec: ModelSpec, client: ClientData, weights: dict) -> ConfigRecord:
-    """This client's grid_counts ("knn-grid"), estimator_counts ("knn-estimators"),
-    rule_fold_counts ("knn-rule-folds") or rule_evidence ("knn-rule-evidence") under the global
+def _knn_choice_counts(phase: str, content: RecordDict, settings: FlowerSettings,
+                       spec: ModelSpec, client: ClientData, weights: dict) -> np.ndarray:
+    """This client's grid_counts ("knn-grid": every point sent), estimator_counts
+    ("knn-estimators"), l2_counts ("knn-l2"), rule_fold_counts ("knn-rule-folds") or
+    rule_evidence ("knn-rule-evidence"; these four under the one point sent) under the global
     model: the same sums the simulation pools (fed_train.knn_tuning)."""
     from fed_train.algorithms import build_algorithm
+    from fed_train.flower.records import points_from_record
     from fed_train.knn_tuning import (
-        KNNConfig,
         client_views,
         estimator_counts,
         grid_counts,
@@ -135,28 +139,25 @@ def _knn_choice_counts(phase: str, config: ConfigRecord, settings: FlowerSetting
         rule_fold_counts,
     )
 
+    config = content["config"]
+    points = points_from_record(content["points"])
+    if phase != "knn-grid" and len(points) != 1:
+        raise ValueError(f"phase {phase} takes one kNN configuration, got {len(points)}")
     model = build_algorithm("fedavg", spec.model_fn(), settings.run.training).global_model(
         weights)
     view = client_views(model, [client])[0]
     view.unseen = False  # only seen clients are asked
     if float(config.get("linear-l2", 0.0)) > 0:  # the rule phases under the linear base
-        view = linear_base_views([view], float(config["linear-l2"]),
-                                 KNNConfig(**json.loads(str(config["config"]))).normalize)[0]
+        view = linear_base_views([view], float(config["linear-l2"]), points[0].normalize)[0]
     if phase == "knn-grid":
-        points = [KNNConfig(**p) for p in json.loads(str(config["points"]))]
-        counts = grid_counts(view, points)
-    elif phase == "knn-estimators":
-        counts = estimator_counts(view, KNNConfig(**json.loads(str(config["config"]))),
-                                  seed=settings.run.seed)
-    elif phase == "knn-l2":
-        normalize = KNNConfig(**json.loads(str(config["config"]))).normalize
-        counts = l2_counts(normalized_views([view], normalize)[0])
-    elif phase == "knn-rule-folds":
-        counts = rule_fold_counts(view, KNNConfig(**json.loads(str(config["config"]))),
-                                  str(config["estimator"]), seed=settings.run.seed)
-    elif phase == "knn-rule-evidence":
-        counts = rule_evidence(view, KNNConfig(**json.loads(str(config["config"]))),
-                               str(config["estimator"]))
-    else:
-        raise ValueError(f"unknown evaluation phase {phase!r}")
-    return ConfigRecord({"client-id": client.client_id, "counts": json.dumps(counts.tolist())})
+        return grid_counts(view, points)
+    if phase == "knn-estimators":
+        return estimator_counts(view, points[0], seed=settings.run.seed)
+    if phase == "knn-l2":
+        return l2_counts(normalized_views([view], points[0].normalize)[0])
+    if phase == "knn-rule-folds":
+        return rule_fold_counts(view, points[0], str(config["estimator"]),
+                                seed=settings.run.seed)
+    if phase == "knn-rule-evidence":
+        return rule_evidence(view, points[0], str(config["estimator"]))
+    raise ValueError(f"unknown evaluation phase {phase!r}")

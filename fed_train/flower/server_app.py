@@ -12,19 +12,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from edge_runtime._io import write_json_atomic
 from edge_runtime.errors import one_line
-from edge_runtime.knn import LAMBDA_RULES
+from edge_runtime.knn import LAMBDA_ESTIMATORS, LAMBDA_GRID, LAMBDA_RULES
 from edge_runtime.linear_head import L2_GRID
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import set_weights
 from fed_train.evaluation import format_table
-from fed_train.flower.records import ModelSpec, to_array_record, to_weights
+from fed_train.flower.records import ModelSpec, points_record, to_array_record, to_weights
 from fed_train.flower.settings import FlowerSettings
-from fed_train.flower.strategy import FederationError, KnnperStrategy, reply_error
+from fed_train.flower.strategy import FederationError, KnnperStrategy, read_replies
 from fed_train.knn_choice import (
     KNN_CONFIG_FILE,
     KNNChoice,
@@ -36,6 +37,7 @@ from fed_train.knn_choice import (
 )
 from fed_train.knn_tuning import (
     BASES,
+    KNNConfig,
     LinearConfig,
     fit_rule,
     grid_points,
@@ -81,21 +83,30 @@ def find_clients(grid: Grid, settings: FlowerSettings, spec: ModelSpec,
         queries = [Message(RecordDict({"model": spec.to_record()}), dst_node_id=n,
                            message_type=MessageType.QUERY) for n in new]
         remaining = max(1.0, deadline - time.monotonic())
-        for reply in grid.send_and_receive(queries, timeout=remaining):
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                raise FederationError(f"SuperNode {node} cannot serve a client: "
-                                      f"{reply_error(reply)}")
-            cid = int(reply.content["metrics"]["client-id"])
+        got = read_replies(grid.send_and_receive(queries, timeout=remaining),
+                           {n: n for n in new}, lambda node, reply: _served_client(reply, clients))
+        if got.failed:
+            node, why = next(iter(got.failed.items()))
+            raise FederationError(f"SuperNode {node} cannot serve a client: {why}")
+        for node, (cid, reported) in got.read.items():
             if cid in node_of:
                 raise FederationError(f"SuperNodes {node_of[cid]} and {node} both serve client "
                                       f"{cid}")
-            reported = int(reply.content["metrics"]["num-train"])
             if cid in num_train and reported != num_train[cid]:
                 raise FederationError(f"client {cid} holds {reported} training samples, the "
                                       f"server's partition gives it {num_train[cid]}")
             node_of[cid] = node
     return node_of
+
+
+def _served_client(reply: Message, clients: int) -> tuple[int, int]:
+    """The client a node serves and its training samples, as its query reply says."""
+    metrics = reply.content.metric_records["metrics"]
+    cid, reported = metrics["client-id"], metrics["num-train"]
+    if not (isinstance(cid, int) and 0 <= cid < clients and isinstance(reported, int)):
+        raise ValueError(f"client {cid!r:.40} with {reported!r:.40} training samples is not "
+                         f"one of the run's clients 0 to {clients - 1}")
+    return cid, reported
 
 
 def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings: FlowerSettings,
@@ -110,45 +121,51 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
     if saved is not None:
         return choice_from_record(saved, path)
 
-    def ask(config: dict[str, Any]) -> dict[int, Any]:
+    def ask(phase: str, points: list[KNNConfig], shape: tuple[int, int],
+            config: dict[str, Any] | None = None) -> dict[int, np.ndarray]:
+        """Each answering seen client's sums for `phase`, refused unless of `shape`: the
+        phase's function in fed_train.knn_tuning says its shape."""
         replies = grid.send_and_receive(
-            strategy.configure_knn_phase(server_round, arrays, ConfigRecord(config)),
+            strategy.configure_knn_phase(server_round, arrays,
+                                         ConfigRecord({"phase": phase, **(config or {})}),
+                                         points_record(points)),
             timeout=settings.round_timeout)
-        counts = strategy.collect_knn_counts(replies)
+        counts = strategy.collect_knn_counts(replies, phase, shape)
         if not counts:
             raise FederationError("no seen client answered for kNN-Per's configuration")
         return counts
 
     points = grid_points(*request.grids())
-    grid_counts = ask({"phase": "knn-grid",
-                       "points": json.dumps([c.to_dict() for c in points])})
+    grid_counts = ask("knn-grid", points, (len(points), 3))
     config, scores = pick_config(points, [c for c in grid_counts.values() if c[0, 2] > 0])
     estimator = request.estimator()
     cv: dict[str, float] = {}
     if estimator == "auto":
-        cv = pool_estimators(list(ask({"phase": "knn-estimators",
-                                       "config": json.dumps(config.to_dict())}).values()))
+        cv = pool_estimators(list(ask("knn-estimators", [config],
+                                      (len(LAMBDA_ESTIMATORS), 2)).values()))
         estimator = pick_estimator(cv)
     chosen_on = [cid for cid, c in grid_counts.items() if c[0, 2] > 0]
     bases = BASES if request.base_choice() == "auto" else (request.base_choice(),)
     rules = LAMBDA_RULES if request.rule() == "auto" else (request.rule(),)
-    asked = {"config": json.dumps(config.to_dict()), "estimator": estimator}
     l2_choice: dict[str, Any] = {}
     if "linear" in bases:
         l2_grid = [LinearConfig(float(v)) for v in L2_GRID]
-        best, l2_scores = pick_config(l2_grid, list(ask({"phase": "knn-l2",
-                                                          **asked}).values()))
+        best, l2_scores = pick_config(l2_grid, list(ask("knn-l2", [config],
+                                                        (len(L2_GRID), 3)).values()))
         l2_choice = {"config": best.to_dict(), "grid": l2_scores}
-    under = {b: {**asked, "linear-l2": l2_choice["config"]["l2"] if b == "linear" else 0.0}
+    under = {b: {"estimator": estimator,
+                 "linear-l2": l2_choice["config"]["l2"] if b == "linear" else 0.0}
              for b in bases}
     base_cv: dict[str, dict[str, float]] = {}
     if len(bases) * len(rules) > 1:
-        base_cv = {b: pool_rules(list(ask({"phase": "knn-rule-folds", **under[b]}).values()),
+        base_cv = {b: pool_rules(list(ask("knn-rule-folds", [config],
+                                          (2 * len(LAMBDA_GRID), 5), under[b]).values()),
                                  rules) for b in bases}
         base, rule = pick_base_and_rule(base_cv)
     else:
         base, rule = bases[0], rules[0]
-    evidence = ask({"phase": "knn-rule-evidence", **under[base]}) if rule != "client" else {}
+    evidence = (ask("knn-rule-evidence", [config], (len(LAMBDA_GRID), 3), under[base])
+                if rule != "client" else {})
     fitted = fit_rule(rule, [evidence[cid] for cid in chosen_on if cid in evidence])
     record = make_record(request, config, estimator, sha, grid=scores, lambda_cv=cv,
                          lambda_rule=fitted.to_dict(), lambda_rule_cv=base_cv.get(base, {}),

@@ -5,25 +5,38 @@ model), plus the federated evaluation of personalized models."""
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import re
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from edge_runtime.errors import one_line
 from fed_train.algorithms.base import Algorithm, ClientResult, Weights
 from fed_train.errors import KnnperError
 from fed_train.evaluation import merge_results
-from fed_train.flower.records import ModelSpec, check_shapes, to_array_record, to_weights
+from fed_train.flower.records import (
+    ModelSpec,
+    check_shapes,
+    from_config_record,
+    read_counts,
+    to_array_record,
+    to_weights,
+)
 from fed_train.flower.settings import FlowerSettings
 from fed_train.simulation import AGGREGATE_STREAM, client_seed, sample_clients
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_CHOICES = 32  # what one personalization says it chose (lambda, cluster, ...): a handful
+MAX_NAME = 100  # characters of a chosen value that is a name
 
 
 class FederationError(KnnperError, RuntimeError):
@@ -35,6 +48,54 @@ def reply_error(reply: Message) -> str:
     reason = reply.error.reason or f"error code {reply.error.code}"
     found = re.fullmatch(r"<class '[\w.]+'>:<'(.*)'>", reason, flags=re.S)
     return (found.group(1) if found else reason).strip().splitlines()[0]
+
+
+@dataclass(frozen=True)
+class Replies(Generic[T]):
+    """What the clients a phase asked sent back: each usable reply's content by client id, why
+    each failed client is left out (one line), and who did not answer in time."""
+
+    read: dict[int, T]
+    failed: dict[int, str]
+    silent: list[int]
+
+
+def read_replies(replies: Iterable[Message], sent: dict[int, int],
+                 read: Callable[[int, Message], T]) -> Replies[T]:
+    """Every phase's reply check. `sent` maps each asked node to the id its reply is filed
+    under (a client id; the node's own before clients are known); other replies are ignored.
+    An error reply leaves its sender out with Flower's reason; `read` takes what a reply
+    carries and raises KeyError, TypeError or ValueError on content it cannot use, which
+    leaves that sender out too: a client's fault never stops the server by itself."""
+    read_ok: dict[int, T] = {}
+    failed: dict[int, str] = {}
+    for reply in replies:
+        key = sent.get(reply.metadata.src_node_id)
+        if key is None:
+            continue
+        if reply.has_error():
+            failed[key] = reply_error(reply)
+            continue
+        try:
+            read_ok[key] = read(key, reply)
+        except (KeyError, TypeError, ValueError) as err:
+            failed[key] = f"unusable reply: {one_line(err, first_line=True)}"
+    silent = sorted(set(sent.values()) - set(read_ok) - set(failed))
+    return Replies(dict(sorted(read_ok.items())), dict(sorted(failed.items())), silent)
+
+
+def _checked_choices(method: str, chosen: Any) -> dict[str, Any]:
+    """What a client's personalization chose, as the evaluation JSON writes it: a few flat
+    scalars (None, flags, finite numbers, short names)."""
+    if not isinstance(chosen, dict) or len(chosen) > MAX_CHOICES:
+        raise ValueError(f"{method}'s choices are not at most {MAX_CHOICES} named values")
+    for key, value in chosen.items():
+        if not (value is None or isinstance(value, bool | int)
+                or (isinstance(value, float) and math.isfinite(value))
+                or (isinstance(value, str) and len(value) <= MAX_NAME)):
+            raise ValueError(f"{method}'s choice {key!r} is {value!r:.40}, not a finite number, "
+                             "a flag or a short name")
+    return chosen
 
 
 class KnnperStrategy(Strategy):
@@ -85,53 +146,45 @@ class KnnperStrategy(Strategy):
                                    "round": server_round})}, server_round)
                 for node, cid in self._sent.items()]
 
-    def _train_result(self, cid: int, reply: Message) -> ClientResult:
+    def _train_result(self, cid: int, reply: Message) -> tuple[ClientResult, int, float]:
         """A reply checked before it is aggregated: weight shapes and the sample count (n_m
-        weighs the client's model, so it must be the partition's, not what a client claims)."""
-        weights = to_weights(reply.content["arrays"])
+        weighs the client's model, so it must be the partition's, not what a client claims).
+        With the bytes it sent and the seconds its training took, without Flower's cost."""
+        arrays = reply.content.array_records["arrays"]
+        weights = to_weights(arrays)
         check_shapes(weights, self.model_weights, sender=f"client {cid}")
-        metrics = reply.content["metrics"]
+        metrics = reply.content.metric_records["metrics"]
         reported = int(metrics["num-examples"])
         if reported != self.num_train[cid]:
             raise ValueError(f"it reports {reported} training samples, the partition gives it "
                              f"{self.num_train[cid]}")
-        return ClientResult(weights, reported, dict(reply.content["state"]),
-                            float(metrics["train-loss"]))
+        seconds = float(metrics.get("train-seconds", 0.0))
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"it reports {seconds} s of training")
+        result = ClientResult(weights, reported,
+                              from_config_record(reply.content.config_records["state"]),
+                              float(metrics["train-loss"]))
+        return result, arrays.count_bytes(), seconds
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
-        results: dict[int, ClientResult] = {}
-        failed: dict[int, str] = {}
-        bytes_up = 0
-        train_seconds: list[float] = []  # each client's own training, without Flower's cost
-        for reply in replies:
-            cid = self._sent.get(reply.metadata.src_node_id)
-            if cid is None:
-                continue
-            if reply.has_error():
-                failed[cid] = reply_error(reply)
-                continue
-            try:
-                results[cid] = self._train_result(cid, reply)
-            except (KeyError, TypeError, ValueError) as err:  # a client's fault: it is dropped
-                failed[cid] = f"unusable reply: {err}"
-                continue
-            bytes_up += reply.content["arrays"].count_bytes()
-            train_seconds.append(float(reply.content["metrics"].get("train-seconds", 0.0)))
-        silent = sorted(set(self._sent.values()) - set(results) - set(failed))
+        got = read_replies(replies, self._sent, self._train_result)
         skipped = sorted(set(self._sampled) - set(self._sent.values()))
-        self.lost.update(silent, failed)
+        self.lost.update(got.silent, got.failed)
         needed = min(self.settings.min_train_clients or len(self._sampled), len(self._sampled))
-        problems = ([f"client {c}: {why}" for c, why in sorted(failed.items())]
+        problems = ([f"client {c}: {why}" for c, why in got.failed.items()]
                     + [f"client {c}: no reply within {self.settings.round_timeout:g} s"
-                       for c in silent]
+                       for c in got.silent]
                     + [f"client {c}: lost in an earlier round" for c in skipped])
-        if len(results) < needed:
-            raise FederationError(f"round {server_round}: {len(results)} of "
+        if len(got.read) < needed:
+            raise FederationError(f"round {server_round}: {len(got.read)} of "
                                   f"{len(self._sampled)} sampled clients answered, {needed} "
                                   f"needed ({'; '.join(problems)})")
         for problem in problems:
             log.warning("round %d goes on without %s", server_round, problem)
-        ordered = [results[c] for c in sorted(results)]  # the simulation's order: by client id
+        # the simulation's order: by client id
+        ordered = [result for result, _, _ in got.read.values()]
+        bytes_up = sum(sent for _, sent, _ in got.read.values())
+        train_seconds = [seconds for _, _, seconds in got.read.values()]
         seed, r = self.settings.run.seed, server_round - 1
         new = self.algorithm.aggregate(self._global, ordered, self.total,
                                        client_seed(seed, r, 0, AGGREGATE_STREAM))
@@ -151,61 +204,67 @@ class KnnperStrategy(Strategy):
             ConfigRecord({**config, "unseen": self.unseen[cid]}))}, server_round)
             for node, cid in self._sent.items()]
 
-    def configure_knn_phase(self, server_round: int, arrays,
-                            config: ConfigRecord) -> Iterable[Message]:
+    def configure_knn_phase(self, server_round: int, arrays, config: ConfigRecord,
+                            points: ConfigRecord) -> Iterable[Message]:
         """Every seen client still there computes its share of a kNN-Per choice (a config
-        "phase"; only sums over its validation split come back)."""
+        "phase", under kNN-Per's grid `points`; only sums over its validation split come
+        back)."""
         self._sent = {node: cid for cid, node in sorted(self.node_of.items())
                       if cid not in self.lost and not self.unseen[cid]}
-        return [self._message(node, MessageType.EVALUATE, {"arrays": arrays, "config": config},
+        return [self._message(node, MessageType.EVALUATE,
+                              {"arrays": arrays, "config": config, "points": points},
                               server_round) for node in self._sent]
 
-    def collect_knn_counts(self, replies: Iterable[Message]) -> dict[int, np.ndarray]:
-        """Each answering client's counts; a client that failed is left out (with a warning),
-        as in the evaluation: the choice is pooled over those that answered."""
-        counts: dict[int, np.ndarray] = {}
-        for reply in replies:
-            cid = self._sent.get(reply.metadata.src_node_id)
-            if cid is None:
-                continue
-            try:
-                if reply.has_error():
-                    raise ValueError(reply_error(reply))
-                array = np.asarray(json.loads(str(reply.content["counts"]["counts"])),
-                                   dtype=np.float64)
-                if array.ndim != 2 or not np.isfinite(array).all() or (array < 0).any():
-                    raise ValueError(f"counts of shape {array.shape} are not usable")
-            except (KeyError, TypeError, ValueError) as err:
-                log.warning("kNN-Per choice without client %d: %s", cid, err)
-                continue
-            counts[cid] = array
-        return dict(sorted(counts.items()))
+    def collect_knn_counts(self, replies: Iterable[Message], phase: str,
+                           shape: tuple[int, ...]) -> dict[int, np.ndarray]:
+        """Each answering client's sums for `phase`, each of `shape`; a client that failed is
+        left out (with a warning), as in the evaluation: the choice is pooled over those that
+        answered."""
+        got = read_replies(replies, self._sent, lambda cid, reply: read_counts(
+            reply.content.array_records["counts"], phase, shape))
+        for cid, why in got.failed.items():
+            log.warning("kNN-Per choice without client %d: %s", cid, why)
+        for cid in got.silent:
+            log.warning("kNN-Per choice without client %d: no reply within %g s", cid,
+                        self.settings.round_timeout)
+        return got.read
+
+    def _evaluation_rows(self, cid: int, reply: Message) -> dict[str, dict[str, Any]]:
+        """The client's row for each evaluated method, as `client_accuracies` makes it, from
+        its test size and accuracies (a MetricRecord; no accuracy without test samples) and
+        what its personalizations chose (a ConfigRecord, one "method/name" per value)."""
+        metrics = reply.content.metric_records["metrics"]
+        chosen = from_config_record(reply.content.config_records["info"])
+        n_test = metrics["num-examples"]
+        if not isinstance(n_test, int) or n_test < 0:
+            raise ValueError(f"it reports {n_test!r:.40} test samples")
+        methods = list(dict.fromkeys(self.settings.eval_methods))
+        unasked = sorted(set(chosen) - set(methods))
+        if unasked:
+            raise ValueError(f"it reports choices of methods not evaluated: {unasked[:3]}")
+        rows = {}
+        for method in methods:
+            accuracy = metrics.get(f"{method}-accuracy")
+            if accuracy is not None and not (isinstance(accuracy, float)
+                                             and 0.0 <= accuracy <= 1.0):
+                raise ValueError(f"its {method} accuracy {accuracy!r:.40} is not in [0, 1]")
+            rows[method] = {"client_id": cid, "unseen": self.unseen[cid], "n_test": n_test,
+                            "accuracy": accuracy,
+                            "info": _checked_choices(method, chosen.get(method, {}))}
+        return rows
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
         """The summary `knnper evaluate` prints (mean weighted by test size, bottom decile, for
         seen and unseen clients); the per-client rows are kept in `self.evaluation`."""
+        got = read_replies(replies, self._sent, self._evaluation_rows)
         per_method: dict[str, list[dict[str, Any]]] = {}
-        failed = []
-        for reply in replies:
-            cid = self._sent.get(reply.metadata.src_node_id)
-            if cid is None:
-                continue
-            if reply.has_error():
-                failed.append(f"client {cid}: {reply_error(reply)}")
-                continue
-            try:
-                rows = {m: json.loads(str(row)) for m, row in reply.content["rows"].items()}
-            except (KeyError, TypeError, ValueError) as err:
-                failed.append(f"client {cid}: unusable reply: {err}")
-                continue
+        for rows in got.read.values():  # by client id
             for method, row in rows.items():
-                per_method.setdefault(method, []).append({**row, "client_id": cid})
-        answered = {r["client_id"] for rows in per_method.values() for r in rows}
-        missing = sorted(set(self.node_of) - answered)
-        if failed or missing:
-            log.warning("evaluation without clients %s (%s)", missing, "; ".join(failed))
-        for rows in per_method.values():
-            rows.sort(key=lambda r: r["client_id"])
+                per_method.setdefault(method, []).append(row)
+        missing = sorted(set(self.node_of) - set(got.read))
+        if missing:
+            log.warning("evaluation without clients %s (%s)", missing,
+                        "; ".join(f"client {c}: {why}" for c, why in got.failed.items()))
         self.evaluation = merge_results(per_method)
         self.evaluation["missing_clients"] = missing
         summary = {}
