@@ -76,8 +76,6 @@ NO_CASE = {
                           "local expects): any real case changes the source tree",
     "paper_tables.py": "its --smoke trains three tables of every method (about 5 minutes "
                        "here); `bench table`, which it runs, is tested in test_bench.py",
-    "rule_pairs.py": "its case is --check, which needs the paper-rule seeds folders and "
-                     "rule_pairs.json under benchmarks/results/seeds (not committed yet)",
 }
 
 
