@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.benchmark_support import read_csv  # noqa: E402
-from experiments.seeds import format_seeds, summarize_seeds  # noqa: E402
+from experiments.table_seeds import format_seeds, summarize_seeds  # noqa: E402
 from experiments.tables import TITLES, format_markdown  # noqa: E402
 from fed_train.evaluation import summarize  # noqa: E402
 

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from flower_rounds import _load, add_arguments, run_config
 
 from experiments import benchmark_support as _common
 from fed_train.deploy import LocalFederation, deploy_local
@@ -31,13 +30,13 @@ APP_DIR = Path(__file__).resolve().parent / "flower_floor"
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(p)
+    _common.add_flower_arguments(p)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` stops the federation
     _common.setup_logging()
-    load_before = _load()
+    load_before = _common.load_average()
     run_dir = args.work / args.tag / "floor"
-    settings = FlowerSettings(run=run_config(args), run_dir=str(run_dir),
+    settings = FlowerSettings(run=_common.flower_run_config(args), run_dir=str(run_dir),
                               round_timeout=args.round_timeout, connect_timeout=600.0)
     start = time.perf_counter()
     deploy_local(settings, LocalFederation(clients=args.clients, startup_timeout=120.0,
@@ -47,7 +46,7 @@ def main() -> None:
               if line.strip()]
     summary = {"tag": args.tag, "clients": args.clients, "rounds": args.rounds,
                "floor_s_per_round": float(np.mean([r["seconds"] for r in rounds])),
-               "load_before": load_before, "load_after": _load()}
+               "load_before": load_before, "load_after": _common.load_average()}
     _common.write_json(args.results / f"floor_{args.tag}.json", {
         "command": _common.command_line(), "machine": _common.machine_info(),
         "summary": summary, "rounds": rounds})

@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 
 from experiments import benchmark_support as _common
-from fed_train.algorithms.base import TrainingConfig, get_weights
+from fed_train.algorithms.base import get_weights
 from fed_train.deploy import LocalFederation, deploy_local
 from fed_train.flower.settings import FlowerSettings
-from fed_train.run import RunConfig, load_run, train
+from fed_train.run import load_run, train
 from fed_train.run_evaluation import evaluate_run
 
 log = logging.getLogger("benchmarks.flower")
@@ -64,10 +64,6 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
             if line.strip()]
 
 
-def _load() -> float:
-    return float(Path("/proc/loadavg").read_text().split()[0])
-
-
 def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
     """What every ClientApp process pays before it trains: Python, torch, flwr and knnper
     imported afresh (Flower starts one process per message). Median CPU and wall seconds."""
@@ -83,47 +79,17 @@ def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
     return {"cpu_s": float(np.median(cpu)), "wall_s": float(np.median(wall))}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The configuration flags, shared with flower_floor.py (the same rounds, nothing trained)."""
-    p.add_argument("--tag", required=True, help="name of this configuration in the results")
-    p.add_argument("--dataset", default="digits")
-    p.add_argument("--data", default=None)
-    p.add_argument("--max-train", type=int, default=None)
-    p.add_argument("--clients", type=int, default=10)
-    p.add_argument("--unseen-fraction", type=float, default=0.2)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--round-timeout", type=float, default=600.0)
-    p.add_argument("--work", type=Path, default=Path("runs/flower_bench"),
-                   help="run directories (not committed)")
-    p.add_argument("--results", type=Path,
-                   default=_common.REPO / "benchmarks" / "results" / "flower")
-
-
-def run_config(args: argparse.Namespace) -> RunConfig:
-    return RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
-                     clients=args.clients, unseen_fraction=args.unseen_fraction,
-                     seed=args.seed, checkpoint_every=1,
-                     training=TrainingConfig(rounds=args.rounds, epochs=args.local_epochs,
-                                             batch_size=args.batch_size, lr=args.lr,
-                                             momentum=args.momentum, milestones=(0.75,)))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(p)
+    _common.add_flower_arguments(p)
     args = p.parse_args()
     # `timeout` sends SIGTERM: let it unwind like Ctrl-C, so deploy stops every process it started
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     _common.setup_logging()
     _common.limit_threads(1)
-    load_before = _load()
-    config = run_config(args)
+    load_before = _common.load_average()
+    config = _common.flower_run_config(args)
     work = args.work / args.tag
     sim_dir, flower_dir = work / "simulation", work / "flower"
 
@@ -180,7 +146,7 @@ def main() -> None:
         "federated_knnper_seen": 100 * federated["seen"]["knnper"]["mean"],
         "max_abs_weight_diff": weight_diff, "max_abs_knnper_client_diff": client_diff,
         "clientapp_import_cpu_s": imports["cpu_s"], "clientapp_import_wall_s": imports["wall_s"],
-        "load_before": load_before, "load_after": _load(),
+        "load_before": load_before, "load_after": _common.load_average(),
     }
     _common.write_json(args.results / f"{args.tag}.json", {
         "command": _common.command_line(), "machine": _common.machine_info(),

@@ -20,7 +20,7 @@ from typing import Any
 
 from edge_runtime.arg_types import byte_count
 from experiments import benchmark_support as C
-from experiments.seeds import paired_bootstrap, verdict
+from experiments.table_seeds import paired_bootstrap, verdict
 from export.evaluation import evaluate_export
 from export.exporter import ExportSettings, apply_knn_choice, export_run
 from export.profiles import uniform_budgets
@@ -97,7 +97,8 @@ def summary(rows: list[dict], knn: dict[str, dict]) -> list[dict]:
 
 def tuned_minus_paper(rows: list[dict]) -> list[dict]:
     """Tuned minus paper per group and place: the difference of means (pp) with a paired
-    bootstrap 95% interval over clients (experiments.seeds); 'inconclusive' where it holds 0."""
+    bootstrap 95% interval over clients (experiments.table_seeds); 'inconclusive' where it holds
+    0."""
     out = []
     for where in ("server", "device"):
         by_client: dict[int, dict] = {}

@@ -25,7 +25,7 @@ import torch
 
 from edge_runtime._io import write_json_atomic
 from edge_runtime.knn import LAMBDA_RULES
-from experiments.seeds import paired_bootstrap
+from experiments.table_seeds import paired_bootstrap
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_tuning import (

@@ -1,4 +1,4 @@
-"""What the hostile-bundle checks cost when a bundle loads (issue 11).
+"""What the hostile-bundle checks cost when a bundle loads.
 
     python benchmarks/load_checks.py --out benchmarks/results/runtime [--sizes 1000 10000 50000]
 

@@ -28,14 +28,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from split_public import split
 
 from experiments import benchmark_support as C
 from experiments.tables import format_markdown, run_table
+from fed_train.accelerator import PRECISIONS, resolve_device
 from fed_train.algorithms.base import TrainingConfig
-from fed_train.device import PRECISIONS, resolve_device
 from fed_train.knn_request import KNNRequest
 from fed_train.pretrain import RECORD_FILE, PretrainConfig, pretrain
+from fed_train.public_split import split_public
 from fed_train.run import RunConfig
 
 log = logging.getLogger("benchmarks.paper_order")
@@ -56,7 +56,9 @@ class Scale:
     mobilenet_rounds: int
     cnn_clients: int
     cnn_rounds: int
-    cnn_max_train: int | None  # None: the whole training set, as the paper
+    # training images kept, in both tables; None: all of them (the CNN: the whole training
+    # set, as the paper; MobileNet: the clients' part of the split)
+    max_train: int | None
 
 
 GPU = Scale("cifar10", 15_000, 5_000, 12, 100, 20, 200, 100, None)
@@ -65,11 +67,12 @@ TINY = Scale("digits", 300, 100, 1, 5, 1, 5, 1, 300)
 
 def tables(scale: Scale, data: str | None, init: Path, seed: int) -> dict[str, RunConfig]:
     clients = str(init.parent / "data" / "clients.npz")
-    mobilenet = RunConfig(dataset=scale.dataset, data=clients, partition="dirichlet", alpha=0.3,
+    mobilenet = RunConfig(dataset=scale.dataset, data=clients, max_train=scale.max_train,
+                          partition="dirichlet", alpha=0.3,
                           clients=scale.mobilenet_clients, model="mobilenet-v2-gn", seed=seed,
                           checkpoint_every=1, init=str(init),
                           training=replace(FAIR_TRAINING, rounds=scale.mobilenet_rounds))
-    cnn = RunConfig(dataset=scale.dataset, data=data, max_train=scale.cnn_max_train,
+    cnn = RunConfig(dataset=scale.dataset, data=data, max_train=scale.max_train,
                     partition="dirichlet", alpha=0.3, clients=scale.cnn_clients,
                     model="small-cnn", seed=seed, checkpoint_every=1,
                     training=TrainingConfig(rounds=scale.cnn_rounds, epochs=1, batch_size=32,
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=C.REPO / "runs" / "paper_order")
     p.add_argument("--data", default=str(CIFAR10), help="CIFAR-10 npz or folder")
     p.add_argument("--tiny", action="store_true",
-                   help="digits, a few clients, one round: checks the pipeline on a CPU")
+                   help="300 digits images, a few clients, one round: checks the pipeline on a CPU")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--client-batch", type=C.positive_int, default=1,
                    help="clients stepped together (100 on a GPU; 1 on a CPU is faster)")
@@ -132,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("%s: %s", name, "done before" if done else f"{stages[name]['seconds']} s")
 
     stage("split", (out / "data" / "clients.npz").is_file(),
-          lambda: split(scale.dataset, data, scale.client_train, scale.client_test, args.seed,
-                        out / "data"))
+          lambda: split_public(scale.dataset, data, scale.client_train, scale.client_test,
+                               args.seed, out / "data"))
     init = out / "pretrain"
     stage("pretrain", (init / RECORD_FILE).is_file(),
           lambda: pretrain(PretrainConfig(dataset=scale.dataset, data=str(out / "data" /

@@ -29,7 +29,6 @@ sys.path.insert(0, str(REPO))
 
 from experiments import (  # noqa: E402
     base_model,
-    budget_curve,
     capacity,
     device_experiments,
     distribution_shift,
@@ -37,6 +36,7 @@ from experiments import (  # noqa: E402
     heterogeneity,
     k_sigma,
     lambda_vs_n,
+    protonn_grid,
 )
 from experiments.benchmark_support import read_csv  # noqa: E402
 from experiments.report import claims_table  # noqa: E402
@@ -118,7 +118,7 @@ def judge(name: str, folder: Path) -> list[Claim]:
         return device_experiments.shift_claims(steps, settings)
     if name == device_experiments.GRID:
         full = float(np.mean([p["mean_accuracy"] + p["drop_pp"] / 100 for p in points]))
-        budget_curve.plot_grid(
+        protonn_grid.plot_grid(
             points, full, folder / "protonn_grid.png", scale=scale,
             cost_pp=device_experiments.COST_PP)
         if not points or points[0].get("val_accuracy") is None:

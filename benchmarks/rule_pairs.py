@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from edge_runtime._io import write_bytes_atomic  # noqa: E402
 from experiments.benchmark_support import markdown_table, read_csv  # noqa: E402
-from experiments.seeds import GROUPS, STATS, paired_bootstrap, verdict  # noqa: E402
+from experiments.table_seeds import GROUPS, STATS, paired_bootstrap, verdict  # noqa: E402
 
 SEEDS = REPO / "benchmarks" / "results" / "seeds"
 # (table, folder with the default, folder with the paper's rule)

@@ -1,4 +1,4 @@
-"""Latency and throughput of the on-device personalized prediction (issue 4): edge_runtime's
+"""Latency and throughput of the on-device personalized prediction: edge_runtime's
 Runtime (ONNX encoder + datastore kNN + interpolation) against the same prediction made with the
 float32 torch model, for flat, hnsw and protonn datastores of 1k, 10k and 100k keys.
 

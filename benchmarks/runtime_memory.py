@@ -1,4 +1,4 @@
-"""Peak memory of a fresh device process that loads one bundle and predicts (issue 4), for
+"""Peak memory of a fresh device process that loads one bundle and predicts, for
 flat, hnsw and protonn datastores, with torch processes measured alongside for reference: peak
 RSS, and peak private (anonymous) memory above the fixed floor, the memory a bundle costs.
 
@@ -23,7 +23,7 @@ sampled by the parent about every millisecond while the child runs (a shorter sp
 missed). The floor: a process with Python, numpy, onnxruntime and the runtime's modules
 imported and one onnxruntime session of a one-node model made, the fixed cost of any bundle.
 
-Targets: at most 80 MB (80e6 bytes) for the small CNN (issue 4); (issue 18) for flat and ProtoNN
+Targets: at most 80 MB (80e6 bytes) for the small CNN; for flat and ProtoNN
 bundles the peak private memory above the floor stays within the bundle's budget_bytes + 2 MiB
 (each bundle written with the tightest budget the exporter's memory model gives it: the encoder
 plus the datastore's estimate_nbytes, which counts its files, what the search holds beside them
@@ -131,9 +131,9 @@ with torch.inference_mode():
 report(shape=list(logits.shape))
 """
 
-BUDGET_SLACK_MIB = 8  # issue 12: peak RSS above the bare process <= budget + 8 MiB
-PRIVATE_SLACK_MIB = 2  # issue 18: peak private memory above the floor <= budget + 2 MiB
-HNSW_LOAD_OVER_FILE = 1.2  # issue 18: an HNSW bundle's load peak <= 1.2x its files
+BUDGET_SLACK_MIB = 8  # target: peak RSS above the bare process <= budget + 8 MiB
+PRIVATE_SLACK_MIB = 2  # target: peak private memory above the floor <= budget + 2 MiB
+HNSW_LOAD_OVER_FILE = 1.2  # target: an HNSW bundle's load peak <= 1.2x its files
 
 COLUMNS = ["process", "backend", "recipe", "keys", "stored", "batch", "peak_rss_mib",
            "peak_rss_mb", "within_target", "above_bare_mib", "budget_bytes", "budget_mib",

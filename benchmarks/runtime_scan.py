@@ -1,5 +1,5 @@
 """The flat datastore's scan against this machine's memory speed, int8 against float32 keys, the
-top-k switch point and BLAS threads at batch 1 (issue 12). One process, one run: every figure is
+top-k switch point and BLAS threads at batch 1. One process, one run: every figure is
 a ratio to another measured in the same run.
 
     python benchmarks/runtime_scan.py --out OUT [--sizes 1000 10000 100000] [--dim 128]
@@ -8,7 +8,7 @@ a ratio to another measured in the same run.
 - Memory read speed: np.max over a 1 GiB float32 array (one core; the median of 5 passes).
 - Scan: the batch-1 distance step (one query's products with every key) over keys as the
   runtime holds them, [p, n] in their stored dtype; its speed is the key bytes read per second.
-  The product over keys stored [n, p] (the layout before issue 12) is timed beside it.
+  The product over keys stored [n, p] (the runtime's earlier layout) is timed beside it.
 - Integer scan: int8 keys through onnxruntime's MatMulInteger as the runtime's single session
   runs it (keys fed as an input, the query quantised to 7 bits; predictor_graph), against the
   numpy float32 scan; at each batch size in --batches.
@@ -131,7 +131,7 @@ def scan_rows(args: argparse.Namespace, rng: np.random.Generator,
             scans["integer"] = lambda q=q, s=session, ds=int8: s.run(
                 None, {"q": q, "keys_t": ds.keys_t_, "key_sums": ds.key_sums_})
             if batch == 1:
-                keys_np = stores["fp32"].keys()  # [n, p], as before issue 12
+                keys_np = stores["fp32"].keys()  # [n, p], the runtime's earlier layout
                 scans["np_layout"] = lambda q=q, keys=keys_np: q @ keys.T
             scan = medians(scans, args.reps)
             search = search2 = {}
@@ -241,7 +241,7 @@ def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict
         "a block at a time; int8: the query quantised to 7 bits); integer scan = int8 keys "
         "through onnxruntime's MatMulInteger as the runtime's single session runs it; "
         "GB/s = key bytes / numpy scan time. [n, p] scan = the float32 product "
-        "over keys stored [n, p], the layout before issue 12. Search = the whole batch-1 "
+        "over keys stored [n, p], the runtime's earlier layout. Search = the whole batch-1 "
         "kneighbors (distances, top-k, ordering).",
         "",
         scan_table,

@@ -1,4 +1,4 @@
-"""Process start to first prediction, and batch-1 latency against the encoder alone (issue 12).
+"""Process start to first prediction, and batch-1 latency against the encoder alone.
 
     python benchmarks/runtime_start.py --out OUT [--run RUN] [--starts 15] [--reps 1000]
 

@@ -1,9 +1,10 @@
 """Margins for the one-seed tables of BENCHMARKS.md that predate `bench table --seeds`: the
-kNN-Per-versus-FedAvg runs (issue 2) and the from-scratch baseline tables (issue 5). For every
-group (seen, unseen) and statistic (mean, bottom decile) it gives the best method minus the
+kNN-Per-versus-FedAvg runs ("kNN-Per versus FedAvg and local training") and the from-scratch
+baseline tables ("Personalized-FL baselines: the paper's Tables 1 and 2 at CPU scale"). For
+every group (seen, unseen) and statistic (mean, bottom decile) it gives the best method minus the
 runner-up, and kNN-Per minus every other method, each with the paired bootstrap 95% interval
-over clients that `bench table --seeds` uses (experiments.seeds.paired_bootstrap), so a method
-is bolded as best only where its interval excludes zero.
+over clients that `bench table --seeds` uses (experiments.table_seeds.paired_bootstrap), so a
+method is bolded as best only where its interval excludes zero.
 
     python benchmarks/table_margins.py            # writes benchmarks/results/margins/
     python benchmarks/table_margins.py --check    # recompute and compare (CI, via check_figures)
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.benchmark_support import markdown_table, read_csv, write_csv  # noqa: E402
-from experiments.seeds import GROUPS, STATS, paired_bootstrap, verdict  # noqa: E402
+from experiments.table_seeds import GROUPS, STATS, paired_bootstrap, verdict  # noqa: E402
 from experiments.tables import TITLES  # noqa: E402
 from fed_train.evaluation import summarize  # noqa: E402
 
@@ -31,11 +32,11 @@ RESULTS = REPO / "benchmarks" / "results"
 OUT = RESULTS / "margins"
 # title in BENCHMARKS.md -> the committed per-client file it was computed from
 TABLES = {
-    "kNN-Per vs FedAvg, Fashion-MNIST (issue 2)": "fmnist_dirichlet0.3_evaluation.json",
-    "kNN-Per vs FedAvg, CIFAR-10 (issue 2)": "cifar10_dirichlet0.3_evaluation.json",
-    "from scratch, Fashion-MNIST (issue 5)": "tables/fashion-mnist/clients.csv",
-    "from scratch, CIFAR-10 (issue 5)": "tables/cifar10/clients.csv",
-    "from scratch, CIFAR-10 v2 (issue 5)": "tables/cifar10-v2/clients.csv",
+    "kNN-Per vs FedAvg, Fashion-MNIST": "fmnist_dirichlet0.3_evaluation.json",
+    "kNN-Per vs FedAvg, CIFAR-10": "cifar10_dirichlet0.3_evaluation.json",
+    "from scratch, Fashion-MNIST": "tables/fashion-mnist/clients.csv",
+    "from scratch, CIFAR-10": "tables/cifar10/clients.csv",
+    "from scratch, CIFAR-10 v2": "tables/cifar10-v2/clients.csv",
 }
 COLUMNS = ("table", "group", "stat", "method", "versus", "diff", "low", "high", "verdict")
 NOT_METHODS = ("client_id", "unseen", "n_test")

@@ -1,7 +1,8 @@
 """Seconds per federated round and samples per second of the project's own trainer (FedAvg's
 client updates through `simulate`), clients one after another versus stepped together
-(`--client-batch`), on synthetic CIFAR-shaped data: the cases of issue 22's table. Run it on the
-CPU here and on a GPU with `--device cuda`; every row names the device it ran on.
+(`--client-batch`), on synthetic CIFAR-shaped data: the cases of BENCHMARKS.md's table of the
+trainer at scale. Run it on the CPU here and on a GPU with `--device cuda`; every row names the
+device it ran on.
 
 A case is MODEL:MODE[:PRECISION], MODE `seq` (one after another) or a number (clients stepped
 together). The first round of each case is a warm-up (allocations, cuDNN's choices) and is not
@@ -22,9 +23,9 @@ import numpy as np
 import torch
 
 from experiments import benchmark_support as _common
+from fed_train.accelerator import resolve_device
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, get_weights
-from fed_train.device import resolve_device
 from fed_train.models import build_model
 from fed_train.simulation import simulate, stepped_batch
 

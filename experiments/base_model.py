@@ -143,7 +143,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
         Claim(f"kNN accuracy (lambda = 1) is almost linear (Pearson r >= {LINEAR_R}) in the "
               "global model's accuracy", "; ".join(shown) or "fewer than 3 checkpoints",
               tally(linear)),
-        Claim("kNN-Per helps most when the global model is weak (issue 9's reading of Fig. 5)",
+        Claim("kNN-Per helps most when the global model is weak (our reading of Fig. 5)",
               "; ".join(shown_gain), tally(weak_first)),
     ]
     if len(alphas) >= 2:

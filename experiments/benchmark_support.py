@@ -396,6 +396,45 @@ def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_flower_arguments(p: argparse.ArgumentParser) -> None:
+    """The configuration flags flower_rounds.py and flower_floor.py share (the same rounds: trained
+    by knnper's ClientApp, or echoed by the floor's empty one)."""
+    p.add_argument("--tag", required=True, help="name of this configuration in the results")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--data", default=None)
+    p.add_argument("--max-train", type=int, default=None)
+    p.add_argument("--clients", type=int, default=10)
+    p.add_argument("--unseen-fraction", type=float, default=0.2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--round-timeout", type=float, default=600.0)
+    p.add_argument("--work", type=Path, default=Path("runs/flower_bench"),
+                   help="run directories (not committed)")
+    p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "flower")
+
+
+def flower_run_config(args: argparse.Namespace) -> Any:
+    """The fed_train.run.RunConfig of add_flower_arguments' flags."""
+    from fed_train.algorithms.base import TrainingConfig
+    from fed_train.run import RunConfig
+
+    return RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
+                     clients=args.clients, unseen_fraction=args.unseen_fraction,
+                     seed=args.seed, checkpoint_every=1,
+                     training=TrainingConfig(rounds=args.rounds, epochs=args.local_epochs,
+                                             batch_size=args.batch_size, lr=args.lr,
+                                             momentum=args.momentum, milestones=(0.75,)))
+
+
+def load_average() -> float:
+    """The last minute's load average: how busy the machine was around a timing."""
+    return os.getloadavg()[0]
+
+
 def run_child(code: str, args: Sequence[str], *, threads: int,
               parse: Callable[[str], Any] = json.loads, timeout: float = 600) -> Any:
     """Run `python -c code args...` in a fresh process with `threads` BLAS/OpenMP threads and the

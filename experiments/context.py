@@ -14,8 +14,8 @@ from typing import Any
 
 from edge_runtime.personal_head import ClientSplits
 from experiments.points import PointStore
-from experiments.seeds import seed_dir
 from experiments.spec import format_alpha
+from experiments.table_seeds import seed_dir
 from experiments.views import client_views
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.knn_choice import KNNChoice, load_or_choose

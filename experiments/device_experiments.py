@@ -1,6 +1,6 @@
 """The two device-side experiments: on-device datastore updates under a label shift
 (experiments.distribution_shift) and the ProtoNN grid of the budget curve
-(experiments.budget_curve: projection dimension x prototype fraction), run through the same code
+(experiments.protonn_grid: projection dimension x prototype fraction), run through the same code
 as their benchmark scripts so they measure exactly what those measure. Both use the family's
 shared global model."""
 
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from edge_runtime.encoder import Encoder
-from experiments import budget_curve, distribution_shift
+from experiments import distribution_shift, protonn_grid
 from experiments.context import Context
 from experiments.margins import Aligned, call, paired, pp, two_se
 from experiments.spec import DIMENSION, FRACTION, Claim, Experiment, Grid, Measured, Result
@@ -25,7 +25,7 @@ from export.sizing import SearchSpace
 
 SHIFT = "distribution-shift"
 GRID = "protonn-grid"
-# benchmarks/distribution_shift.py's settings: its defaults, and its --smoke sizes for --quick.
+# experiments.distribution_shift's settings: its defaults, and its --smoke sizes for --quick.
 SHIFT_FULL = {"clients": 10, "seeds": 3, "steps": 30, "shift_at": 10, "batch": 20}
 SHIFT_QUICK = {"clients": 2, "seeds": 1, "steps": 4, "shift_at": 2, "batch": 8}
 PROTONN_STEPS_QUICK = 30
@@ -74,7 +74,7 @@ def summarise_shift(m: Measured, folder: Path) -> Result:
     settings = m.facts[0]["settings"]
     if len(m.seeds) == 1:
         steps, plot = m.facts[0]["steps"], folder / "shift.png"  # the benchmark drew it
-        notes = [f"benchmarks/distribution_shift.py ran as `{' '.join(m.facts[0]['argv'])}`; "
+        notes = [f"experiments.distribution_shift ran as `{' '.join(m.facts[0]['argv'])}`; "
                  "its own files (steps.csv: every client, step and strategy; curve.csv; "
                  "clients.csv; shift.md) are in this folder."]
     else:
@@ -87,7 +87,7 @@ def summarise_shift(m: Measured, folder: Path) -> Result:
                                                       * len(m.seeds)}), plot,
             f"means over seeds {', '.join(map(str, m.seeds))}, each on its own global model",
             m.facts[0]["dataset"])
-        notes = ["benchmarks/distribution_shift.py ran once per seed, on that seed's global "
+        notes = ["experiments.distribution_shift ran once per seed, on that seed's global "
                  f"model, with its own {settings['seeds']} stream seed(s); its files are in "
                  "seed_S/. The claims pool every seed's streams."]
     return Result(m.points, ("step", "strategy", "mean_accuracy", "sem", "n",
@@ -155,7 +155,7 @@ class _ProtoNNCases:
         settings = apply_knn_choice(ExportSettings(seed=ctx.seed), ctx.knn_choice())
         self.encoder = build_encoder(run, work, settings, run.clients())
         session = Encoder(self.encoder.path, intra_op_threads=1)
-        self.cases = [budget_curve.ClientCase(session, c, run.dataset.num_classes, ctx.k, ctx.sigma)
+        self.cases = [protonn_grid.ClientCase(session, c, run.dataset.num_classes, ctx.k, ctx.sigma)
                       for c in clients]
         self.clients = clients
         self.num_classes = run.dataset.num_classes
@@ -187,7 +187,7 @@ def measure_grid(ctx: Context, grids: dict[str, tuple]) -> Measured:
         for m in sorted(grids["prototype_fractions"]):
             record = store.compute(
                 ctx.point_key(projection_dim=d, prototype_fraction=m, steps=steps),
-                lambda d=d, m=m: budget_curve.protonn_grid(
+                lambda d=d, m=m: protonn_grid.protonn_grid(
                     built().cases, [d], [m], built().num_classes, steps, ctx.k, ctx.sigma,
                     ctx.seed)[0])
             points.append({**{k: record[k] for k in ("projection_dim", "prototype_fraction",
@@ -207,7 +207,7 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
     full = float(np.mean([f["full"] for f in m.facts]))  # a seed's own, or the seeds' mean
     plot = folder / "protonn_grid.png"
     folder.mkdir(parents=True, exist_ok=True)  # plot_grid, the benchmark's, expects it
-    budget_curve.plot_grid(m.points, full, plot, scale=m.scale, cost_pp=COST_PP)
+    protonn_grid.plot_grid(m.points, full, plot, scale=m.scale, cost_pp=COST_PP)
     return Result(m.points, ("projection_dim", "prototype_fraction", "mean_accuracy",
                              "val_accuracy", "bytes_ratio", "drop_pp", "seconds"),
                   [("projection_dim", "d", ""), ("prototype_fraction", "m", "g"),
@@ -218,8 +218,7 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
                    "test_samples", "val_accuracy", "val_samples", "ratio"),
                   notes=[f"Full float32 flat datastore (the reference): {full:.2%}. ProtoNN "
                          f"trained {m.facts[0]['steps']} steps per client and point with the "
-                         "int8 encoder's embeddings (benchmarks/export_budget_curve.py's "
-                         "protonn_grid)."])
+                         "int8 encoder's embeddings (experiments.protonn_grid)."])
 
 
 # "a limited accuracy cost": the paper's CIFAR-10 figure is 0.7 pp; we call up to 1 pp limited
@@ -248,16 +247,14 @@ def grid_claims(points: list[dict], clients: list[dict], full: float) -> list[Cl
 
 
 SHIFT_EXPERIMENT = Experiment(
-    SHIFT, "on-device datastore updates (fifo, concatenate, fixed) under a label shift "
-    "(benchmarks/distribution_shift.py)",
+    SHIFT, "on-device datastore updates (fifo, concatenate, fixed) under a label shift",
     "with a fixed datastore accuracy drops at the shift; FIFO drops then recovers as new samples "
     "replace old ones; concatenate gains before the shift and recovers more slowly than FIFO "
     "after it (Sec. 6, Fig. 6; Appendix Fig. 14).",
     (), measure_shift, summarise_shift, lambda g: 1)  # the whole stream is one point
 
 GRID_EXPERIMENT = Experiment(
-    GRID, "ProtoNN-compressed datastores over projection dimension x prototype fraction "
-    "(benchmarks/export_budget_curve.py's grid)",
+    GRID, "ProtoNN-compressed datastores over projection dimension x prototype fraction",
     "ProtoNN reduces kNN-Per's memory footprint by a factor four for a limited accuracy cost on "
     "CIFAR-10 (82.3% versus 83.0%; on CIFAR-100 it loses 3 pp for a 20% saving) (Appendix, "
     "Fig. 11).",

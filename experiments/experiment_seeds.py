@@ -1,5 +1,6 @@
 """`knnper experiment NAME --seeds N`: the seeds' measurements combined into one, so every
-experiment's own summary (claims, plot) judges all seeds together.
+experiment's own summary (claims, plot) judges all seeds together (`knnper bench table
+--seeds N` summarises its seeds in experiments.table_seeds).
 
 Points: per point (its key columns), every numeric column's across-seed mean under its own name,
 its standard deviation beside it (`COLUMN_std`) and the number of seeds that measured it;

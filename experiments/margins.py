@@ -2,7 +2,7 @@
 where its effect clears its margin: a 95% bootstrap interval over clients that excludes the
 claim's threshold, or, for the on-device stream, an effect beyond two standard errors over the
 (seed, client) streams. Anything closer is "inconclusive". The across-seed tables
-(experiments.seeds) use the same bootstrap and call, in their own words ("knnper ahead").
+(experiments.table_seeds) use the same bootstrap and call, in their own words ("knnper ahead").
 
 Rows from several seeds (a `seed` column, `knnper experiment --seeds N`) are pooled: a client is
 (seed, client id), and the bootstrap resamples clients within their own seed, since each seed is

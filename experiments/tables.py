@@ -39,7 +39,7 @@ from experiments.lr_tuning import (
     personalized_accuracies,
     validation_score,
 )
-from experiments.seeds import seed_dir, summarize_seeds, write_seeds
+from experiments.table_seeds import seed_dir, summarize_seeds, write_seeds
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.errors import KnnperError, TrainingDiverged

@@ -64,7 +64,7 @@ class PretrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     augment: bool = False  # random shifted crops and horizontal flips (CIFAR's usual recipe)
-    precision: str = "fp32"  # of the forward passes (fed_train.device.autocast)
+    precision: str = "fp32"  # of the forward passes (fed_train.accelerator.autocast)
     seed: int = 0
 
 

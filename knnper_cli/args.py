@@ -28,9 +28,9 @@ from edge_runtime.arg_types import (
 from edge_runtime.cli_help import DefaultsHelpFormatter, examples, missing_command_message
 from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
+from fed_train.accelerator import DEVICES, PRECISIONS
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.data import DEFAULT_PATHS
-from fed_train.device import DEVICES, PRECISIONS
 from fed_train.knn_request import (
     BASE_CHOICES,
     ESTIMATOR_CHOICES,

@@ -10,7 +10,7 @@ from pathlib import Path
 from experiments.lr_tuning import LR_GRID, parse_lr_grid
 from experiments.tables import METHODS, BenchError, format_markdown, run_seeds, run_table
 from fed_train import defaults
-from fed_train.device import resolve_device
+from fed_train.accelerator import resolve_device
 from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,

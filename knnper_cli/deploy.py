@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from fed_train.accelerator import resolve_device
 from fed_train.deploy import (
     APP_DIR,
     DeployError,
@@ -16,7 +17,6 @@ from fed_train.deploy import (
     rounds_logged,
     run_config_toml,
 )
-from fed_train.device import resolve_device
 from fed_train.evaluation import format_table
 from fed_train.flower.expected import expectation_line
 from fed_train.flower.pki import make_node_key, make_server_tls

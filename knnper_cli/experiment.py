@@ -23,9 +23,9 @@ from experiments.context import QUICK, Context
 from experiments.experiment_seeds import combine, combined_result
 from experiments.registry import EXPERIMENTS
 from experiments.report import refuse_other_report, write_report
-from experiments.seeds import seed_dir
 from experiments.spec import IID_ALPHA, Experiment
-from fed_train.device import resolve_device
+from experiments.table_seeds import seed_dir
+from fed_train.accelerator import resolve_device
 from fed_train.progress import Progress
 from knnper_cli.args import (
     add_knn_arguments,

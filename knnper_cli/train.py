@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from fed_train import defaults
+from fed_train.accelerator import resolve_device
 from fed_train.client_files import write_client_files
-from fed_train.device import resolve_device
 from fed_train.evaluation import format_table
 from fed_train.knn_choice import describe_record
 from fed_train.models import MODELS

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
@@ -22,18 +21,8 @@ from experiments.lr_tuning import (
 from experiments.tables import METHODS, BenchError, check_validation_splits
 from fed_train.algorithms.base import ClientData, PersonalModel
 from fed_train.evaluation import client_accuracies
-from knnper_cli.bench import add_bench_command
-
-TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "2", "--local-epochs", "1",
-        "--batch-size", "16", "--lr", "0.05"]
-
-
-def bench(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--no-progress", action="store_true")
-    add_bench_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["--no-progress", "bench", "table", *argv])
-    return args.func(args)
+from tests.helpers.bench_table import TINY, bench
+from tests.helpers.interrupts import interrupt_after
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -337,16 +326,15 @@ def test_seeds_run_one_table_per_seed_and_summarize_them(tmp_path):
 
 def test_an_interrupted_table_keeps_each_finished_client(tmp_path, monkeypatch):
     from fed_train.algorithms.local import Local
-    from tests.test_training import _interrupt_after
 
     out = tmp_path / "table"
     with monkeypatch.context() as m:
-        first = _interrupt_after(m, Local, 3)
+        first = interrupt_after(m, Local, 3)
         with pytest.raises(KeyboardInterrupt):
             bench(*TINY, "--methods", "local", "--out", str(out))
     assert len(first) == 3
     with monkeypatch.context() as m:
-        resumed = _interrupt_after(m, Local, 100)
+        resumed = interrupt_after(m, Local, 100)
         assert bench(*TINY, "--methods", "local", "--out", str(out)) == 0
     assert len(resumed) == 8 - 3 and not set(first) & set(resumed)
     assert not list((out / "eval").rglob("*.partial.jsonl"))  # the method's rows replace it

@@ -62,15 +62,14 @@ CASES: dict[str, Case] = {
     "rejudge_experiments.py": Case(("{copy}",), slow=True),
     "lambda_rules.py": Case(("--clients", "6", "--rounds", "1", "--seeds", "1", "--explain",
                              "--out", "{out}"), slow=True),
-    "export_budget_curve.py": Case(("--smoke", "--out", "{out}"), slow=True),
-    "flower_rounds.py": Case(("--tag", "smoke", "--clients", "2", "--rounds", "1", "--results",
+    "flower_rounds.py": Case(("--tag", "smoke", "--clients", "1", "--rounds", "1", "--results",
                               "{out}", "--work", "{out}/work"), slow=True, module="flwr"),
-    "flower_floor.py": Case(("--tag", "smoke", "--clients", "2", "--rounds", "1", "--results",
+    "flower_floor.py": Case(("--tag", "smoke", "--clients", "1", "--rounds", "1", "--results",
                              "{out}", "--work", "{out}/work"), slow=True, module="flwr"),
 }
 # scripts whose smallest case is run by a test of its own below (which checks its tables)
 OWN_TEST = {"runtime_latency.py", "runtime_memory.py", "distribution_shift.py",
-            "runtime_scan.py", "runtime_start.py", "paper_order.py"}
+            "runtime_scan.py", "runtime_start.py", "paper_order.py", "protonn_grid.py"}
 # scripts with no case small enough to run here, and why
 NO_CASE = {
     "flower_expected.py": "rewrites the package's fed_train/flower/expected.json (what deploy "
@@ -158,6 +157,29 @@ def test_paper_order_runs_tiny_on_the_cpu_and_resumes(tmp_path):
     assert stages["split"]["skipped"] and stages["pretrain"]["skipped"]
     assert " at lr=" not in again.stderr  # every method's rows came from the caches
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.pt")} == written  # nothing retrained
+
+
+@pytest.mark.slow
+def test_protonn_grid_smoke_writes_its_tables_and_the_device_agrees(tmp_path):
+    """Encoder, budget curve and ProtoNN grid at smoke size; the bundles of the device check,
+    run through the runtime, give the benchmark's own accuracy."""
+    out, elsewhere = tmp_path / "out", tmp_path / "cwd"
+    elsewhere.mkdir()
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "protonn_grid.py"), "--smoke",
+                           "--out", str(out)], cwd=elsewhere,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Command:" in proc.stdout and "ProtoNN grid" in proc.stdout
+    assert not list(elsewhere.iterdir()), "the script wrote into the folder it ran from"
+    for name in ("encoder.csv", "budget_curve.csv", "protonn_grid.csv", "clients.csv",
+                 "budget_curve.png", "protonn_grid.png", "results.md", "run.json"):
+        assert (out / name).stat().st_size > 0, name
+    assert {r["backend"] for r in read_csv(out / "budget_curve.csv")} == {
+        "flat", "hnsw", "protonn", "auto"}
+    assert "Device check at 1/4" in proc.stdout
+    check = json.loads((out / "run.json").read_text())["check"]
+    assert check["runtime_accuracy"] == pytest.approx(check["benchmark_accuracy"], abs=1e-12)
 
 
 def run_smoke(script: str, tmp_path: Path) -> Path:

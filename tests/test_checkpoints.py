@@ -23,7 +23,7 @@ from fed_train.simulation import (
     save_checkpoint,
     simulate,
 )
-from tests.test_baselines import TRAINING, initial_weights, make_clients, model_fn
+from tests.helpers.federation import TRAINING, initial_weights, make_clients, model_fn
 
 WEIGHTS = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
 STATES = {0: {"personal": np.zeros(2, np.float32)}, 3: {}}

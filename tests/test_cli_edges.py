@@ -20,7 +20,7 @@ from edge_runtime.cli import main as edge_main
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.run import RunConfig, train
 from knnper_cli.main import main as train_main
-from tests.test_edge_runtime import IMAGE_SPEC, build_bundle, make_images
+from tests.helpers.bundles import IMAGE_SPEC, build_bundle, make_images
 
 
 def _exit_code(main, argv: list[str]) -> int:

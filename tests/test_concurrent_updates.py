@@ -16,7 +16,7 @@ import pytest
 from edge_runtime.bundle import BundleBusy, BundleError
 from edge_runtime.locking import directory_lock
 from edge_runtime.runtime import Runtime
-from tests.test_edge_runtime import REPO, build_bundle, make_images, raw_outputs, snapshot
+from tests.helpers.bundles import REPO, build_bundle, make_images, raw_outputs, snapshot
 
 STRESS_SECONDS = 6.0
 BATCH = 5

@@ -17,8 +17,14 @@ from edge_runtime.bundle import read_manifest
 from edge_runtime.encoder import Encoder
 from edge_runtime.runtime import Runtime
 from export.errors import BudgetInvalid, ExportError
-from export.exporter import ExportSettings, build_encoder, bundle_dir, export_run
-from export.sizing import SearchSpace, selection_key
+from export.exporter import (
+    ExportSettings,
+    build_encoder,
+    bundle_dir,
+    client_embeddings,
+    export_run,
+)
+from export.sizing import DatastoreSizer, SearchSpace, selection_key
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.partition import ClientSplit, Partition
 from fed_train.run import RunConfig, load_run, train
@@ -99,10 +105,17 @@ def _candidate(row: dict):
                      row["val_accuracy"], row["val_nll"])
 
 
-def test_tighter_budgets_never_store_more_bytes(exported):
-    _, report, _ = exported
-    sizes = [row["datastore_bytes"] for row in report["clients"]]
-    assert sizes[0] <= ROOMS[0] and sizes[-1] <= ROOMS[-1]
+def test_tighter_budgets_never_store_more_bytes(exported, run):
+    """One client sized under every room, tightest first, with one configuration (flat float32
+    keys, as many as fit): what it stores grows with the room and never passes it."""
+    out, report, _ = exported
+    encoder = Encoder(out / report["clients"][0]["bundle"] / "encoder.onnx")
+    data = client_embeddings(encoder, run.clients()[0])
+    sizer = DatastoreSizer(run.dataset.num_classes,
+                           space=SearchSpace(backends=("flat",), flat_dtypes=("fp32",)))
+    sizes = [sizer.fit(data, room).best_.nbytes for room in ROOMS]
+    assert all(size <= room for size, room in zip(sizes, ROOMS, strict=True)), sizes
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes
 
 
 def test_device_reproduces_the_validation_accuracy_of_the_choice(exported, run):

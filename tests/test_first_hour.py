@@ -16,13 +16,14 @@ from edge_runtime.bundle import write_bundle
 from edge_runtime.cli import _build_parser as edge_parser
 from edge_runtime.cli import main as edge_main
 from edge_runtime.datastores import ProtoNNDatastore
-from tests.test_edge_runtime import (
+from tests.helpers.bundles import (
     FIELDS,
     NUM_CLASSES,
     P,
     build_bundle,
     make_image_encoder,
     make_images,
+    rewrite_manifest,
 )
 
 cli = pytest.importorskip("knnper_cli.main")  # the server CLI needs the train extra
@@ -151,7 +152,7 @@ def test_predict_prints_a_summary_unless_labels_are_asked_for(tmp_path, capsys):
 def test_info_says_whether_the_signature_was_checked(tmp_path, capsys):
     pytest.importorskip("cryptography")
     from edge_runtime.signing import generate_key_pair
-    from tests.test_signing import _rewrite_manifest, signed_bundle
+    from tests.helpers.signing import signed_bundle
 
     generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
     unsigned = build_bundle(tmp_path)
@@ -161,7 +162,7 @@ def test_info_says_whether_the_signature_was_checked(tmp_path, capsys):
     trusted = ["--trusted-key", str(tmp_path / "key.pub")]
     assert edge_main([*trusted, "info", str(signed)]) == 0
     assert "signed and verified against a --trusted-key" in capsys.readouterr().out
-    _rewrite_manifest(signed, **{"lambda": 1.0})  # an edit only the signature can catch
+    rewrite_manifest(signed, **{"lambda": 1.0})  # an edit only the signature can catch
     assert edge_main(["info", str(signed)]) == 0
     out = capsys.readouterr().out
     assert "not checked" in out and "verified" not in out.replace("to verify", "")

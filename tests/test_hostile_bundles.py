@@ -23,7 +23,7 @@ from edge_runtime.bundle import BundleError
 from edge_runtime.cli import main
 from edge_runtime.manifest import MAX_MANIFEST_BYTES
 from edge_runtime.runtime import Runtime
-from tests.test_edge_runtime import REPO, build_bundle, make_images, snapshot
+from tests.helpers.bundles import REPO, build_bundle, make_images, snapshot
 
 pytest.importorskip("hnswlib")
 
@@ -318,7 +318,7 @@ def test_stale_generation_left_by_a_killed_update_is_removed_at_load(bundle):
 def _protonn_bundle(tmp_path: Path) -> Path:
     from edge_runtime.bundle import write_bundle
     from edge_runtime.datastores.protonn import ProtoNNDatastore
-    from tests.test_edge_runtime import FIELDS, NUM_CLASSES, P, make_image_encoder
+    from tests.helpers.bundles import FIELDS, NUM_CLASSES, P, make_image_encoder
 
     enc = make_image_encoder(tmp_path / "encoder.onnx")
     rng = np.random.default_rng(0)

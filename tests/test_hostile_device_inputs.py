@@ -19,12 +19,13 @@ from edge_runtime import cli as edge_cli
 from edge_runtime._io import array_file_bytes, read_regular
 from edge_runtime.bundle import BundleError, read_manifest
 from edge_runtime.runtime import Runtime
-from tests.test_edge_runtime import (
+from tests.helpers.bundles import (
     IMAGE_SPEC,
     NUM_CLASSES,
     build_bundle,
     make_image_encoder,
     make_images,
+    rewrite_manifest,
 )
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX named pipes")
@@ -38,12 +39,6 @@ def _fails_in_one_line(argv: list[str], capsys, *needles: str) -> str:
     for needle in needles:
         assert needle in err, err
     return err
-
-
-def _edit_manifest(bundle: Path, **changes) -> None:
-    m = json.loads((bundle / "manifest.json").read_text())
-    m.update(changes)
-    (bundle / "manifest.json").write_text(json.dumps(m))
 
 
 def test_a_manifest_that_is_a_named_pipe_is_refused_without_blocking(tmp_path, capsys):
@@ -169,7 +164,7 @@ def test_an_npy_that_declares_more_than_it_holds_is_refused_before_allocating(tm
 def test_a_manifest_cannot_declare_sizes_a_device_would_allocate(tmp_path, capsys, changes,
                                                                   needle):
     bundle = build_bundle(tmp_path)
-    _edit_manifest(bundle, **changes)
+    rewrite_manifest(bundle, **changes)
     with pytest.raises(BundleError, match=needle.replace("'", ".")):
         read_manifest(bundle)
     _fails_in_one_line(["info", str(bundle)], capsys, needle)

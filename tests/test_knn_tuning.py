@@ -26,7 +26,7 @@ from fed_train.knn_tuning import (
     lambda_report,
     select_config,
 )
-from tests.test_baselines import TRAINING, make_clients, model_fn, train
+from tests.helpers.federation import TRAINING, make_clients, model_fn, train
 
 
 def test_leave_one_out_search_drops_each_keys_own_entry():

@@ -17,8 +17,8 @@ from experiments.tables import TITLES
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import embed_and_logits
 from fed_train.knn_tuning import choose_l2, l2_counts
-from tests.test_baselines import CLASSES, TRAINING, initial_weights, make_clients, model_fn
-from tests.test_bench import TINY, bench
+from tests.helpers.bench_table import TINY, bench
+from tests.helpers.federation import CLASSES, TRAINING, initial_weights, make_clients, model_fn
 
 
 def _view(cid: int, rng: np.random.Generator, *, unseen: bool = False, n_val: int = 40,

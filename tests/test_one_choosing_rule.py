@@ -34,7 +34,7 @@ from fed_train.knn_choice import KNN_CONFIG_FILE, KNNChoice
 from fed_train.knn_request import FROM_FLAG, FROM_VALIDATION
 from fed_train.run import load_run
 from knnper_cli.main import main as knnper_main
-from tests.test_edge_runtime import (
+from tests.helpers.bundles import (
     IMAGE_SPEC,
     NUM_CLASSES,
     make_image_encoder,

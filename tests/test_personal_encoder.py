@@ -11,7 +11,7 @@ from edge_runtime.knn import softmax
 from edge_runtime.linear_head import LinearHead
 from export.errors import ExportError
 from export.personal_encoder import with_linear_head
-from tests.test_edge_runtime import NUM_CLASSES, make_image_encoder, make_images, raw_outputs
+from tests.helpers.bundles import NUM_CLASSES, make_image_encoder, make_images, raw_outputs
 
 
 def test_logits_become_the_linear_head_on_the_embedding(tmp_path):

@@ -17,7 +17,7 @@ from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.runtime import Runtime
 from export.sizing import DatastoreSizer, SearchSpace
 from fed_train.knn_choice import KNNChoice
-from tests.test_edge_runtime import (
+from tests.helpers.bundles import (
     IMAGE_SPEC,
     NUM_CLASSES,
     make_image_encoder,

@@ -15,7 +15,7 @@ import pytest
 
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import ProtoNNDatastore, make_datastore
-from tests.test_edge_runtime import (
+from tests.helpers.bundles import (
     FIELDS,
     NUM_CLASSES,
     make_image_encoder,

@@ -23,7 +23,7 @@ from edge_runtime.signing import (  # noqa: E402
     load_private_key,
     load_public_key,
 )
-from tests.test_edge_runtime import (  # noqa: E402
+from tests.helpers.bundles import (  # noqa: E402
     FIELDS,
     NUM_CLASSES,
     P,

@@ -14,25 +14,23 @@ import pytest
 
 pytest.importorskip("cryptography")
 
-from edge_runtime.bundle import SignatureError, write_bundle  # noqa: E402
+from edge_runtime.bundle import SignatureError  # noqa: E402
 from edge_runtime.cli import main as edge_main  # noqa: E402
-from edge_runtime.datastores import make_datastore  # noqa: E402
 from edge_runtime.runtime import Runtime  # noqa: E402
 from edge_runtime.signing import (  # noqa: E402
     SIGNATURE_FILE,
     generate_key_pair,
-    load_private_key,
     load_public_key,
 )
-from tests.test_edge_runtime import (  # noqa: E402
+from tests.helpers.bundles import (  # noqa: E402
     FIELDS,
-    NUM_CLASSES,
     build_bundle,
     make_image_encoder,
     make_images,
-    raw_outputs,
+    rewrite_manifest,
     snapshot,
 )
+from tests.helpers.signing import signed_bundle  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +41,8 @@ def keys(tmp_path_factory):
     return directory
 
 
-def signed_bundle(tmp_path: Path, keys: Path, recipe: str = "flat:fp32", **fields) -> Path:
-    enc = make_image_encoder(tmp_path / "encoder.onnx")
-    x, y = make_images(60)
-    z, _ = raw_outputs(enc, x)
-    ds = make_datastore(recipe, NUM_CLASSES, k=5).fit(z, y)
-    out = tmp_path / "signed"
-    write_bundle(out, {**FIELDS, **fields}, enc, ds, signing_key=load_private_key(keys / "key.pem"))
-    return out
-
-
 def trusted(keys: Path, name: str = "key.pub"):
     return [load_public_key(keys / name)]
-
-
-def _rewrite_manifest(bundle: Path, **changes) -> None:
-    m = json.loads((bundle / "manifest.json").read_text())
-    m.update(changes)
-    (bundle / "manifest.json").write_text(json.dumps(m, indent=2))
 
 
 def _swap_encoder(bundle: Path) -> None:
@@ -77,19 +59,19 @@ def _swap_encoder(bundle: Path) -> None:
 
 def _forge_base(bundle: Path) -> None:
     """Edit lambda in both the manifest and the signed copy inside signature.json."""
-    _rewrite_manifest(bundle, **{"lambda": 1.0})
+    rewrite_manifest(bundle, **{"lambda": 1.0})
     doc = json.loads((bundle / SIGNATURE_FILE).read_text())
     doc["manifest"] = base64.b64encode((bundle / "manifest.json").read_bytes()).decode()
     (bundle / SIGNATURE_FILE).write_text(json.dumps(doc))
 
 
 TAMPERED = {
-    "edited lambda": (lambda b: _rewrite_manifest(b, **{"lambda": 1.0}),
+    "edited lambda": (lambda b: rewrite_manifest(b, **{"lambda": 1.0}),
                       "'lambda' differs from the signed manifest"),
     "edited normalisation": (
-        lambda b: _rewrite_manifest(b, input={**FIELDS["input"], "mean": [0.1]}),
+        lambda b: rewrite_manifest(b, input={**FIELDS["input"], "mean": [0.1]}),
         "'input' differs from the signed manifest"),
-    "raised budget": (lambda b: _rewrite_manifest(b, budget_bytes=10**9),
+    "raised budget": (lambda b: rewrite_manifest(b, budget_bytes=10**9),
                       "'budget_bytes' differs from the signed manifest"),
     "swapped encoder": (_swap_encoder, "the encoder's sha256 differs from the signed manifest"),
     "removed signature": (lambda b: (b / SIGNATURE_FILE).unlink(), "unsigned"),

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from knnper_cli.main import main
+from tests.helpers.interrupts import interrupt_after
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "4", "--local-epochs", "1",
@@ -62,21 +63,6 @@ def test_evaluate_json_has_every_method_and_client(digits_run, tmp_path):
     assert (digits_run / "eval" / "local.jsonl").is_file()  # cached for the next evaluate
 
 
-def _interrupt_after(monkeypatch, algorithm_class, n: int) -> list[int]:
-    """Make `algorithm_class.personalize` raise KeyboardInterrupt (a Ctrl-C) on its n+1-th call;
-    returns the ids of the clients it personalized."""
-    real, seen = algorithm_class.personalize, []
-
-    def personalize(self, weights, client, state, seed):
-        if len(seen) == n:
-            raise KeyboardInterrupt
-        seen.append(client.client_id)
-        return real(self, weights, client, state, seed)
-
-    monkeypatch.setattr(algorithm_class, "personalize", personalize)
-    return seen
-
-
 def test_an_interrupted_evaluate_resumes_at_the_client_it_stopped_at(digits_run, monkeypatch):
     from fed_train.algorithms.local import Local
     from fed_train.run import load_run
@@ -86,12 +72,12 @@ def test_an_interrupted_evaluate_resumes_at_the_client_it_stopped_at(digits_run,
     journal.unlink(missing_ok=True)
     shutil.rmtree(digits_run / "eval", ignore_errors=True)  # as a fresh run: no eval folder
     with monkeypatch.context() as m:
-        first = _interrupt_after(m, Local, 3)
+        first = interrupt_after(m, Local, 3)
         with pytest.raises(KeyboardInterrupt):
             evaluate_run(load_run(digits_run), ["local"], progress=False)
     assert len(first) == 3
     with monkeypatch.context() as m:
-        resumed = _interrupt_after(m, Local, 100)
+        resumed = interrupt_after(m, Local, 100)
         result = evaluate_run(load_run(digits_run), ["local"], progress=False)
     assert len(resumed) == 8 - 3 and not set(first) & set(resumed)
     journal.unlink()

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fed_train.accelerator import autocast
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
@@ -43,7 +44,6 @@ from fed_train.algorithms.base import (
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.algorithms.personal import epochs_only, float_keys, model_accuracy
 from fed_train.algorithms.stepping import Lane, LossFn, Params, as_params, as_weights, step_together
-from fed_train.device import autocast
 from fed_train.models import EmbedHeadModel
 
 APFL_ALPHAS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fed_train.device import autocast
+from fed_train.accelerator import autocast
 from fed_train.errors import TrainingDiverged
 from fed_train.models import EmbedHeadModel
 
@@ -62,7 +62,7 @@ class TrainingConfig:
     weight_decay: float = 0.0
     milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr decays
     gamma: float = 0.1
-    precision: str = "fp32"  # of the forward passes (fed_train.device.autocast)
+    precision: str = "fp32"  # of the forward passes (fed_train.accelerator.autocast)
 
     def lr_at(self, round_index: int, rounds: int) -> float:
         """Multi-step decay: lr times gamma for every milestone already passed."""

@@ -31,8 +31,8 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from edge_runtime.byte_count import parse_byte_count
+from fed_train.accelerator import autocast
 from fed_train.algorithms.base import TrainingConfig, finite_mean_loss
-from fed_train.device import autocast
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ app = ClientApp()
 
 
 def _setup(msg: Message, context: Context) -> tuple[FlowerSettings, ModelSpec, ClientData]:
-    from fed_train.device import resolve_device
+    from fed_train.accelerator import resolve_device
     from fed_train.flower.client_data import load_node_client
     from fed_train.flower.records import ModelSpec
     from fed_train.flower.settings import FlowerSettings

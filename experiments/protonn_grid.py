@@ -1,7 +1,8 @@
-"""What a memory budget costs in kNN-Per accuracy: the exporter's choices on a finished run.
+"""The ProtoNN grid (`knnper experiment protonn-grid`) and, around it, what a memory budget costs
+in kNN-Per accuracy: the exporter's choices on a finished run.
 
-    python benchmarks/export_budget_curve.py RUN --out OUT
-    python benchmarks/export_budget_curve.py --smoke --out OUT    # trains a tiny digits run first
+    python benchmarks/protonn_grid.py RUN --out OUT
+    python benchmarks/protonn_grid.py --smoke --out OUT    # trains a tiny digits run first
 
 Three measurements, all on the clients' test splits (choices are made on validation splits only):
 1. Encoder: int8 (static QDQ) versus fp32 ONNX encoder: file sizes, and kNN-Per mean accuracy

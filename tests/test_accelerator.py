@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from fed_train.device import DeviceError, autocast, resolve_device
+from fed_train.accelerator import DeviceError, autocast, resolve_device
 from fed_train.models import MODELS
 from fed_train.run import load_run
 from knnper_cli.main import main

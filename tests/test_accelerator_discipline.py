@@ -1,4 +1,4 @@
-"""Device discipline without a GPU: torch's lazy TorchScript backend stands in for an
+"""Accelerator discipline without a GPU: torch's lazy TorchScript backend stands in for an
 accelerator. Its tensors live on device "lazy" and compute on the CPU, and, like a GPU's, they
 refuse to mix with CPU tensors in an op and refuse `.numpy()`. So a tensor an algorithm, the
 evaluation, pretraining or the exporter leaves on the host (or reads from the device without

@@ -1,4 +1,5 @@
-"""Where training runs (`--device`) and in what precision its forward passes run
+"""The accelerator: where training runs (`--device`, torch's device; "device" elsewhere in the
+project is the edge device a bundle runs on) and in what precision its forward passes run
 (`--precision`). Chosen once per run; CPU in fp32 is the reference path every bit-equal test pins,
 and an accelerator only changes where the same code runs."""
 

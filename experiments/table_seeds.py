@@ -1,4 +1,6 @@
-"""One table over several seeds: what a reader needs before calling a method "best".
+"""`knnper bench table --seeds N`: one table over several seeds, what a reader needs before
+calling a method "best" (`knnper experiment --seeds N` combines its seeds in
+experiments.experiment_seeds).
 
 Each seed draws its own partition and trains every method from its own initialisation (the same
 `--init` weights, when given, for every seed). The summary gives each method's mean and bottom

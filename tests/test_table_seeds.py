@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments.seeds import (
+from experiments.table_seeds import (
     across_seeds,
     compare_to_best,
     compare_to_each,
