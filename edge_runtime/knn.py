@@ -78,13 +78,11 @@ def interpolate(p_local: np.ndarray, p_global: np.ndarray, lam: float) -> np.nda
 
 def split_score(p: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """(accuracy, mean log-loss) of class probabilities `p` on labels `y`: what every choice
-    made on a validation split is judged by."""
-    y = np.asarray(y, dtype=np.int64)
+    made on a validation split is judged by (`split_sums` divided by the count)."""
     if len(y) == 0:
         return 0.0, 0.0
-    accuracy = float(np.mean(p.argmax(axis=1) == y))
-    nll = float(-np.mean(np.log(np.clip(p[np.arange(len(y)), y], 1e-12, None))))
-    return accuracy, nll
+    correct, nll = split_sums(p, y)
+    return correct / len(y), nll / len(y)
 
 
 def choice_key(accuracy: float | None, nll: float | None, *tie_breaks: float) -> tuple:

@@ -42,7 +42,7 @@ from fed_train.algorithms.base import (
     set_weights,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import epochs_only, float_keys, model_accuracy
+from fed_train.algorithms.personal import epochs_only, finetune_settings, float_keys, model_accuracy
 from fed_train.algorithms.stepping import Lane, LossFn, Params, as_params, as_weights, step_together
 from fed_train.models import EmbedHeadModel
 
@@ -76,10 +76,8 @@ class APFL(FedAvg):
                  finetune_lr: float | None = None) -> None:
         super().__init__(model_fn, training)
         self.alphas = check_alphas(alphas)
-        if finetune_epochs < 0:
-            raise ValueError(f"finetune_epochs must be >= 0, got {finetune_epochs}")
-        self.finetune_epochs = finetune_epochs
-        self.finetune_lr = finetune_lr if finetune_lr is not None else training.lr
+        self.finetune_epochs, self.finetune_lr = finetune_settings(finetune_epochs, finetune_lr,
+                                                                   training)
         self._mixed = model_fn()  # holds v_bar for the personal steps
         self._personal = [model_fn() for _ in self.alphas]
 

@@ -38,7 +38,7 @@ from fed_train.algorithms.base import (
     sub_seed,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import epochs_only, model_accuracy
+from fed_train.algorithms.personal import epochs_only, finetune_settings, model_accuracy
 from fed_train.algorithms.stepping import (
     Lane,
     Params,
@@ -70,10 +70,9 @@ class Ditto(FedAvg):
                  finetune_lr: float | None = None) -> None:
         super().__init__(model_fn, training)
         self.lambdas = check_lambdas(lambdas)
-        if finetune_epochs < 0:
-            raise ValueError(f"finetune_epochs must be >= 0, got {finetune_epochs}")
-        self.finetune_epochs = finetune_epochs  # FedAvg+'s budget, for new clients
-        self.finetune_lr = finetune_lr if finetune_lr is not None else training.lr
+        # FedAvg+'s budget, for new clients
+        self.finetune_epochs, self.finetune_lr = finetune_settings(finetune_epochs, finetune_lr,
+                                                                   training)
         self._personal = model_fn()
 
     def _prox_step(self, model: torch.nn.Module, anchor: Weights, lam: float,

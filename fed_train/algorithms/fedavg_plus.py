@@ -20,7 +20,7 @@ from fed_train.algorithms.base import (
     model_predictor,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import finetune
+from fed_train.algorithms.personal import finetune, finetune_settings
 from fed_train.models import EmbedHeadModel
 
 
@@ -31,14 +31,8 @@ class FedAvgPlus(FedAvg):
                  finetune_epochs: int = 3, finetune_lr: float | None = None,
                  select_on_validation: bool = True) -> None:
         super().__init__(model_fn, training)
-        if finetune_epochs < 0:
-            raise ValueError(f"finetune_epochs must be >= 0, got {finetune_epochs}")
-        if finetune_lr is not None and not finetune_lr > 0:
-            raise ValueError(f"finetune_lr must be positive, got {finetune_lr}")
-        self.finetune_epochs = finetune_epochs
-        # the initial learning rate, not the decayed one: a few epochs at lr * gamma^2 would
-        # barely move the model
-        self.finetune_lr = finetune_lr if finetune_lr is not None else training.lr
+        self.finetune_epochs, self.finetune_lr = finetune_settings(finetune_epochs, finetune_lr,
+                                                                   training)
         self.select_on_validation = select_on_validation
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],

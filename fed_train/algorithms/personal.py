@@ -29,6 +29,17 @@ def epochs_only(training: TrainingConfig) -> TrainingConfig:
     return replace(training, steps=None)
 
 
+def finetune_settings(finetune_epochs: int, finetune_lr: float | None,
+                      training: TrainingConfig) -> tuple[int, float]:
+    """(epochs, lr) of a local fine-tuning, checked. The lr defaults to the initial learning
+    rate, not the decayed one: a few epochs at lr * gamma^2 would barely move the model."""
+    if finetune_epochs < 0:
+        raise ValueError(f"finetune_epochs must be >= 0, got {finetune_epochs}")
+    if finetune_lr is not None and not finetune_lr > 0:
+        raise ValueError(f"finetune_lr must be positive, got {finetune_lr}")
+    return finetune_epochs, training.lr if finetune_lr is None else finetune_lr
+
+
 def accuracy(proba: np.ndarray, y: torch.Tensor | np.ndarray) -> float:
     labels = y.cpu().numpy() if isinstance(y, torch.Tensor) else np.asarray(y)
     return float(np.mean(np.asarray(proba).argmax(1) == labels))
