@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import knnper_cli.main as cli
+from edge_runtime.budget import Budget
 from edge_runtime.bundle import read_manifest
 from edge_runtime.encoder import Encoder
 from edge_runtime.runtime import Runtime
@@ -113,7 +114,7 @@ def test_tighter_budgets_never_store_more_bytes(exported, run):
     data = client_embeddings(encoder, run.clients()[0])
     sizer = DatastoreSizer(run.dataset.num_classes,
                            space=SearchSpace(backends=("flat",), flat_dtypes=("fp32",)))
-    sizes = [sizer.fit(data, room).best_.nbytes for room in ROOMS]
+    sizes = [sizer.fit(data, Budget(room, 0)).best_.nbytes for room in ROOMS]
     assert all(size <= room for size, room in zip(sizes, ROOMS, strict=True)), sizes
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes
 
