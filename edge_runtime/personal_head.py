@@ -148,8 +148,7 @@ class PersonalHead:
             raise ValueError(f"client {client.client_id} has no training samples to "
                              "personalize with")
         keep = np.arange(len(z_train)) if keep is None else np.asarray(keep)
-        self.linear_ = (None if self.l2 is None else
-                        LinearHead(self.num_classes, l2=self.l2).fit(z_train, client.y_train))
+        self.fit_linear(client.z_train, client.y_train)
         self.stored_ = len(keep) if datastore is None else _stored(datastore, len(keep))
         if datastore is None:
             datastore = KNNHead(self.num_classes, self.k, self.sigma).fit(
@@ -168,6 +167,13 @@ class PersonalHead:
             self.val_accuracy_, self.val_nll_ = split_score(self.mix(p_local, p_base),
                                                             client.y_val)
         return self
+
+    def fit_linear(self, z_train: np.ndarray, y_train: np.ndarray) -> LinearHead | None:
+        """The linear base alone (None without `l2`), fitted on the normalised train
+        embeddings: `fit`'s, and the exporter's for the head it puts in a client's encoder."""
+        self.linear_ = (None if self.l2 is None else LinearHead(self.num_classes, l2=self.l2)
+                        .fit(self._normalized(z_train), y_train))
+        return self.linear_
 
     def leave_one_out(self, client: ClientSplits, keep: np.ndarray | None = None) -> Posteriors:
         """The "loo+val" estimator's extra evidence: each kept train sample's kNN posterior from
@@ -234,10 +240,6 @@ class PersonalHead:
 
     def _normalized(self, z: np.ndarray) -> np.ndarray:
         return normalize_embeddings(z, self.normalize)
-
-    def describe(self) -> dict[str, Any]:
-        """What a per-client row records of the head."""
-        return {"lambda": self.lambda_, "datastore_size": self.stored_}
 
 
 def _stored(datastore: Any, default: int) -> int:

@@ -31,11 +31,9 @@ from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
-    normalize_embeddings,
 )
-from edge_runtime.linear_head import LinearHead
 from edge_runtime.locking import LockTimeout, directory_lock
-from edge_runtime.personal_head import ClientSplits
+from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.signing import load_private_key
 from export.client_export import (
     ClientTask,
@@ -426,8 +424,8 @@ def _personal_encoder(run: LoadedRun, client: ClientData, encoder: Path,
     if knn.base != "linear":
         return None
     z_train, _ = embed_and_logits(run.model, client.x_train)
-    head = LinearHead(run.dataset.num_classes, l2=knn.l2).fit(
-        normalize_embeddings(z_train, knn.config.normalize), client.y_train.cpu().numpy())
+    head = PersonalHead(run.dataset.num_classes, normalize=knn.config.normalize,
+                        l2=knn.l2).fit_linear(z_train, client.y_train.cpu().numpy())
     return with_linear_head(encoder, head)
 
 
