@@ -56,6 +56,8 @@ from .datastores import (
 )
 from .encoder import OPTIMIZED_KEY, Encoder
 from .errors import BudgetExceeded, BundleBusy, BundleError, SignatureError, one_line
+from .head_file import head_tensors, load_head, save_head, with_head
+from .linear_head import LinearHead
 from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock
 from .manifest import (
     ENCODER_FILE,
@@ -63,7 +65,9 @@ from .manifest import (
     UPDATE_STRATEGIES,
     build_manifest,
     datastore_files,
+    head_file,
     parse_manifest,
+    personal_files,
     read_manifest,
     read_manifest_bytes,
     validate_manifest,
@@ -138,7 +142,7 @@ def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int
             )
     footprint = manifest["footprint"]
     encoder_bytes = sizes[ENCODER_FILE]
-    datastore_bytes = sum(sizes[n] for n in datastore_files(manifest))
+    datastore_bytes = sum(sizes[n] for n in personal_files(manifest))
     if footprint["encoder"] != encoder_bytes or footprint["datastore"] != datastore_bytes:
         raise BundleError(
             f"{where}: footprint says encoder {footprint['encoder']} + datastore "
@@ -202,9 +206,48 @@ def read_bundle(
         if trusted_keys is not None:
             verify_signature(bundle_dir, manifest, trusted_keys, where)
         verify_files(bundle_dir, manifest)
-        model = _read_verified(bundle_dir, ENCODER_FILE, manifest, where)
+        model = encoder_model(bundle_dir, manifest)
         _remove_stale_quietly(bundle_dir, manifest)
         datastore = load_bundle_datastore(bundle_dir, manifest)
+    encoder, predictor = open_sessions(model, manifest, datastore, bundle_dir,
+                                       intra_op_threads=intra_op_threads,
+                                       with_predictor=with_predictor)
+    return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
+
+
+def encoder_model(bundle_dir: Path, manifest: dict, head: LinearHead | None = None) -> bytes:
+    """The encoder's verified bytes with the linear head a session should run put in: `head`
+    (one just refitted, not yet committed), else the refitted head's file the manifest lists,
+    else the encoder as exported (edge_runtime.head_file)."""
+    where = f"bundle {bundle_dir}"
+    model = _read_verified(bundle_dir, ENCODER_FILE, manifest, where)
+    name = head_file(manifest)
+    if head is None and name is None:
+        return model
+    try:
+        if head is not None:
+            return with_head(model, head_tensors(head.coef_, head.intercept_))
+        tensors = load_head(bundle_dir / name, manifest["embedding_dim"],
+                            manifest["num_classes"])
+        return with_head(model, tensors)
+    except (ValueError, OSError, EOFError, KeyError, BadZipFile) as exc:
+        raise BundleError(f"{where}: {name or 'the refitted linear head'}: {one_line(exc)}") \
+            from None
+
+
+def open_sessions(
+    model: bytes,
+    manifest: dict,
+    datastore: Any,
+    bundle_dir: Path,
+    *,
+    intra_op_threads: int | None,
+    with_predictor: bool,
+) -> tuple[Encoder | None, Predictor | None]:
+    """The bundle's one onnxruntime session over `model`, checked against the manifest: the
+    one-session predictor's (`with_predictor`, where the datastore has one), else the
+    encoder's."""
+    where = f"bundle {bundle_dir}"
     encoder, predictor = None, None
     try:
         if uses_external_data(model):
@@ -218,12 +261,11 @@ def read_bundle(
             encoder = Encoder(model, intra_op_threads=intra_op_threads, batch_size=BATCH_ROWS)
     except ValueError as exc:
         raise BundleError(f"{where}: {one_line(exc)}") from None
-    del model  # the session holds what it needs
     if predictor is not None:
         check_encoder(lambda raw: predictor.embed(raw, datastore), manifest, where)
     else:
         _check_encoder_alone(encoder, manifest, where)
-    return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
+    return encoder, predictor
 
 
 @contextmanager
@@ -482,7 +524,7 @@ def _swap_into_place(tmp: Path, out_dir: Path) -> None:
 
 _TMP = r"\.tmp(?:-\d+-[0-9a-f]{8})?"  # a temporary name, old (.tmp) or per writer
 _STALE_RE = re.compile(
-    rf"^(?:(?:datastore|hnsw)(?:\.\d+)?\.(?:npz|bin)(?:{_TMP})?"
+    rf"^(?:(?:datastore|hnsw|linear_head)(?:\.\d+)?\.(?:npz|bin)(?:{_TMP})?"
     rf"|(?:manifest|signature)\.json{_TMP})$"
 )
 
@@ -501,13 +543,16 @@ def remove_stale_files(bundle_dir: str | os.PathLike, manifest: dict) -> list[st
     return removed
 
 
-def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: Any) -> dict:
-    """Persist an updated datastore into a bundle crash-safely and return the new manifest.
+def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: Any,
+                     head: LinearHead | None = None) -> dict:
+    """Persist an updated datastore (and a refitted linear head, `head`; without one the
+    bundle keeps the head file it lists, if any) into a bundle crash-safely and return the
+    new manifest.
 
-    Order: remove leftovers of interrupted updates; save the datastore under the next
-    generation's file names (each written to a temporary name, fsynced, renamed); hash them and
-    check the budget (BudgetExceeded, nothing kept); replace manifest.json atomically; delete
-    the previous generation's files. The caller holds the bundle's exclusive lock
+    Order: remove leftovers of interrupted updates; save the datastore and the head under the
+    next generation's file names (each written to a temporary name, fsynced, renamed); hash
+    them and check the budget (BudgetExceeded, nothing kept); replace manifest.json atomically;
+    delete the previous generation's files. The caller holds the bundle's exclusive lock
     (`bundle_lock(..., exclusive=True)`) across its read-modify-commit.
     """
     bundle_dir = Path(bundle_dir)
@@ -516,11 +561,16 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
             f"bundle {bundle_dir}: manifest.json changed on disk since the bundle was loaded "
             "(another writer?); load it again"
         )
-    old = datastore_files(manifest)
+    old = personal_files(manifest)
     remove_stale_files(bundle_dir, manifest)
-    generation = 1 + max(file_generation(name) for name in old)
+    generation = 1 + max(file_generation(name) for name in datastore_files(manifest))
     names = datastore.save(bundle_dir, generation=generation)
+    kept = head_file(manifest)
     try:
+        if head is not None:
+            names.append(save_head(bundle_dir, head, generation))
+        elif kept is not None:
+            names.append(kept)
         files = {ENCODER_FILE: manifest["files"][ENCODER_FILE]}
         files.update({name: sha256_file(bundle_dir / name) for name in names})
         datastore_bytes = sum((bundle_dir / name).stat().st_size for name in names)

@@ -17,6 +17,7 @@ import numpy as np
 from ._io import parse_json, read_regular
 from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
 from .errors import BundleError
+from .head_file import HEAD_FILE_RE
 from .knn import CLIENT_RULE, LAMBDA_RULES, LambdaRule, k_sigma_problem
 from .preprocess import validate_spec
 
@@ -166,7 +167,7 @@ def lambda_rule_of(manifest: dict) -> LambdaRule:
 
 KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
 # recorded by newer exporters: how lambda pools evidence, what the kNN is interpolated with
-KNN_CHOICE_OPTIONAL = ("lambda_rule", "base")
+KNN_CHOICE_OPTIONAL = ("lambda_rule", "base", "l2")
 KNN_BASES = ("global", "linear")
 KNN_CHOICE_SOURCES = ("validation", "flag", "paper default")
 
@@ -190,6 +191,9 @@ def _validate_knn_choice(manifest: dict, fail) -> None:
         raise fail(f"'knn_choice' 'lambda_rule' must be one of {list(LAMBDA_RULES)}")
     if "base" in choice and choice["base"]["value"] not in KNN_BASES:
         raise fail(f"'knn_choice' 'base' must be one of {list(KNN_BASES)}")
+    if "l2" in choice and (not _is_num(choice["l2"]["value"]) or choice["l2"]["value"] <= 0
+                           or choice.get("base", {}).get("value") != "linear"):
+        raise fail("'knn_choice' 'l2' must be a positive number, recorded with the linear base")
     if choice["k"]["value"] != manifest["k"] or choice["sigma"]["value"] != manifest["sigma"]:
         raise fail("'knn_choice' disagrees with the bundle's k or sigma")
 
@@ -224,27 +228,55 @@ def _validate_files(files: dict, backend: str, fail) -> None:
             raise fail(f"'files' lists an invalid file name {name!r}")
         if not isinstance(digest, str) or not _SHA256_RE.match(digest):
             raise fail(f"'files' entry {name!r} is not a lowercase hex sha256")
-        if name != ENCODER_FILE and not (
+        if name != ENCODER_FILE and not HEAD_FILE_RE.match(name) and not (
             DATASTORE_FILE_RE.match(name) and not name.endswith(".tmp")
         ):
-            raise fail(f"'files' lists {name!r}, which is neither the encoder nor a datastore file")
+            raise fail(f"'files' lists {name!r}, which is neither the encoder, a refitted "
+                       "linear head nor a datastore file")
     if ENCODER_FILE not in files:
         raise fail(f"'files' does not list {ENCODER_FILE}")
+    if sum(map(bool, map(HEAD_FILE_RE.match, files))) > 1:
+        raise fail("'files' lists more than one linear head file")
+    stored = _datastore_names(files)
     want = {"flat": (1, 0), "protonn": (1, 0), "hnsw": (1, 1)}[backend]
     got = (
-        sum(n.endswith(".npz") for n in files),
-        sum(n.endswith(".bin") for n in files),
+        sum(n.endswith(".npz") for n in stored),
+        sum(n.endswith(".bin") for n in stored),
     )
     if got != want:
         raise fail(
             f"a {backend} bundle lists {want[0]} .npz and {want[1]} .bin datastore file(s), "
-            f"got {sorted(n for n in files if n != ENCODER_FILE)}"
+            f"got {stored}"
         )
 
 
+def _datastore_names(files: dict) -> list[str]:
+    return sorted(n for n in files if n != ENCODER_FILE and not HEAD_FILE_RE.match(n))
+
+
 def datastore_files(manifest: dict) -> list[str]:
-    """The datastore's files (everything the manifest lists except the encoder)."""
+    """The datastore's files (everything the manifest lists but the encoder and a head)."""
+    return _datastore_names(manifest["files"])
+
+
+def head_file(manifest: dict) -> str | None:
+    """The device's refitted linear head's file (edge_runtime.head_file), if it has one."""
+    return next((n for n in manifest["files"] if HEAD_FILE_RE.match(n)), None)
+
+
+def personal_files(manifest: dict) -> list[str]:
+    """What an on-device update rewrites and the footprint's datastore share counts: the
+    datastore's files and the refitted head's."""
     return sorted(n for n in manifest["files"] if n != ENCODER_FILE)
+
+
+def refit_l2(manifest: dict) -> float | None:
+    """The l2 a device refits its linear head with after `add`: the exporter's, recorded with
+    the linear base; None for a bundle interpolating with the global model (nothing to refit)."""
+    choice = manifest.get("knn_choice", {})
+    if choice.get("base", {}).get("value") != "linear" or "l2" not in choice:
+        return None
+    return float(choice["l2"]["value"])
 
 
 def parse_manifest(raw: bytes, where: str) -> dict:

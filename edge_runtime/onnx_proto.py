@@ -2,9 +2,10 @@
 one-session predictor without the onnx package (which the device does not install).
 
 Only what the predictor needs: tensors with raw data, nodes with int / float / ints / floats /
-tensor attributes, typed graph inputs and outputs, a model with opsets and metadata; and, to
+tensor attributes, typed graph inputs and outputs, a model with opsets and metadata; to
 inline an encoder, its top-level fields split apart and its input renamed in the nodes that
-read it. Field numbers are those of onnx/onnx.proto (stable since IR version 3).
+read it; and, for a device that refits its linear head, named initializers replaced by arrays
+of the same type and shape. Field numbers are those of onnx/onnx.proto (stable since IR version 3).
 """
 
 from __future__ import annotations
@@ -260,3 +261,48 @@ def _renamed_node(message: bytes, old: str, new: str) -> bytes:
         else:
             parts.append(raw)
     return b"".join(parts)
+
+
+def replace_initializers(model: bytes, arrays: Mapping[str, np.ndarray]) -> bytes:
+    """The model with each named graph initializer's value replaced by `arrays[name]`, which
+    must have the initializer's type and shape (so the model's size and its graph's meaning
+    stay as they were). ValueError when a name is missing or its tensor differs in either."""
+    missing = set(arrays)
+    out = []
+    for number, _, value, raw in fields(model):
+        if number != 7:
+            out.append(raw)
+            continue
+        graph_parts = []
+        for g_number, _, g_value, g_raw in fields(value):
+            name = _name(g_value, 8) if g_number == 5 else None
+            if name in arrays:
+                new = np.asarray(arrays[name])
+                dims, kind = _tensor_type(g_value)
+                if kind != _DTYPES.get(new.dtype) or dims != new.shape:
+                    raise ValueError(f"initializer {name!r} is {dims} of type {kind}, not "
+                                     f"{new.shape} {new.dtype}")
+                g_raw = _bytes(5, tensor(name, new))
+                missing.discard(name)
+            graph_parts.append(g_raw)
+        out.append(_bytes(7, b"".join(graph_parts)))
+    if missing:
+        raise ValueError(f"the model has no initializer {sorted(missing)[0]!r}")
+    return b"".join(out)
+
+
+def _tensor_type(message: bytes) -> tuple[tuple[int, ...], int]:
+    """A TensorProto's (dims, data_type); dims written packed or one field each."""
+    dims: list[int] = []
+    kind = 0
+    for number, wire, value, _ in fields(message):
+        if number == 1 and wire == _VARINT:
+            dims.append(int(value))
+        elif number == 1 and wire == _BYTES:
+            view, pos = memoryview(value), 0
+            while pos < len(view):
+                dim, pos = _read_varint(view, pos)
+                dims.append(dim)
+        elif number == 2:
+            kind = int(value)
+    return tuple(dims), kind

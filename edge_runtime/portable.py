@@ -24,14 +24,13 @@ walk with data-dependent control flow), so it is refused.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 import numpy as np
 
-from ._io import read_regular, write_bytes_atomic
-from .bundle import ENCODER_FILE, BundleError
+from ._io import write_bytes_atomic
+from .bundle import BundleError, encoder_model
 from .predictor_graph import build_predictor
 from .runtime import Runtime
 
@@ -48,7 +47,9 @@ def build_portable(runtime: Runtime, *, keys_as_inputs: bool = False) -> bytes:
         return build_predictor(
             runtime.manifest,
             runtime.datastore,
-            _verified_encoder_bytes(runtime),
+            # read and hashed again (it could have been replaced since the runtime loaded it),
+            # with the device's refitted linear head when it has one
+            encoder_model(runtime.path, runtime.manifest),
             samples="portable" if keys_as_inputs else "constant",
         )
     except ValueError as exc:
@@ -94,14 +95,3 @@ def portable_samples(runtime: Runtime) -> tuple[np.ndarray, np.ndarray]:
     if ds.backend == "flat":
         return ds.keys(), ds.labels_
     return np.ascontiguousarray(ds.buffer_keys_t_.T), ds.buffer_labels_
-
-
-def _verified_encoder_bytes(runtime: Runtime) -> bytes:
-    """encoder.onnx read again, and checked against the manifest's sha256 once more (the file
-    could have been replaced since the runtime loaded it)."""
-    data = read_regular(runtime.path / ENCODER_FILE, runtime.manifest["budget_bytes"])
-    if data is None or hashlib.sha256(data).hexdigest() != runtime.manifest["files"][ENCODER_FILE]:
-        raise BundleError(
-            f"bundle {runtime.path}: {ENCODER_FILE} changed since it was verified; load it again"
-        )
-    return data

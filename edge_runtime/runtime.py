@@ -19,6 +19,11 @@ else the number of samples stored when the bundle was loaded:
 - concatenate: add everything; if the files would exceed the bundle's budget, evict the oldest
   until they fit and log a warning saying so. The recipe's n grows with the datastore.
 - fixed: the datastore stays as it is (inputs are still checked).
+A bundle with the linear base (its manifest records the exporter's l2) also refits its linear
+head after every update, on the samples a flat or HNSW datastore then stores (a ProtoNN one keeps
+prototypes, not samples: its head stays the exporter's); see edge_runtime.head_file. The fit is
+numpy L-BFGS with at most LinearHead's max_iter iterations, so it is bounded in time, and its
+file's bytes come out of the datastore's room.
 The samples a strategy adds to and evicts from are the datastore's `sample_store()`: a flat or
 HNSW datastore's stored samples, or a ProtoNN datastore's buffer of new samples beside its
 prototypes (capacity: the recipe's b<count>; its prototypes are never evicted).
@@ -49,14 +54,19 @@ from .bundle import (
     BundleError,
     bundle_lock,
     commit_datastore,
+    encoder_model,
     load_bundle_datastore,
+    open_sessions,
     read_bundle,
     read_manifest,
 )
 from .datastores import max_count_within
 from .encoder import Encoder
+from .head_file import head_nbytes, refit_head
 from .knn import softmax
+from .linear_head import LinearHead
 from .locking import DEFAULT_LOCK_TIMEOUT
+from .manifest import refit_l2
 from .personal_head import PersonalHead
 from .predictor import Predictor
 from .preprocess import prepare_checked, raw_checked, validate_spec
@@ -114,6 +124,7 @@ class Runtime:
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
         blas_threads: int | None = DEFAULT_THREADS,
         predictor: Predictor | None = None,
+        intra_op_threads: int | None = DEFAULT_THREADS,
     ) -> None:
         self.path = Path(path)
         self.manifest = manifest
@@ -124,6 +135,7 @@ class Runtime:
         self.size_at_load_ = len(datastore.sample_store())
         self._spec = validate_spec(manifest["input"])  # checked once here, not on every call
         self._blas_threads = BlasThreads(blas_threads)
+        self._intra_op_threads = intra_op_threads
 
     @classmethod
     def load(
@@ -149,7 +161,11 @@ class Runtime:
         )
         parts = (bundle.path, bundle.manifest, bundle.encoder, bundle.datastore)
         return cls(
-            *parts, lock_timeout=lock_timeout, blas_threads=blas_threads, predictor=bundle.predictor
+            *parts,
+            lock_timeout=lock_timeout,
+            blas_threads=blas_threads,
+            predictor=bundle.predictor,
+            intra_op_threads=intra_op_threads,
         )
 
     # -- properties from the manifest
@@ -354,18 +370,42 @@ class Runtime:
         )
 
     def _max_fit(self) -> int:
-        """The most stored samples whose (estimated) datastore files fit next to the encoder."""
+        """The most stored samples whose (estimated) datastore files fit next to the encoder
+        (and the refitted head's file, where the bundle refits one)."""
         dim = self.manifest["embedding_dim"]
         store = self.datastore.sample_store()
-        return max_count_within(lambda n: store.estimate_nbytes(n, dim), self.budget.room)
+        room = self.budget.room
+        if self._refits():
+            room -= head_nbytes(dim, self.num_classes)
+        return max_count_within(lambda n: store.estimate_nbytes(n, dim), room)
+
+    def _refits(self) -> bool:
+        """Whether an update refits the linear head (see the module docstring)."""
+        return refit_l2(self.manifest) is not None and self.datastore.backend != "protonn"
+
+    def _refit(self) -> LinearHead | None:
+        l2 = refit_l2(self.manifest)
+        if l2 is None:
+            return None
+        with self._blas_threads():
+            return refit_head(self.datastore, self.num_classes, l2)
 
     def _persist(self) -> int:
-        """Commit the datastore; if the real files overshoot the budget (estimates for hnsw),
-        evict more of the oldest and retry. Returns how many extra samples were evicted."""
+        """Commit the datastore (and the refitted head); if the real files overshoot the
+        budget (estimates for hnsw), evict more of the oldest and retry. Returns how many extra
+        samples were evicted. A refitted head goes into the session before this returns."""
         ds, dim, extra = self.datastore.sample_store(), self.manifest["embedding_dim"], 0
         for _ in range(8):
             try:
-                self.manifest = commit_datastore(self.path, self.manifest, self.datastore)
+                head = self._refit()
+                # the encoder must take the head before anything is written
+                model = None if head is None else encoder_model(self.path, self.manifest, head)
+                self.manifest = commit_datastore(self.path, self.manifest, self.datastore, head)
+                if model is not None:
+                    self.encoder, self.predictor = open_sessions(
+                        model, self.manifest, self.datastore, self.path,
+                        intra_op_threads=self._intra_op_threads,
+                        with_predictor=self.predictor is not None)
                 return extra
             except BudgetExceeded as exc:
                 per_sample = max(1, ds.estimate_nbytes(2, dim) - ds.estimate_nbytes(1, dim))

@@ -6,7 +6,8 @@ kNN with the client's head without knowing it exists.
 
 The global classifier's nodes and weights are removed and the head is one float Gemm (p x C
 weights), so the bundle's budget counts the head through the encoder's bytes, and an int8
-encoder's quantized classifier does not clip the head's logits."""
+encoder's quantized classifier does not clip the head's logits. A device refits the head after
+`add` by replacing the Gemm's two initializers (edge_runtime.head_file)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from edge_runtime.head_file import HEAD_NAME, head_tensors
 from edge_runtime.linear_head import LinearHead
 from export.errors import ExportError
 from export.onnx_export import OUTPUT_NAMES
-
-HEAD_NAME = "personal_linear_head"
 
 
 def with_linear_head(encoder: bytes | str | Path, head: LinearHead) -> bytes:
@@ -37,10 +37,8 @@ def with_linear_head(encoder: bytes | str | Path, head: LinearHead) -> bytes:
         for i, name in enumerate(node.output):
             if name == logits:
                 node.output[i] = f"{logits}/global"
-    weight = numpy_helper.from_array(np.ascontiguousarray(head.coef_, np.float32),
-                                     f"{HEAD_NAME}.weight")
-    bias = numpy_helper.from_array(np.ascontiguousarray(head.intercept_, np.float32),
-                                   f"{HEAD_NAME}.bias")
+    weight, bias = (numpy_helper.from_array(np.ascontiguousarray(array, np.float32), name)
+                    for name, array in head_tensors(head.coef_, head.intercept_).items())
     graph.initializer.extend([weight, bias])
     graph.node.append(helper.make_node("Gemm", [embedding, weight.name, bias.name], [logits],
                                        name=HEAD_NAME))

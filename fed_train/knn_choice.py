@@ -80,7 +80,11 @@ class KNNChoice:
             return None
         values = {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
                   "lambda_rule": self.lambda_rule.name, "base": self.base}
-        return {name: {"value": values[name], "source": self.source[name]} for name in values}
+        sources = dict(self.source)
+        if self.base == "linear":  # what a device refits its head with after `add`
+            values["l2"] = self.l2
+            sources.setdefault("l2", sources["base"])
+        return {name: {"value": values[name], "source": sources[name]} for name in values}
 
     def describe(self) -> str:
         return describe_record(self.record)

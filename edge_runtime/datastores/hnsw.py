@@ -124,10 +124,16 @@ class HNSWDatastore(SampleDatastore):
         """Rebuild the graph from the live samples only, so the file holds no deleted slots."""
         if self.index_.element_count == len(self):
             return
-        vectors = np.asarray(self.index_.get_items(self.ids_), dtype=np.float32)
+        vectors = self.keys()
         index = self._new_index(self.embedding_dim_, len(self))
         index.add_items(vectors, self.ids_, num_threads=1)
         self.index_ = index
+
+    def keys(self) -> np.ndarray:
+        """The stored vectors [n, p], in the order of labels_, as a new float32 array."""
+        if not len(self):
+            return np.zeros((0, self.embedding_dim_), np.float32)
+        return np.asarray(self.index_.get_items(self.ids_), dtype=np.float32)
 
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(squared distances, positions in ids_/labels_) of the k nearest found, nearest first."""

@@ -1,0 +1,95 @@
+"""A device's refitted linear head: the file that carries it and how it enters the encoder.
+
+A bundle with the linear base ships its client's linear head inside the encoder, as one float
+Gemm named HEAD_NAME on the "embedding" output (export/personal_encoder.py), so every path that
+runs the encoder (the runtime's session, the one-file ONNX predictor) uses it unchanged. After
+`add`, the device refits that head on the samples its datastore stores (`refit_head`, the same
+numpy fit the exporter used) and writes the weights to their own file, linear_head.<generation>
+.npz, committed with the datastore's files; loading the bundle puts them into the encoder's Gemm
+(`with_head`). So encoder.onnx stays the file the exporter signed, and the refitted head is, like
+the stored samples, the device's own data: covered by the sha256 list and counted in the budget
+(the footprint's datastore share), not by the signature.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._io import load_npz, save_npz_atomic
+from .linear_head import LinearHead
+from .onnx_proto import replace_initializers
+
+HEAD_NAME = "personal_linear_head"
+HEAD_FILE_RE = re.compile(r"^linear_head(?:\.\d+)?\.npz$")
+_MEMBERS = ("coef", "intercept")
+
+
+def head_file_name(generation: int) -> str:
+    return "linear_head.npz" if generation == 0 else f"linear_head.{generation}.npz"
+
+
+def head_tensors(coef: np.ndarray, intercept: np.ndarray) -> dict[str, np.ndarray]:
+    """The encoder initializers a head's weights go into."""
+    return {f"{HEAD_NAME}.weight": coef, f"{HEAD_NAME}.bias": intercept}
+
+
+def save_head(directory: str | os.PathLike, head: LinearHead, generation: int) -> str:
+    """Write the head's weights (uncompressed) under the generation's name; returns the name."""
+    name = head_file_name(generation)
+    save_npz_atomic(Path(directory) / name, _arrays(head.coef_, head.intercept_), sync_dir=False)
+    return name
+
+
+def head_nbytes(dim: int, num_classes: int) -> int:
+    """The bytes `save_head` writes for a head of this shape (what it takes of the budget)."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **_arrays(np.zeros((dim, num_classes), np.float32),
+                               np.zeros(num_classes, np.float32)))
+    return buffer.tell()
+
+
+def load_head(path: str | os.PathLike, dim: int, num_classes: int) -> dict[str, np.ndarray]:
+    """A head file's weights as encoder initializers, checked before anything uses them:
+    exactly float32 coef [dim, C] and intercept [C], all finite (ValueError otherwise)."""
+    arrays = load_npz(path)
+    if sorted(arrays) != sorted(_MEMBERS):
+        raise ValueError(f"a linear head file holds {list(_MEMBERS)}, got {sorted(arrays)}")
+    coef, intercept = arrays["coef"], arrays["intercept"]
+    for name, array, shape in (("coef", coef, (dim, num_classes)),
+                               ("intercept", intercept, (num_classes,))):
+        if array.dtype != np.float32 or array.shape != shape:
+            raise ValueError(f"the linear head's {name} is {array.dtype} {array.shape}, not "
+                             f"float32 {shape}")
+        if not np.isfinite(array).all():
+            raise ValueError(f"the linear head's {name} holds NaN or infinite values")
+    return head_tensors(coef, intercept)
+
+
+def with_head(model: bytes, tensors: dict[str, np.ndarray]) -> bytes:
+    """The encoder's bytes with its linear head's weights replaced (ValueError when it has no
+    linear head of that shape: a bundle exported without the linear base)."""
+    try:
+        return replace_initializers(model, tensors)
+    except ValueError as exc:
+        raise ValueError(f"the encoder has no linear head to take the refitted one: {exc}") \
+            from None
+
+
+def refit_head(datastore: Any, num_classes: int, l2: float) -> LinearHead | None:
+    """The linear head fitted on the samples the datastore stores, as the embeddings the
+    encoder gives (already normalised as the kNN's); None where it stores no samples to fit on
+    (ProtoNN keeps prototypes) or none at all."""
+    if datastore.backend == "protonn" or len(datastore) == 0:
+        return None
+    return LinearHead(num_classes, l2=l2).fit(datastore.keys(), datastore.labels_)
+
+
+def _arrays(coef: np.ndarray, intercept: np.ndarray) -> dict[str, np.ndarray]:
+    return {"coef": np.ascontiguousarray(coef, np.float32),
+            "intercept": np.ascontiguousarray(intercept, np.float32)}
