@@ -1,6 +1,7 @@
 """Device bundles (format version 1): read and verify them, write them, commit datastore updates.
 
-A bundle is a directory: manifest.json, encoder.onnx and the datastore files it lists. Every
+A bundle is a directory: manifest.json, encoder.onnx and the datastore files it lists (and,
+after a device refitted its linear head, that head's file: edge_runtime.head_file). Every
 problem found while reading or writing one is a `BundleError` with a one-line message, and
 nothing is written when one is raised.
 

@@ -8,7 +8,8 @@ the manifest, next to the signature itself.
 On-device updates (`Runtime.add`) rewrite manifest.json without any private key on the device:
 the signed base stays in signature.json, and a runtime that trusts the exporter's key accepts
 the current manifest only when it equals the signed base in everything except what an update
-may change: the datastore's file names and sha256s, the datastore and total footprint (still
+may change: the datastore's (and a refitted linear head's, edge_runtime.head_file) file names
+and sha256s, the datastore and total footprint (still
 bounded by the signed budget) and the recipe's sample counts: n, and a ProtoNN buffer's capacity
 b (the concatenate strategy grows them). The recipe string must be the one its parameters spell
 (`bundle.validate_manifest`), so it cannot say what they do not. So the encoder and every setting

@@ -26,8 +26,10 @@ from edge_runtime.knn import (
     normalize_embeddings,
     softmax,
 )
+from edge_runtime.linear_head import LinearHead
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.preprocess import prepare_input
+from edge_runtime.runtime import Runtime
 from export.sizing import DatastoreSizer, SearchSpace
 from fed_train.client_files import client_split, write_client_files
 from fed_train.knn_choice import KNN_CONFIG_FILE, KNNChoice
@@ -188,3 +190,30 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
         device_total, float_total, n_total = (device_total + device,
                                               float_total + float_correct, n_total + n)
     assert 100 * abs(device_total - float_total) / n_total <= INT8_MAX_MEAN_PP
+    if server["knn"]["base"]["name"] == "linear":
+        _device_refits_its_head(capsys, tmp_path, server)
+
+
+def _device_refits_its_head(capsys, tmp_path, server) -> None:
+    """A device that learns with `add` refits its linear head with the exporter's l2 on what it
+    then stores, and evaluates from the refitted bundle."""
+    cid = server["clients"][0]["client_id"]
+    bundle = tmp_path / "b" / f"client_{cid:04d}"
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["knn_choice"]["l2"]["value"] == server["knn"]["base"]["l2"]
+    assert edge_main(["add", str(bundle), "--data", str(tmp_path / f"c{cid}" / "val.npz")]) == 0
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert [n for n in manifest["files"] if n.startswith("linear_head")] == ["linear_head.1.npz"]
+    store = load_bundle_datastore(bundle, manifest)
+    head = LinearHead(manifest["num_classes"], l2=server["knn"]["base"]["l2"]).fit(
+        store.keys(), store.labels_)
+    model = Encoder(bundle / "encoder.onnx")  # as exported: the shipped head
+    refitted = Runtime.load(bundle)
+    with np.load(tmp_path / f"c{cid}" / "test.npz", allow_pickle=False) as data:
+        x = data["x"]
+    xp = prepare_input(x[:16], manifest["input"])
+    z, logits = refitted.embed(x[:16])
+    np.testing.assert_allclose(logits, z @ head.coef_ + head.intercept_, atol=1e-4)
+    assert not np.allclose(logits, model.run(xp)[1], atol=1e-4)
+    capsys.readouterr()
+    _device_correct(capsys, bundle, tmp_path / f"c{cid}" / "test.npz")
