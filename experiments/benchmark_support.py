@@ -364,15 +364,18 @@ def build_datastore(recipe: str, z: np.ndarray, y: np.ndarray, num_classes: int,
 def write_benchmark_bundle(out_dir: Path, encoder: Path, datastore: Any, spec: dict, *,
                            lam: float = 0.5, client_id: int = 0,
                            budget_bytes: int | None = None,
-                           update_strategy: str | None = None) -> dict:
+                           update_strategy: str | None = None,
+                           extra_fields: dict[str, Any] | None = None) -> dict:
     """A bundle through edge_runtime.bundle.write_bundle; the budget defaults to what the files
-    take with ample room (benchmarks measure speed and memory, not budget enforcement)."""
+    take with ample room (benchmarks measure speed and memory, not budget enforcement).
+    `extra_fields`: more manifest fields (a kNN choice's record)."""
     if budget_bytes is None:
         budget_bytes = encoder.stat().st_size + 2 * int(datastore.nbytes) + (1 << 20)
     fields: dict[str, Any] = {"client_id": client_id, "input": spec, "lambda": float(lam),
                               "budget_bytes": int(budget_bytes)}
     if update_strategy is not None:
         fields["update_strategy"] = update_strategy
+    fields.update(extra_fields or {})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     return write_bundle(out_dir, fields, encoder, datastore)
 

@@ -57,6 +57,7 @@ CASES: dict[str, Case] = {
                              "{out}/work"), slow=True),
     "knn_config_device.py": Case(("--run", "{run}", "--budget", "1MB", "--out", "{out}"),
                                  slow=True),
+    "head_refit.py": Case(("--run", "{run}", "--smoke", "--out", "{out}"), slow=True),
     "thread_count.py": Case(("--threads", "1", "--steps", "2", "--repeats", "1", "--out",
                              "{out}"), slow=True),
     "rejudge_experiments.py": Case(("{copy}",), slow=True),
