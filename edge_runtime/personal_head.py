@@ -157,15 +157,23 @@ class PersonalHead:
         if loo is None and self.estimator == "loo+val":
             loo = self.leave_one_out(client, keep)
         p_local, p_base = self._parts(client.z_val, client.p_val)
-        self.evidence_ = lambda_counts(
-            *estimator_evidence(self.estimator, p_local, p_base, client.y_val, loo),
-            self.rule.grid)
-        self.lambda_ = self.rule.choose_from_counts(self.evidence_)
+        self.choose(p_local, p_base, client.y_val, loo)
         self.val_accuracy_: float | None = None
         self.val_nll_: float | None = None
         if len(client.y_val):
             self.val_accuracy_, self.val_nll_ = split_score(self.mix(p_local, p_base),
                                                             client.y_val)
+        return self
+
+    def choose(self, p_local: np.ndarray, p_base: np.ndarray, y: np.ndarray,
+               loo: Posteriors | None = None) -> PersonalHead:
+        """Choose lambda by the rule and the estimator from the parts' outputs on labelled
+        samples (`fit`'s last step; the tuning grid's, which computes the kNN part once for
+        many settings, and the test oracle's, which the reports label optimistic). Sets
+        `evidence_` and `lambda_`."""
+        self.evidence_ = lambda_counts(
+            *estimator_evidence(self.estimator, p_local, p_base, y, loo), self.rule.grid)
+        self.lambda_ = self.rule.choose_from_counts(self.evidence_)
         return self
 
     def fit_linear(self, z_train: np.ndarray, y_train: np.ndarray) -> LinearHead | None:

@@ -7,8 +7,9 @@ clients seen in training, not per client: a client holds about 30 validation sam
 choose among the 104 grid points without fitting noise, while lambda (7 values) stays per client
 as the paper has it. Each grid point is scored with every client's lambda chosen for that point.
 
-The kNN math is edge_runtime's (`exact_search`, `kernel_posterior`, `choose_lambda`), so what is
-chosen here is exactly what a device computes.
+The kNN math is edge_runtime's (`exact_search`, `kernel_posterior`), and every lambda is chosen
+and mixed by its `PersonalHead` (on kNN posteriors computed once per client at the largest k and
+re-weighted per grid point), so what is chosen here is exactly what a device computes.
 """
 
 from __future__ import annotations
@@ -30,19 +31,15 @@ from edge_runtime.knn import (
     NORMALIZATIONS,
     LambdaRule,
     choice_key,
-    choose_lambda,
-    estimator_evidence,
     exact_search,
-    interpolate,
     kernel_posterior,
-    lambda_counts,
     leave_one_out_search,
     normalize_embeddings,
     softmax,
     split_sums,
 )
 from edge_runtime.linear_head import L2_GRID, LinearHead
-from edge_runtime.personal_head import ClientSplits
+from edge_runtime.personal_head import ClientSplits, PersonalHead
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.knn_request import K_GRID, SIGMA_GRID
 from fed_train.models import EmbedHeadModel
@@ -115,9 +112,20 @@ class _Searched:
                                 sigma, self.dim)
 
 
-def _evidence(s: _Searched, config: KNNConfig, estimator: str,
-              val_rows: np.ndarray | None = None):
-    """The (p_knn, p_global, y) a client's lambda is judged on under `estimator`, on its whole
+def _head(num_classes: int, config: KNNConfig, estimator: str = "val",
+          grid: Sequence[float] = LAMBDA_GRID, rule: LambdaRule = CLIENT_RULE) -> PersonalHead:
+    """The head that chooses and mixes under this grid point, estimator and rule (the client
+    rule over `grid`)."""
+    if rule.name == "client":
+        rule = LambdaRule(grid=tuple(grid))
+    return PersonalHead(num_classes, k=config.k, sigma=config.sigma,
+                        normalize=config.normalize, rule=rule, estimator=estimator)
+
+
+def _chosen(s: _Searched, config: KNNConfig, estimator: str,
+            val_rows: np.ndarray | None = None, grid: Sequence[float] = LAMBDA_GRID,
+            rule: LambdaRule = CLIENT_RULE) -> PersonalHead:
+    """A client's head with lambda chosen under `estimator` and `rule`, on its whole
     validation split or the given rows."""
     v = s.view
     rows = np.arange(len(v.y_val)) if val_rows is None else val_rows
@@ -126,18 +134,8 @@ def _evidence(s: _Searched, config: KNNConfig, estimator: str,
         p_loo = (s.posterior("train", config.k, config.sigma)
                  if s.found["train"][0].shape[1] else None)  # a one-sample datastore has none
         loo = (p_loo, v.p_train, v.y_train)
-    return estimator_evidence(estimator, s.posterior("val", config.k, config.sigma)[rows],
-                              v.p_val[rows], v.y_val[rows], loo)
-
-
-def _lambda_for(s: _Searched, config: KNNConfig, estimator: str,
-                val_rows: np.ndarray | None = None, grid: Sequence[float] = LAMBDA_GRID,
-                rule: LambdaRule = CLIENT_RULE) -> float:
-    """A client's lambda under `estimator` and `rule`, on its whole validation split or the
-    given rows."""
-    if rule.name == "client":
-        rule = LambdaRule(grid=tuple(grid))
-    return rule.choose(*_evidence(s, config, estimator, val_rows))
+    return _head(v.num_classes, config, estimator, grid, rule).choose(
+        s.posterior("val", config.k, config.sigma)[rows], v.p_val[rows], v.y_val[rows], loo)
 
 
 def grid_points(ks: Sequence[int], sigmas: Sequence[float],
@@ -162,8 +160,8 @@ def grid_counts(view: ClientSplits, points: Sequence[KNNConfig],
         if config.normalize not in searched:
             searched[config.normalize] = _Searched(view, config.normalize, k_max, ("val",))
         s = searched[config.normalize]
-        lam = _lambda_for(s, config, "val", grid=lambdas)
-        p = interpolate(s.posterior("val", config.k, config.sigma), view.p_val, lam)
+        head = _chosen(s, config, "val", grid=lambdas)
+        p = head.mix(s.posterior("val", config.k, config.sigma), view.p_val)
         c, nll = split_sums(p, view.y_val)
         out[i] = (c, nll, len(view.y_val))
     return out
@@ -231,8 +229,7 @@ def estimator_counts(view: ClientSplits, config: KNNConfig, *, seed: int = 0,
     p_knn_val = s.posterior("val", config.k, config.sigma)
     for fit, score in (folds, folds[::-1]):
         for i, est in enumerate(estimators):
-            lam = _lambda_for(s, config, est, val_rows=fit)
-            p = interpolate(p_knn_val[score], view.p_val[score], lam)
+            p = _chosen(s, config, est, val_rows=fit).mix(p_knn_val[score], view.p_val[score])
             out[i] += (int(np.sum(p.argmax(axis=1) == view.y_val[score])), len(score))
     return out
 
@@ -277,7 +274,7 @@ def rule_evidence(view: ClientSplits, config: KNNConfig, estimator: str) -> np.n
     if len(view.y_train) == 0:
         return np.zeros((len(LAMBDA_GRID), 3))
     s = _Searched(view, config.normalize, config.k, _splits_for(estimator))
-    return lambda_counts(*_evidence(s, config, estimator))
+    return _chosen(s, config, estimator).evidence_
 
 
 def rule_fold_counts(view: ClientSplits, config: KNNConfig, estimator: str, *,
@@ -295,9 +292,10 @@ def rule_fold_counts(view: ClientSplits, config: KNNConfig, estimator: str, *,
     folds = _folds(view, seed)
     for f, (fit_rows, score_rows) in enumerate((folds, folds[::-1])):
         rows = slice(f * grid, (f + 1) * grid)
-        out[rows, :3] = lambda_counts(*_evidence(s, config, estimator, fit_rows))
-        out[rows, 3:] = lambda_counts(p_knn_val[score_rows], view.p_val[score_rows],
-                                      view.y_val[score_rows])[:, [0, 2]]
+        out[rows, :3] = _chosen(s, config, estimator, fit_rows).evidence_
+        scored = _head(view.num_classes, config).choose(
+            p_knn_val[score_rows], view.p_val[score_rows], view.y_val[score_rows])
+        out[rows, 3:] = scored.evidence_[:, [0, 2]]
     return out
 
 
@@ -352,9 +350,10 @@ def cross_oracle_accuracy(p_knn: np.ndarray, p_global: np.ndarray, y: np.ndarray
     """What choosing lambda on test data is worth once the choice is not scored on the samples
     that made it: lambda chosen on one half of the test split, scored on the other (both ways),
     averaged over `halvings` seeded halvings."""
+    head = _head(p_knn.shape[1], KNNConfig())
     if len(y) < 2:
-        return float(np.mean(interpolate(p_knn, p_global, choose_lambda(p_knn, p_global, y))
-                             .argmax(1) == y)) if len(y) else float("nan")
+        return (float(np.mean(head.choose(p_knn, p_global, y).mix(p_knn, p_global).argmax(1)
+                              == y)) if len(y) else float("nan"))
     rng = np.random.default_rng(seed)
     accs = []
     for _ in range(halvings):
@@ -362,8 +361,8 @@ def cross_oracle_accuracy(p_knn: np.ndarray, p_global: np.ndarray, y: np.ndarray
         halves = (order[: len(y) // 2], order[len(y) // 2:])
         right = 0
         for a, b in (halves, halves[::-1]):
-            lam = choose_lambda(p_knn[a], p_global[a], y[a])
-            right += int(np.sum(interpolate(p_knn[b], p_global[b], lam).argmax(1) == y[b]))
+            head.choose(p_knn[a], p_global[a], y[a])
+            right += int(np.sum(head.mix(p_knn[b], p_global[b]).argmax(1) == y[b]))
         accs.append(right / len(y))
     return float(np.mean(accs))
 
@@ -380,21 +379,25 @@ def client_rows(views: Sequence[ClientSplits], config: KNNConfig, *, estimator: 
     for v in views:
         n_test = len(v.y_test)
         if len(v.y_train) == 0:
-            lam = 0.0
+            head = _head(v.num_classes, config).with_lambda(0.0)
             p_knn = None
         else:
             s = _Searched(v, config.normalize, config.k, _splits_for(estimator, "test"))
-            lam = _lambda_for(s, config, estimator, grid=lambdas, rule=rule)
+            head = _chosen(s, config, estimator, grid=lambdas, rule=rule)
             p_knn = s.posterior("test", config.k, config.sigma)
+        lam = head.lambda_
         if n_test == 0:
             rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": 0,
                          "accuracy": None, "info": {"lambda": lam}})
             continue
         if p_knn is None:
             p_knn = np.full_like(v.p_test, 1.0 / v.num_classes)
-        oracle = choose_lambda(p_knn, v.p_test, v.y_test, tuple(lambdas))
-        acc = float(np.mean(interpolate(p_knn, v.p_test, lam).argmax(1) == v.y_test))
-        oracle_acc = float(np.mean(interpolate(p_knn, v.p_test, oracle).argmax(1) == v.y_test))
+        # optimistic by construction: chosen on the samples it is scored on
+        oracle_head = _head(v.num_classes, config, grid=lambdas).choose(p_knn, v.p_test,
+                                                                        v.y_test)
+        oracle = oracle_head.lambda_
+        acc = float(np.mean(head.mix(p_knn, v.p_test).argmax(1) == v.y_test))
+        oracle_acc = float(np.mean(oracle_head.mix(p_knn, v.p_test).argmax(1) == v.y_test))
         cross = cross_oracle_accuracy(p_knn, v.p_test, v.y_test, seed=seed + v.client_id)
         rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": n_test,
                      "accuracy": acc,
