@@ -94,30 +94,18 @@ class ExportSettings:
     signing_key: str | None = None  # Ed25519 private key (PEM) that signs every bundle
 
     def check(self) -> None:
-        if self.quantize not in QUANTIZE_MODES:
-            raise ExportError(f"unknown quantization {self.quantize!r}; known: "
-                              f"{', '.join(QUANTIZE_MODES)}")
-        if self.backend not in BACKEND_CHOICES:
-            raise ExportError(f"unknown backend {self.backend!r}; known: "
-                              f"{', '.join(BACKEND_CHOICES)}")
-        if self.device_extras not in DEVICE_EXTRAS:
-            raise ExportError(f"unknown device extras {self.device_extras!r}; known: "
-                              f"{', '.join(DEVICE_EXTRAS)}")
+        _check_known("quantization", self.quantize, QUANTIZE_MODES)
+        _check_known("backend", self.backend, BACKEND_CHOICES)
+        _check_known("device extras", self.device_extras, DEVICE_EXTRAS)
         if self.device_extras == "none" and self.backend in NEEDS_DEVICE_EXTRA:
             raise ExportError(f"--backend {self.backend} needs the {self.backend} extra on the "
                               "device; --device-extras none rules it out")
-        if self.update_strategy not in UPDATE_STRATEGIES:
-            raise ExportError(f"unknown update strategy {self.update_strategy!r}; known: "
-                              f"{', '.join(UPDATE_STRATEGIES)}")
+        _check_known("update strategy", self.update_strategy, UPDATE_STRATEGIES)
         knn, config = self.knn, self.knn.config
-        if config.normalize not in NORMALIZATIONS:
-            raise ExportError(f"unknown embedding normalisation {config.normalize!r}; known: "
-                              f"{', '.join(NORMALIZATIONS)}")
-        if knn.lambda_estimator not in LAMBDA_ESTIMATORS:
-            raise ExportError(f"unknown lambda estimator {knn.lambda_estimator!r}; known: "
-                              f"{', '.join(LAMBDA_ESTIMATORS)}")
-        if knn.base not in ("global", "linear") or \
-                (knn.base == "linear") != (knn.l2 is not None and knn.l2 > 0):
+        _check_known("embedding normalisation", config.normalize, NORMALIZATIONS)
+        _check_known("lambda estimator", knn.lambda_estimator, LAMBDA_ESTIMATORS)
+        if (knn.base not in ("global", "linear")
+                or (knn.base == "linear") != (knn.l2 is not None and knn.l2 > 0)):
             raise ExportError(f"base must be 'global', or 'linear' with l2 > 0; got "
                               f"{knn.base!r}, l2={knn.l2}")
         if config.k < 1 or not config.sigma > 0:
@@ -145,6 +133,11 @@ class ExportSettings:
             else:
                 out[f.name] = asdict(space) if f.name == "space" else getattr(self, f.name)
         return out
+
+
+def _check_known(what: str, value: str, known: Sequence[str]) -> None:
+    if value not in known:
+        raise ExportError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
 
 def apply_knn_choice(settings: ExportSettings, choice: KNNChoice) -> ExportSettings:
