@@ -141,8 +141,8 @@ class BaseDatastore:
         names = list(files) if files is not None else list(cls.FILES)
         layout = Counter(Path(name).suffix for name in cls.FILES)
         by_kind = {ext: [f for f in names if f.endswith(ext)] for ext in layout}
-        if any(len(by_kind[ext]) != count for ext, count in layout.items()) or \
-                len(names) != sum(layout.values()):
+        if (any(len(by_kind[ext]) != count for ext, count in layout.items())
+                or len(names) != sum(layout.values())):
             raise ValueError(f"{cls.FILES_RULE}, got {names}")
         npz = by_kind[".npz"][0]
         arrays = load_npz(Path(directory) / npz)
