@@ -78,7 +78,7 @@ def main() -> None:
     every = list(range(len(run.partition.clients)))
     budgets_file = args.work / "budgets.json"
     budgets = weak_strong_budgets(every, args.reference, args.delta_c, seed=0)
-    budgets_file.write_text(json.dumps({str(k): v for k, v in budgets.items()}))
+    budgets_file.write_text(json.dumps({str(k): v.total for k, v in budgets.items()}))
     ids = select_ids(run.partition.unseen, args.clients)
     command = [sys.executable, "-m", "knnper_cli.main", "--threads", "1", "--no-progress", "export",
                str(Path(args.run).resolve()), "--out", str(work.resolve() / "bundles"),

@@ -1,34 +1,44 @@
 """A device's memory budget: the bytes its bundle may take in all, the encoder's share of them,
-and the room that leaves the datastore. One value from the exporter (or `knnper-edge init`) to
-the device's check before it learns, so the room is worked out in one place; a manifest
-records it as `budget_bytes` and its footprint's `encoder`."""
+and the room that leaves the datastore. One value from the command line (or `knnper-edge init`)
+to the device's check before it learns, so the room is worked out in one place. Budgets are made
+before the encoder is known (a profile gives each device its total); the exporter then adds the
+encoder's share with `with_encoder`. A manifest records the budget as `budget_bytes` and its
+footprint's `encoder`."""
 
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
 class Budget:
     """`total` bytes for the encoder and the datastore together, `encoder` of them the
-    encoder's (a client's own encoder, with the linear base)."""
+    encoder's (a client's own encoder, with the linear base); None until it is known."""
 
     total: int
-    encoder: int
+    encoder: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_count(self.total) or self.total < 1:
             raise ValueError(f"budget_bytes must be a positive integer, got {self.total!r}")
-        if not _is_count(self.encoder) or self.encoder < 0:
+        if self.encoder is not None and (not _is_count(self.encoder) or self.encoder < 0):
             raise ValueError(f"an encoder's bytes must be a non-negative integer, got "
                              f"{self.encoder!r}")
         object.__setattr__(self, "total", int(self.total))  # a numpy integer writes as JSON
-        object.__setattr__(self, "encoder", int(self.encoder))
+        if self.encoder is not None:
+            object.__setattr__(self, "encoder", int(self.encoder))
+
+    def with_encoder(self, nbytes: int) -> Budget:
+        """This budget with the encoder's share known: `nbytes`, the encoder's file."""
+        return replace(self, encoder=nbytes)
 
     @property
     def room(self) -> int:
         """The datastore's bytes: what the encoder leaves (negative: it alone is over)."""
+        if self.encoder is None:
+            raise ValueError(f"a budget of {self.total} bytes has no room yet: its encoder's "
+                             "share is not known (Budget.with_encoder)")
         return self.total - self.encoder
 
     @classmethod

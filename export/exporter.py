@@ -94,30 +94,18 @@ class ExportSettings:
     signing_key: str | None = None  # Ed25519 private key (PEM) that signs every bundle
 
     def check(self) -> None:
-        if self.quantize not in QUANTIZE_MODES:
-            raise ExportError(f"unknown quantization {self.quantize!r}; known: "
-                              f"{', '.join(QUANTIZE_MODES)}")
-        if self.backend not in BACKEND_CHOICES:
-            raise ExportError(f"unknown backend {self.backend!r}; known: "
-                              f"{', '.join(BACKEND_CHOICES)}")
-        if self.device_extras not in DEVICE_EXTRAS:
-            raise ExportError(f"unknown device extras {self.device_extras!r}; known: "
-                              f"{', '.join(DEVICE_EXTRAS)}")
+        _check_known("quantization", self.quantize, QUANTIZE_MODES)
+        _check_known("backend", self.backend, BACKEND_CHOICES)
+        _check_known("device extras", self.device_extras, DEVICE_EXTRAS)
         if self.device_extras == "none" and self.backend in NEEDS_DEVICE_EXTRA:
             raise ExportError(f"--backend {self.backend} needs the {self.backend} extra on the "
                               "device; --device-extras none rules it out")
-        if self.update_strategy not in UPDATE_STRATEGIES:
-            raise ExportError(f"unknown update strategy {self.update_strategy!r}; known: "
-                              f"{', '.join(UPDATE_STRATEGIES)}")
+        _check_known("update strategy", self.update_strategy, UPDATE_STRATEGIES)
         knn, config = self.knn, self.knn.config
-        if config.normalize not in NORMALIZATIONS:
-            raise ExportError(f"unknown embedding normalisation {config.normalize!r}; known: "
-                              f"{', '.join(NORMALIZATIONS)}")
-        if knn.lambda_estimator not in LAMBDA_ESTIMATORS:
-            raise ExportError(f"unknown lambda estimator {knn.lambda_estimator!r}; known: "
-                              f"{', '.join(LAMBDA_ESTIMATORS)}")
-        if knn.base not in ("global", "linear") or \
-                (knn.base == "linear") != (knn.l2 is not None and knn.l2 > 0):
+        _check_known("embedding normalisation", config.normalize, NORMALIZATIONS)
+        _check_known("lambda estimator", knn.lambda_estimator, LAMBDA_ESTIMATORS)
+        if (knn.base not in ("global", "linear")
+                or (knn.base == "linear") != (knn.l2 is not None and knn.l2 > 0)):
             raise ExportError(f"base must be 'global', or 'linear' with l2 > 0; got "
                               f"{knn.base!r}, l2={knn.l2}")
         if config.k < 1 or not config.sigma > 0:
@@ -145,6 +133,11 @@ class ExportSettings:
             else:
                 out[f.name] = asdict(space) if f.name == "space" else getattr(self, f.name)
         return out
+
+
+def _check_known(what: str, value: str, known: Sequence[str]) -> None:
+    if value not in known:
+        raise ExportError(f"unknown {what} {value!r}; known: {', '.join(known)}")
 
 
 def apply_knn_choice(settings: ExportSettings, choice: KNNChoice) -> ExportSettings:
@@ -273,7 +266,7 @@ def bundle_dir(out_dir: Path, client_id: int) -> Path:
     return out_dir / f"client_{client_id:04d}"
 
 
-def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, int],
+def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget | int],
                settings: ExportSettings | None = None, *, clients: str = "all",
                encoder: EncoderFiles | None = None, progress: bool = True,
                workers: int | None = 1) -> dict[str, Any]:
@@ -282,6 +275,8 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, int],
     write_bundle (temporary directory, then rename), so an interrupted export leaves complete
     bundles and nothing half-written that loads. `encoder`: files from an earlier
     `build_encoder` with the same settings (benchmarks export many times from one run).
+    `budgets`: each client's Budget, as export.profiles makes them (a plain number of bytes is
+    a budget of that total).
 
     Resumable: each finished client is recorded in out_dir/export.journal.jsonl, and a re-run
     with the same run, settings and encoder skips clients whose bundle exists for the same
@@ -304,6 +299,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, int],
                               "datastore from")
         if client.client_id not in budgets:
             raise BudgetInvalid(f"no budget for client {client.client_id}")
+    budgets = {c.client_id: _as_budget(c.client_id, budgets[c.client_id]) for c in chosen}
     existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     if not existing.is_dir():  # checked before the encoder is built
         raise ExportError(f"--out {out_dir}: {existing} exists and is not a directory")
@@ -314,7 +310,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, int],
                               f"ask for {settings.quantize}")
         smallest = smallest_datastore_bytes(space, run.dataset.num_classes,
                                             int(run.model.embedding_dim))
-        budgets = _client_budgets(chosen, budgets, encoder_files, smallest)  # before writing
+        budgets = _client_budgets(budgets, encoder_files, smallest)  # before writing
         _warn_device_extras(space)
         out_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(out_dir):
@@ -410,7 +406,7 @@ def _client_task(run: LoadedRun, client: ClientData, session: Encoder,
     budget = budgets[client.client_id]
     if personal is not None:
         session = Encoder(personal, intra_op_threads=1)
-        budget = replace(budget, encoder=len(personal))
+        budget = budget.with_encoder(len(personal))
     return ClientTask(client_embeddings(session, client), budget, client.unseen,
                       bundle_dir(out_dir, client.client_id), run.dataset.input_spec, personal)
 
@@ -463,22 +459,26 @@ def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
     return keep
 
 
-def _client_budgets(clients: Sequence[ClientData], budgets: Mapping[int, int],
-                    encoder: EncoderFiles, smallest_datastore: int) -> dict[int, Budget]:
+def _as_budget(client_id: int, budget: Budget | int) -> Budget:
+    """A client's budget as given to export_run: a Budget, or a number of bytes as its total."""
+    try:
+        return budget if isinstance(budget, Budget) else Budget(budget)
+    except ValueError as err:
+        raise BudgetInvalid(f"client {client_id}: {err}") from None
+
+
+def _client_budgets(budgets: dict[int, Budget], encoder: EncoderFiles,
+                    smallest_datastore: int) -> dict[int, Budget]:
     """Each client's budget with the encoder in it. Refused before writing any bundle when
-    some budget is not a number of bytes, cannot hold the encoder, or cannot hold the encoder
-    plus the smallest datastore the search allows."""
+    some budget cannot hold the encoder, or cannot hold the encoder plus the smallest datastore
+    the search allows."""
+    out = {cid: budget.with_encoder(encoder.nbytes) for cid, budget in budgets.items()}
+
     def refuse(too_small: list[int], why: str) -> BudgetInvalid:
         cid = too_small[0]
         others = f" (and {len(too_small) - 1} other client(s))" if len(too_small) > 1 else ""
-        return BudgetInvalid(f"client {cid}: budget {budgets[cid]} bytes {why}{others}")
+        return BudgetInvalid(f"client {cid}: budget {out[cid].total} bytes {why}{others}")
 
-    out = {}
-    for c in clients:
-        try:
-            out[c.client_id] = Budget(budgets[c.client_id], encoder.nbytes)
-        except ValueError as err:
-            raise BudgetInvalid(f"client {c.client_id}: {err}") from None
     below = [cid for cid, budget in out.items() if budget.room < 0]
     if below:
         raise refuse(below, f"is below the size of the {encoder.quantize} encoder alone "

@@ -1,5 +1,6 @@
-"""Device capacity profiles: a memory budget in bytes for every client, read from a file or
-generated (one budget for all, the paper's weak/strong split, a log-normal spread)."""
+"""Device capacity profiles: a memory budget for every client, read from a file or generated (one
+budget for all, the paper's weak/strong split, a log-normal spread). Each is a `Budget` of its
+total bytes; the exporter adds the encoder's share once it has built the encoder."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_runtime._io import JSONFileError, read_json
+from edge_runtime.budget import Budget
 from export.errors import BudgetInvalid
 
 PROFILES = ("uniform", "weak-strong", "lognormal")
@@ -36,7 +38,7 @@ def _check_clients(client_ids: Sequence[int]) -> list[int]:
 MAX_BUDGET_FILE_BYTES = 16 << 20  # a line per client
 
 
-def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, int]:
+def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, Budget]:
     """Budgets from a JSON file {"<client id>": bytes, ...}. Every requested client must have one;
     entries for other clients are ignored only if they name real clients of the run, so that a
     typo never silently gives a device the wrong budget."""
@@ -52,7 +54,7 @@ def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, int]:
     if not isinstance(raw, dict):
         raise BudgetInvalid(f"budget file {path} must hold an object {{client_id: bytes}}, "
                           f"got {type(raw).__name__}")
-    budgets: dict[int, int] = {}
+    budgets: dict[int, Budget] = {}
     for key, value in raw.items():
         try:
             cid = int(key)
@@ -60,7 +62,7 @@ def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, int]:
             raise BudgetInvalid(f"budget file {path}: key {key!r} is not a client id") from None
         if str(cid) != str(key).strip():
             raise BudgetInvalid(f"budget file {path}: key {key!r} is not a client id")
-        budgets[cid] = _check_bytes(value, f"budget of client {cid} in {path}")
+        budgets[cid] = Budget(_check_bytes(value, f"budget of client {cid} in {path}"))
     missing = [c for c in ids if c not in budgets]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
@@ -68,14 +70,14 @@ def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, int]:
     return {c: budgets[c] for c in ids}
 
 
-def uniform_budgets(client_ids: Sequence[int], budget: int) -> dict[int, int]:
-    """The same budget for every client."""
-    value = _check_bytes(budget, "--budget")
-    return {c: value for c in _check_clients(client_ids)}
+def uniform_budgets(client_ids: Sequence[int], budget: int) -> dict[int, Budget]:
+    """The same budget of `budget` bytes for every client."""
+    value = Budget(_check_bytes(budget, "--budget"))
+    return dict.fromkeys(_check_clients(client_ids), value)
 
 
 def weak_strong_budgets(client_ids: Sequence[int], reference: int, delta_c: float,
-                        seed: int = 0) -> dict[int, int]:
+                        seed: int = 0) -> dict[int, Budget]:
     """The paper's system heterogeneity: a seeded half of the clients ("weak") get
     (1/2 - delta_c) x reference and the others ("strong") (1/2 + delta_c) x reference.
     With an odd number of clients the extra one is strong."""
@@ -87,7 +89,7 @@ def weak_strong_budgets(client_ids: Sequence[int], reference: int, delta_c: floa
     out = {}
     for cid in ids:
         share = 0.5 - delta_c if cid in weak else 0.5 + delta_c
-        out[cid] = max(1, int(math.floor(share * reference)))
+        out[cid] = Budget(max(1, int(math.floor(share * reference))))
     return out
 
 
@@ -100,7 +102,7 @@ def weak_clients(client_ids: Sequence[int], seed: int = 0) -> set[int]:
 
 
 def lognormal_budgets(client_ids: Sequence[int], reference: int, sigma: float = 0.5,
-                      seed: int = 0) -> dict[int, int]:
+                      seed: int = 0) -> dict[int, Budget]:
     """Budgets spread log-normally around `reference` (its median): reference x exp(sigma x N(0,1)).
     Device memory in the wild spans orders of magnitude; this models that spread."""
     ids = _check_clients(client_ids)
@@ -109,5 +111,5 @@ def lognormal_budgets(client_ids: Sequence[int], reference: int, sigma: float = 
         raise BudgetInvalid(f"--spread (the lognormal sigma) must be a finite number >= 0, got "
                           f"{sigma!r}")
     draws = np.random.default_rng(seed).standard_normal(len(ids))
-    return {cid: max(1, int(math.floor(reference * math.exp(sigma * float(e)))))
+    return {cid: Budget(max(1, int(math.floor(reference * math.exp(sigma * float(e))))))
             for cid, e in zip(ids, draws, strict=True)}

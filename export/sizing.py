@@ -34,6 +34,7 @@ from edge_runtime.datastores import (
     FlatDatastore,
     HNSWDatastore,
     ProtoNNDatastore,
+    SampleDatastore,
     max_count_within,
 )
 from edge_runtime.knn import datastore_key
@@ -245,82 +246,67 @@ class DatastoreSizer:
             counts.add(min(most, n_train))
         return sorted((c for c in counts if c <= most), reverse=True)
 
-    def _counts_within(self, probe: Datastore, room: int, n: int,
+    def _counts_within(self, config: SampleDatastore, room: int, n: int,
                        dim: int) -> tuple[list[int], int]:
         """Sample counts to try for a flat or hnsw configuration, and its capacity: the most
         samples its files can ever hold within `room` (what fifo may later grow to)."""
 
         def estimate(count: int) -> int:
-            return probe.estimate_nbytes(count, dim)
+            return config.estimate_nbytes(count, dim)
 
         return self._counts(n, _most_within(estimate, room, n)), max_count_within(estimate, room)
 
     def _builders(self, data: ClientSplits,
                   room: int) -> Iterator[Callable[[], tuple[Candidate, Datastore] | None]]:
         n, dim = data.z_train.shape
+        for config in self._sample_configs():
+            counts, capacity = self._counts_within(config, room, n, dim)
+            for count in counts:
+                yield _bind(self._fit_within, config, data, count, capacity, room)
+
+    def _sample_configs(self) -> Iterator[SampleDatastore]:
+        """The flat and HNSW configurations to fill with samples (ProtoNN is trained after
+        them: see _protonn_search), unfitted and with no sample count yet."""
+        k, sigma = self.knn.config.k, self.knn.config.sigma
         for backend in self.space.backends:
             if backend == "flat":
                 for dtype in self.space.flat_dtypes:
-                    probe = FlatDatastore(self.num_classes, dtype=dtype)
-                    counts, capacity = self._counts_within(probe, room, n, dim)
-                    for count in counts:
-                        yield _bind(self._flat, data, dtype, count, capacity, room)
+                    yield FlatDatastore(self.num_classes, k=k, sigma=sigma, dtype=dtype,
+                                        seed=self.seed)
             elif backend == "hnsw":
-                if self.space.prune and "flat" in self.space.backends \
-                        and "fp32" in self.space.flat_dtypes:
+                if (self.space.prune and "flat" in self.space.backends
+                        and "fp32" in self.space.flat_dtypes):
                     continue  # flat fp32 holds more samples in the same room, searched exactly
                 for links in self.space.hnsw_M:
-                    probe = HNSWDatastore(self.num_classes, M=links)
-                    counts, capacity = self._counts_within(probe, room, n, dim)
-                    for count in counts:
-                        yield _bind(self._hnsw, data, links, count, capacity, room)
-            elif backend == "protonn":
-                continue  # trained after the cheap backends: see _protonn_search
-            else:
+                    yield HNSWDatastore(self.num_classes, k=k, sigma=sigma, M=links,
+                                        ef=self.space.hnsw_ef, seed=self.seed)
+            elif backend != "protonn":
                 raise ExportError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
-    def _flat(self, data: ClientSplits, dtype: str, count: int, capacity: int,
-              room: int) -> tuple[Candidate, Datastore] | None:
-        n_train = len(data.y_train)
-        probe = FlatDatastore(self.num_classes, dtype=dtype)
-        k, sigma = self.knn.config.k, self.knn.config.sigma
-        return self._fit_within(
-            lambda c: FlatDatastore(self.num_classes, k=k, sigma=sigma, dtype=dtype,
-                                    n=_n_param(c, n_train, capacity), seed=self.seed),
-            lambda c: probe.estimate_nbytes(c, data.z_train.shape[1]),
-            data, count, room, "flat")
+    def _fit_within(self, config: SampleDatastore, data: ClientSplits, count: int,
+                    capacity: int, room: int) -> tuple[Candidate, Datastore] | None:
+        """`config` fitted with `count` samples, its exact bytes measured. Over `room` (the
+        estimates are not exact): shrink the count in proportion until it fits. The
+        budget-filling candidate (the largest count the estimate allowed) then grows while the
+        exact bytes leave room for more samples, so no budget is wasted on the estimate's
+        safety margin. `capacity`: see _counts_within."""
+        n_train, dim = len(data.y_train), data.z_train.shape[1]
 
-    def _hnsw(self, data: ClientSplits, links: int, count: int, capacity: int,
-              room: int) -> tuple[Candidate, Datastore] | None:
-        n_train = len(data.y_train)
-        probe = HNSWDatastore(self.num_classes, M=links)
-        k, sigma = self.knn.config.k, self.knn.config.sigma
-        return self._fit_within(
-            lambda c: HNSWDatastore(self.num_classes, k=k, sigma=sigma, M=links,
-                                    ef=self.space.hnsw_ef, n=_n_param(c, n_train, capacity),
-                                    seed=self.seed),
-            lambda c: probe.estimate_nbytes(c, data.z_train.shape[1]),
-            data, count, room, "hnsw")
+        def estimate(samples: int) -> int:
+            return config.estimate_nbytes(samples, dim)
 
-    def _fit_within(self, make: Callable[[int], Datastore], estimate: Callable[[int], int],
-                    data: ClientSplits, count: int, room: int,
-                    backend: str) -> tuple[Candidate, Datastore] | None:
-        """Fit with `count` samples and measure the exact bytes. Over `room` (the estimates are
-        not exact): shrink the count in proportion until it fits. The budget-filling candidate
-        (the largest count the estimate allowed) then grows while the exact bytes leave room
-        for more samples, so no budget is wasted on the estimate's safety margin."""
-        n_train = len(data.y_train)
         fitted: tuple[Candidate, Datastore] | None = None
         grow = self.space.fill_budget and count < n_train and estimate(count + 1) > room
         while 1 <= count <= n_train:
-            ds = make(count).fit(data.z_train, data.y_train)
+            params = {**config.get_params(), "n": _n_param(count, n_train, capacity)}
+            ds = type(config)(**params).fit(data.z_train, data.y_train)
             nbytes = measure_nbytes(ds)
             if nbytes > room:
                 if fitted is not None:
                     return fitted
                 count = min(count - 1, int(count * room / nbytes))
                 continue
-            fitted = Candidate(ds.recipe, backend, nbytes, len(ds)), ds
+            fitted = Candidate(ds.recipe, config.backend, nbytes, len(ds)), ds
             per_sample = max(1, estimate(count + 1) - estimate(count))
             extra = (room - nbytes) // per_sample
             if not grow or extra < 1 or count == n_train:

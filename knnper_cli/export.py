@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.budget import Budget
 from edge_runtime.errors import one_line
 from export.errors import BudgetInvalid, ExportError
 from export.exporter import (
@@ -96,7 +97,8 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_export)
 
 
-def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[int, int]:
+def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[int, Budget]:
+    """Each client's budget, from --budgets, --budget or --profile."""
     if args.budgets:
         return load_budgets(args.budgets, client_ids)
     if args.budget is not None:

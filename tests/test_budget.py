@@ -14,6 +14,14 @@ def test_room_is_what_the_encoder_leaves_and_may_be_negative():
     assert Budget(2_000, 3_000).room == -1_000  # the callers refuse it, each in its own words
 
 
+def test_the_encoder_share_is_added_once_it_is_known():
+    budget = Budget(10_000)  # as a profile makes it, before the encoder is built
+    with pytest.raises(ValueError, match="its encoder's share is not known"):
+        _ = budget.room
+    assert budget.with_encoder(3_000) == Budget(10_000, 3_000)
+    assert budget.with_encoder(3_000).with_encoder(4_000).room == 6_000  # a client's own encoder
+
+
 def test_a_manifest_gives_its_budget_and_encoder_share():
     manifest = {"budget_bytes": 500_000, "footprint": {"encoder": 36_122, "datastore": 1,
                                                        "total": 36_123}}

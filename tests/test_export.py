@@ -61,7 +61,7 @@ def encoder_bytes(run) -> int:
 @pytest.fixture(scope="session")
 def exported(run, encoder_bytes, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "bundles"
-    budgets = {cid: encoder_bytes + room for cid, room in enumerate(ROOMS)}
+    budgets = {cid: Budget(encoder_bytes + room) for cid, room in enumerate(ROOMS)}
     report = export_run(run, out, budgets, ExportSettings(space=SMALL_SPACE), progress=False)
     return out, report, budgets
 
@@ -77,7 +77,7 @@ def test_every_bundle_fits_its_budget_and_loads(exported):
     for row in report["clients"]:
         path = out / row["bundle"]
         total = _bundle_files_bytes(path)
-        assert total <= budgets[row["client_id"]] == row["budget"]
+        assert total <= budgets[row["client_id"]].total == row["budget"]
         assert total == row["total_bytes"]
         runtime = Runtime.load(path)
         assert runtime.manifest["footprint"]["total"] == total
@@ -91,7 +91,8 @@ def test_choice_is_best_on_validation_among_candidates_that_fit(exported):
     for row in report["clients"]:
         cands = row["candidates"]
         assert len(cands) > 1
-        assert all(c["bytes"] <= budgets[row["client_id"]] - encoder for c in cands)
+        room = budgets[row["client_id"]].with_encoder(encoder).room
+        assert all(c["bytes"] <= room for c in cands)
         best = min(cands, key=lambda c: selection_key(_candidate(c)))
         assert (row["recipe"], row["datastore_bytes"]) == (best["recipe"], best["bytes"])
         assert row["val_accuracy"] == max(c["val_accuracy"] for c in cands)
@@ -163,6 +164,20 @@ def test_budget_below_the_encoder_is_refused_before_writing(run, tmp_path, encod
         export_run(run, out, {0: 10**7, 1: 1000}, ExportSettings(space=SMALL_SPACE),
                    clients="0,1", progress=False)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("budget", [0, 2.5, "1MB"])
+def test_a_budget_that_is_no_number_of_bytes_is_refused_before_the_encoder_is_built(
+        run, tmp_path, monkeypatch, budget):
+    import export.exporter as exporter
+
+    def never(*args, **kwargs):
+        raise AssertionError("the encoder was built before the budgets were checked")
+
+    monkeypatch.setattr(exporter, "build_encoder", never)
+    with pytest.raises(BudgetInvalid, match="client 1: budget_bytes must be a positive integer"):
+        export_run(run, tmp_path / "out", {0: Budget(10**7), 1: budget}, clients="0,1",
+                   progress=False)
 
 
 def test_budget_without_room_for_any_datastore_is_refused(run, tmp_path, encoder_bytes):

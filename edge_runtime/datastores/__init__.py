@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..knn import DEFAULT_K, DEFAULT_SIGMA
-from .base import BaseDatastore
+from .base import BaseDatastore, SampleDatastore
 from .common import (
     DATASTORE_FILE_RE,
     FLAT_DTYPES,
@@ -45,6 +45,7 @@ __all__ = [
     "FlatDatastore",
     "HNSWDatastore",
     "ProtoNNDatastore",
+    "SampleDatastore",
     "datastore_file_name",
     "file_generation",
     "format_recipe",

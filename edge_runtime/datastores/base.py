@@ -19,9 +19,18 @@ import numpy as np
 from .._io import load_npz
 from ..knn import kernel_posterior
 from . import recipes
-from .common import ParamCheck, _check_positive_int, _check_positive_number, _optional, _require
+from .common import (
+    ParamCheck,
+    _check_fit_inputs,
+    _check_positive_int,
+    _check_positive_number,
+    _optional,
+    _require,
+    _subsample,
+)
 
 DatastoreT = TypeVar("DatastoreT", bound="BaseDatastore")
+SampleT = TypeVar("SampleT", bound="SampleDatastore")
 
 
 @dataclass(frozen=True)
@@ -132,8 +141,8 @@ class BaseDatastore:
         names = list(files) if files is not None else list(cls.FILES)
         layout = Counter(Path(name).suffix for name in cls.FILES)
         by_kind = {ext: [f for f in names if f.endswith(ext)] for ext in layout}
-        if any(len(by_kind[ext]) != count for ext, count in layout.items()) or \
-                len(names) != sum(layout.values()):
+        if (any(len(by_kind[ext]) != count for ext, count in layout.items())
+                or len(names) != sum(layout.values())):
             raise ValueError(f"{cls.FILES_RULE}, got {names}")
         npz = by_kind[".npz"][0]
         arrays = load_npz(Path(directory) / npz)
@@ -146,8 +155,40 @@ class BaseDatastore:
 
 
 class SampleDatastore(BaseDatastore):
-    """A backend that stores samples and searches them (flat, HNSW): the kNN-Per posterior is
-    the kernel over what `kneighbors` finds."""
+    """A backend that stores samples and searches them (flat, HNSW): it holds a seeded random
+    subset of at most `n` of the pairs it is fitted on, is itself what the runtime's update
+    strategies add to and evict from, and its kNN-Per posterior is the kernel over what
+    `kneighbors` finds. A backend implements `_store`, `_drop_oldest` and `kneighbors`."""
+
+    def fit(self: SampleT, z: np.ndarray, y: np.ndarray) -> SampleT:
+        """Store (a seeded random subset of at most n of) the pairs (z_i, y_i)."""
+        self.check_params()
+        z, y = _check_fit_inputs(z, y, self.num_classes)
+        if z.shape[0] == 0:
+            raise ValueError("fit needs at least one sample")
+        keep = _subsample(z.shape[0], self.n, self.seed)
+        self._store(z[keep], y[keep])
+        return self
+
+    def _store(self, z: np.ndarray, y: np.ndarray) -> None:
+        """Hold exactly these (checked) pairs, oldest first, in place of anything held."""
+        raise NotImplementedError
+
+    def sample_store(self: SampleT) -> SampleT:
+        """What the runtime's update strategies add to and evict from: the datastore itself."""
+        return self
+
+    def evict_oldest(self: SampleT, count: int) -> SampleT:
+        """Drop the `count` samples with the smallest insertion stamps."""
+        if not 0 <= count <= len(self):
+            raise ValueError(f"cannot evict {count} of {len(self)} samples")
+        if count:
+            self._drop_oldest(count)
+        return self
+
+    def _drop_oldest(self, count: int) -> None:
+        """Drop the `count` oldest samples (0 < count <= len(self))."""
+        raise NotImplementedError
 
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError

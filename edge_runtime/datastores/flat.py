@@ -19,7 +19,6 @@ from .common import (
     _check_labels_array,
     _check_query,
     _require,
-    _subsample,
     datastore_file_name,
     search_nbytes,
 )
@@ -65,21 +64,13 @@ class FlatDatastore(SampleDatastore):
         self._init_params(locals())
 
     # -- learning
-    def fit(self, z: np.ndarray, y: np.ndarray) -> FlatDatastore:
-        """Store (a seeded random subset of at most n of) the pairs (z_i, y_i)."""
-        self.check_params()
-        z, y = _check_fit_inputs(z, y, self.num_classes)
-        if z.shape[0] == 0:
-            raise ValueError("fit needs at least one sample")
-        keep = _subsample(z.shape[0], self.n, self.seed)
-        z, y = z[keep], y[keep]
+    def _store(self, z: np.ndarray, y: np.ndarray) -> None:
         if self.dtype == "int8":
             peak = np.abs(z).max(axis=0)
             self.scale_ = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
         else:
             self.scale_ = None
         self._set(self._stored_form(z), y, np.arange(z.shape[0], dtype=np.int64))
-        return self
 
     def add(self, z: np.ndarray, y: np.ndarray) -> FlatDatastore:
         """Append samples with new insertion stamps (no eviction: the caller decides that)."""
@@ -93,17 +84,8 @@ class FlatDatastore(SampleDatastore):
         )
         return self
 
-    def sample_store(self) -> FlatDatastore:
-        """What the runtime's update strategies add to and evict from: the datastore itself."""
-        return self
-
-    def evict_oldest(self, count: int) -> FlatDatastore:
-        """Drop the `count` samples with the smallest insertion stamps."""
-        if not 0 <= count <= len(self):
-            raise ValueError(f"cannot evict {count} of {len(self)} samples")
-        if count:
-            self._set(self.keys_t_[:, count:], self.labels_[count:], self.order_[count:])
-        return self
+    def _drop_oldest(self, count: int) -> None:
+        self._set(self.keys_t_[:, count:], self.labels_[count:], self.order_[count:])
 
     def _stored_form(self, z: np.ndarray) -> np.ndarray:
         """Embeddings [n, p] float32 -> keys as stored, transposed [p, n], in the recipe's dtype."""

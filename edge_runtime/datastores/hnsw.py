@@ -20,7 +20,6 @@ from .common import (
     _check_labels_array,
     _check_positive_int,
     _check_query,
-    _subsample,
     datastore_file_name,
 )
 
@@ -79,19 +78,12 @@ class HNSWDatastore(SampleDatastore):
         )
         return index
 
-    def fit(self, z: np.ndarray, y: np.ndarray) -> HNSWDatastore:
-        self.check_params()
-        z, y = _check_fit_inputs(z, y, self.num_classes)
-        if z.shape[0] == 0:
-            raise ValueError("fit needs at least one sample")
-        keep = _subsample(z.shape[0], self.n, self.seed)
-        z, y = z[keep], y[keep]
+    def _store(self, z: np.ndarray, y: np.ndarray) -> None:
         ids = np.arange(z.shape[0], dtype=np.int64)
         self.index_ = self._new_index(z.shape[1], z.shape[0])
         self.index_.add_items(z, ids, num_threads=1)
         self.ids_, self.labels_, self.embedding_dim_ = ids, y, int(z.shape[1])
         self._next_id = int(z.shape[0])
-        return self
 
     def add(self, z: np.ndarray, y: np.ndarray) -> HNSWDatastore:
         z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
@@ -108,17 +100,10 @@ class HNSWDatastore(SampleDatastore):
         self._next_id += z.shape[0]
         return self
 
-    def sample_store(self) -> HNSWDatastore:
-        """What the runtime's update strategies add to and evict from: the datastore itself."""
-        return self
-
-    def evict_oldest(self, count: int) -> HNSWDatastore:
-        if not 0 <= count <= len(self):
-            raise ValueError(f"cannot evict {count} of {len(self)} samples")
+    def _drop_oldest(self, count: int) -> None:
         for label in self.ids_[:count]:
             self.index_.mark_deleted(int(label))
         self.ids_, self.labels_ = self.ids_[count:], self.labels_[count:]
-        return self
 
     def _compact(self) -> None:
         """Rebuild the graph from the live samples only, so the file holds no deleted slots."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -90,15 +91,11 @@ class ProtoNNDatastore(BaseDatastore):
         B: np.ndarray,
         Z: np.ndarray,
         gamma: float,
-        *,
-        k: int = DEFAULT_K,
-        sigma: float = DEFAULT_SIGMA,
-        m: float | None = None,
-        n: int | None = None,
-        buffer: int | None = None,
+        **params: Any,
     ) -> ProtoNNDatastore:
         """A datastore from trained matrices (W [d,p], B [d,m], Z [C,m], gamma > 0), with an
-        empty buffer of capacity `buffer` for samples added on the device."""
+        empty buffer of capacity `buffer` for samples added on the device. `params`: the
+        constructor's keywords (k, sigma, m, n, buffer); num_classes and d are Z's and W's."""
         W, B, Z = (np.asarray(a) for a in (W, B, Z))
         for name, a in (("W", W), ("B", B), ("Z", Z)):
             if a.ndim != 2 or a.dtype.kind not in "fiu":
@@ -115,7 +112,7 @@ class ProtoNNDatastore(BaseDatastore):
         if not (g > 0 and math.isfinite(g * g)):
             raise ValueError(f"gamma must be one positive number whose square is finite, got "
                              f"{gamma!r}")
-        ds = cls(int(Z.shape[0]), k=k, sigma=sigma, d=int(W.shape[0]), m=m, n=n, buffer=buffer)
+        ds = cls(int(Z.shape[0]), d=int(W.shape[0]), **params)
         ds.check_params()
         ds.W_, ds.B_, ds.Z_ = (_float32_matrix(name, a) for name, a in (("W", W), ("B", B),
                                                                          ("Z", Z)))
