@@ -149,13 +149,9 @@ def agreement(runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup_logging()
+    # the thread count for torch, BLAS and OpenMP; onnxruntime and hnswlib get it below
+    started, machine_start = C.start_benchmark(args.out, args.threads)
     import torch  # after argparse, so --help is instant
-
-    C.limit_threads(args.threads)  # torch, BLAS, OpenMP; onnxruntime and hnswlib below
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    machine_start = C.machine_info()
 
     gm = C.load_global_model(args.run, seed=args.seed, max_train=1000 if args.smoke else None)
     spec, model, num_classes = gm.spec, gm.model, gm.num_classes
@@ -237,10 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     C.write_csv(args.out / "latency.csv", rows, columns)
     text = report(rows, args, gm.source, machine_start, machine_end, time.time() - started)
     (args.out / "latency.md").write_text(text)
-    C.write_json(args.out / "run.json", {
-        "command": C.command_line(), "machine_start": machine_start, "machine_end": machine_end,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "weights": gm.source, "seconds": time.time() - started})
+    C.write_json(args.out / "run.json", C.run_record(
+        args, started, machine_start=machine_start, machine_end=machine_end, weights=gm.source))
     print(text)
     return 0
 

@@ -239,11 +239,7 @@ def _one_node_model(work: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup_logging()
-    C.limit_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    machine = C.machine_info()
+    started, machine = C.start_benchmark(args.out, args.threads)
 
     gm = C.load_global_model(args.run, seed=args.seed, max_train=1000 if args.smoke else None)
     spec, num_classes = gm.spec, gm.num_classes
@@ -327,10 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     C.write_csv(args.out / "memory.csv", rows, COLUMNS)
     text = report(rows, args, gm.source, machine, time.time() - started)
     (args.out / "memory.md").write_text(text)
-    C.write_json(args.out / "run.json", {
-        "command": C.command_line(), "machine": machine, "weights": gm.source,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "seconds": time.time() - started})
+    C.write_json(args.out / "run.json",
+                 C.run_record(args, started, machine=machine, weights=gm.source))
     print(text)
     bad = [r for r in rows if r.get("backend") and r["server_side_imported"] != "none"]
     if bad:

@@ -186,10 +186,7 @@ def topk_rows(args: argparse.Namespace, rng: np.random.Generator) -> list[dict[s
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup_logging()
-    C.limit_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    started, machine = time.time(), C.machine_info()
+    started, machine = C.start_benchmark(args.out, threads=1)
     rng = np.random.default_rng(args.seed)
     with threadpool_limits(limits=1, user_api="blas"):
         memory_bps = memory_read_speed(args.memory_gib)
@@ -201,10 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     C.write_csv(args.out / "topk.csv", topk, TOPK_COLUMNS)
     text = report(scans, topk, memory_bps, machine, machine_end, time.time() - started)
     (args.out / "scan.md").write_text(text)
-    C.write_json(args.out / "scan_run.json", {
-        "command": C.command_line(), "machine": machine, "machine_end": machine_end,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "memory_read_gb_s": memory_bps / 1e9, "seconds": time.time() - started})
+    C.write_json(args.out / "scan_run.json", C.run_record(
+        args, started, machine=machine, machine_end=machine_end,
+        memory_read_gb_s=memory_bps / 1e9))
     print(text)
     return 0
 

@@ -15,6 +15,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,24 @@ def report_head(title: str, start: dict[str, Any], end: dict[str, Any], note: st
     return [f"# {title}", "", f"Command: `{command_line()}`", "",
             f"Machine: {machine_line(start)} (at the start; load average at the end "
             f"{end.get('loadavg_1_5_15')}). {note}"]
+
+
+def start_benchmark(out: Path, threads: int) -> tuple[float, dict[str, Any]]:
+    """A benchmark's first steps: logging, one thread count (limit_threads), its output folder.
+    Returns the start time and the machine as it was then (report_head states the load both at
+    the start and at the end)."""
+    setup_logging()
+    limit_threads(threads)
+    out.mkdir(parents=True, exist_ok=True)
+    return time.time(), machine_info()
+
+
+def run_record(args: argparse.Namespace, started: float, **fields: Any) -> dict[str, Any]:
+    """A benchmark's run.json: the command, `fields` (the machine, the weights...), the flags it
+    ran with (paths as text) and the seconds since `started`."""
+    return {"command": command_line(), **fields,
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "seconds": time.time() - started}
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:

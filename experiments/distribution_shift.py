@@ -305,11 +305,7 @@ def _after_shift(rows: list[dict], shift_at: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup_logging()
-    C.limit_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    started = time.time()
-    machine = C.machine_info()
+    started, machine = C.start_benchmark(args.out, args.threads)
     run = global_run(args)
     weights = f"global model: {'run ' + str(args.run) if args.run else 'FedAvg trained here'}"
     eligible = [c for c, s in enumerate(run.partition.clients) if len(s.train) >= MIN_TRAIN]
@@ -373,10 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
     ])
     (args.out / "shift.md").write_text(text)
-    C.write_json(args.out / "run.json", {
-        "command": C.command_line(), "machine": machine, "weights": weights,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "seconds": time.time() - started})
+    C.write_json(args.out / "run.json",
+                 C.run_record(args, started, machine=machine, weights=weights))
     print(text)
     return 0
 

@@ -63,30 +63,28 @@ def _flat(clients: list[dict], points: list[dict[str, Any]]) -> tuple[dict[str, 
     return iv, call(iv, FLAT_PP / 100, above=False)
 
 
+def _flat_claim(title: str, clients: list[dict], in_range: list[dict[str, Any]], what: str,
+                held: str) -> Claim:
+    """The claim that `what` moves accuracy by less than FLAT_PP over the grid points
+    `in_range` (the other parameter `held` fixed); not measured on fewer than two."""
+    if len(in_range) < 2:
+        return Claim(title, f"fewer than two {what} on the grid", "not measured")
+    iv, verdict = _flat(clients, in_range)
+    return Claim(title, f"spread over {what} ({held}): {pp(iv)}", verdict)
+
+
 def _claims(points: list[dict], clients: list[dict], k: int, sigma: float) -> list[Claim]:
     sigmas = sorted({p["sigma"] for p in points})
     ks = sorted({p["k"] for p in points})
     sigma0 = min(sigmas, key=lambda s: abs(s - sigma))
     k0 = min(ks, key=lambda x: abs(x - k))
-    claims = []
-    in_range = [{"k": x, "sigma": sigma0} for x in ks if 7 <= x <= 14]
-    title = f"k between 7 and 14 changes accuracy by less than {FLAT_PP} pp"
-    if len(in_range) >= 2:
-        iv, verdict = _flat(clients, in_range)
-        claims.append(Claim(title, f"spread over k in [7, 14] (sigma {sigma0:g}): {pp(iv)}",
-                            verdict))
-    else:
-        claims.append(Claim(title, "fewer than two k in [7, 14] on the grid", "not measured"))
-    in_range = [{"k": k0, "sigma": s} for s in sigmas if 0.1 <= s <= 100]
-    title = f"sigma between 0.1 and 100 has almost no effect (less than {FLAT_PP} pp)"
-    if len(in_range) >= 2:
-        iv, verdict = _flat(clients, in_range)
-        claims.append(Claim(title, f"spread over sigma in [0.1, 100] (k {k0}): {pp(iv)}",
-                            verdict))
-    else:
-        claims.append(Claim(title, "fewer than two sigma in [0.1, 100] on the grid",
-                            "not measured"))
-    return claims
+    return [
+        _flat_claim(f"k between 7 and 14 changes accuracy by less than {FLAT_PP} pp", clients,
+                    [{"k": x, "sigma": sigma0} for x in ks if 7 <= x <= 14], "k in [7, 14]",
+                    f"sigma {sigma0:g}"),
+        _flat_claim(f"sigma between 0.1 and 100 has almost no effect (less than {FLAT_PP} pp)",
+                    clients, [{"k": k0, "sigma": s} for s in sigmas if 0.1 <= s <= 100],
+                    "sigma in [0.1, 100]", f"k {k0}")]
 
 
 def _shade(ax: Any, lo: float, hi: float, measured: list[float], what: str) -> None:

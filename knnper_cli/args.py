@@ -109,8 +109,7 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of clients held out of training (evaluated as unseen)")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="fraction of each client's train data kept for validation")
-    p.add_argument("--model", default=None,
-                   help=f"{', '.join(MODELS)} (default: chosen by input kind)")
+    add_model_argument(p)
     p.add_argument("--rounds", type=positive_int, default=t.rounds,
                    help="federated rounds")
     p.add_argument("--participation", type=fraction, default=t.participation,
@@ -135,6 +134,11 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
                    help="step up to this many sampled clients together (one vmap over their "
                    "stacked weights): for a GPU; on 2 CPU cores it was 3x slower. Models with "
                    "BatchNorm or an LSTM train one after another (mobilenet-v2-gn can)")
+
+
+def add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"{', '.join(MODELS)} (default: chosen by input kind)")
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,6 @@ from fed_train.accelerator import resolve_device
 from fed_train.client_files import write_client_files
 from fed_train.evaluation import format_table
 from fed_train.knn_choice import describe_record
-from fed_train.models import MODELS
 from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
@@ -21,6 +20,7 @@ from knnper_cli.args import (
     DATA_HELP,
     add_device_argument,
     add_knn_arguments,
+    add_model_argument,
     add_precision_argument,
     add_sgd_arguments,
     add_training_arguments,
@@ -105,8 +105,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
                    help="fraction of the pretraining data held out to choose the epoch")
     p.add_argument("--max-train", type=positive_int, default=None,
                    help="draw the server fraction of this many training samples")
-    p.add_argument("--model", default=None,
-                   help=f"{', '.join(MODELS)} (default: by input kind)")
+    add_model_argument(p)
     p.add_argument("--epochs", type=positive_int, default=d.epochs,
                    help="most epochs of central training")
     p.add_argument("--patience", type=positive_int, default=d.patience,

@@ -3,6 +3,7 @@ sets the runtime's kernels run at (AVX2, AVX-512 VNNI, AMX) and the onnxruntime 
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import shutil
@@ -48,3 +49,17 @@ def test_export_speed_rewrites_a_file_written_before_the_machine_column(tmp_path
         rows = list(csv.DictReader(f))
     assert [r["label"] for r in rows] == ["1", "new", "newer"]
     assert [r["machine"] for r in rows] == ["", "Some CPU", ""]
+
+
+def test_a_benchmark_starts_with_the_machine_and_records_its_flags(tmp_path, monkeypatch):
+    # this test process keeps its own logging and thread counts
+    monkeypatch.setattr(C, "setup_logging", lambda: None)
+    monkeypatch.setattr(C, "limit_threads", lambda threads: None)
+    out = tmp_path / "out" / "nested"
+    started, machine = C.start_benchmark(out, threads=1)
+    assert out.is_dir() and machine["onnxruntime"] == onnxruntime.__version__
+    args = argparse.Namespace(out=out, sizes=[1, 2], smoke=True)
+    record = C.run_record(args, started, machine=machine, weights="random")
+    assert list(record) == ["command", "machine", "weights", "settings", "seconds"]
+    assert record["settings"] == {"out": str(out), "sizes": [1, 2], "smoke": True}
+    assert record["seconds"] >= 0
