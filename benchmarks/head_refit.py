@@ -82,10 +82,7 @@ def time_adds(bundles: dict[str, Path], images: np.ndarray, labels: np.ndarray,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup_logging()
-    C.limit_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    started, machine = time.time(), C.machine_info()
+    started, machine = C.start_benchmark(args.out, threads=1)
     gm = C.load_global_model(args.run, seed=args.seed, max_train=2000 if args.smoke else None)
     spec, num_classes = gm.spec, gm.num_classes
     pool_idx, query_idx = C.key_pool_indices(gm.dataset, 50, args.seed)
@@ -124,10 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     C.write_csv(args.out / "head_refit.csv", rows, COLUMNS)
     text = report(rows, args, gm.source, machine, machine_end, time.time() - started)
     (args.out / "head_refit.md").write_text(text)
-    C.write_json(args.out / "head_refit_run.json", {
-        "command": C.command_line(), "machine": machine, "machine_end": machine_end,
-        "weights": gm.source, "seconds": time.time() - started,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}})
+    C.write_json(args.out / "head_refit_run.json", C.run_record(
+        args, started, machine=machine, machine_end=machine_end, weights=gm.source))
     print(text)
     return 0
 
