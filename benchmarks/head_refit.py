@@ -85,18 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     started, machine = C.start_benchmark(args.out, threads=1)
     gm = C.load_global_model(args.run, seed=args.seed, max_train=2000 if args.smoke else None)
     spec, num_classes = gm.spec, gm.num_classes
-    pool_idx, query_idx = C.key_pool_indices(gm.dataset, 50, args.seed)
-    n_real = min(max(args.sizes), len(pool_idx))
-    z_pool, _ = C.torch_embed(gm.model, C.images(gm.dataset, pool_idx[:n_real]), spec)
-    y_pool = C.labels(gm.dataset, pool_idx[:n_real])
-    images, labels = C.images(gm.dataset, query_idx), C.labels(gm.dataset, query_idx)
+    pool = C.key_pool(gm, 50, max(args.sizes), args.seed)
     work = Path(tempfile.mkdtemp(prefix="knnper-refit-"))
     rows = []
     try:
-        calib = prepare_input(C.images(gm.dataset, pool_idx[:256]), spec)
+        calib = prepare_input(C.images(gm.dataset, pool.pool_idx[:256]), spec)
         encoder = C.export_encoder(gm.model, calib, work / "encoder")
         for size in args.sizes:
-            z, y = C.replicate_keys(z_pool, y_pool, size, noise=0.01, seed=args.seed)
+            z, y = C.replicate_keys(pool.z, pool.y, size, noise=0.01, seed=args.seed)
             ds = C.build_datastore(RECIPE, z, y, num_classes, seed=args.seed)
             t0 = time.perf_counter()
             head = LinearHead(num_classes, l2=DEFAULT_L2).fit(ds.keys(), ds.labels_)
@@ -107,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             C.write_benchmark_bundle(bundles["global"], encoder, ds, spec)
             C.write_benchmark_bundle(bundles["linear"], personal, ds, spec,
                                      extra_fields=linear_bundle_fields(DEFAULT_L2))
-            t = time_adds(bundles, images, labels, args.reps)
+            t = time_adds(bundles, pool.queries, pool.query_labels, args.reps)
             rows.append({"keys": size, "add_global_ms": 1e3 * t["global"],
                          "add_linear_ms": 1e3 * t["linear"],
                          "ratio": t["linear"] / t["global"],

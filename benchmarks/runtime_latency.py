@@ -155,12 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     gm = C.load_global_model(args.run, seed=args.seed, max_train=1000 if args.smoke else None)
     spec, model, num_classes = gm.spec, gm.model, gm.num_classes
-    pool_idx, query_idx = C.key_pool_indices(gm.dataset, args.queries, args.seed)
-    queries, y_queries = C.images(gm.dataset, query_idx), C.labels(gm.dataset, query_idx)
-    n_real = min(max(args.sizes), len(pool_idx))
-    log.info("embedding %d key images with the torch model (%s)", n_real, gm.source)
-    z_pool, _ = C.torch_embed(model, C.images(gm.dataset, pool_idx[:n_real]), spec)
-    y_pool = C.labels(gm.dataset, pool_idx[:n_real])
+    pool = C.key_pool(gm, args.queries, max(args.sizes), args.seed)
+    pool_idx, z_pool, y_pool = pool.pool_idx, pool.z, pool.y
+    queries, y_queries = pool.queries, pool.query_labels
 
     work = Path(tempfile.mkdtemp(prefix="knnper-latency-"))
     bundles = args.out / "bundles" if args.keep_bundles else work / "bundles"

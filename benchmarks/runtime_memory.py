@@ -243,12 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     gm = C.load_global_model(args.run, seed=args.seed, max_train=1000 if args.smoke else None)
     spec, num_classes = gm.spec, gm.num_classes
-    pool_idx, query_idx = C.key_pool_indices(gm.dataset, max(args.batches), args.seed)
-    n_real = min(max(args.sizes), len(pool_idx))
-    log.info("embedding %d key images with the torch model (%s)", n_real, gm.source)
-    z_pool, _ = C.torch_embed(gm.model, C.images(gm.dataset, pool_idx[:n_real]), spec)
-    y_pool = C.labels(gm.dataset, pool_idx[:n_real])
-    queries = C.images(gm.dataset, query_idx)
+    pool = C.key_pool(gm, max(args.batches), max(args.sizes), args.seed)
+    pool_idx, z_pool, y_pool, queries = pool.pool_idx, pool.z, pool.y, pool.queries
 
     rows: list[dict[str, Any]] = []
     target, threads = args.target_mb, str(args.threads)

@@ -128,12 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started, machine = C.start_benchmark(args.out, threads=1)
     gm = C.load_global_model(args.run, seed=args.seed, max_train=2000 if args.smoke else None)
     spec, num_classes = gm.spec, gm.num_classes
-    pool_idx, query_idx = C.key_pool_indices(gm.dataset, 200, args.seed)
-    n_real = min(max(args.sizes), len(pool_idx))
-    z_pool, _ = C.torch_embed(gm.model, C.images(gm.dataset, pool_idx[:n_real]), spec)
-    y_pool = C.labels(gm.dataset, pool_idx[:n_real])
-    queries = C.images(gm.dataset, query_idx)
-    singles = [queries[i:i + 1] for i in range(len(queries))]
+    pool = C.key_pool(gm, 200, max(args.sizes), args.seed)
+    pool_idx, z_pool, y_pool = pool.pool_idx, pool.z, pool.y
+    singles = [pool.queries[i:i + 1] for i in range(len(pool.queries))]
     work = Path(tempfile.mkdtemp(prefix="knnper-start-"))
     starts, b1 = [], []
     try:
@@ -142,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         optimized = work / "encoder" / "encoder_optimized.onnx"
         optimized.write_bytes(optimize_encoder(plain.read_bytes()))
         image = work / "image.npy"
-        np.save(image, queries[:1], allow_pickle=False)
+        np.save(image, pool.queries[:1], allow_pickle=False)
         z, y = C.replicate_keys(z_pool, y_pool, min(args.sizes), noise=0.01, seed=args.seed)
         first = C.build_datastore(args.recipes[0], z, y, num_classes, seed=args.seed)
         for name, encoder in (("optimized at export", optimized), ("not optimized", plain)):

@@ -310,6 +310,29 @@ def key_pool_indices(dataset: Any, queries: int, seed: int) -> tuple[np.ndarray,
     return rng.permutation(pool_idx), np.sort(query_idx)
 
 
+@dataclass
+class KeyPool:
+    """What the device benchmarks build datastores and queries from: the torch model's
+    embeddings `z` and labels `y` of the first pool images (`pool_idx`, for calibration too),
+    and the query images, never stored as keys, with their labels."""
+
+    z: np.ndarray
+    y: np.ndarray
+    pool_idx: np.ndarray
+    queries: np.ndarray
+    query_labels: np.ndarray
+
+
+def key_pool(gm: GlobalModel, queries: int, most_keys: int, seed: int) -> KeyPool:
+    """`key_pool_indices`' split, with up to `most_keys` pool images embedded."""
+    pool_idx, query_idx = key_pool_indices(gm.dataset, queries, seed)
+    n_real = min(most_keys, len(pool_idx))
+    log.info("embedding %d key images with the torch model (%s)", n_real, gm.source)
+    z, _ = torch_embed(gm.model, images(gm.dataset, pool_idx[:n_real]), gm.spec)
+    return KeyPool(z, labels(gm.dataset, pool_idx[:n_real]), pool_idx,
+                   images(gm.dataset, query_idx), labels(gm.dataset, query_idx))
+
+
 def images(dataset: Any, idx: np.ndarray) -> np.ndarray:
     n_train = len(dataset.y_train)
     train = idx < n_train
