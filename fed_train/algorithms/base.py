@@ -1,6 +1,7 @@
 """What every federated algorithm shares: the client's data, local SGD, weights as plain arrays,
 and the paper's aggregation rule. An algorithm is a client half (`client_update`), a server half
-(`aggregate`) and a personalization step; the simulation loop knows nothing else about it."""
+(`aggregate`) and a personalization step; the simulation loop knows nothing else about it.
+`FederatedAlgorithm` holds what the federated ones write alike."""
 
 from __future__ import annotations
 
@@ -263,3 +264,49 @@ def embed_and_logits(model: EmbedHeadModel, x: torch.Tensor,
 
 def model_predictor(model: nn.Module) -> Callable[[torch.Tensor], np.ndarray]:
     return lambda x: predict_proba(model, x)
+
+
+class FederatedAlgorithm:
+    """What the federated methods share: one working model, reused across clients (one model's
+    memory, not one per client), that a client update trains from the weights it starts from;
+    the paper's aggregation over every weight; the global model. A method overrides what
+    differs: `batch_loss` (pFedGP's), `client_update` (where it starts, what state it keeps),
+    `aggregate` (FedRep's body, ClusteredFL's clusters)."""
+
+    name: str
+    federated = True
+
+    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig) -> None:
+        self.model_fn = model_fn
+        self.training = training
+        self._work = model_fn()
+
+    def batch_loss(self, seed: int) -> LossFn:
+        """The loss `local_sgd` steps on in the client update seeded `seed`."""
+        return cross_entropy
+
+    def train_from(self, weights: Weights, client: ClientData, lr: float,
+                   seed: int) -> tuple[Weights, float]:
+        """The working model trained on the client's data from `weights`: its weights and the
+        mean loss (`local_sgd`)."""
+        set_weights(self._work, weights)
+        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed,
+                         loss_fn=self.batch_loss(seed))
+        return get_weights(self._work), loss
+
+    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                      lr: float, seed: int) -> ClientResult:
+        weights, loss = self.train_from(global_weights, client, lr, seed)
+        return ClientResult(weights, client.num_train, state, loss)
+
+    def aggregate(self, global_weights: Weights, results: list[ClientResult],
+                  total_samples: int, seed: int) -> Weights:
+        return aggregate_weights(global_weights, [(r.weights, r.num_samples) for r in results],
+                                 total_samples)
+
+    def global_model(self, global_weights: Weights) -> EmbedHeadModel:
+        """A fresh model holding `global_weights`, in eval mode."""
+        model = self.model_fn()
+        set_weights(model, global_weights)
+        model.eval()
+        return model
