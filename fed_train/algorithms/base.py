@@ -65,6 +65,12 @@ class TrainingConfig:
     gamma: float = 0.1
     precision: str = "fp32"  # of the forward passes (fed_train.accelerator.autocast)
 
+    @property
+    def participations(self) -> int:
+        """The rounds a client takes part in, in expectation (at least one): what a client that
+        trains alone (Local, FedRep's unseen heads) gets in place of the federated rounds."""
+        return max(1, round(self.rounds * self.participation))
+
     def lr_at(self, round_index: int, rounds: int) -> float:
         """Multi-step decay: lr times gamma for every milestone already passed."""
         passed = sum(round_index >= m * rounds for m in self.milestones)

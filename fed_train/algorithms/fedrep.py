@@ -63,9 +63,8 @@ class FedRep(FederatedAlgorithm):
             raise ValueError(f"unseen_head_epochs must be >= 0, got {unseen_head_epochs}")
         super().__init__(model_fn, training)
         self.head_epochs = head_epochs
-        participations = max(1, round(training.rounds * training.participation))
         self.unseen_head_epochs = (unseen_head_epochs if unseen_head_epochs is not None
-                                   else max(1, head_epochs) * participations)
+                                   else max(1, head_epochs) * training.participations)
         self.head_lr = head_lr  # None: the round's learning rate (the initial one at the end)
         self.head_names = set(self._work.head_parameter_names())
         self.body_names = [n for n in self._work.state_dict() if n not in self.head_names]
