@@ -273,11 +273,11 @@ def model_predictor(model: nn.Module) -> Callable[[torch.Tensor], np.ndarray]:
 
 
 class FederatedAlgorithm:
-    """What the federated methods share: one working model, reused across clients (one model's
-    memory, not one per client), that a client update trains from the weights it starts from;
+    """The common half of the federated methods: one working model that every client update
+    reuses (one model's memory, not one per client), trained from given weights by `train_from`;
     the paper's aggregation over every weight; the global model. A method overrides what
-    differs: `batch_loss` (pFedGP's), `client_update` (where it starts, what state it keeps),
-    `aggregate` (FedRep's body, ClusteredFL's clusters)."""
+    differs: its loss (`batch_loss`: pFedGP), where an update starts and what the client keeps
+    (`client_update`: ClusteredFL, Ditto), what is averaged (`aggregate`: FedRep, ClusteredFL)."""
 
     name: str
     federated = True

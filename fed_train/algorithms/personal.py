@@ -1,6 +1,6 @@
-"""Helpers the personalized baselines share: fine-tuning that keeps the epoch count a client's
-validation split prefers, the grid value a client's validation split prefers, and their
-accuracy measures. Their local steps are `base.local_sgd` with its hooks."""
+"""Helpers the personalized baselines share: what a client's validation split chooses (the
+epochs of a fine-tuning, a value of a grid) and the accuracy it is judged by. Their local steps
+are `base.local_sgd` with its hooks."""
 
 from __future__ import annotations
 
