@@ -214,7 +214,7 @@ class APFL(FedAvg):
             personal = self._personal_weights()
         # ties keep the first, i.e. the smallest alpha (closest to w)
         best_alpha, best_model = best_on_validation(
-            self.model_fn, ((alpha, mix_weights(personal[str(alpha)], global_weights, alpha))
+            self.model_with, ((alpha, mix_weights(personal[str(alpha)], global_weights, alpha))
                             for alpha in self.alphas), client)
         return PersonalModel(model_predictor(best_model),
                              {"alpha": best_alpha, "fine_tuned": fresh})

@@ -275,9 +275,10 @@ def model_predictor(model: nn.Module) -> Callable[[torch.Tensor], np.ndarray]:
 class FederatedAlgorithm:
     """The common half of the federated methods: one working model that every client update
     reuses (one model's memory, not one per client), trained from given weights by `train_from`;
-    the paper's aggregation over every weight; the global model. A method overrides what
-    differs: its loss (`batch_loss`: pFedGP), where an update starts and what the client keeps
-    (`client_update`: ClusteredFL, Ditto), what is averaged (`aggregate`: FedRep, ClusteredFL)."""
+    the paper's aggregation over every weight; fresh models to predict with (`model_with`). A
+    method overrides what differs: its loss (`batch_loss`: pFedGP), where an update starts and
+    what the client keeps (`client_update`: ClusteredFL, Ditto), what is averaged (`aggregate`:
+    FedRep, ClusteredFL)."""
 
     name: str
     federated = True
@@ -310,9 +311,9 @@ class FederatedAlgorithm:
         return aggregate_weights(global_weights, [(r.weights, r.num_samples) for r in results],
                                  total_samples)
 
-    def global_model(self, global_weights: Weights) -> EmbedHeadModel:
-        """A fresh model holding `global_weights`, in eval mode."""
+    def model_with(self, weights: Weights) -> EmbedHeadModel:
+        """A fresh model holding `weights`, in eval mode."""
         model = self.model_fn()
-        set_weights(model, global_weights)
+        set_weights(model, weights)
         model.eval()
         return model

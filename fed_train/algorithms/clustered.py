@@ -202,6 +202,6 @@ class ClusteredFL(FederatedAlgorithm):
                 scores.append(accuracy(predict_proba(self._work, client.x_val), client.y_val)
                               if len(client.y_val) else 0.0)
             cluster = int(np.argmax(scores))  # ties: the lowest index
-        return PersonalModel(model_predictor(self.global_model(server.models[cluster])),
+        return PersonalModel(model_predictor(self.model_with(server.models[cluster])),
                              {"cluster": cluster, "clusters": len(server.models),
                               "picked_on_validation": picked})

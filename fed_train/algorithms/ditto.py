@@ -162,6 +162,6 @@ class Ditto(FedAvg):
                     self.finetune_lr, sub_seed(seed, i), epochs=self.finetune_epochs)
         # ties keep the first, i.e. the largest lambda (closest to w)
         best_lam, best_model = best_on_validation(
-            self.model_fn, ((lam, personal[str(lam)]) for lam in self.lambdas), client)
+            self.model_with, ((lam, personal[str(lam)]) for lam in self.lambdas), client)
         return PersonalModel(model_predictor(best_model),
                              {"lambda": best_lam, "fine_tuned": bool(fresh)})

@@ -22,6 +22,7 @@ from fed_train.algorithms.stepping import (
     step_together,
     stepping_blocker,
 )
+from fed_train.models import EmbedHeadModel
 
 
 class FedAvg(FederatedAlgorithm):
@@ -48,6 +49,12 @@ class FedAvg(FederatedAlgorithm):
                                         self.training, lr)
         return [ClientResult({**global_weights, **as_weights(p)}, c.num_train, state, loss)
                 for p, c, state, loss in zip(trained, clients, states, losses, strict=True)]
+
+    def global_model(self, global_weights: Weights) -> EmbedHeadModel:
+        """The global model, in eval mode. The simulation reports the pooled validation accuracy
+        of the methods that have one at each checkpoint (not of ClusteredFL's clusters, FedRep's
+        personal heads or pFedGP's GPs, which have none)."""
+        return self.model_with(global_weights)
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:

@@ -49,17 +49,15 @@ def model_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return accuracy(predict_proba(model, x), y)
 
 
-def best_on_validation(model_fn: Callable[[], nn.Module],
+def best_on_validation(model_with: Callable[[Weights], nn.Module],
                        candidates: Iterable[tuple[float, Weights]],
                        client: ClientData) -> tuple[float, nn.Module]:
-    """The candidate (a grid value and its weights) whose model is most accurate on the
-    client's validation split, and that model in eval mode. Ties keep the first candidate,
+    """The candidate (a grid value and its weights) whose model, built by `model_with`, is most
+    accurate on the client's validation split, and that model. Ties keep the first candidate,
     and so does a client without validation data."""
     best_value, best_acc, best_model = None, -1.0, None
     for value, weights in candidates:
-        model = model_fn()
-        set_weights(model, weights)
-        model.eval()
+        model = model_with(weights)
         acc = model_accuracy(model, client.x_val, client.y_val) if len(client.y_val) else 0.0
         if acc > best_acc:
             best_value, best_acc, best_model = value, acc, model

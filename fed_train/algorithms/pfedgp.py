@@ -158,7 +158,7 @@ class PFedGP(FederatedAlgorithm):
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:
-        model = self.global_model(global_weights)
+        model = self.model_with(global_weights)
         keep = np.arange(client.num_train)
         if len(keep) > self.max_context:
             keep = np.sort(np.random.default_rng(seed).choice(len(keep), self.max_context,
