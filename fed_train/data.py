@@ -632,6 +632,31 @@ def _leaf_arrays(
     return np.concatenate(xs), np.concatenate(ys), np.concatenate(gs)
 
 
+def _leaf_dataset(
+    name: str,
+    dirs: tuple[Path, Path],
+    convert: Callable[[list, list, str], tuple[np.ndarray, np.ndarray]],
+    num_classes: int,
+) -> Dataset:
+    """LEAF's train/ and test/ folders as a Dataset whose groups are its users, numbered over
+    both splits so that a user keeps one index in each."""
+    train, test = (_read_leaf_users(d) for d in dirs)
+    index = {user: i for i, user in enumerate(sorted(train.keys() | test.keys()))}
+    x_train, y_train, g_train = _leaf_arrays(train, index, convert, str(dirs[0]))
+    x_test, y_test, g_test = _leaf_arrays(test, index, convert, str(dirs[1]))
+    return Dataset(
+        name,
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        num_classes,
+        {},
+        groups_train=g_train,
+        groups_test=g_test,
+    )
+
+
 def _femnist_user(x: list, y: list, what: str) -> tuple[np.ndarray, np.ndarray]:
     try:
         pixels = np.asarray(x, dtype=np.float32)
@@ -653,21 +678,7 @@ def _load_femnist(path: Path | None, *, seed: int) -> Dataset:
     dirs = _leaf_split_dirs(location)
     if dirs is None:
         raise DataError(f"dataset 'femnist': {location} has no train/ and test/ folders")
-    train, test = (_read_leaf_users(d) for d in dirs)
-    index = {user: i for i, user in enumerate(sorted(train.keys() | test.keys()))}
-    x_train, y_train, g_train = _leaf_arrays(train, index, _femnist_user, str(dirs[0]))
-    x_test, y_test, g_test = _leaf_arrays(test, index, _femnist_user, str(dirs[1]))
-    return Dataset(
-        "femnist",
-        x_train,
-        y_train,
-        x_test,
-        y_test,
-        62,
-        {},
-        groups_train=g_train,
-        groups_test=g_test,
-    )
+    return _leaf_dataset("femnist", dirs, _femnist_user, 62)
 
 
 def _shakespeare_user(x: list, y: list, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -752,21 +763,7 @@ def _load_shakespeare(
         return _shakespeare_by_role(location, min_chars, max_windows_per_role, test_fraction)
     dirs = _leaf_split_dirs(location)
     if dirs is not None:
-        train, test = (_read_leaf_users(d) for d in dirs)
-        index = {user: i for i, user in enumerate(sorted(train.keys() | test.keys()))}
-        x_train, y_train, g_train = _leaf_arrays(train, index, _shakespeare_user, str(dirs[0]))
-        x_test, y_test, g_test = _leaf_arrays(test, index, _shakespeare_user, str(dirs[1]))
-        return Dataset(
-            "shakespeare",
-            x_train,
-            y_train,
-            x_test,
-            y_test,
-            VOCAB_SIZE,
-            {},
-            groups_train=g_train,
-            groups_test=g_test,
-        )
+        return _leaf_dataset("shakespeare", dirs, _shakespeare_user, VOCAB_SIZE)
     candidates = sorted(location.glob("*by_role*.json*"))
     if candidates:
         return _shakespeare_by_role(candidates[0], min_chars, max_windows_per_role, test_fraction)

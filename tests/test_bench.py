@@ -204,17 +204,17 @@ def test_tuned_knn_table_with_workers_and_attribution(tmp_path):
 
 def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(tmp_path,
                                                                                  monkeypatch):
-    import fed_train.algorithms.fedavg as fedavg_module
+    import fed_train.algorithms.base as base_module
     from fed_train.errors import TrainingDiverged, TrainingError
 
-    real = fedavg_module.local_sgd
+    real = base_module.local_sgd
 
     def diverge_at_large_lr(model, x, y, training, lr, seed, **kw):
         if lr > 0.5:
             raise TrainingDiverged(f"the training loss became nan (lr={lr:g})")
         return real(model, x, y, training, lr, seed, **kw)
 
-    monkeypatch.setattr(fedavg_module, "local_sgd", diverge_at_large_lr)
+    monkeypatch.setattr(base_module, "local_sgd", diverge_at_large_lr)
     out = tmp_path / "tuned"
     assert bench(*TINY, "--methods", "fedavg", "--tune-lr", "--lr-grid", "0.9,0.05",
                  "--out", str(out)) == 0

@@ -42,7 +42,12 @@ from fed_train.algorithms.base import (
     set_weights,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import epochs_only, finetune_settings, float_keys, model_accuracy
+from fed_train.algorithms.personal import (
+    best_on_validation,
+    epochs_only,
+    finetune_settings,
+    float_keys,
+)
 from fed_train.algorithms.stepping import Lane, LossFn, Params, as_params, as_weights, step_together
 from fed_train.models import EmbedHeadModel
 
@@ -207,13 +212,9 @@ class APFL(FedAvg):
             self._joint_sgd(client, epochs_only(self.training), self.finetune_lr, seed,
                             update_global=False, epochs=self.finetune_epochs)
             personal = self._personal_weights()
-        best_alpha, best_acc, best_model = None, -1.0, None
-        for alpha in self.alphas:  # ties keep the first, i.e. the smallest alpha (closest to w)
-            model = self.model_fn()
-            set_weights(model, mix_weights(personal[str(alpha)], global_weights, alpha))
-            model.eval()
-            acc = model_accuracy(model, client.x_val, client.y_val) if len(client.y_val) else 0.0
-            if acc > best_acc:
-                best_alpha, best_acc, best_model = alpha, acc, model
+        # ties keep the first, i.e. the smallest alpha (closest to w)
+        best_alpha, best_model = best_on_validation(
+            self.model_with, ((alpha, mix_weights(personal[str(alpha)], global_weights, alpha))
+                            for alpha in self.alphas), client)
         return PersonalModel(model_predictor(best_model),
                              {"alpha": best_alpha, "fine_tuned": fresh})

@@ -1,6 +1,7 @@
 """What every federated algorithm shares: the client's data, local SGD, weights as plain arrays,
 and the paper's aggregation rule. An algorithm is a client half (`client_update`), a server half
-(`aggregate`) and a personalization step; the simulation loop knows nothing else about it."""
+(`aggregate`) and a personalization step; the simulation loop knows nothing else about it.
+`FederatedAlgorithm` holds what the federated ones write alike."""
 
 from __future__ import annotations
 
@@ -63,6 +64,12 @@ class TrainingConfig:
     milestones: tuple[float, ...] = (0.5, 0.75)  # fractions of the rounds where lr decays
     gamma: float = 0.1
     precision: str = "fp32"  # of the forward passes (fed_train.accelerator.autocast)
+
+    @property
+    def participations(self) -> int:
+        """The rounds a client takes part in, in expectation (at least one): what a client that
+        trains alone (Local, FedRep's unseen heads) gets in place of the federated rounds."""
+        return max(1, round(self.rounds * self.participation))
 
     def lr_at(self, round_index: int, rounds: int) -> float:
         """Multi-step decay: lr times gamma for every milestone already passed."""
@@ -263,3 +270,50 @@ def embed_and_logits(model: EmbedHeadModel, x: torch.Tensor,
 
 def model_predictor(model: nn.Module) -> Callable[[torch.Tensor], np.ndarray]:
     return lambda x: predict_proba(model, x)
+
+
+class FederatedAlgorithm:
+    """The common half of the federated methods: one working model that every client update
+    reuses (one model's memory, not one per client), trained from given weights by `train_from`;
+    the paper's aggregation over every weight; fresh models to predict with (`model_with`). A
+    method overrides what differs: its loss (`batch_loss`: pFedGP), where an update starts and
+    what the client keeps (`client_update`: ClusteredFL, Ditto), what is averaged (`aggregate`:
+    FedRep, ClusteredFL)."""
+
+    name: str
+    federated = True
+
+    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig) -> None:
+        self.model_fn = model_fn
+        self.training = training
+        self._work = model_fn()
+
+    def batch_loss(self, seed: int) -> LossFn:
+        """The loss `local_sgd` steps on in the client update seeded `seed`."""
+        return cross_entropy
+
+    def train_from(self, weights: Weights, client: ClientData, lr: float,
+                   seed: int) -> tuple[Weights, float]:
+        """The working model trained on the client's data from `weights`: its weights and the
+        mean loss (`local_sgd`)."""
+        set_weights(self._work, weights)
+        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed,
+                         loss_fn=self.batch_loss(seed))
+        return get_weights(self._work), loss
+
+    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
+                      lr: float, seed: int) -> ClientResult:
+        weights, loss = self.train_from(global_weights, client, lr, seed)
+        return ClientResult(weights, client.num_train, state, loss)
+
+    def aggregate(self, global_weights: Weights, results: list[ClientResult],
+                  total_samples: int, seed: int) -> Weights:
+        return aggregate_weights(global_weights, [(r.weights, r.num_samples) for r in results],
+                                 total_samples)
+
+    def model_with(self, weights: Weights) -> EmbedHeadModel:
+        """A fresh model holding `weights`, in eval mode."""
+        model = self.model_fn()
+        set_weights(model, weights)
+        model.eval()
+        return model

@@ -38,12 +38,11 @@ import numpy as np
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
+    FederatedAlgorithm,
     PersonalModel,
     TrainingConfig,
     Weights,
     aggregate_weights,
-    get_weights,
-    local_sgd,
     model_predictor,
     predict_proba,
     set_weights,
@@ -109,9 +108,8 @@ def bipartition(updates: np.ndarray) -> np.ndarray:
     return model.fit(distance).labels_
 
 
-class ClusteredFL:
+class ClusteredFL(FederatedAlgorithm):
     name = "clustered"
-    federated = True
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
                  eps1: float = 0.4, eps2: float = 1.6, warmup_rounds: int = 0,
@@ -120,14 +118,12 @@ class ClusteredFL:
             raise ValueError(f"eps1 and eps2 must be >= 0, got {eps1}, {eps2}")
         if min_split_size < 2:
             raise ValueError(f"min_split_size must be >= 2, got {min_split_size}")
-        self.model_fn = model_fn
-        self.training = training
-        self.eps1, self.eps2 = eps1, eps2
         if warmup_rounds < 0:
             raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
+        super().__init__(model_fn, training)
+        self.eps1, self.eps2 = eps1, eps2
         self.warmup_rounds = warmup_rounds
         self.min_split_size = min_split_size
-        self._work = model_fn()
         self.param_names = [name for name, _ in self._work.named_parameters()]
 
     def _train_loss(self, weights: Weights, client: ClientData) -> float:
@@ -143,9 +139,8 @@ class ClusteredFL:
         if cluster == UNASSIGNED:
             cluster = (0 if len(server.models) == 1 else int(np.argmin(
                 [self._train_loss(m, client) for m in server.models])))
-        set_weights(self._work, server.models[cluster])
-        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed)
-        return ClientResult(get_weights(self._work), client.num_train,
+        weights, loss = self.train_from(server.models[cluster], client, lr, seed)
+        return ClientResult(weights, client.num_train,
                             {"client_id": client.client_id, "cluster": cluster}, loss)
 
     def _flat_update(self, result: ClientResult, model: Weights) -> np.ndarray:
@@ -207,9 +202,6 @@ class ClusteredFL:
                 scores.append(accuracy(predict_proba(self._work, client.x_val), client.y_val)
                               if len(client.y_val) else 0.0)
             cluster = int(np.argmax(scores))  # ties: the lowest index
-        model = self.model_fn()
-        set_weights(model, server.models[cluster])
-        model.eval()
-        return PersonalModel(model_predictor(model),
+        return PersonalModel(model_predictor(self.model_with(server.models[cluster])),
                              {"cluster": cluster, "clusters": len(server.models),
                               "picked_on_validation": picked})

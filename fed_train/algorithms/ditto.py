@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ from fed_train.algorithms.base import (
     sub_seed,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import epochs_only, finetune_settings, model_accuracy
+from fed_train.algorithms.personal import best_on_validation, epochs_only, finetune_settings
 from fed_train.algorithms.stepping import (
     Lane,
     Params,
@@ -104,16 +105,14 @@ class Ditto(FedAvg):
 
     def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                       lr: float, seed: int) -> ClientResult:
-        set_weights(self._work, global_weights)
-        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed)
+        result = super().client_update(global_weights, client, state, lr, seed)
         previous = state.get("personal", {})
         personal = {}
         for i, lam in enumerate(self.lambdas):
             start = previous.get(str(lam), global_weights)
             personal[str(lam)], _ = self._train_personal(start, global_weights, client, lam,
                                                          self.training, lr, sub_seed(seed, i))
-        return ClientResult(get_weights(self._work), client.num_train, {"personal": personal},
-                            loss)
+        return replace(result, state={"personal": personal})
 
     def client_updates(self, global_weights: Weights, clients: list[ClientData],
                        states: list[dict[str, Any]], lr: float,
@@ -161,13 +160,8 @@ class Ditto(FedAvg):
                 personal[str(lam)], _ = self._train_personal(
                     global_weights, global_weights, client, lam, epochs_only(self.training),
                     self.finetune_lr, sub_seed(seed, i), epochs=self.finetune_epochs)
-        best_lam, best_acc, best_model = None, -1.0, None
-        for lam in self.lambdas:  # ties keep the first, i.e. the largest lambda (closest to w)
-            model = self.model_fn()
-            set_weights(model, personal[str(lam)])
-            model.eval()
-            acc = model_accuracy(model, client.x_val, client.y_val) if len(client.y_val) else 0.0
-            if acc > best_acc:
-                best_lam, best_acc, best_model = lam, acc, model
+        # ties keep the first, i.e. the largest lambda (closest to w)
+        best_lam, best_model = best_on_validation(
+            self.model_with, ((lam, personal[str(lam)]) for lam in self.lambdas), client)
         return PersonalModel(model_predictor(best_model),
                              {"lambda": best_lam, "fine_tuned": bool(fresh)})

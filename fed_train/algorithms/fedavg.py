@@ -3,21 +3,16 @@ the global model itself."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
+    FederatedAlgorithm,
     PersonalModel,
-    TrainingConfig,
     Weights,
-    aggregate_weights,
     batch_schedule,
-    get_weights,
-    local_sgd,
     model_predictor,
-    set_weights,
 )
 from fed_train.algorithms.stepping import (
     Lane,
@@ -30,20 +25,8 @@ from fed_train.algorithms.stepping import (
 from fed_train.models import EmbedHeadModel
 
 
-class FedAvg:
+class FedAvg(FederatedAlgorithm):
     name = "fedavg"
-    federated = True
-
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig) -> None:
-        self.model_fn = model_fn
-        self.training = training
-        self._work = model_fn()  # reused across clients: one model's memory, not one per client
-
-    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                      lr: float, seed: int) -> ClientResult:
-        set_weights(self._work, global_weights)
-        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed)
-        return ClientResult(get_weights(self._work), client.num_train, state, loss)
 
     def stepping_blocker(self) -> str | None:
         return stepping_blocker(self._work)
@@ -67,16 +50,11 @@ class FedAvg:
         return [ClientResult({**global_weights, **as_weights(p)}, c.num_train, state, loss)
                 for p, c, state, loss in zip(trained, clients, states, losses, strict=True)]
 
-    def aggregate(self, global_weights: Weights, results: list[ClientResult],
-                  total_samples: int, seed: int) -> Weights:
-        return aggregate_weights(global_weights, [(r.weights, r.num_samples) for r in results],
-                                 total_samples)
-
     def global_model(self, global_weights: Weights) -> EmbedHeadModel:
-        model = self.model_fn()
-        set_weights(model, global_weights)
-        model.eval()
-        return model
+        """The global model, in eval mode. The simulation reports the pooled validation accuracy
+        of the methods that have one at each checkpoint (not of ClusteredFL's clusters, FedRep's
+        personal heads or pFedGP's GPs, which have none)."""
+        return self.model_with(global_weights)
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:

@@ -26,6 +26,7 @@ import torch
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
+    FederatedAlgorithm,
     PersonalModel,
     TrainingConfig,
     Weights,
@@ -50,9 +51,8 @@ from fed_train.algorithms.stepping import (
 from fed_train.models import EmbedHeadModel
 
 
-class FedRep:
+class FedRep(FederatedAlgorithm):
     name = "fedrep"
-    federated = True
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
                  head_epochs: int = 10, unseen_head_epochs: int | None = None,
@@ -61,14 +61,11 @@ class FedRep:
             raise ValueError(f"head_epochs must be >= 0, got {head_epochs}")
         if unseen_head_epochs is not None and unseen_head_epochs < 0:
             raise ValueError(f"unseen_head_epochs must be >= 0, got {unseen_head_epochs}")
-        self.model_fn = model_fn
-        self.training = training
+        super().__init__(model_fn, training)
         self.head_epochs = head_epochs
-        participations = max(1, round(training.rounds * training.participation))
         self.unseen_head_epochs = (unseen_head_epochs if unseen_head_epochs is not None
-                                   else max(1, head_epochs) * participations)
+                                   else max(1, head_epochs) * training.participations)
         self.head_lr = head_lr  # None: the round's learning rate (the initial one at the end)
-        self._work = model_fn()
         self.head_names = set(self._work.head_parameter_names())
         self.body_names = [n for n in self._work.state_dict() if n not in self.head_names]
 

@@ -27,7 +27,7 @@ class Local:
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig) -> None:
         self.model_fn = model_fn
         self.training = training
-        self.epochs = max(1, round(training.rounds * training.participation)) * training.epochs
+        self.epochs = training.participations * training.epochs
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:

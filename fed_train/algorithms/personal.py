@@ -1,6 +1,6 @@
-"""Helpers the personalized baselines share: fine-tuning that keeps the epoch count a client's
-validation split prefers, and its accuracy measures. Their local steps are `base.local_sgd`
-with its hooks."""
+"""Helpers the personalized baselines share: what a client's validation split chooses (the
+epochs of a fine-tuning, a value of a grid) and the accuracy it is judged by. Their local steps
+are `base.local_sgd` with its hooks."""
 
 from __future__ import annotations
 
@@ -47,6 +47,21 @@ def accuracy(proba: np.ndarray, y: torch.Tensor | np.ndarray) -> float:
 
 def model_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return accuracy(predict_proba(model, x), y)
+
+
+def best_on_validation(model_with: Callable[[Weights], nn.Module],
+                       candidates: Iterable[tuple[float, Weights]],
+                       client: ClientData) -> tuple[float, nn.Module]:
+    """The candidate (a grid value and its weights) whose model, built by `model_with`, is most
+    accurate on the client's validation split, and that model. Ties keep the first candidate,
+    and so does a client without validation data."""
+    best_value, best_acc, best_model = None, -1.0, None
+    for value, weights in candidates:
+        model = model_with(weights)
+        acc = model_accuracy(model, client.x_val, client.y_val) if len(client.y_val) else 0.0
+        if acc > best_acc:
+            best_value, best_acc, best_model = value, acc, model
+    return best_value, best_model
 
 
 def finetune(model: nn.Module, client: ClientData, training: TrainingConfig, lr: float,

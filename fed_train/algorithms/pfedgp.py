@@ -34,14 +34,11 @@ from torch import nn
 
 from fed_train.algorithms.base import (
     ClientData,
-    ClientResult,
+    FederatedAlgorithm,
+    LossFn,
     PersonalModel,
     TrainingConfig,
     Weights,
-    aggregate_weights,
-    get_weights,
-    local_sgd,
-    set_weights,
 )
 from fed_train.models import EmbedHeadModel
 
@@ -104,9 +101,8 @@ def client_classes(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return classes, local
 
 
-class PFedGP:
+class PFedGP(FederatedAlgorithm):
     name = "pfedgp"
-    federated = True
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
                  lengthscale: float = 0.5, outputscale: float = 8.0, alpha_eps: float = 0.01,
@@ -120,18 +116,18 @@ class PFedGP:
             raise ValueError(f"predict_ratio must be in (0, 1), got {predict_ratio}")
         if max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {max_context}")
-        self.model_fn = model_fn
-        self.training = replace(training, batch_size=batch_size) if batch_size else training
+        super().__init__(model_fn,
+                         replace(training, batch_size=batch_size) if batch_size else training)
         self.kernel = {"lengthscale": lengthscale, "outputscale": outputscale,
                        "alpha_eps": alpha_eps}
         self.predict_ratio = predict_ratio
         self.max_context = max_context
-        self._work = model_fn()
         self.num_classes = int(self._work.classifier.out_features)
 
-    def _predictive_loss(self, generator: torch.Generator):
+    def batch_loss(self, seed: int) -> LossFn:
         """The negative log predictive likelihood of a random target part of each batch under the
-        GP built on the rest."""
+        GP built on the rest (the parts drawn by a generator seeded `seed`)."""
+        generator = torch.Generator().manual_seed(seed)
 
         def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             z = normalise(model.embed(x))
@@ -153,19 +149,6 @@ class PFedGP:
 
         return loss
 
-    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                      lr: float, seed: int) -> ClientResult:
-        set_weights(self._work, global_weights)
-        generator = torch.Generator().manual_seed(seed)
-        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed,
-                         loss_fn=self._predictive_loss(generator))
-        return ClientResult(get_weights(self._work), client.num_train, state, loss)
-
-    def aggregate(self, global_weights: Weights, results: list[ClientResult],
-                  total_samples: int, seed: int) -> Weights:
-        return aggregate_weights(global_weights, [(r.weights, r.num_samples) for r in results],
-                                 total_samples)
-
     @torch.no_grad()
     def _embed(self, model: EmbedHeadModel, x: torch.Tensor) -> torch.Tensor:
         model.eval()
@@ -175,8 +158,7 @@ class PFedGP:
 
     def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                     seed: int) -> PersonalModel:
-        model = self.model_fn()
-        set_weights(model, global_weights)
+        model = self.model_with(global_weights)
         keep = np.arange(client.num_train)
         if len(keep) > self.max_context:
             keep = np.sort(np.random.default_rng(seed).choice(len(keep), self.max_context,
