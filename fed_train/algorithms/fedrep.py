@@ -70,7 +70,8 @@ class FedRep(FederatedAlgorithm):
         self.body_names = [n for n in self._work.state_dict() if n not in self.head_names]
 
     def _head(self, weights: Weights) -> Weights:
-        return {n: weights[n].copy() for n in self.head_names}
+        # in a fixed order: a set's order varies with PYTHONHASHSEED, and so did checkpoints
+        return {n: weights[n].copy() for n in sorted(self.head_names)}
 
     def _train_head(self, model: EmbedHeadModel, client: ClientData, epochs: int, lr: float,
                     seed: int) -> None:
