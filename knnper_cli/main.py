@@ -8,6 +8,7 @@ import argparse
 import gc
 import importlib.util
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -42,11 +43,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def console() -> int:
     """The `knnper` console script: main(), then, once a command was interrupted and its
-    workers are gone, a further Ctrl-C while the interpreter exits is ignored (it could only
-    print a traceback from an exit handler)."""
+    workers are gone, the process ends at once with 130. The interpreter's own exit is
+    skipped: a further Ctrl-C there could only print a traceback from an exit handler, and an
+    interrupt that landed inside a C extension's import (torch's lazy `torch._dynamo`, sympy)
+    can leave CPython's flag that makes it end by SIGINT (-2) whatever the code returned."""
     code = main()
     if code == INTERRUPTED:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 
@@ -105,11 +112,16 @@ def run(argv: Sequence[str] | None = None) -> int:
         with np.errstate(all="ignore"), logging_redirect_tqdm():
             check_outputs(args)
             return args.func(args)
-    except (KnnperError, ValueError, OSError, MemoryError) as err:
-        print(f"knnper: error: {_one_line(err)}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         pass
+    except Exception as err:
+        # Ctrl-C inside a lazy import (torch imports torch._dynamo at the first optimizer)
+        # can surface as another error raised while handling it: still an interruption
+        if not _from_interrupt(err):
+            if isinstance(err, (KnnperError, ValueError, OSError, MemoryError)):
+                print(f"knnper: error: {_one_line(err)}", file=sys.stderr)
+                return 2
+            raise
     # out of the handler, the interrupted frames are gone: their progress bars close (and
     # print) now, so the message below is the last line
     gc.collect()
@@ -117,6 +129,18 @@ def run(argv: Sequence[str] | None = None) -> int:
     print(f"knnper: interrupted; run the same command again to resume {args.command}",
           file=sys.stderr, flush=True)
     return INTERRUPTED
+
+
+def _from_interrupt(err: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is in the error's chain of causes and contexts."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _one_line(err: BaseException) -> str:

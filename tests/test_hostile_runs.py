@@ -317,10 +317,12 @@ def _repo_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
 
-@pytest.mark.parametrize("delay", [0.3, 1.0, 2.0, 4.0])
+@pytest.mark.parametrize("delay", [0.3, 1.0, 2.0, 2.5, 4.0])
 def test_ctrl_c_while_the_heavy_modules_import_is_one_line_and_130(delay, tmp_path):
     """The first seconds of `knnper` import torch and the command modules: Ctrl-C there used
-    to print a traceback from inside the import. Later it is the command's own handling."""
+    to print a traceback from inside the import. Later it is the command's own handling, which
+    also covers the first optimizer's lazy `torch._dynamo` import (about 2 to 3 s in here:
+    Ctrl-C there surfaced as a RuntimeError traceback, or as an exit by SIGINT, -2)."""
     import signal
     import subprocess
     import sys
@@ -443,3 +445,25 @@ def test_a_killed_writers_temporaries_are_removed_at_the_next_start(copy, tmp_pa
     train(CONFIG, copy, progress=False)
     assert not any(p.exists() for p in dead)
     assert live.exists() and link.is_symlink() and (tmp_path / "target").read_text() == "mine"
+
+
+def test_an_error_raised_by_ctrl_c_inside_an_import_counts_as_ctrl_c():
+    """Python 3.11 wraps an exception raised in __set_name__ (a KeyboardInterrupt inside a
+    class body of a lazily imported module) in a RuntimeError caused by it."""
+    from knnper_cli.main import _from_interrupt
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as interrupt:
+            raise RuntimeError("Error calling __set_name__") from interrupt
+    except RuntimeError as err:
+        assert _from_interrupt(err)
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ImportError("initialization failed") from None
+    except ImportError as err:
+        assert _from_interrupt(err)  # still its context
+    assert not _from_interrupt(RuntimeError("a real failure"))
