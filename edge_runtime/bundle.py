@@ -213,6 +213,8 @@ def read_bundle(
     encoder, predictor = open_sessions(model, manifest, datastore, bundle_dir,
                                        intra_op_threads=intra_op_threads,
                                        with_predictor=with_predictor)
+    del model  # the session holds what it needs
+    check_sessions(encoder, predictor, manifest, datastore, bundle_dir)
     return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
 
 
@@ -245,9 +247,9 @@ def open_sessions(
     intra_op_threads: int | None,
     with_predictor: bool,
 ) -> tuple[Encoder | None, Predictor | None]:
-    """The bundle's one onnxruntime session over `model`, checked against the manifest: the
-    one-session predictor's (`with_predictor`, where the datastore has one), else the
-    encoder's."""
+    """The bundle's one onnxruntime session over `model`: the one-session predictor's
+    (`with_predictor`, where the datastore has one), else the encoder's. Check it with
+    `check_sessions` once the model's bytes are let go."""
     where = f"bundle {bundle_dir}"
     encoder, predictor = None, None
     try:
@@ -262,11 +264,17 @@ def open_sessions(
             encoder = Encoder(model, intra_op_threads=intra_op_threads, batch_size=BATCH_ROWS)
     except ValueError as exc:
         raise BundleError(f"{where}: {one_line(exc)}") from None
+    return encoder, predictor
+
+
+def check_sessions(encoder: Encoder | None, predictor: Predictor | None, manifest: dict,
+                   datastore: Any, bundle_dir: Path) -> None:
+    """`open_sessions`' session against the manifest: one probe inference (`check_encoder`)."""
+    where = f"bundle {bundle_dir}"
     if predictor is not None:
         check_encoder(lambda raw: predictor.embed(raw, datastore), manifest, where)
     else:
         _check_encoder_alone(encoder, manifest, where)
-    return encoder, predictor
 
 
 @contextmanager

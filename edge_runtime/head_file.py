@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._io import load_npz, save_npz_atomic
+from .datastores import SampleDatastore
 from .linear_head import LinearHead
 from .onnx_proto import replace_initializers
 
@@ -81,11 +82,16 @@ def with_head(model: bytes, tensors: dict[str, np.ndarray]) -> bytes:
             from None
 
 
-def refit_head(datastore: Any, num_classes: int, l2: float) -> LinearHead | None:
+def refits(datastore: Any) -> bool:
+    """Whether a datastore holds samples to refit a head on (flat, HNSW; ProtoNN keeps
+    prototypes)."""
+    return isinstance(datastore, SampleDatastore)
+
+
+def refit_head(datastore: SampleDatastore, num_classes: int, l2: float) -> LinearHead | None:
     """The linear head fitted on the samples the datastore stores, as the embeddings the
-    encoder gives (already normalised as the kNN's); None where it stores no samples to fit on
-    (ProtoNN keeps prototypes) or none at all."""
-    if datastore.backend == "protonn" or len(datastore) == 0:
+    encoder gives (already normalised as the kNN's); None when it stores none."""
+    if len(datastore) == 0:
         return None
     return LinearHead(num_classes, l2=l2).fit(datastore.keys(), datastore.labels_)
 

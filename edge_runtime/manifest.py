@@ -235,7 +235,7 @@ def _validate_files(files: dict, backend: str, fail) -> None:
                        "linear head nor a datastore file")
     if ENCODER_FILE not in files:
         raise fail(f"'files' does not list {ENCODER_FILE}")
-    if sum(map(bool, map(HEAD_FILE_RE.match, files))) > 1:
+    if len([n for n in files if HEAD_FILE_RE.match(n)]) > 1:
         raise fail("'files' lists more than one linear head file")
     stored = _datastore_names(files)
     want = {"flat": (1, 0), "protonn": (1, 0), "hnsw": (1, 1)}[backend]

@@ -53,6 +53,7 @@ from .bundle import (
     BudgetExceeded,
     BundleError,
     bundle_lock,
+    check_sessions,
     commit_datastore,
     encoder_model,
     load_bundle_datastore,
@@ -62,7 +63,7 @@ from .bundle import (
 )
 from .datastores import max_count_within
 from .encoder import Encoder
-from .head_file import head_nbytes, refit_head
+from .head_file import head_nbytes, refit_head, refits
 from .knn import softmax
 from .linear_head import LinearHead
 from .locking import DEFAULT_LOCK_TIMEOUT
@@ -375,16 +376,17 @@ class Runtime:
         dim = self.manifest["embedding_dim"]
         store = self.datastore.sample_store()
         room = self.budget.room
-        if self._refits():
+        if self._refit_l2() is not None:
             room -= head_nbytes(dim, self.num_classes)
         return max_count_within(lambda n: store.estimate_nbytes(n, dim), room)
 
-    def _refits(self) -> bool:
-        """Whether an update refits the linear head (see the module docstring)."""
-        return refit_l2(self.manifest) is not None and self.datastore.backend != "protonn"
+    def _refit_l2(self) -> float | None:
+        """The l2 an update refits the linear head with; None where it keeps the shipped head
+        (see the module docstring)."""
+        return refit_l2(self.manifest) if refits(self.datastore) else None
 
     def _refit(self) -> LinearHead | None:
-        l2 = refit_l2(self.manifest)
+        l2 = self._refit_l2()
         if l2 is None:
             return None
         with self._blas_threads():
@@ -402,10 +404,13 @@ class Runtime:
                 model = None if head is None else encoder_model(self.path, self.manifest, head)
                 self.manifest = commit_datastore(self.path, self.manifest, self.datastore, head)
                 if model is not None:
-                    self.encoder, self.predictor = open_sessions(
+                    encoder, predictor = open_sessions(
                         model, self.manifest, self.datastore, self.path,
                         intra_op_threads=self._intra_op_threads,
                         with_predictor=self.predictor is not None)
+                    del model
+                    check_sessions(encoder, predictor, self.manifest, self.datastore, self.path)
+                    self.encoder, self.predictor = encoder, predictor
                 return extra
             except BudgetExceeded as exc:
                 per_sample = max(1, ds.estimate_nbytes(2, dim) - ds.estimate_nbytes(1, dim))

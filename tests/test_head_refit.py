@@ -4,6 +4,7 @@ signature), and loaded back as it was committed. Hostile head files are refused 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -119,7 +120,7 @@ def test_a_refitted_signed_bundle_still_verifies(tmp_path):
     assert again.manifest["files"]["encoder.onnx"] == rt.manifest["files"]["encoder.onnx"]
 
 
-def test_a_bundle_without_l2_or_with_protonn_style_store_keeps_the_exported_head(tmp_path):
+def test_a_bundle_that_records_no_l2_keeps_the_exported_head(tmp_path):
     bundle = linear_bundle(tmp_path)
     m = json.loads((bundle / "manifest.json").read_text())
     m["knn_choice"] = _choice(l2=None)
@@ -139,8 +140,6 @@ def test_an_encoder_without_a_head_is_refused_before_anything_is_written(tmp_pat
 
 
 def _with_head_file(bundle: Path, arrays: dict, name: str = "linear_head.1.npz") -> None:
-    import hashlib
-
     np.savez(bundle / name, **arrays)
     m = json.loads((bundle / "manifest.json").read_text())
     data = (bundle / name).read_bytes()

@@ -158,7 +158,8 @@ class SampleDatastore(BaseDatastore):
     """A backend that stores samples and searches them (flat, HNSW): it holds a seeded random
     subset of at most `n` of the pairs it is fitted on, is itself what the runtime's update
     strategies add to and evict from, and its kNN-Per posterior is the kernel over what
-    `kneighbors` finds. A backend implements `_store`, `_drop_oldest` and `kneighbors`."""
+    `kneighbors` finds. A backend implements `_store`, `_drop_oldest`, `keys` and
+    `kneighbors`."""
 
     def fit(self: SampleT, z: np.ndarray, y: np.ndarray) -> SampleT:
         """Store (a seeded random subset of at most n of) the pairs (z_i, y_i)."""
@@ -188,6 +189,11 @@ class SampleDatastore(BaseDatastore):
 
     def _drop_oldest(self, count: int) -> None:
         """Drop the `count` oldest samples (0 < count <= len(self))."""
+        raise NotImplementedError
+
+    def keys(self) -> np.ndarray:
+        """The stored samples [n, p] as the search sees them, as a new float32 array, in the
+        order of `labels_`."""
         raise NotImplementedError
 
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
