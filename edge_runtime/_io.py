@@ -209,6 +209,22 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes | None:
         return read_bounded(f, limit)
 
 
+def read_within(path: str | os.PathLike, limit: int,
+                fail: Callable[[str], Exception]) -> bytes:
+    """`read_regular`, where every way to fail is one exception, `fail(why)`: why is "is
+    missing", "cannot be read (<reason>)" (a pipe, a device, no permission) or "is over
+    <limit> bytes". Every reader of an untrusted file words its refusals alike this way."""
+    try:
+        raw = read_regular(path, limit)
+    except FileNotFoundError:
+        raise fail("is missing") from None
+    except OSError as exc:
+        raise fail(f"cannot be read ({exc.strerror or exc})") from None
+    if raw is None:
+        raise fail(f"is over {limit} bytes")
+    return raw
+
+
 def read_bounded(f: BinaryIO, limit: int) -> bytes | None:
     """All of an open file's bytes, or None when it holds more than `limit`. Never asks for
     more than the file's size plus one byte, so a huge limit allocates nothing up front."""

@@ -51,6 +51,7 @@ from ._io import (
     write_json_atomic,
     writer_alive,
 )
+from .budget import Budget
 from .datastores import (
     file_generation,
     load_datastore,
@@ -117,6 +118,7 @@ def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int
     the file sizes and fits the budget. Returns the sizes."""
     bundle_dir = Path(bundle_dir)
     where = f"bundle {bundle_dir}"
+    budget = Budget.of(manifest)
     sizes = {}
     for name in manifest["files"]:
         path = bundle_dir / name
@@ -126,10 +128,10 @@ def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int
             sizes[name] = path.stat().st_size
         except OSError as exc:
             raise BundleError(f"{where}: cannot read {name}: {exc.strerror}") from None
-        if sizes[name] > manifest["budget_bytes"]:  # never hash a file that cannot fit
+        if sizes[name] > budget.total:  # never hash a file that cannot fit
             raise BundleError(
                 f"{where}: over budget: {name} takes {sizes[name]} bytes > budget_bytes "
-                f"{manifest['budget_bytes']}"
+                f"{budget.total}"
             )
     for name, digest in manifest["files"].items():
         try:
@@ -149,11 +151,10 @@ def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int
             f"{where}: footprint says encoder {footprint['encoder']} + datastore "
             f"{footprint['datastore']} bytes, the files take {encoder_bytes} + {datastore_bytes}"
         )
-    total, budget = encoder_bytes + datastore_bytes, manifest["budget_bytes"]
-    if total > budget:
+    if datastore_bytes > budget.room:
         raise BundleError(
             f"{where}: over budget: encoder {encoder_bytes} + datastore {datastore_bytes} = "
-            f"{total} bytes > budget_bytes {budget}"
+            f"{encoder_bytes + datastore_bytes} bytes > budget_bytes {budget.total}"
         )
     return sizes
 
@@ -299,7 +300,7 @@ def _read_verified(bundle_dir: Path, name: str, manifest: dict, where: str) -> b
     """The bytes of a listed file, checked against its sha256 once more: what runs is what
     was hashed, even if the file is swapped after `verify_files`."""
     try:
-        data = read_regular(bundle_dir / name, manifest["budget_bytes"])
+        data = read_regular(bundle_dir / name, Budget.of(manifest).total)
     except OSError as exc:
         raise BundleError(f"{where}: cannot read {name}: {exc.strerror}") from None
     if data is None or hashlib.sha256(data).hexdigest() != manifest["files"][name]:
@@ -396,13 +397,13 @@ def write_bundle(
     manifest.update(footprint={"encoder": 0, "datastore": 0, "total": 0}, files={})
     _check_fields_only(manifest)  # before anything is written
     encoder_bytes = _encoder_size(encoder)
-    budget = manifest["budget_bytes"]
-    if encoder_bytes > budget:
+    budget = Budget(manifest["budget_bytes"]).with_encoder(encoder_bytes)
+    if budget.room < 0:
         raise BudgetExceeded(
             f"cannot write bundle {out_dir}: the encoder alone takes {encoder_bytes} bytes, over "
-            f"the budget of {budget} bytes",
+            f"the budget of {budget.total} bytes",
             encoder_bytes,
-            budget,
+            budget.total,
         )
     if out_dir.exists() and not _replaceable(out_dir):
         raise BundleError(f"refusing to write bundle {out_dir}: it exists and is not a bundle")
@@ -421,13 +422,13 @@ def write_bundle(
         files.update({name: sha256_file(tmp / name) for name in names})
         datastore_bytes = sum((tmp / name).stat().st_size for name in names)
         total = encoder_bytes + datastore_bytes
-        if total > budget:
+        if datastore_bytes > budget.room:
             raise BudgetExceeded(
                 f"cannot write bundle {out_dir}: encoder {encoder_bytes} + datastore "
-                f"{datastore_bytes} = {total} bytes, over the budget of {budget} bytes "
+                f"{datastore_bytes} = {total} bytes, over the budget of {budget.total} bytes "
                 f"(recipe {datastore.recipe}, {len(datastore)} stored)",
                 total,
-                budget,
+                budget.total,
             )
         manifest["footprint"] = {
             "encoder": encoder_bytes,
@@ -583,14 +584,15 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
         files = {ENCODER_FILE: manifest["files"][ENCODER_FILE]}
         files.update({name: sha256_file(bundle_dir / name) for name in names})
         datastore_bytes = sum((bundle_dir / name).stat().st_size for name in names)
-        encoder_bytes = manifest["footprint"]["encoder"]
-        total, budget = encoder_bytes + datastore_bytes, manifest["budget_bytes"]
-        if total > budget:
+        budget = Budget.of(manifest)
+        total = budget.encoder + datastore_bytes
+        if datastore_bytes > budget.room:
             raise BudgetExceeded(
                 f"bundle {bundle_dir}: the updated datastore takes {datastore_bytes} bytes; with "
-                f"the encoder's {encoder_bytes} that is {total}, over the budget of {budget}",
+                f"the encoder's {budget.encoder} that is {total}, over the budget of "
+                f"{budget.total}",
                 total,
-                budget,
+                budget.total,
             )
         new = dict(manifest)
         new["backend"] = {
@@ -598,7 +600,8 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
             "recipe": datastore.recipe,
             "params": datastore.recipe_params(),
         }
-        new["footprint"] = {"encoder": encoder_bytes, "datastore": datastore_bytes, "total": total}
+        new["footprint"] = {"encoder": budget.encoder, "datastore": datastore_bytes,
+                            "total": total}
         new["files"] = files
         new = to_json_types(new)
         validate_manifest(new, f"bundle {bundle_dir}: updated manifest")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._io import parse_json, read_regular
+from ._io import parse_json, read_within
 from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
 from .errors import BundleError
 from .head_file import HEAD_FILE_RE
@@ -295,16 +295,8 @@ def read_manifest_bytes(bundle_dir: Path) -> bytes:
     where = f"bundle {bundle_dir}"
     if not bundle_dir.is_dir():
         raise BundleError(f"{where}: not a directory")
-    try:
-        raw = read_regular(bundle_dir / MANIFEST, MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        raise BundleError(f"{where}: no {MANIFEST}") from None
-    except OSError as exc:
-        raise BundleError(f"{where}: cannot read {MANIFEST}: {exc.strerror}") from None
-    if raw is None:
-        raise BundleError(f"{where}: {MANIFEST}: over {MAX_MANIFEST_BYTES} bytes, too large "
-                          "for a manifest")
-    return raw
+    return read_within(bundle_dir / MANIFEST, MAX_MANIFEST_BYTES,
+                       lambda why: BundleError(f"{where}: {MANIFEST} {why}"))
 
 
 def read_manifest(bundle_dir: str | os.PathLike) -> dict:

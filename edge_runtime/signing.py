@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._io import parse_json, read_regular
+from ._io import parse_json, read_within
 from .cli_help import install_hint
 from .errors import SignatureError
 from .manifest import parse_manifest
@@ -81,13 +81,8 @@ def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.Pat
 
 
 def _read_key_file(path: str | os.PathLike) -> bytes:
-    try:
-        data = read_regular(path, 64 * 1024)
-    except OSError as exc:
-        raise SignatureError(f"cannot read key {path}: {exc.strerror}") from None
-    if data is None:
-        raise SignatureError(f"key file {path} is too large to be a key")
-    return data
+    return read_within(path, 64 * 1024,
+                       lambda why: SignatureError(f"cannot read key {path}: it {why}"))
 
 
 def load_private_key(path: str | os.PathLike):
@@ -144,12 +139,8 @@ def verify_signature(
     if path.is_symlink() or not path.is_file():
         raise SignatureError(f"{where}: unsigned ({SIGNATURE_FILE} is missing) and a trusted "
                              "key is configured")
-    try:
-        raw = read_regular(path, MAX_SIGNATURE_BYTES)
-    except OSError as exc:
-        raise SignatureError(f"{where}: cannot read {SIGNATURE_FILE}: {exc.strerror}") from None
-    if raw is None:
-        raise SignatureError(f"{where}: {SIGNATURE_FILE} is over {MAX_SIGNATURE_BYTES} bytes")
+    raw = read_within(path, MAX_SIGNATURE_BYTES,
+                      lambda why: SignatureError(f"{where}: {SIGNATURE_FILE} {why}"))
     try:
         doc = parse_json(raw)
         signed = base64.b64decode(doc["manifest"], validate=True)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from edge_runtime._io import read_json_cache, to_json_types, write_json_atomic
 from fed_train.algorithms import build_algorithm
@@ -42,13 +43,29 @@ from fed_train.knn_tuning import (
     pick_estimator,
     select_config,
 )
+from fed_train.models import EmbedHeadModel
+from fed_train.run import RunConfig
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
-
-if TYPE_CHECKING:
-    from experiments.tables import TableRunner
 
 BODIES: tuple[str, ...] = ("fedavg", "fedrep", "pfedgp")
 HEADS: tuple[str, ...] = ("own", "linear", "gp", "knn", "knn+own")
+
+
+class TableRunner(Protocol):
+    """What attribution takes from a comparison table: its clients and settings, each method's
+    trained run and per-client rows (`experiments.tables.TableRunner` is the one there is).
+    Declared here so that the table, which calls attribution, is the only one importing."""
+
+    config: RunConfig
+    out: Path
+    hyper: dict[str, dict[str, Any]]
+    clients: list[ClientData]
+
+    def model_fn(self) -> EmbedHeadModel: ...
+
+    def train(self, trainer: str, training: TrainingConfig) -> Any: ...
+
+    def rows(self, method: str, lr: float) -> list[dict[str, Any]] | None: ...
 
 
 class _FixedBody:

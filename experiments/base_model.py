@@ -13,6 +13,7 @@ import torch
 
 from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp, tally
+from experiments.points import GridPoint
 from experiments.report import finish_axes, fit_y, pyplot, save_figure
 from experiments.spec import ALPHA, Claim, Experiment, Grid, Measured, Result, format_alpha
 from experiments.views import (
@@ -76,18 +77,13 @@ def checkpoint_point(ctx: Context, alpha: float, path: Path) -> dict[str, Any]:
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
-    store = ctx.points(NAME)
-    points, clients = [], []
-    for alpha in sorted(grids["alphas"]):
-        for path in trajectory(ctx, alpha):
-            rnd = checkpoint_round(path)
-            record = store.compute(ctx.point_key(alpha, round=rnd),
-                                   lambda a=alpha, p=path: checkpoint_point(ctx, a, p))
-            label = {"alpha": format_alpha(alpha), "round": rnd}
-            points.append({**label, **{k: record[k] for k in COLUMNS[2:5]},
-                           "gain_pp": 100 * (record["knnper_mean"] - record["fedavg_mean"]),
-                           "seconds": record["seconds"]})
-            clients += [{**label, **r} for r in record["rows"]]
+    grid = (GridPoint({"alpha": format_alpha(alpha), "round": checkpoint_round(path)},
+                      ctx.point_key(alpha, round=checkpoint_round(path)),
+                      lambda a=alpha, p=path: checkpoint_point(ctx, a, p))
+            for alpha in sorted(grids["alphas"]) for path in trajectory(ctx, alpha))
+    points, clients = ctx.points(NAME).collect(
+        grid, lambda record: {**{k: record[k] for k in COLUMNS[2:5]},
+                              "gain_pp": 100 * (record["knnper_mean"] - record["fedavg_mean"])})
     return Measured(points, clients, ("alpha", "round"), (ctx.seed,))
 
 

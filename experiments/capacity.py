@@ -12,6 +12,7 @@ import numpy as np
 from experiments.context import Context
 from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, pp, tally
+from experiments.points import GridPoint, client_fields
 from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import (
     ALPHA,
@@ -42,19 +43,15 @@ def capacity_point(ctx: Context, alpha: float, capacity: float) -> dict[str, Any
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
-    store = ctx.points(NAME)
-    points, clients = [], []
-    for alpha in sorted(grids["alphas"]):
-        for capacity in (0.0, *sorted(grids["capacities"])):
-            record = store.compute(ctx.point_key(alpha, capacity=capacity),
-                                   lambda a=alpha, c=capacity: capacity_point(ctx, a, c))
-            label = {"alpha": format_alpha(alpha), "capacity": capacity,
-                     "method": "fedavg" if capacity == 0 else "knnper"}
-            points.append({**label, **{k: record[k] for k in SUMMARY},
-                           "seconds": record["seconds"]})
-            clients += [{**label, "client_id": r["client_id"], "unseen": r["unseen"],
-                         "n_test": r["n_test"], "accuracy": r["accuracy"], **r["info"]}
-                        for r in record["rows"]]
+    grid = (GridPoint({"alpha": format_alpha(alpha), "capacity": capacity,
+                       "method": "fedavg" if capacity == 0 else "knnper"},
+                      ctx.point_key(alpha, capacity=capacity),
+                      lambda a=alpha, c=capacity: capacity_point(ctx, a, c))
+            for alpha in sorted(grids["alphas"])
+            for capacity in (0.0, *sorted(grids["capacities"])))
+    points, clients = ctx.points(NAME).collect(
+        grid, lambda record: {k: record[k] for k in SUMMARY},
+        lambda r: {**client_fields(r), **r["info"]})
     return Measured(points, clients, ("alpha", "capacity", "method"), (ctx.seed,))
 
 

@@ -26,6 +26,7 @@ from edge_runtime.encoder import Encoder
 from experiments.context import Context
 from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, paired, pp, unit
+from experiments.points import GridPoint
 from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import DELTA_C, Claim, Experiment, Grid, Measured, Result
 from experiments.views import choice_rows
@@ -138,7 +139,6 @@ def _fresh(path: Path) -> Path:
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
-    store = ctx.points(NAME)
     space = QUICK_SPACE if ctx.quick else SPACE
     budgets: ByteBudgets | None = None
 
@@ -147,17 +147,14 @@ def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
         budgets = budgets or ByteBudgets(ctx, ctx.out / NAME / "work")
         return budgets.point(delta_c)
 
-    points, clients = [], []
-    for version in ("fractions", "bytes"):
-        for dc in sorted(grids["delta_cs"]):
-            extra = {"space": space.__dict__} if version == "bytes" else {}
-            record = store.compute(ctx.point_key(version=version, delta_c=dc, **extra),
-                                   (lambda d=dc: fraction_point(ctx, d)) if version == "fractions"
-                                   else (lambda d=dc: bytes_point(d)))
-            points.append({"version": version, "delta_c": dc,
-                           **{k: record.get(k) for k in COLUMNS[2:]},
-                           "seconds": record["seconds"]})
-            clients += [{"version": version, "delta_c": dc, **r} for r in record["rows"]]
+    grid = (GridPoint({"version": version, "delta_c": dc},
+                      ctx.point_key(version=version, delta_c=dc,
+                                    **({"space": space.__dict__} if version == "bytes" else {})),
+                      (lambda d=dc: fraction_point(ctx, d)) if version == "fractions"
+                      else (lambda d=dc: bytes_point(d)))
+            for version in ("fractions", "bytes") for dc in sorted(grids["delta_cs"]))
+    points, clients = ctx.points(NAME).collect(
+        grid, lambda record: {k: record.get(k) for k in COLUMNS[2:]})
     return Measured(points, clients, ("version", "delta_c"), (ctx.seed,),
                     [{"backends": list(space.backends)}])
 

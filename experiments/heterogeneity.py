@@ -22,6 +22,7 @@ from experiments.margins import (
     pp,
     tally,
 )
+from experiments.points import GridPoint, client_fields
 from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import (
     ALPHA,
@@ -55,18 +56,13 @@ def _evaluate(ctx: Context, alpha: float, method: str) -> dict[str, Any]:
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
-    store = ctx.points(NAME)
-    points, clients = [], []
-    for alpha in sorted(grids["alphas"]):
-        for method in METHODS:
-            record = store.compute(ctx.point_key(alpha, method=method),
-                                   lambda a=alpha, m=method: _evaluate(ctx, a, m))
-            label = {"alpha": format_alpha(alpha), "method": method}
-            points.append({**label, **{k: record[k] for k in SUMMARY_COLUMNS},
-                           "seconds": record["seconds"]})
-            clients += [{**label, "client_id": r["client_id"], "unseen": r["unseen"],
-                         "n_test": r["n_test"], "accuracy": r["accuracy"],
-                         "lambda": r["info"].get("lambda")} for r in record["rows"]]
+    grid = (GridPoint({"alpha": format_alpha(alpha), "method": method},
+                      ctx.point_key(alpha, method=method),
+                      lambda a=alpha, m=method: _evaluate(ctx, a, m))
+            for alpha in sorted(grids["alphas"]) for method in METHODS)
+    points, clients = ctx.points(NAME).collect(
+        grid, lambda record: {k: record[k] for k in SUMMARY_COLUMNS},
+        lambda r: client_fields(r, "lambda"))
     return Measured(points, clients, ("alpha", "method"), (ctx.seed,))
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp
+from experiments.points import GridPoint, client_fields
 from experiments.report import finish_axes, pyplot, save_figure
 from experiments.spec import NEIGHBOURS, POSITIVE, Claim, Experiment, Grid, Measured, Result
 from experiments.views import choice_rows, summary_fields
@@ -28,18 +29,12 @@ def grid_point(ctx: Context, k: int, sigma: float) -> dict[str, Any]:
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
-    store = ctx.points(NAME)
-    points, clients = [], []
-    for sigma in sorted(grids["sigmas"]):
-        for k in sorted(grids["ks"]):
-            record = store.compute(ctx.point_key(k=k, sigma=sigma),
-                                   lambda k=k, s=sigma: grid_point(ctx, k, s))
-            points.append({"k": k, "sigma": sigma, "all_mean": record["all_mean"],
-                           "all_bottom_decile": record["all_bottom_decile"],
-                           "seconds": record["seconds"]})
-            clients += [{"k": k, "sigma": sigma, "client_id": r["client_id"],
-                         "unseen": r["unseen"], "n_test": r["n_test"], "accuracy": r["accuracy"],
-                         "lambda": r["info"]["lambda"]} for r in record["rows"]]
+    grid = (GridPoint({"k": k, "sigma": sigma}, ctx.point_key(k=k, sigma=sigma),
+                      lambda k=k, s=sigma: grid_point(ctx, k, s))
+            for sigma in sorted(grids["sigmas"]) for k in sorted(grids["ks"]))
+    points, clients = ctx.points(NAME).collect(
+        grid, lambda record: {k: record[k] for k in ("all_mean", "all_bottom_decile")},
+        lambda r: client_fields(r, "lambda"))
     return Measured(points, clients, ("k", "sigma"), (ctx.seed,),
                     [{"k": ctx.k, "sigma": ctx.sigma}])
 

@@ -8,7 +8,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,23 @@ def _read_points(path: Path) -> str:
 
 def _key(key: dict[str, Any]) -> str:
     return json.dumps(key, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    """One point of a sweep: its grid values as its rows show them, the key the store files it
+    under, and how to compute its record (a dict with per-client "rows")."""
+
+    label: dict[str, Any]
+    key: dict[str, Any]
+    compute: Callable[[], dict[str, Any]]
+
+
+def client_fields(row: dict[str, Any], *info: str) -> dict[str, Any]:
+    """A per-client row of a record flattened for clients.csv: who, how many test samples, the
+    accuracy, and the named fields of its info (None where one is absent)."""
+    return {"client_id": row["client_id"], "unseen": row["unseen"], "n_test": row["n_test"],
+            "accuracy": row["accuracy"], **{k: row["info"].get(k) for k in info}}
 
 
 class PointStore:
@@ -80,3 +98,15 @@ class PointStore:
         self.on_point(True)
         return self._done[_key(key)]
 
+    def collect(self, grid: Iterable[GridPoint], summary: Callable[[dict[str, Any]], dict],
+                client: Callable[[dict[str, Any]], dict] = dict
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Every point of `grid` (computed or read back): its summary row (`summary(record)`
+        beside its label and compute time) and its clients' rows (`client(row)` beside its
+        label), as an experiment's `measure` returns them."""
+        points, clients = [], []
+        for point in grid:
+            record = self.compute(point.key, point.compute)
+            points.append({**point.label, **summary(record), "seconds": record["seconds"]})
+            clients += [{**point.label, **client(r)} for r in record["rows"]]
+        return points, clients

@@ -28,7 +28,7 @@ from edge_runtime._io import (
     open_regular,
     read_exactly,
     read_json,
-    read_regular,
+    read_within,
     write_path_atomic,
 )
 from edge_runtime.errors import one_line
@@ -413,14 +413,8 @@ def _load_batch(path: Path) -> dict[str, Any]:
     A regular file of at most MAX_BATCH_BYTES, unpickled with numpy arrays as the only
     globals; a pickle's memo can make a few bytes refer to one list a million times, so
     what it decodes to is checked in _batch_arrays before numpy converts it."""
-    if not path.is_file():
-        raise DataError(f"{path}: missing CIFAR batch file")
-    try:
-        raw = read_regular(path, MAX_BATCH_BYTES)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if raw is None:
-        raise DataError(f"{path}: over {MAX_BATCH_BYTES} bytes, larger than a CIFAR batch")
+    raw = read_within(path, MAX_BATCH_BYTES,
+                      lambda why: DataError(f"{path}: the CIFAR batch file {why}"))
     try:
         obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except (

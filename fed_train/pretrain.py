@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_runtime._io import array_file_bytes, parse_json, read_regular, write_atomic
+from edge_runtime._io import array_file_bytes, parse_json, read_within, write_atomic
 from edge_runtime.errors import one_line
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, local_sgd, predict_proba
@@ -204,15 +204,7 @@ class Init:
 
 def _read_bounded(path: Path, limit: int, what: str) -> bytes:
     """A regular file's bytes (pipes and devices refused before reading), at most `limit`."""
-    try:
-        raw = read_regular(path, limit)
-    except FileNotFoundError:
-        raise InitError(f"--init {path}: {what} is missing") from None
-    except OSError as err:
-        raise InitError(f"--init {path}: {what} cannot be read ({err.strerror})") from None
-    if raw is None:
-        raise InitError(f"--init {path}: more than the {limit} bytes a {what} may have")
-    return raw
+    return read_within(path, limit, lambda why: InitError(f"--init {path}: {what} {why}"))
 
 
 def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:

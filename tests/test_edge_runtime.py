@@ -412,7 +412,7 @@ BAD_BUNDLES = {
     "edited encoder": (_flip_byte, "encoder.onnx does not match its sha256"),
     "wrong sha256": (_wrong_sha, "datastore.npz does not match its sha256"),
     "missing file": (lambda b: (b / "datastore.npz").unlink(), "datastore.npz is missing"),
-    "missing manifest": (lambda b: (b / "manifest.json").unlink(), "no manifest.json"),
+    "missing manifest": (lambda b: (b / "manifest.json").unlink(), "manifest.json is missing"),
     "manifest not json": (lambda b: (b / "manifest.json").write_text("{"), "not valid JSON"),
     "missing key lambda": (_edit_manifest(**{"lambda": KeyError}), "missing key 'lambda'"),
     "missing key files": (_edit_manifest(files=KeyError), "missing key 'files'"),

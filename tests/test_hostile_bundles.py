@@ -259,7 +259,7 @@ def _set_field(name: str, value):
 HOSTILE_MANIFESTS = {
     "k of 2^63": (_set_field("k", 2**63), "k must be an integer from 1 to"),
     "subnormal sigma": (_set_field("sigma", 1e-320), "sigma must be a number from 1e-30"),
-    "over 64 KiB": (_huge, "too large for a manifest"),
+    "over 64 KiB": (_huge, "manifest.json is over 65536 bytes"),
     "30000 nested brackets": (_deep_brackets, "nested deeper than 8 levels"),
     "20-deep field": (_nested_field, "nested deeper than 8 levels"),
     "duplicate key": (_duplicate_key, "duplicate key(s) ['lambda']"),
