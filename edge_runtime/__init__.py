@@ -1,2 +1,33 @@
 """Device-side kNN-Per: numpy + onnxruntime only (hnswlib optional). Imports nothing from the
-server-side packages, so a device can install it without torch."""
+server-side packages, so a device can install it without torch.
+
+The face: `Runtime` loads a bundle and predicts (`predict_proba`, `add`); `write_bundle` /
+`read_bundle` write and verify one; `make_datastore` builds a flat, HNSW or ProtoNN datastore
+from its recipe string; `PersonalHead` is kNN-Per's interpolation of the kNN, the global model
+and an optional `LinearHead`, chosen per client on validation (`ClientSplits`); `Budget` is a
+device's bytes; `init_bundle` builds a bundle on the device from its own data;
+`write_portable` writes the one-file ONNX predictor."""
+
+from .face import lazy_face
+
+__all__, __getattr__, __dir__ = lazy_face(__name__, {
+    "Runtime": "runtime",
+    "UpdateReport": "runtime",
+    "Bundle": "bundle",
+    "read_bundle": "bundle",
+    "write_bundle": "bundle",
+    "make_datastore": "datastores",
+    "BaseDatastore": "datastores",
+    "KNNHead": "knn",
+    "PersonalHead": "personal_head",
+    "ClientSplits": "personal_head",
+    "LinearHead": "linear_head",
+    "Budget": "budget",
+    "init_bundle": "device_init",
+    "write_portable": "portable",
+    "generate_key_pair": "signing",
+    "BundleError": "errors",
+    "BudgetExceeded": "errors",
+    "BundleBusy": "errors",
+    "SignatureError": "errors",
+})
