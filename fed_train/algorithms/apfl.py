@@ -17,7 +17,6 @@ parameter space, v_bar = alpha v + (1 - alpha) w, with alpha chosen per client o
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,38 +29,21 @@ from fed_train.accelerator import autocast
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
-    PersonalModel,
     TrainingConfig,
     Weights,
     batch_schedule,
     finite_mean_loss,
     get_weights,
     make_optimizer,
-    model_predictor,
     on_device,
     set_weights,
 )
-from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import (
-    best_on_validation,
-    epochs_only,
-    finetune_settings,
-    float_keys,
-)
-from fed_train.algorithms.stepping import Lane, LossFn, Params, as_params, as_weights, step_together
+from fed_train.algorithms.personal import epochs_only, float_keys
+from fed_train.algorithms.personal_grid import PersonalGrid
+from fed_train.algorithms.stepping import LossFn, Params
 from fed_train.models import EmbedHeadModel
 
 APFL_ALPHAS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-
-
-def check_alphas(alphas: Sequence[float]) -> tuple[float, ...]:
-    values = tuple(float(a) for a in alphas)
-    if not values:
-        raise ValueError("alphas must hold at least one value")
-    for a in values:
-        if not (0.0 <= a <= 1.0) or math.isnan(a):
-            raise ValueError(f"APFL alpha must be in [0, 1], got {a}")
-    return values
 
 
 def mix_weights(personal: Weights, global_weights: Weights, alpha: float) -> Weights:
@@ -73,18 +55,20 @@ def mix_weights(personal: Weights, global_weights: Weights, alpha: float) -> Wei
             for name, w in global_weights.items()}
 
 
-class APFL(FedAvg):
+class APFL(PersonalGrid):
     name = "apfl"
+    key = "alpha"
+    rule = "APFL alpha must be in [0, 1]"
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
                  alphas: Sequence[float] = APFL_ALPHAS, finetune_epochs: int = 3,
                  finetune_lr: float | None = None) -> None:
-        super().__init__(model_fn, training)
-        self.alphas = check_alphas(alphas)
-        self.finetune_epochs, self.finetune_lr = finetune_settings(finetune_epochs, finetune_lr,
-                                                                   training)
+        super().__init__(model_fn, training, alphas, finetune_epochs, finetune_lr)
         self._mixed = model_fn()  # holds v_bar for the personal steps
-        self._personal = [model_fn() for _ in self.alphas]
+        self._personal = [model_fn() for _ in self.grid]
+
+    def allows(self, value: float) -> bool:
+        return 0.0 <= value <= 1.0
 
     def _joint_sgd(self, client: ClientData, training: TrainingConfig, lr: float, seed: int, *,
                    update_global: bool, epochs: int | None = None) -> float:
@@ -109,7 +93,7 @@ class APFL(FedAvg):
         for index in on_device(batch_schedule(int(y.shape[0]), training, seed, epochs),
                                x.device):
             xb, yb = x[index], y[index]
-            for alpha, v, opt in zip(self.alphas, self._personal, opts_v, strict=True):
+            for alpha, v, opt in zip(self.grid, self._personal, opts_v, strict=True):
                 with torch.no_grad():  # v_bar from w before its own step, as in Algorithm 1
                     for name, p in v.named_parameters():
                         mixed_params[name].copy_(alpha * p + (1.0 - alpha) * w_params[name])
@@ -139,19 +123,18 @@ class APFL(FedAvg):
         finite_mean_loss(personal_total, 1, lr)
         return finite_mean_loss(total, count, lr)
 
-    def _personal_weights(self) -> dict[str, Weights]:
-        return {str(a): get_weights(v) for a, v in zip(self.alphas, self._personal, strict=True)}
+    def _load(self, global_weights: Weights, starts: list[Weights]) -> None:
+        """w and every v into the working models, where `_joint_sgd` steps them."""
+        set_weights(self._work, global_weights)
+        for v, start in zip(self._personal, starts, strict=True):
+            set_weights(v, start)
 
     def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                       lr: float, seed: int) -> ClientResult:
-        set_weights(self._work, global_weights)
-        previous = state.get("personal", {})
-        for alpha, v in zip(self.alphas, self._personal, strict=True):
-            set_weights(v, previous.get(str(alpha), global_weights))
+        self._load(global_weights, self.starts(state, global_weights))
         loss = self._joint_sgd(client, self.training, lr, seed, update_global=True)
-        personal = self._personal_weights()
-        return ClientResult(get_weights(self._work), client.num_train, {"personal": personal},
-                            loss)
+        return ClientResult(get_weights(self._work), client.num_train,
+                            self.personal_state(get_weights(v) for v in self._personal), loss)
 
     def _joint_loss(self, names: list[str]) -> LossFn:
         """One lane holds w ("w.<name>") and every v ("<i>.<name>"). The objective's gradient is
@@ -166,7 +149,7 @@ class APFL(FedAvg):
             own = nn.functional.cross_entropy(functional_call(model, w, (x,)), y,
                                               reduction="none")
             objective = own
-            for i, alpha in enumerate(self.alphas):
+            for i, alpha in enumerate(self.grid):
                 mixed = {n: alpha * params[f"{i}.{n}"] + (1.0 - alpha) * w[n].detach()
                          for n in names}
                 objective = objective + nn.functional.cross_entropy(
@@ -180,41 +163,33 @@ class APFL(FedAvg):
                        seeds: list[int]) -> list[ClientResult]:
         """`client_update` for several clients stepped together: one lane per client holding
         its w and every v, all on the same mini-batches as `_joint_sgd` draws them."""
-        names = [name for name, _ in self._work.named_parameters()]
+        names = self.param_names
         device = clients[0].x_train.device
         lanes = []
         for client, state, seed in zip(clients, states, seeds, strict=True):
-            previous = state.get("personal", {})
-            start = {f"w.{n}": p for n, p in as_params(global_weights, names, device).items()}
-            for i, alpha in enumerate(self.alphas):
-                v = as_params(previous.get(str(alpha), global_weights), names, device)
-                start.update({f"{i}.{n}": p for n, p in v.items()})
-            lanes.append(Lane(start, {}, client.x_train, client.y_train,
-                              list(batch_schedule(client.num_train, self.training, seed))))
-        trained, losses = step_together(self._joint_loss(names), lanes, self.training, lr)
+            start = {f"w.{n}": p for n, p in self.params(global_weights, device).items()}
+            for i, v in enumerate(self.starts(state, global_weights)):
+                start.update({f"{i}.{n}": p for n, p in self.params(v, device).items()})
+            lanes.append(self.lane(start, client, seed))
+        trained, losses = self.step(lanes, lr, self._joint_loss(names))
         results = []
-        for params, client, loss in zip(trained, clients, losses, strict=True):
-            plain = as_weights(params)
-            personal = {str(alpha): {**global_weights, **{n: plain[f"{i}.{n}"] for n in names}}
-                        for i, alpha in enumerate(self.alphas)}
+        for plain, client, loss in zip(trained, clients, losses, strict=True):
+            own = ({**global_weights, **{n: plain[f"{i}.{n}"] for n in names}}
+                   for i in range(len(self.grid)))
             results.append(ClientResult({**global_weights, **{n: plain[f"w.{n}"] for n in names}},
-                                        client.num_train, {"personal": personal}, loss))
+                                        client.num_train, self.personal_state(own), loss))
         return results
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
-        personal = dict(state.get("personal", {}))
-        fresh = any(str(a) not in personal for a in self.alphas)
-        if fresh:
-            set_weights(self._work, global_weights)
-            for alpha, v in zip(self.alphas, self._personal, strict=True):
-                set_weights(v, personal.get(str(alpha), global_weights))
-            self._joint_sgd(client, epochs_only(self.training), self.finetune_lr, seed,
-                            update_global=False, epochs=self.finetune_epochs)
-            personal = self._personal_weights()
-        # ties keep the first, i.e. the smallest alpha (closest to w)
-        best_alpha, best_model = best_on_validation(
-            self.model_with, ((alpha, mix_weights(personal[str(alpha)], global_weights, alpha))
-                            for alpha in self.alphas), client)
-        return PersonalModel(model_predictor(best_model),
-                             {"alpha": best_alpha, "fine_tuned": fresh})
+    def fine_tune(self, global_weights: Weights, client: ClientData, starts: list[Weights],
+                  fresh: list[bool], seed: int) -> list[Weights]:
+        """Every personal model (the client's own where it has one) trained against the frozen
+        global model for `finetune_epochs` epochs."""
+        self._load(global_weights, starts)
+        self._joint_sgd(client, epochs_only(self.training), self.finetune_lr, seed,
+                        update_global=False, epochs=self.finetune_epochs)
+        return [get_weights(v) for v in self._personal]
+
+    def predictor_weights(self, value: float, personal: Weights,
+                          global_weights: Weights) -> Weights:
+        """v_bar = alpha v + (1 - alpha) w."""
+        return mix_weights(personal, global_weights, value)

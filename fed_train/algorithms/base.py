@@ -278,7 +278,8 @@ class FederatedAlgorithm:
     the paper's aggregation over every weight; fresh models to predict with (`model_with`). A
     method overrides what differs: its loss (`batch_loss`: pFedGP), where an update starts and
     what the client keeps (`client_update`: ClusteredFL, Ditto), what is averaged (`aggregate`:
-    FedRep, ClusteredFL)."""
+    FedRep, ClusteredFL). Those whose clients can also step together build on
+    `stepped.SteppedAlgorithm`."""
 
     name: str
     federated = True
@@ -287,6 +288,7 @@ class FederatedAlgorithm:
         self.model_fn = model_fn
         self.training = training
         self._work = model_fn()
+        self.param_names = [name for name, _ in self._work.named_parameters()]
 
     def batch_loss(self, seed: int) -> LossFn:
         """The loss `local_sgd` steps on in the client update seeded `seed`."""

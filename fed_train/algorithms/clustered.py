@@ -124,7 +124,6 @@ class ClusteredFL(FederatedAlgorithm):
         self.eps1, self.eps2 = eps1, eps2
         self.warmup_rounds = warmup_rounds
         self.min_split_size = min_split_size
-        self.param_names = [name for name, _ in self._work.named_parameters()]
 
     def _train_loss(self, weights: Weights, client: ClientData) -> float:
         set_weights(self._work, weights)

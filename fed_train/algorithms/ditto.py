@@ -28,60 +28,46 @@ import torch
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
-    PersonalModel,
     TrainingConfig,
     Weights,
-    batch_schedule,
     get_weights,
     local_sgd,
-    model_predictor,
     set_weights,
     sub_seed,
 )
-from fed_train.algorithms.fedavg import FedAvg
-from fed_train.algorithms.personal import best_on_validation, epochs_only, finetune_settings
-from fed_train.algorithms.stepping import (
-    Lane,
-    Params,
-    as_params,
-    as_weights,
-    cross_entropy_loss,
-    step_together,
-)
+from fed_train.algorithms.personal import epochs_only
+from fed_train.algorithms.personal_grid import PersonalGrid
+from fed_train.algorithms.stepping import Params
 from fed_train.models import EmbedHeadModel
 
 DITTO_LAMBDAS: tuple[float, ...] = (10.0, 1.0, 0.1, 0.01)
 
 
-def check_lambdas(lambdas: Sequence[float]) -> tuple[float, ...]:
-    values = tuple(float(v) for v in lambdas)
-    if not values:
-        raise ValueError("lambdas must hold at least one value")
-    for v in values:
-        if not (v >= 0 and not math.isnan(v)):
-            raise ValueError(f"Ditto lambda must be >= 0, got {v}")
-    return values
+def pull(lr: float, lam: float) -> float:
+    """How far the proximal step moves v towards w: t = lr lam / (1 + lr lam), 1 at infinity."""
+    shrink = lr * lam
+    return 1.0 if math.isinf(shrink) else shrink / (1.0 + shrink)
 
 
-class Ditto(FedAvg):
+class Ditto(PersonalGrid):
     name = "ditto"
+    key = "lambda"
+    rule = "Ditto lambda must be >= 0"
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
                  lambdas: Sequence[float] = DITTO_LAMBDAS, finetune_epochs: int = 3,
                  finetune_lr: float | None = None) -> None:
-        super().__init__(model_fn, training)
-        self.lambdas = check_lambdas(lambdas)
-        # FedAvg+'s budget, for new clients
-        self.finetune_epochs, self.finetune_lr = finetune_settings(finetune_epochs, finetune_lr,
-                                                                   training)
+        super().__init__(model_fn, training, lambdas, finetune_epochs, finetune_lr)
         self._personal = model_fn()
+
+    def allows(self, value: float) -> bool:
+        return value >= 0
 
     def _prox_step(self, model: torch.nn.Module, anchor: Weights, lam: float,
                    lr: float) -> Callable[[], None]:
         """v <- argmin_u ||u - v||^2 / (2 lr) + lam/2 ||u - w||^2 = v + t (w - v) with
         t = lr lam / (1 + lr lam), applied in place."""
-        shrink = lr * lam
-        t = 1.0 if math.isinf(shrink) else shrink / (1.0 + shrink)
+        t = pull(lr, lam)
         targets = {name: torch.from_numpy(np.asarray(anchor[name])).to(p.device)
                    for name, p in model.named_parameters()}
 
@@ -96,23 +82,20 @@ class Ditto(FedAvg):
 
     def _train_personal(self, start: Weights, anchor: Weights, client: ClientData, lam: float,
                         training: TrainingConfig, lr: float, seed: int,
-                        epochs: int | None = None) -> tuple[Weights, float]:
+                        epochs: int | None = None) -> Weights:
         set_weights(self._personal, start)
-        loss = local_sgd(self._personal, client.x_train, client.y_train, training, lr, seed,
-                         epochs=epochs,
-                         after_step=self._prox_step(self._personal, anchor, lam, lr))
-        return get_weights(self._personal), loss
+        local_sgd(self._personal, client.x_train, client.y_train, training, lr, seed,
+                  epochs=epochs, after_step=self._prox_step(self._personal, anchor, lam, lr))
+        return get_weights(self._personal)
 
     def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                       lr: float, seed: int) -> ClientResult:
         result = super().client_update(global_weights, client, state, lr, seed)
-        previous = state.get("personal", {})
-        personal = {}
-        for i, lam in enumerate(self.lambdas):
-            start = previous.get(str(lam), global_weights)
-            personal[str(lam)], _ = self._train_personal(start, global_weights, client, lam,
-                                                         self.training, lr, sub_seed(seed, i))
-        return replace(result, state={"personal": personal})
+        starts = self.starts(state, global_weights)
+        personal = [self._train_personal(start, global_weights, client, lam, self.training, lr,
+                                         sub_seed(seed, i))
+                    for i, (lam, start) in enumerate(zip(self.grid, starts, strict=True))]
+        return replace(result, state=self.personal_state(personal))
 
     def client_updates(self, global_weights: Weights, clients: list[ClientData],
                        states: list[dict[str, Any]], lr: float,
@@ -120,48 +103,38 @@ class Ditto(FedAvg):
         """`client_update` for several clients: their global models and every personal model
         (one per client and lambda) step together, the personal ones pulled towards w by the
         same proximal step after each SGD step."""
-        names = [name for name, _ in self._work.named_parameters()]
         device = clients[0].x_train.device
-        lanes = self.global_lanes(global_weights, clients, seeds)
+        anchor = self.params(global_weights, device)
+        lanes = [self.lane(anchor, client, seed) for client, seed in zip(clients, seeds,
+                                                                         strict=True)]
         pulls = [0.0] * len(lanes)  # lerp by 0 leaves the global lanes exactly as they are
         for client, state, seed in zip(clients, states, seeds, strict=True):
-            previous = state.get("personal", {})
-            for i, lam in enumerate(self.lambdas):
-                start = as_params(previous.get(str(lam), global_weights), names, device)
-                schedule = batch_schedule(client.num_train, self.training, sub_seed(seed, i))
-                lanes.append(Lane(start, {}, client.x_train, client.y_train, list(schedule)))
-                shrink = lr * lam
-                pulls.append(1.0 if math.isinf(shrink) else shrink / (1.0 + shrink))
-        anchor = as_params(global_weights, names, device)
-        pull = torch.tensor(pulls, device=device)
+            for i, (lam, start) in enumerate(zip(self.grid, self.starts(state, global_weights),
+                                                 strict=True)):
+                lanes.append(self.lane(self.params(start, device), client, sub_seed(seed, i)))
+                pulls.append(pull(lr, lam))
+        toward = torch.tensor(pulls, device=device)
 
         def proximal(params: Params, which: slice) -> Params:
-            weight = pull[which]
+            weight = toward[which]
             return {name: torch.lerp(p, anchor[name], weight.view(-1, *([1] * anchor[name].dim())))
                     for name, p in params.items()}
 
-        trained, losses = step_together(cross_entropy_loss(self._work), lanes, self.training, lr,
-                                        after_step=proximal)
-        results, k = [], len(clients)
+        trained, losses = self.step(lanes, lr, after_step=proximal)
+        results, k, per = [], len(clients), len(self.grid)
         for j, client in enumerate(clients):
-            own = trained[k + j * len(self.lambdas):k + (j + 1) * len(self.lambdas)]
-            personal = {str(lam): {**global_weights, **as_weights(p)}
-                        for lam, p in zip(self.lambdas, own, strict=True)}
-            results.append(ClientResult({**global_weights, **as_weights(trained[j])},
-                                        client.num_train, {"personal": personal}, losses[j]))
+            own = trained[k + j * per:k + (j + 1) * per]
+            personal = self.personal_state({**global_weights, **w} for w in own)
+            results.append(ClientResult({**global_weights, **trained[j]}, client.num_train,
+                                        personal, losses[j]))
         return results
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
-        personal = dict(state.get("personal", {}))
-        fresh = [lam for lam in self.lambdas if str(lam) not in personal]
-        for i, lam in enumerate(self.lambdas):
-            if lam in fresh:
-                personal[str(lam)], _ = self._train_personal(
-                    global_weights, global_weights, client, lam, epochs_only(self.training),
-                    self.finetune_lr, sub_seed(seed, i), epochs=self.finetune_epochs)
-        # ties keep the first, i.e. the largest lambda (closest to w)
-        best_lam, best_model = best_on_validation(
-            self.model_with, ((lam, personal[str(lam)]) for lam in self.lambdas), client)
-        return PersonalModel(model_predictor(best_model),
-                             {"lambda": best_lam, "fine_tuned": bool(fresh)})
+    def fine_tune(self, global_weights: Weights, client: ClientData, starts: list[Weights],
+                  fresh: list[bool], seed: int) -> list[Weights]:
+        """The missing personal models, each fine-tuned from the global model with the same
+        proximal step for `finetune_epochs` epochs."""
+        return [self._train_personal(start, global_weights, client, lam,
+                                     epochs_only(self.training), self.finetune_lr,
+                                     sub_seed(seed, i), epochs=self.finetune_epochs)
+                if new else start
+                for i, (lam, start, new) in enumerate(zip(self.grid, starts, fresh, strict=True))]

@@ -26,7 +26,6 @@ import torch
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
-    FederatedAlgorithm,
     PersonalModel,
     TrainingConfig,
     Weights,
@@ -40,18 +39,12 @@ from fed_train.algorithms.base import (
     sub_seed,
 )
 from fed_train.algorithms.personal import epochs_only
-from fed_train.algorithms.stepping import (
-    Lane,
-    as_params,
-    as_weights,
-    cross_entropy_loss,
-    step_together,
-    stepping_blocker,
-)
+from fed_train.algorithms.stepped import SteppedAlgorithm
+from fed_train.algorithms.stepping import Lane, cross_entropy_loss
 from fed_train.models import EmbedHeadModel
 
 
-class FedRep(FederatedAlgorithm):
+class FedRep(SteppedAlgorithm):
     name = "fedrep"
 
     def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
@@ -94,9 +87,6 @@ class FedRep(FederatedAlgorithm):
         body = {n: weights[n] for n in self.body_names}
         return ClientResult(body, client.num_train, {"head": self._head(weights)}, loss)
 
-    def stepping_blocker(self) -> str | None:
-        return stepping_blocker(self._work)
-
     def client_updates(self, global_weights: Weights, clients: list[ClientData],
                        states: list[dict[str, Any]], lr: float,
                        seeds: list[int]) -> list[ClientResult]:
@@ -114,22 +104,21 @@ class FedRep(FederatedAlgorithm):
             head = state.get("head", self._head(global_weights))
             z = torch.from_numpy(embed_and_logits(model, client.x_train)[0]).to(device)
             schedule = batch_schedule(client.num_train, head_training, seed, self.head_epochs)
-            head_lanes.append(Lane({local[n]: p for n, p in as_params(head, list(local),
-                                                                      device).items()},
+            head_lanes.append(Lane({local[n]: p for n, p in self.params(head, device,
+                                                                        list(local)).items()},
                                    {}, z, client.y_train, list(schedule)))
-        trained_heads, _ = step_together(cross_entropy_loss(model.classifier), head_lanes,
-                                         head_training, self.head_lr or lr)
-        heads = [{n: as_weights(p)[local[n]] for n in local} for p in trained_heads]
-        body = [n for n, _ in model.named_parameters() if n not in self.head_names]
-        start = as_params(global_weights, body, device)
-        lanes = [Lane(start, as_params(head, sorted(self.head_names), device), client.x_train,
-                      client.y_train,
-                      list(batch_schedule(client.num_train, self.training, sub_seed(seed, 1))))
+        trained_heads, _ = self.step(head_lanes, self.head_lr or lr,
+                                     cross_entropy_loss(model.classifier), training=head_training)
+        heads = [{n: w[local[n]] for n in local} for w in trained_heads]
+        start = self.params(global_weights, device,
+                            [n for n in self.param_names if n not in self.head_names])
+        lanes = [self.lane(start, client, sub_seed(seed, 1),
+                           fixed=self.params(head, device, sorted(self.head_names)))
                  for client, head, seed in zip(clients, heads, seeds, strict=True)]
-        trained, losses = step_together(cross_entropy_loss(model), lanes, self.training, lr)
-        return [ClientResult({n: w for n, w in {**global_weights, **as_weights(p)}.items()
+        trained, losses = self.step(lanes, lr)
+        return [ClientResult({n: w for n, w in {**global_weights, **t}.items()
                               if n in self.body_names}, c.num_train, {"head": head}, loss)
-                for p, c, head, loss in zip(trained, clients, heads, losses, strict=True)]
+                for t, c, head, loss in zip(trained, clients, heads, losses, strict=True)]
 
     def aggregate(self, global_weights: Weights, results: list[ClientResult],
                   total_samples: int, seed: int) -> Weights:
