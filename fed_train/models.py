@@ -28,6 +28,11 @@ class EmbedHeadModel(nn.Module):
         return [f"classifier.{name}" for name, _ in self.classifier.named_parameters()]
 
 
+# How every algorithm is given its model: a fresh one per call (its working copies, its
+# personal models), built for the run's data and placed on the run's device.
+ModelFactory = Callable[[], EmbedHeadModel]
+
+
 class SmallCNN(EmbedHeadModel):
     """Two 3x3 conv blocks and a hidden layer: small enough to train federatedly in minutes on
     2 CPU cores for 28x28x1 or 32x32x3 inputs (and digits' 8x8)."""

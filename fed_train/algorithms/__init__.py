@@ -16,7 +16,7 @@ from fed_train.algorithms.knnper import KNNPer
 from fed_train.algorithms.linear import LinearPer
 from fed_train.algorithms.local import Local
 from fed_train.algorithms.pfedgp import PFedGP
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 ALGORITHMS: dict[str, Callable[..., Algorithm]] = {
     "local": Local,
@@ -32,7 +32,7 @@ ALGORITHMS: dict[str, Callable[..., Algorithm]] = {
 }
 
 
-def build_algorithm(name: str, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+def build_algorithm(name: str, model_fn: ModelFactory, training: TrainingConfig,
                     **hyper: Any) -> Algorithm:
     if name not in ALGORITHMS:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(ALGORITHMS)}")

@@ -17,7 +17,7 @@ parameter space, v_bar = alpha v + (1 - alpha) w, with alpha chosen per client o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from fed_train.algorithms.base import (
 from fed_train.algorithms.personal import epochs_only, float_keys
 from fed_train.algorithms.personal_grid import PersonalGrid
 from fed_train.algorithms.stepping import LossFn, Params
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 APFL_ALPHAS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -60,7 +60,7 @@ class APFL(PersonalGrid):
     key = "alpha"
     rule = "APFL alpha must be in [0, 1]"
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  alphas: Sequence[float] = APFL_ALPHAS, finetune_epochs: int = 3,
                  finetune_lr: float | None = None) -> None:
         super().__init__(model_fn, training, alphas, finetune_epochs, finetune_lr)

@@ -16,7 +16,7 @@ from torch import nn
 
 from fed_train.accelerator import autocast
 from fed_train.errors import TrainingDiverged
-from fed_train.models import EmbedHeadModel
+from fed_train.models import EmbedHeadModel, ModelFactory
 
 Weights = dict[str, np.ndarray]
 
@@ -284,7 +284,7 @@ class FederatedAlgorithm:
     name: str
     federated = True
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig) -> None:
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig) -> None:
         self.model_fn = model_fn
         self.training = training
         self._work = model_fn()

@@ -29,7 +29,6 @@ unassigned) clients pick the cluster model that is most accurate on their valida
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +47,7 @@ from fed_train.algorithms.base import (
     set_weights,
 )
 from fed_train.algorithms.personal import accuracy
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +110,7 @@ def bipartition(updates: np.ndarray) -> np.ndarray:
 class ClusteredFL(FederatedAlgorithm):
     name = "clustered"
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  eps1: float = 0.4, eps2: float = 1.6, warmup_rounds: int = 0,
                  min_split_size: int = 3) -> None:
         if eps1 < 0 or eps2 < 0:

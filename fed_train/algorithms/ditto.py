@@ -38,7 +38,7 @@ from fed_train.algorithms.base import (
 from fed_train.algorithms.personal import epochs_only
 from fed_train.algorithms.personal_grid import PersonalGrid
 from fed_train.algorithms.stepping import Params
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 DITTO_LAMBDAS: tuple[float, ...] = (10.0, 1.0, 0.1, 0.01)
 
@@ -54,7 +54,7 @@ class Ditto(PersonalGrid):
     key = "lambda"
     rule = "Ditto lambda must be >= 0"
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  lambdas: Sequence[float] = DITTO_LAMBDAS, finetune_epochs: int = 3,
                  finetune_lr: float | None = None) -> None:
         super().__init__(model_fn, training, lambdas, finetune_epochs, finetune_lr)

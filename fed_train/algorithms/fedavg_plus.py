@@ -9,7 +9,6 @@ per-client choice kNN-Per makes for its lambda; `select_on_validation=False` alw
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fed_train.algorithms.base import (
@@ -21,13 +20,13 @@ from fed_train.algorithms.base import (
 )
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.algorithms.personal import finetune, finetune_settings
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 
 class FedAvgPlus(FedAvg):
     name = "fedavg+"
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  finetune_epochs: int = 3, finetune_lr: float | None = None,
                  select_on_validation: bool = True) -> None:
         super().__init__(model_fn, training)

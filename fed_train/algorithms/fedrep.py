@@ -18,7 +18,6 @@ personal linear head per client that never leaves it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,13 +40,13 @@ from fed_train.algorithms.base import (
 from fed_train.algorithms.personal import epochs_only
 from fed_train.algorithms.stepped import SteppedAlgorithm
 from fed_train.algorithms.stepping import Lane, cross_entropy_loss
-from fed_train.models import EmbedHeadModel
+from fed_train.models import EmbedHeadModel, ModelFactory
 
 
 class FedRep(SteppedAlgorithm):
     name = "fedrep"
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  head_epochs: int = 10, unseen_head_epochs: int | None = None,
                  head_lr: float | None = None) -> None:
         if head_epochs < 0:

@@ -4,7 +4,6 @@ exactly what a device computes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,7 @@ from fed_train.algorithms.base import (
     embed_and_logits,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 
 def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:
@@ -42,7 +41,7 @@ def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:
 class KNNPer(FedAvg):
     name = "knnper"
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA, capacity: float = 1.0,
                  normalize: str = DEFAULT_NORMALIZE, lambda_estimator: str = "val",
                  lambda_rule: dict[str, Any] | None = None, base: str = "global",

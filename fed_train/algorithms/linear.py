@@ -5,7 +5,6 @@ must beat."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,13 +19,13 @@ from fed_train.algorithms.base import (
     embed_and_logits,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 
 class LinearPer(FedAvg):
     name = "linear"
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  l2: float = DEFAULT_L2) -> None:
         super().__init__(model_fn, training)
         if not l2 > 0:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from fed_train.algorithms.base import (
     local_sgd,
     model_predictor,
 )
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 
 class Local:
@@ -24,7 +23,7 @@ class Local:
     name = "local"
     federated = False
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig) -> None:
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig) -> None:
         self.model_fn = model_fn
         self.training = training
         self.epochs = training.participations * training.epochs

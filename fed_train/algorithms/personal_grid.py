@@ -7,7 +7,7 @@ and the choice."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from fed_train.algorithms.base import (
@@ -19,7 +19,7 @@ from fed_train.algorithms.base import (
 )
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.algorithms.personal import best_on_validation, finetune_settings
-from fed_train.models import EmbedHeadModel
+from fed_train.models import ModelFactory
 
 
 class PersonalGrid(FedAvg):
@@ -29,7 +29,7 @@ class PersonalGrid(FedAvg):
     key: str
     rule: str
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  grid: Sequence[float], finetune_epochs: int,
                  finetune_lr: float | None) -> None:
         super().__init__(model_fn, training)

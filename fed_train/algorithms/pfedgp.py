@@ -24,7 +24,6 @@ The mini-batch is the shared TrainingConfig's (pFedGP builds its GP on the whole
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -40,7 +39,7 @@ from fed_train.algorithms.base import (
     TrainingConfig,
     Weights,
 )
-from fed_train.models import EmbedHeadModel
+from fed_train.models import EmbedHeadModel, ModelFactory
 
 CLASS_CHUNK = 16  # classes solved together: bounds memory at chunk x context^2
 
@@ -104,7 +103,7 @@ def client_classes(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class PFedGP(FederatedAlgorithm):
     name = "pfedgp"
 
-    def __init__(self, model_fn: Callable[[], EmbedHeadModel], training: TrainingConfig,
+    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  lengthscale: float = 0.5, outputscale: float = 8.0, alpha_eps: float = 0.01,
                  predict_ratio: float = 0.5, max_context: int = 1000,
                  batch_size: int | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from io import BytesIO
 from typing import Any
@@ -22,7 +22,7 @@ from numpy.lib import format as npy
 
 from fed_train.algorithms.base import Weights, get_weights
 from fed_train.knn_tuning import KNNConfig
-from fed_train.models import EmbedHeadModel, build_model
+from fed_train.models import ModelFactory, build_model
 
 STATE_ARRAYS, STATE_SCALARS = "knnper-state-arrays", "knnper-state-scalars"
 _SEP = "/"  # weight names use dots; lambda keys such as "10.0" too
@@ -195,7 +195,7 @@ class ModelSpec:
         return cls(str(record["name"]), int(record["num-classes"]),
                    json.loads(str(record["input-spec"])))
 
-    def model_fn(self) -> Callable[[], EmbedHeadModel]:
+    def model_fn(self) -> ModelFactory:
         return lambda: build_model(self.name, self.num_classes, self.input_spec).to(self.device)
 
     def shapes(self) -> Weights:
