@@ -15,7 +15,7 @@ from experiments.context import Context
 from experiments.margins import Aligned, call, interval, pp, tally
 from experiments.points import GridPoint
 from experiments.report import finish_axes, fit_y, pyplot, save_figure
-from experiments.spec import ALPHA, Claim, Experiment, Grid, Measured, Result, format_alpha
+from experiments.spec import ALPHAS, Claim, Experiment, Measured, Result, format_alpha
 from experiments.views import (
     accuracy_on_test,
     client_views,
@@ -190,5 +190,5 @@ EXPERIMENT = Experiment(
     NAME, "FedAvg and kNN-Per accuracy for global models checkpointed along training",
     "kNN accuracy (lambda = 1) is almost linear in the global model's test accuracy, and "
     "better for more heterogeneous data (Sec. 6, Fig. 5; Appendix Figs. 12-13).",
-    (Grid("alphas", ALPHA, (0.1, 0.3, 1.0), (0.3,), "Dirichlet concentrations, or iid"),),
+    (ALPHAS,),
     measure, summarise)

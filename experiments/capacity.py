@@ -14,16 +14,7 @@ from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, pp, tally
 from experiments.points import GridPoint, client_fields
 from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
-from experiments.spec import (
-    ALPHA,
-    FRACTION,
-    Claim,
-    Experiment,
-    Grid,
-    Measured,
-    Result,
-    format_alpha,
-)
+from experiments.spec import ALPHAS, CAPACITIES, Claim, Experiment, Measured, Result, format_alpha
 from experiments.views import choice_rows, fedavg_rows, summary_fields
 
 NAME = "capacity"
@@ -166,7 +157,5 @@ EXPERIMENT = Experiment(
     "accuracy grows with the datastore's size, faster for more heterogeneous clients; new "
     "clients keep most of kNN-Per's benefit with a datastore reduced by a factor 3 (Sec. 6, "
     "Fig. 3).",
-    (Grid("alphas", ALPHA, (0.1, 0.3, 1.0), (0.3,), "Dirichlet concentrations, or iid"),
-     Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
-          "datastore sizes as fractions of each client's train split")),
+    (ALPHAS, CAPACITIES),
     measure, summarise, lambda g: len(g["alphas"]) * (1 + len(g["capacities"])))

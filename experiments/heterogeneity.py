@@ -4,6 +4,7 @@ evaluation.client_accuracies, exactly as `knnper evaluate` scores it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +25,7 @@ from experiments.margins import (
 )
 from experiments.points import GridPoint, client_fields
 from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
-from experiments.spec import (
-    ALPHA,
-    IID_ALPHA,
-    Claim,
-    Experiment,
-    Grid,
-    Measured,
-    Result,
-    format_alpha,
-)
+from experiments.spec import ALPHAS, IID_ALPHA, Claim, Experiment, Measured, Result, format_alpha
 from experiments.views import summary_fields
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights
@@ -158,6 +150,5 @@ EXPERIMENT = Experiment(
     "the benefit of memorization is larger when data are more heterogeneous (smaller alpha), "
     "and kNN-Per addresses heterogeneity better than the other methods (Sec. 6, Fig. 3, Fig. 8; "
     "Theorem 4.1).",
-    (Grid("alphas", ALPHA, (0.1, 0.3, 0.5, 1.0, IID_ALPHA), (0.3, IID_ALPHA),
-          "Dirichlet concentrations, or iid"),),
+    (replace(ALPHAS, full=(0.1, 0.3, 0.5, 1.0, IID_ALPHA), quick=(0.3, IID_ALPHA)),),
     measure, summarise, lambda g: len(g["alphas"]) * len(METHODS))

@@ -18,7 +18,7 @@ from experiments.capacity import capacity_point
 from experiments.context import Context
 from experiments.margins import call, interval, strata, unit
 from experiments.report import finish_axes, pyplot, save_figure, spearman
-from experiments.spec import FRACTION, Claim, Experiment, Grid, Measured, Result
+from experiments.spec import CAPACITIES, Claim, Experiment, Measured, Result
 
 NAME = "lambda-vs-n"
 
@@ -160,6 +160,5 @@ EXPERIMENT = Experiment(
     "the larger the local dataset, the more a client relies on its kNN model (lambda_opt grows "
     "with n_m, as Theorem 4.1's bound predicts); clients with about a hundred samples already "
     "give lambda > 1/2 (Sec. 6, Appendix Fig. 9).",
-    (Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
-          "datastore sizes as fractions of each client's train split"),),
+    (CAPACITIES,),
     measure, summarise, lambda g: len(g["capacities"]))
