@@ -125,19 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def report(rows: list[dict], args: argparse.Namespace, weights: str, machine: dict,
            machine_end: dict, seconds: float) -> str:
-    return "\n".join([
-        *C.report_head("Edge runtime: what refitting the linear head adds to `add`", machine,
-                       machine_end, "One thread for onnxruntime and BLAS. "
-                       f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder, "
-                       f"{RECIPE} datastore."),
-        "",
+    return C.report_text(
+        C.report_head("Edge runtime: what refitting the linear head adds to `add`", machine,
+                      machine_end, "One thread for onnxruntime and BLAS. "
+                      f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder, "
+                      f"{RECIPE} datastore."),
         f"Medians of {args.reps} interleaved `add` calls of one image each (fifo: the "
         "datastore keeps its size); each commits the bundle crash-safely. The linear bundle's "
         "also refits the head on every stored key, writes its file and opens a new session.",
-        "",
         C.markdown_table(rows, TABLE),
-        "",
-    ])
+    )
 
 
 if __name__ == "__main__":

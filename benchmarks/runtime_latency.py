@@ -255,11 +255,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
         ("speedup_throughput", "throughput ratio", ".2f"),
         ("argmax_agreement", "argmax agree", ".3f"),
     ])
-    return "\n".join([
-        *C.report_head("Edge runtime latency: Runtime vs the torch float32 path", machine_start,
-                       machine_end, f"Threads: {args.threads} for onnxruntime, torch, BLAS and "
-                       f"hnswlib. Took {seconds:.0f} s."),
-        "",
+    return C.report_text(
+        C.report_head("Edge runtime latency: Runtime vs the torch float32 path", machine_start,
+                      machine_end, f"Threads: {args.threads} for onnxruntime, torch, BLAS and "
+                      f"hnswlib. Took {seconds:.0f} s."),
         f"Weights: {weights} (latency does not depend on the weight values). Encoder: "
         f"{args.encoder} ONNX. Keys: torch embeddings of Fashion-MNIST images; sizes beyond the "
         f"real images are copies plus noise ({args.noise} x per-dimension std). Queries: "
@@ -268,13 +267,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
         "share of the queries on which both paths predict the same class (the int8 encoder "
         "against float32 torch; with random weights the logits are nearly flat and flip "
         "easily, so read it only with --run).",
-        "",
         f"Batch 1: {args.reps} timed calls per path ({args.warmup} warm-up), interleaved. "
         f"Batch {b}: median of {args.batch_reps} calls.",
-        "",
         table,
-        "",
-    ])
+    )
 
 
 if __name__ == "__main__":

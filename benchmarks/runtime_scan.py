@@ -223,11 +223,10 @@ def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict
         ("kneighbors_ms_2_threads", "search ms, 2 threads", ".3f"),
         ("threads_2_over_1", "2 threads / 1", ".2f"),
     ])
-    return "\n".join([
-        *C.report_head("Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
-                       machine, machine_end, "One BLAS thread unless a column says otherwise. "
-                       f"Took {seconds:.0f} s."),
-        "",
+    return C.report_text(
+        C.report_head("Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
+                      machine, machine_end, "One BLAS thread unless a column says otherwise. "
+                      f"Took {seconds:.0f} s."),
         f"Memory read speed (np.max over a float32 array far larger than the caches, one core): "
         f"{memory_bps / 1e9:.2f} GB/s. Scan = one query's distance products with every key, "
         "over the keys as the runtime holds them ([p, n], stored dtype; int8 and fp16 widened "
@@ -236,15 +235,11 @@ def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict
         "GB/s = key bytes / numpy scan time. [n, p] scan = the float32 product "
         "over keys stored [n, p], the runtime's earlier layout. Search = the whole batch-1 "
         "kneighbors (distances, top-k, ordering).",
-        "",
         scan_table,
-        "",
         "Top-k of one row of distances (k = 10): argpartition / blockwise > 1 means the "
         "blockwise top-k is faster.",
-        "",
         C.markdown_table(topk, TOPK_TABLE),
-        "",
-    ])
+    )
 
 
 if __name__ == "__main__":

@@ -187,26 +187,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def report(starts: list[dict], b1: list[dict], args: argparse.Namespace, weights: str,
            machine: dict, machine_end: dict, seconds: float) -> str:
-    return "\n".join([
-        *C.report_head("Edge runtime: process start to first prediction, batch-1 latency vs the "
-                       "encoder", machine, machine_end, "One thread for onnxruntime and BLAS. "
-                       f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder."),
-        "",
+    return C.report_text(
+        C.report_head("Edge runtime: process start to first prediction, batch-1 latency vs the "
+                      "encoder", machine, machine_end, "One thread for onnxruntime and BLAS. "
+                      f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder."),
         f"Start: medians over {args.starts} fresh processes per encoder, each loading a "
         f"{args.recipes[0]} bundle of {min(args.sizes):,} keys and predicting one image.",
-        "",
         C.markdown_table(starts, START_TABLE),
-        "",
         f"Batch 1: medians of {args.reps} interleaved calls; encoder alone = Runtime.embed "
         "(input checks, normalisation, ONNX session); end to end = Runtime.predict_proba (one "
         "onnxruntime session for flat fp32 / int8); numpy head = the encoder then the numpy "
         "kNN head (the reference path, used for HNSW and fp16); "
         "portable predictor = the same prediction as one onnxruntime session "
         "(knnper-edge export-onnx, keys baked in, raw uint8 input).",
-        "",
         C.markdown_table(b1, B1_TABLE),
-        "",
-    ])
+    )
 
 
 if __name__ == "__main__":

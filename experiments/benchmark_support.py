@@ -117,6 +117,12 @@ def report_head(title: str, start: dict[str, Any], end: dict[str, Any], note: st
             f"{end.get('loadavg_1_5_15')}). {note}"]
 
 
+def report_text(head: list[str], *blocks: str) -> str:
+    """A report's markdown: report_head's lines, then each block (a paragraph, a table) after a
+    blank line; it ends with a newline."""
+    return "\n\n".join(["\n".join(head), *blocks]) + "\n"
+
+
 def start_benchmark(out: Path, threads: int) -> tuple[float, dict[str, Any]]:
     """A benchmark's first steps: logging, one thread count (limit_threads), its output folder.
     Returns the start time and the machine as it was then (report_head states the load both at
