@@ -12,7 +12,7 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from experiments import benchmark_support as _common
+from experiments import benchmark_support as C
 from experiments.lr_tuning import personalized_accuracies, validation_score
 from export.demo import DemoSize, demo_config
 from fed_train.algorithms import build_algorithm
@@ -38,8 +38,8 @@ def main() -> None:
     p.add_argument("--local-epochs", type=int, default=DemoSize.local_epochs,
                    help="local epochs per round")
     args = p.parse_args()
-    _common.setup_logging()
-    _common.limit_threads(1)
+    C.setup_logging()
+    C.limit_threads(1)
     rows = []
     for name, partition in CANDIDATES.items():
         size = DemoSize(rounds=args.rounds, local_epochs=args.local_epochs)
@@ -62,11 +62,11 @@ def main() -> None:
                ("knnper_val", "kNN-Per val acc", ".4f"), ("gain_pp", "gain (pp)", ".1f"),
                ("chosen", "chosen", "")]
     args.out.mkdir(parents=True, exist_ok=True)
-    _common.write_csv(args.out / "partitions.csv", rows, [c[0] for c in columns])
-    table = _common.markdown_table(rows, columns)
-    info = _common.machine_info()
+    C.write_csv(args.out / "partitions.csv", rows, [c[0] for c in columns])
+    table = C.markdown_table(rows, columns)
+    info = C.machine_info()
     (args.out / "partitions.md").write_text(
-        f"`{_common.command_line()}`\n\n{_common.machine_line(info)}\n\n{table}\n")
+        f"`{C.command_line()}`\n\n{C.machine_line(info)}\n\n{table}\n")
     print(table)
 
 

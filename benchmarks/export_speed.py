@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments import benchmark_support as _common
+from experiments import benchmark_support as C
 from export.evaluation import evaluate_export, weighted_mean
 from export.exporter import select_ids
 from export.profiles import weak_strong_budgets
@@ -56,7 +56,7 @@ def main() -> None:
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--label", required=True, help="name of this measurement (before, after...)")
     p.add_argument("--clients", default="all", help="all, or ids like 0,10,20")
-    p.add_argument("--code", type=Path, default=_common.REPO,
+    p.add_argument("--code", type=Path, default=C.REPO,
                    help="source tree whose `knnper export` is timed")
     p.add_argument("--reference", type=int, default=2_000_000,
                    help="weak-strong reference budget in bytes")
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("runs/bench/export_speed"),
                    help="folder for the bundles and the budget file")
     args = p.parse_args()
-    _common.setup_logging()
+    C.setup_logging()
     run = load_run(args.run)
     work = args.work / args.label
     work.mkdir(parents=True, exist_ok=True)
@@ -101,8 +101,8 @@ def main() -> None:
                "test_accuracy": round(weighted_mean(rows), 5),
                "protonn_share": round(sum(r["backend"] == "protonn" for r in rows) / len(rows), 3),
                "load_before": round(load, 2), "load_after": round(load_after, 2),
-               "machine": _common.machine_line(_common.machine_info()),
-               "command": _common.command_line()}
+               "machine": C.machine_line(C.machine_info()),
+               "command": C.command_line()}
     args.out.mkdir(parents=True, exist_ok=True)
     _append(args.out / "speed.csv", [summary], SUMMARY)
     _append(args.out / "speed_clients.csv", per_client, PER_CLIENT)

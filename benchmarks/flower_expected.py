@@ -17,13 +17,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from experiments import benchmark_support as _common
+from experiments import benchmark_support as C
 from fed_train import defaults
 from fed_train.flower.expected import EXPECTED_FILE, MEASURED
 from fed_train.run import RunConfig, load_run, train
 from fed_train.run_evaluation import evaluate_run
 
-RESULTS = _common.REPO / "benchmarks" / "results" / "flower"
+RESULTS = C.REPO / "benchmarks" / "results" / "flower"
 
 
 def measure(config: RunConfig, work: Path) -> dict:
@@ -48,26 +48,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, nargs="+", default=[5, 20])
     p.add_argument("--work", type=Path, default=Path("runs/flower-expected"))
     args = p.parse_args()
-    _common.setup_logging()
-    _common.limit_threads(1)
-    start = _common.machine_info()
+    C.setup_logging()
+    C.limit_threads(1)
+    start = C.machine_info()
     runs = [measure(RunConfig(dataset=args.dataset, data=args.data, clients=c,
                               training=replace(defaults.TRAINING, rounds=r)), args.work)
             for c in args.clients for r in args.rounds]
-    record = {"command": _common.command_line(), "machine": start,
+    record = {"command": C.command_line(), "machine": start,
               "source": "benchmarks/flower_expected.py", "runs": runs}
     old = json.loads(EXPECTED_FILE.read_text())["runs"] if EXPECTED_FILE.is_file() else []
     kept = [r for r in old if r["config"]["dataset"] != args.dataset]
     record["runs"] = kept + runs
-    _common.write_json(EXPECTED_FILE, record)
+    C.write_json(EXPECTED_FILE, record)
     rows = [{"dataset": r["config"]["dataset"], "clients": r["config"]["clients"],
              "rounds": r["config"]["training"]["rounds"], **{k: v for k, v in r.items()
                                                              if k != "config"}}
             for r in record["runs"]]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "expected.md").write_text(
-        f"`{record['command']}`\n\n{_common.machine_line(start)}\n\n"
-        + _common.markdown_table(rows, [(k, k, "") for k in rows[0]]) + "\n")
+        f"`{record['command']}`\n\n{C.machine_line(start)}\n\n"
+        + C.markdown_table(rows, [(k, k, "") for k in rows[0]]) + "\n")
     print((RESULTS / "expected.md").read_text())
 
 

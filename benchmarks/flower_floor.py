@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments import benchmark_support as _common
+from experiments import benchmark_support as C
 from fed_train.deploy import LocalFederation, deploy_local
 from fed_train.flower.settings import FlowerSettings
 
@@ -30,13 +30,13 @@ APP_DIR = Path(__file__).resolve().parent / "flower_floor"
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _common.add_flower_arguments(p)
+    C.add_flower_arguments(p)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` stops the federation
-    _common.setup_logging()
-    load_before = _common.load_average()
+    C.setup_logging()
+    load_before = C.load_average()
     run_dir = args.work / args.tag / "floor"
-    settings = FlowerSettings(run=_common.flower_run_config(args), run_dir=str(run_dir),
+    settings = FlowerSettings(run=C.flower_run_config(args), run_dir=str(run_dir),
                               round_timeout=args.round_timeout, connect_timeout=600.0)
     start = time.perf_counter()
     deploy_local(settings, LocalFederation(clients=args.clients, startup_timeout=120.0,
@@ -46,9 +46,9 @@ def main() -> None:
               if line.strip()]
     summary = {"tag": args.tag, "clients": args.clients, "rounds": args.rounds,
                "floor_s_per_round": float(np.mean([r["seconds"] for r in rounds])),
-               "load_before": load_before, "load_after": _common.load_average()}
-    _common.write_json(args.results / f"floor_{args.tag}.json", {
-        "command": _common.command_line(), "machine": _common.machine_info(),
+               "load_before": load_before, "load_after": C.load_average()}
+    C.write_json(args.results / f"floor_{args.tag}.json", {
+        "command": C.command_line(), "machine": C.machine_info(),
         "summary": summary, "rounds": rounds})
     print(json.dumps(summary))
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import benchmark_support as _common
+from experiments import benchmark_support as C
 from fed_train.algorithms.base import get_weights
 from fed_train.deploy import LocalFederation, deploy_local
 from fed_train.flower.settings import FlowerSettings
@@ -72,7 +72,7 @@ def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import fed_train.flower.client_app"], check=True,
-                       cwd=_common.REPO)
+                       cwd=C.REPO)
         wall.append(time.perf_counter() - start)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
@@ -82,14 +82,14 @@ def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _common.add_flower_arguments(p)
+    C.add_flower_arguments(p)
     args = p.parse_args()
     # `timeout` sends SIGTERM: let it unwind like Ctrl-C, so deploy stops every process it started
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    _common.setup_logging()
-    _common.limit_threads(1)
-    load_before = _common.load_average()
-    config = _common.flower_run_config(args)
+    C.setup_logging()
+    C.limit_threads(1)
+    load_before = C.load_average()
+    config = C.flower_run_config(args)
     work = args.work / args.tag
     sim_dir, flower_dir = work / "simulation", work / "flower"
 
@@ -123,9 +123,9 @@ def main() -> None:
     for engine, run_dir in (("simulation", sim_dir), ("flower", flower_dir)):
         for row in _rows(run_dir):
             rounds.append({"engine": engine, **row})
-    _common.write_csv(args.results / f"rounds_{args.tag}.csv", rounds,
-                      ("engine", "round", "clients", "seconds", "bytes_down", "bytes_up",
-                       "train_loss", "lr"))
+    C.write_csv(args.results / f"rounds_{args.tag}.csv", rounds,
+                ("engine", "round", "clients", "seconds", "bytes_down", "bytes_up",
+                 "train_loss", "lr"))
     flower_rounds = [r for r in rounds if r["engine"] == "flower"]
     sim_s = float(np.mean([r["seconds"] for r in rounds if r["engine"] == "simulation"]))
     flower_s = float(np.mean([r["seconds"] for r in flower_rounds]))
@@ -146,10 +146,10 @@ def main() -> None:
         "federated_knnper_seen": 100 * federated["seen"]["knnper"]["mean"],
         "max_abs_weight_diff": weight_diff, "max_abs_knnper_client_diff": client_diff,
         "clientapp_import_cpu_s": imports["cpu_s"], "clientapp_import_wall_s": imports["wall_s"],
-        "load_before": load_before, "load_after": _common.load_average(),
+        "load_before": load_before, "load_after": C.load_average(),
     }
-    _common.write_json(args.results / f"{args.tag}.json", {
-        "command": _common.command_line(), "machine": _common.machine_info(),
+    C.write_json(args.results / f"{args.tag}.json", {
+        "command": C.command_line(), "machine": C.machine_info(),
         "summary": summary, "simulation_evaluation": sim_eval,
         "flower_evaluation": flower_eval, "federated_evaluation": federated,
         "superlink_run": record["superlink_run"]})
@@ -159,12 +159,12 @@ def main() -> None:
         with open(summary_path) as f:
             rows = [r for r in csv.DictReader(f) if r["tag"] != args.tag]
     rows.append(summary)
-    _common.write_csv(summary_path, rows, SUMMARY_COLUMNS)
+    C.write_csv(summary_path, rows, SUMMARY_COLUMNS)
     numeric = [{k: (v if k in ("tag", "dataset") or v in ("", None)
                     else int(v) if k in ("clients", "rounds") else float(v))
                 for k, v in r.items()} for r in rows]
-    (args.results / "summary.md").write_text(_common.markdown_table(numeric, MARKDOWN) + "\n")
-    print(_common.markdown_table([summary], MARKDOWN))
+    (args.results / "summary.md").write_text(C.markdown_table(numeric, MARKDOWN) + "\n")
+    print(C.markdown_table([summary], MARKDOWN))
 
 
 if __name__ == "__main__":

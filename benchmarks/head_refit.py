@@ -35,15 +35,18 @@ from export.personal_encoder import with_linear_head
 log = logging.getLogger("benchmarks.head_refit")
 
 RECIPE = "flat:int8"
-COLUMNS = ["keys", "add_global_ms", "add_linear_ms", "ratio", "refit_extra_ms", "fit_ms",
-           "lbfgs_iterations"]
+# head_refit.csv's columns and head_refit.md's table, one declaration: (key, header, format)
+TABLE = [
+    ("keys", "stored keys", ","), ("add_global_ms", "add, global base p50 ms", ".1f"),
+    ("add_linear_ms", "add, linear base (refit) p50 ms", ".1f"),
+    ("ratio", "linear / global", ".2f"), ("refit_extra_ms", "refit adds ms", ".1f"),
+    ("fit_ms", "LinearHead.fit alone ms", ".1f"),
+    ("lbfgs_iterations", "L-BFGS iterations", "d"),
+]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--run", default=None, help="run with a trained small CNN (default: random)")
+    p = C.device_parser(__doc__)
     p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[500, 2000, 5000],
                    help="stored keys")
     p.add_argument("--reps", type=C.positive_int, default=20, help="timed adds per bundle")
@@ -82,10 +85,9 @@ def time_adds(bundles: dict[str, Path], images: np.ndarray, labels: np.ndarray,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started, machine = C.start_benchmark(args.out, threads=1)
-    gm = C.load_global_model(args.run, seed=args.seed, max_train=2000 if args.smoke else None)
+    started, machine, gm, pool = C.start_device_benchmark(args, threads=1, queries=50,
+                                                          smoke_train=2000)
     spec, num_classes = gm.spec, gm.num_classes
-    pool = C.key_pool(gm, 50, max(args.sizes), args.seed)
     work = Path(tempfile.mkdtemp(prefix="knnper-refit-"))
     rows = []
     try:
@@ -114,37 +116,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     machine_end = C.machine_info()
-    C.write_csv(args.out / "head_refit.csv", rows, COLUMNS)
     text = report(rows, args, gm.source, machine, machine_end, time.time() - started)
-    (args.out / "head_refit.md").write_text(text)
-    C.write_json(args.out / "head_refit_run.json", C.run_record(
-        args, started, machine=machine, machine_end=machine_end, weights=gm.source))
-    print(text)
+    C.write_results(args, started, text, report="head_refit.md", record="head_refit_run.json",
+                    tables={"head_refit.csv": (rows, [key for key, _, _ in TABLE])},
+                    machine=machine, machine_end=machine_end, weights=gm.source)
     return 0
 
 
 def report(rows: list[dict], args: argparse.Namespace, weights: str, machine: dict,
            machine_end: dict, seconds: float) -> str:
-    table = C.markdown_table(rows, [
-        ("keys", "stored keys", ","), ("add_global_ms", "add, global base p50 ms", ".1f"),
-        ("add_linear_ms", "add, linear base (refit) p50 ms", ".1f"),
-        ("ratio", "linear / global", ".2f"), ("refit_extra_ms", "refit adds ms", ".1f"),
-        ("fit_ms", "LinearHead.fit alone ms", ".1f"),
-        ("lbfgs_iterations", "L-BFGS iterations", "d"),
-    ])
-    return "\n".join([
-        *C.report_head("Edge runtime: what refitting the linear head adds to `add`", machine,
-                       machine_end, "One thread for onnxruntime and BLAS. "
-                       f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder, "
-                       f"{RECIPE} datastore."),
-        "",
+    return C.report_text(
+        C.report_head("Edge runtime: what refitting the linear head adds to `add`", machine,
+                      machine_end, "One thread for onnxruntime and BLAS. "
+                      f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder, "
+                      f"{RECIPE} datastore."),
         f"Medians of {args.reps} interleaved `add` calls of one image each (fifo: the "
         "datastore keeps its size); each commits the bundle crash-safely. The linear bundle's "
         "also refits the head on every stored key, writes its file and opens a new session.",
-        "",
-        table,
-        "",
-    ])
+        C.markdown_table(rows, TABLE),
+    )
 
 
 if __name__ == "__main__":

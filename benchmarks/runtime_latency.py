@@ -150,12 +150,11 @@ def agreement(runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray,
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # the thread count for torch, BLAS and OpenMP; onnxruntime and hnswlib get it below
-    started, machine_start = C.start_benchmark(args.out, args.threads)
+    started, machine_start, gm, pool = C.start_device_benchmark(
+        args, threads=args.threads, queries=args.queries, smoke_train=1000)
     import torch  # after argparse, so --help is instant
 
-    gm = C.load_global_model(args.run, seed=args.seed, max_train=1000 if args.smoke else None)
     spec, model, num_classes = gm.spec, gm.model, gm.num_classes
-    pool = C.key_pool(gm, args.queries, max(args.sizes), args.seed)
     pool_idx, z_pool, y_pool = pool.pool_idx, pool.z, pool.y
     queries, y_queries = pool.queries, pool.query_labels
 
@@ -227,12 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     machine_end = C.machine_info()
     columns = [c.replace("b256", f"b{args.batch}") for c in COLUMNS]
-    C.write_csv(args.out / "latency.csv", rows, columns)
     text = report(rows, args, gm.source, machine_start, machine_end, time.time() - started)
-    (args.out / "latency.md").write_text(text)
-    C.write_json(args.out / "run.json", C.run_record(
-        args, started, machine_start=machine_start, machine_end=machine_end, weights=gm.source))
-    print(text)
+    C.write_results(args, started, text, report="latency.md", record="run.json",
+                    tables={"latency.csv": (rows, columns)}, machine_start=machine_start,
+                    machine_end=machine_end, weights=gm.source)
     return 0
 
 
@@ -258,11 +255,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
         ("speedup_throughput", "throughput ratio", ".2f"),
         ("argmax_agreement", "argmax agree", ".3f"),
     ])
-    return "\n".join([
-        *C.report_head("Edge runtime latency: Runtime vs the torch float32 path", machine_start,
-                       machine_end, f"Threads: {args.threads} for onnxruntime, torch, BLAS and "
-                       f"hnswlib. Took {seconds:.0f} s."),
-        "",
+    return C.report_text(
+        C.report_head("Edge runtime latency: Runtime vs the torch float32 path", machine_start,
+                      machine_end, f"Threads: {args.threads} for onnxruntime, torch, BLAS and "
+                      f"hnswlib. Took {seconds:.0f} s."),
         f"Weights: {weights} (latency does not depend on the weight values). Encoder: "
         f"{args.encoder} ONNX. Keys: torch embeddings of Fashion-MNIST images; sizes beyond the "
         f"real images are copies plus noise ({args.noise} x per-dimension std). Queries: "
@@ -271,13 +267,10 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
         "share of the queries on which both paths predict the same class (the int8 encoder "
         "against float32 torch; with random weights the logits are nearly flat and flip "
         "easily, so read it only with --run).",
-        "",
         f"Batch 1: {args.reps} timed calls per path ({args.warmup} warm-up), interleaved. "
         f"Batch {b}: median of {args.batch_reps} calls.",
-        "",
         table,
-        "",
-    ])
+    )
 
 
 if __name__ == "__main__":

@@ -239,11 +239,9 @@ def _one_node_model(work: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started, machine = C.start_benchmark(args.out, args.threads)
-
-    gm = C.load_global_model(args.run, seed=args.seed, max_train=1000 if args.smoke else None)
+    started, machine, gm, pool = C.start_device_benchmark(
+        args, threads=args.threads, queries=max(args.batches), smoke_train=1000)
     spec, num_classes = gm.spec, gm.num_classes
-    pool = C.key_pool(gm, max(args.batches), max(args.sizes), args.seed)
     pool_idx, z_pool, y_pool, queries = pool.pool_idx, pool.z, pool.y, pool.queries
 
     rows: list[dict[str, Any]] = []
@@ -316,12 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    C.write_csv(args.out / "memory.csv", rows, COLUMNS)
     text = report(rows, args, gm.source, machine, time.time() - started)
-    (args.out / "memory.md").write_text(text)
-    C.write_json(args.out / "run.json",
-                 C.run_record(args, started, machine=machine, weights=gm.source))
-    print(text)
+    C.write_results(args, started, text, report="memory.md", record="run.json",
+                    tables={"memory.csv": (rows, COLUMNS)}, machine=machine, weights=gm.source)
     bad = [r for r in rows if r.get("backend") and r["server_side_imported"] != "none"]
     if bad:
         log.error("the edge runtime imported server-side packages: %s", bad[0])

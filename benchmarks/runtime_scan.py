@@ -18,7 +18,7 @@ a ratio to another measured in the same run.
   (edge_runtime/knn.py, _BLOCKWISE_MIN_KEYS_PER_K).
 - BLAS threads: the batch-1 search at 1 and at 2 BLAS threads.
 Timings interleave the variants call by call and report medians. Keys are Gaussian (speed does
-not depend on their values). Outputs in OUT: scan.csv, topk.csv, scan.md, run.json.
+not depend on their values). Outputs in OUT: scan.csv, topk.csv, scan.md, scan_run.json.
 """
 
 from __future__ import annotations
@@ -49,7 +49,12 @@ SCAN_COLUMNS = ["keys", "batch", "dim", "dtype", "key_bytes", "scan_ms", "intege
                 "scan_share_of_memory", "scan_ms_np_layout", "layout_speedup",
                 "kneighbors_ms", "kneighbors_ms_2_threads", "threads_2_over_1",
                 "scan_ms_vs_fp32", "bytes_vs_fp32"]
-TOPK_COLUMNS = ["keys", "k", "argpartition_ms", "blockwise_ms", "blockwise_speedup"]
+# topk.csv's columns and the report's top-k table, one declaration: (key, header, format)
+TOPK_TABLE = [
+    ("keys", "keys", ","), ("k", "k", ""), ("argpartition_ms", "argpartition ms", ".4f"),
+    ("blockwise_ms", "blockwise ms", ".4f"),
+    ("blockwise_speedup", "argpartition / blockwise", ".2f"),
+]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -194,14 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         scans = scan_rows(args, rng, memory_bps)
         topk = topk_rows(args, rng)
     machine_end = C.machine_info()
-    C.write_csv(args.out / "scan.csv", scans, SCAN_COLUMNS)
-    C.write_csv(args.out / "topk.csv", topk, TOPK_COLUMNS)
     text = report(scans, topk, memory_bps, machine, machine_end, time.time() - started)
-    (args.out / "scan.md").write_text(text)
-    C.write_json(args.out / "scan_run.json", C.run_record(
-        args, started, machine=machine, machine_end=machine_end,
-        memory_read_gb_s=memory_bps / 1e9))
-    print(text)
+    C.write_results(args, started, text, report="scan.md", record="scan_run.json",
+                    tables={"scan.csv": (scans, SCAN_COLUMNS),
+                            "topk.csv": (topk, [key for key, _, _ in TOPK_TABLE])},
+                    machine=machine, machine_end=machine_end, memory_read_gb_s=memory_bps / 1e9)
     return 0
 
 
@@ -221,16 +223,10 @@ def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict
         ("kneighbors_ms_2_threads", "search ms, 2 threads", ".3f"),
         ("threads_2_over_1", "2 threads / 1", ".2f"),
     ])
-    topk_table = C.markdown_table(topk, [
-        ("keys", "keys", ","), ("k", "k", ""), ("argpartition_ms", "argpartition ms", ".4f"),
-        ("blockwise_ms", "blockwise ms", ".4f"),
-        ("blockwise_speedup", "argpartition / blockwise", ".2f"),
-    ])
-    return "\n".join([
-        *C.report_head("Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
-                       machine, machine_end, "One BLAS thread unless a column says otherwise. "
-                       f"Took {seconds:.0f} s."),
-        "",
+    return C.report_text(
+        C.report_head("Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
+                      machine, machine_end, "One BLAS thread unless a column says otherwise. "
+                      f"Took {seconds:.0f} s."),
         f"Memory read speed (np.max over a float32 array far larger than the caches, one core): "
         f"{memory_bps / 1e9:.2f} GB/s. Scan = one query's distance products with every key, "
         "over the keys as the runtime holds them ([p, n], stored dtype; int8 and fp16 widened "
@@ -239,15 +235,11 @@ def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict
         "GB/s = key bytes / numpy scan time. [n, p] scan = the float32 product "
         "over keys stored [n, p], the runtime's earlier layout. Search = the whole batch-1 "
         "kneighbors (distances, top-k, ordering).",
-        "",
         scan_table,
-        "",
         "Top-k of one row of distances (k = 10): argpartition / blockwise > 1 means the "
         "blockwise top-k is faster.",
-        "",
-        topk_table,
-        "",
-    ])
+        C.markdown_table(topk, TOPK_TABLE),
+    )
 
 
 if __name__ == "__main__":

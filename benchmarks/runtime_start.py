@@ -54,18 +54,27 @@ done = time.time()
 print(f'{{"start": {start}, "imported": {imported}, "loaded": {loaded}, "done": {done}}}')
 """
 
-START_COLUMNS = ["encoder", "runs", "spawn_to_first_ms", "interpreter_ms", "imports_ms",
-                 "load_ms", "first_predict_ms"]
-B1_COLUMNS = ["recipe", "keys", "encoder_ms", "end_to_end_ms", "ratio", "within_1_5",
-              "within_1_15", "numpy_head_ms", "numpy_head_ratio",
-              "portable_ms", "portable_ratio"]
+# each table's CSV columns and markdown table, one declaration: (key, header, format)
+START_TABLE = [
+    ("encoder", "bundle encoder", ""), ("runs", "processes", ""),
+    ("spawn_to_first_ms", "spawn to first prediction ms", ".1f"),
+    ("interpreter_ms", "interpreter start ms", ".1f"), ("imports_ms", "imports ms", ".1f"),
+    ("load_ms", "Runtime.load ms", ".1f"), ("first_predict_ms", "first call ms", ".1f"),
+]
+B1_TABLE = [
+    ("recipe", "recipe", ""), ("keys", "keys", ","),
+    ("encoder_ms", "encoder alone p50 ms", ".3f"),
+    ("end_to_end_ms", "end to end p50 ms", ".3f"), ("ratio", "end to end / encoder", ".2f"),
+    ("within_1_5", "<= 1.5x", ""), ("within_1_15", "<= 1.15x", ""),
+    ("numpy_head_ms", "encoder + numpy head p50 ms", ".3f"),
+    ("numpy_head_ratio", "numpy head / encoder", ".2f"),
+    ("portable_ms", "portable predictor p50 ms", ".3f"),
+    ("portable_ratio", "portable / encoder", ".2f"),
+]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--run", default=None, help="run with a trained small CNN (default: random)")
+    p = C.device_parser(__doc__)
     p.add_argument("--starts", type=C.positive_int, default=15, help="processes per encoder")
     p.add_argument("--reps", type=C.positive_int, default=1000, help="timed batch-1 calls")
     p.add_argument("--recipes", nargs="+", default=["flat:fp32", "flat:int8"])
@@ -125,10 +134,9 @@ def batch1(rt: Runtime, images: np.ndarray, reps: int) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started, machine = C.start_benchmark(args.out, threads=1)
-    gm = C.load_global_model(args.run, seed=args.seed, max_train=2000 if args.smoke else None)
+    started, machine, gm, pool = C.start_device_benchmark(args, threads=1, queries=200,
+                                                          smoke_train=2000)
     spec, num_classes = gm.spec, gm.num_classes
-    pool = C.key_pool(gm, 200, max(args.sizes), args.seed)
     pool_idx, z_pool, y_pool = pool.pool_idx, pool.z, pool.y
     singles = [pool.queries[i:i + 1] for i in range(len(pool.queries))]
     work = Path(tempfile.mkdtemp(prefix="knnper-start-"))
@@ -169,54 +177,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     machine_end = C.machine_info()
-    C.write_csv(args.out / "start.csv", starts, START_COLUMNS)
-    C.write_csv(args.out / "batch1.csv", b1, B1_COLUMNS)
     text = report(starts, b1, args, gm.source, machine, machine_end, time.time() - started)
-    (args.out / "start.md").write_text(text)
-    C.write_json(args.out / "start_run.json", C.run_record(
-        args, started, machine=machine, machine_end=machine_end, weights=gm.source))
-    print(text)
+    C.write_results(args, started, text, report="start.md", record="start_run.json",
+                    tables={"start.csv": (starts, [key for key, _, _ in START_TABLE]),
+                            "batch1.csv": (b1, [key for key, _, _ in B1_TABLE])},
+                    machine=machine, machine_end=machine_end, weights=gm.source)
     return 0
 
 
 def report(starts: list[dict], b1: list[dict], args: argparse.Namespace, weights: str,
            machine: dict, machine_end: dict, seconds: float) -> str:
-    start_table = C.markdown_table(starts, [
-        ("encoder", "bundle encoder", ""), ("runs", "processes", ""),
-        ("spawn_to_first_ms", "spawn to first prediction ms", ".1f"),
-        ("interpreter_ms", "interpreter start ms", ".1f"), ("imports_ms", "imports ms", ".1f"),
-        ("load_ms", "Runtime.load ms", ".1f"), ("first_predict_ms", "first call ms", ".1f"),
-    ])
-    b1_table = C.markdown_table(b1, [
-        ("recipe", "recipe", ""), ("keys", "keys", ","),
-        ("encoder_ms", "encoder alone p50 ms", ".3f"),
-        ("end_to_end_ms", "end to end p50 ms", ".3f"), ("ratio", "end to end / encoder", ".2f"),
-        ("within_1_5", "<= 1.5x", ""), ("within_1_15", "<= 1.15x", ""),
-        ("numpy_head_ms", "encoder + numpy head p50 ms", ".3f"),
-        ("numpy_head_ratio", "numpy head / encoder", ".2f"),
-        ("portable_ms", "portable predictor p50 ms", ".3f"),
-        ("portable_ratio", "portable / encoder", ".2f"),
-    ])
-    return "\n".join([
-        *C.report_head("Edge runtime: process start to first prediction, batch-1 latency vs the "
-                       "encoder", machine, machine_end, "One thread for onnxruntime and BLAS. "
-                       f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder."),
-        "",
+    return C.report_text(
+        C.report_head("Edge runtime: process start to first prediction, batch-1 latency vs the "
+                      "encoder", machine, machine_end, "One thread for onnxruntime and BLAS. "
+                      f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder."),
         f"Start: medians over {args.starts} fresh processes per encoder, each loading a "
         f"{args.recipes[0]} bundle of {min(args.sizes):,} keys and predicting one image.",
-        "",
-        start_table,
-        "",
+        C.markdown_table(starts, START_TABLE),
         f"Batch 1: medians of {args.reps} interleaved calls; encoder alone = Runtime.embed "
         "(input checks, normalisation, ONNX session); end to end = Runtime.predict_proba (one "
         "onnxruntime session for flat fp32 / int8); numpy head = the encoder then the numpy "
         "kNN head (the reference path, used for HNSW and fp16); "
         "portable predictor = the same prediction as one onnxruntime session "
         "(knnper-edge export-onnx, keys baked in, raw uint8 input).",
-        "",
-        b1_table,
-        "",
-    ])
+        C.markdown_table(b1, B1_TABLE),
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from experiments import benchmark_support as _common
+from experiments import benchmark_support as C
 
 CHILD = """
 import json, sys, time
@@ -50,15 +50,15 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/threads"),
                    help="folder for threads.csv and threads.md")
     args = p.parse_args()
-    _common.setup_logging()
-    info = _common.machine_info()
+    C.setup_logging()
+    info = C.machine_info()
     rows = []
     for name, shape in SHAPES.items():
         row: dict = {"data": name, "shape": "x".join(map(str, shape))}
         for threads in args.threads:
             times = sorted(
-                _common.run_child(CHILD, [str(threads), str(args.steps), json.dumps(shape)],
-                                  threads=threads)["ms_per_step"]
+                C.run_child(CHILD, [str(threads), str(args.steps), json.dumps(shape)],
+                            threads=threads)["ms_per_step"]
                 for _ in range(args.repeats))
             row[f"ms_{threads}"] = times[len(times) // 2]
         best = min(args.threads, key=lambda t: row[f"ms_{t}"])
@@ -68,10 +68,10 @@ def main() -> None:
     columns += [(f"ms_{t}", f"ms/step, {t} thread(s)", ".2f") for t in args.threads]
     columns += [("fastest", "fastest", "")]
     args.out.mkdir(parents=True, exist_ok=True)
-    _common.write_csv(args.out / "threads.csv", rows, [c[0] for c in columns])
-    table = _common.markdown_table(rows, columns)
+    C.write_csv(args.out / "threads.csv", rows, [c[0] for c in columns])
+    table = C.markdown_table(rows, columns)
     (args.out / "threads.md").write_text(
-        f"`{_common.command_line()}`\n\n{_common.machine_line(info)}\n\n{table}\n")
+        f"`{C.command_line()}`\n\n{C.machine_line(info)}\n\n{table}\n")
     print(table)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments import benchmark_support as _common
+from experiments import benchmark_support as C
 from fed_train.accelerator import resolve_device
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, get_weights
@@ -102,14 +102,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="timed rounds (after one warm-up)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--results", default=str(_common.REPO / "benchmarks" / "results" /
+    p.add_argument("--results", default=str(C.REPO / "benchmarks" / "results" /
                                             "train_throughput"))
     args = p.parse_args()
-    _common.setup_logging()
-    _common.limit_threads(args.threads)
+    C.setup_logging()
+    C.limit_threads(args.threads)
     device = resolve_device(args.device)
     clients = synthetic_clients(args.clients, args.samples, device)
-    start_info = _common.machine_info()
+    start_info = C.machine_info()
     rows, sequential = [], {}
     for text in args.cases:
         case = Case.parse(text)
@@ -127,17 +127,17 @@ def main() -> None:
                      "samples_per_s": args.clients * args.samples / seconds,
                      "speedup_vs_seq": None if base is None else base / seconds})
     out = Path(args.results)
-    _common.write_json(out / f"{args.tag}.json", {"command": _common.command_line(),
-                                                   "machine": start_info,
-                                                   "load_after": _common.machine_info().get(
-                                                       "loadavg_1_5_15"),
-                                                   "rows": rows})
-    _common.write_csv(out / f"{args.tag}.csv", rows, COLUMNS)
-    print(_common.markdown_table(rows, [("case", "case", ""), ("mode", "ran", ""),
-                                        ("device", "device", ""),
-                                        ("seconds_per_round", "s/round", ".2f"),
-                                        ("samples_per_s", "samples/s", ",.0f"),
-                                        ("speedup_vs_seq", "vs seq", ".2f")]))
+    C.write_json(out / f"{args.tag}.json", {"command": C.command_line(),
+                                             "machine": start_info,
+                                             "load_after": C.machine_info().get(
+                                                 "loadavg_1_5_15"),
+                                             "rows": rows})
+    C.write_csv(out / f"{args.tag}.csv", rows, COLUMNS)
+    print(C.markdown_table(rows, [("case", "case", ""), ("mode", "ran", ""),
+                                  ("device", "device", ""),
+                                  ("seconds_per_round", "s/round", ".2f"),
+                                  ("samples_per_s", "samples/s", ",.0f"),
+                                  ("speedup_vs_seq", "vs seq", ".2f")]))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,12 @@ def report_head(title: str, start: dict[str, Any], end: dict[str, Any], note: st
             f"{end.get('loadavg_1_5_15')}). {note}"]
 
 
+def report_text(head: list[str], *blocks: str) -> str:
+    """A report's markdown: report_head's lines, then each block (a paragraph, a table) after a
+    blank line; it ends with a newline."""
+    return "\n\n".join(["\n".join(head), *blocks]) + "\n"
+
+
 def start_benchmark(out: Path, threads: int) -> tuple[float, dict[str, Any]]:
     """A benchmark's first steps: logging, one thread count (limit_threads), its output folder.
     Returns the start time and the machine as it was then (report_head states the load both at
@@ -133,6 +139,19 @@ def run_record(args: argparse.Namespace, started: float, **fields: Any) -> dict[
     return {"command": command_line(), **fields,
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "seconds": time.time() - started}
+
+
+def write_results(args: argparse.Namespace, started: float, text: str, *, report: str,
+                  record: str, tables: dict[str, tuple[Sequence[dict[str, Any]], Sequence[str]]],
+                  **fields: Any) -> None:
+    """A benchmark's outputs in args.out, all written at its end: each CSV table (file name:
+    rows and columns), the markdown report `text` (also printed) and its run record
+    (run_record with `fields`)."""
+    for name, (rows, columns) in tables.items():
+        write_csv(args.out / name, rows, columns)
+    (args.out / report).write_text(text)
+    write_json(args.out / record, run_record(args, started, **fields))
+    print(text)
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
@@ -333,6 +352,17 @@ def key_pool(gm: GlobalModel, queries: int, most_keys: int, seed: int) -> KeyPoo
                    images(gm.dataset, query_idx), labels(gm.dataset, query_idx))
 
 
+def start_device_benchmark(args: argparse.Namespace, *, threads: int, queries: int,
+                           smoke_train: int) -> tuple[float, dict[str, Any], GlobalModel, KeyPool]:
+    """The device benchmarks' first steps (flags --out, --run, --seed, --sizes, --smoke):
+    start_benchmark, the global model (its data set cut to `smoke_train` training images
+    under --smoke, to keep the check quick) and a key pool for the largest size."""
+    started, machine = start_benchmark(args.out, threads)
+    gm = load_global_model(args.run, seed=args.seed,
+                           max_train=smoke_train if args.smoke else None)
+    return started, machine, gm, key_pool(gm, queries, max(args.sizes), args.seed)
+
+
 def images(dataset: Any, idx: np.ndarray) -> np.ndarray:
     n_train = len(dataset.y_train)
     train = idx < n_train
@@ -426,14 +456,21 @@ def recipe_label(recipe: str) -> str:
     return parse_recipe(recipe)[0]
 
 
-def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
-    """The flags the latency and memory benchmarks share: where to write, which model, which
-    datastores at which sizes; each script adds its own."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def device_parser(doc: str, formatter: type[argparse.HelpFormatter] =
+                  argparse.ArgumentDefaultsHelpFormatter) -> argparse.ArgumentParser:
+    """The flags every device benchmark opens with: where to write, which model
+    (load_global_model); each script adds its own."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=formatter)
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--run", default=None,
                    help="run directory with a trained small CNN (default: random weights)")
+    return p
+
+
+def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags the latency and memory benchmarks share: device_parser's, and which
+    datastores at which sizes; each script adds its own."""
+    p = device_parser(doc, argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[1000, 10_000, 100_000],
                    help="datastore sizes (keys)")
     p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES),

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments import benchmark_support as common
+from experiments import benchmark_support as C
 from experiments.spec import Claim, Experiment, ExperimentError, Result
 
 SUMMARY_FILE = "summary.md"
@@ -114,9 +114,9 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
                  scale_line: str, started: float, settings: dict[str, Any]) -> Path:
     """Write points.csv, clients.csv, summary.md and the settings they were measured with
     (refuse_other_report reads them) into `out`; returns the summary's path."""
-    common.write_csv(out / "points.csv", result.points, result.point_columns)
+    C.write_csv(out / "points.csv", result.points, result.point_columns)
     if result.clients:
-        common.write_csv(out / "clients.csv", result.clients, result.client_columns)
+        C.write_csv(out / "clients.csv", result.clients, result.client_columns)
     computed = (result.compute_seconds if result.compute_seconds is not None
                 else sum(float(p.get("seconds") or 0) for p in result.points))
     lines = [
@@ -132,7 +132,7 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
         f"its points as recorded when each was computed (by this or an earlier, interrupted "
         f"invocation; a point that first needed a global model includes its training, a "
         f"model trained by another experiment is not counted): {computed:.0f} s. Machine: "
-        f"{common.machine_line(common.machine_info())}.",
+        f"{C.machine_line(C.machine_info())}.",
         "",
         "## Claims",
         "",
@@ -142,7 +142,7 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
         "",
         "## Points",
         "",
-        common.markdown_table(result.points, result.table),
+        C.markdown_table(result.points, result.table),
         "",
         *(f"{note}\n" for note in result.notes),
         "Files: points.csv (every point)" + (", clients.csv (every client at every point)"
