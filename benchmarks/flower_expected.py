@@ -3,8 +3,9 @@ kNN-Per accuracies of the in-process simulation (Flower reaches the same weights
 BENCHMARKS.md) at a few sizes of the default settings, with seconds per round of the training
 alone. `deploy local` prints the measured size nearest to the user's run.
 
-Writes fed_train/flower/expected.json (shipped with the package) and
-benchmarks/results/flower/expected.md. Resumable: each size's run directory is kept in --work.
+Writes fed_train/flower/expected.json (shipped with the package; --expected writes elsewhere)
+and benchmarks/results/flower/expected.md (--results). Resumable: each size's run directory is
+kept in --work.
 
     python benchmarks/flower_expected.py --dataset digits --clients 5 10 20 --rounds 5 20
 """
@@ -47,6 +48,10 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[5, 10, 20])
     p.add_argument("--rounds", type=int, nargs="+", default=[5, 20])
     p.add_argument("--work", type=Path, default=Path("runs/flower-expected"))
+    p.add_argument("--expected", type=Path, default=EXPECTED_FILE,
+                   help="the JSON `deploy local` reads (default: the package's own)")
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="folder for expected.md (default: benchmarks/results/flower)")
     args = p.parse_args()
     C.setup_logging()
     C.limit_threads(1)
@@ -56,19 +61,19 @@ def main() -> None:
             for c in args.clients for r in args.rounds]
     record = {"command": C.command_line(), "machine": start,
               "source": "benchmarks/flower_expected.py", "runs": runs}
-    old = json.loads(EXPECTED_FILE.read_text())["runs"] if EXPECTED_FILE.is_file() else []
+    old = json.loads(args.expected.read_text())["runs"] if args.expected.is_file() else []
     kept = [r for r in old if r["config"]["dataset"] != args.dataset]
     record["runs"] = kept + runs
-    C.write_json(EXPECTED_FILE, record)
+    C.write_json(args.expected, record)
     rows = [{"dataset": r["config"]["dataset"], "clients": r["config"]["clients"],
              "rounds": r["config"]["training"]["rounds"], **{k: v for k, v in r.items()
                                                              if k != "config"}}
             for r in record["runs"]]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "expected.md").write_text(
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "expected.md").write_text(
         f"`{record['command']}`\n\n{C.machine_line(start)}\n\n"
         + C.markdown_table(rows, [(k, k, "") for k in rows[0]]) + "\n")
-    print((RESULTS / "expected.md").read_text())
+    print((args.results / "expected.md").read_text())
 
 
 if __name__ == "__main__":

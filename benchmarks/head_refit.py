@@ -72,15 +72,9 @@ def time_adds(bundles: dict[str, Path], images: np.ndarray, labels: np.ndarray,
               reps: int) -> dict[str, float]:
     """Median seconds of one `add` per bundle, alternating which goes first."""
     runtimes = {name: Runtime.load(path) for name, path in bundles.items()}
-    times = {name: np.empty(reps) for name in bundles}
-    for i in range(reps):
-        x, y = images[i % len(images)][None], labels[i % len(labels)][None]
-        order = list(runtimes.items()) if i % 2 == 0 else list(reversed(runtimes.items()))
-        for name, rt in order:
-            t0 = time.perf_counter()
-            rt.add(x, y, strategy="fifo")
-            times[name][i] = time.perf_counter() - t0
-    return {name: float(np.median(t)) for name, t in times.items()}
+    adds = {name: lambda xy, rt=rt: rt.add(*xy, strategy="fifo") for name, rt in runtimes.items()}
+    samples = [(images[i][None], labels[i][None]) for i in range(len(images))]
+    return C.interleaved_medians(adds, samples, reps, warmup=0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

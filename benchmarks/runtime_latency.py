@@ -35,7 +35,6 @@ Outputs in OUT: latency.csv, latency.md (the table, command line, machine), run.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import shutil
 import sys
@@ -94,36 +93,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def interleaved_times(paths: dict[str, Callable[[np.ndarray], Any]], inputs: Sequence[np.ndarray],
-                      reps: int, warmup: int) -> dict[str, np.ndarray]:
-    """Seconds per call of each path, the paths alternating call by call on the same input."""
-    names = list(paths)
-    for i in range(warmup):
-        for name in names:
-            paths[name](inputs[i % len(inputs)])
-    times = {name: np.empty(reps) for name in names}
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(reps):
-            x = inputs[i % len(inputs)]
-            for name in names if i % 2 == 0 else names[::-1]:
-                start = time.perf_counter()
-                paths[name](x)
-                times[name][i] = time.perf_counter() - start
-    finally:
-        gc.enable()
-    return times
-
-
 def measure(runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray,
             args: argparse.Namespace) -> dict[str, float]:
     paths = {"runtime": runtime_fn, "torch": torch_fn}
     singles = [queries[i:i + 1] for i in range(len(queries))]
-    b1 = interleaved_times(paths, singles, args.reps, args.warmup)
+    b1 = C.interleaved_times(paths, singles, args.reps, args.warmup)
     batches = [queries[s:s + args.batch] for s in range(0, len(queries) - args.batch + 1,
                                                          args.batch)]
-    bb = interleaved_times(paths, batches, args.batch_reps, min(args.warmup, 3))
+    bb = C.interleaved_times(paths, batches, args.batch_reps, min(args.warmup, 3))
     row: dict[str, float] = {}
     for name in paths:
         row[f"b1_p50_ms_{name}"] = 1e3 * float(np.percentile(b1[name], 50))

@@ -24,7 +24,6 @@ not depend on their values). Outputs in OUT: scan.csv, topk.csv, scan.md, scan_r
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import sys
 import time
@@ -79,20 +78,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def medians(paths: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
-    """Median seconds per call of each path, the paths alternating call by call."""
-    for fn in paths.values():
-        fn()
-    times = {name: np.empty(reps) for name in paths}
-    gc.disable()
-    try:
-        for i in range(reps):
-            for name, fn in (paths.items() if i % 2 == 0 else reversed(paths.items())):
-                start = time.perf_counter()
-                fn()
-                times[name][i] = time.perf_counter() - start
-    finally:
-        gc.enable()
-    return {name: float(np.median(t)) for name, t in times.items()}
+    """Median seconds per call of each path (they take no input), after one warm-up call."""
+    return C.interleaved_medians({name: lambda _, fn=fn: fn() for name, fn in paths.items()},
+                                 [None], reps, warmup=1)
 
 
 def memory_read_speed(gib: float) -> float:

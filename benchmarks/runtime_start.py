@@ -18,7 +18,6 @@ Outputs in OUT: start.csv, batch1.csv, start.md, start_run.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -115,21 +114,7 @@ def batch1(rt: Runtime, images: np.ndarray, reps: int) -> dict[str, float]:
     paths = {"encoder": rt.embed, "end_to_end": rt.predict_proba,
              "numpy_head": lambda x: rt.posterior(*rt.embed(x)),
              "portable": lambda x: portable.run(["probabilities"], {"input": x})}
-    times = {name: np.empty(reps) for name in paths}
-    for i in range(20):
-        for fn in paths.values():
-            fn(images[i % len(images)])
-    gc.disable()
-    try:
-        for i in range(reps):
-            x = images[i % len(images)]
-            for name, fn in (paths.items() if i % 2 == 0 else reversed(paths.items())):
-                t0 = time.perf_counter()
-                fn(x)
-                times[name][i] = time.perf_counter() - t0
-    finally:
-        gc.enable()
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return C.interleaved_medians(paths, images, reps, warmup=20)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import logging
 import os
@@ -531,3 +532,35 @@ def run_child(code: str, args: Sequence[str], *, threads: int,
         last = (proc.stderr.strip().splitlines() or ["no output on stderr"])[-1]
         raise RuntimeError(f"child process failed with exit code {proc.returncode}: {last}")
     return parse(proc.stdout.strip().splitlines()[-1])
+
+
+def interleaved_times(paths: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], reps: int,
+                      warmup: int) -> dict[str, np.ndarray]:
+    """Seconds of each call of each path on the same input, the paths alternating call by call
+    (and which goes first, round by round), after `warmup` untimed rounds, with the garbage
+    collector off: what one path pays, the others pay in the same seconds of a shared, noisy
+    machine, so their ratio is fair."""
+    names = list(paths)
+    for i in range(warmup):
+        for name in names:
+            paths[name](inputs[i % len(inputs)])
+    times = {name: np.empty(reps) for name in names}
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(reps):
+            x = inputs[i % len(inputs)]
+            for name in names if i % 2 == 0 else names[::-1]:
+                start = time.perf_counter()
+                paths[name](x)
+                times[name][i] = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return times
+
+
+def interleaved_medians(paths: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], reps: int,
+                        warmup: int) -> dict[str, float]:
+    """The median of each path's `interleaved_times`."""
+    return {name: float(np.median(t))
+            for name, t in interleaved_times(paths, inputs, reps, warmup).items()}
