@@ -198,19 +198,6 @@ def _rates(counts: np.ndarray) -> tuple[float, float]:
     return float(correct / n), float(nll / n)
 
 
-def choose_lambda(
-    p_local: np.ndarray,
-    p_global: np.ndarray,
-    y: np.ndarray,
-    grid: tuple[float, ...] = LAMBDA_GRID,
-) -> float:
-    """The grid value ranked first by `choice_key` on a validation split; 0.5 without one.
-
-    Validation splits are small, so accuracy often ties; the log-loss still tells most grid
-    values apart, and what it cannot goes to the smaller lambda (the global model)."""
-    return LambdaRule(grid=tuple(grid)).choose(p_local, p_global, y)
-
-
 Posteriors = tuple[np.ndarray | None, np.ndarray, np.ndarray]
 
 

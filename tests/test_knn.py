@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from edge_runtime.knn import (
+    CLIENT_RULE,
     KNNHead,
-    choose_lambda,
     exact_search,
     interpolate,
     kernel_posterior,
@@ -72,20 +72,20 @@ def test_lambda_out_of_range_is_refused():
         interpolate(np.ones((1, 2)) / 2, np.ones((1, 2)) / 2, 1.5)
 
 
-def test_choose_lambda_prefers_the_source_that_is_right():
+def test_the_paper_rule_prefers_the_source_that_is_right():
     y = np.array([0, 0, 1])
     p_knn = np.array([[0.9, 0.1], [0.8, 0.2], [0.1, 0.9]])  # always right
     p_global = np.array([[0.1, 0.9], [0.2, 0.8], [0.9, 0.1]])  # always wrong
-    assert choose_lambda(p_knn, p_global, y) == 1.0  # right and most confident
-    assert choose_lambda(p_global, p_knn, y) == 0.0
+    assert CLIENT_RULE.choose(p_knn, p_global, y) == 1.0  # right and most confident
+    assert CLIENT_RULE.choose(p_global, p_knn, y) == 0.0
 
 
-def test_choose_lambda_breaks_accuracy_ties_by_validation_log_loss():
+def test_the_paper_rule_breaks_accuracy_ties_by_validation_log_loss():
     y = np.array([0, 1])
     p_knn = np.array([[0.99, 0.01], [0.01, 0.99]])
     p_global = np.array([[0.6, 0.4], [0.4, 0.6]])  # also right, less sure
-    assert choose_lambda(p_knn, p_global, y) == 1.0
-    assert choose_lambda(np.full((2, 2), 0.5), p_global, y) == 0.0
+    assert CLIENT_RULE.choose(p_knn, p_global, y) == 1.0
+    assert CLIENT_RULE.choose(np.full((2, 2), 0.5), p_global, y) == 0.0
 
 
 def test_softmax_is_stable_for_large_logits():

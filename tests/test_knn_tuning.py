@@ -12,7 +12,6 @@ from edge_runtime.knn import (
     CLIENT_RULE,
     LAMBDA_GRID,
     KNNHead,
-    choose_lambda,
     estimator_evidence,
     interpolate,
     leave_one_out_search,
@@ -226,7 +225,7 @@ def test_estimator_comparison_scores_are_cross_validated_accuracies():
         order = np.random.default_rng([0, v.client_id]).permutation(len(v.y_val))
         halves = (order[: len(order) // 2], order[len(order) // 2:])
         for fit, score in (halves, halves[::-1]):
-            lam = choose_lambda(p_knn[fit], v.p_val[fit], v.y_val[fit])
+            lam = CLIENT_RULE.choose(p_knn[fit], v.p_val[fit], v.y_val[fit])
             p = interpolate(p_knn[score], v.p_val[score], lam)
             right += int(np.sum(p.argmax(1) == v.y_val[score]))
             scored += len(score)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from edge_runtime.knn import (
+    CLIENT_RULE,
     LAMBDA_GRID,
     LambdaRule,
     choice_key,
-    choose_lambda,
     interpolate,
     lambda_counts,
     split_score,
@@ -47,7 +47,7 @@ def _paper_choice(p_local, p_global, y) -> float:
 @pytest.mark.parametrize("seed", range(20))
 def test_client_rule_is_the_papers_choice(seed):
     p_local, p_global, y = _posteriors(30, 4, seed)
-    assert choose_lambda(p_local, p_global, y) == _paper_choice(p_local, p_global, y)
+    assert CLIENT_RULE.choose(p_local, p_global, y) == _paper_choice(p_local, p_global, y)
     assert LambdaRule().choose(p_local, p_global, y) == _paper_choice(p_local, p_global, y)
 
 
@@ -166,8 +166,8 @@ def test_cross_oracle_never_scores_a_choice_on_the_samples_that_made_it():
     y = np.zeros(2, dtype=np.int64)
     p_knn = np.array([[0.0, 1.0], [1.0, 0.0]])
     p_global = 1.0 - p_knn
-    lam = choose_lambda(p_knn, p_global, y)
+    lam = CLIENT_RULE.choose(p_knn, p_global, y)
     assert lam == 0.5 and np.mean(interpolate(p_knn, p_global, lam).argmax(1) == y) == 1.0
-    assert choose_lambda(p_knn[:1], p_global[:1], y[:1]) == 0.0
-    assert choose_lambda(p_knn[1:], p_global[1:], y[1:]) == 1.0
+    assert CLIENT_RULE.choose(p_knn[:1], p_global[:1], y[:1]) == 0.0
+    assert CLIENT_RULE.choose(p_knn[1:], p_global[1:], y[1:]) == 1.0
     assert cross_oracle_accuracy(p_knn, p_global, y, seed=0) == 0.0

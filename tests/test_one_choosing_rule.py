@@ -17,10 +17,10 @@ from edge_runtime.cli import main as edge_main
 from edge_runtime.device_init import init_bundle
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import (
+    CLIENT_RULE,
     KNNHead,
     LambdaRule,
     choice_key,
-    choose_lambda,
     interpolate,
     lambda_counts,
     normalize_embeddings,
@@ -53,7 +53,7 @@ def test_choice_key_ranks_accuracy_then_rounded_log_loss_then_tie_breaks():
     assert choice_key(0.9, 0.301, 0.1) < choice_key(0.9, 0.299, 0.3)  # a tie to 2 decimals
     # ties on accuracy and log-loss go to the smaller lambda
     p_local = np.array([[0.9, 0.1], [0.9, 0.1]])
-    assert choose_lambda(p_local, p_local, np.array([0, 1])) == 0.0
+    assert CLIENT_RULE.choose(p_local, p_local, np.array([0, 1])) == 0.0
 
 
 def _rule(name: str, encoder, seed: int) -> LambdaRule:
