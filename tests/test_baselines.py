@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -196,6 +197,32 @@ def test_clustered_fl_server_state_survives_a_checkpoint(tmp_path):
     assert back.members == before.members and back.round == before.round == 3
     for a, b in zip(back.models, before.models, strict=True):
         assert_same_weights(a, b)
+
+
+def test_clustered_fl_refuses_a_result_whose_state_it_did_not_send():
+    """What a remote client's reply says of its id and cluster is checked before the server
+    aggregates it: its own id, a cluster that exists, and the one it was placed in."""
+    clients = make_clients(swapped=(3, 4, 5))
+    algorithm = ClusteredFL(model_fn, TRAINING, eps1=1e6, eps2=0.0, warmup_rounds=2)
+    sim = train(algorithm, clients)
+    server = ClusterState.unpack(sim.weights)
+    assert len(server.models) >= 2  # client 0 is placed in a cluster; others exist
+    honest = algorithm.client_update(sim.weights, clients[0], {}, 0.01, 0)
+    algorithm.check_result(sim.weights, 0, honest)  # what client_update sends passes
+    placed = server.cluster_of(0)
+    other = next(c for c in range(len(server.models)) if c != placed)
+    for state, why in (({"client_id": 1, "cluster": placed}, "names client 1, not 0"),
+                       ({"client_id": True, "cluster": placed}, "names client True"),
+                       ({"cluster": placed}, "names client None"),
+                       ({"client_id": 0, "cluster": len(server.models)}, "is not one of"),
+                       ({"client_id": 0, "cluster": -1}, "is not one of"),
+                       ({"client_id": 0, "cluster": "0"}, "is not one of"),
+                       ({"client_id": 0, "cluster": other}, f"server placed it in {placed}")):
+        with pytest.raises(ValueError, match=why):
+            algorithm.check_result(sim.weights, 0, replace(honest, state=state))
+    # a client new to the server (no placement yet) may pick any existing cluster
+    algorithm.check_result(sim.weights, 99,
+                           replace(honest, state={"client_id": 99, "cluster": other}))
 
 
 # pFedGP ----------------------------------------------------------------------------------------

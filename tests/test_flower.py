@@ -392,6 +392,21 @@ def test_a_client_sending_another_models_weights_is_refused_by_the_server(tmp_pa
         train_and_evaluate(grid, settings)
 
 
+def test_a_clustered_client_claiming_a_cluster_that_does_not_exist_is_refused(tmp_path):
+    """ClusteredFL's server reads a client's id and cluster from its reply: a crafted one is an
+    unusable reply (one line), never a crash of the server or a membership it did not give."""
+    settings = _settings(tmp_path / "run", algorithm="clustered")
+
+    def crafted(msg: Message, reply: Message) -> None:
+        if reply.metadata.src_node_id == 101 and reply.metadata.message_type == "train":
+            reply.content["state"] = ConfigRecord({"client_id": 1, "cluster": "x"})
+
+    grid = TamperingGrid(settings.to_run_config(), _nodes(), crafted)
+    with pytest.raises(FederationError, match=r"client 1: unusable reply: its state's cluster "
+                                              r"'x' is not one of the 1 clusters"):
+        train_and_evaluate(grid, settings)
+
+
 def test_unusable_sums_or_rows_leave_their_client_out_and_the_run_goes_on(tmp_path):
     """Sums of another shape keep a client out of the kNN-Per choice; a row whose choices JSON
     cannot hold keeps a client out of the evaluation; neither stops the run."""

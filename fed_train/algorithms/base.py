@@ -313,6 +313,13 @@ class FederatedAlgorithm:
         return aggregate_weights(global_weights, [(r.weights, r.num_samples) for r in results],
                                  total_samples)
 
+    def check_result(self, global_weights: Weights, client_id: int,
+                     result: ClientResult) -> None:
+        """Refuse (ValueError) what this method's `client_update` for `client_id` could not
+        have sent from `global_weights`, before a server aggregates a remote client's reply.
+        The weights' shapes and the sample count are the receiver's to check; a method whose
+        server reads the client's `state` checks it here (none does but ClusteredFL)."""
+
     def model_with(self, weights: Weights) -> EmbedHeadModel:
         """A fresh model holding `weights`, in eval mode."""
         model = self.model_fn()

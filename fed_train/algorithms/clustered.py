@@ -141,6 +141,23 @@ class ClusteredFL(FederatedAlgorithm):
         return ClientResult(weights, client.num_train,
                             {"client_id": client.client_id, "cluster": cluster}, loss)
 
+    def check_result(self, global_weights: Weights, client_id: int,
+                     result: ClientResult) -> None:
+        """The server reads the client's id and cluster from its state: they must be the
+        sender's own id and a cluster that exists, and, for a client the server has placed,
+        the cluster it was placed in (only a client new to the server picks its own)."""
+        server = ClusterState.unpack(global_weights)
+        claimed, cluster = result.state.get("client_id"), result.state.get("cluster")
+        if claimed != client_id or isinstance(claimed, bool):
+            raise ValueError(f"its state names client {claimed!r:.40}, not {client_id}")
+        if (not isinstance(cluster, int) or isinstance(cluster, bool)
+                or not 0 <= cluster < len(server.models)):
+            raise ValueError(f"its state's cluster {cluster!r:.40} is not one of the "
+                             f"{len(server.models)} clusters")
+        placed = server.cluster_of(client_id)
+        if placed not in (UNASSIGNED, cluster):
+            raise ValueError(f"it trained cluster {cluster}, the server placed it in {placed}")
+
     def _flat_update(self, result: ClientResult, model: Weights) -> np.ndarray:
         return np.concatenate([(result.weights[n].astype(np.float64)
                                 - model[n].astype(np.float64)).ravel()

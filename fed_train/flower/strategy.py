@@ -18,7 +18,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from edge_runtime.errors import one_line
-from fed_train.algorithms.base import Algorithm, ClientResult, Weights
+from fed_train.algorithms.base import ClientResult, FederatedAlgorithm, Weights
 from fed_train.errors import KnnperError
 from fed_train.evaluation import merge_results
 from fed_train.flower.records import (
@@ -102,7 +102,7 @@ class KnnperStrategy(Strategy):
     """`node_of` maps client id to the SuperNode that serves it; `num_train` the training
     samples of every training client (n_m), as the server's partition says."""
 
-    def __init__(self, algorithm: Algorithm, settings: FlowerSettings, spec: ModelSpec,
+    def __init__(self, algorithm: FederatedAlgorithm, settings: FlowerSettings, spec: ModelSpec,
                  node_of: dict[int, int], num_train: dict[int, int],
                  unseen: dict[int, bool]) -> None:
         self.algorithm, self.settings, self.spec = algorithm, settings, spec
@@ -164,6 +164,7 @@ class KnnperStrategy(Strategy):
         result = ClientResult(weights, reported,
                               from_config_record(reply.content.config_records["state"]),
                               float(metrics["train-loss"]))
+        self.algorithm.check_result(self._global, cid, result)
         return result, arrays.count_bytes(), seconds
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]):
