@@ -28,6 +28,7 @@ from knnper_cli.args import (
     count,
     examples,
     fraction,
+    knn_request,
     output_dir,
     output_file,
     positive_float,
@@ -39,11 +40,8 @@ def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
     return FlowerSettings(run=config_from_args(args), run_dir=args.out, algorithm=args.algorithm,
                           round_timeout=args.round_timeout, connect_timeout=args.connect_timeout,
                           min_train_clients=args.min_train_clients,
-                          eval_methods=tuple(args.eval_methods), knn_config=args.knn_config,
-                          k=args.k or 0, sigma=args.sigma or 0.0,
-                          normalize=args.normalize or "", capacity=args.capacity,
-                          lambda_estimator=args.lambda_estimator or "",
-                          lambda_rule=args.lambda_rule or "", base=args.base or "")
+                          eval_methods=tuple(args.eval_methods), knn=knn_request(args),
+                          capacity=args.capacity)
 
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:

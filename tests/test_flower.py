@@ -280,6 +280,11 @@ def test_a_client_answers_a_mismatched_model_with_an_error_reply(tmp_path):
     ({"run-dir": ""}, "'run-dir'"),
     ({"round-timeout": -1.0}, "round-timeout must be a positive number"),
     ({"eval-methods": "fedavg,magic"}, "unknown evaluation method"),
+    ({"k": -3}, "kNN settings: k must be an integer from 1"),
+    ({"sigma": 1e40}, "kNN settings: sigma must be a number"),
+    ({"lambda-rule": "median"}, "kNN settings: unknown lambda rule 'median'"),
+    ({"knn-config": "best"}, "kNN settings: unknown kNN configuration 'best'"),
+    ({"capacity": 1.5}, "capacity must be in \\(0, 1\\], got 1.5"),
 ])
 def test_bad_run_config_is_a_clear_error(tmp_path, values, message):
     good = _settings(tmp_path).to_run_config()
@@ -290,6 +295,10 @@ def test_bad_run_config_is_a_clear_error(tmp_path, values, message):
 def test_settings_survive_the_run_config():
     settings = _settings(Path("/x"), algorithm="ditto", eval_methods=("ditto", "knnper"))
     assert FlowerSettings.from_run_config(settings.to_run_config()) == settings
+    pinned = _settings(Path("/x"), knn=KNNRequest("paper", k=7, sigma=0.5, normalize="l2",
+                                                  lambda_rule="pooled", base="linear"))
+    back = FlowerSettings.from_run_config(pinned.to_run_config())
+    assert back.knn == pinned.knn and back.knn.lambda_estimator is None
 
 
 def test_client_state_keeps_arrays_on_the_node_and_sends_scalars():

@@ -114,7 +114,7 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
     """kNN-Per's configuration chosen as `knnper evaluate` chooses it, from sums the seen
     clients compute on their own validation splits (the grid's scores, then the estimators'
     cross-validation), and saved in the run directory so that evaluate and export reuse it."""
-    request = settings.knn_request()
+    request = settings.knn
     path = run_dir / KNN_CONFIG_FILE
     sha = model_sha256(model)
     saved = saved_choice(path, sha, request)

@@ -33,24 +33,9 @@ class FlowerSettings:
     # personalizations evaluated on the clients at the end; the trained algorithm's own one
     # uses the state its clients kept
     eval_methods: tuple[str, ...] = ("fedavg", "knnper")
-    # kNN-Per's configuration as `--knn-config` and its pinning flags give it (fed_train.
-    # knn_choice); Flower's run config holds no None, so 0 / "" mean "not pinned"
-    knn_config: str = "tuned"
-    k: int = 0
-    sigma: float = 0.0
-    normalize: str = ""
-    lambda_estimator: str = ""
-    lambda_rule: str = ""
-    base: str = ""
+    # kNN-Per's configuration as `--knn-config` and its pinning flags ask for it, carried whole
+    knn: KNNRequest = field(default_factory=KNNRequest)
     capacity: float = 1.0
-
-    def knn_request(self) -> KNNRequest:
-        try:
-            return KNNRequest(self.knn_config, self.k or None, self.sigma or None,
-                              self.normalize or None, self.lambda_estimator or None,
-                              self.lambda_rule or None, self.base or None)
-        except KnnperError as err:
-            raise FlowerConfigError(f"kNN settings: {err}") from None
 
     def check(self) -> FlowerSettings:
         algorithm = ALGORITHMS.get(self.algorithm)
@@ -74,11 +59,9 @@ class FlowerSettings:
         if unknown:
             raise FlowerConfigError(f"unknown evaluation method(s) {', '.join(unknown)}; known: "
                                     f"{', '.join(ALGORITHMS)}")
-        if self.k < 0 or self.sigma < 0 or not 0 < self.capacity <= 1:
-            raise FlowerConfigError(f"kNN settings need k >= 1, sigma > 0 (0: chosen), "
-                                    f"0 < capacity <= 1; got k={self.k}, sigma={self.sigma}, "
-                                    f"capacity={self.capacity}")
-        self.knn_request()
+        if not 0 < self.capacity <= 1:
+            raise FlowerConfigError(f"kNN-Per's capacity must be in (0, 1], got "
+                                    f"{self.capacity}")
         return self
 
     def to_run_config(self) -> dict[str, Any]:
@@ -87,10 +70,7 @@ class FlowerSettings:
                 "algorithm": self.algorithm, "round-timeout": float(self.round_timeout),
                 "connect-timeout": float(self.connect_timeout),
                 "min-train-clients": int(self.min_train_clients),
-                "eval-methods": ",".join(self.eval_methods), "knn-config": self.knn_config,
-                "k": int(self.k), "sigma": float(self.sigma), "normalize": self.normalize,
-                "lambda-estimator": self.lambda_estimator, "lambda-rule": self.lambda_rule,
-                "base": self.base,
+                "eval-methods": ",".join(self.eval_methods), **_knn_values(self.knn),
                 "capacity": float(self.capacity)}
 
     @classmethod
@@ -110,13 +90,34 @@ class FlowerSettings:
                 min_train_clients=int(values.get("min-train-clients", d.min_train_clients)),
                 eval_methods=tuple(m for m in str(values.get("eval-methods", ",".join(
                     d.eval_methods))).split(",") if m),
-                knn_config=str(values.get("knn-config", d.knn_config)),
-                k=int(values.get("k", d.k)), sigma=float(values.get("sigma", d.sigma)),
-                normalize=str(values.get("normalize", d.normalize)),
-                lambda_estimator=str(values.get("lambda-estimator", d.lambda_estimator)),
-                lambda_rule=str(values.get("lambda-rule", d.lambda_rule)),
-                base=str(values.get("base", d.base)),
-                capacity=float(values.get("capacity", d.capacity)))
+                knn=_knn_request(values), capacity=float(values.get("capacity", d.capacity)))
         except (TypeError, ValueError) as err:
             raise FlowerConfigError(f"bad run config value: {err}") from err
         return settings.check()
+
+
+# A run config holds no None: a value kNN-Per chooses (not pinned by a flag) travels as 0 or "".
+_KNN_KEYS = (("k", "k", int), ("sigma", "sigma", float), ("normalize", "normalize", str),
+             ("lambda_estimator", "lambda-estimator", str), ("lambda_rule", "lambda-rule", str),
+             ("base", "base", str))
+
+
+def _knn_values(request: KNNRequest) -> dict[str, Any]:
+    """The request as run config scalars."""
+    values: dict[str, Any] = {"knn-config": request.mode}
+    for field_name, key, kind in _KNN_KEYS:
+        pinned = getattr(request, field_name)
+        values[key] = kind() if pinned is None else kind(pinned)
+    return values
+
+
+def _knn_request(values: dict[str, Any]) -> KNNRequest:
+    """The request the run config's scalars give (checked as a command line's flags are)."""
+    pinned = {}
+    for field_name, key, kind in _KNN_KEYS:
+        value = kind(values.get(key, kind()))
+        pinned[field_name] = value if value != kind() else None
+    try:
+        return KNNRequest(str(values.get("knn-config", KNNRequest.mode)), **pinned)
+    except KnnperError as err:
+        raise FlowerConfigError(f"kNN settings: {err}") from None
