@@ -7,8 +7,9 @@ footprint's `encoder`."""
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, replace
+
+from .values import is_integer
 
 
 @dataclass(frozen=True)
@@ -20,9 +21,9 @@ class Budget:
     encoder: int | None = None
 
     def __post_init__(self) -> None:
-        if not _is_count(self.total) or self.total < 1:
+        if not is_integer(self.total) or self.total < 1:
             raise ValueError(f"budget_bytes must be a positive integer, got {self.total!r}")
-        if self.encoder is not None and (not _is_count(self.encoder) or self.encoder < 0):
+        if self.encoder is not None and (not is_integer(self.encoder) or self.encoder < 0):
             raise ValueError(f"an encoder's bytes must be a non-negative integer, got "
                              f"{self.encoder!r}")
         object.__setattr__(self, "total", int(self.total))  # a numpy integer writes as JSON
@@ -45,7 +46,3 @@ class Budget:
     def of(cls, manifest: dict) -> Budget:
         """A bundle's budget, from its validated manifest."""
         return cls(manifest["budget_bytes"], manifest["footprint"]["encoder"])
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .values import is_integer, is_real
+
 LAMBDA_GRID: tuple[float, ...] = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0)
 # The paper's fixed setting, and the one place these defaults live: every signature and flag
 # that takes k, sigma or the embedding normalisation defaults to these names.
@@ -30,11 +32,9 @@ SIGMA_MIN, SIGMA_MAX = 1e-30, 1e30
 def k_sigma_problem(k: object = None, sigma: object = None) -> str | None:
     """Why k or sigma (None: not given) cannot run on a device, or None when both can. One
     check for flags, saved kNN choices and manifests alike."""
-    if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer))
-                          or not 1 <= k <= K_MAX):
+    if k is not None and (not is_integer(k) or not 1 <= k <= K_MAX):
         return f"k must be an integer from 1 to {K_MAX} (2^63 - 1), got {k!r}"
-    if sigma is not None and (isinstance(sigma, bool) or not isinstance(sigma, (int, float))
-                              or not SIGMA_MIN <= sigma <= SIGMA_MAX):
+    if sigma is not None and (not is_real(sigma) or not SIGMA_MIN <= sigma <= SIGMA_MAX):
         return f"sigma must be a number from {SIGMA_MIN:g} to {SIGMA_MAX:g}, got {sigma!r}"
     return None
 

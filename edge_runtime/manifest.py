@@ -5,8 +5,6 @@ manifest against the current one) import it, so neither imports the other."""
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 import re
 from pathlib import Path
@@ -20,6 +18,7 @@ from .errors import BundleError
 from .head_file import HEAD_FILE_RE
 from .knn import CLIENT_RULE, LAMBDA_RULES, LambdaRule, k_sigma_problem
 from .preprocess import validate_spec
+from .values import is_integer, is_real
 
 FORMAT = "knnper-bundle"
 FORMAT_VERSION = 1
@@ -54,19 +53,11 @@ MAX_MANIFEST_DEPTH = 8
 MAX_WIDTH = 1 << 16
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _type_ok(value: Any, kind: str | type) -> bool:
     if kind == _INT:
-        return _is_int(value)
+        return is_integer(value)
     if kind == _NUM:
-        return _is_num(value)
+        return is_real(value, finite=True)
     return isinstance(value, kind)
 
 
@@ -85,7 +76,7 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
     if manifest.get("format") != FORMAT:
         raise fail(f"'format' must be {FORMAT!r}, got {manifest.get('format')!r}")
     version = manifest.get("version")
-    if not _is_int(version) or version < 1:
+    if not is_integer(version) or version < 1:
         raise fail(f"'version' must be a positive integer, got {version!r}")
     if version > FORMAT_VERSION:
         raise fail(f"newer format version {version}, this runtime reads {FORMAT_VERSION}")
@@ -115,7 +106,7 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
         raise fail(f"'update_strategy' must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}")
     footprint = manifest["footprint"]
     for key in ("encoder", "datastore", "total"):
-        if not _is_int(footprint.get(key)) or footprint[key] < 0:
+        if not is_integer(footprint.get(key)) or footprint[key] < 0:
             raise fail(f"'footprint' needs a non-negative integer {key!r}")
     if footprint["total"] != footprint["encoder"] + footprint["datastore"]:
         raise fail("'footprint' total is not encoder + datastore")
@@ -139,11 +130,14 @@ def _lambda_rule(manifest: dict, fail) -> LambdaRule:
                                                       "prior_samples"]:
         raise fail("'lambda_rule' must be an object with keys name, pooled, prior_samples, grid")
     grid, pooled = rule["grid"], rule["pooled"]
-    if (not isinstance(grid, list) or not 1 <= len(grid) <= MAX_LAMBDA_GRID
+
+    def numbers(values: Any) -> bool:
+        return isinstance(values, list) and all(is_real(v, finite=True) for v in values)
+
+    if (not numbers(grid) or not 1 <= len(grid) <= MAX_LAMBDA_GRID
             or not isinstance(pooled, list) or len(pooled) not in (0, len(grid))
-            or not all(isinstance(r, list) and len(r) == 3 and all(map(_is_num, r))
-                       for r in pooled)
-            or not all(map(_is_num, grid)) or not _is_num(rule["prior_samples"])
+            or not all(numbers(r) and len(r) == 3 for r in pooled)
+            or not is_real(rule["prior_samples"], finite=True)
             or not isinstance(rule["name"], str)):
         raise fail(f"'lambda_rule' needs a grid of 1 to {MAX_LAMBDA_GRID} numbers and a "
                    "(correct, log-loss sum, samples) row of numbers per grid value")
@@ -191,7 +185,8 @@ def _validate_knn_choice(manifest: dict, fail) -> None:
         raise fail(f"'knn_choice' 'lambda_rule' must be one of {list(LAMBDA_RULES)}")
     if "base" in choice and choice["base"]["value"] not in KNN_BASES:
         raise fail(f"'knn_choice' 'base' must be one of {list(KNN_BASES)}")
-    if "l2" in choice and (not _is_num(choice["l2"]["value"]) or choice["l2"]["value"] <= 0
+    l2 = choice.get("l2", {}).get("value")
+    if "l2" in choice and (not is_real(l2, finite=True) or l2 <= 0
                            or choice.get("base", {}).get("value") != "linear"):
         raise fail("'knn_choice' 'l2' must be a positive number, recorded with the linear base")
     if choice["k"]["value"] != manifest["k"] or choice["sigma"]["value"] != manifest["sigma"]:
@@ -371,7 +366,7 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
                 f"write_bundle: this runtime writes {key} {manifest[key]!r}, not "
                 f"{manifest_fields[key]!r}"
             )
-    if isinstance(manifest["lambda"], numbers.Real) and not isinstance(manifest["lambda"], bool):
+    if is_real(manifest["lambda"]):
         manifest["lambda"] = float(manifest["lambda"])
     for key in ("client_id", "budget_bytes"):
         if isinstance(manifest[key], np.integer):

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .values import is_integer, is_real
+
 INPUT_KINDS = ("image", "tokens")
 # Values in one sample: 4096 x 4096 x 1 (64 MiB as float32); what a manifest's shape may ask
 # a device to allocate per sample, checked before anything is.
@@ -34,7 +36,7 @@ def validate_spec(spec: Any) -> dict:
     if (
         not isinstance(shape, (list, tuple))
         or len(shape) != want_rank
-        or not all(_is_int(s) and s > 0 for s in shape)
+        or not all(is_integer(s) and s > 0 for s in shape)
     ):
         raise ValueError(
             f"input spec 'shape' for {kind} must be {want_rank} positive integers, got {shape!r}"
@@ -53,7 +55,7 @@ def validate_spec(spec: Any) -> dict:
             if (
                 not isinstance(values, (list, tuple))
                 or len(values) != channels
-                or not all(_is_number(v) and np.isfinite(v) for v in values)
+                or not all(is_real(v, finite=True) for v in values)
             ):
                 raise ValueError(
                     f"image input spec '{field}' must be {channels} finite numbers (one per "
@@ -67,7 +69,7 @@ def validate_spec(spec: Any) -> dict:
                 f"tokens input spec 'dtype' must be 'int64', got {spec.get('dtype')!r}"
             )
         vocab = spec.get("vocab_size")
-        if not _is_int(vocab) or vocab < 1:
+        if not is_integer(vocab) or vocab < 1:
             raise ValueError(
                 f"tokens input spec 'vocab_size' must be a positive integer, got {vocab!r}"
             )
@@ -171,11 +173,3 @@ def _prepare_tokens(x: np.ndarray, spec: dict) -> np.ndarray:
     if x.size and (x.min() < 0 or x.max() >= vocab):
         raise ValueError(f"token ids must be in [0, {vocab}), got range [{x.min()}, {x.max()}]")
     return np.ascontiguousarray(x, dtype=np.int64)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)

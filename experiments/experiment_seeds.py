@@ -16,18 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime.values import is_real
 from experiments.spec import Measured, Result
 
 STD = "_std"
 SEEDS = "seeds"  # points.csv: how many seeds measured the point
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _combine_column(values: list[Any]) -> dict[str, Any]:
-    numbers = [float(v) for v in values if _number(v)]
+    numbers = [float(v) for v in values if is_real(v)]
     if numbers and len(numbers) == len([v for v in values if v is not None]):
         return {"mean": float(np.mean(numbers)),
                 "std": float(np.std(numbers, ddof=1)) if len(numbers) > 1 else None}

@@ -11,6 +11,7 @@ from typing import Any
 
 from edge_runtime._io import json_default, write_bytes_atomic
 from edge_runtime.budget import Budget
+from edge_runtime.values import is_integer
 from fed_train.journal import Journal
 
 
@@ -26,7 +27,7 @@ class ExportJournal(Journal):
         rows: dict[int, dict[str, Any]] = {}
         for row in self.rows({"fingerprint": fingerprint}) or []:
             cid = row.get("client_id")
-            if (isinstance(cid, int) and not isinstance(cid, bool) and cid in budgets
+            if (is_integer(cid) and cid in budgets
                     and budgets[cid].total == row.get("budget") and keep(cid, row)):
                 rows[cid] = row
         text = "".join(json.dumps(x, default=json_default) + "\n"

@@ -12,6 +12,7 @@ import numpy as np
 
 from edge_runtime._io import JSONFileError, read_json
 from edge_runtime.budget import Budget
+from edge_runtime.values import is_real
 from export.errors import BudgetInvalid
 
 PROFILES = ("uniform", "weak-strong", "lognormal")
@@ -19,7 +20,7 @@ PROFILES = ("uniform", "weak-strong", "lognormal")
 
 def _check_bytes(value: object, what: str) -> int:
     """A budget is a positive whole number of bytes; floats like 1e6 are accepted if whole."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not is_real(value):
         raise BudgetInvalid(f"{what} must be a number of bytes, got {value!r}")
     if not math.isfinite(float(value)) or float(value) != int(value) or int(value) < 1:
         raise BudgetInvalid(f"{what} must be a positive whole number of bytes, got {value!r}")

@@ -5,8 +5,6 @@ a resumed export never reports a bundle it did not make."""
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,14 +13,7 @@ from edge_runtime.bundle import BundleError, read_bundle
 from edge_runtime.datastores import BACKENDS
 from edge_runtime.manifest import ENCODER_FILE
 from edge_runtime.signing import SIGNATURE_FILE
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+from edge_runtime.values import is_integer, is_real
 
 
 def row_problem(row: Any) -> str | None:
@@ -31,16 +22,16 @@ def row_problem(row: Any) -> str | None:
         return "not a JSON object"
     for key in ("client_id", "budget", "stored", "encoder_bytes", "datastore_bytes",
                 "total_bytes", "train_samples", "val_samples"):
-        if not _int(row.get(key)):
+        if not (is_integer(row.get(key)) and row[key] >= 0):
             return f"{key!r} is not a non-negative integer"
     if row.get("backend") not in BACKENDS or not isinstance(row.get("recipe"), str):
         return "unknown backend or recipe"
     if not isinstance(row.get("bundle"), str) or not isinstance(row.get("unseen"), bool):
         return "'bundle' or 'unseen' is malformed"
-    if not (_real(row.get("lambda")) and 0 <= row["lambda"] <= 1):
+    if not (is_real(row.get("lambda"), finite=True) and 0 <= row["lambda"] <= 1):
         return "'lambda' is not in [0, 1]"
     for key in ("val_accuracy", "val_nll"):
-        if row.get(key) is not None and not _real(row[key]):
+        if row.get(key) is not None and not is_real(row[key], finite=True):
             return f"{key!r} is not a number"
     if not isinstance(row.get("candidates"), list):
         return "'candidates' is not a list"

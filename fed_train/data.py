@@ -33,6 +33,7 @@ from edge_runtime._io import (
 )
 from edge_runtime.errors import one_line
 from edge_runtime.manifest import MAX_WIDTH
+from edge_runtime.values import is_integer
 from fed_train.errors import DataError
 
 __all__ = [
@@ -857,9 +858,7 @@ def load_dataset(
             f"dataset {name!r} takes no option(s) {', '.join(unknown)}"
             + (f"; it takes {', '.join(sorted(accepted))}" if accepted else "")
         )
-    if max_train is not None and (
-        isinstance(max_train, bool) or not isinstance(max_train, int | np.integer) or max_train < 1
-    ):
+    if max_train is not None and (not is_integer(max_train) or max_train < 1):
         raise DataError(f"max_train must be a positive integer, got {max_train!r}")
     ds = loader(None if path is None else Path(path), seed=seed, **options)
     if exclude_train is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import numbers
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_runtime._io import load_arrays, memory_limit, save_npz_atomic
+from edge_runtime.values import is_integer, is_real
 from fed_train.data import Dataset
 from fed_train.errors import PartitionError
 
@@ -408,12 +408,8 @@ def _deal_test(ds: Dataset, shares: list[np.ndarray], rng: np.random.Generator) 
     return [np.sort(np.concatenate(t)) if t else np.zeros(0, np.int64) for t in tests]
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _check_fraction(value: float, name: str) -> None:
-    if not (_is_real(value) and 0 <= value < 1):
+    if not (is_real(value) and 0 <= value < 1):
         raise PartitionError(f"{name} must be in [0, 1), got {value!r}")
 
 
@@ -438,7 +434,7 @@ def make_partition(
     if split is None:
         raise PartitionError(f"unknown partition scheme {scheme!r}; known: {', '.join(SCHEMES)}")
     n_train = len(dataset.y_train)
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int | np.integer):
+    if not is_integer(num_clients):
         raise PartitionError(f"num_clients must be a positive integer, got {num_clients!r}")
     if num_clients < 1:
         raise PartitionError(f"num_clients must be at least 1, got {num_clients}")
@@ -447,13 +443,9 @@ def make_partition(
             f"num_clients={num_clients} is more than the {n_train} training samples"
         )
     for name, value in (("alpha", alpha), ("beta", beta)):
-        if not (_is_real(value) and math.isfinite(value) and value > 0):
+        if not (is_real(value, finite=True) and value > 0):
             raise PartitionError(f"{name} must be a positive number, got {value!r}")
-    if (
-        isinstance(classes_per_client, bool)
-        or not isinstance(classes_per_client, int | np.integer)
-        or classes_per_client < 1
-    ):
+    if not is_integer(classes_per_client) or classes_per_client < 1:
         raise PartitionError(
             f"classes_per_client must be a positive integer, got {classes_per_client!r}"
         )

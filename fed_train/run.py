@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import types
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -26,6 +25,7 @@ from edge_runtime._io import (
 )
 from edge_runtime.errors import one_line
 from edge_runtime.preprocess import prepare_input
+from edge_runtime.values import is_integer, is_real
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig, Weights, get_weights, set_weights
 from fed_train.data import Dataset, load_dataset
@@ -114,10 +114,9 @@ def _fits(value: Any, hint: Any) -> bool:
     if get_origin(hint) is tuple:
         return isinstance(value, tuple) and all(_fits(v, get_args(hint)[0]) for v in value)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_integer(value)
     if hint is float:
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)
-                and math.isfinite(value))
+        return is_real(value, finite=True)
     return not isinstance(hint, type) or isinstance(value, hint)
 
 

@@ -29,6 +29,7 @@ from edge_runtime._io import (
     write_bytes_atomic,
 )
 from edge_runtime.errors import one_line
+from edge_runtime.values import is_integer
 from fed_train.algorithms.base import (
     Algorithm,
     ClientData,
@@ -140,7 +141,7 @@ def load_checkpoint(path: Path) -> SimulationResult:
     if not isinstance(raw, dict) or set(raw) != _CHECKPOINT_KEYS:
         raise bad(f"must hold {sorted(_CHECKPOINT_KEYS)}, got {_keys_or_type(raw)}")
     rounds, weights, states = raw["rounds_done"], raw["weights"], raw["states"]
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+    if not is_integer(rounds) or rounds < 0:
         raise bad(f"has rounds_done {rounds!r}, not a round count")
     if not isinstance(weights, dict) or not weights or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
@@ -232,7 +233,7 @@ def _truncate_metrics(path: Path, rounds_done: int) -> None:
         try:
             row = parse_json(line.encode("utf-8"), strict=False)
             round_done = row["round"]
-            if not isinstance(round_done, int) or isinstance(round_done, bool):
+            if not is_integer(round_done):
                 raise TypeError
         except (ValueError, TypeError, KeyError):
             if number == len(lines):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from ..values import is_integer, is_real
 
 FLAT_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
 # Per-array overhead of an uncompressed .npz (zip headers + .npy header), generously rounded up.
@@ -123,13 +123,12 @@ ParamCheck = Callable[[str, Any], None]
 
 
 def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _check_positive_number(name: str, value: Any) -> None:
-    is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not is_real or not value > 0 or not math.isfinite(value):
+    if not is_real(value, finite=True) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime.values import is_integer
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
@@ -148,10 +149,9 @@ class ClusteredFL(FederatedAlgorithm):
         the cluster it was placed in (only a client new to the server picks its own)."""
         server = ClusterState.unpack(global_weights)
         claimed, cluster = result.state.get("client_id"), result.state.get("cluster")
-        if claimed != client_id or isinstance(claimed, bool):
+        if not is_integer(claimed) or claimed != client_id:
             raise ValueError(f"its state names client {claimed!r:.40}, not {client_id}")
-        if (not isinstance(cluster, int) or isinstance(cluster, bool)
-                or not 0 <= cluster < len(server.models)):
+        if not is_integer(cluster) or not 0 <= cluster < len(server.models):
             raise ValueError(f"its state's cluster {cluster!r:.40} is not one of the "
                              f"{len(server.models)} clusters")
         placed = server.cluster_of(client_id)

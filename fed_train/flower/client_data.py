@@ -15,6 +15,7 @@ from flwr.app import Array, ArrayRecord, RecordDict
 
 from edge_runtime._io import load_arrays, memory_limit
 from edge_runtime.preprocess import prepare_input
+from edge_runtime.values import is_integer
 from fed_train.algorithms.base import ClientData
 from fed_train.flower.settings import FlowerConfigError
 from fed_train.run import RunConfig, load_run_data, run_partition
@@ -30,7 +31,7 @@ def node_partition_id(node_config: dict[str, Any], clients: int) -> int:
         raise FlowerConfigError("node config has no 'partition-id' (start the SuperNode with "
                                 "--node-config 'partition-id=N num-partitions=M')")
     pid = node_config["partition-id"]
-    if isinstance(pid, bool) or not isinstance(pid, int):
+    if not is_integer(pid):
         raise FlowerConfigError(f"node config 'partition-id' must be an integer, got {pid!r}")
     num = node_config.get("num-partitions", clients)
     if num != clients:
