@@ -9,9 +9,11 @@ its temporary file with O_EXCL never follows a symlink planted at that name.
 
 from __future__ import annotations
 
+import csv
 import errno
 import gzip
 import hashlib
+import io
 import json
 import logging
 import os
@@ -20,7 +22,7 @@ import stat
 import uuid
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -150,6 +152,21 @@ def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object], 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
     """Write `data` to `path` through a unique temporary file (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(data), sync_dir=sync_dir)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, *, sync_dir: bool = True) -> None:
+    """Write `text` (UTF-8) to `path` through a unique temporary file (`write_atomic`): a
+    report or table killed mid-write is the old one or the new one, never half of either."""
+    write_bytes_atomic(path, text.encode("utf-8"), sync_dir=sync_dir)
+
+
+def csv_text(rows: Iterable[dict[str, Any]], columns: Sequence[str]) -> str:
+    """`rows` as CSV text with a header of `columns` (a row's other keys are left out)."""
+    out = io.StringIO(newline="")
+    writer = csv.DictWriter(out, fieldnames=list(columns), extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
 
 
 def json_default(value: object) -> object:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
+from edge_runtime._io import csv_text, write_text_atomic
 from edge_runtime.arg_types import positive_int
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import make_datastore, parse_recipe
@@ -150,18 +151,15 @@ def write_results(args: argparse.Namespace, started: float, text: str, *, report
     (run_record with `fields`)."""
     for name, (rows, columns) in tables.items():
         write_csv(args.out / name, rows, columns)
-    (args.out / report).write_text(text)
+    write_text_atomic(args.out / report, text)
     write_json(args.out / record, run_record(args, started, **fields))
     print(text)
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: _csv_value(row.get(k)) for k in columns})
+    write_text_atomic(path, csv_text(({k: _csv_value(row.get(k)) for k in columns}
+                                      for row in rows), columns))
 
 
 def _csv_value(value: Any) -> Any:
@@ -207,7 +205,7 @@ def markdown_table(rows: Sequence[dict[str, Any]],
 
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def setup_logging() -> None:

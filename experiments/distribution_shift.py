@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import write_text_atomic
 from edge_runtime.bundle import UPDATE_STRATEGIES
 from edge_runtime.datastores import format_recipe, make_datastore, parse_recipe
 from edge_runtime.encoder import Encoder
@@ -368,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "![accuracy vs time](shift.png)",
         "",
     ])
-    (args.out / "shift.md").write_text(text)
+    write_text_atomic(args.out / "shift.md", text)
     C.write_json(args.out / "run.json",
                  C.run_record(args, started, machine=machine, weights=weights))
     print(text)

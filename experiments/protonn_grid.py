@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import write_text_atomic
 from edge_runtime.budget import Budget
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
@@ -428,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = render_markdown(run_path, encoder_rows, size_ratio, accuracy_cost_pp, curve, ref,
                          check, grid, grid_reference, len(cases), len(grid_cases), info,
                          time.perf_counter() - started)
-    (out / "results.md").write_text(md + "\n")
+    write_text_atomic(out / "results.md", md + "\n")
     C.write_json(out / "run.json", {"command": C.command_line(), "machine": info,
                                     "run": str(run_path), "encoder": encoder_rows,
                                     "reference": ref, "check": check,

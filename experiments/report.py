@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from edge_runtime._io import write_text_atomic
 from experiments import benchmark_support as C
 from experiments.spec import Claim, Experiment, ExperimentError, Result
 
@@ -151,9 +152,9 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
         "",
     ]
     path = out / SUMMARY_FILE
-    path.write_text("\n".join(lines))
-    (out / SETTINGS_FILE).write_text(json.dumps({"command": command, "settings": settings},
-                                                indent=2) + "\n")
+    write_text_atomic(path, "\n".join(lines))
+    write_text_atomic(out / SETTINGS_FILE, json.dumps({"command": command, "settings": settings},
+                                                      indent=2) + "\n")
     return path
 
 

@@ -13,7 +13,6 @@ verdict is "inconclusive".
 
 from __future__ import annotations
 
-import csv
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime._io import to_json_types
+from edge_runtime._io import csv_text, to_json_types, write_text_atomic
 from experiments.margins import INCONCLUSIVE, call, interval, statistic
 
 GROUPS = ("seen", "unseen")
@@ -215,8 +214,8 @@ def format_seeds(summary: Mapping[str, Any], titles: Mapping[str, str],
 def write_seeds(summary: Mapping[str, Any], out: Path, titles: Mapping[str, str],
                 command: str | None = None) -> None:
     out = Path(out)
-    (out / SEEDS_FILE).write_text(json.dumps(summary, indent=2))
-    (out / "seeds.md").write_text(format_seeds(summary, titles, command))
+    write_text_atomic(out / SEEDS_FILE, json.dumps(summary, indent=2))
+    write_text_atomic(out / "seeds.md", format_seeds(summary, titles, command))
     rows = []
     for group, methods in summary["spread"].items():
         for method, stats in methods.items():
@@ -226,7 +225,4 @@ def write_seeds(summary: Mapping[str, Any], out: Path, titles: Mapping[str, str]
                          **{f"{stat}_seed{s}": v for stat in STATS
                             for s, v in zip(summary["seeds"], stats[stat]["values"],
                                             strict=True)}})
-    with open(out / "seeds.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_text_atomic(out / "seeds.csv", csv_text(rows, list(rows[0])))

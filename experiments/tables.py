@@ -11,7 +11,6 @@ table1.csv, table2.csv, clients.csv and results.json.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import time
@@ -25,10 +24,12 @@ import torch
 
 from edge_runtime._io import (
     JSONFileError,
+    csv_text,
     read_json,
     read_json_cache,
     to_json_types,
     write_json_atomic,
+    write_text_atomic,
 )
 from edge_runtime.linear_head import L2_GRID
 from experiments.attribution import BODIES, attribution_table, body_rows, format_attribution
@@ -479,11 +480,7 @@ def _summary_rows(result: dict[str, Any], group: str) -> list[dict[str, Any]]:
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_text_atomic(path, csv_text(rows, list(dict.fromkeys(k for r in rows for k in r))))
 
 
 def _knn_lines(result: dict[str, Any]) -> list[str]:
@@ -594,5 +591,5 @@ def write_outputs(result: dict[str, Any], out: Path) -> None:
     _write_csv(out / "clients.csv", result["clients"])
     if "attribution" in result:
         _write_csv(out / "attribution.csv", result["attribution"]["clients"])
-    (out / "table.md").write_text(format_markdown(result))
-    (out / "results.json").write_text(json.dumps(to_json_types(result), indent=2))
+    write_text_atomic(out / "table.md", format_markdown(result))
+    write_text_atomic(out / "results.json", json.dumps(to_json_types(result), indent=2))

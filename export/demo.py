@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime._io import write_text_atomic
 from export.evaluation import evaluate_export, weighted_mean
 from export.exporter import ExportSettings, apply_knn_choice, build_encoder, export_run
 from export.profiles import uniform_budgets
@@ -74,7 +75,7 @@ def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
     choice = load_or_choose(run.run_dir, run.model, clients, knn or KNNRequest(),
                             seed=run.config.seed)
     server = evaluate_run(run, EVAL_METHODS, knn=knn, progress=progress)
-    (out / "evaluation.json").write_text(json.dumps(server, indent=2))
+    write_text_atomic(out / "evaluation.json", json.dumps(server, indent=2))
     rows = [_server_row(name, server, method)
             for name, method in (("FedAvg", "fedavg"), ("Local", "local"),
                                  ("kNN-Per", "knnper"))]

@@ -205,7 +205,7 @@ def build_encoder(run: LoadedRun, directory: Path, settings: ExportSettings,
     else:
         shutil.copyfile(fp32_path, path)
     # saved as onnxruntime optimizes it, so a device creates its session with optimization off
-    path.write_bytes(optimize_encoder(path.read_bytes()))
+    write_bytes_atomic(path, optimize_encoder(path.read_bytes()))
     files = EncoderFiles(path, fp32_path, settings.quantize, path.stat().st_size,
                          fp32_path.stat().st_size, diff)
     if settings.quantize == "int8":

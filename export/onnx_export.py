@@ -15,6 +15,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
+from edge_runtime._io import write_bytes_atomic
 from edge_runtime.knn import NORMALIZATIONS, normalize_embeddings
 from export.errors import ExportError
 
@@ -91,7 +92,7 @@ def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str 
     except onnx.checker.ValidationError as err:
         raise ExportError(f"the exported ONNX model is invalid: {err}") from err
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(buffer.getvalue())
+    write_bytes_atomic(path, buffer.getvalue())
     diff = compare_with_torch(model, path, example, normalize)
     if not diff <= atol:
         raise ExportError(f"the ONNX model differs from torch by {diff:.3g} (> {atol:g}) on the "
