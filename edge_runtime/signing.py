@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._io import parse_json, read_within
+from ._io import parse_json, read_within, write_bytes_atomic
 from .cli_help import install_hint
 from .errors import SignatureError
 from .manifest import parse_manifest
@@ -73,7 +73,7 @@ def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.Pat
     with os.fdopen(fd, "wb") as f:
         f.write(private_pem)
     try:
-        Path(public_path).write_bytes(public_pem)
+        write_bytes_atomic(public_path, public_pem)
     except BaseException:  # a private key without its public half is of no use: no orphan
         Path(private_path).unlink(missing_ok=True)
         raise

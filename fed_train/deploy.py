@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edge_runtime._io import parse_json, read_json, read_regular, write_json_atomic
+from edge_runtime._io import (
+    parse_json,
+    read_json,
+    read_regular,
+    write_json_atomic,
+    write_text_atomic,
+)
 from edge_runtime.cli_help import install_hint
 from fed_train.errors import KnnperError
 from fed_train.flower.pki import NodeKey, ServerTLS, make_node_key, make_server_tls
@@ -106,7 +112,7 @@ class Processes:
 
     def _write_pids(self) -> None:
         pids = {name: p.pid for name, p in self.running.items()}
-        (self.log_dir / "processes.json").write_text(json.dumps(pids, indent=2))
+        write_text_atomic(self.log_dir / "processes.json", json.dumps(pids, indent=2))
 
     def run_cli(self, argv: list[str], timeout: float = CLI_SECONDS) -> dict[str, Any]:
         """A `flwr` command with --format json; its JSON answer, or a DeployError."""
@@ -248,7 +254,7 @@ def start_superlink(procs: Processes, tls: ServerTLS | None, port: int,
     """The SuperLink on HOST:port, and the `flwr` CLI's connection to it (in FLWR_HOME)."""
     home = Path(procs.env["FLWR_HOME"])
     home.mkdir(parents=True, exist_ok=True)
-    (home / "config.toml").write_text(_connection_toml(port, tls.ca_cert if tls else None))
+    write_text_atomic(home / "config.toml", _connection_toml(port, tls.ca_cert if tls else None))
     argv = ["flower-superlink", "--host", HOST, "--port", str(port),
             "--disable-runtime-dependency-installation"]
     argv += (["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.cert),
@@ -309,7 +315,7 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
                             f"partition-id={i} num-partitions={federation.clients} "
                             f'device="{federation.device}"')
         run_toml = work / "run.toml"
-        run_toml.write_text(run_config_toml(settings))
+        write_text_atomic(run_toml, run_config_toml(settings))
         submitted = procs.run_cli(["flwr", "run", str(federation.app_dir), CONNECTION,
                                    "--run-config",
                                    str(run_toml), "--format", "json"])

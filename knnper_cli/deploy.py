@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from edge_runtime._io import write_text_atomic
 from fed_train.accelerator import resolve_device
 from fed_train.deploy import (
     APP_DIR,
@@ -88,7 +89,7 @@ def _cmd_deploy_config(args: argparse.Namespace) -> int:
     settings.run_dir = str(Path(args.out).resolve())
     text = run_config_toml(settings)
     if args.write:
-        Path(args.write).write_text(text)
+        write_text_atomic(args.write, text)
         print(f"wrote {args.write}: flwr run {APP_DIR} SUPERLINK --run-config {args.write}")
     else:
         print(text, end="")

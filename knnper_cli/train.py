@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from edge_runtime._io import write_text_atomic
 from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from fed_train.client_files import write_client_files
@@ -47,7 +48,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _report(result: dict[str, Any], json_path: str | None) -> None:
     print(format_table(result))
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2))
+        write_text_atomic(json_path, json.dumps(result, indent=2))
         print(f"wrote {json_path}")
 
 
