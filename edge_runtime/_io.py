@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import stat
+import sys
 import uuid
 import zipfile
 import zlib
@@ -97,6 +98,34 @@ def fsync_dir(path: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_directories(a: Path, b: Path) -> bool:
+    """Swap two directories in one atomic step (Linux renameat2 RENAME_EXCHANGE), so that a
+    process killed at any instant leaves each path naming one complete directory. False where
+    the system cannot (another OS, an old kernel or C library, a file system without it): the
+    caller then falls back to two renames."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if done != 0:
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            return False
+        raise OSError(err, os.strerror(err), os.fspath(a))
+    fsync_dir(a.parent)
+    return True
 
 
 def replace_synced(tmp: Path, final: Path, *, sync_dir: bool = True) -> None:

@@ -79,6 +79,7 @@ from .onnx_proto import ParsedModel
 from .predictor import BATCH_ROWS, Predictor, has_single_session
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
+from .versions import datastore_embedding, embedding_id, mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -211,12 +212,32 @@ def read_bundle(
         model = encoder_model(bundle_dir, manifest)
         _remove_stale_quietly(bundle_dir, manifest)
         datastore = load_bundle_datastore(bundle_dir, manifest)
+        check_embedding(datastore, model, manifest, where)
     encoder, predictor = open_sessions(model, manifest, datastore, bundle_dir,
                                        intra_op_threads=intra_op_threads,
                                        with_predictor=with_predictor)
     del model  # the session holds what it needs
     check_sessions(encoder, predictor, manifest, datastore, bundle_dir)
     return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
+
+
+def bundle_embedding_id(model: bytes, manifest: dict) -> str:
+    """The embedding id of a bundle's encoder (`model`: its verified bytes, a refitted head
+    put in or not)."""
+    return embedding_id(model, manifest["files"][ENCODER_FILE])
+
+
+def check_embedding(datastore: Any, model: bytes, manifest: dict, where: str) -> None:
+    """BundleError when the datastore's keys were embedded by another encoder than the
+    bundle's, or the manifest's model record names another one (edge_runtime.versions)."""
+    encoder_id = bundle_embedding_id(model, manifest)
+    problem = mismatch(where, datastore_embedding(datastore), encoder_id)
+    recorded = manifest.get("model", {}).get("embedding")
+    if problem is None and recorded is not None and recorded != encoder_id:
+        problem = mismatch(where, recorded, encoder_id).replace("the datastore's keys were",
+                                                                "the manifest says its keys were")
+    if problem is not None:
+        raise BundleError(problem)
 
 
 def encoder_model(bundle_dir: Path, manifest: dict, head: LinearHead | None = None) -> bytes:
@@ -294,6 +315,11 @@ def bundle_lock(
         except OSError as exc:
             raise BundleError(f"bundle {bundle_dir}: cannot lock it: {exc.strerror}") from None
         yield
+
+
+def encoder_bytes(bundle_dir: Path, manifest: dict) -> bytes:
+    """The encoder file's verified bytes as the bundle shipped it (no refitted head put in)."""
+    return _read_verified(bundle_dir, ENCODER_FILE, manifest, f"bundle {bundle_dir}")
 
 
 def _read_verified(bundle_dir: Path, name: str, manifest: dict, where: str) -> bytes:
@@ -397,6 +423,7 @@ def write_bundle(
     manifest.update(footprint={"encoder": 0, "datastore": 0, "total": 0}, files={})
     _check_fields_only(manifest)  # before anything is written
     encoder_bytes = _encoder_size(encoder)
+    _stamp_embedding(datastore, encoder, out_dir)
     budget = Budget(manifest["budget_bytes"]).with_encoder(encoder_bytes)
     if budget.room < 0:
         raise BudgetExceeded(
@@ -486,6 +513,21 @@ def _check_fields_only(manifest: dict) -> None:
         names["hnsw.bin"] = "0" * 64
     probe["files"] = names
     validate_manifest(probe, "write_bundle")
+
+
+def _stamp_embedding(datastore: Any, encoder: bytes | str | os.PathLike, out_dir: Path) -> None:
+    """Record in the datastore the encoder its keys are searched with; refuse keys that a
+    different encoder embedded."""
+    try:
+        model = encoder if isinstance(encoder, bytes) else Path(encoder).read_bytes()
+    except OSError as exc:
+        raise BundleError(f"cannot read encoder {encoder}: {exc.strerror}") from None
+    encoder_id = embedding_id(model)
+    problem = mismatch(f"cannot write bundle {out_dir}", datastore_embedding(datastore),
+                       encoder_id)
+    if problem is not None:
+        raise BundleError(problem)
+    datastore.embedding_id_ = encoder_id
 
 
 def _encoder_size(encoder: bytes | str | os.PathLike) -> int:

@@ -1,4 +1,5 @@
-"""`knnper-edge`: the device command line (predict, evaluate, add, init, info, keygen).
+"""`knnper-edge`: the device command line (predict, evaluate, add, init, info, export-onnx,
+upgrade, keygen).
 
 Every error, bad input included, is one line on stderr, `knnper-edge: error: ...`, and exit
 status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback instead.
@@ -210,6 +211,25 @@ def _build_parser() -> argparse.ArgumentParser:
         "OUT.keys.f32 and OUT.labels.i64) instead of baking them in",
     )
 
+    s = sub.add_parser(
+        "upgrade", help="carry the bundle's samples to a new model version, in place",
+        description="Turn the bundle into the version of a release's bundle (--to): its "
+        "encoder and settings, with every sample the bundle stores (the exported ones and those "
+        "`add` taught it) carried over: re-embedded where the bundle kept its raw inputs, else "
+        "mapped by the map the release ships (upgrades/ beside --to). Crash-safe: killed at any "
+        "instant, the bundle is the old version or the new one.",
+        epilog=examples(f"knnper-edge upgrade {EXAMPLE} --to bundles-v2/500k/client_0003",
+                        note="Prints the version from -> to, the samples carried and how, "
+                        "any evicted because the new encoder leaves less room, and the "
+                        "server's evidence for the map."))
+    s.add_argument("bundle", help=BUNDLE_HELP)
+    s.add_argument("--to", required=True, help="the release's bundle for this device (a "
+                   "client_NNNN folder of the new export)")
+    s.add_argument("--map", default=None, help="the release's key map file (default: "
+                   "TO/../upgrades/from-<this bundle's encoder id>.npz)")
+    s.add_argument("--force", action="store_true", help="map the keys even where the release "
+                   "advises to keep the old keys or start fresh")
+
     s = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles",
                        epilog=examples("knnper-edge keygen --private keys/signing.pem --public "
                                        "keys/signing.pub",
@@ -305,15 +325,30 @@ def _load_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> tuple[np.n
 # ----------------------------------------------------------------------------- commands
 
 
-def _runtime(args) -> Runtime:
-    trusted = None
-    if args.trusted_key:
-        from .signing import load_public_key
+def _trusted(args) -> list | None:
+    if not args.trusted_key:
+        return None
+    from .signing import load_public_key
 
-        trusted = [load_public_key(path) for path in args.trusted_key]
+    return [load_public_key(path) for path in args.trusted_key]
+
+
+def _runtime(args) -> Runtime:
     return Runtime.load(
-        args.bundle, intra_op_threads=args.threads, blas_threads=args.threads, trusted_keys=trusted
+        args.bundle, intra_op_threads=args.threads, blas_threads=args.threads,
+        trusted_keys=_trusted(args)
     )
+
+
+def cmd_upgrade(args) -> int:
+    rt = _runtime(args)
+    report = rt.upgrade(args.to, key_map=args.map, trusted_keys=_trusted(args),
+                        force=args.force)
+    if report.how == "nothing to do":
+        print(f"bundle {rt.path} is already at the version of {args.to}: nothing to do")
+        return 0
+    print("\n".join([f"upgraded      {rt.path}", *report.lines()]))
+    return 0
 
 
 def cmd_predict(args) -> int:
@@ -538,9 +573,21 @@ def cmd_info(args) -> int:
         f"footprint     {fp['total']} of {m['budget_bytes']} bytes (encoder {fp['encoder']}, "
         f"datastore {fp['datastore']})",
         f"files         {', '.join(sorted(m['files']))}",
+        f"version       {_version(rt)}",
     ]
     print("\n".join(lines))
     return 0
+
+
+def _version(rt: Runtime) -> str:
+    """The model version the bundle runs and the encoder its keys were embedded by."""
+    from .versions import datastore_embedding, short
+
+    keys = datastore_embedding(rt.datastore)
+    record = rt.manifest.get("model")
+    model = (f"run {record['run']} round {record['round']}, " if record else "")
+    return (f"{model}keys embedded by encoder {short(keys)}" if keys else
+            f"{model}keys of an unrecorded encoder (a bundle from before versions)")
 
 
 def cmd_export_onnx(args) -> int:
@@ -595,6 +642,7 @@ _COMMANDS = {
     "init": cmd_init,
     "info": cmd_info,
     "export-onnx": cmd_export_onnx,
+    "upgrade": cmd_upgrade,
     "keygen": cmd_keygen,
 }
 

@@ -115,7 +115,33 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
         _validate_knn_choice(manifest, fail)
     if "lambda_rule" in manifest:
         _lambda_rule(manifest, fail)
+    for key in MODEL_RECORDS:
+        if key in manifest:
+            _validate_model_record(manifest[key], key, fail)
     return manifest
+
+
+# The model version a bundle was built from ("model") and the one it replaces ("replaces",
+# a later training's bundles): which run, which round, the weights' sha256, and the embedding
+# id of the encoder (edge_runtime.versions).
+MODEL_RECORDS = ("model", "replaces")
+MODEL_RECORD_KEYS = ("embedding", "round", "run", "weights_sha256")
+MAX_RUN_NAME = 256
+
+
+def _validate_model_record(record: Any, key: str, fail) -> None:
+    if not isinstance(record, dict) or sorted(record) != sorted(MODEL_RECORD_KEYS):
+        raise fail(f"{key!r} must be an object with keys {list(MODEL_RECORD_KEYS)}")
+    if not isinstance(record["run"], str) or len(record["run"]) > MAX_RUN_NAME:
+        raise fail(f"{key!r} 'run' must be a string of at most {MAX_RUN_NAME} characters")
+    if record["round"] is not None and (not is_integer(record["round"]) or record["round"] < 0):
+        raise fail(f"{key!r} 'round' must be a non-negative integer or null")
+    for name in ("embedding", "weights_sha256"):
+        value = record[name]
+        if name == "weights_sha256" and value is None:
+            continue
+        if not isinstance(value, str) or not _SHA256_RE.match(value):
+            raise fail(f"{key!r} {name!r} must be a lowercase hex sha256")
 
 
 # A lambda grid longer than this is not one a server chooses from (LAMBDA_GRID has 7 values).
@@ -302,7 +328,7 @@ def read_manifest(bundle_dir: str | os.PathLike) -> dict:
 
 
 _COMPUTED_KEYS = ("format", "version", "backend", "footprint", "files")
-_OPTIONAL_FIELDS = ("knn_choice", "lambda_rule")
+_OPTIONAL_FIELDS = ("knn_choice", "lambda_rule", *MODEL_RECORDS)
 _ALLOWED_FIELDS = set(_SCHEMA) | set(_COMPUTED_KEYS) | set(_OPTIONAL_FIELDS)
 
 

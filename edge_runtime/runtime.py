@@ -72,6 +72,7 @@ from .personal_head import PersonalHead
 from .predictor import Predictor
 from .preprocess import prepare_checked, raw_checked, validate_spec
 from .threads import DEFAULT_THREADS, BlasThreads
+from .upgrade import UpgradeReport, upgrade_bundle
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +309,32 @@ class Runtime:
                     "loaded (another writer?); load it again"
                 )
             return self._update(z, labels, strategy, count, target)
+
+    def upgrade(
+        self,
+        new_bundle: str | os.PathLike,
+        *,
+        key_map: str | os.PathLike | None = None,
+        trusted_keys: Sequence[Any] | None = None,
+        force: bool = False,
+    ) -> UpgradeReport:
+        """Turn this bundle into the version of the release bundle `new_bundle` in place,
+        keeping every sample it stores (edge_runtime.upgrade), then reload it. `key_map`: the
+        release's map file (default: upgrades/ beside `new_bundle`); `trusted_keys`: verify
+        the release's signature; `force`: map even where the release advises otherwise."""
+        with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):
+            if read_manifest(self.path) != self.manifest:
+                raise BundleError(
+                    f"bundle {self.path}: manifest.json changed on disk since the bundle was "
+                    "loaded (another writer?); load it again"
+                )
+            report = upgrade_bundle(self.path, self.manifest, self.datastore, new_bundle,
+                                    key_map=key_map, trusted_keys=trusted_keys, force=force)
+        fresh = Runtime.load(self.path, intra_op_threads=self._intra_op_threads,
+                             lock_timeout=self.lock_timeout, trusted_keys=trusted_keys)
+        fresh._blas_threads = self._blas_threads
+        self.__dict__.update(fresh.__dict__)
+        return report
 
     def _target(self, strategy: str) -> int:
         """How many samples the datastore may hold after an update by `strategy`."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from .._io import load_npz
 from ..knn import kernel_posterior
+from ..versions import EMBEDDING_ARRAY, id_array, id_from_arrays
 from . import recipes
 from .common import (
     ParamCheck,
@@ -147,7 +148,16 @@ class BaseDatastore:
         npz = by_kind[".npz"][0]
         arrays = load_npz(Path(directory) / npz)
         _require(arrays, cls.NPZ_ARRAYS, npz)
-        return ds._restore(SavedFiles(Path(directory), by_kind, npz, arrays), embedding_dim)
+        embedding = id_from_arrays(arrays, npz)
+        ds = ds._restore(SavedFiles(Path(directory), by_kind, npz, arrays), embedding_dim)
+        ds.embedding_id_ = embedding
+        return ds
+
+    def version_arrays(self) -> dict[str, np.ndarray]:
+        """What a save adds to its .npz: the embedding id of the encoder that embedded the
+        keys (edge_runtime.versions), when it is known."""
+        identity = getattr(self, "embedding_id_", None)
+        return {} if identity is None else {EMBEDDING_ARRAY: id_array(identity)}
 
     def _restore(self: DatastoreT, saved: SavedFiles, embedding_dim: int | None) -> DatastoreT:
         """This (unfitted, checked) datastore filled from its saved files, each checked."""
@@ -194,6 +204,11 @@ class SampleDatastore(BaseDatastore):
     def keys(self) -> np.ndarray:
         """The stored samples [n, p] as the search sees them, as a new float32 array, in the
         order of `labels_`."""
+        raise NotImplementedError
+
+    def key_rows(self, start: int, stop: int) -> np.ndarray:
+        """Stored samples start..stop-1 [rows, p] as float32 (a chunk of `keys`, so that what
+        reads every key, an upgrade's map, holds one chunk widened at a time)."""
         raise NotImplementedError
 
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

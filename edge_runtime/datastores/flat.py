@@ -110,6 +110,10 @@ class FlatDatastore(SampleDatastore):
         widened = self.keys_t_.T.astype(np.float32)
         return widened * self.scale_ if self.scale_ is not None else widened
 
+    def key_rows(self, start: int, stop: int) -> np.ndarray:
+        widened = self.keys_t_[:, start:stop].T.astype(np.float32)
+        return widened * self.scale_ if self.scale_ is not None else widened
+
     # -- inference
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(squared distances, row indices into keys/labels_) of the k nearest, nearest first."""
@@ -144,6 +148,7 @@ class FlatDatastore(SampleDatastore):
         arrays = {"keys": self.keys_t_.T, "labels": self.labels_, "order": self.order_}
         if self.dtype == "int8":
             arrays["scale"] = self.scale_
+        arrays.update(self.version_arrays())
         save_npz_atomic(Path(directory) / name, arrays)
         return [name]
 

@@ -120,6 +120,12 @@ class HNSWDatastore(SampleDatastore):
             return np.zeros((0, self.embedding_dim_), np.float32)
         return np.asarray(self.index_.get_items(self.ids_), dtype=np.float32)
 
+    def key_rows(self, start: int, stop: int) -> np.ndarray:
+        ids = self.ids_[start:stop]
+        if not len(ids):
+            return np.zeros((0, self.embedding_dim_), np.float32)
+        return np.asarray(self.index_.get_items(ids), dtype=np.float32)
+
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(squared distances, positions in ids_/labels_) of the k nearest found, nearest first."""
         z = _check_query(z, self.embedding_dim_)
@@ -157,7 +163,8 @@ class HNSWDatastore(SampleDatastore):
         binary = datastore_file_name("hnsw", "bin", generation)
         write_path_atomic(directory / binary, lambda tmp: self.index_.save_index(os.fspath(tmp)),
                           sync_dir=False)
-        save_npz_atomic(directory / npz, {"labels": self.labels_, "ids": self.ids_}, sync_dir=False)
+        save_npz_atomic(directory / npz, {"labels": self.labels_, "ids": self.ids_,
+                                          **self.version_arrays()}, sync_dir=False)
         fsync_dir(directory)
         return [npz, binary]
 

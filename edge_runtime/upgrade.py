@@ -1,0 +1,244 @@
+"""Carry a device's memory to a new model version: `knnper-edge upgrade BUNDLE --to NEW` and
+`Runtime.upgrade`.
+
+What the upgraded bundle is made of:
+- from the release (the new client bundle NEW): the encoder, the input spec, k, sigma, lambda,
+  how they were chosen (knn_choice, lambda_rule) and the model version record;
+- from the device (BUNDLE): every stored sample's label, in the same order (oldest first), its
+  client id, budget, update strategy and datastore recipe (backend, key dtype, capacity n);
+- the keys: re-embedded by the new encoder where the bundle kept its raw inputs (exact), else
+  the old keys mapped by the release's key map (edge_runtime.keymap), a chunk at a time, then
+  stored (re-quantized) in the recipe's dtype; an HNSW graph is rebuilt on them;
+- a linear head refitted on the new keys where the release's bundle refits one;
+- the budget checked again with the new encoder's size: the oldest samples that no longer fit
+  are evicted, and the report says how many.
+ProtoNN bundles are not upgraded: their prototypes were trained in the old embedding's
+projection, and folding a map into it would leave prototypes trained for another encoder; the
+release's own ProtoNN bundle (trained on the new encoder) replaces them.
+
+Crash and concurrency safety: the upgrade holds the bundle's exclusive lock throughout, writes
+the upgraded bundle complete and verified into a temporary sibling directory, then swaps the two
+directories in one atomic step (renameat2 RENAME_EXCHANGE on Linux; elsewhere two renames under
+the lock, a window of two system calls). Killed at any instant, the path holds the old bundle
+or the new one, each complete; the leftover temporary is removed by the next write beside it.
+Signed: the release's signature.json travels with the upgraded bundle, which must stay what the
+release signed in everything an update cannot change (otherwise the upgrade is refused).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._io import exchange_directories, fsync_dir
+from .bundle import (
+    BudgetExceeded,
+    BundleError,
+    bundle_embedding_id,
+    commit_datastore,
+    encoder_bytes,
+    read_bundle,
+    write_bundle,
+)
+from .datastores import BACKENDS, max_count_within
+from .head_file import head_nbytes, refit_head
+from .keymap import ADVICE, KeyMap, load_key_map
+from .manifest import MODEL_RECORDS, refit_l2
+from .signing import SIGNATURE_FILE, check_signed_base
+from .versions import datastore_embedding, short
+
+UPGRADES_DIR = "upgrades"
+_RELEASE_FIELDS = ("knn_choice", "lambda_rule", *MODEL_RECORDS)
+
+
+def map_file_name(from_embedding: str) -> str:
+    """Where a release keeps the map from an older encoder: upgrades/from-<id12>.npz."""
+    return f"from-{from_embedding[:12]}.npz"
+
+
+@dataclass
+class UpgradeReport:
+    """What one upgrade did."""
+
+    from_embedding: str
+    to_embedding: str
+    from_model: dict | None
+    to_model: dict | None
+    how: str  # "mapped" | "re-embedded" | "nothing to do"
+    carried: int
+    evicted: int
+    lam: float
+    footprint_bytes: int
+    evidence: str = ""
+    signed: bool = False
+
+    def lines(self) -> list[str]:
+        def version(identity: str, record: dict | None) -> str:
+            if record is None:
+                return f"encoder {short(identity)}"
+            return (f"run {record['run']} round {record['round']} "
+                    f"(encoder {short(identity)})")
+
+        out = [f"version       {version(self.from_embedding, self.from_model)} -> "
+               f"{version(self.to_embedding, self.to_model)}",
+               f"samples       {self.carried} carried ({self.how})"
+               + (f", {self.evicted} oldest evicted: the new encoder leaves less room"
+                  if self.evicted else ""),
+               f"lambda        {self.lam:g} (the release's)",
+               f"footprint     {self.footprint_bytes} bytes"
+               + (", signed by the release" if self.signed else "")]
+        if self.evidence:
+            out.append(f"evidence      {self.evidence}")
+        return out
+
+
+def upgrade_bundle(
+    path: Path,
+    manifest: dict,
+    datastore: Any,
+    new_dir: str | os.PathLike,
+    *,
+    key_map: str | os.PathLike | None = None,
+    trusted_keys: Any = None,
+    force: bool = False,
+) -> UpgradeReport:
+    """Upgrade the bundle at `path` (loaded as `manifest`, `datastore`; the caller holds its
+    exclusive lock) to the version of the release bundle `new_dir`. See the module docstring.
+    `key_map`: the release's map file (default: NEW's parent's upgrades/from-<id>.npz).
+    `force`: apply the map even where the release advises to keep the old keys or start fresh.
+    """
+    where = f"bundle {path}"
+    new_dir = Path(new_dir)
+    new = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys)
+    release = new.manifest
+    if manifest["backend"]["name"] not in ("flat", "hnsw"):
+        raise BundleError(f"{where}: a {manifest['backend']['name']} datastore cannot be "
+                          "upgraded (its prototypes belong to the old encoder's projection); "
+                          f"install the release's own bundle {new_dir} instead")
+    if release["num_classes"] != manifest["num_classes"]:
+        raise BundleError(f"{where}: the release {new_dir} has {release['num_classes']} "
+                          f"classes, this bundle {manifest['num_classes']}: not an upgrade of it")
+    model = encoder_bytes(new_dir, release)
+    to_id = bundle_embedding_id(model, release)
+    from_id = datastore_embedding(datastore) or bundle_embedding_id(
+        encoder_bytes(path, manifest), manifest)
+    count = len(datastore)
+    report = UpgradeReport(from_id, to_id, manifest.get("model"), release.get("model"),
+                           "nothing to do", count, 0, float(manifest["lambda"]),
+                           int(manifest["footprint"]["total"]))
+    if from_id == to_id:
+        return report
+    mapping = _key_map(new_dir, from_id, to_id, key_map, manifest, release, where, force)
+    report.how, report.evidence = "mapped", mapping.describe()
+
+    params = {**manifest["backend"]["params"],
+              "num_classes": release["num_classes"], "k": release["k"],
+              "sigma": release["sigma"]}
+    fresh = BACKENDS[manifest["backend"]["name"]].from_params(params)
+    dim = release["embedding_dim"]
+    l2 = refit_l2(release)
+    room = int(manifest["budget_bytes"]) - len(model)
+    if l2 is not None:
+        room -= head_nbytes(dim, release["num_classes"])
+    fits = max_count_within(lambda n: fresh.estimate_nbytes(n, dim), room)
+    if fits < 1:
+        raise BudgetExceeded(f"{where}: the new encoder ({len(model)} bytes) leaves no room for "
+                             f"one stored sample in the budget of {manifest['budget_bytes']} "
+                             "bytes", len(model), int(manifest["budget_bytes"]))
+    evict = max(0, count - fits)
+    fields = {"client_id": manifest["client_id"], "input": release["input"],
+              "lambda": release["lambda"], "budget_bytes": manifest["budget_bytes"],
+              "update_strategy": manifest["update_strategy"],
+              **{key: release[key] for key in _RELEASE_FIELDS if key in release}}
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        for _ in range(8):
+            kept = count - evict
+            z = np.empty((kept, dim), np.float32)
+            done = 0
+            for chunk in mapping.chunks(lambda a, b: datastore.key_rows(evict + a, evict + b),
+                                        kept):
+                z[done:done + chunk.shape[0]] = chunk
+                done += chunk.shape[0]
+            ds = BACKENDS[manifest["backend"]["name"]].from_params(params)
+            ds.fit(z, datastore.labels_[evict:])
+            del z
+            ds.embedding_id_ = to_id
+            try:
+                written = write_bundle(tmp, fields, model, ds)
+                break
+            except BudgetExceeded as exc:  # estimates (hnsw) undershot: evict a little more
+                per = max(1, fresh.estimate_nbytes(2, dim) - fresh.estimate_nbytes(1, dim))
+                evict += max(1, (exc.needed - exc.budget) // per + 1)
+                if evict >= count:
+                    raise
+        else:
+            raise BudgetExceeded(f"{where}: the upgraded datastore does not fit the budget", 0,
+                                 int(manifest["budget_bytes"]))
+        if l2 is not None:
+            head = refit_head(ds, release["num_classes"], l2)
+            written = commit_datastore(tmp, written, ds, head)
+        signed = (new_dir / SIGNATURE_FILE).is_file()
+        if signed:
+            shutil.copyfile(new_dir / SIGNATURE_FILE, tmp / SIGNATURE_FILE)
+            if trusted_keys is not None:
+                read_bundle(tmp, intra_op_threads=1, trusted_keys=trusted_keys)
+            else:
+                check_signed_base(tmp, written, f"the upgraded {where}")
+        _swap(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    report.evicted, report.carried = evict, count - evict
+    report.lam, report.footprint_bytes = float(written["lambda"]), written["footprint"]["total"]
+    report.signed = signed
+    return report
+
+
+def _key_map(new_dir: Path, from_id: str, to_id: str, given: str | os.PathLike | None,
+             manifest: dict, release: dict, where: str, force: bool) -> KeyMap:
+    path = Path(given) if given is not None else (
+        new_dir.parent / UPGRADES_DIR / map_file_name(from_id))
+    if given is None and not path.is_file():
+        raise BundleError(
+            f"{where}: its keys were embedded by encoder {short(from_id)} and the release ships "
+            f"no map from it ({path} is missing): pass the release's map with --map, or build "
+            "a fresh bundle with `knnper-edge init --like NEW_BUNDLE`")
+    try:
+        mapping = load_key_map(path)
+    except ValueError as exc:
+        raise BundleError(str(exc)) from None
+    if mapping.from_embedding != from_id or mapping.to_embedding != to_id:
+        raise BundleError(
+            f"key map {path} maps encoder {short(mapping.from_embedding)} -> "
+            f"{short(mapping.to_embedding)}, this upgrade needs {short(from_id)} -> "
+            f"{short(to_id)}: use the map the release ships for this bundle's version")
+    if mapping.weight.shape != (manifest["embedding_dim"], release["embedding_dim"]):
+        raise BundleError(f"key map {path} is {list(mapping.weight.shape)}, this upgrade needs "
+                          f"[{manifest['embedding_dim']}, {release['embedding_dim']}]")
+    if mapping.advice != ADVICE[0] and not force:
+        raise BundleError(f"{where}: the release advises to {mapping.advice} rather than map "
+                          f"the keys ({mapping.describe()}); --force maps them anyway")
+    return mapping
+
+
+def _swap(tmp: Path, path: Path) -> None:
+    """Put the upgraded bundle `tmp` at `path` (see the module docstring); the old one goes."""
+    fsync_dir(tmp)
+    if not exchange_directories(tmp, path):
+        aside = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, aside)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(aside, path)
+            raise
+        tmp = aside
+        fsync_dir(path.parent)
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,268 @@
+"""Model versions on the device: keys of one encoder are never searched with another's, and
+`upgrade` carries a bundle's samples to a new encoder (mapped, or re-embedded exactly)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_runtime.bundle import BundleError, read_bundle, write_bundle
+from edge_runtime.datastores import make_datastore
+from edge_runtime.keymap import KeyMap, load_key_map
+from edge_runtime.runtime import Runtime
+from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
+from edge_runtime.versions import embedding_id
+from tests.helpers.bundles import (
+    FIELDS,
+    NUM_CLASSES,
+    make_image_encoder,
+    make_images,
+    raw_outputs,
+)
+
+
+def _encoders(tmp_path: Path) -> tuple[Path, Path]:
+    old = make_image_encoder(tmp_path / "old.onnx", seed=0)
+    new = make_image_encoder(tmp_path / "new.onnx", seed=1)
+    return old, new
+
+
+def _bundle(tmp_path: Path, encoder: Path, name: str, recipe: str = "flat:fp32",
+            n: int = 60, seed: int = 0, strategy: str = "fifo") -> Path:
+    x, y = make_images(n, seed)
+    z, _ = raw_outputs(encoder, x)
+    ds = make_datastore(recipe, NUM_CLASSES, k=5, sigma=1.0).fit(z, y)
+    write_bundle(tmp_path / name, {**FIELDS, "update_strategy": strategy}, encoder, ds)
+    return tmp_path / name
+
+
+def _fit_map(old: Path, new: Path, out: Path, advice: str = "map the keys") -> Path:
+    x, _ = make_images(400, seed=7)
+    z_old, _ = raw_outputs(old, x)
+    z_new, _ = raw_outputs(new, x)
+    a = np.hstack([z_old, np.ones((len(z_old), 1), np.float32)])
+    coef = np.linalg.lstsq(a, z_new, rcond=None)[0].astype(np.float32)
+    ids = [embedding_id(p.read_bytes()) for p in (old, new)]
+    KeyMap(coef[:-1], coef[-1], ids[0], ids[1], advice,
+           {"mapped": 0.9, "stale": 0.5, "re-embedded": 0.95, "global": 0.6}).save(out)
+    return out
+
+
+def _move_datastore(source: Path, target: Path) -> None:
+    """Copy source's datastore.npz into target and fix target's manifest to list it, as a
+    careless migration would."""
+    shutil.copyfile(source / "datastore.npz", target / "datastore.npz")
+    manifest = json.loads((target / "manifest.json").read_text())
+    data = (target / "datastore.npz").read_bytes()
+    manifest["files"]["datastore.npz"] = hashlib.sha256(data).hexdigest()
+    total_ds = len(data)
+    manifest["footprint"]["datastore"] = total_ds
+    manifest["footprint"]["total"] = manifest["footprint"]["encoder"] + total_ds
+    (target / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_datastore_of_another_encoder_is_refused_by_load(tmp_path):
+    old, new = _encoders(tmp_path)
+    a, b = _bundle(tmp_path, old, "a"), _bundle(tmp_path, new, "b")
+    _move_datastore(a, b)
+    with pytest.raises(BundleError, match="embedded by encoder .* upgrade") as err:
+        Runtime.load(b)
+    assert "\n" not in str(err.value)
+
+
+def test_write_bundle_refuses_keys_of_another_encoder(tmp_path):
+    old, new = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a")
+    ds = read_bundle(a).datastore
+    with pytest.raises(BundleError, match="embedded by encoder"):
+        write_bundle(tmp_path / "mixed", FIELDS, new, ds)
+    assert not (tmp_path / "mixed").exists()
+
+
+def test_datastore_records_its_encoder(tmp_path):
+    old, _ = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a")
+    with np.load(a / "datastore.npz") as f:
+        assert bytes(f["embedding_id"]).hex() == hashlib.sha256(old.read_bytes()).hexdigest()
+
+
+def test_bundle_without_a_recorded_encoder_loads_as_before(tmp_path):
+    """Bundles written before versioning carry no embedding_id: they still load."""
+    old, _ = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a")
+    with np.load(a / "datastore.npz") as f:
+        arrays = {k: f[k] for k in f.files if k != "embedding_id"}
+    np.savez(a / "datastore.npz", **arrays)
+    manifest = json.loads((a / "manifest.json").read_text())
+    data = (a / "datastore.npz").read_bytes()
+    manifest["files"]["datastore.npz"] = hashlib.sha256(data).hexdigest()
+    manifest["footprint"]["datastore"] = len(data)
+    manifest["footprint"]["total"] = manifest["footprint"]["encoder"] + len(data)
+    (a / "manifest.json").write_text(json.dumps(manifest))
+    assert Runtime.load(a).predict(make_images(3)[0]).shape == (3,)
+
+
+@pytest.mark.parametrize("recipe", ["flat:fp32", "flat:int8", "hnsw:M8"])
+def test_upgrade_maps_keys_and_keeps_every_sample(tmp_path, recipe):
+    old, new = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a", recipe, strategy="concatenate")
+    release = _bundle(tmp_path, new, "release", recipe, seed=5)
+    (tmp_path / UPGRADES_DIR).mkdir()
+    _fit_map(old, new, tmp_path / UPGRADES_DIR / map_file_name(embedding_id(old.read_bytes())))
+    rt = Runtime.load(a)
+    x_add, y_add = make_images(7, seed=9)
+    rt.add(x_add, y_add)
+    labels_before = rt.datastore.labels_.copy()
+    report = rt.upgrade(release)
+    assert report.how == "mapped" and report.carried == 67 and report.evicted == 0
+    np.testing.assert_array_equal(rt.datastore.labels_, labels_before)
+    assert rt.manifest["update_strategy"] == "concatenate"
+    assert rt.manifest["backend"]["recipe"].split(":")[:2] == recipe.split(":")[:2]
+    assert rt.manifest["files"]["encoder.onnx"] == hashlib.sha256(new.read_bytes()).hexdigest()
+    # the device's additions, embedded by the new encoder, are found as their own neighbours
+    z_new, _ = raw_outputs(new, x_add)
+    assert (rt.datastore.predict_proba(z_new).argmax(1) == y_add).mean() >= 5 / 7
+    fresh = Runtime.load(a)
+    np.testing.assert_allclose(fresh.predict_proba(x_add), rt.predict_proba(x_add))
+    assert rt.upgrade(release).how == "nothing to do"
+
+
+def test_upgrade_refuses_a_map_of_other_versions(tmp_path):
+    old, new = _encoders(tmp_path)
+    other = make_image_encoder(tmp_path / "other.onnx", seed=2)
+    a = _bundle(tmp_path, old, "a")
+    release = _bundle(tmp_path, new, "release")
+    wrong = _fit_map(other, new, tmp_path / "wrong.npz")
+    before = sorted(p.name for p in a.iterdir())
+    with pytest.raises(BundleError, match="maps encoder .* this upgrade needs"):
+        Runtime.load(a).upgrade(release, key_map=wrong)
+    with pytest.raises(BundleError, match="ships no map"):
+        Runtime.load(a).upgrade(release)
+    assert sorted(p.name for p in a.iterdir()) == before
+    assert Runtime.load(a).manifest["files"]["encoder.onnx"] == \
+        hashlib.sha256(old.read_bytes()).hexdigest()
+
+
+def test_upgrade_follows_the_release_advice(tmp_path):
+    old, new = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a")
+    release = _bundle(tmp_path, new, "release")
+    keep = _fit_map(old, new, tmp_path / "keep.npz", advice="keep the old keys")
+    with pytest.raises(BundleError, match="advises to keep the old keys"):
+        Runtime.load(a).upgrade(release, key_map=keep)
+    assert Runtime.load(a).upgrade(release, key_map=keep, force=True).how == "mapped"
+
+
+@pytest.mark.parametrize("damage", ["not a zip", "pickle", "shape", "nan", "extra"])
+def test_bad_map_files_are_refused_with_one_line(tmp_path, damage):
+    old, new = _encoders(tmp_path)
+    good = load_key_map(_fit_map(old, new, tmp_path / "good.npz"))
+    bad = tmp_path / "bad.npz"
+    arrays = {"weight": good.weight, "bias": good.bias,
+              "from_embedding": np.frombuffer(bytes.fromhex(good.from_embedding), np.uint8),
+              "to_embedding": np.frombuffer(bytes.fromhex(good.to_embedding), np.uint8),
+              "advice": np.int8(0), "evidence": np.array([.9, .5, .95, .6])}
+    if damage == "not a zip":
+        bad.write_bytes(b"PK\x03\x04 nonsense")
+    elif damage == "pickle":
+        np.savez(bad, **{**arrays, "weight": np.array([object()], dtype=object)})
+    elif damage == "shape":
+        np.savez(bad, **{**arrays, "bias": np.zeros(3, np.float32)})
+    elif damage == "nan":
+        np.savez(bad, **{**arrays, "weight": np.full_like(good.weight, np.nan)})
+    else:
+        np.savez(bad, **arrays, more=np.zeros(2))
+    with pytest.raises(ValueError) as err:
+        load_key_map(bad)
+    assert "\n" not in str(err.value) and "bad.npz" in str(err.value)
+
+
+def test_every_command_refuses_a_datastore_of_another_encoder(tmp_path, capsys):
+    from edge_runtime.cli import main
+
+    old, new = _encoders(tmp_path)
+    a, b = _bundle(tmp_path, old, "a"), _bundle(tmp_path, new, "b")
+    _move_datastore(a, b)
+    x, y = make_images(4, seed=3)
+    np.save(tmp_path / "x.npy", x)
+    np.savez(tmp_path / "xy.npz", x=x, y=y)
+    for argv in (["predict", str(b), "--input", str(tmp_path / "x.npy")],
+                 ["evaluate", str(b), "--data", str(tmp_path / "xy.npz")],
+                 ["add", str(b), "--data", str(tmp_path / "xy.npz")],
+                 ["info", str(b)],
+                 ["export-onnx", str(b), "--out", str(tmp_path / "p.onnx")],
+                 ["upgrade", str(b), "--to", str(a)]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "embedded by encoder" in err and "upgrade" in err, argv
+
+
+def test_upgrade_command_prints_what_it_did(tmp_path, capsys):
+    from edge_runtime.cli import main
+
+    old, new = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a")
+    release = _bundle(tmp_path, new, "release")
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    assert main(["upgrade", str(a), "--to", str(release), "--map", str(key_map)]) == 0
+    out = capsys.readouterr().out
+    assert "60 carried (mapped)" in out and "->" in out and "evidence" in out
+    assert main(["info", str(a)]) == 0
+    assert embedding_id(new.read_bytes())[:12] in capsys.readouterr().out
+
+
+_UPGRADER = """
+import sys
+from edge_runtime.runtime import Runtime
+Runtime.load(sys.argv[1]).upgrade(sys.argv[2], key_map=sys.argv[3])
+print("done", flush=True)
+"""
+
+
+def test_sigkill_during_upgrade_leaves_the_old_bundle_or_the_new(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.bundles import REPO
+
+    old, new = _encoders(tmp_path)
+    pristine = _bundle(tmp_path, old, "pristine", "flat:int8", n=3000)
+    release = _bundle(tmp_path, new, "release", "flat:int8")
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    labels = Runtime.load(pristine).datastore.labels_.copy()
+    shas = {hashlib.sha256(p.read_bytes()).hexdigest(): name
+            for name, p in (("old", old), ("new", new))}
+    bundle, seen = tmp_path / "device", set()
+    for delay in (0.05, 0.12, 0.18, 0.24, 0.3, 0.4, 0.6):  # the process starts, then upgrades
+        if not bundle.exists() or seen and "new" in seen:
+            shutil.rmtree(bundle, ignore_errors=True)
+            shutil.copytree(pristine, bundle)
+        proc = subprocess.Popen([sys.executable, "-c", _UPGRADER, str(bundle), str(release),
+                                 str(key_map)], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        rt = Runtime.load(bundle)
+        version = shas[rt.manifest["files"]["encoder.onnx"]]
+        seen.add(version)
+        np.testing.assert_array_equal(rt.datastore.labels_, labels)
+        assert rt.predict(make_images(2)[0]).shape == (2,)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    write_bundle(tmp_path / "later", FIELDS, old,  # the next write beside them cleans up
+                 make_datastore("flat:fp32", NUM_CLASSES).fit(*_embedded(old)))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".device")], leftovers
+
+
+def _embedded(encoder: Path) -> tuple[np.ndarray, np.ndarray]:
+    x, y = make_images(20)
+    return raw_outputs(encoder, x)[0], y
