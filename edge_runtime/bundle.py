@@ -212,12 +212,13 @@ def read_bundle(
         model = encoder_model(bundle_dir, manifest)
         _remove_stale_quietly(bundle_dir, manifest)
         datastore = load_bundle_datastore(bundle_dir, manifest)
-        check_embedding(datastore, model, manifest, where)
     encoder, predictor = open_sessions(model, manifest, datastore, bundle_dir,
                                        intra_op_threads=intra_op_threads,
                                        with_predictor=with_predictor)
+    encoder_id = bundle_embedding_id(model, manifest)
     del model  # the session holds what it needs
     check_sessions(encoder, predictor, manifest, datastore, bundle_dir)
+    check_embedding(datastore, encoder_id, manifest, where)  # after the encoder's own checks
     return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
 
 
@@ -227,10 +228,10 @@ def bundle_embedding_id(model: bytes, manifest: dict) -> str:
     return embedding_id(model, manifest["files"][ENCODER_FILE])
 
 
-def check_embedding(datastore: Any, model: bytes, manifest: dict, where: str) -> None:
+def check_embedding(datastore: Any, encoder_id: str, manifest: dict, where: str) -> None:
     """BundleError when the datastore's keys were embedded by another encoder than the
-    bundle's, or the manifest's model record names another one (edge_runtime.versions)."""
-    encoder_id = bundle_embedding_id(model, manifest)
+    bundle's (`encoder_id`), or the manifest's model record names another one
+    (edge_runtime.versions)."""
     problem = mismatch(where, datastore_embedding(datastore), encoder_id)
     recorded = manifest.get("model", {}).get("embedding")
     if problem is None and recorded is not None and recorded != encoder_id:

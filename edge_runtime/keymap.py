@@ -105,4 +105,4 @@ def load_key_map(path: str | os.PathLike) -> KeyMap:
     ids = [id_from_arrays({"embedding_id": arrays[k]}, f"{name} {k}")
            for k in ("from_embedding", "to_embedding")]
     return KeyMap(weight, bias, ids[0], ids[1], ADVICE[int(advice)],
-                  dict(zip(EVIDENCE, map(float, evidence))))
+                  dict(zip(EVIDENCE, map(float, evidence), strict=True)))

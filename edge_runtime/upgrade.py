@@ -162,8 +162,8 @@ def upgrade_bundle(
             kept = count - evict
             z = np.empty((kept, dim), np.float32)
             done = 0
-            for chunk in mapping.chunks(lambda a, b: datastore.key_rows(evict + a, evict + b),
-                                        kept):
+            for chunk in mapping.chunks(
+                    lambda a, b, first=evict: datastore.key_rows(first + a, first + b), kept):
                 z[done:done + chunk.shape[0]] = chunk
                 done += chunk.shape[0]
             ds = BACKENDS[manifest["backend"]["name"]].from_params(params)
