@@ -178,6 +178,69 @@ def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object], 
         raise
 
 
+# What a user may name as an output to mean the process's standard output: written through,
+# never replaced (os.replace over /dev/stdout would swap the link, or as root the device).
+STDOUT_NAMES = ("-", "/dev/stdout")
+
+
+def is_stdout(path: str | os.PathLike | None) -> bool:
+    """Whether an output path names standard output (`STDOUT_NAMES`)."""
+    return path is not None and os.fspath(path) in STDOUT_NAMES
+
+
+def output_problem(path: str | os.PathLike) -> str | None:
+    """Why an output file cannot be written at `path`, or None: an existing path must be a
+    regular file or a link to one, since the atomic rename would replace whatever is there (a
+    device such as /dev/null, a pipe, a socket: as root, the system's own node); a new one must
+    lie in an existing writable directory. Standard output is the caller's to allow."""
+    if is_stdout(path):
+        return "standard output is not accepted here; give a file"
+    text, link = os.fspath(path), os.path.islink(path)
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # new (or under a file: said below)
+        if link:
+            return f"{text} is a link to nothing ({os.readlink(path)}); give a file"
+        mode = None
+    except OSError as exc:
+        return f"cannot write {text}: {exc.strerror or exc}"
+    if mode is not None and stat.S_ISDIR(mode):
+        return f"{text} is a directory, not a file"
+    if mode is not None and not stat.S_ISREG(mode):
+        return (f"{text} exists and is not a regular file (a device, pipe or socket); give a "
+                "file path, or - for standard output where the option allows it")
+    parent = Path(os.path.realpath(path)).parent
+    if not parent.is_dir():
+        missing = "" if parent.exists() else " (it does not exist)"
+        return f"cannot write {text}: {parent} is not a directory{missing}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{text}: {parent} is not writable"
+    return None
+
+
+def output_target(path: str | os.PathLike) -> Path:
+    """The file an output path names, checked again at write time (`output_problem`,
+    ValueError): a link to a regular file is written through (its target replaced
+    atomically), never replaced by a file of its own."""
+    problem = output_problem(path)
+    if problem:
+        raise ValueError(problem)
+    return Path(os.path.realpath(path))
+
+
+def write_output(path: str | os.PathLike, data: bytes) -> None:
+    """An output a user named: standard output for `STDOUT_NAMES` (written through), else the
+    regular file it names or links to, replaced atomically (`output_target`)."""
+    if is_stdout(path):
+        import sys
+
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        return
+    write_bytes_atomic(output_target(path), data)
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
     """Write `data` to `path` through a unique temporary file (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(data), sync_dir=sync_dir)

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from ._io import is_stdout, output_problem
 from .byte_count import parse_byte_count
 from .knn import k_sigma_problem
 
@@ -111,6 +112,10 @@ class OutputFile(str):
     """A file a command will write (`check_outputs` checks it)."""
 
 
+class OutputFileOrStdout(OutputFile):
+    """A file a command will write, or `-` / /dev/stdout for standard output."""
+
+
 def output_dir(text: str) -> str:
     """The argparse type of an output directory: parsing stays free of the file system (a
     command line can be parsed anywhere); `check_outputs` checks it before the work starts."""
@@ -122,6 +127,11 @@ def output_file(text: str) -> str:
     return OutputFile(text)
 
 
+def output_file_or_stdout(text: str) -> str:
+    """The argparse type of an output file that may be standard output (`-`, /dev/stdout)."""
+    return OutputFileOrStdout(text)
+
+
 def check_outputs(args: argparse.Namespace) -> None:
     """Check every output path of a parsed command line before any work starts (a long
     evaluation or export must not fail at its last step); ValueError names the flag's value
@@ -129,8 +139,11 @@ def check_outputs(args: argparse.Namespace) -> None:
     for value in vars(args).values():
         if isinstance(value, OutputDir):
             _check_output_dir(value)
-        elif isinstance(value, OutputFile):
-            _check_output_file(value)
+        elif isinstance(value, OutputFile) and not (
+                isinstance(value, OutputFileOrStdout) and is_stdout(value)):
+            problem = output_problem(value)
+            if problem:
+                raise ValueError(problem)
 
 
 def _writable_directory(directory: Path, text: str) -> None:
@@ -150,14 +163,3 @@ def _check_output_dir(text: str) -> None:
     if not base.is_dir():
         raise ValueError(f"cannot make {text}: {base} is not a directory")
     _writable_directory(base, text)
-
-
-def _check_output_file(text: str) -> None:
-    """Not a directory, in an existing writable directory."""
-    path = Path(text)
-    if path.is_dir():
-        raise ValueError(f"{text} is a directory, not a file")
-    if not path.parent.is_dir():
-        missing = "" if path.parent.exists() else " (it does not exist)"
-        raise ValueError(f"cannot write {text}: {path.parent} is not a directory{missing}")
-    _writable_directory(path.parent, text)

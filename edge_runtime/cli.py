@@ -11,7 +11,9 @@ import argparse
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 from zipfile import BadZipFile, ZipFile
@@ -23,9 +25,11 @@ from ._io import (
     NpzRows,
     array_file_bytes,
     fsync_file,
+    is_stdout,
     load_arrays,
     memory_limit,
     open_regular,
+    output_target,
     read_json,
     replace_synced,
     temp_path,
@@ -37,6 +41,7 @@ from .arg_types import (
     kernel_sigma,
     output_dir,
     output_file,
+    output_file_or_stdout,
     seed,
     threads,
 )
@@ -118,7 +123,10 @@ def _build_parser() -> argparse.ArgumentParser:
         f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --labels > labels.txt"))
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
-    s.add_argument("--output", type=output_file, help="write the [N, C] probabilities here (.npy)")
+    s.add_argument("--output", type=output_file_or_stdout,
+                   help="write the [N, C] probabilities here (.npy; - or /dev/stdout: the .npy "
+                   "bytes to standard output, the summary then going to stderr; an existing "
+                   "path must be a regular file or a link to one)")
     s.add_argument("--labels", action="store_true",
                    help="print every predicted label, one per line (default: a summary)")
 
@@ -352,10 +360,11 @@ def cmd_upgrade(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    if args.output and Path(args.output).suffix != ".npy":
+    to_stdout = is_stdout(args.output)
+    if to_stdout and args.labels:
+        raise CLIError("--output - and --labels both write to standard output; choose one")
+    if args.output and not to_stdout and Path(args.output).suffix != ".npy":
         raise CLIError(f"--output must end in .npy, got {args.output}")
-    if args.output and not Path(args.output).resolve().parent.is_dir():
-        raise CLIError(f"--output {args.output}: {Path(args.output).parent} is not a directory")
     x = _map_npy(args.input)
     rt = _runtime(args)
     if x.ndim == 0 or is_one_sample(x.shape, rt.input_spec):
@@ -371,7 +380,8 @@ def cmd_predict(args) -> int:
     if args.labels:
         sys.stdout.write("".join(f"{label}\n" for label in labels))
     else:
-        print(_prediction_summary(labels, rt.num_classes, args.output))
+        print(_prediction_summary(labels, rt.num_classes, args.output),
+              file=sys.stderr if to_stdout else sys.stdout)
     return 0
 
 
@@ -395,11 +405,15 @@ def _map_npy(path: str) -> np.ndarray:
 
 class _ProbabilityFile:
     """The [N, C] float64 probabilities written row chunks at a time into a temporary .npy,
-    renamed into place (fsynced) only when every row is written."""
+    renamed into place (fsynced) only when every row is written: over the regular file the
+    path names or links to (`output_target`); for `-` / /dev/stdout, a private temporary
+    copied to standard output once complete."""
 
     def __init__(self, path: str, rows: int, classes: int) -> None:
-        self.path = Path(path)
-        self.tmp = temp_path(self.path)
+        self.path = None if is_stdout(path) else output_target(path)
+        self.private = tempfile.mkdtemp() if self.path is None else None
+        self.tmp = (Path(self.private) / "probabilities.npy" if self.path is None
+                    else temp_path(self.path))
         self.array = np.lib.format.open_memmap(
             self.tmp, mode="w+", dtype=np.float64, shape=(rows, classes)
         )
@@ -411,11 +425,19 @@ class _ProbabilityFile:
         try:
             if kind is None:
                 self.array.flush()
-                fsync_file(self.tmp)
-                replace_synced(self.tmp, self.path)
+                if self.path is None:
+                    sys.stdout.flush()
+                    with open(self.tmp, "rb") as f:
+                        shutil.copyfileobj(f, sys.stdout.buffer)
+                    sys.stdout.buffer.flush()
+                else:
+                    fsync_file(self.tmp)
+                    replace_synced(self.tmp, self.path)
         finally:
             del self.array
             self.tmp.unlink(missing_ok=True)
+            if self.private is not None:
+                os.rmdir(self.private)
 
 
 def _prediction_summary(labels: np.ndarray, num_classes: int, output: str | None) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._io import write_bytes_atomic
+from ._io import output_target, write_bytes_atomic
 from .bundle import BundleError, encoder_model
 from .predictor_graph import build_predictor
 from .runtime import Runtime
@@ -65,11 +65,9 @@ def write_portable(
     written."""
     import onnx
 
-    out = Path(out)
-    if out.suffix != ".onnx":
+    if Path(out).suffix != ".onnx":
         raise ValueError(f"--out must end in .onnx, got {out}")
-    if not out.parent.is_dir():
-        raise ValueError(f"cannot write {out}: {out.parent} is not a directory")
+    out = output_target(out)  # a regular file or a link to one (written through), or new
     if out.resolve().is_relative_to(runtime.path.resolve()):
         # over its encoder.onnx (through a link too), or files the bundle does not list
         raise ValueError(f"--out {out} is inside the bundle {runtime.path}; write it elsewhere")
@@ -82,7 +80,7 @@ def write_portable(
             (Path(f"{out}.keys.f32"), keys.astype("<f4")),
             (Path(f"{out}.labels.i64"), labels.astype("<i8")),
         ):
-            write_bytes_atomic(path, np.ascontiguousarray(array).tobytes())
+            write_bytes_atomic(output_target(path), np.ascontiguousarray(array).tobytes())
             written.append(path)
     write_bytes_atomic(out, model)
     return [out, *written]

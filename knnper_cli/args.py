@@ -19,6 +19,7 @@ from edge_runtime.arg_types import (
     non_negative_float,
     output_dir,
     output_file,
+    output_file_or_stdout,
     positive,
     positive_float,
     positive_int,
@@ -43,7 +44,8 @@ from fed_train.run import RunConfig
 
 __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
            "DATA_HELP", "config_from_args", "count", "examples", "fraction", "knn_request",
-           "learning_rate", "output_dir", "output_file", "positive", "seed",
+           "learning_rate", "output_dir", "output_file",
+           "output_file_or_stdout", "positive", "seed",
            "positive_float", "positive_int", "threads"]
 
 

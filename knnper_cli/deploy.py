@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from edge_runtime._io import write_text_atomic
+from edge_runtime._io import is_stdout, write_output
 from fed_train.accelerator import resolve_device
 from fed_train.deploy import (
     APP_DIR,
@@ -31,7 +31,7 @@ from knnper_cli.args import (
     fraction,
     knn_request,
     output_dir,
-    output_file,
+    output_file_or_stdout,
     positive_float,
     positive_int,
 )
@@ -88,8 +88,8 @@ def _cmd_deploy_config(args: argparse.Namespace) -> int:
     settings = settings_from_args(args).check()
     settings.run_dir = str(Path(args.out).resolve())
     text = run_config_toml(settings)
-    if args.write:
-        write_text_atomic(args.write, text)
+    if args.write and not is_stdout(args.write):
+        write_output(args.write, text.encode("utf-8"))
         print(f"wrote {args.write}: flwr run {APP_DIR} SUPERLINK --run-config {args.write}")
     else:
         print(text, end="")
@@ -158,8 +158,9 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     _add_settings_arguments(config)
     config.add_argument("--out", required=True,
                         help="run directory on the machine that runs the ServerApp")
-    config.add_argument("--write", default=None, type=output_file,
-                        help="write the TOML here (default: stdout)")
+    config.add_argument("--write", default=None, type=output_file_or_stdout,
+                        help="write the TOML here (default, - or /dev/stdout: standard output; "
+                        "an existing path must be a regular file or a link to one)")
     config.set_defaults(func=_cmd_deploy_config)
 
     certs = where.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode "

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from edge_runtime._io import write_text_atomic
+from edge_runtime._io import is_stdout, write_output
 from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from fed_train.client_files import write_client_files
@@ -31,7 +32,7 @@ from knnper_cli.args import (
     fraction,
     knn_request,
     output_dir,
-    output_file,
+    output_file_or_stdout,
     positive_int,
     seed,
 )
@@ -46,10 +47,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _report(result: dict[str, Any], json_path: str | None) -> None:
-    print(format_table(result))
+    """The table on stdout (on stderr when the JSON goes to standard output, so that stdout
+    is one JSON document) and the JSON in `json_path`."""
+    print(format_table(result), file=sys.stderr if is_stdout(json_path) else sys.stdout)
     if json_path:
-        write_text_atomic(json_path, json.dumps(result, indent=2))
-        print(f"wrote {json_path}")
+        write_output(json_path, (json.dumps(result, indent=2) + "\n").encode("utf-8"))
+        if not is_stdout(json_path):
+            print(f"wrote {json_path}")
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
@@ -148,8 +152,10 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                    help="fraction of each client's train split kept in its datastore")
     p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
                    help=f"any of {', '.join(EVAL_METHODS)}")
-    p.add_argument("--json", default=None, type=output_file,
-                   help="write summaries and per-client rows here")
+    p.add_argument("--json", default=None, type=output_file_or_stdout,
+                   help="write summaries and per-client rows here (- or /dev/stdout: to "
+                   "standard output, the table then going to stderr; an existing path must be "
+                   "a regular file or a link to one)")
     add_device_argument(p)  # the precision of local training is the run's own
     p.set_defaults(func=_cmd_evaluate)
 

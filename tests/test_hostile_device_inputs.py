@@ -6,7 +6,9 @@ counts, an --out inside the bundle, a thread count past the machine."""
 from __future__ import annotations
 
 import json
+import io
 import os
+import stat
 import subprocess
 import sys
 import zipfile
@@ -203,3 +205,55 @@ def test_predict_reads_and_writes_a_large_input_in_chunks(tmp_path, capsys, monk
     np.save(tmp_path / "one.npy", x[0])
     assert edge_cli.main(["predict", str(bundle), "--input", str(tmp_path / "one.npy")]) == 0
     assert "predicted 1 input(s)" in capsys.readouterr().out
+
+
+def _not_regular_outputs(directory: Path, suffix: str) -> list[Path]:
+    """A named pipe, a link to one, a link to nothing and, where this user may make one, a
+    copy of /dev/null's node (c 1 3): what an atomic rename used to replace."""
+    directory.mkdir()
+    os.mkfifo(directory / f"fifo{suffix}")
+    (directory / f"link{suffix}").symlink_to(directory / f"fifo{suffix}")
+    (directory / f"dangling{suffix}").symlink_to(directory / f"nothing{suffix}")
+    try:
+        os.mknod(directory / f"null{suffix}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except (PermissionError, AttributeError):
+        pass
+    return sorted(p for p in directory.iterdir() if p.name != f"nothing{suffix}")
+
+
+@pytest.mark.parametrize(("command", "suffix"), [("predict", ".npy"), ("export-onnx", ".onnx")])
+def test_outputs_that_are_not_regular_files_are_refused_and_kept(tmp_path, capsys, command,
+                                                                   suffix):
+    bundle = build_bundle(tmp_path)
+    x, _ = make_images(4)
+    np.save(tmp_path / "x.npy", x)
+    outs = _not_regular_outputs(tmp_path / "outs", suffix)
+    kinds = {p: os.lstat(p).st_mode for p in outs}
+    for path in outs:
+        argv = (["predict", str(bundle), "--input", str(tmp_path / "x.npy"), "--output"]
+                if command == "predict" else ["export-onnx", str(bundle), "--out"])
+        _fails_in_one_line([*argv, str(path)], capsys, str(path), "give a file")
+    assert {p: os.lstat(p).st_mode for p in outs} == kinds  # nothing replaced
+    assert sorted((tmp_path / "outs").iterdir()) == outs  # and no temporary left
+
+def test_predict_writes_through_a_link_and_to_standard_output(tmp_path, capsys):
+    bundle = build_bundle(tmp_path)
+    x, _ = make_images(4)
+    np.save(tmp_path / "x.npy", x)
+    (tmp_path / "real.npy").write_bytes(b"old")
+    (tmp_path / "link.npy").symlink_to(tmp_path / "real.npy")
+    assert edge_cli.main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
+                          "--output", str(tmp_path / "link.npy")]) == 0
+    assert (tmp_path / "link.npy").is_symlink()  # the link stays, its target is rewritten
+    assert np.load(tmp_path / "real.npy").shape == (4, NUM_CLASSES)
+    capsys.readouterr()
+    script = ("import sys; from edge_runtime import cli; "
+              f"sys.exit(cli.main(['predict', {str(bundle)!r}, '--input', "
+              f"{str(tmp_path / 'x.npy')!r}, '--output', '-']))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert np.load(io.BytesIO(done.stdout)).shape == (4, NUM_CLASSES)
+    assert b"predicted 4 input(s)" in done.stderr
+    _fails_in_one_line(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
+                        "--output", "-", "--labels"], capsys, "choose one")

@@ -467,3 +467,48 @@ def test_an_error_raised_by_ctrl_c_inside_an_import_counts_as_ctrl_c():
     except ImportError as err:
         assert _from_interrupt(err)  # still its context
     assert not _from_interrupt(RuntimeError("a real failure"))
+
+
+def test_outputs_that_are_not_regular_files_are_refused_before_any_work(run_dir, tmp_path,
+                                                                        capsys, monkeypatch):
+    """An atomic rename over a pipe, a device (as root, /dev/null itself) or a link to one
+    replaced it with a regular file."""
+    import os
+    import stat
+
+    import fed_train.run
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the run was loaded before the output path was checked")
+
+    monkeypatch.setattr(fed_train.run, "load_dataset", no_work)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    outs = [tmp_path / "fifo", tmp_path / "link"]
+    try:
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        outs.append(tmp_path / "null")
+    except PermissionError:
+        pass
+    kinds = {p: os.lstat(p).st_mode for p in outs}
+    for out in outs:
+        _knnper(["evaluate", str(run_dir), "--json", str(out)], capsys, str(out),
+                "not a regular file")
+        _knnper(["deploy", "config", "--dataset", "digits", "--out", str(tmp_path / "fl"),
+                 "--write", str(out)], capsys, str(out), "not a regular file")
+    assert {p: os.lstat(p).st_mode for p in outs} == kinds
+    assert sorted(tmp_path.iterdir()) == sorted(outs)
+
+
+def test_json_and_toml_go_to_standard_output_or_through_a_link(run_dir, tmp_path, capsys):
+    assert knnper_cli.main(["evaluate", str(run_dir), "--methods", "fedavg", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["seen"]["fedavg"] and "| fedavg |" in err  # stdout: one document
+    (tmp_path / "real.toml").write_text("old")
+    (tmp_path / "link.toml").symlink_to(tmp_path / "real.toml")
+    for write in ("/dev/stdout", str(tmp_path / "link.toml")):
+        assert knnper_cli.main(["deploy", "config", "--dataset", "digits", "--out",
+                                str(tmp_path / "fl"), "--write", write]) == 0
+    assert "run-dir" in capsys.readouterr().out
+    assert (tmp_path / "link.toml").is_symlink()
+    assert "run-dir" in (tmp_path / "real.toml").read_text()
