@@ -528,12 +528,15 @@ def cmd_init(args) -> int:
     from .bundle import read_manifest
     from .device_init import init_bundle
     from .knn import CLIENT_RULE
-    from .manifest import lambda_rule_of
+    from .manifest import new_device_lambda_rule
 
     k, sigma, rule = args.k, args.sigma, CLIENT_RULE
     if args.like:
         like = read_manifest(args.like)
-        spec, rule = like["input"], lambda_rule_of(like)
+        spec = like["input"]
+        rule, set_aside = new_device_lambda_rule(like)
+        if set_aside:
+            print(f"note: {set_aside}", file=sys.stderr)
         k = like["k"] if k is None else k
         sigma = like["sigma"] if sigma is None else sigma
     else:

@@ -184,6 +184,41 @@ def test_init_like_a_bundle_chooses_lambda_by_the_rule_it_ships(tmp_path, capsys
     assert read_manifest(tmp_path / "plain")["lambda"] == own.lam != 0.9  # its own evidence
 
 
+
+def test_init_like_a_linear_base_bundle_sets_its_pooled_rule_aside(tmp_path, capsys):
+    """Pooled evidence measured with the clients' linear heads as the base ranked lambdas for
+    another mixture: a new device (global base) got lambda 0 and 2-8% accuracy."""
+    from edge_runtime.bundle import read_manifest, write_bundle
+    from edge_runtime.cli import main as edge_main
+    from edge_runtime.datastores import FlatDatastore
+
+    encoder = make_image_encoder(tmp_path / "encoder.onnx", seed=4)
+    x, y = make_images(60, seed=4, signal=50)
+    z, _ = raw_outputs(encoder, x)
+    pooled = np.zeros((len(LAMBDA_GRID), 3))
+    pooled[:, 2] = 100
+    pooled[LAMBDA_GRID.index(0.9), 0] = 100
+    rule = LambdaRule("pooled", tuple(map(tuple, pooled)))
+    choice = {"k": {"value": 10, "source": "validation"},
+              "sigma": {"value": 1.0, "source": "validation"},
+              "normalize": {"value": "none", "source": "validation"},
+              "lambda_estimator": {"value": "val", "source": "validation"},
+              "lambda_rule": {"value": "pooled", "source": "flag"},
+              "base": {"value": "linear", "source": "validation"},
+              "l2": {"value": 0.01, "source": "validation"}}
+    write_bundle(tmp_path / "exported", {"client_id": 1, "input": IMAGE_SPEC, "lambda": 0.9,
+                                         "budget_bytes": 10**6, "lambda_rule": rule.to_dict(),
+                                         "knn_choice": choice},
+                 encoder, FlatDatastore(NUM_CLASSES).fit(z, y))
+    np.savez(tmp_path / "own.npz", x=x, y=y)
+    capsys.readouterr()
+    assert edge_main(["init", "--encoder", str(encoder), "--data", str(tmp_path / "own.npz"),
+                      "--budget", "1MB", "--out", str(tmp_path / "device"), "--like",
+                      str(tmp_path / "exported")]) == 0
+    assert "measured with the clients' linear heads" in capsys.readouterr().err
+    own = init_bundle(encoder, x, y, 10**6, tmp_path / "direct", input_spec=IMAGE_SPEC)
+    assert read_manifest(tmp_path / "device")["lambda"] == own.lam != 0.9
+
 def test_the_sizer_scores_candidates_with_the_loo_estimator():
     rng = np.random.default_rng(7)
     y = rng.integers(0, NUM_CLASSES, 90)
