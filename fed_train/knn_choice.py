@@ -33,6 +33,7 @@ from edge_runtime.knn import (
     choice_key,
     k_sigma_problem,
 )
+from edge_runtime.linear_head import L2_GRID
 from fed_train.algorithms.base import ClientData
 from fed_train.errors import KnnperError
 from fed_train.knn_request import (
@@ -288,9 +289,31 @@ def choice_from_record(record: Any, path: Path) -> KNNChoice:
             raise KnnperError(f"base {base!r} with l2 {l2!r} is not a base")
         _check_evidence(record, request, config, estimator)
         _check_base_evidence(record, request, base, rule.name)
+        if base == "linear":
+            _check_l2_evidence(record["base"], l2)
     except (KeyError, TypeError, ValueError, KnnperError) as err:
         raise _malformed(path, f"a saved choice is malformed or edited ({err})") from None
     return KNNChoice(config, estimator, dict(source), record, rule, base, l2)
+
+
+def _check_l2_evidence(base: dict[str, Any], l2: float) -> None:
+    """The linear head's l2 must be the value its saved scores rank first over L2_GRID, as
+    choose_l2 ranks them (an in-range edit to another grid value ran and was reported as
+    "(validation)")."""
+    choice = base.get("l2_choice")
+    if not isinstance(choice, dict) or not isinstance(choice.get("grid"), list) \
+            or not isinstance(choice.get("config"), dict):
+        raise KnnperError("the linear base's l2_choice is missing")
+    grid = choice["grid"]
+    if [_typed(g.get("l2"), float, f"l2 grid point {i}") if isinstance(g, dict) else None
+            for i, g in enumerate(grid)] != list(L2_GRID):
+        raise KnnperError("its l2 grid is not the one the linear base searches")
+    best = min(range(len(grid)), key=lambda i: choice_key(
+        _typed(grid[i].get("val_accuracy"), float, f"l2 grid point {i} val_accuracy"),
+        _typed(grid[i].get("val_nll"), float, f"l2 grid point {i} val_nll")))
+    if not L2_GRID[best] == choice["config"].get("l2") == l2:
+        raise KnnperError(f"its l2 scores choose {L2_GRID[best]:g}, not the saved {l2!r} "
+                          "(edited?)")
 
 
 def _check_base_evidence(record: dict[str, Any], request: KNNRequest, base: str,

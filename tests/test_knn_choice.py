@@ -263,3 +263,30 @@ def test_a_fifo_as_the_choice_file_is_refused_without_blocking(chosen, tmp_path,
         os.mkfifo(path)
 
     _refused_by_evaluate(chosen, tmp_path, capsys, write, "not a regular file")
+
+
+@pytest.mark.parametrize("with_its_config", [False, True])
+def test_an_l2_edited_to_another_grid_value_is_refused(run_dir, tmp_path, capsys,
+                                                       with_its_config):
+    """The linear head's l2 (0.01 -> 1e-6, a grid value that did not win) was evaluated,
+    exported and printed as "(validation)": it is checked against its scores like the rest."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    request = KNNRequest(base="linear")
+    load_or_choose(copy, load_run(copy).model, load_run(copy).clients(), request, seed=0)
+    path = copy / KNN_CONFIG_FILE
+    saved = json.loads(path.read_text())
+    base = saved["choices"][request.key()]["base"]
+    other = next(v for v in (1e-6, 1.0) if v != base["l2"])
+    base["l2"] = other
+    if with_its_config:
+        base["l2_choice"]["config"]["l2"] = other
+    path.write_text(json.dumps(saved))
+    capsys.readouterr()
+    code = knnper_main(["--no-progress", "evaluate", str(copy), "--methods", "knnper",
+                        "--base", "linear"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "its l2 scores choose" in err and "edited" in err and str(path) in err, err
