@@ -175,7 +175,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="replace the bundle --out holds (it loses what `add` taught it)")
     spec = s.add_mutually_exclusive_group(required=True)
     spec.add_argument("--like", help="take the input spec (and k, sigma, and the server's "
-                      "pooled lambda rule where it ships one) from this bundle")
+                      "pooled lambda rule where it ships one) from this bundle; with "
+                      "--trusted-key its signature is verified and --encoder must be the "
+                      "encoder it signs")
     spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
     s.add_argument("--k", type=k_neighbours, default=None,
                    help="neighbours of the kNN head (default: --like's, else 10)")
@@ -531,8 +533,13 @@ def cmd_init(args) -> int:
     from .manifest import new_device_lambda_rule
 
     k, sigma, rule = args.k, args.sigma, CLIENT_RULE
+    if args.trusted_key and not args.like:
+        raise CLIError("--trusted-key needs --like SIGNED_BUNDLE with init: --encoder is "
+                       "verified as the encoder that bundle's signature covers")
     if args.like:
         like = read_manifest(args.like)
+        if args.trusted_key:
+            _verify_like(args, like)
         spec = like["input"]
         rule, set_aside = new_device_lambda_rule(like)
         if set_aside:
@@ -574,6 +581,25 @@ def cmd_init(args) -> int:
         f"{fp['datastore']})"
     )
     return 0
+
+
+def _verify_like(args, like: dict) -> None:
+    """With --trusted-key, what init takes from --like (the input normalisation, k, sigma, the
+    lambda rule) must be what a trusted key signed, and --encoder the very encoder that
+    signature covers: an edited manifest or another encoder is refused (SignatureError)."""
+    from ._io import sha256_file
+    from .errors import SignatureError
+    from .manifest import ENCODER_FILE
+    from .signing import load_public_key, verify_signature
+
+    keys = [load_public_key(path) for path in args.trusted_key]
+    signed = verify_signature(args.like, like, keys, f"--like bundle {args.like}")
+    if not Path(args.encoder).is_file():
+        raise CLIError(f"no such file: {args.encoder}")
+    if sha256_file(args.encoder) != signed["files"][ENCODER_FILE]:
+        raise SignatureError(f"--encoder {args.encoder} is not the encoder the signed bundle "
+                             f"{args.like} carries (its sha256 differs); use "
+                             f"{Path(args.like) / ENCODER_FILE}")
 
 
 def cmd_info(args) -> int:

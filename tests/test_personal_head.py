@@ -215,7 +215,7 @@ def test_init_like_a_linear_base_bundle_sets_its_pooled_rule_aside(tmp_path, cap
     assert edge_main(["init", "--encoder", str(encoder), "--data", str(tmp_path / "own.npz"),
                       "--budget", "1MB", "--out", str(tmp_path / "device"), "--like",
                       str(tmp_path / "exported")]) == 0
-    assert "measured with the clients' linear heads" in capsys.readouterr().err
+    assert "measured with each client's own linear head" in capsys.readouterr().err
     own = init_bundle(encoder, x, y, 10**6, tmp_path / "direct", input_spec=IMAGE_SPEC)
     assert read_manifest(tmp_path / "device")["lambda"] == own.lam != 0.9
 

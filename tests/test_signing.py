@@ -165,3 +165,37 @@ def test_export_signs_every_bundle(tmp_path, keys, capsys):
                             str(tmp_path / "b2"), "--budget", "2M",
                             "--signing-key", str(keys / "key.pub")])
     assert code == 2 and "not an unencrypted PEM private key" in capsys.readouterr().err
+
+
+def test_init_like_verifies_the_signed_bundle_and_the_encoder(tmp_path, keys, capsys):
+    """init --like took k and the input normalisation from an edited signed manifest, and
+    any --encoder, without verifying either."""
+    bundle = signed_bundle(tmp_path, keys)
+    x, y = make_images(40)
+    np.savez(tmp_path / "own.npz", x=x, y=y)
+    other = make_image_encoder(tmp_path / "other.onnx", seed=7)
+
+    def init(encoder: Path, out: str, *extra: str) -> tuple[int, str]:
+        capsys.readouterr()
+        code = edge_main([*extra, "init", "--encoder", str(encoder), "--data",
+                          str(tmp_path / "own.npz"), "--budget", "1MB", "--out",
+                          str(tmp_path / out), "--like", str(bundle)])
+        return code, capsys.readouterr().err
+
+    key = ["--trusted-key", str(keys / "key.pub")]
+    assert init(bundle / "encoder.onnx", "good", *key)[0] == 0
+    code, err = init(other, "swapped", *key)
+    assert code == 2 and err.count("\n") == 1 and "is not the encoder the signed bundle" in err
+    rewrite_manifest(bundle, k=3)
+    code, err = init(bundle / "encoder.onnx", "edited", *key)
+    assert code == 2 and err.count("\n") == 1 and "'k' differs from the signed manifest" in err
+    assert not (tmp_path / "swapped").exists() and not (tmp_path / "edited").exists()
+    code, err = init(bundle / "encoder.onnx", "other-key", "--trusted-key",
+                     str(keys / "other.pub"))
+    assert code == 2 and "not trusted" in err
+    assert init(bundle / "encoder.onnx", "unchecked")[0] == 0  # no key: not checked, as before
+    (tmp_path / "spec.json").write_text(json.dumps(FIELDS["input"]))
+    assert edge_main([*key, "init", "--encoder", str(bundle / "encoder.onnx"), "--data",
+                      str(tmp_path / "own.npz"), "--budget", "1MB", "--out",
+                      str(tmp_path / "spec"), "--input-spec", str(tmp_path / "spec.json")]) == 2
+    assert "needs --like SIGNED_BUNDLE" in capsys.readouterr().err
