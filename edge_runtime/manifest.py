@@ -188,9 +188,10 @@ def lambda_rule_of(manifest: dict) -> LambdaRule:
 def new_device_lambda_rule(manifest: dict) -> tuple[LambdaRule, str | None]:
     """The lambda rule a new device built `--like` this bundle can use, and why the bundle's
     own was set aside (None when it was not). `knnper-edge init` interpolates with the
-    encoder's classifier, not a linear head fitted per client as the seen clients'; a pooled rule measured with the clients' linear heads as the base ranks lambdas for
-    another mixture (on digits it picked lambda 0, the global model alone: 2-8% accuracy), so
-    the device then chooses from its own validation split, on the base it will have."""
+    encoder's classifier, not a linear head fitted on the device as the seen clients' were; a
+    pooled rule measured on those heads ranks lambdas for another mixture (on digits it
+    picked lambda 0, the global model alone: 2-8% accuracy), so the device then chooses from
+    its own validation split, on the base it will have."""
     rule = lambda_rule_of(manifest)
     base = manifest.get("knn_choice", {}).get("base", {}).get("value", "global")
     if rule.name == "client" or base == "global":
