@@ -13,8 +13,17 @@ also the encoder's "embedding" and "logits".
 Self-contained by default: keys and labels are initializers. With keys_as_inputs the graph also
 takes "keys" [n, q] float32 and "labels" [n] int64 (flat: the stored samples; ProtoNN: its
 buffer of samples learned on the device, beside the prototypes baked in), so an app keeps
-learning in any language by appending "key" and the label; the bundle's current ones are
-written beside the graph (raw little-endian files, see `write_portable`).
+learning in any language; the bundle's current ones are written beside the graph (raw
+little-endian files, see `write_portable`), with the app's contract in <out>.app.json.
+
+The app contract, which makes an app learn as `Runtime.add` does: for each labelled input,
+append the graph's "key" output (already in the stored form: an int8 bundle's key is
+re-quantised with the datastore's per-dimension scale, an fp16 one rounded to float16) and the
+label after the current keys and labels, then drop the oldest (first) rows until at most
+"capacity" remain (`Runtime.kept_by_add`: the fifo size or what the budget holds); under the
+"fixed" strategy append nothing. A bundle whose base is a linear head that `add` refits on the
+stored keys is refused: the graph cannot refit that head, so its appended keys would change
+less than `add` does.
 
 The graph comes from `predictor_graph.build_predictor`, the builder of the runtime's own single
 session (int8 keys go through onnxruntime's integer kernels, prepacked when baked in). The onnx
@@ -29,8 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ._io import output_target, write_bytes_atomic
+from ._io import output_target, write_bytes_atomic, write_json_atomic
 from .bundle import BundleError, encoder_model
+from .head_file import refits
+from .manifest import refit_l2
 from .predictor_graph import build_predictor
 from .runtime import Runtime
 
@@ -42,6 +53,11 @@ def build_portable(runtime: Runtime, *, keys_as_inputs: bool = False) -> bytes:
         raise BundleError(
             f"bundle {runtime.path}: a {backend} datastore has no ONNX form (an HNSW search is "
             "a graph walk); export the client with a flat or protonn datastore"
+        )
+    if keys_as_inputs and refit_l2(runtime.manifest) is not None and refits(runtime.datastore):
+        raise BundleError(
+            f"bundle {runtime.path}: --keys-as-inputs cannot follow `add` here: its base is a "
+            "linear head that `add` refits on the stored keys, which the graph cannot refit"
         )
     try:
         return build_predictor(
@@ -61,8 +77,8 @@ def write_portable(
 ) -> list[Path]:
     """Build a loaded bundle's predictor, check it with onnx's checker and write it to `out`
     atomically; with keys_as_inputs also <out>.keys.f32 ([n, q] float32) and
-    <out>.labels.i64 ([n] int64), the bundle's current keys and labels. Returns the paths
-    written."""
+    <out>.labels.i64 ([n] int64), the bundle's current keys and labels, and <out>.app.json
+    (`app_contract`). Returns the paths written."""
     import onnx
 
     if Path(out).suffix != ".onnx":
@@ -82,6 +98,9 @@ def write_portable(
         ):
             write_bytes_atomic(output_target(path), np.ascontiguousarray(array).tobytes())
             written.append(path)
+        contract = Path(f"{out}.app.json")
+        write_json_atomic(output_target(contract), app_contract(runtime))
+        written.append(contract)
     write_bytes_atomic(out, model)
     return [out, *written]
 
@@ -93,3 +112,15 @@ def portable_samples(runtime: Runtime) -> tuple[np.ndarray, np.ndarray]:
     if ds.backend == "flat":
         return ds.keys(), ds.labels_
     return np.ascontiguousarray(ds.buffer_keys_t_.T), ds.buffer_labels_
+
+
+def app_contract(runtime: Runtime) -> dict:
+    """How an app keeps learning as `Runtime.add` does (see the module docstring): the update
+    strategy, the most keys kept after an update, the key width and the rule in words."""
+    strategy = runtime.manifest["update_strategy"]
+    keys, _ = portable_samples(runtime)
+    rule = ("append nothing: 'fixed' keeps the stored keys" if strategy == "fixed" else
+            "append each labelled input's \"key\" output and its label after the current keys "
+            "and labels, then drop the oldest (first) rows until at most `capacity` remain")
+    return {"update_strategy": strategy, "capacity": runtime.kept_by_add(),
+            "key_dim": int(keys.shape[1]), "rule": rule}

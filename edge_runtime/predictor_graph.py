@@ -90,8 +90,9 @@ def build_predictor(
 
     Input "input": raw inputs as the manifest declares them (uint8 images [N, H, W, C] or int64
     token ids [N, L]). Outputs: "probabilities" [N, C] (float32 or float64), "key" [N, q]
-    float32 (what a device stores for an input once labelled: the embedding for flat, W z for
-    ProtoNN), and the encoder's own "embedding" and "logits"."""
+    float32 (what a device stores for an input once labelled, as `Runtime.add` stores it: the
+    embedding for flat fp32/fp16, the embedding re-quantised with the datastore's per-dimension
+    scale for flat int8, W z for ProtoNN), and the encoder's own "embedding" and "logits"."""
     if samples not in SAMPLE_MODES:
         raise ValueError(f"samples must be one of {SAMPLE_MODES}, got {samples!r}")
     if datastore.backend not in GRAPH_BACKENDS:
@@ -250,6 +251,11 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
             dots = g.node("MatMul", [_minus_twice(g, z), keys_t])
     sq_k, idx = _nearest(g, dots, _row_norms(g, z, 1), key_norms, int(manifest["k"]))
     scale = 1.0 / (manifest["embedding_dim"] * manifest["sigma"])
+    key = z  # fp32: stored as given
+    if int8:
+        key = _int8_key(g, z, ds.scale_)
+    elif ds.dtype == "fp16":
+        key = _fp16_key(g, z)
     weights = g.node(
         "Softmax", [g.node("Mul", [g.cast(sq_k, P.DOUBLE), g.const(-scale, np.float64)])], axis=1
     )
@@ -265,7 +271,25 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
     weighted = g.node(
         "Mul", [g.cast(onehot, P.DOUBLE), g.node("Unsqueeze", [weights, g.const([2], np.int64)])]
     )
-    return z, g.reduce("ReduceSum", weighted, 1, keepdims=0)
+    return key, g.reduce("ReduceSum", weighted, 1, keepdims=0)
+
+
+def _int8_key(g: _Graph, z: str, scale: np.ndarray) -> str:
+    """The key `add` stores for z in an int8 datastore, as the float keys the search sees:
+    clip(round(z / scale), -127, 127) * scale with the datastore's per-dimension scale (fixed
+    when the keys were first quantised), so an app appending it matches `Runtime.add`."""
+    scale_const = g.const(scale[None, :])
+    levels = g.node("Round", [g.node("Div", [z, scale_const])])
+    clipped = g.node("Clip", [levels, g.const(-127.0), g.const(127.0)])
+    return g.node("Mul", [clipped, scale_const])
+
+
+def _fp16_key(g: _Graph, z: str) -> str:
+    """The key `add` stores for z in an fp16 datastore: z clipped to float16's range and
+    rounded to float16, as float32."""
+    limit = float(np.finfo(np.float16).max)
+    clipped = g.node("Clip", [z, g.const(-limit), g.const(limit)])
+    return g.cast(g.cast(clipped, P.FLOAT16), P.FLOAT)
 
 
 def _protonn(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str]:

@@ -336,6 +336,15 @@ class Runtime:
         self.__dict__.update(fresh.__dict__)
         return report
 
+    def kept_by_add(self, strategy: str | None = None) -> int:
+        """The most samples the datastore holds after `add` by `strategy` (default: the
+        manifest's): `add` appends the new samples after the stored ones and evicts the oldest
+        beyond this many ('fixed' adds none: what is stored now)."""
+        strategy = self.manifest["update_strategy"] if strategy is None else strategy
+        if strategy == "fixed":
+            return len(self.datastore.sample_store())
+        return self._target(strategy)
+
     def _target(self, strategy: str) -> int:
         """How many samples the datastore may hold after an update by `strategy`."""
         fits = self._max_fit()

@@ -1,5 +1,12 @@
 """int8 static quantization of the ONNX encoder (onnxruntime, QDQ), calibrated on server-side
-training data, with the first layer and the classifier head kept in float."""
+training data, with the first layer and the classifier head kept in float.
+
+Weights are quantized to 7 bits ([-64, 64], onnxruntime's `reduce_range`) so that the encoder
+computes the same integers on every CPU: onnxruntime's uint8 x int8 kernels on AVX2 without VNNI
+add pairs of products in 16 bits and saturate (255 * (127 + 127) > 32767), while VNNI, AMX, ARM
+and WebAssembly add in 32 bits. With 7-bit weights a pair is at most 255 * (64 + 64) = 32640, so
+no sum saturates anywhere; `check_pair_sums` proves it from the weights of every encoder written.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from onnxruntime.quantization import (
     CalibrationDataReader,
     CalibrationMethod,
@@ -26,6 +34,14 @@ log = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("int8", "fp32")
 DEFAULT_CALIBRATION_SAMPLES = 256
+# weight scheme -> (onnxruntime weight type, reduce_range). "int7" is the one the exporter
+# writes; the others are kept to measure it against (benchmarks/int8_scheme.py): "int8" is the
+# scheme that saturates on AVX2, "uint8" is exact too (uint8 x uint8 kernels widen to 16 bits).
+WEIGHT_SCHEMES = {"int7": (QuantType.QInt8, True), "uint8": (QuantType.QUInt8, False),
+                  "int8": (QuantType.QInt8, False)}
+# The largest sum a 16-bit lane holds, and the largest uint8 activation a pair multiplies.
+INT16_MAX, UINT8_MAX = 32767, 255
+_WEIGHT_READERS = {"Conv", "Gemm", "MatMul", "QLinearConv", "QGemm", "QLinearMatMul"}
 
 
 class ArrayCalibrationReader(CalibrationDataReader):
@@ -115,12 +131,58 @@ class _DropPreprocessingAdvice(logging.Filter):
             "run pre-processing" not in record.getMessage()
 
 
+def int8_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The int8 weight tensors of the quantized matrix products (Conv, Gemm, MatMul, in QDQ form
+    or fused), by initializer name, shaped [output channels, ...]. A Gemm with transB=0 stores
+    its weight [K, N]; it is transposed here so that rows are output channels."""
+    initializers = {i.name: i for i in model.graph.initializer}
+    dequantized = {n.output[0]: n.input[0] for n in model.graph.node
+                   if n.op_type == "DequantizeLinear" and n.input[0] in initializers}
+    found: dict[str, np.ndarray] = {}
+    for node in model.graph.node:
+        if node.op_type not in _WEIGHT_READERS:
+            continue
+        weight = node.input[3] if node.op_type.startswith("Q") else node.input[1]
+        name = dequantized.get(weight, weight)
+        if name not in initializers or initializers[name].data_type != onnx.TensorProto.INT8:
+            continue
+        w = numpy_helper.to_array(initializers[name]).astype(np.int64)
+        trans_b = next((a.i for a in node.attribute if a.name == "transB"), 0)
+        if node.op_type in ("Gemm", "QGemm") and not trans_b or "MatMul" in node.op_type:
+            w = w.T
+        found[name] = w.reshape(len(w), -1)
+    return found
+
+
+def pair_sum_bound(weights: np.ndarray) -> int:
+    """The largest sum of two uint8 x int8 products a kernel can add in one 16-bit lane for
+    these weights [output channels, K]: 255 times the two largest |w| of any output channel,
+    whichever two of its K weights a kernel pairs."""
+    top2 = -np.sort(-np.abs(weights), axis=1)[:, :2]
+    return int(UINT8_MAX * top2.sum(axis=1).max())
+
+
+def check_pair_sums(model: onnx.ModelProto) -> None:
+    """Raise unless no pair of uint8 x int8 products in the encoder can leave the int16 range,
+    so its integers are the same on every CPU whatever its kernels' accumulator width."""
+    for name, w in int8_weights(model).items():
+        bound = pair_sum_bound(w)
+        if bound > INT16_MAX:
+            raise ExportError(f"int8 weights {name} can sum a pair of products to {bound}, past "
+                              f"{INT16_MAX}: AVX2 kernels would saturate (quantize with 7-bit "
+                              "weights)")
+
+
 def quantize_int8(fp32_path: str | Path, out_path: str | Path, calibration: np.ndarray, *,
-                  keep_float: bool = True) -> Path:
-    """Static QDQ quantization: uint8 activations, int8 per-channel weights (the fastest
-    combination measured on this machine; int8 activations ran about 1.4x slower). With
-    `keep_float`, the first layer and the classifier head stay float (see `float_nodes`)."""
+                  keep_float: bool = True, weights: str = "int7") -> Path:
+    """Static QDQ quantization: uint8 activations, per-channel weights in `weights`'s scheme
+    (see WEIGHT_SCHEMES; int8 activations ran about 1.4x slower). With `keep_float`, the first
+    layer and the classifier head stay float (see `float_nodes`). An encoder with int8 weights
+    is checked by `check_pair_sums` unless its scheme is "int8", the one that saturates."""
     fp32_path, out_path = Path(fp32_path), Path(out_path)
+    if weights not in WEIGHT_SCHEMES:
+        raise ValueError(f"weights must be one of {sorted(WEIGHT_SCHEMES)}, got {weights!r}")
+    weight_type, reduce_range = WEIGHT_SCHEMES[weights]
     if len(calibration) == 0:
         raise ExportError("int8 quantization needs at least one calibration sample")
     model = onnx.load(fp32_path)
@@ -137,13 +199,15 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, calibration: np.n
         try:
             quantize_static(str(src), str(out_path), ArrayCalibrationReader(calibration),
                             quant_format=QuantFormat.QDQ, per_channel=True,
-                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                            calibrate_method=CalibrationMethod.MinMax,
+                            activation_type=QuantType.QUInt8, weight_type=weight_type,
+                            reduce_range=reduce_range, calibrate_method=CalibrationMethod.MinMax,
                             nodes_to_exclude=exclude)
         except Exception as err:  # onnxruntime raises several types
             raise ExportError(f"int8 quantization failed: {err}") from err
         finally:
             logging.getLogger().removeFilter(advice_filter)
+    if weights != "int8":
+        check_pair_sums(onnx.load(out_path))
     log.info("quantized %s -> %s (%d -> %d bytes, kept float: %s)", fp32_path.name, out_path.name,
              fp32_path.stat().st_size, out_path.stat().st_size, exclude)
     return out_path

@@ -50,6 +50,8 @@ CASES: dict[str, Case] = {
     "train_throughput.py": Case(("--tag", "smoke", "--clients", "2", "--samples", "8",
                                  "--rounds", "1", "--threads", "1", "--cases", "small-cnn:seq",
                                  "small-cnn:2", "--results", "{out}"), slow=True),
+    "int8_scheme.py": Case(("{run}", "--out", "{out}", "--reps", "5", "--warmup", "2"),
+                           slow=True),
     "int8_query_accuracy.py": Case(("--clients", "2", "--rounds", "1", "--out", "{out}"),
                                    slow=True),
     "demo_partition.py": Case(("--rounds", "1", "--out", "{out}", "--work", "{out}/work"),

@@ -4,6 +4,7 @@ by the real exporter from a digits run; and its refusals."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,16 +20,22 @@ from edge_runtime.runtime import Runtime
 from export.exporter import ExportSettings, export_run
 from export.sizing import SearchSpace
 from fed_train.algorithms.base import TrainingConfig
+from fed_train.knn_choice import KNNChoice
 from fed_train.run import RunConfig, load_run, train
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 SPACES = {
     "flat-int8": SearchSpace(backends=("flat",), flat_dtypes=("int8",)),
     "flat-fp16": SearchSpace(backends=("flat",), flat_dtypes=("fp16",)),
+    "flat-fp32": SearchSpace(backends=("flat",), flat_dtypes=("fp32",)),
     "protonn": SearchSpace(
         backends=("protonn",), protonn_dims=(8,), protonn_fractions=(0.3,), protonn_steps=30
     ),
 }
+# the linear base (a linear head the device refits after `add`), with every value from a flag
+LINEAR = KNNChoice(base="linear", l2=1e-2, source={
+    name: "flag" for name in ("k", "sigma", "normalize", "lambda_estimator", "lambda_rule",
+                              "base")})
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +53,15 @@ def digits(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundles(digits):
+    """One bundle of client 0 per backend (global base), and flat / ProtoNN with the linear
+    base ("linear-flat-fp32", "linear-protonn")."""
     root, run = digits
     out = {}
-    for name, space in SPACES.items():
-        report = export_run(
-            run, root / name, {0: 10**7}, ExportSettings(space=space), clients="0", progress=False
-        )
+    settings = {name: ExportSettings(space=space) for name, space in SPACES.items()}
+    for name in ("flat-fp32", "protonn"):
+        settings[f"linear-{name}"] = ExportSettings(space=SPACES[name], knn=LINEAR)
+    for name, setting in settings.items():
+        report = export_run(run, root / name, {0: 10**7}, setting, clients="0", progress=False)
         out[name] = root / name / report["clients"][0]["bundle"]
     return out
 
@@ -84,30 +94,61 @@ def test_portable_predictor_equals_the_runtime(digits, bundles, tmp_path, name, 
     written = write_portable(runtime, out, keys_as_inputs=keys_as_inputs)
     samples = portable_samples(runtime) if keys_as_inputs else None
     assert written == [out] + (
-        [Path(f"{out}.keys.f32"), Path(f"{out}.labels.i64")] if samples is not None else []
+        [Path(f"{out}.{suffix}") for suffix in ("keys.f32", "labels.i64", "app.json")]
+        if samples is not None else []
     )
-    probs, key = _run_python(out, x, samples)
+    probs, _ = _run_python(out, x, samples)
     _assert_same(probs, runtime.predict_proba(x))
-    if runtime.datastore.backend == "flat":
-        np.testing.assert_allclose(key, runtime.embed(x)[0], atol=1e-5)
 
 
-def test_keys_as_inputs_keep_learning_like_the_runtime(digits, bundles, tmp_path):
-    """An app that appends the graph's "key" output and the label to its keys and labels gets
-    what the runtime gets after `add` (here on a ProtoNN bundle, whose buffer takes them)."""
+def app_learns(contract: dict, samples, new_keys: np.ndarray, new_labels: np.ndarray):
+    """An app following <out>.app.json: append the new keys and labels, keep the newest
+    `capacity` ("fixed": append nothing)."""
+    keys, labels = samples
+    if contract["update_strategy"] == "fixed":
+        return keys, labels
+    keys, labels = np.concatenate([keys, new_keys]), np.concatenate([labels, new_labels])
+    first = max(0, len(keys) - contract["capacity"])
+    return keys[first:], labels[first:]
+
+
+@pytest.mark.parametrize("name", [*SPACES, "linear-protonn"])
+def test_keys_as_inputs_keep_learning_like_the_runtime(digits, bundles, tmp_path, name):
+    """An app that follows the written contract (append the graph's "key" output and the
+    label, keep the newest `capacity`) holds the keys `add` stores (an int8 bundle's
+    re-quantised with the datastore's scale) and predicts what the runtime predicts after
+    `add`, to 1e-6 (the 40 new samples overflow ProtoNN's buffer and the int8 store's fifo
+    capacity: the oldest are evicted)."""
     _, run = digits
-    runtime = Runtime.load(bundles["protonn"])
+    runtime = Runtime.load(bundles[name])
     out = tmp_path / "predictor.onnx"
     write_portable(runtime, out, keys_as_inputs=True)
-    keys, labels = portable_samples(runtime)
-    new_x, new_y = _inputs(run, 140)[120:], run.dataset.y_test[120:140].astype(np.int64)
-    _, new_keys = _run_python(out, new_x, (keys, labels))
-    runtime.add(new_x, new_y)
+    contract = json.loads(Path(f"{out}.app.json").read_text())
+    assert contract["capacity"] == runtime.kept_by_add() >= 1
+    samples = portable_samples(runtime)
+    new_x, new_y = _inputs(run, 160)[120:], run.dataset.y_test[120:160].astype(np.int64)
+    _, new_keys = _run_python(out, new_x, samples)
+    keys, labels = app_learns(contract, samples, new_keys, new_y)
+    report = runtime.add(new_x, new_y)
+    assert report.size == len(labels) == min(contract["capacity"], len(samples[1]) + 40)
+    stored_keys, stored_labels = portable_samples(runtime)
+    np.testing.assert_array_equal(labels, stored_labels)
+    np.testing.assert_allclose(keys, stored_keys, rtol=1e-6, atol=1e-6)  # float32 W z
     x = _inputs(run)
-    probs, _ = _run_python(
-        out, x, (np.concatenate([keys, new_keys]), np.concatenate([labels, new_y]))
-    )
-    _assert_same(probs, runtime.predict_proba(x))
+    probs, _ = _run_python(out, x, (keys, labels))
+    np.testing.assert_array_equal(probs.argmax(1), runtime.predict_proba(x).argmax(1))
+    np.testing.assert_allclose(probs, runtime.predict_proba(x), rtol=0, atol=1e-6)
+
+
+def test_keys_as_inputs_refuses_a_base_that_add_refits(bundles, tmp_path, capsys):
+    """A flat bundle with the linear base: `add` refits its head on the stored keys, which an
+    app appending keys to the graph cannot do, so --keys-as-inputs refuses (plain works)."""
+    bundle, out = bundles["linear-flat-fp32"], tmp_path / "p.onnx"
+    assert edge_cli.main(["export-onnx", str(bundle), "--out", str(out), "--keys-as-inputs"]) == 2
+    err = capsys.readouterr().err
+    assert "linear head that `add` refits" in err and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+    assert edge_cli.main(["export-onnx", str(bundle), "--out", str(out)]) == 0
 
 
 def test_portable_predictor_runs_in_onnxruntime_node(digits, bundles, tmp_path):

@@ -112,20 +112,21 @@ def _printed_demo(**changes: str) -> str:
 def test_the_demo_table_is_checked_against_the_readme_within_its_tolerance():
     text = (REPO / "README.md").read_text()
     assert readme.demo_differences(text, _printed_demo()) == []
-    # what an Intel Xeon with AVX-512 VNNI prints: int8 kernels, inside the tolerance
-    intel = _printed_demo(**{"kNN-Per/weak device (runtime)/seen acc %": "98.1",
-                             "kNN-Per/strong device (runtime)/bundle (mean)": "41 kB"})
-    assert readme.demo_differences(text, intel) == []
+    # what an AMD EPYC with AVX2 printed with the 8-bit encoder: inside the tolerance
+    avx2 = _printed_demo(**{"kNN-Per/weak device (runtime)/seen acc %": "98.3",
+                            "kNN-Per/strong device (runtime)/bundle (mean)": "42 kB"})
+    assert readme.demo_differences(text, avx2) == []
     worse = readme.demo_differences(text, _printed_demo(
         **{"kNN-Per/weak device (runtime)/seen acc %": "97.0"}))
     assert len(worse) == 1 and "weak device (runtime), seen acc %" in worse[0]
-    # what an AMD EPYC with AVX-512 prints: FedAvg one test sample lower, inside the tolerance
+    # what an AMD EPYC with AVX2 prints: FedAvg one test sample higher, inside the tolerance
     fedavg = "FedAvg/server/seen acc %"
-    assert readme.demo_differences(text, _printed_demo(**{fedavg: "92.0"})) == []
+    assert readme.demo_differences(text, _printed_demo(**{fedavg: "92.2"})) == []
     assert len(readme.demo_differences(text, _printed_demo(**{fedavg: "91.0"}))) == 1
 
 
 def test_the_readme_says_which_demo_figures_depend_on_the_cpu():
     text = " ".join((REPO / "README.md").read_text().split())
     pp, kb = readme.DEMO_TOLERANCE
-    assert f"within {pp:g} pp" in text and f"{kb:g} kB" in text and "integer kernels" in text
+    assert f"within {pp:g} pp" in text and f"{kb:g} kB" in text and "float32" in text
+    assert "same integers on every CPU" in text
