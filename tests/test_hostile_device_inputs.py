@@ -5,8 +5,8 @@ counts, an --out inside the bundle, a thread count past the machine."""
 
 from __future__ import annotations
 
-import json
 import io
+import json
 import os
 import stat
 import subprocess
