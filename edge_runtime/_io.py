@@ -241,6 +241,30 @@ def write_output(path: str | os.PathLike, data: bytes) -> None:
     write_bytes_atomic(output_target(path), data)
 
 
+def append_bytes(path: str | os.PathLike, data: bytes, *, sync: bool = False) -> None:
+    """Append `data` to a journal or log in one write() (O_APPEND: lines from parallel
+    processes do not interleave), creating it if needed. A link at `path` is never followed
+    (O_NOFOLLOW), and anything but a regular file is refused (OSError naming the path), so an
+    append never lands outside the run or --out."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a link; appends never follow links (remove it)",
+                          os.fspath(path)) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a pipe, device or socket)",
+                          os.fspath(path))
+        os.write(fd, data)
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:
     """Write `data` to `path` through a unique temporary file (`write_atomic`)."""
     write_atomic(path, lambda f: f.write(data), sync_dir=sync_dir)

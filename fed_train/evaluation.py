@@ -29,7 +29,7 @@ def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, 
     from the same personalization (personalizing can mean training). `journal`: each row is
     appended as its client finishes and rows already there are reused, so an interrupted call
     resumes at the first unfinished client (each client's seed is its own: same rows)."""
-    done = journal.start() if journal is not None else {}
+    done = journal.start(clients) if journal is not None else {}
     rows = []
     # a client's personalization (local training, its datastore) grows with its train split
     with Progress(len(clients), desc=f"{algorithm.name} eval", unit="client", enabled=progress,

@@ -5,17 +5,23 @@ line says what the journal belongs to; each finished unit is one JSON line."""
 from __future__ import annotations
 
 import json
-import os
+import logging
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from edge_runtime._io import (
+    append_bytes,
     json_default,
     parse_json,
     read_regular,
     to_json_types,
     write_bytes_atomic,
 )
+from edge_runtime.values import is_integer, is_real
+
+log = logging.getLogger(__name__)
 
 # A row is a few hundred bytes per client; a larger journal is not one these commands wrote.
 MAX_JOURNAL_BYTES = 64 << 20
@@ -64,11 +70,26 @@ class Journal:
 
     def add(self, row: dict[str, Any]) -> None:
         line = (json.dumps(row, default=json_default) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        append_bytes(self.path, line)
+
+
+def _row_fits(row: dict[str, Any], clients: dict[int, Any]) -> bool:
+    """Whether a journal row is one `fed_train.evaluation.client_accuracies` wrote for one of
+    `clients`: its id (an integer, not a JSON true), its seen/unseen flag and its test (and
+    validation) counts are that client's, its accuracies fractions, its info an object."""
+    cid = row.get("client_id")
+    client = clients.get(cid) if is_integer(cid) else None
+    if client is None or row.get("unseen") is not bool(client.unseen):
+        return False
+    counts = {"n_test": int(client.y_test.shape[0]), "n_val": int(client.y_val.shape[0])}
+    for key, value in row.items():
+        if key in counts and not (is_integer(value) and value == counts[key]):
+            return False
+        if key in ("accuracy", "val_accuracy") and not (is_real(value, finite=True)
+                                                        and 0 <= value <= 1):
+            return False
+    return "n_test" in row and "accuracy" in row and isinstance(row.get("info"), dict) \
+        and ("n_val" in row) == ("val_accuracy" in row)
 
 
 class ClientRows(Journal):
@@ -80,16 +101,27 @@ class ClientRows(Journal):
         super().__init__(path)
         self.key = key
 
-    def start(self) -> dict[int, dict[str, Any]]:
-        """The rows an earlier, interrupted call with this same key finished; a journal with
-        another key (other settings, another model) is started afresh."""
+    def start(self, clients: Sequence[Any]) -> dict[int, dict[str, Any]]:
+        """The rows an earlier, interrupted call with this same key finished for `clients`
+        (ClientData: each row must be a client's own, `_row_fits`); a journal with another key
+        (other settings, another model or data) is started afresh. A row that is not a
+        client's (a crafted or damaged one), and every row of a client written twice, is left
+        out with one warning: those clients are computed again."""
         header = {"key": to_json_types(self.key)}  # as read
         found = self.rows(header)
         if found is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_bytes_atomic(self.path, (json.dumps(header) + "\n").encode("utf-8"))
             return {}
-        return {r["client_id"]: r for r in found if isinstance(r.get("client_id"), int)}
+        by_id = {c.client_id: c for c in clients}
+        fitting = [r for r in found if _row_fits(r, by_id)]
+        counts = Counter(r["client_id"] for r in fitting)
+        done = {r["client_id"]: r for r in fitting if counts[r["client_id"]] == 1}
+        if len(done) < len(found):
+            log.warning("%s: %d row(s) are not this run's clients' (edited, duplicated or "
+                        "from other data); those clients are computed again", self.path,
+                        len(found) - len(done))
+        return done
 
     def remove(self) -> None:
         """Once the complete result is saved elsewhere."""

@@ -13,14 +13,17 @@ from fed_train.evaluation import client_accuracies, merge_results
 from fed_train.journal import ClientRows
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
-from fed_train.run import LoadedRun
+from fed_train.run import LoadedRun, data_fingerprint
 
 EVAL_METHODS = ("local", "fedavg", "knnper")
 
 
 def _local_cache_key(run: LoadedRun) -> dict[str, Any]:
-    """What a client's local model depends on: not the global model."""
-    return {"training": run.config.to_dict()["training"], "seed": run.config.seed}
+    """What a client's local model depends on: not the global model, but the training
+    settings, the seed and the clients' data (another run's journal with the same flags was
+    reused for a different partition)."""
+    return {"training": run.config.to_dict()["training"], "seed": run.config.seed,
+            "data_sha256": data_fingerprint(run.dataset, run.partition)}
 
 
 def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | None = None,

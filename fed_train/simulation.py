@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from edge_runtime._io import (
+    append_bytes,
     memory_limit,
     parse_json,
     read_regular,
@@ -271,8 +272,7 @@ def log_round(run_dir: Path, row: dict[str, Any], state: SimulationResult, check
               keep_every: int | None = None) -> None:
     """The log line goes first: a kill before the checkpoint only re-runs logged rounds, whose
     lines the resume truncates."""
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_bytes(run_dir / "metrics.jsonl", (json.dumps(row) + "\n").encode("utf-8"))
     if checkpoint:
         save_checkpoint(run_dir / "checkpoints" / f"round_{state.rounds_done:04d}.pt",
                         state.rounds_done, state.weights, state.states, keep_every)

@@ -512,3 +512,12 @@ def test_json_and_toml_go_to_standard_output_or_through_a_link(run_dir, tmp_path
     assert "run-dir" in capsys.readouterr().out
     assert (tmp_path / "link.toml").is_symlink()
     assert "run-dir" in (tmp_path / "real.toml").read_text()
+
+
+def test_local_model_journal_belongs_to_the_runs_data(run_dir):
+    """Another run's RUN/eval/local.jsonl with the same training flags and seed was reused for
+    a different partition: its key now names the clients' data."""
+    from fed_train.run_evaluation import _local_cache_key
+
+    recorded = json.loads((run_dir / "config.json").read_text())["data_sha256"]
+    assert _local_cache_key(load_run(run_dir))["data_sha256"] == recorded
