@@ -116,11 +116,13 @@ def portable_samples(runtime: Runtime) -> tuple[np.ndarray, np.ndarray]:
 
 def app_contract(runtime: Runtime) -> dict:
     """How an app keeps learning as `Runtime.add` does (see the module docstring): the update
-    strategy, the most keys kept after an update, the key width and the rule in words."""
+    strategy, the most keys kept after an update, the key width, the rule in words, and the
+    raw input the graph takes (the manifest's input spec) with the number of classes."""
     strategy = runtime.manifest["update_strategy"]
     keys, _ = portable_samples(runtime)
     rule = ("append nothing: 'fixed' keeps the stored keys" if strategy == "fixed" else
             "append each labelled input's \"key\" output and its label after the current keys "
             "and labels, then drop the oldest (first) rows until at most `capacity` remain")
     return {"update_strategy": strategy, "capacity": runtime.kept_by_add(),
-            "key_dim": int(keys.shape[1]), "rule": rule}
+            "key_dim": int(keys.shape[1]), "rule": rule, "input": runtime.input_spec,
+            "num_classes": runtime.num_classes}

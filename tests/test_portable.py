@@ -4,9 +4,13 @@ by the real exporter from a digits run; and its refusals."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import json
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +20,14 @@ import pytest
 from edge_runtime import cli as edge_cli
 from edge_runtime.datastores import HNSWDatastore
 from edge_runtime.portable import portable_samples, write_portable
+from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
 from export.exporter import ExportSettings, export_run
 from export.sizing import SearchSpace
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.knn_choice import KNNChoice
 from fed_train.run import RunConfig, load_run, train
+from tests.helpers.int8_reference import node_differences
 
 NODE_DIR = Path(__file__).resolve().parent / "node"
 SPACES = {
@@ -120,7 +126,7 @@ def test_keys_as_inputs_keep_learning_like_the_runtime(digits, bundles, tmp_path
     `add`, to 1e-6 (the 40 new samples overflow ProtoNN's buffer and the int8 store's fifo
     capacity: the oldest are evicted)."""
     _, run = digits
-    runtime = Runtime.load(bundles[name])
+    runtime = _copy(bundles[name], tmp_path / "bundle")
     out = tmp_path / "predictor.onnx"
     write_portable(runtime, out, keys_as_inputs=True)
     contract = json.loads(Path(f"{out}.app.json").read_text())
@@ -149,6 +155,18 @@ def test_keys_as_inputs_refuses_a_base_that_add_refits(bundles, tmp_path, capsys
     assert "linear head that `add` refits" in err and err.count("\n") == 1, err
     assert not list(tmp_path.iterdir())
     assert edge_cli.main(["export-onnx", str(bundle), "--out", str(out)]) == 0
+
+
+def test_the_bundles_int8_encoder_equals_the_exact_integers(digits, bundles):
+    """What Node and the browser are compared with is itself exact: the exported bundle's
+    encoder, on this CPU, equals the exact-integer reference node by node (so agreeing with
+    the runtime here means agreeing with the reference, on any CPU)."""
+    _, run = digits
+    x = prepare_input(_inputs(run), run.dataset.input_spec)
+    report = node_differences(bundles["flat-int8"] / "encoder.onnx", x)
+    assert len(report) == 2
+    for node, diff in report.items():
+        assert diff["max_steps"] <= 1 and diff["share_differing"] <= 1e-3, (node, diff)
 
 
 def test_portable_predictor_runs_in_onnxruntime_node(digits, bundles, tmp_path):
@@ -218,3 +236,134 @@ def test_export_onnx_refuses_hnsw_tampered_and_unwritable(digits, bundles, tmp_p
         == 0
     )
     assert (tmp_path / "p.onnx").is_file()
+
+
+# -- in a real browser: Debian's chromium, onnxruntime-web (WebAssembly), playwright-core
+
+BROWSER_DIR = Path(__file__).resolve().parent / "browser"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _browser_missing() -> str | None:
+    """Why the browser test cannot run here, or None."""
+    if shutil.which("chromium") is None:
+        return "chromium is not installed (apt-get install chromium; CI installs it)"
+    if shutil.which("node") is None:
+        return "Node.js is not installed (CI installs it)"
+    for module in ("onnxruntime-web", "playwright-core"):
+        if not (BROWSER_DIR / "node_modules" / module).is_dir():
+            return f"{module} is not installed: cd tests/browser && npm install --ignore-scripts"
+    return None
+
+
+class _Files(http.server.SimpleHTTPRequestHandler):
+    extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map,
+                      ".mjs": "text/javascript", ".wasm": "application/wasm"}
+
+    def log_message(self, *args) -> None:  # quiet: the test reads the results, not the log
+        pass
+
+
+@contextlib.contextmanager
+def serve(root: Path):
+    """`root` over HTTP on 127.0.0.1 at an ephemeral port, in a thread, shut down after."""
+    handler = functools.partial(_Files, directory=str(root))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}/"
+        finally:
+            server.shutdown()
+            thread.join(timeout=10)
+
+
+def _copy(bundle: Path, where: Path) -> Runtime:
+    """A loaded copy of a bundle, so `add` leaves the module's bundles as they are."""
+    shutil.copytree(bundle, where)
+    return Runtime.load(where)
+
+
+@pytest.fixture(scope="module")
+def browser(digits, bundles, tmp_path_factory):
+    """Every exportable backend's predictor, plain and keys-as-inputs (after 40 keys appended
+    by the example's Device), and the example page used as a person would, in one launch of
+    the system Chromium; with what the Python runtime gives for the same inputs."""
+    missing = _browser_missing()
+    if missing:
+        pytest.skip(missing)
+    image_module = pytest.importorskip("PIL.Image", reason="Pillow writes the page's image")
+    _, run = digits
+    root = tmp_path_factory.mktemp("browser")
+    (root / "tests").mkdir()
+    (root / "tests" / "browser").symlink_to(BROWSER_DIR)
+    (root / "examples").symlink_to(REPO / "examples")
+    data = root / "data"
+    data.mkdir()
+    x, new_x = _inputs(run), _inputs(run, 160)[120:]
+    new_y = run.dataset.y_test[120:160].astype(np.int64)
+    (data / "x.u8").write_bytes(x.tobytes())
+    (data / "new_x.u8").write_bytes(new_x.tobytes())
+    jobs, expected = [], {}
+    for name in SPACES:
+        for learns in (False, True):
+            job = f"{name}-{'app' if learns else 'plain'}"
+            runtime = _copy(bundles[name], root / "bundles" / job)
+            write_portable(runtime, data / f"{job}.onnx", keys_as_inputs=learns)
+            spec = {"name": job, "model": f"/data/{job}.onnx", "learns": learns,
+                    "input": "/data/x.u8", "shape": list(x.shape)}
+            if learns:
+                spec["learn"] = {"input": "/data/new_x.u8", "shape": list(new_x.shape),
+                                 "labels": new_y.tolist()}
+                runtime.add(new_x, new_y)
+            jobs.append(spec)
+            expected[job] = (runtime.predict_proba(x), *portable_samples(runtime))
+    # the example page: one image predicted, then learnt with its label
+    page_rt = _copy(bundles["flat-int8"], root / "bundles" / "page")
+    write_portable(page_rt, data / "page.onnx", keys_as_inputs=True)
+    image, label = x[:1], int(run.dataset.y_test[0])
+    image_module.fromarray(image[0, :, :, 0], mode="L").save(data / "image.png")
+    page_before = page_rt.predict_proba(image)
+    page_rt.add(image, [label])
+    page_expected = (page_before, page_rt.predict_proba(image), len(page_rt.datastore.labels_))
+    with serve(root) as base:
+        plan = {"browser": shutil.which("chromium"), "harness": f"{base}tests/browser/harness.html",
+                "jobs": jobs, "example": {
+                    "url": f"{base}examples/browser/index.html?model=/data/page.onnx",
+                    "image": str(data / "image.png"), "label": label}}
+        (root / "plan.json").write_text(json.dumps(plan))
+        done = subprocess.run(["node", str(BROWSER_DIR / "drive.mjs"), str(root / "plan.json"),
+                               str(root / "out.json")], capture_output=True, text=True,
+                              timeout=300, cwd=BROWSER_DIR)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((root / "out.json").read_text())
+    assert results["errors"] == []
+    return results, expected, page_expected
+
+
+@pytest.mark.parametrize("name", list(SPACES))
+@pytest.mark.parametrize("learns", [False, True])
+def test_the_browser_predicts_what_the_runtime_predicts(browser, name, learns):
+    """onnxruntime-web in Chromium, the same graph and inputs as the Python runtime: argmax
+    equal on every input, probabilities within 1e-5; with keys as inputs after the example's
+    Device appended 40 keys as its contract says, the keys and labels `add` stores."""
+    results, expected, _ = browser
+    job = f"{name}-{'app' if learns else 'plain'}"
+    got, (probs, keys, labels) = results["jobs"][job], expected[job]
+    got_probs = np.asarray(got["probabilities"], np.float32).reshape(probs.shape)
+    np.testing.assert_array_equal(got_probs.argmax(1), probs.argmax(1))
+    np.testing.assert_allclose(got_probs, probs, rtol=0, atol=1e-5)
+    if learns:
+        np.testing.assert_array_equal(got["labels"], labels)
+        np.testing.assert_allclose(np.reshape(got["keys"], keys.shape), keys, rtol=1e-6,
+                                   atol=1e-6)
+
+
+def test_the_example_page_predicts_and_learns_like_the_runtime(browser):
+    """examples/browser/index.html served over HTTP: an image chosen in its file input is
+    predicted as the runtime predicts it, and "Learn it" stores its key as `add` does."""
+    results, _, (before, after, stored) = browser
+    page = results["example"]
+    np.testing.assert_allclose(page["before"], before[0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(page["after"], after[0], rtol=0, atol=1e-5)
+    assert f"{stored} stored keys" in page["statusAfter"]
