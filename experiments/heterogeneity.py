@@ -27,13 +27,12 @@ from experiments.points import GridPoint, client_fields
 from experiments.report import draw, finish_axes, fit_y, pyplot, save_figure, spearman
 from experiments.spec import ALPHAS, IID_ALPHA, Claim, Experiment, Measured, Result, format_alpha
 from experiments.views import summary_fields
-from fed_train.algorithms import build_algorithm
+from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import get_weights
 from fed_train.evaluation import client_accuracies
 
 NAME = "heterogeneity"
 METHODS = ("local", "fedavg", "knnper")
-TITLES = {"local": "Local", "fedavg": "FedAvg", "knnper": "kNN-Per"}
 SUMMARY_COLUMNS = ("all_mean", "all_bottom_decile", "all_clients", "seen_mean",
                    "seen_bottom_decile", "unseen_mean", "unseen_bottom_decile")
 
@@ -134,7 +133,7 @@ def _plot(points: list[dict], path, scale: str):
             by = _by(points, method, key)
             std = _by(points, method, key + STD)
             draw(ax, range(len(alphas)), [by[a] for a in alphas], "o-",
-                 [std.get(a) for a in alphas], label=TITLES[method])
+                 [std.get(a) for a in alphas], label=ALGORITHMS[method].title)
             shown += [by[a] for a in alphas]
             spread += [std.get(a) for a in alphas]
         ax.set_xticks(range(len(alphas)), alphas)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, KeysView, Mapping, Sequence
 from concurrent.futures import as_completed
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -67,13 +67,18 @@ from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
 
-METHODS: tuple[str, ...] = ("local", "fedavg", "fedavg+", "linear", "clustered", "ditto", "fedrep",
-                            "apfl", "pfedgp", "knnper")
-TITLES = {"local": "Local", "fedavg": "FedAvg", "fedavg+": "FedAvg+",
-          "linear": "FedAvg + linear head", "clustered": "ClusteredFL", "ditto": "Ditto",
-          "fedrep": "FedRep", "apfl": "APFL", "pfedgp": "pFedGP", "knnper": "kNN-Per"}
-# methods that personalize another method's training run instead of training their own
-TRAINED_BY = {"fedavg+": "fedavg", "linear": "fedavg", "knnper": "fedavg"}
+# the table's rows, read live from the registry: a registered method joins every table
+METHODS: KeysView[str] = ALGORITHMS.keys()
+
+
+def titles() -> dict[str, str]:
+    """Each method's row title, as its class declares it."""
+    return {name: algorithm.title for name, algorithm in ALGORITHMS.items()}
+
+
+def trainer_of(method: str) -> str:
+    """The method whose training run `method` personalizes (itself unless it declares another)."""
+    return ALGORITHMS[method].trained_by or method
 
 
 class BenchError(KnnperError, ValueError):
@@ -94,7 +99,7 @@ def parse_methods(text: str | Sequence[str]) -> list[str]:
     names = [n.strip() for n in names if n.strip()]
     if names == ["all"]:
         return list(METHODS)
-    unknown = [n for n in names if n not in METHODS or n not in ALGORITHMS]
+    unknown = [n for n in names if n not in METHODS]
     if unknown or not names:
         raise BenchError(f"unknown method {', '.join(map(repr, unknown)) or '(none given)'}; "
                          f"known: all, {', '.join(METHODS)}")
@@ -280,7 +285,7 @@ class TableRunner:
         training = replace(self.config.training, lr=lr)
         algorithm = build_algorithm(method, self.model_fn, training, **hyper)
         if getattr(algorithm, "federated", True):
-            sim = self.train(TRAINED_BY.get(method, method), training)
+            sim = self.train(trainer_of(method), training)
             weights, states = sim.weights, sim.states
         else:
             weights, states = {}, {}
@@ -323,11 +328,6 @@ class TableRunner:
     def _choice_record(self, method: str, key: str, lr: float) -> dict[str, Any] | None:
         cached = read_json_cache(self.out / "eval" / method / f"{_lr_dir(lr)}.json")
         return None if cached is None else cached.get(key)
-
-
-# rough cost of each training group in FedAvg-equivalents, to start the longest jobs first
-_JOB_COST = {"apfl": 6.0, "ditto": 5.0, "pfedgp": 2.0, "fedrep": 1.5, "fedavg": 1.5,
-             "clustered": 1.2, "local": 1.0}
 
 
 Job = tuple[Callable[..., None], tuple, float]  # function, arguments, its cost (for estimates)
@@ -376,11 +376,11 @@ def _table_jobs(runner: TableRunner, names: Sequence[str], lrs: Sequence[float],
     rows are all cached already; and how many those were."""
     groups: dict[str, list[str]] = {}
     for m in names:
-        groups.setdefault(TRAINED_BY.get(m, m), []).append(m)
+        groups.setdefault(trainer_of(m), []).append(m)
     jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
-                  key=lambda j: -_JOB_COST.get(j[0], 1.0))
+                  key=lambda j: -ALGORITHMS[j[0]].job_cost)
     todo = [(_table_job, (runner.config, str(runner.out), hyper, knn, methods, lr,
-                          len(lrs) > 1, device, client_batch), _JOB_COST.get(trainer, 1.0))
+                          len(lrs) > 1, device, client_batch), ALGORITHMS[trainer].job_cost)
             for trainer, methods, lr in jobs
             if not all(runner.is_cached(m, lr) for m in methods)]
     return todo, len(jobs) - len(todo)
@@ -464,7 +464,7 @@ def run_seeds(config: RunConfig, seeds: int, out: str | Path, *, command: str | 
     results = [run_table(replace(config, seed=s), out=seed_dir(Path(out), s), command=command,
                          **table) for s in numbers]
     summary = summarize_seeds(results, numbers)
-    write_seeds(summary, Path(out), TITLES, command)
+    write_seeds(summary, Path(out), titles(), command)
     return results, summary
 
 
@@ -569,7 +569,7 @@ def format_markdown(result: dict[str, Any]) -> str:
         for row in _summary_rows(result, group):
             cells = ["-" if row[k] is None else f"{100 * row[k]:.1f}"
                      for k in ("mean", "bottom_decile")]
-            lines.append(f"| {TITLES[row['method']]} | {cells[0]} | {cells[1]} | "
+            lines.append(f"| {ALGORITHMS[row['method']].title} | {cells[0]} | {cells[1]} | "
                          f"{row['lr']:.3g} |")
         for key, name in (("oracle", "test-oracle lambda"),
                           ("cross_oracle", "split-half cross-oracle lambda on test")):

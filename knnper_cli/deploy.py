@@ -10,6 +10,7 @@ from typing import Any
 
 from edge_runtime._io import is_stdout, write_output
 from fed_train.accelerator import resolve_device
+from fed_train.algorithms import federated_methods
 from fed_train.deploy import (
     APP_DIR,
     DeployError,
@@ -117,7 +118,7 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=positive_int, default=CHECKPOINT_EVERY,
                    help="rounds between checkpoints")
     p.add_argument("--algorithm", default="fedavg",
-                   help="fedavg, knnper, fedavg+, clustered, ditto, fedrep, apfl, pfedgp")
+                   help=", ".join(federated_methods()))
     p.add_argument("--eval-methods", nargs="+", default=["fedavg", "knnper"],
                    help="personalizations evaluated on the clients after training")
     add_knn_arguments(p)

@@ -340,3 +340,17 @@ def test_an_interrupted_table_keeps_each_finished_client(tmp_path, monkeypatch):
     assert not list((out / "eval").rglob("*.partial.jsonl"))  # the method's rows replace it
     rows = json.loads((out / "results.json").read_text())["clients"]
     assert sorted(r["client_id"] for r in rows) == list(range(8))
+
+
+def test_a_baseline_defined_in_one_file_runs_in_the_table(tmp_path, monkeypatch):
+    from fed_train.algorithms import ALGORITHMS
+    from tests.helpers.centroid_baseline import NearestCentroid
+
+    monkeypatch.setitem(ALGORITHMS, "centroid", NearestCentroid)  # its one registration line
+    out = tmp_path / "table"
+    assert bench(*TINY, "--rounds", "1", "--methods", "fedavg,centroid", "--out", str(out)) == 0
+    rows = list(csv.DictReader((out / "table1.csv").open()))
+    assert [r["method"] for r in rows] == ["fedavg", "centroid"]
+    assert 0.0 < float(rows[1]["mean"]) <= 1.0
+    assert "| FedAvg + class means |" in (out / "table.md").read_text()
+    assert [p.name for p in (out / "runs").iterdir()] == ["fedavg"]  # trained once, shared

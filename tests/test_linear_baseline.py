@@ -13,8 +13,7 @@ import pytest
 
 from edge_runtime.linear_head import L2_GRID, LinearHead
 from edge_runtime.personal_head import ClientSplits
-from experiments.tables import TITLES
-from fed_train.algorithms import build_algorithm
+from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import embed_and_logits
 from fed_train.knn_tuning import choose_l2, l2_counts
 from tests.helpers.bench_table import TINY, bench
@@ -129,6 +128,6 @@ def test_bench_table_runs_the_linear_baseline_on_fedavgs_run(tmp_path):
     seen = result["seen"]["linear"]
     assert 0.0 <= seen["bottom_decile"] <= seen["mean"] <= 1.0
     table = (out / "table.md").read_text()
-    assert f"| {TITLES['linear']} |" in table and "FedAvg + linear head's choice" in table
+    assert f"| {ALGORITHMS['linear'].title} |" in table and "FedAvg + linear head's choice" in table
     rows = list(csv.DictReader((out / "table1.csv").open()))
     assert [r["method"] for r in rows] == ["fedavg", "linear", "knnper"]

@@ -1,4 +1,6 @@
-"""Federated algorithms by name. A new method is one module plus one line here."""
+"""Federated algorithms by name, in the order the comparison tables list them. A new method is
+one module (a class with `name`, `title` and the halves of `base.Algorithm`) plus one line here;
+every list of methods (tables, titles, Flower's help, job costs) is read from this registry."""
 
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from fed_train.models import ModelFactory
 ALGORITHMS: dict[str, Callable[..., Algorithm]] = {
     "local": Local,
     "fedavg": FedAvg,
-    "knnper": KNNPer,
     "fedavg+": FedAvgPlus,
     "linear": LinearPer,
     "clustered": ClusteredFL,
@@ -29,7 +30,13 @@ ALGORITHMS: dict[str, Callable[..., Algorithm]] = {
     "fedrep": FedRep,
     "apfl": APFL,
     "pfedgp": PFedGP,
+    "knnper": KNNPer,
 }
+
+
+def federated_methods() -> list[str]:
+    """The methods that train federatedly (what a Flower federation can run)."""
+    return [name for name, algorithm in ALGORITHMS.items() if algorithm.federated]
 
 
 def build_algorithm(name: str, model_fn: ModelFactory, training: TrainingConfig,

@@ -57,6 +57,8 @@ def mix_weights(personal: Weights, global_weights: Weights, alpha: float) -> Wei
 
 class APFL(PersonalGrid):
     name = "apfl"
+    title = "APFL"
+    job_cost = 6.0
     key = "alpha"
     rule = "APFL alpha must be in [0, 1]"
 

@@ -97,9 +97,16 @@ class PersonalModel:
 
 
 class Algorithm(Protocol):
-    """The three halves of a federated method (Flower's split, plus how clients personalize)."""
+    """The three halves of a federated method (Flower's split, plus how clients personalize),
+    and what the tables and command lines read of it: its row title, the method whose training
+    run it personalizes instead of training its own (None: its own), and the rough cost of its
+    training in FedAvg-equivalents (to start the longest jobs first)."""
 
     name: str
+    title: str
+    federated: bool
+    trained_by: str | None
+    job_cost: float
 
     def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
                       lr: float, seed: int) -> ClientResult: ...
@@ -282,7 +289,10 @@ class FederatedAlgorithm:
     `stepped.SteppedAlgorithm`."""
 
     name: str
+    title: str
     federated = True
+    trained_by: str | None = None
+    job_cost = 1.0
 
     def __init__(self, model_fn: ModelFactory, training: TrainingConfig) -> None:
         self.model_fn = model_fn

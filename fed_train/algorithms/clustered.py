@@ -110,6 +110,8 @@ def bipartition(updates: np.ndarray) -> np.ndarray:
 
 class ClusteredFL(FederatedAlgorithm):
     name = "clustered"
+    title = "ClusteredFL"
+    job_cost = 1.2
 
     def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  eps1: float = 0.4, eps2: float = 1.6, warmup_rounds: int = 0,

@@ -51,6 +51,8 @@ def pull(lr: float, lam: float) -> float:
 
 class Ditto(PersonalGrid):
     name = "ditto"
+    title = "Ditto"
+    job_cost = 5.0
     key = "lambda"
     rule = "Ditto lambda must be >= 0"
 

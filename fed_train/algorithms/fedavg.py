@@ -12,6 +12,8 @@ from fed_train.models import EmbedHeadModel
 
 class FedAvg(SteppedAlgorithm):
     name = "fedavg"
+    title = "FedAvg"
+    job_cost = 1.5
 
     def global_model(self, global_weights: Weights) -> EmbedHeadModel:
         """The global model, in eval mode. The simulation reports the pooled validation accuracy

@@ -25,6 +25,8 @@ from fed_train.models import ModelFactory
 
 class FedAvgPlus(FedAvg):
     name = "fedavg+"
+    title = "FedAvg+"
+    trained_by = "fedavg"
 
     def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  finetune_epochs: int = 3, finetune_lr: float | None = None,

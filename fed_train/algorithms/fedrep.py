@@ -45,6 +45,8 @@ from fed_train.models import EmbedHeadModel, ModelFactory
 
 class FedRep(SteppedAlgorithm):
     name = "fedrep"
+    title = "FedRep"
+    job_cost = 1.5
 
     def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  head_epochs: int = 10, unseen_head_epochs: int | None = None,

@@ -40,6 +40,8 @@ def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:
 
 class KNNPer(FedAvg):
     name = "knnper"
+    title = "kNN-Per"
+    trained_by = "fedavg"
 
     def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA, capacity: float = 1.0,

@@ -24,6 +24,8 @@ from fed_train.models import ModelFactory
 
 class LinearPer(FedAvg):
     name = "linear"
+    title = "FedAvg + linear head"
+    trained_by = "fedavg"
 
     def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  l2: float = DEFAULT_L2) -> None:

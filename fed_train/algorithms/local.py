@@ -21,7 +21,10 @@ class Local:
     """Not federated: the simulation loop skips it and all the work is in `personalize`."""
 
     name = "local"
+    title = "Local"
     federated = False
+    trained_by = None
+    job_cost = 1.0
 
     def __init__(self, model_fn: ModelFactory, training: TrainingConfig) -> None:
         self.model_fn = model_fn

@@ -102,6 +102,8 @@ def client_classes(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class PFedGP(FederatedAlgorithm):
     name = "pfedgp"
+    title = "pFedGP"
+    job_cost = 2.0
 
     def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
                  lengthscale: float = 0.5, outputscale: float = 8.0, alpha_eps: float = 0.01,

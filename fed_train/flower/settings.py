@@ -12,7 +12,7 @@ from typing import Any
 
 from edge_runtime._io import parse_json
 from edge_runtime.errors import one_line
-from fed_train.algorithms import ALGORITHMS
+from fed_train.algorithms import ALGORITHMS, federated_methods
 from fed_train.errors import KnnperError
 from fed_train.knn_request import KNNRequest
 from fed_train.run import RunConfig
@@ -41,8 +41,8 @@ class FlowerSettings:
         algorithm = ALGORITHMS.get(self.algorithm)
         if algorithm is None:
             raise FlowerConfigError(f"unknown algorithm {self.algorithm!r}; known: "
-                                    f"{', '.join(ALGORITHMS)}")
-        if not getattr(algorithm, "federated", False):
+                                    f"{', '.join(federated_methods())}")
+        if not algorithm.federated:
             raise FlowerConfigError(f"algorithm {self.algorithm!r} does not train federatedly; "
                                     "there is nothing to deploy")
         if not self.run_dir:
