@@ -58,7 +58,15 @@ from .datastores import (
 )
 from .encoder import OPTIMIZED_KEY, Encoder
 from .errors import BudgetExceeded, BundleBusy, BundleError, SignatureError, one_line
-from .head_file import head_tensors, load_head, save_head, with_head
+from .head_file import (
+    head_score_problem,
+    head_tensors,
+    load_head,
+    read_head,
+    refits,
+    save_head,
+    with_head,
+)
 from .linear_head import LinearHead
 from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock
 from .manifest import (
@@ -212,6 +220,7 @@ def read_bundle(
         model = encoder_model(bundle_dir, manifest)
         _remove_stale_quietly(bundle_dir, manifest)
         datastore = load_bundle_datastore(bundle_dir, manifest)
+        _check_head_scores(bundle_dir, manifest, datastore)
     encoder, predictor = open_sessions(model, manifest, datastore, bundle_dir,
                                        intra_op_threads=intra_op_threads,
                                        with_predictor=with_predictor)
@@ -239,6 +248,19 @@ def check_embedding(datastore: Any, encoder_id: str, manifest: dict, where: str)
                                                                 "the manifest says its keys were")
     if problem is not None:
         raise BundleError(problem)
+
+
+def _check_head_scores(bundle_dir: Path, manifest: dict, datastore) -> None:
+    """A refitted head's class scores on the samples it was refitted on must stay within
+    float32 (head_file.head_score_problem; ProtoNN's Z has the same check)."""
+    name = head_file(manifest)
+    if name is None or not refits(datastore):
+        return
+    coef, intercept = read_head(bundle_dir / name, manifest["embedding_dim"],
+                                manifest["num_classes"])
+    problem = head_score_problem(coef, intercept, datastore.keys())
+    if problem:
+        raise BundleError(f"bundle {bundle_dir}: {name}: {problem}")
 
 
 def encoder_model(bundle_dir: Path, manifest: dict, head: LinearHead | None = None) -> bytes:

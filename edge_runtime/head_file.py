@@ -58,6 +58,31 @@ def head_nbytes(dim: int, num_classes: int) -> int:
 def load_head(path: str | os.PathLike, dim: int, num_classes: int) -> dict[str, np.ndarray]:
     """A head file's weights as encoder initializers, checked before anything uses them:
     exactly float32 coef [dim, C] and intercept [C], all finite (ValueError otherwise)."""
+    return head_tensors(*read_head(path, dim, num_classes))
+
+
+# float32's largest value: class scores past half of it make the softmax's differences overflow
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def head_score_problem(coef: np.ndarray, intercept: np.ndarray, keys: np.ndarray) -> str | None:
+    """Why a head's class scores on embeddings like `keys` (the stored samples it is refitted
+    on) could leave float32's range, or None: finite but huge coefficients (3e38) made every
+    prediction NaN. Bounded as |score_c| <= ||coef[:, c]|| * max ||key|| + |intercept_c|."""
+    if len(keys) == 0:
+        return None
+    norm = float(np.sqrt(np.einsum("ij,ij->i", keys, keys, dtype=np.float64)).max())
+    bound = float((np.linalg.norm(coef.astype(np.float64), axis=0) * norm
+                   + np.abs(intercept.astype(np.float64))).max())
+    if not bound < _FLOAT32_MAX / 2:
+        return (f"its class scores can reach {bound:.3g} on the stored samples, past float32's "
+                "range (every prediction would be NaN)")
+    return None
+
+
+def read_head(path: str | os.PathLike, dim: int,
+              num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A head file's (coef [dim, C], intercept [C]), float32 and finite (ValueError)."""
     arrays = load_npz(path)
     if sorted(arrays) != sorted(_MEMBERS):
         raise ValueError(f"a linear head file holds {list(_MEMBERS)}, got {sorted(arrays)}")
@@ -69,7 +94,7 @@ def load_head(path: str | os.PathLike, dim: int, num_classes: int) -> dict[str, 
                              f"float32 {shape}")
         if not np.isfinite(array).all():
             raise ValueError(f"the linear head's {name} holds NaN or infinite values")
-    return head_tensors(coef, intercept)
+    return coef, intercept
 
 
 def with_head(model: bytes, tensors: dict[str, np.ndarray]) -> bytes:

@@ -160,6 +160,9 @@ GOOD = {"coef": np.zeros((P, NUM_CLASSES), np.float32),
     ({"coef": GOOD["coef"]}, "holds"),
     ({**GOOD, "extra": np.zeros(1)}, "holds"),
     ({**GOOD, "coef": np.array([object()], dtype=object)}, "linear_head.1.npz"),
+    # finite but huge: every prediction was NaN
+    ({**GOOD, "coef": np.full((P, NUM_CLASSES), 3e38, np.float32)}, "past float32's range"),
+    ({**GOOD, "intercept": np.full(NUM_CLASSES, 3e38, np.float32)}, "past float32's range"),
 ])
 def test_hostile_head_files_are_refused_at_load(tmp_path, arrays, message):
     bundle = linear_bundle(tmp_path)
