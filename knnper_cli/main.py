@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from edge_runtime.cli_help import install_hint, package_version
 from edge_runtime.errors import one_line
-from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt
+from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt, exit_quietly_from_now
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
 DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
@@ -47,14 +47,18 @@ def console() -> int:
     skipped: a further Ctrl-C there could only print a traceback from an exit handler, and an
     interrupt that landed inside a C extension's import (torch's lazy `torch._dynamo`, sympy)
     can leave CPython's flag that makes it end by SIGINT (-2) whatever the code returned."""
-    code = main()
-    if code == INTERRUPTED:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    try:
+        code = main()
+    except SystemExit as done:  # --help, --version, a usage error: argparse's own exit
+        code = done.code
+    if code != INTERRUPTED:
+        exit_quietly_from_now("knnper")  # a Ctrl-C during the interpreter's own exit
+        return code
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
