@@ -531,6 +531,7 @@ def test_ctrl_c_from_the_first_statement_to_the_interpreters_exit_is_one_line():
     import signal
     import subprocess
     import sys
+
     import tomllib
 
     scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
