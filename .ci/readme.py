@@ -1,20 +1,27 @@
 #!/usr/bin/env python3
-"""Run every command of README.md as pasted, in order, in a fresh clone of this commit, at
-digits scale, so the README stays true: a command that cannot be pasted, a file a command reads
-before an earlier one wrote it, or an output left outside the folders `.gitignore` covers fails
-the run.
+"""Run every command of README.md and of the guide pages as pasted, in order, in a fresh clone of
+this commit, at digits scale, so the documentation stays true: a command that cannot be pasted, a
+file a command reads before an earlier one wrote it, or an output left outside the folders
+`.gitignore` covers fails the run.
+
+The order: README.md's commands, then each page of the documentation site in the order of
+mkdocs.yml's `nav`, in the same clone (a guide may read what the README or an earlier page
+wrote). The benchmark pages (docs/benchmarks/) are records of measurements, each command run once
+at its full scale on a named machine, and are not run; the API reference (docs/api/) has no
+commands.
 
 `knnper demo` runs at full size, and the table it prints is checked against the README's within
 DEMO_TOLERANCE: its figures depend on the CPU a little, through training on torch's float32
 kernels (the int8 encoder computes the same integers on every CPU: tests/test_int8_exact.py).
 
-What is not run, and why: `pip install` (the environment running this script is the install the
-README describes; a `pip install -e .` from the throw-away clone would re-point it there),
+What is not run, and why: `pip install` and the virtual-environment steps (the environment
+running this script is the install the README describes; a `pip install -e .` from the
+throw-away clone would re-point it there),
 `python -m pytest` (.ci/run runs the tests itself), and blocks preceded by a
 `<!-- readme.py: skip (reason) -->` line. What is changed, and why, is SCALE: data-set sizes,
 never a flag's meaning. Python blocks run too, with `python -c`.
 
-    python .ci/readme.py              # run them all (minutes: it trains)
+    python .ci/readme.py              # run them all (15 minutes or more: it trains)
     python .ci/readme.py --list       # print the commands as they would run
 """
 
@@ -33,7 +40,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP_MARK = re.compile(r"<!-- readme\.py: skip \((?P<why>[^)]+)\) -->")
-NOT_RUN = ("pip install", "python -m pytest")
+NOT_RUN = ("pip install", "python -m pytest", "python3 -m venv", "python -m venv",
+           ". .venv/bin/activate", "source .venv/bin/activate")
+NOT_RUN_PAGES = ("benchmarks/", "api/")  # measurement records and the generated reference
 TRAINING = re.compile(r"^knnper (?:--threads \d+ )?(?:train|bench table|deploy local|"
                       r"experiment) ")
 
@@ -97,7 +106,8 @@ def demo_differences(readme_text: str, printed: str) -> list[str]:
 
 @dataclass
 class Command:
-    line: int  # where it starts in README.md
+    source: str  # the file it is in, from the repository's root: README.md or docs/PAGE.md
+    line: int  # where it starts there
     kind: str  # "bash" or "python"
     text: str  # as pasted (continuation lines joined)
     run: str  # at digits scale
@@ -117,9 +127,28 @@ def _runnable_part(command: str) -> str:
     return " && ".join(s for s in steps if not s.startswith(NOT_RUN))
 
 
+def guide_pages(mkdocs_yml: Path = REPO / "mkdocs.yml") -> list[Path]:
+    """The documentation pages whose commands run, in the order of mkdocs.yml's `nav` (a page
+    named twice runs once), less NOT_RUN_PAGES."""
+    text = mkdocs_yml.read_text()
+    nav = text[text.index("\nnav:"):]
+    pages = re.findall(r"^\s+- (?:[^\n]*?: )?([\w./-]+\.md)\s*$", nav, flags=re.M)
+    return [REPO / "docs" / page for page in dict.fromkeys(pages)
+            if not page.startswith(NOT_RUN_PAGES)]
+
+
+def all_commands() -> list[Command]:
+    """README.md's commands, then every guide page's, in the order they run."""
+    commands = readme_commands()
+    for page in guide_pages():
+        commands += readme_commands(page)
+    return commands
+
+
 def readme_commands(readme: Path = REPO / "README.md") -> list[Command]:
-    """The README's bash commands (one per logical line) and python blocks, in order, less the
-    skipped blocks and the steps not run."""
+    """The bash commands (one per logical line) and python blocks of one markdown file, in order,
+    less the skipped blocks and the steps not run."""
+    source = readme.relative_to(REPO).as_posix() if readme.is_relative_to(REPO) else str(readme)
     lines = readme.read_text().splitlines()
     commands: list[Command] = []
     i = 0
@@ -135,7 +164,8 @@ def readme_commands(readme: Path = REPO / "README.md") -> list[Command]:
         if SKIP_MARK.search(previous):
             continue
         if fence[1] == "python":
-            commands.append(Command(start, "python", "\n".join(block), "\n".join(block)))
+            commands.append(Command(source, start, "python", "\n".join(block),
+                                    "\n".join(block)))
             continue
         pending, first = "", start
         for n, raw in enumerate(block, start):
@@ -149,7 +179,8 @@ def readme_commands(readme: Path = REPO / "README.md") -> list[Command]:
             code = text.split(" #")[0].strip() if not text.startswith("#") else ""
             runnable = _runnable_part(code)
             if runnable:
-                commands.append(Command(first, "bash", text, at_digits_scale(runnable)))
+                commands.append(Command(source, first, "bash", text,
+                                        at_digits_scale(runnable)))
     return commands
 
 
@@ -169,8 +200,9 @@ def run_all(commands: list[Command], clone: Path) -> int:
     for c in commands:
         argv = (["bash", "-o", "pipefail", "-c", c.run] if c.kind == "bash"
                 else [sys.executable, "-c", c.run])
-        shown = c.run if c.kind == "bash" else f"python block at README.md:{c.line}"
-        print(f"README.md:{c.line}: $ {shown}", flush=True)
+        where = f"{c.source}:{c.line}"
+        shown = c.run if c.kind == "bash" else f"python block at {where}"
+        print(f"{where}: $ {shown}", flush=True)
         started = time.monotonic()
         done = subprocess.run(argv, cwd=clone, env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE if c.run == DEMO else None, text=True)
@@ -181,18 +213,19 @@ def run_all(commands: list[Command], clone: Path) -> int:
                 print("readme.py: knnper demo printed a table outside the README's tolerance:\n"
                       + "\n".join(problems), file=sys.stderr)
                 return 1
-        print(f"README.md:{c.line}: exit {done.returncode} in {time.monotonic() - started:.0f} s",
+        print(f"{where}: exit {done.returncode} in {time.monotonic() - started:.0f} s",
               flush=True)
         if done.returncode != 0:
-            print(f"readme.py: README.md:{c.line} failed: {c.text}", file=sys.stderr)
+            print(f"readme.py: {where} failed: {c.text}", file=sys.stderr)
             return 1
     stray = subprocess.run(["git", "-C", str(clone), "status", "--porcelain"], check=True,
                            capture_output=True, text=True).stdout
     if stray.strip():
-        print("readme.py: the README's commands left files that .gitignore does not cover:\n"
+        print("readme.py: the documented commands left files that .gitignore does not cover:\n"
               + stray, file=sys.stderr)
         return 1
-    print(f"readme.py: all {len(commands)} README commands ran in a fresh clone")
+    print(f"readme.py: all {len(commands)} commands of the README and the guides ran in a fresh "
+          "clone")
     return 0
 
 
@@ -202,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None,
                    help="clone into this new directory and keep it (default: a temporary one)")
     args = p.parse_args(argv)
-    commands = readme_commands()
+    commands = all_commands()
     if args.list:
         for c in commands:
-            print(f"README.md:{c.line}: {c.run if c.kind == 'bash' else '(python block)'}")
+            print(f"{c.source}:{c.line}: {c.run if c.kind == 'bash' else '(python block)'}")
         return 0
     if args.keep is not None:
         fresh_clone(args.keep)

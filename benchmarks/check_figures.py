@@ -1,5 +1,5 @@
 """Recompute every figure of the fair tables from the committed per-client files and compare it
-with what the results files, the rendered tables and BENCHMARKS.md print; exit 1 on any
+with what the results files, the rendered tables and the benchmark pages print; exit 1 on any
 mismatch. CI runs it, so a hand-edited or stale number cannot stay.
 
     python benchmarks/check_figures.py
@@ -9,9 +9,10 @@ benchmarks/results/seeds/NAME): each method's mean (weighted by test size) and b
 seen and unseen, from clients.csv, against results.json, table1.csv, table2.csv and table.md;
 kNN-Per's test-oracle row and its lambda report; the attribution's summaries from
 attribution.csv. For the seeds folders: the mean +- std across seeds, the paired bootstrap
-intervals and verdicts and the lambda tie counts (seeds.json, seeds.csv, seeds.md). In
-BENCHMARKS.md: the fair section's two tables and the seeds section's tables, including its
-kNN-Per-minus-a-baseline intervals and verdicts.
+intervals and verdicts and the lambda tie counts (seeds.json, seeds.csv, seeds.md). In the
+benchmark pages (docs/benchmarks/*.md and BENCHMARKS.md, found by their headings on whichever
+page holds them; a heading found on none is a mismatch): the fair section's two tables and the
+seeds sections' tables, including their kNN-Per-minus-a-baseline intervals and verdicts.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from experiments.table_seeds import format_seeds, summarize_seeds  # noqa: E402
 from experiments.tables import TITLES, format_markdown  # noqa: E402
 from fed_train.evaluation import summarize  # noqa: E402
 
+PAGES = REPO / "docs" / "benchmarks"
 FAIR = REPO / "benchmarks" / "results" / "fair"
 SEEDS = REPO / "benchmarks" / "results" / "seeds"
 FAIR_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
@@ -42,7 +44,7 @@ SEED_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
                "kNN-Per vs FedAvg, Fashion-MNIST": "vs-fedavg-fashion-mnist",
                "kNN-Per vs FedAvg, CIFAR-10": "vs-fedavg-cifar10"}
 # The same tables rerun with the project's default personalization (base and lambda rule
-# cross-validated on validation), in BENCHMARKS.md's section with DEFAULT_HEADING.
+# cross-validated on validation), in the benchmark pages' section with DEFAULT_HEADING.
 DEFAULT_SEED_TABLES = {f"{title}, default": f"{name}-default"
                        for title, name in SEED_TABLES.items()}
 # kNN-Per alone with the paper's per-client lambda rule, paired with the default tables by
@@ -197,10 +199,26 @@ def _numbers(cell: str) -> list[float]:
     return [float(x) for x in re.findall(r"-?\d+\.\d+", cell.replace("**", ""))]
 
 
+def published_text() -> str:
+    """Every benchmark page, one after another: the tables are found by their headings, on
+    whichever page they moved to."""
+    pages = [*sorted(PAGES.glob("*.md")), REPO / "BENCHMARKS.md"]
+    return "\n\n".join(p.read_text() for p in pages if p.is_file())
+
+
+def _found(text: str, heading: str, check: Checker) -> bool:
+    if heading in text:
+        return True
+    check.same(f"benchmark pages: the heading {heading!r}", "found", "not found")
+    return False
+
+
 def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> None:
     by_title = {v: k for k, v in TITLES.items()}
     for heading, group in (("### Seen clients (Table 1): mean / bottom 10%", "seen"),
                            ("### Unseen clients (Table 2): mean / bottom 10%", "unseen")):
+        if not _found(text, heading, check):
+            continue
         header, rows = _markdown_table(text, heading)
         for row in rows:
             label = row[0].replace("**", "")
@@ -209,7 +227,7 @@ def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> 
                 result = fair[FAIR_TABLES[title]]
                 s = (result["knn"]["oracle"][group] if column == "knnper_oracle_accuracy"
                      else result[group][column])
-                check.same(f"BENCHMARKS.md {heading[4:20]} {label} {title}",
+                check.same(f"benchmark pages {heading[4:20]} {label} {title}",
                            [round(100 * s["mean"], 1), round(100 * s["bottom_decile"], 1)],
                            _numbers(cell))
 
@@ -217,10 +235,10 @@ def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> 
 def check_seeds_md(text: str, seeds: Mapping[str, dict], check: Checker,
                    heading: str = SEEDS_HEADING,
                    tables: Mapping[str, str] = SEED_TABLES) -> None:
-    """The across-seed tables of BENCHMARKS.md under `heading` against each seeds.json."""
+    """The across-seed tables of the benchmark pages under `heading` against each seeds.json."""
     by_title = {v: k for k, v in TITLES.items()}
     heading = f"{heading}: mean ± std across seeds"
-    if heading not in text:
+    if not _found(text, heading, check):
         return
     for group, suffix in (("seen", "seen clients"), ("unseen", "unseen clients")):
         header, rows = _markdown_table(text, f"{heading}, {suffix}")
@@ -233,7 +251,7 @@ def check_seeds_md(text: str, seeds: Mapping[str, dict], check: Checker,
                 if summary is None or cell == "-":
                     continue
                 s = summary["spread"][group][method]
-                check.same(f"BENCHMARKS.md seeds {group} {label} {title}",
+                check.same(f"benchmark pages seeds {group} {label} {title}",
                            [round(100 * s[st][k], 1) for st in ("mean", "bottom_decile")
                             for k in ("mean", "std")], _numbers(cell))
 
@@ -241,21 +259,21 @@ def check_seeds_md(text: str, seeds: Mapping[str, dict], check: Checker,
 def check_versus_md(text: str, seeds: Mapping[str, dict], check: Checker,
                     heading: str = SEEDS_HEADING,
                     tables: Mapping[str, str] = SEED_TABLES) -> None:
-    """The rows of BENCHMARKS.md's across-seed comparison table under `heading` against each
-    seeds.json: kNN-Per minus the named baseline, its interval and its verdict."""
+    """The rows of the benchmark pages' across-seed comparison table under `heading` against
+    each seeds.json: kNN-Per minus the named baseline, its interval and its verdict."""
     heading = f"{heading}: kNN-Per minus a baseline"
-    if heading not in text:
+    if not _found(text, heading, check):
         return
     by_title = {v: k for k, v in TITLES.items()}
     _, rows = _markdown_table(text, heading)
     for table, group, stat, baseline, cell, verdict in rows:
         summary = seeds.get(tables[table])
         if summary is None:
-            check.same(f"BENCHMARKS.md versus {table}", "a committed seeds.json", "none")
+            check.same(f"benchmark pages versus {table}", "a committed seeds.json", "none")
             continue
         stat_key = {"mean": "mean", "bottom decile": "bottom_decile"}[stat]
         c = summary["versus_each"][group][stat_key][by_title[baseline.replace("**", "")]]
-        where = f"BENCHMARKS.md versus {table} {group} {stat} {baseline}"
+        where = f"benchmark pages versus {table} {group} {stat} {baseline}"
         check.same(where, [round(100 * c[k], 2) for k in ("diff", "low", "high")],
                    _numbers(cell))
         check.same(f"{where} verdict", c["verdict"], verdict.replace("**", ""))
@@ -269,7 +287,7 @@ def main() -> int:
     for name in (*SEED_TABLES.values(), *DEFAULT_SEED_TABLES.values(), *PAPER_RULE_FOLDERS):
         if (SEEDS / name).is_dir():
             seeds[name] = check_seeds(SEEDS / name, check)
-    text = (REPO / "BENCHMARKS.md").read_text()
+    text = published_text()
     found = {k: v for k, v in seeds.items() if v}
     check_benchmarks_md(text, fair, check)
     for heading, tables in ((SEEDS_HEADING, SEED_TABLES), (DEFAULT_HEADING, DEFAULT_SEED_TABLES)):

@@ -4,6 +4,7 @@ with onnx.helper) so the whole file runs in seconds."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -51,6 +52,11 @@ from tests.helpers.bundles import (
     raw_outputs,
     snapshot,
 )
+
+# hnsw datastores need the `hnsw` extra; the device tests also run on a runtime-only install
+# (.ci/device_pythons), where these skip with this reason
+needs_hnswlib = pytest.mark.skipif(importlib.util.find_spec("hnswlib") is None,
+                                   reason="hnswlib (the hnsw extra) is not installed")
 
 
 @pytest.fixture
@@ -191,6 +197,7 @@ def test_int8_values_beyond_the_fitted_scale_are_clipped():
     assert np.all(np.abs(ds.keys()[-1]) <= ds.scale_ * 127 + 1e-6)
 
 
+@needs_hnswlib
 def test_hnsw_recall_against_exact_and_squared_distances(tmp_path):
     z, y = _embeddings(2000, 16)
     q, _ = _embeddings(200, 16, seed=3)
@@ -210,6 +217,7 @@ def test_hnsw_recall_against_exact_and_squared_distances(tmp_path):
     np.testing.assert_allclose(back.predict_proba(q), ds.predict_proba(q))
 
 
+@needs_hnswlib
 def test_hnsw_fifo_reuses_slots_and_concatenate_compacts(tmp_path):
     z, y = _embeddings(300, 8)
     ds = HNSWDatastore(NUM_CLASSES, k=5).fit(z[:200], y[:200])
@@ -345,6 +353,7 @@ def test_recipes_parse_and_format():
     assert len(ds.fit(z, y)) == 20
 
 
+@needs_hnswlib
 def test_estimates_bound_the_saved_sizes(tmp_path):
     z, y = _embeddings(300, 12)
     for ds in (FlatDatastore(NUM_CLASSES, dtype=d).fit(z, y) for d in ("fp32", "fp16", "int8")):
@@ -607,6 +616,7 @@ def test_fixed_changes_nothing(bundle):
         rt.add(*make_images(2), strategy="lifo")
 
 
+@needs_hnswlib
 @pytest.mark.parametrize("strategy", ["fifo", "concatenate"])
 def test_hnsw_bundle_updates_persist(tmp_path, strategy):
     b = build_bundle(tmp_path, "hnsw:M8:ef32", n=60, strategy=strategy)

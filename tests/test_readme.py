@@ -1,7 +1,7 @@
-"""The README's commands can be pasted: every `knnper` and `knnper-edge` command in it parses
-with the real command lines (as written and at the digits scale .ci/readme.py runs them), what
-they write lies in folders .gitignore covers, and the README's test command is .ci/run's.
-(.ci/readme.py runs them all in a fresh clone; .ci/run calls it.)"""
+"""The documented commands can be pasted: every `knnper` and `knnper-edge` command of the README
+and of the guide pages parses with the real command lines (as written and at the digits scale
+.ci/readme.py runs them), what they write lies in folders .gitignore covers, and the README's
+test command is .ci/run's. (.ci/readme.py runs them all in a fresh clone; .ci/run calls it.)"""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ def _parse(argv: list[str]) -> None:
         edge_parser().parse_args(argv[1:])
 
 
-def test_the_readme_has_its_commands_in_order():
-    commands = readme.readme_commands()
+def test_the_readme_and_the_guides_have_their_commands_in_order():
+    commands = readme.all_commands()
     runs = [c.run for c in commands]
     assert len(commands) >= 25
-    assert runs[0] == "knnper demo"
+    assert runs[0] == "knnper demo" and commands[0].source == "README.md"
     first = {name: next(i for i, r in enumerate(runs) if name in r)
              for name in ("knnper pretrain", "--init runs/pretrain-fmnist", "knnper-edge keygen",
                           "--signing-key keys/signing.pem", "knnper client-data runs/fmnist "
@@ -55,13 +55,30 @@ def test_the_readme_has_its_commands_in_order():
     assert first["knnper client-data runs/fmnist --client 3"] < first["data/client_3/test_x.npy"]
 
 
-def test_every_readme_command_parses_as_written_and_at_digits_scale():
-    for c in readme.readme_commands():
+def test_the_guide_pages_run_in_nav_order_after_the_readme():
+    pages = [p.relative_to(REPO / "docs").as_posix() for p in readme.guide_pages()]
+    assert pages[:4] == ["index.md", "getting-started.md", "concepts.md", "server.md"]
+    assert pages.index("server.md") < pages.index("export.md") < pages.index("device.md")
+    assert not any(p.startswith(("benchmarks/", "api/")) for p in pages)
+    sources = [c.source for c in readme.all_commands()]
+    assert sources == sorted(sources, key=["README.md", *(f"docs/{p}" for p in pages)].index)
+
+
+def test_the_nav_reader_takes_titled_and_bare_entries(tmp_path):
+    (tmp_path / "mkdocs.yml").write_text(
+        "site_name: x\nnav:\n  - Home: index.md\n  - guide.md\n  - Benchmarks:\n"
+        "      - Glance: benchmarks/index.md\n  - API:\n      - a: api/a.md\n  - Home: index.md\n")
+    pages = readme.guide_pages(tmp_path / "mkdocs.yml")
+    assert [p.name for p in pages] == ["index.md", "guide.md"]
+
+
+def test_every_documented_command_parses_as_written_and_at_digits_scale():
+    for c in readme.all_commands():
         if c.kind != "bash":
             continue
         for text in (readme._runnable_part(c.text.split(" #")[0]), c.run):
             for argv in _steps(text):
-                assert "[" not in " ".join(argv), f"README.md:{c.line}: {text}"
+                assert "[" not in " ".join(argv), f"{c.source}:{c.line}: {text}"
                 _parse(argv)
 
 
@@ -71,12 +88,14 @@ def test_digits_scale_changes_sizes_only():
         "--max-train 8000 --clients 100 --out runs/x")
     assert run == "knnper train --dataset digits --clients 10 --out runs/x --rounds 2"
     assert readme.at_digits_scale("knnper experiment --help") == "knnper experiment --help"
-    assert all("fashion-mnist" not in c.run for c in readme.readme_commands())
+    assert all("fashion-mnist" not in c.run for c in readme.all_commands())
 
 
-def test_pip_and_pytest_steps_are_left_to_ci():
-    runs = [c.run for c in readme.readme_commands()]
-    assert not any("pip install" in r or "pytest" in r for r in runs)
+def test_pip_venv_and_pytest_steps_are_left_to_ci():
+    runs = [c.run for c in readme.all_commands()]
+    assert not any("pip install" in r or "pytest" in r or "venv" in r for r in runs)
+    assert readme._runnable_part("python3 -m venv .venv && . .venv/bin/activate && pip install "
+                                 "-e . && knnper demo") == "knnper demo"
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
