@@ -31,12 +31,13 @@ sys.path.insert(0, str(REPO))
 
 from experiments.benchmark_support import read_csv  # noqa: E402
 from experiments.table_seeds import format_seeds, summarize_seeds  # noqa: E402
-from experiments.tables import TITLES, format_markdown  # noqa: E402
+from experiments.tables import format_markdown, titles  # noqa: E402
 from fed_train.evaluation import summarize  # noqa: E402
 
 PAGES = REPO / "docs" / "benchmarks"
 FAIR = REPO / "benchmarks" / "results" / "fair"
 SEEDS = REPO / "benchmarks" / "results" / "seeds"
+TITLES = titles()  # method -> its title in the tables, from the baselines' registry
 FAIR_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
                "Fashion-MNIST alpha 0.3": "fashion-mnist"}
 SEED_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",

@@ -25,8 +25,10 @@ sys.path.insert(0, str(REPO))
 
 from experiments.benchmark_support import markdown_table, read_csv, write_csv  # noqa: E402
 from experiments.table_seeds import GROUPS, STATS, paired_bootstrap, verdict  # noqa: E402
-from experiments.tables import TITLES  # noqa: E402
+from experiments.tables import titles  # noqa: E402
 from fed_train.evaluation import summarize  # noqa: E402
+
+TITLES = titles()  # method -> its title in the tables, from the baselines' registry
 
 RESULTS = REPO / "benchmarks" / "results"
 OUT = RESULTS / "margins"
