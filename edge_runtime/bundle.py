@@ -455,8 +455,9 @@ def write_bundle(
             encoder_bytes,
             budget.total,
         )
-    if out_dir.exists() and not _replaceable(out_dir):
-        raise BundleError(f"refusing to write bundle {out_dir}: it exists and is not a bundle")
+    problem = _not_replaceable(out_dir)
+    if problem:
+        raise BundleError(f"refusing to write bundle {out_dir}: {problem}")
     if out_dir.exists() and not replace:
         raise BundleError(f"refusing to replace bundle {out_dir} (replace=False)")
     parent = out_dir.parent
@@ -570,10 +571,19 @@ def _write_encoder(dest: Path, encoder: bytes | str | os.PathLike) -> None:
         fsync_file(dest)
 
 
-def _replaceable(out_dir: Path) -> bool:
-    if not out_dir.is_dir() or out_dir.is_symlink():
-        return False
-    return (out_dir / MANIFEST).is_file() or not any(out_dir.iterdir())
+def _not_replaceable(out_dir: Path) -> str | None:
+    """Why a bundle cannot be written at `out_dir` (with the fix), or None: it is new, empty
+    or a bundle. A link is refused, not followed: the swap renames the directory itself."""
+    if out_dir.is_symlink():
+        return (f"it is a link (to {os.readlink(out_dir)}); give the directory itself or "
+                "another --out")
+    if not out_dir.exists():
+        return None
+    if not out_dir.is_dir():
+        return "it exists and is not a directory; choose another --out"
+    if (out_dir / MANIFEST).is_file() or not any(out_dir.iterdir()):
+        return None
+    return "it is a directory that holds other files, not a bundle; choose another --out"
 
 
 def _swap_into_place(tmp: Path, out_dir: Path) -> None:

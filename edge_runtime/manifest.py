@@ -163,10 +163,11 @@ def _lambda_rule(manifest: dict, fail) -> LambdaRule:
     if (not numbers(grid) or not 1 <= len(grid) <= MAX_LAMBDA_GRID
             or not isinstance(pooled, list) or len(pooled) not in (0, len(grid))
             or not all(numbers(r) and len(r) == 3 for r in pooled)
-            or not is_real(rule["prior_samples"], finite=True)
             or not isinstance(rule["name"], str)):
         raise fail(f"'lambda_rule' needs a grid of 1 to {MAX_LAMBDA_GRID} numbers and a "
                    "(correct, log-loss sum, samples) row of numbers per grid value")
+    if not is_real(rule["prior_samples"], finite=True):
+        raise fail("'lambda_rule' 'prior_samples' must be a finite number (a sample count)")
     try:
         parsed = LambdaRule.from_dict(rule)
     except ValueError as exc:

@@ -136,9 +136,13 @@ def verify_signature(
 
     _, _, invalid_signature = _crypto()
     path = Path(bundle_dir) / SIGNATURE_FILE
-    if path.is_symlink() or not path.is_file():
+    if not os.path.lexists(path):
         raise SignatureError(f"{where}: unsigned ({SIGNATURE_FILE} is missing) and a trusted "
                              "key is configured")
+    if path.is_symlink() or not path.is_file():
+        raise SignatureError(f"{where}: {SIGNATURE_FILE} is a link or not a regular file (a "
+                             "pipe, a device); a bundle's signature is a plain file: copy the "
+                             "bundle again from its exporter")
     raw = read_within(path, MAX_SIGNATURE_BYTES,
                       lambda why: SignatureError(f"{where}: {SIGNATURE_FILE} {why}"))
     try:

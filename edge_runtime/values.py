@@ -13,6 +13,11 @@ def is_integer(value: object) -> bool:
 
 
 def is_real(value: object, *, finite: bool = False) -> bool:
-    """A real number (an integer included); with `finite`, not NaN nor infinite."""
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and (not finite or math.isfinite(value)))
+    """A real number (an integer included); with `finite`, not NaN nor infinite, and as a
+    float (the kind every consumer turns it into) not past float64's range."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:  # a 400-digit integer is no float: math.isfinite raises OverflowError for it
+        return not finite or math.isfinite(value)
+    except OverflowError:
+        return False

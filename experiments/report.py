@@ -11,25 +11,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from edge_runtime._io import write_text_atomic
+from edge_runtime._io import read_json_cache, to_json_types, write_text_atomic
 from experiments import benchmark_support as C
 from experiments.spec import Claim, Experiment, ExperimentError, Result
 
 SUMMARY_FILE = "summary.md"
 SETTINGS_FILE = "report.json"  # what a folder's report was measured with
+MAX_SETTINGS_BYTES = 1 << 20  # a few kB of flags
 
 
 def refuse_other_report(folder: Path, settings: dict[str, Any], command: str) -> None:
     """Stop before anything is trained when `folder` holds a report measured with other
     settings (data, scale, grids, seeds, kNN-Per's request): running on would replace it."""
-    path = folder / SETTINGS_FILE
-    if not path.is_file():
-        return
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, RecursionError):
-        return  # unreadable: nothing to compare with, the report is remade
-    if isinstance(saved, dict) and saved.get("settings") != json.loads(json.dumps(settings)):
+    # the bounded reader (regular file, size, UTF-8, nesting, numbers): a damaged one is one
+    # warning line and nothing to compare with, so the report is remade
+    saved = read_json_cache(folder / SETTINGS_FILE, limit=MAX_SETTINGS_BYTES)
+    if saved is not None and saved.get("settings") != to_json_types(settings):
         raise ExperimentError(f"{folder} holds a report made with other flags "
                               f"(`{saved.get('command')}`), not `{command}`; choose another "
                               "--out, or add --force to replace that report")

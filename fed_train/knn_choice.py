@@ -291,7 +291,7 @@ def choice_from_record(record: Any, path: Path) -> KNNChoice:
         _check_base_evidence(record, request, base, rule.name)
         if base == "linear":
             _check_l2_evidence(record["base"], l2)
-    except (KeyError, TypeError, ValueError, KnnperError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError, KnnperError) as err:
         raise _malformed(path, f"a saved choice is malformed or edited ({err})") from None
     return KNNChoice(config, estimator, dict(source), record, rule, base, l2)
 

@@ -493,7 +493,7 @@ def test_write_bundle_replaces_a_bundle_but_not_other_directories(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "encoder.onnx"]
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_bytes(b"meow")
-    with pytest.raises(BundleError, match="exists and is not a bundle"):
+    with pytest.raises(BundleError, match="holds other files, not a bundle; choose another --out"):
         build_bundle(tmp_path, name="photos")
     assert (tmp_path / "photos" / "cat.jpg").read_bytes() == b"meow"
 

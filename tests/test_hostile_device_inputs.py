@@ -257,3 +257,27 @@ def test_predict_writes_through_a_link_and_to_standard_output(tmp_path, capsys):
     assert b"predicted 4 input(s)" in done.stderr
     _fails_in_one_line(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
                         "--output", "-", "--labels"], capsys, "choose one")
+
+
+def test_messages_name_the_file_and_the_fix(tmp_path, capsys):
+    """A 400-digit prior_samples was `OverflowError: int too large to convert to float`; an
+    --out that is a link was 'exists and is not a bundle'."""
+    bundle = build_bundle(tmp_path)
+    m = json.loads((bundle / "manifest.json").read_text())
+    m["lambda_rule"] = {"name": "pooled", "pooled": [[1.0, 1.0, 2.0]], "prior_samples": 1.0,
+                        "grid": [0.5]}
+    (bundle / "manifest.json").write_text(
+        json.dumps(m).replace('"prior_samples": 1.0', '"prior_samples": ' + "9" * 400))
+    _fails_in_one_line(["info", str(bundle)], capsys, "manifest.json", "'prior_samples' must be "
+                       "a finite number")
+    (tmp_path / "o").mkdir()
+    other = build_bundle(tmp_path / "o")
+    make_image_encoder(tmp_path / "enc.onnx")
+    x, y = make_images(20)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    _fails_in_one_line(["init", "--encoder", str(tmp_path / "enc.onnx"), "--data",
+                        str(tmp_path / "d.npz"), "--budget", "1MB", "--out",
+                        str(tmp_path / "link"), "--force", "--like", str(other)], capsys,
+                       "is a link", "give the directory itself")

@@ -76,3 +76,16 @@ def test_a_stored_point_its_table_cannot_read_is_computed_again(tmp_path):
     again, _ = PointStore(path).collect([GridPoint({"alpha": 0.1}, key, compute)],
                                         lambda r: {"all_mean": r["all_mean"]})
     assert computed == [1] and again[0]["all_mean"] == 0.5  # the recomputed line wins
+
+
+@pytest.mark.parametrize("content", [b"\x00\xff\xfe binary",
+                                     b'{"settings": ' + b"7" * 5000 + b"}"])
+def test_a_damaged_report_json_is_one_warning_and_remade(tmp_path, caplog, content):
+    """OUT/capacity/report.json was read with json.loads, not the bounded reader: a binary or
+    huge-integer one was a UnicodeDecodeError or 'Exceeds the limit' naming no file."""
+    from experiments.report import SETTINGS_FILE, refuse_other_report
+
+    (tmp_path / SETTINGS_FILE).write_bytes(content)
+    with caplog.at_level("WARNING"):
+        refuse_other_report(tmp_path, {"alpha": 0.1}, "knnper experiment capacity")
+    assert str(tmp_path / SETTINGS_FILE) in caplog.text

@@ -197,6 +197,7 @@ _MISSING = object()
     (_edit_paper(k=2**70), "k must be an integer from 1"),
     (_edit_paper(sigma=1e-320), "sigma must be a number from"),
     (_edit_paper(k=5), "its scores choose"),
+    (_edit_paper(sigma=10**400), "malformed or edited"),  # was an OverflowError
 ])
 def test_a_damaged_or_edited_choice_is_refused_in_one_line(chosen, tmp_path, capsys, write,
                                                            needle):

@@ -199,3 +199,17 @@ def test_init_like_verifies_the_signed_bundle_and_the_encoder(tmp_path, keys, ca
                       str(tmp_path / "own.npz"), "--budget", "1MB", "--out",
                       str(tmp_path / "spec"), "--input-spec", str(tmp_path / "spec.json")]) == 2
     assert "needs --like SIGNED_BUNDLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_a_signature_that_is_a_pipe_or_a_link_is_not_called_missing(tmp_path, keys, kind):
+    import os
+
+    bundle = signed_bundle(tmp_path, keys)
+    (bundle / SIGNATURE_FILE).rename(tmp_path / "real.json")
+    if kind == "fifo":
+        os.mkfifo(bundle / SIGNATURE_FILE)
+    else:
+        (bundle / SIGNATURE_FILE).symlink_to(tmp_path / "real.json")
+    with pytest.raises(SignatureError, match="is a link or not a regular file"):
+        Runtime.load(bundle, trusted_keys=trusted(keys))
