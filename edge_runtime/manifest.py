@@ -14,6 +14,7 @@ import numpy as np
 
 from ._io import parse_json, read_within
 from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
+from .datastores.common import file_generation
 from .errors import BundleError
 from .head_file import HEAD_FILE_RE
 from .knn import CLIENT_RULE, LAMBDA_RULES, LambdaRule, k_sigma_problem
@@ -291,6 +292,12 @@ def _validate_files(files: dict, backend: str, fail) -> None:
 
 def _datastore_names(files: dict) -> list[str]:
     return sorted(n for n in files if n != ENCODER_FILE and not HEAD_FILE_RE.match(n))
+
+
+def taught_on_device(manifest: dict) -> bool:
+    """Whether `add` has updated the bundle since it was written: an update writes the next
+    generation's datastore files (datastore.<n>.npz), which an export or init never does."""
+    return any(file_generation(name) > 0 for name in datastore_files(manifest))
 
 
 def datastore_files(manifest: dict) -> list[str]:

@@ -26,13 +26,19 @@ from edge_runtime._io import (
     write_json_atomic,
 )
 from edge_runtime.budget import Budget
-from edge_runtime.bundle import SignatureError, remove_abandoned_temporaries, sha256_file
+from edge_runtime.bundle import (
+    BundleError,
+    SignatureError,
+    remove_abandoned_temporaries,
+    sha256_file,
+)
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
 )
 from edge_runtime.locking import LockTimeout, directory_lock
+from edge_runtime.manifest import read_manifest, taught_on_device
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.signing import load_private_key
 from export.client_export import (
@@ -269,7 +275,7 @@ def bundle_dir(out_dir: Path, client_id: int) -> Path:
 def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget | int],
                settings: ExportSettings | None = None, *, clients: str = "all",
                encoder: EncoderFiles | None = None, progress: bool = True,
-               workers: int | None = 1) -> dict[str, Any]:
+               workers: int | None = 1, replace_taught: bool = False) -> dict[str, Any]:
     """Write one bundle per selected client into out_dir and return the export report (also
     written as out_dir/export.json). Every bundle is written atomically by edge_runtime's
     write_bundle (temporary directory, then rename), so an interrupted export leaves complete
@@ -281,7 +287,9 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
     Resumable: each finished client is recorded in out_dir/export.journal.jsonl, and a re-run
     with the same run, settings and encoder skips clients whose bundle exists for the same
     budget; leftover temporary bundle directories are removed. `workers`: processes sizing
-    clients in parallel (None: one per usable core)."""
+    clients in parallel (None: one per usable core). A bundle in out_dir that `add` has
+    taught since it was exported is refused (ExportError) unless `replace_taught`, the rule
+    `knnper-edge init --out` keeps: replacing it loses what its device learned."""
     settings = settings or ExportSettings()
     settings.check()
     space = replace(settings.space.restricted_to(settings.backend),
@@ -303,6 +311,8 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
     existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     if not existing.is_dir():  # checked before the encoder is built
         raise ExportError(f"--out {out_dir}: {existing} exists and is not a directory")
+    if not replace_taught:
+        _refuse_taught(out_dir, [c.client_id for c in chosen])
     with tempfile.TemporaryDirectory(prefix="knnper-encoder-") as tmp:
         encoder_files = encoder or build_encoder(run, Path(tmp), settings, every_client)
         if encoder_files.quantize != settings.quantize:
@@ -317,6 +327,24 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
             encoder_files = _move_encoder(encoder_files, out_dir)
             return _export_locked(run, out_dir, budgets, settings, space, encoder_files,
                                   chosen, progress, workers)
+
+
+def _refuse_taught(out_dir: Path, client_ids: Sequence[int]) -> None:
+    """ExportError when a bundle this export would write over was taught by `add` (a manifest
+    that cannot be read is rebuilt, as before)."""
+    taught = []
+    for cid in client_ids:
+        try:
+            if taught_on_device(read_manifest(bundle_dir(out_dir, cid))):
+                taught.append(bundle_dir(out_dir, cid).name)
+        except BundleError:
+            continue
+    if taught:
+        shown = ", ".join(taught[:5]) + (" ..." if len(taught) > 5 else "")
+        raise ExportError(f"--out {out_dir} holds {len(taught)} bundle(s) that `knnper-edge "
+                          f"add` taught since they were exported ({shown}); export into "
+                          "another --out, or add --force to replace them (they lose what "
+                          "their devices learned)")
 
 
 def _warn_device_extras(space: SearchSpace) -> None:

@@ -58,6 +58,10 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--out", required=True, type=output_dir,
                    help="directory for the bundles and export.json")
+    p.add_argument("--force", action="store_true",
+                   help="replace bundles in --out that `knnper-edge add` has taught since "
+                   "they were exported (they lose what their devices learned; refused "
+                   "without it)")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budgets", metavar="FILE", help="JSON file {client_id: bytes}")
     budget.add_argument("--budget", type=byte_count, metavar="BYTES",
@@ -173,7 +177,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     settings = apply_knn_choice(settings, choice)
     budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
     report = export_run(run, Path(args.out), budgets, settings, clients=args.clients,
-                        progress=not args.no_progress, workers=args.workers)
+                        progress=not args.no_progress, workers=args.workers,
+                        replace_taught=args.force)
     if len(report["clients"]) <= PER_CLIENT_TABLE_MAX:
         print(format_export_table(report))
     print(format_export_summary(report))

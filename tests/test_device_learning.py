@@ -96,3 +96,24 @@ def test_fixed_strategy_reserves_no_protonn_buffer(exported):
     rt = Runtime.load(root / "fixed" / report["clients"][0]["bundle"])
     assert rt.manifest["update_strategy"] == "fixed"
     assert rt.datastore.buffer is None and ":b" not in rt.datastore.recipe
+
+
+def test_re_exporting_over_a_taught_bundle_is_refused_without_force(exported, tmp_path):
+    """A re-export replaced bundles that `add` had taught, silently (exit 0), while
+    `knnper-edge init --out` refuses an existing bundle without --force: one rule for both."""
+    from edge_runtime.bundle import read_manifest
+    from export.exporter import ExportError
+
+    root, run, rows = exported
+    out = tmp_path / "flat"
+    shutil.copytree(root / "flat", out)
+    bundle = out / rows[1][0].name
+    Runtime.load(bundle).add(run.dataset.x_test[:20], run.dataset.y_test[:20].astype(np.int64))
+    taught = read_manifest(bundle)["files"]
+    budgets = {0: read_manifest(bundle)["budget_bytes"]}
+    settings = ExportSettings(backend="flat", space=SPACE)
+    with pytest.raises(ExportError, match="taught since they were exported.*--force"):
+        export_run(run, out, budgets, settings, clients="0", progress=False)
+    assert read_manifest(bundle)["files"] == taught  # nothing lost
+    export_run(run, out, budgets, settings, clients="0", progress=False, replace_taught=True)
+    assert read_manifest(bundle)["files"] != taught
