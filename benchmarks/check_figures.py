@@ -3,6 +3,11 @@ with what the results files, the rendered tables and the benchmark pages print; 
 mismatch. CI runs it, so a hand-edited or stale number cannot stay.
 
     python benchmarks/check_figures.py
+    python benchmarks/check_figures.py --render   # after a change to how tables are rendered
+
+`--render` rewrites each folder's rendered files (table.md, seeds.json, seeds.md) from its
+per-client files, then checks: the per-client files, results.json and the CSVs are never
+written, so a figure can only change where the rendering of the same per-client data did.
 
 What is recomputed, for each table folder (benchmarks/results/fair/NAME and every seed of
 benchmarks/results/seeds/NAME): each method's mean (weighted by test size) and bottom decile,
@@ -12,7 +17,8 @@ attribution.csv. For the seeds folders: the mean +- std across seeds, the paired
 intervals and verdicts and the lambda tie counts (seeds.json, seeds.csv, seeds.md). In the
 benchmark pages (docs/benchmarks/*.md and BENCHMARKS.md, found by their headings on whichever
 page holds them; a heading found on none is a mismatch): the fair section's two tables and the
-seeds sections' tables, including their kNN-Per-minus-a-baseline intervals and verdicts.
+seeds sections' tables, including their kNN-Per-minus-a-baseline intervals and verdicts, and
+the clients-hurt tables (the share of clients below FedAvg, and kNN-Per's below FedAvg+).
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from edge_runtime._io import write_text_atomic  # noqa: E402
 from experiments.benchmark_support import read_csv  # noqa: E402
-from experiments.table_seeds import format_seeds, summarize_seeds  # noqa: E402
+from experiments.table_seeds import SEEDS_FILE, format_seeds, summarize_seeds  # noqa: E402
 from experiments.tables import format_markdown, titles  # noqa: E402
 from fed_train.evaluation import summarize  # noqa: E402
 
@@ -52,6 +59,7 @@ DEFAULT_SEED_TABLES = {f"{title}, default": f"{name}-default"
 # benchmarks/rule_pairs.py: their per-client figures are recomputed here too
 PAPER_RULE_FOLDERS = ("fashion-mnist-paper-rule", "cifar10-paper-rule")
 SEEDS_HEADING = "### Across seeds"
+HURT_HEADING = "### Clients hurt: share below the global model (FedAvg)"
 DEFAULT_HEADING = "### The default across seeds"
 TOLERANCE = 1e-9
 
@@ -82,8 +90,9 @@ def method_rows(clients: Iterable[Mapping[str, Any]], column: str) -> list[dict[
             for c in clients if c.get(column) is not None]
 
 
-def check_table(folder: Path, check: Checker) -> dict[str, Any]:
-    """One table folder; returns its results rebuilt from clients.csv (for the seeds check)."""
+def check_table(folder: Path, check: Checker, render: bool = False) -> dict[str, Any]:
+    """One table folder; returns its results rebuilt from clients.csv (for the seeds check).
+    `render`: rewrite its table.md from them first."""
     name = folder.relative_to(REPO)
     results = json.loads((folder / "results.json").read_text())
     clients = read_csv(folder / "clients.csv")
@@ -115,6 +124,8 @@ def check_table(folder: Path, check: Checker) -> dict[str, Any]:
     if (folder / "attribution.csv").exists():
         _check_attribution(name, read_csv(folder / "attribution.csv"), results, check)
     # the rendered table, from the recomputed figures (choices and grids as recorded)
+    if render:
+        write_text_atomic(folder / "table.md", format_markdown(rebuilt))
     check.same(f"{name}/table.md", format_markdown(rebuilt), (folder / "table.md").read_text())
     return rebuilt
 
@@ -150,17 +161,22 @@ def _check_attribution(name: Path, rows: list[dict], results: Mapping[str, Any],
                            summary[key][group][stat])
 
 
-def check_seeds(folder: Path, check: Checker) -> dict[str, Any] | None:
-    if not (folder / "seeds.json").exists():
+def check_seeds(folder: Path, check: Checker, render: bool = False) -> dict[str, Any] | None:
+    if not (folder / SEEDS_FILE).exists():
         return None
     name = folder.relative_to(REPO)
-    recorded = json.loads((folder / "seeds.json").read_text())
+    recorded = json.loads((folder / SEEDS_FILE).read_text())
     seeds = recorded["seeds"]
-    results = [check_table(folder / f"seed_{s}", check) for s in seeds]
+    results = [check_table(folder / f"seed_{s}", check, render) for s in seeds]
     summary = summarize_seeds(results, seeds)
-    _compare_tree(f"{name}/seeds.json", summary, recorded, check)
     text = (folder / "seeds.md").read_text()
     found = re.search(r"```bash\n(.*?)\n```", text, re.S)
+    if render:
+        recorded = summary
+        text = format_seeds(summary, TITLES, found and found.group(1))
+        write_text_atomic(folder / SEEDS_FILE, json.dumps(summary, indent=2))
+        write_text_atomic(folder / "seeds.md", text)
+    _compare_tree(f"{name}/seeds.json", summary, recorded, check)
     check.same(f"{name}/seeds.md", format_seeds(summary, TITLES, found and found.group(1)), text)
     for row in read_csv(folder / "seeds.csv"):
         s = summary["spread"][row["group"]][row["method"]]
@@ -280,20 +296,49 @@ def check_versus_md(text: str, seeds: Mapping[str, dict], check: Checker,
         check.same(f"{where} verdict", c["verdict"], verdict.replace("**", ""))
 
 
+def check_hurt_md(text: str, seeds: Mapping[str, dict], check: Checker,
+                  heading: str = HURT_HEADING, tables: Mapping[str, str] = SEED_TABLES) -> None:
+    """The benchmark pages' clients-hurt tables under `heading` against each seeds.json: every
+    method's share below FedAvg, and kNN-Per's below FedAvg+ (its row "kNN-Per, below
+    FedAvg+"), as mean ± std [interval]."""
+    by_title = {v: k for k, v in TITLES.items()}
+    for group, suffix in (("seen", "seen clients"), ("unseen", "unseen clients")):
+        title = f"{heading}, {suffix}"
+        if not _found(text, title, check):
+            continue
+        header, rows = _markdown_table(text, title)
+        for row in rows:
+            label = row[0].replace("**", "")
+            method, reference = (("knnper", "fedavg+") if label == "kNN-Per, below FedAvg+"
+                                 else (by_title.get(label), "fedavg"))
+            for table, cell in zip(header[1:], row[1:], strict=True):
+                summary = seeds.get(tables[table])
+                h = None if summary is None else (
+                    summary.get("hurt", {}).get(group, {}).get(method, {}).get(reference))
+                check.same(f"benchmark pages hurt {group} {label} {table}",
+                           [] if h is None else [round(100 * h[k], 1)
+                                                 for k in ("share", "std", "low", "high")],
+                           _numbers(cell))
+
+
 def main() -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--render", action="store_true",
+                   help="rewrite table.md, seeds.json and seeds.md from the per-client files first")
+    render = p.parse_args().render
     check = Checker()
-    fair = {name: check_table(FAIR / name, check) for name in FAIR_TABLES.values()}
+    fair = {name: check_table(FAIR / name, check, render) for name in FAIR_TABLES.values()}
     seeds = {}
     for name in (*SEED_TABLES.values(), *DEFAULT_SEED_TABLES.values(), *PAPER_RULE_FOLDERS):
         if (SEEDS / name).is_dir():
-            seeds[name] = check_seeds(SEEDS / name, check)
+            seeds[name] = check_seeds(SEEDS / name, check, render)
     text = published_text()
     found = {k: v for k, v in seeds.items() if v}
     check_benchmarks_md(text, fair, check)
     for heading, tables in ((SEEDS_HEADING, SEED_TABLES), (DEFAULT_HEADING, DEFAULT_SEED_TABLES)):
         check_seeds_md(text, found, check, heading, tables)
         check_versus_md(text, found, check, heading, tables)
+    check_hurt_md(text, found, check)
     for line in check.mismatches:
         print(f"MISMATCH {line}")
     print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")

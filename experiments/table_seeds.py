@@ -29,6 +29,10 @@ BOOTSTRAP = 2000
 # fewer paired clients than this in a seed and resampling them says nothing about the population
 MIN_CLIENTS = 5
 SEEDS_FILE = "seeds.json"
+# Clients hurt: the share of clients a method leaves below a reference model. Every method is set
+# against the global model (FedAvg); kNN-Per also against FedAvg+ (FedAvg fine-tuned on each
+# client), the usual personalization it has to beat. A tie hurts no one.
+HURT_REFERENCES = {"fedavg": "FedAvg", "fedavg+": "FedAvg+"}
 
 
 def seed_dir(out: Path, seed: int) -> Path:
@@ -61,6 +65,76 @@ def paired_bootstrap(per_seed: Sequence[Sequence[Mapping[str, Any]]], group: str
     iv = interval(difference, [len(w) for _, _, w in paired], draws=draws, seed=seed,
                   batched=True)
     return {"diff": iv["effect"], "low": iv["low"], "high": iv["high"]}
+
+
+def hurt_share(per_seed: Sequence[Sequence[Mapping[str, Any]]], group: str, method: str,
+               reference: str, *, draws: int = BOOTSTRAP,
+               seed: int = 0) -> dict[str, Any] | None:
+    """The share of clients whose accuracy with `method` is below `reference`'s: the average over
+    seeds of each seed's share, its standard deviation across seeds, and a bootstrap 95% interval
+    (each seed's clients resampled within it, as paired_bootstrap does). None when a seed has
+    fewer than MIN_CLIENTS clients with both accuracies.
+
+    Parameters
+    ----------
+    per_seed : one list of client rows per seed (each row holds both methods' accuracies)
+    group : "seen" or "unseen"
+    method, reference : the method judged and the model it is set against
+    draws, seed : the bootstrap's draws and random seed
+    """
+    paired = [_paired_arrays(clients, group, method, reference) for clients in per_seed]
+    if any(len(w) < MIN_CLIENTS for _, _, w in paired):
+        return None
+
+    def share(idx: list[np.ndarray]) -> np.ndarray:
+        return np.mean([(acc[i] < ref[i]).mean(-1)
+                        for (acc, ref, _), i in zip(paired, idx, strict=True)], axis=0)
+
+    iv = interval(share, [len(w) for _, _, w in paired], draws=draws, seed=seed, batched=True)
+    shares = [float((acc < ref).mean()) for acc, ref, _ in paired]
+    return {"share": iv["effect"], "std": float(np.std(shares, ddof=1)) if len(shares) > 1
+            else 0.0, "low": iv["low"], "high": iv["high"], "values": shares}
+
+
+def clients_hurt(per_seed: Sequence[Sequence[Mapping[str, Any]]],
+                 methods: Sequence[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{group: {method: {reference: hurt_share}}} for every method against FedAvg, and kNN-Per
+    against FedAvg+ too (HURT_REFERENCES), where the table has them."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for group in GROUPS:
+        out[group] = {}
+        for reference in HURT_REFERENCES:
+            if reference not in methods:
+                continue
+            for method in methods:
+                if method == reference or (reference != "fedavg" and method != "knnper"):
+                    continue
+                share = hurt_share(per_seed, group, method, reference)
+                if share is not None:
+                    out[group].setdefault(method, {})[reference] = share
+    return out
+
+
+def _hurt_cell(h: Mapping[str, Any]) -> str:
+    spread = f" ± {100 * h['std']:.1f}" if len(h["values"]) > 1 else ""
+    return f"{100 * h['share']:.1f}{spread} [{100 * h['low']:.1f}, {100 * h['high']:.1f}]"
+
+
+def format_hurt(hurt: Mapping[str, Mapping[str, Mapping[str, Any]]], group: str,
+                titles: Mapping[str, str]) -> list[str]:
+    """The clients-hurt table of one group, in markdown lines (none when nothing was measured):
+    share below each reference in %, mean over seeds ± std across seeds (several seeds only)
+    [95% interval]."""
+    rows = hurt.get(group, {})
+    if not rows:
+        return []
+    references = [r for r in HURT_REFERENCES if any(r in by_ref for by_ref in rows.values())]
+    lines = ["| method | " + " | ".join(f"below {HURT_REFERENCES[r]}, %" for r in references)
+             + " |", "|---" * (len(references) + 1) + "|"]
+    for method, by_ref in rows.items():
+        cells = ["-" if r not in by_ref else _hurt_cell(by_ref[r]) for r in references]
+        lines.append(f"| {titles.get(method, method)} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def across_seeds(results: Sequence[Mapping[str, Any]], methods: Sequence[str],
@@ -152,6 +226,7 @@ def summarize_seeds(results: Sequence[Mapping[str, Any]], seeds: Sequence[int]) 
     return to_json_types({"seeds": list(seeds), "methods": methods, "spread": spread,
                        "versus_best": compare_to_best(spread, each),
                        "versus_each": each,
+                       "hurt": clients_hurt([r["clients"] for r in results], methods),
                        "lambda_ties": lambda_ties(results) if "knnper" in methods else [],
                        "lr": [r["lr"] for r in results]})
 
@@ -202,6 +277,11 @@ def format_seeds(summary: Mapping[str, Any], titles: Mapping[str, str],
                 lines.append(f"- {label}, kNN-Per minus each baseline (pp, 95% interval): "
                              + "; ".join(shown) + ".")
         lines.append("")
+        hurt = format_hurt(summary.get("hurt", {}), group, titles)
+        if hurt:
+            lines += [f"Clients hurt ({title.lower()}): the share of clients below FedAvg (the "
+                      "global model) or, for kNN-Per, below FedAvg+ (FedAvg fine-tuned), %: "
+                      "mean over seeds ± std across seeds [bootstrap 95% interval].", "", *hurt]
     if summary.get("lambda_ties"):
         per = "; ".join(f"seed {s}: {t['differs']} differ, {t['same_accuracy']} of them with "
                         f"the same test accuracy" for s, t in zip(seeds, summary["lambda_ties"],

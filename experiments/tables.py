@@ -40,7 +40,13 @@ from experiments.lr_tuning import (
     personalized_accuracies,
     validation_score,
 )
-from experiments.table_seeds import seed_dir, summarize_seeds, write_seeds
+from experiments.table_seeds import (
+    clients_hurt,
+    format_hurt,
+    seed_dir,
+    summarize_seeds,
+    write_seeds,
+)
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.errors import KnnperError, TrainingDiverged
@@ -579,6 +585,14 @@ def format_markdown(result: dict[str, Any]) -> str:
                              f"{100 * o['mean']:.1f} | {100 * o['bottom_decile']:.1f} | "
                              f"{result['lr']['knnper']:.3g} |")
         lines.append("")
+    hurt = clients_hurt([result["clients"]], result["methods"])
+    for group, title in (("seen", "seen clients"), ("unseen", "unseen clients")):
+        rows = format_hurt(hurt, group, titles())
+        if rows:
+            lines += [f"## Clients hurt, {title}", "",
+                      "The share of clients whose accuracy is below FedAvg's (the global model) "
+                      "or, for kNN-Per, below FedAvg+'s (FedAvg fine-tuned), % [bootstrap 95% "
+                      "interval over clients].", "", *rows]
     lines += _knn_lines(result) + _linear_lines(result)
     if "attribution" in result:
         lines.append(format_attribution(result["attribution"]))

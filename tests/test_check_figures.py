@@ -77,3 +77,16 @@ def test_a_table_whose_heading_is_on_no_page_is_a_mismatch(cf):
     cf.check_seeds_md(text, seeds, check, cf.DEFAULT_HEADING, cf.DEFAULT_SEED_TABLES)
     cf.check_versus_md(text, seeds, check, cf.DEFAULT_HEADING, cf.DEFAULT_SEED_TABLES)
     assert len(check.mismatches) == 2 and all("not found" in m for m in check.mismatches)
+
+
+def test_the_clients_hurt_tables_are_checked_and_a_wrong_cell_is_a_mismatch(cf):
+    seeds = {n: cf.check_seeds(cf.SEEDS / n, cf.Checker()) for n in cf.SEED_TABLES.values()}
+    text = cf.published_text()
+    check = cf.Checker()
+    cf.check_hurt_md(text, seeds, check)
+    assert check.checked >= 80 and check.mismatches == []
+    row = "| kNN-Per, below FedAvg+ | 43.1 ± 6.4 [31.9, 54.2] |"
+    assert row in text
+    check = cf.Checker()
+    cf.check_hurt_md(text.replace(row, row.replace("43.1", "41.3")), seeds, check)
+    assert len(check.mismatches) == 1 and "below FedAvg+" in check.mismatches[0]

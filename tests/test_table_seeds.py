@@ -6,9 +6,12 @@ import numpy as np
 import pytest
 
 from experiments.table_seeds import (
+    MIN_CLIENTS,
     across_seeds,
+    clients_hurt,
     compare_to_best,
     compare_to_each,
+    format_hurt,
     lambda_ties,
     paired_bootstrap,
 )
@@ -93,3 +96,35 @@ def test_lambda_ties_are_counted_apart_from_real_differences():
                 "knnper_oracle_accuracy": 0.5}]
     assert lambda_ties([{"clients": clients}]) == [{"differs": 2, "same_accuracy": 1,
                                                     "lower_accuracy": 1}]
+
+
+def _hurt_rows(knnper, fedavg, fedavg_plus, unseen=False):
+    return [{"client_id": i, "unseen": unseen, "n_test": 10, "knnper": k, "fedavg": f,
+             "fedavg+": p, "local": f - 0.1}
+            for i, (k, f, p) in enumerate(zip(knnper, fedavg, fedavg_plus, strict=True))]
+
+
+def test_clients_hurt_counts_clients_strictly_below_the_reference_across_seeds():
+    # seed 0: 2 of 8 below FedAvg, one tie (not hurt); seed 1: 4 of 8 below
+    seed0 = _hurt_rows([.5, .5, .7, .7, .7, .7, .7, .6], [.6] * 8, [.8] * 8)
+    seed1 = _hurt_rows([.5, .5, .5, .5, .7, .7, .7, .7], [.6] * 8, [.4] * 8)
+    hurt = clients_hurt([seed0, seed1], ["local", "fedavg", "fedavg+", "knnper"])
+    h = hurt["seen"]["knnper"]["fedavg"]
+    assert h["values"] == [0.25, 0.5] and h["share"] == pytest.approx(0.375)
+    assert h["std"] == pytest.approx(np.std([0.25, 0.5], ddof=1))
+    assert 0.0 <= h["low"] <= h["share"] <= h["high"] <= 1.0 and h["low"] < h["high"]
+    assert hurt["seen"]["knnper"]["fedavg+"]["values"] == [1.0, 0.0]
+    assert hurt["seen"]["local"] == {"fedavg": hurt["seen"]["local"]["fedavg"]}  # not vs FedAvg+
+    assert hurt["seen"]["local"]["fedavg"]["share"] == 1.0
+    assert "fedavg" not in hurt["seen"] and "fedavg+" in hurt["seen"]  # FedAvg+ vs FedAvg
+    assert hurt["unseen"] == {}  # no unseen clients: nothing measured
+    lines = format_hurt(hurt, "seen", {"knnper": "kNN-Per", "local": "Local"})
+    assert lines[0] == "| method | below FedAvg, % | below FedAvg+, % |"
+    assert any(line.startswith("| kNN-Per | 37.5 ± 17.7 [") for line in lines)
+
+
+def test_clients_hurt_needs_enough_clients_and_the_reference():
+    few = _hurt_rows([.5] * (MIN_CLIENTS - 1), [.6] * (MIN_CLIENTS - 1), [.6] * (MIN_CLIENTS - 1))
+    assert clients_hurt([few], ["fedavg", "fedavg+", "knnper"]) == {"seen": {}, "unseen": {}}
+    rows = _hurt_rows([.5] * 6, [.6] * 6, [.6] * 6)
+    assert clients_hurt([rows], ["local", "knnper"]) == {"seen": {}, "unseen": {}}
