@@ -73,7 +73,7 @@ def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
     run = load_run(out)
     clients = run.clients()
     choice = load_or_choose(run.run_dir, run.model, clients, knn or KNNRequest(),
-                            seed=run.config.seed)
+                            seed=run.config.seed, progress=progress)
     server = evaluate_run(run, EVAL_METHODS, knn=knn, progress=progress)
     write_text_atomic(out / "evaluation.json", json.dumps(server, indent=2))
     rows = [_server_row(name, server, method)

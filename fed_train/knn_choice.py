@@ -137,13 +137,15 @@ def make_record(request: KNNRequest, config: KNNConfig, estimator: str, sha: str
 
 
 def choose(model: EmbedHeadModel, clients: Sequence[ClientData], request: KNNRequest, *,
-           seed: int = 0) -> KNNChoice:
-    """Make the choice (no files): the request's grid on the seen clients' validation splits."""
+           seed: int = 0, progress: bool = False) -> KNNChoice:
+    """Make the choice (no files): the request's grid on the seen clients' validation splits;
+    `progress` says each step (knn_tuning.choose_knn)."""
     ks, sigmas, normalizations = request.grids()
     config, estimator, found = choose_knn(model, clients, ks=ks, sigmas=sigmas,
                                           normalizations=normalizations,
                                           estimator=request.estimator(), rule=request.rule(),
-                                          base=request.base_choice(), seed=seed)
+                                          base=request.base_choice(), seed=seed,
+                                          progress=progress)
     record = make_record(request, config, estimator, model_sha256(model), grid=found["grid"],
                          lambda_cv=found["lambda_cv"], clients=found["chosen_on"]["clients"],
                          samples=found["chosen_on"]["samples"],
@@ -154,15 +156,16 @@ def choose(model: EmbedHeadModel, clients: Sequence[ClientData], request: KNNReq
 
 
 def load_or_choose(directory: str | Path, model: EmbedHeadModel, clients: Sequence[ClientData],
-                   request: KNNRequest, *, seed: int = 0) -> KNNChoice:
+                   request: KNNRequest, *, seed: int = 0, progress: bool = False) -> KNNChoice:
     """The choice saved in DIRECTORY/knn_config.json for this request and these weights, or a
     new one (then saved). Saved choices of other weights are dropped with one line: a changed
-    model is chosen for again, never run with another model's settings."""
+    model is chosen for again, never run with another model's settings. `progress`: a new
+    choice says each step as it goes (minutes on a large federation)."""
     path = Path(directory) / KNN_CONFIG_FILE
     record = saved_choice(path, model_sha256(model), request)
     if record is not None:
         return choice_from_record(record, path)
-    choice = choose(model, clients, request, seed=seed)
+    choice = choose(model, clients, request, seed=seed, progress=progress)
     save_choice(path, choice.record)
     return choice
 

@@ -43,6 +43,7 @@ from edge_runtime.personal_head import ClientSplits, PersonalHead
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.knn_request import K_GRID, SIGMA_GRID
 from fed_train.models import EmbedHeadModel
+from fed_train.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -517,8 +518,8 @@ def pick_base_and_rule(cv: dict[str, dict[str, float]]) -> tuple[str, str]:
 def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
                ks: Sequence[int] = K_GRID, sigmas: Sequence[float] = SIGMA_GRID,
                normalizations: Sequence[str] = NORMALIZATIONS, estimator: str = "auto",
-               rule: str = "client", base: str = "global",
-               seed: int = 0) -> tuple[KNNConfig, str, dict[str, Any]]:
+               rule: str = "client", base: str = "global", seed: int = 0,
+               progress: bool = False) -> tuple[KNNConfig, str, dict[str, Any]]:
     """kNN-Per's configuration on a trained global model: the grid point (k, sigma,
     normalisation) with the best pooled validation score of the seen clients (a one-point grid
     is the fixed setting), the lambda estimator, the lambda rule and the base the kNN is
@@ -526,8 +527,22 @@ def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
     each by cross-validation inside the validation splits when asked for as "auto". Returns the
     configuration, the estimator and a record of the choice (the fitted rule under
     "lambda_rule", the base and its l2 under "base"), with each client's honest, test-oracle
-    and cross-oracle accuracy (for the report; nothing chosen depends on test labels)."""
+    and cross-oracle accuracy (for the report; nothing chosen depends on test labels).
+    `progress`: say each step as it starts (minutes on a large federation: a bar on a
+    terminal, a line every 30 s in a log)."""
+    with Progress(None, desc="choosing kNN-Per's configuration", unit="step",
+                  enabled=progress) as steps:
+        return _choose_knn(model, clients, ks, sigmas, normalizations, estimator, rule, base,
+                           seed, steps)
+
+
+def _choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], ks: Sequence[int],
+                sigmas: Sequence[float], normalizations: Sequence[str], estimator: str,
+                rule: str, base: str, seed: int,
+                steps: Progress) -> tuple[KNNConfig, str, dict[str, Any]]:
+    steps.set_postfix("embedding every client's splits")
     views = client_views(model, clients)
+    steps.update()
     seen = choosing_views(views)
     if not seen and len(ks) == len(sigmas) == len(normalizations) == 1 and estimator != "auto" \
             and rule in ("client", "auto") and base in ("global", "auto"):
@@ -535,28 +550,40 @@ def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
         config, scores, cv = KNNConfig(int(ks[0]), float(sigmas[0]), normalizations[0]), [], {}
         rule, base = "client", "global"
     else:
+        points = len(ks) * len(sigmas) * len(normalizations)
+        steps.set_postfix(f"k, sigma and normalisation: {points} grid points on {len(seen)} "
+                          "clients' validation splits")
         config, scores = select_config(views, ks=ks, sigmas=sigmas,
                                        normalizations=normalizations)
+        steps.update()
+        steps.set_postfix("the lambda estimators, 2-fold cross-validation")
         cv = compare_lambda_estimators(views, config, seed=seed)
+        steps.update()
     chosen = pick_estimator(cv) if estimator == "auto" else estimator
     bases = BASES if base == "auto" else (base,)
     base_views = {"global": views}
     l2_record: dict[str, Any] = {}
     if "linear" in bases:
+        steps.set_postfix("the clients' linear heads: l2 on validation")
         l2, l2_record = choose_l2(normalized_views(views, config.normalize))
         base_views["linear"] = linear_base_views(views, l2, config.normalize)
+        steps.update()
     rules = LAMBDA_RULES if rule == "auto" else (rule,)
     base_cv: dict[str, dict[str, float]] = {}
     if len(bases) * len(rules) > 1:
+        steps.set_postfix("the lambda rule and the base, 2-fold cross-validation")
         base_cv = {b: pool_rules([rule_fold_counts(v, config, chosen, seed=seed)
                                   for v in base_views[b]], rules) for b in bases}
         base, rule = pick_base_and_rule(base_cv)
+        steps.update()
     else:
         base, rule = bases[0], rules[0]
     views = base_views[base]
     seen = choosing_views(views)
+    steps.set_postfix("each client's lambda and the report")
     fitted = fit_rule(rule, [rule_evidence(v, config, chosen) for v in seen])
     oracle = client_rows(views, config, estimator=chosen, rule=fitted, seed=seed)
+    steps.update()
     record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv, "estimator": chosen,
               "lambda_rule": fitted.to_dict(), "lambda_rule_cv": base_cv.get(base, {}),
               "base": {"name": base, "l2": l2_record["config"]["l2"] if base == "linear"

@@ -3,7 +3,9 @@ tqdm's bar on a terminal; anywhere else (a log file, a pipe, CI) a plain line at
 30 s, written by a heartbeat thread so that one slow unit cannot silence the log. The time left
 is the measured time per finished unit times the units left (per unit of `work` where units
 differ in size, e.g. clients by their sample count), and the line says what it was measured
-on; before the first unit finishes there is no estimate, and the line says so."""
+on; before the first unit finishes there is no estimate, and the line says so. The terminal's
+bar shows the same estimate (tqdm's own would time the units read back from an interrupted
+call as if they had just run, and promise minutes for hours of work)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 EVERY_S = 30.0  # the longest a log goes without a line
+# tqdm's bar with this module's estimate in place of tqdm's rate-based one
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
 
 def duration(seconds: float) -> str:
@@ -54,7 +58,8 @@ class Progress:
             return
         if self.stream.isatty():
             self._bar = tqdm(total=total, initial=initial, desc=desc, unit=f" {unit}",
-                             file=self.stream)
+                             file=self.stream, bar_format=BAR_FORMAT)
+            self._bar.set_postfix_str(self._bar_text())
         else:
             self._beat = threading.Thread(target=self._heartbeat, daemon=True,
                                           name=f"progress-{desc}")
@@ -71,6 +76,7 @@ class Progress:
             else:
                 self._initial += 1
             if self._bar is not None:
+                self._bar.set_postfix_str(self._bar_text(), refresh=False)
                 self._bar.update(1)
             elif self._beat is not None and (self.done == self.total
                                              or time.monotonic() - self._last >= self.every_s):
@@ -80,7 +86,19 @@ class Progress:
         """Shown after the counts (e.g. the last epoch's loss)."""
         self.postfix = text
         if self._bar is not None:
-            self._bar.set_postfix_str(text)
+            self._bar.set_postfix_str(self._bar_text())
+
+    def left(self, now: float | None = None) -> str:
+        """The time left as the lines say it: measured on this call's own units only."""
+        if self.total is None or self.done >= self.total:
+            return ""
+        now = time.monotonic() if now is None else now
+        if self.done == self._initial:
+            return f"no estimate until the first {self.unit} finishes"
+        return f"about {duration((now - self._start) / self._work_done * self._work_left)} left"
+
+    def _bar_text(self) -> str:
+        return "; ".join(t for t in (self.left(), self.postfix) if t)
 
     def line(self, now: float | None = None) -> str:
         now = time.monotonic() if now is None else now
@@ -96,10 +114,9 @@ class Progress:
         if self.done >= self.total:
             text = f"{self.desc}: {self.done}/{self.total} {units} done in {duration(elapsed)}"
         elif fresh == 0:
-            text += f", no estimate until the first {self.unit} finishes"
+            text += f", {self.left(now)}"
         else:
-            per_work = elapsed / self._work_done
-            text += (f", about {duration(per_work * self._work_left)} left (measured "
+            text += (f", {self.left(now)} (measured "
                      f"{duration(elapsed / fresh)} per {self.unit} over {fresh})")
         return f"{text}; {self.postfix}" if self.postfix else text
 

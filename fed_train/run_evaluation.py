@@ -43,7 +43,7 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | No
         hyper: dict[str, Any] = {}
         if method == "knnper":
             choice = load_or_choose(run.run_dir, run.model, clients, knn or KNNRequest(),
-                                    seed=run.config.seed)
+                                    seed=run.config.seed, progress=progress)
             hyper = {**choice.hyper(), "capacity": capacity}
         algorithm = build_algorithm(method, run.model_factory(), run.config.training, **hyper)
         journal = (ClientRows(run.run_dir / "eval" / "local.jsonl", _local_cache_key(run))

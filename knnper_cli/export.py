@@ -172,7 +172,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         # torch's own message for a corrupt checkpoint runs over several lines; one is enough.
         raise ExportError(one_line(err, first_line=True)) from err
     choice = load_or_choose(run.run_dir, run.model, run.clients(), request,
-                            seed=run.config.seed)
+                            seed=run.config.seed, progress=not args.no_progress)
     print(choice.describe())
     settings = apply_knn_choice(settings, choice)
     budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))

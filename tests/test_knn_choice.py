@@ -4,8 +4,10 @@ damaged file is refused in one line."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from edge_runtime.knn import choice_key
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.errors import KnnperError
-from fed_train.knn_choice import KNN_CONFIG_FILE, load_or_choose, model_sha256
+from fed_train.knn_choice import KNN_CONFIG_FILE, choose, load_or_choose, model_sha256
 from fed_train.knn_request import (
     FROM_FLAG,
     FROM_PAPER,
@@ -291,3 +293,24 @@ def test_an_l2_edited_to_another_grid_value_is_refused(run_dir, tmp_path, capsys
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "its l2 scores choose" in err and "edited" in err and str(path) in err, err
+
+
+def test_a_new_choice_says_each_step_on_a_terminal(run_dir, monkeypatch):
+    # `evaluate` was silent for minutes while it chose; now a bar names each step as it starts
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    run = load_run(run_dir)
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    choose(run.model, run.clients(), KNNRequest(), seed=0, progress=True)
+    shown = terminal.getvalue()
+    for step in ("choosing kNN-Per's configuration", "embedding every client's splits",
+                 "grid points on", "the lambda estimators", "the lambda rule and the base",
+                 "each client's lambda and the report"):
+        assert step in shown, step
+    quiet = Terminal()
+    monkeypatch.setattr(sys, "stderr", quiet)
+    choose(run.model, run.clients(), KNNRequest("paper"), seed=0, progress=False)
+    assert quiet.getvalue() == ""

@@ -70,3 +70,24 @@ def test_track_yields_every_item_and_disabled_prints_nothing(capsys):
 @pytest.mark.parametrize("seconds,text", [(7.2, "7s"), (90, "1m30s"), (4000, "1h06m40s")])
 def test_duration(seconds, text):
     assert duration(seconds) == text
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_bar_estimates_from_this_calls_units_not_the_ones_read_back(monkeypatch):
+    # a resumed table: 3 jobs read back at once, then one job of this call takes a minute;
+    # tqdm's own rate would time the 3 read-back jobs too and promise a few minutes for 31 jobs
+    clock = FakeClock()
+    monkeypatch.setattr(progress_module, "time", clock)
+    terminal = _Terminal()
+    bar = Progress(35, desc="bench table", unit="job", stream=terminal)
+    assert "no estimate until the first job finishes" in terminal.getvalue()
+    for _ in range(3):
+        bar.update(measured=False)
+    clock.now += 60.0
+    bar.update()
+    bar.close()
+    assert terminal.getvalue().rstrip().endswith("4/35 [00:00, about 31m00s left]")
