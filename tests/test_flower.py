@@ -31,6 +31,7 @@ from fed_train.flower.records import (  # noqa: E402
     join_state,
     split_state,
     to_array_record,
+    to_weights,
 )
 from fed_train.flower.server_app import train_and_evaluate  # noqa: E402
 from fed_train.flower.settings import FlowerConfigError, FlowerSettings  # noqa: E402
@@ -415,6 +416,55 @@ def test_a_clustered_client_claiming_a_cluster_that_does_not_exist_is_refused(tm
                                               r"'x' is not one of the 1 clusters"):
         train_and_evaluate(grid, settings)
 
+
+
+def _scaled_weights(value: float):
+    def tamper(msg: Message, reply: Message) -> None:
+        weights = to_weights(reply.content["arrays"])
+        name = next(iter(weights))
+        weights[name] = np.full_like(np.asarray(weights[name]), value)
+        reply.content["arrays"] = to_array_record(weights)
+    return tamper
+
+
+def _train_loss(value: float):
+    def tamper(msg: Message, reply: Message) -> None:
+        reply.content["metrics"]["train-loss"] = value
+    return tamper
+
+
+@pytest.mark.parametrize(("tamper", "needle"), [
+    (_scaled_weights(float("nan")), "are not finite or past"),
+    (_scaled_weights(3e38), "are not finite or past"),  # finite, but the mean overflows
+    (_train_loss(float("nan")), "training loss of nan"),  # metrics.jsonl could not resume
+])
+def test_a_client_sending_weights_or_a_loss_no_mean_can_take_is_refused(tmp_path, tamper,
+                                                                        needle):
+    """They were aggregated, and the next round failed every client with "lower the learning
+    rate"."""
+    settings = _settings(tmp_path / "run")
+
+    def hostile(msg: Message, reply: Message) -> None:
+        if reply.metadata.src_node_id == 101 and reply.metadata.message_type == "train":
+            tamper(msg, reply)
+
+    grid = TamperingGrid(settings.to_run_config(), _nodes(), hostile)
+    with pytest.raises(FederationError, match=f"client 1: unusable reply: .*{needle}"):
+        train_and_evaluate(grid, settings)
+
+
+def test_an_evaluation_reply_claiming_other_test_counts_is_left_out(tmp_path):
+    """num-examples 10^15 weighted the federated mean (52.6% -> 73.0%)."""
+    settings = _settings(tmp_path / "run")
+
+    def inflated(msg: Message, reply: Message) -> None:
+        if (reply.metadata.message_type == "evaluate" and reply.metadata.src_node_id == 102
+                and msg.content["config"].get("phase") is None):
+            reply.content["metrics"]["num-examples"] = 10**15
+
+    record = train_and_evaluate(TamperingGrid(settings.to_run_config(), _nodes(), inflated),
+                                settings)
+    assert record["evaluation"]["missing_clients"] == [2]
 
 def test_unusable_sums_or_rows_leave_their_client_out_and_the_run_goes_on(tmp_path):
     """Sums of another shape keep a client out of the kNN-Per choice; a row whose choices JSON

@@ -200,7 +200,8 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
                               "settings": settings.to_run_config()}
     _write_flower_file(run_dir, record)
     node_of = find_clients(grid, settings, spec, num_train)
-    strategy = KnnperStrategy(algorithm, settings, spec, node_of, num_train, unseen)
+    num_test = {cid: len(split.test) for cid, split in enumerate(run.partition.clients)}
+    strategy = KnnperStrategy(algorithm, settings, spec, node_of, num_train, unseen, num_test)
     strategy.summary()
     state = open_run_log(run_dir, run.start)
     arrays = to_array_record(state.weights)

@@ -17,6 +17,7 @@ from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from edge_runtime.arg_types import FLOAT32_MAX
 from edge_runtime.errors import one_line
 from fed_train.algorithms.base import ClientResult, FederatedAlgorithm, Weights
 from fed_train.errors import KnnperError
@@ -100,13 +101,15 @@ def _checked_choices(method: str, chosen: Any) -> dict[str, Any]:
 
 class KnnperStrategy(Strategy):
     """`node_of` maps client id to the SuperNode that serves it; `num_train` the training
-    samples of every training client (n_m), as the server's partition says."""
+    samples of every training client (n_m), `num_test` every client's test samples, as the
+    server's partition says (a reply's counts weigh means, so they must be these)."""
 
     def __init__(self, algorithm: FederatedAlgorithm, settings: FlowerSettings, spec: ModelSpec,
                  node_of: dict[int, int], num_train: dict[int, int],
-                 unseen: dict[int, bool]) -> None:
+                 unseen: dict[int, bool], num_test: dict[int, int] | None = None) -> None:
         self.algorithm, self.settings, self.spec = algorithm, settings, spec
         self.node_of, self.num_train, self.unseen = node_of, num_train, unseen
+        self.num_test = num_test
         self.participants = sorted(num_train)
         self.total = sum(num_train.values())
         self.model_weights = spec.shapes()
@@ -153,6 +156,13 @@ class KnnperStrategy(Strategy):
         arrays = reply.content.array_records["arrays"]
         weights = to_weights(arrays)
         check_shapes(weights, self.model_weights, sender=f"client {cid}")
+        # a NaN, or values so large that averaging overflows (3e38), would be aggregated and
+        # fail every client of the next round
+        bound = FLOAT32_MAX / max(1, self.total)
+        for name, w in weights.items():
+            if not np.all(np.abs(np.asarray(w, dtype=np.float64)) <= bound):
+                raise ValueError(f"its weights {name!r} are not finite or past {bound:.3g} "
+                                 "(averaging them would overflow)")
         metrics = reply.content.metric_records["metrics"]
         reported = int(metrics["num-examples"])
         if reported != self.num_train[cid]:
@@ -161,9 +171,12 @@ class KnnperStrategy(Strategy):
         seconds = float(metrics.get("train-seconds", 0.0))
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"it reports {seconds} s of training")
+        loss = float(metrics["train-loss"])
+        if not (math.isfinite(loss) and loss >= 0):  # metrics.jsonl keeps it; resume reads it
+            raise ValueError(f"it reports a training loss of {loss}")
         result = ClientResult(weights, reported,
                               from_config_record(reply.content.config_records["state"]),
-                              float(metrics["train-loss"]))
+                              loss)
         self.algorithm.check_result(self._global, cid, result)
         return result, arrays.count_bytes(), seconds
 
@@ -239,6 +252,9 @@ class KnnperStrategy(Strategy):
         n_test = metrics["num-examples"]
         if not isinstance(n_test, int) or n_test < 0:
             raise ValueError(f"it reports {n_test!r:.40} test samples")
+        if self.num_test is not None and n_test != self.num_test[cid]:
+            raise ValueError(f"it reports {n_test} test samples, the partition gives it "
+                             f"{self.num_test[cid]}")
         methods = list(dict.fromkeys(self.settings.eval_methods))
         unasked = sorted(set(chosen) - set(methods))
         if unasked:
