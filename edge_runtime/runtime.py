@@ -150,10 +150,24 @@ class Runtime:
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     ) -> Runtime:
         """Verify the bundle (schema, version, sha256s, budget, dimensions; its signature when
-        `trusted_keys`, Ed25519 public keys from `signing.load_public_key`, are given) and load
-        it. `lock_timeout`: seconds to wait for another process's update to finish.
-        `intra_op_threads` (onnxruntime) and `blas_threads` (numpy's BLAS, set only while the
-        runtime computes): 1 is fastest at batch 1; None leaves each library its default."""
+        `trusted_keys` are given) and load it.
+
+        Parameters
+        ----------
+        bundle_dir : a bundle's folder (a `client_NNNN` that `knnper export` wrote, or one from
+            `init_bundle`).
+        intra_op_threads : onnxruntime's threads; 1 is fastest at batch 1, None leaves its
+            default.
+        blas_threads : numpy's BLAS threads, set only while the runtime computes; None leaves
+            its default.
+        trusted_keys : Ed25519 public keys (`signing.load_public_key`); given, an unsigned
+            bundle, or one signed by another key or edited since, is refused.
+        lock_timeout : seconds to wait for another process's update of the bundle to finish.
+
+        Raises
+        ------
+        BundleError : one line naming the bundle, the file and what is wrong with it.
+        """
         bundle = read_bundle(
             bundle_dir,
             intra_op_threads=intra_op_threads,
@@ -240,7 +254,17 @@ class Runtime:
             return self.head.predict_proba(z, softmax(logits))
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
-        """One sample or a batch of raw inputs -> [N, C] float64 probabilities."""
+        """kNN-Per's personalized class probabilities.
+
+        Parameters
+        ----------
+        x : raw inputs as the bundle's manifest declares them: uint8 images [N, H, W, C] (or
+            one [H, W, C]), or int64 token ids [N, L].
+
+        Returns
+        -------
+        [N, C] float64 probabilities, each row summing to 1.
+        """
         if self.predictor is None:
             return self.posterior(*self.embed(x))
         raw = raw_checked(x, self._spec)
@@ -253,8 +277,22 @@ class Runtime:
 
     # -- learning on the device
     def add(self, x: np.ndarray, y: object, strategy: str | None = None) -> UpdateReport:
-        """Embed labelled samples and update the datastore by `strategy` (default: the
-        manifest's update_strategy), then persist the bundle crash-safely."""
+        """Embed labelled samples, update the datastore within the budget, and persist the
+        bundle crash-safely (a linear head is refitted on what the datastore then stores).
+
+        Parameters
+        ----------
+        x : raw inputs, as for `predict_proba`.
+        y : their labels, integers in [0, C).
+        strategy : "fifo" (the newest samples, up to the capacity), "concatenate" (grow while
+            the budget has room) or "fixed" (add nothing); None takes the manifest's
+            `update_strategy`.
+
+        Returns
+        -------
+        UpdateReport : how many samples were received, added, dropped (and why) and evicted,
+            and how many the datastore holds.
+        """
         batch = raw_checked(x, self._spec)
         labels = check_labels(y, batch.shape[0], self.num_classes)
         rows = ADD_CHUNK_ROWS

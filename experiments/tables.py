@@ -400,7 +400,23 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
               client_batch: int = 1) -> dict[str, Any]:
     """Run every method, write the tables and per-client files into `out`, return the results
     (evaluation's JSON plus the learning rates, validation scores and kNN-Per's choices).
-    `workers` > 1 trains the (method, learning rate) runs in that many processes first."""
+
+    Parameters
+    ----------
+    config : the data set, partition, model and training settings every method shares.
+    methods : names (`METHODS`) or "all".
+    out : the table's folder: table.md, table1.csv, table2.csv, clients.csv, results.json, and
+        the training runs and evaluation caches an interrupted table resumes from.
+    tune_lr : choose each method's learning rate from `lr_grid` on validation accuracy.
+    lr_grid : the learning rates tried when `tune_lr`.
+    hyper : each method's own hyper-parameters, by method.
+    progress : a bar on a terminal, a line every 30 s in a log.
+    knn : kNN-Per's configuration request; None is the default (chosen on validation).
+    workers : > 1 trains the (method, learning rate) runs in that many processes first.
+    attribution : also evaluate every head on every body (attribution.csv).
+    command : the command line, recorded in table.md.
+    device, client_batch : torch's device and the clients stepped together on it.
+    """
     names = parse_methods(methods)
     lrs = check_lr_grid(lr_grid) if tune_lr else check_lr_grid([config.training.lr])
     if workers < 1:
@@ -463,7 +479,21 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
 def run_seeds(config: RunConfig, seeds: int, out: str | Path, *, command: str | None = None,
               **table: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The same table for seeds config.seed, config.seed + 1, ...: each in OUT/seed_S with its
-    own partition and training, then seeds.md / seeds.csv / seeds.json across them."""
+    own partition and training, then seeds.md / seeds.csv / seeds.json across them.
+
+    Parameters
+    ----------
+    config : as for `run_table`; its seed is the first.
+    seeds : how many seeds.
+    out : the folder holding seed_S/ per seed and the summary.
+    command : the command line, recorded in seeds.md.
+    **table : `run_table`'s other arguments, the same for every seed.
+
+    Returns
+    -------
+    Each seed's results and the summary across seeds (means ± std, kNN-Per minus each baseline
+    with its interval, the clients hurt).
+    """
     if seeds < 1:
         raise BenchError(f"seeds must be >= 1, got {seeds}")
     numbers = [config.seed + i for i in range(seeds)]

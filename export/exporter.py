@@ -289,7 +289,24 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
     budget; leftover temporary bundle directories are removed. `workers`: processes sizing
     clients in parallel (None: one per usable core). A bundle in out_dir that `add` has
     taught since it was exported is refused (ExportError) unless `replace_taught`, the rule
-    `knnper-edge init --out` keeps: replacing it loses what its device learned."""
+    `knnper-edge init --out` keeps: replacing it loses what its device learned.
+
+    Parameters
+    ----------
+    run : a finished run (`fed_train.load_run`).
+    out_dir : the folder the bundles (`client_NNNN/`), export.json and the journal go to.
+    budgets : each client's Budget (or bytes), by client id.
+    settings : quantization, backends, kNN-Per's configuration...; None is the defaults.
+    clients : "all", "seen", "unseen" or "ID,ID,...", as `knnper export --clients`.
+    encoder : files from an earlier `build_encoder` with the same settings, reused.
+    progress : a bar on a terminal, a line every 30 s in a log.
+    workers : processes sizing clients in parallel; None is one per usable core.
+    replace_taught : replace bundles that `add` has taught since they were exported.
+
+    Returns
+    -------
+    The export report: every client's choice and every candidate tried.
+    """
     settings = settings or ExportSettings()
     settings.check()
     space = replace(settings.space.restricted_to(settings.backend),

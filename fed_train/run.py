@@ -333,10 +333,18 @@ def save_model(run_dir: Path, model: EmbedHeadModel, weights: Weights) -> None:
 
 def train(config: RunConfig, run_dir: Path, *, progress: bool = True,
           device: torch.device | str = "cpu", client_batch: int = 1) -> SimulationResult:
-    """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run; on
-    `device`, with up to `client_batch` clients stepped together
-    (fed_train.algorithms.stepping). The checkpoints and model.pt hold CPU arrays whatever the
-    device."""
+    """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run. The
+    checkpoints and model.pt hold CPU arrays whatever the device.
+
+    Parameters
+    ----------
+    config : the data set, partition, model and training settings (`RunConfig`).
+    run_dir : the run's folder: config.json, partition.npz, metrics.jsonl, checkpoints/,
+        model.pt.
+    progress : a bar on a terminal, a line every 30 s in a log.
+    device : torch's device for training ("cpu", "cuda", ...).
+    client_batch : clients stepped together on the device (fed_train.algorithms.stepping).
+    """
     run_dir = Path(run_dir)
     run = open_run(config, run_dir)
     device = torch.device(device)
@@ -351,7 +359,13 @@ def train(config: RunConfig, run_dir: Path, *, progress: bool = True,
 
 
 def load_run(run_dir: str | Path, device: torch.device | str = "cpu") -> LoadedRun:
-    """A finished run, its model loaded on the CPU and then moved to `device`."""
+    """A finished run, its model loaded on the CPU and then moved to `device`.
+
+    Parameters
+    ----------
+    run_dir : a folder `train` wrote.
+    device : torch's device the model is moved to.
+    """
     run_dir = Path(run_dir)
     for name in (CONFIG_FILE, PARTITION_FILE, MODEL_FILE):
         if not (run_dir / name).is_file():

@@ -31,7 +31,22 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | No
     """Local, FedAvg and kNN-Per on every client of a finished run. kNN-Per runs the run's
     saved configuration (chosen on validation the first time it is needed: fed_train.knn_choice).
     Local models take as long to train as the run itself, so each client's result is kept in
-    RUN/eval/local.jsonl as it finishes: an interrupted or later call reuses them."""
+    RUN/eval/local.jsonl as it finishes: an interrupted or later call reuses them.
+
+    Parameters
+    ----------
+    run : a finished run (`load_run`).
+    methods : among "local", "fedavg" and "knnper".
+    knn : which kNN-Per configuration (chosen on validation by default, or the paper's, or
+        values pinned); None is the default request.
+    capacity : the share of each client's train split kNN-Per's datastore holds.
+    progress : a bar on a terminal, a line every 30 s in a log.
+
+    Returns
+    -------
+    Per method and group (seen, unseen): mean accuracy weighted by test size and bottom
+    decile; every client's row under "clients".
+    """
     clients = run.clients()
     weights = get_weights(run.model)
     per_method: dict[str, list[dict[str, Any]]] = {}

@@ -65,7 +65,16 @@ BACKENDS: dict[str, type] = {
 def make_datastore(
     recipe: str, num_classes: int, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA, **options: Any
 ) -> FlatDatastore | HNSWDatastore | ProtoNNDatastore:
-    """An unfitted datastore for a recipe string; `options` are other hyper-parameters (seed...)."""
+    """An unfitted datastore for a recipe string.
+
+    Parameters
+    ----------
+    recipe : "flat:fp32", "flat:fp16", "flat:int8", "hnsw:M16:ef64" or "protonn:d32:m0.3"
+        (a backend and its parameters).
+    num_classes : the number of classes the datastore's labels range over.
+    k, sigma : the kNN head's neighbours and kernel scale.
+    **options : other hyper-parameters (seed...).
+    """
     name, params = parse_recipe(recipe)
     ds = BACKENDS[name](num_classes, k=k, sigma=sigma, **params, **options)
     ds.check_params()
