@@ -8,8 +8,10 @@ worker leaves at most a temporary file, which the resumed command removes."""
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -17,6 +19,36 @@ from contextlib import contextmanager
 from typing import Any
 
 JOIN_SECONDS = 5.0  # after SIGTERM, before SIGKILL
+CLEAR_LINE = "\r\x1b[K"  # to the line's start, then erase it
+
+
+class OwnLines(io.TextIOBase):
+    """A worker's stdout or stderr on a terminal: every line it writes starts by clearing the
+    terminal line it lands on, so a warning a worker prints while the command's progress bar is
+    drawn replaces the bar (redrawn at its next update) instead of gluing onto it."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self._at_line_start = True
+
+    def write(self, text: str) -> int:
+        pieces = []
+        for piece in text.splitlines(keepends=True):
+            if self._at_line_start:
+                pieces.append(CLEAR_LINE)
+            pieces.append(piece)
+            self._at_line_start = piece.endswith(("\n", "\r"))
+        self.stream.write("".join(pieces))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
 
 
 @contextmanager
@@ -35,6 +67,10 @@ def ignoring_ctrl_c() -> Iterator[None]:
 
 def _start_worker(initializer: Callable[..., None] | None, initargs: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and stream.isatty():
+            setattr(sys, name, OwnLines(stream))
     if initializer is not None:
         initializer(*initargs)
 

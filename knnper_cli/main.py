@@ -130,7 +130,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     # print) now, so the message below is the last line
     gc.collect()
     sys.stdout.flush()
-    print(f"knnper: interrupted; run the same command again to resume {args.command}",
+    # a worker's last line may still sit on the terminal's line without its newline
+    start = "\r\x1b[K" if sys.stderr.isatty() else ""
+    print(f"{start}knnper: interrupted; run the same command again to resume {args.command}",
           file=sys.stderr, flush=True)
     return INTERRUPTED
 

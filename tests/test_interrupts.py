@@ -3,13 +3,14 @@ command's own cleanup is not cut short by a second Ctrl-C."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import time
 
 import pytest
 
-from fed_train.workers import ignoring_ctrl_c, worker_pool
+from fed_train.workers import CLEAR_LINE, OwnLines, ignoring_ctrl_c, worker_pool
 
 
 def _alive(pid: int) -> bool:
@@ -57,3 +58,13 @@ def test_a_second_ctrl_c_does_not_cut_cleanup_short():
         finished = True
     assert finished
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_worker_line_on_a_terminal_clears_the_bar_it_lands_on():
+    terminal = io.StringIO()
+    lines = OwnLines(terminal)
+    lines.write("WARNING one\nhalf")
+    lines.write(" done\n")
+    lines.write("two\n")
+    assert terminal.getvalue() == (f"{CLEAR_LINE}WARNING one\n{CLEAR_LINE}half done\n"
+                                   f"{CLEAR_LINE}two\n")
