@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -164,6 +165,43 @@ def verify_signature(
     base = parse_manifest(signed, f"{where}: signed manifest")
     _check_against_base(manifest, base, where)
     return base
+
+
+def sign_file(path: str | os.PathLike, private_key) -> Path:
+    """Sign a release file other than a manifest (a key map): PATH.sig.json signs its sha256."""
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest().encode("ascii")
+    out = Path(f"{os.fspath(path)}.sig.json")
+    write_bytes_atomic(out, json.dumps(signature_document(digest, private_key)).encode())
+    return out
+
+
+def verify_file(path: str | os.PathLike, data: bytes, trusted_keys: Sequence[Any]) -> None:
+    """SignatureError unless PATH.sig.json, by a trusted key, signs the sha256 of `data` (the
+    file's bytes as read)."""
+    _, _, invalid_signature = _crypto()
+    where = os.fspath(path)
+    doc_path = Path(f"{where}.sig.json")
+    if doc_path.is_symlink() or not doc_path.is_file():
+        raise SignatureError(f"{where}: unsigned ({doc_path.name} is missing) and a trusted key "
+                             "is configured")
+    raw = read_within(doc_path, MAX_SIGNATURE_BYTES,
+                      lambda why: SignatureError(f"{where}: {doc_path.name} {why}"))
+    try:
+        doc = parse_json(raw)
+        signed = base64.b64decode(doc["manifest"], validate=True)
+        signature = base64.b64decode(doc["signature"], validate=True)
+        key_id = doc["key"]
+    except (ValueError, TypeError, KeyError, RecursionError, binascii.Error):
+        raise SignatureError(f"{where}: {doc_path.name} is malformed") from None
+    keys = [k for k in trusted_keys if fingerprint(k) == key_id]
+    if not keys:
+        raise SignatureError(f"{where}: signed by key {str(key_id)[:16]}..., which is not trusted")
+    try:
+        keys[0].verify(signature, signed)
+    except invalid_signature:
+        raise SignatureError(f"{where}: the signature does not verify") from None
+    if signed != hashlib.sha256(data).hexdigest().encode("ascii"):
+        raise SignatureError(f"{where}: the file is not the one that was signed")
 
 
 def check_signed_base(bundle_dir: str | os.PathLike, manifest: dict, where: str) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ._io import exchange_directories, fsync_dir
+from ._io import exchange_directories, fsync_dir, read_within
 from .bundle import (
     BudgetExceeded,
     BundleError,
@@ -47,10 +47,11 @@ from .bundle import (
     write_bundle,
 )
 from .datastores import BACKENDS, max_count_within
+from .errors import one_line
 from .head_file import head_nbytes, refit_head
-from .keymap import ADVICE, KeyMap, load_key_map
+from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
 from .manifest import MODEL_RECORDS, refit_l2
-from .signing import SIGNATURE_FILE, check_signed_base
+from .signing import SIGNATURE_FILE, check_signed_base, verify_file
 from .versions import datastore_embedding, short
 
 UPGRADES_DIR = "upgrades"
@@ -134,7 +135,8 @@ def upgrade_bundle(
                            int(manifest["footprint"]["total"]))
     if from_id == to_id:
         return report
-    mapping = _key_map(new_dir, from_id, to_id, key_map, manifest, release, where, force)
+    mapping = _key_map(new_dir, from_id, to_id, key_map, manifest, release, where, force,
+                       trusted_keys)
     report.how, report.evidence = "mapped", mapping.describe()
 
     params = {**manifest["backend"]["params"],
@@ -202,7 +204,8 @@ def upgrade_bundle(
 
 
 def _key_map(new_dir: Path, from_id: str, to_id: str, given: str | os.PathLike | None,
-             manifest: dict, release: dict, where: str, force: bool) -> KeyMap:
+             manifest: dict, release: dict, where: str, force: bool,
+             trusted_keys: Any = None) -> KeyMap:
     path = Path(given) if given is not None else (
         new_dir.parent / UPGRADES_DIR / map_file_name(from_id))
     if given is None and not path.is_file():
@@ -211,9 +214,12 @@ def _key_map(new_dir: Path, from_id: str, to_id: str, given: str | os.PathLike |
             f"no map from it ({path} is missing): pass the release's map with --map, or build "
             "a fresh bundle with `knnper-edge init --like NEW_BUNDLE`")
     try:
+        if trusted_keys is not None:  # a signed release's map is signed with it
+            verify_file(path, read_within(path, MAX_MAP_BYTES, lambda why: ValueError(
+                f"key map {path}: {why}")), trusted_keys)
         mapping = load_key_map(path)
-    except ValueError as exc:
-        raise BundleError(str(exc)) from None
+    except (ValueError, OSError) as exc:
+        raise BundleError(one_line(exc)) from None
     if mapping.from_embedding != from_id or mapping.to_embedding != to_id:
         raise BundleError(
             f"key map {path} maps encoder {short(mapping.from_embedding)} -> "

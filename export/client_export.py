@@ -42,6 +42,8 @@ class SizingContext:
     update_strategy: str
     signing_key: str | None = None  # a path: workers load the key themselves
     journal: Path | None = None  # where each finished client is recorded (export.journal)
+    model: dict | None = None  # the model version record every manifest carries
+    replaces: dict | None = None  # and the one of the release these bundles replace
 
     def sizer(self) -> DatastoreSizer:
         return DatastoreSizer(self.num_classes, knn=self.knn, space=self.space, seed=self.seed)
@@ -64,6 +66,9 @@ def export_client(task: ClientTask, context: SizingContext,
     rule = context.knn.lambda_rule
     if rule.name != "client":  # its pooled evidence: `init --like` chooses by it
         fields["lambda_rule"] = rule.to_dict()
+    for key in ("model", "replaces"):
+        if getattr(context, key) is not None:
+            fields[key] = getattr(context, key)
     try:
         key = load_private_key(context.signing_key) if context.signing_key else None
         manifest = write_bundle(task.target, fields, encoder, datastore, signing_key=key)

@@ -41,6 +41,7 @@ from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest, taught_on_device
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.signing import load_private_key
+from edge_runtime.versions import embedding_id
 from export.client_export import (
     ClientTask,
     SizingContext,
@@ -62,7 +63,7 @@ from export.sizing import (
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.knn_choice import KNNChoice
 from fed_train.progress import Progress
-from fed_train.run import LoadedRun
+from fed_train.run import MODEL_FILE, LoadedRun
 from fed_train.workers import worker_pool
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,8 @@ def bundle_dir(out_dir: Path, client_id: int) -> Path:
 def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget | int],
                settings: ExportSettings | None = None, *, clients: str = "all",
                encoder: EncoderFiles | None = None, progress: bool = True,
-               workers: int | None = 1, replace_taught: bool = False) -> dict[str, Any]:
+               workers: int | None = 1, replace_taught: bool = False,
+               replaces: dict | None = None) -> dict[str, Any]:
     """Write one bundle per selected client into out_dir and return the export report (also
     written as out_dir/export.json). Every bundle is written atomically by edge_runtime's
     write_bundle (temporary directory, then rename), so an interrupted export leaves complete
@@ -302,6 +304,8 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
     progress : a bar on a terminal, a line every 30 s in a log.
     workers : processes sizing clients in parallel; None is one per usable core.
     replace_taught : replace bundles that `add` has taught since they were exported.
+    replaces : the model version record (`model_record`) of the release these bundles
+        replace, written into every manifest.
 
     Returns
     -------
@@ -343,7 +347,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
         with _exclusive(out_dir):
             encoder_files = _move_encoder(encoder_files, out_dir)
             return _export_locked(run, out_dir, budgets, settings, space, encoder_files,
-                                  chosen, progress, workers)
+                                  chosen, progress, workers, replaces)
 
 
 def _refuse_taught(out_dir: Path, client_ids: Sequence[int]) -> None:
@@ -401,11 +405,12 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
 def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, Budget],
                    settings: ExportSettings, space: SearchSpace, encoder_files: EncoderFiles,
                    chosen: list[ClientData], progress: bool,
-                   workers: int | None) -> dict[str, Any]:
+                   workers: int | None, replaces: dict | None = None) -> dict[str, Any]:
     """The bundles and export.json, while this process holds out_dir's lock."""
+    model = model_record(run, encoder_files.path)
     context = SizingContext(encoder_files.path, run.dataset.num_classes, settings.knn, space,
                             settings.seed, settings.update_strategy, settings.signing_key,
-                            out_dir / JOURNAL_FILE)
+                            out_dir / JOURNAL_FILE, model, replaces)
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
         _fingerprint(run, settings, space, encoder_files), budgets,
@@ -435,10 +440,20 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, Budget],
                     "torch_max_abs_diff": encoder_files.torch_max_abs_diff,
                     "int8_vs_fp32": encoder_files.int8_vs_fp32,
                     "calibration": "seeded sample of the training clients' train splits"},
+        "model": model,
+        **({"replaces": replaces} if replaces is not None else {}),
         "clients": rows,
     }
     write_json_atomic(out_dir / REPORT_FILE, report)
     return report
+
+
+def model_record(run: LoadedRun, encoder: Path) -> dict[str, Any]:
+    """The model version the bundles are built from, as each manifest records it: the run,
+    its last round, the sha256 of its weights file and the encoder's embedding id."""
+    return {"run": run.run_dir.name, "round": int(run.config.training.rounds),
+            "weights_sha256": sha256_file(run.run_dir / MODEL_FILE),
+            "embedding": embedding_id(encoder.read_bytes())}
 
 
 def _client_task(run: LoadedRun, client: ClientData, session: Encoder,

@@ -10,6 +10,7 @@ from typing import Any
 
 from edge_runtime.budget import Budget
 from edge_runtime.errors import one_line
+from edge_runtime.signing import load_private_key
 from export.errors import BudgetInvalid, ExportError
 from export.exporter import (
     DEVICE_EXTRAS,
@@ -29,6 +30,7 @@ from export.profiles import (
     weak_strong_budgets,
 )
 from export.sizing import BACKEND_CHOICES
+from export.upgrade_map import old_release, server_data, write_upgrade_map
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import load_or_choose
 from fed_train.run import load_run
@@ -98,7 +100,18 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--signing-key", metavar="PRIVATE.pem", default=None,
                    help="sign every bundle with this Ed25519 private key (knnper-edge keygen "
                         "makes one); devices given the public key refuse unsigned bundles")
+    add_upgrade_arguments(p)
     p.set_defaults(func=_cmd_export)
+
+
+def add_upgrade_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--upgrade-from", metavar="OLD_EXPORT", default=None,
+                   help="an earlier export these bundles replace: also write upgrades/from-"
+                   "<old encoder>.npz, the map devices carry their keys over with "
+                   "(`knnper-edge upgrade`), fitted and judged on server-held data only")
+    p.add_argument("--public-data", metavar="NPZ", default=None,
+                   help="server-held data (x_train, y_train) the key map is fitted on "
+                   "(default: the split the run's pretraining kept for the server)")
 
 
 def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[int, Budget]:
@@ -176,9 +189,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
     print(choice.describe())
     settings = apply_knn_choice(settings, choice)
     budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
+    replaces, server = None, None
+    if args.upgrade_from is not None:  # both checked before any bundle is written
+        replaces = old_release(Path(args.upgrade_from))
+        server = server_data(run, args.public_data)
     report = export_run(run, Path(args.out), budgets, settings, clients=args.clients,
                         progress=not args.no_progress, workers=args.workers,
-                        replace_taught=args.force)
+                        replace_taught=args.force, replaces=replaces)
     if len(report["clients"]) <= PER_CLIENT_TABLE_MAX:
         print(format_export_table(report))
     print(format_export_summary(report))
@@ -189,4 +206,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
               "extra, and `knnper-edge export-onnx` cannot make one file of them; "
               "--device-extras none avoids it")
     print(f"wrote {len(report['clients'])} bundle(s) and {Path(args.out) / REPORT_FILE}")
+    if server is not None:
+        key = load_private_key(args.signing_key) if args.signing_key else None
+        path, fit = write_upgrade_map(Path(args.upgrade_from), Path(args.out), *server,
+                                      run.dataset.input_spec, run.dataset.num_classes,
+                                      k=choice.config.k, sigma=choice.config.sigma,
+                                      seed=args.seed, signing_key=key)
+        print(f"wrote {path} (ridge alpha {fit.alpha:g}, fitted on {fit.fit_samples} server "
+              f"samples): {fit.key_map.describe()}")
     return 0

@@ -1,0 +1,201 @@
+"""The server's half of a model update: a map from an older release's embedding space to the new
+one, fitted only on data the server holds, with the evidence that it helps, written beside the
+new bundles as upgrades/from-<old encoder id>.npz (edge_runtime.keymap) for `knnper-edge
+upgrade`.
+
+The map is ridge-regularised linear, z_new = z_old @ W + b, its strength chosen by k-fold
+cross-validation (mean squared error of the new embedding) on a seeded part of the server data.
+The rest is held out for the evidence: half of it plays a device's memory, the other half its
+queries (embedded by the new encoder), and the device's own kNN (a flat datastore with the
+release's k and sigma) is scored with the memory's keys mapped, left stale (old keys searched
+with new queries), and re-embedded (what kept inputs give), beside the new global model alone.
+The release advises to map the keys when the mapped keys score at least the stale ones; else,
+to keep the old keys (stay on the old version) when stale keys still beat the global model, and
+to start fresh otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_runtime._io import write_bytes_atomic
+from edge_runtime.datastores import make_datastore
+from edge_runtime.encoder import Encoder
+from edge_runtime.keymap import ADVICE, KeyMap
+from edge_runtime.preprocess import prepare_input
+from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
+from edge_runtime.versions import embedding_id
+from export.errors import ExportError
+
+RIDGE_ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
+CV_FOLDS = 5
+HELD_OUT_FRACTION = 0.4
+# Server samples used at most: the fit is a p x p solve, the evidence a kNN over half the rest.
+MAX_SERVER_SAMPLES = 10_000
+
+
+@dataclass
+class MapFit:
+    """A fitted map and how it was chosen."""
+
+    key_map: KeyMap
+    alpha: float
+    cv_mse: dict[float, float]
+    fit_samples: int
+    held_out_samples: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"form": "ridge linear", "alpha": self.alpha,
+                "cv_mse": {f"{a:g}": m for a, m in self.cv_mse.items()},
+                "fit_samples": self.fit_samples, "held_out_samples": self.held_out_samples,
+                "advice": self.key_map.advice,
+                "evidence_knn_accuracy": self.key_map.evidence,
+                "from_embedding": self.key_map.from_embedding,
+                "to_embedding": self.key_map.to_embedding}
+
+
+def ridge(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """(W, b) minimising ||x W + b - y||^2 + alpha ||W||^2 (the intercept unpenalised)."""
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    mx, my = x64.mean(0), y64.mean(0)
+    xc = x64 - mx
+    gram = xc.T @ xc + alpha * len(x) * np.eye(x.shape[1])
+    w = np.linalg.solve(gram, xc.T @ (y64 - my))
+    return w.astype(np.float32), (my - mx @ w).astype(np.float32)
+
+
+def choose_alpha(x: np.ndarray, y: np.ndarray, seed: int,
+                 alphas=RIDGE_ALPHAS, folds: int = CV_FOLDS) -> tuple[float, dict[float, float]]:
+    """The ridge strength of the least cross-validated mean squared error (ties: stronger)."""
+    fold = np.random.default_rng([seed, 0x3A9]).permutation(len(x)) % folds
+    mse = {}
+    for alpha in alphas:
+        errors = []
+        for f in range(folds):
+            train, test = fold != f, fold == f
+            w, b = ridge(x[train], y[train], alpha)
+            errors.append(float(np.mean((x[test] @ w + b - y[test]) ** 2)))
+        mse[alpha] = float(np.mean(errors))
+    best = min(mse.values())
+    return max(a for a, m in mse.items() if m <= best * (1 + 1e-9)), mse
+
+
+def knn_accuracy(keys: np.ndarray, labels: np.ndarray, queries: np.ndarray,
+                 truth: np.ndarray, num_classes: int, k: int, sigma: float) -> float:
+    ds = make_datastore("flat:fp32", num_classes, k=k, sigma=sigma).fit(keys, labels)
+    return float((ds.predict_proba(queries).argmax(1) == truth).mean())
+
+
+def fit_key_map(z_old: np.ndarray, z_new: np.ndarray, logits_new: np.ndarray, y: np.ndarray,
+                from_id: str, to_id: str, *, num_classes: int, k: int = 10,
+                sigma: float = 1.0, seed: int = 0) -> MapFit:
+    """Fit and judge the map on server samples embedded by both encoders (see the module
+    docstring)."""
+    n = len(y)
+    if n < 4 * CV_FOLDS:
+        raise ExportError(f"fitting a key map needs at least {4 * CV_FOLDS} server samples, "
+                          f"got {n}")
+    order = np.random.default_rng([seed, 0x3A8]).permutation(n)
+    held = int(round(HELD_OUT_FRACTION * n))
+    fit, memory, queries = order[held:], order[:held // 2], order[held // 2:held]
+    alpha, mse = choose_alpha(z_old[fit], z_new[fit], seed)
+    w, b = ridge(z_old[fit], z_new[fit], alpha)
+
+    def score(keys: np.ndarray) -> float:
+        return knn_accuracy(keys, y[memory], z_new[queries], y[queries], num_classes, k, sigma)
+
+    evidence = {"mapped": score(z_old[memory] @ w + b), "stale": score(z_old[memory]),
+                "re-embedded": score(z_new[memory]),
+                "global": float((logits_new[queries].argmax(1) == y[queries]).mean())}
+    if evidence["mapped"] >= evidence["stale"]:
+        advice = ADVICE[0]
+    elif evidence["stale"] >= evidence["global"]:
+        advice = ADVICE[1]
+    else:
+        advice = ADVICE[2]
+    key_map = KeyMap(w, b, from_id, to_id, advice, evidence)
+    return MapFit(key_map, alpha, mse, len(fit), held)
+
+
+def write_upgrade_map(old_export: Path, new_export: Path, x: np.ndarray, y: np.ndarray,
+                      input_spec: dict, num_classes: int, *, k: int, sigma: float,
+                      seed: int = 0, signing_key: Any = None) -> tuple[Path, MapFit]:
+    """Fit the map from `old_export`'s encoder to `new_export`'s on the server's (x, y) and
+    write it (and its evidence as JSON, and its signature with `signing_key`) into
+    new_export/upgrades/."""
+    old_encoder, new_encoder = old_export / "encoder.onnx", new_export / "encoder.onnx"
+    for path in (old_encoder, new_encoder):
+        if not path.is_file():
+            raise ExportError(f"{path.parent} is not an export directory (no encoder.onnx)")
+    if len(y) > MAX_SERVER_SAMPLES:
+        keep = np.sort(np.random.default_rng([seed, 0x3A7]).choice(len(y), MAX_SERVER_SAMPLES,
+                                                                    replace=False))
+        x, y = x[keep], y[keep]
+    xp = prepare_input(x, input_spec)
+    z_old, _ = Encoder(old_encoder, intra_op_threads=None).run(xp)
+    z_new, logits = Encoder(new_encoder, intra_op_threads=None).run(xp)
+    from_id, to_id = (embedding_id(p.read_bytes()) for p in (old_encoder, new_encoder))
+    result = fit_key_map(z_old, z_new, logits, np.asarray(y), from_id, to_id,
+                         num_classes=num_classes, k=k, sigma=sigma, seed=seed)
+    directory = new_export / UPGRADES_DIR
+    directory.mkdir(exist_ok=True)
+    path = directory / map_file_name(from_id)
+    result.key_map.save(path)
+    write_bytes_atomic(path.with_suffix(".json"),
+                       (json.dumps(result.to_dict(), indent=2) + "\n").encode())
+    if signing_key is not None:
+        from edge_runtime.signing import sign_file
+
+        sign_file(path, signing_key)
+    return path, result
+
+
+def server_data(run, public_data: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """Data the server holds, never a client's: `public_data` (an npz with x_train, y_train),
+    else the split the run's pretraining kept for the server (`knnper pretrain`, then `knnper
+    train --init PRETRAIN_DIR`). ExportError when there is neither."""
+    from fed_train.data import load_dataset
+    from fed_train.pretrain import load_init
+
+    if public_data is None and run.config.init is not None and Path(run.config.init).is_dir():
+        init = load_init(run.config.init)
+        public_data = (init.record or {}).get("public_data")
+        if public_data is None and init.server_indices is not None and len(init.server_indices):
+            full = load_dataset(run.config.dataset, run.config.data, seed=run.config.seed)
+            return full.x_train[init.server_indices], full.y_train[init.server_indices]
+    if public_data is None:
+        raise ExportError("--upgrade-from fits its key map on data only the server holds: give "
+                          "--public-data NPZ (x_train, y_train), or train the run from a "
+                          "pretraining on a server split (knnper pretrain, knnper train --init)")
+    data = load_dataset("npz", public_data, seed=run.config.seed)
+    if data.x_train.shape[1:] != run.dataset.x_train.shape[1:]:
+        raise ExportError(f"--public-data {public_data}: inputs of shape "
+                          f"{list(data.x_train.shape[1:])}, the run's are "
+                          f"{list(run.dataset.x_train.shape[1:])}")
+    return data.x_train, data.y_train
+
+
+def old_release(old_export: Path) -> dict[str, Any]:
+    """The model version record of an earlier export (its export.json's, or, for an export
+    from before versions, one naming its encoder only)."""
+    from edge_runtime._io import read_json
+
+    encoder = old_export / "encoder.onnx"
+    if not encoder.is_file():
+        raise ExportError(f"--upgrade-from {old_export}: not an export directory (no "
+                          "encoder.onnx)")
+    try:
+        report = read_json(old_export / "export.json", limit=64 << 20,
+                           fix="re-export the old release")
+    except (OSError, ValueError):
+        report = {}
+    record = report.get("model") if isinstance(report, dict) else None
+    if isinstance(record, dict):
+        return record
+    return {"run": Path(str(report.get("run", old_export.name))).name, "round": None,
+            "weights_sha256": None, "embedding": embedding_id(encoder.read_bytes())}

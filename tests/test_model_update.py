@@ -1,0 +1,70 @@
+"""A model update end to end at digits scale: two trainings from one pretraining (whose server
+split is the only data the key map sees), two exports, the second with --upgrade-from the first,
+and devices upgrading their bundles with `knnper-edge upgrade`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_runtime.cli import main as edge
+from edge_runtime.runtime import Runtime
+from knnper_cli.main import main
+
+pytestmark = pytest.mark.slow
+
+
+def knnper(*argv: str) -> int:
+    return main(["--threads", "1", "--no-progress", *argv])
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("update")
+    assert knnper("pretrain", "--dataset", "digits", "--server-fraction", "0.2", "--epochs",
+                  "2", "--out", str(root / "pre")) == 0
+    for name, seed in (("v1", "0"), ("v2", "1")):
+        assert knnper("train", "--init", str(root / "pre"), "--clients", "4", "--rounds", "2",
+                      "--seed", seed, "--out", str(root / name)) == 0
+    assert knnper("export", str(root / "v1"), "--out", str(root / "b1"), "--budget", "200kB",
+                  "--workers", "1", "--device-extras", "none") == 0
+    assert knnper("export", str(root / "v2"), "--out", str(root / "b2"), "--budget", "200kB",
+                  "--workers", "1", "--device-extras", "none",
+                  "--upgrade-from", str(root / "b1")) == 0
+    return root
+
+
+def test_release_ships_a_map_with_its_evidence(releases):
+    maps = list((releases / "b2" / "upgrades").glob("from-*.npz"))
+    assert len(maps) == 1
+    evidence = json.loads(maps[0].with_suffix(".json").read_text())
+    assert evidence["fit_samples"] > 0 and evidence["alpha"] in (1e-4, 1e-3, 1e-2, 0.1, 1.0,
+                                                                10.0, 100.0)
+    assert set(evidence["evidence_knn_accuracy"]) == {"mapped", "stale", "re-embedded",
+                                                      "global"}
+    report = json.loads((releases / "b2" / "export.json").read_text())
+    old = json.loads((releases / "b1" / "export.json").read_text())
+    assert report["replaces"] == old["model"] and report["model"]["run"] == "v2"
+    manifest = json.loads((releases / "b2" / "client_0000" / "manifest.json").read_text())
+    assert manifest["replaces"] == old["model"]
+
+
+def test_device_upgrade_keeps_its_samples(releases, tmp_path, capsys):
+    device = tmp_path / "device"
+    shutil.copytree(releases / "b1" / "client_0000", device)
+    rt = Runtime.load(device)
+    if rt.manifest["backend"]["name"] == "protonn":
+        pytest.skip("client 0 got a protonn bundle")
+    x = np.random.default_rng(0).integers(0, 17, (5, 8, 8, 1)).astype(np.uint8)
+    rt.add(x, np.arange(5) % 10)
+    labels = rt.datastore.labels_.copy()
+    assert edge(["upgrade", str(device), "--to", str(releases / "b2" / "client_0000"),
+                 "--force"]) == 0
+    assert "carried (mapped)" in capsys.readouterr().out
+    after = Runtime.load(device)
+    np.testing.assert_array_equal(after.datastore.labels_, labels[-len(after.datastore):])
+    assert after.manifest["model"]["run"] == "v2"
