@@ -192,6 +192,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="the bundle's update strategy for later `add` calls")
     s.add_argument("--client-id", type=int, default=-1,
                    help="client id written in the manifest (-1: a device of its own)")
+    s.add_argument("--keep-inputs", action="store_true",
+                   help="also keep every sample's raw input (counted in the budget, so fewer "
+                   "samples fit), so that `upgrade` re-embeds them exactly when the model "
+                   "changes")
 
     s = sub.add_parser("info", help="verify a bundle and summarize its manifest",
                        epilog=examples(f"knnper-edge info {EXAMPLE}",
@@ -572,6 +576,7 @@ def cmd_init(args) -> int:
         update_strategy=args.strategy,
         intra_op_threads=args.threads,
         lambda_rule=rule,
+        keep_inputs=args.keep_inputs,
     )
     acc = "n/a" if report.val_accuracy is None else f"{100 * report.val_accuracy:.1f}%"
     fp = report.manifest["footprint"]

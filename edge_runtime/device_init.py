@@ -27,10 +27,10 @@ import numpy as np
 from .budget import Budget
 from .bundle import BundleError, write_bundle
 from .datastores import format_recipe, make_datastore, max_count_within, parse_recipe
+from .device_choice import choose_datastore, with_inputs
 from .encoder import Encoder
-from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule, datastore_key
-from .personal_head import ClientSplits, PersonalHead
-from .preprocess import prepare_input, validate_spec
+from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule
+from .preprocess import prepare_input, raw_checked, validate_spec
 from .runtime import check_labels
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ def init_bundle(
     update_strategy: str = "fifo",
     intra_op_threads: int | None = None,
     lambda_rule: LambdaRule = CLIENT_RULE,
+    keep_inputs: bool = False,
 ) -> InitReport:
     """Build and write a bundle for a new device (see the module docstring for the choice).
 
@@ -75,6 +76,8 @@ def init_bundle(
     given if they fit. client_id -1 marks a device that never trained. `lambda_rule`: how lambda
     is chosen from the validation split (a device on its own has no pooled evidence: its own
     split, the paper's rule; one given a server's pooled rule chooses as the server does).
+    `keep_inputs`: the bundle also keeps every sample's raw input (counted in its budget), so
+    that `knnper-edge upgrade` re-embeds them exactly when the model changes.
     Raises BundleError when
     even the encoder (or the encoder plus one stored sample) exceeds the budget.
     """
@@ -95,44 +98,23 @@ def init_bundle(
     if xp.shape[0] == 0:
         raise ValueError("init needs at least one labelled sample")
     z, logits = encoder.run(xp)
+    del xp
     num_classes, dim = logits.shape[1], z.shape[1]
-    y = check_labels(y, xp.shape[0], num_classes)
-
-    n_all = z.shape[0]
-    order = np.random.default_rng(seed).permutation(n_all)
-    n_val = int(round(val_fraction * n_all)) if n_all >= 2 else 0
-    n_val = min(n_val, n_all - 1)
-    val, train = order[:n_val], order[n_val:]
-    splits = ClientSplits.from_logits(client_id, True, (z[train], logits[train], y[train]),
-                                      (z[val], logits[val], y[val]))
-    head = PersonalHead(num_classes, k=k, sigma=sigma, rule=lambda_rule)
-
-    candidates = []
-    for recipe in _candidate_recipes(recipes, num_classes, k, sigma, dim, budget.room, seed,
-                                     n_all):
-        ds = make_datastore(recipe, num_classes, k, sigma, seed=seed)
-        nbytes = ds.file_nbytes(min(ds.n, n_all), dim)  # ranked by files, as the exporter
-        head.fit(splits, datastore=ds.fit(z[train], y[train]))
-        candidates.append(
-            {"recipe": recipe, "lambda": head.lambda_, "val_accuracy": head.val_accuracy_,
-             "val_nll": head.val_nll_, "nbytes": nbytes}
-        )
-        logger.info("candidate %s: lambda %.1f, validation accuracy %s", recipe, head.lambda_,
-                    head.val_accuracy_)
+    y = check_labels(y, z.shape[0], num_classes)
+    inputs = raw_checked(x, input_spec) if keep_inputs else None
+    if inputs is not None:  # every candidate keeps them, and counts them in its footprint
+        recipes = [with_inputs(r, inputs[0].nbytes) for r in (recipes or DEFAULT_RECIPES)]
+    candidates = _candidate_recipes(recipes, num_classes, k, sigma, dim, budget.room, seed,
+                                    z.shape[0])
     if not candidates:
         raise BundleError(
             f"the budget of {budget.total} bytes leaves {budget.room} bytes after the encoder "
             f"({budget.encoder} bytes): not enough for one stored sample of any candidate recipe"
         )
-    # The exporter's ranking (edge_runtime.knn.datastore_key; flat and hnsw are not trained).
-    # Without a validation split every candidate ties: the smallest footprint.
-    best = min(
-        candidates,
-        key=lambda c: datastore_key(
-            c["val_accuracy"], c["val_nll"], trained=False, nbytes=c["nbytes"]
-        ),
-    )
-    final = make_datastore(best["recipe"], num_classes, k, sigma, seed=seed).fit(z, y)
+    final, best, scored = choose_datastore(z, logits, y, candidates, k=k, sigma=sigma,
+                                           val_fraction=val_fraction, seed=seed,
+                                           client_id=client_id, lambda_rule=lambda_rule,
+                                           inputs=inputs)
     fields = {
         "client_id": int(client_id),
         "input": input_spec,
@@ -141,7 +123,7 @@ def init_bundle(
         "update_strategy": update_strategy,
     }
     manifest = write_bundle(out_dir, fields, encoder_path, final)
-    return InitReport(manifest, best["recipe"], best["lambda"], best["val_accuracy"], candidates)
+    return InitReport(manifest, best["recipe"], best["lambda"], best["val_accuracy"], scored)
 
 
 def _candidate_recipes(

@@ -324,7 +324,8 @@ class Runtime:
             )
         target = self._target(strategy) if strategy != "fixed" and count else 0
         first_kept = count - min(count, target)
-        zs, kept, seen = [], [], 0
+        keeps_inputs = getattr(self.datastore.sample_store(), "inputs", None) is not None
+        zs, kept, raws, seen = [], [], [], 0
         for x, y in chunks:
             xp = self._checked(x)
             labels = check_labels(y, xp.shape[0], self.num_classes)
@@ -335,18 +336,21 @@ class Runtime:
             if skip < xp.shape[0]:
                 zs.append(self._encode(xp[skip:])[0])
                 kept.append(labels[skip:])
+                if keeps_inputs:  # the bundle re-embeds them when the model changes
+                    raws.append(raw_checked(x, self._spec)[skip:])
         if seen != count:
             raise ValueError(f"got {seen} samples, {count} were announced")
         if not zs:
             return self._report(strategy, count, 0, 0)
         z, labels = np.concatenate(zs), np.concatenate(kept)
+        inputs = np.concatenate(raws) if raws else None
         with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):
             if read_manifest(self.path) != self.manifest:
                 raise BundleError(
                     f"bundle {self.path}: manifest.json changed on disk since the bundle was "
                     "loaded (another writer?); load it again"
                 )
-            return self._update(z, labels, strategy, count, target)
+            return self._update(z, labels, strategy, count, target, inputs)
 
     def upgrade(
         self,
@@ -404,16 +408,21 @@ class Runtime:
         return target
 
     def _update(
-        self, z: np.ndarray, labels: np.ndarray, strategy: str, received: int, target: int
+        self, z: np.ndarray, labels: np.ndarray, strategy: str, received: int, target: int,
+        inputs: np.ndarray | None = None,
     ) -> UpdateReport:
         """Evict and add in memory by `strategy` (z: the newest samples it keeps, at most
-        `target`), then commit; the caller holds the lock."""
+        `target`; `inputs`: their raw inputs, where the bundle keeps them), then commit; the
+        caller holds the lock."""
         ds = self.datastore.sample_store()
         old = len(ds)
         evict = old if received >= target else max(0, old + received - target)
         try:
             ds.evict_oldest(evict)
-            ds.add(z, labels)
+            if inputs is None:
+                ds.add(z, labels)
+            else:
+                ds.add(z, labels, inputs)
             if strategy == "concatenate" and ds.n is not None and len(ds) > ds.n:
                 ds.n = len(ds)
             evict += self._persist()

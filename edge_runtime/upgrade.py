@@ -46,15 +46,20 @@ from .bundle import (
     read_bundle,
     write_bundle,
 )
-from .datastores import BACKENDS, max_count_within
+from .datastores import BACKENDS, format_recipe, max_count_within
+from .device_choice import choose_datastore
+from .encoder import Encoder
 from .errors import one_line
 from .head_file import head_nbytes, refit_head
 from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
-from .manifest import MODEL_RECORDS, refit_l2
+from .manifest import MODEL_RECORDS, lambda_rule_of, refit_l2
+from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, check_signed_base, verify_file
 from .versions import datastore_embedding, short
 
 UPGRADES_DIR = "upgrades"
+# the validation share lambda is re-chosen on from kept inputs: `knnper-edge init`'s default
+REEMBED_VAL_FRACTION = 0.2
 _RELEASE_FIELDS = ("knn_choice", "lambda_rule", *MODEL_RECORDS)
 
 
@@ -135,9 +140,16 @@ def upgrade_bundle(
                            int(manifest["footprint"]["total"]))
     if from_id == to_id:
         return report
-    mapping = _key_map(new_dir, from_id, to_id, key_map, manifest, release, where, force,
-                       trusted_keys)
-    report.how, report.evidence = "mapped", mapping.describe()
+    signed = (new_dir / SIGNATURE_FILE).is_file()
+    if getattr(datastore, "inputs_", None) is not None:
+        if release["input"] != manifest["input"]:
+            raise BundleError(f"{where}: the release {new_dir} takes other inputs than the ones "
+                              "this bundle kept; it cannot re-embed them")
+        mapping, report.how = None, "re-embedded"
+    else:
+        mapping = _key_map(new_dir, from_id, to_id, key_map, manifest, release, where, force,
+                           trusted_keys)
+        report.how, report.evidence = "mapped", mapping.describe()
 
     params = {**manifest["backend"]["params"],
               "num_classes": release["num_classes"], "k": release["k"],
@@ -161,16 +173,12 @@ def upgrade_bundle(
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         for _ in range(8):
-            kept = count - evict
-            z = np.empty((kept, dim), np.float32)
-            done = 0
-            for chunk in mapping.chunks(
-                    lambda a, b, first=evict: datastore.key_rows(first + a, first + b), kept):
-                z[done:done + chunk.shape[0]] = chunk
-                done += chunk.shape[0]
-            ds = BACKENDS[manifest["backend"]["name"]].from_params(params)
-            ds.fit(z, datastore.labels_[evict:])
-            del z
+            if mapping is None:
+                ds, lam = _reembedded(datastore, evict, model, release, params, manifest)
+                fields["lambda"] = release["lambda"] if signed else lam
+            else:
+                ds = _mapped(datastore, evict, mapping, params, manifest["backend"]["name"],
+                             dim)
             ds.embedding_id_ = to_id
             try:
                 written = write_bundle(tmp, fields, model, ds)
@@ -186,7 +194,6 @@ def upgrade_bundle(
         if l2 is not None:
             head = refit_head(ds, release["num_classes"], l2)
             written = commit_datastore(tmp, written, ds, head)
-        signed = (new_dir / SIGNATURE_FILE).is_file()
         if signed:
             shutil.copyfile(new_dir / SIGNATURE_FILE, tmp / SIGNATURE_FILE)
             if trusted_keys is not None:
@@ -201,6 +208,39 @@ def upgrade_bundle(
     report.lam, report.footprint_bytes = float(written["lambda"]), written["footprint"]["total"]
     report.signed = signed
     return report
+
+
+def _mapped(datastore: Any, evict: int, mapping: KeyMap, params: dict, backend: str,
+            dim: int) -> Any:
+    """The samples from the `evict`-th oldest on, their keys mapped a chunk at a time."""
+    kept = len(datastore) - evict
+    z = np.empty((kept, dim), np.float32)
+    done = 0
+    for chunk in mapping.chunks(lambda a, b: datastore.key_rows(evict + a, evict + b), kept):
+        z[done:done + chunk.shape[0]] = chunk
+        done += chunk.shape[0]
+    return BACKENDS[backend].from_params(params).fit(z, datastore.labels_[evict:])
+
+
+def _reembedded(datastore: Any, evict: int, model: bytes, release: dict, params: dict,
+                manifest: dict) -> tuple[Any, float]:
+    """The samples from the `evict`-th oldest on, re-embedded from their kept raw inputs by
+    the new encoder (in the encoder's own batches), with lambda chosen as `init --like
+    RELEASE` would choose it on them (device_init.choose_datastore): (datastore, lambda)."""
+    inputs, labels = datastore.inputs_[evict:], datastore.labels_[evict:]
+    encoder = Encoder(model)
+    zs, logits = [], []
+    for start in range(0, len(labels), encoder.batch_size):
+        z, lg = encoder.run(prepare_input(inputs[start:start + encoder.batch_size],
+                                          release["input"]))
+        zs.append(z)
+        logits.append(lg)
+    recipe = format_recipe(manifest["backend"]["name"], params)
+    final, best, _ = choose_datastore(
+        np.concatenate(zs), np.concatenate(logits), labels, [recipe], k=release["k"],
+        sigma=release["sigma"], val_fraction=REEMBED_VAL_FRACTION, seed=0,
+        client_id=manifest["client_id"], lambda_rule=lambda_rule_of(release), inputs=inputs)
+    return final, float(best["lambda"])
 
 
 def _key_map(new_dir: Path, from_id: str, to_id: str, given: str | os.PathLike | None,

@@ -111,10 +111,18 @@ class Candidate:
 
 
 def measure_nbytes(datastore: Datastore) -> int:
-    """Exact on-disk bytes of a datastore: save it for real and add up its files."""
-    with tempfile.TemporaryDirectory(prefix="knnper-size-") as tmp:
-        names = datastore.save(tmp)
-        return sum((Path(tmp) / name).stat().st_size for name in names)
+    """Exact on-disk bytes of a datastore as a bundle holds it: save it for real, with the
+    embedding id a bundle records in it (edge_runtime.versions), and add up its files."""
+    unstamped = getattr(datastore, "embedding_id_", None) is None
+    if unstamped:
+        datastore.embedding_id_ = "0" * 64  # its size, not its value, counts here
+    try:
+        with tempfile.TemporaryDirectory(prefix="knnper-size-") as tmp:
+            names = datastore.save(tmp)
+            return sum((Path(tmp) / name).stat().st_size for name in names)
+    finally:
+        if unstamped:
+            datastore.embedding_id_ = None
 
 
 def smallest_datastore_bytes(space: SearchSpace, num_classes: int, dim: int) -> int:

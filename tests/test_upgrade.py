@@ -266,3 +266,44 @@ def test_sigkill_during_upgrade_leaves_the_old_bundle_or_the_new(tmp_path):
 def _embedded(encoder: Path) -> tuple[np.ndarray, np.ndarray]:
     x, y = make_images(20)
     return raw_outputs(encoder, x)[0], y
+
+
+@pytest.mark.parametrize("recipe", ["flat:int8", "hnsw:M8"])
+def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_path, recipe):
+    from edge_runtime.device_init import init_bundle
+
+    old, new = _encoders(tmp_path)
+    x, y = make_images(80, seed=1)
+    init_bundle(old, x, y, 10**6, tmp_path / "device", input_spec=FIELDS["input"], k=5,
+                recipes=[recipe], keep_inputs=True)
+    release = _bundle(tmp_path, new, "release", seed=5)
+    rt = Runtime.load(tmp_path / "device")
+    assert rt.manifest["backend"]["recipe"].endswith(f":x{8 * 8}")
+    x_add, y_add = make_images(9, seed=2)
+    rt.add(x_add, y_add, strategy="concatenate")
+    report = rt.upgrade(release)  # no map: the kept inputs are re-embedded
+    assert report.how == "re-embedded" and report.carried == 89
+    all_x, all_y = np.concatenate([x, x_add]), np.concatenate([y, y_add])
+    fresh = init_bundle(new, all_x, all_y, 10**6, tmp_path / "fresh", input_spec=FIELDS["input"],
+                        k=5, recipes=[rt.manifest["backend"]["recipe"]], keep_inputs=True)
+    assert fresh.lam == rt.lam
+    probe, _ = make_images(50, seed=3)
+    np.testing.assert_array_equal(Runtime.load(tmp_path / "fresh").predict_proba(probe),
+                                  rt.predict_proba(probe))
+    np.testing.assert_array_equal(rt.datastore.inputs_, all_x)
+
+
+def test_kept_inputs_count_in_the_budget(tmp_path):
+    from edge_runtime.device_init import init_bundle
+
+    old, _ = _encoders(tmp_path)
+    x, y = make_images(200, seed=1)
+    budget = old.stat().st_size + 6000
+    plain = init_bundle(old, x, y, budget, tmp_path / "plain", input_spec=FIELDS["input"],
+                        recipes=["flat:int8"])
+    kept = init_bundle(old, x, y, budget, tmp_path / "kept", input_spec=FIELDS["input"],
+                       recipes=["flat:int8"], keep_inputs=True)
+    n_plain = len(Runtime.load(tmp_path / "plain").datastore)
+    n_kept = len(Runtime.load(tmp_path / "kept").datastore)
+    assert n_kept < n_plain
+    assert kept.manifest["footprint"]["total"] <= budget >= plain.manifest["footprint"]["total"]

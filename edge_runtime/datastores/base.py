@@ -21,6 +21,7 @@ from ..knn import kernel_posterior
 from ..versions import EMBEDDING_ARRAY, id_array, id_from_arrays
 from . import recipes
 from .common import (
+    _NPZ_ARRAY_OVERHEAD,
     ParamCheck,
     _check_fit_inputs,
     _check_positive_int,
@@ -31,6 +32,9 @@ from .common import (
 )
 
 DatastoreT = TypeVar("DatastoreT", bound="BaseDatastore")
+INPUTS_ARRAY = "inputs"
+# what kept raw inputs may be: uint8 images or int64 token ids (edge_runtime.preprocess)
+INPUT_DTYPES = (np.dtype(np.uint8), np.dtype(np.int64))
 SampleT = TypeVar("SampleT", bound="SampleDatastore")
 
 
@@ -151,13 +155,22 @@ class BaseDatastore:
         embedding = id_from_arrays(arrays, npz)
         ds = ds._restore(SavedFiles(Path(directory), by_kind, npz, arrays), embedding_dim)
         ds.embedding_id_ = embedding
+        ds._restore_inputs(arrays, npz)
         return ds
 
-    def version_arrays(self) -> dict[str, np.ndarray]:
+    def _restore_inputs(self, arrays: dict[str, np.ndarray], npz: str) -> None:
+        """Samples' raw inputs, where the recipe keeps them (SampleDatastore)."""
+        if INPUTS_ARRAY in arrays:
+            raise ValueError(f"{npz} holds raw inputs its recipe does not keep")
+
+    def extra_arrays(self) -> dict[str, np.ndarray]:
         """What a save adds to its .npz: the embedding id of the encoder that embedded the
-        keys (edge_runtime.versions), when it is known."""
+        keys (edge_runtime.versions), when it is known, and kept raw inputs."""
         identity = getattr(self, "embedding_id_", None)
-        return {} if identity is None else {EMBEDDING_ARRAY: id_array(identity)}
+        out = {} if identity is None else {EMBEDDING_ARRAY: id_array(identity)}
+        if getattr(self, "inputs_", None) is not None:
+            out[INPUTS_ARRAY] = self.inputs_
+        return out
 
     def _restore(self: DatastoreT, saved: SavedFiles, embedding_dim: int | None) -> DatastoreT:
         """This (unfitted, checked) datastore filled from its saved files, each checked."""
@@ -171,15 +184,61 @@ class SampleDatastore(BaseDatastore):
     `kneighbors` finds. A backend implements `_store`, `_drop_oldest`, `keys` and
     `kneighbors`."""
 
-    def fit(self: SampleT, z: np.ndarray, y: np.ndarray) -> SampleT:
-        """Store (a seeded random subset of at most n of) the pairs (z_i, y_i)."""
+    PARAM_CHECKS: ClassVar[dict[str, ParamCheck]] = {
+        **BaseDatastore.PARAM_CHECKS,
+        "inputs": _optional(_check_positive_int),
+    }
+
+    def fit(self: SampleT, z: np.ndarray, y: np.ndarray,
+            inputs: np.ndarray | None = None) -> SampleT:
+        """Store (a seeded random subset of at most n of) the pairs (z_i, y_i), and each
+        sample's raw input where the recipe keeps them (`inputs`, x<bytes per sample>)."""
         self.check_params()
         z, y = _check_fit_inputs(z, y, self.num_classes)
         if z.shape[0] == 0:
             raise ValueError("fit needs at least one sample")
         keep = _subsample(z.shape[0], self.n, self.seed)
+        checked = self._checked_inputs(inputs, z.shape[0])
         self._store(z[keep], y[keep])
+        self.inputs_ = None if checked is None else checked[keep]
         return self
+
+    def _checked_inputs(self, inputs: np.ndarray | None, count: int) -> np.ndarray | None:
+        """`inputs` for `count` samples as the recipe keeps them (None where it keeps none)."""
+        if self.inputs is None:
+            return None
+        if inputs is None:
+            raise ValueError(f"{self.recipe} keeps raw inputs: give them with the samples")
+        inputs = np.asarray(inputs)
+        per_sample = inputs.nbytes // max(1, inputs.shape[0]) if inputs.ndim else -1
+        if (inputs.dtype not in INPUT_DTYPES or inputs.ndim < 2 or inputs.shape[0] != count
+                or per_sample != self.inputs):
+            raise ValueError(f"{self.recipe} keeps {count} raw inputs of {self.inputs} bytes "
+                             f"(uint8 or int64), got {inputs.dtype} {list(inputs.shape)}")
+        return np.ascontiguousarray(inputs)
+
+    def _append_inputs(self, inputs: np.ndarray | None, count: int) -> None:
+        checked = self._checked_inputs(inputs, count)
+        if checked is not None:
+            self.inputs_ = np.concatenate([self.inputs_, checked.astype(self.inputs_.dtype)])
+
+    def _restore_inputs(self, arrays: dict[str, np.ndarray], npz: str) -> None:
+        if self.inputs is None:
+            super()._restore_inputs(arrays, npz)
+            self.inputs_ = None
+            return
+        _require(arrays, [INPUTS_ARRAY], npz)
+        kept = arrays[INPUTS_ARRAY]
+        if (kept.dtype not in INPUT_DTYPES or kept.ndim < 2 or kept.shape[0] != len(self)
+                or kept[:1].nbytes != self.inputs * min(1, len(self))):
+            raise ValueError(f"{npz}: inputs must be {len(self)} raw inputs of {self.inputs} "
+                             f"bytes each (uint8 or int64), got {kept.dtype} "
+                             f"{list(kept.shape)}")
+        self.inputs_ = kept
+
+    def inputs_nbytes(self, n_samples: int) -> int:
+        """Bytes the kept raw inputs of n_samples take in the .npz (0 where none are kept)."""
+        return 0 if self.inputs is None else n_samples * self.inputs + _NPZ_ARRAY_OVERHEAD
 
     def _store(self, z: np.ndarray, y: np.ndarray) -> None:
         """Hold exactly these (checked) pairs, oldest first, in place of anything held."""
@@ -195,6 +254,8 @@ class SampleDatastore(BaseDatastore):
             raise ValueError(f"cannot evict {count} of {len(self)} samples")
         if count:
             self._drop_oldest(count)
+            if getattr(self, "inputs_", None) is not None:
+                self.inputs_ = self.inputs_[count:]
         return self
 
     def _drop_oldest(self, count: int) -> None:

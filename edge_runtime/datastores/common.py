@@ -13,7 +13,9 @@ from ..values import is_integer, is_real
 FLAT_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
 # Per-array overhead of an uncompressed .npz (zip headers + .npy header), generously rounded up.
 _NPZ_ARRAY_OVERHEAD = 512
-_NPZ_FILE_OVERHEAD = 512
+# The file's own overhead, with the member every datastore saves beside its arrays: the embedding
+# id of the encoder that embedded its keys (32 bytes, edge_runtime.versions).
+_NPZ_FILE_OVERHEAD = 512 + _NPZ_ARRAY_OVERHEAD + 32
 
 
 # The memory model a budget is held to, in memory as on disk. A device process may pass its

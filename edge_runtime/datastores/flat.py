@@ -60,6 +60,7 @@ class FlatDatastore(SampleDatastore):
         dtype: str = "fp32",
         n: int | None = None,
         seed: int = 0,
+        inputs: int | None = None,
     ) -> None:
         self._init_params(locals())
 
@@ -72,9 +73,12 @@ class FlatDatastore(SampleDatastore):
             self.scale_ = None
         self._set(self._stored_form(z), y, np.arange(z.shape[0], dtype=np.int64))
 
-    def add(self, z: np.ndarray, y: np.ndarray) -> FlatDatastore:
-        """Append samples with new insertion stamps (no eviction: the caller decides that)."""
+    def add(self, z: np.ndarray, y: np.ndarray,
+            inputs: np.ndarray | None = None) -> FlatDatastore:
+        """Append samples (and their raw inputs, where the recipe keeps them) with new
+        insertion stamps (no eviction: the caller decides that)."""
         z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
+        self._append_inputs(inputs, z.shape[0])
         start = int(self.order_[-1]) + 1 if len(self.order_) else 0
         stamps = np.arange(start, start + z.shape[0], dtype=np.int64)
         self._set(
@@ -138,7 +142,8 @@ class FlatDatastore(SampleDatastore):
         itemsize = np.dtype(FLAT_DTYPES[self.dtype]).itemsize
         arrays = 3 + (self.dtype == "int8")
         data = n_samples * (dim * itemsize + 16) + (4 * dim if self.dtype == "int8" else 0)
-        return data + arrays * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
+        return (data + arrays * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
+                + self.inputs_nbytes(n_samples))
 
     # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
@@ -148,7 +153,7 @@ class FlatDatastore(SampleDatastore):
         arrays = {"keys": self.keys_t_.T, "labels": self.labels_, "order": self.order_}
         if self.dtype == "int8":
             arrays["scale"] = self.scale_
-        arrays.update(self.version_arrays())
+        arrays.update(self.extra_arrays())
         save_npz_atomic(Path(directory) / name, arrays)
         return [name]
 

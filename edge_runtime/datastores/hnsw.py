@@ -62,6 +62,7 @@ class HNSWDatastore(SampleDatastore):
         ef: int = 64,
         n: int | None = None,
         seed: int = 0,
+        inputs: int | None = None,
         num_threads: int = 1,
     ) -> None:
         self._init_params(locals())
@@ -85,10 +86,12 @@ class HNSWDatastore(SampleDatastore):
         self.ids_, self.labels_, self.embedding_dim_ = ids, y, int(z.shape[1])
         self._next_id = int(z.shape[0])
 
-    def add(self, z: np.ndarray, y: np.ndarray) -> HNSWDatastore:
+    def add(self, z: np.ndarray, y: np.ndarray,
+            inputs: np.ndarray | None = None) -> HNSWDatastore:
         z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
         if z.shape[0] == 0:
             return self
+        self._append_inputs(inputs, z.shape[0])
         free = self.index_.element_count - len(self)  # deleted slots, reused first
         needed = self.index_.element_count + max(0, z.shape[0] - free)
         if needed > self.index_.max_elements:
@@ -153,7 +156,7 @@ class HNSWDatastore(SampleDatastore):
         upper = 4 + (m * 4 + 4) * 1.5 / max(m - 1, 1)  # 1.5x the expected number of levels
         index = int(n_samples * (level0 + upper)) + 256
         npz = n_samples * 16 + 2 * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
-        return index + npz
+        return index + npz + self.inputs_nbytes(n_samples)
 
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         """Write datastore[.g].npz (labels, ids) and hnsw[.g].bin, each atomically."""
@@ -164,7 +167,7 @@ class HNSWDatastore(SampleDatastore):
         write_path_atomic(directory / binary, lambda tmp: self.index_.save_index(os.fspath(tmp)),
                           sync_dir=False)
         save_npz_atomic(directory / npz, {"labels": self.labels_, "ids": self.ids_,
-                                          **self.version_arrays()}, sync_dir=False)
+                                          **self.extra_arrays()}, sync_dir=False)
         fsync_dir(directory)
         return [npz, binary]
 

@@ -247,7 +247,7 @@ class ProtoNNDatastore(BaseDatastore):
                 buffer_labels=self.buffer_labels_,
                 buffer_order=self.buffer_order_,
             )
-        arrays.update(self.version_arrays())
+        arrays.update(self.extra_arrays())
         save_npz_atomic(Path(directory) / name, arrays)
         return [name]
 

@@ -11,12 +11,14 @@ _TOKENS: dict[str, list[tuple[re.Pattern, str, Callable[[str], Any]]]] = {
     "flat": [
         (re.compile(r"(fp32|fp16|int8)"), "dtype", str),
         (re.compile(r"n(\d+)"), "n", int),
+        (re.compile(r"x(\d+)"), "inputs", int),
     ],
     "hnsw": [
         (re.compile(r"M(\d+)"), "M", int),
         (re.compile(r"efc(\d+)"), "ef_construction", int),
         (re.compile(r"ef(\d+)"), "ef", int),
         (re.compile(r"n(\d+)"), "n", int),
+        (re.compile(r"x(\d+)"), "inputs", int),
     ],
     "protonn": [
         (re.compile(r"d(\d+)"), "d", int),
@@ -26,13 +28,14 @@ _TOKENS: dict[str, list[tuple[re.Pattern, str, Callable[[str], Any]]]] = {
     ],
 }
 _TOKEN_HELP = {
-    "flat": "fp32|fp16|int8 and n<count>",
-    "hnsw": "M<links>, ef<search width>, efc<construction width> and n<count>",
+    "flat": "fp32|fp16|int8, n<count> and x<input bytes>",
+    "hnsw": "M<links>, ef<search width>, efc<construction width>, n<count> and x<input bytes>",
     "protonn": "d<projection dim>, m<prototype fraction>, n<count> and b<buffer capacity>",
 }
 _FORMAT = {
-    "flat": [("dtype", "{}"), ("n", "n{}")],
-    "hnsw": [("M", "M{}"), ("ef", "ef{}"), ("ef_construction", "efc{}"), ("n", "n{}")],
+    "flat": [("dtype", "{}"), ("n", "n{}"), ("inputs", "x{}")],
+    "hnsw": [("M", "M{}"), ("ef", "ef{}"), ("ef_construction", "efc{}"), ("n", "n{}"),
+             ("inputs", "x{}")],
     "protonn": [("d", "d{}"), ("m", "m{:g}"), ("n", "n{}"), ("buffer", "b{}")],
 }
 
@@ -40,7 +43,8 @@ _FORMAT = {
 def parse_recipe(recipe: str) -> tuple[str, dict]:
     """ "flat:int8:n500" -> ("flat", {"dtype": "int8", "n": 500}); ValueError on anything else.
 
-    flat:fp32|fp16|int8[:n<count>]   hnsw[:M16][:ef64][:efc200][:n<count>]
+    flat:fp32|fp16|int8[:n<count>][:x<input bytes>]
+    hnsw[:M16][:ef64][:efc200][:n<count>][:x<input bytes>]
     protonn[:d<dim>][:m<fraction>][:n<count>][:b<buffer capacity>]
     """
     if not isinstance(recipe, str) or not recipe.strip():
@@ -97,7 +101,9 @@ _PARAM_WORDS = {"dtype": "keys stored as {}", "n": "n{0}: built from {0} of the 
                 "ef_construction": "efc{0}: construction width {0}",
                 "d": "d{0}: keys projected to {0} dimensions",
                 "m": "m{0:g}: prototypes {0:g} x the samples",
-                "buffer": "b{0}: room for {0} samples added on the device"}
+                "buffer": "b{0}: room for {0} samples added on the device",
+                "inputs": "x{0}: keeps each sample's raw input ({0} bytes) to re-embed it "
+                "when the model changes"}
 
 
 def describe_recipe(recipe: str) -> str:
