@@ -364,18 +364,27 @@ class Runtime:
         keeping every sample it stores (edge_runtime.upgrade), then reload it. `key_map`: the
         release's map file (default: upgrades/ beside `new_bundle`); `trusted_keys`: verify
         the release's signature; `force`: map even where the release advises otherwise."""
-        with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):
-            if read_manifest(self.path) != self.manifest:
-                raise BundleError(
-                    f"bundle {self.path}: manifest.json changed on disk since the bundle was "
-                    "loaded (another writer?); load it again"
-                )
-            report = upgrade_bundle(self.path, self.manifest, self.datastore, new_bundle,
-                                    key_map=key_map, trusted_keys=trusted_keys, force=force)
-        fresh = Runtime.load(self.path, intra_op_threads=self._intra_op_threads,
-                             lock_timeout=self.lock_timeout, trusted_keys=trusted_keys)
-        fresh._blas_threads = self._blas_threads
-        self.__dict__.update(fresh.__dict__)
+        try:
+            with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):
+                if read_manifest(self.path) != self.manifest:
+                    raise BundleError(
+                        f"bundle {self.path}: manifest.json changed on disk since the bundle "
+                        "was loaded (another writer?); load it again"
+                    )
+                # the upgrade needs no session of this version: let it go while the new one
+                # is built and checked (bounded memory)
+                self.encoder = self.predictor = None
+                report = upgrade_bundle(self.path, self.manifest, self.datastore, new_bundle,
+                                        key_map=key_map, trusted_keys=trusted_keys,
+                                        force=force)
+        finally:
+            if self.encoder is None and self.predictor is None:
+                # whichever version is on disk now (the new one, or the old after a failure)
+                self.datastore = None
+                fresh = Runtime.load(self.path, intra_op_threads=self._intra_op_threads,
+                                     lock_timeout=self.lock_timeout, trusted_keys=trusted_keys)
+                fresh._blas_threads = self._blas_threads
+                self.__dict__.update(fresh.__dict__)
         return report
 
     def kept_by_add(self, strategy: str | None = None) -> int:

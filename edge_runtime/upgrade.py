@@ -121,8 +121,7 @@ def upgrade_bundle(
     """
     where = f"bundle {path}"
     new_dir = Path(new_dir)
-    new = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys)
-    release = new.manifest
+    release = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys).manifest
     if manifest["backend"]["name"] not in ("flat", "hnsw"):
         raise BundleError(f"{where}: a {manifest['backend']['name']} datastore cannot be "
                           "upgraded (its prototypes belong to the old encoder's projection); "

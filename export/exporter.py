@@ -442,6 +442,8 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, Budget],
                     "calibration": "seeded sample of the training clients' train splits"},
         "model": model,
         **({"replaces": replaces} if replaces is not None else {}),
+        **({"continues": run.config.continue_from}
+           if run.config.continue_from is not None else {}),
         "clients": rows,
     }
     write_json_atomic(out_dir / REPORT_FILE, report)

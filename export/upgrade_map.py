@@ -161,9 +161,11 @@ def server_data(run, public_data: str | None) -> tuple[np.ndarray, np.ndarray]:
     train --init PRETRAIN_DIR`). ExportError when there is neither."""
     from fed_train.data import load_dataset
     from fed_train.pretrain import load_init
+    from fed_train.run import server_split_source
 
-    if public_data is None and run.config.init is not None and Path(run.config.init).is_dir():
-        init = load_init(run.config.init)
+    source = server_split_source(run.config)
+    if public_data is None and source is not None:
+        init = load_init(source)
         public_data = (init.record or {}).get("public_data")
         if public_data is None and init.server_indices is not None and len(init.server_indices):
             full = load_dataset(run.config.dataset, run.config.data, seed=run.config.seed)

@@ -65,12 +65,17 @@ class RunConfig:
     seed: int = 0
     checkpoint_every: int = 5
     init: str | None = None  # a pretrain directory or a .pt state dict every method starts from
+    # a finished run whose model this one continues training (its weights are the start, its
+    # pretraining's server split stays the server's): the lineage its exports record
+    continue_from: str | None = None
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
     def to_dict(self) -> dict:
         data = asdict(self)
         if data["init"] is None:
             del data["init"]  # runs from scratch keep the config.json they were saved with
+        if data["continue_from"] is None:
+            del data["continue_from"]
         if data["training"]["precision"] == "fp32":
             del data["training"]["precision"]  # and so do runs in the default precision
         return data
@@ -169,7 +174,10 @@ def load_run_data(config: RunConfig) -> tuple[Dataset, Init | None]:
     """The run's data set and its --init. A pretrain directory's server split is removed from
     the training set here, before any partition is drawn or reloaded, so that train, bench,
     evaluate and export all give the clients the same samples and none of the server's."""
-    init = load_init(config.init) if config.init is not None else None
+    if config.continue_from is not None:
+        init = continued_init(config)
+    else:
+        init = load_init(config.init) if config.init is not None else None
     dataset = load_dataset(config.dataset, config.data, max_train=config.max_train,
                            exclude_train=None if init is None else init.server_indices,
                            seed=config.seed)
@@ -179,6 +187,36 @@ def load_run_data(config: RunConfig) -> tuple[Dataset, Init | None]:
 
 
 MAX_CONFIG_BYTES = 1 << 20
+
+
+def server_split_source(config: RunConfig) -> str | None:
+    """The pretrain directory whose server split this run leaves to the server: its --init, or
+    that of the run it continues."""
+    if config.continue_from is not None:
+        return server_split_source(RunConfig.from_dict(read_config(Path(config.continue_from))))
+    return config.init if config.init is not None and Path(config.init).is_dir() else None
+
+
+def continued_init(config: RunConfig) -> Init:
+    """The start of a run that continues another (`knnper train --continue-from RUN`): that
+    run's final weights, and the server split of its pretraining, if any."""
+    if config.init is not None:
+        raise RunError("--continue-from starts from that run's model; it cannot be combined "
+                       "with --init")
+    prior_dir = Path(config.continue_from)
+    prior = RunConfig.from_dict(read_config(prior_dir))
+    if prior.dataset != config.dataset:
+        raise RunError(f"--continue-from {prior_dir} was trained on {prior.dataset}, this run "
+                       f"uses {config.dataset}")
+    if not (prior_dir / MODEL_FILE).is_file():
+        raise RunError(f"--continue-from {prior_dir} is not a finished run: {MODEL_FILE} is "
+                       "missing")
+    weights = load_init(prior_dir / MODEL_FILE)
+    source = server_split_source(prior)
+    server = load_init(source) if source is not None else None
+    return Init(weights.path, weights.state, weights.sha256,
+                None if server is None else server.server_indices,
+                None if server is None else server.record)
 
 
 def read_config(run_dir: Path) -> dict:

@@ -168,6 +168,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                      model=args.model, seed=args.seed, training=training,
                      # absolute, so later commands find it from any directory
                      init=None if args.init is None else str(Path(args.init).resolve()),
+                     continue_from=(None if getattr(args, "continue_from", None) is None
+                                    else str(Path(args.continue_from).resolve())),
                      checkpoint_every=getattr(args, "checkpoint_every",
                                               defaults.CHECKPOINT_EVERY))
 

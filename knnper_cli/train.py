@@ -138,6 +138,10 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                    "that would take over a tenth of the training time waits for a later round)")
     p.add_argument("--out", required=True, type=output_dir,
                    help="run directory (re-running resumes it)")
+    p.add_argument("--continue-from", metavar="RUN", default=None,
+                   help="continue training a finished run's model (its weights are the start; "
+                   "its pretraining's server split stays the server's); recorded in config.json "
+                   "so that exports know which version they follow")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("evaluate", help="local / FedAvg / kNN-Per accuracy of a finished run",

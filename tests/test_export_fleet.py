@@ -45,7 +45,7 @@ def _backends(sizer: DatastoreSizer) -> set[str]:
 
 
 def test_exhaustive_search_is_the_default_and_trains_every_protonn_to_the_end():
-    sizer = DatastoreSizer(3, space=SPACE).fit(_embeddings(), Budget(4_000, encoder=0))
+    sizer = DatastoreSizer(3, space=SPACE).fit(_embeddings(), Budget(4_600, encoder=0))
     assert _backends(sizer) == {"flat", "hnsw", "protonn"}
     steps = [c.steps for c in sizer.candidates_ if c.backend == "protonn"]
     assert len(steps) > SPACE.protonn_finalists and set(steps) == {SPACE.protonn_steps}
@@ -59,7 +59,7 @@ def test_pruned_search_skips_hnsw_and_protonn_when_every_key_fits_in_float32():
 
 def test_successive_halving_trains_only_the_finalists_to_the_end():
     space = SPACE.pruned(5)
-    sizer = DatastoreSizer(3, space=space).fit(_embeddings(), Budget(4_000, encoder=0))
+    sizer = DatastoreSizer(3, space=space).fit(_embeddings(), Budget(4_600, encoder=0))
     assert "hnsw" not in _backends(sizer)
     steps = [c.steps for c in sizer.candidates_ if c.backend == "protonn"]
     assert steps.count(space.protonn_steps) == space.protonn_finalists

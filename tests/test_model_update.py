@@ -68,3 +68,20 @@ def test_device_upgrade_keeps_its_samples(releases, tmp_path, capsys):
     after = Runtime.load(device)
     np.testing.assert_array_equal(after.datastore.labels_, labels[-len(after.datastore):])
     assert after.manifest["model"]["run"] == "v2"
+
+
+def test_training_continues_from_a_finished_run_and_records_it(releases, tmp_path):
+    out = tmp_path / "v1b"
+    assert knnper("train", "--continue-from", str(releases / "v1"), "--clients", "4",
+                  "--rounds", "1", "--out", str(out)) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["continue_from"] == str((releases / "v1").resolve())
+    assert "init" not in config and config["init_sha256"]
+    assert knnper("export", str(out), "--out", str(tmp_path / "b"), "--budget", "200kB",
+                  "--workers", "1", "--device-extras", "none", "--upgrade-from",
+                  str(releases / "b1")) == 0  # the key map finds v1's pretraining split
+    report = json.loads((tmp_path / "b" / "export.json").read_text())
+    assert report["continues"] == config["continue_from"]
+    assert list((tmp_path / "b" / "upgrades").glob("from-*.npz"))
+    assert knnper("train", "--continue-from", str(releases / "v1"), "--init",
+                  str(releases / "pre"), "--out", str(tmp_path / "both")) == 2

@@ -141,8 +141,10 @@ def test_upgrade_refuses_a_map_of_other_versions(tmp_path):
     before = sorted(p.name for p in a.iterdir())
     with pytest.raises(BundleError, match="maps encoder .* this upgrade needs"):
         Runtime.load(a).upgrade(release, key_map=wrong)
+    rt = Runtime.load(a)
     with pytest.raises(BundleError, match="ships no map"):
-        Runtime.load(a).upgrade(release)
+        rt.upgrade(release)
+    assert rt.predict(make_images(3)[0]).shape == (3,)  # still the old version, usable
     assert sorted(p.name for p in a.iterdir()) == before
     assert Runtime.load(a).manifest["files"]["encoder.onnx"] == \
         hashlib.sha256(old.read_bytes()).hexdigest()
