@@ -446,7 +446,7 @@ def write_bundle(
     manifest.update(footprint={"encoder": 0, "datastore": 0, "total": 0}, files={})
     _check_fields_only(manifest)  # before anything is written
     encoder_bytes = _encoder_size(encoder)
-    _stamp_embedding(datastore, encoder, out_dir)
+    encoder_id = _encoder_embedding(datastore, encoder, out_dir)
     budget = Budget(manifest["budget_bytes"]).with_encoder(encoder_bytes)
     if budget.room < 0:
         raise BudgetExceeded(
@@ -468,7 +468,7 @@ def write_bundle(
     try:
         tmp.mkdir()
         _write_encoder(tmp / ENCODER_FILE, encoder)
-        names = datastore.save(tmp, generation=0)
+        names = _save_stamped(datastore, tmp, encoder_id)
         files = {ENCODER_FILE: sha256_file(tmp / ENCODER_FILE)}
         files.update({name: sha256_file(tmp / name) for name in names})
         datastore_bytes = sum((tmp / name).stat().st_size for name in names)
@@ -539,9 +539,10 @@ def _check_fields_only(manifest: dict) -> None:
     validate_manifest(probe, "write_bundle")
 
 
-def _stamp_embedding(datastore: Any, encoder: bytes | str | os.PathLike, out_dir: Path) -> None:
-    """Record in the datastore the encoder its keys are searched with; refuse keys that a
-    different encoder embedded."""
+def _encoder_embedding(datastore: Any, encoder: bytes | str | os.PathLike,
+                       out_dir: Path) -> str:
+    """The encoder's embedding id; BundleError when the datastore records keys another
+    encoder embedded."""
     try:
         model = encoder if isinstance(encoder, bytes) else Path(encoder).read_bytes()
     except OSError as exc:
@@ -551,7 +552,18 @@ def _stamp_embedding(datastore: Any, encoder: bytes | str | os.PathLike, out_dir
                        encoder_id)
     if problem is not None:
         raise BundleError(problem)
+    return encoder_id
+
+
+def _save_stamped(datastore: Any, directory: Path, encoder_id: str) -> list[str]:
+    """Save the datastore recording `encoder_id` in its files. The caller's object is left
+    as it was: one fitted on embeddings of unrecorded origin may go into several bundles."""
+    recorded = datastore_embedding(datastore)
     datastore.embedding_id_ = encoder_id
+    try:
+        return datastore.save(directory, generation=0)
+    finally:
+        datastore.embedding_id_ = recorded
 
 
 def _encoder_size(encoder: bytes | str | os.PathLike) -> int:

@@ -374,13 +374,12 @@ class Runtime:
                 # the upgrade needs no session of this version: let it go while the new one
                 # is built and checked (bounded memory)
                 self.encoder = self.predictor = None
-                report = upgrade_bundle(self.path, self.manifest, self.datastore, new_bundle,
-                                        key_map=key_map, trusted_keys=trusted_keys,
+                report = upgrade_bundle(self.path, self.manifest, self._let_go_of_datastore(),
+                                        new_bundle, key_map=key_map, trusted_keys=trusted_keys,
                                         force=force)
         finally:
             if self.encoder is None and self.predictor is None:
                 # whichever version is on disk now (the new one, or the old after a failure)
-                self.datastore = None
                 fresh = Runtime.load(self.path, intra_op_threads=self._intra_op_threads,
                                      lock_timeout=self.lock_timeout, trusted_keys=trusted_keys)
                 fresh._blas_threads = self._blas_threads
@@ -395,6 +394,11 @@ class Runtime:
         if strategy == "fixed":
             return len(self.datastore.sample_store())
         return self._target(strategy)
+
+    def _let_go_of_datastore(self) -> Any:
+        """The datastore, no longer held by this runtime (the upgrade frees it once mapped)."""
+        datastore, self.datastore = self.datastore, None
+        return datastore
 
     def _target(self, strategy: str) -> int:
         """How many samples the datastore may hold after an update by `strategy`."""

@@ -38,11 +38,13 @@ import numpy as np
 
 from ._io import exchange_directories, fsync_dir, read_within
 from .bundle import (
+    ENCODER_FILE,
     BudgetExceeded,
     BundleError,
     bundle_embedding_id,
     commit_datastore,
     encoder_bytes,
+    load_bundle_datastore,
     read_bundle,
     write_bundle,
 )
@@ -96,7 +98,9 @@ class UpgradeReport:
                f"samples       {self.carried} carried ({self.how})"
                + (f", {self.evicted} oldest evicted: the new encoder leaves less room"
                   if self.evicted else ""),
-               f"lambda        {self.lam:g} (the release's)",
+               f"lambda        {self.lam:g} ("
+               + ("chosen on the kept inputs by the release's rule)"
+                  if self.how == "re-embedded" and not self.signed else "the release's)"),
                f"footprint     {self.footprint_bytes} bytes"
                + (", signed by the release" if self.signed else "")]
         if self.evidence:
@@ -115,7 +119,8 @@ def upgrade_bundle(
     force: bool = False,
 ) -> UpgradeReport:
     """Upgrade the bundle at `path` (loaded as `manifest`, `datastore`; the caller holds its
-    exclusive lock) to the version of the release bundle `new_dir`. See the module docstring.
+    exclusive lock, and no other reference to `datastore`, which is let go once mapped) to the
+    version of the release bundle `new_dir`. See the module docstring.
     `key_map`: the release's map file (default: NEW's parent's upgrades/from-<id>.npz).
     `force`: apply the map even where the release advises to keep the old keys or start fresh.
     """
@@ -130,7 +135,9 @@ def upgrade_bundle(
         raise BundleError(f"{where}: the release {new_dir} has {release['num_classes']} "
                           f"classes, this bundle {manifest['num_classes']}: not an upgrade of it")
     model = encoder_bytes(new_dir, release)
-    to_id = bundle_embedding_id(model, release)
+    to_id, encoder_size = bundle_embedding_id(model, release), len(model)
+    # written from its file, not held: the written bundle is checked against to_id again
+    del model
     from_id = datastore_embedding(datastore) or bundle_embedding_id(
         encoder_bytes(path, manifest), manifest)
     count = len(datastore)
@@ -156,14 +163,14 @@ def upgrade_bundle(
     fresh = BACKENDS[manifest["backend"]["name"]].from_params(params)
     dim = release["embedding_dim"]
     l2 = refit_l2(release)
-    room = int(manifest["budget_bytes"]) - len(model)
+    room = int(manifest["budget_bytes"]) - encoder_size
     if l2 is not None:
         room -= head_nbytes(dim, release["num_classes"])
     fits = max_count_within(lambda n: fresh.estimate_nbytes(n, dim), room)
     if fits < 1:
-        raise BudgetExceeded(f"{where}: the new encoder ({len(model)} bytes) leaves no room for "
+        raise BudgetExceeded(f"{where}: the new encoder ({encoder_size} bytes) leaves no room for "
                              f"one stored sample in the budget of {manifest['budget_bytes']} "
-                             "bytes", len(model), int(manifest["budget_bytes"]))
+                             "bytes", encoder_size, int(manifest["budget_bytes"]))
     evict = max(0, count - fits)
     fields = {"client_id": manifest["client_id"], "input": release["input"],
               "lambda": release["lambda"], "budget_bytes": manifest["budget_bytes"],
@@ -172,15 +179,18 @@ def upgrade_bundle(
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         for _ in range(8):
+            if datastore is None:  # a retry: the old keys again, from the bundle on disk
+                datastore = load_bundle_datastore(path, manifest)
             if mapping is None:
-                ds, lam = _reembedded(datastore, evict, model, release, params, manifest)
+                ds, lam = _reembedded(datastore, evict, encoder_bytes(new_dir, release),
+                                      release, params, manifest)
                 fields["lambda"] = release["lambda"] if signed else lam
             else:
-                ds = _mapped(datastore, evict, mapping, params, manifest["backend"]["name"],
-                             dim)
+                ds = _mapped(datastore, evict, mapping, params, manifest["backend"]["name"])
             ds.embedding_id_ = to_id
+            datastore = None  # the old keys go before the new bundle is written and checked
             try:
-                written = write_bundle(tmp, fields, model, ds)
+                written = write_bundle(tmp, fields, new_dir / ENCODER_FILE, ds)
                 break
             except BudgetExceeded as exc:  # estimates (hnsw) undershot: evict a little more
                 per = max(1, fresh.estimate_nbytes(2, dim) - fresh.estimate_nbytes(1, dim))
@@ -209,16 +219,17 @@ def upgrade_bundle(
     return report
 
 
-def _mapped(datastore: Any, evict: int, mapping: KeyMap, params: dict, backend: str,
-            dim: int) -> Any:
-    """The samples from the `evict`-th oldest on, their keys mapped a chunk at a time."""
+def _mapped(datastore: Any, evict: int, mapping: KeyMap, params: dict, backend: str) -> Any:
+    """The samples from the `evict`-th oldest on, their keys mapped a chunk at a time and
+    stored a chunk at a time (`fit_chunks`): what is held beside the two datastores is a few
+    chunks, not the mapped keys in float32."""
     kept = len(datastore) - evict
-    z = np.empty((kept, dim), np.float32)
-    done = 0
-    for chunk in mapping.chunks(lambda a, b: datastore.key_rows(evict + a, evict + b), kept):
-        z[done:done + chunk.shape[0]] = chunk
-        done += chunk.shape[0]
-    return BACKENDS[backend].from_params(params).fit(z, datastore.labels_[evict:])
+
+    def chunks():
+        return mapping.chunks(lambda a, b: datastore.key_rows(evict + a, evict + b), kept)
+
+    return BACKENDS[backend].from_params(params).fit_chunks(chunks, kept,
+                                                            datastore.labels_[evict:])
 
 
 def _reembedded(datastore: Any, evict: int, model: bytes, release: dict, params: dict,

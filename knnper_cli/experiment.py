@@ -19,6 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from experiments import model_update
 from experiments.context import QUICK, Context
 from experiments.experiment_seeds import combine, combined_result
 from experiments.registry import EXPERIMENTS
@@ -84,6 +85,57 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                        help="replace a report in OUT/NAME that was made with other flags "
                        "(without it the command refuses before training anything)")
         q.set_defaults(func=_cmd_experiment, spec=exp, parser=q)
+    _add_model_update(names)
+
+
+def _add_model_update(names: argparse._SubParsersAction) -> None:
+    q = names.add_parser("model-update", help="what devices keep when the global model "
+                         "changes: accuracy after an upgrade by path (exact, mapped, stale, "
+                         "fresh, none) across version gaps (continued, retrained)",
+                         description=model_update.__doc__,
+                         epilog=examples("knnper experiment model-update --quick --out runs/exp",
+                                         "knnper experiment model-update --dataset "
+                                         "fashion-mnist --clients 20 --rounds 5 --seeds 3 --out "
+                                         "runs/exp-fmnist"))
+    d = model_update.UpdateSettings()
+    q.add_argument("--out", required=True, type=output_dir,
+                   help="output folder (releases in OUT/model-update/seed_S, the report in "
+                   "OUT/model-update)")
+    q.add_argument("--quick", action="store_true", help="digits, 6 clients, 2 rounds")
+    q.add_argument("--dataset", default=d.dataset, help="data set")
+    q.add_argument("--data", default=None, help="data set location")
+    q.add_argument("--max-train", type=positive_int, default=None,
+                   help="keep a stratified subsample of this many training images")
+    q.add_argument("--clients", type=positive_int, default=d.clients, help="clients")
+    q.add_argument("--rounds", type=positive_int, default=d.rounds,
+                   help="FedAvg rounds of v1 (and of the continued training)")
+    q.add_argument("--pretrain-epochs", type=positive_int, default=d.pretrain_epochs,
+                   help="epochs of the pretraining on the server split")
+    q.add_argument("--budget", type=positive_int, default=d.budget,
+                   help="each device's budget in bytes")
+    q.add_argument("--seed", type=int, default=0, help="first seed")
+    q.add_argument("--seeds", type=positive_int, default=1, help="seeds --seed .. +N-1")
+    q.set_defaults(func=_cmd_model_update)
+
+
+def _cmd_model_update(args: argparse.Namespace) -> int:
+    settings = model_update.UpdateSettings(
+        dataset=args.dataset, data=args.data, clients=args.clients, rounds=args.rounds,
+        pretrain_epochs=args.pretrain_epochs, budget=args.budget, max_train=args.max_train)
+    if args.quick:
+        settings = replace(settings, dataset="digits", data=None, clients=6, rounds=2,
+                           pretrain_epochs=2)
+    folder = Path(args.out) / "model-update"
+    rows = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        rows += model_update.run_seed(folder / f"seed_{seed}", settings, seed)
+    command = " ".join(["knnper experiment model-update", *(["--quick"] if args.quick else []),
+                        f"--dataset {settings.dataset}", f"--clients {settings.clients}",
+                        f"--rounds {settings.rounds}", f"--seeds {args.seeds}",
+                        f"--budget {settings.budget}", f"--out {args.out}"])
+    model_update.summarise(rows, folder, command)
+    print((folder / "summary.md").read_text())
+    return 0
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -85,3 +85,17 @@ def test_training_continues_from_a_finished_run_and_records_it(releases, tmp_pat
     assert list((tmp_path / "b" / "upgrades").glob("from-*.npz"))
     assert knnper("train", "--continue-from", str(releases / "v1"), "--init",
                   str(releases / "pre"), "--out", str(tmp_path / "both")) == 2
+
+
+def test_model_update_experiment_writes_its_report(tmp_path):
+    import csv
+
+    assert knnper("experiment", "model-update", "--quick", "--out", str(tmp_path)) == 0
+    folder = tmp_path / "model-update"
+    with open(folder / "clients.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["path"] for r in rows} == {"no upgrade", "stale", "mapped", "exact", "fresh"}
+    assert {r["gap"] for r in rows} == {"continued", "retrained"}
+    assert all(0 <= float(r["knn_accuracy"]) <= 1 for r in rows)
+    assert (folder / "model_update.png").read_bytes().startswith(b"\x89PNG")
+    assert "mapped vs exact" in (folder / "summary.md").read_text()

@@ -309,3 +309,15 @@ def test_kept_inputs_count_in_the_budget(tmp_path):
     n_kept = len(Runtime.load(tmp_path / "kept").datastore)
     assert n_kept < n_plain
     assert kept.manifest["footprint"]["total"] <= budget >= plain.manifest["footprint"]["total"]
+
+
+@pytest.mark.parametrize("recipe", ["flat:fp32", "flat:fp16", "flat:int8", "hnsw:M8"])
+def test_fitting_from_chunks_stores_what_fit_stores(recipe):
+    z = np.random.default_rng(0).normal(size=(2500, 6)).astype(np.float32)
+    y = np.arange(2500) % NUM_CLASSES
+    whole = make_datastore(recipe, NUM_CLASSES, k=5).fit(z, y)
+    chunked = make_datastore(recipe, NUM_CLASSES, k=5).fit_chunks(
+        lambda: (z[i:i + 1024] for i in range(0, 2500, 1024)), 2500, y)
+    np.testing.assert_array_equal(chunked.keys(), whole.keys())
+    np.testing.assert_array_equal(chunked.labels_, whole.labels_)
+    np.testing.assert_array_equal(chunked.predict_proba(z[:50]), whole.predict_proba(z[:50]))

@@ -203,6 +203,14 @@ class SampleDatastore(BaseDatastore):
         self.inputs_ = None if checked is None else checked[keep]
         return self
 
+    def fit_chunks(self: SampleT, chunks, count: int, y: np.ndarray) -> SampleT:
+        """`fit` on `count` samples (count <= n) whose embeddings come as float32 chunks,
+        oldest first: `chunks()` gives a new iterator each time it is called (a backend may
+        read them twice). This default holds them all at once; a backend that can, holds one
+        chunk at a time beside what it stores."""
+        z = np.concatenate(list(chunks())) if count else np.zeros((0, 0), np.float32)
+        return self.fit(z, y)
+
     def _checked_inputs(self, inputs: np.ndarray | None, count: int) -> np.ndarray | None:
         """`inputs` for `count` samples as the recipe keeps them (None where it keeps none)."""
         if self.inputs is None:

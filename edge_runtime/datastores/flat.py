@@ -73,6 +73,36 @@ class FlatDatastore(SampleDatastore):
             self.scale_ = None
         self._set(self._stored_form(z), y, np.arange(z.shape[0], dtype=np.int64))
 
+    def fit_chunks(self, chunks, count: int, y: np.ndarray) -> FlatDatastore:
+        """`fit` holding one chunk widened at a time beside the stored keys: int8 reads the
+        chunks twice (the per-dimension scale first, then the keys)."""
+        self.check_params()
+        if self.inputs is not None or (self.n is not None and count > self.n):
+            return super().fit_chunks(chunks, count, y)
+        if count < 1:
+            raise ValueError("fit needs at least one sample")
+        labels = np.asarray(y).astype(np.int64)
+        self.scale_ = None
+        if self.dtype == "int8":
+            peak = None
+            for chunk in chunks():
+                top = np.abs(chunk).max(axis=0)
+                peak = top if peak is None else np.maximum(peak, top)
+            self.scale_ = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
+        keys_t, done = None, 0
+        for chunk in chunks():
+            chunk, _ = _check_fit_inputs(chunk, labels[done:done + chunk.shape[0]],
+                                         self.num_classes)
+            stored = self._stored_form(chunk)
+            if keys_t is None:
+                keys_t = np.empty((stored.shape[0], count), stored.dtype)
+            keys_t[:, done:done + chunk.shape[0]] = stored
+            done += chunk.shape[0]
+        if done != count or labels.shape != (count,):
+            raise ValueError(f"got {done} embeddings and {labels.shape} labels for {count}")
+        self._set(keys_t, labels, np.arange(count, dtype=np.int64))
+        return self
+
     def add(self, z: np.ndarray, y: np.ndarray,
             inputs: np.ndarray | None = None) -> FlatDatastore:
         """Append samples (and their raw inputs, where the recipe keeps them) with new

@@ -86,6 +86,28 @@ class HNSWDatastore(SampleDatastore):
         self.ids_, self.labels_, self.embedding_dim_ = ids, y, int(z.shape[1])
         self._next_id = int(z.shape[0])
 
+    def fit_chunks(self, chunks, count: int, y: np.ndarray) -> HNSWDatastore:
+        """`fit` adding one chunk at a time to the graph (inserted in the same order as `fit`
+        inserts them, so the same graph)."""
+        self.check_params()
+        if self.inputs is not None or (self.n is not None and count > self.n) or count < 1:
+            return super().fit_chunks(chunks, count, y)
+        labels = np.asarray(y).astype(np.int64)
+        done = 0
+        for chunk in chunks():
+            chunk, _ = _check_fit_inputs(chunk, labels[done:done + chunk.shape[0]],
+                                         self.num_classes)
+            if done == 0:
+                self.index_ = self._new_index(chunk.shape[1], count)
+            ids = np.arange(done, done + chunk.shape[0], dtype=np.int64)
+            self.index_.add_items(chunk, ids, num_threads=1)
+            done += chunk.shape[0]
+        if done != count or labels.shape != (count,):
+            raise ValueError(f"got {done} embeddings and {labels.shape} labels for {count}")
+        self.ids_, self.labels_ = np.arange(count, dtype=np.int64), labels
+        self.embedding_dim_, self._next_id = self.index_.dim, count
+        return self
+
     def add(self, z: np.ndarray, y: np.ndarray,
             inputs: np.ndarray | None = None) -> HNSWDatastore:
         z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
