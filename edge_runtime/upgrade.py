@@ -51,7 +51,7 @@ from .bundle import (
 from .datastores import BACKENDS, format_recipe, max_count_within
 from .device_choice import choose_datastore
 from .encoder import Encoder
-from .errors import one_line
+from .errors import SignatureError, one_line
 from .head_file import head_nbytes, refit_head
 from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
 from .manifest import MODEL_RECORDS, lambda_rule_of, refit_l2
@@ -263,10 +263,10 @@ def _key_map(new_dir: Path, from_id: str, to_id: str, given: str | os.PathLike |
             f"{where}: its keys were embedded by encoder {short(from_id)} and the release ships "
             f"no map from it ({path} is missing): pass the release's map with --map, or build "
             "a fresh bundle with `knnper-edge init --like NEW_BUNDLE`")
+    if trusted_keys is not None:  # a signed release's map is signed with it
+        verify_file(path, read_within(path, MAX_MAP_BYTES, lambda why: SignatureError(
+            f"key map {path}: {why}")), trusted_keys)
     try:
-        if trusted_keys is not None:  # a signed release's map is signed with it
-            verify_file(path, read_within(path, MAX_MAP_BYTES, lambda why: ValueError(
-                f"key map {path}: {why}")), trusted_keys)
         mapping = load_key_map(path)
     except (ValueError, OSError) as exc:
         raise BundleError(one_line(exc)) from None

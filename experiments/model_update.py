@@ -6,8 +6,9 @@ Per seed: a pretraining whose server split only the server holds; release v1 (Fe
 `--continue-from`) and "retrained" (another training from the pretraining, learning rate
 halved, 2 x `rounds` rounds: the same clients, another model); each exported with a key map
 from v1 fitted on the server split. Each seen client is a device: it builds its v1 bundle from
-its train split (flat:int8, its raw inputs kept), then adds its validation split (what it
-learned between the versions). Its test split is then scored for each path:
+its train split (flat:int8, its raw inputs kept, and a copy of the same samples without them),
+then adds its validation split under fifo (what it learned between the versions). Its test
+split is then scored for each path:
 
 - no upgrade: the v1 bundle as it is (old encoder, old keys);
 - stale: the new encoder's queries against the old keys (what an unversioned runtime would
@@ -142,10 +143,15 @@ def run_seed(root: Path, settings: UpdateSettings, seed: int) -> list[dict[str, 
         devices = root / "devices" / f"client_{client:04d}"
         shutil.rmtree(devices, ignore_errors=True)
         devices.mkdir(parents=True)
-        for name, keep in (("kept", True), ("plain", False)):
-            init_bundle(encoder, x_tr, y_tr, settings.budget, devices / name, input_spec=spec,
-                        recipes=["flat:int8"], keep_inputs=keep, client_id=client,
-                        update_strategy="concatenate")
+        # the same samples in both: the plain bundle takes the recipe (its n) the one that
+        # keeps raw inputs could afford, without the inputs
+        kept = init_bundle(encoder, x_tr, y_tr, settings.budget, devices / "kept",
+                           input_spec=spec, recipes=["flat:int8"], keep_inputs=True,
+                           client_id=client, update_strategy="fifo")
+        recipe = kept.recipe.rsplit(":x", 1)[0]
+        init_bundle(encoder, x_tr, y_tr, settings.budget, devices / "plain", input_spec=spec,
+                    recipes=[recipe], client_id=client, update_strategy="fifo")
+        for name in ("kept", "plain"):
             if len(y_va):
                 Runtime.load(devices / name).add(x_va, y_va)
         old = Runtime.load(devices / "plain")

@@ -321,3 +321,75 @@ def test_fitting_from_chunks_stores_what_fit_stores(recipe):
     np.testing.assert_array_equal(chunked.keys(), whole.keys())
     np.testing.assert_array_equal(chunked.labels_, whole.labels_)
     np.testing.assert_array_equal(chunked.predict_proba(z[:50]), whole.predict_proba(z[:50]))
+
+
+def test_signed_bundle_stays_verifiable_across_an_upgrade(tmp_path):
+    pytest.importorskip("cryptography")
+    from edge_runtime.signing import (
+        SignatureError,
+        generate_key_pair,
+        load_private_key,
+        load_public_key,
+        sign_file,
+    )
+
+    generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
+    key, trusted = load_private_key(tmp_path / "key.pem"), [load_public_key(tmp_path / "key.pub")]
+    old, new = _encoders(tmp_path)
+    bundles = {}
+    for name, encoder, seed in (("device", old, 0), ("release", new, 5)):
+        x, y = make_images(60, seed)
+        ds = make_datastore("flat:int8", NUM_CLASSES, k=5).fit(raw_outputs(encoder, x)[0], y)
+        write_bundle(tmp_path / name, FIELDS, encoder, ds, signing_key=key)
+        bundles[name] = tmp_path / name
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    rt = Runtime.load(bundles["device"], trusted_keys=trusted)
+    rt.add(*make_images(4, seed=8))
+    labels = rt.datastore.labels_.copy()
+    with pytest.raises(SignatureError, match="unsigned"):  # a trusted release signs its map
+        rt.upgrade(bundles["release"], key_map=key_map, trusted_keys=trusted)
+    sign_file(key_map, key)
+    report = rt.upgrade(bundles["release"], key_map=key_map, trusted_keys=trusted)
+    assert report.signed and report.carried == len(labels)
+    after = Runtime.load(bundles["device"], trusted_keys=trusted)  # verifies
+    np.testing.assert_array_equal(after.datastore.labels_, labels)
+
+
+_READER = """
+import sys, time
+import numpy as np
+from edge_runtime.runtime import Runtime
+bundle, seconds = sys.argv[1], float(sys.argv[2])
+x = np.random.default_rng(0).integers(0, 256, (4, 8, 8, 1), dtype=np.uint8)
+deadline, seen = time.monotonic() + seconds, set()
+while time.monotonic() < deadline:
+    rt = Runtime.load(bundle, intra_op_threads=1)
+    assert rt.predict_proba(x).shape == (4, 4)
+    seen.add(rt.manifest["files"]["encoder.onnx"][:12])
+print(" ".join(sorted(seen)), flush=True)
+"""
+
+
+def test_concurrent_predictions_see_one_version_or_the_other(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.bundles import REPO
+
+    old, new = _encoders(tmp_path)
+    device = _bundle(tmp_path, old, "device", "flat:int8", n=3000)
+    release = _bundle(tmp_path, new, "release", "flat:int8")
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    readers = [subprocess.Popen([sys.executable, "-c", _READER, str(device), "4"], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    time.sleep(1.5)
+    Runtime.load(device).upgrade(release, key_map=key_map)
+    seen = set()
+    for proc in readers:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.strip().splitlines()[-1:]
+        seen.update(out.split())
+    versions = {hashlib.sha256(p.read_bytes()).hexdigest()[:12] for p in (old, new)}
+    assert seen <= versions and hashlib.sha256(new.read_bytes()).hexdigest()[:12] in seen
