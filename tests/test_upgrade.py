@@ -393,3 +393,31 @@ def test_concurrent_predictions_see_one_version_or_the_other(tmp_path):
         seen.update(out.split())
     versions = {hashlib.sha256(p.read_bytes()).hexdigest()[:12] for p in (old, new)}
     assert seen <= versions and hashlib.sha256(new.read_bytes()).hexdigest()[:12] in seen
+
+
+def test_upgrade_refits_the_linear_head_where_the_release_does(tmp_path):
+    from edge_runtime.linear_head import LinearHead
+    from export.personal_encoder import with_linear_head
+
+    old, new = _encoders(tmp_path)
+    device = _bundle(tmp_path, old, "device")
+    x, y = make_images(40, seed=5)
+    z, _ = raw_outputs(new, x)
+    personal = with_linear_head(new, LinearHead(NUM_CLASSES, l2=1e-2).fit(z, y))
+    choice = {"k": {"value": 5, "source": "flag"}, "sigma": {"value": 1.0, "source": "flag"},
+              "normalize": {"value": "none", "source": "flag"},
+              "lambda_estimator": {"value": "val", "source": "flag"},
+              "base": {"value": "linear", "source": "validation"},
+              "l2": {"value": 1e-2, "source": "validation"}}
+    write_bundle(tmp_path / "release", {**FIELDS, "knn_choice": choice}, personal,
+                 make_datastore("flat:fp32", NUM_CLASSES, k=5, sigma=1.0).fit(z, y))
+    (tmp_path / "personal.onnx").write_bytes(personal)  # its embeddings are new's
+    key_map = _fit_map(old, tmp_path / "personal.onnx", tmp_path / "map.npz")
+    rt = Runtime.load(device)
+    rt.upgrade(tmp_path / "release", key_map=key_map)
+    head = [name for name in rt.manifest["files"] if name.startswith("linear_head")]
+    assert head and rt.manifest["knn_choice"]["base"]["value"] == "linear"
+    refit = LinearHead(NUM_CLASSES, l2=1e-2).fit(rt.datastore.keys(), rt.datastore.labels_)
+    probe, _ = make_images(5, seed=6)
+    z_probe, logits = rt.embed(probe)
+    np.testing.assert_allclose(logits, z_probe @ refit.coef_ + refit.intercept_, atol=1e-4)
