@@ -203,8 +203,9 @@ def _build_parser() -> argparse.ArgumentParser:
                                        note="Each line says what it shows: the client the "
                                        "bundle was exported for (-1: a device's own, from "
                                        "`init`), the datastore's recipe and each of its parts "
-                                       "in words (n1944: built from 1944 of the client's "
-                                       "samples), and the bytes against the budget."))
+                                       "in words (n1944: holds at most 1944 samples, beside "
+                                       "how many it stores), and the bytes against the "
+                                       "budget."))
     s.add_argument("bundle", help=BUNDLE_HELP)
 
     s = sub.add_parser(

@@ -139,6 +139,7 @@ def _candidate_recipes(
     """Recipe strings with n<count> that fit `room` bytes (by the datastores' estimates)."""
     out: list[str] = []
     seen: set = set()
+    too_many: list[str] = []  # recipes whose own n is the problem, with the n that fits
     for recipe in recipes if recipes is not None else DEFAULT_RECIPES:
         name, params = parse_recipe(recipe)
         if name == "protonn":
@@ -150,6 +151,10 @@ def _candidate_recipes(
         most = max_count_within(lambda n, p=probe: p.estimate_nbytes(n, dim), room)
         if params.get("n") is not None:
             counts = [params["n"]] if params["n"] <= most else []
+            if most >= 1 and not counts:
+                too_many.append(f"{recipe} asks for {params['n']} samples, the budget has room "
+                                f"for {most} after the encoder: use "
+                                f"{format_recipe(name, {**params, 'n': most})}, or leave n out")
         else:
             counts = [int(most * f) for f in _COUNT_FRACTIONS if int(most * f) >= 1]
         for n in counts:
@@ -159,4 +164,6 @@ def _candidate_recipes(
             if same not in seen:
                 seen.add(same)
                 out.append(format_recipe(name, {**params, "n": n}))
+    if not out and too_many:
+        raise BundleError(too_many[0])
     return out

@@ -37,6 +37,7 @@ from edge_runtime.datastores import (
     SampleDatastore,
     max_count_within,
 )
+from edge_runtime.head_file import head_nbytes
 from edge_runtime.knn import datastore_key
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from export.errors import BudgetInvalid, ExportError
@@ -191,7 +192,12 @@ class DatastoreSizer:
                      if self.knn.lambda_estimator == "loo+val" else None)
         candidates: list[tuple[Candidate, Datastore]] = []
         seen: set[tuple[str, int]] = set()
-        for build in self._builders(data, room):
+        # with the linear base, a device's first `add` refits the head into its own file, taken
+        # from the datastore's share: flat and HNSW datastores are sized to leave it room (a
+        # ProtoNN datastore keeps prototypes, and its head is never refitted)
+        sample_room = room - (head_nbytes(int(data.z_train.shape[1]), self.num_classes)
+                              if self.knn.base == "linear" else 0)
+        for build in self._builders(data, sample_room):
             made = build()
             if made is None:
                 continue

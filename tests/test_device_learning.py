@@ -117,3 +117,28 @@ def test_re_exporting_over_a_taught_bundle_is_refused_without_force(exported, tm
     assert read_manifest(bundle)["files"] == taught  # nothing lost
     export_run(run, out, budgets, settings, clients="0", progress=False, replace_taught=True)
     assert read_manifest(bundle)["files"] != taught
+
+
+def test_a_linear_base_export_leaves_room_for_the_head_the_device_refits(exported, tmp_path,
+                                                                        caplog):
+    """The exporter sized n without the head file the device's first `add` writes: every fifo
+    add warned 'capacity N samples does not fit the budget; keeping M'."""
+    from export.exporter import apply_knn_choice
+    from fed_train.knn_choice import load_or_choose
+    from fed_train.knn_request import KNNRequest
+
+    root, run, _ = exported
+    budgets = {0: 300_000}  # more room than the client has samples: n is its capacity
+    shutil.copytree(root / "run", tmp_path / "run")
+    choice = load_or_choose(tmp_path / "run", run.model, run.clients(),
+                            KNNRequest(base="linear"), seed=1)
+    settings = apply_knn_choice(ExportSettings(backend="flat", space=SPACE), choice)
+    report = export_run(run, tmp_path / "linear", budgets, settings, clients="0",
+                        progress=False)
+    bundle = tmp_path / "linear" / report["clients"][0]["bundle"]
+    rt = Runtime.load(bundle)
+    with caplog.at_level("WARNING"):
+        rt.add(run.dataset.x_test[:30], run.dataset.y_test[:30].astype(np.int64))
+    assert "does not fit the budget" not in caplog.text
+    assert (bundle / "linear_head.1.npz").is_file()
+

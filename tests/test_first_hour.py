@@ -281,9 +281,11 @@ def test_info_and_evaluate_say_what_they_show_in_words(tmp_path, capsys):
 def test_a_recipe_in_words_names_every_part():
     from edge_runtime.datastores.recipes import describe_recipe
 
+    # n is what a flat datastore may hold, not what it holds ("n1742: built from 1742 of the
+    # client's samples" sat beside "137 stored" in `info`)
     assert describe_recipe("flat:int8:n1944") == ("flat keys (exact search); keys stored as "
-                                                  "int8; n1944: built from 1944 of the "
-                                                  "client's samples")
+                                                  "int8; n1944: holds at most 1944 samples")
+    assert "n50: built from 50 of the client's samples" in describe_recipe("protonn:d8:n50")
     assert describe_recipe("hnsw:M16:ef64").count(";") == 2
     assert "b40: room for 40 samples added on the device" in describe_recipe("protonn:d8:b40")
 

@@ -281,3 +281,18 @@ def test_messages_name_the_file_and_the_fix(tmp_path, capsys):
                         str(tmp_path / "d.npz"), "--budget", "1MB", "--out",
                         str(tmp_path / "link"), "--force", "--like", str(other)], capsys,
                        "is a link", "give the directory itself")
+
+
+def test_init_names_the_n_that_does_not_fit(tmp_path, capsys):
+    """`--recipes flat:int8:nN` over the budget said 'not enough for one stored sample of any
+    candidate recipe': the n asked for is the problem, and the n that fits is the fix."""
+    make_image_encoder(tmp_path / "enc.onnx")
+    x, y = make_images(20)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    (tmp_path / "spec.json").write_text(json.dumps(IMAGE_SPEC))
+    budget = (tmp_path / "enc.onnx").stat().st_size + 3000
+    _fails_in_one_line(["init", "--encoder", str(tmp_path / "enc.onnx"), "--data",
+                        str(tmp_path / "d.npz"), "--budget", str(budget), "--out",
+                        str(tmp_path / "o"), "--input-spec", str(tmp_path / "spec.json"),
+                        "--recipes", "flat:int8:n100000"], capsys,
+                       "flat:int8:n100000 asks for 100000 samples", "use flat:int8:n")

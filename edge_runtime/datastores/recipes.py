@@ -104,12 +104,15 @@ _PARAM_WORDS = {"dtype": "keys stored as {}", "n": "n{0}: built from {0} of the 
                 "buffer": "b{0}: room for {0} samples added on the device",
                 "inputs": "x{0}: keeps each sample's raw input ({0} bytes) to re-embed it "
                 "when the model changes"}
+# flat and HNSW keep the samples themselves: n is how many they may hold, not how many they do
+# (`info` prints that count beside it); a ProtoNN datastore was trained on n of them
+_STORED_N = "n{0}: holds at most {0} samples"
 
 
 def describe_recipe(recipe: str) -> str:
     """A recipe in words, for a person reading `knnper-edge info`: "flat:fp32:n1944" ->
-    "flat keys (exact search); keys stored as fp32; n1944: built from 1944 of the client's
-    samples"."""
+    "flat keys (exact search); keys stored as fp32; n1944: holds at most 1944 samples"."""
     name, params = parse_recipe(recipe)
-    return "; ".join([_BACKEND_WORDS[name], *(_PARAM_WORDS[key].format(value)
+    words = {**_PARAM_WORDS, **({"n": _STORED_N} if name != "protonn" else {})}
+    return "; ".join([_BACKEND_WORDS[name], *(words[key].format(value)
                                                for key, value in params.items())])
