@@ -59,6 +59,7 @@ from .datastores import (
 from .encoder import OPTIMIZED_KEY, Encoder
 from .errors import BudgetExceeded, BundleBusy, BundleError, SignatureError, one_line
 from .head_file import (
+    head_generation,
     head_score_problem,
     head_tensors,
     load_head,
@@ -660,7 +661,12 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
         )
     old = personal_files(manifest)
     remove_stale_files(bundle_dir, manifest)
-    generation = 1 + max(file_generation(name) for name in datastore_files(manifest))
+    # past every generation the manifest lists, the head's included: a (crafted) manifest
+    # listing linear_head.<next>.npz would otherwise have that file overwritten, and a failed
+    # commit would leave the bundle unloadable
+    kept_head = head_file(manifest)
+    generation = 1 + max([file_generation(name) for name in datastore_files(manifest)]
+                         + ([head_generation(kept_head)] if kept_head else []))
     names = datastore.save(bundle_dir, generation=generation)
     kept = head_file(manifest)
     try:

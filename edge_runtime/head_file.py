@@ -31,6 +31,15 @@ HEAD_FILE_RE = re.compile(r"^linear_head(?:\.\d+)?\.npz$")
 _MEMBERS = ("coef", "intercept")
 
 
+def head_generation(name: str) -> int:
+    """The generation in a head file's name (`head_file_name`'s inverse; 0 for
+    linear_head.npz)."""
+    if not HEAD_FILE_RE.match(name):
+        raise ValueError(f"{name!r} is not a linear head file name")
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) == 3 else 0
+
+
 def head_file_name(generation: int) -> str:
     return "linear_head.npz" if generation == 0 else f"linear_head.{generation}.npz"
 

@@ -496,17 +496,20 @@ class Runtime:
         for _ in range(8):
             try:
                 head = self._refit()
-                # the encoder must take the head before anything is written
-                model = None if head is None else encoder_model(self.path, self.manifest, head)
-                self.manifest = commit_datastore(self.path, self.manifest, self.datastore, head)
-                if model is not None:
-                    encoder, predictor = open_sessions(
-                        model, self.manifest, self.datastore, self.path,
-                        intra_op_threads=self._intra_op_threads,
-                        with_predictor=self.predictor is not None)
+                # the sessions that run the refitted head are opened and checked before
+                # anything is committed: a failure after the commit raised with the samples
+                # already stored, and a retry added them twice
+                sessions = None
+                if head is not None:
+                    model = encoder_model(self.path, self.manifest, head)
+                    sessions = open_sessions(model, self.manifest, self.datastore, self.path,
+                                             intra_op_threads=self._intra_op_threads,
+                                             with_predictor=self.predictor is not None)
                     del model
-                    check_sessions(encoder, predictor, self.manifest, self.datastore, self.path)
-                    self.encoder, self.predictor = encoder, predictor
+                    check_sessions(*sessions, self.manifest, self.datastore, self.path)
+                self.manifest = commit_datastore(self.path, self.manifest, self.datastore, head)
+                if sessions is not None:
+                    self.encoder, self.predictor = sessions
                 return extra
             except BudgetExceeded as exc:
                 per_sample = max(1, ds.estimate_nbytes(2, dim) - ds.estimate_nbytes(1, dim))

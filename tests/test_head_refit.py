@@ -207,3 +207,47 @@ def _blobs(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     y = np.arange(40) % NUM_CLASSES
     return rng.normal(size=(40, P)) + y[:, None], y
+
+
+def test_a_failure_opening_the_refitted_session_commits_nothing(tmp_path, monkeypatch):
+    """`add` raised after its samples were committed (opening the new session failed), so a
+    retry added them twice."""
+    import edge_runtime.runtime as runtime_module
+
+    bundle = linear_bundle(tmp_path)
+    before = json.loads((bundle / "manifest.json").read_text())
+    rt = Runtime.load(bundle)
+    x_new, y_new = make_images(12, seed=5, signal=60)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no session today")
+
+    monkeypatch.setattr(runtime_module, "open_sessions", broken)
+    with pytest.raises(RuntimeError, match="no session today"):
+        rt.add(x_new, y_new)
+    assert json.loads((bundle / "manifest.json").read_text()) == before  # nothing committed
+    monkeypatch.undo()
+    Runtime.load(bundle).add(x_new, y_new)  # the retry commits the samples, once
+    assert "datastore.1.npz" in json.loads((bundle / "manifest.json").read_text())["files"]
+
+
+def test_a_manifest_listing_the_next_head_file_keeps_it_through_a_failed_commit(
+        tmp_path, monkeypatch):
+    """A crafted manifest listing linear_head.<next generation>.npz had that file overwritten
+    by the next update's head, and a failed commit left the bundle unloadable."""
+    import edge_runtime.bundle as bundle_module
+
+    bundle = linear_bundle(tmp_path)
+    _with_head_file(bundle, GOOD, name="linear_head.1.npz")  # datastore.npz: generation 0
+    kept = (bundle / "linear_head.1.npz").read_bytes()
+    x_new, y_new = make_images(12, seed=5, signal=60)
+
+    def refuse(manifest, where):
+        raise BundleError(f"{where}: refused for the test")
+
+    monkeypatch.setattr(bundle_module, "validate_manifest", refuse)
+    with pytest.raises(BundleError, match="refused for the test"):
+        Runtime.load(bundle).add(x_new, y_new)
+    monkeypatch.undo()
+    assert (bundle / "linear_head.1.npz").read_bytes() == kept
+    Runtime.load(bundle)  # still loads
