@@ -241,11 +241,11 @@ def write_output(path: str | os.PathLike, data: bytes) -> None:
     write_bytes_atomic(output_target(path), data)
 
 
-def append_bytes(path: str | os.PathLike, data: bytes, *, sync: bool = False) -> None:
-    """Append `data` to a journal or log in one write() (O_APPEND: lines from parallel
-    processes do not interleave), creating it if needed. A link at `path` is never followed
-    (O_NOFOLLOW), and anything but a regular file is refused (OSError naming the path), so an
-    append never lands outside the run or --out."""
+def open_append(path: str | os.PathLike) -> BinaryIO:
+    """A journal or log opened for appending (O_APPEND: one write() per line, so lines from
+    parallel processes do not interleave), created if needed. A link at `path` is never
+    followed (O_NOFOLLOW), and anything but a regular file is refused (OSError naming the
+    path), so an append never lands outside the run or --out."""
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
@@ -258,11 +258,18 @@ def append_bytes(path: str | os.PathLike, data: bytes, *, sync: bool = False) ->
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file (a pipe, device or socket)",
                           os.fspath(path))
-        os.write(fd, data)
-        if sync:
-            os.fsync(fd)
-    finally:
+        return os.fdopen(fd, "ab", buffering=0)
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def append_bytes(path: str | os.PathLike, data: bytes, *, sync: bool = False) -> None:
+    """Append `data` in one write() through `open_append`."""
+    with open_append(path) as f:
+        f.write(data)
+        if sync:
+            os.fsync(f.fileno())
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, sync_dir: bool = True) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime._io import (
+    open_append,
     parse_json,
     read_json,
     read_regular,
@@ -99,7 +100,7 @@ class Processes:
     running: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        log_file = open_append(self.log_dir / f"{name}.log")  # the child owns it
         try:
             process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
                                        stderr=subprocess.STDOUT, env=self.env,

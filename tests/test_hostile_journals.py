@@ -56,6 +56,11 @@ def test_appends_never_follow_links(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").symlink_to(outside)
     with pytest.raises(OSError, match="appends never follow links"):
         log_round(tmp_path / "run", {"round": 1}, SimpleNamespace(rounds_done=1), False)
+    from fed_train.deploy import Processes
+
+    (tmp_path / "run" / "superlink.log").symlink_to(outside)
+    with pytest.raises(OSError, match="appends never follow links"):
+        Processes({}, tmp_path / "run").start("superlink", ["true"])
     assert outside.read_text() == '{"key": "k"}\n'
 
 
