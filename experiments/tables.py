@@ -51,7 +51,7 @@ from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.errors import KnnperError, TrainingDiverged
 from fed_train.evaluation import merge_results, summarize
-from fed_train.journal import ClientRows
+from fed_train.journal import ClientRows, rows_fit
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_tuning import choose_l2, client_rows, client_views, linear_base_views
@@ -249,9 +249,12 @@ class TableRunner:
         identity = self._identity(method)
         cache = self.out / "eval" / method / f"{_lr_dir(lr)}.json"
         cached = read_json_cache(cache)
-        if cached is not None and cached.get("hyper") == to_json_types(identity) \
-                and (isinstance(cached.get("rows"), list) or cached.get("rows") is None):
-            return identity, cache, cached
+        if cached is not None and cached.get("hyper") == to_json_types(identity):
+            rows = cached.get("rows")
+            if rows is None or (isinstance(rows, list) and rows_fit(rows, self.clients)):
+                return identity, cache, cached
+            log.warning("%s: its rows are not one per client of this run (edited?); "
+                        "computing them again", cache)
         return identity, cache, None
 
     def is_cached(self, method: str, lr: float) -> bool:

@@ -73,10 +73,11 @@ class Journal:
         append_bytes(self.path, line)
 
 
-def _row_fits(row: dict[str, Any], clients: dict[int, Any]) -> bool:
+def row_fits(row: dict[str, Any], clients: dict[int, Any]) -> bool:
     """Whether a journal row is one `fed_train.evaluation.client_accuracies` wrote for one of
     `clients`: its id (an integer, not a JSON true), its seen/unseen flag and its test (and
-    validation) counts are that client's, its accuracies fractions, its info an object."""
+    validation) counts are that client's, its accuracies fractions (or None: no samples), its
+    info an object."""
     cid = row.get("client_id")
     client = clients.get(cid) if is_integer(cid) else None
     if client is None or row.get("unseen") is not bool(client.unseen):
@@ -85,11 +86,19 @@ def _row_fits(row: dict[str, Any], clients: dict[int, Any]) -> bool:
     for key, value in row.items():
         if key in counts and not (is_integer(value) and value == counts[key]):
             return False
-        if key in ("accuracy", "val_accuracy") and not (is_real(value, finite=True)
-                                                        and 0 <= value <= 1):
+        if key in ("accuracy", "val_accuracy") and value is not None and not (
+                is_real(value, finite=True) and 0 <= value <= 1):  # None: no samples to score
             return False
     return "n_test" in row and "accuracy" in row and isinstance(row.get("info"), dict) \
         and ("n_val" in row) == ("val_accuracy" in row)
+
+
+def rows_fit(rows: list[Any], clients: Sequence[Any]) -> bool:
+    """Whether saved per-client rows are one `row_fits` row per client of `clients`, in
+    their order (a table cache's: a duplicated, missing or crafted row changed a table)."""
+    return len(rows) == len(clients) and all(
+        isinstance(r, dict) and r.get("client_id") == c.client_id
+        and row_fits(r, {c.client_id: c}) for r, c in zip(rows, clients, strict=True))
 
 
 class ClientRows(Journal):
@@ -103,7 +112,7 @@ class ClientRows(Journal):
 
     def start(self, clients: Sequence[Any]) -> dict[int, dict[str, Any]]:
         """The rows an earlier, interrupted call with this same key finished for `clients`
-        (ClientData: each row must be a client's own, `_row_fits`); a journal with another key
+        (ClientData: each row must be a client's own, `row_fits`); a journal with another key
         (other settings, another model or data) is started afresh. A row that is not a
         client's (a crafted or damaged one), and every row of a client written twice, is left
         out with one warning: those clients are computed again."""
@@ -114,7 +123,7 @@ class ClientRows(Journal):
             write_bytes_atomic(self.path, (json.dumps(header) + "\n").encode("utf-8"))
             return {}
         by_id = {c.client_id: c for c in clients}
-        fitting = [r for r in found if _row_fits(r, by_id)]
+        fitting = [r for r in found if row_fits(r, by_id)]
         counts = Counter(r["client_id"] for r in fitting)
         done = {r["client_id"]: r for r in fitting if counts[r["client_id"]] == 1}
         if len(done) < len(found):

@@ -354,3 +354,26 @@ def test_a_baseline_defined_in_one_file_runs_in_the_table(tmp_path, monkeypatch)
     assert 0.0 < float(rows[1]["mean"]) <= 1.0
     assert "| FedAvg + class means |" in (out / "table.md").read_text()
     assert [p.name for p in (out / "runs").iterdir()] == ["fedavg"]  # trained once, shared
+
+
+def test_a_table_cache_whose_rows_are_not_the_runs_clients_is_computed_again(tmp_path,
+                                                                            caplog):
+    """A duplicated or `client_id: true` row in a table cache changed the table (46.6% ->
+    56.2%); its rows must be one per client of the run, each that client's."""
+    out = tmp_path / "table"
+    assert bench(*TINY, "--methods", "fedavg", "--out", str(out)) == 0
+    cache = next((out / "eval" / "fedavg").glob("*.json"))
+    honest = json.loads(cache.read_text())
+    with caplog.at_level("WARNING"):
+        assert bench(*TINY, "--methods", "fedavg", "--out", str(out)) == 0
+    assert "computing them again" not in caplog.text  # an honest cache is read back
+    for crafted in ([*honest["rows"], honest["rows"][0]],
+                    [{**honest["rows"][0], "client_id": True}, *honest["rows"][1:]],
+                    [{**honest["rows"][0], "accuracy": 1.0, "n_test": 10**6},
+                     *honest["rows"][1:]]):
+        cache.write_text(json.dumps({**honest, "rows": crafted}))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert bench(*TINY, "--methods", "fedavg", "--out", str(out)) == 0
+        assert "computing them again" in caplog.text
+        assert json.loads(cache.read_text())["rows"] == honest["rows"]
