@@ -142,3 +142,36 @@ def test_a_linear_base_export_leaves_room_for_the_head_the_device_refits(exporte
     assert "does not fit the budget" not in caplog.text
     assert (bundle / "linear_head.1.npz").is_file()
 
+
+
+@pytest.mark.slow
+def test_init_like_a_pooled_linear_base_bundle_matches_like_a_client_rule_one(exported,
+                                                                              tmp_path):
+    """The done-when of the new-device lambda: `init --like` of a bundle exported with the
+    pooled rule (evidence measured on the clients' linear heads) gave lambda 0 and 2-8%; it
+    must come within 1 pp of `init --like` of a client-rule bundle on the same data."""
+    from edge_runtime.cli import main as edge_main
+    from export.exporter import apply_knn_choice
+    from fed_train.client_files import write_client_files
+    from fed_train.knn_choice import load_or_choose
+    from fed_train.knn_request import KNNRequest
+
+    root, run, _ = exported
+    device = max(range(len(run.partition.clients)), key=lambda c: run.partition.unseen[c])
+    write_client_files(run, device, tmp_path / "device")
+    test = np.load(tmp_path / "device" / "test.npz")
+    accuracy = {}
+    for rule in ("pooled", "client"):
+        shutil.copytree(root / "run", tmp_path / rule / "run")
+        choice = load_or_choose(tmp_path / rule / "run", run.model, run.clients(),
+                                KNNRequest(base="linear", lambda_rule=rule), seed=1)
+        report = export_run(run, tmp_path / rule / "bundles", {0: 300_000},
+                            apply_knn_choice(ExportSettings(backend="flat", space=SPACE),
+                                             choice), clients="0", progress=False)
+        like = tmp_path / rule / "bundles" / report["clients"][0]["bundle"]
+        assert edge_main(["init", "--encoder", str(like / "encoder.onnx"), "--data",
+                          str(tmp_path / "device" / "train.npz"), "--budget", "300000",
+                          "--out", str(tmp_path / rule / "new"), "--like", str(like)]) == 0
+        predicted = Runtime.load(tmp_path / rule / "new").predict_proba(test["x"]).argmax(1)
+        accuracy[rule] = float(np.mean(predicted == test["y"]))
+    assert abs(accuracy["pooled"] - accuracy["client"]) <= 0.01, accuracy
