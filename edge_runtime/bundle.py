@@ -53,6 +53,7 @@ from ._io import (
 )
 from .budget import Budget
 from .datastores import (
+    backend_class,
     file_generation,
     load_datastore,
 )
@@ -85,7 +86,7 @@ from .manifest import (
 )
 from .onnx_check import uses_external_data
 from .onnx_proto import ParsedModel
-from .predictor import BATCH_ROWS, Predictor, has_single_session
+from .predictor import BATCH_ROWS, Predictor
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
 from .versions import datastore_embedding, embedding_id, mismatch
@@ -304,7 +305,7 @@ def open_sessions(
                 f"{ENCODER_FILE} keeps tensors in external data files; a bundle's encoder must "
                 "embed every tensor (the sha256 list does not cover other files)"
             )
-        if with_predictor and has_single_session(datastore):
+        if with_predictor and datastore.single_session():
             predictor = _predictor(model, manifest, datastore, intra_op_threads, where)
         else:
             encoder = Encoder(model, intra_op_threads=intra_op_threads, batch_size=BATCH_ROWS)
@@ -533,9 +534,8 @@ def remove_abandoned_temporaries(directory: Path) -> list[str]:
 def _check_fields_only(manifest: dict) -> None:
     """validate_manifest without the file list (not known before saving)."""
     probe = dict(manifest)
-    names = {ENCODER_FILE: "0" * 64, "datastore.npz": "0" * 64}
-    if manifest["backend"]["name"] == "hnsw":
-        names["hnsw.bin"] = "0" * 64
+    names = {ENCODER_FILE: "0" * 64}
+    names.update(dict.fromkeys(backend_class(manifest["backend"]["name"]).FILES, "0" * 64))
     probe["files"] = names
     validate_manifest(probe, "write_bundle")
 

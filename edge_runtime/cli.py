@@ -624,7 +624,7 @@ def cmd_info(args) -> int:
         f"classes       {m['num_classes']}",
         f"embedding     {m['embedding_dim']}",
         f"kNN           k={m['k']} sigma={m['sigma']:g} lambda={m['lambda']:g}",
-        f"datastore     {m['backend']['recipe']}, {_stored(rt.datastore)}",
+        f"datastore     {m['backend']['recipe']}, {rt.datastore.stored_words()}",
         f"              ({describe_recipe(m['backend']['recipe'])})",
         f"update        {m['update_strategy']}",
         f"footprint     {fp['total']} of {m['budget_bytes']} bytes (encoder {fp['encoder']}, "
@@ -676,12 +676,6 @@ def _signature_status(bundle: Path, checked: bool) -> str:
         key = "unreadable"
     return (f"signed (key {key}...), not checked: give --trusted-key PUBLIC.pem to verify "
             "it and the manifest against it")
-
-
-def _stored(datastore) -> str:
-    if datastore.backend == "protonn":
-        return f"{len(datastore)} prototypes + {len(datastore.sample_store())} buffered samples"
-    return f"{len(datastore)} stored"
 
 
 def cmd_keygen(args) -> int:

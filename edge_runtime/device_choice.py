@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .datastores import format_recipe, make_datastore, parse_recipe
+from .datastores import BACKENDS, format_recipe, make_datastore, parse_recipe
 from .knn import LambdaRule, datastore_key
 from .personal_head import ClientSplits, PersonalHead
 
@@ -20,9 +20,9 @@ logger = logging.getLogger(__name__)
 def with_inputs(recipe: str, nbytes: int) -> str:
     """The recipe keeping each sample's raw input of `nbytes` bytes (x<bytes>)."""
     name, params = parse_recipe(recipe)
-    if name == "protonn":
-        raise ValueError("a protonn datastore keeps prototypes, not samples: it cannot keep "
-                         "raw inputs")
+    if BACKENDS[name].TRAINED:
+        raise ValueError(f"a {name} datastore keeps what it was trained to, not samples: it "
+                         "cannot keep raw inputs")
     return format_recipe(name, {**params, "inputs": int(nbytes)})
 
 

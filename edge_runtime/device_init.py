@@ -26,7 +26,13 @@ import numpy as np
 
 from .budget import Budget
 from .bundle import BundleError, write_bundle
-from .datastores import format_recipe, make_datastore, max_count_within, parse_recipe
+from .datastores import (
+    BACKENDS,
+    format_recipe,
+    make_datastore,
+    max_count_within,
+    parse_recipe,
+)
 from .device_choice import choose_datastore, with_inputs
 from .encoder import Encoder
 from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule
@@ -142,10 +148,11 @@ def _candidate_recipes(
     too_many: list[str] = []  # recipes whose own n is the problem, with the n that fits
     for recipe in recipes if recipes is not None else DEFAULT_RECIPES:
         name, params = parse_recipe(recipe)
-        if name == "protonn":
+        if BACKENDS[name].TRAINED:
             raise ValueError(
-                "protonn datastores are trained on the server (they need torch); a device "
-                "can only init flat or hnsw recipes"
+                f"{name} datastores are trained on the server (they need torch); a device "
+                "can only init "
+                + " or ".join(b for b, cls in BACKENDS.items() if not cls.TRAINED) + " recipes"
             )
         probe = make_datastore(recipe, num_classes, k, sigma, seed=seed)
         most = max_count_within(lambda n, p=probe: p.estimate_nbytes(n, dim), room)

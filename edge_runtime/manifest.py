@@ -278,7 +278,8 @@ def _validate_files(files: dict, backend: str, fail) -> None:
     if len([n for n in files if HEAD_FILE_RE.match(n)]) > 1:
         raise fail("'files' lists more than one linear head file")
     stored = _datastore_names(files)
-    want = {"flat": (1, 0), "protonn": (1, 0), "hnsw": (1, 1)}[backend]
+    layout = BACKENDS[backend].FILES
+    want = (sum(n.endswith(".npz") for n in layout), sum(n.endswith(".bin") for n in layout))
     got = (
         sum(n.endswith(".npz") for n in stored),
         sum(n.endswith(".bin") for n in stored),
@@ -395,7 +396,7 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
         raise BundleError(
             f"write_bundle: manifest backend {given!r} is not the datastore's ({backend['name']})"
         )
-    no_capacity = datastore.backend == "protonn" and not datastore.sample_store().n
+    no_capacity = datastore.TRAINED and not datastore.sample_store().n
     default_strategy = "concatenate" if no_capacity else "fifo"
     manifest = {
         "format": FORMAT,

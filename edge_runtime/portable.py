@@ -42,17 +42,17 @@ from ._io import output_target, write_bytes_atomic, write_json_atomic
 from .bundle import BundleError, encoder_model
 from .head_file import refits
 from .manifest import refit_l2
-from .predictor_graph import build_predictor
+from .predictor_graph import build_predictor, graph_backends
 from .runtime import Runtime
 
 
 def build_portable(runtime: Runtime, *, keys_as_inputs: bool = False) -> bytes:
     """The predictor of a loaded (verified) bundle, as ONNX model bytes."""
     backend = runtime.datastore.backend
-    if backend not in ("flat", "protonn"):
+    if runtime.datastore.ONNX_FORM is None:
         raise BundleError(
-            f"bundle {runtime.path}: a {backend} datastore has no ONNX form (an HNSW search is "
-            "a graph walk); export the client with a flat or protonn datastore"
+            f"bundle {runtime.path}: a {backend} datastore has no ONNX form; export the client "
+            f"with a {' or '.join(graph_backends())} datastore"
         )
     if keys_as_inputs and refit_l2(runtime.manifest) is not None and refits(runtime.datastore):
         raise BundleError(
@@ -108,10 +108,7 @@ def write_portable(
 def portable_samples(runtime: Runtime) -> tuple[np.ndarray, np.ndarray]:
     """(keys [n, q] float32, labels [n] int64): what a keys-as-inputs graph takes for this
     bundle now (flat: every stored sample, as the search sees it; ProtoNN: its buffer)."""
-    ds = runtime.datastore
-    if ds.backend == "flat":
-        return ds.keys(), ds.labels_
-    return np.ascontiguousarray(ds.buffer_keys_t_.T), ds.buffer_labels_
+    return runtime.datastore.graph_samples()
 
 
 def app_contract(runtime: Runtime) -> dict:

@@ -29,33 +29,6 @@ from .predictor_graph import build_predictor
 BATCH_ROWS = 4
 
 
-def has_single_session(datastore) -> bool:
-    """Whether this datastore's prediction runs as one session (see the module docstring)."""
-    if datastore.backend == "flat":
-        return datastore.dtype in ("fp32", "int8")
-    return datastore.backend == "protonn"
-
-
-def sample_feeds(datastore) -> dict[str, np.ndarray]:
-    """The graph's sample inputs ("stored" form), the datastore's own arrays."""
-    if datastore.backend == "protonn":
-        return {
-            "prototypes": datastore.B_,
-            "prototype_scores": datastore.Z_,
-            "prototype_norms": datastore.prototype_norms_,
-            "keys_t": datastore.buffer_keys_t_,
-            "labels": datastore.buffer_labels_,
-        }
-    feeds = {
-        "keys_t": datastore.keys_t_,
-        "key_norms": datastore.key_norms_,
-        "labels": datastore.labels_,
-    }
-    if datastore.dtype == "int8":
-        feeds["key_sums"] = datastore.key_sums_
-    return feeds
-
-
 class Predictor:
     """One session over a bundle's encoder and datastore. `run(x, datastore)` takes raw
     inputs as the manifest declares them (checked by the caller) and the datastore whose
@@ -93,10 +66,10 @@ class Predictor:
         return z, logits
 
     def _fetch(self, outputs: list[str], x: np.ndarray, datastore) -> list[np.ndarray]:
-        feeds = sample_feeds(datastore)
+        feeds = datastore.graph_feeds()
         searched = feeds["labels"].shape[0]
-        if datastore.backend == "protonn":
-            searched += len(datastore)  # the prototypes beside the buffer
+        if "prototypes" in feeds:  # ProtoNN's prototypes [d, m] beside the buffer
+            searched += feeds["prototypes"].shape[1]
         rows = max(1, min(BATCH_ROWS, WORK_CELLS // max(1, searched)))
         if x.shape[0] <= rows:  # one run, as at batch 1: nothing to gather
             feeds["input"] = x

@@ -31,13 +31,18 @@ from __future__ import annotations
 import numpy as np
 
 from . import onnx_proto as P
+from .datastores.registry import BACKENDS
 from .knn import QUERY_LEVELS
 
 OPSET = 17
 ENCODER_INPUT = "knnper/encoder_input"
 SAMPLE_MODES = ("constant", "portable", "stored")
-# the datastore backends with an ONNX form: an HNSW search is a graph walk, not tensor ops
-GRAPH_BACKENDS = ("flat", "protonn")
+
+
+def graph_backends() -> list[str]:
+    """The datastore backends with an ONNX form (their class's `ONNX_FORM`: an HNSW search,
+    for one, is a graph walk, not tensor ops)."""
+    return [name for name, cls in BACKENDS.items() if cls.ONNX_FORM is not None]
 
 
 class _Graph:
@@ -95,10 +100,10 @@ def build_predictor(
     scale for flat int8, W z for ProtoNN), and the encoder's own "embedding" and "logits"."""
     if samples not in SAMPLE_MODES:
         raise ValueError(f"samples must be one of {SAMPLE_MODES}, got {samples!r}")
-    if datastore.backend not in GRAPH_BACKENDS:
+    if datastore.ONNX_FORM is None:
         raise ValueError(
-            f"a {datastore.backend} datastore has no ONNX form (an HNSW search is a graph "
-            "walk); export the client with a flat or protonn datastore"
+            f"a {datastore.backend} datastore has no ONNX form; export the client with a "
+            f"{' or '.join(graph_backends())} datastore"
         )
     parsed = P.ParsedModel(encoder)
     if len(parsed.inputs) != 1:
@@ -120,10 +125,8 @@ def build_predictor(
     head = P.nodes(g.nodes) + parsed.graph_body((parsed.inputs[0], ENCODER_INPUT))
     g.nodes = []
     z, logits = "embedding", "logits"
-    if datastore.backend == "flat":
-        key, p_local = _flat(g, manifest, datastore, z, samples)
-    else:
-        key, p_local = _protonn(g, manifest, datastore, z, samples)
+    form = {"keys": _flat, "prototypes": _protonn}[datastore.ONNX_FORM]
+    key, p_local = form(g, manifest, datastore, z, samples)
     p_global = g.cast(g.node("Softmax", [logits], axis=1), P.DOUBLE)
     lam = float(manifest["lambda"])
     mixed = g.node(

@@ -127,7 +127,7 @@ def upgrade_bundle(
     where = f"bundle {path}"
     new_dir = Path(new_dir)
     release = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys).manifest
-    if manifest["backend"]["name"] not in ("flat", "hnsw"):
+    if BACKENDS[manifest["backend"]["name"]].TRAINED:
         raise BundleError(f"{where}: a {manifest['backend']['name']} datastore cannot be "
                           "upgraded (its prototypes belong to the old encoder's projection); "
                           f"install the release's own bundle {new_dir} instead")

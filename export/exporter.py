@@ -32,6 +32,7 @@ from edge_runtime.bundle import (
     remove_abandoned_temporaries,
     sha256_file,
 )
+from edge_runtime.datastores import BACKENDS
 from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
@@ -56,8 +57,8 @@ from export.personal_encoder import with_linear_head
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
 from export.resume import bundle_problem, row_problem
 from export.sizing import (
-    BACKEND_CHOICES,
     SearchSpace,
+    backend_choices,
     smallest_datastore_bytes,
 )
 from fed_train.algorithms.base import ClientData, embed_and_logits
@@ -73,9 +74,6 @@ FP32_ENCODER_FILE = "encoder.fp32.onnx"
 REPORT_FILE = "export.json"
 JOURNAL_FILE = "export.journal.jsonl"
 UPDATE_STRATEGIES = ("fifo", "concatenate", "fixed")
-# backends a device loads only with an extra installed (which one), and that have no one-file
-# ONNX form (`knnper-edge export-onnx`: an HNSW search is a graph walk)
-NEEDS_DEVICE_EXTRA = {"hnsw": "hnsw"}
 DEVICE_EXTRAS = ("any", "none")  # --device-extras: "none" tries only what the runtime alone loads
 
 
@@ -102,11 +100,11 @@ class ExportSettings:
 
     def check(self) -> None:
         _check_known("quantization", self.quantize, QUANTIZE_MODES)
-        _check_known("backend", self.backend, BACKEND_CHOICES)
+        _check_known("backend", self.backend, backend_choices())
         _check_known("device extras", self.device_extras, DEVICE_EXTRAS)
-        if self.device_extras == "none" and self.backend in NEEDS_DEVICE_EXTRA:
-            raise ExportError(f"--backend {self.backend} needs the {self.backend} extra on the "
-                              "device; --device-extras none rules it out")
+        if self.device_extras == "none" and device_extra(self.backend):
+            raise ExportError(f"--backend {self.backend} needs the {device_extra(self.backend)} "
+                              "extra on the device; --device-extras none rules it out")
         _check_known("update strategy", self.update_strategy, UPDATE_STRATEGIES)
         knn, config = self.knn, self.knn.config
         _check_known("embedding normalisation", config.normalize, NORMALIZATIONS)
@@ -318,7 +316,7 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
                     else settings.protonn_buffer)
     if settings.device_extras == "none":
         space = replace(space, backends=tuple(b for b in space.backends
-                                              if b not in NEEDS_DEVICE_EXTRA))
+                                              if not device_extra(b)))
     out_dir = Path(out_dir)
     every_client = run.clients()
     chosen = select_clients(every_client, clients)
@@ -372,19 +370,26 @@ def _warn_device_extras(space: SearchSpace) -> None:
     """Say before any bundle is written that some may need more than the runtime alone: the
     README's device install has no extras, and a bundle it cannot load is found on the device."""
     for backend in space.backends:
-        if backend in NEEDS_DEVICE_EXTRA:
+        if device_extra(backend):
             log.warning("%s datastores are among those tried: a client whose most accurate "
                         "datastore is %s gets a bundle that a device loads only with the %s "
                         "extra and that `knnper-edge export-onnx` cannot turn into one ONNX "
                         "file (export.json names each client's backend); --device-extras none "
-                        "leaves %s out", backend, backend, NEEDS_DEVICE_EXTRA[backend], backend)
+                        "leaves %s out", backend, backend, device_extra(backend), backend)
+
+
+def device_extra(backend: str) -> str | None:
+    """The extra a device installs to load bundles of `backend` (its class's DEVICE_EXTRA;
+    None: the runtime alone loads them, or "auto", which is no backend)."""
+    cls = BACKENDS.get(backend)
+    return None if cls is None else cls.DEVICE_EXTRA
 
 
 def needing_extras(rows: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
     """Per backend that needs a device extra: the clients whose bundle has it."""
     found: dict[str, list[int]] = {}
     for r in rows:
-        if r["backend"] in NEEDS_DEVICE_EXTRA:
+        if device_extra(r["backend"]):
             found.setdefault(r["backend"], []).append(int(r["client_id"]))
     return found
 

@@ -19,10 +19,11 @@ won) and lost 0.74 pp of test accuracy, so it is opt-in (BENCHMARKS.md)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,7 @@ import numpy as np
 from edge_runtime.budget import Budget
 from edge_runtime.datastores import (
     BACKENDS,
-    FlatDatastore,
-    HNSWDatastore,
+    BaseDatastore,
     ProtoNNDatastore,
     SampleDatastore,
     max_count_within,
@@ -46,8 +46,12 @@ from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger(__name__)
 
-BACKEND_CHOICES = ("auto", *BACKENDS)
-Datastore = FlatDatastore | HNSWDatastore | ProtoNNDatastore
+Datastore = BaseDatastore  # any registered backend
+
+
+def backend_choices() -> tuple[str, ...]:
+    """What --backend takes: "auto" (every registered backend) or one registered backend."""
+    return ("auto", *BACKENDS)
 
 
 @dataclass
@@ -62,7 +66,7 @@ class SearchSpace:
     accuracy from 0.824 to 0.836 at a budget of the full datastore (0.836 with no budget) and
     from 0.818 to 0.825 at a quarter of it."""
 
-    backends: tuple[str, ...] = tuple(BACKENDS)
+    backends: tuple[str, ...] = field(default_factory=lambda: tuple(BACKENDS))
     flat_dtypes: tuple[str, ...] = ("fp32", "fp16", "int8")
     count_fractions: tuple[float, ...] = (1.0,)
     hnsw_M: tuple[int, ...] = (8, 16)
@@ -85,8 +89,9 @@ class SearchSpace:
 
     def restricted_to(self, backend: str) -> SearchSpace:
         """This space with only one backend ("auto" keeps them all)."""
-        if backend not in BACKEND_CHOICES:
-            raise ExportError(f"unknown backend {backend!r}; known: {', '.join(BACKEND_CHOICES)}")
+        if backend not in backend_choices():
+            raise ExportError(f"unknown backend {backend!r}; known: "
+                              f"{', '.join(backend_choices())}")
         if backend == "auto":
             return self
         return SearchSpace(**{**self.__dict__, "backends": (backend,)})
@@ -131,29 +136,49 @@ def smallest_datastore_bytes(space: SearchSpace, num_classes: int, dim: int) -> 
     the smallest projection): a budget with less room than this cannot get a bundle."""
     rng = np.random.default_rng(0)
     z, y = rng.normal(size=(1, dim)).astype(np.float32), np.zeros(1, dtype=np.int64)
-    sizes = []
-    for backend in space.backends:
-        if backend == "flat":
-            sizes += [measure_nbytes(FlatDatastore(num_classes, dtype=t).fit(z, y))
-                      for t in space.flat_dtypes]
-        elif backend == "hnsw":
-            sizes += [measure_nbytes(HNSWDatastore(num_classes, M=m).fit(z, y))
-                      for m in space.hnsw_M]
-        elif backend == "protonn" and space.protonn_dims:
-            d = min(space.protonn_dims)
-            ds = ProtoNNDatastore.from_matrices(np.zeros((d, dim)), np.zeros((d, 1)),
-                                                np.zeros((num_classes, 1)), 1.0, m=1.0)
-            sizes.append(measure_nbytes(ds))
+    sizes = [measure_nbytes(config.fit(z, y)) for config in sample_configs(space, num_classes)]
+    if ProtoNNDatastore.backend in space.backends and space.protonn_dims:
+        d = min(space.protonn_dims)
+        ds = ProtoNNDatastore.from_matrices(np.zeros((d, dim)), np.zeros((d, 1)),
+                                            np.zeros((num_classes, 1)), 1.0, m=1.0)
+        sizes.append(measure_nbytes(ds))
     if not sizes:
         raise ExportError("the search space has no datastore configuration to try")
     return min(sizes)
+
+
+def sample_configs(space: SearchSpace, num_classes: int, **params: Any) -> list[SampleDatastore]:
+    """The unfitted configurations of the space's sample-storing backends (every registered
+    class not TRAINED): per backend, the product of its class's SEARCH_AXES, read from the
+    space where an axis names a field of it. A pruned space drops a backend whose
+    DOMINATED_BY recipe is among them (the module's doc)."""
+    configs = []
+    for backend in space.backends:
+        cls = BACKENDS.get(backend)
+        if cls is None:
+            raise ExportError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+        if cls.TRAINED:
+            continue
+        axes = cls.SEARCH_AXES
+        grids = [_axis_values(space, values) for values in axes.values()]
+        configs += [cls(num_classes, **params, **dict(zip(axes, point, strict=True)))
+                    for point in itertools.product(*grids)]
+    if space.prune:
+        recipes = {c.recipe for c in configs}
+        configs = [c for c in configs if c.DOMINATED_BY not in recipes]
+    return configs
+
+
+def _axis_values(space: SearchSpace, axis: str | tuple) -> tuple:
+    values = getattr(space, axis) if isinstance(axis, str) else axis
+    return tuple(values) if isinstance(values, tuple | list) else (values,)
 
 
 def selection_key(c: Candidate) -> tuple:
     """edge_runtime.knn.datastore_key: the order `knnper-edge init` ranks its candidates by.
     Its log-loss rounding keeps the tiny differences that key quantization causes (fp32
     against int8 keys) from outweighing a 4x saving in bytes."""
-    return datastore_key(c.val_accuracy, c.val_nll, trained=c.backend == "protonn",
+    return datastore_key(c.val_accuracy, c.val_nll, trained=BACKENDS[c.backend].TRAINED,
                          nbytes=c.nbytes)
 
 
@@ -212,7 +237,8 @@ class DatastoreSizer:
             candidates.append((cand, ds))
             log.debug("client %d: %s %d bytes acc %s", data.client_id, cand.recipe, cand.nbytes,
                       cand.val_accuracy)
-        if "protonn" in self.space.backends and not self._holds_all_fp32(candidates, data):
+        if (ProtoNNDatastore.backend in self.space.backends
+                and not self._holds_all_fp32(candidates, data)):
             candidates += self._protonn_search(data, room)
         if not candidates:
             raise BudgetInvalid(
@@ -221,7 +247,7 @@ class DatastoreSizer:
         if len(data.y_val) == 0:
             # No validation split to judge by: the most stored samples that fit, searched
             # exactly (flat), at the highest precision (most bytes).
-            best_pair = max(candidates, key=lambda cd: (cd[0].stored, cd[0].backend == "flat",
+            best_pair = max(candidates, key=lambda cd: (cd[0].stored, cd[1].EXACT_SEARCH,
                                                         cd[0].nbytes))
         else:
             best_pair = min(candidates, key=lambda cd: selection_key(cd[0]))
@@ -234,9 +260,7 @@ class DatastoreSizer:
                         data: ClientSplits) -> bool:
         """Whether a flat float32 datastore of every train sample fits (then ProtoNN is not
         trained: the module's doc says why)."""
-        return any(
-            c.backend == "flat" and c.recipe.startswith("flat:fp32")
-            and c.stored == len(data.y_train) for c, _ in candidates)
+        return any(ds.exact_fp32 and c.stored == len(data.y_train) for c, ds in candidates)
 
     def _head(self) -> PersonalHead:
         """A candidate's head: its datastore, the encoder's base (the global model, or the
@@ -281,21 +305,8 @@ class DatastoreSizer:
     def _sample_configs(self) -> Iterator[SampleDatastore]:
         """The flat and HNSW configurations to fill with samples (ProtoNN is trained after
         them: see _protonn_search), unfitted and with no sample count yet."""
-        k, sigma = self.knn.config.k, self.knn.config.sigma
-        for backend in self.space.backends:
-            if backend == "flat":
-                for dtype in self.space.flat_dtypes:
-                    yield FlatDatastore(self.num_classes, k=k, sigma=sigma, dtype=dtype,
-                                        seed=self.seed)
-            elif backend == "hnsw":
-                if (self.space.prune and "flat" in self.space.backends
-                        and "fp32" in self.space.flat_dtypes):
-                    continue  # flat fp32 holds more samples in the same room, searched exactly
-                for links in self.space.hnsw_M:
-                    yield HNSWDatastore(self.num_classes, k=k, sigma=sigma, M=links,
-                                        ef=self.space.hnsw_ef, seed=self.seed)
-            elif backend != "protonn":
-                raise ExportError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+        yield from sample_configs(self.space, self.num_classes, k=self.knn.config.k,
+                                  sigma=self.knn.config.sigma, seed=self.seed)
 
     def _fit_within(self, config: SampleDatastore, data: ClientSplits, count: int,
                     capacity: int, room: int) -> tuple[Candidate, Datastore] | None:
@@ -395,7 +406,7 @@ class DatastoreSizer:
         full = ds.estimate_nbytes(len(ds), data.z_train.shape[1]) if ds.buffer else nbytes
         if max(nbytes, full) > room:
             return None
-        return Candidate(ds.recipe, "protonn", nbytes, len(ds), steps=steps), ds
+        return Candidate(ds.recipe, ds.backend, nbytes, len(ds), steps=steps), ds
 
 
 def _bind(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:

@@ -14,10 +14,10 @@ from edge_runtime.signing import load_private_key
 from export.errors import BudgetInvalid, ExportError
 from export.exporter import (
     DEVICE_EXTRAS,
-    NEEDS_DEVICE_EXTRA,
     REPORT_FILE,
     ExportSettings,
     apply_knn_choice,
+    device_extra,
     export_run,
     needing_extras,
     select_ids,
@@ -29,7 +29,7 @@ from export.profiles import (
     uniform_budgets,
     weak_strong_budgets,
 )
-from export.sizing import BACKEND_CHOICES
+from export.sizing import backend_choices
 from export.upgrade_map import old_release, server_data, write_upgrade_map
 from fed_train.errors import KnnperError
 from fed_train.knn_choice import load_or_choose
@@ -77,7 +77,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spread", type=float, default=0.5,
                    help="lognormal: sigma of log(budget)")
     p.add_argument("--backend", default="auto",
-                   help=f"datastore backend: {', '.join(BACKEND_CHOICES)} (auto tries all)")
+                   help=f"datastore backend: {', '.join(backend_choices())} (auto tries all)")
     p.add_argument("--device-extras", choices=DEVICE_EXTRAS, default="any",
                    help="none: try only datastores the device runtime loads without extras "
                    "and that `knnper-edge export-onnx` can make one file of (no HNSW); any: "
@@ -202,7 +202,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     for backend, ids in needing_extras(report["clients"]).items():
         shown = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")
         print(f"{len(ids)} of {len(report['clients'])} bundle(s) use {backend} (client "
-              f"{shown}): a device loads them only with the {NEEDS_DEVICE_EXTRA[backend]} "
+              f"{shown}): a device loads them only with the {device_extra(backend)} "
               "extra, and `knnper-edge export-onnx` cannot make one file of them; "
               "--device-extras none avoids it")
     print(f"wrote {len(report['clients'])} bundle(s) and {Path(args.out) / REPORT_FILE}")

@@ -1,4 +1,5 @@
 """Datastore backends (flat / hnsw / protonn) behind one small surface, and their recipe strings.
+A new backend is one module plus one `register_backend` line below (docs/extending.md).
 
 Every backend answers the local kNN-Per posterior `predict_proba(z) -> [n, C]` and knows how to
 save itself into a bundle directory and load back. The surface, scikit-learn style:
@@ -36,6 +37,7 @@ from .flat import FlatDatastore
 from .hnsw import HNSWDatastore
 from .protonn import ProtoNNDatastore
 from .recipes import format_recipe, parse_recipe
+from .registry import BACKENDS, backend_class, register_backend
 
 __all__ = [
     "BACKENDS",
@@ -46,6 +48,7 @@ __all__ = [
     "HNSWDatastore",
     "ProtoNNDatastore",
     "SampleDatastore",
+    "backend_class",
     "datastore_file_name",
     "file_generation",
     "format_recipe",
@@ -53,13 +56,12 @@ __all__ = [
     "make_datastore",
     "max_count_within",
     "parse_recipe",
+    "register_backend",
 ]
 
-BACKENDS: dict[str, type] = {
-    "flat": FlatDatastore,
-    "hnsw": HNSWDatastore,
-    "protonn": ProtoNNDatastore,
-}
+register_backend(FlatDatastore)
+register_backend(HNSWDatastore)
+register_backend(ProtoNNDatastore)
 
 
 def make_datastore(
@@ -90,6 +92,4 @@ def load_datastore(
     embedding_dim: int | None = None,
 ):
     """Load a datastore of the named backend (see each class's `load`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown datastore backend {backend!r}; known: {sorted(BACKENDS)}")
-    return BACKENDS[backend].load(directory, params, files=files, embedding_dim=embedding_dim)
+    return backend_class(backend).load(directory, params, files=files, embedding_dim=embedding_dim)

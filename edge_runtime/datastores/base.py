@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -55,7 +56,10 @@ class BaseDatastore:
 
     A backend sets `backend`, `FILES`, `FILES_RULE` and `NPZ_ARRAYS`, adds the checks of its
     own parameters to `PARAM_CHECKS`, implements `_restore`, and writes `__init__` as its
-    signature over the body `self._init_params(locals())`: the one list of its parameters."""
+    signature over the body `self._init_params(locals())`: the one list of its parameters.
+    It declares what the rest of the code asks of it below (recipe tokens, ONNX form, device
+    extra, the sizer's axes) and its memory model in `estimate_nbytes`; the code outside
+    `datastores/` reads these, never the backend's name (docs/extending.md)."""
 
     backend: ClassVar[str] = ""
     # the names of __init__'s parameters, read from its signature when a backend is defined
@@ -72,6 +76,32 @@ class BaseDatastore:
     FILES: ClassVar[tuple[str, ...]] = ()
     FILES_RULE: ClassVar[str] = ""
     NPZ_ARRAYS: ClassVar[tuple[str, ...]] = ()
+    # its recipe ("name:token:token"): per token (pattern, parameter, converter), the first full
+    # match winning; the tokens in words for an error; the order and format a recipe writes them
+    # in; parameters a recipe leaves out that it still records
+    RECIPE_TOKENS: ClassVar[tuple[tuple[re.Pattern, str, Callable[[str], Any]], ...]] = ()
+    RECIPE_HELP: ClassVar[str] = ""
+    RECIPE_FORMAT: ClassVar[tuple[tuple[str, str], ...]] = ()
+    RECIPE_DEFAULTS: ClassVar[dict[str, Any]] = {}
+    # the backend and each recipe parameter in words (`knnper-edge info`)
+    DESCRIPTION: ClassVar[str] = ""
+    PARAM_WORDS: ClassVar[dict[str, str]] = {}
+    # trained on the server (needs torch), not filled with samples: a device cannot init one, an
+    # upgrade cannot re-key one, and the sizer trains it after the sample stores
+    TRAINED: ClassVar[bool] = False
+    # which of predictor_graph's forms writes its search as ONNX ops (None: it has no ONNX form,
+    # so no one-session predictor and no `knnper-edge export-onnx`)
+    ONNX_FORM: ClassVar[str | None] = None
+    # the knnper-edge extra a device must install to load it (None: the runtime alone)
+    DEVICE_EXTRA: ClassVar[str | None] = None
+    # searches every stored key (the sizer prefers it among equals when nothing validates)
+    EXACT_SEARCH: ClassVar[bool] = False
+    # the sizer's grid of constructor parameters: their values, or the name of the SearchSpace
+    # field that holds them (a sequence, or one value)
+    SEARCH_AXES: ClassVar[dict[str, str | tuple]] = {}
+    # a recipe that holds more samples in the same room and searches them exactly: the pruned
+    # search skips this backend where that recipe is among the candidates
+    DOMINATED_BY: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -108,6 +138,19 @@ class BaseDatastore:
     @property
     def nbytes(self) -> int:
         return self.estimate_nbytes(len(self), self.embedding_dim_)
+
+    @property
+    def exact_fp32(self) -> bool:
+        """Whether it searches every stored key exactly, as float32."""
+        return False
+
+    def stored_words(self) -> str:
+        """What it holds, for `knnper-edge info`."""
+        return f"{len(self)} stored"
+
+    def single_session(self) -> bool:
+        """Whether its prediction runs as one onnxruntime session with the encoder."""
+        return False
 
     def estimate_nbytes(self, n: int, dim: int) -> int:
         raise NotImplementedError

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,25 @@ class FlatDatastore(SampleDatastore):
     FILES = ("datastore.npz",)
     FILES_RULE = "a flat datastore is one .npz file"
     NPZ_ARRAYS = ("keys", "labels", "order")
+    RECIPE_TOKENS = (
+        (re.compile(r"(fp32|fp16|int8)"), "dtype", str),
+        (re.compile(r"n(\d+)"), "n", int),
+        (re.compile(r"x(\d+)"), "inputs", int),
+    )
+    RECIPE_HELP = "fp32|fp16|int8, n<count> and x<input bytes>"
+    RECIPE_FORMAT = (("dtype", "{}"), ("n", "n{}"), ("inputs", "x{}"))
+    RECIPE_DEFAULTS = {"dtype": "fp32"}
+    DESCRIPTION = "flat keys (exact search)"
+    PARAM_WORDS = {
+        "dtype": "keys stored as {}",
+        # n is how many it may hold, not how many it does (`info` prints that beside it)
+        "n": "n{0}: holds at most {0} samples",
+        "inputs": "x{0}: keeps each sample's raw input ({0} bytes) to re-embed it when the "
+                  "model changes",
+    }
+    ONNX_FORM = "keys"
+    EXACT_SEARCH = True
+    SEARCH_AXES = {"dtype": "flat_dtypes"}
 
     def __init__(
         self,
@@ -138,6 +158,26 @@ class FlatDatastore(SampleDatastore):
         self.key_norms_ = transposed_key_norms(self.keys_t_, self.scale_)
         # the integer scan's correction for its query shift (see predictor_graph)
         self.key_sums_ = self.keys_t_.sum(axis=0, dtype=np.int32) if self.dtype == "int8" else None
+
+    @property
+    def exact_fp32(self) -> bool:
+        return self.dtype == "fp32"
+
+    def single_session(self) -> bool:
+        # fp16 keys have no exact ONNX scan: the runtime searches them in numpy
+        return self.dtype in ("fp32", "int8")
+
+    def graph_feeds(self) -> dict[str, np.ndarray]:
+        """The predictor graph's sample inputs ("stored" form): the datastore's own arrays."""
+        feeds = {"keys_t": self.keys_t_, "key_norms": self.key_norms_, "labels": self.labels_}
+        if self.dtype == "int8":
+            feeds["key_sums"] = self.key_sums_
+        return feeds
+
+    def graph_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys [n, q] float32, labels [n]) a keys-as-inputs graph takes: every stored sample,
+        as the search sees it."""
+        return self.keys(), self.labels_
 
     def keys(self) -> np.ndarray:
         """The keys [n, p] as the search sees them, as a new float32 array (for inspection)."""

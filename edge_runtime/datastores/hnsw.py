@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,29 @@ class HNSWDatastore(SampleDatastore):
     FILES = ("datastore.npz", "hnsw.bin")
     FILES_RULE = "an hnsw datastore is one .npz and one .bin file"
     NPZ_ARRAYS = ("labels",)
+    RECIPE_TOKENS = (
+        (re.compile(r"M(\d+)"), "M", int),
+        (re.compile(r"efc(\d+)"), "ef_construction", int),
+        (re.compile(r"ef(\d+)"), "ef", int),
+        (re.compile(r"n(\d+)"), "n", int),
+        (re.compile(r"x(\d+)"), "inputs", int),
+    )
+    RECIPE_HELP = "M<links>, ef<search width>, efc<construction width>, n<count> and x<input bytes>"
+    RECIPE_FORMAT = (("M", "M{}"), ("ef", "ef{}"), ("ef_construction", "efc{}"), ("n", "n{}"),
+                     ("inputs", "x{}"))
+    DESCRIPTION = "an HNSW graph index"
+    PARAM_WORDS = {
+        "M": "M{0}: {0} links per node",
+        "ef": "ef{0}: search width {0}",
+        "ef_construction": "efc{0}: construction width {0}",
+        "n": "n{0}: holds at most {0} samples",
+        "inputs": "x{0}: keeps each sample's raw input ({0} bytes) to re-embed it when the "
+                  "model changes",
+    }
+    DEVICE_EXTRA = "hnsw"
+    SEARCH_AXES = {"M": "hnsw_M", "ef": "hnsw_ef"}
+    # float32 keys plus links: flat float32 keys hold more samples in the same room, exactly
+    DOMINATED_BY = "flat:fp32"
 
     def __init__(
         self,

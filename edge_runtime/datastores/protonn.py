@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,23 @@ class ProtoNNDatastore(BaseDatastore):
     FILES = ("datastore.npz",)
     FILES_RULE = "a protonn datastore is one .npz file"
     NPZ_ARRAYS = ("W", "B", "Z", "gamma")
+    RECIPE_TOKENS = (
+        (re.compile(r"d(\d+)"), "d", int),
+        (re.compile(r"m(\d+(?:\.\d*)?|\.\d+)"), "m", float),
+        (re.compile(r"n(\d+)"), "n", int),
+        (re.compile(r"b(\d+)"), "buffer", int),
+    )
+    RECIPE_HELP = "d<projection dim>, m<prototype fraction>, n<count> and b<buffer capacity>"
+    RECIPE_FORMAT = (("d", "d{}"), ("m", "m{:g}"), ("n", "n{}"), ("buffer", "b{}"))
+    DESCRIPTION = "ProtoNN prototypes"
+    PARAM_WORDS = {
+        "d": "d{0}: keys projected to {0} dimensions",
+        "m": "m{0:g}: prototypes {0:g} x the samples",
+        "n": "n{0}: built from {0} of the client's samples",
+        "buffer": "b{0}: room for {0} samples added on the device",
+    }
+    TRAINED = True
+    ONNX_FORM = "prototypes"
 
     def __init__(
         self,
@@ -140,6 +158,22 @@ class ProtoNNDatastore(BaseDatastore):
         self.buffer_labels_ = labels
         self.buffer_order_ = order
         self._buffer_norms = np.einsum("ij,ij->j", self.buffer_keys_t_, self.buffer_keys_t_)
+
+    def stored_words(self) -> str:
+        return f"{len(self)} prototypes + {len(self.sample_store())} buffered samples"
+
+    def single_session(self) -> bool:
+        return True
+
+    def graph_feeds(self) -> dict[str, np.ndarray]:
+        """The predictor graph's sample inputs ("stored" form): the datastore's own arrays."""
+        return {"prototypes": self.B_, "prototype_scores": self.Z_,
+                "prototype_norms": self.prototype_norms_, "keys_t": self.buffer_keys_t_,
+                "labels": self.buffer_labels_}
+
+    def graph_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys [n, q] float32, labels [n]) a keys-as-inputs graph takes: the buffer."""
+        return np.ascontiguousarray(self.buffer_keys_t_.T), self.buffer_labels_
 
     def sample_store(self) -> _SampleBuffer:
         """What the runtime's update strategies add to and evict from: the buffer."""

@@ -36,7 +36,13 @@ def _knnper(*argv: str) -> None:
 
 
 def file_hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+    """sha256 per file; an append-only journal's lines sorted first (parallel workers finish
+    clients in any order)."""
+    def content(path: Path) -> bytes:
+        data = path.read_bytes()
+        return b"".join(sorted(data.splitlines(True))) if path.suffix == ".jsonl" else data
+
+    return {str(p.relative_to(root)): hashlib.sha256(content(p)).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
