@@ -56,6 +56,7 @@ from .datastores.recipes import describe_recipe
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .interrupt import INTERRUPTED
+from .knn import DEFAULT_K, DEFAULT_SIGMA
 from .preprocess import is_one_sample
 from .runtime import Runtime, check_labels
 
@@ -180,9 +181,9 @@ def _build_parser() -> argparse.ArgumentParser:
                       "encoder it signs")
     spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
     s.add_argument("--k", type=k_neighbours, default=None,
-                   help="neighbours of the kNN head (default: --like's, else 10)")
+                   help=f"neighbours of the kNN head (default: --like's, else {DEFAULT_K})")
     s.add_argument("--sigma", type=kernel_sigma, default=None,
-                   help="kernel width of the kNN head (default: --like's, else 1)")
+                   help=f"kernel width of the kNN head (default: --like's, else {DEFAULT_SIGMA:g})")
     s.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
                    help="comma-separated candidates, e.g. flat:int8,flat:fp16")
     s.add_argument("--val-fraction", type=float, default=0.2,
@@ -568,8 +569,8 @@ def cmd_init(args) -> int:
         budget,
         args.out,
         input_spec=spec,
-        k=10 if k is None else k,
-        sigma=1.0 if sigma is None else sigma,
+        k=DEFAULT_K if k is None else k,
+        sigma=DEFAULT_SIGMA if sigma is None else sigma,
         recipes=recipes,
         val_fraction=args.val_fraction,
         seed=args.seed,

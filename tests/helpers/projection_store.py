@@ -28,17 +28,20 @@ class ProjectionDatastore(SampleDatastore):
     FILES = ("datastore.npz",)
     FILES_RULE = "a randproj datastore is one .npz file"
     NPZ_ARRAYS = ("keys", "labels", "order", "projection")
-    RECIPE_TOKENS = ((re.compile(r"d(\d+)"), "d", int), (re.compile(r"n(\d+)"), "n", int))
-    RECIPE_HELP = "d<projected dim> and n<count>"
-    RECIPE_FORMAT = (("d", "d{}"), ("n", "n{}"))
+    RECIPE_TOKENS = ((re.compile(r"d(\d+)"), "d", int), (re.compile(r"n(\d+)"), "n", int),
+                     (re.compile(r"x(\d+)"), "inputs", int))
+    RECIPE_HELP = "d<projected dim>, n<count> and x<input bytes>"
+    RECIPE_FORMAT = (("d", "d{}"), ("n", "n{}"), ("inputs", "x{}"))
     DESCRIPTION = "randomly projected keys (exact search)"
     PARAM_WORDS = {"d": "d{0}: keys projected to {0} dimensions",
-                   "n": "n{0}: built from {0} of the client's samples"}
+                   "n": "n{0}: holds at most {0} samples",
+                   "inputs": "x{0}: keeps each sample's raw input ({0} bytes)"}
     EXACT_SEARCH = True
     SEARCH_AXES = {"d": (8,)}
 
     def __init__(self, num_classes: int, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
-                 d: int = 8, n: int | None = None, seed: int = 0) -> None:
+                 d: int = 8, n: int | None = None, inputs: int | None = None,
+                 seed: int = 0) -> None:
         self._init_params(locals())
 
     def _store(self, z: np.ndarray, y: np.ndarray) -> None:
@@ -49,7 +52,9 @@ class ProjectionDatastore(SampleDatastore):
         self.keys_, self.labels_ = z @ self.projection_, y
         self.order_ = np.arange(len(y), dtype=np.int64)
 
-    def add(self, z: np.ndarray, y: np.ndarray) -> ProjectionDatastore:
+    def add(self, z: np.ndarray, y: np.ndarray,
+            inputs: np.ndarray | None = None) -> ProjectionDatastore:
+        self._append_inputs(inputs, z.shape[0])
         z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
         start = int(self.order_[-1]) + 1 if len(self.order_) else 0
         self.keys_ = np.concatenate([self.keys_, z @ self.projection_])
@@ -79,13 +84,14 @@ class ProjectionDatastore(SampleDatastore):
     def estimate_nbytes(self, n_samples: int, dim: int) -> int:
         """The memory model: projected keys, labels, stamps and the projection, plus npz
         overhead (an upper bound)."""
-        return n_samples * (4 * self.d + 16) + 4 * dim * self.d + 4096
+        return (n_samples * (4 * self.d + 16) + 4 * dim * self.d + 4096
+                + self.inputs_nbytes(n_samples))
 
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         name = datastore_file_name("datastore", "npz", generation)
         save_npz_atomic(Path(directory) / name, {
             "keys": self.keys_, "labels": self.labels_, "order": self.order_,
-            "projection": self.projection_, **self.version_arrays()})
+            "projection": self.projection_, **self.extra_arrays()})
         return [name]
 
     def _restore(self, saved: SavedFiles, embedding_dim: int | None) -> ProjectionDatastore:
