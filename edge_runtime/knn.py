@@ -39,6 +39,20 @@ def k_sigma_problem(k: object = None, sigma: object = None) -> str | None:
     return None
 
 
+# what the kNN posterior is interpolated with: the global model's, or a linear head fitted on
+# the client's own train embeddings (with an l2 penalty)
+KNN_BASES = ("global", "linear")
+
+
+def base_problem(base: object, l2: object) -> str | None:
+    """Why (base, l2) is not a kNN base, or None when it is: "global" without an l2, or
+    "linear" with a positive one. One check for settings, saved choices and algorithms alike."""
+    linear_l2 = l2 is not None and is_real(l2, finite=True) and l2 > 0
+    if base not in KNN_BASES or (base == "linear") != linear_l2:
+        return f"base must be 'global', or 'linear' with l2 > 0; got {base!r}, l2={l2}"
+    return None
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax, shifted by the row maximum so large logits cannot overflow."""
     shifted = logits - logits.max(axis=-1, keepdims=True)

@@ -17,7 +17,7 @@ from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
 from .datastores.common import file_generation
 from .errors import BundleError
 from .head_file import HEAD_FILE_RE
-from .knn import CLIENT_RULE, LAMBDA_RULES, LambdaRule, k_sigma_problem
+from .knn import CLIENT_RULE, KNN_BASES, LAMBDA_RULES, LambdaRule, k_sigma_problem
 from .preprocess import validate_spec
 from .values import is_integer, is_real
 
@@ -207,7 +207,6 @@ def new_device_lambda_rule(manifest: dict) -> tuple[LambdaRule, str | None]:
 KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
 # recorded by newer exporters: how lambda pools evidence, what the kNN is interpolated with
 KNN_CHOICE_OPTIONAL = ("lambda_rule", "base", "l2")
-KNN_BASES = ("global", "linear")
 KNN_CHOICE_SOURCES = ("validation", "flag", "paper default")
 
 

@@ -37,6 +37,7 @@ from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
+    base_problem,
 )
 from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest, taught_on_device
@@ -109,10 +110,9 @@ class ExportSettings:
         knn, config = self.knn, self.knn.config
         _check_known("embedding normalisation", config.normalize, NORMALIZATIONS)
         _check_known("lambda estimator", knn.lambda_estimator, LAMBDA_ESTIMATORS)
-        if (knn.base not in ("global", "linear")
-                or (knn.base == "linear") != (knn.l2 is not None and knn.l2 > 0)):
-            raise ExportError(f"base must be 'global', or 'linear' with l2 > 0; got "
-                              f"{knn.base!r}, l2={knn.l2}")
+        problem = base_problem(knn.base, knn.l2)
+        if problem is not None:
+            raise ExportError(problem)
         if config.k < 1 or not config.sigma > 0:
             raise ExportError(f"k must be >= 1 and sigma > 0, got k={config.k}, "
                               f"sigma={config.sigma}")

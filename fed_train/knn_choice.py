@@ -30,6 +30,7 @@ from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
     LambdaRule,
+    base_problem,
     choice_key,
     k_sigma_problem,
 )
@@ -40,7 +41,6 @@ from fed_train.knn_request import (
     KNNRequest,
 )
 from fed_train.knn_tuning import (
-    BASES,
     KNNConfig,
     choose_knn,
     grid_points,
@@ -288,7 +288,7 @@ def choice_from_record(record: Any, path: Path) -> KNNChoice:
             raise KnnperError("inconsistent estimator or sources")
         rule = LambdaRule.from_dict(record["lambda_rule"])
         base, l2 = record["base"]["name"], record["base"]["l2"]
-        if base not in BASES or (base == "linear") != (isinstance(l2, float) and l2 > 0):
+        if base_problem(base, l2) is not None:
             raise KnnperError(f"base {base!r} with l2 {l2!r} is not a base")
         _check_evidence(record, request, config, estimator)
         _check_base_evidence(record, request, base, rule.name)

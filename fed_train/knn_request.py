@@ -12,6 +12,7 @@ from edge_runtime.knn import (
     DEFAULT_K,
     DEFAULT_NORMALIZE,
     DEFAULT_SIGMA,
+    KNN_BASES,
     LAMBDA_ESTIMATORS,
     LAMBDA_RULES,
     NORMALIZATIONS,
@@ -23,7 +24,7 @@ KNN_MODES = ("tuned", "paper")
 ESTIMATOR_CHOICES = (*LAMBDA_ESTIMATORS, "auto")
 RULE_CHOICES = (*LAMBDA_RULES, "auto")
 # what kNN-Per's kNN is interpolated with: the global model, or each client's linear head
-BASE_CHOICES = ("global", "linear", "auto")
+BASE_CHOICES = (*KNN_BASES, "auto")
 # where a value came from, as manifests and export.json record it
 FROM_VALIDATION, FROM_FLAG, FROM_PAPER = "validation", "flag", "paper default"
 K_GRID: tuple[int, ...] = (5, 10, 20, 50)

@@ -25,6 +25,7 @@ from edge_runtime.knn import (
     DEFAULT_K,
     DEFAULT_NORMALIZE,
     DEFAULT_SIGMA,
+    KNN_BASES,
     LAMBDA_ESTIMATORS,
     LAMBDA_GRID,
     LAMBDA_RULES,
@@ -476,7 +477,7 @@ def choose_l2(views: Sequence[ClientSplits],
                                      "samples": int(sum(len(v.y_val) for v in seen))}}
 
 
-BASES: tuple[str, ...] = ("global", "linear")
+BASES: tuple[str, ...] = KNN_BASES
 
 
 def normalized_views(views: Sequence[ClientSplits], normalize: str) -> list[ClientSplits]:

@@ -14,6 +14,7 @@ from edge_runtime.knn import (
     DEFAULT_NORMALIZE,
     DEFAULT_SIGMA,
     LambdaRule,
+    base_problem,
     softmax,
 )
 from edge_runtime.personal_head import ClientSplits, PersonalHead, check_settings
@@ -53,9 +54,9 @@ class KNNPer(FedAvg):
         is interpolated with: the global model, or ("linear") a linear head fitted with `l2`
         on the client's train embeddings, normalised as the kNN's are."""
         super().__init__(model_fn, training)
-        if base not in ("global", "linear") or (base == "linear") != (l2 is not None and l2 > 0):
-            raise ValueError(f"base must be 'global', or 'linear' with l2 > 0; got {base!r}, "
-                             f"l2={l2}")
+        problem = base_problem(base, l2)
+        if problem is not None:
+            raise ValueError(problem)
         check_settings(k, sigma, normalize, lambda_estimator, l2 if base == "linear" else None)
         self.k, self.sigma, self.capacity = k, sigma, capacity
         self.normalize, self.lambda_estimator = normalize, lambda_estimator
