@@ -130,8 +130,12 @@ def _cmd_model_update(args: argparse.Namespace) -> int:
     for seed in range(args.seed, args.seed + args.seeds):
         rows += model_update.run_seed(folder / f"seed_{seed}", settings, seed)
     command = " ".join(["knnper experiment model-update", *(["--quick"] if args.quick else []),
-                        f"--dataset {settings.dataset}", f"--clients {settings.clients}",
-                        f"--rounds {settings.rounds}", f"--seeds {args.seeds}",
+                        f"--dataset {settings.dataset}",
+                        *([f"--data {settings.data}"] if settings.data else []),
+                        *([f"--max-train {settings.max_train}"] if settings.max_train else []),
+                        f"--clients {settings.clients}", f"--rounds {settings.rounds}",
+                        f"--pretrain-epochs {settings.pretrain_epochs}",
+                        f"--seed {args.seed} --seeds {args.seeds}",
                         f"--budget {settings.budget}", f"--out {args.out}"])
     model_update.summarise(rows, folder, command)
     print((folder / "summary.md").read_text())

@@ -48,6 +48,7 @@ CASES: dict[str, Case] = {
     "split_public.py": Case(("--dataset", "digits", "--client-train", "500", "--out", "{out}")),
     "load_checks.py": Case(("--sizes", "100", "--reps", "1", "--out", "{out}")),
     "upgrade_device.py": Case(("--smoke", "--out", "{out}")),
+    "upgrade_kills.py": Case(("--smoke", "--out", "{out}"), slow=True),
     "train_throughput.py": Case(("--tag", "smoke", "--clients", "2", "--samples", "8",
                                  "--rounds", "1", "--threads", "1", "--cases", "small-cnn:seq",
                                  "small-cnn:2", "--results", "{out}"), slow=True),
