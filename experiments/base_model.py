@@ -18,7 +18,6 @@ from experiments.report import finish_axes, fit_y, pyplot, save_figure
 from experiments.spec import ALPHAS, Claim, Experiment, Measured, Result, format_alpha
 from experiments.views import (
     accuracy_on_test,
-    client_views,
     fedavg_rows,
     knn_head,
     pooled_heads,
@@ -27,6 +26,7 @@ from experiments.views import (
 )
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights, set_weights
+from fed_train.knn_tuning import client_views
 from fed_train.simulation import checkpoint_round, load_checkpoint, simulate
 
 NAME = "base-model"

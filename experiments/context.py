@@ -16,10 +16,10 @@ from edge_runtime.personal_head import ClientSplits
 from experiments.points import PointStore
 from experiments.spec import format_alpha
 from experiments.table_seeds import seed_dir
-from experiments.views import client_views
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.knn_choice import KNNChoice, load_or_choose
 from fed_train.knn_request import KNNRequest
+from fed_train.knn_tuning import client_views
 from fed_train.run import MODEL_FILE, LoadedRun, RunConfig, load_run, train
 
 log = logging.getLogger(__name__)

@@ -11,23 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.knn import DEFAULT_NORMALIZE
 from edge_runtime.personal_head import ClientSplits, PersonalHead
-from fed_train.algorithms.base import ClientData
 from fed_train.algorithms.knnper import datastore_indices
 from fed_train.evaluation import summarize
 from fed_train.knn_choice import KNNChoice
-from fed_train.knn_tuning import choosing_views, fit_rule, normalized_views
-from fed_train.knn_tuning import client_views as embedded_views
-from fed_train.models import EmbedHeadModel
+from fed_train.knn_tuning import choosing_views, fit_rule
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
-
-
-def client_views(model: EmbedHeadModel, clients: Sequence[ClientData], *,
-                 normalize: str = DEFAULT_NORMALIZE) -> list[ClientSplits]:
-    """Embeddings normalised as kNN-Per's configuration says (keys and queries alike), once
-    for every sweep over them."""
-    return normalized_views(embedded_views(model, clients), normalize)
 
 
 def knn_head(view: ClientSplits, num_classes: int, *, k: int, sigma: float, capacity: float,

@@ -63,9 +63,11 @@ BaseProbs = Callable[[ClientData], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
-                 base_probs: BaseProbs | None = None) -> list[ClientSplits]:
-    """Embed every client's splits once with `model`'s body. Without `base_probs` the base
-    predictor is the model's own head (the global model)."""
+                 base_probs: BaseProbs | None = None, *,
+                 normalize: str = DEFAULT_NORMALIZE) -> list[ClientSplits]:
+    """Embed every client's splits once with `model`'s body, normalised as kNN-Per's
+    `normalize` says (keys and queries alike), for every sweep over them. Without `base_probs`
+    the base predictor is the model's own head (the global model)."""
     views = []
     for c in clients:
         parts = [embed_and_logits(model, x) for x in (c.x_train, c.x_val, c.x_test)]
@@ -77,7 +79,7 @@ def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
         views.append(ClientSplits(c.client_id, c.unseen, parts[0][0], c.y_train.cpu().numpy(),
                                   parts[1][0], c.y_val.cpu().numpy(), parts[2][0],
                                   c.y_test.cpu().numpy(), *probs))
-    return views
+    return normalized_views(views, normalize)
 
 
 class _Searched:
