@@ -57,6 +57,7 @@ from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .interrupt import INTERRUPTED
 from .knn import DEFAULT_K, DEFAULT_SIGMA
+from .predictor_graph import graph_backends
 from .preprocess import is_one_sample
 from .runtime import Runtime, check_labels
 
@@ -211,8 +212,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "export-onnx",
-        help="the whole prediction as one ONNX graph (flat and "
-        "protonn bundles) for devices without Python",
+        help=f"the whole prediction as one ONNX graph ({' and '.join(graph_backends())} "
+        "bundles) for devices without Python",
         epilog=examples(f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.onnx",
                         f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor-app.onnx "
                         "--keys-as-inputs"),
