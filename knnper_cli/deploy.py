@@ -82,7 +82,7 @@ def round_split(rows: list[dict[str, Any]]) -> str | None:
             f"training on the slowest client ({summed:.2f} s summed over the clients, which "
             f"share this machine's cores) + {max(0.0, wall - slowest):.1f} s Flower's floor: a "
             "new ClientApp process per message that imports torch and flwr again, and 3 s "
-            "polls (BENCHMARKS.md, Flower deployment versus the simulation)")
+            "polls (docs/benchmarks/flower.md)")
 
 
 def _cmd_deploy_config(args: argparse.Namespace) -> int:

@@ -96,7 +96,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pruned-search", action="store_true",
                    help="skip HNSW and ProtoNN candidates that look unable to win and train "
                    "ProtoNN candidates by successive halving: faster, but it lost accuracy "
-                   "against the exhaustive search (BENCHMARKS.md)")
+                   "against the exhaustive search (docs/benchmarks/export.md)")
     p.add_argument("--signing-key", metavar="PRIVATE.pem", default=None,
                    help="sign every bundle with this Ed25519 private key (knnper-edge keygen "
                         "makes one); devices given the public key refuse unsigned bundles")

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     parser.add_argument("--threads", type=threads, default=defaults.THREADS,
                         help="torch intra-op threads (1 trained the digits and Fashion-MNIST "
-                        "models fastest: BENCHMARKS.md)")
+                        "models fastest: docs/benchmarks/training.md)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for add in (add_train_commands, add_bench_command, add_export_command, add_demo_command,
                 add_experiment_command, add_deploy_command):
