@@ -131,12 +131,11 @@ def _printed_demo(**changes: str) -> str:
 def test_the_demo_table_is_checked_against_the_readme_within_its_tolerance():
     text = (REPO / "README.md").read_text()
     assert readme.demo_differences(text, _printed_demo()) == []
-    # what an AMD EPYC with AVX2 printed with the 8-bit encoder: inside the tolerance
-    avx2 = _printed_demo(**{"kNN-Per/weak device (runtime)/seen acc %": "98.3",
-                            "kNN-Per/strong device (runtime)/bundle (mean)": "42 kB"})
-    assert readme.demo_differences(text, avx2) == []
+    # a bundle one kB larger on average: inside the tolerance
+    larger = _printed_demo(**{"kNN-Per/strong device (runtime)/bundle (mean)": "42 kB"})
+    assert readme.demo_differences(text, larger) == []
     worse = readme.demo_differences(text, _printed_demo(
-        **{"kNN-Per/weak device (runtime)/seen acc %": "97.0"}))
+        **{"kNN-Per/weak device (runtime)/seen acc %": "96.0"}))
     assert len(worse) == 1 and "weak device (runtime), seen acc %" in worse[0]
     # what an AMD EPYC with AVX2 prints: FedAvg one test sample higher, inside the tolerance
     fedavg = "FedAvg/server/seen acc %"
