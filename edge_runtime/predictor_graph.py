@@ -262,19 +262,20 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
     weights = g.node(
         "Softmax", [g.node("Mul", [g.cast(sq_k, P.DOUBLE), g.const(-scale, np.float64)])], axis=1
     )
-    onehot = g.node(
-        "OneHot",
-        [
-            g.node("Gather", [labels, idx]),
-            g.const(int(manifest["num_classes"]), np.int64),
-            g.const([0.0, 1.0]),
-        ],
-        axis=-1,
-    )
+    onehot = _one_hot(g, g.node("Gather", [labels, idx]), int(manifest["num_classes"]), 1.0)
     weighted = g.node(
         "Mul", [g.cast(onehot, P.DOUBLE), g.node("Unsqueeze", [weights, g.const([2], np.int64)])]
     )
     return key, g.reduce("ReduceSum", weighted, 1, keepdims=0)
+
+
+def _one_hot(g: _Graph, labels: str, classes: int, on_value: float) -> str:
+    """labels [...] -> [..., classes] float32 with on_value at each label, 0 elsewhere.
+    Equal against 0..classes-1 rather than OneHot: onnxruntime 1.23 (the newest for Python
+    3.10) dies with SIGFPE on a OneHot of zero labels, which an empty ProtoNN buffer feeds."""
+    hits = g.node("Equal", [g.node("Unsqueeze", [labels, g.const([-1], np.int64)]),
+                            g.const(np.arange(classes), np.int64)])
+    return g.node("Mul", [g.cast(hits, P.FLOAT), g.const(float(on_value))])
 
 
 def _int8_key(g: _Graph, z: str, scale: np.ndarray) -> str:
@@ -318,11 +319,7 @@ def _protonn(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, 
             prototypes, scores_by_class = g.const(ds.B_), g.const(ds.Z_)
             norms = g.const(ds.prototype_norms_)
             buffer_t, labels = _portable_samples(g)
-        onehot = g.node(
-            "OneHot",
-            [labels, g.const(classes, np.int64), g.const([0.0, ds.buffer_weight_])],
-            axis=-1,
-        )
+        onehot = _one_hot(g, labels, classes, ds.buffer_weight_)
         parts = [
             (prototypes, norms, scores_by_class, True),
             (buffer_t, _row_norms(g, buffer_t, 0), onehot, False),
