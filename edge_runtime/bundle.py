@@ -14,7 +14,8 @@ update.
 
 Concurrency: writers hold an exclusive lock on the bundle directory from reading the manifest to
 committing the next one, readers a shared lock while they read (see `locking`), so processes that
-share a bundle never lose an update and a reader always sees one complete generation.
+share a bundle never lose an update and a reader always sees one complete generation. Writers go
+first, through a turnstile: the hidden file `.<bundle>.lock` beside the bundle (in its parent).
 
 Hostile files: the sha256 list guards against corruption, not against someone who rewrites the
 manifest too. So every file is also checked for what could crash the process or exhaust memory
@@ -70,7 +71,7 @@ from .head_file import (
     with_head,
 )
 from .linear_head import LinearHead
-from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock
+from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock, discard_turnstile
 from .manifest import (
     ENCODER_FILE,
     MANIFEST,
@@ -509,22 +510,29 @@ def write_bundle(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        discard_turnstile(tmp)  # verifying it locked the temporary
     return manifest
 
 
 _ABANDONED_RE = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[0-9a-f]{8}$")
+# the turnstile (locking) a killed writer's verification of its temporary left
+_ABANDONED_TURNSTILE_RE = re.compile(r"^\.(\..+\.tmp-(\d+)-[0-9a-f]{8})\.lock$")
 
 
 def remove_abandoned_temporaries(directory: Path) -> list[str]:
     """Remove the temporary directories (.<bundle>.tmp-<pid>-<id>, .<bundle>.old-<pid>-<id>)
-    that writers killed mid-write left in `directory`. Only those of processes that no longer
-    run: a live writer's temporaries are its own to clean."""
+    and their turnstiles that writers killed mid-write left in `directory`. Only those of
+    processes that no longer run: a live writer's temporaries are its own to clean."""
     removed = []
     for entry in directory.iterdir():
         match = _ABANDONED_RE.match(entry.name)
         if match and entry.is_dir() and not entry.is_symlink() and not writer_alive(int(match[1])):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
+        turnstile = _ABANDONED_TURNSTILE_RE.match(entry.name)
+        if turnstile and not writer_alive(int(turnstile[2])):
+            discard_turnstile(directory / turnstile[1])
     if removed:
         logger.warning("removed %d directories left by interrupted bundle writes in %s",
                        len(removed), directory)
