@@ -1,8 +1,17 @@
-"""`knnper-edge`: the device command line (predict, evaluate, add, init, info, export-onnx,
-upgrade, keygen).
+"""`knnper-edge`: the device command line. Its commands, registered at the end of this module:
 
-Every error, bad input included, is one line on stderr, `knnper-edge: error: ...`, and exit
-status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback instead.
+- predict: labels (and probabilities) for an .npy of raw inputs
+- evaluate: accuracy on a labelled .npz
+- add: learn from labelled samples, rewriting the bundle in place
+- init: a bundle for a new device from its own data
+- info: verify a bundle and summarize its manifest
+- export-onnx: the whole prediction as one ONNX graph
+- upgrade: carry the bundle's samples to a new model version
+- keygen: an Ed25519 key pair for signing bundles
+
+A command is a function `run(args) -> int` and one `register_command(command(...))` (see
+docs/extending.md). Every error, bad input included, is one line on stderr, `knnper-edge:
+error: ...`, and exit status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback instead.
 """
 
 from __future__ import annotations
@@ -45,13 +54,8 @@ from .arg_types import (
     seed,
     threads,
 )
-from .cli_help import (
-    DefaultsHelpFormatter,
-    examples,
-    install_hint,
-    missing_command_message,
-    package_version,
-)
+from .cli_help import examples, install_hint, package_version
+from .commands import Command, Parser, UsageError, add_commands, command
 from .datastores.recipes import describe_recipe
 from .device_init import DEFAULT_RECIPES
 from .errors import one_line
@@ -65,20 +69,14 @@ PROG = "knnper-edge"
 EXIT_ERROR = 2
 STRATEGIES = ("fifo", "concatenate", "fixed")
 BUNDLE_HELP = "bundle directory (a client_NNNN folder that `knnper export` wrote)"
+COMMANDS: dict[str, Command] = {}  # by name, in the order of the help
 
 
-class CLIError(Exception):
-    """A problem with the command line's inputs, reported as one line."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):  # one line, like every other error
-        message = missing_command_message(self, message)
-        raise CLIError(message if "--help" in message else f"{message} (see {self.prog} --help)")
+def register_command(cmd: Command) -> None:
+    """Make `cmd` a command of knnper-edge (a name already taken is refused)."""
+    if cmd.name in COMMANDS:
+        raise ValueError(f"knnper-edge already has a command {cmd.name!r}")
+    COMMANDS[cmd.name] = cmd
 
 
 EXAMPLE = "bundles/500k/client_0003"  # the README's bundle, in the examples
@@ -101,9 +99,9 @@ INPUT_SPEC_HELP = (
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="kNN-Per personalized inference on the device: "
-                "predict, evaluate and keep learning with a bundle that `knnper export` wrote.",
-                epilog=ORDER_OF_USE)
+    p = Parser(prog=PROG, description="kNN-Per personalized inference on the device: "
+               "predict, evaluate and keep learning with a bundle that `knnper export` wrote.",
+               epilog=ORDER_OF_USE)
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     p.add_argument(
         "--threads",
@@ -118,11 +116,12 @@ def _build_parser() -> argparse.ArgumentParser:
         help="refuse bundles not signed by this Ed25519 key (repeat for several; default: "
         "signatures are not checked)",
     )
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    add_commands(sub, COMMANDS.values())
+    return p
 
-    s = sub.add_parser("predict", help="predict labels for an .npy of raw inputs", epilog=examples(
-        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --output p.npy",
-        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --labels > labels.txt"))
+
+def _predict_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
     s.add_argument("--output", type=output_file_or_stdout,
@@ -132,24 +131,13 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--labels", action="store_true",
                    help="print every predicted label, one per line (default: a summary)")
 
-    s = sub.add_parser("evaluate", help="accuracy on a labelled .npz (x, y or x_test, y_test)",
-                       epilog=examples(f"knnper-edge evaluate {EXAMPLE} --data "
-                                       "data/client_3/test.npz",
-                                       note="Prints the bundle's accuracy in %, beside the "
-                                       "global model's alone and the datastore's alone."))
+
+def _evaluate_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--data", required=True, help=".npz with x and y (or x_test and y_test)")
 
-    s = sub.add_parser(
-        "add", help="learn from labelled samples (.npz with x, y); rewrites the bundle in place",
-        description="Add labelled samples to the bundle's datastore: the bundle is rewritten in "
-        "place (a crash leaves the old bundle or the new one, never a mix). Copy the folder "
-        "first to keep the bundle as exported.",
-        epilog=examples(f"knnper-edge add {EXAMPLE} --data data/client_3/val.npz --strategy fifo",
-                        note="Prints what became of every sample received: added, dropped "
-                        "(and why), and how many samples stored before were evicted to make "
-                        "room; then what the datastore holds and its bytes against the "
-                        "budget."))
+
+def _add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--data", required=True, help=".npz with x and y (or x_train and y_train)")
     s.add_argument("--strategy", choices=STRATEGIES, default=None,
@@ -157,15 +145,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    "budget, then evict; fixed: keep the datastore as it is (default: the "
                    "bundle's update_strategy)")
 
-    s = sub.add_parser("init", help="build a bundle for a new device from its own data",
-                       epilog=examples(
-                           "knnper-edge init --encoder bundles/500k/encoder.onnx --data "
-                           f"data/client_7/train.npz --budget 300KB --like {EXAMPLE} --out "
-                           "bundles/my-device",
-                           "knnper-edge init --encoder encoder.onnx --data train.npz --budget "
-                           "2MB --input-spec spec.json --out bundles/my-device",
-                           note='spec.json, for 28x28 grey images: {"kind": "image", "shape": '
-                           '[28, 28, 1], "dtype": "uint8", "mean": [0.286], "std": [0.353]}'))
+
+def _init_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--encoder", required=True, help="encoder.onnx")
     s.add_argument("--data", required=True, help=".npz with x, y (or x_train, y_train)")
     s.add_argument("--budget", required=True, type=byte_count,
@@ -199,25 +180,13 @@ def _build_parser() -> argparse.ArgumentParser:
                    "samples fit), so that `upgrade` re-embeds them exactly when the model "
                    "changes")
 
-    s = sub.add_parser("info", help="verify a bundle and summarize its manifest",
-                       epilog=examples(f"knnper-edge info {EXAMPLE}",
-                                       f"knnper-edge --trusted-key keys/signing.pub info {EXAMPLE}",
-                                       note="Each line says what it shows: the client the "
-                                       "bundle was exported for (-1: a device's own, from "
-                                       "`init`), the datastore's recipe and each of its parts "
-                                       "in words (n1944: holds at most 1944 samples, beside "
-                                       "how many it stores), and the bytes against the "
-                                       "budget."))
+
+def bundle_argument(s: argparse.ArgumentParser) -> None:
+    """The bundle a command reads, its first argument."""
     s.add_argument("bundle", help=BUNDLE_HELP)
 
-    s = sub.add_parser(
-        "export-onnx",
-        help=f"the whole prediction as one ONNX graph ({' and '.join(graph_backends())} "
-        "bundles) for devices without Python",
-        epilog=examples(f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.onnx",
-                        f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor-app.onnx "
-                        "--keys-as-inputs"),
-    )
+
+def _export_onnx_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--out", required=True, type=output_file,
                    help="predictor .onnx file to write")
@@ -228,17 +197,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "OUT.keys.f32 and OUT.labels.i64) instead of baking them in",
     )
 
-    s = sub.add_parser(
-        "upgrade", help="carry the bundle's samples to a new model version, in place",
-        description="Turn the bundle into the version of a release's bundle (--to): its "
-        "encoder and settings, with every sample the bundle stores (the exported ones and those "
-        "`add` taught it) carried over: re-embedded where the bundle kept its raw inputs, else "
-        "mapped by the map the release ships (upgrades/ beside --to). Crash-safe: killed at any "
-        "instant, the bundle is the old version or the new one.",
-        epilog=examples(f"knnper-edge upgrade {EXAMPLE} --to bundles-v2/500k/client_0003",
-                        note="Prints the version from -> to, the samples carried and how, "
-                        "any evicted because the new encoder leaves less room, and the "
-                        "server's evidence for the map."))
+
+def _upgrade_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--to", required=True, help="the release's bundle for this device (a "
                    "client_NNNN folder of the new export)")
@@ -247,15 +207,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="map the keys even where the release "
                    "advises to keep the old keys or start fresh")
 
-    s = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles",
-                       epilog=examples("knnper-edge keygen --private keys/signing.pem --public "
-                                       "keys/signing.pub",
-                                       note="Then `knnper export ... --signing-key "
-                                       "keys/signing.pem` signs bundles, and `knnper-edge "
-                                       "--trusted-key keys/signing.pub` refuses any other."))
+
+def _keygen_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--private", required=True, help="private key to write (PEM, mode 0600)")
     s.add_argument("--public", required=True, help="public key to write (PEM)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         # warning would only print numpy's source lines before the one-line error
         with np.errstate(all="ignore"):
             check_outputs(args)
-            return _COMMANDS[args.command](args)
+            return COMMANDS[args.command].run(args)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except KeyboardInterrupt:  # every write is atomic: nothing is left half-done
@@ -281,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _one_line(exc: BaseException) -> str:
     """errors.one_line, naming the type of an error a user would not recognise by its text."""
-    known = (CLIError, ValueError, OSError, NotImplementedError, BadZipFile)
+    known = (UsageError, ValueError, OSError, NotImplementedError, BadZipFile)
     text = one_line(exc)
+    if isinstance(exc, UsageError) and exc.prog and "--help" not in text:
+        return f"{text} (see {exc.prog} --help)"  # a bad flag: where the flags are listed
     return text if isinstance(exc, known) or text == type(exc).__name__ else (
         f"{type(exc).__name__}: {text}")
 
@@ -301,11 +258,11 @@ def _load(path: str):
     try:
         return load_arrays(path, min(DEVICE_INPUT_BYTES, memory_limit()), "arrays")
     except FileNotFoundError:
-        raise CLIError(f"no such file: {path}") from None
+        raise UsageError(f"no such file: {path}") from None
     except IsADirectoryError:
-        raise CLIError(f"{path} is a directory, not a file") from None
+        raise UsageError(f"{path} is a directory, not a file") from None
     except (ValueError, OSError, EOFError, BadZipFile) as exc:
-        raise CLIError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
+        raise UsageError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
 
 
 def _lazy_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> NpzRows | None:
@@ -327,16 +284,16 @@ def _lazy_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> NpzRows | 
 def _load_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> tuple[np.ndarray, np.ndarray]:
     data = _load(path)
     if isinstance(data, np.ndarray):
-        raise CLIError(f"{path} is a .npy array; expected an .npz with x and y")
+        raise UsageError(f"{path} is a .npy array; expected an .npz with x and y")
     with data:
         try:
             for xk, yk in alternatives:
                 if xk in data.files and yk in data.files:
                     return data[xk], data[yk]
         except (ValueError, OSError, EOFError, BadZipFile) as exc:
-            raise CLIError(f"cannot read {path}: {_one_line(exc)}") from None
+            raise UsageError(f"cannot read {path}: {_one_line(exc)}") from None
         names = " or ".join(f"{a} and {b}" for a, b in alternatives)
-        raise CLIError(f"{path} has arrays {sorted(data.files)}; expected {names}")
+        raise UsageError(f"{path} has arrays {sorted(data.files)}; expected {names}")
 
 
 # ----------------------------------------------------------------------------- commands
@@ -371,9 +328,9 @@ def cmd_upgrade(args) -> int:
 def cmd_predict(args) -> int:
     to_stdout = is_stdout(args.output)
     if to_stdout and args.labels:
-        raise CLIError("--output - and --labels both write to standard output; choose one")
+        raise UsageError("--output - and --labels both write to standard output; choose one")
     if args.output and not to_stdout and Path(args.output).suffix != ".npy":
-        raise CLIError(f"--output must end in .npy, got {args.output}")
+        raise UsageError(f"--output must end in .npy, got {args.output}")
     x = _map_npy(args.input)
     rt = _runtime(args)
     if x.ndim == 0 or is_one_sample(x.shape, rt.input_spec):
@@ -401,14 +358,14 @@ def _map_npy(path: str) -> np.ndarray:
         array_file_bytes(path)
         x = np.load(path, mmap_mode="r", allow_pickle=False)
     except FileNotFoundError:
-        raise CLIError(f"no such file: {path}") from None
+        raise UsageError(f"no such file: {path}") from None
     except IsADirectoryError:
-        raise CLIError(f"{path} is a directory, not a file") from None
+        raise UsageError(f"{path} is a directory, not a file") from None
     except (ValueError, OSError, EOFError) as exc:
-        raise CLIError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
+        raise UsageError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
     if not isinstance(x, np.ndarray):
         x.close()
-        raise CLIError(f"{path} is an .npz archive; expected one .npy array")
+        raise UsageError(f"{path} is an .npz archive; expected one .npy array")
     return x
 
 
@@ -464,14 +421,14 @@ def cmd_evaluate(args) -> int:
     if rows is None:
         x, y = _load_xy(args.data, alternatives)
         if y.ndim != 1 or y.shape[0] == 0:
-            raise CLIError(
+            raise UsageError(
                 f"{args.data}: labels must be a non-empty 1-D array, got {list(y.shape)}"
             )
         chunks, count = [(x, y)], y.shape[0]
     else:
         chunks, count = rows.chunks(CHUNK_ROWS), len(rows)
         if count == 0:
-            raise CLIError(f"{args.data}: labels must be a non-empty 1-D array, got [0]")
+            raise UsageError(f"{args.data}: labels must be a non-empty 1-D array, got [0]")
     rt = _runtime(args)
     correct = np.zeros(3, np.int64)  # kNN-Per, global model, datastore alone
     head = rt.head
@@ -479,7 +436,7 @@ def cmd_evaluate(args) -> int:
         y = check_labels(y, y.shape[0], rt.num_classes)
         p_local, p_global = rt.components(x)
         if p_local.shape[0] != y.shape[0]:
-            raise CLIError(f"{args.data}: {p_local.shape[0]} inputs but {y.shape[0]} labels")
+            raise UsageError(f"{args.data}: {p_local.shape[0]} inputs but {y.shape[0]} labels")
         for i, p in enumerate((head.mix(p_local, p_global), p_global, p_local)):
             correct[i] += int(np.sum(p.argmax(1) == y))
     right = int(correct[0])
@@ -525,9 +482,9 @@ def _read_spec_file(path: str) -> dict:
         spec = read_json(path, limit=1 << 20, fix="give the input spec as a JSON object (or a "
                          "bundle's manifest.json)")
     except FileNotFoundError:
-        raise CLIError(f"no such file: {path}") from None
+        raise UsageError(f"no such file: {path}") from None
     except JSONFileError as exc:
-        raise CLIError(f"input spec {exc}") from None
+        raise UsageError(f"input spec {exc}") from None
     if isinstance(spec, dict) and "input" in spec and "kind" not in spec:
         spec = spec["input"]  # a whole manifest.json works too
     return spec
@@ -541,7 +498,7 @@ def cmd_init(args) -> int:
 
     k, sigma, rule = args.k, args.sigma, CLIENT_RULE
     if args.trusted_key and not args.like:
-        raise CLIError("--trusted-key needs --like SIGNED_BUNDLE with init: --encoder is "
+        raise UsageError("--trusted-key needs --like SIGNED_BUNDLE with init: --encoder is "
                        "verified as the encoder that bundle's signature covers")
     if args.like:
         like = read_manifest(args.like)
@@ -556,9 +513,9 @@ def cmd_init(args) -> int:
     else:
         spec = _read_spec_file(args.input_spec)
     if not Path(args.encoder).is_file():
-        raise CLIError(f"no such file: {args.encoder}")
+        raise UsageError(f"no such file: {args.encoder}")
     if not args.force and (Path(args.out) / "manifest.json").is_file():
-        raise CLIError(f"--out {args.out} already holds a bundle; choose another --out, or add "
+        raise UsageError(f"--out {args.out} already holds a bundle; choose another --out, or add "
                        "--force to replace it (it loses what `add` taught it)")
     budget = args.budget
     x, y = _load_xy(args.data, (("x", "y"), ("x_train", "y_train")))
@@ -603,7 +560,7 @@ def _verify_like(args, like: dict) -> None:
     keys = [load_public_key(path) for path in args.trusted_key]
     signed = verify_signature(args.like, like, keys, f"--like bundle {args.like}")
     if not Path(args.encoder).is_file():
-        raise CLIError(f"no such file: {args.encoder}")
+        raise UsageError(f"no such file: {args.encoder}")
     if sha256_file(args.encoder) != signed["files"][ENCODER_FILE]:
         raise SignatureError(f"--encoder {args.encoder} is not the encoder the signed bundle "
                              f"{args.like} carries (its sha256 differs); use "
@@ -653,10 +610,10 @@ def cmd_export_onnx(args) -> int:
     from .portable import write_portable
 
     if importlib.util.find_spec("onnx") is None:
-        raise CLIError("export-onnx builds the graph with the onnx package, which this install "
+        raise UsageError("export-onnx builds the graph with the onnx package, which this install "
                        f"lacks: {install_hint('portable')}")
     if Path(args.out).suffix != ".onnx":
-        raise CLIError(f"--out must end in .onnx, got {args.out}")
+        raise UsageError(f"--out must end in .onnx, got {args.out}")
     written = write_portable(_runtime(args), args.out, keys_as_inputs=args.keys_as_inputs)
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
@@ -688,16 +645,90 @@ def cmd_keygen(args) -> int:
     return 0
 
 
-_COMMANDS = {
-    "predict": cmd_predict,
-    "evaluate": cmd_evaluate,
-    "add": cmd_add,
-    "init": cmd_init,
-    "info": cmd_info,
-    "export-onnx": cmd_export_onnx,
-    "upgrade": cmd_upgrade,
-    "keygen": cmd_keygen,
-}
+# ----------------------------------------------------------------------------- registrations
+# in the order of the help; a new command is its function and one registration here
+
+
+register_command(command(
+    "predict", cmd_predict, _predict_arguments,
+    help="predict labels for an .npy of raw inputs",
+    epilog=examples(
+        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --output p.npy",
+        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --labels > labels.txt"),
+))
+register_command(command(
+    "evaluate", cmd_evaluate, _evaluate_arguments,
+    help="accuracy on a labelled .npz (x, y or x_test, y_test)",
+    epilog=examples(f"knnper-edge evaluate {EXAMPLE} --data data/client_3/test.npz",
+                    note="Prints the bundle's accuracy in %, beside the global model's alone "
+                    "and the datastore's alone."),
+))
+register_command(command(
+    "add", cmd_add, _add_arguments,
+    help="learn from labelled samples (.npz with x, y); rewrites the bundle in place",
+    description="Add labelled samples to the bundle's datastore: the bundle is rewritten in "
+    "place (a crash leaves the old bundle or the new one, never a mix). Copy the folder "
+    "first to keep the bundle as exported.",
+    epilog=examples(f"knnper-edge add {EXAMPLE} --data data/client_3/val.npz --strategy fifo",
+                    note="Prints what became of every sample received: added, dropped "
+                    "(and why), and how many samples stored before were evicted to make "
+                    "room; then what the datastore holds and its bytes against the "
+                    "budget."),
+))
+register_command(command(
+    "init", cmd_init, _init_arguments,
+    help="build a bundle for a new device from its own data",
+    epilog=examples(
+        "knnper-edge init --encoder bundles/500k/encoder.onnx --data "
+        f"data/client_7/train.npz --budget 300KB --like {EXAMPLE} --out "
+        "bundles/my-device",
+        "knnper-edge init --encoder encoder.onnx --data train.npz --budget "
+        "2MB --input-spec spec.json --out bundles/my-device",
+        note='spec.json, for 28x28 grey images: {"kind": "image", "shape": '
+        '[28, 28, 1], "dtype": "uint8", "mean": [0.286], "std": [0.353]}'),
+))
+register_command(command(
+    "info", cmd_info, bundle_argument,
+    help="verify a bundle and summarize its manifest",
+    epilog=examples(f"knnper-edge info {EXAMPLE}",
+                    f"knnper-edge --trusted-key keys/signing.pub info {EXAMPLE}",
+                    note="Each line says what it shows: the client the "
+                    "bundle was exported for (-1: a device's own, from "
+                    "`init`), the datastore's recipe and each of its parts "
+                    "in words (n1944: holds at most 1944 samples, beside "
+                    "how many it stores), and the bytes against the "
+                    "budget."),
+))
+register_command(command(
+    "export-onnx", cmd_export_onnx, _export_onnx_arguments,
+    # read when the parser is built: a backend registered later counts
+    help=lambda: "the whole prediction as one ONNX graph "
+    f"({' and '.join(graph_backends())} bundles) for devices without Python",
+    epilog=examples(f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.onnx",
+                    f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor-app.onnx "
+                    "--keys-as-inputs"),
+))
+register_command(command(
+    "upgrade", cmd_upgrade, _upgrade_arguments,
+    help="carry the bundle's samples to a new model version, in place",
+    description="Turn the bundle into the version of a release's bundle (--to): its "
+    "encoder and settings, with every sample the bundle stores (the exported ones and those "
+    "`add` taught it) carried over: re-embedded where the bundle kept its raw inputs, else "
+    "mapped by the map the release ships (upgrades/ beside --to). Crash-safe: killed at any "
+    "instant, the bundle is the old version or the new one.",
+    epilog=examples(f"knnper-edge upgrade {EXAMPLE} --to bundles-v2/500k/client_0003",
+                    note="Prints the version from -> to, the samples carried and how, "
+                    "any evicted because the new encoder leaves less room, and the "
+                    "server's evidence for the map."),
+))
+register_command(command(
+    "keygen", cmd_keygen, _keygen_arguments,
+    help="make an Ed25519 key pair for signing bundles",
+    epilog=examples("knnper-edge keygen --private keys/signing.pem --public keys/signing.pub",
+                    note="Then `knnper export ... --signing-key "
+                    "keys/signing.pem` signs bundles, and `knnper-edge "
+                    "--trusted-key keys/signing.pub` refuses any other."),
+))
 
 
 if __name__ == "__main__":
