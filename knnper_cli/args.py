@@ -26,7 +26,8 @@ from edge_runtime.arg_types import (
     seed,
     threads,
 )
-from edge_runtime.cli_help import DefaultsHelpFormatter, examples, missing_command_message
+from edge_runtime.cli_help import examples
+from edge_runtime.commands import Parser
 from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
 from fed_train.accelerator import DEVICES, PRECISIONS
@@ -47,18 +48,6 @@ __all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count"
            "learning_rate", "output_dir", "output_file",
            "output_file_or_stdout", "positive", "seed",
            "positive_float", "positive_int", "threads"]
-
-
-class Parser(argparse.ArgumentParser):
-    """One line on stderr and exit 2 for a bad flag, like every other error of this CLI; every
-    option's help shows its default."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {missing_command_message(self, message)}\n")
 
 
 def learning_rate(text: str) -> float:

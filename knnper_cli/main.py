@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from edge_runtime.cli_help import install_hint, package_version
+from edge_runtime.commands import UsageError
 from edge_runtime.errors import one_line
 from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt, exit_quietly_from_now
 
@@ -105,7 +106,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         from edge_runtime.arg_types import check_outputs
         from fed_train.errors import KnnperError
 
-        args = build_parser().parse_args(argv)
+        try:
+            args = build_parser().parse_args(argv)
+        except UsageError as err:  # a bad flag: argparse's own exit, in one line
+            print(f"{err.prog}: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s")

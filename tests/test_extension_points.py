@@ -95,3 +95,31 @@ def test_a_backend_defined_in_one_file_exports_loads_predicts_and_learns(
     code, _, err = _edge(capsys, "export-onnx", str(bundle), "--out", str(tmp_path / "p.onnx"))
     assert code == 2 and "has no ONNX form" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "p.onnx").exists()
+
+
+def test_a_device_command_defined_in_one_file_runs_through_knnper_edge(tmp_path, capsys):
+    import tests.helpers.class_counts_command  # noqa: F401  (its one registration)
+    from tests.helpers.bundles import build_bundle
+
+    bundle = build_bundle(tmp_path, n=60)
+    try:
+        code, printed, err = _edge(capsys, "classes", str(bundle))
+        assert code == 0, err
+        counts = dict(pair.split(":") for pair in printed.split())
+        assert sum(map(int, counts.values())) == 60
+
+        code, _, err = _edge(capsys, "classes", str(tmp_path / "missing"))
+        assert code == 2 and err.startswith("knnper-edge: error: ") and err.count("\n") == 1
+
+        code, _, err = _edge(capsys, "classes")
+        assert code == 2 and "(see knnper-edge classes --help)" in err
+
+        code, printed, _ = _edge(capsys, "--help")
+        assert "classes" in printed and "how many samples of each class" in printed
+    finally:
+        del edge_cli.COMMANDS["classes"]
+
+
+def test_the_edge_docstring_lists_every_command():
+    listed = re.findall(r"^- ([a-z-]+): ", edge_cli.__doc__, re.M)
+    assert listed == list(edge_cli.COMMANDS)

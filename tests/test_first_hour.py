@@ -5,6 +5,7 @@ sample and say what a signature check did, predict that prints a summary, Ctrl-C
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import re
 import sys
@@ -104,7 +105,8 @@ def test_edge_ctrl_c_is_one_line_and_code_130(monkeypatch, capsys, tmp_path):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(edge_cli._COMMANDS, "info", interrupted)
+    monkeypatch.setitem(edge_cli.COMMANDS, "info",
+                        dataclasses.replace(edge_cli.COMMANDS["info"], run=interrupted))
     assert edge_main(["info", str(tmp_path)]) == 130
     err = capsys.readouterr().err
     assert err == "knnper-edge: interrupted\n"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from edge_runtime.cli import _build_parser as edge_parser
+from edge_runtime.commands import UsageError
 
 cli = pytest.importorskip("knnper_cli.main")  # the server CLI needs the train extra
 
@@ -35,7 +36,7 @@ def _parse(argv: list[str]) -> None:
     if argv[0] == "knnper":
         try:
             cli.build_parser().parse_args(argv[1:])
-        except SystemExit as err:
+        except (SystemExit, UsageError) as err:
             raise AssertionError(f"`{shlex.join(argv)}` does not parse") from err
     elif argv[0] == "knnper-edge":
         edge_parser().parse_args(argv[1:])
