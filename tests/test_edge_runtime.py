@@ -490,7 +490,9 @@ def test_write_bundle_replaces_a_bundle_but_not_other_directories(tmp_path):
     build_bundle(tmp_path, "flat:int8")
     assert read_manifest(b)["backend"]["recipe"] == "flat:int8"
     assert read_manifest(b)["files"]["datastore.npz"] != first
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "encoder.onnx"]
+    # no temporary is left; the replace locked the bundle, whose turnstile (locking) stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".bundle.lock", "bundle",
+                                                          "encoder.onnx"]
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_bytes(b"meow")
     with pytest.raises(BundleError, match="holds other files, not a bundle; choose another --out"):
