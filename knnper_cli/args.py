@@ -27,7 +27,6 @@ from edge_runtime.arg_types import (
     threads,
 )
 from edge_runtime.cli_help import examples
-from edge_runtime.commands import Parser
 from edge_runtime.knn import NORMALIZATIONS
 from fed_train import defaults
 from fed_train.accelerator import DEVICES, PRECISIONS
@@ -43,7 +42,7 @@ from fed_train.knn_request import (
 from fed_train.models import MODELS
 from fed_train.run import RunConfig
 
-__all__ = ["Parser", "add_knn_arguments", "add_training_arguments", "byte_count",
+__all__ = ["add_knn_arguments", "add_training_arguments", "byte_count",
            "DATA_HELP", "config_from_args", "count", "examples", "fraction", "knn_request",
            "learning_rate", "output_dir", "output_file",
            "output_file_or_stdout", "positive", "seed",

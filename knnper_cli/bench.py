@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from edge_runtime.commands import command
 from experiments.lr_tuning import LR_GRID, parse_lr_grid
 from experiments.tables import METHODS, BenchError, format_markdown, run_seeds, run_table
 from fed_train import defaults
@@ -58,8 +59,12 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables",
                                   epilog=table_examples)
     sub = bench.add_subparsers(dest="bench_command", metavar="table", required=True)
-    p = sub.add_parser("table", help="every method on one partition: Table 1 (seen clients) and "
-                       "Table 2 (unseen clients) as CSV and markdown", epilog=table_examples)
+    p = command(
+        "table", _cmd_table,
+        help="every method on one partition: Table 1 (seen clients) and "
+             "Table 2 (unseen clients) as CSV and markdown",
+        epilog=table_examples,
+    ).add_to(sub)
     add_training_arguments(p)
     p.add_argument("--methods", default="all",
                    help=f"all, or a comma-separated list of: {', '.join(METHODS)}")
@@ -88,4 +93,3 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--attribution", action="store_true",
                    help="also evaluate every head on every body (FedAvg, FedRep, pFedGP bodies; "
                    "own, linear, GP, kNN and kNN-Per heads) into attribution.csv and table.md")
-    p.set_defaults(func=_cmd_table)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edge_runtime.commands import command
 from export.demo import format_demo_table, run_demo
 from knnper_cli.args import add_knn_arguments, examples, knn_request, output_dir, positive_int, seed
 
@@ -20,14 +21,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the whole pipeline on scikit-learn's digits in about a "
-                       "minute: train, evaluate, export for weak and strong devices, run them",
-                       epilog=examples("knnper demo", "knnper demo --knn-config paper --out "
-                                       "runs/demo-paper"))
+    p = command(
+        "demo", _cmd_demo,
+        help="the whole pipeline on scikit-learn's digits in about a "
+             "minute: train, evaluate, export for weak and strong devices, run them",
+        epilog=examples("knnper demo", "knnper demo --knn-config paper --out "
+                        "runs/demo-paper"),
+    ).add_to(sub)
     p.add_argument("--out", default="runs/demo", type=output_dir,
                    help="run directory (re-running resumes it)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the partition and training")
     p.add_argument("--workers", type=positive_int, default=2,
                    help="processes that size clients' datastores in parallel")
     add_knn_arguments(p)
-    p.set_defaults(func=_cmd_demo)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime._io import is_stdout, write_output
+from edge_runtime.commands import command
 from fed_train.accelerator import resolve_device
 from fed_train.algorithms import federated_methods
 from fed_train.deploy import (
@@ -138,9 +139,13 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
                        epilog=examples(local_example, "knnper deploy certs --host "
                                        "fl.example.org --supernode-keys 20 --out keys/pki"))
     where = p.add_subparsers(dest="where", required=True, parser_class=type(p))
-    local = where.add_parser("local", help="a whole federation on 127.0.0.1: one SuperLink, "
-                                           "one SuperNode per client, TLS and SuperNode "
-                                           "authentication", epilog=examples(local_example))
+    local = command(
+        "local", _cmd_deploy_local,
+        help="a whole federation on 127.0.0.1: one SuperLink, "
+             "one SuperNode per client, TLS and SuperNode "
+             "authentication",
+        epilog=examples(local_example),
+    ).add_to(where)
     _add_settings_arguments(local)
     local.add_argument("--out", required=True, type=output_dir,
                        help="run directory (the same layout as "
@@ -149,28 +154,31 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
                        help="seconds the SuperLink may take to start listening")
     local.add_argument("--insecure", action="store_true",
                        help="no TLS and no SuperNode authentication (never across machines)")
-    local.set_defaults(func=_cmd_deploy_local)
 
-    config = where.add_parser("config", help="the run config file for `flwr run` against a "
-                                             "SuperLink of your own (real machines)",
-                            epilog=examples("knnper deploy config --dataset fashion-mnist "
-                                            "--clients 20 --rounds 20 --out /srv/runs/fl "
-                                            "--write runs/fl.toml"))
+    config = command(
+        "config", _cmd_deploy_config,
+        help="the run config file for `flwr run` against a "
+             "SuperLink of your own (real machines)",
+        epilog=examples("knnper deploy config --dataset fashion-mnist "
+                        "--clients 20 --rounds 20 --out /srv/runs/fl "
+                        "--write runs/fl.toml"),
+    ).add_to(where)
     _add_settings_arguments(config)
     config.add_argument("--out", required=True,
                         help="run directory on the machine that runs the ServerApp")
     config.add_argument("--write", default=None, type=output_file_or_stdout,
                         help="write the TOML here (default, - or /dev/stdout: standard output; "
                         "an existing path must be a regular file or a link to one)")
-    config.set_defaults(func=_cmd_deploy_config)
 
-    certs = where.add_parser("certs", help="a CA, the SuperLink's TLS certificate and SuperNode "
-                                           "key pairs for a federation across machines",
-                           epilog=examples("knnper deploy certs --host fl.example.org "
-                                           "--supernode-keys 20 --out keys/pki"))
+    certs = command(
+        "certs", _cmd_deploy_certs,
+        help="a CA, the SuperLink's TLS certificate and SuperNode "
+             "key pairs for a federation across machines",
+        epilog=examples("knnper deploy certs --host fl.example.org "
+                        "--supernode-keys 20 --out keys/pki"),
+    ).add_to(where)
     certs.add_argument("--host", required=True,
                        help="the SuperLink's address as SuperNodes reach it (DNS name or IP)")
     certs.add_argument("--supernode-keys", type=count, default=0,
                        help="SuperNode authentication key pairs to make")
     certs.add_argument("--out", required=True, type=output_dir, help="an empty or new directory")
-    certs.set_defaults(func=_cmd_deploy_certs)

@@ -19,6 +19,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.commands import command
 from experiments import model_update
 from experiments.context import QUICK, Context
 from experiments.experiment_seeds import combine, combined_result
@@ -54,11 +55,15 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
     names = p.add_subparsers(dest="experiment", metavar="NAME", required=True,
                              parser_class=type(p))
     for exp in EXPERIMENTS.values():
-        q = names.add_parser(exp.name, help=exp.help, description=f"The paper: {exp.claim}",
-                             epilog=examples(
-                                 f"knnper experiment {exp.name} --quick --out runs/exp",
-                                 f"knnper experiment {exp.name} --quick --seeds 3 --out "
-                                 "runs/exp-seeds"))
+        q = command(
+            exp.name, _cmd_experiment,
+            help=exp.help,
+            description=f"The paper: {exp.claim}",
+            epilog=examples(
+                f"knnper experiment {exp.name} --quick --out runs/exp",
+                f"knnper experiment {exp.name} --quick --seeds 3 --out "
+                "runs/exp-seeds"),
+        ).add_to(names)
         q.add_argument("--out", required=True, type=output_dir,
                        help="output folder, shared by the experiments "
                        "(global models in OUT/runs, this one's files in OUT/NAME)")
@@ -84,19 +89,22 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--force", action="store_true",
                        help="replace a report in OUT/NAME that was made with other flags "
                        "(without it the command refuses before training anything)")
-        q.set_defaults(func=_cmd_experiment, spec=exp, parser=q)
+        q.set_defaults(spec=exp, parser=q)
     _add_model_update(names)
 
 
 def _add_model_update(names: argparse._SubParsersAction) -> None:
-    q = names.add_parser("model-update", help="what devices keep when the global model "
-                         "changes: accuracy after an upgrade by path (exact, mapped, stale, "
-                         "fresh, none) across version gaps (continued, retrained)",
-                         description=model_update.__doc__,
-                         epilog=examples("knnper experiment model-update --quick --out runs/exp",
-                                         "knnper experiment model-update --dataset "
-                                         "fashion-mnist --clients 20 --rounds 5 --seeds 3 --out "
-                                         "runs/exp-fmnist"))
+    q = command(
+        "model-update", _cmd_model_update,
+        help="what devices keep when the global model "
+             "changes: accuracy after an upgrade by path (exact, mapped, stale, "
+             "fresh, none) across version gaps (continued, retrained)",
+        description=model_update.__doc__,
+        epilog=examples("knnper experiment model-update --quick --out runs/exp",
+                        "knnper experiment model-update --dataset "
+                        "fashion-mnist --clients 20 --rounds 5 --seeds 3 --out "
+                        "runs/exp-fmnist"),
+    ).add_to(names)
     d = model_update.UpdateSettings()
     q.add_argument("--out", required=True, type=output_dir,
                    help="output folder (releases in OUT/model-update/seed_S, the report in "
@@ -115,7 +123,6 @@ def _add_model_update(names: argparse._SubParsersAction) -> None:
                    help="each device's budget in bytes")
     q.add_argument("--seed", type=int, default=0, help="first seed")
     q.add_argument("--seeds", type=positive_int, default=1, help="seeds --seed .. +N-1")
-    q.set_defaults(func=_cmd_model_update)
 
 
 def _cmd_model_update(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime.budget import Budget
+from edge_runtime.commands import command
 from edge_runtime.errors import one_line
 from edge_runtime.signing import load_private_key
 from export.errors import BudgetInvalid, ExportError
@@ -46,17 +47,20 @@ from knnper_cli.args import (
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write per-device bundles (int8 ONNX encoder + datastore "
-                                      "sized to each device's budget) from a finished run",
-                       epilog=examples(
-                           "knnper export runs/fmnist --out bundles/500k --budget 500kB",
-                           "knnper export runs/fmnist --out bundles/weak-strong --profile "
-                           "weak-strong --reference 2MB --delta-c 0.3",
-                           note="HNSW bundles need the hnsw extra (hnswlib) on the device, "
-                           "and `knnper-edge export-onnx` cannot make one ONNX file of them. "
-                           "With --backend auto the export says so before writing any bundle "
-                           "and names the clients that got one at the end; --device-extras "
-                           "none leaves HNSW out, so every bundle loads on the runtime alone."))
+    p = command(
+        "export", _cmd_export,
+        help="write per-device bundles (int8 ONNX encoder + datastore "
+             "sized to each device's budget) from a finished run",
+        epilog=examples(
+            "knnper export runs/fmnist --out bundles/500k --budget 500kB",
+            "knnper export runs/fmnist --out bundles/weak-strong --profile "
+            "weak-strong --reference 2MB --delta-c 0.3",
+            note="HNSW bundles need the hnsw extra (hnswlib) on the device, "
+            "and `knnper-edge export-onnx` cannot make one ONNX file of them. "
+            "With --backend auto the export says so before writing any bundle "
+            "and names the clients that got one at the end; --device-extras "
+            "none leaves HNSW out, so every bundle loads on the runtime alone."),
+    ).add_to(sub)
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--out", required=True, type=output_dir,
                    help="directory for the bundles and export.json")
@@ -101,7 +105,6 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                    help="sign every bundle with this Ed25519 private key (knnper-edge keygen "
                         "makes one); devices given the public key refuse unsigned bundles")
     add_upgrade_arguments(p)
-    p.set_defaults(func=_cmd_export)
 
 
 def add_upgrade_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,16 @@
-"""The `knnper` console script. Its commands run the server side (torch, scikit-learn, tqdm,
-onnx, edgeml: the `train` extra); on a runtime-only install (`pip install knnper`) it says which
-extra to install, in one line, instead of failing with an import traceback."""
+"""The `knnper` console script. Its commands, each registered (edge_runtime.commands, the shape
+`knnper-edge` shares) by the module of its group:
+
+- train, evaluate, client-data, pretrain: knnper_cli/train.py
+- bench: knnper_cli/bench.py
+- export: knnper_cli/export.py
+- demo: knnper_cli/demo.py
+- experiment: knnper_cli/experiment.py
+- deploy: knnper_cli/deploy.py
+
+They run the server side (torch, scikit-learn, tqdm, onnx, edgeml: the `train` extra); on a
+runtime-only install (`pip install knnper`) it says which extra to install, in one line, instead
+of failing with an import traceback."""
 
 from __future__ import annotations
 
@@ -14,7 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from edge_runtime.cli_help import install_hint, package_version
-from edge_runtime.commands import UsageError
+from edge_runtime.commands import Parser, UsageError
 from edge_runtime.errors import one_line
 from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt, exit_quietly_from_now
 
@@ -66,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line, one module per command group."""
     # imported here: they import torch, which a runtime-only install lacks
     from fed_train import defaults
-    from knnper_cli.args import Parser, examples, threads
+    from knnper_cli.args import examples, threads
     from knnper_cli.bench import add_bench_command
     from knnper_cli.demo import add_demo_command
     from knnper_cli.deploy import add_deploy_command

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime._io import is_stdout, write_output
+from edge_runtime.commands import command
 from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from fed_train.client_files import write_client_files
@@ -91,12 +92,16 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
 
 def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     d = PretrainConfig()
-    p = sub.add_parser("pretrain", help="train the model centrally on a server-held split that "
-                       "no client sees, as the starting point for --init", epilog=examples(
-                           "knnper pretrain --dataset fashion-mnist --server-fraction 0.1 --out "
-                           "runs/pretrain-fmnist",
-                           "knnper train --dataset fashion-mnist --init runs/pretrain-fmnist "
-                           "--out runs/fmnist-init"))
+    p = command(
+        "pretrain", _cmd_pretrain,
+        help="train the model centrally on a server-held split that "
+             "no client sees, as the starting point for --init",
+        epilog=examples(
+            "knnper pretrain --dataset fashion-mnist --server-fraction 0.1 --out "
+            "runs/pretrain-fmnist",
+            "knnper train --dataset fashion-mnist --init runs/pretrain-fmnist "
+            "--out runs/fmnist-init"),
+    ).add_to(sub)
     p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
     p.add_argument("--data", default=None, help=DATA_HELP)
     p.add_argument("--out", required=True, type=output_dir,
@@ -122,16 +127,18 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=seed, default=d.seed, help="seed of the split and the training")
     add_device_argument(p)
     add_precision_argument(p)
-    p.set_defaults(func=_cmd_pretrain)
 
 
 def _add_core_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train FedAvg's global model on a partitioned data set",
-                       epilog=examples(
-                           "knnper train --out runs/digits                     # digits, a minute",
-                           "knnper train --dataset fashion-mnist --partition dirichlet --alpha "
-                           "0.3 --clients 100 --out runs/fmnist",
-                           note="Re-running the same command resumes from the last checkpoint."))
+    p = command(
+        "train", _cmd_train,
+        help="train FedAvg's global model on a partitioned data set",
+        epilog=examples(
+            "knnper train --out runs/digits                     # digits, a minute",
+            "knnper train --dataset fashion-mnist --partition dirichlet --alpha "
+            "0.3 --clients 100 --out runs/fmnist",
+            note="Re-running the same command resumes from the last checkpoint."),
+    ).add_to(sub)
     add_training_arguments(p)
     p.add_argument("--checkpoint-every", type=positive_int, default=defaults.CHECKPOINT_EVERY,
                    help="rounds between checkpoints (Ctrl-C loses at most this many; a write "
@@ -142,14 +149,16 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                    help="continue training a finished run's model (its weights are the start; "
                    "its pretraining's server split stays the server's); recorded in config.json "
                    "so that exports know which version they follow")
-    p.set_defaults(func=_cmd_train)
 
-    p = sub.add_parser("evaluate", help="local / FedAvg / kNN-Per accuracy of a finished run",
-                       epilog=examples(
-                           "knnper evaluate runs/fmnist --json runs/fmnist/evaluation.json",
-                           "knnper evaluate runs/fmnist --knn-config paper --methods knnper",
-                           note="Each client's local model is kept in RUN/eval/local.jsonl as "
-                           "it finishes: an interrupted evaluate resumes there."))
+    p = command(
+        "evaluate", _cmd_evaluate,
+        help="local / FedAvg / kNN-Per accuracy of a finished run",
+        epilog=examples(
+            "knnper evaluate runs/fmnist --json runs/fmnist/evaluation.json",
+            "knnper evaluate runs/fmnist --knn-config paper --methods knnper",
+            note="Each client's local model is kept in RUN/eval/local.jsonl as "
+            "it finishes: an interrupted evaluate resumes there."),
+    ).add_to(sub)
     p.add_argument("run", help="run directory written by `knnper train`")
     add_knn_arguments(p)
     p.add_argument("--capacity", type=fraction, default=1.0,
@@ -161,17 +170,19 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
                    "standard output, the table then going to stderr; an existing path must be "
                    "a regular file or a link to one)")
     add_device_argument(p)  # the precision of local training is the run's own
-    p.set_defaults(func=_cmd_evaluate)
 
-    p = sub.add_parser("client-data", help="write one client's raw data as the .npz / .npy files "
-                       "the device commands (knnper-edge) take", epilog=examples(
-                           "knnper client-data runs/fmnist --client 3 --out data/client_3"))
+    p = command(
+        "client-data", _cmd_client_data,
+        help="write one client's raw data as the .npz / .npy files "
+             "the device commands (knnper-edge) take",
+        epilog=examples(
+            "knnper client-data runs/fmnist --client 3 --out data/client_3"),
+    ).add_to(sub)
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--client", type=count, required=True, help="client id")
     p.add_argument("--out", required=True, type=output_dir,
                    help="directory for train.npz, val.npz, test.npz "
                    "(x, y) and test_x.npy")
-    p.set_defaults(func=_cmd_client_data)
 
 
 def add_train_commands(sub: argparse._SubParsersAction) -> None:

@@ -123,3 +123,10 @@ def test_a_device_command_defined_in_one_file_runs_through_knnper_edge(tmp_path,
 def test_the_edge_docstring_lists_every_command():
     listed = re.findall(r"^- ([a-z-]+): ", edge_cli.__doc__, re.M)
     assert listed == list(edge_cli.COMMANDS)
+
+
+def test_the_knnper_docstring_lists_every_command():
+    listed = [name for line in re.findall(r"^- ([a-z, -]+): ", knnper.__doc__, re.M)
+              for name in line.split(", ")]
+    sub = next(a for a in knnper.build_parser()._actions if a.dest == "command")
+    assert sorted(listed) == sorted(sub.choices)
