@@ -71,11 +71,11 @@ def test_every_malformed_byte_string_is_one_line_and_exit_2(tmp_path, capsys, te
     assert not out.exists()
 
 
-def test_the_readme_lists_spellings_the_parser_takes_and_refuses():
+def test_the_docs_list_spellings_the_parser_takes_and_refuses():
     from pathlib import Path
 
-    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
-    sentence = readme[readme.index("Budgets are written"):].split("error.")[0]
+    page = " ".join((Path(__file__).parents[1] / "docs" / "concepts.md").read_text().split())
+    sentence = page[page.index("Budgets are written"):].split("error.")[0]
     accepted, refused = sentence.split("anything else")
     for text in re.findall(r"`([^`]+)`", accepted):
         if text != "B":
