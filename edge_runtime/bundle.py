@@ -71,7 +71,7 @@ from .head_file import (
     with_head,
 )
 from .linear_head import LinearHead
-from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock, discard_turnstile
+from .locking import DEFAULT_LOCK_TIMEOUT, LockTimeout, directory_lock
 from .manifest import (
     ENCODER_FILE,
     MANIFEST,
@@ -510,29 +510,22 @@ def write_bundle(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        discard_turnstile(tmp)  # verifying it locked the temporary
     return manifest
 
 
 _ABANDONED_RE = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[0-9a-f]{8}$")
-# the turnstile (locking) a killed writer's verification of its temporary left
-_ABANDONED_TURNSTILE_RE = re.compile(r"^\.(\..+\.tmp-(\d+)-[0-9a-f]{8})\.lock$")
 
 
 def remove_abandoned_temporaries(directory: Path) -> list[str]:
     """Remove the temporary directories (.<bundle>.tmp-<pid>-<id>, .<bundle>.old-<pid>-<id>)
-    and their turnstiles that writers killed mid-write left in `directory`. Only those of
-    processes that no longer run: a live writer's temporaries are its own to clean."""
+    that writers killed mid-write left in `directory`. Only those of processes that no longer
+    run: a live writer's temporaries are its own to clean."""
     removed = []
     for entry in directory.iterdir():
         match = _ABANDONED_RE.match(entry.name)
         if match and entry.is_dir() and not entry.is_symlink() and not writer_alive(int(match[1])):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
-        turnstile = _ABANDONED_TURNSTILE_RE.match(entry.name)
-        if turnstile and not writer_alive(int(turnstile[2])):
-            discard_turnstile(directory / turnstile[1])
     if removed:
         logger.warning("removed %d directories left by interrupted bundle writes in %s",
                        len(removed), directory)

@@ -13,8 +13,9 @@ writer takes an exclusive flock on a second, stable file, the hidden sibling `.<
 the bundle's parent, before it waits for the directory, and holds it until it is done; a reader
 takes a shared flock on the turnstile only until it holds its shared lock on the directory. A
 waiting writer thus waits for the readers already inside, and no new reader gets in before it.
-Both open the directory once past the turnstile, so they lock the directory that is in place
-then, not one an upgrade has since exchanged away.
+Once locked, both check that the directory they locked is still the one at the path, and lock
+again if an upgrade exchanged it meanwhile. Writers create the turnstile; a reader writes
+nothing (until the first writer creates it, readers lock the directory alone).
 The turnstile is a sibling, not inside the bundle (no lock file is written into a bundle), and
 stays meaningful when an upgrade exchanges the bundle's directory for a new one: its inode does
 not change. It is opened with O_NOFOLLOW and must be a regular file with one link: a link there
@@ -57,33 +58,27 @@ def turnstile_path(directory: str | os.PathLike) -> str:
     return os.path.join(head, f".{name}.lock")
 
 
-def discard_turnstile(directory: str | os.PathLike) -> None:
-    """Remove the turnstile of a private directory (a writer's temporary, which no other
-    process locks) once the directory is gone or renamed."""
-    try:
-        os.unlink(turnstile_path(directory))
-    except OSError:
-        pass
-
-
-def _open_turnstile(directory: str | os.PathLike) -> int | None:
-    """A descriptor on the turnstile, created if missing; None where it cannot be created
-    (a parent that is not writable)."""
+def _open_turnstile(directory: str | os.PathLike, *, create: bool) -> int | None:
+    """A descriptor on the turnstile, created if missing when `create` (writers); None where
+    there is none and it cannot or need not be created (a reader writes nothing)."""
     path = turnstile_path(directory)
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd = None
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+        if create:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+        if fd is None:  # another user's turnstile can still be locked read-only
+            fd = os.open(path, os.O_RDONLY | flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise LinkRefused(errno.ELOOP, f"{path} is a link; remove it", path) from None
-        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        try:  # another user's turnstile can still be locked through a read-only descriptor
-            fd = os.open(path, os.O_RDONLY | flags)
-        except OSError as again:
-            if again.errno == errno.ELOOP:
-                raise LinkRefused(errno.ELOOP, f"{path} is a link; remove it", path) from None
+        if exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS):
             return None
+        raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(fd)
@@ -120,18 +115,21 @@ def directory_lock(
     fd = os.open(os.fspath(directory), flags)  # first: a missing bundle gets no turnstile
     gate = None
     try:  # closing a descriptor releases its lock
-        gate = _open_turnstile(directory)
+        gate = _open_turnstile(directory, create=exclusive)
         try:
             if gate is not None:
                 _flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline,
                        _TURNSTILE_POLL_SECONDS if exclusive else _POLL_SECONDS, busy)
-                # opened again past the turnstile: the directory an upgrade exchanged while
-                # this process waited is not the one to lock
+            while True:
+                _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline,
+                       _POLL_SECONDS, busy)
+                if os.path.samestat(os.fstat(fd), os.stat(directory)):
+                    break
+                # an upgrade exchanged the directory while this process waited: lock the one
+                # in place now
                 os.close(fd)
                 fd = -1
                 fd = os.open(os.fspath(directory), flags)
-            _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline, _POLL_SECONDS,
-                   busy)
         finally:
             if gate is not None and not exclusive:  # a reader inside lets the next writer queue
                 os.close(gate)

@@ -54,7 +54,6 @@ from .encoder import Encoder
 from .errors import SignatureError, one_line
 from .head_file import head_nbytes, refit_head
 from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
-from .locking import discard_turnstile
 from .manifest import MODEL_RECORDS, lambda_rule_of, refit_l2
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, check_signed_base, verify_file
@@ -214,8 +213,6 @@ def upgrade_bundle(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        discard_turnstile(tmp)  # verifying it locked the temporary
     report.evicted, report.carried = evict, count - evict
     report.lam, report.footprint_bytes = float(written["lambda"]), written["footprint"]["total"]
     report.signed = signed

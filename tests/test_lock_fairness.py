@@ -103,3 +103,11 @@ def test_without_a_writable_parent_the_directory_lock_alone_orders(tmp_path, mon
         with pytest.raises(LockTimeout), directory_lock(bundle, exclusive=False, timeout=0.05):
             pass
     assert not os.path.exists(turnstile_path(bundle))
+
+
+def test_a_reader_writes_nothing_beside_the_bundle(tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    with directory_lock(bundle, exclusive=False):
+        pass
+    assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
