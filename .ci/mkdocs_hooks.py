@@ -15,7 +15,14 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 def on_files(files: Files, config) -> Files:
     for image in sorted(RESULTS.rglob("*.png")):
         relative = image.relative_to(RESULTS).as_posix()
-        files.append(File(f"../benchmarks/results/{relative}", config["docs_dir"],
-                          config["site_dir"], config["use_directory_urls"],
-                          dest_uri=f"results/{relative}", inclusion=InclusionLevel.INCLUDED))
+        files.append(
+            File(
+                f"../benchmarks/results/{relative}",
+                config["docs_dir"],
+                config["site_dir"],
+                config["use_directory_urls"],
+                dest_uri=f"results/{relative}",
+                inclusion=InclusionLevel.INCLUDED,
+            )
+        )
     return files

@@ -40,20 +40,34 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP_MARK = re.compile(r"<!-- readme\.py: skip \((?P<why>[^)]+)\) -->")
-NOT_RUN = ("pip install", "python -m pytest", "python3 -m venv", "python -m venv",
-           ". .venv/bin/activate", "source .venv/bin/activate")
+NOT_RUN = (
+    "pip install",
+    "python -m pytest",
+    "python3 -m venv",
+    "python -m venv",
+    ". .venv/bin/activate",
+    "source .venv/bin/activate",
+)
 NOT_RUN_PAGES = ("benchmarks/", "api/")  # measurement records and the generated reference
-TRAINING = re.compile(r"^knnper (?:--threads \d+ )?(?:train|bench table|deploy local|"
-                      r"experiment) ")
+TRAINING = re.compile(
+    r"^knnper (?:--threads \d+ )?(?:train|bench table|deploy local|"
+    r"experiment) "
+)
 
 # (pattern, replacement, why): digits instead of Fashion-MNIST, and few clients and rounds
 SCALE: tuple[tuple[str, str | Callable[[re.Match], str], str], ...] = (
-    (r"--dataset fashion-mnist", "--dataset digits",
-     "digits ships with scikit-learn: no download, a second a round"),
+    (
+        r"--dataset fashion-mnist",
+        "--dataset digits",
+        "digits ships with scikit-learn: no download, a second a round",
+    ),
     (r" --data /usr/share/datasets/fashion-mnist", "", "digits needs no path"),
     (r" --max-train \d+", "", "digits is smaller than any --max-train in the README"),
-    (r"--clients (\d+)", lambda m: f"--clients {min(int(m[1]), 10)}",
-     "digits' 1,797 images make at most ten clients of a useful size"),
+    (
+        r"--clients (\d+)",
+        lambda m: f"--clients {min(int(m[1]), 10)}",
+        "digits' 1,797 images make at most ten clients of a useful size",
+    ),
     (r"--rounds \d+", "--rounds 2", "two rounds check the pipeline; accuracy is not the point"),
 )
 
@@ -72,7 +86,7 @@ def markdown_rows(text: str, header: str) -> dict[tuple[str, str], dict[str, str
     start = next(i for i, line in enumerate(lines) if line.startswith(header))
     columns = [c.strip() for c in lines[start].strip("|").split("|")]
     rows = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         row = dict(zip(columns, (c.strip() for c in line.strip("|").split("|")), strict=True))
@@ -99,8 +113,10 @@ def demo_differences(readme_text: str, printed: str) -> list[str]:
             a, b = _number(expected), _number(got[key][column])
             bound = kb if expected.endswith("kB") else pp
             if (a is None) != (b is None) or (a is not None and abs(a - b) > bound + 1e-9):
-                problems.append(f"{' / '.join(key)}, {column}: README {expected}, printed "
-                                f"{got[key][column]} (tolerance {bound:g})")
+                problems.append(
+                    f"{' / '.join(key)}, {column}: README {expected}, printed "
+                    f"{got[key][column]} (tolerance {bound:g})"
+                )
     return problems
 
 
@@ -131,10 +147,11 @@ def guide_pages(mkdocs_yml: Path = REPO / "mkdocs.yml") -> list[Path]:
     """The documentation pages whose commands run, in the order of mkdocs.yml's `nav` (a page
     named twice runs once), less NOT_RUN_PAGES."""
     text = mkdocs_yml.read_text()
-    nav = text[text.index("\nnav:"):]
+    nav = text[text.index("\nnav:") :]
     pages = re.findall(r"^\s+- (?:[^\n]*?: )?([\w./-]+\.md)\s*$", nav, flags=re.M)
-    return [REPO / "docs" / page for page in dict.fromkeys(pages)
-            if not page.startswith(NOT_RUN_PAGES)]
+    return [
+        REPO / "docs" / page for page in dict.fromkeys(pages) if not page.startswith(NOT_RUN_PAGES)
+    ]
 
 
 def all_commands() -> list[Command]:
@@ -159,13 +176,12 @@ def readme_commands(readme: Path = REPO / "README.md") -> list[Command]:
             continue
         previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         end = lines.index("```", i + 1)
-        block, start = lines[i + 1:end], i + 2
+        block, start = lines[i + 1 : end], i + 2
         i = end + 1
         if SKIP_MARK.search(previous):
             continue
         if fence[1] == "python":
-            commands.append(Command(source, start, "python", "\n".join(block),
-                                    "\n".join(block)))
+            commands.append(Command(source, start, "python", "\n".join(block), "\n".join(block)))
             continue
         pending, first = "", start
         for n, raw in enumerate(block, start):
@@ -179,62 +195,89 @@ def readme_commands(readme: Path = REPO / "README.md") -> list[Command]:
             code = text.split(" #")[0].strip() if not text.startswith("#") else ""
             runnable = _runnable_part(code)
             if runnable:
-                commands.append(Command(source, first, "bash", text,
-                                        at_digits_scale(runnable)))
+                commands.append(Command(source, first, "bash", text, at_digits_scale(runnable)))
     return commands
 
 
 def fresh_clone(destination: Path) -> None:
     """This commit, cloned: what a user gets, without this checkout's ignored outputs."""
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True,
-                          capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
     subprocess.run(["git", "init", "--quiet", str(destination)], check=True)
-    subprocess.run(["git", "-C", str(destination), "fetch", "--quiet", "--depth", "1",
-                    str(REPO), head], check=True)
-    subprocess.run(["git", "-C", str(destination), "checkout", "--quiet", "FETCH_HEAD"],
-                   check=True)
+    subprocess.run(
+        ["git", "-C", str(destination), "fetch", "--quiet", "--depth", "1", str(REPO), head],
+        check=True,
+    )
+    subprocess.run(["git", "-C", str(destination), "checkout", "--quiet", "FETCH_HEAD"], check=True)
 
 
 def run_all(commands: list[Command], clone: Path) -> int:
     env = {**os.environ, "PYTHONPATH": str(clone)}  # the clone's code, not this checkout's
     for c in commands:
-        argv = (["bash", "-o", "pipefail", "-c", c.run] if c.kind == "bash"
-                else [sys.executable, "-c", c.run])
+        argv = (
+            ["bash", "-o", "pipefail", "-c", c.run]
+            if c.kind == "bash"
+            else [sys.executable, "-c", c.run]
+        )
         where = f"{c.source}:{c.line}"
         shown = c.run if c.kind == "bash" else f"python block at {where}"
         print(f"{where}: $ {shown}", flush=True)
         started = time.monotonic()
-        done = subprocess.run(argv, cwd=clone, env=env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE if c.run == DEMO else None, text=True)
+        done = subprocess.run(
+            argv,
+            cwd=clone,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if c.run == DEMO else None,
+            text=True,
+        )
         if c.run == DEMO:
             print(done.stdout, end="", flush=True)
-            problems = (demo_differences((clone / "README.md").read_text(), done.stdout or "")
-                        if done.returncode == 0 else [])
+            problems = (
+                demo_differences((clone / "README.md").read_text(), done.stdout or "")
+                if done.returncode == 0
+                else []
+            )
             if problems:
-                print("readme.py: knnper demo printed a table outside the README's tolerance:\n"
-                      + "\n".join(problems), file=sys.stderr)
+                print(
+                    "readme.py: knnper demo printed a table outside the README's tolerance:\n"
+                    + "\n".join(problems),
+                    file=sys.stderr,
+                )
                 return 1
-        print(f"{where}: exit {done.returncode} in {time.monotonic() - started:.0f} s",
-              flush=True)
+        print(f"{where}: exit {done.returncode} in {time.monotonic() - started:.0f} s", flush=True)
         if done.returncode != 0:
             print(f"readme.py: {where} failed: {c.text}", file=sys.stderr)
             return 1
-    stray = subprocess.run(["git", "-C", str(clone), "status", "--porcelain"], check=True,
-                           capture_output=True, text=True).stdout
+    stray = subprocess.run(
+        ["git", "-C", str(clone), "status", "--porcelain"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     if stray.strip():
-        print("readme.py: the documented commands left files that .gitignore does not cover:\n"
-              + stray, file=sys.stderr)
+        print(
+            "readme.py: the documented commands left files that .gitignore does not cover:\n"
+            + stray,
+            file=sys.stderr,
+        )
         return 1
-    print(f"readme.py: all {len(commands)} commands of the README and the guides ran in a fresh "
-          "clone")
+    print(
+        f"readme.py: all {len(commands)} commands of the README and the guides ran in a fresh clone"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true", help="print the commands, run nothing")
-    p.add_argument("--keep", type=Path, default=None,
-                   help="clone into this new directory and keep it (default: a temporary one)")
+    p.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="clone into this new directory and keep it (default: a temporary one)",
+    )
     args = p.parse_args(argv)
     commands = all_commands()
     if args.list:
@@ -251,4 +294,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

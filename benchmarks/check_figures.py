@@ -45,16 +45,23 @@ PAGES = REPO / "docs" / "benchmarks"
 FAIR = REPO / "benchmarks" / "results" / "fair"
 SEEDS = REPO / "benchmarks" / "results" / "seeds"
 TITLES = titles()  # method -> its title in the tables, from the baselines' registry
-FAIR_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
-               "Fashion-MNIST alpha 0.3": "fashion-mnist"}
-SEED_TABLES = {"CIFAR-10 alpha 0.3": "cifar10", "CIFAR-10 v2": "cifar10-v2",
-               "Fashion-MNIST alpha 0.3": "fashion-mnist",
-               "kNN-Per vs FedAvg, Fashion-MNIST": "vs-fedavg-fashion-mnist",
-               "kNN-Per vs FedAvg, CIFAR-10": "vs-fedavg-cifar10"}
+FAIR_TABLES = {
+    "CIFAR-10 alpha 0.3": "cifar10",
+    "CIFAR-10 v2": "cifar10-v2",
+    "Fashion-MNIST alpha 0.3": "fashion-mnist",
+}
+SEED_TABLES = {
+    "CIFAR-10 alpha 0.3": "cifar10",
+    "CIFAR-10 v2": "cifar10-v2",
+    "Fashion-MNIST alpha 0.3": "fashion-mnist",
+    "kNN-Per vs FedAvg, Fashion-MNIST": "vs-fedavg-fashion-mnist",
+    "kNN-Per vs FedAvg, CIFAR-10": "vs-fedavg-cifar10",
+}
 # The same tables rerun with the project's default personalization (base and lambda rule
 # cross-validated on validation), in the benchmark pages' section with DEFAULT_HEADING.
-DEFAULT_SEED_TABLES = {f"{title}, default": f"{name}-default"
-                       for title, name in SEED_TABLES.items()}
+DEFAULT_SEED_TABLES = {
+    f"{title}, default": f"{name}-default" for title, name in SEED_TABLES.items()
+}
 # kNN-Per alone with the paper's per-client lambda rule, paired with the default tables by
 # benchmarks/rule_pairs.py: their per-client figures are recomputed here too
 PAPER_RULE_FOLDERS = ("fashion-mnist-paper-rule", "cifar10-paper-rule")
@@ -79,15 +86,20 @@ class Checker:
             return
         if isinstance(expected, str) and isinstance(found, str):  # a rendered file: name its
             pairs = zip(expected.splitlines(), found.splitlines(), strict=False)  # first diff
-            line, (expected, found) = next(((i, p) for i, p in enumerate(pairs, 1)
-                                            if p[0] != p[1]), (0, (expected[-80:], found[-80:])))
+            line, (expected, found) = next(
+                ((i, p) for i, p in enumerate(pairs, 1) if p[0] != p[1]),
+                (0, (expected[-80:], found[-80:])),
+            )
             where = f"{where} line {line}"
         self.mismatches.append(f"{where}: recomputed {expected!r}, file says {found!r}")
 
 
 def method_rows(clients: Iterable[Mapping[str, Any]], column: str) -> list[dict[str, Any]]:
-    return [{"unseen": c["unseen"], "n_test": c["n_test"], "accuracy": c.get(column)}
-            for c in clients if c.get(column) is not None]
+    return [
+        {"unseen": c["unseen"], "n_test": c["n_test"], "accuracy": c.get(column)}
+        for c in clients
+        if c.get(column) is not None
+    ]
 
 
 def check_table(folder: Path, check: Checker, render: bool = False) -> dict[str, Any]:
@@ -104,21 +116,31 @@ def check_table(folder: Path, check: Checker, render: bool = False) -> dict[str,
                 continue
             rebuilt[group][method] = summary[group]
             for stat in ("mean", "bottom_decile", "clients"):
-                check.same(f"{name}/results.json {group} {method} {stat}", summary[group][stat],
-                           results[group][method][stat])
+                check.same(
+                    f"{name}/results.json {group} {method} {stat}",
+                    summary[group][stat],
+                    results[group][method][stat],
+                )
     for group, table in (("seen", "table1.csv"), ("unseen", "table2.csv")):
         for row in read_csv(folder / table):
             s = rebuilt[group].get(row["method"])
             for stat in ("mean", "bottom_decile"):
-                check.same(f"{name}/{table} {row['method']} {stat}",
-                           None if s is None else round(s[stat], 6), row[stat], 1e-6)
+                check.same(
+                    f"{name}/{table} {row['method']} {stat}",
+                    None if s is None else round(s[stat], 6),
+                    row[stat],
+                    1e-6,
+                )
     if "knn" in results and "oracle" in results["knn"]:
         oracle = summarize(method_rows(clients, "knnper_oracle_accuracy"))
         for group in ("seen", "unseen"):
             if oracle[group] is not None:
                 for stat in ("mean", "bottom_decile"):
-                    check.same(f"{name} oracle {group} {stat}", oracle[group][stat],
-                               results["knn"]["oracle"][group][stat])
+                    check.same(
+                        f"{name} oracle {group} {stat}",
+                        oracle[group][stat],
+                        results["knn"]["oracle"][group][stat],
+                    )
         rebuilt["knn"] = {**results["knn"], "oracle": oracle}
         _check_lambda_report(name, clients, results["knn"].get("lambda_report", {}), check)
     if (folder / "attribution.csv").exists():
@@ -130,35 +152,50 @@ def check_table(folder: Path, check: Checker, render: bool = False) -> dict[str,
     return rebuilt
 
 
-def _check_lambda_report(name: Path, clients: list[dict], report: Mapping[str, Any],
-                         check: Checker) -> None:
-    scored = [c for c in clients if c.get("knnper") is not None
-              and c.get("knnper_oracle_lambda") is not None]
+def _check_lambda_report(
+    name: Path, clients: list[dict], report: Mapping[str, Any], check: Checker
+) -> None:
+    scored = [
+        c
+        for c in clients
+        if c.get("knnper") is not None and c.get("knnper_oracle_lambda") is not None
+    ]
     if not report.get("clients"):
         return
     w = sum(c["n_test"] for c in scored)
     honest = sum(c["knnper"] * c["n_test"] for c in scored) / w
     oracle = sum(c["knnper_oracle_accuracy"] * c["n_test"] for c in scored) / w
     check.same(f"{name} lambda report clients", len(scored), report["clients"])
-    check.same(f"{name} lambda report differs",
-               sum(c["knnper_lambda"] != c["knnper_oracle_lambda"] for c in scored),
-               report["differs"])
+    check.same(
+        f"{name} lambda report differs",
+        sum(c["knnper_lambda"] != c["knnper_oracle_lambda"] for c in scored),
+        report["differs"],
+    )
     check.same(f"{name} lambda report cost_pp", 100 * (oracle - honest), report["cost_pp"], 1e-7)
 
 
-def _check_attribution(name: Path, rows: list[dict], results: Mapping[str, Any],
-                       check: Checker) -> None:
+def _check_attribution(
+    name: Path, rows: list[dict], results: Mapping[str, Any], check: Checker
+) -> None:
     summary = results["attribution"]["summary"]
     for key in summary:
         body, head = key.split("/")
-        got = summarize([r for r in rows if r["body"] == body and r["head"] == head
-                         and r["accuracy"] is not None])
+        got = summarize(
+            [
+                r
+                for r in rows
+                if r["body"] == body and r["head"] == head and r["accuracy"] is not None
+            ]
+        )
         for group in ("seen", "unseen"):
             if got[group] is None:
                 continue
             for stat in ("mean", "bottom_decile"):
-                check.same(f"{name}/attribution.csv {key} {group} {stat}", got[group][stat],
-                           summary[key][group][stat])
+                check.same(
+                    f"{name}/attribution.csv {key} {group} {stat}",
+                    got[group][stat],
+                    summary[key][group][stat],
+                )
 
 
 def check_seeds(folder: Path, check: Checker, render: bool = False) -> dict[str, Any] | None:
@@ -182,8 +219,12 @@ def check_seeds(folder: Path, check: Checker, render: bool = False) -> dict[str,
         s = summary["spread"][row["group"]][row["method"]]
         for stat in ("mean", "bottom_decile"):
             for k in ("mean", "std"):
-                check.same(f"{name}/seeds.csv {row['group']} {row['method']} {stat}_{k}",
-                           s[stat][k], row[f"{stat}_{k}"], 1e-12)
+                check.same(
+                    f"{name}/seeds.csv {row['group']} {row['method']} {stat}_{k}",
+                    s[stat][k],
+                    row[f"{stat}_{k}"],
+                    1e-12,
+                )
     return summary
 
 
@@ -232,8 +273,10 @@ def _found(text: str, heading: str, check: Checker) -> bool:
 
 def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> None:
     by_title = {v: k for k, v in TITLES.items()}
-    for heading, group in (("### Seen clients (Table 1): mean / bottom 10%", "seen"),
-                           ("### Unseen clients (Table 2): mean / bottom 10%", "unseen")):
+    for heading, group in (
+        ("### Seen clients (Table 1): mean / bottom 10%", "seen"),
+        ("### Unseen clients (Table 2): mean / bottom 10%", "unseen"),
+    ):
         if not _found(text, heading, check):
             continue
         header, rows = _markdown_table(text, heading)
@@ -242,16 +285,25 @@ def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> 
             column = "knnper_oracle_accuracy" if "test-oracle" in label else by_title.get(label)
             for title, cell in zip(header[1:], row[1:], strict=True):
                 result = fair[FAIR_TABLES[title]]
-                s = (result["knn"]["oracle"][group] if column == "knnper_oracle_accuracy"
-                     else result[group][column])
-                check.same(f"benchmark pages {heading[4:20]} {label} {title}",
-                           [round(100 * s["mean"], 1), round(100 * s["bottom_decile"], 1)],
-                           _numbers(cell))
+                s = (
+                    result["knn"]["oracle"][group]
+                    if column == "knnper_oracle_accuracy"
+                    else result[group][column]
+                )
+                check.same(
+                    f"benchmark pages {heading[4:20]} {label} {title}",
+                    [round(100 * s["mean"], 1), round(100 * s["bottom_decile"], 1)],
+                    _numbers(cell),
+                )
 
 
-def check_seeds_md(text: str, seeds: Mapping[str, dict], check: Checker,
-                   heading: str = SEEDS_HEADING,
-                   tables: Mapping[str, str] = SEED_TABLES) -> None:
+def check_seeds_md(
+    text: str,
+    seeds: Mapping[str, dict],
+    check: Checker,
+    heading: str = SEEDS_HEADING,
+    tables: Mapping[str, str] = SEED_TABLES,
+) -> None:
     """The across-seed tables of the benchmark pages under `heading` against each seeds.json."""
     by_title = {v: k for k, v in TITLES.items()}
     heading = f"{heading}: mean ± std across seeds"
@@ -261,21 +313,36 @@ def check_seeds_md(text: str, seeds: Mapping[str, dict], check: Checker,
         header, rows = _markdown_table(text, f"{heading}, {suffix}")
         for row in rows:
             label = row[0].replace("**", "")
-            method = ("knnper_oracle" if "test-oracle" in label else
-                      "knnper_cross_oracle" if "cross-oracle" in label else by_title.get(label))
+            method = (
+                "knnper_oracle"
+                if "test-oracle" in label
+                else "knnper_cross_oracle"
+                if "cross-oracle" in label
+                else by_title.get(label)
+            )
             for title, cell in zip(header[1:], row[1:], strict=True):
                 summary = seeds.get(tables[title])
                 if summary is None or cell == "-":
                     continue
                 s = summary["spread"][group][method]
-                check.same(f"benchmark pages seeds {group} {label} {title}",
-                           [round(100 * s[st][k], 1) for st in ("mean", "bottom_decile")
-                            for k in ("mean", "std")], _numbers(cell))
+                check.same(
+                    f"benchmark pages seeds {group} {label} {title}",
+                    [
+                        round(100 * s[st][k], 1)
+                        for st in ("mean", "bottom_decile")
+                        for k in ("mean", "std")
+                    ],
+                    _numbers(cell),
+                )
 
 
-def check_versus_md(text: str, seeds: Mapping[str, dict], check: Checker,
-                    heading: str = SEEDS_HEADING,
-                    tables: Mapping[str, str] = SEED_TABLES) -> None:
+def check_versus_md(
+    text: str,
+    seeds: Mapping[str, dict],
+    check: Checker,
+    heading: str = SEEDS_HEADING,
+    tables: Mapping[str, str] = SEED_TABLES,
+) -> None:
     """The rows of the benchmark pages' across-seed comparison table under `heading` against
     each seeds.json: kNN-Per minus the named baseline, its interval and its verdict."""
     heading = f"{heading}: kNN-Per minus a baseline"
@@ -291,13 +358,17 @@ def check_versus_md(text: str, seeds: Mapping[str, dict], check: Checker,
         stat_key = {"mean": "mean", "bottom decile": "bottom_decile"}[stat]
         c = summary["versus_each"][group][stat_key][by_title[baseline.replace("**", "")]]
         where = f"benchmark pages versus {table} {group} {stat} {baseline}"
-        check.same(where, [round(100 * c[k], 2) for k in ("diff", "low", "high")],
-                   _numbers(cell))
+        check.same(where, [round(100 * c[k], 2) for k in ("diff", "low", "high")], _numbers(cell))
         check.same(f"{where} verdict", c["verdict"], verdict.replace("**", ""))
 
 
-def check_hurt_md(text: str, seeds: Mapping[str, dict], check: Checker,
-                  heading: str = HURT_HEADING, tables: Mapping[str, str] = SEED_TABLES) -> None:
+def check_hurt_md(
+    text: str,
+    seeds: Mapping[str, dict],
+    check: Checker,
+    heading: str = HURT_HEADING,
+    tables: Mapping[str, str] = SEED_TABLES,
+) -> None:
     """The benchmark pages' clients-hurt tables under `heading` against each seeds.json: every
     method's share below FedAvg, and kNN-Per's below FedAvg+ (its row "kNN-Per, below
     FedAvg+"), as mean ± std [interval]."""
@@ -309,22 +380,34 @@ def check_hurt_md(text: str, seeds: Mapping[str, dict], check: Checker,
         header, rows = _markdown_table(text, title)
         for row in rows:
             label = row[0].replace("**", "")
-            method, reference = (("knnper", "fedavg+") if label == "kNN-Per, below FedAvg+"
-                                 else (by_title.get(label), "fedavg"))
+            method, reference = (
+                ("knnper", "fedavg+")
+                if label == "kNN-Per, below FedAvg+"
+                else (by_title.get(label), "fedavg")
+            )
             for table, cell in zip(header[1:], row[1:], strict=True):
                 summary = seeds.get(tables[table])
-                h = None if summary is None else (
-                    summary.get("hurt", {}).get(group, {}).get(method, {}).get(reference))
-                check.same(f"benchmark pages hurt {group} {label} {table}",
-                           [] if h is None else [round(100 * h[k], 1)
-                                                 for k in ("share", "std", "low", "high")],
-                           _numbers(cell))
+                h = (
+                    None
+                    if summary is None
+                    else (summary.get("hurt", {}).get(group, {}).get(method, {}).get(reference))
+                )
+                check.same(
+                    f"benchmark pages hurt {group} {label} {table}",
+                    []
+                    if h is None
+                    else [round(100 * h[k], 1) for k in ("share", "std", "low", "high")],
+                    _numbers(cell),
+                )
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--render", action="store_true",
-                   help="rewrite table.md, seeds.json and seeds.md from the per-client files first")
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="rewrite table.md, seeds.json and seeds.md from the per-client files first",
+    )
     render = p.parse_args().render
     check = Checker()
     fair = {name: check_table(FAIR / name, check, render) for name in FAIR_TABLES.values()}

@@ -25,8 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FILES = ("table.md", "table1.csv", "table2.csv", "clients.csv", "results.json",
-         "attribution.csv")
+FILES = ("table.md", "table1.csv", "table2.csv", "clients.csv", "results.json", "attribution.csv")
 
 
 def _run_of(metrics: Path, table: Path) -> tuple[str, float]:
@@ -45,9 +44,15 @@ def curves(table: Path) -> list[dict]:
         for line in metrics.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                rows.append({"method": method, "lr": lr, "round": r["round"],
-                             "val_accuracy": r.get("val_accuracy"),
-                             "train_loss": r.get("train_loss")})
+                rows.append(
+                    {
+                        "method": method,
+                        "lr": lr,
+                        "round": r["round"],
+                        "val_accuracy": r.get("val_accuracy"),
+                        "train_loss": r.get("train_loss"),
+                    }
+                )
     return rows
 
 
@@ -60,8 +65,13 @@ def diverged_lrs(folder: Path) -> set[str]:
     return {lr for lr, score in scores.items() if score is None}
 
 
-def plot_fedavg(rows: list[dict], initial: float | None, path: Path, title: str,
-                diverged: set[str] = frozenset()) -> None:
+def plot_fedavg(
+    rows: list[dict],
+    initial: float | None,
+    path: Path,
+    title: str,
+    diverged: set[str] = frozenset(),
+) -> None:
     """One curve per learning rate, rounds as integers; a diverged rate is named in the legend
     but not drawn (its few points before the loss became nan would squash the others)."""
     from matplotlib.ticker import MaxNLocator, PercentFormatter
@@ -72,8 +82,11 @@ def plot_fedavg(rows: list[dict], initial: float | None, path: Path, title: str,
         if any(math.isclose(lr, float(d), rel_tol=1e-3) for d in diverged):
             skipped.append(f"{lr:.3g}")
             continue
-        pts = [(r["round"], r["val_accuracy"]) for r in rows
-               if r["method"] == "fedavg" and r["lr"] == lr and r["val_accuracy"] is not None]
+        pts = [
+            (r["round"], r["val_accuracy"])
+            for r in rows
+            if r["method"] == "fedavg" and r["lr"] == lr and r["val_accuracy"] is not None
+        ]
         if not pts:
             continue
         xs, ys = zip(*sorted(pts), strict=True)
@@ -86,8 +99,7 @@ def plot_fedavg(rows: list[dict], initial: float | None, path: Path, title: str,
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=1))
     ax.set_xlabel("round")
     ax.set_ylabel("pooled validation accuracy (%)")
-    ax.set_title(f"{title}: does FedAvg's validation accuracy plateau over the rounds?",
-                 fontsize=9)
+    ax.set_title(f"{title}: does FedAvg's validation accuracy plateau over the rounds?", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
@@ -97,9 +109,15 @@ def plot_fedavg(rows: list[dict], initial: float | None, path: Path, title: str,
 
 def read_curves(path: Path) -> list[dict]:
     with open(path, newline="") as f:
-        return [{"method": r["method"], "lr": float(r["lr"]), "round": int(r["round"]),
-                 "val_accuracy": float(r["val_accuracy"]) if r["val_accuracy"] else None}
-                for r in csv.DictReader(f)]
+        return [
+            {
+                "method": r["method"],
+                "lr": float(r["lr"]),
+                "round": int(r["round"]),
+                "val_accuracy": float(r["val_accuracy"]) if r["val_accuracy"] else None,
+            }
+            for r in csv.DictReader(f)
+        ]
 
 
 def main() -> None:
@@ -108,8 +126,11 @@ def main() -> None:
     p.add_argument("--name", required=True)
     p.add_argument("--pretrain", type=Path, default=None, help="its pretrain.json is copied too")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fair")
-    p.add_argument("--replot", action="store_true",
-                   help="only redraw OUT/NAME/fedavg_curve.png from its committed curves.csv")
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="only redraw OUT/NAME/fedavg_curve.png from its committed curves.csv",
+    )
     args = p.parse_args()
     dest = args.out / args.name
     if not args.replot:
@@ -118,14 +139,20 @@ def main() -> None:
             if path.exists():
                 shutil.copy(path, dest / path.name)
         with open(dest / "curves.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["method", "lr", "round", "val_accuracy",
-                                                   "train_loss"])
+            writer = csv.DictWriter(
+                f, fieldnames=["method", "lr", "round", "val_accuracy", "train_loss"]
+            )
             writer.writeheader()
             writer.writerows(curves(args.table))
         if args.pretrain is not None:
             shutil.copy(args.pretrain / "pretrain.json", dest / "pretrain.json")
-    plot_fedavg(read_curves(dest / "curves.csv"), None, dest / "fedavg_curve.png", args.name,
-                diverged_lrs(dest))
+    plot_fedavg(
+        read_curves(dest / "curves.csv"),
+        None,
+        dest / "fedavg_curve.png",
+        args.name,
+        diverged_lrs(dest),
+    )
     print(f"wrote {dest}")
 
 

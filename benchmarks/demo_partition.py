@@ -27,16 +27,26 @@ CANDIDATES = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/demo"),
-                   help="folder for partitions.csv and partitions.md")
-    p.add_argument("--work", type=Path, default=Path("runs/bench/demo_partition"),
-                   help="folder for the training runs")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results/demo"),
+        help="folder for partitions.csv and partitions.md",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("runs/bench/demo_partition"),
+        help="folder for the training runs",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of partitions and training")
     p.add_argument("--rounds", type=int, default=DemoSize.rounds, help="federated rounds")
-    p.add_argument("--local-epochs", type=int, default=DemoSize.local_epochs,
-                   help="local epochs per round")
+    p.add_argument(
+        "--local-epochs", type=int, default=DemoSize.local_epochs, help="local epochs per round"
+    )
     args = p.parse_args()
     C.setup_logging()
     C.limit_threads(1)
@@ -58,15 +68,20 @@ def main() -> None:
     best = max(rows, key=lambda r: r["gain_pp"])
     for row in rows:
         row["chosen"] = "yes" if row is best else ""
-    columns = [("partition", "partition", ""), ("fedavg_val", "FedAvg val acc", ".4f"),
-               ("knnper_val", "kNN-Per val acc", ".4f"), ("gain_pp", "gain (pp)", ".1f"),
-               ("chosen", "chosen", "")]
+    columns = [
+        ("partition", "partition", ""),
+        ("fedavg_val", "FedAvg val acc", ".4f"),
+        ("knnper_val", "kNN-Per val acc", ".4f"),
+        ("gain_pp", "gain (pp)", ".1f"),
+        ("chosen", "chosen", ""),
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     C.write_csv(args.out / "partitions.csv", rows, [c[0] for c in columns])
     table = C.markdown_table(rows, columns)
     info = C.machine_info()
     (args.out / "partitions.md").write_text(
-        f"`{C.command_line()}`\n\n{C.machine_line(info)}\n\n{table}\n")
+        f"`{C.command_line()}`\n\n{C.machine_line(info)}\n\n{table}\n"
+    )
     print(table)
 
 

@@ -27,10 +27,32 @@ from export.exporter import select_ids
 from export.profiles import weak_strong_budgets
 from fed_train.run import load_run
 
-SUMMARY = ("label", "clients", "workers", "search", "wall_s", "clients_per_min",
-           "test_accuracy", "protonn_share", "load_before", "load_after", "machine", "command")
-PER_CLIENT = ("label", "client_id", "unseen", "budget", "backend", "recipe", "total_bytes",
-              "val_accuracy", "test_accuracy", "test_samples")
+SUMMARY = (
+    "label",
+    "clients",
+    "workers",
+    "search",
+    "wall_s",
+    "clients_per_min",
+    "test_accuracy",
+    "protonn_share",
+    "load_before",
+    "load_after",
+    "machine",
+    "command",
+)
+PER_CLIENT = (
+    "label",
+    "client_id",
+    "unseen",
+    "budget",
+    "backend",
+    "recipe",
+    "total_bytes",
+    "val_accuracy",
+    "test_accuracy",
+    "test_samples",
+)
 
 
 def _append(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
@@ -51,25 +73,45 @@ def _append(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--label", required=True, help="name of this measurement (before, after...)")
     p.add_argument("--clients", default="all", help="all, or ids like 0,10,20")
-    p.add_argument("--code", type=Path, default=C.REPO,
-                   help="source tree whose `knnper export` is timed")
-    p.add_argument("--reference", type=int, default=2_000_000,
-                   help="weak-strong reference budget in bytes")
-    p.add_argument("--delta-c", type=float, default=0.3,
-                   help="weak devices get (1/2 - D), strong ones (1/2 + D) of the reference")
-    p.add_argument("--workers", type=int, default=None,
-                   help="--workers for `knnper export` (None: the version's default)")
-    p.add_argument("--pruned-search", action="store_true",
-                   help="pass --pruned-search to `knnper export`")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/export"),
-                   help="folder for speed.csv and speed_clients.csv")
-    p.add_argument("--work", type=Path, default=Path("runs/bench/export_speed"),
-                   help="folder for the bundles and the budget file")
+    p.add_argument(
+        "--code", type=Path, default=C.REPO, help="source tree whose `knnper export` is timed"
+    )
+    p.add_argument(
+        "--reference", type=int, default=2_000_000, help="weak-strong reference budget in bytes"
+    )
+    p.add_argument(
+        "--delta-c",
+        type=float,
+        default=0.3,
+        help="weak devices get (1/2 - D), strong ones (1/2 + D) of the reference",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="--workers for `knnper export` (None: the version's default)",
+    )
+    p.add_argument(
+        "--pruned-search", action="store_true", help="pass --pruned-search to `knnper export`"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results/export"),
+        help="folder for speed.csv and speed_clients.csv",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("runs/bench/export_speed"),
+        help="folder for the bundles and the budget file",
+    )
     args = p.parse_args()
     C.setup_logging()
     run = load_run(args.run)
@@ -80,9 +122,22 @@ def main() -> None:
     budgets = weak_strong_budgets(every, args.reference, args.delta_c, seed=0)
     budgets_file.write_text(json.dumps({str(k): v.total for k, v in budgets.items()}))
     ids = select_ids(run.partition.unseen, args.clients)
-    command = [sys.executable, "-m", "knnper_cli.main", "--threads", "1", "--no-progress", "export",
-               str(Path(args.run).resolve()), "--out", str(work.resolve() / "bundles"),
-               "--budgets", str(budgets_file.resolve()), "--clients", ",".join(map(str, ids))]
+    command = [
+        sys.executable,
+        "-m",
+        "knnper_cli.main",
+        "--threads",
+        "1",
+        "--no-progress",
+        "export",
+        str(Path(args.run).resolve()),
+        "--out",
+        str(work.resolve() / "bundles"),
+        "--budgets",
+        str(budgets_file.resolve()),
+        "--clients",
+        ",".join(map(str, ids)),
+    ]
     if args.workers is not None:
         command += ["--workers", str(args.workers)]
     if args.pruned_search:
@@ -95,14 +150,20 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     rows = evaluate_export(run, work / "bundles")
     per_client = [{**r, "label": args.label} for r in rows]
-    summary = {"label": args.label, "clients": len(rows), "workers": args.workers,
-               "search": "pruned" if args.pruned_search else "exhaustive",
-               "wall_s": round(wall, 1), "clients_per_min": round(60 * len(rows) / wall, 2),
-               "test_accuracy": round(weighted_mean(rows), 5),
-               "protonn_share": round(sum(r["backend"] == "protonn" for r in rows) / len(rows), 3),
-               "load_before": round(load, 2), "load_after": round(load_after, 2),
-               "machine": C.machine_line(C.machine_info()),
-               "command": C.command_line()}
+    summary = {
+        "label": args.label,
+        "clients": len(rows),
+        "workers": args.workers,
+        "search": "pruned" if args.pruned_search else "exhaustive",
+        "wall_s": round(wall, 1),
+        "clients_per_min": round(60 * len(rows) / wall, 2),
+        "test_accuracy": round(weighted_mean(rows), 5),
+        "protonn_share": round(sum(r["backend"] == "protonn" for r in rows) / len(rows), 3),
+        "load_before": round(load, 2),
+        "load_after": round(load_after, 2),
+        "machine": C.machine_line(C.machine_info()),
+        "command": C.command_line(),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     _append(args.out / "speed.csv", [summary], SUMMARY)
     _append(args.out / "speed_clients.csv", per_client, PER_CLIENT)

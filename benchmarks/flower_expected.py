@@ -34,11 +34,17 @@ def measure(config: RunConfig, work: Path) -> dict:
     seconds = time.perf_counter() - started
     rounds = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     result = evaluate_run(load_run(path), list(MEASURED), progress=False)
-    return {"config": config.to_dict(),
-            "seconds_per_round": round(sum(r["seconds"] for r in rounds) / len(rounds), 3),
-            "wall_seconds": round(seconds, 1),
-            **{f"{m}_{group}": round(100 * result[group][m]["mean"], 1)
-               for m in MEASURED for group in ("seen", "unseen") if m in result[group]}}
+    return {
+        "config": config.to_dict(),
+        "seconds_per_round": round(sum(r["seconds"] for r in rounds) / len(rounds), 3),
+        "wall_seconds": round(seconds, 1),
+        **{
+            f"{m}_{group}": round(100 * result[group][m]["mean"], 1)
+            for m in MEASURED
+            for group in ("seen", "unseen")
+            if m in result[group]
+        },
+    }
 
 
 def main() -> None:
@@ -48,31 +54,60 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[5, 10, 20])
     p.add_argument("--rounds", type=int, nargs="+", default=[5, 20])
     p.add_argument("--work", type=Path, default=Path("runs/flower-expected"))
-    p.add_argument("--expected", type=Path, default=EXPECTED_FILE,
-                   help="the JSON `deploy local` reads (default: the package's own)")
-    p.add_argument("--results", type=Path, default=RESULTS,
-                   help="folder for expected.md (default: benchmarks/results/flower)")
+    p.add_argument(
+        "--expected",
+        type=Path,
+        default=EXPECTED_FILE,
+        help="the JSON `deploy local` reads (default: the package's own)",
+    )
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="folder for expected.md (default: benchmarks/results/flower)",
+    )
     args = p.parse_args()
     C.setup_logging()
     C.limit_threads(1)
     start = C.machine_info()
-    runs = [measure(RunConfig(dataset=args.dataset, data=args.data, clients=c,
-                              training=replace(defaults.TRAINING, rounds=r)), args.work)
-            for c in args.clients for r in args.rounds]
-    record = {"command": C.command_line(), "machine": start,
-              "source": "benchmarks/flower_expected.py", "runs": runs}
+    runs = [
+        measure(
+            RunConfig(
+                dataset=args.dataset,
+                data=args.data,
+                clients=c,
+                training=replace(defaults.TRAINING, rounds=r),
+            ),
+            args.work,
+        )
+        for c in args.clients
+        for r in args.rounds
+    ]
+    record = {
+        "command": C.command_line(),
+        "machine": start,
+        "source": "benchmarks/flower_expected.py",
+        "runs": runs,
+    }
     old = json.loads(args.expected.read_text())["runs"] if args.expected.is_file() else []
     kept = [r for r in old if r["config"]["dataset"] != args.dataset]
     record["runs"] = kept + runs
     C.write_json(args.expected, record)
-    rows = [{"dataset": r["config"]["dataset"], "clients": r["config"]["clients"],
-             "rounds": r["config"]["training"]["rounds"], **{k: v for k, v in r.items()
-                                                             if k != "config"}}
-            for r in record["runs"]]
+    rows = [
+        {
+            "dataset": r["config"]["dataset"],
+            "clients": r["config"]["clients"],
+            "rounds": r["config"]["training"]["rounds"],
+            **{k: v for k, v in r.items() if k != "config"},
+        }
+        for r in record["runs"]
+    ]
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "expected.md").write_text(
         f"`{record['command']}`\n\n{C.machine_line(start)}\n\n"
-        + C.markdown_table(rows, [(k, k, "") for k in rows[0]]) + "\n")
+        + C.markdown_table(rows, [(k, k, "") for k in rows[0]])
+        + "\n"
+    )
     print((args.results / "expected.md").read_text())
 
 

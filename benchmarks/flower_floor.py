@@ -28,28 +28,48 @@ APP_DIR = Path(__file__).resolve().parent / "flower_floor"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     C.add_flower_arguments(p)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` stops the federation
     C.setup_logging()
     load_before = C.load_average()
     run_dir = args.work / args.tag / "floor"
-    settings = FlowerSettings(run=C.flower_run_config(args), run_dir=str(run_dir),
-                              round_timeout=args.round_timeout, connect_timeout=600.0)
+    settings = FlowerSettings(
+        run=C.flower_run_config(args),
+        run_dir=str(run_dir),
+        round_timeout=args.round_timeout,
+        connect_timeout=600.0,
+    )
     start = time.perf_counter()
-    deploy_local(settings, LocalFederation(clients=args.clients, startup_timeout=120.0,
-                                           app_dir=APP_DIR))
+    deploy_local(
+        settings, LocalFederation(clients=args.clients, startup_timeout=120.0, app_dir=APP_DIR)
+    )
     log.info("floor run done in %.0f s", time.perf_counter() - start)
-    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-              if line.strip()]
-    summary = {"tag": args.tag, "clients": args.clients, "rounds": args.rounds,
-               "floor_s_per_round": float(np.mean([r["seconds"] for r in rounds])),
-               "load_before": load_before, "load_after": C.load_average()}
-    C.write_json(args.results / f"floor_{args.tag}.json", {
-        "command": C.command_line(), "machine": C.machine_info(),
-        "summary": summary, "rounds": rounds})
+    rounds = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    summary = {
+        "tag": args.tag,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "floor_s_per_round": float(np.mean([r["seconds"] for r in rounds])),
+        "load_before": load_before,
+        "load_after": C.load_average(),
+    }
+    C.write_json(
+        args.results / f"floor_{args.tag}.json",
+        {
+            "command": C.command_line(),
+            "machine": C.machine_info(),
+            "summary": summary,
+            "rounds": rounds,
+        },
+    )
     print(json.dumps(summary))
 
 

@@ -38,30 +38,55 @@ from fed_train.run_evaluation import evaluate_run
 log = logging.getLogger("benchmarks.flower")
 
 SUMMARY_COLUMNS = (
-    "tag", "dataset", "clients", "rounds", "max_train", "sim_s_per_round", "flower_s_per_round",
-    "flower_over_sim", "payload_bytes_per_round", "superlink_bytes_total",
-    "superlink_bytes_per_round", "sim_fedavg_seen", "flower_fedavg_seen", "sim_knnper_seen",
-    "flower_knnper_seen", "federated_knnper_seen", "max_abs_weight_diff",
-    "max_abs_knnper_client_diff", "clientapp_import_cpu_s", "clientapp_import_wall_s",
-    "load_before", "load_after")
-MARKDOWN = (("tag", "run", ""), ("clients", "clients", ""), ("rounds", "rounds", ""),
-            ("sim_s_per_round", "simulation s/round", ".1f"),
-            ("flower_s_per_round", "Flower s/round", ".1f"), ("flower_over_sim", "ratio", ".1f"),
-            ("payload_bytes_per_round", "weights bytes/round", ".3g"),
-            ("superlink_bytes_per_round", "SuperLink bytes/round", ".3g"),
-            ("sim_fedavg_seen", "FedAvg sim %", ".2f"), ("flower_fedavg_seen", "FedAvg Flower %",
-                                                        ".2f"),
-            ("sim_knnper_seen", "kNN-Per sim %", ".2f"),
-            ("federated_knnper_seen", "kNN-Per federated %", ".2f"),
-            ("max_abs_weight_diff", "max weight diff", ".3g"),
-            ("clientapp_import_cpu_s", "ClientApp import CPU s", ".1f"),
-            ("load_before", "load (1 min) before", ".1f"),
-            ("load_after", "after", ".1f"))
+    "tag",
+    "dataset",
+    "clients",
+    "rounds",
+    "max_train",
+    "sim_s_per_round",
+    "flower_s_per_round",
+    "flower_over_sim",
+    "payload_bytes_per_round",
+    "superlink_bytes_total",
+    "superlink_bytes_per_round",
+    "sim_fedavg_seen",
+    "flower_fedavg_seen",
+    "sim_knnper_seen",
+    "flower_knnper_seen",
+    "federated_knnper_seen",
+    "max_abs_weight_diff",
+    "max_abs_knnper_client_diff",
+    "clientapp_import_cpu_s",
+    "clientapp_import_wall_s",
+    "load_before",
+    "load_after",
+)
+MARKDOWN = (
+    ("tag", "run", ""),
+    ("clients", "clients", ""),
+    ("rounds", "rounds", ""),
+    ("sim_s_per_round", "simulation s/round", ".1f"),
+    ("flower_s_per_round", "Flower s/round", ".1f"),
+    ("flower_over_sim", "ratio", ".1f"),
+    ("payload_bytes_per_round", "weights bytes/round", ".3g"),
+    ("superlink_bytes_per_round", "SuperLink bytes/round", ".3g"),
+    ("sim_fedavg_seen", "FedAvg sim %", ".2f"),
+    ("flower_fedavg_seen", "FedAvg Flower %", ".2f"),
+    ("sim_knnper_seen", "kNN-Per sim %", ".2f"),
+    ("federated_knnper_seen", "kNN-Per federated %", ".2f"),
+    ("max_abs_weight_diff", "max weight diff", ".3g"),
+    ("clientapp_import_cpu_s", "ClientApp import CPU s", ".1f"),
+    ("load_before", "load (1 min) before", ".1f"),
+    ("load_after", "after", ".1f"),
+)
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    return [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
@@ -71,8 +96,9 @@ def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
     for _ in range(repeats):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import fed_train.flower.client_app"], check=True,
-                       cwd=C.REPO)
+        subprocess.run(
+            [sys.executable, "-c", "import fed_train.flower.client_app"], check=True, cwd=C.REPO
+        )
         wall.append(time.perf_counter() - start)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
@@ -80,8 +106,9 @@ def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     C.add_flower_arguments(p)
     args = p.parse_args()
     # `timeout` sends SIGTERM: let it unwind like Ctrl-C, so deploy stops every process it started
@@ -97,12 +124,19 @@ def main() -> None:
     train(config, sim_dir, progress=False)
     log.info("simulation done in %.0f s", time.perf_counter() - start)
     record_path = flower_dir / "flower.json"
-    finished = record_path.is_file() and json.loads(record_path.read_text()).get(
-        "superlink_run", {}).get("status") == "finished:completed"
+    finished = (
+        record_path.is_file()
+        and json.loads(record_path.read_text()).get("superlink_run", {}).get("status")
+        == "finished:completed"
+    )
     if not finished:
         start = time.perf_counter()
-        settings = FlowerSettings(run=config, run_dir=str(flower_dir),
-                                  round_timeout=args.round_timeout, connect_timeout=600.0)
+        settings = FlowerSettings(
+            run=config,
+            run_dir=str(flower_dir),
+            round_timeout=args.round_timeout,
+            connect_timeout=600.0,
+        )
         deploy_local(settings, LocalFederation(clients=args.clients, startup_timeout=120.0))
         log.info("Flower run done in %.0f s", time.perf_counter() - start)
     record = json.loads(record_path.read_text())
@@ -112,30 +146,42 @@ def main() -> None:
     flower_eval = evaluate_run(flower_run, ["fedavg", "knnper"], progress=False)
     federated = record["evaluation"]
     sim_w, flower_w = get_weights(sim_run.model), get_weights(flower_run.model)
-    weight_diff = max(float(np.max(np.abs(sim_w[k].astype(np.float64) - flower_w[k])))
-                      for k in sim_w)
+    weight_diff = max(
+        float(np.max(np.abs(sim_w[k].astype(np.float64) - flower_w[k]))) for k in sim_w
+    )
     by_client = {c["client_id"]: c for c in flower_eval["clients"]}
-    client_diff = max(abs(c["knnper"] - by_client[c["client_id"]]["knnper"])
-                      for c in federated["clients"] if c["knnper"] is not None)
+    client_diff = max(
+        abs(c["knnper"] - by_client[c["client_id"]]["knnper"])
+        for c in federated["clients"]
+        if c["knnper"] is not None
+    )
 
     imports = clientapp_import_cost()
     rounds = []
     for engine, run_dir in (("simulation", sim_dir), ("flower", flower_dir)):
         for row in _rows(run_dir):
             rounds.append({"engine": engine, **row})
-    C.write_csv(args.results / f"rounds_{args.tag}.csv", rounds,
-                ("engine", "round", "clients", "seconds", "bytes_down", "bytes_up",
-                 "train_loss", "lr"))
+    C.write_csv(
+        args.results / f"rounds_{args.tag}.csv",
+        rounds,
+        ("engine", "round", "clients", "seconds", "bytes_down", "bytes_up", "train_loss", "lr"),
+    )
     flower_rounds = [r for r in rounds if r["engine"] == "flower"]
     sim_s = float(np.mean([r["seconds"] for r in rounds if r["engine"] == "simulation"]))
     flower_s = float(np.mean([r["seconds"] for r in flower_rounds]))
     traffic = record["superlink_run"]["network-traffic"]["total-bytes"]
     summary = {
-        "tag": args.tag, "dataset": args.dataset, "clients": args.clients,
-        "rounds": args.rounds, "max_train": args.max_train, "sim_s_per_round": sim_s,
-        "flower_s_per_round": flower_s, "flower_over_sim": flower_s / sim_s,
-        "payload_bytes_per_round": float(np.mean([r["bytes_down"] + r["bytes_up"]
-                                                  for r in flower_rounds])),
+        "tag": args.tag,
+        "dataset": args.dataset,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "max_train": args.max_train,
+        "sim_s_per_round": sim_s,
+        "flower_s_per_round": flower_s,
+        "flower_over_sim": flower_s / sim_s,
+        "payload_bytes_per_round": float(
+            np.mean([r["bytes_down"] + r["bytes_up"] for r in flower_rounds])
+        ),
         "superlink_bytes_total": traffic,
         # queries and the evaluation travel too: the whole run's traffic over its rounds
         "superlink_bytes_per_round": traffic / args.rounds,
@@ -144,15 +190,25 @@ def main() -> None:
         "sim_knnper_seen": 100 * sim_eval["seen"]["knnper"]["mean"],
         "flower_knnper_seen": 100 * flower_eval["seen"]["knnper"]["mean"],
         "federated_knnper_seen": 100 * federated["seen"]["knnper"]["mean"],
-        "max_abs_weight_diff": weight_diff, "max_abs_knnper_client_diff": client_diff,
-        "clientapp_import_cpu_s": imports["cpu_s"], "clientapp_import_wall_s": imports["wall_s"],
-        "load_before": load_before, "load_after": C.load_average(),
+        "max_abs_weight_diff": weight_diff,
+        "max_abs_knnper_client_diff": client_diff,
+        "clientapp_import_cpu_s": imports["cpu_s"],
+        "clientapp_import_wall_s": imports["wall_s"],
+        "load_before": load_before,
+        "load_after": C.load_average(),
     }
-    C.write_json(args.results / f"{args.tag}.json", {
-        "command": C.command_line(), "machine": C.machine_info(),
-        "summary": summary, "simulation_evaluation": sim_eval,
-        "flower_evaluation": flower_eval, "federated_evaluation": federated,
-        "superlink_run": record["superlink_run"]})
+    C.write_json(
+        args.results / f"{args.tag}.json",
+        {
+            "command": C.command_line(),
+            "machine": C.machine_info(),
+            "summary": summary,
+            "simulation_evaluation": sim_eval,
+            "flower_evaluation": flower_eval,
+            "federated_evaluation": federated,
+            "superlink_run": record["superlink_run"],
+        },
+    )
     summary_path = args.results / "summary.csv"
     rows = []
     if summary_path.is_file():
@@ -160,9 +216,19 @@ def main() -> None:
             rows = [r for r in csv.DictReader(f) if r["tag"] != args.tag]
     rows.append(summary)
     C.write_csv(summary_path, rows, SUMMARY_COLUMNS)
-    numeric = [{k: (v if k in ("tag", "dataset") or v in ("", None)
-                    else int(v) if k in ("clients", "rounds") else float(v))
-                for k, v in r.items()} for r in rows]
+    numeric = [
+        {
+            k: (
+                v
+                if k in ("tag", "dataset") or v in ("", None)
+                else int(v)
+                if k in ("clients", "rounds")
+                else float(v)
+            )
+            for k, v in r.items()
+        }
+        for r in rows
+    ]
     (args.results / "summary.md").write_text(C.markdown_table(numeric, MARKDOWN) + "\n")
     print(C.markdown_table([summary], MARKDOWN))
 

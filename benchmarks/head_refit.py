@@ -37,9 +37,11 @@ log = logging.getLogger("benchmarks.head_refit")
 RECIPE = "flat:int8"
 # head_refit.csv's columns and head_refit.md's table, one declaration: (key, header, format)
 TABLE = [
-    ("keys", "stored keys", ","), ("add_global_ms", "add, global base p50 ms", ".1f"),
+    ("keys", "stored keys", ","),
+    ("add_global_ms", "add, global base p50 ms", ".1f"),
     ("add_linear_ms", "add, linear base (refit) p50 ms", ".1f"),
-    ("ratio", "linear / global", ".2f"), ("refit_extra_ms", "refit adds ms", ".1f"),
+    ("ratio", "linear / global", ".2f"),
+    ("refit_extra_ms", "refit adds ms", ".1f"),
     ("fit_ms", "LinearHead.fit alone ms", ".1f"),
     ("lbfgs_iterations", "L-BFGS iterations", "d"),
 ]
@@ -47,8 +49,9 @@ TABLE = [
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = C.device_parser(__doc__)
-    p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[500, 2000, 5000],
-                   help="stored keys")
+    p.add_argument(
+        "--sizes", type=C.positive_int, nargs="+", default=[500, 2000, 5000], help="stored keys"
+    )
     p.add_argument("--reps", type=C.positive_int, default=20, help="timed adds per bundle")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny settings to check the pipeline")
@@ -60,16 +63,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def linear_bundle_fields(l2: float) -> dict:
     """The manifest's record of a linear base, as the exporter writes it."""
+
     def flag(value):
         return {"value": value, "source": "flag"}
 
-    return {"knn_choice": {"k": flag(10), "sigma": flag(1.0), "normalize": flag("none"),
-                           "lambda_estimator": flag("val"), "base": flag("linear"),
-                           "l2": flag(l2)}}
+    return {
+        "knn_choice": {
+            "k": flag(10),
+            "sigma": flag(1.0),
+            "normalize": flag("none"),
+            "lambda_estimator": flag("val"),
+            "base": flag("linear"),
+            "l2": flag(l2),
+        }
+    }
 
 
-def time_adds(bundles: dict[str, Path], images: np.ndarray, labels: np.ndarray,
-              reps: int) -> dict[str, float]:
+def time_adds(
+    bundles: dict[str, Path], images: np.ndarray, labels: np.ndarray, reps: int
+) -> dict[str, float]:
     """Median seconds of one `add` per bundle, alternating which goes first."""
     runtimes = {name: Runtime.load(path) for name, path in bundles.items()}
     adds = {name: lambda xy, rt=rt: rt.add(*xy, strategy="fifo") for name, rt in runtimes.items()}
@@ -79,8 +91,9 @@ def time_adds(bundles: dict[str, Path], images: np.ndarray, labels: np.ndarray,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started, machine, gm, pool = C.start_device_benchmark(args, threads=1, queries=50,
-                                                          smoke_train=2000)
+    started, machine, gm, pool = C.start_device_benchmark(
+        args, threads=1, queries=50, smoke_train=2000
+    )
     spec, num_classes = gm.spec, gm.num_classes
     work = Path(tempfile.mkdtemp(prefix="knnper-refit-"))
     rows = []
@@ -97,33 +110,63 @@ def main(argv: Sequence[str] | None = None) -> int:
             personal.write_bytes(with_linear_head(encoder, head))
             bundles = {"global": work / f"global-{size}", "linear": work / f"linear-{size}"}
             C.write_benchmark_bundle(bundles["global"], encoder, ds, spec)
-            C.write_benchmark_bundle(bundles["linear"], personal, ds, spec,
-                                     extra_fields=linear_bundle_fields(DEFAULT_L2))
+            C.write_benchmark_bundle(
+                bundles["linear"], personal, ds, spec, extra_fields=linear_bundle_fields(DEFAULT_L2)
+            )
             t = time_adds(bundles, pool.queries, pool.query_labels, args.reps)
-            rows.append({"keys": size, "add_global_ms": 1e3 * t["global"],
-                         "add_linear_ms": 1e3 * t["linear"],
-                         "ratio": t["linear"] / t["global"],
-                         "refit_extra_ms": 1e3 * (t["linear"] - t["global"]),
-                         "fit_ms": 1e3 * fit, "lbfgs_iterations": head.n_iter_})
-            log.info("%d keys: add %.1f ms global, %.1f ms linear (fit alone %.1f ms)", size,
-                     rows[-1]["add_global_ms"], rows[-1]["add_linear_ms"], rows[-1]["fit_ms"])
+            rows.append(
+                {
+                    "keys": size,
+                    "add_global_ms": 1e3 * t["global"],
+                    "add_linear_ms": 1e3 * t["linear"],
+                    "ratio": t["linear"] / t["global"],
+                    "refit_extra_ms": 1e3 * (t["linear"] - t["global"]),
+                    "fit_ms": 1e3 * fit,
+                    "lbfgs_iterations": head.n_iter_,
+                }
+            )
+            log.info(
+                "%d keys: add %.1f ms global, %.1f ms linear (fit alone %.1f ms)",
+                size,
+                rows[-1]["add_global_ms"],
+                rows[-1]["add_linear_ms"],
+                rows[-1]["fit_ms"],
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     machine_end = C.machine_info()
     text = report(rows, args, gm.source, machine, machine_end, time.time() - started)
-    C.write_results(args, started, text, report="head_refit.md", record="head_refit_run.json",
-                    tables={"head_refit.csv": (rows, [key for key, _, _ in TABLE])},
-                    machine=machine, machine_end=machine_end, weights=gm.source)
+    C.write_results(
+        args,
+        started,
+        text,
+        report="head_refit.md",
+        record="head_refit_run.json",
+        tables={"head_refit.csv": (rows, [key for key, _, _ in TABLE])},
+        machine=machine,
+        machine_end=machine_end,
+        weights=gm.source,
+    )
     return 0
 
 
-def report(rows: list[dict], args: argparse.Namespace, weights: str, machine: dict,
-           machine_end: dict, seconds: float) -> str:
+def report(
+    rows: list[dict],
+    args: argparse.Namespace,
+    weights: str,
+    machine: dict,
+    machine_end: dict,
+    seconds: float,
+) -> str:
     return C.report_text(
-        C.report_head("Edge runtime: what refitting the linear head adds to `add`", machine,
-                      machine_end, "One thread for onnxruntime and BLAS. "
-                      f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder, "
-                      f"{RECIPE} datastore."),
+        C.report_head(
+            "Edge runtime: what refitting the linear head adds to `add`",
+            machine,
+            machine_end,
+            "One thread for onnxruntime and BLAS. "
+            f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder, "
+            f"{RECIPE} datastore.",
+        ),
         f"Medians of {args.reps} interleaved `add` calls of one image each (fifo: the "
         "datastore keeps its size); each commits the bundle crash-safely. The linear bundle's "
         "also refits the head on every stored key, writes its file and opens a new session.",

@@ -27,8 +27,9 @@ from fed_train.run import RunConfig, load_run, train
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--clients", type=C.positive_int, default=6)
     p.add_argument("--rounds", type=C.positive_int, default=5)
@@ -42,16 +43,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     C.limit_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="knnper-int8-query-"))
-    config = RunConfig(dataset="digits", clients=args.clients, seed=args.seed,
-                       training=TrainingConfig(rounds=args.rounds, epochs=1, batch_size=16,
-                                               lr=0.05, momentum=0.9))
+    config = RunConfig(
+        dataset="digits",
+        clients=args.clients,
+        seed=args.seed,
+        training=TrainingConfig(rounds=args.rounds, epochs=1, batch_size=16, lr=0.05, momentum=0.9),
+    )
     train(config, root / "run", progress=False)
     run = load_run(root / "run")
     space = SearchSpace(backends=("flat",), flat_dtypes=("int8",))
-    report = export_run(run, root / "bundles", {c: 10**7 for c in range(args.clients)},
-                        ExportSettings(space=space), progress=False)
-    counts = {"quantised_query_correct": 0, "float_query_correct": 0, "argmax_agree": 0,
-              "test_images": 0}
+    report = export_run(
+        run,
+        root / "bundles",
+        {c: 10**7 for c in range(args.clients)},
+        ExportSettings(space=space),
+        progress=False,
+    )
+    counts = {
+        "quantised_query_correct": 0,
+        "float_query_correct": 0,
+        "argmax_agree": 0,
+        "test_images": 0,
+    }
     for row in report["clients"]:
         rt = Runtime.load(root / "bundles" / row["bundle"])
         idx = run.partition.clients[row["client_id"]].test
@@ -69,11 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         counts["argmax_agree"] += int(np.sum(now == before))
         counts["test_images"] += len(y)
     n = counts["test_images"]
-    C.write_json(args.out / "int8_query_accuracy.json", {
-        "command": C.command_line(), "machine": C.machine_info(), **counts,
-        "quantised_query_accuracy": counts["quantised_query_correct"] / n,
-        "float_query_accuracy": counts["float_query_correct"] / n,
-        "argmax_agreement": counts["argmax_agree"] / n})
+    C.write_json(
+        args.out / "int8_query_accuracy.json",
+        {
+            "command": C.command_line(),
+            "machine": C.machine_info(),
+            **counts,
+            "quantised_query_accuracy": counts["quantised_query_correct"] / n,
+            "float_query_accuracy": counts["float_query_correct"] / n,
+            "argmax_agreement": counts["argmax_agree"] / n,
+        },
+    )
     print(counts)
     return 0
 

@@ -30,8 +30,17 @@ from fed_train.knn_request import KNN_MODES, KNNRequest
 from fed_train.run import load_run
 from fed_train.run_evaluation import evaluate_run
 
-COLUMNS = ("setting", "client_id", "unseen", "n_test", "server_accuracy", "device_accuracy",
-           "server_lambda", "device_lambda", "device_recipe")
+COLUMNS = (
+    "setting",
+    "client_id",
+    "unseen",
+    "n_test",
+    "server_accuracy",
+    "device_accuracy",
+    "server_lambda",
+    "device_lambda",
+    "device_recipe",
+)
 
 
 def _cached(path: Path, make) -> Any:
@@ -48,19 +57,31 @@ def setting_rows(run, setting: str, budget: int, out: Path, bundles: Path) -> li
     def server() -> dict:
         start = time.perf_counter()
         result = evaluate_run(run, ["knnper"], knn=request, progress=False)
-        return {"rows": result["clients"], "knn": result["knn"],
-                "seconds": round(time.perf_counter() - start, 1)}
+        return {
+            "rows": result["clients"],
+            "knn": result["knn"],
+            "seconds": round(time.perf_counter() - start, 1),
+        }
 
     def device() -> dict:
         start = time.perf_counter()
-        choice = load_or_choose(run.run_dir, run.model, run.clients(), request,
-                                seed=run.config.seed)
+        choice = load_or_choose(
+            run.run_dir, run.model, run.clients(), request, seed=run.config.seed
+        )
         ids = list(range(len(run.partition.clients)))
         target = bundles / setting
-        export_run(run, target, uniform_budgets(ids, budget),
-                   apply_knn_choice(ExportSettings(), choice), progress=False, workers=1)
-        return {"rows": evaluate_export(run, target),
-                "seconds": round(time.perf_counter() - start, 1)}
+        export_run(
+            run,
+            target,
+            uniform_budgets(ids, budget),
+            apply_knn_choice(ExportSettings(), choice),
+            progress=False,
+            workers=1,
+        )
+        return {
+            "rows": evaluate_export(run, target),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
 
     on_server = _cached(out / f"{setting}_server.json", server)
     on_device = _cached(out / f"{setting}_device.json", device)
@@ -68,10 +89,19 @@ def setting_rows(run, setting: str, budget: int, out: Path, bundles: Path) -> li
     rows = []
     for r in on_server["rows"]:
         d = by_id[r["client_id"]]
-        rows.append({"setting": setting, "client_id": r["client_id"], "unseen": r["unseen"],
-                     "n_test": r["n_test"], "server_accuracy": r["knnper"],
-                     "device_accuracy": d["test_accuracy"], "server_lambda": r["knnper_lambda"],
-                     "device_lambda": d["lambda"], "device_recipe": d["recipe"]})
+        rows.append(
+            {
+                "setting": setting,
+                "client_id": r["client_id"],
+                "unseen": r["unseen"],
+                "n_test": r["n_test"],
+                "server_accuracy": r["knnper"],
+                "device_accuracy": d["test_accuracy"],
+                "server_lambda": r["knnper_lambda"],
+                "device_lambda": d["lambda"],
+                "device_recipe": d["recipe"],
+            }
+        )
     return rows
 
 
@@ -81,16 +111,29 @@ def summary(rows: list[dict], knn: dict[str, dict]) -> list[dict]:
         mine = [r for r in rows if r["setting"] == setting]
         line: dict[str, Any] = {"setting": setting, **knn[setting]}
         for where in ("server", "device"):
-            groups = summarize([{"unseen": r["unseen"], "n_test": r["n_test"],
-                                 "accuracy": r[f"{where}_accuracy"]} for r in mine])
+            groups = summarize(
+                [
+                    {
+                        "unseen": r["unseen"],
+                        "n_test": r["n_test"],
+                        "accuracy": r[f"{where}_accuracy"],
+                    }
+                    for r in mine
+                ]
+            )
             for group, s in groups.items():
                 line[f"{where}_{group}_mean"] = None if s is None else 100 * s["mean"]
-                line[f"{where}_{group}_bottom_decile"] = (None if s is None
-                                                          else 100 * s["bottom_decile"])
+                line[f"{where}_{group}_bottom_decile"] = (
+                    None if s is None else 100 * s["bottom_decile"]
+                )
         line["clients_off_by_more_than_one_sample"] = sum(
-            abs(round(r["server_accuracy"] * r["n_test"]) - round(r["device_accuracy"]
-                                                                  * r["n_test"])) > 1
-            for r in mine)
+            abs(
+                round(r["server_accuracy"] * r["n_test"])
+                - round(r["device_accuracy"] * r["n_test"])
+            )
+            > 1
+            for r in mine
+        )
         out.append(line)
     return out
 
@@ -103,16 +146,24 @@ def tuned_minus_paper(rows: list[dict]) -> list[dict]:
     for where in ("server", "device"):
         by_client: dict[int, dict] = {}
         for r in rows:
-            row = by_client.setdefault(r["client_id"], {"unseen": r["unseen"],
-                                                        "n_test": r["n_test"]})
+            row = by_client.setdefault(
+                r["client_id"], {"unseen": r["unseen"], "n_test": r["n_test"]}
+            )
             row[r["setting"]] = r[f"{where}_accuracy"]
         for group in ("seen", "unseen"):
             iv = paired_bootstrap([list(by_client.values())], group, "tuned", "paper", "mean")
             if iv is None:
                 continue
-            out.append({"where": where, "group": group, "diff_pp": 100 * iv["diff"],
-                        "low_pp": 100 * iv["low"], "high_pp": 100 * iv["high"],
-                        "verdict": verdict(iv, "tuned", "paper")})
+            out.append(
+                {
+                    "where": where,
+                    "group": group,
+                    "diff_pp": 100 * iv["diff"],
+                    "low_pp": 100 * iv["low"],
+                    "high_pp": 100 * iv["high"],
+                    "verdict": verdict(iv, "tuned", "paper"),
+                }
+            )
     return out
 
 
@@ -132,29 +183,50 @@ def main() -> None:
     for setting in KNN_MODES:
         rows += setting_rows(run, setting, args.budget, out, bundles)
         record = json.loads((out / f"{setting}_server.json").read_text())["knn"]
-        knn[setting] = {"k": record["config"]["k"], "sigma": record["config"]["sigma"],
-                        "normalize": record["config"]["normalize"],
-                        "estimator": record["estimator"]}
+        knn[setting] = {
+            "k": record["config"]["k"],
+            "sigma": record["config"]["sigma"],
+            "normalize": record["config"]["normalize"],
+            "estimator": record["estimator"],
+        }
     C.write_csv(out / "clients.csv", rows, COLUMNS)
     lines = summary(rows, knn)
     differences = tuned_minus_paper(rows)
     C.write_json(out / "summary.json", {"settings": lines, "tuned_minus_paper": differences})
-    table = C.markdown_table(lines, [
-        ("setting", "setting", ""), ("k", "k", ""), ("sigma", "sigma", "g"),
-        ("normalize", "norm", ""), ("estimator", "lambda by", ""),
-        ("server_seen_mean", "server seen mean", ".2f"),
-        ("server_seen_bottom_decile", "server seen bottom 10%", ".2f"),
-        ("device_seen_mean", "device seen mean", ".2f"),
-        ("device_seen_bottom_decile", "device seen bottom 10%", ".2f"),
-        ("server_unseen_mean", "server unseen mean", ".2f"),
-        ("device_unseen_mean", "device unseen mean", ".2f"),
-        ("clients_off_by_more_than_one_sample", "clients off by >1 sample", "")])
-    head = C.report_head("kNN-Per: paper setting vs chosen on validation, server and device",
-                         start_info, C.machine_info(),
-                         f"Run {args.run}; every device's budget {args.budget} bytes.")
-    gaps = C.markdown_table(differences, [
-        ("where", "where", ""), ("group", "clients", ""), ("diff_pp", "tuned - paper (pp)", "+.2f"),
-        ("low_pp", "95% low", "+.2f"), ("high_pp", "95% high", "+.2f"), ("verdict", "verdict", "")])
+    table = C.markdown_table(
+        lines,
+        [
+            ("setting", "setting", ""),
+            ("k", "k", ""),
+            ("sigma", "sigma", "g"),
+            ("normalize", "norm", ""),
+            ("estimator", "lambda by", ""),
+            ("server_seen_mean", "server seen mean", ".2f"),
+            ("server_seen_bottom_decile", "server seen bottom 10%", ".2f"),
+            ("device_seen_mean", "device seen mean", ".2f"),
+            ("device_seen_bottom_decile", "device seen bottom 10%", ".2f"),
+            ("server_unseen_mean", "server unseen mean", ".2f"),
+            ("device_unseen_mean", "device unseen mean", ".2f"),
+            ("clients_off_by_more_than_one_sample", "clients off by >1 sample", ""),
+        ],
+    )
+    head = C.report_head(
+        "kNN-Per: paper setting vs chosen on validation, server and device",
+        start_info,
+        C.machine_info(),
+        f"Run {args.run}; every device's budget {args.budget} bytes.",
+    )
+    gaps = C.markdown_table(
+        differences,
+        [
+            ("where", "where", ""),
+            ("group", "clients", ""),
+            ("diff_pp", "tuned - paper (pp)", "+.2f"),
+            ("low_pp", "95% low", "+.2f"),
+            ("high_pp", "95% high", "+.2f"),
+            ("verdict", "verdict", ""),
+        ],
+    )
     (out / "summary.md").write_text("\n".join([*head, "", table, "", gaps, ""]))
     print(table)
     print(gaps)

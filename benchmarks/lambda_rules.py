@@ -39,8 +39,11 @@ from fed_train.run import RunConfig, load_run, train
 
 RULES = (*LAMBDA_RULES, "auto")
 # column: (lambda rule, base) given to choose_knn
-SETTINGS = {**{rule: (rule, "global") for rule in RULES}, "knn+linear": ("auto", "linear"),
-            "default": ("auto", "auto")}
+SETTINGS = {
+    **{rule: (rule, "global") for rule in RULES},
+    "knn+linear": ("auto", "linear"),
+    "default": ("auto", "auto"),
+}
 COLUMNS = (*SETTINGS, "linear_alone", "oracle", "cross_oracle")
 
 
@@ -52,19 +55,41 @@ def seed_rows(args: argparse.Namespace, seed: int) -> list[dict]:
         saved = json.loads(cached.read_text())
         if saved.get("columns") == list(COLUMNS):
             return saved["rows"]
-    config = RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
-                       partition="dirichlet", alpha=args.alpha, clients=args.clients, seed=seed,
-                       training=TrainingConfig(rounds=args.rounds))
+    config = RunConfig(
+        dataset=args.dataset,
+        data=args.data,
+        max_train=args.max_train,
+        partition="dirichlet",
+        alpha=args.alpha,
+        clients=args.clients,
+        seed=seed,
+        training=TrainingConfig(rounds=args.rounds),
+    )
     train(config, out / "run", progress=False)
     run = load_run(out / "run")
     ks, sigmas, norms = KNNRequest().grids()
     rows: dict[int, dict] = {}
     for column, (rule, base) in SETTINGS.items():
-        _, _, record = choose_knn(run.model, run.clients(), ks=ks, sigmas=sigmas,
-                                  normalizations=norms, rule=rule, base=base, seed=seed)
+        _, _, record = choose_knn(
+            run.model,
+            run.clients(),
+            ks=ks,
+            sigmas=sigmas,
+            normalizations=norms,
+            rule=rule,
+            base=base,
+            seed=seed,
+        )
         for r in record["oracle_rows"]:
-            row = rows.setdefault(r["client_id"], {"seed": seed, "client_id": r["client_id"],
-                                                   "unseen": r["unseen"], "n_test": r["n_test"]})
+            row = rows.setdefault(
+                r["client_id"],
+                {
+                    "seed": seed,
+                    "client_id": r["client_id"],
+                    "unseen": r["unseen"],
+                    "n_test": r["n_test"],
+                },
+            )
             row[column] = r["accuracy"]
             row[f"{column}_rule"] = f"{record['base']['name']}/{record['lambda_rule']['name']}"
             if column == "client":
@@ -87,8 +112,16 @@ def explain(args: argparse.Namespace, seed: int) -> dict:
     run = load_run(Path(args.out) / f"seed_{seed}" / "run")
     views = client_views(run.model, run.clients())
     ks, sigmas, norms = KNNRequest().grids()
-    config, _, record = choose_knn(run.model, run.clients(), ks=ks, sigmas=sigmas,
-                                   normalizations=norms, rule="auto", base="auto", seed=seed)
+    config, _, record = choose_knn(
+        run.model,
+        run.clients(),
+        ks=ks,
+        sigmas=sigmas,
+        normalizations=norms,
+        rule="auto",
+        base="auto",
+        seed=seed,
+    )
 
     def seen_accuracy(vs: list) -> float:
         seen = [v for v in vs if not v.unseen and len(v.y_test)]
@@ -98,18 +131,23 @@ def explain(args: argparse.Namespace, seed: int) -> dict:
     raw_l2, _ = choose_l2(views)
     norm_l2, _ = choose_l2(normalized_views(views, config.normalize))
     lambdas = [r["info"]["lambda"] for r in record["oracle_rows"] if not r["unseen"]]
-    return {"seed": seed, "config": config.to_dict(), "base": record["base"]["name"],
-            "rule": record["lambda_rule"]["name"],
-            "linear_raw": seen_accuracy(linear_base_views(views, raw_l2)),
-            "linear_normalized": seen_accuracy(linear_base_views(views, norm_l2,
-                                                                 config.normalize)),
-            "seen_clients": len(lambdas), "lambda_not_zero": sum(lam > 0 for lam in lambdas)}
+    return {
+        "seed": seed,
+        "config": config.to_dict(),
+        "base": record["base"]["name"],
+        "rule": record["lambda_rule"]["name"],
+        "linear_raw": seen_accuracy(linear_base_views(views, raw_l2)),
+        "linear_normalized": seen_accuracy(linear_base_views(views, norm_l2, config.normalize)),
+        "seen_clients": len(lambdas),
+        "lambda_not_zero": sum(lam > 0 for lam in lambdas),
+    }
 
 
 def cpu_model() -> str:
     """The CPU the figures were measured on (integer kernels and speed differ between them)."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() \
-            else []:
+    for line in (
+        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    ):
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
@@ -121,8 +159,9 @@ def mean(rows: list[dict], group: str, column: str) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--dataset", default="digits")
     p.add_argument("--data", default=None, help="data folder for the data set")
     p.add_argument("--max-train", type=int, default=None, help="training samples drawn")
@@ -131,9 +170,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--out", required=True, help="results folder (resumes)")
-    p.add_argument("--explain", action="store_true",
-                   help="also write explain.json: the default against the linear head alone, "
-                   "per seed, from the saved runs")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="also write explain.json: the default against the linear head alone, "
+        "per seed, from the saved runs",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     per_seed = [seed_rows(args, s) for s in range(args.seeds)]
@@ -142,42 +184,56 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=list(per_seed[0][0]))
         writer.writeheader()
         writer.writerows(r for rows in per_seed for r in rows)
-    lines = [f"# Lambda rules: {args.dataset}, {args.clients} clients, {args.rounds} rounds, "
-             f"{args.seeds} seeds", "",
-             f"Machine: {cpu_model()}; torch {torch.__version__}."
-             " Test accuracy in % (mean weighted by test size; per seed, then averaged). "
-             "The oracle rows choose lambda on test data: for scale only.", "",
-             "| rule | " + " | ".join(f"{g} mean" for g in ("seen", "unseen")) + " |",
-             "|---|---|---|"]
+    lines = [
+        f"# Lambda rules: {args.dataset}, {args.clients} clients, {args.rounds} rounds, "
+        f"{args.seeds} seeds",
+        "",
+        f"Machine: {cpu_model()}; torch {torch.__version__}."
+        " Test accuracy in % (mean weighted by test size; per seed, then averaged). "
+        "The oracle rows choose lambda on test data: for scale only.",
+        "",
+        "| rule | " + " | ".join(f"{g} mean" for g in ("seen", "unseen")) + " |",
+        "|---|---|---|",
+    ]
     for column in COLUMNS:
-        cells = [sum(mean(rows, g, column) for rows in per_seed) / len(per_seed)
-                 for g in ("seen", "unseen")]
+        cells = [
+            sum(mean(rows, g, column) for rows in per_seed) / len(per_seed)
+            for g in ("seen", "unseen")
+        ]
         lines.append(f"| {column} | {cells[0]:.2f} | {cells[1]:.2f} |")
     for column in ("auto", "default"):
         chosen = sorted({r[f"{column}_rule"] for rows in per_seed for r in rows})
         lines.append(f"`{column}` chose (base/rule): {', '.join(chosen)}.")
     lines.append("")
     summary: dict = {}
-    for reference, compared in (("client", ("pooled", "shrunk", "auto", "knn+linear", "default",
-                                            "linear_alone")),
-                                ("linear_alone", ("knn+linear", "default"))):
-        lines += [f"Minus `{reference}` (paired bootstrap 95% interval over clients, within "
-                  "seeds):", "", "| setting | group | mean (pp) | bottom decile (pp) |",
-                  "|---|---|---|---|"]
+    for reference, compared in (
+        ("client", ("pooled", "shrunk", "auto", "knn+linear", "default", "linear_alone")),
+        ("linear_alone", ("knn+linear", "default")),
+    ):
+        lines += [
+            f"Minus `{reference}` (paired bootstrap 95% interval over clients, within seeds):",
+            "",
+            "| setting | group | mean (pp) | bottom decile (pp) |",
+            "|---|---|---|---|",
+        ]
         for rule in compared:
             for group in ("seen", "unseen"):
                 cells = []
                 for stat in ("mean", "bottom_decile"):
                     iv = paired_bootstrap(per_seed, group, rule, reference, stat)
                     summary[f"{rule}-minus-{reference}-{group}-{stat}"] = iv
-                    cells.append("-" if iv is None else
-                                 f"{100 * iv['diff']:+.2f} [{100 * iv['low']:+.2f}, "
-                                 f"{100 * iv['high']:+.2f}]")
+                    cells.append(
+                        "-"
+                        if iv is None
+                        else f"{100 * iv['diff']:+.2f} [{100 * iv['low']:+.2f}, "
+                        f"{100 * iv['high']:+.2f}]"
+                    )
                 lines.append(f"| {rule} | {group} | {cells[0]} | {cells[1]} |")
         lines.append("")
     if args.explain:
-        write_json_atomic(out / "explain.json",
-                          {"seeds": [explain(args, s) for s in range(args.seeds)]})
+        write_json_atomic(
+            out / "explain.json", {"seeds": [explain(args, s) for s in range(args.seeds)]}
+        )
     write_json_atomic(out / "summary.json", {"args": vars(args), "intervals": summary})
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

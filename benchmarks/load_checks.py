@@ -33,11 +33,17 @@ COLUMNS = ["file", "samples", "bytes", "check_ms", "read_ms", "check_over_read"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True, help="directory for the CSV and markdown")
-    p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10000, 50000],
-                   help="stored samples per datastore")
+    p.add_argument(
+        "--sizes",
+        type=C.positive_int,
+        nargs="+",
+        default=[1000, 10000, 50000],
+        help="stored samples per datastore",
+    )
     p.add_argument("--dim", type=C.positive_int, default=64, help="embedding dimension")
     p.add_argument("--reps", type=C.positive_int, default=7, help="timed runs per measurement")
     p.add_argument("--seed", type=int, default=0)
@@ -68,12 +74,20 @@ def measure_size(n: int, dim: int, reps: int, seed: int, directory: Path) -> lis
     npz = directory / "flat.npz"
     save_npz_atomic(npz, {"keys": z, "labels": y, "order": np.arange(n)})
     rows = [
-        {"file": "hnsw.bin (M16)", "samples": n, "bytes": binary.stat().st_size,
-         "check_ms": median_ms(lambda: check_hnsw_index(binary.read_bytes(), dim), reps),
-         "read_ms": median_ms(hnswlib_load, reps)},
-        {"file": "datastore.npz (flat fp32)", "samples": n, "bytes": npz.stat().st_size,
-         "check_ms": median_ms(lambda: check_npz_members(npz), reps),
-         "read_ms": median_ms(lambda: load_npz(npz), reps)},
+        {
+            "file": "hnsw.bin (M16)",
+            "samples": n,
+            "bytes": binary.stat().st_size,
+            "check_ms": median_ms(lambda: check_hnsw_index(binary.read_bytes(), dim), reps),
+            "read_ms": median_ms(hnswlib_load, reps),
+        },
+        {
+            "file": "datastore.npz (flat fp32)",
+            "samples": n,
+            "bytes": npz.stat().st_size,
+            "check_ms": median_ms(lambda: check_npz_members(npz), reps),
+            "read_ms": median_ms(lambda: load_npz(npz), reps),
+        },
     ]
     for row in rows:
         row["check_over_read"] = row["check_ms"] / row["read_ms"]
@@ -99,12 +113,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows += measure_size(n, args.dim, args.reps, args.seed, Path(tmp))
         lock = lock_ms(Path(tmp), 1000)
     C.write_csv(args.out / "load_checks.csv", rows, COLUMNS)
-    table = C.markdown_table(rows, [
-        ("file", "file", ""), ("samples", "samples", "d"), ("bytes", "bytes", "d"),
-        ("check_ms", "check (ms)", ".2f"), ("read_ms", "reading it (ms)", ".2f"),
-        ("check_over_read", "check / read", ".2f")])
-    text = (f"Command: `{C.command_line()}`\n\nMachine: {C.machine_line(info)}\n\n{table}\n\n"
-            f"Shared bundle lock, taken and released: {1000 * lock:.1f} us (median of 1000).\n")
+    table = C.markdown_table(
+        rows,
+        [
+            ("file", "file", ""),
+            ("samples", "samples", "d"),
+            ("bytes", "bytes", "d"),
+            ("check_ms", "check (ms)", ".2f"),
+            ("read_ms", "reading it (ms)", ".2f"),
+            ("check_over_read", "check / read", ".2f"),
+        ],
+    )
+    text = (
+        f"Command: `{C.command_line()}`\n\nMachine: {C.machine_line(info)}\n\n{table}\n\n"
+        f"Shared bundle lock, taken and released: {1000 * lock:.1f} us (median of 1000).\n"
+    )
     (args.out / "load_checks.md").write_text(text)
     print(text)
     return 0

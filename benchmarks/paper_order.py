@@ -41,8 +41,9 @@ from fed_train.run import RunConfig
 log = logging.getLogger("benchmarks.paper_order")
 CIFAR10 = C.REPO.parent / "shared" / "data" / "cifar10" / "cifar10.npz"
 # the fair CIFAR-10 table chose 0.1 for 7 of its 9 methods; plain SGD, the paper's decay
-FAIR_TRAINING = TrainingConfig(rounds=20, epochs=1, batch_size=32, lr=0.1, momentum=0.0,
-                               milestones=(0.5, 0.75))
+FAIR_TRAINING = TrainingConfig(
+    rounds=20, epochs=1, batch_size=32, lr=0.1, momentum=0.0, milestones=(0.5, 0.75)
+)
 PAPER_RULE = KNNRequest(mode="paper")
 
 
@@ -67,16 +68,38 @@ TINY = Scale("digits", 300, 100, 1, 5, 1, 5, 1, 300)
 
 def tables(scale: Scale, data: str | None, init: Path, seed: int) -> dict[str, RunConfig]:
     clients = str(init.parent / "data" / "clients.npz")
-    mobilenet = RunConfig(dataset=scale.dataset, data=clients, max_train=scale.max_train,
-                          partition="dirichlet", alpha=0.3,
-                          clients=scale.mobilenet_clients, model="mobilenet-v2-gn", seed=seed,
-                          checkpoint_every=1, init=str(init),
-                          training=replace(FAIR_TRAINING, rounds=scale.mobilenet_rounds))
-    cnn = RunConfig(dataset=scale.dataset, data=data, max_train=scale.max_train,
-                    partition="dirichlet", alpha=0.3, clients=scale.cnn_clients,
-                    model="small-cnn", seed=seed, checkpoint_every=1,
-                    training=TrainingConfig(rounds=scale.cnn_rounds, epochs=1, batch_size=32,
-                                            lr=0.05, momentum=0.9, milestones=(0.5, 0.75)))
+    mobilenet = RunConfig(
+        dataset=scale.dataset,
+        data=clients,
+        max_train=scale.max_train,
+        partition="dirichlet",
+        alpha=0.3,
+        clients=scale.mobilenet_clients,
+        model="mobilenet-v2-gn",
+        seed=seed,
+        checkpoint_every=1,
+        init=str(init),
+        training=replace(FAIR_TRAINING, rounds=scale.mobilenet_rounds),
+    )
+    cnn = RunConfig(
+        dataset=scale.dataset,
+        data=data,
+        max_train=scale.max_train,
+        partition="dirichlet",
+        alpha=0.3,
+        clients=scale.cnn_clients,
+        model="small-cnn",
+        seed=seed,
+        checkpoint_every=1,
+        training=TrainingConfig(
+            rounds=scale.cnn_rounds,
+            epochs=1,
+            batch_size=32,
+            lr=0.05,
+            momentum=0.9,
+            milestones=(0.5, 0.75),
+        ),
+    )
     return {"mobilenet-v2-gn": mobilenet, "small-cnn": cnn}
 
 
@@ -99,31 +122,53 @@ def _mean(result: dict, group: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", type=Path, default=C.REPO / "runs" / "paper_order")
     p.add_argument("--data", default=str(CIFAR10), help="CIFAR-10 npz or folder")
-    p.add_argument("--tiny", action="store_true",
-                   help="300 digits images, a few clients, one round: checks the pipeline on a CPU")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="300 digits images, a few clients, one round: checks the pipeline on a CPU",
+    )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--client-batch", type=C.positive_int, default=1,
-                   help="clients stepped together (100 on a GPU; 1 on a CPU is faster)")
+    p.add_argument(
+        "--client-batch",
+        type=C.positive_int,
+        default=1,
+        help="clients stepped together (100 on a GPU; 1 on a CPU is faster)",
+    )
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--mobilenet-rounds", type=C.positive_int, default=None,
-                   help=f"rounds of the MobileNet table (default {GPU.mobilenet_rounds})")
-    p.add_argument("--cnn-rounds", type=C.positive_int, default=None,
-                   help=f"rounds of the small-CNN table (default {GPU.cnn_rounds})")
+    p.add_argument(
+        "--mobilenet-rounds",
+        type=C.positive_int,
+        default=None,
+        help=f"rounds of the MobileNet table (default {GPU.mobilenet_rounds})",
+    )
+    p.add_argument(
+        "--cnn-rounds",
+        type=C.positive_int,
+        default=None,
+        help=f"rounds of the small-CNN table (default {GPU.cnn_rounds})",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     C.setup_logging()
     scale = TINY if args.tiny else GPU
-    scale = replace(scale, mobilenet_rounds=args.mobilenet_rounds or scale.mobilenet_rounds,
-                    cnn_rounds=args.cnn_rounds or scale.cnn_rounds)
+    scale = replace(
+        scale,
+        mobilenet_rounds=args.mobilenet_rounds or scale.mobilenet_rounds,
+        cnn_rounds=args.cnn_rounds or scale.cnn_rounds,
+    )
     data = None if args.tiny else args.data
     device = resolve_device(args.device)
-    table = {"device": str(device), "client_batch": args.client_batch,
-             "progress": not args.no_progress}
+    table = {
+        "device": str(device),
+        "client_batch": args.client_batch,
+        "progress": not args.no_progress,
+    }
     out = args.out
     stages: dict[str, dict] = {}
 
@@ -134,22 +179,41 @@ def main(argv: list[str] | None = None) -> int:
         stages[name] = {"seconds": round(time.perf_counter() - start, 1), "skipped": done}
         log.info("%s: %s", name, "done before" if done else f"{stages[name]['seconds']} s")
 
-    stage("split", (out / "data" / "clients.npz").is_file(),
-          lambda: split_public(scale.dataset, data, scale.client_train, scale.client_test,
-                               args.seed, out / "data"))
+    stage(
+        "split",
+        (out / "data" / "clients.npz").is_file(),
+        lambda: split_public(
+            scale.dataset, data, scale.client_train, scale.client_test, args.seed, out / "data"
+        ),
+    )
     init = out / "pretrain"
-    stage("pretrain", (init / RECORD_FILE).is_file(),
-          lambda: pretrain(PretrainConfig(dataset=scale.dataset, data=str(out / "data" /
-                                                                          "clients.npz"),
-                                          public_data=str(out / "data" / "server.npz"),
-                                          model="mobilenet-v2-gn", epochs=scale.pretrain_epochs,
-                                          patience=3, augment=True, precision=args.precision,
-                                          seed=args.seed),
-                           init, progress=not args.no_progress, device=device))
-    sections = [f"Command: `{C.command_line()}`", "",
-                f"Device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
-                f"; precision {args.precision}; clients stepped together: {args.client_batch}",
-                ""]
+    stage(
+        "pretrain",
+        (init / RECORD_FILE).is_file(),
+        lambda: pretrain(
+            PretrainConfig(
+                dataset=scale.dataset,
+                data=str(out / "data" / "clients.npz"),
+                public_data=str(out / "data" / "server.npz"),
+                model="mobilenet-v2-gn",
+                epochs=scale.pretrain_epochs,
+                patience=3,
+                augment=True,
+                precision=args.precision,
+                seed=args.seed,
+            ),
+            init,
+            progress=not args.no_progress,
+            device=device,
+        ),
+    )
+    sections = [
+        f"Command: `{C.command_line()}`",
+        "",
+        f"Device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+        f"; precision {args.precision}; clients stepped together: {args.client_batch}",
+        "",
+    ]
     for name, config in tables(scale, data, init, args.seed).items():
         config = with_precision(config, args.precision)
         results = {}
@@ -158,24 +222,37 @@ def main(argv: list[str] | None = None) -> int:
             results["tuned"] = run_table(config, "all", out / name, **table)
 
         def paper(config=config, name=name, results=results) -> None:
-            results["paper"] = paper_rule_table(config, out / name, out / f"{name}-paper-rule",
-                                                **table)
+            results["paper"] = paper_rule_table(
+                config, out / name, out / f"{name}-paper-rule", **table
+            )
 
         stage(f"{name} table", False, tuned)
         stage(f"{name} kNN-Per, paper's rule", False, paper)
-        sections += [format_markdown(results["tuned"]), "",
-                     "| kNN-Per's personalization | seen mean | unseen mean |", "|---|---|---|",
-                     *(f"| {rule} | {_mean(results[key], 'seen')} | "
-                       f"{_mean(results[key], 'unseen')} |"
-                       for rule, key in (("project default (chosen on validation)", "tuned"),
-                                         ("paper's rule (k 10, sigma 1, lambda per client)",
-                                          "paper"))), ""]
-    sections += ["| stage | seconds this call | skipped (done before) |", "|---|---|---|",
-                 *(f"| {k} | {v['seconds']} | {v['skipped']} |" for k, v in stages.items())]
+        sections += [
+            format_markdown(results["tuned"]),
+            "",
+            "| kNN-Per's personalization | seen mean | unseen mean |",
+            "|---|---|---|",
+            *(
+                f"| {rule} | {_mean(results[key], 'seen')} | {_mean(results[key], 'unseen')} |"
+                for rule, key in (
+                    ("project default (chosen on validation)", "tuned"),
+                    ("paper's rule (k 10, sigma 1, lambda per client)", "paper"),
+                )
+            ),
+            "",
+        ]
+    sections += [
+        "| stage | seconds this call | skipped (done before) |",
+        "|---|---|---|",
+        *(f"| {k} | {v['seconds']} | {v['skipped']} |" for k, v in stages.items()),
+    ]
     (out / "summary.md").write_text("\n".join(sections) + "\n")
-    (out / "stages.json").write_text(json.dumps({"command": C.command_line(),
-                                                 "machine": C.machine_info(),
-                                                 "stages": stages}, indent=2))
+    (out / "stages.json").write_text(
+        json.dumps(
+            {"command": C.command_line(), "machine": C.machine_info(), "stages": stages}, indent=2
+        )
+    )
     print(f"wrote {out / 'summary.md'}")
     return 0
 

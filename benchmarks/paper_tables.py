@@ -36,26 +36,39 @@ from fed_train.algorithms.base import TrainingConfig  # noqa: E402
 from fed_train.run import RunConfig  # noqa: E402
 
 CIFAR10 = REPO.parent / "shared" / "data" / "cifar10" / "cifar10.npz"
-TRAINING = TrainingConfig(rounds=15, epochs=1, batch_size=32, lr=0.05, momentum=0.9,
-                          milestones=(0.5, 0.75))
+TRAINING = TrainingConfig(
+    rounds=15, epochs=1, batch_size=32, lr=0.05, momentum=0.9, milestones=(0.5, 0.75)
+)
 SCALE = {"clients": 50, "max_train": 8_000, "unseen_fraction": 0.2, "val_fraction": 0.2}
 
 
 def tables(cifar10: Path) -> dict[str, RunConfig]:
     return {
-        "fashion-mnist": RunConfig(dataset="fashion-mnist", partition="dirichlet", alpha=0.3,
-                                   training=TRAINING, **SCALE),
-        "cifar10": RunConfig(dataset="cifar10", data=str(cifar10), partition="dirichlet",
-                             alpha=0.3, training=TRAINING, **SCALE),
-        "cifar10-v2": RunConfig(dataset="cifar10", data=str(cifar10), partition="pathological",
-                                classes_per_client=2, training=TRAINING, **SCALE),
+        "fashion-mnist": RunConfig(
+            dataset="fashion-mnist", partition="dirichlet", alpha=0.3, training=TRAINING, **SCALE
+        ),
+        "cifar10": RunConfig(
+            dataset="cifar10",
+            data=str(cifar10),
+            partition="dirichlet",
+            alpha=0.3,
+            training=TRAINING,
+            **SCALE,
+        ),
+        "cifar10-v2": RunConfig(
+            dataset="cifar10",
+            data=str(cifar10),
+            partition="pathological",
+            classes_per_client=2,
+            training=TRAINING,
+            **SCALE,
+        ),
     }
 
 
 def smoke(config: RunConfig) -> RunConfig:
     """The same table at a size that runs in a minute: for checking the pipeline, not numbers."""
-    return replace(config, clients=10, max_train=1000,
-                   training=replace(config.training, rounds=2))
+    return replace(config, clients=10, max_train=1000, training=replace(config.training, rounds=2))
 
 
 def command(name: str, config: RunConfig, out: Path, tune_lr: bool, methods: str) -> str:
@@ -64,13 +77,23 @@ def command(name: str, config: RunConfig, out: Path, tune_lr: bool, methods: str
     if config.data:
         parts.append(f"--data {config.data}")
     parts.append(f"--partition {config.partition}")
-    parts.append(f"--classes-per-client {config.classes_per_client}"
-                 if config.partition == "pathological" else f"--alpha {config.alpha:g}")
-    parts += [f"--clients {config.clients}", f"--max-train {config.max_train}",
-              f"--rounds {t.rounds}", f"--local-epochs {t.epochs}", f"--batch-size {t.batch_size}",
-              f"--lr {t.lr:g}", f"--momentum {t.momentum:g}",
-              "--milestones " + " ".join(f"{m:g}" for m in t.milestones), f"--methods {methods}",
-              f"--out {out}"]
+    parts.append(
+        f"--classes-per-client {config.classes_per_client}"
+        if config.partition == "pathological"
+        else f"--alpha {config.alpha:g}"
+    )
+    parts += [
+        f"--clients {config.clients}",
+        f"--max-train {config.max_train}",
+        f"--rounds {t.rounds}",
+        f"--local-epochs {t.epochs}",
+        f"--batch-size {t.batch_size}",
+        f"--lr {t.lr:g}",
+        f"--momentum {t.momentum:g}",
+        "--milestones " + " ".join(f"{m:g}" for m in t.milestones),
+        f"--methods {methods}",
+        f"--out {out}",
+    ]
     if tune_lr:
         parts.append("--tune-lr")
     return " ".join(parts)
@@ -79,18 +102,29 @@ def command(name: str, config: RunConfig, out: Path, tune_lr: bool, methods: str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "paper_tables")
-    parser.add_argument("--only", default=None,
-                        help="comma-separated: fashion-mnist, cifar10, cifar10-v2")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated: fashion-mnist, cifar10, cifar10-v2"
+    )
     parser.add_argument("--cifar10", type=Path, default=CIFAR10, help="CIFAR-10 npz or folder")
-    parser.add_argument("--tune-lr", action="store_true",
-                        help="tune each method's learning rate on validation (5x the cost)")
+    parser.add_argument(
+        "--tune-lr",
+        action="store_true",
+        help="tune each method's learning rate on validation (5x the cost)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny settings, to check the script")
-    parser.add_argument("--methods", default="all",
-                        help="all, or a comma-separated list of the methods `knnper bench table` "
-                        "knows (the paper's tables are all of them)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared machine a second "
-                        "thread that has to wait for a busy core slows training many times)")
+    parser.add_argument(
+        "--methods",
+        default="all",
+        help="all, or a comma-separated list of the methods `knnper bench table` "
+        "knows (the paper's tables are all of them)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared machine a second "
+        "thread that has to wait for a busy core slows training many times)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -109,14 +143,22 @@ def main(argv: list[str] | None = None) -> int:
         config = smoke(config) if args.smoke else config
         out = out_root / name
         start = time.perf_counter()
-        result = run_table(config, args.methods, out, tune_lr=args.tune_lr,
-                           progress=not args.no_progress,
-                           command=command(name, config, out, args.tune_lr, args.methods))
+        result = run_table(
+            config,
+            args.methods,
+            out,
+            tune_lr=args.tune_lr,
+            progress=not args.no_progress,
+            command=command(name, config, out, args.tune_lr, args.methods),
+        )
         minutes = (time.perf_counter() - start) / 60
         print(format_markdown(result))
-        sections += [format_markdown(result),
-                     f"Command: `{command(name, config, out, args.tune_lr, args.methods)}` "
-                     f"({minutes:.1f} min this run; cached parts are not re-run)", ""]
+        sections += [
+            format_markdown(result),
+            f"Command: `{command(name, config, out, args.tune_lr, args.methods)}` "
+            f"({minutes:.1f} min this run; cached parts are not re-run)",
+            "",
+        ]
     out_root.mkdir(parents=True, exist_ok=True)
     (out_root / "tables.md").write_text("\n".join(sections))
     print(f"wrote {out_root / 'tables.md'}")

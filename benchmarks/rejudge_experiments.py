@@ -62,8 +62,9 @@ def shift_steps(folder: Path) -> tuple[list[dict[str, Any]], int]:
     if (folder / "steps.csv").exists():
         return device_experiments.read_steps(folder), 1
     seeds = seed_folders(folder)
-    return [{**r, "seed": (d.name, r["seed"])} for d in seeds
-            for r in device_experiments.read_steps(d)], len(seeds)
+    return [
+        {**r, "seed": (d.name, r["seed"])} for d in seeds for r in device_experiments.read_steps(d)
+    ], len(seeds)
 
 
 def figure_scale(folder: Path) -> str:
@@ -119,14 +120,22 @@ def judge(name: str, folder: Path) -> list[Claim]:
     if name == device_experiments.GRID:
         full = float(np.mean([p["mean_accuracy"] + p["drop_pp"] / 100 for p in points]))
         protonn_grid.plot_grid(
-            points, full, folder / "protonn_grid.png", scale=scale,
-            cost_pp=device_experiments.COST_PP)
+            points,
+            full,
+            folder / "protonn_grid.png",
+            scale=scale,
+            cost_pp=device_experiments.COST_PP,
+        )
         if not points or points[0].get("val_accuracy") is None:
-            return [Claim("ProtoNN cuts the datastore's memory 4x for a limited accuracy cost "
-                          f"(<= {device_experiments.COST_PP:g} pp)",
-                          "this run recorded no validation accuracy per point, so no point can "
-                          "be chosen without test data; rerun `knnper experiment protonn-grid`",
-                          "not measured")]
+            return [
+                Claim(
+                    "ProtoNN cuts the datastore's memory 4x for a limited accuracy cost "
+                    f"(<= {device_experiments.COST_PP:g} pp)",
+                    "this run recorded no validation accuracy per point, so no point can "
+                    "be chosen without test data; rerun `knnper experiment protonn-grid`",
+                    "not measured",
+                )
+            ]
         return device_experiments.grid_claims(points, clients, full)
     raise SystemExit(f"{folder}: unknown experiment {name!r}")
 
@@ -137,20 +146,27 @@ def rewrite(summary: Path, claims: list[Claim], compute_seconds: float | None) -
     end = text.index("\n\n", start)
     text = text[:start] + "\n".join(claims_table(claims)) + text[end:]
     if compute_seconds is not None:
-        text = re.sub(r"(model trained by another experiment is not counted\): )\d+ s\.",
-                      rf"\g<1>{compute_seconds:.0f} s.", text)
+        text = re.sub(
+            r"(model trained by another experiment is not counted\): )\d+ s\.",
+            rf"\g<1>{compute_seconds:.0f} s.",
+            text,
+        )
     summary.write_text(text)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("folders", type=Path, nargs="+",
-                   help="experiment result folders, or a folder holding them")
+    p.add_argument(
+        "folders", type=Path, nargs="+", help="experiment result folders, or a folder holding them"
+    )
     args = p.parse_args()
     folders = []
     for f in args.folders:
-        folders += [f] if (f / "summary.md").exists() else sorted(
-            d for d in f.iterdir() if (d / "summary.md").exists())
+        folders += (
+            [f]
+            if (f / "summary.md").exists()
+            else sorted(d for d in f.iterdir() if (d / "summary.md").exists())
+        )
     folders = [g for f in folders for g in (f, *seed_folders(f))]
     for folder in folders:
         name = folder.parent.name if folder.name.startswith("seed_") else folder.name

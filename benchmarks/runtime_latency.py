@@ -54,36 +54,74 @@ from experiments import benchmark_support as C
 
 log = logging.getLogger("benchmarks.latency")
 
-COLUMNS = ["backend", "recipe", "keys", "stored", "encoder", "threads",
-           "b1_p50_ms_runtime", "b1_p99_ms_runtime", "b1_p50_ms_torch", "b1_p99_ms_torch",
-           "speedup_b1_p50", "speedup_b1_p99",
-           f"b{256}_ms_runtime", f"b{256}_ms_torch",
-           "throughput_runtime", "throughput_torch", "speedup_throughput",
-           "argmax_agreement", "accuracy_runtime", "accuracy_torch",
-           "encoder_bytes", "datastore_bytes", "reps", "batch_reps"]
+COLUMNS = [
+    "backend",
+    "recipe",
+    "keys",
+    "stored",
+    "encoder",
+    "threads",
+    "b1_p50_ms_runtime",
+    "b1_p99_ms_runtime",
+    "b1_p50_ms_torch",
+    "b1_p99_ms_torch",
+    "speedup_b1_p50",
+    "speedup_b1_p99",
+    f"b{256}_ms_runtime",
+    f"b{256}_ms_torch",
+    "throughput_runtime",
+    "throughput_torch",
+    "speedup_throughput",
+    "argmax_agreement",
+    "accuracy_runtime",
+    "accuracy_torch",
+    "encoder_bytes",
+    "datastore_bytes",
+    "reps",
+    "batch_reps",
+]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = C.datastore_sizes_parser(__doc__)
-    p.add_argument("--encoder", choices=("int8", "fp32"), default="int8",
-                   help="the bundle's ONNX encoder")
-    p.add_argument("--threads", type=C.positive_int, default=1,
-                   help="threads for onnxruntime, torch, BLAS and hnswlib alike")
+    p.add_argument(
+        "--encoder", choices=("int8", "fp32"), default="int8", help="the bundle's ONNX encoder"
+    )
+    p.add_argument(
+        "--threads",
+        type=C.positive_int,
+        default=1,
+        help="threads for onnxruntime, torch, BLAS and hnswlib alike",
+    )
     p.add_argument("--reps", type=C.positive_int, default=1000, help="timed batch-1 calls")
     p.add_argument("--warmup", type=C.positive_int, default=50, help="untimed batch-1 calls")
     p.add_argument("--batch", type=C.positive_int, default=256, help="throughput batch size")
     p.add_argument("--batch-reps", type=C.positive_int, default=20, help="timed batch calls")
-    p.add_argument("--queries", type=C.positive_int, default=1000,
-                   help="held-out test images used as queries (never stored as keys)")
-    p.add_argument("--noise", type=float, default=0.01,
-                   help="noise (x per-dimension std) on keys replicated past the real images")
+    p.add_argument(
+        "--queries",
+        type=C.positive_int,
+        default=1000,
+        help="held-out test images used as queries (never stored as keys)",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.01,
+        help="noise (x per-dimension std) on keys replicated past the real images",
+    )
     p.add_argument("--protonn-steps", type=C.positive_int, default=50)
     p.add_argument("--lam", type=float, default=0.5, help="the bundles' lambda")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep-bundles", action="store_true",
-                   help="keep the bundles in OUT/bundles (default: a temporary directory)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny settings (200 keys, few calls) to check the pipeline end to end")
+    p.add_argument(
+        "--keep-bundles",
+        action="store_true",
+        help="keep the bundles in OUT/bundles (default: a temporary directory)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny settings (200 keys, few calls) to check the pipeline end to end",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.sizes, args.reps, args.warmup, args.batch_reps = [200], 10, 2, 2
@@ -93,13 +131,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def measure(runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray,
-            args: argparse.Namespace) -> dict[str, float]:
+def measure(
+    runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray, args: argparse.Namespace
+) -> dict[str, float]:
     paths = {"runtime": runtime_fn, "torch": torch_fn}
-    singles = [queries[i:i + 1] for i in range(len(queries))]
+    singles = [queries[i : i + 1] for i in range(len(queries))]
     b1 = C.interleaved_times(paths, singles, args.reps, args.warmup)
-    batches = [queries[s:s + args.batch] for s in range(0, len(queries) - args.batch + 1,
-                                                         args.batch)]
+    batches = [
+        queries[s : s + args.batch] for s in range(0, len(queries) - args.batch + 1, args.batch)
+    ]
     bb = C.interleaved_times(paths, batches, args.batch_reps, min(args.warmup, 3))
     row: dict[str, float] = {}
     for name in paths:
@@ -114,21 +154,28 @@ def measure(runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray,
     return row
 
 
-def agreement(runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray,
-              y: np.ndarray, batch: int) -> dict[str, float]:
-    a = np.concatenate([runtime_fn(queries[s:s + batch]).argmax(1)
-                        for s in range(0, len(queries), batch)])
-    b = np.concatenate([torch_fn(queries[s:s + batch]).argmax(1)
-                        for s in range(0, len(queries), batch)])
-    return {"argmax_agreement": float(np.mean(a == b)), "accuracy_runtime": float(np.mean(a == y)),
-            "accuracy_torch": float(np.mean(b == y))}
+def agreement(
+    runtime_fn: Callable, torch_fn: Callable, queries: np.ndarray, y: np.ndarray, batch: int
+) -> dict[str, float]:
+    a = np.concatenate(
+        [runtime_fn(queries[s : s + batch]).argmax(1) for s in range(0, len(queries), batch)]
+    )
+    b = np.concatenate(
+        [torch_fn(queries[s : s + batch]).argmax(1) for s in range(0, len(queries), batch)]
+    )
+    return {
+        "argmax_agreement": float(np.mean(a == b)),
+        "accuracy_runtime": float(np.mean(a == y)),
+        "accuracy_torch": float(np.mean(b == y)),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # the thread count for torch, BLAS and OpenMP; onnxruntime and hnswlib get it below
     started, machine_start, gm, pool = C.start_device_benchmark(
-        args, threads=args.threads, queries=args.queries, smoke_train=1000)
+        args, threads=args.threads, queries=args.queries, smoke_train=1000
+    )
     import torch  # after argparse, so --help is instant
 
     spec, model, num_classes = gm.spec, gm.model, gm.num_classes
@@ -139,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bundles = args.out / "bundles" if args.keep_bundles else work / "bundles"
     rows: list[dict[str, Any]] = []
     try:
-        calib = prepare_input(C.images(gm.dataset, pool_idx[:64 if args.smoke else 256]), spec)
+        calib = prepare_input(C.images(gm.dataset, pool_idx[: 64 if args.smoke else 256]), spec)
         encoder = C.export_encoder(model, calib, work / "encoder", encoder=args.encoder)
         encoder_bytes = encoder.stat().st_size
 
@@ -148,8 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 z = model.embed(torch.from_numpy(prepare_input(x, spec)))
                 return z.numpy(), model.head(z).numpy()
 
-        base = {"encoder": args.encoder, "threads": args.threads, "reps": args.reps,
-                "batch_reps": args.batch_reps, "encoder_bytes": encoder_bytes}
+        base = {
+            "encoder": args.encoder,
+            "threads": args.threads,
+            "reps": args.reps,
+            "batch_reps": args.batch_reps,
+            "encoder_bytes": encoder_bytes,
+        }
         # The encoder alone (lambda = 0), as the runtime loads an encoder without a datastore:
         # a bundle's session now holds its kNN head too, so it would not time the encoder alone.
         encoder_alone = Encoder(encoder, intra_op_threads=args.threads)
@@ -161,8 +213,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return softmax(torch_logits(x)[1])
 
         log.info("timing the encoders alone")
-        row = {"backend": "none", "recipe": "encoder only (lambda=0)", "keys": 0, "stored": 0,
-               "datastore_bytes": 0, **base}
+        row = {
+            "backend": "none",
+            "recipe": "encoder only (lambda=0)",
+            "keys": 0,
+            "stored": 0,
+            "datastore_bytes": 0,
+            **base,
+        }
         row.update(measure(rt_global, torch_global, queries, args))
         row.update(agreement(rt_global, torch_global, queries, y_queries, args.batch))
         rows.append(row)
@@ -174,8 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 backend = C.recipe_label(recipe)
                 log.info("building %s with %d keys", recipe, size)
                 t0 = time.perf_counter()
-                ds = C.build_datastore(recipe, z, y, num_classes, seed=args.seed,
-                                       protonn_steps=args.protonn_steps)
+                ds = C.build_datastore(
+                    recipe, z, y, num_classes, seed=args.seed, protonn_steps=args.protonn_steps
+                )
                 path = bundles / f"{backend}-{size}"
                 manifest = C.write_benchmark_bundle(path, encoder, ds, spec, lam=args.lam)
                 rt = Runtime.load(path, intra_op_threads=args.threads)
@@ -187,12 +246,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                     zq, logits = torch_logits(x)
                     return rt.head.predict_proba(zq, softmax(logits))
 
-                row = {"backend": backend, "recipe": manifest["backend"]["recipe"],
-                       "keys": size, "stored": len(rt.datastore),
-                       "datastore_bytes": manifest["footprint"]["datastore"], **base}
+                row = {
+                    "backend": backend,
+                    "recipe": manifest["backend"]["recipe"],
+                    "keys": size,
+                    "stored": len(rt.datastore),
+                    "datastore_bytes": manifest["footprint"]["datastore"],
+                    **base,
+                }
                 row.update(measure(rt.predict_proba, torch_path, queries, args))
-                row.update(agreement(rt.predict_proba, torch_path, queries, y_queries,
-                                     args.batch))
+                row.update(agreement(rt.predict_proba, torch_path, queries, y_queries, args.batch))
                 rows.append(row)
                 log.info("%s", _summary(row))
                 del rt, ds
@@ -204,38 +267,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine_end = C.machine_info()
     columns = [c.replace("b256", f"b{args.batch}") for c in COLUMNS]
     text = report(rows, args, gm.source, machine_start, machine_end, time.time() - started)
-    C.write_results(args, started, text, report="latency.md", record="run.json",
-                    tables={"latency.csv": (rows, columns)}, machine_start=machine_start,
-                    machine_end=machine_end, weights=gm.source)
+    C.write_results(
+        args,
+        started,
+        text,
+        report="latency.md",
+        record="run.json",
+        tables={"latency.csv": (rows, columns)},
+        machine_start=machine_start,
+        machine_end=machine_end,
+        weights=gm.source,
+    )
     return 0
 
 
 def _summary(row: dict[str, Any]) -> str:
-    return (f"{row['recipe']} x {row['keys']}: batch-1 p50 {row['b1_p50_ms_runtime']:.3f} ms vs "
-            f"torch {row['b1_p50_ms_torch']:.3f} ms ({row['speedup_b1_p50']:.2f}x), throughput "
-            f"{row['throughput_runtime']:.0f}/s vs {row['throughput_torch']:.0f}/s")
+    return (
+        f"{row['recipe']} x {row['keys']}: batch-1 p50 {row['b1_p50_ms_runtime']:.3f} ms vs "
+        f"torch {row['b1_p50_ms_torch']:.3f} ms ({row['speedup_b1_p50']:.2f}x), throughput "
+        f"{row['throughput_runtime']:.0f}/s vs {row['throughput_torch']:.0f}/s"
+    )
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
-           machine_start: dict, machine_end: dict, seconds: float) -> str:
+def report(
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    weights: str,
+    machine_start: dict,
+    machine_end: dict,
+    seconds: float,
+) -> str:
     b = args.batch
-    table = C.markdown_table(rows, [
-        ("backend", "backend", ""), ("recipe", "recipe", ""), ("keys", "keys", ","),
-        ("b1_p50_ms_runtime", "b1 p50 ms runtime", ".3f"),
-        ("b1_p50_ms_torch", "b1 p50 ms torch", ".3f"),
-        ("speedup_b1_p50", "p50 speedup", ".2f"),
-        ("b1_p99_ms_runtime", "b1 p99 ms runtime", ".3f"),
-        ("b1_p99_ms_torch", "b1 p99 ms torch", ".3f"),
-        ("speedup_b1_p99", "p99 speedup", ".2f"),
-        ("throughput_runtime", f"b{b} samples/s runtime", ".0f"),
-        ("throughput_torch", f"b{b} samples/s torch", ".0f"),
-        ("speedup_throughput", "throughput ratio", ".2f"),
-        ("argmax_agreement", "argmax agree", ".3f"),
-    ])
+    table = C.markdown_table(
+        rows,
+        [
+            ("backend", "backend", ""),
+            ("recipe", "recipe", ""),
+            ("keys", "keys", ","),
+            ("b1_p50_ms_runtime", "b1 p50 ms runtime", ".3f"),
+            ("b1_p50_ms_torch", "b1 p50 ms torch", ".3f"),
+            ("speedup_b1_p50", "p50 speedup", ".2f"),
+            ("b1_p99_ms_runtime", "b1 p99 ms runtime", ".3f"),
+            ("b1_p99_ms_torch", "b1 p99 ms torch", ".3f"),
+            ("speedup_b1_p99", "p99 speedup", ".2f"),
+            ("throughput_runtime", f"b{b} samples/s runtime", ".0f"),
+            ("throughput_torch", f"b{b} samples/s torch", ".0f"),
+            ("speedup_throughput", "throughput ratio", ".2f"),
+            ("argmax_agreement", "argmax agree", ".3f"),
+        ],
+    )
     return C.report_text(
-        C.report_head("Edge runtime latency: Runtime vs the torch float32 path", machine_start,
-                      machine_end, f"Threads: {args.threads} for onnxruntime, torch, BLAS and "
-                      f"hnswlib. Took {seconds:.0f} s."),
+        C.report_head(
+            "Edge runtime latency: Runtime vs the torch float32 path",
+            machine_start,
+            machine_end,
+            f"Threads: {args.threads} for onnxruntime, torch, BLAS and "
+            f"hnswlib. Took {seconds:.0f} s.",
+        ),
         f"Weights: {weights} (latency does not depend on the weight values). Encoder: "
         f"{args.encoder} ONNX. Keys: torch embeddings of Fashion-MNIST images; sizes beyond the "
         f"real images are copies plus noise ({args.noise} x per-dimension std). Queries: "

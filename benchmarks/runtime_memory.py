@@ -83,17 +83,22 @@ CHILD_NUMPY_ORT = _REPORT + "import numpy, onnxruntime\nreport()\n"
 CHILD_TORCH_IMPORT = _REPORT + "import torch\nreport()\n"
 # onnxruntime's first session costs about 9 MiB whatever the model (kernel registries and library
 # pages touched): measured with a one-node model, so the rows can be read without it too.
-CHILD_ORT_SESSION = _REPORT + """
+CHILD_ORT_SESSION = (
+    _REPORT
+    + """
 import numpy, onnxruntime as ort
 options = ort.SessionOptions()
 options.intra_op_num_threads = 1
 ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
 report()
 """
+)
 
 # The fixed floor: everything a bundle needs before its own bytes (the runtime's modules, which
 # import hashlib/OpenSSL among others, and onnxruntime's first session).
-CHILD_FLOOR = _REPORT + """
+CHILD_FLOOR = (
+    _REPORT
+    + """
 import numpy, onnxruntime as ort
 import edge_runtime.runtime, edge_runtime.cli
 options = ort.SessionOptions()
@@ -101,8 +106,11 @@ options.intra_op_num_threads = 1
 ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
 report()
 """
+)
 
-CHILD_RUNTIME = _REPORT + """
+CHILD_RUNTIME = (
+    _REPORT
+    + """
 import time
 import numpy as np
 from edge_runtime.runtime import Runtime
@@ -115,8 +123,11 @@ t0 = time.perf_counter()
 p = rt.predict_proba(x)
 report(load_s=load_s, predict_s=time.perf_counter() - t0, shape=list(p.shape))
 """
+)
 
-CHILD_TORCH_MODEL = _REPORT + """
+CHILD_TORCH_MODEL = (
+    _REPORT
+    + """
 import numpy as np
 import torch
 from edge_runtime.encoder import optimize_encoder
@@ -130,34 +141,65 @@ with torch.inference_mode():
     logits = model.head(model.embed(torch.from_numpy(prepare_input(x, spec))))
 report(shape=list(logits.shape))
 """
+)
 
 BUDGET_SLACK_MIB = 8  # target: peak RSS above the bare process <= budget + 8 MiB
 PRIVATE_SLACK_MIB = 2  # target: peak private memory above the floor <= budget + 2 MiB
 HNSW_LOAD_OVER_FILE = 1.2  # target: an HNSW bundle's load peak <= 1.2x its files
 
-COLUMNS = ["process", "backend", "recipe", "keys", "stored", "batch", "peak_rss_mib",
-           "peak_rss_mb", "within_target", "above_bare_mib", "budget_bytes", "budget_mib",
-           "within_budget", "above_session_mib", "within_budget_past_session",
-           "peak_private_mib", "private_above_floor_mib", "within_budget_private",
-           "private_over_files", "peak_source",
-           "ru_maxrss_mib",
-           "server_side_imported", "load_s", "predict_s",
-           "encoder_bytes", "datastore_bytes", "bundle_bytes"]
+COLUMNS = [
+    "process",
+    "backend",
+    "recipe",
+    "keys",
+    "stored",
+    "batch",
+    "peak_rss_mib",
+    "peak_rss_mb",
+    "within_target",
+    "above_bare_mib",
+    "budget_bytes",
+    "budget_mib",
+    "within_budget",
+    "above_session_mib",
+    "within_budget_past_session",
+    "peak_private_mib",
+    "private_above_floor_mib",
+    "within_budget_private",
+    "private_over_files",
+    "peak_source",
+    "ru_maxrss_mib",
+    "server_side_imported",
+    "load_s",
+    "predict_s",
+    "encoder_bytes",
+    "datastore_bytes",
+    "bundle_bytes",
+]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = C.datastore_sizes_parser(__doc__)
-    p.add_argument("--batches", type=C.positive_int, nargs="+", default=[1, 256],
-                   help="batch sizes of the one prediction each child makes")
+    p.add_argument(
+        "--batches",
+        type=C.positive_int,
+        nargs="+",
+        default=[1, 256],
+        help="batch sizes of the one prediction each child makes",
+    )
     p.add_argument("--encoder", choices=("int8", "fp32"), default="int8")
     p.add_argument("--threads", type=C.positive_int, default=1)
-    p.add_argument("--target-mb", type=float, default=80.0,
-                   help="peak RSS target in MB (1e6 bytes)")
+    p.add_argument(
+        "--target-mb", type=float, default=80.0, help="peak RSS target in MB (1e6 bytes)"
+    )
     p.add_argument("--noise", type=float, default=0.01)
     p.add_argument("--protonn-steps", type=C.positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny settings (200 keys, batch 1) to check the pipeline end to end")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny settings (200 keys, batch 1) to check the pipeline end to end",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.sizes, args.batches, args.protonn_steps = [200], [1], 5
@@ -172,8 +214,9 @@ def run_sampled(code: str, args: list[str], threads: int) -> dict[str, Any]:
         env[name] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(C.REPO), env.get("PYTHONPATH")) if p)
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=out,
-                                stderr=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args], stdout=out, stderr=subprocess.DEVNULL, env=env
+        )
         peak, status = 0, Path(f"/proc/{proc.pid}/status")
         while proc.poll() is None:
             try:
@@ -192,44 +235,63 @@ def run_sampled(code: str, args: list[str], threads: int) -> dict[str, Any]:
 def rss_row(result: dict[str, Any], target_mb: float, **fields: Any) -> dict[str, Any]:
     kib = int(result["vmhwm_kib"] if result.get("vmhwm_kib") else result["maxrss_kib"])
     mb = kib * 1024 / 1e6
-    return {**fields, "peak_rss_mib": kib / 1024, "peak_rss_mb": mb,
-            "peak_source": "VmHWM" if result.get("vmhwm_kib") else "ru_maxrss",
-            "ru_maxrss_mib": int(result["maxrss_kib"]) / 1024,
-            "within_target": "yes" if mb <= target_mb else "no",
-            "server_side_imported": " ".join(result.get("server_side_imported", [])) or "none",
-            "peak_private_mib": result["peak_private_kib"] / 1024
-            if result.get("peak_private_kib") else None,
-            "load_s": result.get("load_s"), "predict_s": result.get("predict_s")}
+    return {
+        **fields,
+        "peak_rss_mib": kib / 1024,
+        "peak_rss_mb": mb,
+        "peak_source": "VmHWM" if result.get("vmhwm_kib") else "ru_maxrss",
+        "ru_maxrss_mib": int(result["maxrss_kib"]) / 1024,
+        "within_target": "yes" if mb <= target_mb else "no",
+        "server_side_imported": " ".join(result.get("server_side_imported", [])) or "none",
+        "peak_private_mib": result["peak_private_kib"] / 1024
+        if result.get("peak_private_kib")
+        else None,
+        "load_s": result.get("load_s"),
+        "predict_s": result.get("predict_s"),
+    }
 
 
-def _against_budget(peak_mib: float, bare_mib: float, session_mib: float,
-                    budget: int) -> dict[str, Any]:
+def _against_budget(
+    peak_mib: float, bare_mib: float, session_mib: float, budget: int
+) -> dict[str, Any]:
     limit = budget / 2**20 + BUDGET_SLACK_MIB
     above, past_session = peak_mib - bare_mib, peak_mib - session_mib
-    return {"above_bare_mib": above, "budget_bytes": budget, "budget_mib": budget / 2**20,
-            "within_budget": "yes" if above <= limit else "no",
-            "above_session_mib": past_session,
-            "within_budget_past_session": "yes" if past_session <= limit else "no"}
+    return {
+        "above_bare_mib": above,
+        "budget_bytes": budget,
+        "budget_mib": budget / 2**20,
+        "within_budget": "yes" if above <= limit else "no",
+        "above_session_mib": past_session,
+        "within_budget_past_session": "yes" if past_session <= limit else "no",
+    }
 
 
-def _private(peak_mib: float, floor_mib: float, budget: int, files: int,
-             backend: str) -> dict[str, Any]:
+def _private(
+    peak_mib: float, floor_mib: float, budget: int, files: int, backend: str
+) -> dict[str, Any]:
     above = peak_mib - floor_mib
     if backend == "hnsw":
         ratio = above * 2**20 / files
         ok = ratio <= HNSW_LOAD_OVER_FILE
     else:
         ratio, ok = None, above <= budget / 2**20 + PRIVATE_SLACK_MIB
-    return {"private_above_floor_mib": above, "within_budget_private": "yes" if ok else "no",
-            "private_over_files": ratio}
+    return {
+        "private_above_floor_mib": above,
+        "within_budget_private": "yes" if ok else "no",
+        "private_over_files": ratio,
+    }
 
 
 def _one_node_model(work: Path) -> Path:
     from onnx import TensorProto, helper, save
 
     value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "one", [value],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "one",
+        [value],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     work.mkdir(parents=True, exist_ok=True)
@@ -240,7 +302,8 @@ def _one_node_model(work: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started, machine, gm, pool = C.start_device_benchmark(
-        args, threads=args.threads, queries=max(args.batches), smoke_train=1000)
+        args, threads=args.threads, queries=max(args.batches), smoke_train=1000
+    )
     spec, num_classes = gm.spec, gm.num_classes
     pool_idx, z_pool, y_pool, queries = pool.pool_idx, pool.z, pool.y, pool.queries
 
@@ -252,34 +315,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         for b in args.batches:
             inputs[b] = work / f"inputs_{b}.npy"
             np.save(inputs[b], queries[:b], allow_pickle=False)
-        references = [("python (bare)", CHILD_BARE),
-                      ("python + numpy + onnxruntime imported", CHILD_NUMPY_ORT)]
+        references = [
+            ("python (bare)", CHILD_BARE),
+            ("python + numpy + onnxruntime imported", CHILD_NUMPY_ORT),
+        ]
         if not args.smoke:  # the torch model row below imports torch too
             references.append(("python + torch imported", CHILD_TORCH_IMPORT))
         for name, code in references:
-            rows.append(rss_row(run_sampled(code, [], threads=args.threads), target,
-                                process=name))
+            rows.append(rss_row(run_sampled(code, [], threads=args.threads), target, process=name))
             log.info("%s: %.1f MiB", name, rows[-1]["peak_rss_mib"])
         bare_mib = rows[1]["peak_rss_mib"]  # numpy + onnxruntime imported
-        rows.append(rss_row(run_sampled(CHILD_ORT_SESSION, [str(_one_node_model(work))],
-                                        threads=args.threads), target,
-                            process="python + numpy + onnxruntime + one one-node session"))
+        rows.append(
+            rss_row(
+                run_sampled(CHILD_ORT_SESSION, [str(_one_node_model(work))], threads=args.threads),
+                target,
+                process="python + numpy + onnxruntime + one one-node session",
+            )
+        )
         session_mib = rows[-1]["peak_rss_mib"]
-        rows.append(rss_row(run_sampled(CHILD_FLOOR, [str(_one_node_model(work))],
-                                        threads=args.threads), target,
-                            process="floor: python + numpy + onnxruntime + runtime modules + "
-                                    "one one-node session"))
+        rows.append(
+            rss_row(
+                run_sampled(CHILD_FLOOR, [str(_one_node_model(work))], threads=args.threads),
+                target,
+                process="floor: python + numpy + onnxruntime + runtime modules + "
+                "one one-node session",
+            )
+        )
         floor_mib = rows[-1]["peak_private_mib"]
         log.info("floor: %.1f MiB private, %.1f MiB RSS", floor_mib, rows[-1]["peak_rss_mib"])
         for b in args.batches:
-            result = run_sampled(CHILD_TORCH_MODEL,
-                                 [json.dumps(spec), str(inputs[b]), threads, str(num_classes)],
-                                 threads=args.threads)
-            rows.append(rss_row(result, target, process="torch small CNN (float32) predicts",
-                                batch=b))
+            result = run_sampled(
+                CHILD_TORCH_MODEL,
+                [json.dumps(spec), str(inputs[b]), threads, str(num_classes)],
+                threads=args.threads,
+            )
+            rows.append(
+                rss_row(result, target, process="torch small CNN (float32) predicts", batch=b)
+            )
             log.info("torch model, batch %d: %.1f MiB", b, rows[-1]["peak_rss_mib"])
 
-        calib = prepare_input(C.images(gm.dataset, pool_idx[:64 if args.smoke else 256]), spec)
+        calib = prepare_input(C.images(gm.dataset, pool_idx[: 64 if args.smoke else 256]), spec)
         encoder = C.export_encoder(gm.model, calib, work / "encoder", encoder=args.encoder)
         shipped = encoder.with_name("encoder_optimized.onnx")  # as the exporter ships it
         shipped.write_bytes(optimize_encoder(encoder.read_bytes()))
@@ -288,8 +363,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             z, y = C.replicate_keys(z_pool, y_pool, size, noise=args.noise, seed=args.seed)
             for recipe in args.recipes:
                 backend = C.recipe_label(recipe)
-                ds = C.build_datastore(recipe, z, y, num_classes, seed=args.seed,
-                                       protonn_steps=args.protonn_steps)
+                ds = C.build_datastore(
+                    recipe, z, y, num_classes, seed=args.seed, protonn_steps=args.protonn_steps
+                )
                 path = work / "bundles" / f"{backend}-{size}"
                 # the tightest budget the exporter's memory model (estimate_nbytes) gives it,
                 # and at least its files (an estimate for hnsw)
@@ -297,26 +373,56 @@ def main(argv: Sequence[str] | None = None) -> int:
                 manifest = C.write_benchmark_bundle(path, encoder, ds, spec, budget_bytes=budget)
                 fp = manifest["footprint"]
                 for b in args.batches:
-                    result = run_sampled(CHILD_RUNTIME, [str(path), str(inputs[b]), threads],
-                                         threads=args.threads)
+                    result = run_sampled(
+                        CHILD_RUNTIME, [str(path), str(inputs[b]), threads], threads=args.threads
+                    )
                     peak = rss_row(result, target)["peak_rss_mib"]
-                    rows.append(rss_row(
-                        result, target, process="edge runtime loads bundle and predicts",
-                        backend=backend, recipe=manifest["backend"]["recipe"], keys=size,
-                        stored=len(ds), batch=b, encoder_bytes=fp["encoder"],
-                        datastore_bytes=fp["datastore"], bundle_bytes=fp["total"],
-                        **_against_budget(peak, bare_mib, session_mib, budget),
-                        **_private(result["peak_private_kib"] / 1024, floor_mib, budget,
-                                   fp["total"], backend)))
-                    log.info("%s x %d, batch %d: %.1f MiB (server-side imports: %s)", recipe,
-                             size, b, rows[-1]["peak_rss_mib"], rows[-1]["server_side_imported"])
+                    rows.append(
+                        rss_row(
+                            result,
+                            target,
+                            process="edge runtime loads bundle and predicts",
+                            backend=backend,
+                            recipe=manifest["backend"]["recipe"],
+                            keys=size,
+                            stored=len(ds),
+                            batch=b,
+                            encoder_bytes=fp["encoder"],
+                            datastore_bytes=fp["datastore"],
+                            bundle_bytes=fp["total"],
+                            **_against_budget(peak, bare_mib, session_mib, budget),
+                            **_private(
+                                result["peak_private_kib"] / 1024,
+                                floor_mib,
+                                budget,
+                                fp["total"],
+                                backend,
+                            ),
+                        )
+                    )
+                    log.info(
+                        "%s x %d, batch %d: %.1f MiB (server-side imports: %s)",
+                        recipe,
+                        size,
+                        b,
+                        rows[-1]["peak_rss_mib"],
+                        rows[-1]["server_side_imported"],
+                    )
                 shutil.rmtree(path, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     text = report(rows, args, gm.source, machine, time.time() - started)
-    C.write_results(args, started, text, report="memory.md", record="run.json",
-                    tables={"memory.csv": (rows, COLUMNS)}, machine=machine, weights=gm.source)
+    C.write_results(
+        args,
+        started,
+        text,
+        report="memory.md",
+        record="run.json",
+        tables={"memory.csv": (rows, COLUMNS)},
+        machine=machine,
+        weights=gm.source,
+    )
     bad = [r for r in rows if r.get("backend") and r["server_side_imported"] != "none"]
     if bad:
         log.error("the edge runtime imported server-side packages: %s", bad[0])
@@ -324,48 +430,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, weights: str,
-           machine: dict, seconds: float) -> str:
-    table = C.markdown_table(rows, [
-        ("process", "process", ""), ("recipe", "recipe", ""), ("keys", "keys", ","),
-        ("batch", "batch", ""), ("peak_rss_mib", "peak RSS MiB", ".1f"),
-        ("peak_rss_mb", "peak RSS MB", ".1f"),
-        ("within_target", f"<= {args.target_mb:g} MB", ""),
-        ("above_bare_mib", "above numpy+ort MiB", ".1f"), ("budget_mib", "budget MiB", ".2f"),
-        ("within_budget", f"<= budget + {BUDGET_SLACK_MIB} MiB", ""),
-        ("above_session_mib", "above one session MiB", ".1f"),
-        ("within_budget_past_session", "<= budget + 8 MiB past one session", ""),
-        ("peak_private_mib", "peak private MiB", ".1f"),
-        ("private_above_floor_mib", "private above floor MiB", ".2f"),
-        ("private_over_files", "hnsw: above floor / files", ".2f"),
-        ("within_budget_private", "<= budget + 2 MiB (hnsw: <= 1.2x files)", ""),
-        ("server_side_imported", "server-side imports", ""),
-        ("bundle_bytes", "bundle bytes", ","),
-    ])
-    return "\n".join([
-        "# Edge runtime peak memory: one fresh process per row",
-        "",
-        f"Command: `{C.command_line()}`",
-        "",
-        f"Machine: {C.machine_line(machine)}. Threads: {args.threads}. Took {seconds:.0f} s.",
-        "",
-        f"Weights: {weights}. Encoder: {args.encoder} ONNX. Peak RSS = the child process's "
-        "VmHWM (/proc/self/status), its own peak since exec; its ru_maxrss (in memory.csv) "
-        "also holds the parent's peak, which Linux carries over fork + exec. MiB = 2^20 "
-        "bytes, MB = 10^6 bytes. Above numpy+ort = peak RSS minus that of a bare process with "
-        "numpy and onnxruntime imported; above one session = minus that of a process that has "
-        "also made one onnxruntime session of a one-node model (onnxruntime's fixed cost of a "
-        "first session). Peak private = the child's RssAnon (anonymous memory), sampled by the "
-        "parent about every millisecond; above floor = minus that of the floor process "
-        "(python + numpy + onnxruntime + the runtime's modules + one one-node session). "
-        "Each bundle's budget is the tightest "
-        "the exporter's memory model gives it (encoder file + the datastore's estimate_nbytes: "
-        "files, what the search holds beside them, intermediates past the 2 MiB); flat keys "
-        "stay in their stored dtype in memory.",
-        "",
-        table,
-        "",
-    ])
+def report(
+    rows: list[dict[str, Any]],
+    args: argparse.Namespace,
+    weights: str,
+    machine: dict,
+    seconds: float,
+) -> str:
+    table = C.markdown_table(
+        rows,
+        [
+            ("process", "process", ""),
+            ("recipe", "recipe", ""),
+            ("keys", "keys", ","),
+            ("batch", "batch", ""),
+            ("peak_rss_mib", "peak RSS MiB", ".1f"),
+            ("peak_rss_mb", "peak RSS MB", ".1f"),
+            ("within_target", f"<= {args.target_mb:g} MB", ""),
+            ("above_bare_mib", "above numpy+ort MiB", ".1f"),
+            ("budget_mib", "budget MiB", ".2f"),
+            ("within_budget", f"<= budget + {BUDGET_SLACK_MIB} MiB", ""),
+            ("above_session_mib", "above one session MiB", ".1f"),
+            ("within_budget_past_session", "<= budget + 8 MiB past one session", ""),
+            ("peak_private_mib", "peak private MiB", ".1f"),
+            ("private_above_floor_mib", "private above floor MiB", ".2f"),
+            ("private_over_files", "hnsw: above floor / files", ".2f"),
+            ("within_budget_private", "<= budget + 2 MiB (hnsw: <= 1.2x files)", ""),
+            ("server_side_imported", "server-side imports", ""),
+            ("bundle_bytes", "bundle bytes", ","),
+        ],
+    )
+    return "\n".join(
+        [
+            "# Edge runtime peak memory: one fresh process per row",
+            "",
+            f"Command: `{C.command_line()}`",
+            "",
+            f"Machine: {C.machine_line(machine)}. Threads: {args.threads}. Took {seconds:.0f} s.",
+            "",
+            f"Weights: {weights}. Encoder: {args.encoder} ONNX. Peak RSS = the child process's "
+            "VmHWM (/proc/self/status), its own peak since exec; its ru_maxrss (in memory.csv) "
+            "also holds the parent's peak, which Linux carries over fork + exec. MiB = 2^20 "
+            "bytes, MB = 10^6 bytes. Above numpy+ort = peak RSS minus that of a bare process with "
+            "numpy and onnxruntime imported; above one session = minus that of a process that has "
+            "also made one onnxruntime session of a one-node model (onnxruntime's fixed cost of a "
+            "first session). Peak private = the child's RssAnon (anonymous memory), sampled by the "
+            "parent about every millisecond; above floor = minus that of the floor process "
+            "(python + numpy + onnxruntime + the runtime's modules + one one-node session). "
+            "Each bundle's budget is the tightest "
+            "the exporter's memory model gives it (encoder file + the datastore's estimate_nbytes: "
+            "files, what the search holds beside them, intermediates past the 2 MiB); flat keys "
+            "stay in their stored dtype in memory.",
+            "",
+            table,
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

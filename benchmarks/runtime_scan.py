@@ -43,29 +43,52 @@ from experiments import benchmark_support as C
 
 log = logging.getLogger("benchmarks.scan")
 
-SCAN_COLUMNS = ["keys", "batch", "dim", "dtype", "key_bytes", "scan_ms", "integer_scan_ms",
-                "fp32_over_integer", "scan_gb_s", "memory_gb_s",
-                "scan_share_of_memory", "scan_ms_np_layout", "layout_speedup",
-                "kneighbors_ms", "kneighbors_ms_2_threads", "threads_2_over_1",
-                "scan_ms_vs_fp32", "bytes_vs_fp32"]
+SCAN_COLUMNS = [
+    "keys",
+    "batch",
+    "dim",
+    "dtype",
+    "key_bytes",
+    "scan_ms",
+    "integer_scan_ms",
+    "fp32_over_integer",
+    "scan_gb_s",
+    "memory_gb_s",
+    "scan_share_of_memory",
+    "scan_ms_np_layout",
+    "layout_speedup",
+    "kneighbors_ms",
+    "kneighbors_ms_2_threads",
+    "threads_2_over_1",
+    "scan_ms_vs_fp32",
+    "bytes_vs_fp32",
+]
 # topk.csv's columns and the report's top-k table, one declaration: (key, header, format)
 TOPK_TABLE = [
-    ("keys", "keys", ","), ("k", "k", ""), ("argpartition_ms", "argpartition ms", ".4f"),
+    ("keys", "keys", ","),
+    ("k", "k", ""),
+    ("argpartition_ms", "argpartition ms", ".4f"),
     ("blockwise_ms", "blockwise ms", ".4f"),
     ("blockwise_speedup", "argpartition / blockwise", ".2f"),
 ]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000, 100_000])
     p.add_argument("--dim", type=C.positive_int, default=128, help="embedding dimension")
-    p.add_argument("--batches", type=C.positive_int, nargs="+", default=[1],
-                   help="queries per scan")
-    p.add_argument("--topk-sizes", type=C.positive_int, nargs="+",
-                   default=[1000, 2000, 3000, 5000, 7000, 10_000, 20_000, 50_000, 100_000])
+    p.add_argument(
+        "--batches", type=C.positive_int, nargs="+", default=[1], help="queries per scan"
+    )
+    p.add_argument(
+        "--topk-sizes",
+        type=C.positive_int,
+        nargs="+",
+        default=[1000, 2000, 3000, 5000, 7000, 10_000, 20_000, 50_000, 100_000],
+    )
     p.add_argument("--reps", type=C.positive_int, default=200, help="timed calls per variant")
     p.add_argument("--memory-gib", type=float, default=1.0, help="array size of the read test")
     p.add_argument("--seed", type=int, default=0)
@@ -79,8 +102,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def medians(paths: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
     """Median seconds per call of each path (they take no input), after one warm-up call."""
-    return C.interleaved_medians({name: lambda _, fn=fn: fn() for name, fn in paths.items()},
-                                 [None], reps, warmup=1)
+    return C.interleaved_medians(
+        {name: lambda _, fn=fn: fn() for name, fn in paths.items()}, [None], reps, warmup=1
+    )
 
 
 def memory_read_speed(gib: float) -> float:
@@ -96,33 +120,43 @@ def integer_scan_session(scale: np.ndarray, dim: int) -> ort.InferenceSession:
     g.input("q", P.FLOAT, ["m", dim])
     g.input("keys_t", P.INT8, [dim, "n"])
     g.input("key_sums", P.INT32, ["n"])
-    g.nodes.append(P.node("Identity", [_int8_products(g, "q", "keys_t", "key_sums", scale)],
-                          ["products"]))
-    graph = P.graph("scan", g.nodes, g.inputs, [P.value_info("products", P.FLOAT, None)],
-                    g.initializers)
+    g.nodes.append(
+        P.node("Identity", [_int8_products(g, "q", "keys_t", "key_sums", scale)], ["products"])
+    )
+    graph = P.graph(
+        "scan", g.nodes, g.inputs, [P.value_info("products", P.FLOAT, None)], g.initializers
+    )
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    return ort.InferenceSession(P.model(graph, ir_version=8, opsets={"": 17}, producer="bench"),
-                                options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(
+        P.model(graph, ir_version=8, opsets={"": 17}, producer="bench"),
+        options,
+        providers=["CPUExecutionProvider"],
+    )
 
 
-def scan_rows(args: argparse.Namespace, rng: np.random.Generator,
-              memory_bps: float) -> list[dict[str, Any]]:
+def scan_rows(
+    args: argparse.Namespace, rng: np.random.Generator, memory_bps: float
+) -> list[dict[str, Any]]:
     rows = []
     for n in args.sizes:
         z = rng.normal(size=(n, args.dim)).astype(np.float32)
         y = rng.integers(0, 10, n)
-        stores = {dtype: FlatDatastore(10, dtype=dtype).fit(z, y)
-                  for dtype in ("fp32", "fp16", "int8")}
+        stores = {
+            dtype: FlatDatastore(10, dtype=dtype).fit(z, y) for dtype in ("fp32", "fp16", "int8")
+        }
         del z
         int8 = stores["int8"]
         session = integer_scan_session(int8.scale_, args.dim)
         for batch in args.batches:
             q = rng.normal(size=(batch, args.dim)).astype(np.float32)
-            scans = {d: (lambda ds=ds, q=q: key_products(q, ds.keys_t_, ds.scale_))
-                     for d, ds in stores.items()}
+            scans = {
+                d: (lambda ds=ds, q=q: key_products(q, ds.keys_t_, ds.scale_))
+                for d, ds in stores.items()
+            }
             scans["integer"] = lambda q=q, s=session, ds=int8: s.run(
-                None, {"q": q, "keys_t": ds.keys_t_, "key_sums": ds.key_sums_})
+                None, {"q": q, "keys_t": ds.keys_t_, "key_sums": ds.key_sums_}
+            )
             if batch == 1:
                 keys_np = stores["fp32"].keys()  # [n, p], the runtime's earlier layout
                 scans["np_layout"] = lambda q=q, keys=keys_np: q @ keys.T
@@ -137,27 +171,42 @@ def scan_rows(args: argparse.Namespace, rng: np.random.Generator,
             for dtype, ds in stores.items():
                 nbytes = ds.keys_t_.nbytes
                 fp32 = dtype == "fp32"
-                rows.append({
-                    "keys": n, "batch": batch, "dim": args.dim, "dtype": dtype,
-                    "key_bytes": nbytes, "scan_ms": 1e3 * scan[dtype],
-                    "integer_scan_ms": 1e3 * scan["integer"] if dtype == "int8" else None,
-                    "fp32_over_integer": scan["fp32"] / scan["integer"] if dtype == "int8"
-                    else None,
-                    "scan_gb_s": nbytes / scan[dtype] / 1e9,
-                    "memory_gb_s": memory_bps / 1e9,
-                    "scan_share_of_memory": nbytes / scan[dtype] / memory_bps,
-                    "scan_ms_np_layout": 1e3 * scan["np_layout"] if fp32 and batch == 1 else None,
-                    "layout_speedup": scan["np_layout"] / scan[dtype] if fp32 and batch == 1
-                    else None,
-                    "kneighbors_ms": 1e3 * search[dtype] if search else None,
-                    "kneighbors_ms_2_threads": 1e3 * search2[dtype] if search2 else None,
-                    "threads_2_over_1": search2[dtype] / search[dtype] if search else None,
-                    "scan_ms_vs_fp32": scan[dtype] / scan["fp32"],
-                    "bytes_vs_fp32": nbytes / stores["fp32"].keys_t_.nbytes,
-                })
-                log.info("%d keys, batch %d, %s: scan %.3f ms%s", n, batch, dtype,
-                         rows[-1]["scan_ms"], f", integer {1e3 * scan['integer']:.3f} ms"
-                         if dtype == "int8" else "")
+                rows.append(
+                    {
+                        "keys": n,
+                        "batch": batch,
+                        "dim": args.dim,
+                        "dtype": dtype,
+                        "key_bytes": nbytes,
+                        "scan_ms": 1e3 * scan[dtype],
+                        "integer_scan_ms": 1e3 * scan["integer"] if dtype == "int8" else None,
+                        "fp32_over_integer": scan["fp32"] / scan["integer"]
+                        if dtype == "int8"
+                        else None,
+                        "scan_gb_s": nbytes / scan[dtype] / 1e9,
+                        "memory_gb_s": memory_bps / 1e9,
+                        "scan_share_of_memory": nbytes / scan[dtype] / memory_bps,
+                        "scan_ms_np_layout": 1e3 * scan["np_layout"]
+                        if fp32 and batch == 1
+                        else None,
+                        "layout_speedup": scan["np_layout"] / scan[dtype]
+                        if fp32 and batch == 1
+                        else None,
+                        "kneighbors_ms": 1e3 * search[dtype] if search else None,
+                        "kneighbors_ms_2_threads": 1e3 * search2[dtype] if search2 else None,
+                        "threads_2_over_1": search2[dtype] / search[dtype] if search else None,
+                        "scan_ms_vs_fp32": scan[dtype] / scan["fp32"],
+                        "bytes_vs_fp32": nbytes / stores["fp32"].keys_t_.nbytes,
+                    }
+                )
+                log.info(
+                    "%d keys, batch %d, %s: scan %.3f ms%s",
+                    n,
+                    batch,
+                    dtype,
+                    rows[-1]["scan_ms"],
+                    f", integer {1e3 * scan['integer']:.3f} ms" if dtype == "int8" else "",
+                )
     return rows
 
 
@@ -167,13 +216,29 @@ def topk_rows(args: argparse.Namespace, rng: np.random.Generator) -> list[dict[s
         if n // _BLOCK < k:
             continue  # too few blocks of distances for a blockwise top-k
         sq = rng.random((1, n)).astype(np.float32)
-        t = medians({"argpartition": lambda sq=sq: np.argpartition(sq, k - 1, axis=1)[:, :k],
-                     "blockwise": lambda sq=sq: blockwise_topk(sq, k)}, args.reps)
-        rows.append({"keys": n, "k": k, "argpartition_ms": 1e3 * t["argpartition"],
-                     "blockwise_ms": 1e3 * t["blockwise"],
-                     "blockwise_speedup": t["argpartition"] / t["blockwise"]})
-        log.info("top-%d of %d: argpartition %.4f ms, blockwise %.4f ms", k, n,
-                 rows[-1]["argpartition_ms"], rows[-1]["blockwise_ms"])
+        t = medians(
+            {
+                "argpartition": lambda sq=sq: np.argpartition(sq, k - 1, axis=1)[:, :k],
+                "blockwise": lambda sq=sq: blockwise_topk(sq, k),
+            },
+            args.reps,
+        )
+        rows.append(
+            {
+                "keys": n,
+                "k": k,
+                "argpartition_ms": 1e3 * t["argpartition"],
+                "blockwise_ms": 1e3 * t["blockwise"],
+                "blockwise_speedup": t["argpartition"] / t["blockwise"],
+            }
+        )
+        log.info(
+            "top-%d of %d: argpartition %.4f ms, blockwise %.4f ms",
+            k,
+            n,
+            rows[-1]["argpartition_ms"],
+            rows[-1]["blockwise_ms"],
+        )
     return rows
 
 
@@ -188,33 +253,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         topk = topk_rows(args, rng)
     machine_end = C.machine_info()
     text = report(scans, topk, memory_bps, machine, machine_end, time.time() - started)
-    C.write_results(args, started, text, report="scan.md", record="scan_run.json",
-                    tables={"scan.csv": (scans, SCAN_COLUMNS),
-                            "topk.csv": (topk, [key for key, _, _ in TOPK_TABLE])},
-                    machine=machine, machine_end=machine_end, memory_read_gb_s=memory_bps / 1e9)
+    C.write_results(
+        args,
+        started,
+        text,
+        report="scan.md",
+        record="scan_run.json",
+        tables={
+            "scan.csv": (scans, SCAN_COLUMNS),
+            "topk.csv": (topk, [key for key, _, _ in TOPK_TABLE]),
+        },
+        machine=machine,
+        machine_end=machine_end,
+        memory_read_gb_s=memory_bps / 1e9,
+    )
     return 0
 
 
-def report(scans: list[dict], topk: list[dict], memory_bps: float, machine: dict,
-           machine_end: dict, seconds: float) -> str:
-    scan_table = C.markdown_table(scans, [
-        ("keys", "keys", ","), ("batch", "batch", ""), ("dtype", "dtype", ""),
-        ("key_bytes", "key bytes", ","), ("scan_ms", "numpy scan ms", ".3f"),
-        ("integer_scan_ms", "integer scan ms (onnxruntime)", ".3f"),
-        ("fp32_over_integer", "fp32 numpy / integer", ".2f"), ("scan_gb_s", "scan GB/s", ".2f"),
-        ("scan_share_of_memory", "share of memory speed", ".2f"),
-        ("scan_ms_np_layout", "[n, p] scan ms", ".3f"),
-        ("layout_speedup", "[p, n] speedup", ".2f"),
-        ("scan_ms_vs_fp32", "scan time / fp32", ".2f"),
-        ("bytes_vs_fp32", "bytes / fp32", ".2f"),
-        ("kneighbors_ms", "search ms, 1 BLAS thread", ".3f"),
-        ("kneighbors_ms_2_threads", "search ms, 2 threads", ".3f"),
-        ("threads_2_over_1", "2 threads / 1", ".2f"),
-    ])
+def report(
+    scans: list[dict],
+    topk: list[dict],
+    memory_bps: float,
+    machine: dict,
+    machine_end: dict,
+    seconds: float,
+) -> str:
+    scan_table = C.markdown_table(
+        scans,
+        [
+            ("keys", "keys", ","),
+            ("batch", "batch", ""),
+            ("dtype", "dtype", ""),
+            ("key_bytes", "key bytes", ","),
+            ("scan_ms", "numpy scan ms", ".3f"),
+            ("integer_scan_ms", "integer scan ms (onnxruntime)", ".3f"),
+            ("fp32_over_integer", "fp32 numpy / integer", ".2f"),
+            ("scan_gb_s", "scan GB/s", ".2f"),
+            ("scan_share_of_memory", "share of memory speed", ".2f"),
+            ("scan_ms_np_layout", "[n, p] scan ms", ".3f"),
+            ("layout_speedup", "[p, n] speedup", ".2f"),
+            ("scan_ms_vs_fp32", "scan time / fp32", ".2f"),
+            ("bytes_vs_fp32", "bytes / fp32", ".2f"),
+            ("kneighbors_ms", "search ms, 1 BLAS thread", ".3f"),
+            ("kneighbors_ms_2_threads", "search ms, 2 threads", ".3f"),
+            ("threads_2_over_1", "2 threads / 1", ".2f"),
+        ],
+    )
     return C.report_text(
-        C.report_head("Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
-                      machine, machine_end, "One BLAS thread unless a column says otherwise. "
-                      f"Took {seconds:.0f} s."),
+        C.report_head(
+            "Flat scan at batch 1: memory speed, int8 vs float32, top-k, BLAS threads",
+            machine,
+            machine_end,
+            f"One BLAS thread unless a column says otherwise. Took {seconds:.0f} s.",
+        ),
         f"Memory read speed (np.max over a float32 array far larger than the caches, one core): "
         f"{memory_bps / 1e9:.2f} GB/s. Scan = one query's distance products with every key, "
         "over the keys as the runtime holds them ([p, n], stored dtype; int8 and fp16 widened "

@@ -55,16 +55,22 @@ print(f'{{"start": {start}, "imported": {imported}, "loaded": {loaded}, "done": 
 
 # each table's CSV columns and markdown table, one declaration: (key, header, format)
 START_TABLE = [
-    ("encoder", "bundle encoder", ""), ("runs", "processes", ""),
+    ("encoder", "bundle encoder", ""),
+    ("runs", "processes", ""),
     ("spawn_to_first_ms", "spawn to first prediction ms", ".1f"),
-    ("interpreter_ms", "interpreter start ms", ".1f"), ("imports_ms", "imports ms", ".1f"),
-    ("load_ms", "Runtime.load ms", ".1f"), ("first_predict_ms", "first call ms", ".1f"),
+    ("interpreter_ms", "interpreter start ms", ".1f"),
+    ("imports_ms", "imports ms", ".1f"),
+    ("load_ms", "Runtime.load ms", ".1f"),
+    ("first_predict_ms", "first call ms", ".1f"),
 ]
 B1_TABLE = [
-    ("recipe", "recipe", ""), ("keys", "keys", ","),
+    ("recipe", "recipe", ""),
+    ("keys", "keys", ","),
     ("encoder_ms", "encoder alone p50 ms", ".3f"),
-    ("end_to_end_ms", "end to end p50 ms", ".3f"), ("ratio", "end to end / encoder", ".2f"),
-    ("within_1_5", "<= 1.5x", ""), ("within_1_15", "<= 1.15x", ""),
+    ("end_to_end_ms", "end to end p50 ms", ".3f"),
+    ("ratio", "end to end / encoder", ".2f"),
+    ("within_1_5", "<= 1.5x", ""),
+    ("within_1_15", "<= 1.15x", ""),
     ("numpy_head_ms", "encoder + numpy head p50 ms", ".3f"),
     ("numpy_head_ratio", "numpy head / encoder", ".2f"),
     ("portable_ms", "portable predictor p50 ms", ".3f"),
@@ -87,20 +93,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def spawn_to_first(bundle: Path, image: Path, starts: int) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(C.REPO), os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(C.REPO), os.environ.get("PYTHONPATH")) if p),
+    )
     env.update({name: "1" for name in C.THREAD_ENV})
     runs = []
     for _ in range(starts):
         spawned = time.time()
-        out = subprocess.run([sys.executable, "-c", CHILD, str(bundle), str(image)],
-                             capture_output=True, text=True, env=env, timeout=120, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, str(bundle), str(image)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=True,
+        )
         t = json.loads(out.stdout.strip().splitlines()[-1])
-        runs.append({"spawn_to_first_ms": t["done"] - spawned,
-                     "interpreter_ms": t["start"] - spawned,
-                     "imports_ms": t["imported"] - t["start"],
-                     "load_ms": t["loaded"] - t["imported"],
-                     "first_predict_ms": t["done"] - t["loaded"]})
+        runs.append(
+            {
+                "spawn_to_first_ms": t["done"] - spawned,
+                "interpreter_ms": t["start"] - spawned,
+                "imports_ms": t["imported"] - t["start"],
+                "load_ms": t["loaded"] - t["imported"],
+                "first_predict_ms": t["done"] - t["loaded"],
+            }
+        )
     return {key: 1e3 * float(np.median([r[key] for r in runs])) for key in runs[0]}
 
 
@@ -109,21 +127,24 @@ def batch1(rt: Runtime, images: np.ndarray, reps: int) -> dict[str, float]:
     predictor (the same prediction as one onnxruntime session), interleaved."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    portable = ort.InferenceSession(build_portable(rt), options,
-                                    providers=["CPUExecutionProvider"])
-    paths = {"encoder": rt.embed, "end_to_end": rt.predict_proba,
-             "numpy_head": lambda x: rt.posterior(*rt.embed(x)),
-             "portable": lambda x: portable.run(["probabilities"], {"input": x})}
+    portable = ort.InferenceSession(build_portable(rt), options, providers=["CPUExecutionProvider"])
+    paths = {
+        "encoder": rt.embed,
+        "end_to_end": rt.predict_proba,
+        "numpy_head": lambda x: rt.posterior(*rt.embed(x)),
+        "portable": lambda x: portable.run(["probabilities"], {"input": x}),
+    }
     return C.interleaved_medians(paths, images, reps, warmup=20)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started, machine, gm, pool = C.start_device_benchmark(args, threads=1, queries=200,
-                                                          smoke_train=2000)
+    started, machine, gm, pool = C.start_device_benchmark(
+        args, threads=1, queries=200, smoke_train=2000
+    )
     spec, num_classes = gm.spec, gm.num_classes
     pool_idx, z_pool, y_pool = pool.pool_idx, pool.z, pool.y
-    singles = [pool.queries[i:i + 1] for i in range(len(pool.queries))]
+    singles = [pool.queries[i : i + 1] for i in range(len(pool.queries))]
     work = Path(tempfile.mkdtemp(prefix="knnper-start-"))
     starts, b1 = [], []
     try:
@@ -137,10 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = C.build_datastore(args.recipes[0], z, y, num_classes, seed=args.seed)
         for name, encoder in (("optimized at export", optimized), ("not optimized", plain)):
             C.write_benchmark_bundle(work / name, encoder, first, spec)
-            starts.append({"encoder": name, "runs": args.starts,
-                           **spawn_to_first(work / name, image, args.starts)})
-            log.info("%s: %.1f ms spawn to first prediction", name,
-                     starts[-1]["spawn_to_first_ms"])
+            starts.append(
+                {
+                    "encoder": name,
+                    "runs": args.starts,
+                    **spawn_to_first(work / name, image, args.starts),
+                }
+            )
+            log.info("%s: %.1f ms spawn to first prediction", name, starts[-1]["spawn_to_first_ms"])
         for size in args.sizes:
             z, y = C.replicate_keys(z_pool, y_pool, size, noise=0.01, seed=args.seed)
             for recipe in args.recipes:
@@ -149,33 +174,66 @@ def main(argv: Sequence[str] | None = None) -> int:
                 C.write_benchmark_bundle(path, optimized, ds, spec)
                 t = batch1(Runtime.load(path), singles, args.reps)
                 enc, e2e = t["encoder"], t["end_to_end"]
-                b1.append({"recipe": recipe, "keys": size, "encoder_ms": 1e3 * enc,
-                           "end_to_end_ms": 1e3 * e2e, "ratio": e2e / enc,
-                           "within_1_5": "yes" if e2e <= 1.5 * enc else "no",
-                           "within_1_15": "yes" if e2e <= 1.15 * enc else "no",
-                           "numpy_head_ms": 1e3 * t["numpy_head"],
-                           "numpy_head_ratio": t["numpy_head"] / enc,
-                           "portable_ms": 1e3 * t["portable"],
-                           "portable_ratio": t["portable"] / enc})
-                log.info("%s x %d: encoder %.3f ms, end to end %.3f ms", recipe, size,
-                         b1[-1]["encoder_ms"], b1[-1]["end_to_end_ms"])
+                b1.append(
+                    {
+                        "recipe": recipe,
+                        "keys": size,
+                        "encoder_ms": 1e3 * enc,
+                        "end_to_end_ms": 1e3 * e2e,
+                        "ratio": e2e / enc,
+                        "within_1_5": "yes" if e2e <= 1.5 * enc else "no",
+                        "within_1_15": "yes" if e2e <= 1.15 * enc else "no",
+                        "numpy_head_ms": 1e3 * t["numpy_head"],
+                        "numpy_head_ratio": t["numpy_head"] / enc,
+                        "portable_ms": 1e3 * t["portable"],
+                        "portable_ratio": t["portable"] / enc,
+                    }
+                )
+                log.info(
+                    "%s x %d: encoder %.3f ms, end to end %.3f ms",
+                    recipe,
+                    size,
+                    b1[-1]["encoder_ms"],
+                    b1[-1]["end_to_end_ms"],
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     machine_end = C.machine_info()
     text = report(starts, b1, args, gm.source, machine, machine_end, time.time() - started)
-    C.write_results(args, started, text, report="start.md", record="start_run.json",
-                    tables={"start.csv": (starts, [key for key, _, _ in START_TABLE]),
-                            "batch1.csv": (b1, [key for key, _, _ in B1_TABLE])},
-                    machine=machine, machine_end=machine_end, weights=gm.source)
+    C.write_results(
+        args,
+        started,
+        text,
+        report="start.md",
+        record="start_run.json",
+        tables={
+            "start.csv": (starts, [key for key, _, _ in START_TABLE]),
+            "batch1.csv": (b1, [key for key, _, _ in B1_TABLE]),
+        },
+        machine=machine,
+        machine_end=machine_end,
+        weights=gm.source,
+    )
     return 0
 
 
-def report(starts: list[dict], b1: list[dict], args: argparse.Namespace, weights: str,
-           machine: dict, machine_end: dict, seconds: float) -> str:
+def report(
+    starts: list[dict],
+    b1: list[dict],
+    args: argparse.Namespace,
+    weights: str,
+    machine: dict,
+    machine_end: dict,
+    seconds: float,
+) -> str:
     return C.report_text(
-        C.report_head("Edge runtime: process start to first prediction, batch-1 latency vs the "
-                      "encoder", machine, machine_end, "One thread for onnxruntime and BLAS. "
-                      f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder."),
+        C.report_head(
+            "Edge runtime: process start to first prediction, batch-1 latency vs the encoder",
+            machine,
+            machine_end,
+            "One thread for onnxruntime and BLAS. "
+            f"Took {seconds:.0f} s. Weights: {weights}; int8 ONNX encoder.",
+        ),
         f"Start: medians over {args.starts} fresh processes per encoder, each loading a "
         f"{args.recipes[0]} bundle of {min(args.sizes):,} keys and predicting one image.",
         C.markdown_table(starts, START_TABLE),

@@ -18,16 +18,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", required=True)
     p.add_argument("--data", default=None)
-    p.add_argument("--client-train", type=int, required=True,
-                   help="training images the clients share; the rest goes to the server")
-    p.add_argument("--client-test", type=int, default=None,
-                   help="test images dealt to the clients (default: the whole test split)")
+    p.add_argument(
+        "--client-train",
+        type=int,
+        required=True,
+        help="training images the clients share; the rest goes to the server",
+    )
+    p.add_argument(
+        "--client-test",
+        type=int,
+        default=None,
+        help="test images dealt to the clients (default: the whole test split)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     try:
-        paths = split_public(args.dataset, args.data, args.client_train, args.client_test,
-                             args.seed, args.out)
+        paths = split_public(
+            args.dataset, args.data, args.client_train, args.client_test, args.seed, args.out
+        )
     except DataError as err:
         raise SystemExit(f"split_public.py: {err}") from None
     for path in paths:

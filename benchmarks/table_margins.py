@@ -60,8 +60,12 @@ def methods_of(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 def margins(title: str, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     methods = methods_of(rows)
     out = []
-    summary = {m: summarize([{"unseen": bool(r["unseen"]), "n_test": r["n_test"],
-                              "accuracy": r[m]} for r in rows]) for m in methods}
+    summary = {
+        m: summarize(
+            [{"unseen": bool(r["unseen"]), "n_test": r["n_test"], "accuracy": r[m]} for r in rows]
+        )
+        for m in methods
+    }
     for group in GROUPS:
         if any(summary[m][group] is None for m in methods):
             continue
@@ -69,35 +73,71 @@ def margins(title: str, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
             value = {m: summary[m][group][stat] for m in methods}
             ranked = sorted(methods, key=lambda m: value[m], reverse=True)
             pairs = [(ranked[0], ranked[1])]
-            pairs += [("knnper", m) for m in methods if m != "knnper" and "knnper" in methods
-                      and ("knnper", m) not in pairs]
+            pairs += [
+                ("knnper", m)
+                for m in methods
+                if m != "knnper" and "knnper" in methods and ("knnper", m) not in pairs
+            ]
             for a, b in pairs:
                 iv = paired_bootstrap([rows], group, a, b, stat)
-                out.append({"table": title, "group": group, "stat": stat, "method": a,
-                            "versus": b, **(iv or {}), "verdict": verdict(iv, a, b)})
+                out.append(
+                    {
+                        "table": title,
+                        "group": group,
+                        "stat": stat,
+                        "method": a,
+                        "versus": b,
+                        **(iv or {}),
+                        "verdict": verdict(iv, a, b),
+                    }
+                )
     return out
 
 
 def all_margins() -> list[dict[str, Any]]:
-    return [row for title, file in TABLES.items()
-            for row in margins(title, client_rows(RESULTS / file))]
+    return [
+        row for title, file in TABLES.items() for row in margins(title, client_rows(RESULTS / file))
+    ]
 
 
 def write(rows: Sequence[Mapping[str, Any]], out: Path) -> None:
     write_csv(out / "margins.csv", rows, COLUMNS)
-    shown = [{**r, "method": TITLES[r["method"]], "versus": TITLES[r["versus"]],
-              **{k: 100 * r[k] for k in ("diff", "low", "high") if r.get(k) is not None}}
-             for r in rows]
-    lines = ["# One-seed margins of the older tables", "",
-             "Method minus versus, pp, with the paired bootstrap 95% interval over clients "
-             "(2000 draws). The first row of each group and statistic is the best method "
-             "against the runner-up. Command: `python benchmarks/table_margins.py`.", ""]
+    shown = [
+        {
+            **r,
+            "method": TITLES[r["method"]],
+            "versus": TITLES[r["versus"]],
+            **{k: 100 * r[k] for k in ("diff", "low", "high") if r.get(k) is not None},
+        }
+        for r in rows
+    ]
+    lines = [
+        "# One-seed margins of the older tables",
+        "",
+        "Method minus versus, pp, with the paired bootstrap 95% interval over clients "
+        "(2000 draws). The first row of each group and statistic is the best method "
+        "against the runner-up. Command: `python benchmarks/table_margins.py`.",
+        "",
+    ]
     for title in TABLES:
-        lines += [f"## {title}", "", markdown_table(
-            [r for r in shown if r["table"] == title],
-            [("group", "clients", ""), ("stat", "statistic", ""), ("method", "method", ""),
-             ("versus", "minus", ""), ("diff", "difference", "+.2f"), ("low", "2.5%", "+.2f"),
-             ("high", "97.5%", "+.2f"), ("verdict", "verdict", "")]), ""]
+        lines += [
+            f"## {title}",
+            "",
+            markdown_table(
+                [r for r in shown if r["table"] == title],
+                [
+                    ("group", "clients", ""),
+                    ("stat", "statistic", ""),
+                    ("method", "method", ""),
+                    ("versus", "minus", ""),
+                    ("diff", "difference", "+.2f"),
+                    ("low", "2.5%", "+.2f"),
+                    ("high", "97.5%", "+.2f"),
+                    ("verdict", "verdict", ""),
+                ],
+            ),
+            "",
+        ]
     (out / "margins.md").write_text("\n".join(lines))
 
 
@@ -115,9 +155,11 @@ def same_row(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true",
-                   help="recompute and compare with the committed margins.csv; exit 1 on a "
-                        "difference")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="recompute and compare with the committed margins.csv; exit 1 on a difference",
+    )
     args = p.parse_args(argv)
     rows = all_margins()
     if not args.check:
@@ -125,8 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {OUT / 'margins.csv'} and margins.md ({len(rows)} rows)")
         return 0
     committed = read_csv(OUT / "margins.csv")
-    bad = [f"{r['table']} {r['group']} {r['stat']} {r['method']} - {r['versus']}"
-           for r, c in zip(rows, committed, strict=False) if not same_row(r, c)]
+    bad = [
+        f"{r['table']} {r['group']} {r['stat']} {r['method']} - {r['versus']}"
+        for r, c in zip(rows, committed, strict=False)
+        if not same_row(r, c)
+    ]
     if len(rows) != len(committed):
         bad.append(f"{len(rows)} rows recomputed, {len(committed)} committed")
     for line in bad:

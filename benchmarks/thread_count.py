@@ -42,13 +42,18 @@ SHAPES = {"digits": [8, 8, 1], "fashion-mnist": [28, 28, 1], "cifar10": [32, 32,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="counts to compare")
     p.add_argument("--steps", type=int, default=200, help="timed SGD steps per measurement")
     p.add_argument("--repeats", type=int, default=3, help="measurements per cell (median kept)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/threads"),
-                   help="folder for threads.csv and threads.md")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results/threads"),
+        help="folder for threads.csv and threads.md",
+    )
     args = p.parse_args()
     C.setup_logging()
     info = C.machine_info()
@@ -57,9 +62,11 @@ def main() -> None:
         row: dict = {"data": name, "shape": "x".join(map(str, shape))}
         for threads in args.threads:
             times = sorted(
-                C.run_child(CHILD, [str(threads), str(args.steps), json.dumps(shape)],
-                            threads=threads)["ms_per_step"]
-                for _ in range(args.repeats))
+                C.run_child(
+                    CHILD, [str(threads), str(args.steps), json.dumps(shape)], threads=threads
+                )["ms_per_step"]
+                for _ in range(args.repeats)
+            )
             row[f"ms_{threads}"] = times[len(times) // 2]
         best = min(args.threads, key=lambda t: row[f"ms_{t}"])
         row["fastest"] = best
@@ -71,7 +78,8 @@ def main() -> None:
     C.write_csv(args.out / "threads.csv", rows, [c[0] for c in columns])
     table = C.markdown_table(rows, columns)
     (args.out / "threads.md").write_text(
-        f"`{C.command_line()}`\n\n{C.machine_line(info)}\n\n{table}\n")
+        f"`{C.command_line()}`\n\n{C.machine_line(info)}\n\n{table}\n"
+    )
     print(table)
 
 

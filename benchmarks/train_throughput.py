@@ -32,8 +32,20 @@ from fed_train.simulation import simulate, stepped_batch
 log = logging.getLogger("benchmarks.train_throughput")
 SPEC = {"kind": "image", "shape": [32, 32, 3]}
 CLASSES = 10
-COLUMNS = ("case", "model", "mode", "precision", "device", "clients", "samples_per_client",
-           "batch_size", "rounds_timed", "seconds_per_round", "samples_per_s", "speedup_vs_seq")
+COLUMNS = (
+    "case",
+    "model",
+    "mode",
+    "precision",
+    "device",
+    "clients",
+    "samples_per_client",
+    "batch_size",
+    "rounds_timed",
+    "seconds_per_round",
+    "samples_per_s",
+    "speedup_vs_seq",
+)
 
 
 @dataclass(frozen=True)
@@ -58,16 +70,34 @@ def synthetic_clients(count: int, samples: int, device: torch.device) -> list[Cl
     x = torch.from_numpy(rng.normal(size=(count * samples, 3, 32, 32)).astype(np.float32))
     y = torch.from_numpy(rng.integers(0, CLASSES, count * samples))
     empty_x, empty_y = x[:0], y[:0]
-    return [ClientData(i, x[i * samples:(i + 1) * samples], y[i * samples:(i + 1) * samples],
-                       empty_x, empty_y, empty_x, empty_y).to(device) for i in range(count)]
+    return [
+        ClientData(
+            i,
+            x[i * samples : (i + 1) * samples],
+            y[i * samples : (i + 1) * samples],
+            empty_x,
+            empty_y,
+            empty_x,
+            empty_y,
+        ).to(device)
+        for i in range(count)
+    ]
 
 
-def time_case(case: Case, clients: list[ClientData], device: torch.device, batch_size: int,
-              rounds: int) -> tuple[float, int]:
+def time_case(
+    case: Case, clients: list[ClientData], device: torch.device, batch_size: int, rounds: int
+) -> tuple[float, int]:
     """Mean seconds of the timed rounds (after one warm-up round), and how many clients
     actually stepped together: 1 where the model cannot (BatchNorm), whatever was asked."""
-    training = TrainingConfig(rounds=1, epochs=1, batch_size=batch_size, lr=0.01,
-                              momentum=0.9, milestones=(), precision=case.precision)
+    training = TrainingConfig(
+        rounds=1,
+        epochs=1,
+        batch_size=batch_size,
+        lr=0.01,
+        momentum=0.9,
+        milestones=(),
+        precision=case.precision,
+    )
 
     def model_fn():
         return build_model(case.model, CLASSES, SPEC).to(device)
@@ -81,8 +111,15 @@ def time_case(case: Case, clients: list[ClientData], device: torch.device, batch
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        weights = simulate(algorithm, clients, training, weights, seed=r, progress=False,
-                           client_batch=case.client_batch).weights
+        weights = simulate(
+            algorithm,
+            clients,
+            training,
+            weights,
+            seed=r,
+            progress=False,
+            client_batch=case.client_batch,
+        ).weights
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
@@ -91,19 +128,23 @@ def time_case(case: Case, clients: list[ClientData], device: torch.device, batch
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--tag", required=True, help="name of the results files")
-    p.add_argument("--cases", nargs="+", default=["small-cnn:seq", "small-cnn:100"],
-                   help="MODEL:MODE[:PRECISION], MODE seq or a client batch")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=["small-cnn:seq", "small-cnn:100"],
+        help="MODEL:MODE[:PRECISION], MODE seq or a client batch",
+    )
     p.add_argument("--clients", type=int, default=100, help="clients per round")
     p.add_argument("--samples", type=int, default=500, help="training samples per client")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2, help="timed rounds (after one warm-up)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--results", default=str(C.REPO / "benchmarks" / "results" /
-                                            "train_throughput"))
+    p.add_argument("--results", default=str(C.REPO / "benchmarks" / "results" / "train_throughput"))
     args = p.parse_args()
     C.setup_logging()
     C.limit_threads(args.threads)
@@ -117,27 +158,48 @@ def main() -> None:
         if case.client_batch == 1:
             sequential[(case.model, case.precision)] = seconds
         base = sequential.get((case.model, case.precision))
-        rows.append({"case": text, "model": case.model, "mode": mode_label(together),
-                     "precision": case.precision,
-                     "device": torch.cuda.get_device_name() if device.type == "cuda"
-                     else f"cpu ({args.threads} threads)",
-                     "clients": args.clients, "samples_per_client": args.samples,
-                     "batch_size": args.batch_size, "rounds_timed": args.rounds,
-                     "seconds_per_round": seconds,
-                     "samples_per_s": args.clients * args.samples / seconds,
-                     "speedup_vs_seq": None if base is None else base / seconds})
+        rows.append(
+            {
+                "case": text,
+                "model": case.model,
+                "mode": mode_label(together),
+                "precision": case.precision,
+                "device": torch.cuda.get_device_name()
+                if device.type == "cuda"
+                else f"cpu ({args.threads} threads)",
+                "clients": args.clients,
+                "samples_per_client": args.samples,
+                "batch_size": args.batch_size,
+                "rounds_timed": args.rounds,
+                "seconds_per_round": seconds,
+                "samples_per_s": args.clients * args.samples / seconds,
+                "speedup_vs_seq": None if base is None else base / seconds,
+            }
+        )
     out = Path(args.results)
-    C.write_json(out / f"{args.tag}.json", {"command": C.command_line(),
-                                             "machine": start_info,
-                                             "load_after": C.machine_info().get(
-                                                 "loadavg_1_5_15"),
-                                             "rows": rows})
+    C.write_json(
+        out / f"{args.tag}.json",
+        {
+            "command": C.command_line(),
+            "machine": start_info,
+            "load_after": C.machine_info().get("loadavg_1_5_15"),
+            "rows": rows,
+        },
+    )
     C.write_csv(out / f"{args.tag}.csv", rows, COLUMNS)
-    print(C.markdown_table(rows, [("case", "case", ""), ("mode", "ran", ""),
-                                  ("device", "device", ""),
-                                  ("seconds_per_round", "s/round", ".2f"),
-                                  ("samples_per_s", "samples/s", ",.0f"),
-                                  ("speedup_vs_seq", "vs seq", ".2f")]))
+    print(
+        C.markdown_table(
+            rows,
+            [
+                ("case", "case", ""),
+                ("mode", "ran", ""),
+                ("device", "device", ""),
+                ("seconds_per_round", "s/round", ".2f"),
+                ("samples_per_s", "samples/s", ",.0f"),
+                ("speedup_vs_seq", "vs seq", ".2f"),
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -64,20 +64,28 @@ else:
 
 def mlp_encoder(path: Path, seed: int) -> Path:
     rng = np.random.default_rng(seed)
-    inits = [numpy_helper.from_array(rng.normal(0, 0.05, (784, DIM)).astype(np.float32), "w1"),
-             numpy_helper.from_array(np.zeros(DIM, np.float32), "b1"),
-             numpy_helper.from_array(rng.normal(0, 0.3, (DIM, CLASSES)).astype(np.float32),
-                                     "w2")]
-    nodes = [helper.make_node("Flatten", ["input"], ["flat"], axis=1),
-             helper.make_node("MatMul", ["flat", "w1"], ["h"]),
-             helper.make_node("Add", ["h", "b1"], ["hb"]),
-             helper.make_node("Tanh", ["hb"], ["embedding"]),
-             helper.make_node("MatMul", ["embedding", "w2"], ["logits"])]
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.05, (784, DIM)).astype(np.float32), "w1"),
+        numpy_helper.from_array(np.zeros(DIM, np.float32), "b1"),
+        numpy_helper.from_array(rng.normal(0, 0.3, (DIM, CLASSES)).astype(np.float32), "w2"),
+    ]
+    nodes = [
+        helper.make_node("Flatten", ["input"], ["flat"], axis=1),
+        helper.make_node("MatMul", ["flat", "w1"], ["h"]),
+        helper.make_node("Add", ["h", "b1"], ["hb"]),
+        helper.make_node("Tanh", ["hb"], ["embedding"]),
+        helper.make_node("MatMul", ["embedding", "w2"], ["logits"]),
+    ]
     graph = helper.make_graph(
-        nodes, "mlp", [helper.make_tensor_value_info("input", TensorProto.FLOAT,
-                                                     ["N", 1, 28, 28])],
-        [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", DIM]),
-         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])], inits)
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 1, 28, 28])],
+        [
+            helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", DIM]),
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES]),
+        ],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, path)
@@ -86,8 +94,10 @@ def mlp_encoder(path: Path, seed: int) -> Path:
 
 def images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return (rng.integers(0, 256, (n, 28, 28, 1), dtype=np.uint8),
-            rng.integers(0, CLASSES, n).astype(np.int64))
+    return (
+        rng.integers(0, 256, (n, 28, 28, 1), dtype=np.uint8),
+        rng.integers(0, CLASSES, n).astype(np.int64),
+    )
 
 
 def bundle(out: Path, encoder: Path, n: int, seed: int) -> Path:
@@ -95,8 +105,18 @@ def bundle(out: Path, encoder: Path, n: int, seed: int) -> Path:
     z, _ = Encoder(encoder).run(prepare_input(x, SPEC))
     ds = make_datastore(f"flat:int8:n{n}", CLASSES).fit(z, y)
     budget = encoder.stat().st_size + ds.estimate_nbytes(n, DIM)
-    write_bundle(out, {"client_id": 0, "input": SPEC, "lambda": 0.5, "budget_bytes": budget,
-                       "update_strategy": "fifo"}, encoder, ds)
+    write_bundle(
+        out,
+        {
+            "client_id": 0,
+            "input": SPEC,
+            "lambda": 0.5,
+            "budget_bytes": budget,
+            "update_strategy": "fifo",
+        },
+        encoder,
+        ds,
+    )
     return out
 
 
@@ -106,19 +126,32 @@ def key_map(old: Path, new: Path, out: Path) -> Path:
     z_old, z_new = Encoder(old).run(xp)[0], Encoder(new).run(xp)[0]
     a = np.hstack([z_old, np.ones((len(z_old), 1), np.float32)])
     coef = np.linalg.lstsq(a, z_new, rcond=None)[0].astype(np.float32)
-    KeyMap(coef[:-1], coef[-1], embedding_id(old.read_bytes()), embedding_id(new.read_bytes()),
-           "map the keys", dict.fromkeys(("mapped", "stale", "re-embedded", "global"), 0.0)
-           ).save(out)
+    KeyMap(
+        coef[:-1],
+        coef[-1],
+        embedding_id(old.read_bytes()),
+        embedding_id(new.read_bytes()),
+        "map the keys",
+        dict.fromkeys(("mapped", "stale", "re-embedded", "global"), 0.0),
+    ).save(out)
     return out
 
 
 def run_sampled(args: list[str]) -> dict:
     """A child running _CHILD, its RssAnon sampled about every millisecond."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                         if p)}
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env, text=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
     peak, status = 0, Path(f"/proc/{proc.pid}/status")
     while proc.poll() is None:
         try:
@@ -135,8 +168,11 @@ def run_sampled(args: list[str]) -> dict:
 def cpu_name() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                    if line.startswith("Model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in out.splitlines()
+            if line.startswith("Model name")
+        )
     except (OSError, subprocess.CalledProcessError, StopIteration):
         return platform.processor() or "unknown"
 
@@ -167,25 +203,42 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(device, ignore_errors=True)
             shutil.copytree(pristine, device)
             result = run_sampled([str(device), str(release), str(mapping)])
-            rows.append({**result, "floor_private_kib": floor,
-                         "above_floor_mib": (result["peak_private_kib"] - floor) / 1024})
+            rows.append(
+                {
+                    **result,
+                    "floor_private_kib": floor,
+                    "above_floor_mib": (result["peak_private_kib"] - floor) / 1024,
+                }
+            )
     seconds = statistics.median(r["seconds"] for r in rows)
     above = max(r["above_floor_mib"] for r in rows)
     limit = budget / MIB + 2
-    summary = {"keys": args.keys, "budget_bytes": budget, "median_seconds": seconds,
-               "max_above_floor_mib": above, "memory_limit_mib": limit,
-               "time_target_met": seconds < 1.0, "memory_target_met": above <= limit,
-               "cpu": cpu_name(), "python": platform.python_version(), "runs": rows,
-               "command": " ".join(["python", "benchmarks/upgrade_device.py", *(argv or
-                                                                               sys.argv[1:])])}
+    summary = {
+        "keys": args.keys,
+        "budget_bytes": budget,
+        "median_seconds": seconds,
+        "max_above_floor_mib": above,
+        "memory_limit_mib": limit,
+        "time_target_met": seconds < 1.0,
+        "memory_target_met": above <= limit,
+        "cpu": cpu_name(),
+        "python": platform.python_version(),
+        "runs": rows,
+        "command": " ".join(["python", "benchmarks/upgrade_device.py", *(argv or sys.argv[1:])]),
+    }
     write_text_atomic(out / "run.json", json.dumps(summary, indent=2) + "\n")
-    table = [f"Upgrade of a {args.keys}-key flat:int8 bundle (dim {DIM}) by a key map, "
-             f"{args.repeats} fresh processes; CPU: {summary['cpu']}.", "",
-             "| median time | target | peak private above floor | budget + 2 MiB |",
-             "|---|---|---|---|",
-             f"| {seconds:.3f} s | < 1 s ({'met' if seconds < 1 else 'missed'}) | "
-             f"{above:.2f} MiB | {limit:.2f} MiB ({'met' if above <= limit else 'missed'}) |",
-             "", f"Command: `{summary['command']}`", ""]
+    table = [
+        f"Upgrade of a {args.keys}-key flat:int8 bundle (dim {DIM}) by a key map, "
+        f"{args.repeats} fresh processes; CPU: {summary['cpu']}.",
+        "",
+        "| median time | target | peak private above floor | budget + 2 MiB |",
+        "|---|---|---|---|",
+        f"| {seconds:.3f} s | < 1 s ({'met' if seconds < 1 else 'missed'}) | "
+        f"{above:.2f} MiB | {limit:.2f} MiB ({'met' if above <= limit else 'missed'}) |",
+        "",
+        f"Command: `{summary['command']}`",
+        "",
+    ]
     write_text_atomic(out / "upgrade.md", "\n".join(table))
     print("\n".join(table))
     return 0

@@ -83,9 +83,11 @@ def _reset(device: Path, pristine: Path) -> None:
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH"))
-                                          if p)}
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,31 +110,48 @@ def main(argv: list[str] | None = None) -> int:
         pristine = bundle(work / "pristine", old, args.keys, 0)
         release = bundle(work / "release", new, 50, 1)
         mapping = key_map(old, new, work / "map.npz")
-        versions = {hashlib.sha256(p.read_bytes()).hexdigest(): name
-                    for name, p in (("old", old), ("new", new))}
+        versions = {
+            hashlib.sha256(p.read_bytes()).hexdigest(): name
+            for name, p in (("old", old), ("new", new))
+        }
         labels = Runtime.load(pristine).datastore.labels_.copy()
         device = work / "devices" / "device"
         device.parent.mkdir()
         shutil.copytree(pristine, device)
         stop = work / "stop"
-        readers = [subprocess.Popen([sys.executable, "-c", _READER, str(device), str(stop)],
-                                    env=_env(), stdout=subprocess.PIPE, text=True)
-                   for _ in range(args.readers)]
+        readers = [
+            subprocess.Popen(
+                [sys.executable, "-c", _READER, str(device), str(stop)],
+                env=_env(),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(args.readers)
+        ]
         for reader in readers:  # every reader predicts before the first upgrade
             reader.stdout.readline()
         durations = []
         for _ in range(3):  # how long an upgrade takes, unkilled, with the readers at work
-            done = subprocess.run([sys.executable, "-c", _UPGRADER, str(device), str(release),
-                                   str(mapping)], env=_env(), check=True, capture_output=True,
-                                  text=True, timeout=120)
+            done = subprocess.run(
+                [sys.executable, "-c", _UPGRADER, str(device), str(release), str(mapping)],
+                env=_env(),
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             durations.append(float(done.stdout.split()[-1]))
             _reset(device, pristine)
         span = 1.2 * float(np.median(durations))  # some kills come after the commit
         outcomes, problems = [], []
         for _ in range(args.kills):
-            proc = subprocess.Popen([sys.executable, "-c", _UPGRADER, str(device), str(release),
-                                     str(mapping)], env=_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _UPGRADER, str(device), str(release), str(mapping)],
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
             proc.stdout.readline()  # loaded: the upgrade starts now
             delay = float(rng.uniform(0, span))
             time.sleep(delay)
@@ -146,35 +165,49 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - every failure is the finding
                 version = "broken"
                 problems.append(f"kill at {delay:.3f} s: {type(exc).__name__}: {exc}")
-            outcomes.append({"delay_s": delay, "version": version,
-                             "finished": proc.returncode == 0})
+            outcomes.append(
+                {"delay_s": delay, "version": version, "finished": proc.returncode == 0}
+            )
             if version != "old":
                 _reset(device, pristine)
         stop.touch()
-        reads = [json.loads(r.communicate(timeout=120)[0].strip().splitlines()[-1])
-                 for r in readers]
+        reads = [
+            json.loads(r.communicate(timeout=120)[0].strip().splitlines()[-1]) for r in readers
+        ]
     counts = {v: sum(o["version"] == v for o in outcomes) for v in ("old", "new", "broken")}
     reader_failures = sum(r["failure_count"] for r in reads)
-    summary = {"kills": args.kills, "readers": args.readers, "keys": args.keys,
-               "unkilled_upgrade_s": durations, "outcomes": counts,
-               "problems": problems, "reader_loads": sum(r["loads"] for r in reads),
-               "reader_failures": reader_failures,
-               "reader_failure_examples": [f for r in reads for f in r["failures"]][:5],
-               "readers_saw": sorted({versions.get(s, s) for r in reads for s in r["seen"]}),
-               "command": " ".join(["python benchmarks/upgrade_kills.py",
-                                    *(argv if argv is not None else sys.argv[1:])])}
+    summary = {
+        "kills": args.kills,
+        "readers": args.readers,
+        "keys": args.keys,
+        "unkilled_upgrade_s": durations,
+        "outcomes": counts,
+        "problems": problems,
+        "reader_loads": sum(r["loads"] for r in reads),
+        "reader_failures": reader_failures,
+        "reader_failure_examples": [f for r in reads for f in r["failures"]][:5],
+        "readers_saw": sorted({versions.get(s, s) for r in reads for s in r["seen"]}),
+        "command": " ".join(
+            ["python benchmarks/upgrade_kills.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+    }
     write_text_atomic(out / "run.json", json.dumps(summary, indent=2) + "\n")
     verdict = "passed" if not problems and not reader_failures else "FAILED"
-    text = "\n".join([
-        f"{args.kills} SIGKILLs of `upgrade` ({args.keys}-key flat:int8 bundle, kill instants "
-        f"uniform in [0, {span:.3f} s) after the upgrader loaded the bundle) with "
-        f"{args.readers} processes predicting: {verdict}.",
-        "", "| left as old | left as new | broken | reader loads | reader failures |",
-        "|---|---|---|---|---|",
-        f"| {counts['old']} | {counts['new']} | {counts['broken']} | "
-        f"{summary['reader_loads']} | {reader_failures} |", "",
-        f"Readers saw: {', '.join(summary['readers_saw'])}. Command: `{summary['command']}`",
-        ""])
+    text = "\n".join(
+        [
+            f"{args.kills} SIGKILLs of `upgrade` ({args.keys}-key flat:int8 bundle, kill instants "
+            f"uniform in [0, {span:.3f} s) after the upgrader loaded the bundle) with "
+            f"{args.readers} processes predicting: {verdict}.",
+            "",
+            "| left as old | left as new | broken | reader loads | reader failures |",
+            "|---|---|---|---|---|",
+            f"| {counts['old']} | {counts['new']} | {counts['broken']} | "
+            f"{summary['reader_loads']} | {reader_failures} |",
+            "",
+            f"Readers saw: {', '.join(summary['readers_saw'])}. Command: `{summary['command']}`",
+            "",
+        ]
+    )
     write_text_atomic(out / "kills.md", text)
     print(text)
     return 0 if verdict == "passed" else 1

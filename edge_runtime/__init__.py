@@ -10,24 +10,27 @@ device's bytes; `init_bundle` builds a bundle on the device from its own data;
 
 from .face import lazy_face
 
-__all__, __getattr__, __dir__ = lazy_face(__name__, {
-    "Runtime": "runtime",
-    "UpdateReport": "runtime",
-    "Bundle": "bundle",
-    "read_bundle": "bundle",
-    "write_bundle": "bundle",
-    "make_datastore": "datastores",
-    "BaseDatastore": "datastores",
-    "KNNHead": "knn",
-    "PersonalHead": "personal_head",
-    "ClientSplits": "personal_head",
-    "LinearHead": "linear_head",
-    "Budget": "budget",
-    "init_bundle": "device_init",
-    "write_portable": "portable",
-    "generate_key_pair": "signing",
-    "BundleError": "errors",
-    "BudgetExceeded": "errors",
-    "BundleBusy": "errors",
-    "SignatureError": "errors",
-})
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__,
+    {
+        "Runtime": "runtime",
+        "UpdateReport": "runtime",
+        "Bundle": "bundle",
+        "read_bundle": "bundle",
+        "write_bundle": "bundle",
+        "make_datastore": "datastores",
+        "BaseDatastore": "datastores",
+        "KNNHead": "knn",
+        "PersonalHead": "personal_head",
+        "ClientSplits": "personal_head",
+        "LinearHead": "linear_head",
+        "Budget": "budget",
+        "init_bundle": "device_init",
+        "write_portable": "portable",
+        "generate_key_pair": "signing",
+        "BundleError": "errors",
+        "BudgetExceeded": "errors",
+        "BundleBusy": "errors",
+        "SignatureError": "errors",
+    },
+)

@@ -76,13 +76,13 @@ def remove_dead_writers_files(directory: str | os.PathLike) -> list[str]:
         return removed
     for entry in entries:
         match = _WRITER_TMP_RE.match(entry.name)
-        if (match and not entry.is_symlink() and entry.is_file()
-                and not writer_alive(int(match[1]))):
+        if match and not entry.is_symlink() and entry.is_file() and not writer_alive(int(match[1])):
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     if removed:
-        log.warning("removed %d temporary file(s) left by interrupted writes in %s",
-                    len(removed), directory)
+        log.warning(
+            "removed %d temporary file(s) left by interrupted writes in %s", len(removed), directory
+        )
     return removed
 
 
@@ -142,8 +142,9 @@ def open_exclusive(path: Path) -> BinaryIO:
     return os.fdopen(os.open(path, flags, 0o644), "wb")
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], *,
-                 sync_dir: bool = True) -> None:
+def write_atomic(
+    path: str | os.PathLike, write: Callable[[BinaryIO], object], *, sync_dir: bool = True
+) -> None:
     """Call `write` on a new unique temporary file beside `path` (`temp_path`, `open_exclusive`),
     fsync it and rename it over `path`; on any failure the temporary file is removed."""
     final = Path(path)
@@ -160,8 +161,9 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object], *
         raise
 
 
-def write_path_atomic(path: str | os.PathLike, write: Callable[[Path], object], *,
-                      sync_dir: bool = True) -> None:
+def write_path_atomic(
+    path: str | os.PathLike, write: Callable[[Path], object], *, sync_dir: bool = True
+) -> None:
     """`write_atomic` for a writer that takes a file name, not an open file (hnswlib's
     save_index, a download): it writes a new unique temporary name beside `path` (created
     first with O_EXCL, so no planted symlink is followed), which is fsynced and renamed over
@@ -207,8 +209,10 @@ def output_problem(path: str | os.PathLike) -> str | None:
     if mode is not None and stat.S_ISDIR(mode):
         return f"{text} is a directory, not a file"
     if mode is not None and not stat.S_ISREG(mode):
-        return (f"{text} exists and is not a regular file (a device, pipe or socket); give a "
-                "file path, or - for standard output where the option allows it")
+        return (
+            f"{text} exists and is not a regular file (a device, pipe or socket); give a "
+            "file path, or - for standard output where the option allows it"
+        )
     parent = Path(os.path.realpath(path)).parent
     if not parent.is_dir():
         missing = "" if parent.exists() else " (it does not exist)"
@@ -251,13 +255,15 @@ def open_append(path: str | os.PathLike) -> BinaryIO:
         fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o644)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "is a link; appends never follow links (remove it)",
-                          os.fspath(path)) from None
+            raise OSError(
+                errno.ELOOP, "is a link; appends never follow links (remove it)", os.fspath(path)
+            ) from None
         raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file (a pipe, device or socket)",
-                          os.fspath(path))
+            raise OSError(
+                errno.EINVAL, "not a regular file (a pipe, device or socket)", os.fspath(path)
+            )
         return os.fdopen(fd, "ab", buffering=0)
     except BaseException:
         os.close(fd)
@@ -310,8 +316,9 @@ def to_json_types(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=json_default))
 
 
-def write_json_atomic(path: str | os.PathLike, obj: dict, *, sync_dir: bool = True,
-                      indent: int = 2) -> None:
+def write_json_atomic(
+    path: str | os.PathLike, obj: dict, *, sync_dir: bool = True, indent: int = 2
+) -> None:
     text = json.dumps(obj, indent=indent, default=json_default) + "\n"
     write_bytes_atomic(path, text.encode("utf-8"), sync_dir=sync_dir)
 
@@ -335,8 +342,9 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file (a pipe, device or directory)",
-                          os.fspath(path))
+            raise OSError(
+                errno.EINVAL, "not a regular file (a pipe, device or directory)", os.fspath(path)
+            )
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -349,8 +357,7 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes | None:
         return read_bounded(f, limit)
 
 
-def read_within(path: str | os.PathLike, limit: int,
-                fail: Callable[[str], Exception]) -> bytes:
+def read_within(path: str | os.PathLike, limit: int, fail: Callable[[str], Exception]) -> bytes:
     """`read_regular`, where every way to fail is one exception, `fail(why)`: why is "is
     missing", "cannot be read (<reason>)" (a pipe, a device, no permission) or "is over
     <limit> bytes". Every reader of an untrusted file words its refusals alike this way."""
@@ -458,8 +465,9 @@ def array_file_bytes(path: str | os.PathLike) -> int:
         if not is_zip:
             f.seek(0)
             shape, dtype, header_bytes, _ = _npy_header(f, Path(path).name)
-            return _check_member(Path(path).name, shape, dtype, header_bytes,
-                                 os.fstat(f.fileno()).st_size)
+            return _check_member(
+                Path(path).name, shape, dtype, header_bytes, os.fstat(f.fileno()).st_size
+            )
     return _npz_members(path, stored_only=False)
 
 
@@ -469,8 +477,7 @@ def load_arrays(path: str | os.PathLike, limit: int, what: str = "arrays"):
     need = array_file_bytes(path)
     if need > limit:
         raise ValueError(
-            f"{path}: its {what} would take {need} bytes in memory, over the limit of {limit} "
-            "bytes"
+            f"{path}: its {what} would take {need} bytes in memory, over the limit of {limit} bytes"
         )
     return np.load(path, allow_pickle=False)
 
@@ -545,6 +552,8 @@ class NpzRows:
         if len(data) != count * row_bytes:
             raise ValueError(f"{self.path.name}: member {name!r} ended early")
         return np.frombuffer(data, dtype).reshape(count, *shape[1:])
+
+
 class JSONFileError(ValueError):
     """A JSON file that cannot be used; the message is one line naming the file and the fix."""
 
@@ -584,11 +593,13 @@ def parse_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH, strict: bool = Tr
     except UnicodeDecodeError:
         raise ValueError("is not UTF-8 text") from None
     try:
-        value = json.loads(text, parse_constant=_refuse_constant,
-                           object_pairs_hook=unique_keys if strict else None)
+        value = json.loads(
+            text, parse_constant=_refuse_constant, object_pairs_hook=unique_keys if strict else None
+        )
     except json.JSONDecodeError as exc:
-        raise ValueError(f"is not valid JSON ({exc.msg} at line {exc.lineno} column "
-                         f"{exc.colno})") from None
+        raise ValueError(
+            f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
     except RecursionError:
         raise ValueError(f"is nested deeper than {max_depth} levels") from None
     except ValueError as exc:  # repeated keys, NaN, integers of more than 4300 digits
@@ -598,8 +609,14 @@ def parse_json(raw: bytes, *, max_depth: int = MAX_JSON_DEPTH, strict: bool = Tr
     return value
 
 
-def read_json(path: str | os.PathLike, *, limit: int, fix: str,
-              max_depth: int = MAX_JSON_DEPTH, strict: bool = True) -> Any:
+def read_json(
+    path: str | os.PathLike,
+    *,
+    limit: int,
+    fix: str,
+    max_depth: int = MAX_JSON_DEPTH,
+    strict: bool = True,
+) -> Any:
     """The JSON value in a regular file of at most `limit` bytes (a `.gz` name is inflated, at
     most `limit` bytes of it). Any problem is a JSONFileError naming the file, the problem and
     `fix` (what the user should do); FileNotFoundError passes through for callers that treat

@@ -29,12 +29,16 @@ def positive(kind: type, upper: float | None = None) -> Callable[[str], float | 
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {_NAMES[kind]}: {text!r}") from None
         if not 0 < value < math.inf or (upper is not None and value > upper):
-            bound = (f"in (0, {upper:g}]" if upper is not None else
-                     ">= 1" if kind is int else "a finite number > 0")
+            bound = (
+                f"in (0, {upper:g}]"
+                if upper is not None
+                else ">= 1"
+                if kind is int
+                else "a finite number > 0"
+            )
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         if kind is int and value > INT64_MAX:
-            raise argparse.ArgumentTypeError(f"must be at most {INT64_MAX} (2^63 - 1), got "
-                                             f"{text}")
+            raise argparse.ArgumentTypeError(f"must be at most {INT64_MAX} (2^63 - 1), got {text}")
         return value
 
     return parse
@@ -91,8 +95,9 @@ def threads(text: str) -> int:
     value = positive_int(text)
     cores = os.cpu_count() or 1
     if value > cores:
-        raise argparse.ArgumentTypeError(f"must be at most {cores} (this machine's cores), "
-                                         f"got {text}")
+        raise argparse.ArgumentTypeError(
+            f"must be at most {cores} (this machine's cores), got {text}"
+        )
     return value
 
 
@@ -140,7 +145,8 @@ def check_outputs(args: argparse.Namespace) -> None:
         if isinstance(value, OutputDir):
             _check_output_dir(value)
         elif isinstance(value, OutputFile) and not (
-                isinstance(value, OutputFileOrStdout) and is_stdout(value)):
+            isinstance(value, OutputFileOrStdout) and is_stdout(value)
+        ):
             problem = output_problem(value)
             if problem:
                 raise ValueError(problem)

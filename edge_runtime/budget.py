@@ -24,8 +24,9 @@ class Budget:
         if not is_integer(self.total) or self.total < 1:
             raise ValueError(f"budget_bytes must be a positive integer, got {self.total!r}")
         if self.encoder is not None and (not is_integer(self.encoder) or self.encoder < 0):
-            raise ValueError(f"an encoder's bytes must be a non-negative integer, got "
-                             f"{self.encoder!r}")
+            raise ValueError(
+                f"an encoder's bytes must be a non-negative integer, got {self.encoder!r}"
+            )
         object.__setattr__(self, "total", int(self.total))  # a numpy integer writes as JSON
         if self.encoder is not None:
             object.__setattr__(self, "encoder", int(self.encoder))
@@ -38,8 +39,10 @@ class Budget:
     def room(self) -> int:
         """The datastore's bytes: what the encoder leaves (negative: it alone is over)."""
         if self.encoder is None:
-            raise ValueError(f"a budget of {self.total} bytes has no room yet: its encoder's "
-                             "share is not known (Budget.with_encoder)")
+            raise ValueError(
+                f"a budget of {self.total} bytes has no room yet: its encoder's "
+                "share is not known (Budget.with_encoder)"
+            )
         return self.total - self.encoder
 
     @classmethod

@@ -224,9 +224,14 @@ def read_bundle(
         _remove_stale_quietly(bundle_dir, manifest)
         datastore = load_bundle_datastore(bundle_dir, manifest)
         _check_head_scores(bundle_dir, manifest, datastore)
-    encoder, predictor = open_sessions(model, manifest, datastore, bundle_dir,
-                                       intra_op_threads=intra_op_threads,
-                                       with_predictor=with_predictor)
+    encoder, predictor = open_sessions(
+        model,
+        manifest,
+        datastore,
+        bundle_dir,
+        intra_op_threads=intra_op_threads,
+        with_predictor=with_predictor,
+    )
     encoder_id = bundle_embedding_id(model, manifest)
     del model  # the session holds what it needs
     check_sessions(encoder, predictor, manifest, datastore, bundle_dir)
@@ -247,8 +252,9 @@ def check_embedding(datastore: Any, encoder_id: str, manifest: dict, where: str)
     problem = mismatch(where, datastore_embedding(datastore), encoder_id)
     recorded = manifest.get("model", {}).get("embedding")
     if problem is None and recorded is not None and recorded != encoder_id:
-        problem = mismatch(where, recorded, encoder_id).replace("the datastore's keys were",
-                                                                "the manifest says its keys were")
+        problem = mismatch(where, recorded, encoder_id).replace(
+            "the datastore's keys were", "the manifest says its keys were"
+        )
     if problem is not None:
         raise BundleError(problem)
 
@@ -259,8 +265,9 @@ def _check_head_scores(bundle_dir: Path, manifest: dict, datastore) -> None:
     name = head_file(manifest)
     if name is None or not refits(datastore):
         return
-    coef, intercept = read_head(bundle_dir / name, manifest["embedding_dim"],
-                                manifest["num_classes"])
+    coef, intercept = read_head(
+        bundle_dir / name, manifest["embedding_dim"], manifest["num_classes"]
+    )
     problem = head_score_problem(coef, intercept, datastore.keys())
     if problem:
         raise BundleError(f"bundle {bundle_dir}: {name}: {problem}")
@@ -278,12 +285,12 @@ def encoder_model(bundle_dir: Path, manifest: dict, head: LinearHead | None = No
     try:
         if head is not None:
             return with_head(model, head_tensors(head.coef_, head.intercept_))
-        tensors = load_head(bundle_dir / name, manifest["embedding_dim"],
-                            manifest["num_classes"])
+        tensors = load_head(bundle_dir / name, manifest["embedding_dim"], manifest["num_classes"])
         return with_head(model, tensors)
     except (ValueError, OSError, EOFError, KeyError, BadZipFile) as exc:
-        raise BundleError(f"{where}: {name or 'the refitted linear head'}: {one_line(exc)}") \
-            from None
+        raise BundleError(
+            f"{where}: {name or 'the refitted linear head'}: {one_line(exc)}"
+        ) from None
 
 
 def open_sessions(
@@ -315,8 +322,13 @@ def open_sessions(
     return encoder, predictor
 
 
-def check_sessions(encoder: Encoder | None, predictor: Predictor | None, manifest: dict,
-                   datastore: Any, bundle_dir: Path) -> None:
+def check_sessions(
+    encoder: Encoder | None,
+    predictor: Predictor | None,
+    manifest: dict,
+    datastore: Any,
+    bundle_dir: Path,
+) -> None:
     """`open_sessions`' session against the manifest: one probe inference (`check_encoder`)."""
     where = f"bundle {bundle_dir}"
     if predictor is not None:
@@ -369,8 +381,11 @@ def _remove_stale_quietly(bundle_dir: Path, manifest: dict) -> None:
         logger.warning("bundle %s: could not remove leftover files: %s", bundle_dir, exc)
         return
     if removed:
-        logger.warning("bundle %s: removed files of an interrupted update: %s", bundle_dir,
-                       ", ".join(sorted(removed)))
+        logger.warning(
+            "bundle %s: removed files of an interrupted update: %s",
+            bundle_dir,
+            ", ".join(sorted(removed)),
+        )
 
 
 def _predictor(
@@ -417,6 +432,7 @@ def check_encoder(
 
 
 # ----------------------------------------------------------------------------- writing
+
 
 def write_bundle(
     out_dir: str | os.PathLike,
@@ -527,8 +543,11 @@ def remove_abandoned_temporaries(directory: Path) -> list[str]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
     if removed:
-        logger.warning("removed %d directories left by interrupted bundle writes in %s",
-                       len(removed), directory)
+        logger.warning(
+            "removed %d directories left by interrupted bundle writes in %s",
+            len(removed),
+            directory,
+        )
     return removed
 
 
@@ -541,8 +560,7 @@ def _check_fields_only(manifest: dict) -> None:
     validate_manifest(probe, "write_bundle")
 
 
-def _encoder_embedding(datastore: Any, encoder: bytes | str | os.PathLike,
-                       out_dir: Path) -> str:
+def _encoder_embedding(datastore: Any, encoder: bytes | str | os.PathLike, out_dir: Path) -> str:
     """The encoder's embedding id; BundleError when the datastore records keys another
     encoder embedded."""
     try:
@@ -550,8 +568,7 @@ def _encoder_embedding(datastore: Any, encoder: bytes | str | os.PathLike,
     except OSError as exc:
         raise BundleError(f"cannot read encoder {encoder}: {exc.strerror}") from None
     encoder_id = embedding_id(model)
-    problem = mismatch(f"cannot write bundle {out_dir}", datastore_embedding(datastore),
-                       encoder_id)
+    problem = mismatch(f"cannot write bundle {out_dir}", datastore_embedding(datastore), encoder_id)
     if problem is not None:
         raise BundleError(problem)
     return encoder_id
@@ -589,8 +606,9 @@ def _not_replaceable(out_dir: Path) -> str | None:
     """Why a bundle cannot be written at `out_dir` (with the fix), or None: it is new, empty
     or a bundle. A link is refused, not followed: the swap renames the directory itself."""
     if out_dir.is_symlink():
-        return (f"it is a link (to {os.readlink(out_dir)}); give the directory itself or "
-                "another --out")
+        return (
+            f"it is a link (to {os.readlink(out_dir)}); give the directory itself or another --out"
+        )
     if not out_dir.exists():
         return None
     if not out_dir.is_dir():
@@ -642,8 +660,9 @@ def remove_stale_files(bundle_dir: str | os.PathLike, manifest: dict) -> list[st
     return removed
 
 
-def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: Any,
-                     head: LinearHead | None = None) -> dict:
+def commit_datastore(
+    bundle_dir: str | os.PathLike, manifest: dict, datastore: Any, head: LinearHead | None = None
+) -> dict:
     """Persist an updated datastore (and a refitted linear head, `head`; without one the
     bundle keeps the head file it lists, if any) into a bundle crash-safely and return the
     new manifest.
@@ -666,8 +685,10 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
     # listing linear_head.<next>.npz would otherwise have that file overwritten, and a failed
     # commit would leave the bundle unloadable
     kept_head = head_file(manifest)
-    generation = 1 + max([file_generation(name) for name in datastore_files(manifest)]
-                         + ([head_generation(kept_head)] if kept_head else []))
+    generation = 1 + max(
+        [file_generation(name) for name in datastore_files(manifest)]
+        + ([head_generation(kept_head)] if kept_head else [])
+    )
     names = datastore.save(bundle_dir, generation=generation)
     kept = head_file(manifest)
     try:
@@ -694,8 +715,7 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
             "recipe": datastore.recipe,
             "params": datastore.recipe_params(),
         }
-        new["footprint"] = {"encoder": budget.encoder, "datastore": datastore_bytes,
-                            "total": total}
+        new["footprint"] = {"encoder": budget.encoder, "datastore": datastore_bytes, "total": total}
         new["files"] = files
         new = to_json_types(new)
         validate_manifest(new, f"bundle {bundle_dir}: updated manifest")
@@ -710,5 +730,3 @@ def commit_datastore(bundle_dir: str | os.PathLike, manifest: dict, datastore: A
             (bundle_dir / name).unlink(missing_ok=True)
     fsync_dir(bundle_dir)
     return new
-
-

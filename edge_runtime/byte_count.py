@@ -10,8 +10,19 @@ import re
 from decimal import Decimal
 
 MAX_BYTES = 2**50  # 1 PiB: no device has more; a larger number is a typo
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15,
-          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50}
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "p": 10**15,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+    "pi": 2**50,
+}
 _PATTERN = re.compile(r"(\d+(?:\.\d+)?|\.\d+)\s*([kmgtp]i?)?b?", re.IGNORECASE)
 
 

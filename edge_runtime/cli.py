@@ -89,19 +89,24 @@ ORDER_OF_USE = examples(
     "folder per device), or from `knnper-edge init` with the device's own data; `info` checks "
     "it, `predict` and `evaluate` use it, `add` teaches it labelled samples (rewriting it in "
     "place), `export-onnx` makes one ONNX file of it for apps without Python, `keygen` makes "
-    "the key pair that signs bundles. `knnper-edge COMMAND --help` gives each one's options.")
+    "the key pair that signs bundles. `knnper-edge COMMAND --help` gives each one's options.",
+)
 INPUT_SPEC_HELP = (
     "JSON file with the input spec (what the encoder takes): for images "
     '{"kind": "image", "shape": [H, W, C], "dtype": "uint8", "mean": [C floats], '
     '"std": [C floats > 0]} (a pixel becomes (x/255 - mean) / std), for text '
     '{"kind": "tokens", "shape": [L], "dtype": "int64", "vocab_size": V}; a bundle\'s '
-    "manifest.json works too (its \"input\" field is read)")
+    'manifest.json works too (its "input" field is read)'
+)
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog=PROG, description="kNN-Per personalized inference on the device: "
-               "predict, evaluate and keep learning with a bundle that `knnper export` wrote.",
-               epilog=ORDER_OF_USE)
+    p = Parser(
+        prog=PROG,
+        description="kNN-Per personalized inference on the device: "
+        "predict, evaluate and keep learning with a bundle that `knnper export` wrote.",
+        epilog=ORDER_OF_USE,
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     p.add_argument(
         "--threads",
@@ -124,12 +129,18 @@ def _build_parser() -> argparse.ArgumentParser:
 def _predict_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--input", required=True, help="X.npy: uint8 images NHWC or token ids")
-    s.add_argument("--output", type=output_file_or_stdout,
-                   help="write the [N, C] probabilities here (.npy; - or /dev/stdout: the .npy "
-                   "bytes to standard output, the summary then going to stderr; an existing "
-                   "path must be a regular file or a link to one)")
-    s.add_argument("--labels", action="store_true",
-                   help="print every predicted label, one per line (default: a summary)")
+    s.add_argument(
+        "--output",
+        type=output_file_or_stdout,
+        help="write the [N, C] probabilities here (.npy; - or /dev/stdout: the .npy "
+        "bytes to standard output, the summary then going to stderr; an existing "
+        "path must be a regular file or a link to one)",
+    )
+    s.add_argument(
+        "--labels",
+        action="store_true",
+        help="print every predicted label, one per line (default: a summary)",
+    )
 
 
 def _evaluate_arguments(s: argparse.ArgumentParser) -> None:
@@ -140,45 +151,88 @@ def _evaluate_arguments(s: argparse.ArgumentParser) -> None:
 def _add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
     s.add_argument("--data", required=True, help=".npz with x and y (or x_train and y_train)")
-    s.add_argument("--strategy", choices=STRATEGIES, default=None,
-                   help="fifo: evict the oldest samples for the new; concatenate: grow to the "
-                   "budget, then evict; fixed: keep the datastore as it is (default: the "
-                   "bundle's update_strategy)")
+    s.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default=None,
+        help="fifo: evict the oldest samples for the new; concatenate: grow to the "
+        "budget, then evict; fixed: keep the datastore as it is (default: the "
+        "bundle's update_strategy)",
+    )
 
 
 def _init_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--encoder", required=True, help="encoder.onnx")
     s.add_argument("--data", required=True, help=".npz with x, y (or x_train, y_train)")
-    s.add_argument("--budget", required=True, type=byte_count,
-                   help="bytes, or with a unit: 500000, 500kB, 1.5MB, 2MiB")
-    s.add_argument("--out", required=True, type=output_dir,
-                   help="bundle directory to write (refused if it holds a bundle, unless "
-                   "--force)")
-    s.add_argument("--force", action="store_true",
-                   help="replace the bundle --out holds (it loses what `add` taught it)")
+    s.add_argument(
+        "--budget",
+        required=True,
+        type=byte_count,
+        help="bytes, or with a unit: 500000, 500kB, 1.5MB, 2MiB",
+    )
+    s.add_argument(
+        "--out",
+        required=True,
+        type=output_dir,
+        help="bundle directory to write (refused if it holds a bundle, unless --force)",
+    )
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the bundle --out holds (it loses what `add` taught it)",
+    )
     spec = s.add_mutually_exclusive_group(required=True)
-    spec.add_argument("--like", help="take the input spec (and k, sigma, and the server's "
-                      "pooled lambda rule where it ships one) from this bundle; with "
-                      "--trusted-key its signature is verified and --encoder must be the "
-                      "encoder it signs")
+    spec.add_argument(
+        "--like",
+        help="take the input spec (and k, sigma, and the server's "
+        "pooled lambda rule where it ships one) from this bundle; with "
+        "--trusted-key its signature is verified and --encoder must be the "
+        "encoder it signs",
+    )
     spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
-    s.add_argument("--k", type=k_neighbours, default=None,
-                   help=f"neighbours of the kNN head (default: --like's, else {DEFAULT_K})")
-    s.add_argument("--sigma", type=kernel_sigma, default=None,
-                   help=f"kernel width of the kNN head (default: --like's, else {DEFAULT_SIGMA:g})")
-    s.add_argument("--recipes", default=",".join(DEFAULT_RECIPES),
-                   help="comma-separated candidates, e.g. flat:int8,flat:fp16")
-    s.add_argument("--val-fraction", type=float, default=0.2,
-                   help="fraction of the data held out to choose the recipe and lambda")
+    s.add_argument(
+        "--k",
+        type=k_neighbours,
+        default=None,
+        help=f"neighbours of the kNN head (default: --like's, else {DEFAULT_K})",
+    )
+    s.add_argument(
+        "--sigma",
+        type=kernel_sigma,
+        default=None,
+        help=f"kernel width of the kNN head (default: --like's, else {DEFAULT_SIGMA:g})",
+    )
+    s.add_argument(
+        "--recipes",
+        default=",".join(DEFAULT_RECIPES),
+        help="comma-separated candidates, e.g. flat:int8,flat:fp16",
+    )
+    s.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.2,
+        help="fraction of the data held out to choose the recipe and lambda",
+    )
     s.add_argument("--seed", type=seed, default=0, help="seed of the validation split")
-    s.add_argument("--strategy", choices=STRATEGIES, default="fifo",
-                   help="the bundle's update strategy for later `add` calls")
-    s.add_argument("--client-id", type=int, default=-1,
-                   help="client id written in the manifest (-1: a device of its own)")
-    s.add_argument("--keep-inputs", action="store_true",
-                   help="also keep every sample's raw input (counted in the budget, so fewer "
-                   "samples fit), so that `upgrade` re-embeds them exactly when the model "
-                   "changes")
+    s.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="fifo",
+        help="the bundle's update strategy for later `add` calls",
+    )
+    s.add_argument(
+        "--client-id",
+        type=int,
+        default=-1,
+        help="client id written in the manifest (-1: a device of its own)",
+    )
+    s.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="also keep every sample's raw input (counted in the budget, so fewer "
+        "samples fit), so that `upgrade` re-embeds them exactly when the model "
+        "changes",
+    )
 
 
 def bundle_argument(s: argparse.ArgumentParser) -> None:
@@ -188,8 +242,7 @@ def bundle_argument(s: argparse.ArgumentParser) -> None:
 
 def _export_onnx_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
-    s.add_argument("--out", required=True, type=output_file,
-                   help="predictor .onnx file to write")
+    s.add_argument("--out", required=True, type=output_file, help="predictor .onnx file to write")
     s.add_argument(
         "--keys-as-inputs",
         action="store_true",
@@ -200,12 +253,22 @@ def _export_onnx_arguments(s: argparse.ArgumentParser) -> None:
 
 def _upgrade_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
-    s.add_argument("--to", required=True, help="the release's bundle for this device (a "
-                   "client_NNNN folder of the new export)")
-    s.add_argument("--map", default=None, help="the release's key map file (default: "
-                   "TO/../upgrades/from-<this bundle's encoder id>.npz)")
-    s.add_argument("--force", action="store_true", help="map the keys even where the release "
-                   "advises to keep the old keys or start fresh")
+    s.add_argument(
+        "--to",
+        required=True,
+        help="the release's bundle for this device (a client_NNNN folder of the new export)",
+    )
+    s.add_argument(
+        "--map",
+        default=None,
+        help="the release's key map file (default: "
+        "TO/../upgrades/from-<this bundle's encoder id>.npz)",
+    )
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="map the keys even where the release advises to keep the old keys or start fresh",
+    )
 
 
 def _keygen_arguments(s: argparse.ArgumentParser) -> None:
@@ -240,8 +303,11 @@ def _one_line(exc: BaseException) -> str:
     text = one_line(exc)
     if isinstance(exc, UsageError) and exc.prog and "--help" not in text:
         return f"{text} (see {exc.prog} --help)"  # a bad flag: where the flags are listed
-    return text if isinstance(exc, known) or text == type(exc).__name__ else (
-        f"{type(exc).__name__}: {text}")
+    return (
+        text
+        if isinstance(exc, known) or text == type(exc).__name__
+        else (f"{type(exc).__name__}: {text}")
+    )
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -309,15 +375,16 @@ def _trusted(args) -> list | None:
 
 def _runtime(args) -> Runtime:
     return Runtime.load(
-        args.bundle, intra_op_threads=args.threads, blas_threads=args.threads,
-        trusted_keys=_trusted(args)
+        args.bundle,
+        intra_op_threads=args.threads,
+        blas_threads=args.threads,
+        trusted_keys=_trusted(args),
     )
 
 
 def cmd_upgrade(args) -> int:
     rt = _runtime(args)
-    report = rt.upgrade(args.to, key_map=args.map, trusted_keys=_trusted(args),
-                        force=args.force)
+    report = rt.upgrade(args.to, key_map=args.map, trusted_keys=_trusted(args), force=args.force)
     if report.how == "nothing to do":
         print(f"bundle {rt.path} is already at the version of {args.to}: nothing to do")
         return 0
@@ -346,8 +413,10 @@ def cmd_predict(args) -> int:
     if args.labels:
         sys.stdout.write("".join(f"{label}\n" for label in labels))
     else:
-        print(_prediction_summary(labels, rt.num_classes, args.output),
-              file=sys.stderr if to_stdout else sys.stdout)
+        print(
+            _prediction_summary(labels, rt.num_classes, args.output),
+            file=sys.stderr if to_stdout else sys.stdout,
+        )
     return 0
 
 
@@ -378,8 +447,9 @@ class _ProbabilityFile:
     def __init__(self, path: str, rows: int, classes: int) -> None:
         self.path = None if is_stdout(path) else output_target(path)
         self.private = tempfile.mkdtemp() if self.path is None else None
-        self.tmp = (Path(self.private) / "probabilities.npy" if self.path is None
-                    else temp_path(self.path))
+        self.tmp = (
+            Path(self.private) / "probabilities.npy" if self.path is None else temp_path(self.path)
+        )
         self.array = np.lib.format.open_memmap(
             self.tmp, mode="w+", dtype=np.float64, shape=(rows, classes)
         )
@@ -411,8 +481,10 @@ def _prediction_summary(labels: np.ndarray, num_classes: int, output: str | None
     counts = np.bincount(labels, minlength=num_classes)
     spread = ", ".join(f"{c}: {n}" for c, n in enumerate(counts) if n)
     where = f"probabilities in {output}" if output else "--output FILE.npy keeps the probabilities"
-    return (f"predicted {labels.shape[0]} input(s); per label {{{spread}}}; {where}; "
-            "--labels prints each one")
+    return (
+        f"predicted {labels.shape[0]} input(s); per label {{{spread}}}; {where}; "
+        "--labels prints each one"
+    )
 
 
 def cmd_evaluate(args) -> int:
@@ -473,14 +545,19 @@ def _dropped(report) -> str:
         return "dropped 0"
     if report.strategy == "fixed":
         return f"dropped {report.dropped} (the fixed strategy keeps the datastore as it is)"
-    return (f"dropped the oldest {report.dropped} of them (the datastore holds at most "
-            f"{report.added} samples within its capacity and budget)")
+    return (
+        f"dropped the oldest {report.dropped} of them (the datastore holds at most "
+        f"{report.added} samples within its capacity and budget)"
+    )
 
 
 def _read_spec_file(path: str) -> dict:
     try:
-        spec = read_json(path, limit=1 << 20, fix="give the input spec as a JSON object (or a "
-                         "bundle's manifest.json)")
+        spec = read_json(
+            path,
+            limit=1 << 20,
+            fix="give the input spec as a JSON object (or a bundle's manifest.json)",
+        )
     except FileNotFoundError:
         raise UsageError(f"no such file: {path}") from None
     except JSONFileError as exc:
@@ -498,8 +575,10 @@ def cmd_init(args) -> int:
 
     k, sigma, rule = args.k, args.sigma, CLIENT_RULE
     if args.trusted_key and not args.like:
-        raise UsageError("--trusted-key needs --like SIGNED_BUNDLE with init: --encoder is "
-                       "verified as the encoder that bundle's signature covers")
+        raise UsageError(
+            "--trusted-key needs --like SIGNED_BUNDLE with init: --encoder is "
+            "verified as the encoder that bundle's signature covers"
+        )
     if args.like:
         like = read_manifest(args.like)
         if args.trusted_key:
@@ -515,8 +594,10 @@ def cmd_init(args) -> int:
     if not Path(args.encoder).is_file():
         raise UsageError(f"no such file: {args.encoder}")
     if not args.force and (Path(args.out) / "manifest.json").is_file():
-        raise UsageError(f"--out {args.out} already holds a bundle; choose another --out, or add "
-                       "--force to replace it (it loses what `add` taught it)")
+        raise UsageError(
+            f"--out {args.out} already holds a bundle; choose another --out, or add "
+            "--force to replace it (it loses what `add` taught it)"
+        )
     budget = args.budget
     x, y = _load_xy(args.data, (("x", "y"), ("x_train", "y_train")))
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()] if args.recipes else None
@@ -562,9 +643,11 @@ def _verify_like(args, like: dict) -> None:
     if not Path(args.encoder).is_file():
         raise UsageError(f"no such file: {args.encoder}")
     if sha256_file(args.encoder) != signed["files"][ENCODER_FILE]:
-        raise SignatureError(f"--encoder {args.encoder} is not the encoder the signed bundle "
-                             f"{args.like} carries (its sha256 differs); use "
-                             f"{Path(args.like) / ENCODER_FILE}")
+        raise SignatureError(
+            f"--encoder {args.encoder} is not the encoder the signed bundle "
+            f"{args.like} carries (its sha256 differs); use "
+            f"{Path(args.like) / ENCODER_FILE}"
+        )
 
 
 def cmd_info(args) -> int:
@@ -577,8 +660,11 @@ def cmd_info(args) -> int:
         f"v{m['version']})",
         f"signature     {_signature_status(rt.path, bool(args.trusted_key))}",
         f"client        {m['client_id']}"
-        + (" (a device's own bundle, from `knnper-edge init`)" if m["client_id"] == -1
-           else " (the federated client it was exported for)"),
+        + (
+            " (a device's own bundle, from `knnper-edge init`)"
+            if m["client_id"] == -1
+            else " (the federated client it was exported for)"
+        ),
         f"input         {spec['kind']} {spec['shape']}",
         f"classes       {m['num_classes']}",
         f"embedding     {m['embedding_dim']}",
@@ -601,17 +687,22 @@ def _version(rt: Runtime) -> str:
 
     keys = datastore_embedding(rt.datastore)
     record = rt.manifest.get("model")
-    model = (f"run {record['run']} round {record['round']}, " if record else "")
-    return (f"{model}keys embedded by encoder {short(keys)}" if keys else
-            f"{model}keys of an unrecorded encoder (a bundle from before versions)")
+    model = f"run {record['run']} round {record['round']}, " if record else ""
+    return (
+        f"{model}keys embedded by encoder {short(keys)}"
+        if keys
+        else f"{model}keys of an unrecorded encoder (a bundle from before versions)"
+    )
 
 
 def cmd_export_onnx(args) -> int:
     from .portable import write_portable
 
     if importlib.util.find_spec("onnx") is None:
-        raise UsageError("export-onnx builds the graph with the onnx package, which this install "
-                       f"lacks: {install_hint('portable')}")
+        raise UsageError(
+            "export-onnx builds the graph with the onnx package, which this install "
+            f"lacks: {install_hint('portable')}"
+        )
     if Path(args.out).suffix != ".onnx":
         raise UsageError(f"--out must end in .onnx, got {args.out}")
     written = write_portable(_runtime(args), args.out, keys_as_inputs=args.keys_as_inputs)
@@ -633,8 +724,10 @@ def _signature_status(bundle: Path, checked: bool) -> str:
         key = str(read_json(path, limit=MAX_SIGNATURE_BYTES, fix="")["key"])[:16]
     except (OSError, ValueError, KeyError, TypeError):
         key = "unreadable"
-    return (f"signed (key {key}...), not checked: give --trusted-key PUBLIC.pem to verify "
-            "it and the manifest against it")
+    return (
+        f"signed (key {key}...), not checked: give --trusted-key PUBLIC.pem to verify "
+        "it and the manifest against it"
+    )
 
 
 def cmd_keygen(args) -> int:
@@ -649,86 +742,133 @@ def cmd_keygen(args) -> int:
 # in the order of the help; a new command is its function and one registration here
 
 
-register_command(command(
-    "predict", cmd_predict, _predict_arguments,
-    help="predict labels for an .npy of raw inputs",
-    epilog=examples(
-        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --output p.npy",
-        f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --labels > labels.txt"),
-))
-register_command(command(
-    "evaluate", cmd_evaluate, _evaluate_arguments,
-    help="accuracy on a labelled .npz (x, y or x_test, y_test)",
-    epilog=examples(f"knnper-edge evaluate {EXAMPLE} --data data/client_3/test.npz",
-                    note="Prints the bundle's accuracy in %, beside the global model's alone "
-                    "and the datastore's alone."),
-))
-register_command(command(
-    "add", cmd_add, _add_arguments,
-    help="learn from labelled samples (.npz with x, y); rewrites the bundle in place",
-    description="Add labelled samples to the bundle's datastore: the bundle is rewritten in "
-    "place (a crash leaves the old bundle or the new one, never a mix). Copy the folder "
-    "first to keep the bundle as exported.",
-    epilog=examples(f"knnper-edge add {EXAMPLE} --data data/client_3/val.npz --strategy fifo",
-                    note="Prints what became of every sample received: added, dropped "
-                    "(and why), and how many samples stored before were evicted to make "
-                    "room; then what the datastore holds and its bytes against the "
-                    "budget."),
-))
-register_command(command(
-    "init", cmd_init, _init_arguments,
-    help="build a bundle for a new device from its own data",
-    epilog=examples(
-        "knnper-edge init --encoder bundles/500k/encoder.onnx --data "
-        f"data/client_7/train.npz --budget 300KB --like {EXAMPLE} --out "
-        "bundles/my-device",
-        "knnper-edge init --encoder encoder.onnx --data train.npz --budget "
-        "2MB --input-spec spec.json --out bundles/my-device",
-        note='spec.json, for 28x28 grey images: {"kind": "image", "shape": '
-        '[28, 28, 1], "dtype": "uint8", "mean": [0.286], "std": [0.353]}'),
-))
-register_command(command(
-    "info", cmd_info, bundle_argument,
-    help="verify a bundle and summarize its manifest",
-    epilog=examples(f"knnper-edge info {EXAMPLE}",
-                    f"knnper-edge --trusted-key keys/signing.pub info {EXAMPLE}",
-                    note="Each line says what it shows: the client the "
-                    "bundle was exported for (-1: a device's own, from "
-                    "`init`), the datastore's recipe and each of its parts "
-                    "in words (n1944: holds at most 1944 samples, beside "
-                    "how many it stores), and the bytes against the "
-                    "budget."),
-))
-register_command(command(
-    "export-onnx", cmd_export_onnx, _export_onnx_arguments,
-    # read when the parser is built: a backend registered later counts
-    help=lambda: "the whole prediction as one ONNX graph "
-    f"({' and '.join(graph_backends())} bundles) for devices without Python",
-    epilog=examples(f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.onnx",
-                    f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor-app.onnx "
-                    "--keys-as-inputs"),
-))
-register_command(command(
-    "upgrade", cmd_upgrade, _upgrade_arguments,
-    help="carry the bundle's samples to a new model version, in place",
-    description="Turn the bundle into the version of a release's bundle (--to): its "
-    "encoder and settings, with every sample the bundle stores (the exported ones and those "
-    "`add` taught it) carried over: re-embedded where the bundle kept its raw inputs, else "
-    "mapped by the map the release ships (upgrades/ beside --to). Crash-safe: killed at any "
-    "instant, the bundle is the old version or the new one.",
-    epilog=examples(f"knnper-edge upgrade {EXAMPLE} --to bundles-v2/500k/client_0003",
-                    note="Prints the version from -> to, the samples carried and how, "
-                    "any evicted because the new encoder leaves less room, and the "
-                    "server's evidence for the map."),
-))
-register_command(command(
-    "keygen", cmd_keygen, _keygen_arguments,
-    help="make an Ed25519 key pair for signing bundles",
-    epilog=examples("knnper-edge keygen --private keys/signing.pem --public keys/signing.pub",
-                    note="Then `knnper export ... --signing-key "
-                    "keys/signing.pem` signs bundles, and `knnper-edge "
-                    "--trusted-key keys/signing.pub` refuses any other."),
-))
+register_command(
+    command(
+        "predict",
+        cmd_predict,
+        _predict_arguments,
+        help="predict labels for an .npy of raw inputs",
+        epilog=examples(
+            f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --output p.npy",
+            f"knnper-edge predict {EXAMPLE} --input data/client_3/test_x.npy --labels > labels.txt",
+        ),
+    )
+)
+register_command(
+    command(
+        "evaluate",
+        cmd_evaluate,
+        _evaluate_arguments,
+        help="accuracy on a labelled .npz (x, y or x_test, y_test)",
+        epilog=examples(
+            f"knnper-edge evaluate {EXAMPLE} --data data/client_3/test.npz",
+            note="Prints the bundle's accuracy in %, beside the global model's alone "
+            "and the datastore's alone.",
+        ),
+    )
+)
+register_command(
+    command(
+        "add",
+        cmd_add,
+        _add_arguments,
+        help="learn from labelled samples (.npz with x, y); rewrites the bundle in place",
+        description="Add labelled samples to the bundle's datastore: the bundle is rewritten in "
+        "place (a crash leaves the old bundle or the new one, never a mix). Copy the folder "
+        "first to keep the bundle as exported.",
+        epilog=examples(
+            f"knnper-edge add {EXAMPLE} --data data/client_3/val.npz --strategy fifo",
+            note="Prints what became of every sample received: added, dropped "
+            "(and why), and how many samples stored before were evicted to make "
+            "room; then what the datastore holds and its bytes against the "
+            "budget.",
+        ),
+    )
+)
+register_command(
+    command(
+        "init",
+        cmd_init,
+        _init_arguments,
+        help="build a bundle for a new device from its own data",
+        epilog=examples(
+            "knnper-edge init --encoder bundles/500k/encoder.onnx --data "
+            f"data/client_7/train.npz --budget 300KB --like {EXAMPLE} --out "
+            "bundles/my-device",
+            "knnper-edge init --encoder encoder.onnx --data train.npz --budget "
+            "2MB --input-spec spec.json --out bundles/my-device",
+            note='spec.json, for 28x28 grey images: {"kind": "image", "shape": '
+            '[28, 28, 1], "dtype": "uint8", "mean": [0.286], "std": [0.353]}',
+        ),
+    )
+)
+register_command(
+    command(
+        "info",
+        cmd_info,
+        bundle_argument,
+        help="verify a bundle and summarize its manifest",
+        epilog=examples(
+            f"knnper-edge info {EXAMPLE}",
+            f"knnper-edge --trusted-key keys/signing.pub info {EXAMPLE}",
+            note="Each line says what it shows: the client the "
+            "bundle was exported for (-1: a device's own, from "
+            "`init`), the datastore's recipe and each of its parts "
+            "in words (n1944: holds at most 1944 samples, beside "
+            "how many it stores), and the bytes against the "
+            "budget.",
+        ),
+    )
+)
+register_command(
+    command(
+        "export-onnx",
+        cmd_export_onnx,
+        _export_onnx_arguments,
+        # read when the parser is built: a backend registered later counts
+        help=lambda: (
+            "the whole prediction as one ONNX graph "
+            f"({' and '.join(graph_backends())} bundles) for devices without Python"
+        ),
+        epilog=examples(
+            f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.onnx",
+            f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor-app.onnx --keys-as-inputs",
+        ),
+    )
+)
+register_command(
+    command(
+        "upgrade",
+        cmd_upgrade,
+        _upgrade_arguments,
+        help="carry the bundle's samples to a new model version, in place",
+        description="Turn the bundle into the version of a release's bundle (--to): its "
+        "encoder and settings, with every sample the bundle stores (the exported ones and those "
+        "`add` taught it) carried over: re-embedded where the bundle kept its raw inputs, else "
+        "mapped by the map the release ships (upgrades/ beside --to). Crash-safe: killed at any "
+        "instant, the bundle is the old version or the new one.",
+        epilog=examples(
+            f"knnper-edge upgrade {EXAMPLE} --to bundles-v2/500k/client_0003",
+            note="Prints the version from -> to, the samples carried and how, "
+            "any evicted because the new encoder leaves less room, and the "
+            "server's evidence for the map.",
+        ),
+    )
+)
+register_command(
+    command(
+        "keygen",
+        cmd_keygen,
+        _keygen_arguments,
+        help="make an Ed25519 key pair for signing bundles",
+        epilog=examples(
+            "knnper-edge keygen --private keys/signing.pem --public keys/signing.pub",
+            note="Then `knnper export ... --signing-key "
+            "keys/signing.pem` signs bundles, and `knnper-edge "
+            "--trusted-key keys/signing.pub` refuses any other.",
+        ),
+    )
+)
 
 
 if __name__ == "__main__":

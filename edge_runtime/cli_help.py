@@ -13,9 +13,14 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (not action.option_strings or action.required or action.default is None
-                or action.default is argparse.SUPPRESS or isinstance(action.default, bool)
-                or "default" in text.lower()):
+        if (
+            not action.option_strings
+            or action.required
+            or action.default is None
+            or action.default is argparse.SUPPRESS
+            or isinstance(action.default, bool)
+            or "default" in text.lower()
+        ):
             return text
         return f"{text} (default: %(default)s)"
 
@@ -27,8 +32,11 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
         def flush() -> None:
             if paragraph:
-                out.append(super(DefaultsHelpFormatter, self)._fill_text(
-                    " ".join(paragraph), width, indent))
+                out.append(
+                    super(DefaultsHelpFormatter, self)._fill_text(
+                        " ".join(paragraph), width, indent
+                    )
+                )
                 paragraph.clear()
 
         for line in text.splitlines():
@@ -55,11 +63,12 @@ def missing_command_message(parser: argparse.ArgumentParser, message: str) -> st
     """argparse names a missing sub-command by its internal dest ("required: where"), a word
     the usage never shows; say which commands there are instead."""
     for action in parser._actions:
-        if (isinstance(action, argparse._SubParsersAction) and message.startswith(
-                "the following arguments are required:")
-                and (action.metavar or action.dest) in message):
-            return (f"a command is needed: {', '.join(action.choices)} "
-                    f"(see {parser.prog} --help)")
+        if (
+            isinstance(action, argparse._SubParsersAction)
+            and message.startswith("the following arguments are required:")
+            and (action.metavar or action.dest) in message
+        ):
+            return f"a command is needed: {', '.join(action.choices)} (see {parser.prog} --help)"
     return message
 
 

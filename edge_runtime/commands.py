@@ -55,22 +55,26 @@ class Command:
 
     def add_to(self, subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         """Its sub-parser, whose `args.func` is `run`."""
-        kwargs = {key: value() if key in LAZY_TEXTS and callable(value) else value
-                  for key, value in self.parser_kwargs}
+        kwargs = {
+            key: value() if key in LAZY_TEXTS and callable(value) else value
+            for key, value in self.parser_kwargs
+        }
         parser = subparsers.add_parser(self.name, **kwargs)
         self.arguments(parser)
         parser.set_defaults(func=self.run)
         return parser
 
 
-def command(name: str, run: Callable[[argparse.Namespace], int],
-            arguments: Callable[[argparse.ArgumentParser], None] = no_arguments,
-            **parser_kwargs: Any) -> Command:
+def command(
+    name: str,
+    run: Callable[[argparse.Namespace], int],
+    arguments: Callable[[argparse.ArgumentParser], None] = no_arguments,
+    **parser_kwargs: Any,
+) -> Command:
     """A `Command`, with add_parser's keywords (help, description, epilog) as keywords."""
     return Command(name, run, arguments, tuple(parser_kwargs.items()))
 
 
-def add_commands(subparsers: argparse._SubParsersAction,
-                 commands: Iterable[Command]) -> None:
+def add_commands(subparsers: argparse._SubParsersAction, commands: Iterable[Command]) -> None:
     for cmd in commands:
         cmd.add_to(subparsers)

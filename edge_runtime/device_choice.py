@@ -21,8 +21,10 @@ def with_inputs(recipe: str, nbytes: int) -> str:
     """The recipe keeping each sample's raw input of `nbytes` bytes (x<bytes>)."""
     name, params = parse_recipe(recipe)
     if BACKENDS[name].TRAINED:
-        raise ValueError(f"a {name} datastore keeps what it was trained to, not samples: it "
-                         "cannot keep raw inputs")
+        raise ValueError(
+            f"a {name} datastore keeps what it was trained to, not samples: it "
+            "cannot keep raw inputs"
+        )
     return format_recipe(name, {**params, "inputs": int(nbytes)})
 
 
@@ -50,8 +52,9 @@ def choose_datastore(
     n_val = int(round(val_fraction * n_all)) if n_all >= 2 else 0
     n_val = min(n_val, n_all - 1)
     val, train = order[:n_val], order[n_val:]
-    splits = ClientSplits.from_logits(client_id, True, (z[train], logits[train], y[train]),
-                                      (z[val], logits[val], y[val]))
+    splits = ClientSplits.from_logits(
+        client_id, True, (z[train], logits[train], y[train]), (z[val], logits[val], y[val])
+    )
     head = PersonalHead(num_classes, k=k, sigma=sigma, rule=lambda_rule)
     candidates = []
     for recipe in recipes:
@@ -60,11 +63,20 @@ def choose_datastore(
         kept = None if inputs is None else inputs[train]
         head.fit(splits, datastore=ds.fit(z[train], y[train], kept))
         candidates.append(
-            {"recipe": recipe, "lambda": head.lambda_, "val_accuracy": head.val_accuracy_,
-             "val_nll": head.val_nll_, "nbytes": nbytes}
+            {
+                "recipe": recipe,
+                "lambda": head.lambda_,
+                "val_accuracy": head.val_accuracy_,
+                "val_nll": head.val_nll_,
+                "nbytes": nbytes,
+            }
         )
-        logger.info("candidate %s: lambda %.1f, validation accuracy %s", recipe, head.lambda_,
-                    head.val_accuracy_)
+        logger.info(
+            "candidate %s: lambda %.1f, validation accuracy %s",
+            recipe,
+            head.lambda_,
+            head.val_accuracy_,
+        )
     # The exporter's ranking (edge_runtime.knn.datastore_key; flat and hnsw are not trained).
     # Without a validation split every candidate ties: the smallest footprint.
     best = min(

@@ -110,17 +110,27 @@ def init_bundle(
     inputs = raw_checked(x, input_spec) if keep_inputs else None
     if inputs is not None:  # every candidate keeps them, and counts them in its footprint
         recipes = [with_inputs(r, inputs[0].nbytes) for r in (recipes or DEFAULT_RECIPES)]
-    candidates = _candidate_recipes(recipes, num_classes, k, sigma, dim, budget.room, seed,
-                                    z.shape[0])
+    candidates = _candidate_recipes(
+        recipes, num_classes, k, sigma, dim, budget.room, seed, z.shape[0]
+    )
     if not candidates:
         raise BundleError(
             f"the budget of {budget.total} bytes leaves {budget.room} bytes after the encoder "
             f"({budget.encoder} bytes): not enough for one stored sample of any candidate recipe"
         )
-    final, best, scored = choose_datastore(z, logits, y, candidates, k=k, sigma=sigma,
-                                           val_fraction=val_fraction, seed=seed,
-                                           client_id=client_id, lambda_rule=lambda_rule,
-                                           inputs=inputs)
+    final, best, scored = choose_datastore(
+        z,
+        logits,
+        y,
+        candidates,
+        k=k,
+        sigma=sigma,
+        val_fraction=val_fraction,
+        seed=seed,
+        client_id=client_id,
+        lambda_rule=lambda_rule,
+        inputs=inputs,
+    )
     fields = {
         "client_id": int(client_id),
         "input": input_spec,
@@ -152,16 +162,19 @@ def _candidate_recipes(
             raise ValueError(
                 f"{name} datastores are trained on the server (they need torch); a device "
                 "can only init "
-                + " or ".join(b for b, cls in BACKENDS.items() if not cls.TRAINED) + " recipes"
+                + " or ".join(b for b, cls in BACKENDS.items() if not cls.TRAINED)
+                + " recipes"
             )
         probe = make_datastore(recipe, num_classes, k, sigma, seed=seed)
         most = max_count_within(lambda n, p=probe: p.estimate_nbytes(n, dim), room)
         if params.get("n") is not None:
             counts = [params["n"]] if params["n"] <= most else []
             if most >= 1 and not counts:
-                too_many.append(f"{recipe} asks for {params['n']} samples, the budget has room "
-                                f"for {most} after the encoder: use "
-                                f"{format_recipe(name, {**params, 'n': most})}, or leave n out")
+                too_many.append(
+                    f"{recipe} asks for {params['n']} samples, the budget has room "
+                    f"for {most} after the encoder: use "
+                    f"{format_recipe(name, {**params, 'n': most})}, or leave n out"
+                )
         else:
             counts = [int(most * f) for f in _COUNT_FRACTIONS if int(most * f) >= 1]
         for n in counts:

@@ -116,8 +116,9 @@ def _session(source: str | bytes, options: ort.SessionOptions, name: str):
             source, sess_options=options, providers=["CPUExecutionProvider"]
         )
     except Exception as exc:  # onnxruntime raises its own exception types
-        raise ValueError(f"cannot load {name} as an ONNX model: "
-                         f"{one_line(exc, first_line=True)}") from None
+        raise ValueError(
+            f"cannot load {name} as an ONNX model: {one_line(exc, first_line=True)}"
+        ) from None
 
 
 def optimize_encoder(model: bytes) -> bytes:

@@ -9,8 +9,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 
-def lazy_face(package: str, names: Mapping[str, str]
-              ) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_face(
+    package: str, names: Mapping[str, str]
+) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
     """`__all__`, `__getattr__` and `__dir__` for `package`, whose public `names` live in the
     given submodules (`{"Runtime": "runtime"}`: `package.runtime.Runtime`)."""
 

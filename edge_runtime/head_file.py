@@ -59,8 +59,10 @@ def save_head(directory: str | os.PathLike, head: LinearHead, generation: int) -
 def head_nbytes(dim: int, num_classes: int) -> int:
     """The bytes `save_head` writes for a head of this shape (what it takes of the budget)."""
     buffer = io.BytesIO()
-    np.savez(buffer, **_arrays(np.zeros((dim, num_classes), np.float32),
-                               np.zeros(num_classes, np.float32)))
+    np.savez(
+        buffer,
+        **_arrays(np.zeros((dim, num_classes), np.float32), np.zeros(num_classes, np.float32)),
+    )
     return buffer.tell()
 
 
@@ -81,26 +83,34 @@ def head_score_problem(coef: np.ndarray, intercept: np.ndarray, keys: np.ndarray
     if len(keys) == 0:
         return None
     norm = float(np.sqrt(np.einsum("ij,ij->i", keys, keys, dtype=np.float64)).max())
-    bound = float((np.linalg.norm(coef.astype(np.float64), axis=0) * norm
-                   + np.abs(intercept.astype(np.float64))).max())
+    bound = float(
+        (
+            np.linalg.norm(coef.astype(np.float64), axis=0) * norm
+            + np.abs(intercept.astype(np.float64))
+        ).max()
+    )
     if not bound < _FLOAT32_MAX / 2:
-        return (f"its class scores can reach {bound:.3g} on the stored samples, past float32's "
-                "range (every prediction would be NaN)")
+        return (
+            f"its class scores can reach {bound:.3g} on the stored samples, past float32's "
+            "range (every prediction would be NaN)"
+        )
     return None
 
 
-def read_head(path: str | os.PathLike, dim: int,
-              num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def read_head(path: str | os.PathLike, dim: int, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
     """A head file's (coef [dim, C], intercept [C]), float32 and finite (ValueError)."""
     arrays = load_npz(path)
     if sorted(arrays) != sorted(_MEMBERS):
         raise ValueError(f"a linear head file holds {list(_MEMBERS)}, got {sorted(arrays)}")
     coef, intercept = arrays["coef"], arrays["intercept"]
-    for name, array, shape in (("coef", coef, (dim, num_classes)),
-                               ("intercept", intercept, (num_classes,))):
+    for name, array, shape in (
+        ("coef", coef, (dim, num_classes)),
+        ("intercept", intercept, (num_classes,)),
+    ):
         if array.dtype != np.float32 or array.shape != shape:
-            raise ValueError(f"the linear head's {name} is {array.dtype} {array.shape}, not "
-                             f"float32 {shape}")
+            raise ValueError(
+                f"the linear head's {name} is {array.dtype} {array.shape}, not float32 {shape}"
+            )
         if not np.isfinite(array).all():
             raise ValueError(f"the linear head's {name} holds NaN or infinite values")
     return coef, intercept
@@ -112,8 +122,9 @@ def with_head(model: bytes, tensors: dict[str, np.ndarray]) -> bytes:
     try:
         return replace_initializers(model, tensors)
     except ValueError as exc:
-        raise ValueError(f"the encoder has no linear head to take the refitted one: {exc}") \
-            from None
+        raise ValueError(
+            f"the encoder has no linear head to take the refitted one: {exc}"
+        ) from None
 
 
 def refits(datastore: Any) -> bool:
@@ -131,5 +142,7 @@ def refit_head(datastore: SampleDatastore, num_classes: int, l2: float) -> Linea
 
 
 def _arrays(coef: np.ndarray, intercept: np.ndarray) -> dict[str, np.ndarray]:
-    return {"coef": np.ascontiguousarray(coef, np.float32),
-            "intercept": np.ascontiguousarray(intercept, np.float32)}
+    return {
+        "coef": np.ascontiguousarray(coef, np.float32),
+        "intercept": np.ascontiguousarray(intercept, np.float32),
+    }

@@ -51,19 +51,24 @@ class KeyMap:
             yield self.apply(rows(start, min(count, start + MAP_CHUNK_ROWS)))
 
     def save(self, path: str | os.PathLike) -> None:
-        save_npz_atomic(Path(path), {
-            "weight": np.ascontiguousarray(self.weight, np.float32),
-            "bias": np.ascontiguousarray(self.bias, np.float32),
-            "from_embedding": id_array(self.from_embedding),
-            "to_embedding": id_array(self.to_embedding),
-            "advice": np.int8(ADVICE.index(self.advice)),
-            "evidence": np.array([self.evidence[k] for k in EVIDENCE], np.float64),
-        })
+        save_npz_atomic(
+            Path(path),
+            {
+                "weight": np.ascontiguousarray(self.weight, np.float32),
+                "bias": np.ascontiguousarray(self.bias, np.float32),
+                "from_embedding": id_array(self.from_embedding),
+                "to_embedding": id_array(self.to_embedding),
+                "advice": np.int8(ADVICE.index(self.advice)),
+                "evidence": np.array([self.evidence[k] for k in EVIDENCE], np.float64),
+            },
+        )
 
     def describe(self) -> str:
         figures = ", ".join(f"{k} {100 * v:.2f}%" for k, v in self.evidence.items())
-        return (f"map {short(self.from_embedding)} -> {short(self.to_embedding)}: the server "
-                f"advises to {self.advice} (kNN accuracy on held-out server data: {figures})")
+        return (
+            f"map {short(self.from_embedding)} -> {short(self.to_embedding)}: the server "
+            f"advises to {self.advice} (kNN accuracy on held-out server data: {figures})"
+        )
 
 
 def load_key_map(path: str | os.PathLike) -> KeyMap:
@@ -83,26 +88,46 @@ def load_key_map(path: str | os.PathLike) -> KeyMap:
     except Exception as exc:  # zipfile.BadZipFile and kin
         raise ValueError(f"key map {path}: not a readable .npz ({type(exc).__name__})") from None
     if sorted(arrays) != sorted(MAP_ARRAYS):
-        raise ValueError(f"key map {path}: holds {sorted(arrays)}, a map holds "
-                         f"{sorted(MAP_ARRAYS)}")
+        raise ValueError(
+            f"key map {path}: holds {sorted(arrays)}, a map holds {sorted(MAP_ARRAYS)}"
+        )
     weight, bias = arrays["weight"], arrays["bias"]
-    if (weight.dtype != np.float32 or weight.ndim != 2
-            or not 1 <= min(weight.shape) <= max(weight.shape) <= MAX_MAP_WIDTH):
-        raise ValueError(f"key map {path}: weight must be float32 [p_old, p_new] of at most "
-                         f"{MAX_MAP_WIDTH} each, got {weight.dtype} {list(weight.shape)}")
+    if (
+        weight.dtype != np.float32
+        or weight.ndim != 2
+        or not 1 <= min(weight.shape) <= max(weight.shape) <= MAX_MAP_WIDTH
+    ):
+        raise ValueError(
+            f"key map {path}: weight must be float32 [p_old, p_new] of at most "
+            f"{MAX_MAP_WIDTH} each, got {weight.dtype} {list(weight.shape)}"
+        )
     if bias.dtype != np.float32 or bias.shape != (weight.shape[1],):
-        raise ValueError(f"key map {path}: bias must be float32 [{weight.shape[1]}], got "
-                         f"{bias.dtype} {list(bias.shape)}")
+        raise ValueError(
+            f"key map {path}: bias must be float32 [{weight.shape[1]}], got "
+            f"{bias.dtype} {list(bias.shape)}"
+        )
     if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
         raise ValueError(f"key map {path}: weight and bias must be finite")
     advice, evidence = arrays["advice"], arrays["evidence"]
     if advice.shape != () or advice.dtype.kind not in "iu" or not 0 <= int(advice) < len(ADVICE):
         raise ValueError(f"key map {path}: advice must be one integer in [0, {len(ADVICE)})")
-    if (evidence.dtype != np.float64 or evidence.shape != (len(EVIDENCE),)
-            or not np.all((evidence >= 0) & (evidence <= 1))):
-        raise ValueError(f"key map {path}: evidence must be {len(EVIDENCE)} float64 "
-                         "accuracies in [0, 1]")
-    ids = [id_from_arrays({"embedding_id": arrays[k]}, f"{name} {k}")
-           for k in ("from_embedding", "to_embedding")]
-    return KeyMap(weight, bias, ids[0], ids[1], ADVICE[int(advice)],
-                  dict(zip(EVIDENCE, map(float, evidence), strict=True)))
+    if (
+        evidence.dtype != np.float64
+        or evidence.shape != (len(EVIDENCE),)
+        or not np.all((evidence >= 0) & (evidence <= 1))
+    ):
+        raise ValueError(
+            f"key map {path}: evidence must be {len(EVIDENCE)} float64 accuracies in [0, 1]"
+        )
+    ids = [
+        id_from_arrays({"embedding_id": arrays[k]}, f"{name} {k}")
+        for k in ("from_embedding", "to_embedding")
+    ]
+    return KeyMap(
+        weight,
+        bias,
+        ids[0],
+        ids[1],
+        ADVICE[int(advice)],
+        dict(zip(EVIDENCE, map(float, evidence), strict=True)),
+    )

@@ -109,8 +109,9 @@ def choice_key(accuracy: float | None, nll: float | None, *tie_breaks: float) ->
     return (-round(acc, 12), round(loss, NLL_DECIMALS), *tie_breaks)
 
 
-def datastore_key(accuracy: float | None, nll: float | None, *, trained: bool,
-                  nbytes: int) -> tuple:
+def datastore_key(
+    accuracy: float | None, nll: float | None, *, trained: bool, nbytes: int
+) -> tuple:
     """choice_key for a datastore candidate, the exporter's and the device's alike. After the
     validation score, a store of the samples themselves (flat, HNSW) goes before a trained
     compression of them (ProtoNN): a tie on a few dozen validation samples is noise, and the
@@ -129,8 +130,9 @@ def split_sums(p: np.ndarray, y: np.ndarray) -> tuple[int, float]:
     return correct, nll
 
 
-def lambda_counts(p_local: np.ndarray, p_global: np.ndarray, y: np.ndarray,
-                  grid: tuple[float, ...] = LAMBDA_GRID) -> np.ndarray:
+def lambda_counts(
+    p_local: np.ndarray, p_global: np.ndarray, y: np.ndarray, grid: tuple[float, ...] = LAMBDA_GRID
+) -> np.ndarray:
     """[len(grid), 3]: for each lambda, samples right, summed log-loss and samples scored. Sums,
     not means, so that clients' evidence pools by addition (a federated client sends only these)
     and `split_score`'s means are these divided by the count, to the last bit."""
@@ -161,17 +163,27 @@ class LambdaRule:
 
     def __post_init__(self) -> None:
         if self.name not in LAMBDA_RULES:
-            raise ValueError(f"lambda rule must be one of {', '.join(LAMBDA_RULES)}, "
-                             f"got {self.name!r}")
-        if not self.grid or len(set(self.grid)) != len(self.grid) \
-                or not all(0.0 <= lam <= 1.0 for lam in self.grid):
+            raise ValueError(
+                f"lambda rule must be one of {', '.join(LAMBDA_RULES)}, got {self.name!r}"
+            )
+        if (
+            not self.grid
+            or len(set(self.grid)) != len(self.grid)
+            or not all(0.0 <= lam <= 1.0 for lam in self.grid)
+        ):
             raise ValueError(f"a lambda grid holds distinct values in [0, 1], got {self.grid}")
         if self.name != "client":
             pooled = np.asarray(self.pooled, dtype=np.float64)
-            if (pooled.shape != (len(self.grid), 3) or not np.isfinite(pooled).all()
-                    or (pooled < 0).any() or not (pooled[:, 2] > 0).all()):
-                raise ValueError(f"the {self.name} lambda rule needs pooled evidence: "
-                                 f"{len(self.grid)} rows of (correct, log-loss sum, samples > 0)")
+            if (
+                pooled.shape != (len(self.grid), 3)
+                or not np.isfinite(pooled).all()
+                or (pooled < 0).any()
+                or not (pooled[:, 2] > 0).all()
+            ):
+                raise ValueError(
+                    f"the {self.name} lambda rule needs pooled evidence: "
+                    f"{len(self.grid)} rows of (correct, log-loss sum, samples > 0)"
+                )
         if not (np.isfinite(self.prior_samples) and self.prior_samples >= 0):
             raise ValueError(f"prior_samples must be finite and >= 0, got {self.prior_samples}")
 
@@ -187,21 +199,30 @@ class LambdaRule:
             evidence = own + self.prior_samples * pooled / pooled[:, 2:3]
         if evidence[0, 2] == 0:
             return 0.5  # nothing to go on
-        return min(self.grid, key=lambda lam: choice_key(
-            *_rates(evidence[self.grid.index(lam)]), lam))
+        return min(
+            self.grid, key=lambda lam: choice_key(*_rates(evidence[self.grid.index(lam)]), lam)
+        )
 
     def choose(self, p_local: np.ndarray, p_global: np.ndarray, y: np.ndarray) -> float:
         """The lambda this rule gives a client from its validation posteriors."""
         return self.choose_from_counts(lambda_counts(p_local, p_global, y, self.grid))
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "pooled": [list(map(float, r)) for r in self.pooled],
-                "prior_samples": float(self.prior_samples), "grid": list(self.grid)}
+        return {
+            "name": self.name,
+            "pooled": [list(map(float, r)) for r in self.pooled],
+            "prior_samples": float(self.prior_samples),
+            "grid": list(self.grid),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> LambdaRule:
-        return cls(str(d["name"]), tuple(tuple(float(v) for v in r) for r in d["pooled"]),
-                   float(d["prior_samples"]), tuple(float(v) for v in d["grid"]))
+        return cls(
+            str(d["name"]),
+            tuple(tuple(float(v) for v in r) for r in d["pooled"]),
+            float(d["prior_samples"]),
+            tuple(float(v) for v in d["grid"]),
+        )
 
 
 CLIENT_RULE = LambdaRule()
@@ -215,23 +236,33 @@ def _rates(counts: np.ndarray) -> tuple[float, float]:
 Posteriors = tuple[np.ndarray | None, np.ndarray, np.ndarray]
 
 
-def estimator_evidence(estimator: str, p_knn_val: np.ndarray, p_global_val: np.ndarray,
-                       y_val: np.ndarray, loo: Posteriors | None = None) -> Posteriors:
+def estimator_evidence(
+    estimator: str,
+    p_knn_val: np.ndarray,
+    p_global_val: np.ndarray,
+    y_val: np.ndarray,
+    loo: Posteriors | None = None,
+) -> Posteriors:
     """The samples a client's lambda is judged on. "val": its validation split. "loo+val": the
     validation split plus `loo`, the leave-one-out kNN posteriors of its own datastore with the
     global model's output and the labels of those samples: many more samples than ~30
     validation ones (the kNN part is honest there, the global model saw them in training)."""
     if estimator not in LAMBDA_ESTIMATORS:
-        raise ValueError(f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
-                         f"got {estimator!r}")
+        raise ValueError(
+            f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, got {estimator!r}"
+        )
     if estimator == "loo+val" and loo is not None and loo[0] is not None:
-        return (np.concatenate([loo[0], p_knn_val]), np.concatenate([loo[1], p_global_val]),
-                np.concatenate([loo[2], y_val]))
+        return (
+            np.concatenate([loo[0], p_knn_val]),
+            np.concatenate([loo[1], p_global_val]),
+            np.concatenate([loo[2], y_val]),
+        )
     return p_knn_val, p_global_val, y_val
 
 
-def leave_one_out_posteriors(keys: np.ndarray, labels: np.ndarray, num_classes: int, k: int,
-                             sigma: float) -> np.ndarray | None:
+def leave_one_out_posteriors(
+    keys: np.ndarray, labels: np.ndarray, num_classes: int, k: int, sigma: float
+) -> np.ndarray | None:
     """Each stored key's kNN posterior from the other stored keys (None with fewer than two):
     the datastore half of the "loo+val" estimator."""
     sq, idx = leave_one_out_search(keys, k)
@@ -444,7 +475,7 @@ NORMALIZATIONS: tuple[str, ...] = ("none", "l2")
 
 
 def normalize_embeddings(z: np.ndarray, how: str) -> np.ndarray:
-    """"none" keeps the raw embedding; "l2" puts it on the unit sphere (zero vectors stay 0).
+    """ "none" keeps the raw embedding; "l2" puts it on the unit sphere (zero vectors stay 0).
     Keys and queries must go through the same one."""
     z = np.asarray(z, dtype=np.float32)
     if how == "none":
@@ -474,8 +505,7 @@ class KNNHead:
     """Exact kNN posterior over a float32 datastore, scikit-learn style: fit(z, y),
     predict_proba(z)."""
 
-    def __init__(self, num_classes: int, k: int = DEFAULT_K,
-                 sigma: float = DEFAULT_SIGMA) -> None:
+    def __init__(self, num_classes: int, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA) -> None:
         self.num_classes = num_classes
         self.k = k
         self.sigma = sigma

@@ -37,8 +37,9 @@ class LinearHead:
     that on every training sample each has probability at most 1 / (n + 1): small, finite (the
     unpenalised optimum would be -inf), and below the likeliest seen class there."""
 
-    def __init__(self, num_classes: int, l2: float = DEFAULT_L2, max_iter: int = 500,
-                 tol: float = 1e-5) -> None:
+    def __init__(
+        self, num_classes: int, l2: float = DEFAULT_L2, max_iter: int = 500, tol: float = 1e-5
+    ) -> None:
         self.num_classes = num_classes
         self.l2 = l2
         self.max_iter = max_iter
@@ -58,8 +59,14 @@ class LinearHead:
             # one BLAS thread, as the runtime's scans: OpenBLAS's busy-waiting threads made a
             # fit 12x slower on a loaded two-core machine (1 s against 12 s at p = 512, C = 100)
             with BlasThreads()():
-                w, b, self.n_iter_ = _lbfgs(centred / scale, np.searchsorted(present, y),
-                                            len(present), self.l2, self.max_iter, self.tol)
+                w, b, self.n_iter_ = _lbfgs(
+                    centred / scale,
+                    np.searchsorted(present, y),
+                    len(present),
+                    self.l2,
+                    self.max_iter,
+                    self.tol,
+                )
             coef[:, present] = w / scale
             intercept[present] = b - mean @ coef[:, present]
         absent = np.setdiff1d(np.arange(self.num_classes), present)
@@ -73,8 +80,7 @@ class LinearHead:
     def predict_proba(self, z: np.ndarray) -> np.ndarray:
         z = np.asarray(z, dtype=np.float32)
         if z.ndim != 2 or z.shape[1] != self.coef_.shape[0]:
-            raise ValueError(f"predict_proba expects z [n, {self.coef_.shape[0]}], got "
-                             f"{z.shape}")
+            raise ValueError(f"predict_proba expects z [n, {self.coef_.shape[0]}], got {z.shape}")
         return softmax((z @ self.coef_ + self.intercept_).astype(np.float64))
 
     def predict(self, z: np.ndarray) -> np.ndarray:
@@ -91,8 +97,9 @@ class LinearHead:
         if not (np.isfinite(self.l2) and self.l2 > 0):
             raise ValueError(f"l2 must be a positive number, got {self.l2!r}")
         if not (self.max_iter >= 1 and self.tol > 0):
-            raise ValueError(f"max_iter must be >= 1 and tol > 0, got {self.max_iter!r} and "
-                             f"{self.tol!r}")
+            raise ValueError(
+                f"max_iter must be >= 1 and tol > 0, got {self.max_iter!r} and {self.tol!r}"
+            )
         z = np.asarray(z, dtype=np.float64)
         y = np.asarray(y)
         if z.ndim != 2 or y.shape != (z.shape[0],):
@@ -104,8 +111,9 @@ class LinearHead:
         if not np.issubdtype(y.dtype, np.integer):
             raise ValueError(f"y must hold integer class labels, got dtype {y.dtype}")
         if y.min() < 0 or y.max() >= self.num_classes:
-            raise ValueError(f"y must be in [0, {self.num_classes}), got labels from {y.min()} "
-                             f"to {y.max()}")
+            raise ValueError(
+                f"y must be in [0, {self.num_classes}), got labels from {y.min()} to {y.max()}"
+            )
         return z, y.astype(np.int64)
 
 
@@ -114,8 +122,9 @@ def _logsumexp(logits: np.ndarray) -> np.ndarray:
     return top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
 
 
-def _lbfgs(z: np.ndarray, y: np.ndarray, k: int, l2: float, max_iter: int,
-           tol: float) -> tuple[np.ndarray, np.ndarray, int]:
+def _lbfgs(
+    z: np.ndarray, y: np.ndarray, k: int, l2: float, max_iter: int, tol: float
+) -> tuple[np.ndarray, np.ndarray, int]:
     """(coef [p, k], intercept [k], iterations) minimising the mean cross-entropy over k classes
     plus l2 / 2 * ||coef||^2, from zero, until the largest gradient entry is below tol."""
     n, p = z.shape
@@ -123,7 +132,7 @@ def _lbfgs(z: np.ndarray, y: np.ndarray, k: int, l2: float, max_iter: int,
     onehot[np.arange(n), y] = 1.0
 
     def loss_grad(theta: np.ndarray) -> tuple[float, np.ndarray]:
-        w, b = theta[: p * k].reshape(p, k), theta[p * k:]
+        w, b = theta[: p * k].reshape(p, k), theta[p * k :]
         logits = z @ w + b
         lse = _logsumexp(logits)
         residual = (np.exp(logits - lse[:, None]) - onehot) / n
@@ -139,7 +148,7 @@ def _lbfgs(z: np.ndarray, y: np.ndarray, k: int, l2: float, max_iter: int,
     iteration = 0
     for iteration in range(1, max_iter + 1):
         if np.max(np.abs(grad)) <= tol:
-            return theta[: p * k].reshape(p, k), theta[p * k:], iteration - 1
+            return theta[: p * k].reshape(p, k), theta[p * k :], iteration - 1
         direction = -_two_loop(grad, pairs) if pairs else -first_step * grad
         slope = float(grad @ direction)
         step = 1.0
@@ -154,9 +163,9 @@ def _lbfgs(z: np.ndarray, y: np.ndarray, k: int, l2: float, max_iter: int,
         s, g_diff = candidate - theta, new_grad - grad
         curvature = float(s @ g_diff)
         if curvature > 1e-12 * float(g_diff @ g_diff):
-            pairs = [*pairs[-(_MEMORY - 1):], (s, g_diff, 1.0 / curvature)]
+            pairs = [*pairs[-(_MEMORY - 1) :], (s, g_diff, 1.0 / curvature)]
         theta, loss, grad = candidate, new_loss, new_grad
-    return theta[: p * k].reshape(p, k), theta[p * k:], iteration
+    return theta[: p * k].reshape(p, k), theta[p * k :], iteration
 
 
 def _two_loop(grad: np.ndarray, pairs: list[tuple[np.ndarray, np.ndarray, float]]) -> np.ndarray:

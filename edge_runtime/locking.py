@@ -82,8 +82,11 @@ def _open_turnstile(directory: str | os.PathLike, *, create: bool) -> int | None
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(fd)
-        raise LinkRefused(errno.EPERM, f"{path} is not a plain lock file (a link or another "
-                          "kind of file); remove it", path)
+        raise LinkRefused(
+            errno.EPERM,
+            f"{path} is not a plain lock file (a link or another kind of file); remove it",
+            path,
+        )
     return fd
 
 
@@ -108,8 +111,10 @@ def directory_lock(
     if fcntl is None:
         yield
         return
-    busy = (f"{os.fspath(directory)} is busy: another process has held its "
-            f"{'lock' if exclusive else 'write lock'} for over {timeout:g} s")
+    busy = (
+        f"{os.fspath(directory)} is busy: another process has held its "
+        f"{'lock' if exclusive else 'write lock'} for over {timeout:g} s"
+    )
     deadline = time.monotonic() + max(0.0, timeout)
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
     fd = os.open(os.fspath(directory), flags)  # first: a missing bundle gets no turnstile
@@ -118,11 +123,17 @@ def directory_lock(
         gate = _open_turnstile(directory, create=exclusive)
         try:
             if gate is not None:
-                _flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline,
-                       _TURNSTILE_POLL_SECONDS if exclusive else _POLL_SECONDS, busy)
+                _flock(
+                    gate,
+                    fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH,
+                    deadline,
+                    _TURNSTILE_POLL_SECONDS if exclusive else _POLL_SECONDS,
+                    busy,
+                )
             while True:
-                _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline,
-                       _POLL_SECONDS, busy)
+                _flock(
+                    fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline, _POLL_SECONDS, busy
+                )
                 if os.path.samestat(os.fstat(fd), os.stat(directory)):
                     break
                 # an upgrade exchanged the directory while this process waited: lock the one

@@ -153,20 +153,25 @@ def _lambda_rule(manifest: dict, fail) -> LambdaRule:
     """The manifest's pooled lambda rule (LambdaRule.to_dict()'s data: what `init --like`
     chooses a new device's lambda with), checked before anything is built from it."""
     rule = manifest["lambda_rule"]
-    if not isinstance(rule, dict) or sorted(rule) != ["grid", "name", "pooled",
-                                                      "prior_samples"]:
+    if not isinstance(rule, dict) or sorted(rule) != ["grid", "name", "pooled", "prior_samples"]:
         raise fail("'lambda_rule' must be an object with keys name, pooled, prior_samples, grid")
     grid, pooled = rule["grid"], rule["pooled"]
 
     def numbers(values: Any) -> bool:
         return isinstance(values, list) and all(is_real(v, finite=True) for v in values)
 
-    if (not numbers(grid) or not 1 <= len(grid) <= MAX_LAMBDA_GRID
-            or not isinstance(pooled, list) or len(pooled) not in (0, len(grid))
-            or not all(numbers(r) and len(r) == 3 for r in pooled)
-            or not isinstance(rule["name"], str)):
-        raise fail(f"'lambda_rule' needs a grid of 1 to {MAX_LAMBDA_GRID} numbers and a "
-                   "(correct, log-loss sum, samples) row of numbers per grid value")
+    if (
+        not numbers(grid)
+        or not 1 <= len(grid) <= MAX_LAMBDA_GRID
+        or not isinstance(pooled, list)
+        or len(pooled) not in (0, len(grid))
+        or not all(numbers(r) and len(r) == 3 for r in pooled)
+        or not isinstance(rule["name"], str)
+    ):
+        raise fail(
+            f"'lambda_rule' needs a grid of 1 to {MAX_LAMBDA_GRID} numbers and a "
+            "(correct, log-loss sum, samples) row of numbers per grid value"
+        )
     if not is_real(rule["prior_samples"], finite=True):
         raise fail("'lambda_rule' 'prior_samples' must be a finite number (a sample count)")
     try:
@@ -198,10 +203,12 @@ def new_device_lambda_rule(manifest: dict) -> tuple[LambdaRule, str | None]:
     base = manifest.get("knn_choice", {}).get("base", {}).get("value", "global")
     if rule.name == "client" or base == "global":
         return rule, None
-    return CLIENT_RULE, (f"the bundle's {rule.name} lambda evidence was measured with each "
-                         "client's own linear head as the base, which a new device does not "
-                         "have; lambda is chosen on its own validation split (the client "
-                         "rule)")
+    return CLIENT_RULE, (
+        f"the bundle's {rule.name} lambda evidence was measured with each "
+        "client's own linear head as the base, which a new device does not "
+        "have; lambda is chosen on its own validation split (the client "
+        "rule)"
+    )
 
 
 KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
@@ -214,24 +221,33 @@ def _validate_knn_choice(manifest: dict, fail) -> None:
     """The optional record of where k, sigma, the normalisation and the lambda estimator came
     from; its k and sigma must be the ones the bundle runs."""
     choice = manifest["knn_choice"]
-    if not isinstance(choice, dict) or sorted(set(choice) - set(KNN_CHOICE_OPTIONAL)) != \
-            sorted(KNN_CHOICE_KEYS):
-        raise fail(f"'knn_choice' must be an object with keys {list(KNN_CHOICE_KEYS)} "
-                   f"(and, from bundles that record them, {list(KNN_CHOICE_OPTIONAL)})")
+    if not isinstance(choice, dict) or sorted(set(choice) - set(KNN_CHOICE_OPTIONAL)) != sorted(
+        KNN_CHOICE_KEYS
+    ):
+        raise fail(
+            f"'knn_choice' must be an object with keys {list(KNN_CHOICE_KEYS)} "
+            f"(and, from bundles that record them, {list(KNN_CHOICE_OPTIONAL)})"
+        )
     for key, entry in choice.items():
-        if (not isinstance(entry, dict) or sorted(entry) != ["source", "value"]
-                or entry["source"] not in KNN_CHOICE_SOURCES
-                or not isinstance(entry["value"], (str, int, float))
-                or isinstance(entry["value"], bool)):
-            raise fail(f"'knn_choice' {key!r} must be {{value, source}} with source one of "
-                       f"{list(KNN_CHOICE_SOURCES)}")
+        if (
+            not isinstance(entry, dict)
+            or sorted(entry) != ["source", "value"]
+            or entry["source"] not in KNN_CHOICE_SOURCES
+            or not isinstance(entry["value"], (str, int, float))
+            or isinstance(entry["value"], bool)
+        ):
+            raise fail(
+                f"'knn_choice' {key!r} must be {{value, source}} with source one of "
+                f"{list(KNN_CHOICE_SOURCES)}"
+            )
     if "lambda_rule" in choice and choice["lambda_rule"]["value"] not in LAMBDA_RULES:
         raise fail(f"'knn_choice' 'lambda_rule' must be one of {list(LAMBDA_RULES)}")
     if "base" in choice and choice["base"]["value"] not in KNN_BASES:
         raise fail(f"'knn_choice' 'base' must be one of {list(KNN_BASES)}")
     l2 = choice.get("l2", {}).get("value")
-    if "l2" in choice and (not is_real(l2, finite=True) or l2 <= 0
-                           or choice.get("base", {}).get("value") != "linear"):
+    if "l2" in choice and (
+        not is_real(l2, finite=True) or l2 <= 0 or choice.get("base", {}).get("value") != "linear"
+    ):
         raise fail("'knn_choice' 'l2' must be a positive number, recorded with the linear base")
     if choice["k"]["value"] != manifest["k"] or choice["sigma"]["value"] != manifest["sigma"]:
         raise fail("'knn_choice' disagrees with the bundle's k or sigma")
@@ -267,11 +283,15 @@ def _validate_files(files: dict, backend: str, fail) -> None:
             raise fail(f"'files' lists an invalid file name {name!r}")
         if not isinstance(digest, str) or not _SHA256_RE.match(digest):
             raise fail(f"'files' entry {name!r} is not a lowercase hex sha256")
-        if name != ENCODER_FILE and not HEAD_FILE_RE.match(name) and not (
-            DATASTORE_FILE_RE.match(name) and not name.endswith(".tmp")
+        if (
+            name != ENCODER_FILE
+            and not HEAD_FILE_RE.match(name)
+            and not (DATASTORE_FILE_RE.match(name) and not name.endswith(".tmp"))
         ):
-            raise fail(f"'files' lists {name!r}, which is neither the encoder, a refitted "
-                       "linear head nor a datastore file")
+            raise fail(
+                f"'files' lists {name!r}, which is neither the encoder, a refitted "
+                "linear head nor a datastore file"
+            )
     if ENCODER_FILE not in files:
         raise fail(f"'files' does not list {ENCODER_FILE}")
     if len([n for n in files if HEAD_FILE_RE.match(n)]) > 1:
@@ -341,8 +361,11 @@ def read_manifest_bytes(bundle_dir: Path) -> bytes:
     where = f"bundle {bundle_dir}"
     if not bundle_dir.is_dir():
         raise BundleError(f"{where}: not a directory")
-    return read_within(bundle_dir / MANIFEST, MAX_MANIFEST_BYTES,
-                       lambda why: BundleError(f"{where}: {MANIFEST} {why}"))
+    return read_within(
+        bundle_dir / MANIFEST,
+        MAX_MANIFEST_BYTES,
+        lambda why: BundleError(f"{where}: {MANIFEST} {why}"),
+    )
 
 
 def read_manifest(bundle_dir: str | os.PathLike) -> dict:

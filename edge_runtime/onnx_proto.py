@@ -280,8 +280,10 @@ def replace_initializers(model: bytes, arrays: Mapping[str, np.ndarray]) -> byte
                 new = np.asarray(arrays[name])
                 dims, kind = _tensor_type(g_value)
                 if kind != _DTYPES.get(new.dtype) or dims != new.shape:
-                    raise ValueError(f"initializer {name!r} is {dims} of type {kind}, not "
-                                     f"{new.shape} {new.dtype}")
+                    raise ValueError(
+                        f"initializer {name!r} is {dims} of type {kind}, not "
+                        f"{new.shape} {new.dtype}"
+                    )
                 g_raw = _bytes(5, tensor(name, new))
                 missing.discard(name)
             graph_parts.append(g_raw)

@@ -70,18 +70,35 @@ class ClientSplits:
         return len(self.y_train)
 
     @classmethod
-    def from_logits(cls, client_id: int, unseen: bool, train: Split,
-                    val: Split | None = None, test: Split | None = None) -> ClientSplits:
+    def from_logits(
+        cls,
+        client_id: int,
+        unseen: bool,
+        train: Split,
+        val: Split | None = None,
+        test: Split | None = None,
+    ) -> ClientSplits:
         """From (embeddings, logits, labels) of each split as an encoder gives them; a split
         not given is empty. The base probabilities are the global model's softmax."""
         z, logits, y = train
         width, dim = np.asarray(logits).shape[1], np.asarray(z).shape[1]
-        empty: Split = (np.zeros((0, dim), np.float32), np.zeros((0, width), np.float32),
-                        np.zeros(0, np.int64))
-        parts = [_as_split(s if s is not None and len(s[2]) else empty)
-                 for s in (train, val, test)]
-        return cls(client_id, unseen, parts[0][0], parts[0][2], parts[1][0], parts[1][2],
-                   parts[2][0], parts[2][2], *(softmax(p[1].astype(np.float64)) for p in parts))
+        empty: Split = (
+            np.zeros((0, dim), np.float32),
+            np.zeros((0, width), np.float32),
+            np.zeros(0, np.int64),
+        )
+        parts = [_as_split(s if s is not None and len(s[2]) else empty) for s in (train, val, test)]
+        return cls(
+            client_id,
+            unseen,
+            parts[0][0],
+            parts[0][2],
+            parts[1][0],
+            parts[1][2],
+            parts[2][0],
+            parts[2][2],
+            *(softmax(p[1].astype(np.float64)) for p in parts),
+        )
 
 
 def _as_split(split: Split) -> Split:
@@ -89,18 +106,17 @@ def _as_split(split: Split) -> Split:
     return (np.asarray(z, np.float32), np.asarray(logits), np.asarray(y, np.int64))
 
 
-def check_settings(k: int, sigma: float, normalize: str, estimator: str,
-                   l2: float | None) -> None:
+def check_settings(k: int, sigma: float, normalize: str, estimator: str, l2: float | None) -> None:
     """ValueError unless a head with these settings can run (server and device alike)."""
     problem = k_sigma_problem(k, sigma)
     if problem:
         raise ValueError(problem)
     if normalize not in NORMALIZATIONS:
-        raise ValueError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, "
-                         f"got {normalize!r}")
+        raise ValueError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
     if estimator not in LAMBDA_ESTIMATORS:
-        raise ValueError(f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, "
-                         f"got {estimator!r}")
+        raise ValueError(
+            f"lambda estimator must be one of {', '.join(LAMBDA_ESTIMATORS)}, got {estimator!r}"
+        )
     if l2 is not None and not l2 > 0:
         raise ValueError(f"a linear head's l2 must be positive, got {l2}")
 
@@ -122,9 +138,17 @@ class PersonalHead:
     (None: no linear head) fits a linear head on the normalised train embeddings as the base;
     `rule` and `estimator` say how lambda comes from the validation split (edge_runtime.knn)."""
 
-    def __init__(self, num_classes: int, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
-                 normalize: str = DEFAULT_NORMALIZE, l2: float | None = None,
-                 rule: LambdaRule = CLIENT_RULE, estimator: str = "val") -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        k: int = DEFAULT_K,
+        sigma: float = DEFAULT_SIGMA,
+        normalize: str = DEFAULT_NORMALIZE,
+        l2: float | None = None,
+        rule: LambdaRule = CLIENT_RULE,
+        estimator: str = "val",
+    ) -> None:
         check_settings(k, sigma, normalize, estimator, l2)
         self.num_classes = num_classes
         self.k, self.sigma, self.normalize, self.l2 = k, sigma, normalize, l2
@@ -134,8 +158,14 @@ class PersonalHead:
         self.linear_: LinearHead | None = None
 
     # -- fitting
-    def fit(self, client: ClientSplits, *, keep: np.ndarray | None = None,
-            datastore: KNNPart | None = None, loo: Posteriors | None = None) -> PersonalHead:
+    def fit(
+        self,
+        client: ClientSplits,
+        *,
+        keep: np.ndarray | None = None,
+        datastore: KNNPart | None = None,
+        loo: Posteriors | None = None,
+    ) -> PersonalHead:
         """Fit the parts on `client`'s train split and choose lambda on its validation split.
 
         `keep`: the train samples the datastore stores (default all; the linear head always
@@ -145,14 +175,16 @@ class PersonalHead:
         is the same for every candidate datastore of a client)."""
         z_train = self._normalized(client.z_train)
         if len(z_train) == 0:
-            raise ValueError(f"client {client.client_id} has no training samples to "
-                             "personalize with")
+            raise ValueError(
+                f"client {client.client_id} has no training samples to personalize with"
+            )
         keep = np.arange(len(z_train)) if keep is None else np.asarray(keep)
         self.fit_linear(client.z_train, client.y_train)
         self.stored_ = len(keep) if datastore is None else _stored(datastore, len(keep))
         if datastore is None:
             datastore = KNNHead(self.num_classes, self.k, self.sigma).fit(
-                z_train[keep], client.y_train[keep])
+                z_train[keep], client.y_train[keep]
+            )
         self.datastore_ = datastore
         if loo is None and self.estimator == "loo+val":
             loo = self.leave_one_out(client, keep)
@@ -161,26 +193,30 @@ class PersonalHead:
         self.val_accuracy_: float | None = None
         self.val_nll_: float | None = None
         if len(client.y_val):
-            self.val_accuracy_, self.val_nll_ = split_score(self.mix(p_local, p_base),
-                                                            client.y_val)
+            self.val_accuracy_, self.val_nll_ = split_score(self.mix(p_local, p_base), client.y_val)
         return self
 
-    def choose(self, p_local: np.ndarray, p_base: np.ndarray, y: np.ndarray,
-               loo: Posteriors | None = None) -> PersonalHead:
+    def choose(
+        self, p_local: np.ndarray, p_base: np.ndarray, y: np.ndarray, loo: Posteriors | None = None
+    ) -> PersonalHead:
         """Choose lambda by the rule and the estimator from the parts' outputs on labelled
         samples (`fit`'s last step; the tuning grid's, which computes the kNN part once for
         many settings, and the test oracle's, which the reports label optimistic). Sets
         `evidence_` and `lambda_`."""
         self.evidence_ = lambda_counts(
-            *estimator_evidence(self.estimator, p_local, p_base, y, loo), self.rule.grid)
+            *estimator_evidence(self.estimator, p_local, p_base, y, loo), self.rule.grid
+        )
         self.lambda_ = self.rule.choose_from_counts(self.evidence_)
         return self
 
     def fit_linear(self, z_train: np.ndarray, y_train: np.ndarray) -> LinearHead | None:
         """The linear base alone (None without `l2`), fitted on the normalised train
         embeddings: `fit`'s, and the exporter's for the head it puts in a client's encoder."""
-        self.linear_ = (None if self.l2 is None else LinearHead(self.num_classes, l2=self.l2)
-                        .fit(self._normalized(z_train), y_train))
+        self.linear_ = (
+            None
+            if self.l2 is None
+            else LinearHead(self.num_classes, l2=self.l2).fit(self._normalized(z_train), y_train)
+        )
         return self.linear_
 
     def leave_one_out(self, client: ClientSplits, keep: np.ndarray | None = None) -> Posteriors:
@@ -189,14 +225,24 @@ class PersonalHead:
         base's only once `fit` has fitted it, which it does first)."""
         keep = np.arange(client.n_train) if keep is None else np.asarray(keep)
         keys = self._normalized(client.z_train[keep])
-        return (leave_one_out_posteriors(keys, client.y_train[keep], self.num_classes, self.k,
-                                         self.sigma),
-                self.base_proba(client.z_train[keep], client.p_train[keep]),
-                client.y_train[keep])
+        return (
+            leave_one_out_posteriors(
+                keys, client.y_train[keep], self.num_classes, self.k, self.sigma
+            ),
+            self.base_proba(client.z_train[keep], client.p_train[keep]),
+            client.y_train[keep],
+        )
 
     @classmethod
-    def fitted(cls, num_classes: int, datastore: KNNPart, lam: float, *,
-               linear: LinearHead | None = None, normalize: str = "none") -> PersonalHead:
+    def fitted(
+        cls,
+        num_classes: int,
+        datastore: KNNPart,
+        lam: float,
+        *,
+        linear: LinearHead | None = None,
+        normalize: str = "none",
+    ) -> PersonalHead:
         """A head from parts chosen elsewhere: a bundle's datastore and lambda on a device."""
         head = cls(num_classes, normalize=normalize)
         head.datastore_, head.linear_, head.lambda_ = datastore, linear, float(lam)

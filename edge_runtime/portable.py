@@ -117,9 +117,17 @@ def app_contract(runtime: Runtime) -> dict:
     raw input the graph takes (the manifest's input spec) with the number of classes."""
     strategy = runtime.manifest["update_strategy"]
     keys, _ = portable_samples(runtime)
-    rule = ("append nothing: 'fixed' keeps the stored keys" if strategy == "fixed" else
-            "append each labelled input's \"key\" output and its label after the current keys "
-            "and labels, then drop the oldest (first) rows until at most `capacity` remain")
-    return {"update_strategy": strategy, "capacity": runtime.kept_by_add(),
-            "key_dim": int(keys.shape[1]), "rule": rule, "input": runtime.input_spec,
-            "num_classes": runtime.num_classes}
+    rule = (
+        "append nothing: 'fixed' keeps the stored keys"
+        if strategy == "fixed"
+        else 'append each labelled input\'s "key" output and its label after the current keys '
+        "and labels, then drop the oldest (first) rows until at most `capacity` remain"
+    )
+    return {
+        "update_strategy": strategy,
+        "capacity": runtime.kept_by_add(),
+        "key_dim": int(keys.shape[1]),
+        "rule": rule,
+        "input": runtime.input_spec,
+        "num_classes": runtime.num_classes,
+    }

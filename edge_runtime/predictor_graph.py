@@ -182,8 +182,9 @@ def _nearest(g: _Graph, minus_twice_dots: str, q_norms: str, key_norms: str, k: 
     products (scaling by a power of two is exact), and ||q||^2 and the clamp, which leave the
     order as it is, are applied to the k nearest."""
     partial = g.node("Add", [minus_twice_dots, key_norms])
-    n = g.node("Slice", [g.node("Shape", [partial]), g.const([1], np.int64),
-                         g.const([2], np.int64)])
+    n = g.node(
+        "Slice", [g.node("Shape", [partial]), g.const([1], np.int64), g.const([2], np.int64)]
+    )
     k_n = g.node("Min", [n, g.const([k], np.int64)])
     partial_k, idx = g.node("TopK", [partial, k_n], outputs=2, largest=0, sorted=1)
     return g.node("Relu", [g.node("Add", [partial_k, q_norms])]), idx
@@ -273,8 +274,13 @@ def _one_hot(g: _Graph, labels: str, classes: int, on_value: float) -> str:
     """labels [...] -> [..., classes] float32 with on_value at each label, 0 elsewhere.
     Equal against 0..classes-1 rather than OneHot: onnxruntime 1.23 (the newest for Python
     3.10) dies with SIGFPE on a OneHot of zero labels, which an empty ProtoNN buffer feeds."""
-    hits = g.node("Equal", [g.node("Unsqueeze", [labels, g.const([-1], np.int64)]),
-                            g.const(np.arange(classes), np.int64)])
+    hits = g.node(
+        "Equal",
+        [
+            g.node("Unsqueeze", [labels, g.const([-1], np.int64)]),
+            g.const(np.arange(classes), np.int64),
+        ],
+    )
     return g.node("Mul", [g.cast(hits, P.FLOAT), g.const(float(on_value))])
 
 
@@ -329,8 +335,9 @@ def _protonn(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, 
         twice = g.node(
             "Mul", [g.cast(g.node("MatMul", [wz, keys_t]), P.DOUBLE), g.const(2.0, np.float64)]
         )
-        sq_parts.append(g.node("Add", [g.node("Sub", [wz_norms, twice]), g.cast(key_norms,
-                                                                                  P.DOUBLE)]))
+        sq_parts.append(
+            g.node("Add", [g.node("Sub", [wz_norms, twice]), g.cast(key_norms, P.DOUBLE)])
+        )
     sq = sq_parts[0] if len(sq_parts) == 1 else g.node("Concat", sq_parts, axis=1)
     nearest = g.reduce("ReduceMin", sq, 1)
     shifted = g.node("Relu", [g.node("Sub", [sq, nearest])])

@@ -374,14 +374,24 @@ class Runtime:
                 # the upgrade needs no session of this version: let it go while the new one
                 # is built and checked (bounded memory)
                 self.encoder = self.predictor = None
-                report = upgrade_bundle(self.path, self.manifest, self._let_go_of_datastore(),
-                                        new_bundle, key_map=key_map, trusted_keys=trusted_keys,
-                                        force=force)
+                report = upgrade_bundle(
+                    self.path,
+                    self.manifest,
+                    self._let_go_of_datastore(),
+                    new_bundle,
+                    key_map=key_map,
+                    trusted_keys=trusted_keys,
+                    force=force,
+                )
         finally:
             if self.encoder is None and self.predictor is None:
                 # whichever version is on disk now (the new one, or the old after a failure)
-                fresh = Runtime.load(self.path, intra_op_threads=self._intra_op_threads,
-                                     lock_timeout=self.lock_timeout, trusted_keys=trusted_keys)
+                fresh = Runtime.load(
+                    self.path,
+                    intra_op_threads=self._intra_op_threads,
+                    lock_timeout=self.lock_timeout,
+                    trusted_keys=trusted_keys,
+                )
                 fresh._blas_threads = self._blas_threads
                 self.__dict__.update(fresh.__dict__)
         return report
@@ -421,7 +431,12 @@ class Runtime:
         return target
 
     def _update(
-        self, z: np.ndarray, labels: np.ndarray, strategy: str, received: int, target: int,
+        self,
+        z: np.ndarray,
+        labels: np.ndarray,
+        strategy: str,
+        received: int,
+        target: int,
         inputs: np.ndarray | None = None,
     ) -> UpdateReport:
         """Evict and add in memory by `strategy` (z: the newest samples it keeps, at most
@@ -502,9 +517,14 @@ class Runtime:
                 sessions = None
                 if head is not None:
                     model = encoder_model(self.path, self.manifest, head)
-                    sessions = open_sessions(model, self.manifest, self.datastore, self.path,
-                                             intra_op_threads=self._intra_op_threads,
-                                             with_predictor=self.predictor is not None)
+                    sessions = open_sessions(
+                        model,
+                        self.manifest,
+                        self.datastore,
+                        self.path,
+                        intra_op_threads=self._intra_op_threads,
+                        with_predictor=self.predictor is not None,
+                    )
                     del model
                     check_sessions(*sessions, self.manifest, self.datastore, self.path)
                 self.manifest = commit_datastore(self.path, self.manifest, self.datastore, head)

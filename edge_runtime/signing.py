@@ -82,8 +82,9 @@ def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.Pat
 
 
 def _read_key_file(path: str | os.PathLike) -> bytes:
-    return read_within(path, 64 * 1024,
-                       lambda why: SignatureError(f"cannot read key {path}: it {why}"))
+    return read_within(
+        path, 64 * 1024, lambda why: SignatureError(f"cannot read key {path}: it {why}")
+    )
 
 
 def load_private_key(path: str | os.PathLike):
@@ -138,14 +139,18 @@ def verify_signature(
     _, _, invalid_signature = _crypto()
     path = Path(bundle_dir) / SIGNATURE_FILE
     if not os.path.lexists(path):
-        raise SignatureError(f"{where}: unsigned ({SIGNATURE_FILE} is missing) and a trusted "
-                             "key is configured")
+        raise SignatureError(
+            f"{where}: unsigned ({SIGNATURE_FILE} is missing) and a trusted key is configured"
+        )
     if path.is_symlink() or not path.is_file():
-        raise SignatureError(f"{where}: {SIGNATURE_FILE} is a link or not a regular file (a "
-                             "pipe, a device); a bundle's signature is a plain file: copy the "
-                             "bundle again from its exporter")
-    raw = read_within(path, MAX_SIGNATURE_BYTES,
-                      lambda why: SignatureError(f"{where}: {SIGNATURE_FILE} {why}"))
+        raise SignatureError(
+            f"{where}: {SIGNATURE_FILE} is a link or not a regular file (a "
+            "pipe, a device); a bundle's signature is a plain file: copy the "
+            "bundle again from its exporter"
+        )
+    raw = read_within(
+        path, MAX_SIGNATURE_BYTES, lambda why: SignatureError(f"{where}: {SIGNATURE_FILE} {why}")
+    )
     try:
         doc = parse_json(raw)
         signed = base64.b64decode(doc["manifest"], validate=True)
@@ -182,10 +187,12 @@ def verify_file(path: str | os.PathLike, data: bytes, trusted_keys: Sequence[Any
     where = os.fspath(path)
     doc_path = Path(f"{where}.sig.json")
     if doc_path.is_symlink() or not doc_path.is_file():
-        raise SignatureError(f"{where}: unsigned ({doc_path.name} is missing) and a trusted key "
-                             "is configured")
-    raw = read_within(doc_path, MAX_SIGNATURE_BYTES,
-                      lambda why: SignatureError(f"{where}: {doc_path.name} {why}"))
+        raise SignatureError(
+            f"{where}: unsigned ({doc_path.name} is missing) and a trusted key is configured"
+        )
+    raw = read_within(
+        doc_path, MAX_SIGNATURE_BYTES, lambda why: SignatureError(f"{where}: {doc_path.name} {why}")
+    )
     try:
         doc = parse_json(raw)
         signed = base64.b64decode(doc["manifest"], validate=True)
@@ -208,8 +215,11 @@ def check_signed_base(bundle_dir: str | os.PathLike, manifest: dict, where: str)
     """Without checking the signature itself (no key at hand): SignatureError when the
     manifest departs from the base signature.json signed in anything an update cannot
     change, so a runtime that trusts the signer will accept it."""
-    raw = read_within(Path(bundle_dir) / SIGNATURE_FILE, MAX_SIGNATURE_BYTES,
-                      lambda why: SignatureError(f"{where}: {SIGNATURE_FILE} {why}"))
+    raw = read_within(
+        Path(bundle_dir) / SIGNATURE_FILE,
+        MAX_SIGNATURE_BYTES,
+        lambda why: SignatureError(f"{where}: {SIGNATURE_FILE} {why}"),
+    )
     try:
         signed = base64.b64decode(parse_json(raw)["manifest"], validate=True)
     except (ValueError, TypeError, KeyError, RecursionError, binascii.Error):

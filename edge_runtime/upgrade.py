@@ -90,19 +90,26 @@ class UpgradeReport:
         def version(identity: str, record: dict | None) -> str:
             if record is None:
                 return f"encoder {short(identity)}"
-            return (f"run {record['run']} round {record['round']} "
-                    f"(encoder {short(identity)})")
+            return f"run {record['run']} round {record['round']} (encoder {short(identity)})"
 
-        out = [f"version       {version(self.from_embedding, self.from_model)} -> "
-               f"{version(self.to_embedding, self.to_model)}",
-               f"samples       {self.carried} carried ({self.how})"
-               + (f", {self.evicted} oldest evicted: the new encoder leaves less room"
-                  if self.evicted else ""),
-               f"lambda        {self.lam:g} ("
-               + ("chosen on the kept inputs by the release's rule)"
-                  if self.how == "re-embedded" and not self.signed else "the release's)"),
-               f"footprint     {self.footprint_bytes} bytes"
-               + (", signed by the release" if self.signed else "")]
+        out = [
+            f"version       {version(self.from_embedding, self.from_model)} -> "
+            f"{version(self.to_embedding, self.to_model)}",
+            f"samples       {self.carried} carried ({self.how})"
+            + (
+                f", {self.evicted} oldest evicted: the new encoder leaves less room"
+                if self.evicted
+                else ""
+            ),
+            f"lambda        {self.lam:g} ("
+            + (
+                "chosen on the kept inputs by the release's rule)"
+                if self.how == "re-embedded" and not self.signed
+                else "the release's)"
+            ),
+            f"footprint     {self.footprint_bytes} bytes"
+            + (", signed by the release" if self.signed else ""),
+        ]
         if self.evidence:
             out.append(f"evidence      {self.evidence}")
         return out
@@ -128,38 +135,57 @@ def upgrade_bundle(
     new_dir = Path(new_dir)
     release = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys).manifest
     if BACKENDS[manifest["backend"]["name"]].TRAINED:
-        raise BundleError(f"{where}: a {manifest['backend']['name']} datastore cannot be "
-                          "upgraded (its prototypes belong to the old encoder's projection); "
-                          f"install the release's own bundle {new_dir} instead")
+        raise BundleError(
+            f"{where}: a {manifest['backend']['name']} datastore cannot be "
+            "upgraded (its prototypes belong to the old encoder's projection); "
+            f"install the release's own bundle {new_dir} instead"
+        )
     if release["num_classes"] != manifest["num_classes"]:
-        raise BundleError(f"{where}: the release {new_dir} has {release['num_classes']} "
-                          f"classes, this bundle {manifest['num_classes']}: not an upgrade of it")
+        raise BundleError(
+            f"{where}: the release {new_dir} has {release['num_classes']} "
+            f"classes, this bundle {manifest['num_classes']}: not an upgrade of it"
+        )
     model = encoder_bytes(new_dir, release)
     to_id, encoder_size = bundle_embedding_id(model, release), len(model)
     # written from its file, not held: the written bundle is checked against to_id again
     del model
     from_id = datastore_embedding(datastore) or bundle_embedding_id(
-        encoder_bytes(path, manifest), manifest)
+        encoder_bytes(path, manifest), manifest
+    )
     count = len(datastore)
-    report = UpgradeReport(from_id, to_id, manifest.get("model"), release.get("model"),
-                           "nothing to do", count, 0, float(manifest["lambda"]),
-                           int(manifest["footprint"]["total"]))
+    report = UpgradeReport(
+        from_id,
+        to_id,
+        manifest.get("model"),
+        release.get("model"),
+        "nothing to do",
+        count,
+        0,
+        float(manifest["lambda"]),
+        int(manifest["footprint"]["total"]),
+    )
     if from_id == to_id:
         return report
     signed = (new_dir / SIGNATURE_FILE).is_file()
     if getattr(datastore, "inputs_", None) is not None:
         if release["input"] != manifest["input"]:
-            raise BundleError(f"{where}: the release {new_dir} takes other inputs than the ones "
-                              "this bundle kept; it cannot re-embed them")
+            raise BundleError(
+                f"{where}: the release {new_dir} takes other inputs than the ones "
+                "this bundle kept; it cannot re-embed them"
+            )
         mapping, report.how = None, "re-embedded"
     else:
-        mapping = _key_map(new_dir, from_id, to_id, key_map, manifest, release, where, force,
-                           trusted_keys)
+        mapping = _key_map(
+            new_dir, from_id, to_id, key_map, manifest, release, where, force, trusted_keys
+        )
         report.how, report.evidence = "mapped", mapping.describe()
 
-    params = {**manifest["backend"]["params"],
-              "num_classes": release["num_classes"], "k": release["k"],
-              "sigma": release["sigma"]}
+    params = {
+        **manifest["backend"]["params"],
+        "num_classes": release["num_classes"],
+        "k": release["k"],
+        "sigma": release["sigma"],
+    }
     fresh = BACKENDS[manifest["backend"]["name"]].from_params(params)
     dim = release["embedding_dim"]
     l2 = refit_l2(release)
@@ -168,22 +194,31 @@ def upgrade_bundle(
         room -= head_nbytes(dim, release["num_classes"])
     fits = max_count_within(lambda n: fresh.estimate_nbytes(n, dim), room)
     if fits < 1:
-        raise BudgetExceeded(f"{where}: the new encoder ({encoder_size} bytes) leaves no room for "
-                             f"one stored sample in the budget of {manifest['budget_bytes']} "
-                             "bytes", encoder_size, int(manifest["budget_bytes"]))
+        raise BudgetExceeded(
+            f"{where}: the new encoder ({encoder_size} bytes) leaves no room for "
+            f"one stored sample in the budget of {manifest['budget_bytes']} "
+            "bytes",
+            encoder_size,
+            int(manifest["budget_bytes"]),
+        )
     evict = max(0, count - fits)
-    fields = {"client_id": manifest["client_id"], "input": release["input"],
-              "lambda": release["lambda"], "budget_bytes": manifest["budget_bytes"],
-              "update_strategy": manifest["update_strategy"],
-              **{key: release[key] for key in _RELEASE_FIELDS if key in release}}
+    fields = {
+        "client_id": manifest["client_id"],
+        "input": release["input"],
+        "lambda": release["lambda"],
+        "budget_bytes": manifest["budget_bytes"],
+        "update_strategy": manifest["update_strategy"],
+        **{key: release[key] for key in _RELEASE_FIELDS if key in release},
+    }
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         for _ in range(8):
             if datastore is None:  # a retry: the old keys again, from the bundle on disk
                 datastore = load_bundle_datastore(path, manifest)
             if mapping is None:
-                ds, lam = _reembedded(datastore, evict, encoder_bytes(new_dir, release),
-                                      release, params, manifest)
+                ds, lam = _reembedded(
+                    datastore, evict, encoder_bytes(new_dir, release), release, params, manifest
+                )
                 fields["lambda"] = release["lambda"] if signed else lam
             else:
                 ds = _mapped(datastore, evict, mapping, params, manifest["backend"]["name"])
@@ -198,8 +233,11 @@ def upgrade_bundle(
                 if evict >= count:
                     raise
         else:
-            raise BudgetExceeded(f"{where}: the upgraded datastore does not fit the budget", 0,
-                                 int(manifest["budget_bytes"]))
+            raise BudgetExceeded(
+                f"{where}: the upgraded datastore does not fit the budget",
+                0,
+                int(manifest["budget_bytes"]),
+            )
         if l2 is not None:
             head = refit_head(ds, release["num_classes"], l2)
             written = commit_datastore(tmp, written, ds, head)
@@ -228,12 +266,12 @@ def _mapped(datastore: Any, evict: int, mapping: KeyMap, params: dict, backend: 
     def chunks():
         return mapping.chunks(lambda a, b: datastore.key_rows(evict + a, evict + b), kept)
 
-    return BACKENDS[backend].from_params(params).fit_chunks(chunks, kept,
-                                                            datastore.labels_[evict:])
+    return BACKENDS[backend].from_params(params).fit_chunks(chunks, kept, datastore.labels_[evict:])
 
 
-def _reembedded(datastore: Any, evict: int, model: bytes, release: dict, params: dict,
-                manifest: dict) -> tuple[Any, float]:
+def _reembedded(
+    datastore: Any, evict: int, model: bytes, release: dict, params: dict, manifest: dict
+) -> tuple[Any, float]:
     """The samples from the `evict`-th oldest on, re-embedded from their kept raw inputs by
     the new encoder (in the encoder's own batches), with lambda chosen as `init --like
     RELEASE` would choose it on them (device_init.choose_datastore): (datastore, lambda)."""
@@ -241,31 +279,56 @@ def _reembedded(datastore: Any, evict: int, model: bytes, release: dict, params:
     encoder = Encoder(model)
     zs, logits = [], []
     for start in range(0, len(labels), encoder.batch_size):
-        z, lg = encoder.run(prepare_input(inputs[start:start + encoder.batch_size],
-                                          release["input"]))
+        z, lg = encoder.run(
+            prepare_input(inputs[start : start + encoder.batch_size], release["input"])
+        )
         zs.append(z)
         logits.append(lg)
     recipe = format_recipe(manifest["backend"]["name"], params)
     final, best, _ = choose_datastore(
-        np.concatenate(zs), np.concatenate(logits), labels, [recipe], k=release["k"],
-        sigma=release["sigma"], val_fraction=REEMBED_VAL_FRACTION, seed=0,
-        client_id=manifest["client_id"], lambda_rule=lambda_rule_of(release), inputs=inputs)
+        np.concatenate(zs),
+        np.concatenate(logits),
+        labels,
+        [recipe],
+        k=release["k"],
+        sigma=release["sigma"],
+        val_fraction=REEMBED_VAL_FRACTION,
+        seed=0,
+        client_id=manifest["client_id"],
+        lambda_rule=lambda_rule_of(release),
+        inputs=inputs,
+    )
     return final, float(best["lambda"])
 
 
-def _key_map(new_dir: Path, from_id: str, to_id: str, given: str | os.PathLike | None,
-             manifest: dict, release: dict, where: str, force: bool,
-             trusted_keys: Any = None) -> KeyMap:
-    path = Path(given) if given is not None else (
-        new_dir.parent / UPGRADES_DIR / map_file_name(from_id))
+def _key_map(
+    new_dir: Path,
+    from_id: str,
+    to_id: str,
+    given: str | os.PathLike | None,
+    manifest: dict,
+    release: dict,
+    where: str,
+    force: bool,
+    trusted_keys: Any = None,
+) -> KeyMap:
+    path = (
+        Path(given)
+        if given is not None
+        else (new_dir.parent / UPGRADES_DIR / map_file_name(from_id))
+    )
     if given is None and not path.is_file():
         raise BundleError(
             f"{where}: its keys were embedded by encoder {short(from_id)} and the release ships "
             f"no map from it ({path} is missing): pass the release's map with --map, or build "
-            "a fresh bundle with `knnper-edge init --like NEW_BUNDLE`")
+            "a fresh bundle with `knnper-edge init --like NEW_BUNDLE`"
+        )
     if trusted_keys is not None:  # a signed release's map is signed with it
-        verify_file(path, read_within(path, MAX_MAP_BYTES, lambda why: SignatureError(
-            f"key map {path}: {why}")), trusted_keys)
+        verify_file(
+            path,
+            read_within(path, MAX_MAP_BYTES, lambda why: SignatureError(f"key map {path}: {why}")),
+            trusted_keys,
+        )
     try:
         mapping = load_key_map(path)
     except (ValueError, OSError) as exc:
@@ -274,13 +337,18 @@ def _key_map(new_dir: Path, from_id: str, to_id: str, given: str | os.PathLike |
         raise BundleError(
             f"key map {path} maps encoder {short(mapping.from_embedding)} -> "
             f"{short(mapping.to_embedding)}, this upgrade needs {short(from_id)} -> "
-            f"{short(to_id)}: use the map the release ships for this bundle's version")
+            f"{short(to_id)}: use the map the release ships for this bundle's version"
+        )
     if mapping.weight.shape != (manifest["embedding_dim"], release["embedding_dim"]):
-        raise BundleError(f"key map {path} is {list(mapping.weight.shape)}, this upgrade needs "
-                          f"[{manifest['embedding_dim']}, {release['embedding_dim']}]")
+        raise BundleError(
+            f"key map {path} is {list(mapping.weight.shape)}, this upgrade needs "
+            f"[{manifest['embedding_dim']}, {release['embedding_dim']}]"
+        )
     if mapping.advice != ADVICE[0] and not force:
-        raise BundleError(f"{where}: the release advises to {mapping.advice} rather than map "
-                          f"the keys ({mapping.describe()}); --force maps them anyway")
+        raise BundleError(
+            f"{where}: the release advises to {mapping.advice} rather than map "
+            f"the keys ({mapping.describe()}); --force maps them anyway"
+        )
     return mapping
 
 

@@ -57,8 +57,10 @@ def id_from_arrays(arrays: dict[str, np.ndarray], file: str) -> str | None:
         return None
     value = arrays[EMBEDDING_ARRAY]
     if value.dtype != np.uint8 or value.shape != (32,):
-        raise ValueError(f"{file}: {EMBEDDING_ARRAY} must be 32 uint8 bytes (a sha256), got "
-                         f"{value.dtype} {list(value.shape)}")
+        raise ValueError(
+            f"{file}: {EMBEDDING_ARRAY} must be 32 uint8 bytes (a sha256), got "
+            f"{value.dtype} {list(value.shape)}"
+        )
     return bytes(value).hex()
 
 
@@ -70,8 +72,10 @@ def mismatch(where: str, datastore_id: str | None, encoder_id: str) -> str | Non
     """The one-line refusal when a datastore's keys come from another encoder, else None."""
     if datastore_id is None or datastore_id == encoder_id:
         return None
-    return (f"{where}: the datastore's keys were embedded by encoder {short(datastore_id)}, "
-            f"this bundle's encoder is {short(encoder_id)}: keys of one encoder cannot be searched "
-            "with another's queries; carry them over with `knnper-edge upgrade BUNDLE --to "
-            "NEW_BUNDLE` (from a bundle of the keys' own version), or build a fresh one with "
-            "`knnper-edge init`")
+    return (
+        f"{where}: the datastore's keys were embedded by encoder {short(datastore_id)}, "
+        f"this bundle's encoder is {short(encoder_id)}: keys of one encoder cannot be searched "
+        "with another's queries; carry them over with `knnper-edge upgrade BUNDLE --to "
+        "NEW_BUNDLE` (from a bundle of the keys' own version), or build a fresh one with "
+        "`knnper-edge init`"
+    )

@@ -6,9 +6,12 @@ partition, or several seeds)."""
 
 from edge_runtime.face import lazy_face
 
-__all__, __getattr__, __dir__ = lazy_face(__name__, {
-    "EXPERIMENTS": "registry",
-    "run_table": "tables",
-    "run_seeds": "tables",
-    "BenchError": "tables",
-})
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__,
+    {
+        "EXPERIMENTS": "registry",
+        "run_table": "tables",
+        "run_seeds": "tables",
+        "BenchError": "tables",
+    },
+)

@@ -86,22 +86,38 @@ def _head_algorithm(head: str, runner: TableRunner, training: TrainingConfig) ->
     raise ValueError(f"unknown head {head!r}")
 
 
-def _own_personalizer(runner: TableRunner, body: str, training: TrainingConfig,
-                      weights: Weights, states: dict[int, dict[str, Any]]):
+def _own_personalizer(
+    runner: TableRunner,
+    body: str,
+    training: TrainingConfig,
+    weights: Weights,
+    states: dict[int, dict[str, Any]],
+):
     """The body's own personalized model for a client, with the seed evaluation gives it, so
     the base kNN-Per interpolates with is exactly the "own" row's predictor."""
     algorithm = build_algorithm(body, runner.model_fn, training, **runner.hyper.get(body, {}))
     seed = runner.config.seed
 
     def personalize(client: ClientData) -> PersonalModel:
-        return algorithm.personalize(weights, client, states.get(client.client_id, {}),
-                                     client_seed(seed, 0, client.client_id, PERSONALIZE_STREAM))
+        return algorithm.personalize(
+            weights,
+            client,
+            states.get(client.client_id, {}),
+            client_seed(seed, 0, client.client_id, PERSONALIZE_STREAM),
+        )
 
     return personalize
 
 
-def body_rows(runner: TableRunner, body: str, lr: float, *, lambda_estimator: str = "val",
-              heads: Sequence[str] = HEADS, progress: bool = False) -> dict[str, Any]:
+def body_rows(
+    runner: TableRunner,
+    body: str,
+    lr: float,
+    *,
+    lambda_estimator: str = "val",
+    heads: Sequence[str] = HEADS,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Per-client rows of every head on `body` (trained at `lr`), and what kNN chose there;
     cached in OUT/attribution so a resumed or parallel table computes each body once."""
     cache = runner.out / "attribution" / f"{body}_lr_{lr:.4g}.json"
@@ -115,8 +131,14 @@ def body_rows(runner: TableRunner, body: str, lr: float, *, lambda_estimator: st
     return result
 
 
-def _body_rows(runner: TableRunner, body: str, lr: float, lambda_estimator: str,
-               heads: Sequence[str], progress: bool) -> dict[str, Any]:
+def _body_rows(
+    runner: TableRunner,
+    body: str,
+    lr: float,
+    lambda_estimator: str,
+    heads: Sequence[str],
+    progress: bool,
+) -> dict[str, Any]:
     training = replace(runner.config.training, lr=lr)
     sim = runner.train(body, training)
     weights, states = sim.weights, sim.states
@@ -126,8 +148,14 @@ def _body_rows(runner: TableRunner, body: str, lr: float, lambda_estimator: str,
             out["rows"][head] = runner.rows(body, lr)
         elif head in ("linear", "gp"):
             algorithm = _head_algorithm(head, runner, training)
-            out["rows"][head] = client_accuracies(algorithm, weights, states, runner.clients,
-                                                  seed=runner.config.seed, progress=progress)
+            out["rows"][head] = client_accuracies(
+                algorithm,
+                weights,
+                states,
+                runner.clients,
+                seed=runner.config.seed,
+                progress=progress,
+            )
     knn_heads = [h for h in heads if h in ("knn", "knn+own")]
     if knn_heads:
         model = runner.model_fn()
@@ -137,14 +165,15 @@ def _body_rows(runner: TableRunner, body: str, lr: float, lambda_estimator: str,
         for head in knn_heads:
             grid = {"lambdas": (1.0,)} if head == "knn" else {}  # "knn": the kNN alone
             config, scores = select_config(views, **grid)
-            info: dict[str, Any] = {"config": config.to_dict(),
-                                    "best_val_accuracy": max(s["val_accuracy"] for s in scores)}
+            info: dict[str, Any] = {
+                "config": config.to_dict(),
+                "best_val_accuracy": max(s["val_accuracy"] for s in scores),
+            }
             estimator = "val"
             if head == "knn+own":
                 cv = compare_lambda_estimators(views, config, seed=runner.config.seed)
                 info["lambda_cv"] = cv
-                estimator = (pick_estimator(cv) if lambda_estimator == "auto"
-                             else lambda_estimator)
+                estimator = pick_estimator(cv) if lambda_estimator == "auto" else lambda_estimator
             info["estimator"] = estimator
             rows = client_rows(views, config, estimator=estimator, **grid)
             if head == "knn+own":
@@ -154,9 +183,14 @@ def _body_rows(runner: TableRunner, body: str, lr: float, lambda_estimator: str,
     return out
 
 
-def attribution_table(runner: TableRunner, lrs: dict[str, float], *,
-                      lambda_estimator: str = "val", bodies: Sequence[str] = BODIES,
-                      progress: bool = False) -> dict[str, Any]:
+def attribution_table(
+    runner: TableRunner,
+    lrs: dict[str, float],
+    *,
+    lambda_estimator: str = "val",
+    bodies: Sequence[str] = BODIES,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Every head on every body: per-client rows, summaries (seen / unseen mean and bottom
     decile) and the kNN choices, keyed "BODY/HEAD"."""
     result: dict[str, Any] = {"summary": {}, "clients": [], "knn": {}, "lr": {}}
@@ -170,10 +204,17 @@ def attribution_table(runner: TableRunner, lrs: dict[str, float], *,
             for r in rows:
                 # the kNN heads' honest lambda: a choice, kept so the leak test can compare it
                 chosen = {"lambda": r["info"]["lambda"]} if "lambda" in r["info"] else {}
-                result["clients"].append({"body": body, "head": head,
-                                          "client_id": r["client_id"], "unseen": r["unseen"],
-                                          "n_test": r["n_test"], "accuracy": r["accuracy"],
-                                          **chosen})
+                result["clients"].append(
+                    {
+                        "body": body,
+                        "head": head,
+                        "client_id": r["client_id"],
+                        "unseen": r["unseen"],
+                        "n_test": r["n_test"],
+                        "accuracy": r["accuracy"],
+                        **chosen,
+                    }
+                )
         for head, info in part["knn"].items():
             result["knn"][f"{body}/{head}"] = info
     return result
@@ -183,12 +224,16 @@ def format_attribution(result: dict[str, Any]) -> str:
     """Markdown: one row per head, one column group per body (seen mean / bottom decile and
     unseen mean / bottom decile, %)."""
     bodies = list(result["lr"])
-    lines = ["## Attribution: every head on every body", "",
-             "Cells: seen mean / seen bottom 10% / unseen mean / unseen bottom 10% (%). "
-             "Bodies at their validation-chosen learning rate "
-             f"({', '.join(f'{b} {lr:g}' for b, lr in result['lr'].items())}).", "",
-             "| head | " + " | ".join(bodies) + " |",
-             "|---|" + "---|" * len(bodies)]
+    lines = [
+        "## Attribution: every head on every body",
+        "",
+        "Cells: seen mean / seen bottom 10% / unseen mean / unseen bottom 10% (%). "
+        "Bodies at their validation-chosen learning rate "
+        f"({', '.join(f'{b} {lr:g}' for b, lr in result['lr'].items())}).",
+        "",
+        "| head | " + " | ".join(bodies) + " |",
+        "|---|" + "---|" * len(bodies),
+    ]
 
     def cell(key: str) -> str:
         s = result["summary"].get(key)
@@ -197,27 +242,39 @@ def format_attribution(result: dict[str, Any]) -> str:
         parts = []
         for group in ("seen", "unseen"):
             g = s.get(group)
-            parts += (["-", "-"] if g is None else
-                      [f"{100 * g['mean']:.1f}", f"{100 * g['bottom_decile']:.1f}"])
+            parts += (
+                ["-", "-"]
+                if g is None
+                else [f"{100 * g['mean']:.1f}", f"{100 * g['bottom_decile']:.1f}"]
+            )
         return " / ".join(parts)
 
     for head in HEADS:
         if not any(f"{b}/{head}" in result["summary"] for b in bodies):
             continue
         lines.append(f"| {head} | " + " | ".join(cell(f"{b}/{head}") for b in bodies) + " |")
-    lines += ["", "kNN chosen on validation per body (k, sigma, normalisation; lambda "
-              "estimator; honest vs test-oracle lambda):", ""]
+    lines += [
+        "",
+        "kNN chosen on validation per body (k, sigma, normalisation; lambda "
+        "estimator; honest vs test-oracle lambda):",
+        "",
+    ]
     for key, info in result["knn"].items():
         c = info["config"]
-        line = (f"- {key}: k={c['k']}, sigma={c['sigma']:.3g}, {c['normalize']}, "
-                f"lambda by {info['estimator']}")
+        line = (
+            f"- {key}: k={c['k']}, sigma={c['sigma']:.3g}, {c['normalize']}, "
+            f"lambda by {info['estimator']}"
+        )
         report = info.get("lambda_report")
         if report and report.get("clients"):
-            line += (f"; lambda differs from the oracle's for {report['differs']} of "
-                     f"{report['clients']} clients, costing {report['cost_pp']:.2f} pp "
-                     f"({100 * report['honest_mean']:.1f} vs {100 * report['oracle_mean']:.1f})")
+            line += (
+                f"; lambda differs from the oracle's for {report['differs']} of "
+                f"{report['clients']} clients, costing {report['cost_pp']:.2f} pp "
+                f"({100 * report['honest_mean']:.1f} vs {100 * report['oracle_mean']:.1f})"
+            )
         if "lambda_cv" in info:
-            line += ("; 2-fold CV on validation: " +
-                     ", ".join(f"{k} {100 * v:.1f}" for k, v in info["lambda_cv"].items()))
+            line += "; 2-fold CV on validation: " + ", ".join(
+                f"{k} {100 * v:.1f}" for k, v in info["lambda_cv"].items()
+            )
         lines.append(line)
     return "\n".join(lines) + "\n"

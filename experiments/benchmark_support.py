@@ -52,8 +52,12 @@ def command_line() -> str:
 
 # The instruction sets the integer and float kernels' speed depends on, by /proc/cpuinfo flag:
 # timings from CPUs that differ here are not comparable.
-CPU_FEATURES = {"AVX2": ("avx2",), "AVX-512 VNNI": ("avx512_vnni",), "AVX-VNNI": ("avx_vnni",),
-                "AMX": ("amx_int8", "amx_tile")}
+CPU_FEATURES = {
+    "AVX2": ("avx2",),
+    "AVX-512 VNNI": ("avx512_vnni",),
+    "AVX-VNNI": ("avx_vnni",),
+    "AMX": ("amx_int8", "amx_tile"),
+}
 
 
 def machine_info() -> dict[str, Any]:
@@ -76,14 +80,22 @@ def machine_info() -> dict[str, Any]:
         fields[key.strip()] = value.strip()
     if fields.get("Model name"):
         info["cpu_model"] = fields["Model name"]
-    for key, name in (("CPU(s)", "lscpu_cpus"), ("Core(s) per socket", "cores_per_socket"),
-                      ("Socket(s)", "sockets"), ("Thread(s) per core", "threads_per_core"),
-                      ("CPU max MHz", "max_mhz"), ("Hypervisor vendor", "hypervisor")):
+    for key, name in (
+        ("CPU(s)", "lscpu_cpus"),
+        ("Core(s) per socket", "cores_per_socket"),
+        ("Socket(s)", "sockets"),
+        ("Thread(s) per core", "threads_per_core"),
+        ("CPU max MHz", "max_mhz"),
+        ("Hypervisor vendor", "hypervisor"),
+    ):
         if fields.get(key):
             info[name] = fields[key]
     flags = set(fields.get("Flags", "").split())
-    info["cpu_features"] = {name: any(f in flags for f in names)
-                            for name, names in CPU_FEATURES.items()} if flags else None
+    info["cpu_features"] = (
+        {name: any(f in flags for f in names) for name, names in CPU_FEATURES.items()}
+        if flags
+        else None
+    )
     if hasattr(os, "getloadavg"):
         info["loadavg_1_5_15"] = [round(v, 2) for v in os.getloadavg()]
     info["onnxruntime"] = onnxruntime.__version__
@@ -97,10 +109,12 @@ def machine_info() -> dict[str, Any]:
 def machine_line(info: dict[str, Any]) -> str:
     cores = info.get("lscpu_cpus", info.get("cpus_online"))
     load = info.get("loadavg_1_5_15")
-    return (f"{info['cpu_model']}, {cores} CPUs ({info.get('cpus_usable')} usable)"
-            + (f", load average {load[0]} / {load[1]} / {load[2]}" if load else "")
-            + f"; {cpu_features_line(info)}; onnxruntime {info.get('onnxruntime', '?')}"
-            + f"; Python {info['python']}")
+    return (
+        f"{info['cpu_model']}, {cores} CPUs ({info.get('cpus_usable')} usable)"
+        + (f", load average {load[0]} / {load[1]} / {load[2]}" if load else "")
+        + f"; {cpu_features_line(info)}; onnxruntime {info.get('onnxruntime', '?')}"
+        + f"; Python {info['python']}"
+    )
 
 
 def cpu_features_line(info: dict[str, Any]) -> str:
@@ -114,9 +128,14 @@ def cpu_features_line(info: dict[str, Any]) -> str:
 def report_head(title: str, start: dict[str, Any], end: dict[str, Any], note: str) -> list[str]:
     """The lines a benchmark report opens with: its title, the exact command, and the machine
     with its load at the start and at the end (the machine is shared: both bound the timings)."""
-    return [f"# {title}", "", f"Command: `{command_line()}`", "",
-            f"Machine: {machine_line(start)} (at the start; load average at the end "
-            f"{end.get('loadavg_1_5_15')}). {note}"]
+    return [
+        f"# {title}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"Machine: {machine_line(start)} (at the start; load average at the end "
+        f"{end.get('loadavg_1_5_15')}). {note}",
+    ]
 
 
 def report_text(head: list[str], *blocks: str) -> str:
@@ -138,14 +157,24 @@ def start_benchmark(out: Path, threads: int) -> tuple[float, dict[str, Any]]:
 def run_record(args: argparse.Namespace, started: float, **fields: Any) -> dict[str, Any]:
     """A benchmark's run.json: the command, `fields` (the machine, the weights...), the flags it
     ran with (paths as text) and the seconds since `started`."""
-    return {"command": command_line(), **fields,
-            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "seconds": time.time() - started}
+    return {
+        "command": command_line(),
+        **fields,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "seconds": time.time() - started,
+    }
 
 
-def write_results(args: argparse.Namespace, started: float, text: str, *, report: str,
-                  record: str, tables: dict[str, tuple[Sequence[dict[str, Any]], Sequence[str]]],
-                  **fields: Any) -> None:
+def write_results(
+    args: argparse.Namespace,
+    started: float,
+    text: str,
+    *,
+    report: str,
+    record: str,
+    tables: dict[str, tuple[Sequence[dict[str, Any]], Sequence[str]]],
+    **fields: Any,
+) -> None:
     """A benchmark's outputs in args.out, all written at its end: each CSV table (file name:
     rows and columns), the markdown report `text` (also printed) and its run record
     (run_record with `fields`)."""
@@ -158,8 +187,9 @@ def write_results(args: argparse.Namespace, started: float, text: str, *, report
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, csv_text(({k: _csv_value(row.get(k)) for k in columns}
-                                      for row in rows), columns))
+    write_text_atomic(
+        path, csv_text(({k: _csv_value(row.get(k)) for k in columns} for row in rows), columns)
+    )
 
 
 def _csv_value(value: Any) -> Any:
@@ -172,8 +202,10 @@ def read_csv(path: Path, text_columns: Sequence[str] = ()) -> list[dict[str, Any
     """write_csv's rows back with their types: "" is None, True / False, ints, floats, other
     text as it is; `text_columns` stay text (labels such as alpha "0.3" or "iid")."""
     with open(path, newline="") as f:
-        return [{k: v if k in text_columns else _typed(v) for k, v in r.items()}
-                for r in csv.DictReader(f)]
+        return [
+            {k: v if k in text_columns else _typed(v) for k, v in r.items()}
+            for r in csv.DictReader(f)
+        ]
 
 
 def _typed(text: str) -> Any:
@@ -189,11 +221,12 @@ def _typed(text: str) -> Any:
     return text
 
 
-def markdown_table(rows: Sequence[dict[str, Any]],
-                   columns: Sequence[tuple[str, str, str]]) -> str:
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
     """columns: (key, header, format spec such as ".2f" or ""); missing values print as '-'."""
-    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-             "|" + "|".join("---" for _ in columns) + "|"]
+    lines = [
+        "| " + " | ".join(h for _, h, _ in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
     for row in rows:
         cells = []
         for key, _, fmt in columns:
@@ -209,11 +242,13 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     # onnxruntime's quantizer advises pre-processing on the root logger at every call.
-    logging.getLogger().addFilter(lambda r: "pre-processing" not in r.getMessage()
-                                  and "pre-process" not in r.getMessage())
+    logging.getLogger().addFilter(
+        lambda r: "pre-processing" not in r.getMessage() and "pre-process" not in r.getMessage()
+    )
 
 
 # ----------------------------------------------------------------------------- threads
@@ -258,8 +293,9 @@ class GlobalModel:
         return int(self.dataset.num_classes)
 
 
-def load_global_model(run: str | None, *, seed: int = 0,
-                      max_train: int | None = None) -> GlobalModel:
+def load_global_model(
+    run: str | None, *, seed: int = 0, max_train: int | None = None
+) -> GlobalModel:
     """From RUN (its dataset and final global model) or, without a run, Fashion-MNIST from the
     data loader's default location and a small CNN with seeded random weights."""
     import torch
@@ -281,23 +317,25 @@ def load_global_model(run: str | None, *, seed: int = 0,
     return GlobalModel(model, dataset, f"random weights (seed {seed})")
 
 
-def torch_embed(model: Any, x: np.ndarray, spec: dict,
-                batch_size: int = 512) -> tuple[np.ndarray, np.ndarray]:
+def torch_embed(
+    model: Any, x: np.ndarray, spec: dict, batch_size: int = 512
+) -> tuple[np.ndarray, np.ndarray]:
     """(embeddings, logits) of raw inputs with the float32 torch model, in batches."""
     import torch
 
     zs, ls = [], []
     with torch.inference_mode():
         for start in range(0, len(x), batch_size):
-            xp = torch.from_numpy(prepare_input(x[start:start + batch_size], spec))
+            xp = torch.from_numpy(prepare_input(x[start : start + batch_size], spec))
             z = model.embed(xp)
             zs.append(z.numpy().copy())
             ls.append(model.head(z).numpy().copy())
     return np.concatenate(zs), np.concatenate(ls)
 
 
-def export_encoder(model: Any, calibration: np.ndarray, out_dir: Path, *,
-                   encoder: str = "int8") -> Path:
+def export_encoder(
+    model: Any, calibration: np.ndarray, out_dir: Path, *, encoder: str = "int8"
+) -> Path:
     """The bundle's encoder.onnx through the exporter: float32 ONNX (checked against torch),
     then int8 QDQ calibrated on `calibration` (prepared inputs) unless encoder == "fp32"."""
     from export.onnx_export import export_onnx
@@ -323,8 +361,8 @@ def key_pool_indices(dataset: Any, queries: int, seed: int) -> tuple[np.ndarray,
     n_train, n_test = len(dataset.y_train), len(dataset.y_test)
     rng = np.random.default_rng(seed)
     test_order = n_train + rng.permutation(n_test)
-    query_idx = test_order[n_test - queries:]
-    pool_idx = np.concatenate([np.arange(n_train), test_order[:n_test - queries]])
+    query_idx = test_order[n_test - queries :]
+    pool_idx = np.concatenate([np.arange(n_train), test_order[: n_test - queries]])
     return rng.permutation(pool_idx), np.sort(query_idx)
 
 
@@ -347,18 +385,23 @@ def key_pool(gm: GlobalModel, queries: int, most_keys: int, seed: int) -> KeyPoo
     n_real = min(most_keys, len(pool_idx))
     log.info("embedding %d key images with the torch model (%s)", n_real, gm.source)
     z, _ = torch_embed(gm.model, images(gm.dataset, pool_idx[:n_real]), gm.spec)
-    return KeyPool(z, labels(gm.dataset, pool_idx[:n_real]), pool_idx,
-                   images(gm.dataset, query_idx), labels(gm.dataset, query_idx))
+    return KeyPool(
+        z,
+        labels(gm.dataset, pool_idx[:n_real]),
+        pool_idx,
+        images(gm.dataset, query_idx),
+        labels(gm.dataset, query_idx),
+    )
 
 
-def start_device_benchmark(args: argparse.Namespace, *, threads: int, queries: int,
-                           smoke_train: int) -> tuple[float, dict[str, Any], GlobalModel, KeyPool]:
+def start_device_benchmark(
+    args: argparse.Namespace, *, threads: int, queries: int, smoke_train: int
+) -> tuple[float, dict[str, Any], GlobalModel, KeyPool]:
     """The device benchmarks' first steps (flags --out, --run, --seed, --sizes, --smoke):
     start_benchmark, the global model (its data set cut to `smoke_train` training images
     under --smoke, to keep the check quick) and a key pool for the largest size."""
     started, machine = start_benchmark(args.out, threads)
-    gm = load_global_model(args.run, seed=args.seed,
-                           max_train=smoke_train if args.smoke else None)
+    gm = load_global_model(args.run, seed=args.seed, max_train=smoke_train if args.smoke else None)
     return started, machine, gm, key_pool(gm, queries, max(args.sizes), args.seed)
 
 
@@ -373,12 +416,16 @@ def images(dataset: Any, idx: np.ndarray) -> np.ndarray:
 
 def labels(dataset: Any, idx: np.ndarray) -> np.ndarray:
     n_train = len(dataset.y_train)
-    return np.where(idx < n_train, dataset.y_train[np.minimum(idx, n_train - 1)],
-                    dataset.y_test[np.maximum(idx - n_train, 0)]).astype(np.int64)
+    return np.where(
+        idx < n_train,
+        dataset.y_train[np.minimum(idx, n_train - 1)],
+        dataset.y_test[np.maximum(idx - n_train, 0)],
+    ).astype(np.int64)
 
 
-def replicate_keys(z: np.ndarray, y: np.ndarray, n: int, *, noise: float,
-                   seed: int) -> tuple[np.ndarray, np.ndarray]:
+def replicate_keys(
+    z: np.ndarray, y: np.ndarray, n: int, *, noise: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The first n keys; past the real ones, copies of them plus Gaussian noise of `noise` times
     each dimension's standard deviation (so no two keys coincide)."""
     if n <= len(z):
@@ -388,7 +435,7 @@ def replicate_keys(z: np.ndarray, y: np.ndarray, n: int, *, noise: float,
     zz = np.tile(z, (reps, 1))[:n].copy()
     yy = np.tile(y, reps)[:n].copy()
     scale = (noise * z.std(axis=0)).astype(np.float32)
-    zz[len(z):] += rng.standard_normal((n - len(z), z.shape[1])).astype(np.float32) * scale
+    zz[len(z) :] += rng.standard_normal((n - len(z), z.shape[1])).astype(np.float32) * scale
     return zz, yy
 
 
@@ -404,14 +451,23 @@ def _protonn_gamma(z: np.ndarray, d: int, m: float, seed: int) -> float:
     sub = z[rng.choice(len(z), size=min(len(z), 500), replace=False)].astype(np.float64)
     W = pca_projection(sub, d, rng)
     zp = sub @ W.T
-    protos = zp[rng.choice(len(zp), size=max(1, min(len(zp), round(m * len(zp)), 150)),
-                           replace=False)]
+    protos = zp[
+        rng.choice(len(zp), size=max(1, min(len(zp), round(m * len(zp)), 150)), replace=False)
+    ]
     return median_heuristic_gamma(zp, protos)
 
 
-def build_datastore(recipe: str, z: np.ndarray, y: np.ndarray, num_classes: int, *,
-                    seed: int = 0, protonn_steps: int = 50, k: int = DEFAULT_K,
-                    sigma: float = DEFAULT_SIGMA) -> Any:
+def build_datastore(
+    recipe: str,
+    z: np.ndarray,
+    y: np.ndarray,
+    num_classes: int,
+    *,
+    seed: int = 0,
+    protonn_steps: int = 50,
+    k: int = DEFAULT_K,
+    sigma: float = DEFAULT_SIGMA,
+) -> Any:
     """A fitted datastore for a recipe. ProtoNN is trained with the protonn package (random
     prototype initialisation, `protonn_steps` Adam steps, gamma from a subsample), which keeps
     100k keys affordable; the shapes, not the trained values, set its cost."""
@@ -425,25 +481,43 @@ def build_datastore(recipe: str, z: np.ndarray, y: np.ndarray, num_classes: int,
     # near 128 MiB, i.e. batch 34 for 30k prototypes instead of 128 (about 500 MiB).
     prototypes = max(1, round(m * len(z)))
     batch = max(8, min(128, (1 << 27) // (4 * d * prototypes)))
-    clf = ProtoNNClassifier(num_classes, projection_dim=d, prototype_fraction=m, init="random",
-                            steps=protonn_steps, batch_size=batch, seed=seed)
+    clf = ProtoNNClassifier(
+        num_classes,
+        projection_dim=d,
+        prototype_fraction=m,
+        init="random",
+        steps=protonn_steps,
+        batch_size=batch,
+        seed=seed,
+    )
     # the classifier's own gamma (its scale x the heuristic), the heuristic taken on a subsample
     clf.gamma = getattr(clf, "gamma_scale", 1.0) * _protonn_gamma(z, d, m, seed)
     return clf.fit(z, y).to_datastore(k=k, sigma=sigma, m=m, n=params.get("n"))
 
 
-def write_benchmark_bundle(out_dir: Path, encoder: Path, datastore: Any, spec: dict, *,
-                           lam: float = 0.5, client_id: int = 0,
-                           budget_bytes: int | None = None,
-                           update_strategy: str | None = None,
-                           extra_fields: dict[str, Any] | None = None) -> dict:
+def write_benchmark_bundle(
+    out_dir: Path,
+    encoder: Path,
+    datastore: Any,
+    spec: dict,
+    *,
+    lam: float = 0.5,
+    client_id: int = 0,
+    budget_bytes: int | None = None,
+    update_strategy: str | None = None,
+    extra_fields: dict[str, Any] | None = None,
+) -> dict:
     """A bundle through edge_runtime.bundle.write_bundle; the budget defaults to what the files
     take with ample room (benchmarks measure speed and memory, not budget enforcement).
     `extra_fields`: more manifest fields (a kNN choice's record)."""
     if budget_bytes is None:
         budget_bytes = encoder.stat().st_size + 2 * int(datastore.nbytes) + (1 << 20)
-    fields: dict[str, Any] = {"client_id": client_id, "input": spec, "lambda": float(lam),
-                              "budget_bytes": int(budget_bytes)}
+    fields: dict[str, Any] = {
+        "client_id": client_id,
+        "input": spec,
+        "lambda": float(lam),
+        "budget_bytes": int(budget_bytes),
+    }
     if update_strategy is not None:
         fields["update_strategy"] = update_strategy
     fields.update(extra_fields or {})
@@ -455,14 +529,18 @@ def recipe_label(recipe: str) -> str:
     return parse_recipe(recipe)[0]
 
 
-def device_parser(doc: str, formatter: type[argparse.HelpFormatter] =
-                  argparse.ArgumentDefaultsHelpFormatter) -> argparse.ArgumentParser:
+def device_parser(
+    doc: str, formatter: type[argparse.HelpFormatter] = argparse.ArgumentDefaultsHelpFormatter
+) -> argparse.ArgumentParser:
     """The flags every device benchmark opens with: where to write, which model
     (load_global_model); each script adds its own."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=formatter)
     p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--run", default=None,
-                   help="run directory with a trained small CNN (default: random weights)")
+    p.add_argument(
+        "--run",
+        default=None,
+        help="run directory with a trained small CNN (default: random weights)",
+    )
     return p
 
 
@@ -470,10 +548,19 @@ def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
     """The flags the latency and memory benchmarks share: device_parser's, and which
     datastores at which sizes; each script adds its own."""
     p = device_parser(doc, argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=positive_int, nargs="+", default=[1000, 10_000, 100_000],
-                   help="datastore sizes (keys)")
-    p.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES),
-                   help="datastore recipes, one per backend")
+    p.add_argument(
+        "--sizes",
+        type=positive_int,
+        nargs="+",
+        default=[1000, 10_000, 100_000],
+        help="datastore sizes (keys)",
+    )
+    p.add_argument(
+        "--recipes",
+        nargs="+",
+        default=list(DEFAULT_RECIPES),
+        help="datastore recipes, one per backend",
+    )
     return p
 
 
@@ -493,8 +580,12 @@ def add_flower_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--round-timeout", type=float, default=600.0)
-    p.add_argument("--work", type=Path, default=Path("runs/flower_bench"),
-                   help="run directories (not committed)")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("runs/flower_bench"),
+        help="run directories (not committed)",
+    )
     p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "flower")
 
 
@@ -503,12 +594,23 @@ def flower_run_config(args: argparse.Namespace) -> Any:
     from fed_train.algorithms.base import TrainingConfig
     from fed_train.run import RunConfig
 
-    return RunConfig(dataset=args.dataset, data=args.data, max_train=args.max_train,
-                     clients=args.clients, unseen_fraction=args.unseen_fraction,
-                     seed=args.seed, checkpoint_every=1,
-                     training=TrainingConfig(rounds=args.rounds, epochs=args.local_epochs,
-                                             batch_size=args.batch_size, lr=args.lr,
-                                             momentum=args.momentum, milestones=(0.75,)))
+    return RunConfig(
+        dataset=args.dataset,
+        data=args.data,
+        max_train=args.max_train,
+        clients=args.clients,
+        unseen_fraction=args.unseen_fraction,
+        seed=args.seed,
+        checkpoint_every=1,
+        training=TrainingConfig(
+            rounds=args.rounds,
+            epochs=args.local_epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            momentum=args.momentum,
+            milestones=(0.75,),
+        ),
+    )
 
 
 def load_average() -> float:
@@ -516,24 +618,36 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def run_child(code: str, args: Sequence[str], *, threads: int,
-              parse: Callable[[str], Any] = json.loads, timeout: float = 600) -> Any:
+def run_child(
+    code: str,
+    args: Sequence[str],
+    *,
+    threads: int,
+    parse: Callable[[str], Any] = json.loads,
+    timeout: float = 600,
+) -> Any:
     """Run `python -c code args...` in a fresh process with `threads` BLAS/OpenMP threads and the
     repository on PYTHONPATH; returns parse(last line of its stdout)."""
     env = dict(os.environ)
     for name in THREAD_ENV:
         env[name] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output on stderr"])[-1]
         raise RuntimeError(f"child process failed with exit code {proc.returncode}: {last}")
     return parse(proc.stdout.strip().splitlines()[-1])
 
 
-def interleaved_times(paths: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], reps: int,
-                      warmup: int) -> dict[str, np.ndarray]:
+def interleaved_times(
+    paths: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], reps: int, warmup: int
+) -> dict[str, np.ndarray]:
     """Seconds of each call of each path on the same input, the paths alternating call by call
     (and which goes first, round by round), after `warmup` untimed rounds, with the garbage
     collector off: what one path pays, the others pay in the same seconds of a shared, noisy
@@ -557,8 +671,11 @@ def interleaved_times(paths: dict[str, Callable[[Any], Any]], inputs: Sequence[A
     return times
 
 
-def interleaved_medians(paths: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], reps: int,
-                        warmup: int) -> dict[str, float]:
+def interleaved_medians(
+    paths: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], reps: int, warmup: int
+) -> dict[str, float]:
     """The median of each path's `interleaved_times`."""
-    return {name: float(np.median(t))
-            for name, t in interleaved_times(paths, inputs, reps, warmup).items()}
+    return {
+        name: float(np.median(t))
+        for name, t in interleaved_times(paths, inputs, reps, warmup).items()
+    }

@@ -28,34 +28,61 @@ def capacity_point(ctx: Context, alpha: float, capacity: float) -> dict[str, Any
         rows = fedavg_rows(views)
     else:
         choice = ctx.knn_choice(alpha)
-        rows = choice_rows(views, ctx.num_classes(alpha), choice, seed=ctx.seed,
-                           capacity=capacity)
+        rows = choice_rows(views, ctx.num_classes(alpha), choice, seed=ctx.seed, capacity=capacity)
     return {"rows": rows, **summary_fields(rows)}
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
-    grid = (GridPoint({"alpha": format_alpha(alpha), "capacity": capacity,
-                       "method": "fedavg" if capacity == 0 else "knnper"},
-                      ctx.point_key(alpha, capacity=capacity),
-                      lambda a=alpha, c=capacity: capacity_point(ctx, a, c))
-            for alpha in sorted(grids["alphas"])
-            for capacity in (0.0, *sorted(grids["capacities"])))
+    grid = (
+        GridPoint(
+            {
+                "alpha": format_alpha(alpha),
+                "capacity": capacity,
+                "method": "fedavg" if capacity == 0 else "knnper",
+            },
+            ctx.point_key(alpha, capacity=capacity),
+            lambda a=alpha, c=capacity: capacity_point(ctx, a, c),
+        )
+        for alpha in sorted(grids["alphas"])
+        for capacity in (0.0, *sorted(grids["capacities"]))
+    )
     points, clients = ctx.points(NAME).collect(
-        grid, lambda record: {k: record[k] for k in SUMMARY},
-        lambda r: {**client_fields(r), **r["info"]})
+        grid,
+        lambda record: {k: record[k] for k in SUMMARY},
+        lambda r: {**client_fields(r), **r["info"]},
+    )
     return Measured(points, clients, ("alpha", "capacity", "method"), (ctx.seed,))
 
 
 def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "capacity.png", m.scale)
-    return Result(m.points, ("alpha", "capacity", "method", *SUMMARY, "seconds"),
-                  [("alpha", "alpha", ""), ("capacity", "capacity", ".2f"),
-                   ("method", "method", ""), ("all_mean", "mean (all)", ".2%"),
-                   ("all_bottom_decile", "bottom 10% (all)", ".2%"),
-                   ("unseen_mean", "mean (unseen)", ".2%")],
-                  _claims(m.points, m.clients), plot, m.clients,
-                  ("alpha", "capacity", "method", "client_id", "unseen", "n_test", "accuracy",
-                   "lambda", "datastore_size", "n_train"))
+    return Result(
+        m.points,
+        ("alpha", "capacity", "method", *SUMMARY, "seconds"),
+        [
+            ("alpha", "alpha", ""),
+            ("capacity", "capacity", ".2f"),
+            ("method", "method", ""),
+            ("all_mean", "mean (all)", ".2%"),
+            ("all_bottom_decile", "bottom 10% (all)", ".2%"),
+            ("unseen_mean", "mean (unseen)", ".2%"),
+        ],
+        _claims(m.points, m.clients),
+        plot,
+        m.clients,
+        (
+            "alpha",
+            "capacity",
+            "method",
+            "client_id",
+            "unseen",
+            "n_test",
+            "accuracy",
+            "lambda",
+            "datastore_size",
+            "n_train",
+        ),
+    )
 
 
 def _curve(points: list[dict], alpha: str, key: str = "all_mean") -> dict[float, float]:
@@ -73,8 +100,9 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     capacities of one alpha's run; alphas, drawn as separate partitions, resampled apart)."""
     alphas = list(dict.fromkeys(p["alpha"] for p in points))
     caps = {a: sorted(c for c in _curve(points, a) if c > 0) for a in alphas}
-    aligned = {a: Aligned(clients, [{"alpha": a, "capacity": c} for c in (0.0, *caps[a])])
-               for a in alphas}
+    aligned = {
+        a: Aligned(clients, [{"alpha": a, "capacity": c} for c in (0.0, *caps[a])]) for a in alphas
+    }
 
     def rise(a: str, idx: np.ndarray) -> float:
         m = aligned[a].means(idx)
@@ -87,29 +115,45 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
         iv = interval(lambda idx, a=a: rise(a, idx[0]), [aligned[a].strata])
         rises[a] = iv
         calls.append(call(iv))
-        parts.append(f"alpha {a}: {100 * curve[caps[a][0]]:.1f}% at {caps[a][0]:g} -> "
-                     f"{100 * curve[caps[a][-1]]:.1f}% at {caps[a][-1]:g}, {pp(iv)}"
-                     + (f" (Spearman {rho:+.2f})" if rho is not None else ""))
+        parts.append(
+            f"alpha {a}: {100 * curve[caps[a][0]]:.1f}% at {caps[a][0]:g} -> "
+            f"{100 * curve[caps[a][-1]]:.1f}% at {caps[a][-1]:g}, {pp(iv)}"
+            + (f" (Spearman {rho:+.2f})" if rho is not None else "")
+        )
     claims = [Claim("accuracy grows with capacity", "; ".join(parts), tally(calls))]
     if len(alphas) >= 2:
         first, last = alphas[0], alphas[-1]
-        iv = interval(lambda idx: rise(first, idx[0]) - rise(last, idx[1]),
-                      [aligned[first].strata, aligned[last].strata])
-        claims.append(Claim(
-            "it grows faster for more heterogeneous clients (smaller alpha)",
-            "rise from the smallest to the largest capacity: " + ", ".join(
-                f"alpha {a} {100 * rises[a]['effect']:+.1f} pp" for a in alphas)
-            + f"; alpha {first} minus alpha {last}: {pp(iv)}", call(iv)))
+        iv = interval(
+            lambda idx: rise(first, idx[0]) - rise(last, idx[1]),
+            [aligned[first].strata, aligned[last].strata],
+        )
+        claims.append(
+            Claim(
+                "it grows faster for more heterogeneous clients (smaller alpha)",
+                "rise from the smallest to the largest capacity: "
+                + ", ".join(f"alpha {a} {100 * rises[a]['effect']:+.1f} pp" for a in alphas)
+                + f"; alpha {first} minus alpha {last}: {pp(iv)}",
+                call(iv),
+            )
+        )
     else:
-        claims.append(Claim("it grows faster for more heterogeneous clients (smaller alpha)",
-                            "one alpha only", "not measured"))
+        claims.append(
+            Claim(
+                "it grows faster for more heterogeneous clients (smaller alpha)",
+                "one alpha only",
+                "not measured",
+            )
+        )
     calls, shown = [], []
     for a in alphas:
         small = _smaller(caps[a])
         if small is None or 1.0 not in caps[a]:
             continue
-        unseen = Aligned(clients, [{"alpha": a, "capacity": c} for c in (0.0, small, 1.0)],
-                         keep=lambda r: bool(r["unseen"]))
+        unseen = Aligned(
+            clients,
+            [{"alpha": a, "capacity": c} for c in (0.0, small, 1.0)],
+            keep=lambda r: bool(r["unseen"]),
+        )
         if len(unseen) < 2:
             continue
 
@@ -119,12 +163,19 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
 
         iv = interval(share, [unseen.strata])
         calls.append(call(iv, 0.5))
-        shown.append(f"alpha {a}: {iv['effect']:.0%} of the gain at capacity {small:g} "
-                     f"({1 / small:.1f}x smaller), 95% interval [{iv['low']:.0%}, "
-                     f"{iv['high']:.0%}] over {len(unseen)} unseen clients")
-    claims.append(Claim("new (unseen) clients keep most (> 50%) of kNN-Per's gain over FedAvg "
-                        "with a datastore 3x smaller", "; ".join(shown) or "needs capacity 1, "
-                        "a capacity <= 1/3 and unseen clients", tally(calls)))
+        shown.append(
+            f"alpha {a}: {iv['effect']:.0%} of the gain at capacity {small:g} "
+            f"({1 / small:.1f}x smaller), 95% interval [{iv['low']:.0%}, "
+            f"{iv['high']:.0%}] over {len(unseen)} unseen clients"
+        )
+    claims.append(
+        Claim(
+            "new (unseen) clients keep most (> 50%) of kNN-Per's gain over FedAvg "
+            "with a datastore 3x smaller",
+            "; ".join(shown) or "needs capacity 1, a capacity <= 1/3 and unseen clients",
+            tally(calls),
+        )
+    )
     return claims
 
 
@@ -138,11 +189,22 @@ def _plot(points: list[dict], path, scale: str):
         curve = _curve(points, a)
         std = _curve(points, a, "all_mean" + STD)
         caps = sorted(c for c in curve if c > 0)
-        line = draw(ax, caps, [curve[c] for c in caps], "o-", [std[c] for c in caps],
-                    label=f"kNN-Per, alpha {a}")
+        line = draw(
+            ax,
+            caps,
+            [curve[c] for c in caps],
+            "o-",
+            [std[c] for c in caps],
+            label=f"kNN-Per, alpha {a}",
+        )
         if 0.0 in curve:
-            ax.axhline(curve[0.0], color=line.get_color(), ls="--", lw=1,
-                       label=f"FedAvg (no datastore), alpha {a}")
+            ax.axhline(
+                curve[0.0],
+                color=line.get_color(),
+                ls="--",
+                lw=1,
+                label=f"FedAvg (no datastore), alpha {a}",
+            )
         shown += [curve[c] for c in curve]
         spread += [std.get(c) for c in curve]
     ax.set_xlabel("capacity (fraction of the client's train split in its datastore)", fontsize=8)
@@ -153,9 +215,13 @@ def _plot(points: list[dict], path, scale: str):
 
 
 EXPERIMENT = Experiment(
-    NAME, "kNN-Per accuracy versus datastore capacity, for several alphas",
+    NAME,
+    "kNN-Per accuracy versus datastore capacity, for several alphas",
     "accuracy grows with the datastore's size, faster for more heterogeneous clients; new "
     "clients keep most of kNN-Per's benefit with a datastore reduced by a factor 3 (Sec. 6, "
     "Fig. 3).",
     (ALPHAS, CAPACITIES),
-    measure, summarise, lambda g: len(g["alphas"]) * (1 + len(g["capacities"])))
+    measure,
+    summarise,
+    lambda g: len(g["alphas"]) * (1 + len(g["capacities"])),
+)

@@ -25,10 +25,16 @@ from fed_train.run import MODEL_FILE, LoadedRun, RunConfig, load_run, train
 log = logging.getLogger(__name__)
 
 # `--quick`: digits at a size where every experiment runs in seconds (a pipeline check).
-QUICK = RunConfig(dataset="digits", partition="dirichlet", alpha=0.3, clients=8,
-                  unseen_fraction=0.25, val_fraction=0.25, checkpoint_every=1,
-                  training=TrainingConfig(rounds=3, epochs=1, batch_size=16, lr=0.05,
-                                          momentum=0.9))
+QUICK = RunConfig(
+    dataset="digits",
+    partition="dirichlet",
+    alpha=0.3,
+    clients=8,
+    unseen_fraction=0.25,
+    val_fraction=0.25,
+    checkpoint_every=1,
+    training=TrainingConfig(rounds=3, epochs=1, batch_size=16, lr=0.05, momentum=0.9),
+)
 
 
 def config_id(config: RunConfig) -> str:
@@ -56,8 +62,9 @@ class Context:
         # The experiments' kNN pipeline defaults to the paper's: the kNN interpolated with the
         # global model, lambda from each client's own evidence (what their claims are about);
         # --base and --lambda-rule run them with the project's other settings.
-        self.knn = replace(self.knn, base=self.knn.base or "global",
-                           lambda_rule=self.knn.lambda_rule or "client")
+        self.knn = replace(
+            self.knn, base=self.knn.base or "global", lambda_rule=self.knn.lambda_rule or "client"
+        )
 
     @property
     def seed(self) -> int:
@@ -77,8 +84,13 @@ class Context:
             path = self.out / "runs" / name
             if not (path / MODEL_FILE).is_file():
                 log.info("training the global model %s", path)
-                train(config, path, progress=self.progress, device=self.device,
-                      client_batch=self.client_batch)
+                train(
+                    config,
+                    path,
+                    progress=self.progress,
+                    device=self.device,
+                    client_batch=self.client_batch,
+                )
             self._runs[name] = load_run(path, self.device)
         return self._runs[name]
 
@@ -88,8 +100,9 @@ class Context:
         name = config_id(self.config_for(alpha))
         if name not in self._choices:
             run = self.run(alpha)
-            self._choices[name] = load_or_choose(run.run_dir, run.model, run.clients(),
-                                                 self.knn, seed=self.seed)
+            self._choices[name] = load_or_choose(
+                run.run_dir, run.model, run.clients(), self.knn, seed=self.seed
+            )
         return self._choices[name]
 
     @property
@@ -107,8 +120,9 @@ class Context:
         name = config_id(self.config_for(alpha))
         if name not in self._views:
             run = self.run(alpha)
-            self._views[name] = client_views(run.model, run.clients(),
-                                             normalize=self.knn_choice(alpha).config.normalize)
+            self._views[name] = client_views(
+                run.model, run.clients(), normalize=self.knn_choice(alpha).config.normalize
+            )
         return self._views[name]
 
     def num_classes(self, alpha: float | None = None) -> int:
@@ -133,20 +147,27 @@ class Context:
         c, t = self.config, self.config.training
         data = c.dataset + (f" ({c.max_train} train images)" if c.max_train else "")
         seed = f"{len(seeds)} seeds" if len(seeds) > 1 else f"seed {c.seed}"
-        return (f"{data}, {c.partition} partition, {c.clients} clients, FedAvg {t.rounds} "
-                f"rounds, {seed}" + (" (--quick)" if self.quick else ""))
+        return (
+            f"{data}, {c.partition} partition, {c.clients} clients, FedAvg {t.rounds} "
+            f"rounds, {seed}" + (" (--quick)" if self.quick else "")
+        )
 
     def scale_line(self, seeds: Sequence[int] = ()) -> str:
         """The scale in a sentence; `seeds`: those of a multi-seed run (kNN-Per's configuration
         named is then the first seed's)."""
         c, t = self.config, self.config.training
-        seed = (f"{len(seeds)} seeds ({', '.join(map(str, seeds))})" if len(seeds) > 1
-                else f"seed {c.seed}")
+        seed = (
+            f"{len(seeds)} seeds ({', '.join(map(str, seeds))})"
+            if len(seeds) > 1
+            else f"seed {c.seed}"
+        )
         data = c.dataset + (f" (max {c.max_train} train images)" if c.max_train else "")
-        return (f"{data}, {c.partition} partition, {c.clients} clients "
-                f"({c.unseen_fraction:.0%} unseen, validation {c.val_fraction:.0%} of each "
-                f"train split), model {c.model or 'default for the input'}, FedAvg {t.rounds} "
-                f"rounds x {t.epochs} local epoch(s), batch {t.batch_size}, lr {t.lr:g} "
-                f"(momentum {t.momentum:g}), participation {t.participation:g}, {seed}; "
-                f"{self.knn_choice().describe()} unless swept; lambda chosen per client from "
-                "{0, .1, .3, .5, .7, .9, 1}")
+        return (
+            f"{data}, {c.partition} partition, {c.clients} clients "
+            f"({c.unseen_fraction:.0%} unseen, validation {c.val_fraction:.0%} of each "
+            f"train split), model {c.model or 'default for the input'}, FedAvg {t.rounds} "
+            f"rounds x {t.epochs} local epoch(s), batch {t.batch_size}, lr {t.lr:g} "
+            f"(momentum {t.momentum:g}), participation {t.participation:g}, {seed}; "
+            f"{self.knn_choice().describe()} unless swept; lambda chosen per client from "
+            "{0, .1, .3, .5, .7, .9, 1}"
+        )

@@ -42,17 +42,30 @@ def _shift_curve(ctx: Context, settings: dict[str, int], out: Path) -> dict[str,
 
 def _read_curve(out: Path) -> list[dict[str, Any]]:
     with open(out / "curve.csv", newline="") as f:
-        return [{**r, "step": int(r["step"]), "n": int(r["n"]),
-                 **{k: float(r[k]) for k in ("mean_accuracy", "sem", "mean_datastore_size")}}
-                for r in csv.DictReader(f)]
+        return [
+            {
+                **r,
+                "step": int(r["step"]),
+                "n": int(r["n"]),
+                **{k: float(r[k]) for k in ("mean_accuracy", "sem", "mean_datastore_size")},
+            }
+            for r in csv.DictReader(f)
+        ]
 
 
 def read_steps(out: Path) -> list[dict[str, Any]]:
     """Every (seed, client, step, strategy) accuracy the benchmark wrote (steps.csv)."""
     with open(out / "steps.csv", newline="") as f:
-        return [{"seed": int(r["seed"]), "client": int(r["client"]), "step": int(r["step"]),
-                 "strategy": r["strategy"], "accuracy": float(r["accuracy"])}
-                for r in csv.DictReader(f)]
+        return [
+            {
+                "seed": int(r["seed"]),
+                "client": int(r["client"]),
+                "step": int(r["step"]),
+                "strategy": r["strategy"],
+                "accuracy": float(r["accuracy"]),
+            }
+            for r in csv.DictReader(f)
+        ]
 
 
 def measure_shift(ctx: Context, grids: dict[str, tuple]) -> Measured:
@@ -61,42 +74,73 @@ def measure_shift(ctx: Context, grids: dict[str, tuple]) -> Measured:
     ctx.run()  # the shared global model, trained if this folder has none yet
     # the benchmark's files are read back from its folder, so a seed's own folder is in the key
     where = {"folder": out.name} if ctx.seed_folders else {}
-    record = ctx.points(SHIFT).compute(ctx.point_key(**settings, **where),
-                                       lambda: _shift_curve(ctx, settings, out))
-    points = [{k: r[k] for k in ("step", "strategy", "mean_accuracy", "sem", "n",
-                                 "mean_datastore_size")} for r in record["curve"]]
-    return Measured(points, [], ("step", "strategy"), (ctx.seed,),
-                    [{"settings": settings, "argv": record["argv"], "steps": read_steps(out),
-                      "dataset": ctx.config.dataset}], compute_seconds=record["seconds"])
+    record = ctx.points(SHIFT).compute(
+        ctx.point_key(**settings, **where), lambda: _shift_curve(ctx, settings, out)
+    )
+    points = [
+        {k: r[k] for k in ("step", "strategy", "mean_accuracy", "sem", "n", "mean_datastore_size")}
+        for r in record["curve"]
+    ]
+    return Measured(
+        points,
+        [],
+        ("step", "strategy"),
+        (ctx.seed,),
+        [
+            {
+                "settings": settings,
+                "argv": record["argv"],
+                "steps": read_steps(out),
+                "dataset": ctx.config.dataset,
+            }
+        ],
+        compute_seconds=record["seconds"],
+    )
 
 
 def summarise_shift(m: Measured, folder: Path) -> Result:
     settings = m.facts[0]["settings"]
     if len(m.seeds) == 1:
         steps, plot = m.facts[0]["steps"], folder / "shift.png"  # the benchmark drew it
-        notes = [f"experiments.distribution_shift ran as `{' '.join(m.facts[0]['argv'])}`; "
-                 "its own files (steps.csv: every client, step and strategy; curve.csv; "
-                 "clients.csv; shift.md) are in this folder."]
+        notes = [
+            f"experiments.distribution_shift ran as `{' '.join(m.facts[0]['argv'])}`; "
+            "its own files (steps.csv: every client, step and strategy; curve.csv; "
+            "clients.csv; shift.md) are in this folder."
+        ]
     else:
         # a stream is (seed, the benchmark's own stream seed, client)
-        steps = [{**r, "seed": (s, r["seed"])} for s, f in zip(m.seeds, m.facts, strict=True)
-                 for r in f["steps"]]
+        steps = [
+            {**r, "seed": (s, r["seed"])}
+            for s, f in zip(m.seeds, m.facts, strict=True)
+            for r in f["steps"]
+        ]
         plot = folder / "shift.png"
         distribution_shift.plot(
-            m.points, Namespace(shift="dirichlet", **{**settings, "seeds": settings["seeds"]
-                                                      * len(m.seeds)}), plot,
+            m.points,
+            Namespace(shift="dirichlet", **{**settings, "seeds": settings["seeds"] * len(m.seeds)}),
+            plot,
             f"means over seeds {', '.join(map(str, m.seeds))}, each on its own global model",
-            m.facts[0]["dataset"])
-        notes = ["experiments.distribution_shift ran once per seed, on that seed's global "
-                 f"model, with its own {settings['seeds']} stream seed(s); its files are in "
-                 "seed_S/. The claims pool every seed's streams."]
-    return Result(m.points, ("step", "strategy", "mean_accuracy", "sem", "n",
-                             "mean_datastore_size"),
-                  [("step", "step", ""), ("strategy", "strategy", ""),
-                   ("mean_accuracy", "accuracy", ".1%"),
-                   ("mean_datastore_size", "stored", ".0f")],
-                  shift_claims(steps, settings), plot, notes=notes,
-                  compute_seconds=m.compute_seconds)
+            m.facts[0]["dataset"],
+        )
+        notes = [
+            "experiments.distribution_shift ran once per seed, on that seed's global "
+            f"model, with its own {settings['seeds']} stream seed(s); its files are in "
+            "seed_S/. The claims pool every seed's streams."
+        ]
+    return Result(
+        m.points,
+        ("step", "strategy", "mean_accuracy", "sem", "n", "mean_datastore_size"),
+        [
+            ("step", "step", ""),
+            ("strategy", "strategy", ""),
+            ("mean_accuracy", "accuracy", ".1%"),
+            ("mean_datastore_size", "stored", ".0f"),
+        ],
+        shift_claims(steps, settings),
+        plot,
+        notes=notes,
+        compute_seconds=m.compute_seconds,
+    )
 
 
 def shift_claims(steps: list[dict], s: dict[str, int]) -> list[Claim]:
@@ -109,8 +153,7 @@ def shift_claims(steps: list[dict], s: dict[str, int]) -> list[Claim]:
     last = range(s["steps"] - window, s["steps"])
     acc: dict[tuple, list[float]] = {}
     for r in steps:
-        acc.setdefault((r["seed"], r["client"], r["strategy"], r["step"]), []).append(
-            r["accuracy"])
+        acc.setdefault((r["seed"], r["client"], r["strategy"], r["step"]), []).append(r["accuracy"])
     streams = sorted({(r["seed"], r["client"]) for r in steps})
 
     def window_mean(stream: tuple, strategy: str, when: range) -> float:
@@ -125,19 +168,35 @@ def shift_claims(steps: list[dict], s: dict[str, int]) -> list[Claim]:
 
     claims = []
     for title, a, b, where in (
-            ("a fixed datastore loses accuracy at the shift and does not recover",
-             ("fixed", before), ("fixed", last), f"fixed: before vs last {window} steps"),
-            ("FIFO drops at the shift, then recovers as new samples replace old ones",
-             ("fifo", last), ("fifo", first), f"fifo: last {window} vs first {window} after"),
-            ("concatenate gains before the shift (a growing datastore)",
-             ("concatenate", before), ("fixed", before), "before the shift: concatenate vs "
-             "fixed"),
-            ("after the shift concatenate recovers more slowly than FIFO",
-             ("fifo", last), ("concatenate", last), f"last {window} steps: fifo vs "
-             "concatenate")):
+        (
+            "a fixed datastore loses accuracy at the shift and does not recover",
+            ("fixed", before),
+            ("fixed", last),
+            f"fixed: before vs last {window} steps",
+        ),
+        (
+            "FIFO drops at the shift, then recovers as new samples replace old ones",
+            ("fifo", last),
+            ("fifo", first),
+            f"fifo: last {window} vs first {window} after",
+        ),
+        (
+            "concatenate gains before the shift (a growing datastore)",
+            ("concatenate", before),
+            ("fixed", before),
+            "before the shift: concatenate vs fixed",
+        ),
+        (
+            "after the shift concatenate recovers more slowly than FIFO",
+            ("fifo", last),
+            ("concatenate", last),
+            f"last {window} steps: fifo vs concatenate",
+        ),
+    ):
         text, verdict = compare(a, b)
-        claims.append(Claim(title, f"{where}: {text} over {len(streams)} (seed, client) "
-                            "streams", verdict))
+        claims.append(
+            Claim(title, f"{where}: {text} over {len(streams)} (seed, client) streams", verdict)
+        )
     return claims
 
 
@@ -155,8 +214,10 @@ class _ProtoNNCases:
         settings = apply_knn_choice(ExportSettings(seed=ctx.seed), ctx.knn_choice())
         self.encoder = build_encoder(run, work, settings, run.clients())
         session = Encoder(self.encoder.path, intra_op_threads=1)
-        self.cases = [protonn_grid.ClientCase(session, c, run.dataset.num_classes, ctx.k, ctx.sigma)
-                      for c in clients]
+        self.cases = [
+            protonn_grid.ClientCase(session, c, run.dataset.num_classes, ctx.k, ctx.sigma)
+            for c in clients
+        ]
         self.clients = clients
         self.num_classes = run.dataset.num_classes
 
@@ -173,34 +234,71 @@ def measure_grid(ctx: Context, grids: dict[str, tuple]) -> Measured:
 
     def reference() -> dict[str, Any]:
         c = built()
-        rows = reference_accuracy(c.encoder.path, c.clients, num_classes=c.num_classes,
-                                  k=ctx.k, sigma=ctx.sigma)
+        rows = reference_accuracy(
+            c.encoder.path, c.clients, num_classes=c.num_classes, k=ctx.k, sigma=ctx.sigma
+        )
         return {"mean_accuracy": weighted_mean(rows), "clients": rows}
 
     full_record = store.compute(ctx.point_key(reference="flat:fp32"), reference)
     full = full_record["mean_accuracy"]
-    clients = [{"projection_dim": "full", "prototype_fraction": "full",
-                **{k: r[k] for k in ("client_id", "test_accuracy", "test_samples")}}
-               for r in full_record["clients"]]
+    clients = [
+        {
+            "projection_dim": "full",
+            "prototype_fraction": "full",
+            **{k: r[k] for k in ("client_id", "test_accuracy", "test_samples")},
+        }
+        for r in full_record["clients"]
+    ]
     points = []
     for d in sorted(grids["dims"]):
         for m in sorted(grids["prototype_fractions"]):
             record = store.compute(
                 ctx.point_key(projection_dim=d, prototype_fraction=m, steps=steps),
                 lambda d=d, m=m: protonn_grid.protonn_grid(
-                    built().cases, [d], [m], built().num_classes, steps, ctx.k, ctx.sigma,
-                    ctx.seed)[0])
-            points.append({**{k: record[k] for k in ("projection_dim", "prototype_fraction",
-                                                      "mean_accuracy", "val_accuracy",
-                                                      "bytes_ratio")},
-                           "drop_pp": 100 * (full - record["mean_accuracy"]),
-                           "seconds": record["seconds"]})
-            clients += [{"projection_dim": d, "prototype_fraction": m,
-                         **{k: r[k] for k in ("client_id", "test_accuracy", "test_samples",
-                                              "val_accuracy", "val_samples", "ratio")}}
-                        for r in record["clients"]]
-    return Measured(points, clients, ("projection_dim", "prototype_fraction"), (ctx.seed,),
-                    [{"full": full, "steps": steps}])
+                    built().cases, [d], [m], built().num_classes, steps, ctx.k, ctx.sigma, ctx.seed
+                )[0],
+            )
+            points.append(
+                {
+                    **{
+                        k: record[k]
+                        for k in (
+                            "projection_dim",
+                            "prototype_fraction",
+                            "mean_accuracy",
+                            "val_accuracy",
+                            "bytes_ratio",
+                        )
+                    },
+                    "drop_pp": 100 * (full - record["mean_accuracy"]),
+                    "seconds": record["seconds"],
+                }
+            )
+            clients += [
+                {
+                    "projection_dim": d,
+                    "prototype_fraction": m,
+                    **{
+                        k: r[k]
+                        for k in (
+                            "client_id",
+                            "test_accuracy",
+                            "test_samples",
+                            "val_accuracy",
+                            "val_samples",
+                            "ratio",
+                        )
+                    },
+                }
+                for r in record["clients"]
+            ]
+    return Measured(
+        points,
+        clients,
+        ("projection_dim", "prototype_fraction"),
+        (ctx.seed,),
+        [{"full": full, "steps": steps}],
+    )
 
 
 def summarise_grid(m: Measured, folder: Path) -> Result:
@@ -208,17 +306,44 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
     plot = folder / "protonn_grid.png"
     folder.mkdir(parents=True, exist_ok=True)  # plot_grid, the benchmark's, expects it
     protonn_grid.plot_grid(m.points, full, plot, scale=m.scale, cost_pp=COST_PP)
-    return Result(m.points, ("projection_dim", "prototype_fraction", "mean_accuracy",
-                             "val_accuracy", "bytes_ratio", "drop_pp", "seconds"),
-                  [("projection_dim", "d", ""), ("prototype_fraction", "m", "g"),
-                   ("val_accuracy", "val acc", ".2%"), ("mean_accuracy", "test acc", ".2%"),
-                   ("bytes_ratio", "bytes / full", ".3f"), ("drop_pp", "drop (pp)", "+.2f")],
-                  grid_claims(m.points, m.clients, full), plot, m.clients,
-                  ("projection_dim", "prototype_fraction", "client_id", "test_accuracy",
-                   "test_samples", "val_accuracy", "val_samples", "ratio"),
-                  notes=[f"Full float32 flat datastore (the reference): {full:.2%}. ProtoNN "
-                         f"trained {m.facts[0]['steps']} steps per client and point with the "
-                         "int8 encoder's embeddings (experiments.protonn_grid)."])
+    return Result(
+        m.points,
+        (
+            "projection_dim",
+            "prototype_fraction",
+            "mean_accuracy",
+            "val_accuracy",
+            "bytes_ratio",
+            "drop_pp",
+            "seconds",
+        ),
+        [
+            ("projection_dim", "d", ""),
+            ("prototype_fraction", "m", "g"),
+            ("val_accuracy", "val acc", ".2%"),
+            ("mean_accuracy", "test acc", ".2%"),
+            ("bytes_ratio", "bytes / full", ".3f"),
+            ("drop_pp", "drop (pp)", "+.2f"),
+        ],
+        grid_claims(m.points, m.clients, full),
+        plot,
+        m.clients,
+        (
+            "projection_dim",
+            "prototype_fraction",
+            "client_id",
+            "test_accuracy",
+            "test_samples",
+            "val_accuracy",
+            "val_samples",
+            "ratio",
+        ),
+        notes=[
+            f"Full float32 flat datastore (the reference): {full:.2%}. ProtoNN "
+            f"trained {m.facts[0]['steps']} steps per client and point with the "
+            "int8 encoder's embeddings (experiments.protonn_grid)."
+        ],
+    )
 
 
 # "a limited accuracy cost": the paper's CIFAR-10 figure is 0.7 pp; we call up to 1 pp limited
@@ -228,38 +353,74 @@ COST_PP = 1.0
 def grid_claims(points: list[dict], clients: list[dict], full: float) -> list[Claim]:
     """The point is chosen on validation among those at <= 1/4 of the bytes; its cost against
     the full datastore is judged by a 95% bootstrap interval over the clients (paired)."""
-    title = (f"ProtoNN cuts the datastore's memory 4x for a limited accuracy cost (<= {COST_PP:g}"
-             " pp; CIFAR-10: 82.3% vs 83.0%, -0.7 pp)")
+    title = (
+        f"ProtoNN cuts the datastore's memory 4x for a limited accuracy cost (<= {COST_PP:g}"
+        " pp; CIFAR-10: 82.3% vs 83.0%, -0.7 pp)"
+    )
     small = [p for p in points if p["bytes_ratio"] <= 0.25 and p.get("val_accuracy") is not None]
     if not small:
-        return [Claim(title, "no grid point at 1/4 of the bytes or less with a validation "
-                      "score", "not measured")]
+        return [
+            Claim(
+                title,
+                "no grid point at 1/4 of the bytes or less with a validation score",
+                "not measured",
+            )
+        ]
     best = max(small, key=lambda p: p["val_accuracy"])
-    aligned = Aligned(clients, [{"projection_dim": best["projection_dim"],
-                                 "prototype_fraction": best["prototype_fraction"]},
-                                {"projection_dim": "full", "prototype_fraction": "full"}],
-                      "test_accuracy", "test_samples")
+    aligned = Aligned(
+        clients,
+        [
+            {
+                "projection_dim": best["projection_dim"],
+                "prototype_fraction": best["prototype_fraction"],
+            },
+            {"projection_dim": "full", "prototype_fraction": "full"},
+        ],
+        "test_accuracy",
+        "test_samples",
+    )
     iv = paired(aligned, 0, 1)
-    return [Claim(title, f"chosen on validation among the points at <= 1/4 of the bytes: d "
-                  f"{best['projection_dim']}, m {best['prototype_fraction']:g} "
-                  f"({best['bytes_ratio']:.2f} of the bytes): {100 * best['mean_accuracy']:.1f}%"
-                  f" vs {100 * full:.1f}%, difference {pp(iv)}", call(iv, -COST_PP / 100))]
+    return [
+        Claim(
+            title,
+            f"chosen on validation among the points at <= 1/4 of the bytes: d "
+            f"{best['projection_dim']}, m {best['prototype_fraction']:g} "
+            f"({best['bytes_ratio']:.2f} of the bytes): {100 * best['mean_accuracy']:.1f}%"
+            f" vs {100 * full:.1f}%, difference {pp(iv)}",
+            call(iv, -COST_PP / 100),
+        )
+    ]
 
 
 SHIFT_EXPERIMENT = Experiment(
-    SHIFT, "on-device datastore updates (fifo, concatenate, fixed) under a label shift",
+    SHIFT,
+    "on-device datastore updates (fifo, concatenate, fixed) under a label shift",
     "with a fixed datastore accuracy drops at the shift; FIFO drops then recovers as new samples "
     "replace old ones; concatenate gains before the shift and recovers more slowly than FIFO "
     "after it (Sec. 6, Fig. 6; Appendix Fig. 14).",
-    (), measure_shift, summarise_shift, lambda g: 1)  # the whole stream is one point
+    (),
+    measure_shift,
+    summarise_shift,
+    lambda g: 1,
+)  # the whole stream is one point
 
 GRID_EXPERIMENT = Experiment(
-    GRID, "ProtoNN-compressed datastores over projection dimension x prototype fraction",
+    GRID,
+    "ProtoNN-compressed datastores over projection dimension x prototype fraction",
     "ProtoNN reduces kNN-Per's memory footprint by a factor four for a limited accuracy cost on "
     "CIFAR-10 (82.3% versus 83.0%; on CIFAR-100 it loses 3 pp for a 20% saving) (Appendix, "
     "Fig. 11).",
-    (Grid("dims", DIMENSION, (8, 16, 32, 64), (8, 16), "ProtoNN projection dimensions"),
-     Grid("prototype_fractions", FRACTION, (0.05, 0.1, 0.2, 0.3, 0.5), (0.1, 0.3),
-          "prototypes as fractions of each client's train split")),
-    measure_grid, summarise_grid,
-    lambda g: 1 + len(g["dims"]) * len(g["prototype_fractions"]))  # the flat reference too
+    (
+        Grid("dims", DIMENSION, (8, 16, 32, 64), (8, 16), "ProtoNN projection dimensions"),
+        Grid(
+            "prototype_fractions",
+            FRACTION,
+            (0.05, 0.1, 0.2, 0.3, 0.5),
+            (0.1, 0.3),
+            "prototypes as fractions of each client's train split",
+        ),
+    ),
+    measure_grid,
+    summarise_grid,
+    lambda g: 1 + len(g["dims"]) * len(g["prototype_fractions"]),
+)  # the flat reference too

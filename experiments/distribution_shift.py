@@ -61,37 +61,69 @@ MIN_TRAIN = 10
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--run", default=None,
-                   help="finished Fashion-MNIST run (default: train one into OUT/global_run)")
+    p.add_argument(
+        "--run",
+        default=None,
+        help="finished Fashion-MNIST run (default: train one into OUT/global_run)",
+    )
     p.add_argument("--clients", type=C.positive_int, default=10, help="clients per seed")
     p.add_argument("--seeds", type=C.positive_int, default=3, help="seeds 0 .. S-1")
     p.add_argument("--steps", type=C.positive_int, default=30, help="time steps T")
     p.add_argument("--shift-at", type=int, default=10, help="t0: first step after the shift")
     p.add_argument("--batch", type=C.positive_int, default=20, help="samples arriving per step")
     p.add_argument("--shift", choices=("dirichlet", "classes"), default="dirichlet")
-    p.add_argument("--alpha", type=float, default=0.3,
-                   help="Dirichlet concentration of the shifted label distribution")
-    p.add_argument("--new-classes", type=C.positive_int, default=3,
-                   help="--shift classes: how many of the client's rarest classes follow")
-    p.add_argument("--recipe", default="flat:fp32",
-                   help="datastore recipe; a protonn one learns into a buffer of --capacity "
-                        "samples (default: the client's train size) beside its prototypes")
-    p.add_argument("--protonn-steps", type=C.positive_int, default=50,
-                   help="ProtoNN training steps (protonn recipes)")
-    p.add_argument("--capacity", type=C.positive_int, default=None,
-                   help="stored samples at export and fifo capacity (default: the whole "
-                        "training split)")
-    p.add_argument("--lam", default="val",
-                   help="'val' (chosen on the client's validation split) or a number in [0, 1]")
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=0.3,
+        help="Dirichlet concentration of the shifted label distribution",
+    )
+    p.add_argument(
+        "--new-classes",
+        type=C.positive_int,
+        default=3,
+        help="--shift classes: how many of the client's rarest classes follow",
+    )
+    p.add_argument(
+        "--recipe",
+        default="flat:fp32",
+        help="datastore recipe; a protonn one learns into a buffer of --capacity "
+        "samples (default: the client's train size) beside its prototypes",
+    )
+    p.add_argument(
+        "--protonn-steps",
+        type=C.positive_int,
+        default=50,
+        help="ProtoNN training steps (protonn recipes)",
+    )
+    p.add_argument(
+        "--capacity",
+        type=C.positive_int,
+        default=None,
+        help="stored samples at export and fifo capacity (default: the whole training split)",
+    )
+    p.add_argument(
+        "--lam",
+        default="val",
+        help="'val' (chosen on the client's validation split) or a number in [0, 1]",
+    )
     p.add_argument("--encoder", choices=("int8", "fp32"), default="int8")
     p.add_argument("--threads", type=C.positive_int, default=1)
-    p.add_argument("--train-rounds", type=C.positive_int, default=10,
-                   help="without --run: FedAvg rounds of the global model")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny settings (2 clients, T=4) to check the pipeline end to end")
+    p.add_argument(
+        "--train-rounds",
+        type=C.positive_int,
+        default=10,
+        help="without --run: FedAvg rounds of the global model",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny settings (2 clients, T=4) to check the pipeline end to end",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.clients, args.seeds, args.steps, args.shift_at, args.batch = 2, 1, 4, 2, 8
@@ -116,28 +148,40 @@ def global_run(args: argparse.Namespace) -> Any:
         return load_run(args.run)
     from fed_train.algorithms.base import TrainingConfig
 
-    config = RunConfig(dataset="fashion-mnist", partition="dirichlet", alpha=0.3, clients=20,
-                       max_train=10_000,
-                       training=TrainingConfig(rounds=args.train_rounds, epochs=1, batch_size=32,
-                                               lr=0.05, momentum=0.9))
+    config = RunConfig(
+        dataset="fashion-mnist",
+        partition="dirichlet",
+        alpha=0.3,
+        clients=20,
+        max_train=10_000,
+        training=TrainingConfig(
+            rounds=args.train_rounds, epochs=1, batch_size=32, lr=0.05, momentum=0.9
+        ),
+    )
     if args.smoke:
         config = replace(config, clients=6, max_train=600)
     run_dir = args.out / "global_run"
-    log.info("no --run: training FedAvg (%d rounds, %d clients, %d images) into %s",
-             config.training.rounds, config.clients, config.max_train, run_dir)
+    log.info(
+        "no --run: training FedAvg (%d rounds, %d clients, %d images) into %s",
+        config.training.rounds,
+        config.clients,
+        config.max_train,
+        run_dir,
+    )
     train(config, run_dir, progress=False)
     return load_run(run_dir)
 
 
-def shifted_distribution(before: np.ndarray, args: argparse.Namespace,
-                         rng: np.random.Generator) -> np.ndarray:
+def shifted_distribution(
+    before: np.ndarray, args: argparse.Namespace, rng: np.random.Generator
+) -> np.ndarray:
     num_classes = len(before)
     if args.shift == "dirichlet":
         return rng.dirichlet(np.full(num_classes, args.alpha))
     # the classes the client had least of (ties broken at random)
     order = np.lexsort((rng.random(num_classes), before))
     after = np.zeros(num_classes)
-    after[order[:min(args.new_classes, num_classes)]] = 1.0
+    after[order[: min(args.new_classes, num_classes)]] = 1.0
     return after / after.sum()
 
 
@@ -146,8 +190,7 @@ class TestPool:
 
     def __init__(self, y_test: np.ndarray, num_classes: int, rng: np.random.Generator) -> None:
         self.rng = rng
-        self.left = [list(rng.permutation(np.flatnonzero(y_test == c))) for c in
-                     range(num_classes)]
+        self.left = [list(rng.permutation(np.flatnonzero(y_test == c))) for c in range(num_classes)]
         self.all = [np.flatnonzero(y_test == c) for c in range(num_classes)]
 
     def draw(self, label: int) -> int:
@@ -156,8 +199,15 @@ class TestPool:
         return int(self.rng.choice(self.all[label]))
 
 
-def run_client(run: Any, cid: int, seed: int, encoder_path: Path, encoder: Encoder,
-               work: Path, args: argparse.Namespace) -> tuple[list[dict], dict]:
+def run_client(
+    run: Any,
+    cid: int,
+    seed: int,
+    encoder_path: Path,
+    encoder: Encoder,
+    work: Path,
+    args: argparse.Namespace,
+) -> tuple[list[dict], dict]:
     ds_ = run.dataset
     spec, num_classes = ds_.input_spec, ds_.num_classes
     split = run.partition.clients[cid]
@@ -166,14 +216,16 @@ def run_client(run: Any, cid: int, seed: int, encoder_path: Path, encoder: Encod
     z_tr, logits_tr = encoder.run(prepare_input(x_tr, spec))
     name, params = parse_recipe(args.recipe)
     if name == "protonn":
-        datastore = C.build_datastore(args.recipe, z_tr, y_tr, num_classes, seed=seed,
-                                      protonn_steps=args.protonn_steps)
+        datastore = C.build_datastore(
+            args.recipe, z_tr, y_tr, num_classes, seed=seed, protonn_steps=args.protonn_steps
+        )
         datastore.buffer = args.capacity or len(y_tr)  # the fifo capacity of new samples
     else:
         if args.capacity is not None:
             params["n"] = args.capacity
-        datastore = make_datastore(format_recipe(name, params), num_classes,
-                                   seed=seed).fit(z_tr, y_tr)
+        datastore = make_datastore(format_recipe(name, params), num_classes, seed=seed).fit(
+            z_tr, y_tr
+        )
     if args.lam == "val":
         val = None
         if len(split.val):
@@ -184,11 +236,21 @@ def run_client(run: Any, cid: int, seed: int, encoder_path: Path, encoder: Encod
     else:
         lam = float(args.lam)
     dim, store = datastore.embedding_dim_, datastore.sample_store()
-    budget = (encoder_path.stat().st_size + (1 << 12)
-              + store.estimate_nbytes(len(store) + args.steps * args.batch, dim))
+    budget = (
+        encoder_path.stat().st_size
+        + (1 << 12)
+        + store.estimate_nbytes(len(store) + args.steps * args.batch, dim)
+    )
     base = work / f"s{seed}-c{cid}"
-    C.write_benchmark_bundle(base / "export", encoder_path, datastore, spec, lam=lam,
-                             client_id=cid, budget_bytes=int(budget))
+    C.write_benchmark_bundle(
+        base / "export",
+        encoder_path,
+        datastore,
+        spec,
+        lam=lam,
+        client_id=cid,
+        budget_bytes=int(budget),
+    )
     runtimes = {}
     for strategy in UPDATE_STRATEGIES:
         shutil.copytree(base / "export", base / strategy)
@@ -202,24 +264,48 @@ def run_client(run: Any, cid: int, seed: int, encoder_path: Path, encoder: Encod
         pi = before if t < args.shift_at else after
         yb = rng.choice(num_classes, size=args.batch, p=pi).astype(np.int64)
         xb = ds_.x_test[[pool.draw(int(c)) for c in yb]]
-        common = {"seed": seed, "client": cid, "unseen": bool(run.partition.unseen[cid]),
-                  "step": t, "phase": "before" if t < args.shift_at else "after",
-                  "batch": args.batch, "lam": lam}
+        common = {
+            "seed": seed,
+            "client": cid,
+            "unseen": bool(run.partition.unseen[cid]),
+            "step": t,
+            "phase": "before" if t < args.shift_at else "after",
+            "batch": args.batch,
+            "lam": lam,
+        }
         _, p_global = runtimes["fixed"].components(xb)
-        rows.append({**common, "strategy": GLOBAL,
-                     "accuracy": float(np.mean(p_global.argmax(1) == yb)),
-                     "datastore_size": 0})
+        rows.append(
+            {
+                **common,
+                "strategy": GLOBAL,
+                "accuracy": float(np.mean(p_global.argmax(1) == yb)),
+                "datastore_size": 0,
+            }
+        )
         for strategy, rt in runtimes.items():
             acc = float(np.mean(rt.predict(xb) == yb))
-            rows.append({**common, "strategy": strategy, "accuracy": acc,
-                         "datastore_size": len(rt.datastore.sample_store())})
+            rows.append(
+                {
+                    **common,
+                    "strategy": strategy,
+                    "accuracy": acc,
+                    "datastore_size": len(rt.datastore.sample_store()),
+                }
+            )
         for strategy, rt in runtimes.items():
             rt.add(xb, yb, strategy=strategy)
     shutil.rmtree(base, ignore_errors=True)
-    info = {"seed": seed, "client": cid, "unseen": bool(run.partition.unseen[cid]),
-            "train": len(split.train), "val": len(split.val), "stored": len(datastore),
-            "lam": lam, "pi_before": " ".join(f"{v:.3f}" for v in before),
-            "pi_after": " ".join(f"{v:.3f}" for v in after)}
+    info = {
+        "seed": seed,
+        "client": cid,
+        "unseen": bool(run.partition.unseen[cid]),
+        "train": len(split.train),
+        "val": len(split.val),
+        "stored": len(datastore),
+        "lam": lam,
+        "pi_before": " ".join(f"{v:.3f}" for v in before),
+        "pi_after": " ".join(f"{v:.3f}" for v in after),
+    }
     return rows, info
 
 
@@ -227,26 +313,41 @@ def curve(rows: list[dict], steps: int) -> list[dict]:
     out = []
     for t in range(steps):
         for strategy in CURVES:
-            acc = np.array([r["accuracy"] for r in rows
-                            if r["step"] == t and r["strategy"] == strategy])
+            acc = np.array(
+                [r["accuracy"] for r in rows if r["step"] == t and r["strategy"] == strategy]
+            )
             sem = float(acc.std(ddof=1) / np.sqrt(len(acc))) if len(acc) > 1 else 0.0
-            size = np.mean([r["datastore_size"] for r in rows
-                            if r["step"] == t and r["strategy"] == strategy])
-            out.append({"step": t, "strategy": strategy, "mean_accuracy": float(acc.mean()),
-                        "sem": sem, "n": len(acc), "mean_datastore_size": float(size)})
+            size = np.mean(
+                [r["datastore_size"] for r in rows if r["step"] == t and r["strategy"] == strategy]
+            )
+            out.append(
+                {
+                    "step": t,
+                    "strategy": strategy,
+                    "mean_accuracy": float(acc.mean()),
+                    "sem": sem,
+                    "n": len(acc),
+                    "mean_datastore_size": float(size),
+                }
+            )
     return out
 
 
-def plot(points: list[dict], args: argparse.Namespace, path: Path, weights: str,
-         dataset: str) -> None:
+def plot(
+    points: list[dict], args: argparse.Namespace, path: Path, weights: str, dataset: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = {"fifo": ("tab:blue", "-"), "concatenate": ("tab:orange", "-"),
-              "fixed": ("tab:green", "-"), GLOBAL: ("black", "--")}
+    styles = {
+        "fifo": ("tab:blue", "-"),
+        "concatenate": ("tab:orange", "-"),
+        "fixed": ("tab:green", "-"),
+        GLOBAL: ("black", "--"),
+    }
     shown, spread = [], []
     for strategy in CURVES:
         pts = [p for p in points if p["strategy"] == strategy]
@@ -258,8 +359,9 @@ def plot(points: list[dict], args: argparse.Namespace, path: Path, weights: str,
         ax.fill_between(t, m - s, m + s, color=color, alpha=0.15, linewidth=0)
         shown += list(m)
         spread += list(s)
-    ax.axvline(args.shift_at - 0.5, color="grey", linestyle=":",
-               label=f"shift (t0={args.shift_at})")
+    ax.axvline(
+        args.shift_at - 0.5, color="grey", linestyle=":", label=f"shift (t0={args.shift_at})"
+    )
     from matplotlib.ticker import PercentFormatter
 
     ax.set_xlabel("time step (one batch of labelled samples arrives per step)")
@@ -267,9 +369,12 @@ def plot(points: list[dict], args: argparse.Namespace, path: Path, weights: str,
     fit_y(ax, shown, spread)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_title("Claim: after a label shift a fixed datastore stays down, FIFO recovers fastest"
-                 f"\n{dataset}, {args.shift} shift: {args.clients} clients x {args.seeds} "
-                 f"seeds, batch {args.batch}", fontsize=9)
+    ax.set_title(
+        "Claim: after a label shift a fixed datastore stays down, FIFO recovers fastest"
+        f"\n{dataset}, {args.shift} shift: {args.clients} clients x {args.seeds} "
+        f"seeds, batch {args.batch}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     ax.grid(alpha=0.3)
     fig.text(0.01, 0.01, weights, fontsize=6, color="grey")
@@ -281,18 +386,23 @@ def plot(points: list[dict], args: argparse.Namespace, path: Path, weights: str,
 def summary(rows: list[dict], args: argparse.Namespace) -> list[dict]:
     after = args.steps - args.shift_at
     window = max(1, after // 3)
-    spans = {"before shift": range(0, args.shift_at),
-             f"first {window} after": range(args.shift_at, args.shift_at + window),
-             f"last {window}": range(args.steps - window, args.steps),
-             "all after": range(args.shift_at, args.steps)}
+    spans = {
+        "before shift": range(0, args.shift_at),
+        f"first {window} after": range(args.shift_at, args.shift_at + window),
+        f"last {window}": range(args.steps - window, args.steps),
+        "all after": range(args.shift_at, args.steps),
+    }
     out = []
     for strategy in CURVES:
         row: dict[str, Any] = {"strategy": strategy}
         for label, span in spans.items():
             acc = [r["accuracy"] for r in rows if r["strategy"] == strategy and r["step"] in span]
             row[label] = float(np.mean(acc))
-        final = [r["datastore_size"] for r in rows
-                 if r["strategy"] == strategy and r["step"] == args.steps - 1]
+        final = [
+            r["datastore_size"]
+            for r in rows
+            if r["strategy"] == strategy and r["step"] == args.steps - 1
+        ]
         row["final datastore size"] = float(np.mean(final))
         out.append(row)
     return out
@@ -301,7 +411,8 @@ def summary(rows: list[dict], args: argparse.Namespace) -> list[dict]:
 def _after_shift(rows: list[dict], shift_at: int) -> str:
     after = [r for r in rows if r["step"] >= shift_at]
     return ", ".join(
-        f"{s} {np.mean([r['accuracy'] for r in after if r['strategy'] == s]):.1%}" for s in CURVES)
+        f"{s} {np.mean([r['accuracy'] for r in after if r['strategy'] == s]):.1%}" for s in CURVES
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -318,60 +429,89 @@ def main(argv: Sequence[str] | None = None) -> int:
     infos: list[dict] = []
     try:
         calib_rng = np.random.default_rng(0)
-        calib_idx = calib_rng.choice(len(run.dataset.y_train),
-                                     size=min(256, len(run.dataset.y_train)), replace=False)
+        calib_idx = calib_rng.choice(
+            len(run.dataset.y_train), size=min(256, len(run.dataset.y_train)), replace=False
+        )
         calib = prepare_input(run.dataset.x_train[np.sort(calib_idx)], run.dataset.input_spec)
         encoder_path = C.export_encoder(run.model, calib, work / "encoder", encoder=args.encoder)
         encoder = Encoder(encoder_path, intra_op_threads=args.threads)
         for seed in range(args.seeds):
             chosen = np.random.default_rng(seed).choice(
-                eligible, size=min(args.clients, len(eligible)), replace=False)
+                eligible, size=min(args.clients, len(eligible)), replace=False
+            )
             for cid in sorted(int(c) for c in chosen):
                 client_rows, info = run_client(run, cid, seed, encoder_path, encoder, work, args)
                 rows += client_rows
                 infos.append(info)
-                log.info("seed %d client %d (lambda %.1f): after the shift %s", seed, cid,
-                         info["lam"], _after_shift(client_rows, args.shift_at))
+                log.info(
+                    "seed %d client %d (lambda %.1f): after the shift %s",
+                    seed,
+                    cid,
+                    info["lam"],
+                    _after_shift(client_rows, args.shift_at),
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     points = curve(rows, args.steps)
-    C.write_csv(args.out / "steps.csv", rows,
-                ["seed", "client", "unseen", "step", "phase", "strategy", "accuracy", "batch",
-                 "datastore_size", "lam"])
-    C.write_csv(args.out / "curve.csv", points,
-                ["step", "strategy", "mean_accuracy", "sem", "n", "mean_datastore_size"])
-    C.write_csv(args.out / "clients.csv", infos,
-                ["seed", "client", "unseen", "train", "val", "stored", "lam", "pi_before",
-                 "pi_after"])
+    C.write_csv(
+        args.out / "steps.csv",
+        rows,
+        [
+            "seed",
+            "client",
+            "unseen",
+            "step",
+            "phase",
+            "strategy",
+            "accuracy",
+            "batch",
+            "datastore_size",
+            "lam",
+        ],
+    )
+    C.write_csv(
+        args.out / "curve.csv",
+        points,
+        ["step", "strategy", "mean_accuracy", "sem", "n", "mean_datastore_size"],
+    )
+    C.write_csv(
+        args.out / "clients.csv",
+        infos,
+        ["seed", "client", "unseen", "train", "val", "stored", "lam", "pi_before", "pi_after"],
+    )
     plot(points, args, args.out / "shift.png", weights, run.dataset.name)
     table = summary(rows, args)
     columns = [("strategy", "strategy", "")] + [
-        (k, k, ".1f" if k.endswith("size") else ".1%") for k in table[0] if k != "strategy"]
-    text = "\n".join([
-        "# Robustness to distribution shift: on-device datastore updates",
-        "",
-        f"Command: `{C.command_line()}`",
-        "",
-        f"Machine: {C.machine_line(machine)}. Took {time.time() - started:.0f} s.",
-        "",
-        f"{weights}; {args.encoder} ONNX encoder; datastore {args.recipe}"
-        f"{f' (capacity {args.capacity})' if args.capacity else ''}; lambda "
-        f"{'chosen on each client validation split' if args.lam == 'val' else args.lam}. "
-        f"{len(infos)} client runs ({args.clients} clients x {args.seeds} seeds), T = "
-        f"{args.steps} steps of {args.batch} test images, shift at t0 = {args.shift_at} "
-        f"({args.shift}"
-        f"{f', alpha {args.alpha}' if args.shift == 'dirichlet' else ''}). Mean accuracy on the "
-        "arriving batch, predicted before it is added:",
-        "",
-        C.markdown_table(table, columns),
-        "",
-        "![accuracy vs time](shift.png)",
-        "",
-    ])
+        (k, k, ".1f" if k.endswith("size") else ".1%") for k in table[0] if k != "strategy"
+    ]
+    text = "\n".join(
+        [
+            "# Robustness to distribution shift: on-device datastore updates",
+            "",
+            f"Command: `{C.command_line()}`",
+            "",
+            f"Machine: {C.machine_line(machine)}. Took {time.time() - started:.0f} s.",
+            "",
+            f"{weights}; {args.encoder} ONNX encoder; datastore {args.recipe}"
+            f"{f' (capacity {args.capacity})' if args.capacity else ''}; lambda "
+            f"{'chosen on each client validation split' if args.lam == 'val' else args.lam}. "
+            f"{len(infos)} client runs ({args.clients} clients x {args.seeds} seeds), T = "
+            f"{args.steps} steps of {args.batch} test images, shift at t0 = {args.shift_at} "
+            f"({args.shift}"
+            f"{f', alpha {args.alpha}' if args.shift == 'dirichlet' else ''}). Mean accuracy on "
+            "the arriving batch, predicted before it is added:",
+            "",
+            C.markdown_table(table, columns),
+            "",
+            "![accuracy vs time](shift.png)",
+            "",
+        ]
+    )
     write_text_atomic(args.out / "shift.md", text)
-    C.write_json(args.out / "run.json",
-                 C.run_record(args, started, machine=machine, weights=weights))
+    C.write_json(
+        args.out / "run.json", C.run_record(args, started, machine=machine, weights=weights)
+    )
     print(text)
     return 0
 

@@ -26,14 +26,17 @@ SEEDS = "seeds"  # points.csv: how many seeds measured the point
 def _combine_column(values: list[Any]) -> dict[str, Any]:
     numbers = [float(v) for v in values if is_real(v)]
     if numbers and len(numbers) == len([v for v in values if v is not None]):
-        return {"mean": float(np.mean(numbers)),
-                "std": float(np.std(numbers, ddof=1)) if len(numbers) > 1 else None}
+        return {
+            "mean": float(np.mean(numbers)),
+            "std": float(np.std(numbers, ddof=1)) if len(numbers) > 1 else None,
+        }
     text = list(dict.fromkeys(str(v) for v in values if v is not None))
     return {"text": " / ".join(text) if text else None}  # labels that differ between seeds
 
 
-def combine_points(per_seed: Sequence[list[dict[str, Any]]],
-                   keys: Sequence[str]) -> list[dict[str, Any]]:
+def combine_points(
+    per_seed: Sequence[list[dict[str, Any]]], keys: Sequence[str]
+) -> list[dict[str, Any]]:
     """One row per point (in first-seen order) with the across-seed mean and std of each
     numeric column; a point missing from some seed is averaged over the seeds that have it."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -63,9 +66,14 @@ def combine(measured: Sequence[Measured]) -> Measured:
     seeds = tuple(s for m in measured for s in m.seeds)
     clients = [{"seed": s, **r} for m in measured for s in m.seeds for r in m.clients]
     seconds = [m.compute_seconds for m in measured]
-    return Measured(combine_points([m.points for m in measured], measured[0].keys), clients,
-                    measured[0].keys, seeds, [f for m in measured for f in m.facts],
-                    None if None in seconds else float(sum(seconds)))
+    return Measured(
+        combine_points([m.points for m in measured], measured[0].keys),
+        clients,
+        measured[0].keys,
+        seeds,
+        [f for m in measured for f in m.facts],
+        None if None in seconds else float(sum(seconds)),
+    )
 
 
 def combined_result(result: Result, seeds: Sequence[int]) -> Result:
@@ -74,12 +82,17 @@ def combined_result(result: Result, seeds: Sequence[int]) -> Result:
     columns = []
     for c in result.point_columns:
         columns += [c, c + STD] if any(c + STD in p for p in result.points) else [c]
-    note = (f"{len(seeds)} seeds ({', '.join(map(str, seeds))}), each its own partition and "
-            "global models; each seed's report is in seed_S/. Points: the across-seed mean "
-            f"(points.csv also has each column's standard deviation, `COLUMN{STD}`, and the "
-            "number of seeds). Claims: the percentages of points are across-seed means; effects "
-            "and their 95% intervals pool the clients of every seed (weighted as in one seed), "
-            "resampled within their own seed.")
-    return replace(result, point_columns=(*columns, SEEDS),
-                   client_columns=("seed", *result.client_columns) if result.clients else (),
-                   notes=[note, *result.notes])
+    note = (
+        f"{len(seeds)} seeds ({', '.join(map(str, seeds))}), each its own partition and "
+        "global models; each seed's report is in seed_S/. Points: the across-seed mean "
+        f"(points.csv also has each column's standard deviation, `COLUMN{STD}`, and the "
+        "number of seeds). Claims: the percentages of points are across-seed means; effects "
+        "and their 95% intervals pool the clients of every seed (weighted as in one seed), "
+        "resampled within their own seed."
+    )
+    return replace(
+        result,
+        point_columns=(*columns, SEEDS),
+        client_columns=("seed", *result.client_columns) if result.clients else (),
+        notes=[note, *result.notes],
+    )

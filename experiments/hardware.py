@@ -49,8 +49,17 @@ NAME = "hardware"
 SPACE = SearchSpace(backends=("flat", "hnsw"))
 QUICK_SPACE = SearchSpace(backends=("flat",))
 MONOTONE = 0.8  # |Spearman| from which a curve counts as rising or falling throughout
-COLUMNS = ("version", "delta_c", "all_mean", "weak_mean", "strong_mean", "clients",
-           "mean_stored", "recipes", "error")
+COLUMNS = (
+    "version",
+    "delta_c",
+    "all_mean",
+    "weak_mean",
+    "strong_mean",
+    "clients",
+    "mean_stored",
+    "recipes",
+    "error",
+)
 
 
 def _shares(ids: list[int], delta_c: float, seed: int) -> dict[int, float]:
@@ -63,21 +72,40 @@ def _group_means(rows: list[dict], weak: set[int]) -> dict[str, Any]:
         scored = [r for r in chosen if r["test_samples"]]
         return weighted_mean(scored) if scored else None
 
-    return {"all_mean": mean(rows), "weak_mean": mean([r for r in rows if r["client_id"] in weak]),
-            "strong_mean": mean([r for r in rows if r["client_id"] not in weak]),
-            "clients": len(rows)}
+    return {
+        "all_mean": mean(rows),
+        "weak_mean": mean([r for r in rows if r["client_id"] in weak]),
+        "strong_mean": mean([r for r in rows if r["client_id"] not in weak]),
+        "clients": len(rows),
+    }
 
 
 def fraction_point(ctx: Context, delta_c: float) -> dict[str, Any]:
     views = ctx.views()
     ids = [v.client_id for v in views]
-    rows = choice_rows(views, ctx.num_classes(), ctx.knn_choice(), seed=ctx.seed,
-                       capacity=_shares(ids, delta_c, ctx.seed))
-    plain = [{"client_id": r["client_id"], "unseen": r["unseen"], "test_samples": r["n_test"],
-              "test_accuracy": r["accuracy"], "lambda": r["info"]["lambda"],
-              "stored": r["info"]["datastore_size"]} for r in rows]
-    return {"rows": plain, **_group_means(plain, weak_clients(ids, ctx.seed)),
-            "mean_stored": float(np.mean([r["stored"] for r in plain]))}
+    rows = choice_rows(
+        views,
+        ctx.num_classes(),
+        ctx.knn_choice(),
+        seed=ctx.seed,
+        capacity=_shares(ids, delta_c, ctx.seed),
+    )
+    plain = [
+        {
+            "client_id": r["client_id"],
+            "unseen": r["unseen"],
+            "test_samples": r["n_test"],
+            "test_accuracy": r["accuracy"],
+            "lambda": r["info"]["lambda"],
+            "stored": r["info"]["datastore_size"],
+        }
+        for r in rows
+    ]
+    return {
+        "rows": plain,
+        **_group_means(plain, weak_clients(ids, ctx.seed)),
+        "mean_stored": float(np.mean([r["stored"] for r in plain])),
+    }
 
 
 class ByteBudgets:
@@ -88,45 +116,75 @@ class ByteBudgets:
         self.run = ctx.run()
         self.settings = apply_knn_choice(
             ExportSettings(seed=ctx.seed, space=QUICK_SPACE if ctx.quick else SPACE),
-            ctx.knn_choice())
+            ctx.knn_choice(),
+        )
         self.work = work
         clients = self.run.clients()
-        self.encoder: EncoderFiles = build_encoder(self.run, _fresh(work / "encoder"),
-                                                   self.settings, clients)
+        self.encoder: EncoderFiles = build_encoder(
+            self.run, _fresh(work / "encoder"), self.settings, clients
+        )
         session = Encoder(self.encoder.path, intra_op_threads=1)
         num_classes = self.run.dataset.num_classes
         self.full_bytes = {}
         for c in clients:
             data = client_embeddings(session, c)
-            store = FlatDatastore(num_classes, k=ctx.k, sigma=ctx.sigma).fit(data.z_train,
-                                                                             data.y_train)
+            store = FlatDatastore(num_classes, k=ctx.k, sigma=ctx.sigma).fit(
+                data.z_train, data.y_train
+            )
             self.full_bytes[c.client_id] = measure_nbytes(store)
 
     def point(self, delta_c: float) -> dict[str, Any]:
         ids = sorted(self.full_bytes)
         shares = _shares(ids, delta_c, self.ctx.seed)
-        budgets = {cid: self.encoder.nbytes + int(math.floor(shares[cid] * self.full_bytes[cid]))
-                   for cid in ids}
+        budgets = {
+            cid: self.encoder.nbytes + int(math.floor(shares[cid] * self.full_bytes[cid]))
+            for cid in ids
+        }
         bundles = _fresh(self.work / f"bundles_dc{delta_c:g}")
         try:
-            export_run(self.run, bundles, budgets, self.settings, encoder=self.encoder,
-                       progress=self.ctx.progress)
+            export_run(
+                self.run,
+                bundles,
+                budgets,
+                self.settings,
+                encoder=self.encoder,
+                progress=self.ctx.progress,
+            )
         except BudgetInvalid as err:
             return {"rows": [], "error": str(err), "clients": 0}
-        rows = [{k: r[k] for k in ("client_id", "unseen", "budget", "recipe", "stored",
-                                   "total_bytes", "lambda", "test_accuracy", "test_samples")}
-                for r in evaluate_export(self.run, bundles)]
+        rows = [
+            {
+                k: r[k]
+                for k in (
+                    "client_id",
+                    "unseen",
+                    "budget",
+                    "recipe",
+                    "stored",
+                    "total_bytes",
+                    "lambda",
+                    "test_accuracy",
+                    "test_samples",
+                )
+            }
+            for r in evaluate_export(self.run, bundles)
+        ]
         shutil.rmtree(bundles)
-        return {"rows": rows, **_group_means(rows, weak_clients(ids, self.ctx.seed)),
-                "mean_stored": float(np.mean([r["stored"] for r in rows])),
-                "recipes": _recipe_counts(rows), "encoder_bytes": self.encoder.nbytes}
+        return {
+            "rows": rows,
+            **_group_means(rows, weak_clients(ids, self.ctx.seed)),
+            "mean_stored": float(np.mean([r["stored"] for r in rows])),
+            "recipes": _recipe_counts(rows),
+            "encoder_bytes": self.encoder.nbytes,
+        }
 
 
 def _recipe_counts(rows: list[dict]) -> str:
     counts: dict[str, int] = {}
     for r in rows:
-        shape = ":".join(t for t in r["recipe"].split(":") if not (t[:1] == "n" and
-                                                                  t[1:].isdigit()))
+        shape = ":".join(
+            t for t in r["recipe"].split(":") if not (t[:1] == "n" and t[1:].isdigit())
+        )
         counts[shape] = counts.get(shape, 0) + 1
     return "; ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
@@ -147,32 +205,67 @@ def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
         budgets = budgets or ByteBudgets(ctx, ctx.out / NAME / "work")
         return budgets.point(delta_c)
 
-    grid = (GridPoint({"version": version, "delta_c": dc},
-                      ctx.point_key(version=version, delta_c=dc,
-                                    **({"space": space.__dict__} if version == "bytes" else {})),
-                      (lambda d=dc: fraction_point(ctx, d)) if version == "fractions"
-                      else (lambda d=dc: bytes_point(d)))
-            for version in ("fractions", "bytes") for dc in sorted(grids["delta_cs"]))
+    grid = (
+        GridPoint(
+            {"version": version, "delta_c": dc},
+            ctx.point_key(
+                version=version,
+                delta_c=dc,
+                **({"space": space.__dict__} if version == "bytes" else {}),
+            ),
+            (lambda d=dc: fraction_point(ctx, d))
+            if version == "fractions"
+            else (lambda d=dc: bytes_point(d)),
+        )
+        for version in ("fractions", "bytes")
+        for dc in sorted(grids["delta_cs"])
+    )
     points, clients = ctx.points(NAME).collect(
-        grid, lambda record: {k: record.get(k) for k in COLUMNS[2:]})
-    return Measured(points, clients, ("version", "delta_c"), (ctx.seed,),
-                    [{"backends": list(space.backends)}])
+        grid, lambda record: {k: record.get(k) for k in COLUMNS[2:]}
+    )
+    return Measured(
+        points, clients, ("version", "delta_c"), (ctx.seed,), [{"backends": list(space.backends)}]
+    )
 
 
 def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "hardware.png", m.scale)
-    notes = ["Weak and strong clients: a seeded half of all clients (seen and unseen), the same "
-             "half in both versions. Byte budgets: the int8 encoder plus (1/2 -+ dC) x the bytes "
-             "of the client's own full float32 flat datastore; the exporter searched "
-             f"{', '.join(m.facts[0]['backends'])} datastores (ProtoNN left out for time)."]
-    return Result(m.points, (*COLUMNS, "seconds"),
-                  [("version", "version", ""), ("delta_c", "dC", ".2f"),
-                   ("all_mean", "mean (all)", ".2%"), ("weak_mean", "weak", ".2%"),
-                   ("strong_mean", "strong", ".2%"), ("mean_stored", "mean stored", ".1f"),
-                   ("recipes", "datastores chosen", "")],
-                  _claims(m.points, m.clients, weak_of(m.clients, m.seeds)), plot, m.clients,
-                  ("version", "delta_c", "client_id", "unseen", "budget", "recipe", "stored",
-                   "total_bytes", "lambda", "test_accuracy", "test_samples"), notes)
+    notes = [
+        "Weak and strong clients: a seeded half of all clients (seen and unseen), the same "
+        "half in both versions. Byte budgets: the int8 encoder plus (1/2 -+ dC) x the bytes "
+        "of the client's own full float32 flat datastore; the exporter searched "
+        f"{', '.join(m.facts[0]['backends'])} datastores (ProtoNN left out for time)."
+    ]
+    return Result(
+        m.points,
+        (*COLUMNS, "seconds"),
+        [
+            ("version", "version", ""),
+            ("delta_c", "dC", ".2f"),
+            ("all_mean", "mean (all)", ".2%"),
+            ("weak_mean", "weak", ".2%"),
+            ("strong_mean", "strong", ".2%"),
+            ("mean_stored", "mean stored", ".1f"),
+            ("recipes", "datastores chosen", ""),
+        ],
+        _claims(m.points, m.clients, weak_of(m.clients, m.seeds)),
+        plot,
+        m.clients,
+        (
+            "version",
+            "delta_c",
+            "client_id",
+            "unseen",
+            "budget",
+            "recipe",
+            "stored",
+            "total_bytes",
+            "lambda",
+            "test_accuracy",
+            "test_samples",
+        ),
+        notes,
+    )
 
 
 def _ids(clients: list[dict]) -> list[int]:
@@ -185,8 +278,11 @@ def weak_of(clients: list[dict], seeds: Sequence[int]) -> set:
     (seed, client id) pairs for rows of several seeds combined."""
     if not clients or "seed" not in clients[0]:
         return weak_clients(_ids(clients), seeds[0])
-    return {(s, cid) for s in seeds
-            for cid in weak_clients(_ids([c for c in clients if c["seed"] == s]), s)}
+    return {
+        (s, cid)
+        for s in seeds
+        for cid in weak_clients(_ids([c for c in clients if c["seed"] == s]), s)
+    }
 
 
 def _weak(row: dict, weak: set) -> bool:
@@ -198,34 +294,49 @@ def _claims(points: list[dict], clients: list[dict], weak: set) -> list[Claim]:
     smallest and largest dC (the same clients, the same weak half; `weak` as weak_of gives it)."""
     claims = []
     for version in ("fractions", "bytes"):
-        curve = {p["delta_c"]: p for p in points if p["version"] == version
-                 and p["all_mean"] is not None}
+        curve = {
+            p["delta_c"]: p for p in points if p["version"] == version and p["all_mean"] is not None
+        }
         dcs = sorted(curve)
         if len(dcs) < 2:
-            claims.append(Claim(f"average accuracy falls as dC grows ({version})",
-                                "fewer than two dC values measured", "not measured"))
+            claims.append(
+                Claim(
+                    f"average accuracy falls as dC grows ({version})",
+                    "fewer than two dC values measured",
+                    "not measured",
+                )
+            )
             continue
         ends = [{"version": version, "delta_c": dcs[0]}, {"version": version, "delta_c": dcs[-1]}]
-        rows = {name: Aligned(clients, ends, "test_accuracy", "test_samples", keep=keep)
-                for name, keep in (("all", lambda r: True),
-                                   ("weak", lambda r: _weak(r, weak)),
-                                   ("strong", lambda r: not _weak(r, weak)))}
+        rows = {
+            name: Aligned(clients, ends, "test_accuracy", "test_samples", keep=keep)
+            for name, keep in (
+                ("all", lambda r: True),
+                ("weak", lambda r: _weak(r, weak)),
+                ("strong", lambda r: not _weak(r, weak)),
+            )
+        }
         rho = spearman(dcs, [curve[d]["all_mean"] for d in dcs])
         drop = paired(rows["all"], 0, 1)
         falls = call(drop)
         if falls == "agree" and rho is not None and rho > -MONOTONE:
             falls = "partly"  # lower at the end, but not a falling curve
-        claims.append(Claim(
-            f"average accuracy falls as dC grows ({version})",
-            f"{100 * curve[dcs[0]]['all_mean']:.1f}% at dC {dcs[0]:g} -> "
-            f"{100 * curve[dcs[-1]]['all_mean']:.1f}% at dC {dcs[-1]:g}, drop {pp(drop)}"
-            + (f" (Spearman {rho:+.2f})" if rho is not None else ""), falls))
+        claims.append(
+            Claim(
+                f"average accuracy falls as dC grows ({version})",
+                f"{100 * curve[dcs[0]]['all_mean']:.1f}% at dC {dcs[0]:g} -> "
+                f"{100 * curve[dcs[-1]]['all_mean']:.1f}% at dC {dcs[-1]:g}, drop {pp(drop)}"
+                + (f" (Spearman {rho:+.2f})" if rho is not None else ""),
+                falls,
+            )
+        )
         if len(rows["weak"]) < 2 or len(rows["strong"]) < 2:
             continue
         loss, gain = paired(rows["weak"], 0, 1), paired(rows["strong"], 1, 0)
 
-        def excess_of(idx: list[np.ndarray], w: Aligned = rows["weak"],
-                      s: Aligned = rows["strong"]) -> float:
+        def excess_of(
+            idx: list[np.ndarray], w: Aligned = rows["weak"], s: Aligned = rows["strong"]
+        ) -> float:
             wm, sm = w.means(idx[0]), s.means(idx[1])
             return float((wm[0] - wm[1]) - (sm[1] - sm[0]))
 
@@ -237,15 +348,21 @@ def _claims(points: list[dict], clients: list[dict], weak: set) -> list[Claim]:
             verdict = "agree"
         else:
             verdict = "inconclusive"
-        claims.append(Claim(
-            f"strong clients gain less than weak ones lose ({version})",
-            f"from dC {dcs[0]:g} to {dcs[-1]:g}: weak clients lose {pp(loss)}, strong ones gain "
-            f"{pp(gain)}; loss minus gain {pp(excess)}", verdict))
+        claims.append(
+            Claim(
+                f"strong clients gain less than weak ones lose ({version})",
+                f"from dC {dcs[0]:g} to {dcs[-1]:g}: weak clients lose {pp(loss)}, strong ones "
+                f"gain {pp(gain)}; loss minus gain {pp(excess)}",
+                verdict,
+            )
+        )
     return claims
 
 
-VERSION_WORDS = {"fractions": "memory as datastore fractions",
-                 "bytes": "memory as byte budgets (bundles written)"}
+VERSION_WORDS = {
+    "fractions": "memory as datastore fractions",
+    "bytes": "memory as byte budgets (bundles written)",
+}
 
 
 def _plot(points: list[dict], path, scale: str):
@@ -253,35 +370,68 @@ def _plot(points: list[dict], path, scale: str):
     fig, ax = plt.subplots(figsize=(10, 4.4))  # room for the axes beside a legend of six
     shown, spread = [], []
     for version, color in (("fractions", "tab:blue"), ("bytes", "tab:orange")):
-        pts = sorted((p["delta_c"], p) for p in points if p["version"] == version
-                     and p["all_mean"] is not None)
+        pts = sorted(
+            (p["delta_c"], p)
+            for p in points
+            if p["version"] == version and p["all_mean"] is not None
+        )
         if not pts:
             continue
         x = [d for d, _ in pts]
-        draw(ax, x, [p["all_mean"] for _, p in pts], "o-",
-             [p.get("all_mean" + STD) for _, p in pts], color=color,
-             label=f"{VERSION_WORDS[version]}: all clients")
-        ax.plot(x, [p["weak_mean"] for _, p in pts], "v:", color=color, alpha=0.6,
-                label=f"{VERSION_WORDS[version]}: weak clients")
-        ax.plot(x, [p["strong_mean"] for _, p in pts], "^:", color=color, alpha=0.6,
-                label=f"{VERSION_WORDS[version]}: strong clients")
+        draw(
+            ax,
+            x,
+            [p["all_mean"] for _, p in pts],
+            "o-",
+            [p.get("all_mean" + STD) for _, p in pts],
+            color=color,
+            label=f"{VERSION_WORDS[version]}: all clients",
+        )
+        ax.plot(
+            x,
+            [p["weak_mean"] for _, p in pts],
+            "v:",
+            color=color,
+            alpha=0.6,
+            label=f"{VERSION_WORDS[version]}: weak clients",
+        )
+        ax.plot(
+            x,
+            [p["strong_mean"] for _, p in pts],
+            "^:",
+            color=color,
+            alpha=0.6,
+            label=f"{VERSION_WORDS[version]}: strong clients",
+        )
         for _, p in pts:
             shown += [p["all_mean"], p["weak_mean"], p["strong_mean"]]
             spread += [p.get("all_mean" + STD), None, None]
     ax.set_xlabel("dC (weak clients hold 1/2 - dC, strong 1/2 + dC)")
     ax.set_ylabel("kNN-Per mean test accuracy (%)")
     fit_y(ax, shown, spread)
-    finish_axes(ax, "Claim: with total memory fixed, spreading it unevenly (larger dC) lowers "
-                "accuracy")
+    finish_axes(
+        ax, "Claim: with total memory fixed, spreading it unevenly (larger dC) lowers accuracy"
+    )
     return save_figure(fig, path, scale)
 
 
 EXPERIMENT = Experiment(
-    NAME, "average accuracy versus hardware heterogeneity dC (datastore fractions and real "
+    NAME,
+    "average accuracy versus hardware heterogeneity dC (datastore fractions and real "
     "byte budgets through export and the device runtime)",
     "with the system's memory fixed, spreading it unevenly (weak clients 1/2 - dC, strong "
     "1/2 + dC) lowers the average accuracy: the marginal gain of memory decreases, so strong "
     "clients gain less than weak ones lose (Appendix, Fig. 10).",
-    (Grid("delta_cs", DELTA_C, (0.0, 0.1, 0.2, 0.3, 0.4), (0.0, 0.3),
-          "capacity spreads dC in [0, 0.5)"),),
-    measure, summarise, lambda g: 2 * len(g["delta_cs"]))  # fractions and bytes
+    (
+        Grid(
+            "delta_cs",
+            DELTA_C,
+            (0.0, 0.1, 0.2, 0.3, 0.4),
+            (0.0, 0.3),
+            "capacity spreads dC in [0, 0.5)",
+        ),
+    ),
+    measure,
+    summarise,
+    lambda g: 2 * len(g["delta_cs"]),
+)  # fractions and bytes

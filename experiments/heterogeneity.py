@@ -33,39 +33,68 @@ from fed_train.evaluation import client_accuracies
 
 NAME = "heterogeneity"
 METHODS = ("local", "fedavg", "knnper")
-SUMMARY_COLUMNS = ("all_mean", "all_bottom_decile", "all_clients", "seen_mean",
-                   "seen_bottom_decile", "unseen_mean", "unseen_bottom_decile")
+SUMMARY_COLUMNS = (
+    "all_mean",
+    "all_bottom_decile",
+    "all_clients",
+    "seen_mean",
+    "seen_bottom_decile",
+    "unseen_mean",
+    "unseen_bottom_decile",
+)
 
 
 def _evaluate(ctx: Context, alpha: float, method: str) -> dict[str, Any]:
     run = ctx.run(alpha)
     hyper = ctx.knn_choice(alpha).hyper() if method == "knnper" else {}
     algorithm = build_algorithm(method, run.model_factory(), run.config.training, **hyper)
-    rows = client_accuracies(algorithm, get_weights(run.model), {}, run.clients(),
-                             seed=run.config.seed, progress=ctx.progress)
+    rows = client_accuracies(
+        algorithm,
+        get_weights(run.model),
+        {},
+        run.clients(),
+        seed=run.config.seed,
+        progress=ctx.progress,
+    )
     return {"rows": rows, **summary_fields(rows)}
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:
-    grid = (GridPoint({"alpha": format_alpha(alpha), "method": method},
-                      ctx.point_key(alpha, method=method),
-                      lambda a=alpha, m=method: _evaluate(ctx, a, m))
-            for alpha in sorted(grids["alphas"]) for method in METHODS)
+    grid = (
+        GridPoint(
+            {"alpha": format_alpha(alpha), "method": method},
+            ctx.point_key(alpha, method=method),
+            lambda a=alpha, m=method: _evaluate(ctx, a, m),
+        )
+        for alpha in sorted(grids["alphas"])
+        for method in METHODS
+    )
     points, clients = ctx.points(NAME).collect(
-        grid, lambda record: {k: record[k] for k in SUMMARY_COLUMNS},
-        lambda r: client_fields(r, "lambda"))
+        grid,
+        lambda record: {k: record[k] for k in SUMMARY_COLUMNS},
+        lambda r: client_fields(r, "lambda"),
+    )
     return Measured(points, clients, ("alpha", "method"), (ctx.seed,))
 
 
 def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "heterogeneity.png", m.scale)
-    return Result(m.points, ("alpha", "method", *SUMMARY_COLUMNS, "seconds"),
-                  [("alpha", "alpha", ""), ("method", "method", ""),
-                   ("all_mean", "mean (all)", ".2%"),
-                   ("all_bottom_decile", "bottom 10% (all)", ".2%"),
-                   ("seen_mean", "mean (seen)", ".2%"), ("unseen_mean", "mean (unseen)", ".2%")],
-                  _claims(m.points, m.clients), plot, m.clients,
-                  ("alpha", "method", "client_id", "unseen", "n_test", "accuracy", "lambda"))
+    return Result(
+        m.points,
+        ("alpha", "method", *SUMMARY_COLUMNS, "seconds"),
+        [
+            ("alpha", "alpha", ""),
+            ("method", "method", ""),
+            ("all_mean", "mean (all)", ".2%"),
+            ("all_bottom_decile", "bottom 10% (all)", ".2%"),
+            ("seen_mean", "mean (seen)", ".2%"),
+            ("unseen_mean", "mean (unseen)", ".2%"),
+        ],
+        _claims(m.points, m.clients),
+        plot,
+        m.clients,
+        ("alpha", "method", "client_id", "unseen", "n_test", "accuracy", "lambda"),
+    )
 
 
 def _by(points: list[dict], method: str, key: str = "all_mean") -> dict[str, float]:
@@ -76,8 +105,7 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     """Each claim with its margin: 95% bootstrap intervals over clients (paired between methods
     on one partition; each alpha's partition resampled on its own)."""
     alphas = list(dict.fromkeys(p["alpha"] for p in points))
-    aligned = {a: Aligned(clients, [{"alpha": a, "method": m} for m in METHODS])
-               for a in alphas}
+    aligned = {a: Aligned(clients, [{"alpha": a, "method": m} for m in METHODS]) for a in alphas}
     knn, fed, loc = (METHODS.index(m) for m in ("knnper", "fedavg", "local"))
 
     def gain(a: str, idx: np.ndarray) -> float:
@@ -90,33 +118,55 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     shown = ", ".join(f"alpha {a}: {100 * gains[a]:+.1f} pp" for a in alphas)
     if len(alphas) >= 2:
         first, last = alphas[0], alphas[-1]
-        iv = interval(lambda idx: gain(first, idx[0]) - gain(last, idx[1]),
-                      [aligned[first].strata, aligned[last].strata])
-        claims = [Claim("kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
-                        f"{shown}" + (f"; Spearman(alpha, gain) = {rho:+.2f}" if rho is not None
-                                      else "") + f"; gain at alpha {first} minus at {last}: "
-                        f"{pp(iv)}", call(iv))]
+        iv = interval(
+            lambda idx: gain(first, idx[0]) - gain(last, idx[1]),
+            [aligned[first].strata, aligned[last].strata],
+        )
+        claims = [
+            Claim(
+                "kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
+                f"{shown}"
+                + (f"; Spearman(alpha, gain) = {rho:+.2f}" if rho is not None else "")
+                + f"; gain at alpha {first} minus at {last}: "
+                f"{pp(iv)}",
+                call(iv),
+            )
+        ]
     else:
-        claims = [Claim("kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
-                        shown, "not measured")]
+        claims = [
+            Claim(
+                "kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
+                shown,
+                "not measured",
+            )
+        ]
     calls, parts = [], []
     for a in alphas:
         over_fed, over_loc = paired(aligned[a], knn, fed), paired(aligned[a], knn, loc)
         both = (call(over_fed), call(over_loc))
-        calls.append(AGREE if both == (AGREE, AGREE) else
-                     DISAGREE if DISAGREE in both else INCONCLUSIVE)
+        calls.append(
+            AGREE if both == (AGREE, AGREE) else DISAGREE if DISAGREE in both else INCONCLUSIVE
+        )
         parts.append(f"{a}: {pp(over_fed)} / {pp(over_loc)}")
-    claims.append(Claim("kNN-Per is more accurate than FedAvg and Local (Table 1)",
-                        "kNN-Per minus FedAvg / minus Local, mean over all clients: "
-                        + "; ".join(parts), tally(calls)))
+    claims.append(
+        Claim(
+            "kNN-Per is more accurate than FedAvg and Local (Table 1)",
+            "kNN-Per minus FedAvg / minus Local, mean over all clients: " + "; ".join(parts),
+            tally(calls),
+        )
+    )
     calls, parts = [], []
     for a in alphas:
         iv = paired(aligned[a], knn, fed, "bottom_deciles")
         calls.append(call(iv))
         parts.append(f"{a}: {pp(iv)}")
-    claims.append(Claim("the worst-off clients are better off with kNN-Per (bottom decile)",
-                        "bottom decile, kNN-Per minus FedAvg: " + "; ".join(parts),
-                        tally(calls)))
+    claims.append(
+        Claim(
+            "the worst-off clients are better off with kNN-Per (bottom decile)",
+            "bottom decile, kNN-Per minus FedAvg: " + "; ".join(parts),
+            tally(calls),
+        )
+    )
     return claims
 
 
@@ -124,16 +174,25 @@ def _plot(points: list[dict], path, scale: str):
     plt = pyplot()
     alphas = list(dict.fromkeys(p["alpha"] for p in points))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    fig.suptitle("Claim: kNN-Per's gain over FedAvg grows as the data get more heterogeneous",
-                 fontsize=10)
-    for ax, key, title in ((axes[0], "all_mean", "mean test accuracy (%, weighted by test size)"),
-                           (axes[1], "all_bottom_decile", "bottom-decile test accuracy (%)")):
+    fig.suptitle(
+        "Claim: kNN-Per's gain over FedAvg grows as the data get more heterogeneous", fontsize=10
+    )
+    for ax, key, title in (
+        (axes[0], "all_mean", "mean test accuracy (%, weighted by test size)"),
+        (axes[1], "all_bottom_decile", "bottom-decile test accuracy (%)"),
+    ):
         shown, spread = [], []
         for method in METHODS:
             by = _by(points, method, key)
             std = _by(points, method, key + STD)
-            draw(ax, range(len(alphas)), [by[a] for a in alphas], "o-",
-                 [std.get(a) for a in alphas], label=ALGORITHMS[method].title)
+            draw(
+                ax,
+                range(len(alphas)),
+                [by[a] for a in alphas],
+                "o-",
+                [std.get(a) for a in alphas],
+                label=ALGORITHMS[method].title,
+            )
             shown += [by[a] for a in alphas]
             spread += [std.get(a) for a in alphas]
         ax.set_xticks(range(len(alphas)), alphas)
@@ -145,9 +204,13 @@ def _plot(points: list[dict], path, scale: str):
 
 
 EXPERIMENT = Experiment(
-    NAME, "kNN-Per, FedAvg and Local versus data heterogeneity (alpha; one global model each)",
+    NAME,
+    "kNN-Per, FedAvg and Local versus data heterogeneity (alpha; one global model each)",
     "the benefit of memorization is larger when data are more heterogeneous (smaller alpha), "
     "and kNN-Per addresses heterogeneity better than the other methods (Sec. 6, Fig. 3, Fig. 8; "
     "Theorem 4.1).",
     (replace(ALPHAS, full=(0.1, 0.3, 0.5, 1.0, IID_ALPHA), quick=(0.3, IID_ALPHA)),),
-    measure, summarise, lambda g: len(g["alphas"]) * len(METHODS))
+    measure,
+    summarise,
+    lambda g: len(g["alphas"]) * len(METHODS),
+)

@@ -53,14 +53,28 @@ def parse_lr_grid(text: str) -> tuple[float, ...]:
     return check_lr_grid(values)
 
 
-def personalized_accuracies(algorithm: Algorithm, weights: Weights,
-                            states: dict[int, dict[str, Any]], clients: list[ClientData], *,
-                            seed: int = 0, progress: bool = False,
-                            journal: ClientRows | None = None) -> list[dict[str, Any]]:
+def personalized_accuracies(
+    algorithm: Algorithm,
+    weights: Weights,
+    states: dict[int, dict[str, Any]],
+    clients: list[ClientData],
+    *,
+    seed: int = 0,
+    progress: bool = False,
+    journal: ClientRows | None = None,
+) -> list[dict[str, Any]]:
     """evaluation.client_accuracies' rows (same seeds, same test accuracies) plus each client's
     validation accuracy ("n_val", "val_accuracy"): what choosing a learning rate reads."""
-    return client_accuracies(algorithm, weights, states, clients, seed=seed, progress=progress,
-                             validation=True, journal=journal)
+    return client_accuracies(
+        algorithm,
+        weights,
+        states,
+        clients,
+        seed=seed,
+        progress=progress,
+        validation=True,
+        journal=journal,
+    )
 
 
 def validation_score(rows: list[dict[str, Any]]) -> float | None:
@@ -68,8 +82,9 @@ def validation_score(rows: list[dict[str, Any]]) -> float | None:
     scored = [r for r in rows if not r["unseen"] and r["val_accuracy"] is not None]
     if not scored:
         return None
-    return float(np.average([r["val_accuracy"] for r in scored],
-                            weights=[r["n_val"] for r in scored]))
+    return float(
+        np.average([r["val_accuracy"] for r in scored], weights=[r["n_val"] for r in scored])
+    )
 
 
 def choose_lr(scores: dict[float, float | None]) -> float:

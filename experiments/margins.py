@@ -36,14 +36,25 @@ def resample(rng: np.random.Generator, sample: Sample, draws: tuple[int, ...] = 
     if isinstance(sample, int):
         return rng.integers(0, sample, (*draws, sample))
     starts = np.cumsum([0, *sample])
-    return np.concatenate([np.zeros((*draws, 0), dtype=np.int64)]
-                          + [start + rng.integers(0, n, (*draws, n))
-                             for start, n in zip(starts[:-1], sample, strict=True) if n],
-                          axis=-1)
+    return np.concatenate(
+        [np.zeros((*draws, 0), dtype=np.int64)]
+        + [
+            start + rng.integers(0, n, (*draws, n))
+            for start, n in zip(starts[:-1], sample, strict=True)
+            if n
+        ],
+        axis=-1,
+    )
 
 
-def interval(effect: Callable[[list[np.ndarray]], Any], sizes: Sequence[Sample], *,
-             draws: int = DRAWS, seed: int = 0, batched: bool = False) -> dict[str, float]:
+def interval(
+    effect: Callable[[list[np.ndarray]], Any],
+    sizes: Sequence[Sample],
+    *,
+    draws: int = DRAWS,
+    seed: int = 0,
+    batched: bool = False,
+) -> dict[str, float]:
     """The effect on the data as measured and its 95% bootstrap interval. `sizes` are the
     independent samples (one per separately partitioned run; an Aligned's `strata` where its rows
     come from several seeds): each draw resamples every one of them with replacement and passes
@@ -56,14 +67,20 @@ def interval(effect: Callable[[list[np.ndarray]], Any], sizes: Sequence[Sample],
     if batched:
         samples = np.asarray(effect([resample(rng, n, (draws,)) for n in sizes]), dtype=float)
     else:
-        samples = np.array([effect([resample(rng, n) for n in sizes]) for _ in range(draws)],
-                           dtype=float)
+        samples = np.array(
+            [effect([resample(rng, n) for n in sizes]) for _ in range(draws)], dtype=float
+        )
     low, high = np.nanpercentile(samples, [2.5, 97.5])
     return {"effect": float(point), "low": float(low), "high": float(high)}
 
 
-def call(iv: Mapping[str, float], threshold: float = 0.0, *, above: bool = True,
-         words: tuple[str, str, str] = (AGREE, DISAGREE, INCONCLUSIVE)) -> str:
+def call(
+    iv: Mapping[str, float],
+    threshold: float = 0.0,
+    *,
+    above: bool = True,
+    words: tuple[str, str, str] = (AGREE, DISAGREE, INCONCLUSIVE),
+) -> str:
     """The claim "effect > threshold" (or "< threshold" with above=False), from its interval:
     words[0] where the interval bears the claim out, words[1] where it contradicts it, words[2]
     where it holds the threshold (the across-seed tables name the method ahead instead)."""
@@ -102,8 +119,9 @@ def pp(iv: Mapping[str, float], scale: float = 100.0, unit: str = " pp") -> str:
     """'+1.23 pp [+0.40, +2.10]' (95% interval) or '+1.23 pp +- 2 SE 0.80'."""
     if "se" in iv:
         return f"{scale * iv['effect']:+.2f}{unit} (2 SE {2 * scale * iv['se']:.2f})"
-    return (f"{scale * iv['effect']:+.2f}{unit} [{scale * iv['low']:+.2f}, "
-            f"{scale * iv['high']:+.2f}]")
+    return (
+        f"{scale * iv['effect']:+.2f}{unit} [{scale * iv['low']:+.2f}, {scale * iv['high']:+.2f}]"
+    )
 
 
 def statistic(values: np.ndarray, weights: np.ndarray, stat: str) -> np.ndarray:
@@ -130,15 +148,26 @@ class Aligned:
     in all of them, with each client's test size as its weight. Clients are sorted by (seed,
     client id), so `strata` gives each seed's block for `interval`."""
 
-    def __init__(self, clients: Iterable[Mapping[str, Any]], points: Sequence[Mapping[str, Any]],
-                 value: str = "accuracy", weight: str = "n_test",
-                 keep: Callable[[Mapping[str, Any]], bool] = lambda r: True) -> None:
+    def __init__(
+        self,
+        clients: Iterable[Mapping[str, Any]],
+        points: Sequence[Mapping[str, Any]],
+        value: str = "accuracy",
+        weight: str = "n_test",
+        keep: Callable[[Mapping[str, Any]], bool] = lambda r: True,
+    ) -> None:
         tables = []
         rows = [r for r in clients if keep(r)]
         for point in points:
-            tables.append({unit(r): r for r in rows
-                           if all(_same(r.get(k), v) for k, v in point.items())
-                           and r.get(value) is not None and r.get(weight)})
+            tables.append(
+                {
+                    unit(r): r
+                    for r in rows
+                    if all(_same(r.get(k), v) for k, v in point.items())
+                    and r.get(value) is not None
+                    and r.get(weight)
+                }
+            )
         ids = sorted(set.intersection(*(set(t) for t in tables))) if tables else []
         self.ids = ids
         self.strata = strata(ids)

@@ -76,18 +76,35 @@ def _export(run_dir: Path, out: Path, budget: int, upgrade_from: Path | None) ->
     if (out / "export.json").is_file():
         return out
     run = load_run(run_dir)
-    choice = load_or_choose(run.run_dir, run.model, run.clients(), KNNRequest(),
-                            seed=run.config.seed)
+    choice = load_or_choose(
+        run.run_dir, run.model, run.clients(), KNNRequest(), seed=run.config.seed
+    )
     settings = apply_knn_choice(ExportSettings(backend="flat", device_extras="none"), choice)
     seen = [c for c in range(len(run.partition.clients)) if not run.partition.unseen[c]]
     replaces = None if upgrade_from is None else old_release(upgrade_from)
-    export_run(run, out, {c: Budget(budget) for c in seen}, settings, clients="seen",
-               progress=False, workers=1, replaces=replaces)
+    export_run(
+        run,
+        out,
+        {c: Budget(budget) for c in seen},
+        settings,
+        clients="seen",
+        progress=False,
+        workers=1,
+        replaces=replaces,
+    )
     if upgrade_from is not None:
         x, y = server_data(run, None)
-        write_upgrade_map(upgrade_from, out, x, y, run.dataset.input_spec,
-                          run.dataset.num_classes, k=choice.config.k, sigma=choice.config.sigma,
-                          seed=run.config.seed)
+        write_upgrade_map(
+            upgrade_from,
+            out,
+            x,
+            y,
+            run.dataset.input_spec,
+            run.dataset.num_classes,
+            k=choice.config.k,
+            sigma=choice.config.sigma,
+            seed=run.config.seed,
+        )
     return out
 
 
@@ -111,23 +128,47 @@ def run_seed(root: Path, settings: UpdateSettings, seed: int) -> list[dict[str, 
     root.mkdir(parents=True, exist_ok=True)
     pre = root / "pre"
     if not (pre / "pretrain.json").is_file():
-        pretrain(PretrainConfig(dataset=settings.dataset, data=settings.data,
-                                server_fraction=settings.server_fraction,
-                                epochs=settings.pretrain_epochs, max_train=settings.max_train,
-                                seed=seed), pre, progress=False)
-    base = RunConfig(dataset=settings.dataset, data=settings.data, clients=settings.clients,
-                     max_train=settings.max_train, seed=seed, init=str(pre.resolve()))
+        pretrain(
+            PretrainConfig(
+                dataset=settings.dataset,
+                data=settings.data,
+                server_fraction=settings.server_fraction,
+                epochs=settings.pretrain_epochs,
+                max_train=settings.max_train,
+                seed=seed,
+            ),
+            pre,
+            progress=False,
+        )
+    base = RunConfig(
+        dataset=settings.dataset,
+        data=settings.data,
+        clients=settings.clients,
+        max_train=settings.max_train,
+        seed=seed,
+        init=str(pre.resolve()),
+    )
     base = replace(base, training=replace(base.training, rounds=settings.rounds))
     v1 = _release(root, "v1", base)
     successors = {
-        "continued": _release(root, "continued", replace(base, init=None,
-                                                         continue_from=str(v1.resolve()))),
-        "retrained": _release(root, "retrained", replace(base, training=replace(
-            base.training, rounds=2 * settings.rounds, lr=base.training.lr / 2))),
+        "continued": _release(
+            root, "continued", replace(base, init=None, continue_from=str(v1.resolve()))
+        ),
+        "retrained": _release(
+            root,
+            "retrained",
+            replace(
+                base,
+                training=replace(
+                    base.training, rounds=2 * settings.rounds, lr=base.training.lr / 2
+                ),
+            ),
+        ),
     }
     b1 = _export(v1, root / "b1", settings.budget, None)
-    exports = {gap: _export(run, root / f"b-{gap}", settings.budget, b1)
-               for gap, run in successors.items()}
+    exports = {
+        gap: _export(run, root / f"b-{gap}", settings.budget, b1) for gap, run in successors.items()
+    }
     run = load_run(v1)
     rows = []
     encoder = b1 / "encoder.onnx"
@@ -145,12 +186,30 @@ def run_seed(root: Path, settings: UpdateSettings, seed: int) -> list[dict[str, 
         devices.mkdir(parents=True)
         # the same samples in both: the plain bundle takes the recipe (its n) the one that
         # keeps raw inputs could afford, without the inputs
-        kept = init_bundle(encoder, x_tr, y_tr, settings.budget, devices / "kept",
-                           input_spec=spec, recipes=["flat:int8"], keep_inputs=True,
-                           client_id=client, update_strategy="fifo")
+        kept = init_bundle(
+            encoder,
+            x_tr,
+            y_tr,
+            settings.budget,
+            devices / "kept",
+            input_spec=spec,
+            recipes=["flat:int8"],
+            keep_inputs=True,
+            client_id=client,
+            update_strategy="fifo",
+        )
         recipe = kept.recipe.rsplit(":x", 1)[0]
-        init_bundle(encoder, x_tr, y_tr, settings.budget, devices / "plain", input_spec=spec,
-                    recipes=[recipe], client_id=client, update_strategy="fifo")
+        init_bundle(
+            encoder,
+            x_tr,
+            y_tr,
+            settings.budget,
+            devices / "plain",
+            input_spec=spec,
+            recipes=[recipe],
+            client_id=client,
+            update_strategy="fifo",
+        )
         for name in ("kept", "plain"):
             if len(y_va):
                 Runtime.load(devices / name).add(x_va, y_va)
@@ -168,10 +227,19 @@ def run_seed(root: Path, settings: UpdateSettings, seed: int) -> list[dict[str, 
                     scores["stale"] = _stale(old, rt, x_te, y_te)
             scores["fresh"] = _accuracy(Runtime.load(target), x_te, y_te)
             advice = json.loads(next((release / "upgrades").glob("*.json")).read_text())
-            rows += [{"seed": seed, "gap": gap, "client": client, "path": path,
-                      "accuracy": scores[path][0], "knn_accuracy": scores[path][1],
-                      "test_samples": len(y_te), "advice": advice["advice"]}
-                     for path in PATHS]
+            rows += [
+                {
+                    "seed": seed,
+                    "gap": gap,
+                    "client": client,
+                    "path": path,
+                    "accuracy": scores[path][0],
+                    "knn_accuracy": scores[path][1],
+                    "test_samples": len(y_te),
+                    "advice": advice["advice"],
+                }
+                for path in PATHS
+            ]
     return rows
 
 
@@ -189,8 +257,9 @@ def _interval(values: list[float]) -> float:
         return 0.0
     from scipy import stats
 
-    return float(stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1)
-                 / np.sqrt(len(values)))
+    return float(
+        stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / np.sqrt(len(values))
+    )
 
 
 def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, Any]:
@@ -200,19 +269,31 @@ def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, 
     points = []
     for key in sorted({(r["seed"], r["gap"], r["path"]) for r in rows}):
         mine = [r for r in rows if (r["seed"], r["gap"], r["path"]) == key]
-        points.append({"seed": key[0], "gap": key[1], "path": key[2],
-                       "mean_accuracy": float(np.mean([r["accuracy"] for r in mine])),
-                       "mean_knn_accuracy": float(np.mean([r["knn_accuracy"] for r in mine])),
-                       "clients": len(mine)})
+        points.append(
+            {
+                "seed": key[0],
+                "gap": key[1],
+                "path": key[2],
+                "mean_accuracy": float(np.mean([r["accuracy"] for r in mine])),
+                "mean_knn_accuracy": float(np.mean([r["knn_accuracy"] for r in mine])),
+                "clients": len(mine),
+            }
+        )
     write_text_atomic(out / "points.csv", _csv(points))
     seeds = sorted({p["seed"] for p in points})
-    lines = [f"# Model update: accuracy after an upgrade, by path ({len(seeds)} seed(s): "
-             f"{', '.join(map(str, seeds))})", "",
-             "Mean over seen clients' test splits, then over seeds (95% t-interval across "
-             "seeds where there are several; 0 with one seed: no interval).", ""]
+    lines = [
+        f"# Model update: accuracy after an upgrade, by path ({len(seeds)} seed(s): "
+        f"{', '.join(map(str, seeds))})",
+        "",
+        "Mean over seen clients' test splits, then over seeds (95% t-interval across "
+        "seeds where there are several; 0 with one seed: no interval).",
+        "",
+    ]
     tables = {}
-    for column, title in (("mean_accuracy", "kNN-Per (each bundle's lambda)"),
-                          ("mean_knn_accuracy", "the datastore alone (lambda 1)")):
+    for column, title in (
+        ("mean_accuracy", "kNN-Per (each bundle's lambda)"),
+        ("mean_knn_accuracy", "the datastore alone (lambda 1)"),
+    ):
         table = {}
         for gap in GAPS:
             for path in PATHS:
@@ -220,11 +301,19 @@ def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, 
                 if means:
                     table[(gap, path)] = (float(np.mean(means)), _interval(means))
         tables[column] = table
-        lines += [f"## {title}", "", "| gap | " + " | ".join(PATHS) + " |",
-                  "|---|" + "---|" * len(PATHS)]
+        lines += [
+            f"## {title}",
+            "",
+            "| gap | " + " | ".join(PATHS) + " |",
+            "|---|" + "---|" * len(PATHS),
+        ]
         for gap in GAPS:
-            cells = [f"{100 * table[(gap, p)][0]:.2f} ± {100 * table[(gap, p)][1]:.2f}"
-                     if (gap, p) in table else "-" for p in PATHS]
+            cells = [
+                f"{100 * table[(gap, p)][0]:.2f} ± {100 * table[(gap, p)][1]:.2f}"
+                if (gap, p) in table
+                else "-"
+                for p in PATHS
+            ]
             lines.append(f"| {gap} | " + " | ".join(cells) + " |")
         lines += ["", *_judge(table), ""]
     lines += [f"Command: `{command}`", ""]
@@ -240,14 +329,18 @@ def _judge(table: dict) -> list[str]:
     if not gaps:
         return out
     behind = np.mean([table[(g, "exact")][0] - table[(g, "mapped")][0] for g in gaps])
-    out.append(f"- mapped vs exact re-embedding: {100 * behind:.2f} pp behind in mean over the "
-               "gaps (target: within 0.5 pp)")
+    out.append(
+        f"- mapped vs exact re-embedding: {100 * behind:.2f} pp behind in mean over the "
+        "gaps (target: within 0.5 pp)"
+    )
     for g in gaps:
         lost = table[(g, "exact")][0] - table[(g, "stale")][0]
         got = table[(g, "mapped")][0] - table[(g, "stale")][0]
         share = "n/a (stale keys lose nothing)" if lost <= 0 else f"{100 * got / lost:.0f}%"
-        out.append(f"- {g}: mapped {'>=' if got >= -table[(g, 'mapped')][1] else '<'} stale "
-                   f"(by {100 * got:+.2f} pp); recovers {share} of what stale keys lose")
+        out.append(
+            f"- {g}: mapped {'>=' if got >= -table[(g, 'mapped')][1] else '<'} stale "
+            f"(by {100 * got:+.2f} pp); recovers {share} of what stale keys lose"
+        )
     return out
 
 

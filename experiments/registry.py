@@ -13,13 +13,16 @@ from experiments import (
 )
 from experiments.spec import Experiment
 
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (
-    heterogeneity.EXPERIMENT,
-    capacity.EXPERIMENT,
-    hardware.EXPERIMENT,
-    base_model.EXPERIMENT,
-    lambda_vs_n.EXPERIMENT,
-    k_sigma.EXPERIMENT,
-    device_experiments.SHIFT_EXPERIMENT,
-    device_experiments.GRID_EXPERIMENT,
-)}
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in (
+        heterogeneity.EXPERIMENT,
+        capacity.EXPERIMENT,
+        hardware.EXPERIMENT,
+        base_model.EXPERIMENT,
+        lambda_vs_n.EXPERIMENT,
+        k_sigma.EXPERIMENT,
+        device_experiments.SHIFT_EXPERIMENT,
+        device_experiments.GRID_EXPERIMENT,
+    )
+}

@@ -27,9 +27,11 @@ def refuse_other_report(folder: Path, settings: dict[str, Any], command: str) ->
     # warning line and nothing to compare with, so the report is remade
     saved = read_json_cache(folder / SETTINGS_FILE, limit=MAX_SETTINGS_BYTES)
     if saved is not None and saved.get("settings") != to_json_types(settings):
-        raise ExperimentError(f"{folder} holds a report made with other flags "
-                              f"(`{saved.get('command')}`), not `{command}`; choose another "
-                              "--out, or add --force to replace that report")
+        raise ExperimentError(
+            f"{folder} holds a report made with other flags "
+            f"(`{saved.get('command')}`), not `{command}`; choose another "
+            "--out, or add --force to replace that report"
+        )
 
 
 def pyplot():
@@ -42,8 +44,9 @@ def pyplot():
     return plt
 
 
-def finish_axes(ax: Any, title: str | None = None, *, percent_y: bool = True,
-                legend: bool = True) -> None:
+def finish_axes(
+    ax: Any, title: str | None = None, *, percent_y: bool = True, legend: bool = True
+) -> None:
     """What every experiment plot shares: accuracy ticks in %, a grid, the legend beside the
     axes (never over the data) and a title that states the claim."""
     from matplotlib.ticker import PercentFormatter
@@ -60,8 +63,14 @@ def finish_axes(ax: Any, title: str | None = None, *, percent_y: bool = True,
 ERROR_BARS = "bars: +-1 s.d. across seeds"
 
 
-def draw(ax: Any, x: Sequence[Any], y: Sequence[float], fmt: str,
-         std: Sequence[float | None] | None = None, **style: Any) -> Any:
+def draw(
+    ax: Any,
+    x: Sequence[Any],
+    y: Sequence[float],
+    fmt: str,
+    std: Sequence[float | None] | None = None,
+    **style: Any,
+) -> Any:
     """A curve; with bars of +- one standard deviation where its points carry one (the
     across-seed `COLUMN_std` of `knnper experiment --seeds`), said in its legend entry."""
     if std is None or all(s is None for s in std):
@@ -71,8 +80,13 @@ def draw(ax: Any, x: Sequence[Any], y: Sequence[float], fmt: str,
     return ax.errorbar(x, y, yerr=[s or 0.0 for s in std], fmt=fmt, capsize=3, **style).lines[0]
 
 
-def fit_y(ax: Any, values: Sequence[float | None], std: Sequence[float | None] = (), *,
-          percent: bool = True) -> tuple[float, float]:
+def fit_y(
+    ax: Any,
+    values: Sequence[float | None],
+    std: Sequence[float | None] = (),
+    *,
+    percent: bool = True,
+) -> tuple[float, float]:
     """A y axis fitted to the data (and their error bars), so the effect being judged is not
     squeezed into a corner of 0-100%; the label says the range, since it no longer starts at
     0. Returns the limits."""
@@ -104,19 +118,33 @@ def save_figure(fig: Any, path: Path, scale: str) -> Path:
 
 def claims_table(claims: Sequence[Claim]) -> list[str]:
     """The claim-by-claim table's markdown lines."""
-    return ["| the paper | we measured | verdict |", "|---|---|---|",
-            *(f"| {c.paper} | {c.ours} | {c.verdict} |" for c in claims)]
+    return [
+        "| the paper | we measured | verdict |",
+        "|---|---|---|",
+        *(f"| {c.paper} | {c.ours} | {c.verdict} |" for c in claims),
+    ]
 
 
-def write_report(experiment: Experiment, result: Result, out: Path, *, command: str,
-                 scale_line: str, started: float, settings: dict[str, Any]) -> Path:
+def write_report(
+    experiment: Experiment,
+    result: Result,
+    out: Path,
+    *,
+    command: str,
+    scale_line: str,
+    started: float,
+    settings: dict[str, Any],
+) -> Path:
     """Write points.csv, clients.csv, summary.md and the settings they were measured with
     (refuse_other_report reads them) into `out`; returns the summary's path."""
     C.write_csv(out / "points.csv", result.points, result.point_columns)
     if result.clients:
         C.write_csv(out / "clients.csv", result.clients, result.client_columns)
-    computed = (result.compute_seconds if result.compute_seconds is not None
-                else sum(float(p.get("seconds") or 0) for p in result.points))
+    computed = (
+        result.compute_seconds
+        if result.compute_seconds is not None
+        else sum(float(p.get("seconds") or 0) for p in result.points)
+    )
     lines = [
         f"# Experiment: {experiment.name}",
         "",
@@ -143,15 +171,16 @@ def write_report(experiment: Experiment, result: Result, out: Path, *, command: 
         C.markdown_table(result.points, result.table),
         "",
         *(f"{note}\n" for note in result.notes),
-        "Files: points.csv (every point)" + (", clients.csv (every client at every point)"
-                                            if result.clients else "")
+        "Files: points.csv (every point)"
+        + (", clients.csv (every client at every point)" if result.clients else "")
         + f", {result.plot.name}.",
         "",
     ]
     path = out / SUMMARY_FILE
     write_text_atomic(path, "\n".join(lines))
-    write_text_atomic(out / SETTINGS_FILE, json.dumps({"command": command, "settings": settings},
-                                                      indent=2) + "\n")
+    write_text_atomic(
+        out / SETTINGS_FILE, json.dumps({"command": command, "settings": settings}, indent=2) + "\n"
+    )
     return path
 
 

@@ -76,8 +76,13 @@ class Grid:
 # The grids several experiments sweep, declared once: the paper's alphas of Fig. 3 and its
 # datastore capacities.
 ALPHAS = Grid("alphas", ALPHA, (0.1, 0.3, 1.0), (0.3,), "Dirichlet concentrations, or iid")
-CAPACITIES = Grid("capacities", FRACTION, (0.1, 0.2, 0.4, 0.6, 0.8, 1.0), (0.2, 1.0),
-                  "datastore sizes as fractions of each client's train split")
+CAPACITIES = Grid(
+    "capacities",
+    FRACTION,
+    (0.1, 0.2, 0.4, 0.6, 0.8, 1.0),
+    (0.2, 1.0),
+    "datastore sizes as fractions of each client's train split",
+)
 
 
 @dataclass

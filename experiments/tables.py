@@ -100,15 +100,17 @@ def _read_identity(path: Path) -> Any:
 
 
 def parse_methods(text: str | Sequence[str]) -> list[str]:
-    """"all" or a comma-separated list, returned in the table's order without repeats."""
+    """ "all" or a comma-separated list, returned in the table's order without repeats."""
     names = text.split(",") if isinstance(text, str) else list(text)
     names = [n.strip() for n in names if n.strip()]
     if names == ["all"]:
         return list(METHODS)
     unknown = [n for n in names if n not in METHODS]
     if unknown or not names:
-        raise BenchError(f"unknown method {', '.join(map(repr, unknown)) or '(none given)'}; "
-                         f"known: all, {', '.join(METHODS)}")
+        raise BenchError(
+            f"unknown method {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"known: all, {', '.join(METHODS)}"
+        )
     return [m for m in METHODS if m in names]
 
 
@@ -117,9 +119,11 @@ def check_validation_splits(clients: list[ClientData]) -> None:
     empty = [c.client_id for c in clients if len(c.y_val) == 0]
     if empty:
         shown = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
-        raise BenchError(f"{len(empty)} client(s) have no validation data (client {shown}); "
-                         "the table chooses hyper-parameters on each client's validation split: "
-                         "raise --val-fraction or use fewer clients")
+        raise BenchError(
+            f"{len(empty)} client(s) have no validation data (client {shown}); "
+            "the table chooses hyper-parameters on each client's validation split: "
+            "raise --val-fraction or use fewer clients"
+        )
 
 
 def _lr_dir(lr: float) -> str:
@@ -129,10 +133,17 @@ def _lr_dir(lr: float) -> str:
 class TableRunner:
     """Trains and evaluates the methods of one table inside its output folder."""
 
-    def __init__(self, config: RunConfig, out: Path, *,
-                 hyper: Mapping[str, Mapping[str, Any]] | None = None,
-                 progress: bool = True, knn: KNNRequest | None = None, device: str = "cpu",
-                 client_batch: int = 1) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        out: Path,
+        *,
+        hyper: Mapping[str, Mapping[str, Any]] | None = None,
+        progress: bool = True,
+        knn: KNNRequest | None = None,
+        device: str = "cpu",
+        client_batch: int = 1,
+    ) -> None:
         self.knn = knn or KNNRequest()
         self.config = config
         self.out = Path(out)
@@ -153,8 +164,9 @@ class TableRunner:
         self._trained: dict[tuple[str, float], Any] = {}
 
     def model_fn(self) -> EmbedHeadModel:
-        return build_model(self.model_name, self.dataset.num_classes,
-                           self.dataset.input_spec).to(self.device)
+        return build_model(self.model_name, self.dataset.num_classes, self.dataset.input_spec).to(
+            self.device
+        )
 
     def _load_or_make_partition(self) -> dict[str, Any] | None:
         """Load OUT's partition after checking that OUT holds this same table (its cached runs
@@ -163,23 +175,36 @@ class TableRunner:
         saved = self.config.to_dict()
         saved["training"].pop("lr")
         saved.pop("checkpoint_every")
-        saved.update(model_name=self.model_name, num_classes=self.dataset.num_classes,
-                     input_spec=self.dataset.input_spec, **init_record(self.init))
+        saved.update(
+            model_name=self.model_name,
+            num_classes=self.dataset.num_classes,
+            input_spec=self.dataset.input_spec,
+            **init_record(self.init),
+        )
         saved = json.loads(json.dumps(saved))
         path = self.out / CONFIG_FILE
         if path.exists():
             previous = _read_identity(path)
             check_same_init(previous, saved, self.out)
             if previous != saved:
-                raise BenchError(f"{self.out} holds a table with a different configuration; "
-                                 "choose another --out or delete it")
+                raise BenchError(
+                    f"{self.out} holds a table with a different configuration; "
+                    "choose another --out or delete it"
+                )
             self.partition = Partition.load(self.out / PARTITION_FILE)
             return None
         c = self.config
-        self.partition = make_partition(self.dataset, c.partition, c.clients, alpha=c.alpha,
-                                        beta=c.beta, classes_per_client=c.classes_per_client,
-                                        val_fraction=c.val_fraction,
-                                        unseen_fraction=c.unseen_fraction, seed=c.seed)
+        self.partition = make_partition(
+            self.dataset,
+            c.partition,
+            c.clients,
+            alpha=c.alpha,
+            beta=c.beta,
+            classes_per_client=c.classes_per_client,
+            val_fraction=c.val_fraction,
+            unseen_fraction=c.unseen_fraction,
+            seed=c.seed,
+        )
         return saved
 
     def train(self, trainer: str, training: TrainingConfig) -> Any:
@@ -192,15 +217,24 @@ class TableRunner:
         stamp = run_dir / "bench.json"
         identity = to_json_types({"method": trainer, "lr": training.lr, "hyper": hyper})
         if stamp.exists() and _read_identity(stamp) != identity:
-            raise BenchError(f"{run_dir} was trained with other settings "
-                             f"({stamp.read_text().strip()}); delete it to retrain")
+            raise BenchError(
+                f"{run_dir} was trained with other settings "
+                f"({stamp.read_text().strip()}); delete it to retrain"
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(stamp, identity)  # a worker may be terminated at any point
         algorithm = build_algorithm(trainer, self.model_fn, training, **hyper)
-        result = simulate(algorithm, self.clients, training, self.initial_weights,
-                          seed=self.config.seed, run_dir=run_dir,
-                          checkpoint_every=self.config.checkpoint_every, progress=self.progress,
-                          client_batch=self.client_batch)
+        result = simulate(
+            algorithm,
+            self.clients,
+            training,
+            self.initial_weights,
+            seed=self.config.seed,
+            run_dir=run_dir,
+            checkpoint_every=self.config.checkpoint_every,
+            progress=self.progress,
+            client_batch=self.client_batch,
+        )
         self._trained[key] = result
         return result
 
@@ -213,25 +247,37 @@ class TableRunner:
         training = replace(self.config.training, lr=lr)
         fedavg = build_algorithm("fedavg", self.model_fn, training)
         model = fedavg.global_model(self.train("fedavg", training).weights)
-        choice = load_or_choose(self.out / "runs" / "fedavg" / _lr_dir(lr), model, self.clients,
-                                self.knn, seed=self.config.seed)
+        choice = load_or_choose(
+            self.out / "runs" / "fedavg" / _lr_dir(lr),
+            model,
+            self.clients,
+            self.knn,
+            seed=self.config.seed,
+        )
         # each client's lambda beside the test oracle's, for the report only (never saved with
         # the choice, which holds nothing of the test splits)
         views = client_views(model, self.clients)
         if choice.base == "linear":
             views = linear_base_views(views, choice.l2, choice.config.normalize)
-        oracle = client_rows(views, choice.config,
-                             estimator=choice.lambda_estimator, rule=choice.lambda_rule,
-                             seed=self.config.seed)
-        return ({**self.hyper.get("knnper", {}), **choice.hyper()},
-                {**choice.record, "oracle_rows": oracle})
+        oracle = client_rows(
+            views,
+            choice.config,
+            estimator=choice.lambda_estimator,
+            rule=choice.lambda_rule,
+            seed=self.config.seed,
+        )
+        return (
+            {**self.hyper.get("knnper", {}), **choice.hyper()},
+            {**choice.record, "oracle_rows": oracle},
+        )
 
     def _linear_choice(self, lr: float) -> tuple[dict[str, Any], dict[str, Any]]:
         """The linear head's l2 at this learning rate, chosen on the seen clients' pooled
         validation splits of the FedAvg run (fed_train.knn_tuning), and the record of it."""
         training = replace(self.config.training, lr=lr)
         model = build_algorithm("fedavg", self.model_fn, training).global_model(
-            self.train("fedavg", training).weights)
+            self.train("fedavg", training).weights
+        )
         l2, record = choose_l2(client_views(model, self.clients))
         return {**self.hyper.get("linear", {}), "l2": l2}, record
 
@@ -253,16 +299,19 @@ class TableRunner:
             rows = cached.get("rows")
             if rows is None or (isinstance(rows, list) and rows_fit(rows, self.clients)):
                 return identity, cache, cached
-            log.warning("%s: its rows are not one per client of this run (edited?); "
-                        "computing them again", cache)
+            log.warning(
+                "%s: its rows are not one per client of this run (edited?); computing them again",
+                cache,
+            )
         return identity, cache, None
 
     def is_cached(self, method: str, lr: float) -> bool:
         """Whether `rows` reads these rows back: no time of this call goes into them."""
         return self._cached(method, lr)[2] is not None
 
-    def rows(self, method: str, lr: float, *,
-             diverged_ok: bool = False) -> list[dict[str, Any]] | None:
+    def rows(
+        self, method: str, lr: float, *, diverged_ok: bool = False
+    ) -> list[dict[str, Any]] | None:
         """Per-client rows of `method` at learning rate `lr`, from the cache when it is there.
         With `diverged_ok` (a learning-rate grid), a run whose loss diverges is recorded and
         gives None instead of stopping the table: that learning rate cannot be chosen."""
@@ -278,12 +327,14 @@ class TableRunner:
                 raise
             log.warning("%s at lr=%g diverged: %s", method, lr, err)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(cache, {"hyper": to_json_types(identity), "diverged": str(err),
-                                      "rows": None})
+            write_json_atomic(
+                cache, {"hyper": to_json_types(identity), "diverged": str(err), "rows": None}
+            )
             return None
 
-    def _rows(self, method: str, lr: float, identity: Mapping[str, Any],
-              cache: Path) -> list[dict[str, Any]]:
+    def _rows(
+        self, method: str, lr: float, identity: Mapping[str, Any], cache: Path
+    ) -> list[dict[str, Any]]:
         start = time.perf_counter()
         hyper = self.hyper.get(method, {})
         knn_record = linear_record = None
@@ -301,16 +352,24 @@ class TableRunner:
         # each finished client is kept until the method's rows are: an interrupted table
         # resumes at the next client (a local model or a new client's training each)
         journal = ClientRows(cache.with_suffix(".partial.jsonl"), to_json_types(identity))
-        rows = personalized_accuracies(algorithm, weights, states, self.clients,
-                                       seed=self.config.seed, progress=self.progress,
-                                       journal=journal)
+        rows = personalized_accuracies(
+            algorithm,
+            weights,
+            states,
+            self.clients,
+            seed=self.config.seed,
+            progress=self.progress,
+            journal=journal,
+        )
         if knn_record is not None:
             # the test-oracle lambda, for the report only: the honest lambda must be the same
             # one the algorithm chose
             for row, oracle in zip(rows, knn_record.pop("oracle_rows"), strict=True):
                 if row["info"]["lambda"] != oracle["info"]["lambda"]:
-                    raise RuntimeError(f"client {row['client_id']}: lambda differs between "
-                                       "the algorithm and the tuning report")
+                    raise RuntimeError(
+                        f"client {row['client_id']}: lambda differs between "
+                        "the algorithm and the tuning report"
+                    )
                 for key in ("oracle_lambda", "oracle_accuracy", "cross_oracle_accuracy"):
                     if key in oracle["info"]:
                         row["info"][key] = oracle["info"][key]
@@ -342,65 +401,130 @@ class TableRunner:
 Job = tuple[Callable[..., None], tuple, float]  # function, arguments, its cost (for estimates)
 
 
-def _in_processes(workers: int, calls: Sequence[Job], *, desc: str, progress: bool,
-                  done: int = 0) -> None:
+def _in_processes(
+    workers: int, calls: Sequence[Job], *, desc: str, progress: bool, done: int = 0
+) -> None:
     """Run the calls in up to `workers` worker processes; a worker's error stops the table with
     that error, and so does Ctrl-C, at once. Results land in OUT's caches. `done`: jobs found
     finished before this call (counted, never timed)."""
     if not calls:
         return
-    with (worker_pool(max(1, min(workers, len(calls)))) as pool,
-          Progress(done + len(calls), desc=desc, unit="job", enabled=progress, initial=done,
-                   total_work=sum(cost for _, _, cost in calls)) as bar):
+    with (
+        worker_pool(max(1, min(workers, len(calls)))) as pool,
+        Progress(
+            done + len(calls),
+            desc=desc,
+            unit="job",
+            enabled=progress,
+            initial=done,
+            total_work=sum(cost for _, _, cost in calls),
+        ) as bar,
+    ):
         futures = {pool.submit(fn, *args): cost for fn, args, cost in calls}
         for future in as_completed(futures):
             future.result()
             bar.update(futures[future])
 
 
-def _table_job(config: RunConfig, out: str, hyper: Mapping[str, Mapping[str, Any]] | None,
-               knn: KNNRequest, methods: list[str], lr: float, diverged_ok: bool, device: str,
-               client_batch: int) -> None:
+def _table_job(
+    config: RunConfig,
+    out: str,
+    hyper: Mapping[str, Mapping[str, Any]] | None,
+    knn: KNNRequest,
+    methods: list[str],
+    lr: float,
+    diverged_ok: bool,
+    device: str,
+    client_batch: int,
+) -> None:
     """One worker's share of a table: the methods that share one training run at one rate."""
     torch.set_num_threads(1)
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, knn=knn, device=device,
-                         client_batch=client_batch)
+    runner = TableRunner(
+        config,
+        Path(out),
+        hyper=hyper,
+        progress=False,
+        knn=knn,
+        device=device,
+        client_batch=client_batch,
+    )
     for method in methods:
         runner.rows(method, lr, diverged_ok=diverged_ok)
 
 
-def _attribution_job(config: RunConfig, out: str,
-                     hyper: Mapping[str, Mapping[str, Any]] | None, body: str, lr: float,
-                     estimator: str, device: str, client_batch: int) -> None:
+def _attribution_job(
+    config: RunConfig,
+    out: str,
+    hyper: Mapping[str, Mapping[str, Any]] | None,
+    body: str,
+    lr: float,
+    estimator: str,
+    device: str,
+    client_batch: int,
+) -> None:
     torch.set_num_threads(1)
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=False, device=device,
-                         client_batch=client_batch)
+    runner = TableRunner(
+        config, Path(out), hyper=hyper, progress=False, device=device, client_batch=client_batch
+    )
     body_rows(runner, body, lr, lambda_estimator=estimator)
 
 
-def _table_jobs(runner: TableRunner, names: Sequence[str], lrs: Sequence[float],
-                hyper: Mapping[str, Mapping[str, Any]] | None, knn: KNNRequest, device: str,
-                client_batch: int) -> tuple[list[Job], int]:
+def _table_jobs(
+    runner: TableRunner,
+    names: Sequence[str],
+    lrs: Sequence[float],
+    hyper: Mapping[str, Mapping[str, Any]] | None,
+    knn: KNNRequest,
+    device: str,
+    client_batch: int,
+) -> tuple[list[Job], int]:
     """One job per (training run, learning rate), the costliest first, less the jobs whose
     rows are all cached already; and how many those were."""
     groups: dict[str, list[str]] = {}
     for m in names:
         groups.setdefault(trainer_of(m), []).append(m)
-    jobs = sorted(((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
-                  key=lambda j: -ALGORITHMS[j[0]].job_cost)
-    todo = [(_table_job, (runner.config, str(runner.out), hyper, knn, methods, lr,
-                          len(lrs) > 1, device, client_batch), ALGORITHMS[trainer].job_cost)
-            for trainer, methods, lr in jobs
-            if not all(runner.is_cached(m, lr) for m in methods)]
+    jobs = sorted(
+        ((trainer, methods, lr) for trainer, methods in groups.items() for lr in lrs),
+        key=lambda j: -ALGORITHMS[j[0]].job_cost,
+    )
+    todo = [
+        (
+            _table_job,
+            (
+                runner.config,
+                str(runner.out),
+                hyper,
+                knn,
+                methods,
+                lr,
+                len(lrs) > 1,
+                device,
+                client_batch,
+            ),
+            ALGORITHMS[trainer].job_cost,
+        )
+        for trainer, methods, lr in jobs
+        if not all(runner.is_cached(m, lr) for m in methods)
+    ]
     return todo, len(jobs) - len(todo)
 
 
-def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, *,
-              tune_lr: bool = False, lr_grid: Sequence[float] = LR_GRID,
-              hyper: Mapping[str, Mapping[str, Any]] | None = None,
-              progress: bool = True, knn: KNNRequest | None = None, workers: int = 1,
-              attribution: bool = False, command: str | None = None, device: str = "cpu",
-              client_batch: int = 1) -> dict[str, Any]:
+def run_table(
+    config: RunConfig,
+    methods: str | Sequence[str],
+    out: str | Path,
+    *,
+    tune_lr: bool = False,
+    lr_grid: Sequence[float] = LR_GRID,
+    hyper: Mapping[str, Mapping[str, Any]] | None = None,
+    progress: bool = True,
+    knn: KNNRequest | None = None,
+    workers: int = 1,
+    attribution: bool = False,
+    command: str | None = None,
+    device: str = "cpu",
+    client_batch: int = 1,
+) -> dict[str, Any]:
     """Run every method, write the tables and per-client files into `out`, return the results
     (evaluation's JSON plus the learning rates, validation scores and kNN-Per's choices).
 
@@ -425,12 +549,20 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
     if workers < 1:
         raise BenchError(f"workers must be >= 1, got {workers}")
     knn = knn or KNNRequest()
-    runner = TableRunner(config, Path(out), hyper=hyper, progress=progress, knn=knn,
-                         device=device, client_batch=client_batch)
+    runner = TableRunner(
+        config,
+        Path(out),
+        hyper=hyper,
+        progress=progress,
+        knn=knn,
+        device=device,
+        client_batch=client_batch,
+    )
     if workers > 1:
         jobs, done = _table_jobs(runner, names, lrs, hyper, knn, device, client_batch)
-        _in_processes(workers, jobs, desc="bench table: training runs", progress=progress,
-                      done=done)
+        _in_processes(
+            workers, jobs, desc="bench table: training runs", progress=progress, done=done
+        )
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
@@ -445,42 +577,62 @@ def run_table(config: RunConfig, methods: str | Sequence[str], out: str | Path, 
         by_lr = {lr: by_run[method, lr] for lr in lrs}
         if all(rows is None for rows in by_lr.values()):
             raise BenchError(f"{method}: training diverged at every learning rate of the grid")
-        val = {lr: None if rows is None else validation_score(rows)
-               for lr, rows in by_lr.items()}
+        val = {lr: None if rows is None else validation_score(rows) for lr, rows in by_lr.items()}
         chosen[method] = choose_lr(val) if tune_lr else lrs[0]
         scores[method] = {f"{lr:g}": s for lr, s in val.items()}
         per_method[method] = by_lr[chosen[method]]
     result = merge_results(per_method)
-    result.update(methods=names, lr=chosen, validation=scores, tuned=tune_lr,
-                  config={**config.to_dict(), "model_name": runner.model_name})
+    result.update(
+        methods=names,
+        lr=chosen,
+        validation=scores,
+        tuned=tune_lr,
+        config={**config.to_dict(), "model_name": runner.model_name},
+    )
     if command is not None:
         result["command"] = command
     if "knnper" in names:
         record = runner.knn_record(chosen["knnper"])
-        oracle_rows = [{**r, "accuracy": r["info"].get("oracle_accuracy")}
-                       for r in per_method["knnper"]]
-        cross_rows = [{**r, "accuracy": r["info"].get("cross_oracle_accuracy")}
-                      for r in per_method["knnper"]]
-        result["knn"] = {**(record or {}), "oracle": summarize(oracle_rows),
-                         "cross_oracle": summarize(cross_rows)}
+        oracle_rows = [
+            {**r, "accuracy": r["info"].get("oracle_accuracy")} for r in per_method["knnper"]
+        ]
+        cross_rows = [
+            {**r, "accuracy": r["info"].get("cross_oracle_accuracy")} for r in per_method["knnper"]
+        ]
+        result["knn"] = {
+            **(record or {}),
+            "oracle": summarize(oracle_rows),
+            "cross_oracle": summarize(cross_rows),
+        }
     if "linear" in names:
         result["linear"] = runner.linear_record(chosen["linear"])
     if attribution:
         body_lrs = {b: chosen.get(b, lrs[0]) for b in BODIES}
         estimator = knn.estimator()  # "auto": each body gets its own cross-validated choice
         if workers > 1:
-            _in_processes(workers, [(_attribution_job, (config, str(out), hyper, body, lr,
-                                                        estimator, device, client_batch), 1.0)
-                                    for body, lr in body_lrs.items()],
-                          desc="bench table: attribution", progress=progress)
-        result["attribution"] = attribution_table(runner, body_lrs, lambda_estimator=estimator,
-                                                  progress=progress)
+            _in_processes(
+                workers,
+                [
+                    (
+                        _attribution_job,
+                        (config, str(out), hyper, body, lr, estimator, device, client_batch),
+                        1.0,
+                    )
+                    for body, lr in body_lrs.items()
+                ],
+                desc="bench table: attribution",
+                progress=progress,
+            )
+        result["attribution"] = attribution_table(
+            runner, body_lrs, lambda_estimator=estimator, progress=progress
+        )
     write_outputs(result, Path(out))
     return result
 
 
-def run_seeds(config: RunConfig, seeds: int, out: str | Path, *, command: str | None = None,
-              **table: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_seeds(
+    config: RunConfig, seeds: int, out: str | Path, *, command: str | None = None, **table: Any
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The same table for seeds config.seed, config.seed + 1, ...: each in OUT/seed_S with its
     own partition and training, then seeds.md / seeds.csv / seeds.json across them.
 
@@ -500,8 +652,10 @@ def run_seeds(config: RunConfig, seeds: int, out: str | Path, *, command: str | 
     if seeds < 1:
         raise BenchError(f"seeds must be >= 1, got {seeds}")
     numbers = [config.seed + i for i in range(seeds)]
-    results = [run_table(replace(config, seed=s), out=seed_dir(Path(out), s), command=command,
-                         **table) for s in numbers]
+    results = [
+        run_table(replace(config, seed=s), out=seed_dir(Path(out), s), command=command, **table)
+        for s in numbers
+    ]
     summary = summarize_seeds(results, numbers)
     write_seeds(summary, Path(out), titles(), command)
     return results, summary
@@ -511,10 +665,16 @@ def _summary_rows(result: dict[str, Any], group: str) -> list[dict[str, Any]]:
     rows = []
     for m in result["methods"]:
         s = result[group].get(m)
-        rows.append({"method": m, "mean": None if s is None else round(s["mean"], 6),
-                     "bottom_decile": None if s is None else round(s["bottom_decile"], 6),
-                     "clients": 0 if s is None else s["clients"], "lr": result["lr"][m],
-                     "val_accuracy": result["validation"][m].get(f"{result['lr'][m]:g}")})
+        rows.append(
+            {
+                "method": m,
+                "mean": None if s is None else round(s["mean"], 6),
+                "bottom_decile": None if s is None else round(s["bottom_decile"], 6),
+                "clients": 0 if s is None else s["clients"],
+                "lr": result["lr"][m],
+                "val_accuracy": result["validation"][m].get(f"{result['lr'][m]:g}"),
+            }
+        )
     return rows
 
 
@@ -529,47 +689,71 @@ def _knn_lines(result: dict[str, Any]) -> list[str]:
     if not knn or "config" not in knn:
         return []
     c, report = knn["config"], knn.get("lambda_report", {})
-    cv = ("; 2-fold cross-validation inside the validation splits: " + ", ".join(
-        f"`{e}` {100 * v:.1f}%" for e, v in knn["lambda_cv"].items())) if knn["lambda_cv"] else ""
+    cv = (
+        (
+            "; 2-fold cross-validation inside the validation splits: "
+            + ", ".join(f"`{e}` {100 * v:.1f}%" for e, v in knn["lambda_cv"].items())
+        )
+        if knn["lambda_cv"]
+        else ""
+    )
     if "source" in knn:
         source = knn["source"]
-        lines = ["## kNN-Per's choices", "",
-                 f"- k = {c['k']} ({source['k']}), sigma = {c['sigma']:.3g} ({source['sigma']}), "
-                 f"embeddings {c['normalize']} ({source['normalize']}); lr "
-                 f"{result['lr']['knnper']:g}.",
-                 f"- lambda per client by `{knn['estimator']}` ({source['lambda_estimator']})"
-                 f"{cv}."]
+        lines = [
+            "## kNN-Per's choices",
+            "",
+            f"- k = {c['k']} ({source['k']}), sigma = {c['sigma']:.3g} ({source['sigma']}), "
+            f"embeddings {c['normalize']} ({source['normalize']}); lr "
+            f"{result['lr']['knnper']:g}.",
+            f"- lambda per client by `{knn['estimator']}` ({source['lambda_estimator']}){cv}.",
+        ]
         if "lambda_rule" in knn:
-            rule_cv = ("; 2-fold cross-validation: " + ", ".join(
-                f"`{r}` {100 * v:.1f}%" for r, v in knn["lambda_rule_cv"].items())
-                if knn.get("lambda_rule_cv") else "")
-            lines.append(f"- lambda rule `{knn['lambda_rule']['name']}` "
-                         f"({source.get('lambda_rule', 'paper default')}){rule_cv}.")
+            rule_cv = (
+                "; 2-fold cross-validation: "
+                + ", ".join(f"`{r}` {100 * v:.1f}%" for r, v in knn["lambda_rule_cv"].items())
+                if knn.get("lambda_rule_cv")
+                else ""
+            )
+            lines.append(
+                f"- lambda rule `{knn['lambda_rule']['name']}` "
+                f"({source.get('lambda_rule', 'paper default')}){rule_cv}."
+            )
         if "base" in knn:
             base = knn["base"]
-            what = (f"each client's linear head (l2 = {base['l2']:g})"
-                    if base["name"] == "linear" else "the global model")
-            lines.append(f"- the kNN interpolated with {what} "
-                         f"({source.get('base', 'paper default')}).")
+            what = (
+                f"each client's linear head (l2 = {base['l2']:g})"
+                if base["name"] == "linear"
+                else "the global model"
+            )
+            lines.append(
+                f"- the kNN interpolated with {what} ({source.get('base', 'paper default')})."
+            )
     else:  # results written before choices recorded their sources (BENCHMARKS.md's tables)
         how = "chosen on pooled validation" if knn.get("tuned") else "fixed"
-        lines = ["## kNN-Per's choices", "",
-                 f"- k = {c['k']}, sigma = {c['sigma']:.3g}, embeddings {c['normalize']} ({how}; "
-                 f"lr {result['lr']['knnper']:g}).",
-                 f"- lambda per client by `{knn['estimator']}`{cv}."]
+        lines = [
+            "## kNN-Per's choices",
+            "",
+            f"- k = {c['k']}, sigma = {c['sigma']:.3g}, embeddings {c['normalize']} ({how}; "
+            f"lr {result['lr']['knnper']:g}).",
+            f"- lambda per client by `{knn['estimator']}`{cv}.",
+        ]
     if report.get("clients"):
-        lines.append(f"- The honest lambda differs from the test-oracle lambda for "
-                     f"{report['differs']} of {report['clients']} clients; the oracle would add "
-                     f"{report['cost_pp']:.2f} pp to the mean ({100 * report['honest_mean']:.1f}"
-                     f" -> {100 * report['oracle_mean']:.1f}, all clients). The oracle rows in "
-                     "the tables are for scale only: the official code picks lambda on test, "
-                     "this table never does.")
+        lines.append(
+            f"- The honest lambda differs from the test-oracle lambda for "
+            f"{report['differs']} of {report['clients']} clients; the oracle would add "
+            f"{report['cost_pp']:.2f} pp to the mean ({100 * report['honest_mean']:.1f}"
+            f" -> {100 * report['oracle_mean']:.1f}, all clients). The oracle rows in "
+            "the tables are for scale only: the official code picks lambda on test, "
+            "this table never does."
+        )
         if "cross_oracle_mean" in report:
-            lines.append(f"- The test oracle is optimistic by construction (each choice is "
-                         f"scored on the samples that made it). The split-half cross-oracle "
-                         f"(lambda chosen on one half of each test split, scored on the other, "
-                         f"mean of 20 halvings) gives {100 * report['cross_oracle_mean']:.1f}: "
-                         f"what choosing on test is worth without that optimism.")
+            lines.append(
+                f"- The test oracle is optimistic by construction (each choice is "
+                f"scored on the samples that made it). The split-half cross-oracle "
+                f"(lambda chosen on one half of each test split, scored on the other, "
+                f"mean of 20 halvings) gives {100 * report['cross_oracle_mean']:.1f}: "
+                f"what choosing on test is worth without that optimism."
+            )
     lines.append("")
     return lines
 
@@ -581,10 +765,14 @@ def _linear_lines(result: dict[str, Any]) -> list[str]:
         return []
     on = record["chosen_on"]
     scores = ", ".join(f"{g['l2']:.3g}: {100 * g['val_accuracy']:.1f}%" for g in record["grid"])
-    return ["## FedAvg + linear head's choice", "",
-            f"- l2 = {record['config']['l2']:.3g}, chosen on the pooled validation splits of "
-            f"{len(on['clients'])} seen clients ({on['samples']} samples); lr "
-            f"{result['lr']['linear']:g}. Validation accuracy per l2: {scores}.", ""]
+    return [
+        "## FedAvg + linear head's choice",
+        "",
+        f"- l2 = {record['config']['l2']:.3g}, chosen on the pooled validation splits of "
+        f"{len(on['clients'])} seen clients ({on['samples']} samples); lr "
+        f"{result['lr']['linear']:g}. Validation accuracy per l2: {scores}.",
+        "",
+    ]
 
 
 def format_markdown(result: dict[str, Any]) -> str:
@@ -593,39 +781,55 @@ def format_markdown(result: dict[str, Any]) -> str:
     t = c["training"]
     lr_note = "tuned per method on validation" if result["tuned"] else "fixed"
     init = f"; every method starts from `{c['init']}`" if c.get("init") else ""
-    lines = [f"# {c['dataset']}, {c['partition']} partition",
-             "",
-             f"{c['clients']} clients ({c['unseen_fraction']:.0%} unseen), model "
-             f"{c['model_name']}, {t['rounds']} rounds x {t['epochs']} local epoch(s), batch "
-             f"{t['batch_size']}, participation {t['participation']:g}; learning rate "
-             f"{lr_note}{init}. Accuracy in %: mean weighted by test size / bottom decile.", ""]
+    lines = [
+        f"# {c['dataset']}, {c['partition']} partition",
+        "",
+        f"{c['clients']} clients ({c['unseen_fraction']:.0%} unseen), model "
+        f"{c['model_name']}, {t['rounds']} rounds x {t['epochs']} local epoch(s), batch "
+        f"{t['batch_size']}, participation {t['participation']:g}; learning rate "
+        f"{lr_note}{init}. Accuracy in %: mean weighted by test size / bottom decile.",
+        "",
+    ]
     if result.get("command"):
         lines += ["Command:", "", "```bash", result["command"], "```", ""]
     knn = result.get("knn", {})
-    for group, title in (("seen", "Table 1: clients seen in training"),
-                         ("unseen", "Table 2: unseen clients")):
+    for group, title in (
+        ("seen", "Table 1: clients seen in training"),
+        ("unseen", "Table 2: unseen clients"),
+    ):
         lines += [f"## {title}", "", "| method | mean | bottom 10% | lr |", "|---|---|---|---|"]
         for row in _summary_rows(result, group):
-            cells = ["-" if row[k] is None else f"{100 * row[k]:.1f}"
-                     for k in ("mean", "bottom_decile")]
-            lines.append(f"| {ALGORITHMS[row['method']].title} | {cells[0]} | {cells[1]} | "
-                         f"{row['lr']:.3g} |")
-        for key, name in (("oracle", "test-oracle lambda"),
-                          ("cross_oracle", "split-half cross-oracle lambda on test")):
+            cells = [
+                "-" if row[k] is None else f"{100 * row[k]:.1f}" for k in ("mean", "bottom_decile")
+            ]
+            lines.append(
+                f"| {ALGORITHMS[row['method']].title} | {cells[0]} | {cells[1]} | {row['lr']:.3g} |"
+            )
+        for key, name in (
+            ("oracle", "test-oracle lambda"),
+            ("cross_oracle", "split-half cross-oracle lambda on test"),
+        ):
             if (knn.get(key) or {}).get(group):
                 o = knn[key][group]
-                lines.append(f"| (kNN-Per, {name}: not a method) | "
-                             f"{100 * o['mean']:.1f} | {100 * o['bottom_decile']:.1f} | "
-                             f"{result['lr']['knnper']:.3g} |")
+                lines.append(
+                    f"| (kNN-Per, {name}: not a method) | "
+                    f"{100 * o['mean']:.1f} | {100 * o['bottom_decile']:.1f} | "
+                    f"{result['lr']['knnper']:.3g} |"
+                )
         lines.append("")
     hurt = clients_hurt([result["clients"]], result["methods"])
     for group, title in (("seen", "seen clients"), ("unseen", "unseen clients")):
         rows = format_hurt(hurt, group, titles())
         if rows:
-            lines += [f"## Clients hurt, {title}", "",
-                      "The share of clients whose accuracy is below FedAvg's (the global model) "
-                      "or, for kNN-Per, below FedAvg+'s (FedAvg fine-tuned), % [bootstrap 95% "
-                      "interval over clients].", "", *rows]
+            lines += [
+                f"## Clients hurt, {title}",
+                "",
+                "The share of clients whose accuracy is below FedAvg's (the global model) "
+                "or, for kNN-Per, below FedAvg+'s (FedAvg fine-tuned), % [bootstrap 95% "
+                "interval over clients].",
+                "",
+                *rows,
+            ]
     lines += _knn_lines(result) + _linear_lines(result)
     if "attribution" in result:
         lines.append(format_attribution(result["attribution"]))

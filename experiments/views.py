@@ -19,19 +19,31 @@ from fed_train.knn_tuning import choosing_views, fit_rule
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
 
 
-def knn_head(view: ClientSplits, num_classes: int, *, k: int, sigma: float, capacity: float,
-             seed: int, estimator: str = "val", l2: float | None = None) -> PersonalHead:
+def knn_head(
+    view: ClientSplits,
+    num_classes: int,
+    *,
+    k: int,
+    sigma: float,
+    capacity: float,
+    seed: int,
+    estimator: str = "val",
+    l2: float | None = None,
+) -> PersonalHead:
     """kNN-Per for one client, datastore = the seeded `capacity` fraction of its train split
     (KNNPer's own sample), lambda chosen on its validation split by its own evidence; `l2`: a
     linear head as the base."""
-    keep = datastore_indices(view.n_train, capacity,
-                             client_seed(seed, 0, view.client_id, PERSONALIZE_STREAM))
-    return PersonalHead(num_classes, k=k, sigma=sigma, estimator=estimator,
-                        l2=l2).fit(view, keep=keep)
+    keep = datastore_indices(
+        view.n_train, capacity, client_seed(seed, 0, view.client_id, PERSONALIZE_STREAM)
+    )
+    return PersonalHead(num_classes, k=k, sigma=sigma, estimator=estimator, l2=l2).fit(
+        view, keep=keep
+    )
 
 
-def pooled_heads(views: Sequence[ClientSplits], heads: Sequence[PersonalHead],
-                 rule: str) -> list[PersonalHead]:
+def pooled_heads(
+    views: Sequence[ClientSplits], heads: Sequence[PersonalHead], rule: str
+) -> list[PersonalHead]:
     """The heads with lambda chosen by `rule`, its pooled evidence summed over the seen
     clients' own (each head's `evidence_`, which no rule changes) at this very point: a pooled
     rule is fitted wherever k, sigma or the capacity differ, as the server fits it once for the
@@ -39,9 +51,14 @@ def pooled_heads(views: Sequence[ClientSplits], heads: Sequence[PersonalHead],
     if rule == "client":
         return list(heads)
     seen = {v.client_id for v in choosing_views(views)}
-    fitted = fit_rule(rule, [h.evidence_ for v, h in sorted(zip(views, heads, strict=True),
-                                                            key=lambda vh: vh[0].client_id)
-                             if v.client_id in seen])
+    fitted = fit_rule(
+        rule,
+        [
+            h.evidence_
+            for v, h in sorted(zip(views, heads, strict=True), key=lambda vh: vh[0].client_id)
+            if v.client_id in seen
+        ],
+    )
     return [h.with_lambda(fitted.choose_from_counts(h.evidence_)) for h in heads]
 
 
@@ -57,8 +74,13 @@ def global_accuracy(view: ClientSplits) -> float | None:
 
 def row(view: ClientSplits, accuracy: float | None, **info: Any) -> dict[str, Any]:
     """A per-client row in evaluation.client_accuracies' form, so its summaries apply."""
-    return {"client_id": view.client_id, "unseen": view.unseen, "n_test": len(view.y_test),
-            "accuracy": accuracy, "info": info}
+    return {
+        "client_id": view.client_id,
+        "unseen": view.unseen,
+        "n_test": len(view.y_test),
+        "accuracy": accuracy,
+        "info": info,
+    }
 
 
 def summary_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -72,30 +94,66 @@ def summary_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def knnper_rows(views: Sequence[ClientSplits], num_classes: int, *, k: int, sigma: float,
-                seed: int, capacity: float | dict[int, float] = 1.0, estimator: str = "val",
-                rule: str = "client", l2: float | None = None) -> list[dict[str, Any]]:
+def knnper_rows(
+    views: Sequence[ClientSplits],
+    num_classes: int,
+    *,
+    k: int,
+    sigma: float,
+    seed: int,
+    capacity: float | dict[int, float] = 1.0,
+    estimator: str = "val",
+    rule: str = "client",
+    l2: float | None = None,
+) -> list[dict[str, Any]]:
     """kNN-Per on every client (lambda chosen on validation by `rule`, base the global model or
     with `l2` each client's linear head); `capacity` may differ per client (a dict by id)."""
-    heads = [knn_head(view, num_classes, k=k, sigma=sigma, seed=seed, estimator=estimator, l2=l2,
-                      capacity=capacity[view.client_id] if isinstance(capacity, dict)
-                      else capacity) for view in views]
-    return [row(view, accuracy_on_test(head, view), **{"lambda": head.lambda_,
-                                                       "datastore_size": head.stored_,
-                                                       "n_train": view.n_train})
-            for view, head in zip(views, pooled_heads(views, heads, rule), strict=True)]
+    heads = [
+        knn_head(
+            view,
+            num_classes,
+            k=k,
+            sigma=sigma,
+            seed=seed,
+            estimator=estimator,
+            l2=l2,
+            capacity=capacity[view.client_id] if isinstance(capacity, dict) else capacity,
+        )
+        for view in views
+    ]
+    return [
+        row(
+            view,
+            accuracy_on_test(head, view),
+            **{"lambda": head.lambda_, "datastore_size": head.stored_, "n_train": view.n_train},
+        )
+        for view, head in zip(views, pooled_heads(views, heads, rule), strict=True)
+    ]
 
 
-def choice_rows(views: Sequence[ClientSplits], num_classes: int, choice: KNNChoice, *,
-                seed: int, capacity: float | dict[int, float] = 1.0,
-                k: int | None = None, sigma: float | None = None) -> list[dict[str, Any]]:
+def choice_rows(
+    views: Sequence[ClientSplits],
+    num_classes: int,
+    choice: KNNChoice,
+    *,
+    seed: int,
+    capacity: float | dict[int, float] = 1.0,
+    k: int | None = None,
+    sigma: float | None = None,
+) -> list[dict[str, Any]]:
     """`knnper_rows` with a run's kNN choice (its estimator, rule and base); `k` / `sigma`
     override its values (the k-sigma sweep)."""
-    return knnper_rows(views, num_classes, k=choice.config.k if k is None else k,
-                       sigma=choice.config.sigma if sigma is None else sigma, seed=seed,
-                       capacity=capacity, estimator=choice.lambda_estimator,
-                       rule=choice.lambda_rule.name,
-                       l2=choice.l2 if choice.base == "linear" else None)
+    return knnper_rows(
+        views,
+        num_classes,
+        k=choice.config.k if k is None else k,
+        sigma=choice.config.sigma if sigma is None else sigma,
+        seed=seed,
+        capacity=capacity,
+        estimator=choice.lambda_estimator,
+        rule=choice.lambda_rule.name,
+        l2=choice.l2 if choice.base == "linear" else None,
+    )
 
 
 def fedavg_rows(views: Sequence[ClientSplits]) -> list[dict[str, Any]]:

@@ -7,15 +7,18 @@ with `ExportSettings`; the budget profiles (`uniform_budgets`, `weak_strong_budg
 
 from edge_runtime.face import lazy_face
 
-__all__, __getattr__, __dir__ = lazy_face(__name__, {
-    "export_run": "exporter",
-    "ExportSettings": "exporter",
-    "build_encoder": "exporter",
-    "uniform_budgets": "profiles",
-    "weak_strong_budgets": "profiles",
-    "lognormal_budgets": "profiles",
-    "load_budgets": "profiles",
-    "run_demo": "demo",
-    "ExportError": "errors",
-    "BudgetInvalid": "errors",
-})
+__all__, __getattr__, __dir__ = lazy_face(
+    __name__,
+    {
+        "export_run": "exporter",
+        "ExportSettings": "exporter",
+        "build_encoder": "exporter",
+        "uniform_budgets": "profiles",
+        "weak_strong_budgets": "profiles",
+        "lognormal_budgets": "profiles",
+        "load_budgets": "profiles",
+        "run_demo": "demo",
+        "ExportError": "errors",
+        "BudgetInvalid": "errors",
+    },
+)

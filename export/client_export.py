@@ -49,17 +49,22 @@ class SizingContext:
         return DatastoreSizer(self.num_classes, knn=self.knn, space=self.space, seed=self.seed)
 
 
-def export_client(task: ClientTask, context: SizingContext,
-                  sizer: DatastoreSizer | None = None) -> dict[str, Any]:
+def export_client(
+    task: ClientTask, context: SizingContext, sizer: DatastoreSizer | None = None
+) -> dict[str, Any]:
     """Size, write the bundle atomically, and return the client's row of export.json."""
     sizer = sizer or context.sizer()
     data = task.data
     encoder = context.encoder_path if task.encoder is None else task.encoder
     sizer.fit(data, task.budget)
     best, datastore = sizer.best_, sizer.datastore_
-    fields = {"client_id": int(data.client_id), "input": task.input_spec,
-              "lambda": float(best.lam), "budget_bytes": task.budget.total,
-              "update_strategy": context.update_strategy}
+    fields = {
+        "client_id": int(data.client_id),
+        "input": task.input_spec,
+        "lambda": float(best.lam),
+        "budget_bytes": task.budget.total,
+        "update_strategy": context.update_strategy,
+    }
     provenance = context.knn.provenance()
     if provenance is not None:
         fields["knn_choice"] = provenance
@@ -75,14 +80,21 @@ def export_client(task: ClientTask, context: SizingContext,
     except BundleError as err:
         raise ExportError(f"client {data.client_id}: {err}") from err
     row = {
-        "client_id": int(data.client_id), "unseen": bool(task.unseen),
-        "bundle": task.target.name, "budget": task.budget.total,
-        "backend": best.backend, "recipe": best.recipe, "stored": best.stored,
+        "client_id": int(data.client_id),
+        "unseen": bool(task.unseen),
+        "bundle": task.target.name,
+        "budget": task.budget.total,
+        "backend": best.backend,
+        "recipe": best.recipe,
+        "stored": best.stored,
         "encoder_bytes": manifest["footprint"]["encoder"],
         "datastore_bytes": manifest["footprint"]["datastore"],
         "total_bytes": manifest["footprint"]["total"],
-        "lambda": best.lam, "val_accuracy": best.val_accuracy, "val_nll": best.val_nll,
-        "train_samples": int(len(data.y_train)), "val_samples": int(len(data.y_val)),
+        "lambda": best.lam,
+        "val_accuracy": best.val_accuracy,
+        "val_nll": best.val_nll,
+        "train_samples": int(len(data.y_train)),
+        "val_samples": int(len(data.y_val)),
         "candidates": [c.as_row() for c in sizer.candidates_],
     }
     if context.journal is not None:

@@ -47,10 +47,14 @@ class DemoSize:
 
 def demo_config(size: DemoSize, seed: int = 0) -> RunConfig:
     """Digits on the demo partition with the shared optimisation defaults."""
-    return RunConfig(dataset="digits", clients=size.clients, seed=seed, **DEMO_PARTITION,
-                     checkpoint_every=defaults.CHECKPOINT_EVERY,
-                     training=replace(defaults.TRAINING, rounds=size.rounds,
-                                      epochs=size.local_epochs))
+    return RunConfig(
+        dataset="digits",
+        clients=size.clients,
+        seed=seed,
+        **DEMO_PARTITION,
+        checkpoint_every=defaults.CHECKPOINT_EVERY,
+        training=replace(defaults.TRAINING, rounds=size.rounds, epochs=size.local_epochs),
+    )
 
 
 def device_budgets(run: LoadedRun, encoder_bytes: int) -> dict[str, int]:
@@ -61,9 +65,15 @@ def device_budgets(run: LoadedRun, encoder_bytes: int) -> dict[str, int]:
     return {name: encoder_bytes + int(share * full) for name, share in DEVICE_CLASSES.items()}
 
 
-def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
-             progress: bool = True, workers: int = 1,
-             knn: KNNRequest | None = None) -> tuple[list[dict[str, Any]], KNNChoice]:
+def run_demo(
+    out: Path,
+    size: DemoSize | None = None,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+    workers: int = 1,
+    knn: KNNRequest | None = None,
+) -> tuple[list[dict[str, Any]], KNNChoice]:
     """Train, evaluate, export for each device class, evaluate the bundles: the table's rows
     and kNN-Per's configuration, chosen once on validation and run by the server and every
     bundle alike."""
@@ -72,13 +82,20 @@ def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
     train(demo_config(size, seed), out, progress=progress)
     run = load_run(out)
     clients = run.clients()
-    choice = load_or_choose(run.run_dir, run.model, clients, knn or KNNRequest(),
-                            seed=run.config.seed, progress=progress)
+    choice = load_or_choose(
+        run.run_dir,
+        run.model,
+        clients,
+        knn or KNNRequest(),
+        seed=run.config.seed,
+        progress=progress,
+    )
     server = evaluate_run(run, EVAL_METHODS, knn=knn, progress=progress)
     write_text_atomic(out / "evaluation.json", json.dumps(server, indent=2))
-    rows = [_server_row(name, server, method)
-            for name, method in (("FedAvg", "fedavg"), ("Local", "local"),
-                                 ("kNN-Per", "knnper"))]
+    rows = [
+        _server_row(name, server, method)
+        for name, method in (("FedAvg", "fedavg"), ("Local", "local"), ("kNN-Per", "knnper"))
+    ]
     settings = apply_knn_choice(ExportSettings(seed=seed), choice)
     encoder_dir = out / "encoder"
     encoder_dir.mkdir(parents=True, exist_ok=True)
@@ -86,37 +103,60 @@ def run_demo(out: Path, size: DemoSize | None = None, *, seed: int = 0,
     ids = list(range(len(clients)))
     for device, budget in device_budgets(run, encoder.nbytes).items():
         bundles = out / f"bundles-{device}"
-        export_run(run, bundles, uniform_budgets(ids, budget), settings, encoder=encoder,
-                   progress=progress, workers=workers)
+        export_run(
+            run,
+            bundles,
+            uniform_budgets(ids, budget),
+            settings,
+            encoder=encoder,
+            progress=progress,
+            workers=workers,
+        )
         rows.append(_device_row(device, budget, evaluate_export(run, bundles)))
     shutil.rmtree(encoder_dir)
     return rows, choice
 
 
 def _server_row(name: str, result: dict[str, Any], method: str) -> dict[str, Any]:
-    return {"method": name, "where": "server", "budget": None, "bundle_bytes": None,
-            "seen": result["seen"][method]["mean"],
-            "unseen": result["unseen"][method]["mean"] if method in result["unseen"] else None}
+    return {
+        "method": name,
+        "where": "server",
+        "budget": None,
+        "bundle_bytes": None,
+        "seen": result["seen"][method]["mean"],
+        "unseen": result["unseen"][method]["mean"] if method in result["unseen"] else None,
+    }
 
 
 def _device_row(device: str, budget: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     seen = [r for r in rows if not r["unseen"]]
     unseen = [r for r in rows if r["unseen"]]
-    return {"method": "kNN-Per", "where": f"{device} device (runtime)", "budget": budget,
-            "bundle_bytes": float(np.mean([r["total_bytes"] for r in rows])),
-            "seen": weighted_mean(seen), "unseen": weighted_mean(unseen) if unseen else None}
+    return {
+        "method": "kNN-Per",
+        "where": f"{device} device (runtime)",
+        "budget": budget,
+        "bundle_bytes": float(np.mean([r["total_bytes"] for r in rows])),
+        "seen": weighted_mean(seen),
+        "unseen": weighted_mean(unseen) if unseen else None,
+    }
 
 
 def format_demo_table(rows: list[dict[str, Any]]) -> str:
     """Markdown: method, where it runs, budget and mean bundle size, seen / unseen accuracy."""
+
     def kb(value: float | None) -> str:
         return "-" if value is None else f"{value / 1000:.0f} kB"
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{100 * value:.1f}"
 
-    lines = ["| method | where | budget | bundle (mean) | seen acc % | unseen acc % |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['method']} | {r['where']} | {kb(r['budget'])} | {kb(r['bundle_bytes'])} | "
-              f"{pct(r['seen'])} | {pct(r['unseen'])} |" for r in rows]
+    lines = [
+        "| method | where | budget | bundle (mean) | seen acc % | unseen acc % |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['method']} | {r['where']} | {kb(r['budget'])} | {kb(r['bundle_bytes'])} | "
+        f"{pct(r['seen'])} | {pct(r['unseen'])} |"
+        for r in rows
+    ]
     return "\n".join(lines)

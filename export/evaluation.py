@@ -38,33 +38,49 @@ def evaluate_export(run: LoadedRun, out_dir: str | Path) -> list[dict[str, Any]]
     inputs: the accuracy a device gets."""
     out_dir = Path(out_dir)
     try:
-        report = read_json(out_dir / REPORT_FILE, limit=MAX_REPORT_BYTES,
-                           fix="export the run again")
+        report = read_json(
+            out_dir / REPORT_FILE, limit=MAX_REPORT_BYTES, fix="export the run again"
+        )
         clients = report["clients"]
         if not isinstance(clients, list) or not all(
-                isinstance(r, dict) and isinstance(r.get("bundle"), str)
-                and isinstance(r.get("client_id"), int) for r in clients):
+            isinstance(r, dict)
+            and isinstance(r.get("bundle"), str)
+            and isinstance(r.get("client_id"), int)
+            for r in clients
+        ):
             raise TypeError
     except FileNotFoundError:
         raise ExportError(f"{out_dir} holds no {REPORT_FILE}: export the run first") from None
     except JSONFileError as err:
         raise ExportError(str(err)) from None
     except (TypeError, KeyError):
-        raise ExportError(f"{out_dir / REPORT_FILE} does not list clients with their bundle "
-                          "and client id; export the run again") from None
+        raise ExportError(
+            f"{out_dir / REPORT_FILE} does not list clients with their bundle "
+            "and client id; export the run again"
+        ) from None
     rows = []
     for row in clients:
         runtime = Runtime.load(out_dir / row["bundle"], intra_op_threads=1)
         x, y = client_split(run, row["client_id"], "test")
         acc = float(np.mean(runtime.predict(x) == y)) if len(y) else float("nan")
-        rows.append({**{k: v for k, v in row.items() if k != "candidates"},
-                     "test_accuracy": acc, "test_samples": int(len(y))})
+        rows.append(
+            {
+                **{k: v for k, v in row.items() if k != "candidates"},
+                "test_accuracy": acc,
+                "test_samples": int(len(y)),
+            }
+        )
     return rows
 
 
-def reference_accuracy(encoder_path: str | Path, clients: Sequence[ClientData], *,
-                       num_classes: int, k: int = DEFAULT_K,
-                       sigma: float = DEFAULT_SIGMA) -> list[dict[str, Any]]:
+def reference_accuracy(
+    encoder_path: str | Path,
+    clients: Sequence[ClientData],
+    *,
+    num_classes: int,
+    k: int = DEFAULT_K,
+    sigma: float = DEFAULT_SIGMA,
+) -> list[dict[str, Any]]:
     """kNN-Per per client with no budget: every train sample as float32 keys, lambda chosen on
     the validation split, accuracy on the test split; embeddings from `encoder_path`."""
     encoder = Encoder(encoder_path, intra_op_threads=1)
@@ -74,8 +90,13 @@ def reference_accuracy(encoder_path: str | Path, clients: Sequence[ClientData], 
         store = FlatDatastore(num_classes, k=k, sigma=sigma).fit(data.z_train, data.y_train)
         head = PersonalHead(num_classes, k=k, sigma=sigma).fit(data, datastore=store)
         acc = head.accuracy(data.z_test, data.p_test, data.y_test)
-        rows.append({"client_id": client.client_id, "unseen": client.unseen,
-                     "lambda": head.lambda_,
-                     "test_accuracy": float("nan") if acc is None else acc,
-                     "test_samples": int(len(data.y_test))})
+        rows.append(
+            {
+                "client_id": client.client_id,
+                "unseen": client.unseen,
+                "lambda": head.lambda_,
+                "test_accuracy": float("nan") if acc is None else acc,
+                "test_samples": int(len(data.y_test)),
+            }
+        )
     return rows

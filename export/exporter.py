@@ -104,8 +104,10 @@ class ExportSettings:
         _check_known("backend", self.backend, backend_choices())
         _check_known("device extras", self.device_extras, DEVICE_EXTRAS)
         if self.device_extras == "none" and device_extra(self.backend):
-            raise ExportError(f"--backend {self.backend} needs the {device_extra(self.backend)} "
-                              "extra on the device; --device-extras none rules it out")
+            raise ExportError(
+                f"--backend {self.backend} needs the {device_extra(self.backend)} "
+                "extra on the device; --device-extras none rules it out"
+            )
         _check_known("update strategy", self.update_strategy, UPDATE_STRATEGIES)
         knn, config = self.knn, self.knn.config
         _check_known("embedding normalisation", config.normalize, NORMALIZATIONS)
@@ -114,8 +116,9 @@ class ExportSettings:
         if problem is not None:
             raise ExportError(problem)
         if config.k < 1 or not config.sigma > 0:
-            raise ExportError(f"k must be >= 1 and sigma > 0, got k={config.k}, "
-                              f"sigma={config.sigma}")
+            raise ExportError(
+                f"k must be >= 1 and sigma > 0, got k={config.k}, sigma={config.sigma}"
+            )
         if self.calibration_samples < 1:
             raise ExportError("calibration_samples must be >= 1")
         if self.signing_key is not None:
@@ -128,9 +131,14 @@ class ExportSettings:
         """What export.json and the journal's fingerprint record: every setting, the kNN
         choice's values one by one with their provenance, and the space as searched."""
         knn = self.knn
-        values = {**knn.config.to_dict(), "lambda_estimator": knn.lambda_estimator,
-                  "lambda_rule": asdict(knn.lambda_rule), "base": knn.base, "l2": knn.l2,
-                  "knn_provenance": knn.provenance()}
+        values = {
+            **knn.config.to_dict(),
+            "lambda_estimator": knn.lambda_estimator,
+            "lambda_rule": asdict(knn.lambda_rule),
+            "base": knn.base,
+            "l2": knn.l2,
+            "knn_provenance": knn.provenance(),
+        }
         out: dict[str, Any] = {}
         for f in fields(self):
             if f.name == "knn":
@@ -180,11 +188,14 @@ def select_ids(unseen: Sequence[bool], which: str) -> list[int]:
         try:
             cid = int(token)
         except ValueError:
-            raise ExportError(f"--clients takes all, seen, unseen or a comma-separated list of "
-                              f"client ids, got {which!r}") from None
+            raise ExportError(
+                f"--clients takes all, seen, unseen or a comma-separated list of "
+                f"client ids, got {which!r}"
+            ) from None
         if not 0 <= cid < len(ids):
-            raise ExportError(f"client {cid} is not in the run (it has clients 0 to "
-                              f"{len(ids) - 1})")
+            raise ExportError(
+                f"client {cid} is not in the run (it has clients 0 to {len(ids) - 1})"
+            )
         if cid not in out:
             out.append(cid)
     return out
@@ -195,8 +206,12 @@ def select_clients(clients: Sequence[ClientData], which: str) -> list[ClientData
     return [clients[i] for i in select_ids([c.unseen for c in clients], which)]
 
 
-def build_encoder(run: LoadedRun, directory: Path, settings: ExportSettings,
-                  clients: Sequence[ClientData] | None = None) -> EncoderFiles:
+def build_encoder(
+    run: LoadedRun,
+    directory: Path,
+    settings: ExportSettings,
+    clients: Sequence[ClientData] | None = None,
+) -> EncoderFiles:
     """Export fp32 ONNX into `directory` (checked against torch), then quantize to int8 when
     asked. Calibration uses a seeded sample of the training clients' train splits: server-side
     data, never a test split, never an unseen client's data. `clients`: run.clients(), when
@@ -211,8 +226,9 @@ def build_encoder(run: LoadedRun, directory: Path, settings: ExportSettings,
         shutil.copyfile(fp32_path, path)
     # saved as onnxruntime optimizes it, so a device creates its session with optimization off
     write_bytes_atomic(path, optimize_encoder(path.read_bytes()))
-    files = EncoderFiles(path, fp32_path, settings.quantize, path.stat().st_size,
-                         fp32_path.stat().st_size, diff)
+    files = EncoderFiles(
+        path, fp32_path, settings.quantize, path.stat().st_size, fp32_path.stat().st_size, diff
+    )
     if settings.quantize == "int8":
         files.int8_vs_fp32 = compare_encoders(fp32_path, path, _validation_inputs(clients))
     return files
@@ -243,39 +259,52 @@ def compare_encoders(reference: Path, other: Path, x: np.ndarray) -> dict[str, f
     norms = np.linalg.norm(z0, axis=1) * np.linalg.norm(z1, axis=1)
     ok = norms > 0
     cosine = (z0 * z1).sum(axis=1)[ok] / norms[ok]
-    return {"samples": int(len(x)),
-            "embedding_cosine_min": float(cosine.min()) if ok.any() else 1.0,
-            "embedding_cosine_mean": float(cosine.mean()) if ok.any() else 1.0,
-            "logits_max_abs_diff": float(np.abs(l0 - l1).max()),
-            "argmax_agreement": float(np.mean(l0.argmax(1) == l1.argmax(1)))}
+    return {
+        "samples": int(len(x)),
+        "embedding_cosine_min": float(cosine.min()) if ok.any() else 1.0,
+        "embedding_cosine_mean": float(cosine.mean()) if ok.any() else 1.0,
+        "logits_max_abs_diff": float(np.abs(l0 - l1).max()),
+        "argmax_agreement": float(np.mean(l0.argmax(1) == l1.argmax(1))),
+    }
 
 
-def client_embeddings(encoder: Encoder, client: ClientData, *,
-                      test: bool = False) -> ClientSplits:
+def client_embeddings(encoder: Encoder, client: ClientData, *, test: bool = False) -> ClientSplits:
     """The client's splits through the exported encoder in onnxruntime, as the device computes
     them: what is stored is what the device will query with. The test split only if asked."""
     if client.num_train == 0:
-        raise ExportError(f"client {client.client_id} has no training samples to build a "
-                          "datastore from")
+        raise ExportError(
+            f"client {client.client_id} has no training samples to build a datastore from"
+        )
 
     def split(x: torch.Tensor, y: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return (*encoder.run(x.cpu().numpy()), y.cpu().numpy())
 
     return ClientSplits.from_logits(
-        client.client_id, client.unseen, split(client.x_train, client.y_train),
+        client.client_id,
+        client.unseen,
+        split(client.x_train, client.y_train),
         split(client.x_val, client.y_val) if len(client.y_val) else None,
-        split(client.x_test, client.y_test) if test and len(client.y_test) else None)
+        split(client.x_test, client.y_test) if test and len(client.y_test) else None,
+    )
 
 
 def bundle_dir(out_dir: Path, client_id: int) -> Path:
     return out_dir / f"client_{client_id:04d}"
 
 
-def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget | int],
-               settings: ExportSettings | None = None, *, clients: str = "all",
-               encoder: EncoderFiles | None = None, progress: bool = True,
-               workers: int | None = 1, replace_taught: bool = False,
-               replaces: dict | None = None) -> dict[str, Any]:
+def export_run(
+    run: LoadedRun,
+    out_dir: str | Path,
+    budgets: Mapping[int, Budget | int],
+    settings: ExportSettings | None = None,
+    *,
+    clients: str = "all",
+    encoder: EncoderFiles | None = None,
+    progress: bool = True,
+    workers: int | None = 1,
+    replace_taught: bool = False,
+    replaces: dict | None = None,
+) -> dict[str, Any]:
     """Write one bundle per selected client into out_dir and return the export report (also
     written as out_dir/export.json). Every bundle is written atomically by edge_runtime's
     write_bundle (temporary directory, then rename), so an interrupted export leaves complete
@@ -311,19 +340,20 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
     """
     settings = settings or ExportSettings()
     settings.check()
-    space = replace(settings.space.restricted_to(settings.backend),
-                    protonn_buffer=0.0 if settings.update_strategy == "fixed"
-                    else settings.protonn_buffer)
+    space = replace(
+        settings.space.restricted_to(settings.backend),
+        protonn_buffer=0.0 if settings.update_strategy == "fixed" else settings.protonn_buffer,
+    )
     if settings.device_extras == "none":
-        space = replace(space, backends=tuple(b for b in space.backends
-                                              if not device_extra(b)))
+        space = replace(space, backends=tuple(b for b in space.backends if not device_extra(b)))
     out_dir = Path(out_dir)
     every_client = run.clients()
     chosen = select_clients(every_client, clients)
     for client in chosen:
         if client.num_train == 0:
-            raise ExportError(f"client {client.client_id} has no training samples to build a "
-                              "datastore from")
+            raise ExportError(
+                f"client {client.client_id} has no training samples to build a datastore from"
+            )
         if client.client_id not in budgets:
             raise BudgetInvalid(f"no budget for client {client.client_id}")
     budgets = {c.client_id: _as_budget(c.client_id, budgets[c.client_id]) for c in chosen}
@@ -335,17 +365,30 @@ def export_run(run: LoadedRun, out_dir: str | Path, budgets: Mapping[int, Budget
     with tempfile.TemporaryDirectory(prefix="knnper-encoder-") as tmp:
         encoder_files = encoder or build_encoder(run, Path(tmp), settings, every_client)
         if encoder_files.quantize != settings.quantize:
-            raise ExportError(f"the given encoder is {encoder_files.quantize}, the settings "
-                              f"ask for {settings.quantize}")
-        smallest = smallest_datastore_bytes(space, run.dataset.num_classes,
-                                            int(run.model.embedding_dim))
+            raise ExportError(
+                f"the given encoder is {encoder_files.quantize}, the settings "
+                f"ask for {settings.quantize}"
+            )
+        smallest = smallest_datastore_bytes(
+            space, run.dataset.num_classes, int(run.model.embedding_dim)
+        )
         budgets = _client_budgets(budgets, encoder_files, smallest)  # before writing
         _warn_device_extras(space)
         out_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(out_dir):
             encoder_files = _move_encoder(encoder_files, out_dir)
-            return _export_locked(run, out_dir, budgets, settings, space, encoder_files,
-                                  chosen, progress, workers, replaces)
+            return _export_locked(
+                run,
+                out_dir,
+                budgets,
+                settings,
+                space,
+                encoder_files,
+                chosen,
+                progress,
+                workers,
+                replaces,
+            )
 
 
 def _refuse_taught(out_dir: Path, client_ids: Sequence[int]) -> None:
@@ -360,10 +403,12 @@ def _refuse_taught(out_dir: Path, client_ids: Sequence[int]) -> None:
             continue
     if taught:
         shown = ", ".join(taught[:5]) + (" ..." if len(taught) > 5 else "")
-        raise ExportError(f"--out {out_dir} holds {len(taught)} bundle(s) that `knnper-edge "
-                          f"add` taught since they were exported ({shown}); export into "
-                          "another --out, or add --force to replace them (they lose what "
-                          "their devices learned)")
+        raise ExportError(
+            f"--out {out_dir} holds {len(taught)} bundle(s) that `knnper-edge "
+            f"add` taught since they were exported ({shown}); export into "
+            "another --out, or add --force to replace them (they lose what "
+            "their devices learned)"
+        )
 
 
 def _warn_device_extras(space: SearchSpace) -> None:
@@ -371,11 +416,17 @@ def _warn_device_extras(space: SearchSpace) -> None:
     README's device install has no extras, and a bundle it cannot load is found on the device."""
     for backend in space.backends:
         if device_extra(backend):
-            log.warning("%s datastores are among those tried: a client whose most accurate "
-                        "datastore is %s gets a bundle that a device loads only with the %s "
-                        "extra and that `knnper-edge export-onnx` cannot turn into one ONNX "
-                        "file (export.json names each client's backend); --device-extras none "
-                        "leaves %s out", backend, backend, device_extra(backend), backend)
+            log.warning(
+                "%s datastores are among those tried: a client whose most accurate "
+                "datastore is %s gets a bundle that a device loads only with the %s "
+                "extra and that `knnper-edge export-onnx` cannot turn into one ONNX "
+                "file (export.json names each client's backend); --device-extras none "
+                "leaves %s out",
+                backend,
+                backend,
+                device_extra(backend),
+                backend,
+            )
 
 
 def device_extra(backend: str) -> str | None:
@@ -402,35 +453,62 @@ def _exclusive(out_dir: Path) -> Iterator[None]:
         try:
             stack.enter_context(directory_lock(out_dir, exclusive=True, timeout=0))
         except LockTimeout:
-            raise ExportError(f"--out {out_dir} is in use by another export; wait for it to "
-                              "finish or choose another directory") from None
+            raise ExportError(
+                f"--out {out_dir} is in use by another export; wait for it to "
+                "finish or choose another directory"
+            ) from None
         yield
 
 
-def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, Budget],
-                   settings: ExportSettings, space: SearchSpace, encoder_files: EncoderFiles,
-                   chosen: list[ClientData], progress: bool,
-                   workers: int | None, replaces: dict | None = None) -> dict[str, Any]:
+def _export_locked(
+    run: LoadedRun,
+    out_dir: Path,
+    budgets: dict[int, Budget],
+    settings: ExportSettings,
+    space: SearchSpace,
+    encoder_files: EncoderFiles,
+    chosen: list[ClientData],
+    progress: bool,
+    workers: int | None,
+    replaces: dict | None = None,
+) -> dict[str, Any]:
     """The bundles and export.json, while this process holds out_dir's lock."""
     model = model_record(run, encoder_files.path)
-    context = SizingContext(encoder_files.path, run.dataset.num_classes, settings.knn, space,
-                            settings.seed, settings.update_strategy, settings.signing_key,
-                            out_dir / JOURNAL_FILE, model, replaces)
+    context = SizingContext(
+        encoder_files.path,
+        run.dataset.num_classes,
+        settings.knn,
+        space,
+        settings.seed,
+        settings.update_strategy,
+        settings.signing_key,
+        out_dir / JOURNAL_FILE,
+        model,
+        replaces,
+    )
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
-        _fingerprint(run, settings, space, encoder_files), budgets,
-        _resumable(out_dir, run, settings, encoder_files))
+        _fingerprint(run, settings, space, encoder_files),
+        budgets,
+        _resumable(out_dir, run, settings, encoder_files),
+    )
     todo = [c for c in chosen if c.client_id not in done]
     if done:
-        log.info("resuming: %d of %d client(s) already exported", len(chosen) - len(todo),
-                 len(chosen))
+        log.info(
+            "resuming: %d of %d client(s) already exported", len(chosen) - len(todo), len(chosen)
+        )
     session = Encoder(encoder_files.path, intra_op_threads=1)
-    tasks = (_client_task(run, c, session, encoder_files, settings, budgets, out_dir)
-             for c in todo)
+    tasks = (_client_task(run, c, session, encoder_files, settings, budgets, out_dir) for c in todo)
     # a client's sizing time grows with its train split: the estimate is per sample
     work = {c.client_id: max(1, c.num_train) for c in todo}
-    with Progress(len(chosen), desc=f"export {out_dir.name}", unit="client", enabled=progress,
-                  initial=len(chosen) - len(todo), total_work=sum(work.values())) as bar:
+    with Progress(
+        len(chosen),
+        desc=f"export {out_dir.name}",
+        unit="client",
+        enabled=progress,
+        initial=len(chosen) - len(todo),
+        total_work=sum(work.values()),
+    ) as bar:
         for row in _export_clients(tasks, len(todo), context, workers):
             done[row["client_id"]] = row
             bar.update(work[row["client_id"]])
@@ -439,16 +517,19 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, Budget],
         "run": str(run.run_dir),
         "settings": settings.to_dict(space),
         "knn": settings.knn.provenance(),
-        "encoder": {"file": encoder_files.path.name, "quantize": encoder_files.quantize,
-                    "bytes": encoder_files.nbytes, "fp32_file": encoder_files.fp32_path.name,
-                    "fp32_bytes": encoder_files.fp32_nbytes,
-                    "torch_max_abs_diff": encoder_files.torch_max_abs_diff,
-                    "int8_vs_fp32": encoder_files.int8_vs_fp32,
-                    "calibration": "seeded sample of the training clients' train splits"},
+        "encoder": {
+            "file": encoder_files.path.name,
+            "quantize": encoder_files.quantize,
+            "bytes": encoder_files.nbytes,
+            "fp32_file": encoder_files.fp32_path.name,
+            "fp32_bytes": encoder_files.fp32_nbytes,
+            "torch_max_abs_diff": encoder_files.torch_max_abs_diff,
+            "int8_vs_fp32": encoder_files.int8_vs_fp32,
+            "calibration": "seeded sample of the training clients' train splits",
+        },
         "model": model,
         **({"replaces": replaces} if replaces is not None else {}),
-        **({"continues": run.config.continue_from}
-           if run.config.continue_from is not None else {}),
+        **({"continues": run.config.continue_from} if run.config.continue_from is not None else {}),
         "clients": rows,
     }
     write_json_atomic(out_dir / REPORT_FILE, report)
@@ -458,14 +539,23 @@ def _export_locked(run: LoadedRun, out_dir: Path, budgets: dict[int, Budget],
 def model_record(run: LoadedRun, encoder: Path) -> dict[str, Any]:
     """The model version the bundles are built from, as each manifest records it: the run,
     its last round, the sha256 of its weights file and the encoder's embedding id."""
-    return {"run": run.run_dir.name, "round": int(run.config.training.rounds),
-            "weights_sha256": sha256_file(run.run_dir / MODEL_FILE),
-            "embedding": embedding_id(encoder.read_bytes())}
+    return {
+        "run": run.run_dir.name,
+        "round": int(run.config.training.rounds),
+        "weights_sha256": sha256_file(run.run_dir / MODEL_FILE),
+        "embedding": embedding_id(encoder.read_bytes()),
+    }
 
 
-def _client_task(run: LoadedRun, client: ClientData, session: Encoder,
-                 encoder_files: EncoderFiles, settings: ExportSettings,
-                 budgets: dict[int, Budget], out_dir: Path) -> ClientTask:
+def _client_task(
+    run: LoadedRun,
+    client: ClientData,
+    session: Encoder,
+    encoder_files: EncoderFiles,
+    settings: ExportSettings,
+    budgets: dict[int, Budget],
+    out_dir: Path,
+) -> ClientTask:
     """One client's sizing input: its embeddings from the exported encoder and, with the linear
     base, its own encoder (its linear head as the classifier), whose logits the sizer's lambda
     is chosen against, as the device will compute them."""
@@ -474,12 +564,19 @@ def _client_task(run: LoadedRun, client: ClientData, session: Encoder,
     if personal is not None:
         session = Encoder(personal, intra_op_threads=1)
         budget = budget.with_encoder(len(personal))
-    return ClientTask(client_embeddings(session, client), budget, client.unseen,
-                      bundle_dir(out_dir, client.client_id), run.dataset.input_spec, personal)
+    return ClientTask(
+        client_embeddings(session, client),
+        budget,
+        client.unseen,
+        bundle_dir(out_dir, client.client_id),
+        run.dataset.input_spec,
+        personal,
+    )
 
 
-def _personal_encoder(run: LoadedRun, client: ClientData, encoder: Path,
-                      settings: ExportSettings) -> bytes | None:
+def _personal_encoder(
+    run: LoadedRun, client: ClientData, encoder: Path, settings: ExportSettings
+) -> bytes | None:
     """With the linear base, the client's own encoder: its linear head, fitted with the chosen
     l2 on the server's float embeddings of its train split (normalised as the kNN's, as the
     server's evaluation fits it), in place of the global classifier. None otherwise."""
@@ -487,18 +584,21 @@ def _personal_encoder(run: LoadedRun, client: ClientData, encoder: Path,
     if knn.base != "linear":
         return None
     z_train, _ = embed_and_logits(run.model, client.x_train)
-    head = PersonalHead(run.dataset.num_classes, normalize=knn.config.normalize,
-                        l2=knn.l2).fit_linear(z_train, client.y_train.cpu().numpy())
+    head = PersonalHead(
+        run.dataset.num_classes, normalize=knn.config.normalize, l2=knn.l2
+    ).fit_linear(z_train, client.y_train.cpu().numpy())
     return with_linear_head(encoder, head)
 
 
-def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
-               encoder: EncoderFiles) -> Callable[[int, dict[str, Any]], bool]:
+def _resumable(
+    out_dir: Path, run: LoadedRun, settings: ExportSettings, encoder: EncoderFiles
+) -> Callable[[int, dict[str, Any]], bool]:
     """Whether a journaled client can be skipped: its row is well formed and its bundle is
     still the one the row describes, with this command's settings and encoder (the client's
     own, with the linear base), else it is rebuilt."""
-    trusted = ([load_private_key(settings.signing_key).public_key()]
-               if settings.signing_key else None)
+    trusted = (
+        [load_private_key(settings.signing_key).public_key()] if settings.signing_key else None
+    )
     input_spec = to_json_types(run.dataset.input_spec)
     shared_sha256 = sha256_file(encoder.path)
     clients: dict[int, ClientData] = {}
@@ -514,11 +614,16 @@ def _resumable(out_dir: Path, run: LoadedRun, settings: ExportSettings,
     def keep(cid: int, row: dict[str, Any]) -> bool:
         problem = row_problem(row)
         if problem is None:
-            expected = {"client_id": cid, "input": input_spec, "k": settings.knn.config.k,
-                        "sigma": float(settings.knn.config.sigma),
-                        "update_strategy": settings.update_strategy}
-            problem = bundle_problem(bundle_dir(out_dir, cid), row, expected, trusted,
-                                     encoder_sha256(cid))
+            expected = {
+                "client_id": cid,
+                "input": input_spec,
+                "k": settings.knn.config.k,
+                "sigma": float(settings.knn.config.sigma),
+                "update_strategy": settings.update_strategy,
+            }
+            problem = bundle_problem(
+                bundle_dir(out_dir, cid), row, expected, trusted, encoder_sha256(cid)
+            )
         if problem is not None:
             log.warning("client %d: rebuilding its bundle: %s", cid, problem)
         return problem is None
@@ -534,8 +639,9 @@ def _as_budget(client_id: int, budget: Budget | int) -> Budget:
         raise BudgetInvalid(f"client {client_id}: {err}") from None
 
 
-def _client_budgets(budgets: dict[int, Budget], encoder: EncoderFiles,
-                    smallest_datastore: int) -> dict[int, Budget]:
+def _client_budgets(
+    budgets: dict[int, Budget], encoder: EncoderFiles, smallest_datastore: int
+) -> dict[int, Budget]:
     """Each client's budget with the encoder in it. Refused before writing any bundle when
     some budget cannot hold the encoder, or cannot hold the encoder plus the smallest datastore
     the search allows."""
@@ -548,17 +654,23 @@ def _client_budgets(budgets: dict[int, Budget], encoder: EncoderFiles,
 
     below = [cid for cid, budget in out.items() if budget.room < 0]
     if below:
-        raise refuse(below, f"is below the size of the {encoder.quantize} encoder alone "
-                            f"({encoder.nbytes} bytes)")
+        raise refuse(
+            below,
+            f"is below the size of the {encoder.quantize} encoder alone ({encoder.nbytes} bytes)",
+        )
     tight = [cid for cid, budget in out.items() if budget.room < smallest_datastore]
     if tight:
-        raise refuse(tight, f"cannot hold the {encoder.quantize} encoder ({encoder.nbytes} "
-                            f"bytes) plus the smallest datastore ({smallest_datastore} bytes)")
+        raise refuse(
+            tight,
+            f"cannot hold the {encoder.quantize} encoder ({encoder.nbytes} "
+            f"bytes) plus the smallest datastore ({smallest_datastore} bytes)",
+        )
     return out
 
 
-def _export_clients(tasks: Iterator[ClientTask], count: int, context: SizingContext,
-                    workers: int | None) -> Iterator[dict[str, Any]]:
+def _export_clients(
+    tasks: Iterator[ClientTask], count: int, context: SizingContext, workers: int | None
+) -> Iterator[dict[str, Any]]:
     """Each client's row as it finishes: in this process, or in a pool of worker processes."""
     workers = min(workers or usable_cores(), count)
     if workers <= 1:
@@ -576,14 +688,17 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _fingerprint(run: LoadedRun, settings: ExportSettings, space: SearchSpace,
-                 encoder: EncoderFiles) -> dict[str, Any]:
+def _fingerprint(
+    run: LoadedRun, settings: ExportSettings, space: SearchSpace, encoder: EncoderFiles
+) -> dict[str, Any]:
     """What makes two exports the same export: the run, every setting, the encoder's bytes."""
-    return to_json_types({
-        "run": str(Path(run.run_dir).resolve()),
-        "settings": settings.to_dict(space),
-        "encoder_sha256": sha256_file(encoder.path),
-    })
+    return to_json_types(
+        {
+            "run": str(Path(run.run_dir).resolve()),
+            "settings": settings.to_dict(space),
+            "encoder_sha256": sha256_file(encoder.path),
+        }
+    )
 
 
 def remove_stale_temporaries(out_dir: Path) -> None:

@@ -19,18 +19,28 @@ class ExportJournal(Journal):
     """A header line with the export's fingerprint, then one JSON line per finished client,
     appended once its bundle is in place."""
 
-    def finished(self, fingerprint: dict[str, Any], budgets: dict[int, Budget],
-                 keep: Callable[[int, dict[str, Any]], bool]) -> dict[int, dict[str, Any]]:
+    def finished(
+        self,
+        fingerprint: dict[str, Any],
+        budgets: dict[int, Budget],
+        keep: Callable[[int, dict[str, Any]], bool],
+    ) -> dict[int, dict[str, Any]]:
         """Rows of clients finished by an earlier call of this same export, for the same
         budget, that `keep(client_id, row)` accepts (it re-verifies the bundle); starts a new
         journal when there is none or it belongs to a different export."""
         rows: dict[int, dict[str, Any]] = {}
         for row in self.rows({"fingerprint": fingerprint}) or []:
             cid = row.get("client_id")
-            if (is_integer(cid) and cid in budgets
-                    and budgets[cid].total == row.get("budget") and keep(cid, row)):
+            if (
+                is_integer(cid)
+                and cid in budgets
+                and budgets[cid].total == row.get("budget")
+                and keep(cid, row)
+            ):
                 rows[cid] = row
-        text = "".join(json.dumps(x, default=json_default) + "\n"
-                       for x in [{"fingerprint": fingerprint}, *rows.values()])
+        text = "".join(
+            json.dumps(x, default=json_default) + "\n"
+            for x in [{"fingerprint": fingerprint}, *rows.values()]
+        )
         write_bytes_atomic(self.path, text.encode("utf-8"))
         return rows

@@ -45,8 +45,9 @@ class EmbedLogits(nn.Module):
     def __init__(self, model: nn.Module, normalize: str = "none") -> None:
         super().__init__()
         if normalize not in NORMALIZATIONS:
-            raise ExportError(f"unknown embedding normalisation {normalize!r}; known: "
-                              f"{', '.join(NORMALIZATIONS)}")
+            raise ExportError(
+                f"unknown embedding normalisation {normalize!r}; known: {', '.join(NORMALIZATIONS)}"
+            )
         self.model = model
         self.normalize = normalize
 
@@ -56,9 +57,15 @@ class EmbedLogits(nn.Module):
         return out, self.model.head(z)
 
 
-def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str | Path, *,
-                opset: int = DEFAULT_OPSET, atol: float = FP32_TOLERANCE,
-                normalize: str = "none") -> float:
+def export_onnx(
+    model: nn.Module,
+    example: np.ndarray | torch.Tensor,
+    path: str | Path,
+    *,
+    opset: int = DEFAULT_OPSET,
+    atol: float = FP32_TOLERANCE,
+    normalize: str = "none",
+) -> float:
     """Write `model` as ONNX to `path` (one self-contained file, dynamic batch axis), validate it
     with onnx.checker and compare it with torch on `example` (a batch of prepared inputs);
     returns the largest absolute difference found.
@@ -81,9 +88,16 @@ def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str 
             # The TorchScript exporter is deprecated in favour of dynamo, which we do not need.
             warnings.simplefilter("ignore")
             with torch.no_grad():
-                torch.onnx.export(wrapper, (example_t,), buffer, input_names=[INPUT_NAME],
-                                  output_names=list(OUTPUT_NAMES), dynamic_axes=dynamic,
-                                  opset_version=opset, dynamo=False)
+                torch.onnx.export(
+                    wrapper,
+                    (example_t,),
+                    buffer,
+                    input_names=[INPUT_NAME],
+                    output_names=list(OUTPUT_NAMES),
+                    dynamic_axes=dynamic,
+                    opset_version=opset,
+                    dynamo=False,
+                )
     except Exception as err:  # the exporter raises many types for unsupported models
         raise ExportError(f"torch could not export the model to ONNX: {err}") from err
     proto = onnx.load_from_string(buffer.getvalue())
@@ -95,16 +109,20 @@ def export_onnx(model: nn.Module, example: np.ndarray | torch.Tensor, path: str 
     write_bytes_atomic(path, buffer.getvalue())
     diff = compare_with_torch(model, path, example, normalize)
     if not diff <= atol:
-        raise ExportError(f"the ONNX model differs from torch by {diff:.3g} (> {atol:g}) on the "
-                          "example batch; the exporter mistranslated an operator")
+        raise ExportError(
+            f"the ONNX model differs from torch by {diff:.3g} (> {atol:g}) on the "
+            "example batch; the exporter mistranslated an operator"
+        )
     # by name: the file may be in a temporary folder that is gone by the time anyone reads this
-    log.info("exported %s (%d bytes, max |onnx - torch| = %.2g)", path.name,
-             path.stat().st_size, diff)
+    log.info(
+        "exported %s (%d bytes, max |onnx - torch| = %.2g)", path.name, path.stat().st_size, diff
+    )
     return diff
 
 
-def run_onnx(path: str | Path | bytes, x: np.ndarray,
-             batch_size: int = 512) -> tuple[np.ndarray, np.ndarray]:
+def run_onnx(
+    path: str | Path | bytes, x: np.ndarray, batch_size: int = 512
+) -> tuple[np.ndarray, np.ndarray]:
     """(embedding, logits) of an ONNX encoder on prepared inputs, in batches, one CPU thread
     per op (the machines this runs on are shared; devices are single-core anyway)."""
     options = ort.SessionOptions()
@@ -114,19 +132,23 @@ def run_onnx(path: str | Path | bytes, x: np.ndarray,
     session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     zs, ls = [], []
     for start in range(0, len(x), batch_size):
-        z, logits = session.run(list(OUTPUT_NAMES),
-                                {INPUT_NAME: np.ascontiguousarray(x[start:start + batch_size])})
+        z, logits = session.run(
+            list(OUTPUT_NAMES), {INPUT_NAME: np.ascontiguousarray(x[start : start + batch_size])}
+        )
         zs.append(z)
         ls.append(logits)
     if not zs:
         out = session.get_outputs()
-        return (np.zeros((0, out[0].shape[1]), np.float32),
-                np.zeros((0, out[1].shape[1]), np.float32))
+        return (
+            np.zeros((0, out[0].shape[1]), np.float32),
+            np.zeros((0, out[1].shape[1]), np.float32),
+        )
     return np.concatenate(zs), np.concatenate(ls)
 
 
-def compare_with_torch(model: nn.Module, path: str | Path,
-                       x: np.ndarray | torch.Tensor, normalize: str = "none") -> float:
+def compare_with_torch(
+    model: nn.Module, path: str | Path, x: np.ndarray | torch.Tensor, normalize: str = "none"
+) -> float:
     """Largest absolute difference between the ONNX file's outputs and torch's, both outputs."""
     x_np = np.asarray(x)
     z, logits = run_onnx(path, x_np)

@@ -30,24 +30,30 @@ def with_linear_head(encoder: bytes | str | Path, head: LinearHead) -> bytes:
     graph = model.graph
     embedding, logits = OUTPUT_NAMES
     if sorted(o.name for o in graph.output) != sorted(OUTPUT_NAMES):
-        raise ExportError(f"the encoder's outputs are {[o.name for o in graph.output]}, not "
-                          f"{list(OUTPUT_NAMES)}")
+        raise ExportError(
+            f"the encoder's outputs are {[o.name for o in graph.output]}, not {list(OUTPUT_NAMES)}"
+        )
     dim = head.coef_.shape[0]
     for node in graph.node:  # the global classifier's output becomes a dead end, pruned below
         for i, name in enumerate(node.output):
             if name == logits:
                 node.output[i] = f"{logits}/global"
-    weight, bias = (numpy_helper.from_array(np.ascontiguousarray(array, np.float32), name)
-                    for name, array in head_tensors(head.coef_, head.intercept_).items())
+    weight, bias = (
+        numpy_helper.from_array(np.ascontiguousarray(array, np.float32), name)
+        for name, array in head_tensors(head.coef_, head.intercept_).items()
+    )
     graph.initializer.extend([weight, bias])
-    graph.node.append(helper.make_node("Gemm", [embedding, weight.name, bias.name], [logits],
-                                       name=HEAD_NAME))
+    graph.node.append(
+        helper.make_node("Gemm", [embedding, weight.name, bias.name], [logits], name=HEAD_NAME)
+    )
     _prune(graph)
     out = {o.name: o for o in graph.output}[embedding]
     dims = out.type.tensor_type.shape.dim
     if len(dims) == 2 and dims[1].HasField("dim_value") and dims[1].dim_value != dim:
-        raise ExportError(f"the encoder's embedding has {dims[1].dim_value} dimensions; the "
-                          f"linear head was fitted on {dim}")
+        raise ExportError(
+            f"the encoder's embedding has {dims[1].dim_value} dimensions; the "
+            f"linear head was fitted on {dim}"
+        )
     return model.SerializeToString()
 
 

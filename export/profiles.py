@@ -46,15 +46,17 @@ def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, Budge
     path = Path(path)
     ids = _check_clients(client_ids)
     try:
-        raw = read_json(path, limit=MAX_BUDGET_FILE_BYTES,
-                        fix='write it as {"<client id>": bytes, ...}')
+        raw = read_json(
+            path, limit=MAX_BUDGET_FILE_BYTES, fix='write it as {"<client id>": bytes, ...}'
+        )
     except FileNotFoundError:
         raise BudgetInvalid(f"budget file {path} does not exist") from None
     except JSONFileError as err:
         raise BudgetInvalid(f"budget file {err}") from None
     if not isinstance(raw, dict):
-        raise BudgetInvalid(f"budget file {path} must hold an object {{client_id: bytes}}, "
-                          f"got {type(raw).__name__}")
+        raise BudgetInvalid(
+            f"budget file {path} must hold an object {{client_id: bytes}}, got {type(raw).__name__}"
+        )
     budgets: dict[int, Budget] = {}
     for key, value in raw.items():
         try:
@@ -77,8 +79,9 @@ def uniform_budgets(client_ids: Sequence[int], budget: int) -> dict[int, Budget]
     return dict.fromkeys(_check_clients(client_ids), value)
 
 
-def weak_strong_budgets(client_ids: Sequence[int], reference: int, delta_c: float,
-                        seed: int = 0) -> dict[int, Budget]:
+def weak_strong_budgets(
+    client_ids: Sequence[int], reference: int, delta_c: float, seed: int = 0
+) -> dict[int, Budget]:
     """The paper's system heterogeneity: a seeded half of the clients ("weak") get
     (1/2 - delta_c) x reference and the others ("strong") (1/2 + delta_c) x reference.
     With an odd number of clients the extra one is strong."""
@@ -102,15 +105,19 @@ def weak_clients(client_ids: Sequence[int], seed: int = 0) -> set[int]:
     return {ids[i] for i in picked.tolist()}
 
 
-def lognormal_budgets(client_ids: Sequence[int], reference: int, sigma: float = 0.5,
-                      seed: int = 0) -> dict[int, Budget]:
+def lognormal_budgets(
+    client_ids: Sequence[int], reference: int, sigma: float = 0.5, seed: int = 0
+) -> dict[int, Budget]:
     """Budgets spread log-normally around `reference` (its median): reference x exp(sigma x N(0,1)).
     Device memory in the wild spans orders of magnitude; this models that spread."""
     ids = _check_clients(client_ids)
     reference = _check_bytes(reference, "--reference")
     if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:
-        raise BudgetInvalid(f"--spread (the lognormal sigma) must be a finite number >= 0, got "
-                          f"{sigma!r}")
+        raise BudgetInvalid(
+            f"--spread (the lognormal sigma) must be a finite number >= 0, got {sigma!r}"
+        )
     draws = np.random.default_rng(seed).standard_normal(len(ids))
-    return {cid: Budget(max(1, int(math.floor(reference * math.exp(sigma * float(e))))))
-            for cid, e in zip(ids, draws, strict=True)}
+    return {
+        cid: Budget(max(1, int(math.floor(reference * math.exp(sigma * float(e))))))
+        for cid, e in zip(ids, draws, strict=True)
+    }

@@ -37,8 +37,11 @@ DEFAULT_CALIBRATION_SAMPLES = 256
 # weight scheme -> (onnxruntime weight type, reduce_range). "int7" is the one the exporter
 # writes; the others are kept to measure it against (benchmarks/int8_scheme.py): "int8" is the
 # scheme that saturates on AVX2, "uint8" is exact too (uint8 x uint8 kernels widen to 16 bits).
-WEIGHT_SCHEMES = {"int7": (QuantType.QInt8, True), "uint8": (QuantType.QUInt8, False),
-                  "int8": (QuantType.QInt8, False)}
+WEIGHT_SCHEMES = {
+    "int7": (QuantType.QInt8, True),
+    "uint8": (QuantType.QUInt8, False),
+    "int8": (QuantType.QInt8, False),
+}
 # The largest sum a 16-bit lane holds, and the largest uint8 activation a pair multiplies.
 INT16_MAX, UINT8_MAX = 32767, 255
 _WEIGHT_READERS = {"Conv", "Gemm", "MatMul", "QLinearConv", "QGemm", "QLinearMatMul"}
@@ -54,7 +57,7 @@ class ArrayCalibrationReader(CalibrationDataReader):
 
     def _iterate(self) -> Iterator[dict[str, np.ndarray]]:
         for start in range(0, len(self.x), self.batch_size):
-            yield {INPUT_NAME: self.x[start:start + self.batch_size]}
+            yield {INPUT_NAME: self.x[start : start + self.batch_size]}
 
     def get_next(self) -> dict[str, np.ndarray] | None:
         if self._batches is None:
@@ -65,8 +68,9 @@ class ArrayCalibrationReader(CalibrationDataReader):
         self._batches = None
 
 
-def calibration_inputs(clients: Sequence[ClientData], n: int = DEFAULT_CALIBRATION_SAMPLES,
-                       seed: int = 0) -> np.ndarray:
+def calibration_inputs(
+    clients: Sequence[ClientData], n: int = DEFAULT_CALIBRATION_SAMPLES, seed: int = 0
+) -> np.ndarray:
     """A seeded sample of `n` prepared inputs from the train splits of the clients that took part
     in training: data the server saw anyway. Never a test split, never an unseen client's data,
     so no number reported later was tuned on what it is measured on."""
@@ -127,8 +131,10 @@ class _DropPreprocessingAdvice(logging.Filter):
     preprocessing; our graphs come from torch with shapes already inferred."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "pre-processing before quantization" not in record.getMessage() and \
-            "run pre-processing" not in record.getMessage()
+        return (
+            "pre-processing before quantization" not in record.getMessage()
+            and "run pre-processing" not in record.getMessage()
+        )
 
 
 def int8_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -136,8 +142,11 @@ def int8_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     or fused), by initializer name, shaped [output channels, ...]. A Gemm with transB=0 stores
     its weight [K, N]; it is transposed here so that rows are output channels."""
     initializers = {i.name: i for i in model.graph.initializer}
-    dequantized = {n.output[0]: n.input[0] for n in model.graph.node
-                   if n.op_type == "DequantizeLinear" and n.input[0] in initializers}
+    dequantized = {
+        n.output[0]: n.input[0]
+        for n in model.graph.node
+        if n.op_type == "DequantizeLinear" and n.input[0] in initializers
+    }
     found: dict[str, np.ndarray] = {}
     for node in model.graph.node:
         if node.op_type not in _WEIGHT_READERS:
@@ -168,13 +177,21 @@ def check_pair_sums(model: onnx.ModelProto) -> None:
     for name, w in int8_weights(model).items():
         bound = pair_sum_bound(w)
         if bound > INT16_MAX:
-            raise ExportError(f"int8 weights {name} can sum a pair of products to {bound}, past "
-                              f"{INT16_MAX}: AVX2 kernels would saturate (quantize with 7-bit "
-                              "weights)")
+            raise ExportError(
+                f"int8 weights {name} can sum a pair of products to {bound}, past "
+                f"{INT16_MAX}: AVX2 kernels would saturate (quantize with 7-bit "
+                "weights)"
+            )
 
 
-def quantize_int8(fp32_path: str | Path, out_path: str | Path, calibration: np.ndarray, *,
-                  keep_float: bool = True, weights: str = "int7") -> Path:
+def quantize_int8(
+    fp32_path: str | Path,
+    out_path: str | Path,
+    calibration: np.ndarray,
+    *,
+    keep_float: bool = True,
+    weights: str = "int7",
+) -> Path:
     """Static QDQ quantization: uint8 activations, per-channel weights in `weights`'s scheme
     (see WEIGHT_SCHEMES; int8 activations ran about 1.4x slower). With `keep_float`, the first
     layer and the classifier head stay float (see `float_nodes`). An encoder with int8 weights
@@ -197,17 +214,30 @@ def quantize_int8(fp32_path: str | Path, out_path: str | Path, calibration: np.n
         onnx.save(model, src)
         logging.getLogger().addFilter(advice_filter)
         try:
-            quantize_static(str(src), str(out_path), ArrayCalibrationReader(calibration),
-                            quant_format=QuantFormat.QDQ, per_channel=True,
-                            activation_type=QuantType.QUInt8, weight_type=weight_type,
-                            reduce_range=reduce_range, calibrate_method=CalibrationMethod.MinMax,
-                            nodes_to_exclude=exclude)
+            quantize_static(
+                str(src),
+                str(out_path),
+                ArrayCalibrationReader(calibration),
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QUInt8,
+                weight_type=weight_type,
+                reduce_range=reduce_range,
+                calibrate_method=CalibrationMethod.MinMax,
+                nodes_to_exclude=exclude,
+            )
         except Exception as err:  # onnxruntime raises several types
             raise ExportError(f"int8 quantization failed: {err}") from err
         finally:
             logging.getLogger().removeFilter(advice_filter)
     if weights != "int8":
         check_pair_sums(onnx.load(out_path))
-    log.info("quantized %s -> %s (%d -> %d bytes, kept float: %s)", fp32_path.name, out_path.name,
-             fp32_path.stat().st_size, out_path.stat().st_size, exclude)
+    log.info(
+        "quantized %s -> %s (%d -> %d bytes, kept float: %s)",
+        fp32_path.name,
+        out_path.name,
+        fp32_path.stat().st_size,
+        out_path.stat().st_size,
+        exclude,
+    )
     return out_path

@@ -20,8 +20,16 @@ def row_problem(row: Any) -> str | None:
     """What is wrong with a journal row's fields, or None."""
     if not isinstance(row, dict):
         return "not a JSON object"
-    for key in ("client_id", "budget", "stored", "encoder_bytes", "datastore_bytes",
-                "total_bytes", "train_samples", "val_samples"):
+    for key in (
+        "client_id",
+        "budget",
+        "stored",
+        "encoder_bytes",
+        "datastore_bytes",
+        "total_bytes",
+        "train_samples",
+        "val_samples",
+    ):
         if not (is_integer(row.get(key)) and row[key] >= 0):
             return f"{key!r} is not a non-negative integer"
     if row.get("backend") not in BACKENDS or not isinstance(row.get("recipe"), str):
@@ -38,8 +46,13 @@ def row_problem(row: Any) -> str | None:
     return None
 
 
-def bundle_problem(path: Path, row: dict[str, Any], expected: dict[str, Any],
-                   trusted_keys: Sequence[Any] | None, encoder_sha256: str) -> str | None:
+def bundle_problem(
+    path: Path,
+    row: dict[str, Any],
+    expected: dict[str, Any],
+    trusted_keys: Sequence[Any] | None,
+    encoder_sha256: str,
+) -> str | None:
     """What makes the bundle at `path` differ from the journal row and this export's settings
     (`expected`: manifest fields the command decides; `encoder_sha256`: this export's
     encoder, so a bundle of another model is rebuilt even when its row was rewritten to
@@ -58,13 +71,24 @@ def bundle_problem(path: Path, row: dict[str, Any], expected: dict[str, Any],
     if got != expected:
         return f"its settings {got} are not this export's {expected}"
     footprint = manifest["footprint"]
-    described = {"client_id": row["client_id"], "budget_bytes": row["budget"],
-                 "lambda": row["lambda"], "recipe": row["recipe"], "backend": row["backend"],
-                 "encoder": row["encoder_bytes"], "datastore": row["datastore_bytes"],
-                 "total": row["total_bytes"]}
-    actual = {"client_id": manifest["client_id"], "budget_bytes": manifest["budget_bytes"],
-              "lambda": manifest["lambda"], "recipe": manifest["backend"]["recipe"],
-              "backend": manifest["backend"]["name"], **footprint}
+    described = {
+        "client_id": row["client_id"],
+        "budget_bytes": row["budget"],
+        "lambda": row["lambda"],
+        "recipe": row["recipe"],
+        "backend": row["backend"],
+        "encoder": row["encoder_bytes"],
+        "datastore": row["datastore_bytes"],
+        "total": row["total_bytes"],
+    }
+    actual = {
+        "client_id": manifest["client_id"],
+        "budget_bytes": manifest["budget_bytes"],
+        "lambda": manifest["lambda"],
+        "recipe": manifest["backend"]["recipe"],
+        "backend": manifest["backend"]["name"],
+        **footprint,
+    }
     if described != actual:
         return "it is not the bundle its journal row describes"
     return None

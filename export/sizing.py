@@ -84,14 +84,12 @@ class SearchSpace:
 
     def pruned(self, screen_steps: int = 50) -> SearchSpace:
         """This space with the pruning rules and successive halving of the module's doc."""
-        return SearchSpace(**{**self.__dict__, "prune": True,
-                              "protonn_screen_steps": screen_steps})
+        return SearchSpace(**{**self.__dict__, "prune": True, "protonn_screen_steps": screen_steps})
 
     def restricted_to(self, backend: str) -> SearchSpace:
         """This space with only one backend ("auto" keeps them all)."""
         if backend not in backend_choices():
-            raise ExportError(f"unknown backend {backend!r}; known: "
-                              f"{', '.join(backend_choices())}")
+            raise ExportError(f"unknown backend {backend!r}; known: {', '.join(backend_choices())}")
         if backend == "auto":
             return self
         return SearchSpace(**{**self.__dict__, "backends": (backend,)})
@@ -111,9 +109,16 @@ class Candidate:
     steps: int | None = None  # ProtoNN: the Adam steps it was trained for
 
     def as_row(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "backend": self.backend, "bytes": self.nbytes,
-                "stored": self.stored, "lambda": self.lam, "val_accuracy": self.val_accuracy,
-                "val_nll": self.val_nll, "steps": self.steps}
+        return {
+            "recipe": self.recipe,
+            "backend": self.backend,
+            "bytes": self.nbytes,
+            "stored": self.stored,
+            "lambda": self.lam,
+            "val_accuracy": self.val_accuracy,
+            "val_nll": self.val_nll,
+            "steps": self.steps,
+        }
 
 
 def measure_nbytes(datastore: Datastore) -> int:
@@ -139,8 +144,9 @@ def smallest_datastore_bytes(space: SearchSpace, num_classes: int, dim: int) -> 
     sizes = [measure_nbytes(config.fit(z, y)) for config in sample_configs(space, num_classes)]
     if ProtoNNDatastore.backend in space.backends and space.protonn_dims:
         d = min(space.protonn_dims)
-        ds = ProtoNNDatastore.from_matrices(np.zeros((d, dim)), np.zeros((d, 1)),
-                                            np.zeros((num_classes, 1)), 1.0, m=1.0)
+        ds = ProtoNNDatastore.from_matrices(
+            np.zeros((d, dim)), np.zeros((d, 1)), np.zeros((num_classes, 1)), 1.0, m=1.0
+        )
         sizes.append(measure_nbytes(ds))
     if not sizes:
         raise ExportError("the search space has no datastore configuration to try")
@@ -161,8 +167,10 @@ def sample_configs(space: SearchSpace, num_classes: int, **params: Any) -> list[
             continue
         axes = cls.SEARCH_AXES
         grids = [_axis_values(space, values) for values in axes.values()]
-        configs += [cls(num_classes, **params, **dict(zip(axes, point, strict=True)))
-                    for point in itertools.product(*grids)]
+        configs += [
+            cls(num_classes, **params, **dict(zip(axes, point, strict=True)))
+            for point in itertools.product(*grids)
+        ]
     if space.prune:
         recipes = {c.recipe for c in configs}
         configs = [c for c in configs if c.DOMINATED_BY not in recipes]
@@ -178,8 +186,9 @@ def selection_key(c: Candidate) -> tuple:
     """edge_runtime.knn.datastore_key: the order `knnper-edge init` ranks its candidates by.
     Its log-loss rounding keeps the tiny differences that key quantization causes (fp32
     against int8 keys) from outweighing a 4x saving in bytes."""
-    return datastore_key(c.val_accuracy, c.val_nll, trained=BACKENDS[c.backend].TRAINED,
-                         nbytes=c.nbytes)
+    return datastore_key(
+        c.val_accuracy, c.val_nll, trained=BACKENDS[c.backend].TRAINED, nbytes=c.nbytes
+    )
 
 
 class DatastoreSizer:
@@ -192,9 +201,15 @@ class DatastoreSizer:
     `best_`, `datastore_`, `candidates_` (and `fitted_`: each candidate with its fitted
     datastore)."""
 
-    def __init__(self, num_classes: int, *, knn: KNNChoice | None = None,
-                 space: SearchSpace | None = None, seed: int = 0,
-                 reuse_protonn: bool = False) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        knn: KNNChoice | None = None,
+        space: SearchSpace | None = None,
+        seed: int = 0,
+        reuse_protonn: bool = False,
+    ) -> None:
         self.num_classes = num_classes
         self.knn = knn or KNNChoice()
         self.space = space or SearchSpace()
@@ -209,19 +224,24 @@ class DatastoreSizer:
     def fit(self, data: ClientSplits, budget: Budget) -> DatastoreSizer:
         room = budget.room
         if len(data.y_train) == 0:
-            raise ExportError(f"client {data.client_id} has no training samples to build a "
-                              "datastore from")
+            raise ExportError(
+                f"client {data.client_id} has no training samples to build a datastore from"
+            )
         if not self.reuse_protonn:
             self._protonn_cache = {}  # within one fit: the classifiers the finalists train on
-        self._loo = (self._head().leave_one_out(data)
-                     if self.knn.lambda_estimator == "loo+val" else None)
+        self._loo = (
+            self._head().leave_one_out(data) if self.knn.lambda_estimator == "loo+val" else None
+        )
         candidates: list[tuple[Candidate, Datastore]] = []
         seen: set[tuple[str, int]] = set()
         # with the linear base, a device's first `add` refits the head into its own file, taken
         # from the datastore's share: flat and HNSW datastores are sized to leave it room (a
         # ProtoNN datastore keeps prototypes, and its head is never refitted)
-        sample_room = room - (head_nbytes(int(data.z_train.shape[1]), self.num_classes)
-                              if self.knn.base == "linear" else 0)
+        sample_room = room - (
+            head_nbytes(int(data.z_train.shape[1]), self.num_classes)
+            if self.knn.base == "linear"
+            else 0
+        )
         for build in self._builders(data, sample_room):
             made = build()
             if made is None:
@@ -235,20 +255,28 @@ class DatastoreSizer:
             seen.add(signature)
             self._score(cand, ds, data)
             candidates.append((cand, ds))
-            log.debug("client %d: %s %d bytes acc %s", data.client_id, cand.recipe, cand.nbytes,
-                      cand.val_accuracy)
-        if (ProtoNNDatastore.backend in self.space.backends
-                and not self._holds_all_fp32(candidates, data)):
+            log.debug(
+                "client %d: %s %d bytes acc %s",
+                data.client_id,
+                cand.recipe,
+                cand.nbytes,
+                cand.val_accuracy,
+            )
+        if ProtoNNDatastore.backend in self.space.backends and not self._holds_all_fp32(
+            candidates, data
+        ):
             candidates += self._protonn_search(data, room)
         if not candidates:
             raise BudgetInvalid(
                 f"client {data.client_id}: the budget leaves {room} bytes after the encoder, too "
-                f"few for any datastore of backend(s) {', '.join(self.space.backends)}")
+                f"few for any datastore of backend(s) {', '.join(self.space.backends)}"
+            )
         if len(data.y_val) == 0:
             # No validation split to judge by: the most stored samples that fit, searched
             # exactly (flat), at the highest precision (most bytes).
-            best_pair = max(candidates, key=lambda cd: (cd[0].stored, cd[1].EXACT_SEARCH,
-                                                        cd[0].nbytes))
+            best_pair = max(
+                candidates, key=lambda cd: (cd[0].stored, cd[1].EXACT_SEARCH, cd[0].nbytes)
+            )
         else:
             best_pair = min(candidates, key=lambda cd: selection_key(cd[0]))
         self.best_, self.datastore_ = best_pair
@@ -256,8 +284,9 @@ class DatastoreSizer:
         self.fitted_ = candidates  # every (candidate, fitted datastore), for benchmarks
         return self
 
-    def _holds_all_fp32(self, candidates: list[tuple[Candidate, Datastore]],
-                        data: ClientSplits) -> bool:
+    def _holds_all_fp32(
+        self, candidates: list[tuple[Candidate, Datastore]], data: ClientSplits
+    ) -> bool:
         """Whether a flat float32 datastore of every train sample fits (then ProtoNN is not
         trained: the module's doc says why)."""
         return any(ds.exact_fp32 and c.stored == len(data.y_train) for c, ds in candidates)
@@ -266,13 +295,21 @@ class DatastoreSizer:
         """A candidate's head: its datastore, the encoder's base (the global model, or the
         client's linear head inside its own encoder) and the export's lambda rule."""
         knn = self.knn
-        return PersonalHead(self.num_classes, k=knn.config.k, sigma=knn.config.sigma,
-                            rule=knn.lambda_rule, estimator=knn.lambda_estimator)
+        return PersonalHead(
+            self.num_classes,
+            k=knn.config.k,
+            sigma=knn.config.sigma,
+            rule=knn.lambda_rule,
+            estimator=knn.lambda_estimator,
+        )
 
     def _score(self, cand: Candidate, ds: Datastore, data: ClientSplits) -> None:
         head = self._head().fit(data, datastore=ds, loo=self._loo)
-        cand.lam, cand.val_accuracy, cand.val_nll = (head.lambda_, head.val_accuracy_,
-                                                     head.val_nll_)
+        cand.lam, cand.val_accuracy, cand.val_nll = (
+            head.lambda_,
+            head.val_accuracy_,
+            head.val_nll_,
+        )
 
     # -- enumeration
     def _counts(self, n_train: int, most: int) -> list[int]:
@@ -284,8 +321,9 @@ class DatastoreSizer:
             counts.add(min(most, n_train))
         return sorted((c for c in counts if c <= most), reverse=True)
 
-    def _counts_within(self, config: SampleDatastore, room: int, n: int,
-                       dim: int) -> tuple[list[int], int]:
+    def _counts_within(
+        self, config: SampleDatastore, room: int, n: int, dim: int
+    ) -> tuple[list[int], int]:
         """Sample counts to try for a flat or hnsw configuration, and its capacity: the most
         samples its files can ever hold within `room` (what fifo may later grow to)."""
 
@@ -294,8 +332,9 @@ class DatastoreSizer:
 
         return self._counts(n, _most_within(estimate, room, n)), max_count_within(estimate, room)
 
-    def _builders(self, data: ClientSplits,
-                  room: int) -> Iterator[Callable[[], tuple[Candidate, Datastore] | None]]:
+    def _builders(
+        self, data: ClientSplits, room: int
+    ) -> Iterator[Callable[[], tuple[Candidate, Datastore] | None]]:
         n, dim = data.z_train.shape
         for config in self._sample_configs():
             counts, capacity = self._counts_within(config, room, n, dim)
@@ -305,11 +344,17 @@ class DatastoreSizer:
     def _sample_configs(self) -> Iterator[SampleDatastore]:
         """The flat and HNSW configurations to fill with samples (ProtoNN is trained after
         them: see _protonn_search), unfitted and with no sample count yet."""
-        yield from sample_configs(self.space, self.num_classes, k=self.knn.config.k,
-                                  sigma=self.knn.config.sigma, seed=self.seed)
+        yield from sample_configs(
+            self.space,
+            self.num_classes,
+            k=self.knn.config.k,
+            sigma=self.knn.config.sigma,
+            seed=self.seed,
+        )
 
-    def _fit_within(self, config: SampleDatastore, data: ClientSplits, count: int,
-                    capacity: int, room: int) -> tuple[Candidate, Datastore] | None:
+    def _fit_within(
+        self, config: SampleDatastore, data: ClientSplits, count: int, capacity: int, room: int
+    ) -> tuple[Candidate, Datastore] | None:
         """`config` fitted with `count` samples, its exact bytes measured. Over `room` (the
         estimates are not exact): shrink the count in proportion until it fits. The
         budget-filling candidate (the largest count the estimate allowed) then grows while the
@@ -359,8 +404,7 @@ class DatastoreSizer:
         share = self.space.protonn_buffer
         return max(1, round(share * n_train)) if share else None
 
-    def _protonn_search(self, data: ClientSplits,
-                        room: int) -> list[tuple[Candidate, Datastore]]:
+    def _protonn_search(self, data: ClientSplits, room: int) -> list[tuple[Candidate, Datastore]]:
         """Successive halving: every shape that fits gets the screening steps, the best
         `protonn_finalists` on validation get the rest; every model is a candidate with the
         score it has when its training stops."""
@@ -374,27 +418,39 @@ class DatastoreSizer:
                 scored[shape] = made
         if screen < space.protonn_steps:
             ranked = sorted(scored, key=lambda shape: selection_key(scored[shape][0]))
-            for shape in ranked[:space.protonn_finalists]:
+            for shape in ranked[: space.protonn_finalists]:
                 made = self._protonn(data, *shape, space.protonn_steps, room)
                 if made is not None:
                     self._score(*made, data)
                     scored[shape] = made
         for cand, _ in scored.values():
-            log.debug("client %d: %s %d bytes acc %s (%d steps)", data.client_id, cand.recipe,
-                      cand.nbytes, cand.val_accuracy, cand.steps)
+            log.debug(
+                "client %d: %s %d bytes acc %s (%d steps)",
+                data.client_id,
+                cand.recipe,
+                cand.nbytes,
+                cand.val_accuracy,
+                cand.steps,
+            )
         return list(scored.values())
 
-    def _protonn(self, data: ClientSplits, d: int, m: int, steps: int,
-                 room: int) -> tuple[Candidate, Datastore] | None:
+    def _protonn(
+        self, data: ClientSplits, d: int, m: int, steps: int, room: int
+    ) -> tuple[Candidate, Datastore] | None:
         """The (d, m) ProtoNN trained to `steps` (continuing its earlier training, if any)."""
-        shape = (data.client_id, d, m, hashlib.sha1(np.ascontiguousarray(data.z_train).data)
-                 .hexdigest())
+        shape = (
+            data.client_id,
+            d,
+            m,
+            hashlib.sha1(np.ascontiguousarray(data.z_train).data).hexdigest(),
+        )
         ds = self._protonn_cache.get((*shape, steps))
         if ds is None:
             clf = self._protonn_cache.get(shape)
             if clf is None or clf.steps_done_ > steps:
-                clf = ProtoNNClassifier(self.num_classes, projection_dim=d, n_prototypes=m,
-                                        steps=steps, seed=self.seed)
+                clf = ProtoNNClassifier(
+                    self.num_classes, projection_dim=d, n_prototypes=m, steps=steps, seed=self.seed
+                )
             clf.partial_fit(data.z_train, data.y_train, steps - getattr(clf, "steps_done_", 0))
             fraction = float(f"{clf.n_prototypes_ / len(data.y_train):.4g}")
             ds = clf.to_datastore(k=self.knn.config.k, sigma=self.knn.config.sigma, m=fraction)

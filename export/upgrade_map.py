@@ -50,13 +50,17 @@ class MapFit:
     held_out_samples: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"form": "ridge linear", "alpha": self.alpha,
-                "cv_mse": {f"{a:g}": m for a, m in self.cv_mse.items()},
-                "fit_samples": self.fit_samples, "held_out_samples": self.held_out_samples,
-                "advice": self.key_map.advice,
-                "evidence_knn_accuracy": self.key_map.evidence,
-                "from_embedding": self.key_map.from_embedding,
-                "to_embedding": self.key_map.to_embedding}
+        return {
+            "form": "ridge linear",
+            "alpha": self.alpha,
+            "cv_mse": {f"{a:g}": m for a, m in self.cv_mse.items()},
+            "fit_samples": self.fit_samples,
+            "held_out_samples": self.held_out_samples,
+            "advice": self.key_map.advice,
+            "evidence_knn_accuracy": self.key_map.evidence,
+            "from_embedding": self.key_map.from_embedding,
+            "to_embedding": self.key_map.to_embedding,
+        }
 
 
 def ridge(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
@@ -69,8 +73,9 @@ def ridge(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, np.nd
     return w.astype(np.float32), (my - mx @ w).astype(np.float32)
 
 
-def choose_alpha(x: np.ndarray, y: np.ndarray, seed: int,
-                 alphas=RIDGE_ALPHAS, folds: int = CV_FOLDS) -> tuple[float, dict[float, float]]:
+def choose_alpha(
+    x: np.ndarray, y: np.ndarray, seed: int, alphas=RIDGE_ALPHAS, folds: int = CV_FOLDS
+) -> tuple[float, dict[float, float]]:
     """The ridge strength of the least cross-validated mean squared error (ties: stronger)."""
     fold = np.random.default_rng([seed, 0x3A9]).permutation(len(x)) % folds
     mse = {}
@@ -85,33 +90,54 @@ def choose_alpha(x: np.ndarray, y: np.ndarray, seed: int,
     return max(a for a, m in mse.items() if m <= best * (1 + 1e-9)), mse
 
 
-def knn_accuracy(keys: np.ndarray, labels: np.ndarray, queries: np.ndarray,
-                 truth: np.ndarray, num_classes: int, k: int, sigma: float) -> float:
+def knn_accuracy(
+    keys: np.ndarray,
+    labels: np.ndarray,
+    queries: np.ndarray,
+    truth: np.ndarray,
+    num_classes: int,
+    k: int,
+    sigma: float,
+) -> float:
     ds = make_datastore("flat:fp32", num_classes, k=k, sigma=sigma).fit(keys, labels)
     return float((ds.predict_proba(queries).argmax(1) == truth).mean())
 
 
-def fit_key_map(z_old: np.ndarray, z_new: np.ndarray, logits_new: np.ndarray, y: np.ndarray,
-                from_id: str, to_id: str, *, num_classes: int, k: int = 10,
-                sigma: float = 1.0, seed: int = 0) -> MapFit:
+def fit_key_map(
+    z_old: np.ndarray,
+    z_new: np.ndarray,
+    logits_new: np.ndarray,
+    y: np.ndarray,
+    from_id: str,
+    to_id: str,
+    *,
+    num_classes: int,
+    k: int = 10,
+    sigma: float = 1.0,
+    seed: int = 0,
+) -> MapFit:
     """Fit and judge the map on server samples embedded by both encoders (see the module
     docstring)."""
     n = len(y)
     if n < 4 * CV_FOLDS:
-        raise ExportError(f"fitting a key map needs at least {4 * CV_FOLDS} server samples, "
-                          f"got {n}")
+        raise ExportError(
+            f"fitting a key map needs at least {4 * CV_FOLDS} server samples, got {n}"
+        )
     order = np.random.default_rng([seed, 0x3A8]).permutation(n)
     held = int(round(HELD_OUT_FRACTION * n))
-    fit, memory, queries = order[held:], order[:held // 2], order[held // 2:held]
+    fit, memory, queries = order[held:], order[: held // 2], order[held // 2 : held]
     alpha, mse = choose_alpha(z_old[fit], z_new[fit], seed)
     w, b = ridge(z_old[fit], z_new[fit], alpha)
 
     def score(keys: np.ndarray) -> float:
         return knn_accuracy(keys, y[memory], z_new[queries], y[queries], num_classes, k, sigma)
 
-    evidence = {"mapped": score(z_old[memory] @ w + b), "stale": score(z_old[memory]),
-                "re-embedded": score(z_new[memory]),
-                "global": float((logits_new[queries].argmax(1) == y[queries]).mean())}
+    evidence = {
+        "mapped": score(z_old[memory] @ w + b),
+        "stale": score(z_old[memory]),
+        "re-embedded": score(z_new[memory]),
+        "global": float((logits_new[queries].argmax(1) == y[queries]).mean()),
+    }
     if evidence["mapped"] >= evidence["stale"]:
         advice = ADVICE[0]
     elif evidence["stale"] >= evidence["global"]:
@@ -122,9 +148,19 @@ def fit_key_map(z_old: np.ndarray, z_new: np.ndarray, logits_new: np.ndarray, y:
     return MapFit(key_map, alpha, mse, len(fit), held)
 
 
-def write_upgrade_map(old_export: Path, new_export: Path, x: np.ndarray, y: np.ndarray,
-                      input_spec: dict, num_classes: int, *, k: int, sigma: float,
-                      seed: int = 0, signing_key: Any = None) -> tuple[Path, MapFit]:
+def write_upgrade_map(
+    old_export: Path,
+    new_export: Path,
+    x: np.ndarray,
+    y: np.ndarray,
+    input_spec: dict,
+    num_classes: int,
+    *,
+    k: int,
+    sigma: float,
+    seed: int = 0,
+    signing_key: Any = None,
+) -> tuple[Path, MapFit]:
     """Fit the map from `old_export`'s encoder to `new_export`'s on the server's (x, y) and
     write it (and its evidence as JSON, and its signature with `signing_key`) into
     new_export/upgrades/."""
@@ -133,21 +169,33 @@ def write_upgrade_map(old_export: Path, new_export: Path, x: np.ndarray, y: np.n
         if not path.is_file():
             raise ExportError(f"{path.parent} is not an export directory (no encoder.onnx)")
     if len(y) > MAX_SERVER_SAMPLES:
-        keep = np.sort(np.random.default_rng([seed, 0x3A7]).choice(len(y), MAX_SERVER_SAMPLES,
-                                                                    replace=False))
+        keep = np.sort(
+            np.random.default_rng([seed, 0x3A7]).choice(len(y), MAX_SERVER_SAMPLES, replace=False)
+        )
         x, y = x[keep], y[keep]
     xp = prepare_input(x, input_spec)
     z_old, _ = Encoder(old_encoder, intra_op_threads=None).run(xp)
     z_new, logits = Encoder(new_encoder, intra_op_threads=None).run(xp)
     from_id, to_id = (embedding_id(p.read_bytes()) for p in (old_encoder, new_encoder))
-    result = fit_key_map(z_old, z_new, logits, np.asarray(y), from_id, to_id,
-                         num_classes=num_classes, k=k, sigma=sigma, seed=seed)
+    result = fit_key_map(
+        z_old,
+        z_new,
+        logits,
+        np.asarray(y),
+        from_id,
+        to_id,
+        num_classes=num_classes,
+        k=k,
+        sigma=sigma,
+        seed=seed,
+    )
     directory = new_export / UPGRADES_DIR
     directory.mkdir(exist_ok=True)
     path = directory / map_file_name(from_id)
     result.key_map.save(path)
-    write_bytes_atomic(path.with_suffix(".json"),
-                       (json.dumps(result.to_dict(), indent=2) + "\n").encode())
+    write_bytes_atomic(
+        path.with_suffix(".json"), (json.dumps(result.to_dict(), indent=2) + "\n").encode()
+    )
     if signing_key is not None:
         from edge_runtime.signing import sign_file
 
@@ -171,14 +219,18 @@ def server_data(run, public_data: str | None) -> tuple[np.ndarray, np.ndarray]:
             full = load_dataset(run.config.dataset, run.config.data, seed=run.config.seed)
             return full.x_train[init.server_indices], full.y_train[init.server_indices]
     if public_data is None:
-        raise ExportError("--upgrade-from fits its key map on data only the server holds: give "
-                          "--public-data NPZ (x_train, y_train), or train the run from a "
-                          "pretraining on a server split (knnper pretrain, knnper train --init)")
+        raise ExportError(
+            "--upgrade-from fits its key map on data only the server holds: give "
+            "--public-data NPZ (x_train, y_train), or train the run from a "
+            "pretraining on a server split (knnper pretrain, knnper train --init)"
+        )
     data = load_dataset("npz", public_data, seed=run.config.seed)
     if data.x_train.shape[1:] != run.dataset.x_train.shape[1:]:
-        raise ExportError(f"--public-data {public_data}: inputs of shape "
-                          f"{list(data.x_train.shape[1:])}, the run's are "
-                          f"{list(run.dataset.x_train.shape[1:])}")
+        raise ExportError(
+            f"--public-data {public_data}: inputs of shape "
+            f"{list(data.x_train.shape[1:])}, the run's are "
+            f"{list(run.dataset.x_train.shape[1:])}"
+        )
     return data.x_train, data.y_train
 
 
@@ -189,15 +241,19 @@ def old_release(old_export: Path) -> dict[str, Any]:
 
     encoder = old_export / "encoder.onnx"
     if not encoder.is_file():
-        raise ExportError(f"--upgrade-from {old_export}: not an export directory (no "
-                          "encoder.onnx)")
+        raise ExportError(f"--upgrade-from {old_export}: not an export directory (no encoder.onnx)")
     try:
-        report = read_json(old_export / "export.json", limit=64 << 20,
-                           fix="re-export the old release")
+        report = read_json(
+            old_export / "export.json", limit=64 << 20, fix="re-export the old release"
+        )
     except (OSError, ValueError):
         report = {}
     record = report.get("model") if isinstance(report, dict) else None
     if isinstance(record, dict):
         return record
-    return {"run": Path(str(report.get("run", old_export.name))).name, "round": None,
-            "weights_sha256": None, "embedding": embedding_id(encoder.read_bytes())}
+    return {
+        "run": Path(str(report.get("run", old_export.name))).name,
+        "round": None,
+        "weights_sha256": None,
+        "embedding": embedding_id(encoder.read_bytes()),
+    }

@@ -21,7 +21,7 @@ class DeviceError(KnnperError, RuntimeError):
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto": the GPU when torch sees one, else the CPU; "cuda" without one is an error (one
+    """ "auto": the GPU when torch sees one, else the CPU; "cuda" without one is an error (one
     line, exit 2) rather than a silent fall-back that would run 50x slower than asked."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -31,8 +31,10 @@ def resolve_device(name: str) -> torch.device:
         if not torch.cuda.is_available():
             cuda = torch.version.cuda
             built = "without CUDA" if cuda is None else f"with CUDA {cuda}"
-            raise DeviceError(f"--device cuda: no CUDA device is available (torch "
-                              f"{torch.__version__}, built {built}); use --device cpu or auto")
+            raise DeviceError(
+                f"--device cuda: no CUDA device is available (torch "
+                f"{torch.__version__}, built {built}); use --device cpu or auto"
+            )
         return torch.device("cuda")
     raise DeviceError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
 

@@ -32,8 +32,7 @@ def write_client_files(run: LoadedRun, client_id: int, out_dir: Path) -> list[Pa
     written under a temporary name and renamed, so a reader never sees half of one."""
     count = len(run.partition.clients)
     if not 0 <= client_id < count:
-        raise KnnperError(f"client {client_id} is not in the run (it has clients 0 to "
-                          f"{count - 1})")
+        raise KnnperError(f"client {client_id} is not in the run (it has clients 0 to {count - 1})")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise KnnperError(f"--out {out_dir} exists and is not a directory")
@@ -41,8 +40,9 @@ def write_client_files(run: LoadedRun, client_id: int, out_dir: Path) -> list[Pa
     written = []
     for split in SPLITS:
         x, y = client_split(run, client_id, split)
-        written.append(_save_atomic(out_dir / f"{split}.npz", lambda f, x=x, y=y:
-                                    np.savez(f, x=x, y=y)))
+        written.append(
+            _save_atomic(out_dir / f"{split}.npz", lambda f, x=x, y=y: np.savez(f, x=x, y=y))
+        )
     x_test, _ = client_split(run, client_id, "test")
     written.append(_save_atomic(out_dir / "test_x.npy", lambda f: np.save(f, x_test)))
     return written

@@ -210,8 +210,10 @@ def read_idx(path: str | Path) -> np.ndarray:
     memory_limit) however far a crafted .gz would inflate."""
     path = Path(path)
     try:
-        with open_regular(path) as raw_file, (
-                gzip.GzipFile(fileobj=raw_file) if path.suffix == ".gz" else raw_file) as f:
+        with (
+            open_regular(path) as raw_file,
+            gzip.GzipFile(fileobj=raw_file) if path.suffix == ".gz" else raw_file as f,
+        ):
             magic = read_exactly(f, 4, short_ok=True)
             if len(magic) < 4:
                 raise DataError(f"{path}: truncated IDX file ({len(magic)} bytes, no header)")
@@ -220,14 +222,15 @@ def read_idx(path: str | Path) -> np.ndarray:
             ndim = magic[3]
             dims_raw = read_exactly(f, 4 * ndim, short_ok=True)
             if len(dims_raw) < 4 * ndim:
-                raise DataError(f"{path}: truncated IDX file (header needs {4 + 4 * ndim} "
-                                "bytes)")
+                raise DataError(f"{path}: truncated IDX file (header needs {4 + 4 * ndim} bytes)")
             dims = tuple(int(d) for d in np.frombuffer(dims_raw, dtype=">u4"))
             dtype = np.dtype(_IDX_DTYPES[magic[2]])
             size = math.prod(dims) * dtype.itemsize
             if size > memory_limit():
-                raise DataError(f"{path}: dims {dims} declare {size} bytes, more than half of "
-                                "this machine's memory")
+                raise DataError(
+                    f"{path}: dims {dims} declare {size} bytes, more than half of "
+                    "this machine's memory"
+                )
             data = read_exactly(f, size + 1, short_ok=True)
     except DataError:
         raise
@@ -236,8 +239,10 @@ def read_idx(path: str | Path) -> np.ndarray:
     except ValueError as exc:  # from read_exactly: "cannot be inflated (...)"
         raise DataError(f"{path} {exc}") from None
     if len(data) < size:
-        raise DataError(f"{path}: truncated IDX file (dims {dims} need {size} bytes of data, "
-                        f"it holds {len(data)})")
+        raise DataError(
+            f"{path}: truncated IDX file (dims {dims} need {size} bytes of data, "
+            f"it holds {len(data)})"
+        )
     if len(data) > size:
         raise DataError(f"{path}: unexpected bytes after the IDX data")
     array = np.frombuffer(data, dtype=dtype).reshape(dims)
@@ -334,17 +339,23 @@ def _load_npz_file(path: Path, name: str, num_classes: int | None = None) -> Dat
     if "num_classes" in arrays:
         declared = arrays["num_classes"]
         if declared.shape != () or declared.dtype.kind not in "iu":
-            raise DataError(f"{path}: num_classes must be one integer, got {declared.dtype} "
-                            f"{list(declared.shape)}")
+            raise DataError(
+                f"{path}: num_classes must be one integer, got {declared.dtype} "
+                f"{list(declared.shape)}"
+            )
         num_classes = int(declared)
     if num_classes is None:
         num_classes = int(max(y_train.max(), y_test.max(initial=0))) + 1
     if not 1 <= num_classes <= MAX_WIDTH:  # the model's head is this wide
-        raise DataError(f"{path}: {num_classes} classes (from num_classes or the largest "
-                        f"label); this trainer takes 1 to {MAX_WIDTH}")
+        raise DataError(
+            f"{path}: {num_classes} classes (from num_classes or the largest "
+            f"label); this trainer takes 1 to {MAX_WIDTH}"
+        )
     if min(x_train.shape[1:3]) < MIN_IMAGE_SIDE:
-        raise DataError(f"{path}: images are {x_train.shape[1]}x{x_train.shape[2]}; the models "
-                        f"pool twice and need at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} pixels")
+        raise DataError(
+            f"{path}: images are {x_train.shape[1]}x{x_train.shape[2]}; the models "
+            f"pool twice and need at least {MIN_IMAGE_SIDE}x{MIN_IMAGE_SIDE} pixels"
+        )
     _check_label_range(y_train, num_classes, f"{path}: y_train")
     _check_label_range(y_test, num_classes, f"{path}: y_test")
 
@@ -414,8 +425,9 @@ def _load_batch(path: Path) -> dict[str, Any]:
     A regular file of at most MAX_BATCH_BYTES, unpickled with numpy arrays as the only
     globals; a pickle's memo can make a few bytes refer to one list a million times, so
     what it decodes to is checked in _batch_arrays before numpy converts it."""
-    raw = read_within(path, MAX_BATCH_BYTES,
-                      lambda why: DataError(f"{path}: the CIFAR batch file {why}"))
+    raw = read_within(
+        path, MAX_BATCH_BYTES, lambda why: DataError(f"{path}: the CIFAR batch file {why}")
+    )
     try:
         obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except (
@@ -430,8 +442,9 @@ def _load_batch(path: Path) -> dict[str, Any]:
         MemoryError,
         RecursionError,
     ) as exc:
-        raise DataError(f"{path}: not a valid CIFAR batch ({type(exc).__name__}: "
-                        f"{one_line(exc)[:200]})") from None
+        raise DataError(
+            f"{path}: not a valid CIFAR batch ({type(exc).__name__}: {one_line(exc)[:200]})"
+        ) from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: not a valid CIFAR batch (a {type(obj).__name__}, not a dict)")
     return {k.decode("latin-1") if isinstance(k, bytes) else str(k): v for k, v in obj.items()}
@@ -444,10 +457,13 @@ def _batch_arrays(path: Path, label_keys: tuple[str, ...]) -> list[np.ndarray]:
     if missing:
         raise DataError(f"{path}: CIFAR batch lacks {', '.join(missing)}")
     data = batch["data"]
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
-            or data.shape[1] != 3 * 32 * 32:
-        got = (f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray)
-               else type(data).__name__)
+    if (
+        not isinstance(data, np.ndarray)
+        or data.dtype != np.uint8
+        or data.ndim != 2
+        or data.shape[1] != 3 * 32 * 32
+    ):
+        got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
         raise DataError(f"{path}: CIFAR data must be a uint8 array [N,3072], got {got}")
     images = np.ascontiguousarray(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
     out = [images]
@@ -865,16 +881,20 @@ def load_dataset(
         excluded = np.asarray(exclude_train)
         n = len(ds.y_train)
         if excluded.ndim != 1 or (excluded.size and not np.issubdtype(excluded.dtype, np.integer)):
-            raise DataError(f"exclude_train must be 1-D integer indices, got {excluded.dtype} "
-                            f"{excluded.shape}")
+            raise DataError(
+                f"exclude_train must be 1-D integer indices, got {excluded.dtype} {excluded.shape}"
+            )
         outside = excluded[(excluded < 0) | (excluded >= n)]
         if outside.size:
-            raise DataError(f"exclude_train holds index {outside[0]}, outside the {n} training "
-                            f"samples of {name!r}")
+            raise DataError(
+                f"exclude_train holds index {outside[0]}, outside the {n} training "
+                f"samples of {name!r}"
+            )
         _keep_train(ds, np.setdiff1d(np.arange(n), excluded))
     if max_train is not None and max_train < len(ds.y_train):
-        _keep_train(ds, stratified_subsample(ds.y_train, int(max_train),
-                                              np.random.default_rng(seed)))
+        _keep_train(
+            ds, stratified_subsample(ds.y_train, int(max_train), np.random.default_rng(seed))
+        )
     ds.input_spec = _input_spec(ds)
     return ds
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from fed_train.algorithms.base import TrainingConfig
 
-TRAINING = TrainingConfig(rounds=20, epochs=1, batch_size=32, lr=0.02, momentum=0.9,
-                          milestones=(0.75,), gamma=0.1)
+TRAINING = TrainingConfig(
+    rounds=20, epochs=1, batch_size=32, lr=0.02, momentum=0.9, milestones=(0.75,), gamma=0.1
+)
 THREADS = 1
 CHECKPOINT_EVERY = 1  # a small CNN's checkpoint is under a megabyte: a Ctrl-C loses one round

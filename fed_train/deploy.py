@@ -102,9 +102,15 @@ class Processes:
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log_file = open_append(self.log_dir / f"{name}.log")  # the child owns it
         try:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file,
-                                       stderr=subprocess.STDOUT, env=self.env,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         finally:
             log_file.close()
         self.running[name] = process
@@ -118,19 +124,28 @@ class Processes:
     def run_cli(self, argv: list[str], timeout: float = CLI_SECONDS) -> dict[str, Any]:
         """A `flwr` command with --format json; its JSON answer, or a DeployError."""
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, env=self.env,
-                                  timeout=timeout, start_new_session=True)
+            done = subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=timeout,
+                start_new_session=True,
+            )
         except subprocess.TimeoutExpired as err:
-            raise DeployError(f"`{' '.join(argv[:3])}` did not answer within {timeout:g} s") \
-                from err
+            raise DeployError(
+                f"`{' '.join(argv[:3])}` did not answer within {timeout:g} s"
+            ) from err
         try:
-            answer = json.loads(done.stdout[done.stdout.index("{"):])
+            answer = json.loads(done.stdout[done.stdout.index("{") :])
         except ValueError:
             answer = {}
         if done.returncode != 0 or not answer.get("success"):
             detail = answer.get("error-message") or (done.stderr or done.stdout).strip()
-            raise DeployError(f"`{' '.join(argv[:3])}` failed: "
-                              f"{detail.splitlines()[-1] if detail else done.returncode}")
+            raise DeployError(
+                f"`{' '.join(argv[:3])}` failed: "
+                f"{detail.splitlines()[-1] if detail else done.returncode}"
+            )
         return answer
 
     def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
@@ -179,16 +194,21 @@ class LocalFederation:
 
 
 def _connection_toml(port: int, ca_cert: Path | None) -> str:
-    lines = ["[superlink]", f'default = "{CONNECTION}"', f"[superlink.{CONNECTION}]",
-             f'address = "{HOST}:{port}"']
+    lines = [
+        "[superlink]",
+        f'default = "{CONNECTION}"',
+        f"[superlink.{CONNECTION}]",
+        f'address = "{HOST}:{port}"',
+    ]
     lines.append("insecure = true" if ca_cert is None else f'root-certificates = "{ca_cert}"')
     return "\n".join(lines) + "\n"
 
 
 def run_config_toml(settings: FlowerSettings) -> str:
     """The settings as `flwr run --run-config FILE` takes them (JSON scalars are TOML too)."""
-    return "".join(f"{key} = {json.dumps(value)}\n"
-                   for key, value in settings.to_run_config().items())
+    return "".join(
+        f"{key} = {json.dumps(value)}\n" for key, value in settings.to_run_config().items()
+    )
 
 
 def _run_timeout(settings: FlowerSettings) -> float:
@@ -221,8 +241,9 @@ def _read_flower_file(path: Path) -> dict[str, Any]:
     return record
 
 
-def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float,
-                bar: Progress) -> dict[str, Any]:
+def _follow_run(
+    procs: Processes, run_id: str, run_dir: Path, timeout: float, bar: Progress
+) -> dict[str, Any]:
     """Wait for the run to finish, counting its rounds on `bar`; the run's real status comes
     from the SuperLink, since `flwr run` returns as soon as the run is submitted."""
     deadline = time.monotonic() + timeout
@@ -232,8 +253,10 @@ def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float,
         while bar.done < min(len(rounds_logged(run_dir)), bar.total or 0):
             bar.update()
         if procs.running["superlink"].poll() is not None:
-            raise DeployError(f"the SuperLink exited with code "
-                              f"{procs.running['superlink'].returncode} during the run")
+            raise DeployError(
+                f"the SuperLink exited with code "
+                f"{procs.running['superlink'].returncode} during the run"
+            )
         done = False
         try:
             done = _read_flower_file(flower_file).get("status") in ("completed", "failed")
@@ -241,8 +264,9 @@ def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float,
             pass  # not written yet
         if done or time.monotonic() - last_ls > 15.0:
             last_ls = time.monotonic()
-            listing = procs.run_cli(["flwr", "ls", CONNECTION, "--run-id", run_id,
-                                     "--format", "json"])
+            listing = procs.run_cli(
+                ["flwr", "ls", CONNECTION, "--run-id", run_id, "--format", "json"]
+            )
             run = listing["runs"][0]
             if str(run["status"]).startswith("finished"):
                 return run
@@ -250,45 +274,78 @@ def _follow_run(procs: Processes, run_id: str, run_dir: Path, timeout: float,
     raise DeployError(f"the run did not finish within {timeout:g} s")
 
 
-def start_superlink(procs: Processes, tls: ServerTLS | None, port: int,
-                    timeout: float) -> int:
+def start_superlink(procs: Processes, tls: ServerTLS | None, port: int, timeout: float) -> int:
     """The SuperLink on HOST:port, and the `flwr` CLI's connection to it (in FLWR_HOME)."""
     home = Path(procs.env["FLWR_HOME"])
     home.mkdir(parents=True, exist_ok=True)
     write_text_atomic(home / "config.toml", _connection_toml(port, tls.ca_cert if tls else None))
-    argv = ["flower-superlink", "--host", HOST, "--port", str(port),
-            "--disable-runtime-dependency-installation"]
-    argv += (["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.cert),
-              "--ssl-keyfile", str(tls.key), "--enable-supernode-auth"] if tls
-             else ["--insecure"])
+    argv = [
+        "flower-superlink",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--disable-runtime-dependency-installation",
+    ]
+    argv += (
+        [
+            "--ssl-ca-certfile",
+            str(tls.ca_cert),
+            "--ssl-certfile",
+            str(tls.cert),
+            "--ssl-keyfile",
+            str(tls.key),
+            "--enable-supernode-auth",
+        ]
+        if tls
+        else ["--insecure"]
+    )
     wait_for_port(port, procs.start("superlink", argv), timeout, "the SuperLink")
     return port
 
 
 def register_supernode(procs: Processes, key: NodeKey) -> None:
     """Only SuperNodes whose public key the SuperLink has registered may join."""
-    procs.run_cli(["flwr", "supernode", "register", str(key.public), CONNECTION, "--format",
-                   "json"])
+    procs.run_cli(
+        ["flwr", "supernode", "register", str(key.public), CONNECTION, "--format", "json"]
+    )
 
 
-def start_supernode(procs: Processes, name: str, port: int, tls: ServerTLS | None,
-                    key: NodeKey | None, node_config: str) -> subprocess.Popen:
-    argv = ["flower-supernode", "--superlink", f"{HOST}:{port}", "--host", HOST, "--port",
-            str(free_port()), "--node-config", node_config]
-    argv += (["--root-certificates", str(tls.ca_cert)] if tls else ["--insecure"])
+def start_supernode(
+    procs: Processes,
+    name: str,
+    port: int,
+    tls: ServerTLS | None,
+    key: NodeKey | None,
+    node_config: str,
+) -> subprocess.Popen:
+    argv = [
+        "flower-supernode",
+        "--superlink",
+        f"{HOST}:{port}",
+        "--host",
+        HOST,
+        "--port",
+        str(free_port()),
+        "--node-config",
+        node_config,
+    ]
+    argv += ["--root-certificates", str(tls.ca_cert)] if tls else ["--insecure"]
     if key is not None:
         argv += ["--auth-supernode-private-key", str(key.private)]
     return procs.start(name, argv)
 
 
-def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
-                 progress: bool = False) -> dict[str, Any]:
+def deploy_local(
+    settings: FlowerSettings, federation: LocalFederation, *, progress: bool = False
+) -> dict[str, Any]:
     """Run `settings` on a local federation; returns flower.json's record with the SuperLink's
     account of the run (status, bytes) added."""
     settings.check()
     if federation.clients != settings.run.clients:
-        raise FlowerConfigError(f"--clients {federation.clients} differs from the run's "
-                                f"{settings.run.clients} clients")
+        raise FlowerConfigError(
+            f"--clients {federation.clients} differs from the run's {settings.run.clients} clients"
+        )
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
         if shutil.which(tool) is None:
             raise DeployError(f"{tool} is not installed: {install_hint('flower')}")
@@ -298,34 +355,66 @@ def deploy_local(settings: FlowerSettings, federation: LocalFederation, *,
     log_dir = run_dir / LOG_DIR
     log_dir.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="knnper-flower-"))  # 0700: keys and the CLI's home
-    env = {**os.environ, "FLWR_HOME": str(work / "home"), MARKER: str(run_dir),
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    env = {
+        **os.environ,
+        "FLWR_HOME": str(work / "home"),
+        MARKER: str(run_dir),
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    }
     env.setdefault("OMP_NUM_THREADS", "1")
     procs = Processes(env, log_dir)
     try:
         tls = make_server_tls(work / "pki", HOST) if not federation.insecure else None
-        port = start_superlink(procs, tls, federation.superlink_port or free_port(),
-                               federation.startup_timeout)
-        keys = [make_node_key(work / "pki", f"supernode-{i}") if tls else None
-                for i in range(federation.clients)]
+        port = start_superlink(
+            procs, tls, federation.superlink_port or free_port(), federation.startup_timeout
+        )
+        keys = [
+            make_node_key(work / "pki", f"supernode-{i}") if tls else None
+            for i in range(federation.clients)
+        ]
         if tls:  # one `flwr` process per key, a few at a time: each spends seconds starting
             with ThreadPoolExecutor(max_workers=4) as pool:
                 list(pool.map(lambda key: register_supernode(procs, key), keys))
         for i, key in enumerate(keys):
-            start_supernode(procs, f"supernode-{i}", port, tls, key,
-                            f"partition-id={i} num-partitions={federation.clients} "
-                            f'device="{federation.device}"')
+            start_supernode(
+                procs,
+                f"supernode-{i}",
+                port,
+                tls,
+                key,
+                f"partition-id={i} num-partitions={federation.clients} "
+                f'device="{federation.device}"',
+            )
         run_toml = work / "run.toml"
         write_text_atomic(run_toml, run_config_toml(settings))
-        submitted = procs.run_cli(["flwr", "run", str(federation.app_dir), CONNECTION,
-                                   "--run-config",
-                                   str(run_toml), "--format", "json"])
+        submitted = procs.run_cli(
+            [
+                "flwr",
+                "run",
+                str(federation.app_dir),
+                CONNECTION,
+                "--run-config",
+                str(run_toml),
+                "--format",
+                "json",
+            ]
+        )
         run_id = str(submitted["run-id"])
-        log.info("run %s submitted to the SuperLink on %s:%d (%s)", run_id, HOST, port,
-                 "TLS, SuperNode authentication" if tls else "insecure")
+        log.info(
+            "run %s submitted to the SuperLink on %s:%d (%s)",
+            run_id,
+            HOST,
+            port,
+            "TLS, SuperNode authentication" if tls else "insecure",
+        )
         rounds = settings.run.training.rounds
-        with Progress(rounds, desc="deploy local", unit="round", enabled=progress,
-                      initial=min(len(rounds_logged(run_dir)), rounds)) as bar:
+        with Progress(
+            rounds,
+            desc="deploy local",
+            unit="round",
+            enabled=progress,
+            initial=min(len(rounds_logged(run_dir)), rounds),
+        ) as bar:
             status = _follow_run(procs, run_id, run_dir, _run_timeout(settings), bar)
     finally:
         procs.stop_all()

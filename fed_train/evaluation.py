@@ -20,10 +20,17 @@ def _accuracy(personal: Any, x: Any, y: Any) -> float | None:
     return float(np.mean(personal.predict_proba(x).argmax(1) == y.cpu().numpy())) if n else None
 
 
-def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, dict[str, Any]],
-                      clients: list[ClientData], *, seed: int = 0, progress: bool = False,
-                      validation: bool = False,
-                      journal: ClientRows | None = None) -> list[dict[str, Any]]:
+def client_accuracies(
+    algorithm: Algorithm,
+    weights: Weights,
+    states: dict[int, dict[str, Any]],
+    clients: list[ClientData],
+    *,
+    seed: int = 0,
+    progress: bool = False,
+    validation: bool = False,
+    journal: ClientRows | None = None,
+) -> list[dict[str, Any]]:
     """One row per client: its test accuracy under `algorithm`'s personalization and what was
     chosen for it; with `validation`, also its validation accuracy ("n_val", "val_accuracy")
     from the same personalization (personalizing can mean training). `journal`: each row is
@@ -32,22 +39,36 @@ def client_accuracies(algorithm: Algorithm, weights: Weights, states: dict[int, 
     done = journal.start(clients) if journal is not None else {}
     rows = []
     # a client's personalization (local training, its datastore) grows with its train split
-    with Progress(len(clients), desc=f"{algorithm.name} eval", unit="client", enabled=progress,
-                  total_work=sum(max(1, c.num_train) for c in clients)) as bar:
+    with Progress(
+        len(clients),
+        desc=f"{algorithm.name} eval",
+        unit="client",
+        enabled=progress,
+        total_work=sum(max(1, c.num_train) for c in clients),
+    ) as bar:
         for client in clients:
             row = done.get(client.client_id)
             if row is None:
-                personal = algorithm.personalize(weights, client,
-                                                 states.get(client.client_id, {}),
-                                                 client_seed(seed, 0, client.client_id,
-                                                             PERSONALIZE_STREAM))
-                row = to_json_types({"client_id": client.client_id, "unseen": client.unseen,
-                                  "n_test": int(client.y_test.shape[0]),
-                                  "accuracy": _accuracy(personal, client.x_test, client.y_test),
-                                  "info": personal.info})
+                personal = algorithm.personalize(
+                    weights,
+                    client,
+                    states.get(client.client_id, {}),
+                    client_seed(seed, 0, client.client_id, PERSONALIZE_STREAM),
+                )
+                row = to_json_types(
+                    {
+                        "client_id": client.client_id,
+                        "unseen": client.unseen,
+                        "n_test": int(client.y_test.shape[0]),
+                        "accuracy": _accuracy(personal, client.x_test, client.y_test),
+                        "info": personal.info,
+                    }
+                )
                 if validation:
-                    row.update(n_val=int(client.y_val.shape[0]),
-                               val_accuracy=_accuracy(personal, client.x_val, client.y_val))
+                    row.update(
+                        n_val=int(client.y_val.shape[0]),
+                        val_accuracy=_accuracy(personal, client.x_val, client.y_val),
+                    )
                 if journal is not None:
                     journal.add(row)
             rows.append(row)
@@ -84,9 +105,10 @@ def merge_results(per_method: dict[str, list[dict[str, Any]]]) -> dict[str, Any]
     clients: dict[int, dict[str, Any]] = {}
     for method, rows in per_method.items():
         for r in rows:
-            row = clients.setdefault(r["client_id"], {"client_id": r["client_id"],
-                                                       "unseen": r["unseen"],
-                                                       "n_test": r["n_test"]})
+            row = clients.setdefault(
+                r["client_id"],
+                {"client_id": r["client_id"], "unseen": r["unseen"], "n_test": r["n_test"]},
+            )
             row[method] = r["accuracy"]
             for key, value in r["info"].items():
                 row[f"{method}_{key}"] = value
@@ -100,14 +122,18 @@ def merge_results(per_method: dict[str, list[dict[str, Any]]]) -> dict[str, Any]
 def format_table(result: dict[str, Any]) -> str:
     """A markdown table: one row per method, mean / bottom decile for seen and unseen clients."""
     methods = list(dict.fromkeys([*result["seen"], *result["unseen"]]))
-    lines = ["| method | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| method | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% |",
+        "|---|---|---|---|---|",
+    ]
 
     def cell(group: str, method: str, key: str) -> str:
         s = result[group].get(method)
         return f"{100 * s[key]:.1f}" if s else "-"
 
     for m in methods:
-        lines.append(f"| {m} | {cell('seen', m, 'mean')} | {cell('seen', m, 'bottom_decile')} | "
-                     f"{cell('unseen', m, 'mean')} | {cell('unseen', m, 'bottom_decile')} |")
+        lines.append(
+            f"| {m} | {cell('seen', m, 'mean')} | {cell('seen', m, 'bottom_decile')} | "
+            f"{cell('unseen', m, 'mean')} | {cell('unseen', m, 'bottom_decile')} |"
+        )
     return "\n".join(lines)

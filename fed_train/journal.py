@@ -86,19 +86,27 @@ def row_fits(row: dict[str, Any], clients: dict[int, Any]) -> bool:
     for key, value in row.items():
         if key in counts and not (is_integer(value) and value == counts[key]):
             return False
-        if key in ("accuracy", "val_accuracy") and value is not None and not (
-                is_real(value, finite=True) and 0 <= value <= 1):  # None: no samples to score
+        if (
+            key in ("accuracy", "val_accuracy")
+            and value is not None
+            and not (is_real(value, finite=True) and 0 <= value <= 1)
+        ):  # None: no samples to score
             return False
-    return "n_test" in row and "accuracy" in row and isinstance(row.get("info"), dict) \
+    return (
+        "n_test" in row
+        and "accuracy" in row
+        and isinstance(row.get("info"), dict)
         and ("n_val" in row) == ("val_accuracy" in row)
+    )
 
 
 def rows_fit(rows: list[Any], clients: Sequence[Any]) -> bool:
     """Whether saved per-client rows are one `row_fits` row per client of `clients`, in
     their order (a table cache's: a duplicated, missing or crafted row changed a table)."""
     return len(rows) == len(clients) and all(
-        isinstance(r, dict) and r.get("client_id") == c.client_id
-        and row_fits(r, {c.client_id: c}) for r, c in zip(rows, clients, strict=True))
+        isinstance(r, dict) and r.get("client_id") == c.client_id and row_fits(r, {c.client_id: c})
+        for r, c in zip(rows, clients, strict=True)
+    )
 
 
 class ClientRows(Journal):
@@ -127,9 +135,12 @@ class ClientRows(Journal):
         counts = Counter(r["client_id"] for r in fitting)
         done = {r["client_id"]: r for r in fitting if counts[r["client_id"]] == 1}
         if len(done) < len(found):
-            log.warning("%s: %d row(s) are not this run's clients' (edited, duplicated or "
-                        "from other data); those clients are computed again", self.path,
-                        len(found) - len(done))
+            log.warning(
+                "%s: %d row(s) are not this run's clients' (edited, duplicated or "
+                "from other data); those clients are computed again",
+                self.path,
+                len(found) - len(done),
+            )
         return done
 
     def remove(self) -> None:

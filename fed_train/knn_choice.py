@@ -71,16 +71,25 @@ class KNNChoice:
 
     def hyper(self) -> dict[str, Any]:
         """KNNPer's keyword arguments, as plain data (a Flower message carries them)."""
-        return {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
-                "lambda_rule": self.lambda_rule.to_dict(), "base": self.base, "l2": self.l2}
+        return {
+            **self.config.to_dict(),
+            "lambda_estimator": self.lambda_estimator,
+            "lambda_rule": self.lambda_rule.to_dict(),
+            "base": self.base,
+            "l2": self.l2,
+        }
 
     def provenance(self) -> dict[str, dict[str, Any]] | None:
         """Each value with where it came from: what manifests and export.json record (None
         without sources)."""
         if not self.source:
             return None
-        values = {**self.config.to_dict(), "lambda_estimator": self.lambda_estimator,
-                  "lambda_rule": self.lambda_rule.name, "base": self.base}
+        values = {
+            **self.config.to_dict(),
+            "lambda_estimator": self.lambda_estimator,
+            "lambda_rule": self.lambda_rule.name,
+            "base": self.base,
+        }
         sources = dict(self.source)
         if self.base == "linear":  # what a device refits its head with after `add`
             values["l2"] = self.l2
@@ -94,11 +103,13 @@ class KNNChoice:
 def describe_record(record: dict[str, Any]) -> str:
     """One line: the values and where each came from."""
     c, source = record["config"], record["source"]
-    return (f"kNN-Per: k={c['k']} ({source['k']}), sigma={c['sigma']:g} ({source['sigma']}), "
-            f"embeddings {c['normalize']} ({source['normalize']}), lambda by "
-            f"{record['estimator']} ({source['lambda_estimator']}), lambda rule "
-            f"{record['lambda_rule']['name']} ({source['lambda_rule']}), interpolated with the "
-            f"{_base_words(record['base'])} ({source['base']})")
+    return (
+        f"kNN-Per: k={c['k']} ({source['k']}), sigma={c['sigma']:g} ({source['sigma']}), "
+        f"embeddings {c['normalize']} ({source['normalize']}), lambda by "
+        f"{record['estimator']} ({source['lambda_estimator']}), lambda rule "
+        f"{record['lambda_rule']['name']} ({source['lambda_rule']}), interpolated with the "
+        f"{_base_words(record['base'])} ({source['base']})"
+    )
 
 
 def _base_words(base: dict[str, Any]) -> str:
@@ -114,49 +125,98 @@ def model_sha256(model: torch.nn.Module) -> str:
     for name, tensor in model.state_dict().items():
         t = tensor.detach().cpu().contiguous()
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        digest.update(t.numpy().tobytes() if t.dtype != torch.bfloat16
-                      else t.float().numpy().tobytes())
+        digest.update(
+            t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes()
+        )
     return digest.hexdigest()
 
 
-def make_record(request: KNNRequest, config: KNNConfig, estimator: str, sha: str, *,
-                grid: list[dict], lambda_cv: dict[str, float], clients: Sequence[int],
-                samples: int, lambda_rule: dict[str, Any] | None = None,
-                base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+def make_record(
+    request: KNNRequest,
+    config: KNNConfig,
+    estimator: str,
+    sha: str,
+    *,
+    grid: list[dict],
+    lambda_cv: dict[str, float],
+    clients: Sequence[int],
+    samples: int,
+    lambda_rule: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     """The evidence saved with a choice, wherever it was made (here or in a Flower run)."""
     rule = CLIENT_RULE.to_dict() if lambda_rule is None else lambda_rule
     base = {"name": "global", "l2": None, "l2_choice": {}} if base is None else base
-    return {"config": config.to_dict(), "estimator": estimator, "lambda_rule": rule,
-            "base": base,
-            "request": asdict(request),
-            "source": request.sources(), "model_sha256": sha, "grid": grid,
-            "lambda_cv": lambda_cv,
-            "chosen_on": {"splits": "validation splits of the seen clients, pooled",
-                          "clients": [int(c) for c in clients], "samples": int(samples)},
-            **extra}
+    return {
+        "config": config.to_dict(),
+        "estimator": estimator,
+        "lambda_rule": rule,
+        "base": base,
+        "request": asdict(request),
+        "source": request.sources(),
+        "model_sha256": sha,
+        "grid": grid,
+        "lambda_cv": lambda_cv,
+        "chosen_on": {
+            "splits": "validation splits of the seen clients, pooled",
+            "clients": [int(c) for c in clients],
+            "samples": int(samples),
+        },
+        **extra,
+    }
 
 
-def choose(model: EmbedHeadModel, clients: Sequence[ClientData], request: KNNRequest, *,
-           seed: int = 0, progress: bool = False) -> KNNChoice:
+def choose(
+    model: EmbedHeadModel,
+    clients: Sequence[ClientData],
+    request: KNNRequest,
+    *,
+    seed: int = 0,
+    progress: bool = False,
+) -> KNNChoice:
     """Make the choice (no files): the request's grid on the seen clients' validation splits;
     `progress` says each step (knn_tuning.choose_knn)."""
     ks, sigmas, normalizations = request.grids()
-    config, estimator, found = choose_knn(model, clients, ks=ks, sigmas=sigmas,
-                                          normalizations=normalizations,
-                                          estimator=request.estimator(), rule=request.rule(),
-                                          base=request.base_choice(), seed=seed,
-                                          progress=progress)
-    record = make_record(request, config, estimator, model_sha256(model), grid=found["grid"],
-                         lambda_cv=found["lambda_cv"], clients=found["chosen_on"]["clients"],
-                         samples=found["chosen_on"]["samples"],
-                         lambda_rule=found["lambda_rule"], lambda_rule_cv=found["lambda_rule_cv"],
-                         base=found["base"], base_cv=found["base_cv"],
-                         lambda_report=found["lambda_report"])
+    config, estimator, found = choose_knn(
+        model,
+        clients,
+        ks=ks,
+        sigmas=sigmas,
+        normalizations=normalizations,
+        estimator=request.estimator(),
+        rule=request.rule(),
+        base=request.base_choice(),
+        seed=seed,
+        progress=progress,
+    )
+    record = make_record(
+        request,
+        config,
+        estimator,
+        model_sha256(model),
+        grid=found["grid"],
+        lambda_cv=found["lambda_cv"],
+        clients=found["chosen_on"]["clients"],
+        samples=found["chosen_on"]["samples"],
+        lambda_rule=found["lambda_rule"],
+        lambda_rule_cv=found["lambda_rule_cv"],
+        base=found["base"],
+        base_cv=found["base_cv"],
+        lambda_report=found["lambda_report"],
+    )
     return choice_from_record(record, Path(KNN_CONFIG_FILE))
 
 
-def load_or_choose(directory: str | Path, model: EmbedHeadModel, clients: Sequence[ClientData],
-                   request: KNNRequest, *, seed: int = 0, progress: bool = False) -> KNNChoice:
+def load_or_choose(
+    directory: str | Path,
+    model: EmbedHeadModel,
+    clients: Sequence[ClientData],
+    request: KNNRequest,
+    *,
+    seed: int = 0,
+    progress: bool = False,
+) -> KNNChoice:
     """The choice saved in DIRECTORY/knn_config.json for this request and these weights, or a
     new one (then saved). Saved choices of other weights are dropped with one line: a changed
     model is chosen for again, never run with another model's settings. `progress`: a new
@@ -174,12 +234,18 @@ def saved_choice(path: Path, sha: str, request: KNNRequest) -> dict[str, Any] | 
     """The saved record for this request and these weights, if there is one."""
     saved = _read(path)
     if saved is not None and saved["model_sha256"] != sha:
-        log.warning("%s was chosen for other weights (model sha256 %s..., now %s...): choosing "
-                    "kNN-Per's configuration again", path, saved["model_sha256"][:12], sha[:12])
+        log.warning(
+            "%s was chosen for other weights (model sha256 %s..., now %s...): choosing "
+            "kNN-Per's configuration again",
+            path,
+            saved["model_sha256"][:12],
+            sha[:12],
+        )
         return None
     record = None if saved is None else saved["choices"].get(request.key())
-    if record is not None and (not isinstance(record, dict)
-                               or record.get("request") != asdict(request)):
+    if record is not None and (
+        not isinstance(record, dict) or record.get("request") != asdict(request)
+    ):
         raise _malformed(path, "a saved choice is filed under another request")
     return record
 
@@ -187,11 +253,11 @@ def saved_choice(path: Path, sha: str, request: KNNRequest) -> dict[str, Any] | 
 def save_choice(path: Path, record: dict[str, Any]) -> None:
     """Add a record to the file (dropping those of other weights)."""
     saved = _read(path)
-    choices = {} if saved is None or saved["model_sha256"] != record["model_sha256"] \
-        else saved["choices"]
+    choices = (
+        {} if saved is None or saved["model_sha256"] != record["model_sha256"] else saved["choices"]
+    )
     choices[KNNRequest(**record["request"]).key()] = record
-    write_json_atomic(path, {"model_sha256": record["model_sha256"], "choices": choices},
-                      indent=1)
+    write_json_atomic(path, {"model_sha256": record["model_sha256"], "choices": choices}, indent=1)
 
 
 _FIX = "delete it to choose kNN-Per's configuration again"
@@ -208,8 +274,11 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
     except JSONFileError as err:
         raise KnnperError(str(err)) from None
-    if (not isinstance(saved, dict) or not isinstance(saved.get("model_sha256"), str)
-            or not isinstance(saved.get("choices"), dict)):
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("model_sha256"), str)
+        or not isinstance(saved.get("choices"), dict)
+    ):
         raise _malformed(path, "it lacks model_sha256 or choices")
     return saved
 
@@ -226,9 +295,11 @@ def _config(entry: Any, what: str) -> KNNConfig:
     if not isinstance(entry, dict):
         raise KnnperError(f"{what} must be an object")
     try:
-        config = KNNConfig(_typed(entry["k"], int, f"{what} k"),
-                           float(_typed(entry["sigma"], float, f"{what} sigma")),
-                           _typed(entry["normalize"], str, f"{what} normalize"))
+        config = KNNConfig(
+            _typed(entry["k"], int, f"{what} k"),
+            float(_typed(entry["sigma"], float, f"{what} sigma")),
+            _typed(entry["normalize"], str, f"{what} normalize"),
+        )
     except KeyError as err:
         raise KnnperError(f"{what} lacks {err}") from None
     problem = k_sigma_problem(config.k, config.sigma)
@@ -237,8 +308,9 @@ def _config(entry: Any, what: str) -> KNNConfig:
     return config
 
 
-def _check_evidence(record: dict[str, Any], request: KNNRequest, config: KNNConfig,
-                    estimator: str) -> None:
+def _check_evidence(
+    record: dict[str, Any], request: KNNRequest, config: KNNConfig, estimator: str
+) -> None:
     """The saved scores must choose the saved values, as choose_knn would have: the grid must
     be the request's and its best point the saved one, and an "auto" estimator the one its
     cross-validated accuracies rank first. A file edited to other values is refused (an honest
@@ -250,9 +322,13 @@ def _check_evidence(record: dict[str, Any], request: KNNRequest, config: KNNConf
     points = grid_points(*request.grids())
     if grid:
         saved = [_config(g, f"grid point {i}") for i, g in enumerate(grid)]
-        scores = [(_typed(g.get("val_accuracy"), float, f"grid point {i} val_accuracy"),
-                   _typed(g.get("val_nll"), float, f"grid point {i} val_nll"))
-                  for i, g in enumerate(grid)]
+        scores = [
+            (
+                _typed(g.get("val_accuracy"), float, f"grid point {i} val_accuracy"),
+                _typed(g.get("val_nll"), float, f"grid point {i} val_nll"),
+            )
+            for i, g in enumerate(grid)
+        ]
         if saved != points:
             raise KnnperError("its grid is not the one this request searches")
         best = min(range(len(saved)), key=lambda i: choice_key(*scores[i]))
@@ -262,14 +338,20 @@ def _check_evidence(record: dict[str, Any], request: KNNRequest, config: KNNConf
     if winner != config:
         raise KnnperError(f"its scores choose {winner}, not the saved {config} (edited?)")
     if request.estimator() == "auto":
-        if set(cv) != set(LAMBDA_ESTIMATORS) or pick_estimator(
-                {e: _typed(cv[e], float, f"lambda_cv {e}") for e in LAMBDA_ESTIMATORS}) \
-                != estimator:
-            raise KnnperError(f"its lambda_cv does not choose the saved estimator {estimator!r} "
-                              "(edited?)")
+        if (
+            set(cv) != set(LAMBDA_ESTIMATORS)
+            or pick_estimator(
+                {e: _typed(cv[e], float, f"lambda_cv {e}") for e in LAMBDA_ESTIMATORS}
+            )
+            != estimator
+        ):
+            raise KnnperError(
+                f"its lambda_cv does not choose the saved estimator {estimator!r} (edited?)"
+            )
     elif estimator != request.estimator():
-        raise KnnperError(f"estimator {estimator!r} is not the requested "
-                          f"{request.estimator()!r} (edited?)")
+        raise KnnperError(
+            f"estimator {estimator!r} is not the requested {request.estimator()!r} (edited?)"
+        )
 
 
 def choice_from_record(record: Any, path: Path) -> KNNChoice:
@@ -304,38 +386,48 @@ def _check_l2_evidence(base: dict[str, Any], l2: float) -> None:
     choose_l2 ranks them (an in-range edit to another grid value ran and was reported as
     "(validation)")."""
     choice = base.get("l2_choice")
-    if not isinstance(choice, dict) or not isinstance(choice.get("grid"), list) \
-            or not isinstance(choice.get("config"), dict):
+    if (
+        not isinstance(choice, dict)
+        or not isinstance(choice.get("grid"), list)
+        or not isinstance(choice.get("config"), dict)
+    ):
         raise KnnperError("the linear base's l2_choice is missing")
     grid = choice["grid"]
-    if [_typed(g.get("l2"), float, f"l2 grid point {i}") if isinstance(g, dict) else None
-            for i, g in enumerate(grid)] != list(L2_GRID):
+    if [
+        _typed(g.get("l2"), float, f"l2 grid point {i}") if isinstance(g, dict) else None
+        for i, g in enumerate(grid)
+    ] != list(L2_GRID):
         raise KnnperError("its l2 grid is not the one the linear base searches")
-    best = min(range(len(grid)), key=lambda i: choice_key(
-        _typed(grid[i].get("val_accuracy"), float, f"l2 grid point {i} val_accuracy"),
-        _typed(grid[i].get("val_nll"), float, f"l2 grid point {i} val_nll")))
+    best = min(
+        range(len(grid)),
+        key=lambda i: choice_key(
+            _typed(grid[i].get("val_accuracy"), float, f"l2 grid point {i} val_accuracy"),
+            _typed(grid[i].get("val_nll"), float, f"l2 grid point {i} val_nll"),
+        ),
+    )
     if not L2_GRID[best] == choice["config"].get("l2") == l2:
-        raise KnnperError(f"its l2 scores choose {L2_GRID[best]:g}, not the saved {l2!r} "
-                          "(edited?)")
+        raise KnnperError(f"its l2 scores choose {L2_GRID[best]:g}, not the saved {l2!r} (edited?)")
 
 
-def _check_base_evidence(record: dict[str, Any], request: KNNRequest, base: str,
-                         rule: str) -> None:
+def _check_base_evidence(record: dict[str, Any], request: KNNRequest, base: str, rule: str) -> None:
     """The saved base and lambda rule must be the ones asked for, or, where asked for as
     "auto", the pair the saved cross-validated accuracies rank first (a choice made without
     validation data is the paper's global base and per-client rule)."""
     cv = record.get("base_cv")
     if not isinstance(cv, dict):
         raise KnnperError("base_cv is missing")
-    for asked, saved, what in ((request.base_choice(), base, "base"),
-                               (request.rule(), rule, "lambda rule")):
+    for asked, saved, what in (
+        (request.base_choice(), base, "base"),
+        (request.rule(), rule, "lambda rule"),
+    ):
         if asked != "auto" and asked != saved:
             raise KnnperError(f"{what} {saved!r} is not the requested {asked!r} (edited?)")
     if cv:
-        scores = {b: {r: _typed(v, float, f"base_cv {b}/{r}") for r, v in rules.items()}
-                  for b, rules in cv.items()}
+        scores = {
+            b: {r: _typed(v, float, f"base_cv {b}/{r}") for r, v in rules.items()}
+            for b, rules in cv.items()
+        }
         if pick_base_and_rule(scores) != (base, rule):
             raise KnnperError(f"its base_cv does not choose the saved {base}/{rule} (edited?)")
-    elif "auto" in (request.base_choice(), request.rule()) and (base, rule) != ("global",
-                                                                               "client"):
+    elif "auto" in (request.base_choice(), request.rule()) and (base, rule) != ("global", "client"):
         raise KnnperError(f"{base}/{rule} was chosen without cross-validation (edited?)")

@@ -47,20 +47,25 @@ class KNNRequest:
 
     def __post_init__(self) -> None:
         if self.mode not in KNN_MODES:
-            raise KnnperError(f"unknown kNN configuration {self.mode!r}; known: "
-                              f"{', '.join(KNN_MODES)}")
+            raise KnnperError(
+                f"unknown kNN configuration {self.mode!r}; known: {', '.join(KNN_MODES)}"
+            )
         problem = k_sigma_problem(self.k, self.sigma)
         if problem:
             raise KnnperError(problem)
         if self.normalize is not None and self.normalize not in NORMALIZATIONS:
-            raise KnnperError(f"unknown normalisation {self.normalize!r}; known: "
-                              f"{', '.join(NORMALIZATIONS)}")
+            raise KnnperError(
+                f"unknown normalisation {self.normalize!r}; known: {', '.join(NORMALIZATIONS)}"
+            )
         if self.lambda_estimator is not None and self.lambda_estimator not in ESTIMATOR_CHOICES:
-            raise KnnperError(f"unknown lambda estimator {self.lambda_estimator!r}; known: "
-                              f"{', '.join(ESTIMATOR_CHOICES)}")
+            raise KnnperError(
+                f"unknown lambda estimator {self.lambda_estimator!r}; known: "
+                f"{', '.join(ESTIMATOR_CHOICES)}"
+            )
         if self.lambda_rule is not None and self.lambda_rule not in RULE_CHOICES:
-            raise KnnperError(f"unknown lambda rule {self.lambda_rule!r}; known: "
-                              f"{', '.join(RULE_CHOICES)}")
+            raise KnnperError(
+                f"unknown lambda rule {self.lambda_rule!r}; known: {', '.join(RULE_CHOICES)}"
+            )
         if self.base is not None and self.base not in BASE_CHOICES:
             raise KnnperError(f"unknown base {self.base!r}; known: {', '.join(BASE_CHOICES)}")
 
@@ -76,8 +81,11 @@ class KNNRequest:
                 return (pinned,)
             return grid if self.tuned else (paper,)
 
-        return (axis(self.k, K_GRID, DEFAULT_K), axis(self.sigma, SIGMA_GRID, DEFAULT_SIGMA),
-                axis(self.normalize, NORMALIZATIONS, DEFAULT_NORMALIZE))
+        return (
+            axis(self.k, K_GRID, DEFAULT_K),
+            axis(self.sigma, SIGMA_GRID, DEFAULT_SIGMA),
+            axis(self.normalize, NORMALIZATIONS, DEFAULT_NORMALIZE),
+        )
 
     def estimator(self) -> str:
         """The estimator asked for ("auto": chosen by cross-validation)."""
@@ -102,14 +110,31 @@ class KNNRequest:
     def sources(self) -> dict[str, str]:
         """Where each value will come from: a flag, the validation splits, or the paper."""
         unpinned = FROM_VALIDATION if self.tuned else FROM_PAPER
-        out = {name: FROM_FLAG if getattr(self, name) is not None else unpinned
-               for name in ("k", "sigma", "normalize")}
-        out["lambda_estimator"] = (FROM_VALIDATION if self.estimator() == "auto" else
-                                   FROM_FLAG if self.lambda_estimator is not None else FROM_PAPER)
-        out["lambda_rule"] = (FROM_VALIDATION if self.rule() == "auto" else
-                              FROM_FLAG if self.lambda_rule is not None else FROM_PAPER)
-        out["base"] = (FROM_VALIDATION if self.base_choice() == "auto" else
-                       FROM_FLAG if self.base is not None else FROM_PAPER)
+        out = {
+            name: FROM_FLAG if getattr(self, name) is not None else unpinned
+            for name in ("k", "sigma", "normalize")
+        }
+        out["lambda_estimator"] = (
+            FROM_VALIDATION
+            if self.estimator() == "auto"
+            else FROM_FLAG
+            if self.lambda_estimator is not None
+            else FROM_PAPER
+        )
+        out["lambda_rule"] = (
+            FROM_VALIDATION
+            if self.rule() == "auto"
+            else FROM_FLAG
+            if self.lambda_rule is not None
+            else FROM_PAPER
+        )
+        out["base"] = (
+            FROM_VALIDATION
+            if self.base_choice() == "auto"
+            else FROM_FLAG
+            if self.base is not None
+            else FROM_PAPER
+        )
         return out
 
     def key(self) -> str:

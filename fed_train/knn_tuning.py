@@ -62,9 +62,13 @@ class KNNConfig:
 BaseProbs = Callable[[ClientData], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
-def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
-                 base_probs: BaseProbs | None = None, *,
-                 normalize: str = DEFAULT_NORMALIZE) -> list[ClientSplits]:
+def client_views(
+    model: EmbedHeadModel,
+    clients: Sequence[ClientData],
+    base_probs: BaseProbs | None = None,
+    *,
+    normalize: str = DEFAULT_NORMALIZE,
+) -> list[ClientSplits]:
     """Embed every client's splits once with `model`'s body, normalised as kNN-Per's
     `normalize` says (keys and queries alike), for every sweep over them. Without `base_probs`
     the base predictor is the model's own head (the global model)."""
@@ -72,13 +76,27 @@ def client_views(model: EmbedHeadModel, clients: Sequence[ClientData],
     for c in clients:
         parts = [embed_and_logits(model, x) for x in (c.x_train, c.x_val, c.x_test)]
         if base_probs is None:
-            probs = [softmax(logits.astype(np.float64)) if len(logits) else
-                     np.zeros((0, model.classifier.out_features)) for _, logits in parts]
+            probs = [
+                softmax(logits.astype(np.float64))
+                if len(logits)
+                else np.zeros((0, model.classifier.out_features))
+                for _, logits in parts
+            ]
         else:
             probs = list(base_probs(c))
-        views.append(ClientSplits(c.client_id, c.unseen, parts[0][0], c.y_train.cpu().numpy(),
-                                  parts[1][0], c.y_val.cpu().numpy(), parts[2][0],
-                                  c.y_test.cpu().numpy(), *probs))
+        views.append(
+            ClientSplits(
+                c.client_id,
+                c.unseen,
+                parts[0][0],
+                c.y_train.cpu().numpy(),
+                parts[1][0],
+                c.y_val.cpu().numpy(),
+                parts[2][0],
+                c.y_test.cpu().numpy(),
+                *probs,
+            )
+        )
     return normalized_views(views, normalize)
 
 
@@ -87,8 +105,9 @@ class _Searched:
     splits asked for ("val", "test", and "train": leave-one-out over the datastore); every
     (k, sigma) point then only re-weights them. Choosing never asks for "test"."""
 
-    def __init__(self, view: ClientSplits, normalize: str, k_max: int,
-                 splits: Sequence[str]) -> None:
+    def __init__(
+        self, view: ClientSplits, normalize: str, k_max: int, splits: Sequence[str]
+    ) -> None:
         self.view = view
         self.dim = view.z_train.shape[1]
         keys = normalize_embeddings(view.z_train, normalize)
@@ -112,47 +131,72 @@ class _Searched:
         if sq.shape[1] == 0:  # no stored neighbour: the kNN part says nothing
             return np.full((n, self.view.num_classes), 1.0 / self.view.num_classes)
         k = min(k, sq.shape[1])
-        return kernel_posterior(sq[:, :k], self.view.y_train[idx[:, :k]], self.view.num_classes,
-                                sigma, self.dim)
+        return kernel_posterior(
+            sq[:, :k], self.view.y_train[idx[:, :k]], self.view.num_classes, sigma, self.dim
+        )
 
 
-def _head(num_classes: int, config: KNNConfig, estimator: str = "val",
-          grid: Sequence[float] = LAMBDA_GRID, rule: LambdaRule = CLIENT_RULE) -> PersonalHead:
+def _head(
+    num_classes: int,
+    config: KNNConfig,
+    estimator: str = "val",
+    grid: Sequence[float] = LAMBDA_GRID,
+    rule: LambdaRule = CLIENT_RULE,
+) -> PersonalHead:
     """The head that chooses and mixes under this grid point, estimator and rule (the client
     rule over `grid`)."""
     if rule.name == "client":
         rule = LambdaRule(grid=tuple(grid))
-    return PersonalHead(num_classes, k=config.k, sigma=config.sigma,
-                        normalize=config.normalize, rule=rule, estimator=estimator)
+    return PersonalHead(
+        num_classes,
+        k=config.k,
+        sigma=config.sigma,
+        normalize=config.normalize,
+        rule=rule,
+        estimator=estimator,
+    )
 
 
-def _chosen(s: _Searched, config: KNNConfig, estimator: str,
-            val_rows: np.ndarray | None = None, grid: Sequence[float] = LAMBDA_GRID,
-            rule: LambdaRule = CLIENT_RULE) -> PersonalHead:
+def _chosen(
+    s: _Searched,
+    config: KNNConfig,
+    estimator: str,
+    val_rows: np.ndarray | None = None,
+    grid: Sequence[float] = LAMBDA_GRID,
+    rule: LambdaRule = CLIENT_RULE,
+) -> PersonalHead:
     """A client's head with lambda chosen under `estimator` and `rule`, on its whole
     validation split or the given rows."""
     v = s.view
     rows = np.arange(len(v.y_val)) if val_rows is None else val_rows
     loo = None
     if estimator == "loo+val":
-        p_loo = (s.posterior("train", config.k, config.sigma)
-                 if s.found["train"][0].shape[1] else None)  # a one-sample datastore has none
+        p_loo = (
+            s.posterior("train", config.k, config.sigma) if s.found["train"][0].shape[1] else None
+        )  # a one-sample datastore has none
         loo = (p_loo, v.p_train, v.y_train)
     return _head(v.num_classes, config, estimator, grid, rule).choose(
-        s.posterior("val", config.k, config.sigma)[rows], v.p_val[rows], v.y_val[rows], loo)
+        s.posterior("val", config.k, config.sigma)[rows], v.p_val[rows], v.y_val[rows], loo
+    )
 
 
-def grid_points(ks: Sequence[int], sigmas: Sequence[float],
-                normalizations: Sequence[str]) -> list[KNNConfig]:
+def grid_points(
+    ks: Sequence[int], sigmas: Sequence[float], normalizations: Sequence[str]
+) -> list[KNNConfig]:
     """The grid in the order it is scored and reported (ties go to the first)."""
     if not ks or not sigmas or not normalizations:
         raise ValueError("the k, sigma and normalisation grids must not be empty")
-    return [KNNConfig(int(k), float(sigma), how)
-            for how in normalizations for k in ks for sigma in sigmas]
+    return [
+        KNNConfig(int(k), float(sigma), how)
+        for how in normalizations
+        for k in ks
+        for sigma in sigmas
+    ]
 
 
-def grid_counts(view: ClientSplits, points: Sequence[KNNConfig],
-                lambdas: Sequence[float] = LAMBDA_GRID) -> np.ndarray:
+def grid_counts(
+    view: ClientSplits, points: Sequence[KNNConfig], lambdas: Sequence[float] = LAMBDA_GRID
+) -> np.ndarray:
     """One client's share of the grid's score, [points, 3]: validation samples right, summed
     log-loss and samples, each point with the client's own lambda chosen on its validation
     split. Clients compute it on their own data (a Flower evaluation sends only these sums),
@@ -180,23 +224,26 @@ class GridPoint(Protocol):
 Point = TypeVar("Point", bound=GridPoint)
 
 
-def pick_config(points: Sequence[Point],
-                counts: Sequence[np.ndarray]) -> tuple[Point, list[dict]]:
+def pick_config(points: Sequence[Point], counts: Sequence[np.ndarray]) -> tuple[Point, list[dict]]:
     """The point with the best pooled validation score (edge_runtime.knn.choice_key) from the
     clients' per-point counts (right, summed log-loss, samples; e.g. grid_counts), pooled in
     the order given (callers sort by client id, so the sums are the same wherever they are
     made); returns it and every point's scores. Ties go to the first point."""
     if not counts:
-        raise ValueError("no seen client has both train and validation data: cannot choose on "
-                         "validation")
+        raise ValueError(
+            "no seen client has both train and validation data: cannot choose on validation"
+        )
     pooled = np.zeros((len(points), 3))
     for c in counts:
         pooled += c
-    scores = [{**config.to_dict(), "val_accuracy": float(correct / total),
-               "val_nll": float(nll / total)}
-              for config, (correct, nll, total) in zip(points, pooled, strict=True)]
-    best = min(range(len(points)),
-               key=lambda i: choice_key(scores[i]["val_accuracy"], scores[i]["val_nll"]))
+    scores = [
+        {**config.to_dict(), "val_accuracy": float(correct / total), "val_nll": float(nll / total)}
+        for config, (correct, nll, total) in zip(points, pooled, strict=True)
+    ]
+    best = min(
+        range(len(points)),
+        key=lambda i: choice_key(scores[i]["val_accuracy"], scores[i]["val_nll"]),
+    )
     return points[best], scores
 
 
@@ -205,21 +252,29 @@ def choosing_views(views: Sequence[ClientSplits]) -> list[ClientSplits]:
     return [v for v in views if not v.unseen and len(v.y_val) and len(v.y_train)]
 
 
-def select_config(views: Sequence[ClientSplits], *, ks: Sequence[int] = K_GRID,
-                  sigmas: Sequence[float] = SIGMA_GRID,
-                  normalizations: Sequence[str] = NORMALIZATIONS,
-                  lambdas: Sequence[float] = LAMBDA_GRID) -> tuple[KNNConfig, list[dict]]:
+def select_config(
+    views: Sequence[ClientSplits],
+    *,
+    ks: Sequence[int] = K_GRID,
+    sigmas: Sequence[float] = SIGMA_GRID,
+    normalizations: Sequence[str] = NORMALIZATIONS,
+    lambdas: Sequence[float] = LAMBDA_GRID,
+) -> tuple[KNNConfig, list[dict]]:
     """The grid point with the best pooled validation accuracy of the seen clients (each with
     its own lambda chosen on its validation split for that point); ties go to the lower
     validation log-loss. Returns it and every point's scores. `lambdas=(1.0,)` scores the kNN
     alone."""
     points = grid_points(ks, sigmas, normalizations)
-    return pick_config(points, [grid_counts(v, points, lambdas)
-                                for v in choosing_views(views)])
+    return pick_config(points, [grid_counts(v, points, lambdas) for v in choosing_views(views)])
 
 
-def estimator_counts(view: ClientSplits, config: KNNConfig, *, seed: int = 0,
-                     estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> np.ndarray:
+def estimator_counts(
+    view: ClientSplits,
+    config: KNNConfig,
+    *,
+    seed: int = 0,
+    estimators: Sequence[str] = LAMBDA_ESTIMATORS,
+) -> np.ndarray:
     """One client's two-fold cross-validation inside its validation split: [estimators, 2],
     samples right and samples scored, lambda chosen by each estimator on one half (plus the
     datastore for "loo+val") and scored on the other. The folds are seeded by (seed, client),
@@ -238,8 +293,9 @@ def estimator_counts(view: ClientSplits, config: KNNConfig, *, seed: int = 0,
     return out
 
 
-def pool_estimators(counts: Sequence[np.ndarray],
-                    estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> dict[str, float]:
+def pool_estimators(
+    counts: Sequence[np.ndarray], estimators: Sequence[str] = LAMBDA_ESTIMATORS
+) -> dict[str, float]:
     """Pooled cross-validated accuracy per estimator from the clients' estimator_counts."""
     pooled = np.zeros((len(estimators), 2))
     for c in counts:
@@ -249,12 +305,18 @@ def pool_estimators(counts: Sequence[np.ndarray],
     return {est: float(pooled[i, 0] / pooled[i, 1]) for i, est in enumerate(estimators)}
 
 
-def compare_lambda_estimators(views: Sequence[ClientSplits], config: KNNConfig, *, seed: int = 0,
-                              estimators: Sequence[str] = LAMBDA_ESTIMATORS) -> dict[str, float]:
+def compare_lambda_estimators(
+    views: Sequence[ClientSplits],
+    config: KNNConfig,
+    *,
+    seed: int = 0,
+    estimators: Sequence[str] = LAMBDA_ESTIMATORS,
+) -> dict[str, float]:
     """Two-fold cross-validation inside each seen client's validation split (estimator_counts),
     pooled: which estimator to trust, decided without test data."""
-    return pool_estimators([estimator_counts(v, config, seed=seed, estimators=estimators)
-                            for v in views], estimators)
+    return pool_estimators(
+        [estimator_counts(v, config, seed=seed, estimators=estimators) for v in views], estimators
+    )
 
 
 def pick_estimator(cv_scores: dict[str, float]) -> str:
@@ -269,7 +331,7 @@ def _splits_for(estimator: str, *extra: str) -> tuple[str, ...]:
 def _folds(view: ClientSplits, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """A client's two validation halves, seeded by (seed, client): the same wherever drawn."""
     order = np.random.default_rng([seed, view.client_id]).permutation(len(view.y_val))
-    return order[: len(order) // 2], order[len(order) // 2:]
+    return order[: len(order) // 2], order[len(order) // 2 :]
 
 
 def rule_evidence(view: ClientSplits, config: KNNConfig, estimator: str) -> np.ndarray:
@@ -281,8 +343,9 @@ def rule_evidence(view: ClientSplits, config: KNNConfig, estimator: str) -> np.n
     return _chosen(s, config, estimator).evidence_
 
 
-def rule_fold_counts(view: ClientSplits, config: KNNConfig, estimator: str, *,
-                     seed: int = 0) -> np.ndarray:
+def rule_fold_counts(
+    view: ClientSplits, config: KNNConfig, estimator: str, *, seed: int = 0
+) -> np.ndarray:
     """One client's two-fold material for comparing lambda rules, [2 * grid, 5], fold-major
     rows, one per (fold, lambda): the evidence of its fitting half (samples right, summed
     log-loss, samples) and the samples right and scored on its other half at that lambda.
@@ -298,7 +361,8 @@ def rule_fold_counts(view: ClientSplits, config: KNNConfig, estimator: str, *,
         rows = slice(f * grid, (f + 1) * grid)
         out[rows, :3] = _chosen(s, config, estimator, fit_rows).evidence_
         scored = _head(view.num_classes, config).choose(
-            p_knn_val[score_rows], view.p_val[score_rows], view.y_val[score_rows])
+            p_knn_val[score_rows], view.p_val[score_rows], view.y_val[score_rows]
+        )
         out[rows, 3:] = scored.evidence_[:, [0, 2]]
     return out
 
@@ -323,15 +387,16 @@ def fit_rule(name: str, evidence: Sequence[np.ndarray]) -> LambdaRule:
     return LambdaRule(name, tuple(map(tuple, pooled.tolist())), _prior_samples(evidence))
 
 
-def pool_rules(folds: Sequence[np.ndarray],
-               rules: Sequence[str] = LAMBDA_RULES) -> dict[str, float]:
+def pool_rules(
+    folds: Sequence[np.ndarray], rules: Sequence[str] = LAMBDA_RULES
+) -> dict[str, float]:
     """Cross-validated accuracy of each rule from the clients' `rule_fold_counts`: in each fold,
     the pooled rules are fitted on every client's fitting half only, and each client's lambda
     is scored on its other half."""
     grid = len(LAMBDA_GRID)
     right, total = dict.fromkeys(rules, 0.0), 0.0
     for f in range(2):
-        parts = [c[f * grid:(f + 1) * grid] for c in folds]
+        parts = [c[f * grid : (f + 1) * grid] for c in folds]
         if not any(part[0, 2] for part in parts):
             continue
         fitted = {name: fit_rule(name, [part[:, :3] for part in parts]) for name in rules}
@@ -349,20 +414,29 @@ def pool_rules(folds: Sequence[np.ndarray],
 CROSS_ORACLE_HALVINGS = 20
 
 
-def cross_oracle_accuracy(p_knn: np.ndarray, p_global: np.ndarray, y: np.ndarray, *,
-                          seed: int, halvings: int = CROSS_ORACLE_HALVINGS) -> float:
+def cross_oracle_accuracy(
+    p_knn: np.ndarray,
+    p_global: np.ndarray,
+    y: np.ndarray,
+    *,
+    seed: int,
+    halvings: int = CROSS_ORACLE_HALVINGS,
+) -> float:
     """What choosing lambda on test data is worth once the choice is not scored on the samples
     that made it: lambda chosen on one half of the test split, scored on the other (both ways),
     averaged over `halvings` seeded halvings."""
     head = _head(p_knn.shape[1], KNNConfig())
     if len(y) < 2:
-        return (float(np.mean(head.choose(p_knn, p_global, y).mix(p_knn, p_global).argmax(1)
-                              == y)) if len(y) else float("nan"))
+        return (
+            float(np.mean(head.choose(p_knn, p_global, y).mix(p_knn, p_global).argmax(1) == y))
+            if len(y)
+            else float("nan")
+        )
     rng = np.random.default_rng(seed)
     accs = []
     for _ in range(halvings):
         order = rng.permutation(len(y))
-        halves = (order[: len(y) // 2], order[len(y) // 2:])
+        halves = (order[: len(y) // 2], order[len(y) // 2 :])
         right = 0
         for a, b in (halves, halves[::-1]):
             head.choose(p_knn[a], p_global[a], y[a])
@@ -371,9 +445,15 @@ def cross_oracle_accuracy(p_knn: np.ndarray, p_global: np.ndarray, y: np.ndarray
     return float(np.mean(accs))
 
 
-def client_rows(views: Sequence[ClientSplits], config: KNNConfig, *, estimator: str = "val",
-                lambdas: Sequence[float] = LAMBDA_GRID, rule: LambdaRule = CLIENT_RULE,
-                seed: int = 0) -> list[dict[str, Any]]:
+def client_rows(
+    views: Sequence[ClientSplits],
+    config: KNNConfig,
+    *,
+    estimator: str = "val",
+    lambdas: Sequence[float] = LAMBDA_GRID,
+    rule: LambdaRule = CLIENT_RULE,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """One row per client: test accuracy with the honestly chosen lambda, and, for the report
     only, the lambda that the client's test labels would have chosen (the official code's
     choice, optimistic by construction: it is scored on the samples that chose it), the accuracy
@@ -391,23 +471,38 @@ def client_rows(views: Sequence[ClientSplits], config: KNNConfig, *, estimator: 
             p_knn = s.posterior("test", config.k, config.sigma)
         lam = head.lambda_
         if n_test == 0:
-            rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": 0,
-                         "accuracy": None, "info": {"lambda": lam}})
+            rows.append(
+                {
+                    "client_id": v.client_id,
+                    "unseen": v.unseen,
+                    "n_test": 0,
+                    "accuracy": None,
+                    "info": {"lambda": lam},
+                }
+            )
             continue
         if p_knn is None:
             p_knn = np.full_like(v.p_test, 1.0 / v.num_classes)
         # optimistic by construction: chosen on the samples it is scored on
-        oracle_head = _head(v.num_classes, config, grid=lambdas).choose(p_knn, v.p_test,
-                                                                        v.y_test)
+        oracle_head = _head(v.num_classes, config, grid=lambdas).choose(p_knn, v.p_test, v.y_test)
         oracle = oracle_head.lambda_
         acc = float(np.mean(head.mix(p_knn, v.p_test).argmax(1) == v.y_test))
         oracle_acc = float(np.mean(oracle_head.mix(p_knn, v.p_test).argmax(1) == v.y_test))
         cross = cross_oracle_accuracy(p_knn, v.p_test, v.y_test, seed=seed + v.client_id)
-        rows.append({"client_id": v.client_id, "unseen": v.unseen, "n_test": n_test,
-                     "accuracy": acc,
-                     "info": {"lambda": lam, "oracle_lambda": oracle,
-                              "oracle_accuracy": oracle_acc,
-                              "cross_oracle_accuracy": cross}})
+        rows.append(
+            {
+                "client_id": v.client_id,
+                "unseen": v.unseen,
+                "n_test": n_test,
+                "accuracy": acc,
+                "info": {
+                    "lambda": lam,
+                    "oracle_lambda": oracle,
+                    "oracle_accuracy": oracle_acc,
+                    "cross_oracle_accuracy": cross,
+                },
+            }
+        )
     return rows
 
 
@@ -416,8 +511,10 @@ def base_probs_of(personalize: Callable[[ClientData], Any]) -> BaseProbs:
 
     def probs(client: ClientData) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         personal = personalize(client)
-        return tuple(np.asarray(personal.predict_proba(x), dtype=np.float64)  # type: ignore
-                     for x in (client.x_train, client.x_val, client.x_test))
+        return tuple(
+            np.asarray(personal.predict_proba(x), dtype=np.float64)  # type: ignore
+            for x in (client.x_train, client.x_val, client.x_test)
+        )
 
     return probs
 
@@ -433,12 +530,15 @@ def lambda_report(rows: Sequence[dict[str, Any]]) -> dict[str, float | int]:
     oracle = np.array([r["info"]["oracle_accuracy"] for r in scored])
     cross = np.array([r["info"]["cross_oracle_accuracy"] for r in scored])
     differs = [r["info"]["lambda"] != r["info"]["oracle_lambda"] for r in scored]
-    return {"clients": len(scored), "differs": int(sum(differs)),
-            "differs_fraction": float(np.mean(differs)),
-            "honest_mean": float(np.average(honest, weights=w)),
-            "oracle_mean": float(np.average(oracle, weights=w)),
-            "cross_oracle_mean": float(np.average(cross, weights=w)),
-            "cost_pp": float(100 * (np.average(oracle, weights=w) - np.average(honest, weights=w)))}
+    return {
+        "clients": len(scored),
+        "differs": int(sum(differs)),
+        "differs_fraction": float(np.mean(differs)),
+        "honest_mean": float(np.average(honest, weights=w)),
+        "oracle_mean": float(np.average(oracle, weights=w)),
+        "cross_oracle_mean": float(np.average(cross, weights=w)),
+        "cost_pp": float(100 * (np.average(oracle, weights=w) - np.average(honest, weights=w))),
+    }
 
 
 @dataclass(frozen=True)
@@ -465,18 +565,25 @@ def l2_counts(view: ClientSplits, grid: Sequence[float] = L2_GRID) -> np.ndarray
     return out
 
 
-def choose_l2(views: Sequence[ClientSplits],
-              grid: Sequence[float] = L2_GRID) -> tuple[float, dict[str, Any]]:
+def choose_l2(
+    views: Sequence[ClientSplits], grid: Sequence[float] = L2_GRID
+) -> tuple[float, dict[str, Any]]:
     """The l2 whose heads score best on the seen clients' pooled validation splits (ties: the
     stronger regularisation, first in the grid), and the record of the choice: every grid
     value's scores and which clients and samples it was made on."""
     seen = choosing_views(views)
-    config, scores = pick_config([LinearConfig(float(l2)) for l2 in grid],
-                                 [l2_counts(v, grid) for v in seen])
-    return config.l2, {"config": config.to_dict(), "grid": scores,
-                       "chosen_on": {"splits": "validation splits of the seen clients, pooled",
-                                     "clients": [v.client_id for v in seen],
-                                     "samples": int(sum(len(v.y_val) for v in seen))}}
+    config, scores = pick_config(
+        [LinearConfig(float(l2)) for l2 in grid], [l2_counts(v, grid) for v in seen]
+    )
+    return config.l2, {
+        "config": config.to_dict(),
+        "grid": scores,
+        "chosen_on": {
+            "splits": "validation splits of the seen clients, pooled",
+            "clients": [v.client_id for v in seen],
+            "samples": int(sum(len(v.y_val) for v in seen)),
+        },
+    }
 
 
 BASES: tuple[str, ...] = KNN_BASES
@@ -487,13 +594,20 @@ def normalized_views(views: Sequence[ClientSplits], normalize: str) -> list[Clie
     encoder's "embedding" output gives the device, and so what a linear head there reads."""
     if normalize == "none":
         return list(views)
-    return [replace(v, z_train=normalize_embeddings(v.z_train, normalize),
-                    z_val=normalize_embeddings(v.z_val, normalize),
-                    z_test=normalize_embeddings(v.z_test, normalize)) for v in views]
+    return [
+        replace(
+            v,
+            z_train=normalize_embeddings(v.z_train, normalize),
+            z_val=normalize_embeddings(v.z_val, normalize),
+            z_test=normalize_embeddings(v.z_test, normalize),
+        )
+        for v in views
+    ]
 
 
-def linear_base_views(views: Sequence[ClientSplits], l2: float,
-                      normalize: str = "none") -> list[ClientSplits]:
+def linear_base_views(
+    views: Sequence[ClientSplits], l2: float, normalize: str = "none"
+) -> list[ClientSplits]:
     """The same clients with the global model's probabilities replaced by each client's linear
     head (fitted with `l2` on its train embeddings, normalised as the kNN's: the encoder's
     "embedding" output on the device): the base kNN-Per interpolates with when the linear base
@@ -504,8 +618,10 @@ def linear_base_views(views: Sequence[ClientSplits], l2: float,
             out.append(v)
             continue
         head = LinearHead(v.num_classes, l2=l2).fit(n.z_train, n.y_train)
-        probs = [head.predict_proba(z) if len(z) else np.zeros((0, v.num_classes))
-                 for z in (n.z_train, n.z_val, n.z_test)]
+        probs = [
+            head.predict_proba(z) if len(z) else np.zeros((0, v.num_classes))
+            for z in (n.z_train, n.z_val, n.z_test)
+        ]
         out.append(replace(v, p_train=probs[0], p_val=probs[1], p_test=probs[2]))
     return out
 
@@ -514,15 +630,24 @@ def pick_base_and_rule(cv: dict[str, dict[str, float]]) -> tuple[str, str]:
     """The (base, rule) pair with the best cross-validated accuracy; ties go to the earlier
     base of BASES, then the earlier rule of LAMBDA_RULES (the paper's setting first)."""
     pairs = [(b, r) for b in cv for r in cv[b]]
-    return max(pairs, key=lambda br: (cv[br[0]][br[1]], -BASES.index(br[0]),
-                                      -LAMBDA_RULES.index(br[1])))
+    return max(
+        pairs, key=lambda br: (cv[br[0]][br[1]], -BASES.index(br[0]), -LAMBDA_RULES.index(br[1]))
+    )
 
 
-def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
-               ks: Sequence[int] = K_GRID, sigmas: Sequence[float] = SIGMA_GRID,
-               normalizations: Sequence[str] = NORMALIZATIONS, estimator: str = "auto",
-               rule: str = "client", base: str = "global", seed: int = 0,
-               progress: bool = False) -> tuple[KNNConfig, str, dict[str, Any]]:
+def choose_knn(
+    model: EmbedHeadModel,
+    clients: Sequence[ClientData],
+    *,
+    ks: Sequence[int] = K_GRID,
+    sigmas: Sequence[float] = SIGMA_GRID,
+    normalizations: Sequence[str] = NORMALIZATIONS,
+    estimator: str = "auto",
+    rule: str = "client",
+    base: str = "global",
+    seed: int = 0,
+    progress: bool = False,
+) -> tuple[KNNConfig, str, dict[str, Any]]:
     """kNN-Per's configuration on a trained global model: the grid point (k, sigma,
     normalisation) with the best pooled validation score of the seen clients (a one-point grid
     is the fixed setting), the lambda estimator, the lambda rule and the base the kNN is
@@ -533,31 +658,47 @@ def choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], *,
     and cross-oracle accuracy (for the report; nothing chosen depends on test labels).
     `progress`: say each step as it starts (minutes on a large federation: a bar on a
     terminal, a line every 30 s in a log)."""
-    with Progress(None, desc="choosing kNN-Per's configuration", unit="step",
-                  enabled=progress) as steps:
-        return _choose_knn(model, clients, ks, sigmas, normalizations, estimator, rule, base,
-                           seed, steps)
+    with Progress(
+        None, desc="choosing kNN-Per's configuration", unit="step", enabled=progress
+    ) as steps:
+        return _choose_knn(
+            model, clients, ks, sigmas, normalizations, estimator, rule, base, seed, steps
+        )
 
 
-def _choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], ks: Sequence[int],
-                sigmas: Sequence[float], normalizations: Sequence[str], estimator: str,
-                rule: str, base: str, seed: int,
-                steps: Progress) -> tuple[KNNConfig, str, dict[str, Any]]:
+def _choose_knn(
+    model: EmbedHeadModel,
+    clients: Sequence[ClientData],
+    ks: Sequence[int],
+    sigmas: Sequence[float],
+    normalizations: Sequence[str],
+    estimator: str,
+    rule: str,
+    base: str,
+    seed: int,
+    steps: Progress,
+) -> tuple[KNNConfig, str, dict[str, Any]]:
     steps.set_postfix("embedding every client's splits")
     views = client_views(model, clients)
     steps.update()
     seen = choosing_views(views)
-    if not seen and len(ks) == len(sigmas) == len(normalizations) == 1 and estimator != "auto" \
-            and rule in ("client", "auto") and base in ("global", "auto"):
+    if (
+        not seen
+        and len(ks) == len(sigmas) == len(normalizations) == 1
+        and estimator != "auto"
+        and rule in ("client", "auto")
+        and base in ("global", "auto")
+    ):
         # a fixed setting needs no validation data to be chosen
         config, scores, cv = KNNConfig(int(ks[0]), float(sigmas[0]), normalizations[0]), [], {}
         rule, base = "client", "global"
     else:
         points = len(ks) * len(sigmas) * len(normalizations)
-        steps.set_postfix(f"k, sigma and normalisation: {points} grid points on {len(seen)} "
-                          "clients' validation splits")
-        config, scores = select_config(views, ks=ks, sigmas=sigmas,
-                                       normalizations=normalizations)
+        steps.set_postfix(
+            f"k, sigma and normalisation: {points} grid points on {len(seen)} "
+            "clients' validation splits"
+        )
+        config, scores = select_config(views, ks=ks, sigmas=sigmas, normalizations=normalizations)
         steps.update()
         steps.set_postfix("the lambda estimators, 2-fold cross-validation")
         cv = compare_lambda_estimators(views, config, seed=seed)
@@ -575,8 +716,12 @@ def _choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], ks: Sequen
     base_cv: dict[str, dict[str, float]] = {}
     if len(bases) * len(rules) > 1:
         steps.set_postfix("the lambda rule and the base, 2-fold cross-validation")
-        base_cv = {b: pool_rules([rule_fold_counts(v, config, chosen, seed=seed)
-                                  for v in base_views[b]], rules) for b in bases}
+        base_cv = {
+            b: pool_rules(
+                [rule_fold_counts(v, config, chosen, seed=seed) for v in base_views[b]], rules
+            )
+            for b in bases
+        }
         base, rule = pick_base_and_rule(base_cv)
         steps.update()
     else:
@@ -587,12 +732,25 @@ def _choose_knn(model: EmbedHeadModel, clients: Sequence[ClientData], ks: Sequen
     fitted = fit_rule(rule, [rule_evidence(v, config, chosen) for v in seen])
     oracle = client_rows(views, config, estimator=chosen, rule=fitted, seed=seed)
     steps.update()
-    record = {"config": config.to_dict(), "grid": scores, "lambda_cv": cv, "estimator": chosen,
-              "lambda_rule": fitted.to_dict(), "lambda_rule_cv": base_cv.get(base, {}),
-              "base": {"name": base, "l2": l2_record["config"]["l2"] if base == "linear"
-                       else None, "l2_choice": l2_record}, "base_cv": base_cv,
-              "chosen_on": {"splits": "validation splits of the seen clients, pooled",
-                            "clients": [v.client_id for v in seen],
-                            "samples": int(sum(len(v.y_val) for v in seen))},
-              "lambda_report": lambda_report(oracle), "oracle_rows": oracle}
+    record = {
+        "config": config.to_dict(),
+        "grid": scores,
+        "lambda_cv": cv,
+        "estimator": chosen,
+        "lambda_rule": fitted.to_dict(),
+        "lambda_rule_cv": base_cv.get(base, {}),
+        "base": {
+            "name": base,
+            "l2": l2_record["config"]["l2"] if base == "linear" else None,
+            "l2_choice": l2_record,
+        },
+        "base_cv": base_cv,
+        "chosen_on": {
+            "splits": "validation splits of the seen clients, pooled",
+            "clients": [v.client_id for v in seen],
+            "samples": int(sum(len(v.y_val) for v in seen)),
+        },
+        "lambda_report": lambda_report(oracle),
+        "oracle_rows": oracle,
+    }
     return config, chosen, record

@@ -37,16 +37,27 @@ class SmallCNN(EmbedHeadModel):
     """Two 3x3 conv blocks and a hidden layer: small enough to train federatedly in minutes on
     2 CPU cores for 28x28x1 or 32x32x3 inputs (and digits' 8x8)."""
 
-    def __init__(self, num_classes: int, in_channels: int, image_size: int, width: int = 16,
-                 embedding_dim: int = 128) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        in_channels: int,
+        image_size: int,
+        width: int = 16,
+        embedding_dim: int = 128,
+    ) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         side = image_size // 4
-        self.hidden = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * side * side, embedding_dim),
-                                    nn.ReLU())
+        self.hidden = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * width * side * side, embedding_dim), nn.ReLU()
+        )
         self.classifier = nn.Linear(embedding_dim, num_classes)
         self.embedding_dim = embedding_dim
 
@@ -64,8 +75,15 @@ def _norm(channels: int, norm: str) -> nn.Module:
     raise ValueError(f"norm must be batch or group, got {norm!r}")
 
 
-def _conv_bn(inp: int, out: int, kernel: int, stride: int, groups: int = 1,
-             act: bool = True, norm: str = "batch") -> list[nn.Module]:
+def _conv_bn(
+    inp: int,
+    out: int,
+    kernel: int,
+    stride: int,
+    groups: int = 1,
+    act: bool = True,
+    norm: str = "batch",
+) -> list[nn.Module]:
     layers: list[nn.Module] = [
         nn.Conv2d(inp, out, kernel, stride, kernel // 2, groups=groups, bias=False),
         _norm(out, norm),
@@ -97,11 +115,19 @@ class MobileNetV2(EmbedHeadModel):
     embedding. Strides of the stem and the first stages are 1 for 32x32 inputs, as is usual on
     CIFAR. `norm="group"` swaps BatchNorm for GroupNorm (mobilenet-v2-gn)."""
 
-    _SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-                 (6, 160, 3, 2), (6, 320, 1, 1))
+    _SETTINGS = (
+        (1, 16, 1, 1),
+        (6, 24, 2, 1),
+        (6, 32, 3, 2),
+        (6, 64, 4, 2),
+        (6, 96, 3, 1),
+        (6, 160, 3, 2),
+        (6, 320, 1, 1),
+    )
 
-    def __init__(self, num_classes: int, in_channels: int = 3, embedding_dim: int = 1280,
-                 norm: str = "batch") -> None:
+    def __init__(
+        self, num_classes: int, in_channels: int = 3, embedding_dim: int = 1280, norm: str = "batch"
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = _conv_bn(in_channels, 32, 3, 1, norm=norm)
         inp = 32
@@ -123,8 +149,14 @@ class CharLSTM(EmbedHeadModel):
     """Two-layer LSTM over characters; as in the paper, the embedding is the final hidden and cell
     states of both layers (4 x 256 = 1024 dimensions)."""
 
-    def __init__(self, num_classes: int, vocab_size: int, hidden: int = 256, layers: int = 2,
-                 char_dim: int = 8) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        vocab_size: int,
+        hidden: int = 256,
+        layers: int = 2,
+        char_dim: int = 8,
+    ) -> None:
         super().__init__()
         self.chars = nn.Embedding(vocab_size, char_dim)
         self.lstm = nn.LSTM(char_dim, hidden, num_layers=layers, batch_first=True)

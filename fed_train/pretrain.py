@@ -68,8 +68,9 @@ class PretrainConfig:
     seed: int = 0
 
 
-def server_split(y: np.ndarray, fraction: float, seed: int,
-                 max_train: int | None = None) -> np.ndarray:
+def server_split(
+    y: np.ndarray, fraction: float, seed: int, max_train: int | None = None
+) -> np.ndarray:
     """Sorted indices of a stratified `fraction` of the training set (of `max_train` samples when
     given, as `train --max-train` would see it), drawn before any client partition exists."""
     if not 0 < fraction < 1:
@@ -97,8 +98,12 @@ def augment_images(x: torch.Tensor, rng: np.random.Generator, shift: int = 4) ->
     padded = torch.nn.functional.pad(x, (shift, shift, shift, shift))
     rows = torch.from_numpy(rng.integers(0, 2 * shift + 1, n))[:, None] + torch.arange(height)
     cols = torch.from_numpy(rng.integers(0, 2 * shift + 1, n))[:, None] + torch.arange(width)
-    return padded[torch.arange(n)[:, None, None, None], torch.arange(channels)[None, :, None, None],
-                  rows[:, None, :, None], cols[:, None, None, :]]
+    return padded[
+        torch.arange(n)[:, None, None, None],
+        torch.arange(channels)[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
+    ]
 
 
 def _accuracy(model: torch.nn.Module, x: torch.Tensor, y: np.ndarray) -> float:
@@ -110,25 +115,32 @@ def _pretraining_data(config: PretrainConfig) -> tuple[Dataset, Dataset, np.ndar
     indices the clients lose (none with public data)."""
     target = load_dataset(config.dataset, config.data, seed=config.seed)
     if config.public_data is None:
-        server = server_split(target.y_train, config.server_fraction, config.seed,
-                              config.max_train)
+        server = server_split(target.y_train, config.server_fraction, config.seed, config.max_train)
         source = copy.copy(target)
         source.x_train, source.y_train = target.x_train[server], target.y_train[server]
         return target, source, server
-    public = load_dataset("npz", config.public_data, max_train=config.max_train,
-                          seed=config.seed)
+    public = load_dataset("npz", config.public_data, max_train=config.max_train, seed=config.seed)
     if public.x_train.shape[1:] != target.x_train.shape[1:]:
-        raise InitError(f"--public-data {config.public_data}: inputs of shape "
-                        f"{list(public.x_train.shape[1:])}, but {config.dataset} has "
-                        f"{list(target.x_train.shape[1:])}")
+        raise InitError(
+            f"--public-data {config.public_data}: inputs of shape "
+            f"{list(public.x_train.shape[1:])}, but {config.dataset} has "
+            f"{list(target.x_train.shape[1:])}"
+        )
     if public.y_train.max() >= target.num_classes:
-        raise InitError(f"--public-data {config.public_data}: label {public.y_train.max()} is "
-                        f"out of range for the {target.num_classes} classes of {config.dataset}")
+        raise InitError(
+            f"--public-data {config.public_data}: label {public.y_train.max()} is "
+            f"out of range for the {target.num_classes} classes of {config.dataset}"
+        )
     return target, public, np.zeros(0, dtype=np.int64)
 
 
-def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True,
-             device: torch.device | str = "cpu") -> dict[str, Any]:
+def pretrain(
+    config: PretrainConfig,
+    out: str | Path,
+    *,
+    progress: bool = True,
+    device: torch.device | str = "cpu",
+) -> dict[str, Any]:
     """Train the model centrally on `device`, keep the epoch with the best held-out accuracy,
     and write OUT/model.pt (CPU tensors), OUT/server_indices.npy and OUT/pretrain.json (written
     last: it marks a finished pretraining). Returns the record. One model, no clients: there is
@@ -139,8 +151,9 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True,
     target, source, server = _pretraining_data(config)
     model_name = config.model or default_model(target.input_spec)
     if config.augment and target.input_spec["kind"] != "image":
-        raise InitError(f"--augment crops and flips images; {config.dataset} holds "
-                        f"{target.input_spec['kind']}")
+        raise InitError(
+            f"--augment crops and flips images; {config.dataset} holds {target.input_spec['kind']}"
+        )
     torch.manual_seed(config.seed)
     device = torch.device(device)
     model = build_model(model_name, target.num_classes, target.input_spec).to(device)
@@ -149,15 +162,22 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True,
     y = np.asarray(source.y_train, dtype=np.int64)
     fit, val = _split_validation(y, config.val_fraction, config.seed)
     x_fit, y_fit = x[fit], torch.from_numpy(y[fit]).to(device)
-    training = TrainingConfig(batch_size=config.batch_size, momentum=config.momentum,
-                              weight_decay=config.weight_decay, precision=config.precision)
+    training = TrainingConfig(
+        batch_size=config.batch_size,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        precision=config.precision,
+    )
     history: list[dict[str, float]] = []
     best_state, best_epoch, best_acc = _cpu_state(model), 0, -1.0
     epochs = Progress(config.epochs, desc="pretrain", unit="epoch", enabled=progress)
     for epoch in range(1, config.epochs + 1):
         seed = client_seed(config.seed, epoch, 0)
-        x_epoch = (augment_images(x_fit, np.random.default_rng(client_seed(config.seed, epoch, 1)))
-                   if config.augment else x_fit)
+        x_epoch = (
+            augment_images(x_fit, np.random.default_rng(client_seed(config.seed, epoch, 1)))
+            if config.augment
+            else x_fit
+        )
         loss = local_sgd(model, x_epoch, y_fit, training, config.lr, seed=seed, epochs=1)
         acc = _accuracy(model, x[val], y[val])
         history.append({"epoch": epoch, "train_loss": round(loss, 6), "val_accuracy": acc})
@@ -166,15 +186,25 @@ def pretrain(config: PretrainConfig, out: str | Path, *, progress: bool = True,
         if acc > best_acc:
             best_state, best_epoch, best_acc = _cpu_state(model), epoch, acc
         elif epoch - best_epoch >= config.patience:
-            log.info("no better validation accuracy for %d epochs: stopping at epoch %d",
-                     config.patience, epoch)
+            log.info(
+                "no better validation accuracy for %d epochs: stopping at epoch %d",
+                config.patience,
+                epoch,
+            )
             break
     epochs.close()
-    record = {**asdict(config), "model": model_name, "num_classes": target.num_classes,
-              "train_size": len(target.y_train), "server_samples": int(len(server)),
-              "samples": {"train": int(len(fit)), "val": int(len(val))},
-              "best_epoch": best_epoch, "epochs_run": len(history), "val_accuracy": best_acc,
-              "history": history}
+    record = {
+        **asdict(config),
+        "model": model_name,
+        "num_classes": target.num_classes,
+        "train_size": len(target.y_train),
+        "server_samples": int(len(server)),
+        "samples": {"train": int(len(fit)), "val": int(len(val))},
+        "best_epoch": best_epoch,
+        "epochs_run": len(history),
+        "val_accuracy": best_acc,
+        "history": history,
+    }
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / SERVER_INDICES_FILE, lambda f: np.save(f, server.astype(np.int64)))
     write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
@@ -219,12 +249,16 @@ def _read_state_dict(path: Path) -> tuple[dict[str, torch.Tensor], str]:
             reason = first if first == type(err).__name__ else f"{type(err).__name__}: {first}"
         raise InitError(f"--init {path} is not a readable torch state dict: {reason}") from err
     if not isinstance(obj, Mapping):
-        raise InitError(f"--init {path} is not a state dict (it holds a {type(obj).__name__}; "
-                        "save model.state_dict())")
+        raise InitError(
+            f"--init {path} is not a state dict (it holds a {type(obj).__name__}; "
+            "save model.state_dict())"
+        )
     for key, value in obj.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise InitError(f"--init {path} is not a state dict: entry {key!r} is a "
-                            f"{type(value).__name__}, not a tensor")
+            raise InitError(
+                f"--init {path} is not a state dict: entry {key!r} is a "
+                f"{type(value).__name__}, not a tensor"
+            )
     return dict(obj), hashlib.sha256(raw).hexdigest()
 
 
@@ -234,7 +268,8 @@ def _read_record(path: Path) -> dict[str, Any]:
     except ValueError as err:
         raise InitError(f"--init {path} {err}; run `knnper pretrain` again") from None
     if not isinstance(record, dict) or not all(
-            isinstance(record.get(k), str) for k in ("dataset", "model")):
+        isinstance(record.get(k), str) for k in ("dataset", "model")
+    ):
         raise InitError(f"--init {path} must be a JSON object naming its dataset and model")
     return record
 
@@ -246,8 +281,11 @@ def _read_indices(path: Path, public: bool) -> np.ndarray:
         indices = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as err:
         raise InitError(f"--init {path} is not a readable .npy file: {err}") from err
-    if (not isinstance(indices, np.ndarray) or indices.ndim != 1
-            or (indices.size and not np.issubdtype(indices.dtype, np.integer))):
+    if (
+        not isinstance(indices, np.ndarray)
+        or indices.ndim != 1
+        or (indices.size and not np.issubdtype(indices.dtype, np.integer))
+    ):
         raise InitError(f"--init {path} must hold 1-D integer indices")
     if indices.size == 0 and not public:  # a server split of the training set is never empty
         raise InitError(f"--init {path} holds no indices (the server split cannot be empty)")
@@ -265,11 +303,14 @@ def load_init(path: str | Path) -> Init:
         record = _read_record(location / RECORD_FILE)
         # pretraining on --public-data takes nothing from the training set: no server split
         public = record.get("public_data") is not None
-        return Init(str(path), state, digest,
-                    _read_indices(location / SERVER_INDICES_FILE, public), record)
+        return Init(
+            str(path), state, digest, _read_indices(location / SERVER_INDICES_FILE, public), record
+        )
     if not location.exists():
-        raise InitError(f"--init {path}: no such file or directory (a pretrain directory from "
-                        "`knnper pretrain` or a .pt state dict)")
+        raise InitError(
+            f"--init {path}: no such file or directory (a pretrain directory from "
+            "`knnper pretrain` or a .pt state dict)"
+        )
     state, digest = _read_state_dict(location)
     return Init(str(path), state, digest)
 
@@ -280,8 +321,10 @@ def check_init_record(init: Init, dataset: str, model_name: str) -> None:
         return
     made_for = (init.record["dataset"], init.record["model"])
     if made_for != (dataset, model_name):
-        raise InitError(f"--init {init.path} was pretrained for dataset {made_for[0]} with model "
-                        f"{made_for[1]}; this run uses dataset {dataset} with model {model_name}")
+        raise InitError(
+            f"--init {init.path} was pretrained for dataset {made_for[0]} with model "
+            f"{made_for[1]}; this run uses dataset {dataset} with model {model_name}"
+        )
 
 
 def init_weights(init: Init, model: EmbedHeadModel) -> Weights:
@@ -289,16 +332,21 @@ def init_weights(init: Init, model: EmbedHeadModel) -> Weights:
     expected = model.state_dict()
     for key, tensor in expected.items():
         if key not in init.state:
-            raise InitError(f"--init {init.path} does not fit the model: key {key!r} (shape "
-                            f"{list(tensor.shape)} in the model) is missing")
+            raise InitError(
+                f"--init {init.path} does not fit the model: key {key!r} (shape "
+                f"{list(tensor.shape)} in the model) is missing"
+            )
         if tuple(init.state[key].shape) != tuple(tensor.shape):
-            raise InitError(f"--init {init.path} does not fit the model: key {key!r} has shape "
-                            f"{list(init.state[key].shape)} in the file, {list(tensor.shape)} in "
-                            "the model")
+            raise InitError(
+                f"--init {init.path} does not fit the model: key {key!r} has shape "
+                f"{list(init.state[key].shape)} in the file, {list(tensor.shape)} in "
+                "the model"
+            )
     extra = [key for key in init.state if key not in expected]
     if extra:
-        raise InitError(f"--init {init.path} does not fit the model: key {extra[0]!r} is not "
-                        "one of the model's")
+        raise InitError(
+            f"--init {init.path} does not fit the model: key {extra[0]!r} is not one of the model's"
+        )
     for key, tensor in init.state.items():
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise InitError(f"--init {init.path}: key {key!r} holds NaN or infinite values")

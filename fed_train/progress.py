@@ -38,16 +38,30 @@ class Progress:
     count is not known ahead (lines then give the measured time per unit, no time left). Use
     it as a context manager, or call `close()`, so the heartbeat stops."""
 
-    def __init__(self, total: int | None, *, desc: str, unit: str, enabled: bool = True,
-                 initial: int = 0, total_work: float | None = None, every_s: float = EVERY_S,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        total: int | None,
+        *,
+        desc: str,
+        unit: str,
+        enabled: bool = True,
+        initial: int = 0,
+        total_work: float | None = None,
+        every_s: float = EVERY_S,
+        stream: TextIO | None = None,
+    ) -> None:
         self.total, self.done, self.desc, self.unit = total, initial, desc, unit
         self.stream = stream or sys.stderr
         self.every_s = every_s
         self.postfix = ""
         self._initial = initial
-        self._work_left = (float(total_work) if total_work is not None
-                           else float(total - initial) if total is not None else 0.0)
+        self._work_left = (
+            float(total_work)
+            if total_work is not None
+            else float(total - initial)
+            if total is not None
+            else 0.0
+        )
         self._work_done = 0.0
         self._start = self._last = time.monotonic()
         self._lock = threading.Lock()
@@ -57,12 +71,19 @@ class Progress:
         if not enabled or (total is not None and total <= initial):
             return
         if self.stream.isatty():
-            self._bar = tqdm(total=total, initial=initial, desc=desc, unit=f" {unit}",
-                             file=self.stream, bar_format=BAR_FORMAT)
+            self._bar = tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                unit=f" {unit}",
+                file=self.stream,
+                bar_format=BAR_FORMAT,
+            )
             self._bar.set_postfix_str(self._bar_text())
         else:
-            self._beat = threading.Thread(target=self._heartbeat, daemon=True,
-                                          name=f"progress-{desc}")
+            self._beat = threading.Thread(
+                target=self._heartbeat, daemon=True, name=f"progress-{desc}"
+            )
             self._beat.start()
 
     def update(self, work: float = 1.0, *, measured: bool = True) -> None:
@@ -78,8 +99,9 @@ class Progress:
             if self._bar is not None:
                 self._bar.set_postfix_str(self._bar_text(), refresh=False)
                 self._bar.update(1)
-            elif self._beat is not None and (self.done == self.total
-                                             or time.monotonic() - self._last >= self.every_s):
+            elif self._beat is not None and (
+                self.done == self.total or time.monotonic() - self._last >= self.every_s
+            ):
                 self._print()
 
     def set_postfix(self, text: str) -> None:
@@ -116,8 +138,10 @@ class Progress:
         elif fresh == 0:
             text += f", {self.left(now)}"
         else:
-            text += (f", {self.left(now)} (measured "
-                     f"{duration(elapsed / fresh)} per {self.unit} over {fresh})")
+            text += (
+                f", {self.left(now)} (measured "
+                f"{duration(elapsed / fresh)} per {self.unit} over {fresh})"
+            )
         return f"{text}; {self.postfix}" if self.postfix else text
 
     def _print(self) -> None:
@@ -128,7 +152,8 @@ class Progress:
         while not self._stop.wait(min(1.0, self.every_s)):
             with self._lock:
                 if time.monotonic() - self._last >= self.every_s and (
-                        self.total is None or self.done < self.total):
+                    self.total is None or self.done < self.total
+                ):
                     self._print()
 
     def close(self) -> None:
@@ -145,13 +170,27 @@ class Progress:
         self.close()
 
 
-def track(items: Iterable[Any], *, total: int, desc: str, unit: str, enabled: bool = True,
-          initial: int = 0, work: Sequence[float] | None = None) -> Iterator[Any]:
+def track(
+    items: Iterable[Any],
+    *,
+    total: int,
+    desc: str,
+    unit: str,
+    enabled: bool = True,
+    initial: int = 0,
+    work: Sequence[float] | None = None,
+) -> Iterator[Any]:
     """Iterate `items`, counting one unit as each one's turn ends; `work`: each item's share,
     in order, when items differ in cost."""
     shares = list(work) if work is not None else None
-    with Progress(total, desc=desc, unit=unit, enabled=enabled, initial=initial,
-                  total_work=sum(shares) if shares is not None else None) as progress:
+    with Progress(
+        total,
+        desc=desc,
+        unit=unit,
+        enabled=enabled,
+        initial=initial,
+        total_work=sum(shares) if shares is not None else None,
+    ) as progress:
         for i, item in enumerate(items):
             yield item
             progress.update(shares[i] if shares is not None else 1.0)

@@ -148,12 +148,14 @@ class LoadedRun:
         return prepare_clients(self.dataset, self.partition, self.device)
 
     def model_factory(self):
-        return lambda: build_model(self.model_name, self.dataset.num_classes,
-                                   self.dataset.input_spec).to(self.device)
+        return lambda: build_model(
+            self.model_name, self.dataset.num_classes, self.dataset.input_spec
+        ).to(self.device)
 
 
-def prepare_clients(dataset: Dataset, partition: Partition,
-                    device: torch.device | str = "cpu") -> list[ClientData]:
+def prepare_clients(
+    dataset: Dataset, partition: Partition, device: torch.device | str = "cpu"
+) -> list[ClientData]:
     """Model-ready tensors per client, preprocessed once for the whole data set and placed on
     `device` once for the whole run."""
     x_train = torch.from_numpy(prepare_input(dataset.x_train, dataset.input_spec))
@@ -162,11 +164,22 @@ def prepare_clients(dataset: Dataset, partition: Partition,
     y_test = torch.from_numpy(np.asarray(dataset.y_test, dtype=np.int64))
     out = []
     for cid, split in enumerate(partition.clients):
-        tr, va, te = (torch.from_numpy(np.asarray(s, dtype=np.int64))
-                      for s in (split.train, split.val, split.test))
-        out.append(ClientData(cid, x_train[tr], y_train[tr], x_train[va], y_train[va],
-                              x_test[te], y_test[te], bool(partition.unseen[cid]))
-                   .to(torch.device(device)))
+        tr, va, te = (
+            torch.from_numpy(np.asarray(s, dtype=np.int64))
+            for s in (split.train, split.val, split.test)
+        )
+        out.append(
+            ClientData(
+                cid,
+                x_train[tr],
+                y_train[tr],
+                x_train[va],
+                y_train[va],
+                x_test[te],
+                y_test[te],
+                bool(partition.unseen[cid]),
+            ).to(torch.device(device))
+        )
     return out
 
 
@@ -178,9 +191,13 @@ def load_run_data(config: RunConfig) -> tuple[Dataset, Init | None]:
         init = continued_init(config)
     else:
         init = load_init(config.init) if config.init is not None else None
-    dataset = load_dataset(config.dataset, config.data, max_train=config.max_train,
-                           exclude_train=None if init is None else init.server_indices,
-                           seed=config.seed)
+    dataset = load_dataset(
+        config.dataset,
+        config.data,
+        max_train=config.max_train,
+        exclude_train=None if init is None else init.server_indices,
+        seed=config.seed,
+    )
     if init is not None:
         check_init_record(init, config.dataset, config.model or default_model(dataset.input_spec))
     return dataset, init
@@ -201,30 +218,37 @@ def continued_init(config: RunConfig) -> Init:
     """The start of a run that continues another (`knnper train --continue-from RUN`): that
     run's final weights, and the server split of its pretraining, if any."""
     if config.init is not None:
-        raise RunError("--continue-from starts from that run's model; it cannot be combined "
-                       "with --init")
+        raise RunError(
+            "--continue-from starts from that run's model; it cannot be combined with --init"
+        )
     prior_dir = Path(config.continue_from)
     prior = RunConfig.from_dict(read_config(prior_dir))
     if prior.dataset != config.dataset:
-        raise RunError(f"--continue-from {prior_dir} was trained on {prior.dataset}, this run "
-                       f"uses {config.dataset}")
+        raise RunError(
+            f"--continue-from {prior_dir} was trained on {prior.dataset}, this run "
+            f"uses {config.dataset}"
+        )
     if not (prior_dir / MODEL_FILE).is_file():
-        raise RunError(f"--continue-from {prior_dir} is not a finished run: {MODEL_FILE} is "
-                       "missing")
+        raise RunError(
+            f"--continue-from {prior_dir} is not a finished run: {MODEL_FILE} is missing"
+        )
     weights = load_init(prior_dir / MODEL_FILE)
     source = server_split_source(prior)
     server = load_init(source) if source is not None else None
-    return Init(weights.path, weights.state, weights.sha256,
-                None if server is None else server.server_indices,
-                None if server is None else server.record)
+    return Init(
+        weights.path,
+        weights.state,
+        weights.sha256,
+        None if server is None else server.server_indices,
+        None if server is None else server.record,
+    )
 
 
 def read_config(run_dir: Path) -> dict:
     """config.json as a JSON object; RunError (one line) for anything else."""
     path = run_dir / CONFIG_FILE
     try:
-        data = read_json(path, limit=MAX_CONFIG_BYTES,
-                         fix="restore it or train the run again")
+        data = read_json(path, limit=MAX_CONFIG_BYTES, fix="restore it or train the run again")
     except (OSError, JSONFileError) as err:
         raise RunError(f"{path} is not readable JSON: {one_line(err)}") from None
     if not isinstance(data, dict):
@@ -238,9 +262,11 @@ def load_partition(run_dir: Path, dataset: Dataset, clients: int) -> Partition:
     partition = Partition.load(run_dir / PARTITION_FILE)
     partition.check(dataset)
     if partition.num_clients != clients:
-        raise RunError(f"{run_dir / CONFIG_FILE} says 'clients' is {clients} but the run was "
-                       f"trained with {partition.num_clients} ({PARTITION_FILE}); restore the "
-                       "file or train the run again")
+        raise RunError(
+            f"{run_dir / CONFIG_FILE} says 'clients' is {clients} but the run was "
+            f"trained with {partition.num_clients} ({PARTITION_FILE}); restore the "
+            "file or train the run again"
+        )
     return partition
 
 
@@ -250,8 +276,13 @@ def data_fingerprint(dataset: Dataset, partition: Partition) -> str:
     stages recompute it, so a changed server split, seed or data file cannot silently give
     them other client data."""
     h = hashlib.sha256()
-    for array in (dataset.x_train, dataset.y_train, dataset.x_test, dataset.y_test,
-                  partition.unseen):
+    for array in (
+        dataset.x_train,
+        dataset.y_train,
+        dataset.x_test,
+        dataset.y_test,
+        partition.unseen,
+    ):
         h.update(str((array.dtype.str, array.shape)).encode())
         h.update(np.ascontiguousarray(array).data)
     for split in partition.clients:
@@ -260,17 +291,18 @@ def data_fingerprint(dataset: Dataset, partition: Partition) -> str:
     return h.hexdigest()
 
 
-def check_same_data(recorded: dict, dataset: Dataset, partition: Partition,
-                    run_dir: Path) -> None:
+def check_same_data(recorded: dict, dataset: Dataset, partition: Partition, run_dir: Path) -> None:
     """Refuse a run whose data no longer match the fingerprint it recorded (runs from before
     fingerprints recorded none and are not checked)."""
     expected = recorded.get("data_sha256")
     if expected is None:
         return
     if expected != data_fingerprint(dataset, partition):
-        raise RunError(f"{run_dir}: the data this run was trained on have changed (the data "
-                       "file, --init's server split, the seed or the partition): its clients "
-                       "would get other samples; retrain it or restore them")
+        raise RunError(
+            f"{run_dir}: the data this run was trained on have changed (the data "
+            "file, --init's server split, the seed or the partition): its clients "
+            "would get other samples; retrain it or restore them"
+        )
 
 
 def init_record(init: Init | None) -> dict[str, str]:
@@ -280,26 +312,40 @@ def init_record(init: Init | None) -> dict[str, str]:
 
 def check_same_init(previous: dict, saved: dict, where: Path) -> None:
     """Resuming from other initial weights would mix two runs in one folder."""
+
     def where_from(record: dict) -> tuple[str | None, str | None]:
         path = record.get("init")  # a run from before absolute paths may hold a relative one
-        return (path if not isinstance(path, str) else str(Path(path).resolve()),
-                record.get("init_sha256"))
+        return (
+            path if not isinstance(path, str) else str(Path(path).resolve()),
+            record.get("init_sha256"),
+        )
 
     before, now = where_from(previous), where_from(saved)
     if before[0] == now[0] and before[1] != now[1]:
-        raise RunError(f"--init {now[0]} has changed since {where} was started from it (sha256 "
-                       f"{before[1]} then, {now[1]} now)")
+        raise RunError(
+            f"--init {now[0]} has changed since {where} was started from it (sha256 "
+            f"{before[1]} then, {now[1]} now)"
+        )
     if before != now:
-        raise RunError(f"{where} was started from --init {before[0]}, not {now[0]}; choose "
-                       "another --out or delete it")
+        raise RunError(
+            f"{where} was started from --init {before[0]}, not {now[0]}; choose "
+            "another --out or delete it"
+        )
 
 
 def run_partition(config: RunConfig, dataset: Dataset) -> Partition:
     """The run's partition: the same for every engine and for every node that holds the data."""
-    return make_partition(dataset, config.partition, config.clients, alpha=config.alpha,
-                          beta=config.beta, classes_per_client=config.classes_per_client,
-                          val_fraction=config.val_fraction,
-                          unseen_fraction=config.unseen_fraction, seed=config.seed)
+    return make_partition(
+        dataset,
+        config.partition,
+        config.clients,
+        alpha=config.alpha,
+        beta=config.beta,
+        classes_per_client=config.classes_per_client,
+        val_fraction=config.val_fraction,
+        unseen_fraction=config.unseen_fraction,
+        seed=config.seed,
+    )
 
 
 def initial_weights(model_fn, seed: int, init: Init | None = None) -> Weights:
@@ -333,8 +379,13 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
         return build_model(model_name, dataset.num_classes, dataset.input_spec)
 
     start = initial_weights(model_fn, config.seed, init)  # checked before anything is written
-    saved = {**config.to_dict(), "model_name": model_name, "num_classes": dataset.num_classes,
-             "input_spec": dataset.input_spec, **init_record(init)}
+    saved = {
+        **config.to_dict(),
+        "model_name": model_name,
+        "num_classes": dataset.num_classes,
+        "input_spec": dataset.input_spec,
+        **init_record(init),
+    }
     config_path = run_dir / CONFIG_FILE
     if config_path.exists():
         remove_dead_writers_files(run_dir)
@@ -348,8 +399,10 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
         if saved["data_sha256"] is None:
             del saved["data_sha256"]
         if previous != json.loads(json.dumps(saved)):
-            raise RunError(f"{run_dir} holds a run with a different configuration; "
-                           "choose another --out or delete it")
+            raise RunError(
+                f"{run_dir} holds a run with a different configuration; "
+                "choose another --out or delete it"
+            )
     else:
         partition = run_partition(config, dataset)
         try:
@@ -369,8 +422,14 @@ def save_model(run_dir: Path, model: EmbedHeadModel, weights: Weights) -> None:
     write_atomic(run_dir / MODEL_FILE, lambda f: torch.save(state, f))
 
 
-def train(config: RunConfig, run_dir: Path, *, progress: bool = True,
-          device: torch.device | str = "cpu", client_batch: int = 1) -> SimulationResult:
+def train(
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    progress: bool = True,
+    device: torch.device | str = "cpu",
+    client_batch: int = 1,
+) -> SimulationResult:
     """Train FedAvg's global model into run_dir, resuming if run_dir holds the same run. The
     checkpoints and model.pt hold CPU arrays whatever the device.
 
@@ -388,10 +447,17 @@ def train(config: RunConfig, run_dir: Path, *, progress: bool = True,
     device = torch.device(device)
     clients = prepare_clients(run.dataset, run.partition, device)
     algorithm = build_algorithm("fedavg", lambda: run.model_fn().to(device), config.training)
-    result = simulate(algorithm, clients, config.training, run.start,
-                      seed=config.seed, run_dir=run_dir,
-                      checkpoint_every=config.checkpoint_every, progress=progress,
-                      client_batch=client_batch)
+    result = simulate(
+        algorithm,
+        clients,
+        config.training,
+        run.start,
+        seed=config.seed,
+        run_dir=run_dir,
+        checkpoint_every=config.checkpoint_every,
+        progress=progress,
+        client_batch=client_batch,
+    )
     save_model(run_dir, run.model_fn(), result.weights)
     return result
 
@@ -407,8 +473,10 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu") -> LoadedR
     run_dir = Path(run_dir)
     for name in (CONFIG_FILE, PARTITION_FILE, MODEL_FILE):
         if not (run_dir / name).is_file():
-            raise RunError(f"{run_dir} is not a finished run: {name} is missing "
-                           "(train it with `knnper train ... --out RUN`)")
+            raise RunError(
+                f"{run_dir} is not a finished run: {name} is missing "
+                "(train it with `knnper train ... --out RUN`)"
+            )
     raw = read_config(run_dir)
     config = RunConfig.from_dict(raw)
     dataset, init = load_run_data(config)
@@ -427,8 +495,9 @@ def load_run(run_dir: str | Path, device: torch.device | str = "cpu") -> LoadedR
     except Exception as err:  # torch raises several types for a corrupt or mismatched file
         reason = one_line(err, first_line=True)
         raise RunError(f"{run_dir / MODEL_FILE} cannot be loaded: {reason}") from err
-    if not all(torch.isfinite(t).all() for t in model.state_dict().values()
-               if t.is_floating_point()):
+    if not all(
+        torch.isfinite(t).all() for t in model.state_dict().values() if t.is_floating_point()
+    ):
         raise RunError(f"{run_dir / MODEL_FILE} holds NaN or infinite weights")
     device = torch.device(device)
     model.to(device).eval()

@@ -22,12 +22,21 @@ def _local_cache_key(run: LoadedRun) -> dict[str, Any]:
     """What a client's local model depends on: not the global model, but the training
     settings, the seed and the clients' data (another run's journal with the same flags was
     reused for a different partition)."""
-    return {"training": run.config.to_dict()["training"], "seed": run.config.seed,
-            "data_sha256": data_fingerprint(run.dataset, run.partition)}
+    return {
+        "training": run.config.to_dict()["training"],
+        "seed": run.config.seed,
+        "data_sha256": data_fingerprint(run.dataset, run.partition),
+    }
 
 
-def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | None = None,
-                 capacity: float = 1.0, progress: bool = True) -> dict[str, Any]:
+def evaluate_run(
+    run: LoadedRun,
+    methods: Sequence[str],
+    *,
+    knn: KNNRequest | None = None,
+    capacity: float = 1.0,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Local, FedAvg and kNN-Per on every client of a finished run. kNN-Per runs the run's
     saved configuration (chosen on validation the first time it is needed: fed_train.knn_choice).
     Local models take as long to train as the run itself, so each client's result is kept in
@@ -53,22 +62,36 @@ def evaluate_run(run: LoadedRun, methods: Sequence[str], *, knn: KNNRequest | No
     choice = None
     for method in methods:
         if method not in EVAL_METHODS:
-            raise KnnperError(f"unknown method {method!r} for evaluate; known: "
-                              f"{', '.join(EVAL_METHODS)}")
+            raise KnnperError(
+                f"unknown method {method!r} for evaluate; known: {', '.join(EVAL_METHODS)}"
+            )
         hyper: dict[str, Any] = {}
         if method == "knnper":
-            choice = load_or_choose(run.run_dir, run.model, clients, knn or KNNRequest(),
-                                    seed=run.config.seed, progress=progress)
+            choice = load_or_choose(
+                run.run_dir,
+                run.model,
+                clients,
+                knn or KNNRequest(),
+                seed=run.config.seed,
+                progress=progress,
+            )
             hyper = {**choice.hyper(), "capacity": capacity}
         algorithm = build_algorithm(method, run.model_factory(), run.config.training, **hyper)
-        journal = (ClientRows(run.run_dir / "eval" / "local.jsonl", _local_cache_key(run))
-                   if method == "local" else None)
-        per_method[method] = client_accuracies(algorithm, weights, {}, clients,
-                                               seed=run.config.seed, progress=progress,
-                                               journal=journal)
+        journal = (
+            ClientRows(run.run_dir / "eval" / "local.jsonl", _local_cache_key(run))
+            if method == "local"
+            else None
+        )
+        per_method[method] = client_accuracies(
+            algorithm,
+            weights,
+            {},
+            clients,
+            seed=run.config.seed,
+            progress=progress,
+            journal=journal,
+        )
     result = merge_results(per_method)
     if choice is not None:
         result["knn"] = choice.record
     return result
-
-

@@ -71,8 +71,7 @@ class SimulationResult:
 TRAIN_STREAM, AGGREGATE_STREAM, PERSONALIZE_STREAM = 0, 1, 2
 
 
-def client_seed(seed: int, round_index: int, client_id: int,
-                stream: int = TRAIN_STREAM) -> int:
+def client_seed(seed: int, round_index: int, client_id: int, stream: int = TRAIN_STREAM) -> int:
     """One independent stream per (run, purpose, round, client), so a resumed run replays
     exactly and personalization never reuses a training stream."""
     return sub_seed(seed, stream, round_index, client_id)
@@ -99,8 +98,13 @@ def checkpoint_round(path: Path) -> int:
     return int(path.stem.removeprefix("round_"))
 
 
-def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
-                    states: dict[int, dict[str, Any]], keep_every: int | None = None) -> None:
+def save_checkpoint(
+    path: Path,
+    rounds_done: int,
+    weights: Weights,
+    states: dict[int, dict[str, Any]],
+    keep_every: int | None = None,
+) -> None:
     """A checksum header line plus torch.save's bytes, written to a unique temporary name,
     fsynced and renamed (write_atomic): a kill mid-write never leaves a torn checkpoint under
     the final name.
@@ -108,8 +112,14 @@ def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
     keep_every-th round (experiments on the global model's quality along training read them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
-    torch.save({"rounds_done": rounds_done, "weights": _to_tensors(weights),
-                "states": {str(k): _to_tensors(v) for k, v in states.items()}}, buf)
+    torch.save(
+        {
+            "rounds_done": rounds_done,
+            "weights": _to_tensors(weights),
+            "states": {str(k): _to_tensors(v) for k, v in states.items()},
+        },
+        buf,
+    )
     payload = buf.getvalue()
     header = CHECKPOINT_MAGIC + hashlib.sha256(payload).hexdigest().encode("ascii") + b"\n"
     write_atomic(path, lambda f: (f.write(header), f.write(payload)))
@@ -121,6 +131,7 @@ def save_checkpoint(path: Path, rounds_done: int, weights: Weights,
 def load_checkpoint(path: Path) -> SimulationResult:
     """Verify the checksum, then read with weights_only=True and check the structure;
     CheckpointError (one line) names what is wrong."""
+
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {path} {why}")
 
@@ -133,7 +144,7 @@ def load_checkpoint(path: Path) -> SimulationResult:
     header, newline, payload = data.partition(b"\n")
     if not newline or not header.startswith(CHECKPOINT_MAGIC):
         raise bad("has no checksum header (empty, torn, or not written by knnper)")
-    if hashlib.sha256(payload).hexdigest().encode("ascii") != header[len(CHECKPOINT_MAGIC):]:
+    if hashlib.sha256(payload).hexdigest().encode("ascii") != header[len(CHECKPOINT_MAGIC) :]:
         raise bad("does not match its checksum (corrupted)")
     try:
         raw = load_tensors(payload, memory_limit())
@@ -144,15 +155,20 @@ def load_checkpoint(path: Path) -> SimulationResult:
     rounds, weights, states = raw["rounds_done"], raw["weights"], raw["states"]
     if not is_integer(rounds) or rounds < 0:
         raise bad(f"has rounds_done {rounds!r}, not a round count")
-    if not isinstance(weights, dict) or not weights or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
+    if (
+        not isinstance(weights, dict)
+        or not weights
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
+    ):
         raise bad("has weights that are not a name -> tensor mapping")
     if not isinstance(states, dict) or not all(
-            isinstance(k, str) and k.lstrip("-").isdigit() and isinstance(v, dict)
-            for k, v in states.items()):
+        isinstance(k, str) and k.lstrip("-").isdigit() and isinstance(v, dict)
+        for k, v in states.items()
+    ):
         raise bad("has client states that are not a client id -> state mapping")
-    return SimulationResult(_to_arrays(weights),
-                            {int(k): _to_arrays(v) for k, v in states.items()}, rounds)
+    return SimulationResult(
+        _to_arrays(weights), {int(k): _to_arrays(v) for k, v in states.items()}, rounds
+    )
 
 
 def _keys_or_type(value: Any) -> str:
@@ -188,19 +204,25 @@ def resume_from(run_dir: Path, like: Weights | None = None) -> SimulationResult 
             problems.append(str(err))
             continue
         if problems:
-            log.warning("resuming from the previous good checkpoint %s (%d rounds done)",
-                        path, state.rounds_done)
+            log.warning(
+                "resuming from the previous good checkpoint %s (%d rounds done)",
+                path,
+                state.rounds_done,
+            )
         else:
             log.info("resuming from %s (%d rounds done)", path, state.rounds_done)
         return state
     if paths:
-        raise CheckpointError(f"no good checkpoint to resume from: {problems[0]}; remove "
-                              f"{run_dir / 'checkpoints'} to train from the start")
+        raise CheckpointError(
+            f"no good checkpoint to resume from: {problems[0]}; remove "
+            f"{run_dir / 'checkpoints'} to train from the start"
+        )
     return None
 
 
-def _pooled_val_accuracy(algorithm: Algorithm, weights: Weights,
-                         clients: list[ClientData]) -> float | None:
+def _pooled_val_accuracy(
+    algorithm: Algorithm, weights: Weights, clients: list[ClientData]
+) -> float | None:
     model_of = getattr(algorithm, "global_model", None)
     if model_of is None:
         return None
@@ -225,8 +247,10 @@ def _truncate_metrics(path: Path, rounds_done: int) -> None:
             raise ValueError(f"it is over {MAX_METRICS_BYTES} bytes")
         lines = raw.decode("utf-8").splitlines()
     except (OSError, ValueError) as err:  # a pipe, a device, not UTF-8, too large
-        raise CheckpointError(f"{path} cannot be read: {one_line(err, first_line=True)}; "
-                              "restore or delete it to resume") from None
+        raise CheckpointError(
+            f"{path} cannot be read: {one_line(err, first_line=True)}; "
+            "restore or delete it to resume"
+        ) from None
     kept = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -240,15 +264,18 @@ def _truncate_metrics(path: Path, rounds_done: int) -> None:
             if number == len(lines):
                 log.warning("%s: dropping a torn last line (an interrupted write)", path)
                 continue
-            raise CheckpointError(f"{path} line {number} is not a round's JSON record with an "
-                                  "integer 'round'; fix or delete that line to resume") from None
+            raise CheckpointError(
+                f"{path} line {number} is not a round's JSON record with an "
+                "integer 'round'; fix or delete that line to resume"
+            ) from None
         if round_done <= rounds_done:
             kept.append(line)
     write_bytes_atomic(path, "".join(line + "\n" for line in kept).encode("utf-8"))
 
 
-def sample_clients(seed: int, round_index: int, participants: int,
-                   participation: float) -> list[int]:
+def sample_clients(
+    seed: int, round_index: int, participants: int, participation: float
+) -> list[int]:
     """The participant indices a round trains, in increasing order; the Flower server draws its
     rounds with this too, so both engines train the same clients."""
     per_round = max(1, int(round(participation * participants)))
@@ -268,14 +295,24 @@ def is_checkpoint_round(rounds_done: int, rounds: int, checkpoint_every: int) ->
     return rounds_done % checkpoint_every == 0 or rounds_done == rounds
 
 
-def log_round(run_dir: Path, row: dict[str, Any], state: SimulationResult, checkpoint: bool,
-              keep_every: int | None = None) -> None:
+def log_round(
+    run_dir: Path,
+    row: dict[str, Any],
+    state: SimulationResult,
+    checkpoint: bool,
+    keep_every: int | None = None,
+) -> None:
     """The log line goes first: a kill before the checkpoint only re-runs logged rounds, whose
     lines the resume truncates."""
     append_bytes(run_dir / "metrics.jsonl", (json.dumps(row) + "\n").encode("utf-8"))
     if checkpoint:
-        save_checkpoint(run_dir / "checkpoints" / f"round_{state.rounds_done:04d}.pt",
-                        state.rounds_done, state.weights, state.states, keep_every)
+        save_checkpoint(
+            run_dir / "checkpoints" / f"round_{state.rounds_done:04d}.pt",
+            state.rounds_done,
+            state.weights,
+            state.states,
+            keep_every,
+        )
 
 
 def stepped_batch(algorithm: Algorithm, client_batch: int) -> int:
@@ -284,19 +321,35 @@ def stepped_batch(algorithm: Algorithm, client_batch: int) -> int:
     if client_batch <= 1:
         return 1
     blocker = getattr(algorithm, "stepping_blocker", None)
-    why = ("its clients' updates do not step together" if blocker is None
-           or not hasattr(algorithm, "client_updates") else blocker())
+    why = (
+        "its clients' updates do not step together"
+        if blocker is None or not hasattr(algorithm, "client_updates")
+        else blocker()
+    )
     if why is not None:
-        log.warning("%s: clients train one after another, not %d together: %s",
-                    algorithm.name, client_batch, why)
+        log.warning(
+            "%s: clients train one after another, not %d together: %s",
+            algorithm.name,
+            client_batch,
+            why,
+        )
         return 1
     return client_batch
 
 
-def simulate(algorithm: Algorithm, clients: list[ClientData], training: TrainingConfig,
-             initial_weights: Weights, *, seed: int = 0, run_dir: Path | None = None,
-             checkpoint_every: int = 5, keep_every: int | None = None,
-             progress: bool = True, client_batch: int = 1) -> SimulationResult:
+def simulate(
+    algorithm: Algorithm,
+    clients: list[ClientData],
+    training: TrainingConfig,
+    initial_weights: Weights,
+    *,
+    seed: int = 0,
+    run_dir: Path | None = None,
+    checkpoint_every: int = 5,
+    keep_every: int | None = None,
+    progress: bool = True,
+    client_batch: int = 1,
+) -> SimulationResult:
     """Run `training.rounds` rounds over the clients that are not held out as unseen.
     `keep_every`: see save_checkpoint. `client_batch`: up to this many sampled clients step
     together (fed_train.algorithms.stepping) when the algorithm and model allow it."""
@@ -304,50 +357,64 @@ def simulate(algorithm: Algorithm, clients: list[ClientData], training: Training
     if not participants:
         raise ValueError("no training clients: every client is held out as unseen")
     total = sum(c.num_train for c in participants)
-    state = (open_run_log(run_dir, initial_weights) if run_dir is not None
-             else SimulationResult(initial_weights, {}, 0))
+    state = (
+        open_run_log(run_dir, initial_weights)
+        if run_dir is not None
+        else SimulationResult(initial_weights, {}, 0)
+    )
     client_batch = stepped_batch(algorithm, client_batch)
     write_seconds = trained_seconds = 0.0  # the last checkpoint's write; training since it
     rounds = range(state.rounds_done, training.rounds)
-    for r in track(rounds, total=training.rounds, initial=state.rounds_done,
-                   desc=algorithm.name, unit="round", enabled=progress):
+    for r in track(
+        rounds,
+        total=training.rounds,
+        initial=state.rounds_done,
+        desc=algorithm.name,
+        unit="round",
+        enabled=progress,
+    ):
         start = time.perf_counter()
         lr = training.lr_at(r, training.rounds)
-        sampled = [participants[i] for i in sample_clients(seed, r, len(participants),
-                                                           training.participation)]
+        sampled = [
+            participants[i]
+            for i in sample_clients(seed, r, len(participants), training.participation)
+        ]
         results = []
         for first in range(0, len(sampled), client_batch):
-            chunk = sampled[first:first + client_batch]
+            chunk = sampled[first : first + client_batch]
             states = [state.states.get(c.client_id, {}) for c in chunk]
             seeds = [client_seed(seed, r, c.client_id) for c in chunk]
             if client_batch > 1:
                 done = algorithm.client_updates(state.weights, chunk, states, lr, seeds)
             else:
-                done = [algorithm.client_update(state.weights, chunk[0], states[0], lr,
-                                                seeds[0])]
+                done = [algorithm.client_update(state.weights, chunk[0], states[0], lr, seeds[0])]
             for client, result in zip(chunk, done, strict=True):
                 state.states[client.client_id] = result.state
             results.extend(done)
-        state.weights = algorithm.aggregate(state.weights, results, total,
-                                            client_seed(seed, r, 0, AGGREGATE_STREAM))
+        state.weights = algorithm.aggregate(
+            state.weights, results, total, client_seed(seed, r, 0, AGGREGATE_STREAM)
+        )
         state.rounds_done = r + 1
         row: dict[str, Any] = {
-            "round": r + 1, "lr": lr, "clients": len(results),
-            "train_loss": float(np.average([x.loss for x in results],
-                                           weights=[x.num_samples for x in results])),
+            "round": r + 1,
+            "lr": lr,
+            "clients": len(results),
+            "train_loss": float(
+                np.average([x.loss for x in results], weights=[x.num_samples for x in results])
+            ),
             "seconds": round(time.perf_counter() - start, 3),
         }
         if run_dir is not None:
-            checkpoint = is_checkpoint_round(state.rounds_done, training.rounds,
-                                             checkpoint_every)
+            checkpoint = is_checkpoint_round(state.rounds_done, training.rounds, checkpoint_every)
             trained_seconds += row["seconds"]
             if checkpoint:
-                row["val_accuracy"] = _pooled_val_accuracy(algorithm, state.weights,
-                                                           participants)
+                row["val_accuracy"] = _pooled_val_accuracy(algorithm, state.weights, participants)
             write = checkpoint and (
-                write_seconds < CHECKPOINT_FREE_SECONDS or state.rounds_done == training.rounds
+                write_seconds < CHECKPOINT_FREE_SECONDS
+                or state.rounds_done == training.rounds
                 or trained_seconds * CHECKPOINT_SHARE >= write_seconds
-                or (keep_every is not None and state.rounds_done % keep_every == 0))
+                or (keep_every is not None and state.rounds_done % keep_every == 0)
+            )
             begun = time.perf_counter()
             log_round(run_dir, row, state, write, keep_every)
             if write:

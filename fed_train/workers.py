@@ -76,13 +76,18 @@ def _start_worker(initializer: Callable[..., None] | None, initargs: tuple) -> N
 
 
 @contextmanager
-def worker_pool(workers: int, initializer: Callable[..., None] | None = None,
-                initargs: tuple = ()) -> Iterator[ProcessPoolExecutor]:
+def worker_pool(
+    workers: int, initializer: Callable[..., None] | None = None, initargs: tuple = ()
+) -> Iterator[ProcessPoolExecutor]:
     """A spawned process pool. Leaving the block normally waits for the submitted work;
     leaving it by an exception (KeyboardInterrupt included) cancels what has not started and
     terminates the workers, ignoring Ctrl-C until they are gone."""
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start_worker, initargs=(initializer, initargs))
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(initializer, initargs),
+    )
     try:
         yield pool
     except BaseException:

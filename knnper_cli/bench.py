@@ -33,10 +33,18 @@ def _cmd_table(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     hyper = {"knnper": {"capacity": args.capacity}}
     command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    table = {"methods": args.methods, "tune_lr": args.tune_lr, "lr_grid": grid, "hyper": hyper,
-             "progress": not getattr(args, "no_progress", False), "knn": knn_request(args),
-             "workers": args.workers, "attribution": args.attribution,
-             "device": str(resolve_device(args.device)), "client_batch": args.client_batch}
+    table = {
+        "methods": args.methods,
+        "tune_lr": args.tune_lr,
+        "lr_grid": grid,
+        "hyper": hyper,
+        "progress": not getattr(args, "no_progress", False),
+        "knn": knn_request(args),
+        "workers": args.workers,
+        "attribution": args.attribution,
+        "device": str(resolve_device(args.device)),
+        "client_batch": args.client_batch,
+    }
     if args.seeds is not None:
         run_seeds(config, args.seeds, Path(args.out), command=command, **table)
         print((Path(args.out) / "seeds.md").read_text())
@@ -55,41 +63,70 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         "--methods all --out runs/table",
         "knnper bench table --methods local,fedavg,knnper --tune-lr --workers 2 --out runs/t",
         note="Re-running the same command resumes: finished training runs, methods and clients "
-        "are kept in OUT.")
-    bench = subparsers.add_parser("bench", help="benchmarks: the paper's comparison tables",
-                                  epilog=table_examples)
+        "are kept in OUT.",
+    )
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: the paper's comparison tables", epilog=table_examples
+    )
     sub = bench.add_subparsers(dest="bench_command", metavar="table", required=True)
     p = command(
-        "table", _cmd_table,
+        "table",
+        _cmd_table,
         help="every method on one partition: Table 1 (seen clients) and "
-             "Table 2 (unseen clients) as CSV and markdown",
+        "Table 2 (unseen clients) as CSV and markdown",
         epilog=table_examples,
     ).add_to(sub)
     add_training_arguments(p)
-    p.add_argument("--methods", default="all",
-                   help=f"all, or a comma-separated list of: {', '.join(METHODS)}")
-    p.add_argument("--out", required=True, type=output_dir,
-                   help="output folder (re-running resumes it)")
-    p.add_argument("--tune-lr", action="store_true",
-                   help="choose each method's learning rate on validation accuracy over the "
-                   "paper's grid (multiplies the cost by the grid's size)")
-    p.add_argument("--lr-grid", default=None,
-                   help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... "
-                   "10^-2.5)")
-    p.add_argument("--checkpoint-every", type=positive(int), default=defaults.CHECKPOINT_EVERY,
-                   help="rounds between checkpoints of each training run, in workers too "
-                   "(Ctrl-C loses at most this many; a write that would take over a tenth of "
-                   "the training time waits for a later round)")
+    p.add_argument(
+        "--methods", default="all", help=f"all, or a comma-separated list of: {', '.join(METHODS)}"
+    )
+    p.add_argument(
+        "--out", required=True, type=output_dir, help="output folder (re-running resumes it)"
+    )
+    p.add_argument(
+        "--tune-lr",
+        action="store_true",
+        help="choose each method's learning rate on validation accuracy over the "
+        "paper's grid (multiplies the cost by the grid's size)",
+    )
+    p.add_argument(
+        "--lr-grid",
+        default=None,
+        help="comma-separated learning rates for --tune-lr (default: 10^-0.5 ... 10^-2.5)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=positive(int),
+        default=defaults.CHECKPOINT_EVERY,
+        help="rounds between checkpoints of each training run, in workers too "
+        "(Ctrl-C loses at most this many; a write that would take over a tenth of "
+        "the training time waits for a later round)",
+    )
     add_knn_arguments(p)
-    p.add_argument("--capacity", type=positive(float, 1.0), default=1.0,
-                   help="kNN-Per: fraction of each client's train split in its datastore")
-    p.add_argument("--workers", type=positive(int), default=1,
-                   help="train the (method, learning rate) runs in this many processes")
-    p.add_argument("--seeds", type=positive(int), default=None,
-                   help="run the table for this many seeds (--seed, --seed + 1, ...), each with "
-                   "its own partition and training in OUT/seed_S, and write seeds.md: mean +- "
-                   "std across seeds and a paired bootstrap interval for kNN-Per minus the best "
-                   "baseline")
-    p.add_argument("--attribution", action="store_true",
-                   help="also evaluate every head on every body (FedAvg, FedRep, pFedGP bodies; "
-                   "own, linear, GP, kNN and kNN-Per heads) into attribution.csv and table.md")
+    p.add_argument(
+        "--capacity",
+        type=positive(float, 1.0),
+        default=1.0,
+        help="kNN-Per: fraction of each client's train split in its datastore",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive(int),
+        default=1,
+        help="train the (method, learning rate) runs in this many processes",
+    )
+    p.add_argument(
+        "--seeds",
+        type=positive(int),
+        default=None,
+        help="run the table for this many seeds (--seed, --seed + 1, ...), each with "
+        "its own partition and training in OUT/seed_S, and write seeds.md: mean +- "
+        "std across seeds and a paired bootstrap interval for kNN-Per minus the best "
+        "baseline",
+    )
+    p.add_argument(
+        "--attribution",
+        action="store_true",
+        help="also evaluate every head on every body (FedAvg, FedRep, pFedGP bodies; "
+        "own, linear, GP, kNN and kNN-Per heads) into attribution.csv and table.md",
+    )

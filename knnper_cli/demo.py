@@ -12,8 +12,13 @@ from knnper_cli.args import add_knn_arguments, examples, knn_request, output_dir
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    rows, choice = run_demo(Path(args.out), seed=args.seed, progress=not args.no_progress,
-                            workers=args.workers, knn=knn_request(args))
+    rows, choice = run_demo(
+        Path(args.out),
+        seed=args.seed,
+        progress=not args.no_progress,
+        workers=args.workers,
+        knn=knn_request(args),
+    )
     print(choice.describe())
     print(format_demo_table(rows))
     print(f"run, evaluation and bundles in {args.out}")
@@ -22,15 +27,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = command(
-        "demo", _cmd_demo,
+        "demo",
+        _cmd_demo,
         help="the whole pipeline on scikit-learn's digits in about a "
-             "minute: train, evaluate, export for weak and strong devices, run them",
-        epilog=examples("knnper demo", "knnper demo --knn-config paper --out "
-                        "runs/demo-paper"),
+        "minute: train, evaluate, export for weak and strong devices, run them",
+        epilog=examples("knnper demo", "knnper demo --knn-config paper --out runs/demo-paper"),
     ).add_to(sub)
-    p.add_argument("--out", default="runs/demo", type=output_dir,
-                   help="run directory (re-running resumes it)")
+    p.add_argument(
+        "--out", default="runs/demo", type=output_dir, help="run directory (re-running resumes it)"
+    )
     p.add_argument("--seed", type=seed, default=0, help="seed of the partition and training")
-    p.add_argument("--workers", type=positive_int, default=2,
-                   help="processes that size clients' datastores in parallel")
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=2,
+        help="processes that size clients' datastores in parallel",
+    )
     add_knn_arguments(p)

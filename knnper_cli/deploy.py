@@ -40,18 +40,27 @@ from knnper_cli.args import (
 
 
 def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
-    return FlowerSettings(run=config_from_args(args), run_dir=args.out, algorithm=args.algorithm,
-                          round_timeout=args.round_timeout, connect_timeout=args.connect_timeout,
-                          min_train_clients=args.min_train_clients,
-                          eval_methods=tuple(args.eval_methods), knn=knn_request(args),
-                          capacity=args.capacity)
+    return FlowerSettings(
+        run=config_from_args(args),
+        run_dir=args.out,
+        algorithm=args.algorithm,
+        round_timeout=args.round_timeout,
+        connect_timeout=args.connect_timeout,
+        min_train_clients=args.min_train_clients,
+        eval_methods=tuple(args.eval_methods),
+        knn=knn_request(args),
+        capacity=args.capacity,
+    )
 
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    federation = LocalFederation(clients=args.clients, insecure=args.insecure,
-                                 startup_timeout=args.startup_timeout,
-                                 device=str(resolve_device(args.device)))
+    federation = LocalFederation(
+        clients=args.clients,
+        insecure=args.insecure,
+        startup_timeout=args.startup_timeout,
+        device=str(resolve_device(args.device)),
+    )
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
     try:
         first_round = len(rounds_logged(Path(args.out)))  # a resumed run's earlier rounds
@@ -60,8 +69,10 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     print(format_table(record["evaluation"]))
     traffic = record["superlink_run"].get("network-traffic", {})
-    print(f"trained {settings.run.training.rounds} rounds on Flower into {args.out} "
-          f"({traffic.get('total-bytes', '?')} bytes through the SuperLink)")
+    print(
+        f"trained {settings.run.training.rounds} rounds on Flower into {args.out} "
+        f"({traffic.get('total-bytes', '?')} bytes through the SuperLink)"
+    )
     print(expectation_line(settings.run))
     split = round_split(rounds_logged(Path(args.out))[first_round:])
     if split:
@@ -79,11 +90,13 @@ def round_split(rows: list[dict[str, Any]]) -> str | None:
     wall = sum(r["seconds"] for r in timed) / len(timed)
     summed = sum(r["train_seconds"] for r in timed) / len(timed)
     slowest = sum(r["train_seconds_max"] for r in timed) / len(timed)
-    return (f"per round (mean of {len(timed)}): {wall:.1f} s on Flower = {slowest:.2f} s of "
-            f"training on the slowest client ({summed:.2f} s summed over the clients, which "
-            f"share this machine's cores) + {max(0.0, wall - slowest):.1f} s Flower's floor: a "
-            "new ClientApp process per message that imports torch and flwr again, and 3 s "
-            "polls (docs/benchmarks/flower.md)")
+    return (
+        f"per round (mean of {len(timed)}): {wall:.1f} s on Flower = {slowest:.2f} s of "
+        f"training on the slowest client ({summed:.2f} s summed over the clients, which "
+        f"share this machine's cores) + {max(0.0, wall - slowest):.1f} s Flower's floor: a "
+        "new ClientApp process per message that imports torch and flwr again, and 3 s "
+        "polls (docs/benchmarks/flower.md)"
+    )
 
 
 def _cmd_deploy_config(args: argparse.Namespace) -> int:
@@ -103,12 +116,16 @@ def _cmd_deploy_certs(args: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()):
         raise DeployError(f"{out} is not empty; certificates and keys are never overwritten")
     tls = make_server_tls(out, args.host)
-    print(f"wrote {tls.ca_cert} (give it to every SuperNode), {tls.cert} and {tls.key} (for "
-          f"the SuperLink on {args.host} only)")
+    print(
+        f"wrote {tls.ca_cert} (give it to every SuperNode), {tls.cert} and {tls.key} (for "
+        f"the SuperLink on {args.host} only)"
+    )
     for i in range(args.supernode_keys):
         key = make_node_key(out / "supernodes", f"supernode-{i}")
-        print(f"wrote {key.private} (for SuperNode {i} only) and {key.public} (register it: "
-              f"flwr supernode register {key.public} SUPERLINK)")
+        print(
+            f"wrote {key.private} (for SuperNode {i} only) and {key.public} (register it: "
+            f"flwr supernode register {key.public} SUPERLINK)"
+        )
     return 0
 
 
@@ -116,69 +133,121 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
     from fed_train.defaults import CHECKPOINT_EVERY
 
     add_training_arguments(p)
-    p.add_argument("--checkpoint-every", type=positive_int, default=CHECKPOINT_EVERY,
-                   help="rounds between checkpoints")
-    p.add_argument("--algorithm", default="fedavg",
-                   help=", ".join(federated_methods()))
-    p.add_argument("--eval-methods", nargs="+", default=["fedavg", "knnper"],
-                   help="personalizations evaluated on the clients after training")
+    p.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=CHECKPOINT_EVERY,
+        help="rounds between checkpoints",
+    )
+    p.add_argument("--algorithm", default="fedavg", help=", ".join(federated_methods()))
+    p.add_argument(
+        "--eval-methods",
+        nargs="+",
+        default=["fedavg", "knnper"],
+        help="personalizations evaluated on the clients after training",
+    )
     add_knn_arguments(p)
-    p.add_argument("--capacity", type=fraction, default=1.0,
-                   help="fraction of each client's train split kept in its datastore")
-    p.add_argument("--round-timeout", type=positive_float, default=600.0,
-                   help="seconds the server waits for a round's replies")
-    p.add_argument("--connect-timeout", type=positive_float, default=120.0,
-                   help="seconds the server waits for every client's SuperNode")
-    p.add_argument("--min-train-clients", type=count, default=0,
-                   help="replies a round needs to go on (0: every sampled client)")
+    p.add_argument(
+        "--capacity",
+        type=fraction,
+        default=1.0,
+        help="fraction of each client's train split kept in its datastore",
+    )
+    p.add_argument(
+        "--round-timeout",
+        type=positive_float,
+        default=600.0,
+        help="seconds the server waits for a round's replies",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=positive_float,
+        default=120.0,
+        help="seconds the server waits for every client's SuperNode",
+    )
+    p.add_argument(
+        "--min-train-clients",
+        type=count,
+        default=0,
+        help="replies a round needs to go on (0: every sampled client)",
+    )
 
 
 def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     local_example = "knnper deploy local --dataset digits --clients 5 --rounds 5 --out runs/flower"
-    p = sub.add_parser("deploy", help="federated training on Flower (SuperLink + SuperNodes)",
-                       epilog=examples(local_example, "knnper deploy certs --host "
-                                       "fl.example.org --supernode-keys 20 --out keys/pki"))
+    p = sub.add_parser(
+        "deploy",
+        help="federated training on Flower (SuperLink + SuperNodes)",
+        epilog=examples(
+            local_example,
+            "knnper deploy certs --host fl.example.org --supernode-keys 20 --out keys/pki",
+        ),
+    )
     where = p.add_subparsers(dest="where", required=True, parser_class=type(p))
     local = command(
-        "local", _cmd_deploy_local,
+        "local",
+        _cmd_deploy_local,
         help="a whole federation on 127.0.0.1: one SuperLink, "
-             "one SuperNode per client, TLS and SuperNode "
-             "authentication",
+        "one SuperNode per client, TLS and SuperNode "
+        "authentication",
         epilog=examples(local_example),
     ).add_to(where)
     _add_settings_arguments(local)
-    local.add_argument("--out", required=True, type=output_dir,
-                       help="run directory (the same layout as "
-                                                    "`knnper train` writes)")
-    local.add_argument("--startup-timeout", type=positive_float, default=60.0,
-                       help="seconds the SuperLink may take to start listening")
-    local.add_argument("--insecure", action="store_true",
-                       help="no TLS and no SuperNode authentication (never across machines)")
+    local.add_argument(
+        "--out",
+        required=True,
+        type=output_dir,
+        help="run directory (the same layout as `knnper train` writes)",
+    )
+    local.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds the SuperLink may take to start listening",
+    )
+    local.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS and no SuperNode authentication (never across machines)",
+    )
 
     config = command(
-        "config", _cmd_deploy_config,
-        help="the run config file for `flwr run` against a "
-             "SuperLink of your own (real machines)",
-        epilog=examples("knnper deploy config --dataset fashion-mnist "
-                        "--clients 20 --rounds 20 --out /srv/runs/fl "
-                        "--write runs/fl.toml"),
+        "config",
+        _cmd_deploy_config,
+        help="the run config file for `flwr run` against a SuperLink of your own (real machines)",
+        epilog=examples(
+            "knnper deploy config --dataset fashion-mnist "
+            "--clients 20 --rounds 20 --out /srv/runs/fl "
+            "--write runs/fl.toml"
+        ),
     ).add_to(where)
     _add_settings_arguments(config)
-    config.add_argument("--out", required=True,
-                        help="run directory on the machine that runs the ServerApp")
-    config.add_argument("--write", default=None, type=output_file_or_stdout,
-                        help="write the TOML here (default, - or /dev/stdout: standard output; "
-                        "an existing path must be a regular file or a link to one)")
+    config.add_argument(
+        "--out", required=True, help="run directory on the machine that runs the ServerApp"
+    )
+    config.add_argument(
+        "--write",
+        default=None,
+        type=output_file_or_stdout,
+        help="write the TOML here (default, - or /dev/stdout: standard output; "
+        "an existing path must be a regular file or a link to one)",
+    )
 
     certs = command(
-        "certs", _cmd_deploy_certs,
+        "certs",
+        _cmd_deploy_certs,
         help="a CA, the SuperLink's TLS certificate and SuperNode "
-             "key pairs for a federation across machines",
-        epilog=examples("knnper deploy certs --host fl.example.org "
-                        "--supernode-keys 20 --out keys/pki"),
+        "key pairs for a federation across machines",
+        epilog=examples(
+            "knnper deploy certs --host fl.example.org --supernode-keys 20 --out keys/pki"
+        ),
     ).add_to(where)
-    certs.add_argument("--host", required=True,
-                       help="the SuperLink's address as SuperNodes reach it (DNS name or IP)")
-    certs.add_argument("--supernode-keys", type=count, default=0,
-                       help="SuperNode authentication key pairs to make")
+    certs.add_argument(
+        "--host",
+        required=True,
+        help="the SuperLink's address as SuperNodes reach it (DNS name or IP)",
+    )
+    certs.add_argument(
+        "--supernode-keys", type=count, default=0, help="SuperNode authentication key pairs to make"
+    )
     certs.add_argument("--out", required=True, type=output_dir, help="an empty or new directory")

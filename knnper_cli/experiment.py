@@ -47,103 +47,165 @@ def _shown(values: tuple) -> str:
 
 
 def add_experiment_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("experiment", help="the paper's experiments, one command each: CSV, PNG "
-                       "plot and a summary with the paper's claims", description=__doc__,
-                       epilog=examples("knnper experiment capacity --quick --out runs/exp",
-                                       "knnper experiment heterogeneity --dataset fashion-mnist "
-                                       "--clients 30 --rounds 10 --out runs/exp-fmnist"))
-    names = p.add_subparsers(dest="experiment", metavar="NAME", required=True,
-                             parser_class=type(p))
+    p = sub.add_parser(
+        "experiment",
+        help="the paper's experiments, one command each: CSV, PNG "
+        "plot and a summary with the paper's claims",
+        description=__doc__,
+        epilog=examples(
+            "knnper experiment capacity --quick --out runs/exp",
+            "knnper experiment heterogeneity --dataset fashion-mnist "
+            "--clients 30 --rounds 10 --out runs/exp-fmnist",
+        ),
+    )
+    names = p.add_subparsers(dest="experiment", metavar="NAME", required=True, parser_class=type(p))
     for exp in EXPERIMENTS.values():
         q = command(
-            exp.name, _cmd_experiment,
+            exp.name,
+            _cmd_experiment,
             help=exp.help,
             description=f"The paper: {exp.claim}",
             epilog=examples(
                 f"knnper experiment {exp.name} --quick --out runs/exp",
-                f"knnper experiment {exp.name} --quick --seeds 3 --out "
-                "runs/exp-seeds"),
+                f"knnper experiment {exp.name} --quick --seeds 3 --out runs/exp-seeds",
+            ),
         ).add_to(names)
-        q.add_argument("--out", required=True, type=output_dir,
-                       help="output folder, shared by the experiments "
-                       "(global models in OUT/runs, this one's files in OUT/NAME)")
-        q.add_argument("--quick", action="store_true", help="digits at a tiny scale and small "
-                       "grids (under a minute; overrides the data and training flags)")
+        q.add_argument(
+            "--out",
+            required=True,
+            type=output_dir,
+            help="output folder, shared by the experiments "
+            "(global models in OUT/runs, this one's files in OUT/NAME)",
+        )
+        q.add_argument(
+            "--quick",
+            action="store_true",
+            help="digits at a tiny scale and small "
+            "grids (under a minute; overrides the data and training flags)",
+        )
         for grid in exp.grids:
-            q.add_argument(f"--{grid.name.replace('_', '-')}", type=grid.argparse_type(),
-                           default=argparse.SUPPRESS, metavar="V,V,...",
-                           help=f"{grid.help} (default {_shown(grid.full)}; with --quick "
-                                f"{_shown(grid.quick)})")
+            q.add_argument(
+                f"--{grid.name.replace('_', '-')}",
+                type=grid.argparse_type(),
+                default=argparse.SUPPRESS,
+                metavar="V,V,...",
+                help=f"{grid.help} (default {_shown(grid.full)}; with --quick "
+                f"{_shown(grid.quick)})",
+            )
         add_knn_arguments(q)
-        q.add_argument("--checkpoint-every", type=positive_int, default=5,
-                       help="FedAvg checkpoint period (base-model: every such checkpoint is a "
-                            "point)")
+        q.add_argument(
+            "--checkpoint-every",
+            type=positive_int,
+            default=5,
+            help="FedAvg checkpoint period (base-model: every such checkpoint is a point)",
+        )
         add_training_arguments(q)
-        q.add_argument("--seeds", type=positive_int, default=1, metavar="N",
-                       help="run seeds --seed .. --seed+N-1, each with its own partition and "
-                            "global models: each seed's report in OUT/NAME/seed_S, and in "
-                            "OUT/NAME the mean +- std across seeds and claims judged on all "
-                            "seeds (clients resampled within their seed). distribution-shift "
-                            "runs its own stream seeds (3; 1 with --quick) on every seed's "
-                            "global model and pools all the streams")
-        q.add_argument("--force", action="store_true",
-                       help="replace a report in OUT/NAME that was made with other flags "
-                       "(without it the command refuses before training anything)")
+        q.add_argument(
+            "--seeds",
+            type=positive_int,
+            default=1,
+            metavar="N",
+            help="run seeds --seed .. --seed+N-1, each with its own partition and "
+            "global models: each seed's report in OUT/NAME/seed_S, and in "
+            "OUT/NAME the mean +- std across seeds and claims judged on all "
+            "seeds (clients resampled within their seed). distribution-shift "
+            "runs its own stream seeds (3; 1 with --quick) on every seed's "
+            "global model and pools all the streams",
+        )
+        q.add_argument(
+            "--force",
+            action="store_true",
+            help="replace a report in OUT/NAME that was made with other flags "
+            "(without it the command refuses before training anything)",
+        )
         q.set_defaults(spec=exp, parser=q)
     _add_model_update(names)
 
 
 def _add_model_update(names: argparse._SubParsersAction) -> None:
     q = command(
-        "model-update", _cmd_model_update,
+        "model-update",
+        _cmd_model_update,
         help="what devices keep when the global model "
-             "changes: accuracy after an upgrade by path (exact, mapped, stale, "
-             "fresh, none) across version gaps (continued, retrained)",
+        "changes: accuracy after an upgrade by path (exact, mapped, stale, "
+        "fresh, none) across version gaps (continued, retrained)",
         description=model_update.__doc__,
-        epilog=examples("knnper experiment model-update --quick --out runs/exp",
-                        "knnper experiment model-update --dataset "
-                        "fashion-mnist --clients 20 --rounds 5 --seeds 3 --out "
-                        "runs/exp-fmnist"),
+        epilog=examples(
+            "knnper experiment model-update --quick --out runs/exp",
+            "knnper experiment model-update --dataset "
+            "fashion-mnist --clients 20 --rounds 5 --seeds 3 --out "
+            "runs/exp-fmnist",
+        ),
     ).add_to(names)
     d = model_update.UpdateSettings()
-    q.add_argument("--out", required=True, type=output_dir,
-                   help="output folder (releases in OUT/model-update/seed_S, the report in "
-                   "OUT/model-update)")
+    q.add_argument(
+        "--out",
+        required=True,
+        type=output_dir,
+        help="output folder (releases in OUT/model-update/seed_S, the report in OUT/model-update)",
+    )
     q.add_argument("--quick", action="store_true", help="digits, 6 clients, 2 rounds")
     q.add_argument("--dataset", default=d.dataset, help="data set")
     q.add_argument("--data", default=None, help="data set location")
-    q.add_argument("--max-train", type=positive_int, default=None,
-                   help="keep a stratified subsample of this many training images")
+    q.add_argument(
+        "--max-train",
+        type=positive_int,
+        default=None,
+        help="keep a stratified subsample of this many training images",
+    )
     q.add_argument("--clients", type=positive_int, default=d.clients, help="clients")
-    q.add_argument("--rounds", type=positive_int, default=d.rounds,
-                   help="FedAvg rounds of v1 (and of the continued training)")
-    q.add_argument("--pretrain-epochs", type=positive_int, default=d.pretrain_epochs,
-                   help="epochs of the pretraining on the server split")
-    q.add_argument("--budget", type=positive_int, default=d.budget,
-                   help="each device's budget in bytes")
+    q.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=d.rounds,
+        help="FedAvg rounds of v1 (and of the continued training)",
+    )
+    q.add_argument(
+        "--pretrain-epochs",
+        type=positive_int,
+        default=d.pretrain_epochs,
+        help="epochs of the pretraining on the server split",
+    )
+    q.add_argument(
+        "--budget", type=positive_int, default=d.budget, help="each device's budget in bytes"
+    )
     q.add_argument("--seed", type=int, default=0, help="first seed")
     q.add_argument("--seeds", type=positive_int, default=1, help="seeds --seed .. +N-1")
 
 
 def _cmd_model_update(args: argparse.Namespace) -> int:
     settings = model_update.UpdateSettings(
-        dataset=args.dataset, data=args.data, clients=args.clients, rounds=args.rounds,
-        pretrain_epochs=args.pretrain_epochs, budget=args.budget, max_train=args.max_train)
+        dataset=args.dataset,
+        data=args.data,
+        clients=args.clients,
+        rounds=args.rounds,
+        pretrain_epochs=args.pretrain_epochs,
+        budget=args.budget,
+        max_train=args.max_train,
+    )
     if args.quick:
-        settings = replace(settings, dataset="digits", data=None, clients=6, rounds=2,
-                           pretrain_epochs=2)
+        settings = replace(
+            settings, dataset="digits", data=None, clients=6, rounds=2, pretrain_epochs=2
+        )
     folder = Path(args.out) / "model-update"
     rows = []
     for seed in range(args.seed, args.seed + args.seeds):
         rows += model_update.run_seed(folder / f"seed_{seed}", settings, seed)
-    command = " ".join(["knnper experiment model-update", *(["--quick"] if args.quick else []),
-                        f"--dataset {settings.dataset}",
-                        *([f"--data {settings.data}"] if settings.data else []),
-                        *([f"--max-train {settings.max_train}"] if settings.max_train else []),
-                        f"--clients {settings.clients}", f"--rounds {settings.rounds}",
-                        f"--pretrain-epochs {settings.pretrain_epochs}",
-                        f"--seed {args.seed} --seeds {args.seeds}",
-                        f"--budget {settings.budget}", f"--out {args.out}"])
+    command = " ".join(
+        [
+            "knnper experiment model-update",
+            *(["--quick"] if args.quick else []),
+            f"--dataset {settings.dataset}",
+            *([f"--data {settings.data}"] if settings.data else []),
+            *([f"--max-train {settings.max_train}"] if settings.max_train else []),
+            f"--clients {settings.clients}",
+            f"--rounds {settings.rounds}",
+            f"--pretrain-epochs {settings.pretrain_epochs}",
+            f"--seed {args.seed} --seeds {args.seeds}",
+            f"--budget {settings.budget}",
+            f"--out {args.out}",
+        ]
+    )
     model_update.summarise(rows, folder, command)
     print((folder / "summary.md").read_text())
     return 0
@@ -154,8 +216,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["knnper"] + (["--threads", str(args.threads)] if args.threads else [])
     parts += ["experiment", args.spec.name]
     for action in args.parser._actions:
-        if not action.option_strings or action.dest in ("help", "spec", "parser", "func",
-                                                         "force"):
+        if not action.option_strings or action.dest in ("help", "spec", "parser", "func", "force"):
             continue
         value = getattr(args, action.dest, None)  # grids left out are not in args at all
         if value is None or value == action.default:
@@ -174,21 +235,27 @@ def command_line(args: argparse.Namespace) -> str:
 
 def _cmd_experiment(args: argparse.Namespace) -> int:
     exp: Experiment = args.spec
-    grids = {g.name: getattr(args, g.name, None) or (g.quick if args.quick else g.full)
-             for g in exp.grids}
+    grids = {
+        g.name: getattr(args, g.name, None) or (g.quick if args.quick else g.full)
+        for g in exp.grids
+    }
     folder = Path(args.out) / exp.name
     seeds = range(args.seed, args.seed + args.seeds)
     started = time.perf_counter()
 
     def settings(*contexts: Context) -> dict[str, Any]:
         """What a report's figures depend on (not how they were shown or how fast)."""
-        return {"configs": [c.config.to_dict() for c in contexts], "quick": args.quick,
-                "grids": {name: sorted(values) for name, values in grids.items()},
-                "knn": asdict(knn_request(args))}
+        return {
+            "configs": [c.config.to_dict() for c in contexts],
+            "quick": args.quick,
+            "grids": {name: sorted(values) for name, values in grids.items()},
+            "knn": asdict(knn_request(args)),
+        }
 
     total = exp.count(grids) * args.seeds if exp.count is not None else None
-    with Progress(total, desc=f"experiment {exp.name}", unit="point",
-                  enabled=not args.no_progress) as bar:
+    with Progress(
+        total, desc=f"experiment {exp.name}", unit="point", enabled=not args.no_progress
+    ) as bar:
         contexts = [_context(args, seed, bar) for seed in seeds]
         if not args.force:
             refuse_other_report(folder, settings(*contexts), command_line(args))
@@ -200,26 +267,42 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
                 measured.append(exp.measure(ctx, grids))
                 measured[-1].scale = ctx.figure_scale()
                 one = argparse.Namespace(**{**vars(args), "seed": ctx.seed, "seeds": 1})
-                write_report(exp, exp.summarise(measured[-1], seed_dir(folder, ctx.seed)),
-                             seed_dir(folder, ctx.seed), command=command_line(one),
-                             scale_line=ctx.scale_line(), started=started,
-                             settings=settings(ctx))
+                write_report(
+                    exp,
+                    exp.summarise(measured[-1], seed_dir(folder, ctx.seed)),
+                    seed_dir(folder, ctx.seed),
+                    command=command_line(one),
+                    scale_line=ctx.scale_line(),
+                    started=started,
+                    settings=settings(ctx),
+                )
             together = combine(measured)
             together.scale = contexts[0].figure_scale(list(seeds))
             result = combined_result(exp.summarise(together, folder), list(seeds))
-    summary = write_report(exp, result, folder, command=command_line(args),
-                           scale_line=contexts[0].scale_line(list(seeds)), started=started,
-                           settings=settings(*contexts))
+    summary = write_report(
+        exp,
+        result,
+        folder,
+        command=command_line(args),
+        scale_line=contexts[0].scale_line(list(seeds)),
+        started=started,
+        settings=settings(*contexts),
+    )
     print(summary.read_text())
     print(f"wrote {summary.parent}/points.csv, {result.plot.name} and {summary.name}")
     return 0
 
 
 def _context(args: argparse.Namespace, seed: int, bar: Progress) -> Context:
-    config = replace(QUICK, seed=seed) if args.quick else replace(config_from_args(args),
-                                                                   seed=seed)
-    return Context(Path(args.out), config, knn=knn_request(args), quick=args.quick,
-                   progress=not args.no_progress,
-                   points_done=lambda computed: bar.update(measured=computed),
-                   device=str(resolve_device(args.device)), client_batch=args.client_batch,
-                   seed_folders=args.seeds > 1)
+    config = replace(QUICK, seed=seed) if args.quick else replace(config_from_args(args), seed=seed)
+    return Context(
+        Path(args.out),
+        config,
+        knn=knn_request(args),
+        quick=args.quick,
+        progress=not args.no_progress,
+        points_done=lambda computed: bar.update(measured=computed),
+        device=str(resolve_device(args.device)),
+        client_batch=args.client_batch,
+        seed_folders=args.seeds > 1,
+    )

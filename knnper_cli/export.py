@@ -48,9 +48,10 @@ from knnper_cli.args import (
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
     p = command(
-        "export", _cmd_export,
+        "export",
+        _cmd_export,
         help="write per-device bundles (int8 ONNX encoder + datastore "
-             "sized to each device's budget) from a finished run",
+        "sized to each device's budget) from a finished run",
         epilog=examples(
             "knnper export runs/fmnist --out bundles/500k --budget 500kB",
             "knnper export runs/fmnist --out bundles/weak-strong --profile "
@@ -59,62 +60,112 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
             "and `knnper-edge export-onnx` cannot make one ONNX file of them. "
             "With --backend auto the export says so before writing any bundle "
             "and names the clients that got one at the end; --device-extras "
-            "none leaves HNSW out, so every bundle loads on the runtime alone."),
+            "none leaves HNSW out, so every bundle loads on the runtime alone.",
+        ),
     ).add_to(sub)
     p.add_argument("run", help="run directory written by `knnper train`")
-    p.add_argument("--out", required=True, type=output_dir,
-                   help="directory for the bundles and export.json")
-    p.add_argument("--force", action="store_true",
-                   help="replace bundles in --out that `knnper-edge add` has taught since "
-                   "they were exported (they lose what their devices learned; refused "
-                   "without it)")
+    p.add_argument(
+        "--out", required=True, type=output_dir, help="directory for the bundles and export.json"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace bundles in --out that `knnper-edge add` has taught since "
+        "they were exported (they lose what their devices learned; refused "
+        "without it)",
+    )
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budgets", metavar="FILE", help="JSON file {client_id: bytes}")
-    budget.add_argument("--budget", type=byte_count, metavar="BYTES",
-                        help="one budget for every device (500000, 500kB, 1.5MB, 2MiB)")
+    budget.add_argument(
+        "--budget",
+        type=byte_count,
+        metavar="BYTES",
+        help="one budget for every device (500000, 500kB, 1.5MB, 2MiB)",
+    )
     budget.add_argument("--profile", help=f"generated budgets: {', '.join(PROFILES[1:])}")
-    p.add_argument("--reference", type=byte_count, metavar="BYTES",
-                   help="reference budget in bytes for --profile (weak-strong: the devices get "
-                        "(1/2 -+ delta_c) of it; lognormal: its median)")
-    p.add_argument("--delta-c", type=float, default=0.25, metavar="D",
-                   help="weak-strong: half the devices at (1/2 - D), half at (1/2 + D)")
-    p.add_argument("--spread", type=float, default=0.5,
-                   help="lognormal: sigma of log(budget)")
-    p.add_argument("--backend", default="auto",
-                   help=f"datastore backend: {', '.join(backend_choices())} (auto tries all)")
-    p.add_argument("--device-extras", choices=DEVICE_EXTRAS, default="any",
-                   help="none: try only datastores the device runtime loads without extras "
-                   "and that `knnper-edge export-onnx` can make one file of (no HNSW); any: "
-                   "HNSW too, where it is the most accurate (the device then needs the hnsw "
-                   "extra)")
+    p.add_argument(
+        "--reference",
+        type=byte_count,
+        metavar="BYTES",
+        help="reference budget in bytes for --profile (weak-strong: the devices get "
+        "(1/2 -+ delta_c) of it; lognormal: its median)",
+    )
+    p.add_argument(
+        "--delta-c",
+        type=float,
+        default=0.25,
+        metavar="D",
+        help="weak-strong: half the devices at (1/2 - D), half at (1/2 + D)",
+    )
+    p.add_argument("--spread", type=float, default=0.5, help="lognormal: sigma of log(budget)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help=f"datastore backend: {', '.join(backend_choices())} (auto tries all)",
+    )
+    p.add_argument(
+        "--device-extras",
+        choices=DEVICE_EXTRAS,
+        default="any",
+        help="none: try only datastores the device runtime loads without extras "
+        "and that `knnper-edge export-onnx` can make one file of (no HNSW); any: "
+        "HNSW too, where it is the most accurate (the device then needs the hnsw "
+        "extra)",
+    )
     p.add_argument("--quantize", default="int8", help="encoder precision: int8 or fp32")
     p.add_argument("--clients", default="all", help="all, seen, unseen, or ids like 0,3,7")
     add_knn_arguments(p)
-    p.add_argument("--update-strategy", default="fifo",
-                   help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
-                        "buffers new samples beside its prototypes)")
-    p.add_argument("--seed", type=seed, default=0,
-                   help="seed of generated budgets and of datastore sampling / ProtoNN training")
-    p.add_argument("--workers", type=positive_int, default=None,
-                   help="processes sizing clients in parallel (default: one per usable core)")
-    p.add_argument("--pruned-search", action="store_true",
-                   help="skip HNSW and ProtoNN candidates that look unable to win and train "
-                   "ProtoNN candidates by successive halving: faster, but it lost accuracy "
-                   "against the exhaustive search (docs/benchmarks/export.md)")
-    p.add_argument("--signing-key", metavar="PRIVATE.pem", default=None,
-                   help="sign every bundle with this Ed25519 private key (knnper-edge keygen "
-                        "makes one); devices given the public key refuse unsigned bundles")
+    p.add_argument(
+        "--update-strategy",
+        default="fifo",
+        help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
+        "buffers new samples beside its prototypes)",
+    )
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help="seed of generated budgets and of datastore sampling / ProtoNN training",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=None,
+        help="processes sizing clients in parallel (default: one per usable core)",
+    )
+    p.add_argument(
+        "--pruned-search",
+        action="store_true",
+        help="skip HNSW and ProtoNN candidates that look unable to win and train "
+        "ProtoNN candidates by successive halving: faster, but it lost accuracy "
+        "against the exhaustive search (docs/benchmarks/export.md)",
+    )
+    p.add_argument(
+        "--signing-key",
+        metavar="PRIVATE.pem",
+        default=None,
+        help="sign every bundle with this Ed25519 private key (knnper-edge keygen "
+        "makes one); devices given the public key refuse unsigned bundles",
+    )
     add_upgrade_arguments(p)
 
 
 def add_upgrade_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--upgrade-from", metavar="OLD_EXPORT", default=None,
-                   help="an earlier export these bundles replace: also write upgrades/from-"
-                   "<old encoder>.npz, the map devices carry their keys over with "
-                   "(`knnper-edge upgrade`), fitted and judged on server-held data only")
-    p.add_argument("--public-data", metavar="NPZ", default=None,
-                   help="server-held data (x_train, y_train) the key map is fitted on "
-                   "(default: the split the run's pretraining kept for the server)")
+    p.add_argument(
+        "--upgrade-from",
+        metavar="OLD_EXPORT",
+        default=None,
+        help="an earlier export these bundles replace: also write upgrades/from-"
+        "<old encoder>.npz, the map devices carry their keys over with "
+        "(`knnper-edge upgrade`), fitted and judged on server-held data only",
+    )
+    p.add_argument(
+        "--public-data",
+        metavar="NPZ",
+        default=None,
+        help="server-held data (x_train, y_train) the key map is fitted on "
+        "(default: the split the run's pretraining kept for the server)",
+    )
 
 
 def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[int, Budget]:
@@ -134,20 +185,43 @@ def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[i
 
 def format_export_table(report: dict[str, Any]) -> str:
     """One line per client: budget, chosen backend and recipe, bytes, validation accuracy."""
-    head = ("client", "seen", "budget", "backend", "recipe", "stored", "bytes", "lambda",
-            "val acc %")
+    head = (
+        "client",
+        "seen",
+        "budget",
+        "backend",
+        "recipe",
+        "stored",
+        "bytes",
+        "lambda",
+        "val acc %",
+    )
     rows = [head]
     for r in report["clients"]:
         acc = "-" if r["val_accuracy"] is None else f"{100 * r['val_accuracy']:.1f}"
-        rows.append((str(r["client_id"]), "no" if r["unseen"] else "yes", str(r["budget"]),
-                     r["backend"], r["recipe"], str(r["stored"]), str(r["total_bytes"]),
-                     f"{r['lambda']:.1f}", acc))
+        rows.append(
+            (
+                str(r["client_id"]),
+                "no" if r["unseen"] else "yes",
+                str(r["budget"]),
+                r["backend"],
+                r["recipe"],
+                str(r["stored"]),
+                str(r["total_bytes"]),
+                f"{r['lambda']:.1f}",
+                acc,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-             for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
     enc = report["encoder"]
-    lines.append(f"encoder: {enc['quantize']} {enc['bytes']} bytes (fp32 {enc['fp32_bytes']} "
-                 f"bytes, max |onnx - torch| {enc['torch_max_abs_diff']:.1e})")
+    lines.append(
+        f"encoder: {enc['quantize']} {enc['bytes']} bytes (fp32 {enc['fp32_bytes']} "
+        f"bytes, max |onnx - torch| {enc['torch_max_abs_diff']:.1e})"
+    )
     return "\n".join(lines)
 
 
@@ -157,16 +231,20 @@ def format_export_summary(report: dict[str, Any]) -> str:
     groups: dict[int, list[dict[str, Any]]] = {}
     for r in report["clients"]:
         groups.setdefault(r["budget"], []).append(r)
-    lines = ["| budget | clients | chosen backends | mean bytes | mean val acc % |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| budget | clients | chosen backends | mean bytes | mean val acc % |",
+        "|---|---|---|---|---|",
+    ]
     for budget in sorted(groups):
         rows = groups[budget]
         chosen = Counter(r["backend"] for r in rows)
         accs = [r["val_accuracy"] for r in rows if r["val_accuracy"] is not None]
         acc = f"{100 * sum(accs) / len(accs):.1f}" if accs else "-"
-        lines.append(f"| {budget} | {len(rows)} | "
-                     f"{', '.join(f'{b} {n}' for b, n in sorted(chosen.items()))} | "
-                     f"{sum(r['total_bytes'] for r in rows) / len(rows):.0f} | {acc} |")
+        lines.append(
+            f"| {budget} | {len(rows)} | "
+            f"{', '.join(f'{b} {n}' for b, n in sorted(chosen.items()))} | "
+            f"{sum(r['total_bytes'] for r in rows) / len(rows):.0f} | {acc} |"
+        )
     return "\n".join(lines)
 
 
@@ -174,10 +252,14 @@ PER_CLIENT_TABLE_MAX = 20  # above this many clients, only the summary is printe
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    settings = ExportSettings(quantize=args.quantize, backend=args.backend,
-                              update_strategy=args.update_strategy,
-                              device_extras=args.device_extras,
-                              seed=args.seed, signing_key=args.signing_key)
+    settings = ExportSettings(
+        quantize=args.quantize,
+        backend=args.backend,
+        update_strategy=args.update_strategy,
+        device_extras=args.device_extras,
+        seed=args.seed,
+        signing_key=args.signing_key,
+    )
     if args.pruned_search:
         settings.space = settings.space.pruned()
     settings.check()  # bad flags fail before the run is loaded
@@ -187,8 +269,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except KnnperError as err:
         # torch's own message for a corrupt checkpoint runs over several lines; one is enough.
         raise ExportError(one_line(err, first_line=True)) from err
-    choice = load_or_choose(run.run_dir, run.model, run.clients(), request,
-                            seed=run.config.seed, progress=not args.no_progress)
+    choice = load_or_choose(
+        run.run_dir,
+        run.model,
+        run.clients(),
+        request,
+        seed=run.config.seed,
+        progress=not args.no_progress,
+    )
     print(choice.describe())
     settings = apply_knn_choice(settings, choice)
     budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
@@ -196,25 +284,44 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.upgrade_from is not None:  # both checked before any bundle is written
         replaces = old_release(Path(args.upgrade_from))
         server = server_data(run, args.public_data)
-    report = export_run(run, Path(args.out), budgets, settings, clients=args.clients,
-                        progress=not args.no_progress, workers=args.workers,
-                        replace_taught=args.force, replaces=replaces)
+    report = export_run(
+        run,
+        Path(args.out),
+        budgets,
+        settings,
+        clients=args.clients,
+        progress=not args.no_progress,
+        workers=args.workers,
+        replace_taught=args.force,
+        replaces=replaces,
+    )
     if len(report["clients"]) <= PER_CLIENT_TABLE_MAX:
         print(format_export_table(report))
     print(format_export_summary(report))
     for backend, ids in needing_extras(report["clients"]).items():
         shown = ", ".join(map(str, ids[:20])) + (" ..." if len(ids) > 20 else "")
-        print(f"{len(ids)} of {len(report['clients'])} bundle(s) use {backend} (client "
-              f"{shown}): a device loads them only with the {device_extra(backend)} "
-              "extra, and `knnper-edge export-onnx` cannot make one file of them; "
-              "--device-extras none avoids it")
+        print(
+            f"{len(ids)} of {len(report['clients'])} bundle(s) use {backend} (client "
+            f"{shown}): a device loads them only with the {device_extra(backend)} "
+            "extra, and `knnper-edge export-onnx` cannot make one file of them; "
+            "--device-extras none avoids it"
+        )
     print(f"wrote {len(report['clients'])} bundle(s) and {Path(args.out) / REPORT_FILE}")
     if server is not None:
         key = load_private_key(args.signing_key) if args.signing_key else None
-        path, fit = write_upgrade_map(Path(args.upgrade_from), Path(args.out), *server,
-                                      run.dataset.input_spec, run.dataset.num_classes,
-                                      k=choice.config.k, sigma=choice.config.sigma,
-                                      seed=args.seed, signing_key=key)
-        print(f"wrote {path} (ridge alpha {fit.alpha:g}, fitted on {fit.fit_samples} server "
-              f"samples): {fit.key_map.describe()}")
+        path, fit = write_upgrade_map(
+            Path(args.upgrade_from),
+            Path(args.out),
+            *server,
+            run.dataset.input_spec,
+            run.dataset.num_classes,
+            k=choice.config.k,
+            sigma=choice.config.sigma,
+            seed=args.seed,
+            signing_key=key,
+        )
+        print(
+            f"wrote {path} (ridge alpha {fit.alpha:g}, fitted on {fit.fit_samples} server "
+            f"samples): {fit.key_map.describe()}"
+        )
     return 0

@@ -29,8 +29,10 @@ from edge_runtime.errors import one_line
 from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt, exit_quietly_from_now
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
-DESCRIPTION = ("Personalized federated learning through local memorization (kNN-Per): train a "
-               "federated run, evaluate it, export per-device bundles. Start with `knnper demo`.")
+DESCRIPTION = (
+    "Personalized federated learning through local memorization (kNN-Per): train a "
+    "federated run, evaluate it, export per-device bundles. Start with `knnper demo`."
+)
 
 
 def missing_server_modules() -> list[str]:
@@ -41,13 +43,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = missing_server_modules()
     args = sys.argv[1:] if argv is None else list(argv)
     if missing and args == ["--version"]:
-        print(f"knnper {package_version()} (device runtime only: no {', '.join(missing)}; "
-              f"the server commands need {install_hint('train')})")
+        print(
+            f"knnper {package_version()} (device runtime only: no {', '.join(missing)}; "
+            f"the server commands need {install_hint('train')})"
+        )
         return 0
     if missing:
-        print(f"knnper: this install has the device runtime only (no {', '.join(missing)}); "
-              f"the server commands need the train extra: {install_hint('train')} "
-              "(on a device, use knnper-edge)", file=sys.stderr)
+        print(
+            f"knnper: this install has the device runtime only (no {', '.join(missing)}); "
+            f"the server commands need the train extra: {install_hint('train')} "
+            "(on a device, use knnper-edge)",
+            file=sys.stderr,
+        )
         return 2
     return run(argv)
 
@@ -84,23 +91,38 @@ def build_parser() -> argparse.ArgumentParser:
     from knnper_cli.export import add_export_command
     from knnper_cli.train import add_train_commands
 
-    parser = Parser(prog="knnper", description=DESCRIPTION, epilog=examples(
-        "knnper demo                                        # the whole pipeline, a minute",
-        "knnper train --out runs/digits                     # 1. train FedAvg",
-        "knnper evaluate runs/digits                        # 2. Local, FedAvg, kNN-Per",
-        "knnper export runs/digits --out bundles/d --budget 500kB   # 3. bundles per device",
-        "knnper client-data runs/digits --client 3 --out data/client_3",
-        "knnper-edge evaluate bundles/d/client_0003 --data data/client_3/test.npz  # 4. device",
-        note="`knnper COMMAND --help` gives each command's options and an example."))
+    parser = Parser(
+        prog="knnper",
+        description=DESCRIPTION,
+        epilog=examples(
+            "knnper demo                                        # the whole pipeline, a minute",
+            "knnper train --out runs/digits                     # 1. train FedAvg",
+            "knnper evaluate runs/digits                        # 2. Local, FedAvg, kNN-Per",
+            "knnper export runs/digits --out bundles/d --budget 500kB   # 3. bundles per device",
+            "knnper client-data runs/digits --client 3 --out data/client_3",
+            "knnper-edge evaluate bundles/d/client_0003 --data data/client_3/test.npz  # 4. device",
+            note="`knnper COMMAND --help` gives each command's options and an example.",
+        ),
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
-    parser.add_argument("--threads", type=threads, default=defaults.THREADS,
-                        help="torch intra-op threads (1 trained the digits and Fashion-MNIST "
-                        "models fastest: docs/benchmarks/training.md)")
+    parser.add_argument(
+        "--threads",
+        type=threads,
+        default=defaults.THREADS,
+        help="torch intra-op threads (1 trained the digits and Fashion-MNIST "
+        "models fastest: docs/benchmarks/training.md)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for add in (add_train_commands, add_bench_command, add_export_command, add_demo_command,
-                add_experiment_command, add_deploy_command):
+    for add in (
+        add_train_commands,
+        add_bench_command,
+        add_export_command,
+        add_demo_command,
+        add_experiment_command,
+        add_deploy_command,
+    ):
         add(sub)
     return parser
 
@@ -122,8 +144,10 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(f"{err.prog}: error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         # files are checked where they are loaded (finite, in range): a floating-point
         # warning would only print numpy's source lines before the one-line error; log lines
@@ -147,8 +171,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     sys.stdout.flush()
     # a worker's last line may still sit on the terminal's line without its newline
     start = "\r\x1b[K" if sys.stderr.isatty() else ""
-    print(f"{start}knnper: interrupted; run the same command again to resume {args.command}",
-          file=sys.stderr, flush=True)
+    print(
+        f"{start}knnper: interrupted; run the same command again to resume {args.command}",
+        file=sys.stderr,
+        flush=True,
+    )
     return INTERRUPTED
 
 

@@ -41,8 +41,13 @@ from knnper_cli.args import (
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    result = train(config, Path(args.out), progress=not args.no_progress,
-                   device=resolve_device(args.device), client_batch=args.client_batch)
+    result = train(
+        config,
+        Path(args.out),
+        progress=not args.no_progress,
+        device=resolve_device(args.device),
+        client_batch=args.client_batch,
+    )
     print(f"trained {result.rounds_done} rounds into {args.out}")
     return 0
 
@@ -59,8 +64,13 @@ def _report(result: dict[str, Any], json_path: str | None) -> None:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     run = load_run(args.run, resolve_device(args.device))
-    result = evaluate_run(run, args.methods, knn=knn_request(args), capacity=args.capacity,
-                          progress=not args.no_progress)
+    result = evaluate_run(
+        run,
+        args.methods,
+        knn=knn_request(args),
+        capacity=args.capacity,
+        progress=not args.no_progress,
+    )
     if "knn" in result:
         print(describe_record(result["knn"]))
     _report(result, args.json)
@@ -75,55 +85,98 @@ def _cmd_client_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
-    config = PretrainConfig(dataset=args.dataset, data=args.data, public_data=args.public_data,
-                            model=args.model, server_fraction=args.server_fraction,
-                            val_fraction=args.val_fraction, max_train=args.max_train,
-                            epochs=args.epochs, patience=args.patience,
-                            batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
-                            weight_decay=args.weight_decay, augment=args.augment,
-                            precision=args.precision, seed=args.seed)
-    record = pretrain(config, Path(args.out), progress=not args.no_progress,
-                      device=resolve_device(args.device))
-    print(f"pretrained {record['model']} on {record['samples']['train']} samples: validation "
-          f"accuracy {100 * record['val_accuracy']:.1f}% at epoch {record['best_epoch']}; wrote "
-          f"{args.out} (use it with --init {args.out})")
+    config = PretrainConfig(
+        dataset=args.dataset,
+        data=args.data,
+        public_data=args.public_data,
+        model=args.model,
+        server_fraction=args.server_fraction,
+        val_fraction=args.val_fraction,
+        max_train=args.max_train,
+        epochs=args.epochs,
+        patience=args.patience,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        augment=args.augment,
+        precision=args.precision,
+        seed=args.seed,
+    )
+    record = pretrain(
+        config, Path(args.out), progress=not args.no_progress, device=resolve_device(args.device)
+    )
+    print(
+        f"pretrained {record['model']} on {record['samples']['train']} samples: validation "
+        f"accuracy {100 * record['val_accuracy']:.1f}% at epoch {record['best_epoch']}; wrote "
+        f"{args.out} (use it with --init {args.out})"
+    )
     return 0
 
 
 def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     d = PretrainConfig()
     p = command(
-        "pretrain", _cmd_pretrain,
+        "pretrain",
+        _cmd_pretrain,
         help="train the model centrally on a server-held split that "
-             "no client sees, as the starting point for --init",
+        "no client sees, as the starting point for --init",
         epilog=examples(
             "knnper pretrain --dataset fashion-mnist --server-fraction 0.1 --out "
             "runs/pretrain-fmnist",
             "knnper train --dataset fashion-mnist --init runs/pretrain-fmnist "
-            "--out runs/fmnist-init"),
+            "--out runs/fmnist-init",
+        ),
     ).add_to(sub)
     p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
     p.add_argument("--data", default=None, help=DATA_HELP)
-    p.add_argument("--out", required=True, type=output_dir,
-                   help="directory for model.pt, pretrain.json and "
-                   "server_indices.npy")
-    p.add_argument("--public-data", default=None, help="train on this .npz (x_train, y_train, "
-                   "x_test, y_test) instead of a split of the training set")
-    p.add_argument("--server-fraction", type=fraction, default=d.server_fraction,
-                   help="stratified fraction of the training set the server keeps")
-    p.add_argument("--val-fraction", type=fraction, default=d.val_fraction,
-                   help="fraction of the pretraining data held out to choose the epoch")
-    p.add_argument("--max-train", type=positive_int, default=None,
-                   help="draw the server fraction of this many training samples")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=output_dir,
+        help="directory for model.pt, pretrain.json and server_indices.npy",
+    )
+    p.add_argument(
+        "--public-data",
+        default=None,
+        help="train on this .npz (x_train, y_train, "
+        "x_test, y_test) instead of a split of the training set",
+    )
+    p.add_argument(
+        "--server-fraction",
+        type=fraction,
+        default=d.server_fraction,
+        help="stratified fraction of the training set the server keeps",
+    )
+    p.add_argument(
+        "--val-fraction",
+        type=fraction,
+        default=d.val_fraction,
+        help="fraction of the pretraining data held out to choose the epoch",
+    )
+    p.add_argument(
+        "--max-train",
+        type=positive_int,
+        default=None,
+        help="draw the server fraction of this many training samples",
+    )
     add_model_argument(p)
-    p.add_argument("--epochs", type=positive_int, default=d.epochs,
-                   help="most epochs of central training")
-    p.add_argument("--patience", type=positive_int, default=d.patience,
-                   help="stop after this many epochs without a better validation accuracy")
+    p.add_argument(
+        "--epochs", type=positive_int, default=d.epochs, help="most epochs of central training"
+    )
+    p.add_argument(
+        "--patience",
+        type=positive_int,
+        default=d.patience,
+        help="stop after this many epochs without a better validation accuracy",
+    )
     add_sgd_arguments(p, d, "SGD")
-    p.add_argument("--augment", action="store_true",
-                   help="random 4-pixel shifted crops and horizontal flips of the images (for "
-                   "CIFAR-like data; not for digits or letters)")
+    p.add_argument(
+        "--augment",
+        action="store_true",
+        help="random 4-pixel shifted crops and horizontal flips of the images (for "
+        "CIFAR-like data; not for digits or letters)",
+    )
     p.add_argument("--seed", type=seed, default=d.seed, help="seed of the split and the training")
     add_device_argument(p)
     add_precision_argument(p)
@@ -131,58 +184,83 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
 
 def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = command(
-        "train", _cmd_train,
+        "train",
+        _cmd_train,
         help="train FedAvg's global model on a partitioned data set",
         epilog=examples(
             "knnper train --out runs/digits                     # digits, a minute",
             "knnper train --dataset fashion-mnist --partition dirichlet --alpha "
             "0.3 --clients 100 --out runs/fmnist",
-            note="Re-running the same command resumes from the last checkpoint."),
+            note="Re-running the same command resumes from the last checkpoint.",
+        ),
     ).add_to(sub)
     add_training_arguments(p)
-    p.add_argument("--checkpoint-every", type=positive_int, default=defaults.CHECKPOINT_EVERY,
-                   help="rounds between checkpoints (Ctrl-C loses at most this many; a write "
-                   "that would take over a tenth of the training time waits for a later round)")
-    p.add_argument("--out", required=True, type=output_dir,
-                   help="run directory (re-running resumes it)")
-    p.add_argument("--continue-from", metavar="RUN", default=None,
-                   help="continue training a finished run's model (its weights are the start; "
-                   "its pretraining's server split stays the server's); recorded in config.json "
-                   "so that exports know which version they follow")
+    p.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=defaults.CHECKPOINT_EVERY,
+        help="rounds between checkpoints (Ctrl-C loses at most this many; a write "
+        "that would take over a tenth of the training time waits for a later round)",
+    )
+    p.add_argument(
+        "--out", required=True, type=output_dir, help="run directory (re-running resumes it)"
+    )
+    p.add_argument(
+        "--continue-from",
+        metavar="RUN",
+        default=None,
+        help="continue training a finished run's model (its weights are the start; "
+        "its pretraining's server split stays the server's); recorded in config.json "
+        "so that exports know which version they follow",
+    )
 
     p = command(
-        "evaluate", _cmd_evaluate,
+        "evaluate",
+        _cmd_evaluate,
         help="local / FedAvg / kNN-Per accuracy of a finished run",
         epilog=examples(
             "knnper evaluate runs/fmnist --json runs/fmnist/evaluation.json",
             "knnper evaluate runs/fmnist --knn-config paper --methods knnper",
             note="Each client's local model is kept in RUN/eval/local.jsonl as "
-            "it finishes: an interrupted evaluate resumes there."),
+            "it finishes: an interrupted evaluate resumes there.",
+        ),
     ).add_to(sub)
     p.add_argument("run", help="run directory written by `knnper train`")
     add_knn_arguments(p)
-    p.add_argument("--capacity", type=fraction, default=1.0,
-                   help="fraction of each client's train split kept in its datastore")
-    p.add_argument("--methods", nargs="+", default=list(EVAL_METHODS),
-                   help=f"any of {', '.join(EVAL_METHODS)}")
-    p.add_argument("--json", default=None, type=output_file_or_stdout,
-                   help="write summaries and per-client rows here (- or /dev/stdout: to "
-                   "standard output, the table then going to stderr; an existing path must be "
-                   "a regular file or a link to one)")
+    p.add_argument(
+        "--capacity",
+        type=fraction,
+        default=1.0,
+        help="fraction of each client's train split kept in its datastore",
+    )
+    p.add_argument(
+        "--methods", nargs="+", default=list(EVAL_METHODS), help=f"any of {', '.join(EVAL_METHODS)}"
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        type=output_file_or_stdout,
+        help="write summaries and per-client rows here (- or /dev/stdout: to "
+        "standard output, the table then going to stderr; an existing path must be "
+        "a regular file or a link to one)",
+    )
     add_device_argument(p)  # the precision of local training is the run's own
 
     p = command(
-        "client-data", _cmd_client_data,
+        "client-data",
+        _cmd_client_data,
         help="write one client's raw data as the .npz / .npy files "
-             "the device commands (knnper-edge) take",
-        epilog=examples(
-            "knnper client-data runs/fmnist --client 3 --out data/client_3"),
+        "the device commands (knnper-edge) take",
+        epilog=examples("knnper client-data runs/fmnist --client 3 --out data/client_3"),
     ).add_to(sub)
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--client", type=count, required=True, help="client id")
-    p.add_argument("--out", required=True, type=output_dir,
-                   help="directory for train.npz, val.npz, test.npz "
-                   "(x, y) and test_x.npy")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=output_dir,
+        help="directory for train.npz, val.npz, test.npz (x, y) and test_x.npy",
+    )
 
 
 def add_train_commands(sub: argparse._SubParsersAction) -> None:

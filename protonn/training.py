@@ -103,9 +103,12 @@ def prototype_scores(model: ProtoNN, x: torch.Tensor) -> torch.Tensor:
     training step at a few hundred prototypes, which is what makes per-client ProtoNN
     candidates affordable for a fleet."""
     wx = x @ model.W
-    sq = (wx * wx).sum(dim=1, keepdim=True) - 2.0 * (wx @ model.B) \
+    sq = (
+        (wx * wx).sum(dim=1, keepdim=True)
+        - 2.0 * (wx @ model.B)
         + (model.B * model.B).sum(dim=0, keepdim=True)
-    return torch.exp(-(model.gamma ** 2) * sq.clamp_min(0.0)) @ model.Z.T
+    )
+    return torch.exp(-(model.gamma**2) * sq.clamp_min(0.0)) @ model.Z.T
 
 
 class ProtoNNClassifier:
@@ -125,11 +128,20 @@ class ProtoNNClassifier:
     0.967 vs 0.959 after 200 steps) starts from a usable classifier, which short training needs.
     """
 
-    def __init__(self, num_classes: int, projection_dim: int = 32,
-                 prototype_fraction: float = 0.3, n_prototypes: int | None = None,
-                 gamma: float | None = None, gamma_scale: float = 4.0, init: str = "kmeans",
-                 steps: int = 200,
-                 batch_size: int = 128, lr: float = 0.02, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        projection_dim: int = 32,
+        prototype_fraction: float = 0.3,
+        n_prototypes: int | None = None,
+        gamma: float | None = None,
+        gamma_scale: float = 4.0,
+        init: str = "kmeans",
+        steps: int = 200,
+        batch_size: int = 128,
+        lr: float = 0.02,
+        seed: int = 0,
+    ) -> None:
         self.num_classes = num_classes
         self.projection_dim = projection_dim
         self.prototype_fraction = prototype_fraction
@@ -146,11 +158,13 @@ class ProtoNNClassifier:
         if self.init not in INIT_METHODS:
             raise ValueError(f"init must be one of {list(INIT_METHODS)}, got {self.init!r}")
         if not isinstance(self.projection_dim, int) or self.projection_dim < 1:
-            raise ValueError(f"projection_dim must be a positive integer, got "
-                             f"{self.projection_dim!r}")
+            raise ValueError(
+                f"projection_dim must be a positive integer, got {self.projection_dim!r}"
+            )
         if self.n_prototypes is None and not 0 < self.prototype_fraction <= 1:
-            raise ValueError(f"prototype_fraction must be in (0, 1], got "
-                             f"{self.prototype_fraction!r}")
+            raise ValueError(
+                f"prototype_fraction must be in (0, 1], got {self.prototype_fraction!r}"
+            )
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(f"gamma must be positive, got {self.gamma!r}")
         if not self.gamma_scale > 0:
@@ -158,8 +172,9 @@ class ProtoNNClassifier:
         z = np.asarray(z, dtype=np.float64)
         y = np.asarray(y)
         if z.ndim != 2 or y.shape != (z.shape[0],):
-            raise ValueError(f"fit expects z [n, p] and y [n], got {list(z.shape)} and "
-                             f"{list(y.shape)}")
+            raise ValueError(
+                f"fit expects z [n, p] and y [n], got {list(z.shape)} and {list(y.shape)}"
+            )
         if z.shape[0] == 0:
             raise ValueError("ProtoNN needs at least one training sample")
         if not np.all(np.isfinite(z)):
@@ -174,8 +189,9 @@ class ProtoNNClassifier:
             return max(1, min(int(self.n_prototypes), n_samples))
         return max(1, min(n_samples, int(round(self.prototype_fraction * n_samples))))
 
-    def _init_prototypes(self, zp: np.ndarray, y: np.ndarray, m: int,
-                         rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    def _init_prototypes(
+        self, zp: np.ndarray, y: np.ndarray, m: int, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray]:
         if self.init == "random":
             take = np.sort(rng.choice(len(zp), size=m, replace=False))
             return zp[take], y[take]
@@ -217,14 +233,25 @@ class ProtoNNClassifier:
         W = pca_projection(z, self.projection_dim, rng)
         zp = z @ W.T
         centres, labels = self._init_prototypes(zp, y, m, rng)
-        gamma = (self.gamma if self.gamma is not None
-                 else self.gamma_scale * median_heuristic_gamma(zp, centres))
+        gamma = (
+            self.gamma
+            if self.gamma is not None
+            else self.gamma_scale * median_heuristic_gamma(zp, centres)
+        )
         torch.manual_seed(self.seed)
         Z0 = np.zeros((self.num_classes, len(labels)))
         Z0[labels, np.arange(len(labels))] = 1.0
         # edgeml's layout is W [p, d] (input x projection), B [d, m], Z [C, m].
-        self.model_ = ProtoNN(z.shape[1], self.projection_dim, len(labels), self.num_classes,
-                              gamma, W=W.T.copy(), B=centres.T.copy(), Z=Z0)
+        self.model_ = ProtoNN(
+            z.shape[1],
+            self.projection_dim,
+            len(labels),
+            self.num_classes,
+            gamma,
+            W=W.T.copy(),
+            B=centres.T.copy(),
+            Z=Z0,
+        )
         self.gamma_ = float(gamma)
         self.steps_done_ = 0
         self._optimizer = torch.optim.Adam(self.model_.parameters(), lr=self.lr)
@@ -241,7 +268,7 @@ class ProtoNNClassifier:
         for _ in range(steps):
             if self._pos + batch > n:
                 self._order, self._pos = rng.permutation(n), 0
-            idx = torch.from_numpy(self._order[self._pos:self._pos + batch])
+            idx = torch.from_numpy(self._order[self._pos : self._pos + batch])
             self._pos += batch
             opt.zero_grad()
             scores = prototype_scores(model, x_all[idx]).clamp_min(_TINY)
@@ -258,18 +285,33 @@ class ProtoNNClassifier:
         """W [d,p], B [d,m], Z [C,m], gamma: the arrays of a protonn datastore.npz."""
         return {"W": self.W_, "B": self.B_, "Z": self.Z_, "gamma": np.float64(self.gamma_)}
 
-    def to_datastore(self, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
-                     m: float | None = None, n: int | None = None) -> ProtoNNDatastore:
+    def to_datastore(
+        self,
+        *,
+        k: int = DEFAULT_K,
+        sigma: float = DEFAULT_SIGMA,
+        m: float | None = None,
+        n: int | None = None,
+    ) -> ProtoNNDatastore:
         """The device-side datastore for these matrices (its numpy inference is the one that
         ships, so accuracy measured through it is what the device gets)."""
-        return ProtoNNDatastore.from_matrices(self.W_, self.B_, self.Z_, self.gamma_, k=k,
-                                              sigma=sigma, m=m, n=n)
+        return ProtoNNDatastore.from_matrices(
+            self.W_, self.B_, self.Z_, self.gamma_, k=k, sigma=sigma, m=m, n=n
+        )
 
     def to_edgeml(self) -> ProtoNN:
         """edgeml's module holding these matrices (its layout: W [p, d])."""
         d, p = self.W_.shape
-        return ProtoNN(p, d, self.B_.shape[1], self.num_classes, self.gamma_,
-                       W=self.W_.T.copy(), B=self.B_, Z=self.Z_)
+        return ProtoNN(
+            p,
+            d,
+            self.B_.shape[1],
+            self.num_classes,
+            self.gamma_,
+            W=self.W_.T.copy(),
+            B=self.B_,
+            Z=self.Z_,
+        )
 
     def decision_function(self, z: np.ndarray) -> np.ndarray:
         """The raw scores s [n, C], through edgeml's forward."""

@@ -23,8 +23,9 @@ def test_auto_is_the_cpu_without_a_gpu_and_cuda_is_refused_in_one_line(tmp_path,
     assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(DeviceError, match="no CUDA device"):
         resolve_device("cuda")
-    code = main(["--no-progress", "train", *TINY, "--device", "cuda", "--out",
-                 str(tmp_path / "run")])
+    code = main(
+        ["--no-progress", "train", *TINY, "--device", "cuda", "--out", str(tmp_path / "run")]
+    )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--device cuda" in err
     assert not (tmp_path / "run").exists()
@@ -37,8 +38,24 @@ def test_unknown_precision_is_refused():
 
 def test_bf16_client_batch_run_trains_saves_precision_and_loads_on_cpu(tmp_path):
     out = tmp_path / "run"
-    assert main(["--no-progress", "train", *TINY, "--device", "cpu", "--precision", "bf16",
-                 "--client-batch", "3", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--no-progress",
+                "train",
+                *TINY,
+                "--device",
+                "cpu",
+                "--precision",
+                "bf16",
+                "--client-batch",
+                "3",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     saved = json.loads((out / "config.json").read_text())
     assert saved["training"]["precision"] == "bf16"
     state = torch.load(out / "model.pt", map_location="cpu", weights_only=True)
@@ -56,11 +73,29 @@ def test_bf16_client_batch_run_trains_saves_precision_and_loads_on_cpu(tmp_path)
 def test_evaluate_and_pretrain_take_a_device(tmp_path):
     run = tmp_path / "run"
     assert main(["--no-progress", "train", *TINY, "--out", str(run)]) == 0
-    assert main(["--no-progress", "evaluate", str(run), "--methods", "fedavg", "--device",
-                 "cpu"]) == 0
+    assert (
+        main(["--no-progress", "evaluate", str(run), "--methods", "fedavg", "--device", "cpu"]) == 0
+    )
     pre = tmp_path / "pre"
-    assert main(["--no-progress", "pretrain", "--dataset", "digits", "--epochs", "1",
-                 "--device", "cpu", "--precision", "bf16", "--out", str(pre)]) == 0
+    assert (
+        main(
+            [
+                "--no-progress",
+                "pretrain",
+                "--dataset",
+                "digits",
+                "--epochs",
+                "1",
+                "--device",
+                "cpu",
+                "--precision",
+                "bf16",
+                "--out",
+                str(pre),
+            ]
+        )
+        == 0
+    )
     assert json.loads((pre / "pretrain.json").read_text())["precision"] == "bf16"
 
 

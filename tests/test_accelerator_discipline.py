@@ -53,8 +53,11 @@ def _clients(device: torch.device) -> list[ClientData]:
         g = torch.Generator().manual_seed(cid)
         x = torch.randn(18, 1, 8, 8, generator=g)
         y = torch.arange(18) % CLASSES
-        out.append(ClientData(cid, x[:12], y[:12], x[12:15], y[12:15], x[15:], y[15:],
-                              unseen=cid == 2).to(device))
+        out.append(
+            ClientData(cid, x[:12], y[:12], x[12:15], y[12:15], x[15:], y[15:], unseen=cid == 2).to(
+                device
+            )
+        )
     return out
 
 
@@ -63,8 +66,9 @@ def test_round_and_evaluation_stay_on_the_device(method, stand_in):
     # one batch per client (pFedGP's context and target halves both hold every class)
     training = TrainingConfig(rounds=1, batch_size=32, lr=0.01, momentum=0.9, milestones=())
     torch.manual_seed(0)
-    algorithm = build_algorithm(method, lambda: build_model("small-cnn", CLASSES, SPEC)
-                                .to(stand_in), training)
+    algorithm = build_algorithm(
+        method, lambda: build_model("small-cnn", CLASSES, SPEC).to(stand_in), training
+    )
     clients = _clients(stand_in)
     weights = get_weights(build_model("small-cnn", CLASSES, SPEC))
     states: dict = {}
@@ -78,9 +82,12 @@ def test_round_and_evaluation_stay_on_the_device(method, stand_in):
 
 
 def test_pretraining_with_augmentation_stays_on_the_device(stand_in, tmp_path):
-    record = pretrain(PretrainConfig(dataset="digits", max_train=300, epochs=1, batch_size=64,
-                                     augment=True), tmp_path / "init", progress=False,
-                      device=stand_in)
+    record = pretrain(
+        PretrainConfig(dataset="digits", max_train=300, epochs=1, batch_size=64, augment=True),
+        tmp_path / "init",
+        progress=False,
+        device=stand_in,
+    )
     assert record["epochs_run"] == 1 and 0.0 <= record["val_accuracy"] <= 1.0
     state = torch.load(tmp_path / "init" / "model.pt", weights_only=True)
     assert {t.device.type for t in state.values()} == {"cpu"}
@@ -89,9 +96,15 @@ def test_pretraining_with_augmentation_stays_on_the_device(stand_in, tmp_path):
 def test_export_from_a_run_on_the_device_in_an_experiment_point(stand_in, tmp_path: Path):
     """The hardware experiment's byte-budget point: train and load the run on the device, then
     export ONNX, int8 and bundles from it and score them through the device runtime."""
-    config = RunConfig(dataset="digits", max_train=300, clients=4, unseen_fraction=0.25,
-                       val_fraction=0.25, checkpoint_every=1,
-                       training=TrainingConfig(rounds=1, batch_size=16, lr=0.05, momentum=0.9))
+    config = RunConfig(
+        dataset="digits",
+        max_train=300,
+        clients=4,
+        unseen_fraction=0.25,
+        val_fraction=0.25,
+        checkpoint_every=1,
+        training=TrainingConfig(rounds=1, batch_size=16, lr=0.05, momentum=0.9),
+    )
     ctx = Context(tmp_path, config, quick=True, progress=False, device=stand_in)
     budgets = ByteBudgets(ctx, tmp_path / "work")
     assert ctx.run().model.classifier.weight.device.type == stand_in.type

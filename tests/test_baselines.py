@@ -47,12 +47,14 @@ def test_every_baseline_is_registered_and_unknown_names_are_refused():
 
 # FedAvg+ ---------------------------------------------------------------------------------------
 
+
 def test_fedavg_plus_with_zero_finetune_epochs_is_fedavg():
     clients = make_clients()
     weights = train(FedAvg(model_fn, TRAINING), clients).weights
     plain = FedAvg(model_fn, TRAINING).personalize(weights, clients[0], {}, 0)
-    tuned = FedAvgPlus(model_fn, TRAINING, finetune_epochs=0).personalize(weights, clients[0], {},
-                                                                         0)
+    tuned = FedAvgPlus(model_fn, TRAINING, finetune_epochs=0).personalize(
+        weights, clients[0], {}, 0
+    )
     x = clients[0].x_test
     np.testing.assert_array_equal(tuned.predict_proba(x), plain.predict_proba(x))
     assert tuned.info == {"finetune_epochs": 0}
@@ -72,6 +74,7 @@ def test_fedavg_plus_finetuning_adapts_a_client_the_global_model_gets_wrong():
 
 # Ditto -----------------------------------------------------------------------------------------
 
+
 def test_ditto_global_model_is_fedavg():
     clients = make_clients()
     fedavg = train(FedAvg(model_fn, TRAINING), clients)
@@ -87,8 +90,9 @@ def test_ditto_with_infinite_lambda_keeps_the_personal_model_at_the_global_one()
         result = Ditto(model_fn, TRAINING, lambdas=(lam,)).client_update(w, clients[0], {}, 0.1, 7)
         assert_same_weights(result.state["personal"][str(lam)], w, atol=1e-6)
     free = Ditto(model_fn, TRAINING, lambdas=(0.0,)).client_update(w, clients[0], {}, 0.1, 7)
-    assert not np.allclose(free.state["personal"]["0.0"]["classifier.weight"],
-                           w["classifier.weight"])
+    assert not np.allclose(
+        free.state["personal"]["0.0"]["classifier.weight"], w["classifier.weight"]
+    )
 
 
 def test_ditto_client_with_other_labels_picks_a_weak_pull_to_the_global_model():
@@ -103,6 +107,7 @@ def test_ditto_client_with_other_labels_picks_a_weak_pull_to_the_global_model():
 
 
 # FedRep ----------------------------------------------------------------------------------------
+
 
 def test_fedrep_shares_the_body_and_keeps_heads_personal():
     clients = make_clients(swapped=(0, 1))
@@ -120,8 +125,9 @@ def test_fedrep_shares_the_body_and_keeps_heads_personal():
     frozen = FedRep(model_fn, TRAINING, head_epochs=0)
     for c in (0, 2):
         manual = model_fn()
-        manual.load_state_dict({k: torch.from_numpy(v) for k, v in
-                                {**sim.weights, **sim.states[c]["head"]}.items()})
+        manual.load_state_dict(
+            {k: torch.from_numpy(v) for k, v in {**sim.weights, **sim.states[c]["head"]}.items()}
+        )
         manual.eval()
         with torch.no_grad():
             expected = torch.softmax(manual(clients[c].x_test), 1).double().numpy()
@@ -140,23 +146,27 @@ def test_fedrep_unseen_client_trains_a_head_on_the_frozen_body():
 
 # APFL ------------------------------------------------------------------------------------------
 
+
 def test_apfl_with_alpha_zero_is_fedavg():
     clients = make_clients()
     fedavg = train(FedAvg(model_fn, TRAINING), clients)
     apfl = train(APFL(model_fn, TRAINING, alphas=(0.0,)), clients)
     assert_same_weights(apfl.weights, fedavg.weights)
     plain = FedAvg(model_fn, TRAINING).personalize(fedavg.weights, clients[0], {}, 0)
-    mixed = APFL(model_fn, TRAINING, alphas=(0.0,)).personalize(apfl.weights, clients[0],
-                                                               apfl.states[0], 0)
-    np.testing.assert_allclose(mixed.predict_proba(clients[0].x_test),
-                               plain.predict_proba(clients[0].x_test), atol=1e-6)
+    mixed = APFL(model_fn, TRAINING, alphas=(0.0,)).personalize(
+        apfl.weights, clients[0], apfl.states[0], 0
+    )
+    np.testing.assert_allclose(
+        mixed.predict_proba(clients[0].x_test), plain.predict_proba(clients[0].x_test), atol=1e-6
+    )
 
 
 def test_apfl_personal_mixture_fits_a_client_with_other_labels():
     clients = make_clients(swapped=(0,))
     algorithm = APFL(model_fn, TRAINING)
-    sim = train(algorithm, clients, TrainingConfig(rounds=4, epochs=2, batch_size=16, lr=0.1,
-                                                   milestones=()))
+    sim = train(
+        algorithm, clients, TrainingConfig(rounds=4, epochs=2, batch_size=16, lr=0.1, milestones=())
+    )
     assert set(sim.states[0]["personal"]) == {"0.1", "0.3", "0.5", "0.7", "0.9"}
     odd = algorithm.personalize(sim.weights, clients[0], sim.states[0], 0)
     assert odd.info["alpha"] >= 0.5
@@ -164,6 +174,7 @@ def test_apfl_personal_mixture_fits_a_client_with_other_labels():
 
 
 # ClusteredFL -----------------------------------------------------------------------------------
+
 
 def test_clustered_fl_separates_clients_whose_labels_are_swapped():
     clients = make_clients(count=7, swapped=(3, 4, 5, 6), unseen=(6,))
@@ -211,21 +222,25 @@ def test_clustered_fl_refuses_a_result_whose_state_it_did_not_send():
     algorithm.check_result(sim.weights, 0, honest)  # what client_update sends passes
     placed = server.cluster_of(0)
     other = next(c for c in range(len(server.models)) if c != placed)
-    for state, why in (({"client_id": 1, "cluster": placed}, "names client 1, not 0"),
-                       ({"client_id": True, "cluster": placed}, "names client True"),
-                       ({"cluster": placed}, "names client None"),
-                       ({"client_id": 0, "cluster": len(server.models)}, "is not one of"),
-                       ({"client_id": 0, "cluster": -1}, "is not one of"),
-                       ({"client_id": 0, "cluster": "0"}, "is not one of"),
-                       ({"client_id": 0, "cluster": other}, f"server placed it in {placed}")):
+    for state, why in (
+        ({"client_id": 1, "cluster": placed}, "names client 1, not 0"),
+        ({"client_id": True, "cluster": placed}, "names client True"),
+        ({"cluster": placed}, "names client None"),
+        ({"client_id": 0, "cluster": len(server.models)}, "is not one of"),
+        ({"client_id": 0, "cluster": -1}, "is not one of"),
+        ({"client_id": 0, "cluster": "0"}, "is not one of"),
+        ({"client_id": 0, "cluster": other}, f"server placed it in {placed}"),
+    ):
         with pytest.raises(ValueError, match=why):
             algorithm.check_result(sim.weights, 0, replace(honest, state=state))
     # a client new to the server (no placement yet) may pick any existing cluster
-    algorithm.check_result(sim.weights, 99,
-                           replace(honest, state={"client_id": 99, "cluster": other}))
+    algorithm.check_result(
+        sim.weights, 99, replace(honest, state={"client_id": 99, "cluster": other})
+    )
 
 
 # pFedGP ----------------------------------------------------------------------------------------
+
 
 def test_gp_posterior_on_two_separated_clusters():
     rng = np.random.default_rng(0)
@@ -258,8 +273,9 @@ def test_pfedgp_trains_the_shared_kernel_and_classifies_with_each_clients_gp():
     # pFedGP's label map: a client that never saw classes 2 and 3 never predicts them
     two = clients[1]
     keep = two.y_train < 2
-    two = ClientData(1, two.x_train[keep], two.y_train[keep], two.x_val, two.y_val, two.x_test,
-                     two.y_test)
+    two = ClientData(
+        1, two.x_train[keep], two.y_train[keep], two.x_val, two.y_val, two.x_test, two.y_test
+    )
     personal = algorithm.personalize(sim.weights, two, {}, 0)
     assert personal.info["classes"] == 2
     assert personal.predict_proba(two.x_test)[:, 2:].max() == 0.0
@@ -267,16 +283,20 @@ def test_pfedgp_trains_the_shared_kernel_and_classifies_with_each_clients_gp():
 
 # bad input -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: Ditto(model_fn, TRAINING, lambdas=(1.0, -0.1)), "lambda must be >= 0"),
-    (lambda: Ditto(model_fn, TRAINING, lambdas=()), "at least one"),
-    (lambda: APFL(model_fn, TRAINING, alphas=(0.5, 1.5)), r"alpha must be in \[0, 1\]"),
-    (lambda: FedAvgPlus(model_fn, TRAINING, finetune_epochs=-1), "finetune_epochs"),
-    (lambda: FedRep(model_fn, TRAINING, head_epochs=-2), "head_epochs"),
-    (lambda: ClusteredFL(model_fn, TRAINING, eps1=-1.0), "eps1"),
-    (lambda: ClusteredFL(model_fn, TRAINING, warmup_rounds=-1), "warmup_rounds"),
-    (lambda: PFedGP(model_fn, TRAINING, predict_ratio=1.0), "predict_ratio"),
-])
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Ditto(model_fn, TRAINING, lambdas=(1.0, -0.1)), "lambda must be >= 0"),
+        (lambda: Ditto(model_fn, TRAINING, lambdas=()), "at least one"),
+        (lambda: APFL(model_fn, TRAINING, alphas=(0.5, 1.5)), r"alpha must be in \[0, 1\]"),
+        (lambda: FedAvgPlus(model_fn, TRAINING, finetune_epochs=-1), "finetune_epochs"),
+        (lambda: FedRep(model_fn, TRAINING, head_epochs=-2), "head_epochs"),
+        (lambda: ClusteredFL(model_fn, TRAINING, eps1=-1.0), "eps1"),
+        (lambda: ClusteredFL(model_fn, TRAINING, warmup_rounds=-1), "warmup_rounds"),
+        (lambda: PFedGP(model_fn, TRAINING, predict_ratio=1.0), "predict_ratio"),
+    ],
+)
 def test_bad_hyper_parameters_are_refused(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -288,13 +308,14 @@ def test_apfl_divergence_in_the_global_or_a_personal_model_stops_the_round(updat
     NaN in any of the models still raises."""
     from fed_train.errors import TrainingDiverged
 
-    weights = {k: np.full_like(v, np.nan) if k.endswith("bias") else v
-               for k, v in initial_weights().items()}
+    weights = {
+        k: np.full_like(v, np.nan) if k.endswith("bias") else v
+        for k, v in initial_weights().items()
+    }
     apfl = APFL(model_fn, TRAINING, alphas=(0.5,))
     client = make_clients(1)[0]
     with pytest.raises(TrainingDiverged, match="lower the learning rate"):
         if update_global:
             apfl.client_update(weights, client, {}, 0.1, 0)
         else:
-            apfl.client_update(initial_weights(), client,
-                               {"personal": {"0.5": weights}}, 0.1, 0)
+            apfl.client_update(initial_weights(), client, {"personal": {"0.5": weights}}, 0.1, 0)

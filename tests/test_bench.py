@@ -52,7 +52,8 @@ def test_bench_table_writes_both_tables_and_per_client_results(tmp_path, capsys)
     assert len(clients) == 8 and all(m in clients[0] for m in METHODS)
     # FedAvg is trained once and shared by FedAvg, FedAvg+ and kNN-Per
     assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
-        {"fedavg", "clustered", "ditto", "fedrep", "apfl", "pfedgp"})
+        {"fedavg", "clustered", "ditto", "fedrep", "apfl", "pfedgp"}
+    )
 
     # a second run resumes from the cached runs and results and writes the same numbers
     before = (out / "table1.csv").read_text()
@@ -60,7 +61,8 @@ def test_bench_table_writes_both_tables_and_per_client_results(tmp_path, capsys)
     rows = list(csv.DictReader((out / "table1.csv").open()))
     assert [r["method"] for r in rows] == ["fedavg", "knnper"]
     assert {r["method"]: r["mean"] for r in rows}.items() <= {
-        r["method"]: r["mean"] for r in csv.DictReader(before.splitlines())}.items()
+        r["method"]: r["mean"] for r in csv.DictReader(before.splitlines())
+    }.items()
 
 
 def test_a_folder_holding_another_table_is_refused(tmp_path):
@@ -72,8 +74,21 @@ def test_a_folder_holding_another_table_is_refused(tmp_path):
 
 def test_tuning_picks_the_learning_rate_on_validation(tmp_path):
     out = tmp_path / "tuned"
-    assert bench(*TINY, "--rounds", "1", "--methods", "fedavg,knnper", "--tune-lr", "--lr-grid",
-                 "0.1,0.01", "--out", str(out)) == 0
+    assert (
+        bench(
+            *TINY,
+            "--rounds",
+            "1",
+            "--methods",
+            "fedavg,knnper",
+            "--tune-lr",
+            "--lr-grid",
+            "0.1,0.01",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     result = json.loads((out / "results.json").read_text())
     for method in ("fedavg", "knnper"):
         scores = result["validation"][method]
@@ -89,9 +104,11 @@ def _client(cid: int, n_val: int, unseen: bool = False) -> ClientData:
 
 
 def test_validation_score_uses_only_seen_clients_validation_splits():
-    rows = [{"unseen": False, "n_val": 1, "val_accuracy": 1.0, "accuracy": 0.0},
-            {"unseen": False, "n_val": 3, "val_accuracy": 0.0, "accuracy": 1.0},
-            {"unseen": True, "n_val": 9, "val_accuracy": 1.0, "accuracy": 1.0}]
+    rows = [
+        {"unseen": False, "n_val": 1, "val_accuracy": 1.0, "accuracy": 0.0},
+        {"unseen": False, "n_val": 3, "val_accuracy": 0.0, "accuracy": 1.0},
+        {"unseen": True, "n_val": 9, "val_accuracy": 1.0, "accuracy": 1.0},
+    ]
     assert validation_score(rows) == pytest.approx(0.25)
     assert choose_lr({0.1: 0.5, 0.01: 0.7, 0.001: 0.7}) == 0.01  # ties: first in grid order
     assert LR_GRID == pytest.approx((10**-0.5, 0.1, 10**-1.5, 0.01, 10**-2.5))
@@ -173,16 +190,26 @@ def test_tuned_knn_table_with_workers_and_attribution(tmp_path):
     out = tmp_path / "table"
     # the attribution's knn+own head is the kNN with each body's own model and each client's
     # own lambda: the table's kNN-Per with that base and rule pinned
-    argv = [*TINY, "--methods", "fedavg,fedrep,pfedgp,knnper",
-            "--lambda-estimator", "auto", "--lambda-rule", "client", "--base", "global",
-            "--attribution"]
+    argv = [
+        *TINY,
+        "--methods",
+        "fedavg,fedrep,pfedgp,knnper",
+        "--lambda-estimator",
+        "auto",
+        "--lambda-rule",
+        "client",
+        "--base",
+        "global",
+        "--attribution",
+    ]
     assert bench(*argv, "--workers", "2", "--out", str(out)) == 0
     result = json.loads((out / "results.json").read_text())
     knn = result["knn"]
     assert knn["source"]["k"] == "validation" and knn["config"]["k"] in (5, 10, 20, 50)
     assert knn["config"]["normalize"] in ("none", "l2")
-    assert knn["estimator"] == max(knn["lambda_cv"], key=lambda e: (knn["lambda_cv"][e],
-                                                                    e == "val"))
+    assert knn["estimator"] == max(
+        knn["lambda_cv"], key=lambda e: (knn["lambda_cv"][e], e == "val")
+    )
     assert len(knn["grid"]) == 4 * 13 * 2
     assert knn["oracle"]["seen"]["mean"] >= result["seen"]["knnper"]["mean"] - 1e-12
     assert result["command"].startswith("knnper ")
@@ -202,8 +229,9 @@ def test_tuned_knn_table_with_workers_and_attribution(tmp_path):
     assert json.loads((again / "results.json").read_text())["seen"] == result["seen"]
 
 
-def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(tmp_path,
-                                                                                 monkeypatch):
+def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(
+    tmp_path, monkeypatch
+):
     import fed_train.algorithms.base as base_module
     from fed_train.errors import TrainingDiverged, TrainingError
 
@@ -216,8 +244,10 @@ def test_a_diverging_learning_rate_is_skipped_by_tuning_and_fails_a_fixed_table(
 
     monkeypatch.setattr(base_module, "local_sgd", diverge_at_large_lr)
     out = tmp_path / "tuned"
-    assert bench(*TINY, "--methods", "fedavg", "--tune-lr", "--lr-grid", "0.9,0.05",
-                 "--out", str(out)) == 0
+    assert (
+        bench(*TINY, "--methods", "fedavg", "--tune-lr", "--lr-grid", "0.9,0.05", "--out", str(out))
+        == 0
+    )
     result = json.loads((out / "results.json").read_text())
     assert result["lr"]["fedavg"] == 0.05 and result["validation"]["fedavg"]["0.9"] is None
     assert "diverged" in json.loads((out / "eval" / "fedavg" / "lr_0.9.json").read_text())
@@ -264,22 +294,37 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
         # deals test samples by label): a choice made on test labels now prefers what is worst
         # on the true ones, so it flips even where a random permutation leaves small test
         # splits tied
-        return [dataclasses.replace(c, y_test=(c.y_test + 1) % dataset.num_classes)
-                for c in real_prepare(dataset, partition, *args, **kwargs)]
+        return [
+            dataclasses.replace(c, y_test=(c.y_test + 1) % dataset.num_classes)
+            for c in real_prepare(dataset, partition, *args, **kwargs)
+        ]
 
     def with_clusters(*args, hyper, **kwargs):
         return real_table(*args, hyper={**hyper, "clustered": SPLIT_ALWAYS}, **kwargs)
 
     monkeypatch.setattr(bench_module, "run_table", with_clusters)
     monkeypatch.setattr(bench_command, "run_table", with_clusters)  # the name the CLI calls
-    argv = [*TINY, "--clients", "12", "--unseen-fraction", "0.5", "--methods", "all",
-            "--tune-lr", "--lr-grid", "0.1,0.03", "--lambda-estimator", "loo+val",
-            "--attribution"]
+    argv = [
+        *TINY,
+        "--clients",
+        "12",
+        "--unseen-fraction",
+        "0.5",
+        "--methods",
+        "all",
+        "--tune-lr",
+        "--lr-grid",
+        "0.1,0.03",
+        "--lambda-estimator",
+        "loo+val",
+        "--attribution",
+    ]
     assert bench(*argv, "--out", str(tmp_path / "plain")) == 0
     monkeypatch.setattr(bench_module, "prepare_clients", wrong_test_labels)
     assert bench(*argv, "--out", str(tmp_path / "permuted")) == 0
-    plain, permuted = (json.loads((tmp_path / d / "results.json").read_text())
-                       for d in ("plain", "permuted"))
+    plain, permuted = (
+        json.loads((tmp_path / d / "results.json").read_text()) for d in ("plain", "permuted")
+    )
     # the paths the test must take, or a leak there would go unseen
     assert plain["knn"]["estimator"] == "loo+val"
     new = [c for c in plain["clients"] if c["unseen"]]
@@ -292,28 +337,49 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
     for key in ("config", "estimator", "lambda_cv", "grid", "lambda_rule", "lambda_rule_cv"):
         assert plain["knn"][key] == permuted["knn"][key], key
     assert plain["linear"] == permuted["linear"]  # the linear head's l2 and its evidence
-    accuracy_columns = {"n_test", *METHODS, "knnper_oracle_lambda", "knnper_oracle_accuracy",
-                        "knnper_cross_oracle_accuracy"}
+    accuracy_columns = {
+        "n_test",
+        *METHODS,
+        "knnper_oracle_lambda",
+        "knnper_oracle_accuracy",
+        "knnper_cross_oracle_accuracy",
+    }
     for a, b in zip(plain["clients"], permuted["clients"], strict=True):
         choices = {k: v for k, v in a.items() if k not in accuracy_columns}
         assert choices == {k: v for k, v in b.items() if k not in accuracy_columns}
     for key, info in plain["attribution"]["knn"].items():
         other = permuted["attribution"]["knn"][key]
-        assert ({k: v for k, v in info.items() if k != "lambda_report"}
-                == {k: v for k, v in other.items() if k != "lambda_report"}), key
-    for a, b in zip(plain["attribution"]["clients"], permuted["attribution"]["clients"],
-                    strict=True):
+        assert {k: v for k, v in info.items() if k != "lambda_report"} == {
+            k: v for k, v in other.items() if k != "lambda_report"
+        }, key
+    for a, b in zip(
+        plain["attribution"]["clients"], permuted["attribution"]["clients"], strict=True
+    ):
         assert {k: v for k, v in a.items() if k != "accuracy"} == {
-            k: v for k, v in b.items() if k != "accuracy"}
+            k: v for k, v in b.items() if k != "accuracy"
+        }
     assert plain["seen"] != permuted["seen"]  # the change did reach the test labels
 
 
 def test_seeds_run_one_table_per_seed_and_summarize_them(tmp_path):
     out = tmp_path / "seeds"
-    assert bench(*TINY, "--rounds", "1", "--methods", "fedavg,knnper", "--seed", "3",
-                 "--seeds", "2", "--out", str(out)) == 0
-    partitions = [json.loads((out / f"seed_{s}" / "results.json").read_text())
-                  for s in (3, 4)]
+    assert (
+        bench(
+            *TINY,
+            "--rounds",
+            "1",
+            "--methods",
+            "fedavg,knnper",
+            "--seed",
+            "3",
+            "--seeds",
+            "2",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
+    partitions = [json.loads((out / f"seed_{s}" / "results.json").read_text()) for s in (3, 4)]
     assert [p["config"]["seed"] for p in partitions] == [3, 4]
     assert partitions[0]["clients"] != partitions[1]["clients"]
     summary = json.loads((out / "seeds.json").read_text())
@@ -356,8 +422,7 @@ def test_a_baseline_defined_in_one_file_runs_in_the_table(tmp_path, monkeypatch)
     assert [p.name for p in (out / "runs").iterdir()] == ["fedavg"]  # trained once, shared
 
 
-def test_a_table_cache_whose_rows_are_not_the_runs_clients_is_computed_again(tmp_path,
-                                                                            caplog):
+def test_a_table_cache_whose_rows_are_not_the_runs_clients_is_computed_again(tmp_path, caplog):
     """A duplicated or `client_id: true` row in a table cache changed the table (46.6% ->
     56.2%); its rows must be one per client of the run, each that client's."""
     out = tmp_path / "table"
@@ -367,10 +432,11 @@ def test_a_table_cache_whose_rows_are_not_the_runs_clients_is_computed_again(tmp
     with caplog.at_level("WARNING"):
         assert bench(*TINY, "--methods", "fedavg", "--out", str(out)) == 0
     assert "computing them again" not in caplog.text  # an honest cache is read back
-    for crafted in ([*honest["rows"], honest["rows"][0]],
-                    [{**honest["rows"][0], "client_id": True}, *honest["rows"][1:]],
-                    [{**honest["rows"][0], "accuracy": 1.0, "n_test": 10**6},
-                     *honest["rows"][1:]]):
+    for crafted in (
+        [*honest["rows"], honest["rows"][0]],
+        [{**honest["rows"][0], "client_id": True}, *honest["rows"][1:]],
+        [{**honest["rows"][0], "accuracy": 1.0, "n_test": 10**6}, *honest["rows"][1:]],
+    ):
         cache.write_text(json.dumps({**honest, "rows": crafted}))
         caplog.clear()
         with caplog.at_level("WARNING"):

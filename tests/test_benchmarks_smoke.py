@@ -26,7 +26,8 @@ SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
 
 needs_fashion_mnist = pytest.mark.skipif(
     not DEFAULT_PATHS["fashion-mnist"].is_dir(),
-    reason="Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)")
+    reason="Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)",
+)
 
 
 @dataclass(frozen=True)
@@ -49,40 +50,123 @@ CASES: dict[str, Case] = {
     "load_checks.py": Case(("--sizes", "100", "--reps", "1", "--out", "{out}")),
     "upgrade_device.py": Case(("--smoke", "--out", "{out}")),
     "upgrade_kills.py": Case(("--smoke", "--out", "{out}"), slow=True),
-    "train_throughput.py": Case(("--tag", "smoke", "--clients", "2", "--samples", "8",
-                                 "--rounds", "1", "--threads", "1", "--cases", "small-cnn:seq",
-                                 "small-cnn:2", "--results", "{out}"), slow=True),
-    "int8_scheme.py": Case(("{run}", "--out", "{out}", "--reps", "5", "--warmup", "2"),
-                           slow=True),
-    "int8_query_accuracy.py": Case(("--clients", "2", "--rounds", "1", "--out", "{out}"),
-                                   slow=True),
-    "demo_partition.py": Case(("--rounds", "1", "--out", "{out}", "--work", "{out}/work"),
-                              slow=True),
+    "train_throughput.py": Case(
+        (
+            "--tag",
+            "smoke",
+            "--clients",
+            "2",
+            "--samples",
+            "8",
+            "--rounds",
+            "1",
+            "--threads",
+            "1",
+            "--cases",
+            "small-cnn:seq",
+            "small-cnn:2",
+            "--results",
+            "{out}",
+        ),
+        slow=True,
+    ),
+    "int8_scheme.py": Case(("{run}", "--out", "{out}", "--reps", "5", "--warmup", "2"), slow=True),
+    "int8_query_accuracy.py": Case(
+        ("--clients", "2", "--rounds", "1", "--out", "{out}"), slow=True
+    ),
+    "demo_partition.py": Case(
+        ("--rounds", "1", "--out", "{out}", "--work", "{out}/work"), slow=True
+    ),
     "collect_fair_table.py": Case(("{run}", "--name", "smoke", "--out", "{out}"), slow=True),
-    "export_speed.py": Case(("{run}", "--label", "smoke", "--out", "{out}", "--work",
-                             "{out}/work"), slow=True),
-    "knn_config_device.py": Case(("--run", "{run}", "--budget", "1MB", "--out", "{out}"),
-                                 slow=True),
+    "export_speed.py": Case(
+        ("{run}", "--label", "smoke", "--out", "{out}", "--work", "{out}/work"), slow=True
+    ),
+    "knn_config_device.py": Case(
+        ("--run", "{run}", "--budget", "1MB", "--out", "{out}"), slow=True
+    ),
     "head_refit.py": Case(("--run", "{run}", "--smoke", "--out", "{out}"), slow=True),
-    "thread_count.py": Case(("--threads", "1", "--steps", "2", "--repeats", "1", "--out",
-                             "{out}"), slow=True),
+    "thread_count.py": Case(
+        ("--threads", "1", "--steps", "2", "--repeats", "1", "--out", "{out}"), slow=True
+    ),
     "rejudge_experiments.py": Case(("{copy}",), slow=True),
-    "lambda_rules.py": Case(("--clients", "6", "--rounds", "1", "--seeds", "1", "--explain",
-                             "--out", "{out}"), slow=True),
-    "flower_rounds.py": Case(("--tag", "smoke", "--clients", "1", "--rounds", "1", "--results",
-                              "{out}", "--work", "{out}/work"), slow=True, module="flwr"),
-    "flower_floor.py": Case(("--tag", "smoke", "--clients", "1", "--rounds", "1", "--results",
-                             "{out}", "--work", "{out}/work"), slow=True, module="flwr"),
-    "flower_expected.py": Case(("--clients", "2", "--rounds", "1", "--work", "{out}/work",
-                                "--expected", "{out}/expected.json", "--results", "{out}"),
-                               slow=True),
-    "paper_tables.py": Case(("--smoke", "--only", "fashion-mnist", "--methods", "fedavg,knnper",
-                             "--out", "{out}", "--no-progress"), slow=True,
-                            dataset="fashion-mnist"),
+    "lambda_rules.py": Case(
+        ("--clients", "6", "--rounds", "1", "--seeds", "1", "--explain", "--out", "{out}"),
+        slow=True,
+    ),
+    "flower_rounds.py": Case(
+        (
+            "--tag",
+            "smoke",
+            "--clients",
+            "1",
+            "--rounds",
+            "1",
+            "--results",
+            "{out}",
+            "--work",
+            "{out}/work",
+        ),
+        slow=True,
+        module="flwr",
+    ),
+    "flower_floor.py": Case(
+        (
+            "--tag",
+            "smoke",
+            "--clients",
+            "1",
+            "--rounds",
+            "1",
+            "--results",
+            "{out}",
+            "--work",
+            "{out}/work",
+        ),
+        slow=True,
+        module="flwr",
+    ),
+    "flower_expected.py": Case(
+        (
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--work",
+            "{out}/work",
+            "--expected",
+            "{out}/expected.json",
+            "--results",
+            "{out}",
+        ),
+        slow=True,
+    ),
+    "paper_tables.py": Case(
+        (
+            "--smoke",
+            "--only",
+            "fashion-mnist",
+            "--methods",
+            "fedavg,knnper",
+            "--out",
+            "{out}",
+            "--no-progress",
+        ),
+        slow=True,
+        dataset="fashion-mnist",
+    ),
 }
 # scripts whose smallest case is run by a test of its own below (which checks its tables)
-OWN_TEST = {"runtime_latency.py", "runtime_memory.py", "distribution_shift.py",
-            "runtime_scan.py", "runtime_start.py", "paper_order.py", "protonn_grid.py"}
+OWN_TEST = {
+    "runtime_latency.py",
+    "runtime_memory.py",
+    "distribution_shift.py",
+    "runtime_scan.py",
+    "runtime_start.py",
+    "paper_order.py",
+    "protonn_grid.py",
+}
+
+
 def test_every_script_has_a_case():
     assert not set(CASES) & OWN_TEST
     assert sorted({*CASES, *OWN_TEST}) == SCRIPTS
@@ -104,16 +188,41 @@ def test_script_prints_its_help(script, tmp_path, monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("bench") / "run"
-    proc = subprocess.run([sys.executable, "-m", "knnper_cli.main", "--no-progress", "train",
-                           "--dataset", "digits", "--clients", "4", "--rounds", "1",
-                           "--batch-size", "16", "--checkpoint-every", "1", "--out", str(run)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "knnper_cli.main",
+            "--no-progress",
+            "train",
+            "--dataset",
+            "digits",
+            "--clients",
+            "4",
+            "--rounds",
+            "1",
+            "--batch-size",
+            "16",
+            "--checkpoint-every",
+            "1",
+            "--out",
+            str(run),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run
 
 
-@pytest.mark.parametrize("script", [pytest.param(name, marks=[pytest.mark.slow] if case.slow
-                                                 else []) for name, case in CASES.items()])
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(name, marks=[pytest.mark.slow] if case.slow else [])
+        for name, case in CASES.items()
+    ],
+)
 def test_smallest_case_runs(script, tmp_path, request):
     case = CASES[script]
     if case.module is not None:
@@ -126,15 +235,18 @@ def test_smallest_case_runs(script, tmp_path, request):
         values["run"] = str(request.getfixturevalue("tiny_run"))
     if any("{copy}" in a for a in case.args):
         values["copy"] = str(tmp_path / "copy")
-        shutil.copytree(BENCHMARKS / "results" / "experiments" / "fashion-mnist",
-                        tmp_path / "copy")
+        shutil.copytree(BENCHMARKS / "results" / "experiments" / "fashion-mnist", tmp_path / "copy")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     shipped = EXPECTED_FILE.read_bytes()  # a file of the package a benchmark can rewrite
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script),
-                           *(a.format(**values) for a in case.args)],
-                          cwd=elsewhere, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *(a.format(**values) for a in case.args)],
+        cwd=elsewhere,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     if "{out}" in " ".join(case.args):
         assert any(p.is_file() for p in out.rglob("*")), "the case wrote no results"
@@ -147,19 +259,29 @@ def test_paper_order_runs_tiny_on_the_cpu_and_resumes(tmp_path):
     """The GPU-scale command at its tiny scale: every stage, both tables under both kNN-Per
     rules; run again, it skips what finished and trains and evaluates nothing."""
     out = tmp_path / "out"
-    command = [sys.executable, str(BENCHMARKS / "paper_order.py"), "--tiny", "--device", "cpu",
-               "--no-progress", "--out", str(out)]
+    command = [
+        sys.executable,
+        str(BENCHMARKS / "paper_order.py"),
+        "--tiny",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=900)
+    first = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
     assert first.returncode == 0, first.stderr[-4000:]
     summary = (out / "summary.md").read_text()
     assert "model mobilenet-v2-gn" in summary and "model small-cnn" in summary
     assert summary.count("| paper's rule") == 2 and summary.count("| project default") == 2
     assert all(f"| {m} |" in summary for m in ("Local", "FedAvg", "Ditto", "APFL", "pFedGP"))
     written = {p: p.stat().st_mtime_ns for p in out.rglob("*.pt")}
-    again = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=900)
+    again = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
     assert again.returncode == 0, again.stderr[-4000:]
     stages = json.loads((out / "stages.json").read_text())["stages"]
     assert stages["split"]["skipped"] and stages["pretrain"]["skipped"]
@@ -173,18 +295,34 @@ def test_protonn_grid_smoke_writes_its_tables_and_the_device_agrees(tmp_path):
     run through the runtime, give the benchmark's own accuracy."""
     out, elsewhere = tmp_path / "out", tmp_path / "cwd"
     elsewhere.mkdir()
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "protonn_grid.py"), "--smoke",
-                           "--out", str(out)], cwd=elsewhere,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "protonn_grid.py"), "--smoke", "--out", str(out)],
+        cwd=elsewhere,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Command:" in proc.stdout and "ProtoNN grid" in proc.stdout
     assert not list(elsewhere.iterdir()), "the script wrote into the folder it ran from"
-    for name in ("encoder.csv", "budget_curve.csv", "protonn_grid.csv", "clients.csv",
-                 "budget_curve.png", "protonn_grid.png", "results.md", "run.json"):
+    for name in (
+        "encoder.csv",
+        "budget_curve.csv",
+        "protonn_grid.csv",
+        "clients.csv",
+        "budget_curve.png",
+        "protonn_grid.png",
+        "results.md",
+        "run.json",
+    ):
         assert (out / name).stat().st_size > 0, name
     assert {r["backend"] for r in read_csv(out / "budget_curve.csv")} == {
-        "flat", "hnsw", "protonn", "auto"}
+        "flat",
+        "hnsw",
+        "protonn",
+        "auto",
+    }
     assert "Device check at 1/4" in proc.stdout
     check = json.loads((out / "run.json").read_text())["check"]
     assert check["runtime_accuracy"] == pytest.approx(check["benchmark_accuracy"], abs=1e-12)
@@ -195,8 +333,14 @@ def run_smoke(script: str, tmp_path: Path) -> Path:
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
-                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Command:" in proc.stdout and "Machine:" in proc.stdout
     assert "onnxruntime 1." in proc.stdout
@@ -216,8 +360,13 @@ def test_latency_smoke_times_every_backend_against_torch(tmp_path):
     rows = read_csv(out / "latency.csv")
     assert [r["backend"] for r in rows] == ["none", "flat", "hnsw", "protonn"]
     for row in rows:
-        for key in ("b1_p50_ms_runtime", "b1_p99_ms_torch", "speedup_b1_p50",
-                    "throughput_runtime", "speedup_throughput"):
+        for key in (
+            "b1_p50_ms_runtime",
+            "b1_p99_ms_torch",
+            "speedup_b1_p50",
+            "throughput_runtime",
+            "speedup_throughput",
+        ):
             value = float(row[key])
             assert math.isfinite(value) and value > 0, (key, row)
         assert 0.0 <= float(row["argmax_agreement"]) <= 1.0
@@ -251,17 +400,20 @@ def test_distribution_shift_smoke_updates_each_copy_by_its_strategy(tmp_path):
     steps, batch, clients = 4, 8, 2
     assert len(rows) == clients * steps * 4
     for client in {r["client"] for r in rows}:
+
         def sizes(strategy: str, client: str = client) -> list[int]:
-            return [int(r["datastore_size"]) for r in rows
-                    if r["client"] == client and r["strategy"] == strategy]
+            return [
+                int(r["datastore_size"])
+                for r in rows
+                if r["client"] == client and r["strategy"] == strategy
+            ]
 
         assert len(set(sizes("fixed"))) == 1
         assert len(set(sizes("fifo"))) == 1  # full at export: each batch evicts as many
         grown = sizes("concatenate")
         assert grown == [grown[0] + batch * t for t in range(steps)]
     curve = read_csv(out / "curve.csv")
-    assert {r["strategy"] for r in curve} == {"fifo", "concatenate", "fixed",
-                                              "global (lambda=0)"}
+    assert {r["strategy"] for r in curve} == {"fifo", "concatenate", "fixed", "global (lambda=0)"}
     assert all(0.0 <= float(r["mean_accuracy"]) <= 1.0 for r in curve)
     assert (out / "shift.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "shift.png" in (out / "shift.md").read_text()

@@ -23,8 +23,10 @@ def test_the_encoder_share_is_added_once_it_is_known():
 
 
 def test_a_manifest_gives_its_budget_and_encoder_share():
-    manifest = {"budget_bytes": 500_000, "footprint": {"encoder": 36_122, "datastore": 1,
-                                                       "total": 36_123}}
+    manifest = {
+        "budget_bytes": 500_000,
+        "footprint": {"encoder": 36_122, "datastore": 1, "total": 36_123},
+    }
     assert Budget.of(manifest) == Budget(500_000, 36_122)
 
 

@@ -54,8 +54,7 @@ def test_a_printed_cell_that_disagrees_is_a_mismatch(cf):
 
 
 def test_the_default_tables_are_checked_and_a_wrong_verdict_is_a_mismatch(cf):
-    seeds = {n: cf.check_seeds(cf.SEEDS / n, cf.Checker())
-             for n in cf.DEFAULT_SEED_TABLES.values()}
+    seeds = {n: cf.check_seeds(cf.SEEDS / n, cf.Checker()) for n in cf.DEFAULT_SEED_TABLES.values()}
     text = cf.published_text()
     check = cf.Checker()
     cf.check_seeds_md(text, seeds, check, cf.DEFAULT_HEADING, cf.DEFAULT_SEED_TABLES)
@@ -64,14 +63,18 @@ def test_the_default_tables_are_checked_and_a_wrong_verdict_is_a_mismatch(cf):
     row = "| mean | FedRep | -0.65 [-0.93, -0.38] | **fedrep ahead** |"
     assert row in text
     check = cf.Checker()
-    cf.check_versus_md(text.replace(row, row.replace("**fedrep ahead**", "inconclusive")),
-                       seeds, check, cf.DEFAULT_HEADING, cf.DEFAULT_SEED_TABLES)
+    cf.check_versus_md(
+        text.replace(row, row.replace("**fedrep ahead**", "inconclusive")),
+        seeds,
+        check,
+        cf.DEFAULT_HEADING,
+        cf.DEFAULT_SEED_TABLES,
+    )
     assert len(check.mismatches) == 1 and "verdict" in check.mismatches[0]
 
 
 def test_a_table_whose_heading_is_on_no_page_is_a_mismatch(cf):
-    seeds = {n: cf.check_seeds(cf.SEEDS / n, cf.Checker())
-             for n in cf.DEFAULT_SEED_TABLES.values()}
+    seeds = {n: cf.check_seeds(cf.SEEDS / n, cf.Checker()) for n in cf.DEFAULT_SEED_TABLES.values()}
     text = cf.published_text().replace(cf.DEFAULT_HEADING, "### Renamed")
     check = cf.Checker()
     cf.check_seeds_md(text, seeds, check, cf.DEFAULT_HEADING, cf.DEFAULT_SEED_TABLES)

@@ -57,11 +57,14 @@ DAMAGED = {
     "wrong keys": (lambda p: _with_header(p, {"model": {}}), "got ['model']"),
     "weights not tensors": (
         lambda p: _with_header(p, {"rounds_done": 4, "weights": {"w": [1]}, "states": {}}),
-        "weights that are not a name -> tensor mapping"),
+        "weights that are not a name -> tensor mapping",
+    ),
     "wrong round": (
-        lambda p: _with_header(p, {"rounds_done": 9, "weights": {"w": torch.ones(1)},
-                                   "states": {}}),
-        "holds round 9"),
+        lambda p: _with_header(
+            p, {"rounds_done": 9, "weights": {"w": torch.ones(1)}, "states": {}}
+        ),
+        "holds round 9",
+    ),
 }
 
 
@@ -83,8 +86,9 @@ def test_checkpoint_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGED))
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(case, tmp_path,
-                                                                            caplog):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_with_a_warning(
+    case, tmp_path, caplog
+):
     newest = _two_checkpoints(tmp_path)
     damage, message = DAMAGED[case]
     damage(newest)
@@ -117,14 +121,38 @@ def test_simulation_resumes_from_the_previous_good_checkpoint(tmp_path):
     training = TRAINING.__class__(**{**TRAINING.__dict__, "rounds": 4})
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    reference = simulate(FedAvg(model_fn, training), clients, training, initial_weights(),
-                         seed=0, run_dir=tmp_path / "a", checkpoint_every=2, progress=False)
+    reference = simulate(
+        FedAvg(model_fn, training),
+        clients,
+        training,
+        initial_weights(),
+        seed=0,
+        run_dir=tmp_path / "a",
+        checkpoint_every=2,
+        progress=False,
+    )
     run = tmp_path / "b"
-    simulate(FedAvg(model_fn, training), clients, training, initial_weights(), seed=0,
-             run_dir=run, checkpoint_every=2, progress=False)
+    simulate(
+        FedAvg(model_fn, training),
+        clients,
+        training,
+        initial_weights(),
+        seed=0,
+        run_dir=run,
+        checkpoint_every=2,
+        progress=False,
+    )
     _flip_byte(run / "checkpoints" / "round_0004.pt")
-    again = simulate(FedAvg(model_fn, training), clients, training, initial_weights(), seed=0,
-                     run_dir=run, checkpoint_every=2, progress=False)
+    again = simulate(
+        FedAvg(model_fn, training),
+        clients,
+        training,
+        initial_weights(),
+        seed=0,
+        run_dir=run,
+        checkpoint_every=2,
+        progress=False,
+    )
     assert again.rounds_done == 4
     for name, value in reference.weights.items():
         np.testing.assert_array_equal(again.weights[name], value)
@@ -148,8 +176,16 @@ def test_slow_checkpoint_writes_are_spaced_out_and_the_run_is_unchanged(tmp_path
 
     for run in ("a", "b"):
         (tmp_path / run).mkdir()
-    reference = simulate(ditto(), clients, training, initial_weights(), seed=0,
-                         run_dir=tmp_path / "a", checkpoint_every=1, progress=False)
+    reference = simulate(
+        ditto(),
+        clients,
+        training,
+        initial_weights(),
+        seed=0,
+        run_dir=tmp_path / "a",
+        checkpoint_every=1,
+        progress=False,
+    )
     real_save = simulation.save_checkpoint
     written = []
 
@@ -160,8 +196,16 @@ def test_slow_checkpoint_writes_are_spaced_out_and_the_run_is_unchanged(tmp_path
 
     monkeypatch.setattr(simulation, "save_checkpoint", slow_save)
     monkeypatch.setattr(simulation, "CHECKPOINT_FREE_SECONDS", 0.1)
-    spaced = simulate(ditto(), clients, training, initial_weights(), seed=0,
-                      run_dir=tmp_path / "b", checkpoint_every=1, progress=False)
+    spaced = simulate(
+        ditto(),
+        clients,
+        training,
+        initial_weights(),
+        seed=0,
+        run_dir=tmp_path / "b",
+        checkpoint_every=1,
+        progress=False,
+    )
     assert written[0] == 1 and written[-1] == 4 and len(written) < 4
     rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").open()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]

@@ -49,8 +49,19 @@ def device(tmp_path):
 
 
 def _init(d: Path, budget: str, out: Path) -> list[str]:
-    return ["init", "--encoder", str(d / "encoder.onnx"), "--data", str(d / "data.npz"),
-            "--budget", budget, "--out", str(out), "--input-spec", str(d / "spec.json")]
+    return [
+        "init",
+        "--encoder",
+        str(d / "encoder.onnx"),
+        "--data",
+        str(d / "data.npz"),
+        "--budget",
+        budget,
+        "--out",
+        str(out),
+        "--input-spec",
+        str(d / "spec.json"),
+    ]
 
 
 @pytest.mark.parametrize("budget", ["inf", "1e400", "1" * 400, "99999999999999GB", "0", "-1"])
@@ -60,8 +71,10 @@ def test_edge_init_refuses_absurd_budgets(device, capsys, budget):
     assert not (d / "new").exists()
 
 
-@pytest.mark.parametrize(("out", "fragment"), [("afile", "afile exists and is not a directory"),
-                                               ("afile/sub", "afile is not a directory")])
+@pytest.mark.parametrize(
+    ("out", "fragment"),
+    [("afile", "afile exists and is not a directory"), ("afile/sub", "afile is not a directory")],
+)
 def test_edge_init_refuses_an_out_that_is_a_file_or_under_one(device, capsys, out, fragment):
     d, _ = device
     _one_line(capsys, edge_main(_init(d, "1MB", d / out)), fragment)
@@ -76,8 +89,16 @@ def test_edge_threads_must_be_positive(device, capsys, threads):
 
 def test_edge_predict_output_under_a_file(device, capsys):
     d, bundle = device
-    code = edge_main(["predict", str(bundle), "--input", str(d / "x.npy"),
-                      "--output", str(d / "afile" / "p.npy")])
+    code = edge_main(
+        [
+            "predict",
+            str(bundle),
+            "--input",
+            str(d / "x.npy"),
+            "--output",
+            str(d / "afile" / "p.npy"),
+        ]
+    )
     _one_line(capsys, code, "is not a directory")
 
 
@@ -91,16 +112,32 @@ def test_edge_add_with_an_empty_strategy(device, capsys):
 
 
 def _train_args(out: Path, *extra: str) -> list[str]:
-    return ["--threads", "1", "--no-progress", "train", "--dataset", "digits", "--clients", "4",
-            "--rounds", "1", "--out", str(out), *extra]
+    return [
+        "--threads",
+        "1",
+        "--no-progress",
+        "train",
+        "--dataset",
+        "digits",
+        "--clients",
+        "4",
+        "--rounds",
+        "1",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
-@pytest.mark.parametrize(("out", "extra", "fragment"), [
-    ("afile", (), "afile exists and is not a directory"),
-    ("afile/sub", (), "cannot make"),
-    ("run", ("--milestones", "2.0"), "must be in (0, 1], got 2.0"),
-    ("run", ("--milestones", "0"), "must be in (0, 1], got 0"),
-])
+@pytest.mark.parametrize(
+    ("out", "extra", "fragment"),
+    [
+        ("afile", (), "afile exists and is not a directory"),
+        ("afile/sub", (), "cannot make"),
+        ("run", ("--milestones", "2.0"), "must be in (0, 1], got 2.0"),
+        ("run", ("--milestones", "0"), "must be in (0, 1], got 0"),
+    ],
+)
 def test_train_refuses_bad_out_and_milestones(tmp_path, capsys, out, extra, fragment):
     (tmp_path / "afile").write_text("x")
     code = _exit_code(train_main, _train_args(tmp_path / out, *extra))
@@ -117,19 +154,31 @@ def test_train_refuses_negative_threads(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("run") / "digits"
-    train(RunConfig(dataset="digits", clients=4, seed=0,
-                    training=TrainingConfig(rounds=1, epochs=1, batch_size=16)),
-          path, progress=False)
+    train(
+        RunConfig(
+            dataset="digits",
+            clients=4,
+            seed=0,
+            training=TrainingConfig(rounds=1, epochs=1, batch_size=16),
+        ),
+        path,
+        progress=False,
+    )
     return path
 
 
-@pytest.mark.parametrize(("out", "fragment"), [("afile", "afile exists and is not a directory"),
-                                               ("afile/sub", "afile is not a directory")])
-def test_export_refuses_an_out_that_is_a_file_or_under_one(run_dir, tmp_path, capsys, out,
-                                                           fragment):
+@pytest.mark.parametrize(
+    ("out", "fragment"),
+    [("afile", "afile exists and is not a directory"), ("afile/sub", "afile is not a directory")],
+)
+def test_export_refuses_an_out_that_is_a_file_or_under_one(
+    run_dir, tmp_path, capsys, out, fragment
+):
     (tmp_path / "afile").write_text("x")
-    code = _exit_code(export_cli.main, ["--no-progress", "export", str(run_dir), "--out",
-                                        str(tmp_path / out), "--budget", "2M"])
+    code = _exit_code(
+        export_cli.main,
+        ["--no-progress", "export", str(run_dir), "--out", str(tmp_path / out), "--budget", "2M"],
+    )
     _one_line(capsys, code, fragment)
     assert (tmp_path / "afile").read_text() == "x"
 
@@ -148,9 +197,23 @@ def test_export_removes_temporaries_a_killed_export_left(run_dir, tmp_path, caps
     for leftover in (dead, live):
         leftover.mkdir()
         (leftover / "encoder.onnx").write_bytes(b"half")
-    code = export_cli.main(["--no-progress", "export", str(run_dir), "--out", str(out),
-                            "--budget", "2M", "--backend", "flat", "--clients", "0",
-                            "--workers", "1"])
+    code = export_cli.main(
+        [
+            "--no-progress",
+            "export",
+            str(run_dir),
+            "--out",
+            str(out),
+            "--budget",
+            "2M",
+            "--backend",
+            "flat",
+            "--clients",
+            "0",
+            "--workers",
+            "1",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     assert not dead.exists() and live.exists()
     assert (out / "client_0000" / "manifest.json").is_file()

@@ -597,8 +597,7 @@ def test_an_idx_gzip_bomb_inflates_no_further_than_its_header_declares(tmp_path)
 
 def test_an_idx_header_declaring_more_than_memory_is_refused_before_reading(tmp_path):
     path = tmp_path / "x.gz"
-    path.write_bytes(gzip.compress(b"\0\0\x08\x03" + struct.pack(">III", 2**32 - 1, 2**20,
-                                                                 2**20)))
+    path.write_bytes(gzip.compress(b"\0\0\x08\x03" + struct.pack(">III", 2**32 - 1, 2**20, 2**20)))
     with pytest.raises(DataError, match="more than half of this machine's memory"):
         read_idx(path)
 
@@ -609,12 +608,14 @@ def test_a_cifar_pickle_of_shared_lists_is_refused_without_allocating(tmp_path):
     row = [0] * 3072
     shared = [row] * 1000
     _write_cifar10(tmp_path)
-    (tmp_path / "data_batch_2").write_bytes(pickle.dumps({b"data": [shared] * 1000,
-                                                          b"labels": [1]}, protocol=2))
+    (tmp_path / "data_batch_2").write_bytes(
+        pickle.dumps({b"data": [shared] * 1000, b"labels": [1]}, protocol=2)
+    )
     assert (tmp_path / "data_batch_2").stat().st_size < 20_000
     assert _peak_bytes(lambda: load_dataset("cifar10", tmp_path)) < 64 << 20
-    (tmp_path / "data_batch_2").write_bytes(pickle.dumps(
-        {b"data": _cifar_images(2, 0), b"labels": [shared] * 1000}, protocol=4))
+    (tmp_path / "data_batch_2").write_bytes(
+        pickle.dumps({b"data": _cifar_images(2, 0), b"labels": [shared] * 1000}, protocol=4)
+    )
     with pytest.raises(DataError, match="labels must be a flat list"):
         load_dataset("cifar10", tmp_path)
 
@@ -622,8 +623,9 @@ def test_a_cifar_pickle_of_shared_lists_is_refused_without_allocating(tmp_path):
 def test_a_cifar_pickle_of_object_arrays_is_refused(tmp_path):
     _write_cifar10(tmp_path)
     labels = np.array([1, "x"], dtype=object)
-    (tmp_path / "data_batch_2").write_bytes(pickle.dumps(
-        {b"data": _cifar_images(2, 0), b"labels": labels}, protocol=4))
+    (tmp_path / "data_batch_2").write_bytes(
+        pickle.dumps({b"data": _cifar_images(2, 0), b"labels": labels}, protocol=4)
+    )
     with pytest.raises(DataError, match="object arrays are not allowed"):
         load_dataset("cifar10", tmp_path)
 

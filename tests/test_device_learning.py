@@ -119,8 +119,9 @@ def test_re_exporting_over_a_taught_bundle_is_refused_without_force(exported, tm
     assert read_manifest(bundle)["files"] != taught
 
 
-def test_a_linear_base_export_leaves_room_for_the_head_the_device_refits(exported, tmp_path,
-                                                                        caplog):
+def test_a_linear_base_export_leaves_room_for_the_head_the_device_refits(
+    exported, tmp_path, caplog
+):
     """The exporter sized n without the head file the device's first `add` writes: every fifo
     add warned 'capacity N samples does not fit the budget; keeping M'."""
     from export.exporter import apply_knn_choice
@@ -130,11 +131,11 @@ def test_a_linear_base_export_leaves_room_for_the_head_the_device_refits(exporte
     root, run, _ = exported
     budgets = {0: 300_000}  # more room than the client has samples: n is its capacity
     shutil.copytree(root / "run", tmp_path / "run")
-    choice = load_or_choose(tmp_path / "run", run.model, run.clients(),
-                            KNNRequest(base="linear"), seed=1)
+    choice = load_or_choose(
+        tmp_path / "run", run.model, run.clients(), KNNRequest(base="linear"), seed=1
+    )
     settings = apply_knn_choice(ExportSettings(backend="flat", space=SPACE), choice)
-    report = export_run(run, tmp_path / "linear", budgets, settings, clients="0",
-                        progress=False)
+    report = export_run(run, tmp_path / "linear", budgets, settings, clients="0", progress=False)
     bundle = tmp_path / "linear" / report["clients"][0]["bundle"]
     rt = Runtime.load(bundle)
     with caplog.at_level("WARNING"):
@@ -143,10 +144,8 @@ def test_a_linear_base_export_leaves_room_for_the_head_the_device_refits(exporte
     assert (bundle / "linear_head.1.npz").is_file()
 
 
-
 @pytest.mark.slow
-def test_init_like_a_pooled_linear_base_bundle_matches_like_a_client_rule_one(exported,
-                                                                              tmp_path):
+def test_init_like_a_pooled_linear_base_bundle_matches_like_a_client_rule_one(exported, tmp_path):
     """The done-when of the new-device lambda: `init --like` of a bundle exported with the
     pooled rule (evidence measured on the clients' linear heads) gave lambda 0 and 2-8%; it
     must come within 1 pp of `init --like` of a client-rule bundle on the same data."""
@@ -163,15 +162,40 @@ def test_init_like_a_pooled_linear_base_bundle_matches_like_a_client_rule_one(ex
     accuracy = {}
     for rule in ("pooled", "client"):
         shutil.copytree(root / "run", tmp_path / rule / "run")
-        choice = load_or_choose(tmp_path / rule / "run", run.model, run.clients(),
-                                KNNRequest(base="linear", lambda_rule=rule), seed=1)
-        report = export_run(run, tmp_path / rule / "bundles", {0: 300_000},
-                            apply_knn_choice(ExportSettings(backend="flat", space=SPACE),
-                                             choice), clients="0", progress=False)
+        choice = load_or_choose(
+            tmp_path / rule / "run",
+            run.model,
+            run.clients(),
+            KNNRequest(base="linear", lambda_rule=rule),
+            seed=1,
+        )
+        report = export_run(
+            run,
+            tmp_path / rule / "bundles",
+            {0: 300_000},
+            apply_knn_choice(ExportSettings(backend="flat", space=SPACE), choice),
+            clients="0",
+            progress=False,
+        )
         like = tmp_path / rule / "bundles" / report["clients"][0]["bundle"]
-        assert edge_main(["init", "--encoder", str(like / "encoder.onnx"), "--data",
-                          str(tmp_path / "device" / "train.npz"), "--budget", "300000",
-                          "--out", str(tmp_path / rule / "new"), "--like", str(like)]) == 0
+        assert (
+            edge_main(
+                [
+                    "init",
+                    "--encoder",
+                    str(like / "encoder.onnx"),
+                    "--data",
+                    str(tmp_path / "device" / "train.npz"),
+                    "--budget",
+                    "300000",
+                    "--out",
+                    str(tmp_path / rule / "new"),
+                    "--like",
+                    str(like),
+                ]
+            )
+            == 0
+        )
         predicted = Runtime.load(tmp_path / rule / "new").predict_proba(test["x"]).argmax(1)
         accuracy[rule] = float(np.mean(predicted == test["y"]))
     assert abs(accuracy["pooled"] - accuracy["client"]) <= 0.01, accuracy

@@ -17,9 +17,9 @@ FACES = ("edge_runtime", "fed_train", "export", "experiments")
 def test_the_readme_is_a_map_that_starts_with_its_set_up_commands():
     text = (REPO / "README.md").read_text()
     assert len(text.encode()) <= 12 * 1024
-    first_block = text[text.index("```bash"):text.index("```", text.index("```bash") + 7)]
+    first_block = text[text.index("```bash") : text.index("```", text.index("```bash") + 7)]
     assert "knnper demo" in first_block and "python -m pytest -q" in first_block
-    assert "## " not in text[:text.index("```bash")]  # nothing before the commands but the intro
+    assert "## " not in text[: text.index("```bash")]  # nothing before the commands but the intro
 
 
 @pytest.mark.parametrize("package", FACES)

@@ -55,8 +55,9 @@ from tests.helpers.bundles import (
 
 # hnsw datastores need the `hnsw` extra; the device tests also run on a runtime-only install
 # (.ci/device_pythons), where these skip with this reason
-needs_hnswlib = pytest.mark.skipif(importlib.util.find_spec("hnswlib") is None,
-                                   reason="hnswlib (the hnsw extra) is not installed")
+needs_hnswlib = pytest.mark.skipif(
+    importlib.util.find_spec("hnswlib") is None, reason="hnswlib (the hnsw extra) is not installed"
+)
 
 
 @pytest.fixture
@@ -491,8 +492,7 @@ def test_write_bundle_replaces_a_bundle_but_not_other_directories(tmp_path):
     assert read_manifest(b)["backend"]["recipe"] == "flat:int8"
     assert read_manifest(b)["files"]["datastore.npz"] != first
     # no temporary is left; the replace locked the bundle, whose turnstile (locking) stays
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".bundle.lock", "bundle",
-                                                          "encoder.onnx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".bundle.lock", "bundle", "encoder.onnx"]
     (tmp_path / "photos").mkdir()
     (tmp_path / "photos" / "cat.jpg").write_bytes(b"meow")
     with pytest.raises(BundleError, match="holds other files, not a bundle; choose another --out"):
@@ -796,7 +796,13 @@ def test_cli_predict_evaluate_info(bundle, tmp_path, capsys):
     x, y = make_images(12, 8)
     np.save(tmp_path / "x.npy", x)
     code, out, _ = _cli(
-        capsys, "predict", bundle, "--input", tmp_path / "x.npy", "--output", tmp_path / "p.npy",
+        capsys,
+        "predict",
+        bundle,
+        "--input",
+        tmp_path / "x.npy",
+        "--output",
+        tmp_path / "p.npy",
         "--labels",
     )
     assert code == 0

@@ -21,10 +21,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _rows() -> list[dict]:
     """Two seeds, client id 0 in both: (seed, client, accuracy at a, at b, test size)."""
-    table = [(0, 0, 0.8, 0.6, 10), (0, 1, 0.5, 0.5, 30),
-             (1, 0, 1.0, 0.5, 20), (1, 1, 0.7, 0.7, 20), (1, 2, 0.4, 0.2, 20)]
-    return [{"seed": s, "client_id": c, "point": p, "accuracy": acc, "n_test": n}
-            for s, c, a, b, n in table for p, acc in (("a", a), ("b", b))]
+    table = [
+        (0, 0, 0.8, 0.6, 10),
+        (0, 1, 0.5, 0.5, 30),
+        (1, 0, 1.0, 0.5, 20),
+        (1, 1, 0.7, 0.7, 20),
+        (1, 2, 0.4, 0.2, 20),
+    ]
+    return [
+        {"seed": s, "client_id": c, "point": p, "accuracy": acc, "n_test": n}
+        for s, c, a, b, n in table
+        for p, acc in (("a", a), ("b", b))
+    ]
 
 
 def test_aligned_keys_clients_by_seed_and_pools_their_weighted_means():
@@ -42,8 +50,9 @@ def test_bootstrap_resamples_each_seed_within_itself():
         idx = resample(rng, (2, 3))
         assert len(idx) == 5 and set(idx[:2]) <= {0, 1} and set(idx[2:]) <= {2, 3, 4}
     # one seed draws exactly as a plain size did, so one-seed verdicts are unchanged
-    assert np.array_equal(resample(np.random.default_rng(1), (7,)),
-                          np.random.default_rng(1).integers(0, 7, 7))
+    assert np.array_equal(
+        resample(np.random.default_rng(1), (7,)), np.random.default_rng(1).integers(0, 7, 7)
+    )
 
 
 def test_points_are_averaged_per_key_with_their_standard_deviation():
@@ -63,8 +72,23 @@ def _csv(path: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_two_seeds_write_each_seed_and_the_combined_report(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["--threads", "1", "--no-progress", "experiment", "k-sigma", "--quick",
-                 "--seeds", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--threads",
+                "1",
+                "--no-progress",
+                "experiment",
+                "k-sigma",
+                "--quick",
+                "--seeds",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     folder = out / "k-sigma"
     for seed in (0, 1):  # each as a one-seed run writes it
         assert (folder / f"seed_{seed}" / "summary.md").exists()
@@ -77,8 +101,12 @@ def test_two_seeds_write_each_seed_and_the_combined_report(tmp_path, capsys):
     assert "--quick --seeds 2`" in summary and "2 seeds (0, 1)" in summary
     assert len(list((out / "runs").iterdir())) == 2  # one global model per seed
     # the rejudge script takes the combined folder and each seed's
-    judged = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rejudge_experiments.py"),
-                             str(folder)], capture_output=True, text=True, check=True).stdout
+    judged = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "rejudge_experiments.py"), str(folder)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert judged.count("k-sigma") == 3
 
 

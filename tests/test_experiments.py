@@ -61,8 +61,13 @@ def test_quick_experiment_writes_points_plot_and_summary(family, name, capsys, m
     assert plot.read_bytes()[:8] == PNG and f"]({plot.name})" in summary
     claims = summary.split("| the paper | we measured | verdict |\n|---|---|---|\n", 1)[1]
     verdicts = [row.rsplit("|", 2)[1].strip() for row in claims.split("\n\n", 1)[0].splitlines()]
-    assert verdicts and set(verdicts) <= {"agree", "disagree", "partly", "inconclusive",
-                                       "not measured"}, verdicts
+    assert verdicts and set(verdicts) <= {
+        "agree",
+        "disagree",
+        "partly",
+        "inconclusive",
+        "not measured",
+    }, verdicts
     assert capsys.readouterr().out.count("# Experiment:") == 1
 
 
@@ -82,10 +87,16 @@ def test_rerun_resumes_from_finished_points_without_training(family, monkeypatch
 
 def test_cached_embedding_sweep_equals_knnper_evaluate(family):
     """capacity 1 through the cached embeddings is `knnper evaluate`'s kNN-Per, client by client."""
-    evaluated = {r["client_id"]: r for r in read_csv(family / "heterogeneity" / "clients.csv")
-                 if r["alpha"] == "0.3" and r["method"] == "knnper"}
-    swept = {r["client_id"]: r for r in read_csv(family / "capacity" / "clients.csv")
-             if r["alpha"] == "0.3" and float(r["capacity"]) == 1.0}
+    evaluated = {
+        r["client_id"]: r
+        for r in read_csv(family / "heterogeneity" / "clients.csv")
+        if r["alpha"] == "0.3" and r["method"] == "knnper"
+    }
+    swept = {
+        r["client_id"]: r
+        for r in read_csv(family / "capacity" / "clients.csv")
+        if r["alpha"] == "0.3" and float(r["capacity"]) == 1.0
+    }
     assert evaluated.keys() == swept.keys()
     for cid, row in evaluated.items():
         assert float(row["accuracy"]) == pytest.approx(float(swept[cid]["accuracy"]), abs=1e-12)
@@ -94,8 +105,11 @@ def test_cached_embedding_sweep_equals_knnper_evaluate(family):
 
 def test_base_model_replay_ends_at_the_shared_global_model(family):
     last = max(read_csv(family / "base-model" / "points.csv"), key=lambda r: int(r["round"]))
-    fedavg = next(r for r in read_csv(family / "heterogeneity" / "points.csv")
-                  if r["alpha"] == "0.3" and r["method"] == "fedavg")
+    fedavg = next(
+        r
+        for r in read_csv(family / "heterogeneity" / "points.csv")
+        if r["alpha"] == "0.3" and r["method"] == "fedavg"
+    )
     assert float(last["fedavg_mean"]) == pytest.approx(float(fedavg["all_mean"]), abs=1e-6)
     rounds = [int(r["round"]) for r in read_csv(family / "base-model" / "points.csv")]
     assert rounds == [1, 2, 3]  # --quick checkpoints every round and keeps each one
@@ -106,21 +120,35 @@ def test_hardware_byte_budgets_are_measured_on_written_bundles(family):
     assert rows and all(int(r["total_bytes"]) <= int(r["budget"]) for r in rows)
     assert {r["delta_c"] for r in rows} == {"0", "0.3"}
     weak = [r for r in rows if r["delta_c"] == "0.3"]
-    assert len({int(r["budget"]) > int(next(x for x in rows if x["delta_c"] == "0" and
-                                            x["client_id"] == r["client_id"])["budget"])
-                 for r in weak}) == 2  # half the devices lost bytes, half gained
+    assert (
+        len(
+            {
+                int(r["budget"])
+                > int(
+                    next(
+                        x for x in rows if x["delta_c"] == "0" and x["client_id"] == r["client_id"]
+                    )["budget"]
+                )
+                for r in weak
+            }
+        )
+        == 2
+    )  # half the devices lost bytes, half gained
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["experiment", "nope"], "invalid choice: 'nope'"),
-    (["experiment", "heterogeneity", "--alphas", ""], "the grid is empty"),
-    (["experiment", "heterogeneity", "--alphas", "0.3,-1"], "-1 is out of range"),
-    (["experiment", "capacity", "--capacities", "0.5,1.5"], "1.5 is out of range"),
-    (["experiment", "hardware", "--delta-cs", "0.5"], "0.5 is out of range"),
-    (["experiment", "k-sigma", "--ks", "0"], "0 is out of range"),
-    (["experiment", "k-sigma", "--sigmas", "abc"], "'abc' is not a number"),
-    (["experiment", "protonn-grid", "--prototype-fractions", ","], "the grid is empty"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["experiment", "nope"], "invalid choice: 'nope'"),
+        (["experiment", "heterogeneity", "--alphas", ""], "the grid is empty"),
+        (["experiment", "heterogeneity", "--alphas", "0.3,-1"], "-1 is out of range"),
+        (["experiment", "capacity", "--capacities", "0.5,1.5"], "1.5 is out of range"),
+        (["experiment", "hardware", "--delta-cs", "0.5"], "0.5 is out of range"),
+        (["experiment", "k-sigma", "--ks", "0"], "0 is out of range"),
+        (["experiment", "k-sigma", "--sigmas", "abc"], "'abc' is not a number"),
+        (["experiment", "protonn-grid", "--prototype-fractions", ","], "the grid is empty"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_before_training(tmp_path, capsys, argv, message):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:

@@ -32,17 +32,25 @@ from fed_train.run import RunConfig, load_run, train
 
 # Small enough for a test: one count fraction besides the budget-filling one, one ProtoNN
 # shape with short training, one HNSW graph degree.
-SMALL_SPACE = SearchSpace(count_fractions=(1.0, 0.25), hnsw_M=(8,), protonn_dims=(8,),
-                          protonn_fractions=(0.3,), protonn_steps=30)
+SMALL_SPACE = SearchSpace(
+    count_fractions=(1.0, 0.25),
+    hnsw_M=(8,),
+    protonn_dims=(8,),
+    protonn_fractions=(0.3,),
+    protonn_steps=30,
+)
 ROOMS = (2_500, 5_000, 10_000, 20_000, 40_000, 150_000)  # datastore bytes above the encoder
 
 
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("run") / "digits"
-    config = RunConfig(dataset="digits", clients=6, seed=0,
-                       training=TrainingConfig(rounds=3, epochs=1, batch_size=16, lr=0.05,
-                                               momentum=0.9))
+    config = RunConfig(
+        dataset="digits",
+        clients=6,
+        seed=0,
+        training=TrainingConfig(rounds=3, epochs=1, batch_size=16, lr=0.05, momentum=0.9),
+    )
     train(config, path, progress=False)
     return path
 
@@ -103,8 +111,15 @@ def test_choice_is_best_on_validation_among_candidates_that_fit(exported):
 def _candidate(row: dict):
     from export.sizing import Candidate
 
-    return Candidate(row["recipe"], row["backend"], row["bytes"], row["stored"], row["lambda"],
-                     row["val_accuracy"], row["val_nll"])
+    return Candidate(
+        row["recipe"],
+        row["backend"],
+        row["bytes"],
+        row["stored"],
+        row["lambda"],
+        row["val_accuracy"],
+        row["val_nll"],
+    )
 
 
 def test_tighter_budgets_never_store_more_bytes(exported, run):
@@ -113,8 +128,9 @@ def test_tighter_budgets_never_store_more_bytes(exported, run):
     out, report, _ = exported
     encoder = Encoder(out / report["clients"][0]["bundle"] / "encoder.onnx")
     data = client_embeddings(encoder, run.clients()[0])
-    sizer = DatastoreSizer(run.dataset.num_classes,
-                           space=SearchSpace(backends=("flat",), flat_dtypes=("fp32",)))
+    sizer = DatastoreSizer(
+        run.dataset.num_classes, space=SearchSpace(backends=("flat",), flat_dtypes=("fp32",))
+    )
     sizes = [sizer.fit(data, Budget(room, 0)).best_.nbytes for room in ROOMS]
     assert all(size <= room for size, room in zip(sizes, ROOMS, strict=True)), sizes
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1], sizes
@@ -144,8 +160,14 @@ def test_report_records_encoder_sizes_and_quality(exported):
 @pytest.mark.parametrize("quantize", ["int8", "fp32"])
 def test_datastore_keys_are_the_shipped_encoders_embeddings(run, tmp_path, quantize):
     space = dataclasses.replace(SMALL_SPACE, backends=("flat",), flat_dtypes=("fp32",))
-    report = export_run(run, tmp_path, {0: 10**7}, ExportSettings(quantize=quantize,
-                        space=space), clients="0", progress=False)
+    report = export_run(
+        run,
+        tmp_path,
+        {0: 10**7},
+        ExportSettings(quantize=quantize, space=space),
+        clients="0",
+        progress=False,
+    )
     keys = np.load(tmp_path / "client_0000" / "datastore.npz")["keys"]
     x = run.clients()[0].x_train.numpy()
     shipped = Encoder(tmp_path / "client_0000" / "encoder.onnx").run(x)[0]
@@ -159,16 +181,26 @@ def test_datastore_keys_are_the_shipped_encoders_embeddings(run, tmp_path, quant
 
 def test_budget_below_the_encoder_is_refused_before_writing(run, tmp_path, encoder_bytes):
     out = tmp_path / "out"
-    with pytest.raises(BudgetInvalid, match=rf"client 1: budget 1000 bytes is below the size of "
-                                          rf"the int8 encoder alone \({encoder_bytes} bytes\)"):
-        export_run(run, out, {0: 10**7, 1: 1000}, ExportSettings(space=SMALL_SPACE),
-                   clients="0,1", progress=False)
+    with pytest.raises(
+        BudgetInvalid,
+        match=rf"client 1: budget 1000 bytes is below the size of "
+        rf"the int8 encoder alone \({encoder_bytes} bytes\)",
+    ):
+        export_run(
+            run,
+            out,
+            {0: 10**7, 1: 1000},
+            ExportSettings(space=SMALL_SPACE),
+            clients="0,1",
+            progress=False,
+        )
     assert not out.exists()
 
 
 @pytest.mark.parametrize("budget", [0, 2.5, "1MB"])
 def test_a_budget_that_is_no_number_of_bytes_is_refused_before_the_encoder_is_built(
-        run, tmp_path, monkeypatch, budget):
+    run, tmp_path, monkeypatch, budget
+):
     import export.exporter as exporter
 
     def never(*args, **kwargs):
@@ -176,14 +208,21 @@ def test_a_budget_that_is_no_number_of_bytes_is_refused_before_the_encoder_is_bu
 
     monkeypatch.setattr(exporter, "build_encoder", never)
     with pytest.raises(BudgetInvalid, match="client 1: budget_bytes must be a positive integer"):
-        export_run(run, tmp_path / "out", {0: Budget(10**7), 1: budget}, clients="0,1",
-                   progress=False)
+        export_run(
+            run, tmp_path / "out", {0: Budget(10**7), 1: budget}, clients="0,1", progress=False
+        )
 
 
 def test_budget_without_room_for_any_datastore_is_refused(run, tmp_path, encoder_bytes):
     with pytest.raises(BudgetInvalid, match="plus the smallest datastore"):
-        export_run(run, tmp_path / "out", {2: encoder_bytes + 10},
-                   ExportSettings(space=SMALL_SPACE), clients="2", progress=False)
+        export_run(
+            run,
+            tmp_path / "out",
+            {2: encoder_bytes + 10},
+            ExportSettings(space=SMALL_SPACE),
+            clients="2",
+            progress=False,
+        )
 
 
 def test_client_without_training_samples_is_refused(run, tmp_path):
@@ -217,8 +256,14 @@ def test_interrupted_export_leaves_no_half_written_bundle(run, tmp_path, monkeyp
     space = dataclasses.replace(SMALL_SPACE, backends=("flat",))
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
-        export_run(run, out, {0: 10**6, 1: 10**6}, ExportSettings(space=space),
-                   clients="0,1", progress=False)
+        export_run(
+            run,
+            out,
+            {0: 10**6, 1: 10**6},
+            ExportSettings(space=space),
+            clients="0,1",
+            progress=False,
+        )
     monkeypatch.setattr(bundle_module, "sha256_file", real)
     assert Runtime.load(bundle_dir(out, 0)).manifest["client_id"] == 0
     assert not bundle_dir(out, 1).exists()
@@ -240,8 +285,19 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_cli_exports_and_prints_a_table(run_dir, tmp_path, capsys, encoder_bytes):
     budgets = tmp_path / "budgets.json"
     budgets.write_text(json.dumps({"0": encoder_bytes + 30_000, "4": encoder_bytes + 8_000}))
-    code, out, _ = _cli(capsys, "export", str(run_dir), "--out", str(tmp_path / "b"),
-                        "--budgets", str(budgets), "--backend", "flat", "--clients", "0,4")
+    code, out, _ = _cli(
+        capsys,
+        "export",
+        str(run_dir),
+        "--out",
+        str(tmp_path / "b"),
+        "--budgets",
+        str(budgets),
+        "--backend",
+        "flat",
+        "--clients",
+        "0,4",
+    )
     assert code == 0
     assert "budget" in out and "recipe" in out and "flat:" in out
     report = json.loads((tmp_path / "b" / "export.json").read_text())
@@ -267,25 +323,44 @@ def test_cli_bad_input_is_one_line_and_exit_2(run_dir, tmp_path, capsys, args, m
 
 
 def test_cli_missing_or_corrupt_run_is_refused(run_dir, tmp_path, capsys):
-    code, _, err = _cli(capsys, "export", str(tmp_path / "nowhere"), "--out",
-                        str(tmp_path / "o"), "--budget", "1M")
+    code, _, err = _cli(
+        capsys, "export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"), "--budget", "1M"
+    )
     assert code == 2 and "is not a finished run" in err
     broken = tmp_path / "broken"
     shutil.copytree(run_dir, broken)
     (broken / "model.pt").write_bytes(b"not a checkpoint")
-    code, _, err = _cli(capsys, "export", str(broken), "--out", str(tmp_path / "o"),
-                        "--budget", "1M")
+    code, _, err = _cli(
+        capsys, "export", str(broken), "--out", str(tmp_path / "o"), "--budget", "1M"
+    )
     assert code == 2 and "cannot be loaded" in err and len(err.strip().splitlines()) == 1
 
 
-def test_cli_weak_strong_profile_gives_half_the_devices_less(run_dir, tmp_path, capsys,
-                                                            encoder_bytes):
+def test_cli_weak_strong_profile_gives_half_the_devices_less(
+    run_dir, tmp_path, capsys, encoder_bytes
+):
     reference = 2 * (encoder_bytes + 20_000)
-    code, _, _ = _cli(capsys, "export", str(run_dir), "--out", str(tmp_path / "b"),
-                      "--profile", "weak-strong", "--reference", str(reference),
-                      "--delta-c", "0.1", "--backend", "flat", "--clients", "0,2")
+    code, _, _ = _cli(
+        capsys,
+        "export",
+        str(run_dir),
+        "--out",
+        str(tmp_path / "b"),
+        "--profile",
+        "weak-strong",
+        "--reference",
+        str(reference),
+        "--delta-c",
+        "0.1",
+        "--backend",
+        "flat",
+        "--clients",
+        "0,2",
+    )
     assert code == 0
     report = json.loads((tmp_path / "b" / "export.json").read_text())
-    assert sorted(r["budget"] for r in report["clients"]) == [int(0.4 * reference),
-                                                            int(0.6 * reference)]
+    assert sorted(r["budget"] for r in report["clients"]) == [
+        int(0.4 * reference),
+        int(0.6 * reference),
+    ]
     assert all(r["total_bytes"] <= r["budget"] for r in report["clients"])

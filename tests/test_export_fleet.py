@@ -24,8 +24,9 @@ from fed_train.algorithms.base import TrainingConfig
 from fed_train.run import RunConfig, load_run, train
 from protonn.training import ProtoNNClassifier, prototype_scores
 
-SPACE = SearchSpace(protonn_dims=(4, 8), protonn_fractions=(0.1, 0.3), protonn_steps=20,
-                    hnsw_M=(8,))
+SPACE = SearchSpace(
+    protonn_dims=(4, 8), protonn_fractions=(0.1, 0.3), protonn_steps=20, hnsw_M=(8,)
+)
 
 
 def _embeddings(seed: int = 0) -> ClientSplits:
@@ -36,8 +37,9 @@ def _embeddings(seed: int = 0) -> ClientSplits:
     z_val = (centres[y_val] + rng.normal(size=(40, 16))).astype(np.float32)
     logits = rng.normal(size=(40, 3)).astype(np.float32)
     logits_train = rng.normal(size=(120, 3)).astype(np.float32)
-    return ClientSplits.from_logits(0, False, (z_train, logits_train, y_train),
-                                    (z_val, logits, y_val))
+    return ClientSplits.from_logits(
+        0, False, (z_train, logits_train, y_train), (z_val, logits, y_val)
+    )
 
 
 def _backends(sizer: DatastoreSizer) -> set[str]:
@@ -68,12 +70,21 @@ def test_successive_halving_trains_only_the_finalists_to_the_end():
 
 def test_prototype_scores_compute_edgemls_forward():
     rng = np.random.default_rng(1)
-    model = ProtoNN(16, 8, 30, 3, 0.2, W=rng.normal(size=(16, 8)), B=rng.normal(size=(8, 30)),
-                    Z=np.abs(rng.normal(size=(3, 30))))
+    model = ProtoNN(
+        16,
+        8,
+        30,
+        3,
+        0.2,
+        W=rng.normal(size=(16, 8)),
+        B=rng.normal(size=(8, 30)),
+        Z=np.abs(rng.normal(size=(3, 30))),
+    )
     x = torch.from_numpy(rng.normal(size=(50, 16)).astype(np.float32))
     with torch.no_grad():
-        np.testing.assert_allclose(prototype_scores(model, x).numpy(), model(x).numpy(),
-                                   rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(
+            prototype_scores(model, x).numpy(), model(x).numpy(), rtol=1e-4, atol=1e-6
+        )
 
 
 def test_partial_fit_in_two_parts_is_fit_with_all_the_steps():
@@ -90,17 +101,26 @@ def test_partial_fit_in_two_parts_is_fit_with_all_the_steps():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("fleet") / "run"
-    train(RunConfig(dataset="digits", clients=5, seed=0,
-                    training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05)),
-          path, progress=False)
+    train(
+        RunConfig(
+            dataset="digits",
+            clients=5,
+            seed=0,
+            training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05),
+        ),
+        path,
+        progress=False,
+    )
     return load_run(path)
 
 
-def test_interrupted_export_resumes_without_redoing_finished_clients(run, tmp_path,
-                                                                     monkeypatch):
+def test_interrupted_export_resumes_without_redoing_finished_clients(run, tmp_path, monkeypatch):
     out = tmp_path / "bundles"
-    settings = ExportSettings(space=SearchSpace(protonn_dims=(4,), protonn_fractions=(0.3,),
-                                                protonn_steps=10, hnsw_M=(8,)))
+    settings = ExportSettings(
+        space=SearchSpace(
+            protonn_dims=(4,), protonn_fractions=(0.3,), protonn_steps=10, hnsw_M=(8,)
+        )
+    )
     budgets = {cid: 10**7 for cid in range(5)}
     real = exporter.export_client
     exported: list[int] = []
@@ -115,8 +135,13 @@ def test_interrupted_export_resumes_without_redoing_finished_clients(run, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         export_run(run, out, budgets, settings, progress=False)
     assert exported == [0, 1]
-    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                              capture_output=True, text=True, check=True, timeout=60)
+    finished = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     # what a writer killed in the middle of a bundle leaves behind
     (out / f".client_0002.tmp-{finished.stdout.strip()}-abcd1234").mkdir()
 
@@ -141,13 +166,18 @@ def test_interrupted_export_resumes_without_redoing_finished_clients(run, tmp_pa
 
 
 def test_parallel_workers_write_the_same_bundles_as_one_process(run, tmp_path):
-    settings = ExportSettings(space=SearchSpace(protonn_dims=(4,), protonn_fractions=(0.3,),
-                                                protonn_steps=10, hnsw_M=(8,)))
+    settings = ExportSettings(
+        space=SearchSpace(
+            protonn_dims=(4,), protonn_fractions=(0.3,), protonn_steps=10, hnsw_M=(8,)
+        )
+    )
     budgets = {cid: 10**7 for cid in range(3)}
     one = export_run(run, tmp_path / "one", budgets, settings, clients="0,1,2", progress=False)
-    two = export_run(run, tmp_path / "two", budgets, settings, clients="0,1,2", progress=False,
-                     workers=2)
-    assert [(r["client_id"], r["recipe"], r["total_bytes"]) for r in one["clients"]] == \
-        [(r["client_id"], r["recipe"], r["total_bytes"]) for r in two["clients"]]
+    two = export_run(
+        run, tmp_path / "two", budgets, settings, clients="0,1,2", progress=False, workers=2
+    )
+    assert [(r["client_id"], r["recipe"], r["total_bytes"]) for r in one["clients"]] == [
+        (r["client_id"], r["recipe"], r["total_bytes"]) for r in two["clients"]
+    ]
     for row in two["clients"]:
         assert (Path(tmp_path / "two") / row["bundle"] / "manifest.json").is_file()

@@ -13,8 +13,7 @@ from export.quantize import calibration_inputs, float_nodes, quantize_int8
 from fed_train.algorithms.base import ClientData
 from fed_train.models import build_model
 
-DIGITS_SPEC = {"kind": "image", "shape": [8, 8, 1], "dtype": "uint8", "mean": [0.3],
-               "std": [0.4]}
+DIGITS_SPEC = {"kind": "image", "shape": [8, 8, 1], "dtype": "uint8", "mean": [0.3], "std": [0.4]}
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +88,9 @@ def _client(cid: int, value: float, unseen: bool, n: int = 5) -> ClientData:
         return torch.full((n, 1, 2, 2), v)
 
     labels = torch.zeros(n, dtype=torch.int64)
-    return ClientData(cid, full(value), labels, full(value + 0.1), labels, full(value + 0.5),
-                      labels, unseen)
+    return ClientData(
+        cid, full(value), labels, full(value + 0.1), labels, full(value + 0.5), labels, unseen
+    )
 
 
 def test_calibration_uses_only_training_clients_train_splits():

@@ -29,16 +29,37 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hostile-export") / "run"
-    train(RunConfig(dataset="digits", clients=3, seed=0,
-                    training=TrainingConfig(rounds=1, epochs=1, batch_size=32)),
-          path, progress=False)
+    train(
+        RunConfig(
+            dataset="digits",
+            clients=3,
+            seed=0,
+            training=TrainingConfig(rounds=1, epochs=1, batch_size=32),
+        ),
+        path,
+        progress=False,
+    )
     generate_key_pair(path.parent / "key.pem", path.parent / "key.pub")
     return path
 
 
 def _export(run_dir: Path, out: Path, budget: str = "2M", *extra: str) -> list[str]:
-    return ["--no-progress", "export", str(run_dir), "--out", str(out), "--budget", budget,
-            "--backend", "flat", "--clients", "0,1", "--workers", "1", *extra]
+    return [
+        "--no-progress",
+        "export",
+        str(run_dir),
+        "--out",
+        str(out),
+        "--budget",
+        budget,
+        "--backend",
+        "flat",
+        "--clients",
+        "0,1",
+        "--workers",
+        "1",
+        *extra,
+    ]
 
 
 def _consistent(out: Path, trusted=None) -> dict:
@@ -65,9 +86,16 @@ def test_an_export_into_a_folder_another_export_holds_is_refused(run_dir, tmp_pa
 def test_two_exports_into_one_folder_never_mix(run_dir, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "knnper_cli.main", *_export(run_dir, out, b)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for b in ("2M", "3M")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "knnper_cli.main", *_export(run_dir, out, b)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for b in ("2M", "3M")
+    ]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
     for p in procs:
         p.stdout.close()
@@ -106,8 +134,9 @@ def test_resume_rebuilds_every_tampered_bundle_and_journal_row(run_dir, tmp_path
     assert _consistent(out, trusted)["clients"] == report["clients"]
 
 
-def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_temporary(run_dir, tmp_path,
-                                                                         capsys, monkeypatch):
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_no_temporary(
+    run_dir, tmp_path, capsys, monkeypatch
+):
     import errno
 
     from edge_runtime import _io
@@ -134,7 +163,8 @@ def test_a_petabyte_budget_exports_and_loads_without_allocating_it(run_dir, tmp_
 
 
 def test_resume_rebuilds_another_models_bundle_whose_row_was_rewritten_to_match(
-        run_dir, tmp_path, caplog):
+    run_dir, tmp_path, caplog
+):
     """Every field of the row and the manifest matches this export's: only the encoder is
     another model's, and that alone must send the bundle back to be rebuilt."""
     import logging
@@ -142,9 +172,16 @@ def test_resume_rebuilds_another_models_bundle_whose_row_was_rewritten_to_match(
     from edge_runtime._io import sha256_file
 
     other_run = tmp_path / "other-run"
-    train(RunConfig(dataset="digits", clients=3, seed=0,
-                    training=TrainingConfig(rounds=1, epochs=1, batch_size=32, lr=0.02)),
-          other_run, progress=False)
+    train(
+        RunConfig(
+            dataset="digits",
+            clients=3,
+            seed=0,
+            training=TrainingConfig(rounds=1, epochs=1, batch_size=32, lr=0.02),
+        ),
+        other_run,
+        progress=False,
+    )
     out, other = tmp_path / "out", tmp_path / "other"
     assert export_cli.main(_export(run_dir, out)) == 0
     assert export_cli.main(_export(other_run, other)) == 0
@@ -152,13 +189,16 @@ def test_resume_rebuilds_another_models_bundle_whose_row_was_rewritten_to_match(
     shutil.rmtree(out / "client_0000")
     shutil.copytree(other / "client_0000", out / "client_0000")
     lines = (out / JOURNAL_FILE).read_text().splitlines()
-    theirs = {json.loads(line)["client_id"]: line
-              for line in (other / JOURNAL_FILE).read_text().splitlines()[1:]}
+    theirs = {
+        json.loads(line)["client_id"]: line
+        for line in (other / JOURNAL_FILE).read_text().splitlines()[1:]
+    }
     rows = [theirs[0] if json.loads(line)["client_id"] == 0 else line for line in lines[1:]]
     (out / JOURNAL_FILE).write_text("\n".join([lines[0], *rows]) + "\n")
     with caplog.at_level(logging.WARNING):
         assert export_cli.main(_export(run_dir, out)) == 0
     assert "its encoder is not this export's" in caplog.text
-    assert Runtime.load(out / "client_0000").manifest["files"]["encoder.onnx"] == \
-        sha256_file(out / "encoder.onnx")
+    assert Runtime.load(out / "client_0000").manifest["files"]["encoder.onnx"] == sha256_file(
+        out / "encoder.onnx"
+    )
     _consistent(out)

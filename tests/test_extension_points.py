@@ -44,9 +44,16 @@ def test_no_module_outside_the_datastores_names_a_backend():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("run") / "digits"
-    train(RunConfig(dataset="digits", clients=4, seed=0,
-                    training=TrainingConfig(rounds=1, epochs=1, batch_size=16, lr=0.05)),
-          path, progress=False)
+    train(
+        RunConfig(
+            dataset="digits",
+            clients=4,
+            seed=0,
+            training=TrainingConfig(rounds=1, epochs=1, batch_size=16, lr=0.05),
+        ),
+        path,
+        progress=False,
+    )
     return path
 
 
@@ -64,11 +71,29 @@ def _edge(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_a_backend_defined_in_one_file_exports_loads_predicts_and_learns(
-        run_dir, tmp_path, capsys, toy_backend):
+    run_dir, tmp_path, capsys, toy_backend
+):
     out = tmp_path / "bundles"
-    assert knnper.main(["--no-progress", "export", str(run_dir), "--out", str(out),
-                        "--backend", "randproj", "--budget", "1MB", "--clients", "0",
-                        "--knn-config", "paper"]) == 0
+    assert (
+        knnper.main(
+            [
+                "--no-progress",
+                "export",
+                str(run_dir),
+                "--out",
+                str(out),
+                "--backend",
+                "randproj",
+                "--budget",
+                "1MB",
+                "--clients",
+                "0",
+                "--knn-config",
+                "paper",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "export.json").read_text())
     assert report["clients"][0]["recipe"].startswith("randproj:d8")
     bundle = next(p for p in out.iterdir() if p.is_dir() and p.name.startswith("client_"))
@@ -126,7 +151,10 @@ def test_the_edge_docstring_lists_every_command():
 
 
 def test_the_knnper_docstring_lists_every_command():
-    listed = [name for line in re.findall(r"^- ([a-z, -]+): ", knnper.__doc__, re.M)
-              for name in line.split(", ")]
+    listed = [
+        name
+        for line in re.findall(r"^- ([a-z, -]+): ", knnper.__doc__, re.M)
+        for name in line.split(", ")
+    ]
     sub = next(a for a in knnper.build_parser()._actions if a.dest == "command")
     assert sorted(listed) == sorted(sub.choices)

@@ -49,8 +49,9 @@ def test_help_shows_each_default_once_and_never_none(build):
         assert "(default: None)" not in text, path
         assert "(default: False)" not in text, path
         for action in parser._actions:
-            if isinstance(action, (argparse._HelpAction, argparse._VersionAction,
-                                   argparse._SubParsersAction)):
+            if isinstance(
+                action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
+            ):
                 continue
             assert action.help, (path, action.dest)
             shown_help = parser._get_formatter()._get_help_string(action)
@@ -61,15 +62,17 @@ def test_help_shows_each_default_once_and_never_none(build):
 
 
 def test_required_options_show_no_default():
-    export = next(p for path, p in _parsers(cli.build_parser(), ("knnper",))
-                  if path == ("knnper", "export"))
+    export = next(
+        p for path, p in _parsers(cli.build_parser(), ("knnper",)) if path == ("knnper", "export")
+    )
     out = next(a for a in export._actions if a.dest == "out")
     assert export._get_formatter()._get_help_string(out) == out.help
 
 
 def test_data_help_names_where_data_sets_are_looked_for():
-    train = next(p for path, p in _parsers(cli.build_parser(), ("knnper",))
-                 if path == ("knnper", "train"))
+    train = next(
+        p for path, p in _parsers(cli.build_parser(), ("knnper",)) if path == ("knnper", "train")
+    )
     text = _flat_help(train)
     assert "/usr/share/datasets/fashion-mnist for fashion-mnist" in text
     assert "digits" in text
@@ -80,10 +83,13 @@ def test_edge_version_prints_and_exits_zero(capsys):
     assert capsys.readouterr().out.startswith("knnper-edge ")
 
 
-@pytest.mark.parametrize("argv,commands", [
-    (["deploy"], "local, config, certs"),
-    (["bench"], "table"),
-])
+@pytest.mark.parametrize(
+    "argv,commands",
+    [
+        (["deploy"], "local, config, certs"),
+        (["bench"], "table"),
+    ],
+)
 def test_a_missing_sub_command_lists_the_commands(argv, commands, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -105,8 +111,9 @@ def test_edge_ctrl_c_is_one_line_and_code_130(monkeypatch, capsys, tmp_path):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setitem(edge_cli.COMMANDS, "info",
-                        dataclasses.replace(edge_cli.COMMANDS["info"], run=interrupted))
+    monkeypatch.setitem(
+        edge_cli.COMMANDS, "info", dataclasses.replace(edge_cli.COMMANDS["info"], run=interrupted)
+    )
     assert edge_main(["info", str(tmp_path)]) == 130
     err = capsys.readouterr().err
     assert err == "knnper-edge: interrupted\n"
@@ -115,9 +122,15 @@ def test_edge_ctrl_c_is_one_line_and_code_130(monkeypatch, capsys, tmp_path):
 def _buffered_protonn(tmp_path, buffer: int):
     enc = make_image_encoder(tmp_path / "encoder.onnx")
     rng = np.random.default_rng(0)
-    ds = ProtoNNDatastore.from_matrices(rng.normal(size=(3, P)), rng.normal(size=(3, 5)),
-                                        rng.random((NUM_CLASSES, 5)), 0.5, k=5, m=0.3,
-                                        buffer=buffer)
+    ds = ProtoNNDatastore.from_matrices(
+        rng.normal(size=(3, P)),
+        rng.normal(size=(3, 5)),
+        rng.random((NUM_CLASSES, 5)),
+        0.5,
+        k=5,
+        m=0.3,
+        buffer=buffer,
+    )
     write_bundle(tmp_path / "b", {**FIELDS, "update_strategy": "fifo"}, enc, ds)
     return tmp_path / "b"
 
@@ -130,8 +143,10 @@ def test_add_accounts_for_every_received_sample(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "received 76: added 30, dropped the oldest 46 of them" in out
     assert "evicted 0" in out
-    assert edge_main(["add", str(bundle), "--data", str(tmp_path / "new.npz"),
-                      "--strategy", "fixed"]) == 0
+    assert (
+        edge_main(["add", str(bundle), "--data", str(tmp_path / "new.npz"), "--strategy", "fixed"])
+        == 0
+    )
     assert "added 0, dropped 76 (the fixed strategy" in capsys.readouterr().out
 
 
@@ -139,15 +154,25 @@ def test_predict_prints_a_summary_unless_labels_are_asked_for(tmp_path, capsys):
     bundle = build_bundle(tmp_path)
     x, _ = make_images(40, 2)
     np.save(tmp_path / "x.npy", x)
-    assert edge_main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
-                      "--output", str(tmp_path / "p.npy")]) == 0
+    assert (
+        edge_main(
+            [
+                "predict",
+                str(bundle),
+                "--input",
+                str(tmp_path / "x.npy"),
+                "--output",
+                str(tmp_path / "p.npy"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and out.startswith("predicted 40 input(s)")
     labels = np.load(tmp_path / "p.npy").argmax(1)
     counts = dict(zip(*np.unique(labels, return_counts=True), strict=True))
     assert "{" + ", ".join(f"{c}: {n}" for c, n in counts.items()) + "}" in out
-    assert edge_main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
-                      "--labels"]) == 0
+    assert edge_main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"), "--labels"]) == 0
     assert [int(v) for v in capsys.readouterr().out.split()] == list(labels)
 
 
@@ -176,8 +201,9 @@ def test_export_onnx_without_onnx_names_the_portable_extra(tmp_path, monkeypatch
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "onnx" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else real(name, *a)
+    )
     bundle = build_bundle(tmp_path)
     assert edge_main(["export-onnx", str(bundle), "--out", str(tmp_path / "p.onnx")]) == 2
     err = capsys.readouterr().err
@@ -202,19 +228,33 @@ def test_deploy_expects_the_nearest_measured_size_with_the_same_settings(tmp_pat
     from fed_train.run import RunConfig
 
     def config(clients: int, rounds: int, **changes) -> RunConfig:
-        return RunConfig(dataset="digits", clients=clients,
-                         training=replace(defaults.TRAINING, rounds=rounds), **changes)
+        return RunConfig(
+            dataset="digits",
+            clients=clients,
+            training=replace(defaults.TRAINING, rounds=rounds),
+            **changes,
+        )
 
-    measured = [{"config": config(c, r).to_dict(), "fedavg_seen": 10.0 * c + r,
-                 "fedavg_unseen": 1.0, "knnper_seen": 90.0, "knnper_unseen": 80.0,
-                 "source": "bench"} for c in (5, 20) for r in (5, 20)]
+    measured = [
+        {
+            "config": config(c, r).to_dict(),
+            "fedavg_seen": 10.0 * c + r,
+            "fedavg_unseen": 1.0,
+            "knnper_seen": 90.0,
+            "knnper_unseen": 80.0,
+            "source": "bench",
+        }
+        for c in (5, 20)
+        for r in (5, 20)
+    ]
     path = tmp_path / "expected.json"
     path.write_text(json.dumps({"runs": measured}))
     line = expectation_line(config(5, 5), path)
     assert line.startswith("expected (this size: digits, 5 clients, 5 rounds)")
     assert "FedAvg 55.0% seen / 1.0% unseen, kNN-Per 90.0% seen / 80.0% unseen" in line
     assert "nearest measured size: digits, 20 clients, 20 rounds" in expectation_line(
-        config(16, 30), path)
+        config(16, 30), path
+    )
     assert "no run with these settings" in expectation_line(config(5, 5, alpha=1.0), path)
 
 
@@ -222,8 +262,12 @@ def test_train_writes_progress_lines_to_a_log(tmp_path, capsys):
     from fed_train.algorithms.base import TrainingConfig
     from fed_train.run import RunConfig, train
 
-    config = RunConfig(dataset="digits", clients=4, seed=0,
-                       training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05))
+    config = RunConfig(
+        dataset="digits",
+        clients=4,
+        seed=0,
+        training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05),
+    )
     train(config, tmp_path / "run", progress=True)
     err = capsys.readouterr().err
     assert "\r" not in err
@@ -254,9 +298,19 @@ def test_init_refuses_an_existing_bundle_without_force(tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in bundle.iterdir()}
     x, y = make_images(40, 3)
     np.savez(tmp_path / "own.npz", x=x, y=y)
-    argv = ["init", "--encoder", str(bundle / "encoder.onnx"), "--data",
-            str(tmp_path / "own.npz"), "--budget", "1MB", "--like", str(bundle),
-            "--out", str(bundle)]
+    argv = [
+        "init",
+        "--encoder",
+        str(bundle / "encoder.onnx"),
+        "--data",
+        str(tmp_path / "own.npz"),
+        "--budget",
+        "1MB",
+        "--like",
+        str(bundle),
+        "--out",
+        str(bundle),
+    ]
     assert edge_main(argv) == 2
     err = capsys.readouterr().err
     assert "already holds a bundle" in err and "--force" in err and err.count("\n") == 1
@@ -276,8 +330,11 @@ def test_info_and_evaluate_say_what_they_show_in_words(tmp_path, capsys):
     assert re.search(r"^ +\(flat keys \(exact search\); keys stored as", out, re.M)
     assert edge_main(["evaluate", str(bundle), "--data", str(tmp_path / "test.npz")]) == 0
     out = capsys.readouterr().out
-    assert re.match(r"accuracy \d+\.\d% on 12 samples \(\d+ right; lambda .*global model "
-                    r"\d+\.\d%, datastore alone \d+\.\d%\)$", out.strip())
+    assert re.match(
+        r"accuracy \d+\.\d% on 12 samples \(\d+ right; lambda .*global model "
+        r"\d+\.\d%, datastore alone \d+\.\d%\)$",
+        out.strip(),
+    )
 
 
 def test_a_recipe_in_words_names_every_part():
@@ -285,8 +342,9 @@ def test_a_recipe_in_words_names_every_part():
 
     # n is what a flat datastore may hold, not what it holds ("n1742: built from 1742 of the
     # client's samples" sat beside "137 stored" in `info`)
-    assert describe_recipe("flat:int8:n1944") == ("flat keys (exact search); keys stored as "
-                                                  "int8; n1944: holds at most 1944 samples")
+    assert describe_recipe("flat:int8:n1944") == (
+        "flat keys (exact search); keys stored as int8; n1944: holds at most 1944 samples"
+    )
     assert "n50: built from 50 of the client's samples" in describe_recipe("protonn:d8:n50")
     assert describe_recipe("hnsw:M16:ef64").count(";") == 2
     assert "b40: room for 40 samples added on the device" in describe_recipe("protonn:d8:b40")
@@ -303,8 +361,9 @@ def test_an_experiment_report_made_with_other_flags_is_kept(tmp_path, capsys, mo
     monkeypatch.setattr(experiment_context, "train", trained)
     folder = tmp_path / "capacity"
     folder.mkdir()
-    (folder / "report.json").write_text(json.dumps({"command": "knnper experiment capacity "
-                                                    "--out elsewhere", "settings": {"a": 1}}))
+    (folder / "report.json").write_text(
+        json.dumps({"command": "knnper experiment capacity --out elsewhere", "settings": {"a": 1}})
+    )
     (folder / "summary.md").write_text("kept")
     argv = ["--no-progress", "experiment", "capacity", "--quick", "--out", str(tmp_path)]
     assert cli.main(argv) == 2
@@ -321,15 +380,23 @@ def small_run(tmp_path_factory):
     from fed_train.run import RunConfig, load_run, train
 
     path = tmp_path_factory.mktemp("first-hour") / "run"
-    train(RunConfig(dataset="digits", clients=4, seed=0,
-                    training=TrainingConfig(rounds=1, epochs=1, batch_size=16, lr=0.05)),
-          path, progress=False)
+    train(
+        RunConfig(
+            dataset="digits",
+            clients=4,
+            seed=0,
+            training=TrainingConfig(rounds=1, epochs=1, batch_size=16, lr=0.05),
+        ),
+        path,
+        progress=False,
+    )
     return load_run(path)
 
 
 @pytest.mark.parametrize("extras", ["any", "none"])
-def test_export_says_before_writing_that_hnsw_bundles_need_an_extra(small_run, tmp_path,
-                                                                    monkeypatch, caplog, extras):
+def test_export_says_before_writing_that_hnsw_bundles_need_an_extra(
+    small_run, tmp_path, monkeypatch, caplog, extras
+):
     import logging
 
     from export import exporter
@@ -344,8 +411,9 @@ def test_export_says_before_writing_that_hnsw_bundles_need_an_extra(small_run, t
     monkeypatch.setattr(exporter, "_export_locked", before_any_bundle)
     settings = exporter.ExportSettings(device_extras=extras)
     with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
-        exporter.export_run(small_run, tmp_path / "b", dict.fromkeys(range(4), 2_000_000),
-                            settings, progress=False)
+        exporter.export_run(
+            small_run, tmp_path / "b", dict.fromkeys(range(4), 2_000_000), settings, progress=False
+        )
     hnsw_warning = [m for m in seen["warned"] if "hnsw extra" in m]
     if extras == "any":
         assert "hnsw" in seen["space"] and len(hnsw_warning) == 1
@@ -366,8 +434,12 @@ def test_device_extras_none_refuses_the_hnsw_backend():
 def test_the_export_names_the_clients_whose_bundles_need_an_extra():
     from export.exporter import needing_extras
 
-    rows = [{"client_id": 0, "backend": "flat"}, {"client_id": 3, "backend": "hnsw"},
-            {"client_id": 7, "backend": "hnsw"}, {"client_id": 8, "backend": "protonn"}]
+    rows = [
+        {"client_id": 0, "backend": "flat"},
+        {"client_id": 3, "backend": "hnsw"},
+        {"client_id": 7, "backend": "hnsw"},
+        {"client_id": 8, "backend": "protonn"},
+    ]
     assert needing_extras(rows) == {"hnsw": [3, 7]}
 
 
@@ -405,8 +477,9 @@ def test_after_ctrl_c_the_message_is_the_last_line_and_logs_stay_off_the_bars(mo
     lines = [line for line in re.split(r"\r|\n|\x1b\[K", terminal.getvalue()) if line.strip()]
     assert lines[-1] == "knnper: interrupted; run the same command again to resume train"
     warned = [line for line in lines if "a line the bar must not swallow" in line]
-    assert len(warned) == 3 and all(line.startswith("WARNING") or line.startswith("a line")
-                                    for line in warned)
+    assert len(warned) == 3 and all(
+        line.startswith("WARNING") or line.startswith("a line") for line in warned
+    )
 
 
 def test_experiments_that_know_their_point_count_give_the_progress_a_total():
@@ -416,4 +489,5 @@ def test_experiments_that_know_their_point_count_give_the_progress_a_total():
     assert counted == set(EXPERIMENTS) - {"base-model"}  # its checkpoints decide its points
     quick = {g.name: g.quick for g in EXPERIMENTS["capacity"].grids}
     assert EXPERIMENTS["capacity"].count(quick) == len(quick["alphas"]) * (
-        1 + len(quick["capacities"]))  # FedAvg's capacity 0 is a point too
+        1 + len(quick["capacities"])
+    )  # FedAvg's capacity 0 is a point too

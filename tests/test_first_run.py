@@ -35,8 +35,11 @@ def _options(parser: argparse.ArgumentParser, path: tuple[str, ...]):
 
 def test_every_cli_option_has_help_text_and_shows_its_default():
     parser = cli.build_parser()
-    missing = [f"{' '.join(path)} {action.option_strings or action.dest}"
-               for path, action in _options(parser, ("knnper",)) if not action.help]
+    missing = [
+        f"{' '.join(path)} {action.option_strings or action.dest}"
+        for path, action in _options(parser, ("knnper",))
+        if not action.help
+    ]
     assert missing == []
     assert "(default: 0.02)" in _help(parser, "train")
 
@@ -73,8 +76,11 @@ def test_ctrl_c_ends_with_one_line_and_code_130(capsys, monkeypatch):
 
 def test_runtime_only_install_is_told_which_extra_to_install(monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("torch", "tqdm") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("torch", "tqdm") else real(name, *a),
+    )
     assert cli.main(["train", "--out", "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install '.[train]' in a knnper clone" in err
@@ -87,9 +93,12 @@ def test_runtime_only_install_is_told_which_extra_to_install(monkeypatch, capsys
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("first") / "run"
-    config = RunConfig(dataset="digits", clients=5, seed=0,
-                       training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05,
-                                               milestones=(0.5, 0.75)))
+    config = RunConfig(
+        dataset="digits",
+        clients=5,
+        seed=0,
+        training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05, milestones=(0.5, 0.75)),
+    )
     train(config, path, progress=False)
     return path
 
@@ -110,9 +119,11 @@ def test_client_data_writes_the_files_the_device_commands_read(tiny_run, tmp_pat
     assert cli.main(["client-data", str(tiny_run), "--client", "1", "--out", str(out)]) == 0
     run = load_run(tiny_run)
     split = run.partition.clients[1]
-    for name, idx, source in (("train", split.train, run.dataset.x_train),
-                              ("val", split.val, run.dataset.x_train),
-                              ("test", split.test, run.dataset.x_test)):
+    for name, idx, source in (
+        ("train", split.train, run.dataset.x_train),
+        ("val", split.val, run.dataset.x_train),
+        ("test", split.test, run.dataset.x_test),
+    ):
         with np.load(out / f"{name}.npz", allow_pickle=False) as data:
             np.testing.assert_array_equal(data["x"], source[np.asarray(idx)])
             assert data["y"].shape == (len(idx),)
@@ -130,8 +141,9 @@ def test_client_data_refuses_a_client_the_run_does_not_have(tiny_run, tmp_path, 
 
 @pytest.mark.slow
 def test_demo_pipeline_prints_server_and_device_rows(tmp_path):
-    rows, _ = run_demo(tmp_path / "demo", DemoSize(clients=6, rounds=3, local_epochs=1),
-                    progress=False, workers=1)
+    rows, _ = run_demo(
+        tmp_path / "demo", DemoSize(clients=6, rounds=3, local_epochs=1), progress=False, workers=1
+    )
     assert [r["method"] for r in rows] == ["FedAvg", "Local", "kNN-Per", "kNN-Per", "kNN-Per"]
     weak, strong = rows[3], rows[4]
     assert weak["budget"] < strong["budget"]

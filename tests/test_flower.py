@@ -53,24 +53,41 @@ from fed_train.run_evaluation import evaluate_run  # noqa: E402
 from fed_train.simulation import resume_from, simulate  # noqa: E402
 
 CLIENTS = 3
-TRAINING = TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05, momentum=0.9,
-                          milestones=(0.5,))
+TRAINING = TrainingConfig(
+    rounds=2, epochs=1, batch_size=16, lr=0.05, momentum=0.9, milestones=(0.5,)
+)
 
 
 def _config(**changes) -> RunConfig:
-    return replace(RunConfig(dataset="digits", clients=CLIENTS, unseen_fraction=0.34,
-                             checkpoint_every=1, training=TRAINING), **changes)
+    return replace(
+        RunConfig(
+            dataset="digits",
+            clients=CLIENTS,
+            unseen_fraction=0.34,
+            checkpoint_every=1,
+            training=TRAINING,
+        ),
+        **changes,
+    )
 
 
 class InProcessGrid(Grid):
     """Each node is a Context; a node in `dead_after` stops answering after that many
     messages (as a SuperNode killed mid-run)."""
 
-    def __init__(self, run_config: dict, node_configs: list[dict],
-                 dead_after: dict[int, int] | None = None) -> None:
-        self.contexts = {100 + i: Context(run_id=1, node_id=100 + i, node_config=cfg,
-                                          state=RecordDict(), run_config=run_config)
-                         for i, cfg in enumerate(node_configs)}
+    def __init__(
+        self, run_config: dict, node_configs: list[dict], dead_after: dict[int, int] | None = None
+    ) -> None:
+        self.contexts = {
+            100 + i: Context(
+                run_id=1,
+                node_id=100 + i,
+                node_config=cfg,
+                state=RecordDict(),
+                run_config=run_config,
+            )
+            for i, cfg in enumerate(node_configs)
+        }
         self.budget = {100 + i: n for i, n in (dead_after or {}).items()}
 
     def get_node_ids(self) -> Iterable[int]:
@@ -105,8 +122,9 @@ class InProcessGrid(Grid):
             try:
                 replies.append(client_app(msg, self.contexts[node]))
             except Exception as err:  # what a SuperNode sends back for a raising ClientApp
-                replies.append(Message(Error(code=2, reason=f"{type(err)}:<'{err}'>"),
-                                       reply_to=msg))
+                replies.append(
+                    Message(Error(code=2, reason=f"{type(err)}:<'{err}'>"), reply_to=msg)
+                )
             finally:
                 TaskIdentity.node_id = 0
         return replies
@@ -121,8 +139,10 @@ def _task_identity():
 
 
 def _settings(run_dir: Path, **changes) -> FlowerSettings:
-    return replace(FlowerSettings(run=_config(), run_dir=str(run_dir), round_timeout=5.0,
-                                  connect_timeout=5.0), **changes)
+    return replace(
+        FlowerSettings(run=_config(), run_dir=str(run_dir), round_timeout=5.0, connect_timeout=5.0),
+        **changes,
+    )
 
 
 def _nodes(count: int = CLIENTS) -> list[dict]:
@@ -144,10 +164,12 @@ def test_flower_rounds_equal_the_simulation_bit_for_bit(flower_and_simulation):
     flower, sim = load_run(root / "flower"), load_run(root / "sim")
     for name, w in get_weights(sim.model).items():
         np.testing.assert_array_equal(get_weights(flower.model)[name], w)
-    assert (root / "flower" / "config.json").read_text() == (root / "sim" /
-                                                             "config.json").read_text()
-    rows = [json.loads(line) for line in (root / "flower" / "metrics.jsonl").read_text()
-            .splitlines()]
+    assert (root / "flower" / "config.json").read_text() == (
+        root / "sim" / "config.json"
+    ).read_text()
+    rows = [
+        json.loads(line) for line in (root / "flower" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["round"] for r in rows] == [1, 2] and rows[0]["bytes_up"] > 0
 
 
@@ -185,8 +207,9 @@ def test_a_client_lost_mid_run_counts_as_unsampled_when_the_minimum_allows(tmp_p
     # node 0 answers the query and round 1, then disappears
     grid = InProcessGrid(settings.to_run_config(), _nodes(), dead_after={0: 2})
     record = train_and_evaluate(grid, settings)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
-            .splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["clients"] for r in rows] == [2, 1]
     assert record["evaluation"]["missing_clients"] == [0]
 
@@ -194,8 +217,11 @@ def test_a_client_lost_mid_run_counts_as_unsampled_when_the_minimum_allows(tmp_p
 def test_a_client_lost_mid_run_stops_the_run_when_every_reply_is_needed(tmp_path):
     settings = _settings(tmp_path / "run")
     grid = InProcessGrid(settings.to_run_config(), _nodes(), dead_after={0: 2})
-    with pytest.raises(FederationError, match=r"round 2: 1 of 2 sampled clients answered, 2 "
-                                              r"needed \(client 0: no reply within 5 s\)"):
+    with pytest.raises(
+        FederationError,
+        match=r"round 2: 1 of 2 sampled clients answered, 2 "
+        r"needed \(client 0: no reply within 5 s\)",
+    ):
         train_and_evaluate(grid, settings)
 
 
@@ -203,8 +229,9 @@ def test_a_partition_id_out_of_range_stops_the_run_before_training(tmp_path):
     settings = _settings(tmp_path / "run")
     nodes = _nodes()
     nodes[2] = {"partition-id": 7, "num-partitions": CLIENTS}
-    with pytest.raises(FederationError, match="'partition-id' 7 is out of range: the run has "
-                                              "clients 0 to 2"):
+    with pytest.raises(
+        FederationError, match="'partition-id' 7 is out of range: the run has clients 0 to 2"
+    ):
         train_and_evaluate(InProcessGrid(settings.to_run_config(), nodes), settings)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -226,36 +253,49 @@ def test_a_data_dir_client_equals_the_partition_client(tmp_path):
     dataset, _ = load_run_data(config)
     partition = run_partition(config, dataset)
     split = partition.clients[1]
-    for name, (x, y) in {"train": (dataset.x_train, dataset.y_train),
-                         "val": (dataset.x_train, dataset.y_train),
-                         "test": (dataset.x_test, dataset.y_test)}.items():
+    for name, (x, y) in {
+        "train": (dataset.x_train, dataset.y_train),
+        "val": (dataset.x_train, dataset.y_train),
+        "test": (dataset.x_test, dataset.y_test),
+    }.items():
         idx = getattr(split, name)
         np.savez(tmp_path / f"{name}.npz", x=x[idx], y=y[idx])
     spec = json.loads(json.dumps(dataset.input_spec))
-    from_files = load_node_client(config, {"partition-id": 1, "data-dir": str(tmp_path)}, spec,
-                                  dataset.num_classes)
+    from_files = load_node_client(
+        config, {"partition-id": 1, "data-dir": str(tmp_path)}, spec, dataset.num_classes
+    )
     expected = prepare_clients(dataset, partition)[1]
     for field in ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test"):
-        assert np.array_equal(getattr(from_files, field).numpy(), getattr(expected, field)
-                              .numpy())
+        assert np.array_equal(getattr(from_files, field).numpy(), getattr(expected, field).numpy())
 
 
 def test_data_whose_shape_does_not_fit_the_model_is_refused(tmp_path):
     for name in ("train", "val", "test"):
-        np.savez(tmp_path / f"{name}.npz", x=np.zeros((4, 28, 28, 1), np.uint8),
-                 y=np.zeros(4, np.int64))
+        np.savez(
+            tmp_path / f"{name}.npz", x=np.zeros((4, 28, 28, 1), np.uint8), y=np.zeros(4, np.int64)
+        )
     dataset, _ = load_run_data(_config())
     with pytest.raises(FlowerConfigError, match="train inputs do not fit the model"):
-        load_node_client(_config(), {"partition-id": 0, "data-dir": str(tmp_path)},
-                         json.loads(json.dumps(dataset.input_spec)), dataset.num_classes)
+        load_node_client(
+            _config(),
+            {"partition-id": 0, "data-dir": str(tmp_path)},
+            json.loads(json.dumps(dataset.input_spec)),
+            dataset.num_classes,
+        )
 
 
 def test_weights_of_another_model_are_refused_with_both_shapes():
-    spec = ModelSpec("small-cnn", 10, {"kind": "image", "shape": [8, 8, 1], "dtype": "uint8",
-                                       "mean": [0.0], "std": [1.0]})
+    spec = ModelSpec(
+        "small-cnn",
+        10,
+        {"kind": "image", "shape": [8, 8, 1], "dtype": "uint8", "mean": [0.0], "std": [1.0]},
+    )
     other = ModelSpec("small-cnn", 5, spec.input_spec).shapes()
-    with pytest.raises(ValueError, match=r"the server sent .* with shape \(5, \d+\), but this "
-                                         r"side's model has \(10, \d+\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the server sent .* with shape \(5, \d+\), but this "
+        r"side's model has \(10, \d+\)",
+    ):
         check_shapes(other, spec.shapes(), sender="the server")
 
 
@@ -263,30 +303,40 @@ def test_a_client_answers_a_mismatched_model_with_an_error_reply(tmp_path):
     settings = _settings(tmp_path / "run")
     grid = InProcessGrid(settings.to_run_config(), _nodes())
     dataset, _ = load_run_data(_config())
-    spec = ModelSpec("small-cnn", dataset.num_classes, json.loads(json.dumps(
-        dataset.input_spec)))
+    spec = ModelSpec("small-cnn", dataset.num_classes, json.loads(json.dumps(dataset.input_spec)))
     wrong = ModelSpec("small-cnn", 3, spec.input_spec).shapes()
-    msg = Message(RecordDict({"arrays": to_array_record(wrong), "model": spec.to_record(),
-                              "config": ConfigRecord({"lr": 0.1, "seed": 1, "round": 1})}),
-                  dst_node_id=100, message_type=MessageType.TRAIN)
+    msg = Message(
+        RecordDict(
+            {
+                "arrays": to_array_record(wrong),
+                "model": spec.to_record(),
+                "config": ConfigRecord({"lr": 0.1, "seed": 1, "round": 1}),
+            }
+        ),
+        dst_node_id=100,
+        message_type=MessageType.TRAIN,
+    )
     [reply] = grid.send_and_receive([msg])
     assert reply.has_error() and "but this side's model has" in reply.error.reason
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"algorithm": "fedsgd"}, "unknown algorithm 'fedsgd'"),
-    ({"algorithm": "local"}, "does not train federatedly"),
-    ({"run": "{not json"}, "not a knnper run configuration"),
-    ({"run": json.dumps({"clients": 3, "colour": 1})}, "unknown keys: colour"),
-    ({"run-dir": ""}, "'run-dir'"),
-    ({"round-timeout": -1.0}, "round-timeout must be a positive number"),
-    ({"eval-methods": "fedavg,magic"}, "unknown evaluation method"),
-    ({"k": -3}, "kNN settings: k must be an integer from 1"),
-    ({"sigma": 1e40}, "kNN settings: sigma must be a number"),
-    ({"lambda-rule": "median"}, "kNN settings: unknown lambda rule 'median'"),
-    ({"knn-config": "best"}, "kNN settings: unknown kNN configuration 'best'"),
-    ({"capacity": 1.5}, "capacity must be in \\(0, 1\\], got 1.5"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"algorithm": "fedsgd"}, "unknown algorithm 'fedsgd'"),
+        ({"algorithm": "local"}, "does not train federatedly"),
+        ({"run": "{not json"}, "not a knnper run configuration"),
+        ({"run": json.dumps({"clients": 3, "colour": 1})}, "unknown keys: colour"),
+        ({"run-dir": ""}, "'run-dir'"),
+        ({"round-timeout": -1.0}, "round-timeout must be a positive number"),
+        ({"eval-methods": "fedavg,magic"}, "unknown evaluation method"),
+        ({"k": -3}, "kNN settings: k must be an integer from 1"),
+        ({"sigma": 1e40}, "kNN settings: sigma must be a number"),
+        ({"lambda-rule": "median"}, "kNN settings: unknown lambda rule 'median'"),
+        ({"knn-config": "best"}, "kNN settings: unknown kNN configuration 'best'"),
+        ({"capacity": 1.5}, "capacity must be in \\(0, 1\\], got 1.5"),
+    ],
+)
 def test_bad_run_config_is_a_clear_error(tmp_path, values, message):
     good = _settings(tmp_path).to_run_config()
     with pytest.raises(FlowerConfigError, match=message):
@@ -296,15 +346,22 @@ def test_bad_run_config_is_a_clear_error(tmp_path, values, message):
 def test_settings_survive_the_run_config():
     settings = _settings(Path("/x"), algorithm="ditto", eval_methods=("ditto", "knnper"))
     assert FlowerSettings.from_run_config(settings.to_run_config()) == settings
-    pinned = _settings(Path("/x"), knn=KNNRequest("paper", k=7, sigma=0.5, normalize="l2",
-                                                  lambda_rule="pooled", base="linear"))
+    pinned = _settings(
+        Path("/x"),
+        knn=KNNRequest(
+            "paper", k=7, sigma=0.5, normalize="l2", lambda_rule="pooled", base="linear"
+        ),
+    )
     back = FlowerSettings.from_run_config(pinned.to_run_config())
     assert back.knn == pinned.knn and back.knn.lambda_estimator is None
 
 
 def test_client_state_keeps_arrays_on_the_node_and_sends_scalars():
-    state = {"personal": {"10.0": {"w": np.ones((2, 3), np.float32)}, "0.1": {"w": np.zeros(2)}},
-             "cluster": 2, "client_id": 5}
+    state = {
+        "personal": {"10.0": {"w": np.ones((2, 3), np.float32)}, "0.1": {"w": np.zeros(2)}},
+        "cluster": 2,
+        "client_id": 5,
+    }
     arrays, scalars = split_state(state)
     assert set(arrays) == {"personal/10.0/w", "personal/0.1/w"}
     assert dict(scalars) == {"cluster": 2, "client_id": 5}
@@ -318,22 +375,31 @@ def test_stateful_algorithms_run_on_flower_like_the_simulation(tmp_path, algorit
     """Personal state stays on the node between rounds (ClusteredFL's cluster index also goes
     to the server); the global state and the personalized accuracies equal the simulation's."""
     config = _config(clients=2, unseen_fraction=0.0)
-    settings = _settings(tmp_path / "run", run=config, algorithm=algorithm,
-                         eval_methods=(algorithm,))
+    settings = _settings(
+        tmp_path / "run", run=config, algorithm=algorithm, eval_methods=(algorithm,)
+    )
     record = train_and_evaluate(InProcessGrid(settings.to_run_config(), _nodes(2)), settings)
     dataset, _ = load_run_data(config)
     clients = prepare_clients(dataset, Partition.load(tmp_path / "run" / "partition.npz"))
-    algo = build_algorithm(algorithm, lambda: build_model("small-cnn", dataset.num_classes,
-                                                          dataset.input_spec), config.training)
-    sim = simulate(algo, clients, config.training, initial_weights(algo.model_fn, config.seed),
-                   seed=config.seed, progress=False)
+    algo = build_algorithm(
+        algorithm,
+        lambda: build_model("small-cnn", dataset.num_classes, dataset.input_spec),
+        config.training,
+    )
+    sim = simulate(
+        algo,
+        clients,
+        config.training,
+        initial_weights(algo.model_fn, config.seed),
+        seed=config.seed,
+        progress=False,
+    )
     flower = resume_from(tmp_path / "run")
     assert flower.rounds_done == config.training.rounds
     for name, w in sim.weights.items():
         np.testing.assert_array_equal(flower.weights[name], w)
     rows = client_accuracies(algo, sim.weights, sim.states, clients, seed=config.seed)
-    assert [c[algorithm] for c in record["evaluation"]["clients"]] == [r["accuracy"]
-                                                                      for r in rows]
+    assert [c[algorithm] for c in record["evaluation"]["clients"]] == [r["accuracy"] for r in rows]
 
 
 def test_deploy_config_writes_the_run_config_flwr_run_takes(tmp_path, capsys):
@@ -342,23 +408,57 @@ def test_deploy_config_writes_the_run_config_flwr_run_takes(tmp_path, capsys):
     from knnper_cli.main import main
 
     target = tmp_path / "run.toml"
-    assert main(["deploy", "config", "--clients", "4", "--rounds", "3", "--algorithm", "ditto",
-                 "--out", str(tmp_path / "run"), "--write", str(target)]) == 0
+    assert (
+        main(
+            [
+                "deploy",
+                "config",
+                "--clients",
+                "4",
+                "--rounds",
+                "3",
+                "--algorithm",
+                "ditto",
+                "--out",
+                str(tmp_path / "run"),
+                "--write",
+                str(target),
+            ]
+        )
+        == 0
+    )
     settings = FlowerSettings.from_run_config(tomllib.loads(target.read_text()))
     assert (settings.algorithm, settings.run.clients, settings.run.training.rounds) == (
-        "ditto", 4, 3)
+        "ditto",
+        4,
+        3,
+    )
     assert settings.run_dir == str(tmp_path / "run")
 
 
-def test_deploy_certs_writes_private_keys_for_their_owner_only_and_never_overwrites(tmp_path,
-                                                                                  capsys):
+def test_deploy_certs_writes_private_keys_for_their_owner_only_and_never_overwrites(
+    tmp_path, capsys
+):
     from cryptography import x509
 
     from knnper_cli.main import main
 
     out = tmp_path / "pki"
-    assert main(["deploy", "certs", "--host", "fl.example.org", "--supernode-keys", "1",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "deploy",
+                "certs",
+                "--host",
+                "fl.example.org",
+                "--supernode-keys",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     cert = x509.load_pem_x509_certificate((out / "server.pem").read_bytes())
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert names.get_values_for_type(x509.DNSName) == ["fl.example.org"]
@@ -374,8 +474,9 @@ class TamperingGrid(InProcessGrid):
     """Each reply passes through `tamper(message, reply)` on its way back, as a broken or
     hostile client would send it."""
 
-    def __init__(self, run_config: dict, node_configs: list[dict],
-                 tamper: Callable[[Message, Message], None]) -> None:
+    def __init__(
+        self, run_config: dict, node_configs: list[dict], tamper: Callable[[Message, Message], None]
+    ) -> None:
         super().__init__(run_config, node_configs)
         self.tamper = tamper
 
@@ -394,11 +495,15 @@ def test_a_client_sending_another_models_weights_is_refused_by_the_server(tmp_pa
         if reply.metadata.src_node_id == 101 and reply.metadata.message_type == "train":
             spec = ModelSpec.from_record(msg.content["model"])
             reply.content["arrays"] = to_array_record(
-                ModelSpec(spec.name, 3, spec.input_spec).shapes())
+                ModelSpec(spec.name, 3, spec.input_spec).shapes()
+            )
 
     grid = TamperingGrid(settings.to_run_config(), _nodes(), other_model)
-    with pytest.raises(FederationError, match=r"client 1: unusable reply: client 1 sent "
-                                              r"classifier\.\w+ with shape \(3"):
+    with pytest.raises(
+        FederationError,
+        match=r"client 1: unusable reply: client 1 sent "
+        r"classifier\.\w+ with shape \(3",
+    ):
         train_and_evaluate(grid, settings)
 
 
@@ -412,10 +517,12 @@ def test_a_clustered_client_claiming_a_cluster_that_does_not_exist_is_refused(tm
             reply.content["state"] = ConfigRecord({"client_id": 1, "cluster": "x"})
 
     grid = TamperingGrid(settings.to_run_config(), _nodes(), crafted)
-    with pytest.raises(FederationError, match=r"client 1: unusable reply: its state's cluster "
-                                              r"'x' is not one of the 1 clusters"):
+    with pytest.raises(
+        FederationError,
+        match=r"client 1: unusable reply: its state's cluster "
+        r"'x' is not one of the 1 clusters",
+    ):
         train_and_evaluate(grid, settings)
-
 
 
 def _scaled_weights(value: float):
@@ -424,22 +531,26 @@ def _scaled_weights(value: float):
         name = next(iter(weights))
         weights[name] = np.full_like(np.asarray(weights[name]), value)
         reply.content["arrays"] = to_array_record(weights)
+
     return tamper
 
 
 def _train_loss(value: float):
     def tamper(msg: Message, reply: Message) -> None:
         reply.content["metrics"]["train-loss"] = value
+
     return tamper
 
 
-@pytest.mark.parametrize(("tamper", "needle"), [
-    (_scaled_weights(float("nan")), "are not finite or past"),
-    (_scaled_weights(3e38), "are not finite or past"),  # finite, but the mean overflows
-    (_train_loss(float("nan")), "training loss of nan"),  # metrics.jsonl could not resume
-])
-def test_a_client_sending_weights_or_a_loss_no_mean_can_take_is_refused(tmp_path, tamper,
-                                                                        needle):
+@pytest.mark.parametrize(
+    ("tamper", "needle"),
+    [
+        (_scaled_weights(float("nan")), "are not finite or past"),
+        (_scaled_weights(3e38), "are not finite or past"),  # finite, but the mean overflows
+        (_train_loss(float("nan")), "training loss of nan"),  # metrics.jsonl could not resume
+    ],
+)
+def test_a_client_sending_weights_or_a_loss_no_mean_can_take_is_refused(tmp_path, tamper, needle):
     """They were aggregated, and the next round failed every client with "lower the learning
     rate"."""
     settings = _settings(tmp_path / "run")
@@ -458,13 +569,18 @@ def test_an_evaluation_reply_claiming_other_test_counts_is_left_out(tmp_path):
     settings = _settings(tmp_path / "run")
 
     def inflated(msg: Message, reply: Message) -> None:
-        if (reply.metadata.message_type == "evaluate" and reply.metadata.src_node_id == 102
-                and msg.content["config"].get("phase") is None):
+        if (
+            reply.metadata.message_type == "evaluate"
+            and reply.metadata.src_node_id == 102
+            and msg.content["config"].get("phase") is None
+        ):
             reply.content["metrics"]["num-examples"] = 10**15
 
-    record = train_and_evaluate(TamperingGrid(settings.to_run_config(), _nodes(), inflated),
-                                settings)
+    record = train_and_evaluate(
+        TamperingGrid(settings.to_run_config(), _nodes(), inflated), settings
+    )
     assert record["evaluation"]["missing_clients"] == [2]
+
 
 def test_unusable_sums_or_rows_leave_their_client_out_and_the_run_goes_on(tmp_path):
     """Sums of another shape keep a client out of the kNN-Per choice; a row whose choices JSON
@@ -482,8 +598,9 @@ def test_unusable_sums_or_rows_leave_their_client_out_and_the_run_goes_on(tmp_pa
         elif phase is None and node == 102:
             reply.content["info"] = ConfigRecord({"knnper/lambda": b"0.5"})
 
-    record = train_and_evaluate(TamperingGrid(settings.to_run_config(), _nodes(), hostile),
-                                settings)
+    record = train_and_evaluate(
+        TamperingGrid(settings.to_run_config(), _nodes(), hostile), settings
+    )
     assert record["status"] == "completed"
     chosen_on = record["knn"]["chosen_on"]["clients"]
     assert chosen_on and tampered["sums"] not in chosen_on
@@ -497,23 +614,29 @@ def test_a_node_claiming_a_client_outside_the_run_is_refused(tmp_path):
         if reply.metadata.src_node_id == 102:
             reply.content["metrics"]["client-id"] = 99
 
-    with pytest.raises(FederationError, match=r"SuperNode 102 cannot serve a client: unusable "
-                                              r"reply: client 99 with \d+ training samples is "
-                                              r"not one of the run's clients 0 to 2"):
-        train_and_evaluate(TamperingGrid(settings.to_run_config(), _nodes(), impostor),
-                           settings)
+    with pytest.raises(
+        FederationError,
+        match=r"SuperNode 102 cannot serve a client: unusable "
+        r"reply: client 99 with \d+ training samples is "
+        r"not one of the run's clients 0 to 2",
+    ):
+        train_and_evaluate(TamperingGrid(settings.to_run_config(), _nodes(), impostor), settings)
 
 
 def test_a_failed_flower_run_resumes_from_its_checkpoint_to_the_simulations_result(
-        flower_and_simulation, tmp_path):
+    flower_and_simulation, tmp_path
+):
     settings = _settings(tmp_path / "run")
     with pytest.raises(FederationError):  # client 0 vanishes after round 1: round 2 fails
-        train_and_evaluate(InProcessGrid(settings.to_run_config(), _nodes(),
-                                         dead_after={0: 2}), settings)
+        train_and_evaluate(
+            InProcessGrid(settings.to_run_config(), _nodes(), dead_after={0: 2}), settings
+        )
     train_and_evaluate(InProcessGrid(settings.to_run_config(), _nodes()), settings)
     root, _ = flower_and_simulation
-    resumed, sim = get_weights(load_run(tmp_path / "run").model), get_weights(
-        load_run(root / "sim").model)
+    resumed, sim = (
+        get_weights(load_run(tmp_path / "run").model),
+        get_weights(load_run(root / "sim").model),
+    )
     for name, w in sim.items():
         np.testing.assert_array_equal(resumed[name], w)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -527,8 +650,9 @@ def test_a_failed_run_says_why_in_flower_json(tmp_path):
     settings = _settings(tmp_path / "run", connect_timeout=1.0)
     run_config = settings.to_run_config()
     grid = InProcessGrid(run_config, _nodes()[:1])
-    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                      run_config=run_config)
+    context = Context(
+        run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config
+    )
     with pytest.raises(FederationError):
         server_main(grid, context)
     record = json.loads((tmp_path / "run" / "flower.json").read_text())

@@ -34,9 +34,28 @@ from knnper_cli.main import main  # noqa: E402
 
 pytestmark = pytest.mark.slow
 KNNPER = [sys.executable, "-m", "knnper_cli.main"]
-TRAINING_FLAGS = ["--dataset", "digits", "--clients", "3", "--unseen-fraction", "0",
-                  "--rounds", "2", "--local-epochs", "1", "--batch-size", "16", "--lr", "0.05",
-                  "--momentum", "0.9", "--milestones", "0.5", "--seed", "0"]
+TRAINING_FLAGS = [
+    "--dataset",
+    "digits",
+    "--clients",
+    "3",
+    "--unseen-fraction",
+    "0",
+    "--rounds",
+    "2",
+    "--local-epochs",
+    "1",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+    "--momentum",
+    "0.9",
+    "--milestones",
+    "0.5",
+    "--seed",
+    "0",
+]
 
 
 def _leftovers(marker: str) -> list[str]:
@@ -78,12 +97,15 @@ def test_a_supernode_whose_key_is_not_registered_is_refused(tmp_path):
     try:
         tls = make_server_tls(tmp_path / "pki")
         port = start_superlink(procs, tls, free_port(), timeout=60)
-        member, stranger = make_node_key(tmp_path / "pki", "member"), make_node_key(
-            tmp_path / "pki", "stranger")
+        member, stranger = (
+            make_node_key(tmp_path / "pki", "member"),
+            make_node_key(tmp_path / "pki", "stranger"),
+        )
         register_supernode(procs, member)
         start_supernode(procs, "member", port, tls, member, "partition-id=0 num-partitions=1")
-        refused = start_supernode(procs, "stranger", port, tls, stranger,
-                                  "partition-id=0 num-partitions=1")
+        refused = start_supernode(
+            procs, "stranger", port, tls, stranger, "partition-id=0 num-partitions=1"
+        )
         assert refused.wait(timeout=90) != 0
         assert "Failed to activate SuperNode" in (tmp_path / "stranger.log").read_text()
         nodes = procs.run_cli(["flwr", "supernode", "ls", "knnper-local", "--format", "json"])
@@ -100,15 +122,31 @@ def deployed(tmp_path_factory):
     round 1 is logged, so round 2 and the evaluation go on with the two that answer."""
     root = tmp_path_factory.mktemp("deploy")
     run = root / "run"
-    command = [*KNNPER, "--threads", "1", "--no-progress", "deploy", "local", *TRAINING_FLAGS,
-               "--checkpoint-every", "1", "--min-train-clients", "2", "--round-timeout", "45",
-               "--out", str(run)]
-    deploy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+    command = [
+        *KNNPER,
+        "--threads",
+        "1",
+        "--no-progress",
+        "deploy",
+        "local",
+        *TRAINING_FLAGS,
+        "--checkpoint-every",
+        "1",
+        "--min-train-clients",
+        "2",
+        "--round-timeout",
+        "45",
+        "--out",
+        str(run),
+    ]
+    deploy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         metrics = run / "metrics.jsonl"
-        _wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), 300,
-                  "round 1 of the Flower run")
+        _wait_for(
+            lambda: metrics.is_file() and metrics.read_text().strip(),
+            300,
+            "round 1 of the Flower run",
+        )
         pids = json.loads((run / "flower_logs" / "processes.json").read_text())
         os.killpg(pids["supernode-2"], signal.SIGKILL)
         output, _ = deploy.communicate(timeout=300)
@@ -140,9 +178,23 @@ def test_the_flower_round_equals_the_simulation_round(deployed, tmp_path):
     """Round 1 had every client: its checkpoint equals `knnper train`'s bit for bit."""
     run, _, _ = deployed
     sim = tmp_path / "sim"
-    subprocess.run([*KNNPER, "--threads", "1", "--no-progress", "train", *TRAINING_FLAGS,
-                    "--checkpoint-every", "1", "--out", str(sim)], check=True, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        [
+            *KNNPER,
+            "--threads",
+            "1",
+            "--no-progress",
+            "train",
+            *TRAINING_FLAGS,
+            "--checkpoint-every",
+            "1",
+            "--out",
+            str(sim),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     assert (run / "config.json").read_text() == (sim / "config.json").read_text()
     flower = load_checkpoint(run / "checkpoints" / "round_0001.pt").weights
     simulated = load_checkpoint(sim / "checkpoints" / "round_0001.pt").weights
@@ -150,13 +202,27 @@ def test_the_flower_round_equals_the_simulation_round(deployed, tmp_path):
         np.testing.assert_array_equal(flower[name], w)
 
 
-def test_knnper_evaluate_on_the_flower_run_agrees_with_the_federated_evaluation(deployed,
-                                                                               tmp_path):
+def test_knnper_evaluate_on_the_flower_run_agrees_with_the_federated_evaluation(deployed, tmp_path):
     run, _, _ = deployed
     out = tmp_path / "evaluation.json"
-    subprocess.run([*KNNPER, "--threads", "1", "--no-progress", "evaluate", str(run),
-                    "--methods", "fedavg", "knnper", "--json", str(out)], check=True,
-                   timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            *KNNPER,
+            "--threads",
+            "1",
+            "--no-progress",
+            "evaluate",
+            str(run),
+            "--methods",
+            "fedavg",
+            "knnper",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     server = {c["client_id"]: c for c in json.loads(out.read_text())["clients"]}
     federated = json.loads((run / "flower.json").read_text())["evaluation"]["clients"]
     assert [c["client_id"] for c in federated] == [0, 1]
@@ -178,13 +244,20 @@ def test_stopping_deploy_stops_every_process(tmp_path, sig):
     """Ctrl-C unwinds and stops the federation; a SIGKILLed deploy cannot, so the kernel stops
     its children (parent-death signal) and they stop theirs."""
     run = tmp_path / "run"
-    deploy = subprocess.Popen([*KNNPER, "--no-progress", "deploy", "local", *TRAINING_FLAGS,
-                               "--out", str(run)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, preexec_fn=_ctrl_c_as_typed)
+    deploy = subprocess.Popen(
+        [*KNNPER, "--no-progress", "deploy", "local", *TRAINING_FLAGS, "--out", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_ctrl_c_as_typed,
+    )
     try:
         pids = run / "flower_logs" / "processes.json"
-        _wait_for(lambda: pids.is_file() and "supernode-0" in pids.read_text(), 120,
-                  "a SuperNode to start")
+        _wait_for(
+            lambda: pids.is_file() and "supernode-0" in pids.read_text(),
+            120,
+            "a SuperNode to start",
+        )
         deploy.send_signal(sig)
         output, _ = deploy.communicate(timeout=60)
     finally:
@@ -196,15 +269,17 @@ def test_stopping_deploy_stops_every_process(tmp_path, sig):
     assert _wait_until_gone(str(run), timeout=30) == []
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--algorithm", "fedsgd"], "unknown algorithm 'fedsgd'"),
-    (["--algorithm", "local"], "does not train federatedly"),
-    (["--dataset", "fashion-mnist", "--data", "/nonexistent/fmnist"], "/nonexistent/fmnist"),
-    (["--eval-methods", "magic"], "unknown evaluation method"),
-    (["--clients", "0"], "must be >= 1"),
-])
-def test_bad_deploy_configuration_fails_before_any_process_starts(tmp_path, capsys, flags,
-                                                                  message):
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--algorithm", "fedsgd"], "unknown algorithm 'fedsgd'"),
+        (["--algorithm", "local"], "does not train federatedly"),
+        (["--dataset", "fashion-mnist", "--data", "/nonexistent/fmnist"], "/nonexistent/fmnist"),
+        (["--eval-methods", "magic"], "unknown evaluation method"),
+        (["--clients", "0"], "must be >= 1"),
+    ],
+)
+def test_bad_deploy_configuration_fails_before_any_process_starts(tmp_path, capsys, flags, message):
     run = tmp_path / "run"
     try:
         code = main(["deploy", "local", "--out", str(run), *flags])
@@ -219,7 +294,27 @@ def test_bad_deploy_configuration_fails_before_any_process_starts(tmp_path, caps
 def test_knnper_export_works_on_the_flower_run(deployed, tmp_path):
     run, _, _ = deployed
     out = tmp_path / "bundles"
-    subprocess.run([*KNNPER, "--threads", "1", "--no-progress", "export", str(run), "--out",
-                    str(out), "--budget", "1M", "--backend", "flat", "--clients", "0",
-                    "--workers", "1"], check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            *KNNPER,
+            "--threads",
+            "1",
+            "--no-progress",
+            "export",
+            str(run),
+            "--out",
+            str(out),
+            "--budget",
+            "1M",
+            "--backend",
+            "flat",
+            "--clients",
+            "0",
+            "--workers",
+            "1",
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     assert (out / "client_0000" / "manifest.json").is_file()

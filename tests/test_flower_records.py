@@ -50,20 +50,27 @@ def test_a_clients_sums_arrive_as_sent():
     np.testing.assert_array_equal(read_counts(record, "knn-grid", SHAPE), counts)
 
 
-@pytest.mark.parametrize("array, message", [
-    (Array(np.zeros(SHAPE, np.float32)), r"float32 \(7, 3\), not float64 \(7, 3\)"),
-    (Array(np.zeros((8, 3))), r"float64 \(8, 3\), not float64 \(7, 3\)"),
-    (Array(np.full(SHAPE, np.nan)), "not all finite and non-negative"),
-    (Array(-np.ones(SHAPE)), "not all finite and non-negative"),
-    # the declared shape is right, the payload is another array
-    (Array("float64", SHAPE, "numpy.ndarray", Array(np.zeros((2, 3))).data),
-     r"declares float64 \(7, 3\) but carries 48 bytes of float64 \(2, 3\)"),
-    # a header claiming terabytes: refused before np.load would allocate them
-    (Array("float64", SHAPE, "numpy.ndarray", _npy_header((10**12, 3)) + bytes(168)),
-     r"carries 168 bytes of float64 \(1000000000000, 3\)"),
-    (Array("float64", SHAPE, "numpy.ndarray", b""), "not an .npy payload"),
-    (Array("float64", SHAPE, "numpy.ndarray", b"\x80\x04pickled"), "not an .npy payload"),
-])
+@pytest.mark.parametrize(
+    "array, message",
+    [
+        (Array(np.zeros(SHAPE, np.float32)), r"float32 \(7, 3\), not float64 \(7, 3\)"),
+        (Array(np.zeros((8, 3))), r"float64 \(8, 3\), not float64 \(7, 3\)"),
+        (Array(np.full(SHAPE, np.nan)), "not all finite and non-negative"),
+        (Array(-np.ones(SHAPE)), "not all finite and non-negative"),
+        # the declared shape is right, the payload is another array
+        (
+            Array("float64", SHAPE, "numpy.ndarray", Array(np.zeros((2, 3))).data),
+            r"declares float64 \(7, 3\) but carries 48 bytes of float64 \(2, 3\)",
+        ),
+        # a header claiming terabytes: refused before np.load would allocate them
+        (
+            Array("float64", SHAPE, "numpy.ndarray", _npy_header((10**12, 3)) + bytes(168)),
+            r"carries 168 bytes of float64 \(1000000000000, 3\)",
+        ),
+        (Array("float64", SHAPE, "numpy.ndarray", b""), "not an .npy payload"),
+        (Array("float64", SHAPE, "numpy.ndarray", b"\x80\x04pickled"), "not an .npy payload"),
+    ],
+)
 def test_sums_that_are_not_the_phases_shape_and_dtype_are_refused(array, message):
     record = _over_the_wire(ArrayRecord({"knn-grid": array}))
     with pytest.raises(ValueError, match=message):
@@ -77,23 +84,28 @@ def test_sums_for_another_phase_are_refused():
 
 
 def test_weights_whose_payload_disagrees_with_their_declaration_are_refused():
-    record = ArrayRecord({"w": Array("float32", (2,), "numpy.ndarray",
-                                     _npy_header((10**12,), "<f4"))})
+    record = ArrayRecord(
+        {"w": Array("float32", (2,), "numpy.ndarray", _npy_header((10**12,), "<f4"))}
+    )
     with pytest.raises(ValueError, match=r"w declares float32 \(2,\) but carries 0 bytes"):
         to_weights(_over_the_wire(record))
 
 
 def test_weights_of_another_dtype_are_refused():
     model = {"w": np.zeros((2, 3), np.float32)}
-    with pytest.raises(ValueError, match="client 1 sent w as float64, but this side's model "
-                                         "holds float32"):
+    with pytest.raises(
+        ValueError, match="client 1 sent w as float64, but this side's model holds float32"
+    ):
         check_shapes({"w": np.zeros((2, 3))}, model, sender="client 1")
 
 
 def test_choices_keep_their_types_and_order_across_the_wire():
-    chosen = {"knnper": {"lambda": 0.3, "datastore_size": 299},
-              "linear": {"l2": None, "head_bytes": 5160},
-              "clustered": {"cluster": 1, "picked_on_validation": True}, "fedavg": {}}
+    chosen = {
+        "knnper": {"lambda": 0.3, "datastore_size": 299},
+        "linear": {"l2": None, "head_bytes": 5160},
+        "clustered": {"cluster": 1, "picked_on_validation": True},
+        "fedavg": {},
+    }
     back = from_config_record(_over_the_wire(to_config_record(chosen)))
     assert back == {m: c for m, c in chosen.items() if c}  # a method that chose nothing: absent
     for method, values in back.items():
@@ -110,5 +122,6 @@ def test_grid_points_travel_as_typed_columns():
 
 def test_grid_point_columns_of_different_lengths_are_refused():
     with pytest.raises(ValueError, match="shorter|longer"):
-        points_from_record(ConfigRecord({"k": [5, 10], "sigma": [1.0],
-                                         "normalize": ["raw", "raw"]}))
+        points_from_record(
+            ConfigRecord({"k": [5, 10], "sigma": [1.0], "normalize": ["raw", "raw"]})
+        )

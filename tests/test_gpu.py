@@ -24,9 +24,12 @@ from fed_train.algorithms.pfedgp import gp_posterior
 from fed_train.models import build_model
 from fed_train.simulation import simulate
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="no CUDA device (GPUs are hidden unless -m gpu)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device (GPUs are hidden unless -m gpu)"
+    ),
+]
 
 SPEC = {"kind": "image", "shape": [32, 32, 3]}
 CLASSES = 10
@@ -55,8 +58,9 @@ def clients(device: torch.device, count: int = 4) -> list[ClientData]:
 
 
 def training(precision: str = "fp32") -> TrainingConfig:
-    return TrainingConfig(rounds=1, batch_size=16, lr=0.05, momentum=0.9, milestones=(),
-                          precision=precision)
+    return TrainingConfig(
+        rounds=1, batch_size=16, lr=0.05, momentum=0.9, milestones=(), precision=precision
+    )
 
 
 def start(model: str) -> Weights:
@@ -65,10 +69,17 @@ def start(model: str) -> Weights:
 
 
 def fedavg_round(device: torch.device, model: str, client_batch: int = 1) -> Weights:
-    algorithm = build_algorithm("fedavg", lambda: build_model(model, CLASSES, SPEC).to(device),
-                                training())
-    return simulate(algorithm, clients(device), training(), start(model), progress=False,
-                    client_batch=client_batch).weights
+    algorithm = build_algorithm(
+        "fedavg", lambda: build_model(model, CLASSES, SPEC).to(device), training()
+    )
+    return simulate(
+        algorithm,
+        clients(device),
+        training(),
+        start(model),
+        progress=False,
+        client_batch=client_batch,
+    ).weights
 
 
 def max_diff(a: Weights, b: Weights) -> float:
@@ -85,10 +96,13 @@ def test_bf16_loss_on_the_gpu_is_near_fp32_on_the_cpu():
     losses = {}
     for device, precision in ((CPU, "fp32"), (CUDA, "bf16")):
         algorithm = build_algorithm(
-            "fedavg", lambda d=device: build_model("small-cnn", CLASSES, SPEC).to(d),
-            training(precision))
-        losses[precision] = algorithm.client_update(start("small-cnn"), clients(device)[0], {},
-                                                    0.05, 0).loss
+            "fedavg",
+            lambda d=device: build_model("small-cnn", CLASSES, SPEC).to(d),
+            training(precision),
+        )
+        losses[precision] = algorithm.client_update(
+            start("small-cnn"), clients(device)[0], {}, 0.05, 0
+        ).loss
     assert abs(losses["bf16"] - losses["fp32"]) <= 5e-2
 
 

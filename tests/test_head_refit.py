@@ -34,17 +34,27 @@ L2 = 1e-2
 
 
 def _choice(l2: float | None = L2) -> dict:
-    choice = {"k": {"value": 5, "source": "flag"}, "sigma": {"value": 1.0, "source": "flag"},
-              "normalize": {"value": "none", "source": "flag"},
-              "lambda_estimator": {"value": "val", "source": "flag"},
-              "base": {"value": "linear", "source": "validation"}}
+    choice = {
+        "k": {"value": 5, "source": "flag"},
+        "sigma": {"value": 1.0, "source": "flag"},
+        "normalize": {"value": "none", "source": "flag"},
+        "lambda_estimator": {"value": "val", "source": "flag"},
+        "base": {"value": "linear", "source": "validation"},
+    }
     if l2 is not None:
         choice["l2"] = {"value": l2, "source": "validation"}
     return choice
 
 
-def linear_bundle(tmp_path: Path, recipe: str = "flat:fp32", *, n: int = 40,
-                  personal: bool = True, signing_key=None, budget: int = 10**6) -> Path:
+def linear_bundle(
+    tmp_path: Path,
+    recipe: str = "flat:fp32",
+    *,
+    n: int = 40,
+    personal: bool = True,
+    signing_key=None,
+    budget: int = 10**6,
+) -> Path:
     """A bundle as the exporter writes one with the linear base: its encoder's logits are the
     client's linear head, fitted on the samples it stores."""
     shared = make_image_encoder(tmp_path / "shared.onnx")
@@ -78,8 +88,9 @@ def test_add_refits_the_head_on_the_stored_samples(tmp_path, recipe):
     np.testing.assert_allclose(p_base, expected.predict_proba(z), atol=1e-5)
     np.testing.assert_allclose(rt.posterior(z, logits), interpolate(p_knn, p_base, rt.lam))
     # what was committed is what a fresh load runs
-    np.testing.assert_allclose(Runtime.load(bundle).predict_proba(x_probe),
-                               rt.predict_proba(x_probe), atol=1e-6)
+    np.testing.assert_allclose(
+        Runtime.load(bundle).predict_proba(x_probe), rt.predict_proba(x_probe), atol=1e-6
+    )
 
 
 def test_the_head_file_is_counted_in_the_footprint_and_replaced_by_the_next_update(tmp_path):
@@ -91,8 +102,7 @@ def test_the_head_file_is_counted_in_the_footprint_and_replaced_by_the_next_upda
     assert names == ["linear_head.2.npz"]
     size = (bundle / "linear_head.2.npz").stat().st_size
     assert size == head_nbytes(P, NUM_CLASSES)
-    stored = sum((bundle / n).stat().st_size for n in rt.manifest["files"]
-                 if n != "encoder.onnx")
+    stored = sum((bundle / n).stat().st_size for n in rt.manifest["files"] if n != "encoder.onnx")
     assert rt.manifest["footprint"]["datastore"] == stored
 
 
@@ -149,21 +159,26 @@ def _with_head_file(bundle: Path, arrays: dict, name: str = "linear_head.1.npz")
     (bundle / "manifest.json").write_text(json.dumps(m))
 
 
-GOOD = {"coef": np.zeros((P, NUM_CLASSES), np.float32),
-        "intercept": np.zeros(NUM_CLASSES, np.float32)}
+GOOD = {
+    "coef": np.zeros((P, NUM_CLASSES), np.float32),
+    "intercept": np.zeros(NUM_CLASSES, np.float32),
+}
 
 
-@pytest.mark.parametrize("arrays, message", [
-    ({**GOOD, "coef": np.zeros((P + 1, NUM_CLASSES), np.float32)}, "not float32"),
-    ({**GOOD, "intercept": np.zeros(NUM_CLASSES, np.float64)}, "not float32"),
-    ({**GOOD, "coef": np.full((P, NUM_CLASSES), np.nan, np.float32)}, "NaN"),
-    ({"coef": GOOD["coef"]}, "holds"),
-    ({**GOOD, "extra": np.zeros(1)}, "holds"),
-    ({**GOOD, "coef": np.array([object()], dtype=object)}, "linear_head.1.npz"),
-    # finite but huge: every prediction was NaN
-    ({**GOOD, "coef": np.full((P, NUM_CLASSES), 3e38, np.float32)}, "past float32's range"),
-    ({**GOOD, "intercept": np.full(NUM_CLASSES, 3e38, np.float32)}, "past float32's range"),
-])
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        ({**GOOD, "coef": np.zeros((P + 1, NUM_CLASSES), np.float32)}, "not float32"),
+        ({**GOOD, "intercept": np.zeros(NUM_CLASSES, np.float64)}, "not float32"),
+        ({**GOOD, "coef": np.full((P, NUM_CLASSES), np.nan, np.float32)}, "NaN"),
+        ({"coef": GOOD["coef"]}, "holds"),
+        ({**GOOD, "extra": np.zeros(1)}, "holds"),
+        ({**GOOD, "coef": np.array([object()], dtype=object)}, "linear_head.1.npz"),
+        # finite but huge: every prediction was NaN
+        ({**GOOD, "coef": np.full((P, NUM_CLASSES), 3e38, np.float32)}, "past float32's range"),
+        ({**GOOD, "intercept": np.full(NUM_CLASSES, 3e38, np.float32)}, "past float32's range"),
+    ],
+)
 def test_hostile_head_files_are_refused_at_load(tmp_path, arrays, message):
     bundle = linear_bundle(tmp_path)
     _with_head_file(bundle, arrays)
@@ -232,7 +247,8 @@ def test_a_failure_opening_the_refitted_session_commits_nothing(tmp_path, monkey
 
 
 def test_a_manifest_listing_the_next_head_file_keeps_it_through_a_failed_commit(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """A crafted manifest listing linear_head.<next generation>.npz had that file overwritten
     by the next update's head, and a failed commit left the bundle unloadable."""
     import edge_runtime.bundle as bundle_module

@@ -106,9 +106,18 @@ def test_crafted_hnsw_index_gives_one_line_from_the_cli_not_a_crash(tmp_path):
     rehash(bundle)
     np.save(tmp_path / "x.npy", make_images(4)[0])
     out = subprocess.run(
-        [sys.executable, "-m", "edge_runtime.cli", "predict", str(bundle), "--input",
-         str(tmp_path / "x.npy")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "edge_runtime.cli",
+            "predict",
+            str(bundle),
+            "--input",
+            str(tmp_path / "x.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 2, out  # a SIGSEGV would be -11
@@ -121,8 +130,14 @@ def test_crafted_hnsw_index_gives_one_line_from_the_cli_not_a_crash(tmp_path):
 def test_encoder_with_external_data_is_refused(tmp_path):
     bundle = build_bundle(tmp_path)
     model = onnx.load(bundle / "encoder.onnx")
-    onnx.save(model, bundle / "encoder.onnx", save_as_external_data=True,
-              all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    onnx.save(
+        model,
+        bundle / "encoder.onnx",
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="weights.bin",
+        size_threshold=0,
+    )
     rehash(bundle)
     assert_refused(bundle, "keeps tensors in external data files")
 
@@ -131,10 +146,14 @@ def test_encoder_runs_from_the_bytes_that_were_hashed(bundle, monkeypatch):
     """Whichever session holds it: the encoder's own, or the one-session predictor's."""
     given = []
     encoder, predictor = bundle_module.Encoder, bundle_module.Predictor
-    monkeypatch.setattr(bundle_module, "Encoder", lambda model, **kw: given.append(model)
-                        or encoder(model, **kw))
-    monkeypatch.setattr(bundle_module, "Predictor", lambda m, ds, model, **kw:
-                        given.append(model) or predictor(m, ds, model, **kw))
+    monkeypatch.setattr(
+        bundle_module, "Encoder", lambda model, **kw: given.append(model) or encoder(model, **kw)
+    )
+    monkeypatch.setattr(
+        bundle_module,
+        "Predictor",
+        lambda m, ds, model, **kw: given.append(model) or predictor(m, ds, model, **kw),
+    )
     Runtime.load(bundle)
     assert given == [(bundle / "encoder.onnx").read_bytes()]
 
@@ -243,9 +262,7 @@ def _nan(bundle: Path) -> None:
 def _long_integer(bundle: Path) -> None:
     text = _manifest_text(bundle)
     m = json.loads(text)
-    (bundle / "manifest.json").write_text(
-        text.replace(f'"k": {m["k"]}', '"k": ' + "9" * 5000, 1)
-    )
+    (bundle / "manifest.json").write_text(text.replace(f'"k": {m["k"]}', '"k": ' + "9" * 5000, 1))
 
 
 def _set_field(name: str, value):
@@ -253,6 +270,7 @@ def _set_field(name: str, value):
         m = json.loads(_manifest_text(bundle))
         m[name] = value
         (bundle / "manifest.json").write_text(json.dumps(m))
+
     return edit
 
 
@@ -268,18 +286,36 @@ HOSTILE_MANIFESTS = {
     "not UTF-8": (lambda b: (b / "manifest.json").write_bytes(b"\xff\xfe{}"), "not UTF-8"),
     "lambda rule not an object": (_set_field("lambda_rule", [1]), "'lambda_rule' must be an"),
     "lambda rule of 1000 grid values": (
-        _set_field("lambda_rule", {"name": "pooled", "pooled": [], "prior_samples": 0,
-                                   "grid": [0.5] * 1000}), "a grid of 1 to 64 numbers"),
+        _set_field(
+            "lambda_rule",
+            {"name": "pooled", "pooled": [], "prior_samples": 0, "grid": [0.5] * 1000},
+        ),
+        "a grid of 1 to 64 numbers",
+    ),
     "lambda rule without evidence": (
-        _set_field("lambda_rule", {"name": "pooled", "pooled": [], "prior_samples": 0,
-                                   "grid": [0.0, 1.0]}), "needs pooled evidence"),
+        _set_field(
+            "lambda_rule", {"name": "pooled", "pooled": [], "prior_samples": 0, "grid": [0.0, 1.0]}
+        ),
+        "needs pooled evidence",
+    ),
     "lambda rule with negative counts": (
-        _set_field("lambda_rule", {"name": "shrunk", "pooled": [[-1, 2, 3], [1, 2, 3]],
-                                   "prior_samples": 1, "grid": [0.0, 1.0]}),
-        "needs pooled evidence"),
+        _set_field(
+            "lambda_rule",
+            {
+                "name": "shrunk",
+                "pooled": [[-1, 2, 3], [1, 2, 3]],
+                "prior_samples": 1,
+                "grid": [0.0, 1.0],
+            },
+        ),
+        "needs pooled evidence",
+    ),
     "lambda rule named otherwise": (
-        _set_field("lambda_rule", {"name": "oracle", "pooled": [], "prior_samples": 0,
-                                   "grid": [0.5]}), "lambda rule must be one of"),
+        _set_field(
+            "lambda_rule", {"name": "oracle", "pooled": [], "prior_samples": 0, "grid": [0.5]}
+        ),
+        "lambda rule must be one of",
+    ),
 }
 
 
@@ -308,7 +344,10 @@ def test_stale_generation_left_by_a_killed_update_is_removed_at_load(bundle):
     (bundle / "notes.txt").write_text("mine")
     Runtime.load(bundle).predict(make_images(2)[0])
     assert sorted(p.name for p in bundle.iterdir()) == [
-        "datastore.npz", "encoder.onnx", "manifest.json", "notes.txt"
+        "datastore.npz",
+        "encoder.onnx",
+        "manifest.json",
+        "notes.txt",
     ]
 
 
@@ -322,8 +361,9 @@ def _protonn_bundle(tmp_path: Path) -> Path:
 
     enc = make_image_encoder(tmp_path / "encoder.onnx")
     rng = np.random.default_rng(0)
-    ds = ProtoNNDatastore.from_matrices(rng.normal(size=(3, P)), rng.normal(size=(3, 5)),
-                                        rng.random((NUM_CLASSES, 5)), 0.5)
+    ds = ProtoNNDatastore.from_matrices(
+        rng.normal(size=(3, P)), rng.normal(size=(3, 5)), rng.random((NUM_CLASSES, 5)), 0.5
+    )
     write_bundle(tmp_path / "b", {**FIELDS, "budget_bytes": 10**6}, enc, ds)
     return tmp_path / "b"
 
@@ -337,22 +377,26 @@ def _rewrite_member(bundle: Path, name: str, value: np.ndarray) -> None:
     rehash(bundle)
 
 
-@pytest.mark.parametrize(("case", "fragment"), [
-    ("protonn Z 1e300", "datastore.npz: Z holds NaN or values past float32's range"),
-    ("protonn Z sums past float32", "datastore.npz: Z's class scores can reach"),
-    ("protonn gamma 1e300", "datastore.npz: gamma must be one positive number whose square"),
-    ("int8 scale 1e-45", "datastore.npz: scale must be"),
-    ("int8 scale 1e300", "datastore.npz: scale must be"),
-])
-def test_crafted_datastore_values_are_refused_naming_bundle_and_field(case, fragment,
-                                                                      tmp_path):
+@pytest.mark.parametrize(
+    ("case", "fragment"),
+    [
+        ("protonn Z 1e300", "datastore.npz: Z holds NaN or values past float32's range"),
+        ("protonn Z sums past float32", "datastore.npz: Z's class scores can reach"),
+        ("protonn gamma 1e300", "datastore.npz: gamma must be one positive number whose square"),
+        ("int8 scale 1e-45", "datastore.npz: scale must be"),
+        ("int8 scale 1e300", "datastore.npz: scale must be"),
+    ],
+)
+def test_crafted_datastore_values_are_refused_naming_bundle_and_field(case, fragment, tmp_path):
     if case.startswith("protonn"):
         bundle = _protonn_bundle(tmp_path)
         with np.load(bundle / "datastore.npz") as f:
             z = f["Z"].astype(np.float64)
-        value = {"protonn Z 1e300": np.full_like(z, 1e300),
-                 "protonn Z sums past float32": np.full_like(z, 3e38).astype(np.float32),
-                 "protonn gamma 1e300": np.float64(1e300)}[case]
+        value = {
+            "protonn Z 1e300": np.full_like(z, 1e300),
+            "protonn Z sums past float32": np.full_like(z, 3e38).astype(np.float32),
+            "protonn gamma 1e300": np.float64(1e300),
+        }[case]
         _rewrite_member(bundle, "gamma" if "gamma" in case else "Z", value)
     else:
         bundle = build_bundle(tmp_path, "flat:int8")
@@ -362,11 +406,22 @@ def test_crafted_datastore_values_are_refused_naming_bundle_and_field(case, frag
     assert_refused(bundle, fragment)
     # a separate process, warnings on: numpy's RuntimeWarnings must not print before the line
     done = subprocess.run(
-        [sys.executable, "-W", "default", "-c", "import sys; from edge_runtime.cli import main; "
-         "sys.exit(main(sys.argv[1:]))", "predict", str(bundle), "--input",
-         str(_images_file(tmp_path))],
-        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-        timeout=120)
+        [
+            sys.executable,
+            "-W",
+            "default",
+            "-c",
+            "import sys; from edge_runtime.cli import main; sys.exit(main(sys.argv[1:]))",
+            "predict",
+            str(bundle),
+            "--input",
+            str(_images_file(tmp_path)),
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert fragment in done.stderr and str(bundle) in done.stderr, done.stderr
 

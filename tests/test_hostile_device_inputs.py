@@ -51,19 +51,33 @@ def test_a_manifest_that_is_a_named_pipe_is_refused_without_blocking(tmp_path, c
     make_image_encoder(tmp_path / "enc.onnx")
     x, y = make_images(10)
     np.savez(tmp_path / "d.npz", x=x, y=y)
-    _fails_in_one_line(["init", "--encoder", str(tmp_path / "enc.onnx"), "--data",
-                        str(tmp_path / "d.npz"), "--budget", "1MB", "--out", str(tmp_path / "o"),
-                        "--like", str(bundle)], capsys, "not a regular file")
+    _fails_in_one_line(
+        [
+            "init",
+            "--encoder",
+            str(tmp_path / "enc.onnx"),
+            "--data",
+            str(tmp_path / "d.npz"),
+            "--budget",
+            "1MB",
+            "--out",
+            str(tmp_path / "o"),
+            "--like",
+            str(bundle),
+        ],
+        capsys,
+        "not a regular file",
+    )
 
 
 def test_data_and_keys_that_are_pipes_are_refused(tmp_path, capsys):
     bundle = build_bundle(tmp_path)
     os.mkfifo(tmp_path / "x.npz")
     os.mkfifo(tmp_path / "key.pub")
-    _fails_in_one_line(["add", str(bundle), "--data", str(tmp_path / "x.npz")], capsys,
-                       "not a regular file")
-    _fails_in_one_line(["--trusted-key", str(tmp_path / "key.pub"), "info", str(bundle)],
-                       capsys)
+    _fails_in_one_line(
+        ["add", str(bundle), "--data", str(tmp_path / "x.npz")], capsys, "not a regular file"
+    )
+    _fails_in_one_line(["--trusted-key", str(tmp_path / "key.pub"), "info", str(bundle)], capsys)
     with pytest.raises(OSError, match="not a regular file"):
         read_regular(tmp_path / "x.npz", 10)
 
@@ -75,9 +89,24 @@ def test_a_huge_budget_works_without_allocating_it(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", x=x, y=y)
     (tmp_path / "spec.json").write_text(json.dumps(IMAGE_SPEC))
     out = tmp_path / "b"
-    assert edge_cli.main(["init", "--encoder", str(tmp_path / "enc.onnx"), "--data",
-                          str(tmp_path / "d.npz"), "--budget", str(2**50), "--out", str(out),
-                          "--input-spec", str(tmp_path / "spec.json")]) == 0
+    assert (
+        edge_cli.main(
+            [
+                "init",
+                "--encoder",
+                str(tmp_path / "enc.onnx"),
+                "--data",
+                str(tmp_path / "d.npz"),
+                "--budget",
+                str(2**50),
+                "--out",
+                str(out),
+                "--input-spec",
+                str(tmp_path / "spec.json"),
+            ]
+        )
+        == 0
+    )
     rt = Runtime.load(out)
     assert rt.manifest["budget_bytes"] == 2**50
     assert rt.add(*make_images(5, 1)).added == 5
@@ -90,7 +119,8 @@ def _compressed_npz(path: Path, n: int) -> np.ndarray:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         with zf.open("x.npy", "w", force_zip64=True) as f:
             np.lib.format.write_array_header_1_0(
-                f, {"descr": "|u1", "fortran_order": False, "shape": (n, 8, 8, 1)})
+                f, {"descr": "|u1", "fortran_order": False, "shape": (n, 8, 8, 1)}
+            )
             chunk = bytes(64 * 1000)
             for _ in range(n // 1000):
                 f.write(chunk)
@@ -116,8 +146,7 @@ def test_a_compressed_archive_that_inflates_past_the_limit_is_streamed(
     streamed = Runtime.load(bundle).datastore
     np.testing.assert_array_equal(streamed.labels_, y[-60:])
     Runtime.load(reference).add(np.zeros((60, 8, 8, 1), np.uint8), y[-60:])
-    np.testing.assert_allclose(streamed.keys(), Runtime.load(reference).datastore.keys(),
-                               atol=1e-6)
+    np.testing.assert_allclose(streamed.keys(), Runtime.load(reference).datastore.keys(), atol=1e-6)
     assert edge_cli.main(["evaluate", str(bundle), "--data", str(tmp_path / "bomb.npz")]) == 0
     assert "on 20000 samples" in capsys.readouterr().out
 
@@ -141,9 +170,14 @@ def test_add_of_an_archive_that_inflates_to_a_million_images_stays_small(tmp_pat
     bundle = build_bundle(tmp_path)
     _compressed_npz(tmp_path / "big.npz", 1_000_000)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    out = subprocess.run([sys.executable, "-c", _PEAK_OF_ADD, str(bundle),
-                          str(tmp_path / "big.npz")], capture_output=True, text=True, env=env,
-                         timeout=300, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_OF_ADD, str(bundle), str(tmp_path / "big.npz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    ).stdout
     grown_mib = int(out.strip().splitlines()[-1]) / 1024
     assert grown_mib < 24, f"add of the archive grew the process by {grown_mib:.1f} MiB"
 
@@ -152,19 +186,25 @@ def test_an_npy_that_declares_more_than_it_holds_is_refused_before_allocating(tm
     bundle = build_bundle(tmp_path)
     with open(tmp_path / "x.npy", "wb") as f:
         np.lib.format.write_array_header_1_0(
-            f, {"descr": "|u1", "fortran_order": False, "shape": (2**40, 8, 8, 1)})
+            f, {"descr": "|u1", "fortran_order": False, "shape": (2**40, 8, 8, 1)}
+        )
         f.write(bytes(64))
-    _fails_in_one_line(["predict", str(bundle), "--input", str(tmp_path / "x.npy")], capsys,
-                       "declares a uint8 array")
+    _fails_in_one_line(
+        ["predict", str(bundle), "--input", str(tmp_path / "x.npy")],
+        capsys,
+        "declares a uint8 array",
+    )
 
 
-@pytest.mark.parametrize(("changes", "needle"), [
-    ({"input": {**IMAGE_SPEC, "shape": [16000, 16000, 1]}}, "values per sample"),
-    ({"num_classes": 2**40}, "'num_classes' is 1099511627776, over"),
-    ({"embedding_dim": 2**20}, "'embedding_dim' is 1048576, over"),
-])
-def test_a_manifest_cannot_declare_sizes_a_device_would_allocate(tmp_path, capsys, changes,
-                                                                  needle):
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"input": {**IMAGE_SPEC, "shape": [16000, 16000, 1]}}, "values per sample"),
+        ({"num_classes": 2**40}, "'num_classes' is 1099511627776, over"),
+        ({"embedding_dim": 2**20}, "'embedding_dim' is 1048576, over"),
+    ],
+)
+def test_a_manifest_cannot_declare_sizes_a_device_would_allocate(tmp_path, capsys, changes, needle):
     bundle = build_bundle(tmp_path)
     rewrite_manifest(bundle, **changes)
     with pytest.raises(BundleError, match=needle.replace("'", ".")):
@@ -175,11 +215,17 @@ def test_a_manifest_cannot_declare_sizes_a_device_would_allocate(tmp_path, capsy
 def test_export_onnx_refuses_to_write_into_the_bundle_it_reads(tmp_path, capsys):
     bundle = build_bundle(tmp_path)
     before = (bundle / "encoder.onnx").read_bytes()
-    _fails_in_one_line(["export-onnx", str(bundle), "--out", str(bundle / "encoder.onnx")],
-                       capsys, "inside the bundle")
+    _fails_in_one_line(
+        ["export-onnx", str(bundle), "--out", str(bundle / "encoder.onnx")],
+        capsys,
+        "inside the bundle",
+    )
     (tmp_path / "link").symlink_to(bundle)
-    _fails_in_one_line(["export-onnx", str(bundle), "--out",
-                        str(tmp_path / "link" / "p.onnx")], capsys, "inside the bundle")
+    _fails_in_one_line(
+        ["export-onnx", str(bundle), "--out", str(tmp_path / "link" / "p.onnx")],
+        capsys,
+        "inside the bundle",
+    )
     assert (bundle / "encoder.onnx").read_bytes() == before
     Runtime.load(bundle)
     assert edge_cli.main(["export-onnx", str(bundle), "--out", str(tmp_path / "p.onnx")]) == 0
@@ -197,8 +243,12 @@ def test_predict_reads_and_writes_a_large_input_in_chunks(tmp_path, capsys, monk
     np.save(tmp_path / "x.npy", x)
     monkeypatch.setattr(edge_cli, "CHUNK_ROWS", 7)
     out = tmp_path / "p.npy"
-    assert edge_cli.main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
-                          "--output", str(out)]) == 0
+    assert (
+        edge_cli.main(
+            ["predict", str(bundle), "--input", str(tmp_path / "x.npy"), "--output", str(out)]
+        )
+        == 0
+    )
     assert "predicted 25 input(s)" in capsys.readouterr().out
     np.testing.assert_allclose(np.load(out), Runtime.load(bundle).predict_proba(x), atol=1e-12)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("p.npy")) == ["p.npy"]
@@ -222,19 +272,22 @@ def _not_regular_outputs(directory: Path, suffix: str) -> list[Path]:
 
 
 @pytest.mark.parametrize(("command", "suffix"), [("predict", ".npy"), ("export-onnx", ".onnx")])
-def test_outputs_that_are_not_regular_files_are_refused_and_kept(tmp_path, capsys, command,
-                                                                   suffix):
+def test_outputs_that_are_not_regular_files_are_refused_and_kept(tmp_path, capsys, command, suffix):
     bundle = build_bundle(tmp_path)
     x, _ = make_images(4)
     np.save(tmp_path / "x.npy", x)
     outs = _not_regular_outputs(tmp_path / "outs", suffix)
     kinds = {p: os.lstat(p).st_mode for p in outs}
     for path in outs:
-        argv = (["predict", str(bundle), "--input", str(tmp_path / "x.npy"), "--output"]
-                if command == "predict" else ["export-onnx", str(bundle), "--out"])
+        argv = (
+            ["predict", str(bundle), "--input", str(tmp_path / "x.npy"), "--output"]
+            if command == "predict"
+            else ["export-onnx", str(bundle), "--out"]
+        )
         _fails_in_one_line([*argv, str(path)], capsys, str(path), "give a file")
     assert {p: os.lstat(p).st_mode for p in outs} == kinds  # nothing replaced
     assert sorted((tmp_path / "outs").iterdir()) == outs  # and no temporary left
+
 
 def test_predict_writes_through_a_link_and_to_standard_output(tmp_path, capsys):
     bundle = build_bundle(tmp_path)
@@ -242,21 +295,41 @@ def test_predict_writes_through_a_link_and_to_standard_output(tmp_path, capsys):
     np.save(tmp_path / "x.npy", x)
     (tmp_path / "real.npy").write_bytes(b"old")
     (tmp_path / "link.npy").symlink_to(tmp_path / "real.npy")
-    assert edge_cli.main(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
-                          "--output", str(tmp_path / "link.npy")]) == 0
+    assert (
+        edge_cli.main(
+            [
+                "predict",
+                str(bundle),
+                "--input",
+                str(tmp_path / "x.npy"),
+                "--output",
+                str(tmp_path / "link.npy"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "link.npy").is_symlink()  # the link stays, its target is rewritten
     assert np.load(tmp_path / "real.npy").shape == (4, NUM_CLASSES)
     capsys.readouterr()
-    script = ("import sys; from edge_runtime import cli; "
-              f"sys.exit(cli.main(['predict', {str(bundle)!r}, '--input', "
-              f"{str(tmp_path / 'x.npy')!r}, '--output', '-']))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
-                          cwd=Path(__file__).parent.parent)
+    script = (
+        "import sys; from edge_runtime import cli; "
+        f"sys.exit(cli.main(['predict', {str(bundle)!r}, '--input', "
+        f"{str(tmp_path / 'x.npy')!r}, '--output', '-']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        timeout=120,
+        cwd=Path(__file__).parent.parent,
+    )
     assert done.returncode == 0, done.stderr
     assert np.load(io.BytesIO(done.stdout)).shape == (4, NUM_CLASSES)
     assert b"predicted 4 input(s)" in done.stderr
-    _fails_in_one_line(["predict", str(bundle), "--input", str(tmp_path / "x.npy"),
-                        "--output", "-", "--labels"], capsys, "choose one")
+    _fails_in_one_line(
+        ["predict", str(bundle), "--input", str(tmp_path / "x.npy"), "--output", "-", "--labels"],
+        capsys,
+        "choose one",
+    )
 
 
 def test_messages_name_the_file_and_the_fix(tmp_path, capsys):
@@ -264,12 +337,18 @@ def test_messages_name_the_file_and_the_fix(tmp_path, capsys):
     --out that is a link was 'exists and is not a bundle'."""
     bundle = build_bundle(tmp_path)
     m = json.loads((bundle / "manifest.json").read_text())
-    m["lambda_rule"] = {"name": "pooled", "pooled": [[1.0, 1.0, 2.0]], "prior_samples": 1.0,
-                        "grid": [0.5]}
+    m["lambda_rule"] = {
+        "name": "pooled",
+        "pooled": [[1.0, 1.0, 2.0]],
+        "prior_samples": 1.0,
+        "grid": [0.5],
+    }
     (bundle / "manifest.json").write_text(
-        json.dumps(m).replace('"prior_samples": 1.0', '"prior_samples": ' + "9" * 400))
-    _fails_in_one_line(["info", str(bundle)], capsys, "manifest.json", "'prior_samples' must be "
-                       "a finite number")
+        json.dumps(m).replace('"prior_samples": 1.0', '"prior_samples": ' + "9" * 400)
+    )
+    _fails_in_one_line(
+        ["info", str(bundle)], capsys, "manifest.json", "'prior_samples' must be a finite number"
+    )
     (tmp_path / "o").mkdir()
     other = build_bundle(tmp_path / "o")
     make_image_encoder(tmp_path / "enc.onnx")
@@ -277,10 +356,25 @@ def test_messages_name_the_file_and_the_fix(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", x=x, y=y)
     (tmp_path / "target").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "target")
-    _fails_in_one_line(["init", "--encoder", str(tmp_path / "enc.onnx"), "--data",
-                        str(tmp_path / "d.npz"), "--budget", "1MB", "--out",
-                        str(tmp_path / "link"), "--force", "--like", str(other)], capsys,
-                       "is a link", "give the directory itself")
+    _fails_in_one_line(
+        [
+            "init",
+            "--encoder",
+            str(tmp_path / "enc.onnx"),
+            "--data",
+            str(tmp_path / "d.npz"),
+            "--budget",
+            "1MB",
+            "--out",
+            str(tmp_path / "link"),
+            "--force",
+            "--like",
+            str(other),
+        ],
+        capsys,
+        "is a link",
+        "give the directory itself",
+    )
 
 
 def test_init_names_the_n_that_does_not_fit(tmp_path, capsys):
@@ -291,8 +385,23 @@ def test_init_names_the_n_that_does_not_fit(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", x=x, y=y)
     (tmp_path / "spec.json").write_text(json.dumps(IMAGE_SPEC))
     budget = (tmp_path / "enc.onnx").stat().st_size + 3000
-    _fails_in_one_line(["init", "--encoder", str(tmp_path / "enc.onnx"), "--data",
-                        str(tmp_path / "d.npz"), "--budget", str(budget), "--out",
-                        str(tmp_path / "o"), "--input-spec", str(tmp_path / "spec.json"),
-                        "--recipes", "flat:int8:n100000"], capsys,
-                       "flat:int8:n100000 asks for 100000 samples", "use flat:int8:n")
+    _fails_in_one_line(
+        [
+            "init",
+            "--encoder",
+            str(tmp_path / "enc.onnx"),
+            "--data",
+            str(tmp_path / "d.npz"),
+            "--budget",
+            str(budget),
+            "--out",
+            str(tmp_path / "o"),
+            "--input-spec",
+            str(tmp_path / "spec.json"),
+            "--recipes",
+            "flat:int8:n100000",
+        ],
+        capsys,
+        "flat:int8:n100000 asks for 100000 samples",
+        "use flat:int8:n",
+    )

@@ -15,22 +15,31 @@ from fed_train.journal import ClientRows, Journal
 
 
 def _client(cid: int, unseen: bool = False, n_test: int = 4, n_val: int = 2):
-    return SimpleNamespace(client_id=cid, unseen=unseen, y_test=np.zeros(n_test),
-                           y_val=np.zeros(n_val))
+    return SimpleNamespace(
+        client_id=cid, unseen=unseen, y_test=np.zeros(n_test), y_val=np.zeros(n_val)
+    )
 
 
 def _row(cid: int, unseen: bool = False, **changes):
-    return {"client_id": cid, "unseen": unseen, "n_test": 4, "accuracy": 0.5, "info": {},
-            **changes}
+    return {"client_id": cid, "unseen": unseen, "n_test": 4, "accuracy": 0.5, "info": {}, **changes}
 
 
 def test_rows_that_are_not_this_runs_clients_are_computed_again(tmp_path, caplog):
     """A `client_id: true` row, a duplicate or a row without 'unseen' changed a table or
     raised KeyError: 'unseen'."""
     path = tmp_path / "rows.jsonl"
-    rows = [_row(0), _row(True), _row(1), _row(1, accuracy=1.0), _row(2, unseen=True),
-            _row(2, unseen=False), {"client_id": 3}, _row(4, n_test=400), _row(5, accuracy=7.0),
-            _row(99)]
+    rows = [
+        _row(0),
+        _row(True),
+        _row(1),
+        _row(1, accuracy=1.0),
+        _row(2, unseen=True),
+        _row(2, unseen=False),
+        {"client_id": 3},
+        _row(4, n_test=400),
+        _row(5, accuracy=7.0),
+        _row(99),
+    ]
     path.write_text("\n".join(json.dumps(r) for r in [{"key": "k"}, *rows]) + "\n")
     clients = [_client(c, unseen=(c == 2)) for c in range(6)]
     with caplog.at_level("WARNING"):
@@ -76,15 +85,16 @@ def test_a_stored_point_its_table_cannot_read_is_computed_again(tmp_path):
         return {"all_mean": 0.5, "rows": [_row(0)]}
 
     points, clients = PointStore(path).collect(
-        [GridPoint({"alpha": 0.1}, key, compute)], lambda r: {"all_mean": r["all_mean"]})
+        [GridPoint({"alpha": 0.1}, key, compute)], lambda r: {"all_mean": r["all_mean"]}
+    )
     assert computed == [1] and points[0]["all_mean"] == 0.5 and len(clients) == 1
-    again, _ = PointStore(path).collect([GridPoint({"alpha": 0.1}, key, compute)],
-                                        lambda r: {"all_mean": r["all_mean"]})
+    again, _ = PointStore(path).collect(
+        [GridPoint({"alpha": 0.1}, key, compute)], lambda r: {"all_mean": r["all_mean"]}
+    )
     assert computed == [1] and again[0]["all_mean"] == 0.5  # the recomputed line wins
 
 
-@pytest.mark.parametrize("content", [b"\x00\xff\xfe binary",
-                                     b'{"settings": ' + b"7" * 5000 + b"}"])
+@pytest.mark.parametrize("content", [b"\x00\xff\xfe binary", b'{"settings": ' + b"7" * 5000 + b"}"])
 def test_a_damaged_report_json_is_one_warning_and_remade(tmp_path, caplog, content):
     """OUT/capacity/report.json was read with json.loads, not the bounded reader: a binary or
     huge-integer one was a UnicodeDecodeError or 'Exceeds the limit' naming no file."""

@@ -43,8 +43,13 @@ def _knnper(argv: list[str], capsys, *needles: str) -> str:
     return lines[0]
 
 
-CONFIG = RunConfig(dataset="digits", clients=3, seed=0, max_train=600,
-                   training=TrainingConfig(rounds=2, epochs=1, batch_size=32))
+CONFIG = RunConfig(
+    dataset="digits",
+    clients=3,
+    seed=0,
+    max_train=600,
+    training=TrainingConfig(rounds=2, epochs=1, batch_size=32),
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,17 +71,23 @@ def _edit_config(run: Path, **changes) -> None:
     (run / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize(("edit", "needle"), [
-    (lambda c: _edit_config(c, evil=1), "unknown keys: evil"),
-    (lambda c: (c / "config.json").write_text("[1, 2]"), "must hold a JSON object"),
-    (lambda c: _edit_config(c, clients="ten"), "'clients' must be int"),
-    (lambda c: _edit_config(c, training={"lr": [1]}), "'lr' must be float"),
-    (lambda c: (c / "config.json").write_text('{"a": '), "not readable JSON"),
-])
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda c: _edit_config(c, evil=1), "unknown keys: evil"),
+        (lambda c: (c / "config.json").write_text("[1, 2]"), "must hold a JSON object"),
+        (lambda c: _edit_config(c, clients="ten"), "'clients' must be int"),
+        (lambda c: _edit_config(c, training={"lr": [1]}), "'lr' must be float"),
+        (lambda c: (c / "config.json").write_text('{"a": '), "not readable JSON"),
+    ],
+)
 def test_a_hand_edited_config_is_one_line(copy, capsys, edit, needle):
     edit(copy)
-    _knnper(["client-data", str(copy), "--client", "0", "--out", str(copy.parent / "cd")],
-            capsys, needle)
+    _knnper(
+        ["client-data", str(copy), "--client", "0", "--out", str(copy.parent / "cd")],
+        capsys,
+        needle,
+    )
 
 
 def test_partition_indices_out_of_range_are_refused(copy, capsys):
@@ -91,9 +102,11 @@ def test_a_run_whose_data_changed_is_refused_by_every_later_stage(copy, capsys, 
     """--max-train draws its subsample with the seed: another seed gives other client data."""
     _edit_config(copy, seed=5)
     out = str(tmp_path / "o")
-    for argv in (["client-data", str(copy), "--client", "0", "--out", out],
-                 ["export", str(copy), "--out", out, "--budget", "2M"],
-                 ["evaluate", str(copy), "--methods", "fedavg"]):
+    for argv in (
+        ["client-data", str(copy), "--client", "0", "--out", out],
+        ["export", str(copy), "--out", out, "--budget", "2M"],
+        ["evaluate", str(copy), "--methods", "fedavg"],
+    ):
         _knnper(argv, capsys, "the data this run was trained on have changed")
 
 
@@ -121,10 +134,13 @@ def _weights() -> dict[str, np.ndarray]:
     return {"w": np.ones((2, 3), np.float32)}
 
 
-@pytest.mark.parametrize(("weights", "needle"), [
-    ({"evil": np.ones((2, 3), np.float32)}, "weights of another model"),
-    ({"w": np.full((2, 3), np.nan, np.float32)}, "NaN or infinite"),
-])
+@pytest.mark.parametrize(
+    ("weights", "needle"),
+    [
+        ({"evil": np.ones((2, 3), np.float32)}, "weights of another model"),
+        ({"w": np.full((2, 3), np.nan, np.float32)}, "NaN or infinite"),
+    ],
+)
 def test_a_resealed_checkpoint_of_other_or_nan_weights_is_not_resumed(tmp_path, weights, needle):
     save_checkpoint(tmp_path / "checkpoints" / "round_0001.pt", 1, weights, {})
     with pytest.raises(CheckpointError, match=needle):
@@ -133,30 +149,42 @@ def test_a_resealed_checkpoint_of_other_or_nan_weights_is_not_resumed(tmp_path, 
 
 def _npz(path: Path, **changes) -> Path:
     rng = np.random.default_rng(0)
-    arrays = {"x_train": rng.integers(0, 255, (20, 8, 8), np.uint8),
-              "y_train": np.arange(20) % 3, "x_test": rng.integers(0, 255, (6, 8, 8), np.uint8),
-              "y_test": np.arange(6) % 3, **changes}
+    arrays = {
+        "x_train": rng.integers(0, 255, (20, 8, 8), np.uint8),
+        "y_train": np.arange(20) % 3,
+        "x_test": rng.integers(0, 255, (6, 8, 8), np.uint8),
+        "y_test": np.arange(6) % 3,
+        **changes,
+    }
     np.savez(path, **arrays)
     return path
 
 
-@pytest.mark.parametrize(("changes", "needle"), [
-    ({"num_classes": np.array([3, 4])}, "num_classes must be one integer"),
-    ({"num_classes": np.array(2**40)}, "classes (from num_classes or the largest label)"),
-    ({"y_train": np.r_[np.arange(19) % 3, 10**6]}, "1000001 classes"),
-    ({"x_train": np.zeros((20, 1, 1), np.uint8), "x_test": np.zeros((6, 1, 1), np.uint8)},
-     "at least 4x4"),
-])
-def test_training_data_that_would_build_a_huge_or_broken_model_is_refused(tmp_path, changes,
-                                                                          needle):
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"num_classes": np.array([3, 4])}, "num_classes must be one integer"),
+        ({"num_classes": np.array(2**40)}, "classes (from num_classes or the largest label)"),
+        ({"y_train": np.r_[np.arange(19) % 3, 10**6]}, "1000001 classes"),
+        (
+            {"x_train": np.zeros((20, 1, 1), np.uint8), "x_test": np.zeros((6, 1, 1), np.uint8)},
+            "at least 4x4",
+        ),
+    ],
+)
+def test_training_data_that_would_build_a_huge_or_broken_model_is_refused(
+    tmp_path, changes, needle
+):
     with pytest.raises(DataError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         load_dataset("npz", str(_npz(tmp_path / "d.npz", **changes)))
 
 
 def test_training_data_is_bounded_before_it_is_inflated(tmp_path, monkeypatch):
     path = _npz(tmp_path / "d.npz")
-    with zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as out, \
-            zipfile.ZipFile(path) as src:
+    with (
+        zipfile.ZipFile(tmp_path / "bomb.npz", "w", zipfile.ZIP_DEFLATED) as out,
+        zipfile.ZipFile(path) as src,
+    ):
         for name in src.namelist():
             out.writestr(name, src.read(name))
     monkeypatch.setattr(data_module, "memory_limit", lambda: 1000)
@@ -165,7 +193,8 @@ def test_training_data_is_bounded_before_it_is_inflated(tmp_path, monkeypatch):
     with open(tmp_path / "huge.npz", "wb") as f, zipfile.ZipFile(f, "w") as zf:
         with zf.open("x_train.npy", "w") as member:
             np.lib.format.write_array_header_1_0(
-                member, {"descr": "|u1", "fortran_order": False, "shape": (2**40, 8, 8)})
+                member, {"descr": "|u1", "fortran_order": False, "shape": (2**40, 8, 8)}
+            )
     with pytest.raises(DataError, match="declares a uint8 array"):
         load_dataset("npz", str(tmp_path / "huge.npz"))
 
@@ -186,21 +215,38 @@ def test_an_empty_server_split_is_refused(tmp_path):
         load_init(tmp_path)
 
 
-@pytest.mark.parametrize(("argv", "needle"), [
-    (["train", "--lr", "1e308"], "--lr"),
-    (["train", "--lr-gamma", "inf"], "--lr-gamma"),
-    (["--threads", "100000", "train"], "--threads"),
-    (["export", "RUN", "--out", "O", "--budget", "2M", "--workers", "0"], "--workers"),
-    (["export", "RUN", "--out", "O", "--budget", "2M", "--workers", "-3"], "--workers"),
-])
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["train", "--lr", "1e308"], "--lr"),
+        (["train", "--lr-gamma", "inf"], "--lr-gamma"),
+        (["--threads", "100000", "train"], "--threads"),
+        (["export", "RUN", "--out", "O", "--budget", "2M", "--workers", "0"], "--workers"),
+        (["export", "RUN", "--out", "O", "--budget", "2M", "--workers", "-3"], "--workers"),
+    ],
+)
 def test_flags_out_of_range_are_one_line(argv, needle, capsys, tmp_path):
     extra = ["--out", str(tmp_path / "r")] if "train" in argv else []
     _knnper([*argv, *extra], capsys, needle)
 
 
 def test_spread_errors_name_spread(copy, capsys, tmp_path):
-    _knnper(["export", str(copy), "--out", str(tmp_path / "o"), "--profile", "lognormal",
-             "--reference", "2M", "--spread", "-1"], capsys, "--spread")
+    _knnper(
+        [
+            "export",
+            str(copy),
+            "--out",
+            str(tmp_path / "o"),
+            "--profile",
+            "lognormal",
+            "--reference",
+            "2M",
+            "--spread",
+            "-1",
+        ],
+        capsys,
+        "--spread",
+    )
 
 
 def test_min_train_clients_past_the_run_is_refused():
@@ -208,23 +254,28 @@ def test_min_train_clients_past_the_run_is_refused():
         FlowerSettings(run=RunConfig(clients=3), run_dir="r", min_train_clients=99).check()
 
 
-@pytest.mark.parametrize("argv", [
-    ["pretrain", "--out", "FILE"],
-    ["evaluate", "RUN", "--methods", "fedavg", "--json", "FILE/x.json"],
-    ["deploy", "config", "--out", "r", "--write", "FILE/run.toml"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["pretrain", "--out", "FILE"],
+        ["evaluate", "RUN", "--methods", "fedavg", "--json", "FILE/x.json"],
+        ["deploy", "config", "--out", "r", "--write", "FILE/run.toml"],
+    ],
+)
 def test_outputs_under_a_file_are_one_line(argv, copy, capsys, tmp_path):
     (tmp_path / "FILE").write_text("a file")
-    argv = [str(tmp_path / a) if a.startswith("FILE") else str(copy) if a == "RUN" else a
-            for a in argv]
+    argv = [
+        str(tmp_path / a) if a.startswith("FILE") else str(copy) if a == "RUN" else a for a in argv
+    ]
     _knnper(["--no-progress", *argv], capsys)
 
 
 def test_deploy_certs_under_a_file_is_one_line(capsys, tmp_path):
     pytest.importorskip("cryptography")
     (tmp_path / "FILE").write_text("a file")
-    _knnper(["deploy", "certs", "--host", "localhost", "--out", str(tmp_path / "FILE" / "c")],
-            capsys)
+    _knnper(
+        ["deploy", "certs", "--host", "localhost", "--out", str(tmp_path / "FILE" / "c")], capsys
+    )
 
 
 def test_a_relative_init_is_recorded_absolute(tmp_path, monkeypatch):
@@ -246,7 +297,6 @@ def test_keygen_leaves_no_private_key_when_the_public_one_cannot_be_written(tmp_
     assert not (tmp_path / "k.pem").exists()
 
 
-
 def test_planted_symlinks_at_old_temporary_names_are_never_followed(copy, tmp_path):
     """knn_config.json.tmp, model.pt.tmp and the journal's .tmp were fixed names: a symlink
     planted there made a write land outside the run. Temporaries are now unique and created
@@ -263,6 +313,7 @@ def test_planted_symlinks_at_old_temporary_names_are_never_followed(copy, tmp_pa
     run = load_run(copy)
     load_or_choose(copy, run.model, run.clients(), KNNRequest("paper"))
     from fed_train.run import save_model
+
     save_model(copy, run.model, {k: v.numpy() for k, v in run.model.state_dict().items()})
     ExportJournal(copy / "export.journal.jsonl").finished({"x": 1}, {}, lambda c, r: True)
     assert victim.read_text() == "mine"
@@ -299,8 +350,11 @@ def test_a_path_writer_replaces_whole_or_leaves_the_old_file(tmp_path):
 
 def test_an_edited_clients_count_is_refused(copy, capsys):
     _edit_config(copy, clients=5)
-    _knnper(["evaluate", str(copy), "--methods", "fedavg"], capsys,
-            "'clients' is 5 but the run was trained with 3")
+    _knnper(
+        ["evaluate", str(copy), "--methods", "fedavg"],
+        capsys,
+        "'clients' is 5 but the run was trained with 3",
+    )
 
 
 def _ctrl_c_as_typed() -> None:
@@ -328,11 +382,28 @@ def test_ctrl_c_while_the_heavy_modules_import_is_one_line_and_130(delay, tmp_pa
     import sys
     import time
 
-    child = subprocess.Popen([sys.executable, "-m", "knnper_cli.main", "--no-progress", "train",
-                              "--dataset", "digits", "--clients", "3", "--rounds", "50",
-                              "--out", str(tmp_path / "run")],
-                             env=_repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, preexec_fn=_ctrl_c_as_typed)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "knnper_cli.main",
+            "--no-progress",
+            "train",
+            "--dataset",
+            "digits",
+            "--clients",
+            "3",
+            "--rounds",
+            "50",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        env=_repo_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ctrl_c_as_typed,
+    )
     time.sleep(delay)
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=120)
@@ -348,17 +419,34 @@ def test_the_early_ctrl_c_handler_is_in_place_before_numpy_imports():
     import subprocess
     import sys
 
-    probe = subprocess.run([sys.executable, "-c", "import sys, edge_runtime.console, "
-                            "knnper_cli.main; print(sorted({'numpy', 'torch', 'onnxruntime'} "
-                            "& set(sys.modules)))"], env=_repo_env(), capture_output=True,
-                           text=True, timeout=60)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, edge_runtime.console, "
+            "knnper_cli.main; print(sorted({'numpy', 'torch', 'onnxruntime'} "
+            "& set(sys.modules)))",
+        ],
+        env=_repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.stdout.strip() == "[]", probe.stderr
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time; from edge_runtime.interrupt import "
-         "exit_on_interrupt\nwith exit_on_interrupt('knnper-edge'):\n"
-         "    print('importing', flush=True); time.sleep(60)"],
-        env=_repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=_ctrl_c_as_typed)
+        [
+            sys.executable,
+            "-c",
+            "import time; from edge_runtime.interrupt import "
+            "exit_on_interrupt\nwith exit_on_interrupt('knnper-edge'):\n"
+            "    print('importing', flush=True); time.sleep(60)",
+        ],
+        env=_repo_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ctrl_c_as_typed,
+    )
     assert child.stdout.readline() == "importing\n"
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=60)
@@ -378,26 +466,37 @@ def test_output_paths_are_checked_before_any_work(run_dir, tmp_path, capsys, mon
     for argv, needle in (
         (["evaluate", str(run_dir), "--json", str(afile / "x.json")], "afile is not a directory"),
         (["evaluate", str(run_dir), "--json", str(tmp_path)], "is a directory, not a file"),
-        (["export", str(run_dir), "--out", str(afile), "--budget", "2M"],
-         "exists and is not a directory"),
-        (["client-data", str(run_dir), "--client", "0", "--out", str(afile / "d")],
-         "afile is not a directory"),
+        (
+            ["export", str(run_dir), "--out", str(afile), "--budget", "2M"],
+            "exists and is not a directory",
+        ),
+        (
+            ["client-data", str(run_dir), "--client", "0", "--out", str(afile / "d")],
+            "afile is not a directory",
+        ),
     ):
         _knnper(argv, capsys, needle)
     assert afile.read_text() == "x"
 
 
-@pytest.mark.parametrize(("flag", "value", "needle"), [
-    ("--k", str(2**63), "--k: must be at most 9223372036854775807"),
-    ("--k", "0", ">= 1"),
-    ("--sigma", "1e-320", "must be a number from 1e-30 to 1e+30"),
-    ("--sigma", "1e31", "must be a number from 1e-30 to 1e+30"),
-    ("--sigma", "nan", "a finite number > 0"),
-])
-def test_k_and_sigma_no_device_could_run_are_refused_at_parse_time(run_dir, tmp_path, capsys,
-                                                                   flag, value, needle):
-    _knnper(["export", str(run_dir), "--out", str(tmp_path / "o"), "--budget", "2M",
-             flag, value], capsys, needle)
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [
+        ("--k", str(2**63), "--k: must be at most 9223372036854775807"),
+        ("--k", "0", ">= 1"),
+        ("--sigma", "1e-320", "must be a number from 1e-30 to 1e+30"),
+        ("--sigma", "1e31", "must be a number from 1e-30 to 1e+30"),
+        ("--sigma", "nan", "a finite number > 0"),
+    ],
+)
+def test_k_and_sigma_no_device_could_run_are_refused_at_parse_time(
+    run_dir, tmp_path, capsys, flag, value, needle
+):
+    _knnper(
+        ["export", str(run_dir), "--out", str(tmp_path / "o"), "--budget", "2M", flag, value],
+        capsys,
+        needle,
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -405,23 +504,41 @@ def test_k_and_sigma_no_device_could_run_are_refused_at_parse_time(run_dir, tmp_
 def test_device_init_refuses_the_same_k_and_sigma(flag, value, capsys):
     from edge_runtime.cli import main as edge_main
 
-    code = edge_main(["init", "--encoder", "e.onnx", "--data", "d.npz", "--budget", "1M",
-                      "--out", "o", "--input-spec", "s.json", flag, value])
+    code = edge_main(
+        [
+            "init",
+            "--encoder",
+            "e.onnx",
+            "--data",
+            "d.npz",
+            "--budget",
+            "1M",
+            "--out",
+            "o",
+            "--input-spec",
+            "s.json",
+            flag,
+            value,
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and flag in err, err
 
 
-@pytest.mark.parametrize(("flag", "value", "needle"), [
-    ("--seed", "-1", "--seed: must be from 0 to 4294967295"),
-    ("--seed", str(2**70), "--seed: must be from 0 to 4294967295"),
-    ("--rounds", str(10**23), "--rounds: must be at most 9223372036854775807"),
-    ("--momentum", "nan", "--momentum: must be from 0 to"),
-    ("--weight-decay", "inf", "--weight-decay: must be from 0 to"),
-])
-def test_numeric_training_flags_are_bounded_at_parse_time(tmp_path, capsys, flag, value,
-                                                          needle):
-    _knnper(["train", "--dataset", "digits", "--out", str(tmp_path / "r"), flag, value],
-            capsys, needle)
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [
+        ("--seed", "-1", "--seed: must be from 0 to 4294967295"),
+        ("--seed", str(2**70), "--seed: must be from 0 to 4294967295"),
+        ("--rounds", str(10**23), "--rounds: must be at most 9223372036854775807"),
+        ("--momentum", "nan", "--momentum: must be from 0 to"),
+        ("--weight-decay", "inf", "--weight-decay: must be from 0 to"),
+    ],
+)
+def test_numeric_training_flags_are_bounded_at_parse_time(tmp_path, capsys, flag, value, needle):
+    _knnper(
+        ["train", "--dataset", "digits", "--out", str(tmp_path / "r"), flag, value], capsys, needle
+    )
     assert not (tmp_path / "r").exists()
 
 
@@ -434,8 +551,10 @@ def test_a_killed_writers_temporaries_are_removed_at_the_next_start(copy, tmp_pa
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = [copy / f"model.pt.tmp-{gone.pid}-0123abcd",
-            copy / "checkpoints" / f"round_0001.pt.tmp-{gone.pid}-89abcdef"]
+    dead = [
+        copy / f"model.pt.tmp-{gone.pid}-0123abcd",
+        copy / "checkpoints" / f"round_0001.pt.tmp-{gone.pid}-89abcdef",
+    ]
     live = copy / f"knn_config.json.tmp-{os.getpid()}-0123abcd"
     link = copy / f"metrics.jsonl.tmp-{gone.pid}-00000000"
     for path in (*dead, live):
@@ -469,8 +588,9 @@ def test_an_error_raised_by_ctrl_c_inside_an_import_counts_as_ctrl_c():
     assert not _from_interrupt(RuntimeError("a real failure"))
 
 
-def test_outputs_that_are_not_regular_files_are_refused_before_any_work(run_dir, tmp_path,
-                                                                        capsys, monkeypatch):
+def test_outputs_that_are_not_regular_files_are_refused_before_any_work(
+    run_dir, tmp_path, capsys, monkeypatch
+):
     """An atomic rename over a pipe, a device (as root, /dev/null itself) or a link to one
     replaced it with a regular file."""
     import os
@@ -492,10 +612,24 @@ def test_outputs_that_are_not_regular_files_are_refused_before_any_work(run_dir,
         pass
     kinds = {p: os.lstat(p).st_mode for p in outs}
     for out in outs:
-        _knnper(["evaluate", str(run_dir), "--json", str(out)], capsys, str(out),
-                "not a regular file")
-        _knnper(["deploy", "config", "--dataset", "digits", "--out", str(tmp_path / "fl"),
-                 "--write", str(out)], capsys, str(out), "not a regular file")
+        _knnper(
+            ["evaluate", str(run_dir), "--json", str(out)], capsys, str(out), "not a regular file"
+        )
+        _knnper(
+            [
+                "deploy",
+                "config",
+                "--dataset",
+                "digits",
+                "--out",
+                str(tmp_path / "fl"),
+                "--write",
+                str(out),
+            ],
+            capsys,
+            str(out),
+            "not a regular file",
+        )
     assert {p: os.lstat(p).st_mode for p in outs} == kinds
     assert sorted(tmp_path.iterdir()) == sorted(outs)
 
@@ -507,8 +641,21 @@ def test_json_and_toml_go_to_standard_output_or_through_a_link(run_dir, tmp_path
     (tmp_path / "real.toml").write_text("old")
     (tmp_path / "link.toml").symlink_to(tmp_path / "real.toml")
     for write in ("/dev/stdout", str(tmp_path / "link.toml")):
-        assert knnper_cli.main(["deploy", "config", "--dataset", "digits", "--out",
-                                str(tmp_path / "fl"), "--write", write]) == 0
+        assert (
+            knnper_cli.main(
+                [
+                    "deploy",
+                    "config",
+                    "--dataset",
+                    "digits",
+                    "--out",
+                    str(tmp_path / "fl"),
+                    "--write",
+                    write,
+                ]
+            )
+            == 0
+        )
     assert "run-dir" in capsys.readouterr().out
     assert (tmp_path / "link.toml").is_symlink()
     assert "run-dir" in (tmp_path / "real.toml").read_text()
@@ -534,22 +681,40 @@ def test_ctrl_c_from_the_first_statement_to_the_interpreters_exit_is_one_line():
 
     import tomllib
 
-    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
-        "project"]["scripts"]
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "scripts"
+    ]
     assert scripts["knnper"] == "knnper_cli.console:main"
-    probe = subprocess.run([sys.executable, "-c", "import sys; before = set(sys.modules); "
-                            "import knnper_cli.console; print(sorted({'logging', 'argparse', "
-                            "'knnper_cli.main'} & (set(sys.modules) - before)))"],
-                           env=_repo_env(), capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; before = set(sys.modules); "
+            "import knnper_cli.console; print(sorted({'logging', 'argparse', "
+            "'knnper_cli.main'} & (set(sys.modules) - before)))",
+        ],
+        env=_repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.stdout.strip() == "[]", probe.stderr
     for module in ("knnper_cli.console", "edge_runtime.console"):
         child = subprocess.Popen(
-            [sys.executable, "-c", "import atexit, sys, time\n"
-             f"from {module} import main\n"
-             "atexit.register(lambda: (print('exiting', flush=True), time.sleep(60)))\n"
-             "sys.argv[1:] = ['--version']\nsys.exit(main())"],
-            env=_repo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_ctrl_c_as_typed)
+            [
+                sys.executable,
+                "-c",
+                "import atexit, sys, time\n"
+                f"from {module} import main\n"
+                "atexit.register(lambda: (print('exiting', flush=True), time.sleep(60)))\n"
+                "sys.argv[1:] = ['--version']\nsys.exit(main())",
+            ],
+            env=_repo_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=_ctrl_c_as_typed,
+        )
         assert child.stdout.readline().strip()  # the version
         assert child.stdout.readline() == "exiting\n"
         child.send_signal(signal.SIGINT)

@@ -68,8 +68,15 @@ def test_the_whole_encoder_equals_the_exact_reference(encoders, digits):
     session = ort.InferenceSession(str(encoders["int7"]), providers=["CPUExecutionProvider"])
     z, logits = session.run(["embedding", "logits"], {"input": x})
     z_ref, logits_ref = reference_outputs(encoders["int7"], x)
-    step = float(onnx.numpy_helper.to_array(next(
-        i for i in onnx.load(encoders["int7"]).graph.initializer if i.name == "embedding_scale")))
+    step = float(
+        onnx.numpy_helper.to_array(
+            next(
+                i
+                for i in onnx.load(encoders["int7"]).graph.initializer
+                if i.name == "embedding_scale"
+            )
+        )
+    )
     assert np.abs(z - z_ref).max() <= step * 1.001  # measured 0 on AVX-512 VNNI
     assert np.mean(np.abs(z - z_ref) > 0) <= 1e-3
     assert np.abs(logits - logits_ref).max() < 1e-4
@@ -109,8 +116,16 @@ def test_the_comparison_fails_on_a_saturating_kernel():
     inputs comes out of a saturating kernel several quantization steps off."""
     w = np.full((2, 1, 3, 3), 127, np.int8)
     x = np.full((1, 1, 4, 4), 255, np.uint8)
-    args = (x, 0.01, np.uint8(0), w, np.full(2, 0.01, np.float32), np.zeros(2, np.int8), 1.0,
-            np.uint8(0))
+    args = (
+        x,
+        0.01,
+        np.uint8(0),
+        w,
+        np.full(2, 0.01, np.float32),
+        np.zeros(2, np.int8),
+        1.0,
+        np.uint8(0),
+    )
     exact = qlinear_conv(*args, pads=[1, 1, 1, 1])
     avx2 = qlinear_conv(*args, pads=[1, 1, 1, 1], saturate_pairs=True)
     assert np.abs(exact.astype(int) - avx2.astype(int)).max() > 1

@@ -66,5 +66,6 @@ def test_a_worker_line_on_a_terminal_clears_the_bar_it_lands_on():
     lines.write("WARNING one\nhalf")
     lines.write(" done\n")
     lines.write("two\n")
-    assert terminal.getvalue() == (f"{CLEAR_LINE}WARNING one\n{CLEAR_LINE}half done\n"
-                                   f"{CLEAR_LINE}two\n")
+    assert terminal.getvalue() == (
+        f"{CLEAR_LINE}WARNING one\n{CLEAR_LINE}half done\n{CLEAR_LINE}two\n"
+    )

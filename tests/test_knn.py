@@ -38,8 +38,9 @@ def test_far_neighbours_do_not_underflow_to_nan():
 
 def test_posterior_rows_sum_to_one():
     rng = np.random.default_rng(0)
-    head = KNNHead(num_classes=4, k=5, sigma=0.5).fit(rng.normal(size=(50, 8)),
-                                                       rng.integers(0, 4, 50))
+    head = KNNHead(num_classes=4, k=5, sigma=0.5).fit(
+        rng.normal(size=(50, 8)), rng.integers(0, 4, 50)
+    )
     p = head.predict_proba(rng.normal(size=(10, 8)).astype(np.float32))
     np.testing.assert_allclose(p.sum(axis=1), 1.0)
 

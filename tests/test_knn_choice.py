@@ -32,8 +32,13 @@ from knnper_cli.main import main as knnper_main
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("knnchoice") / "run"
-    config = RunConfig(dataset="digits", clients=6, unseen_fraction=0.34, seed=3,
-                       training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05))
+    config = RunConfig(
+        dataset="digits",
+        clients=6,
+        unseen_fraction=0.34,
+        seed=3,
+        training=TrainingConfig(rounds=2, epochs=1, batch_size=16, lr=0.05),
+    )
     train(config, out, progress=False)
     return out
 
@@ -49,17 +54,29 @@ def test_requests_say_what_is_searched_and_where_each_value_comes_from():
     assert set(paper.sources().values()) == {FROM_PAPER}
     pinned = KNNRequest(k=5, normalize="l2")
     assert pinned.grids() == ((5,), SIGMA_GRID, ("l2",))
-    assert pinned.sources() == {"k": FROM_FLAG, "sigma": FROM_VALIDATION,
-                                "normalize": FROM_FLAG, "lambda_estimator": FROM_VALIDATION,
-                                "lambda_rule": FROM_VALIDATION, "base": FROM_VALIDATION}
-    assert KNNRequest("paper", lambda_estimator="loo+val").sources()["lambda_estimator"] == \
-        FROM_FLAG
+    assert pinned.sources() == {
+        "k": FROM_FLAG,
+        "sigma": FROM_VALIDATION,
+        "normalize": FROM_FLAG,
+        "lambda_estimator": FROM_VALIDATION,
+        "lambda_rule": FROM_VALIDATION,
+        "base": FROM_VALIDATION,
+    }
+    assert (
+        KNNRequest("paper", lambda_estimator="loo+val").sources()["lambda_estimator"] == FROM_FLAG
+    )
     assert KNNRequest("paper", lambda_rule="pooled").sources()["lambda_rule"] == FROM_FLAG
     assert paper.base_choice() == "global" and tuned.base_choice() == "auto"
     assert KNNRequest("paper", base="linear").sources()["base"] == FROM_FLAG
-    for bad in ({"mode": "best"}, {"k": 0}, {"sigma": -1.0}, {"normalize": "l1"},
-                {"lambda_estimator": "test"}, {"lambda_rule": "oracle"},
-                {"base": "local"}):
+    for bad in (
+        {"mode": "best"},
+        {"k": 0},
+        {"sigma": -1.0},
+        {"normalize": "l1"},
+        {"lambda_estimator": "test"},
+        {"lambda_rule": "oracle"},
+        {"base": "local"},
+    ):
         with pytest.raises(KnnperError):
             KNNRequest(**bad)
 
@@ -74,7 +91,10 @@ def test_the_choice_is_saved_with_its_evidence_and_reused(run_dir, monkeypatch):
     assert len(record["grid"]) == len(K_GRID) * len(SIGMA_GRID) * 2
     best = min(record["grid"], key=lambda r: choice_key(r["val_accuracy"], r["val_nll"]))
     assert (best["k"], best["sigma"], best["normalize"]) == (
-        choice.config.k, choice.config.sigma, choice.config.normalize)
+        choice.config.k,
+        choice.config.sigma,
+        choice.config.normalize,
+    )
     assert set(record["lambda_cv"]) == {"val", "loo+val"}
     seen = [c for c in clients if not c.unseen and len(c.y_val)]
     assert record["chosen_on"]["clients"] == [c.client_id for c in seen]
@@ -131,12 +151,27 @@ def test_a_forged_saved_choice_is_refused(run_dir, tmp_path):
 
 
 def test_evaluate_runs_the_saved_choice_and_prints_where_it_came_from(run_dir, capsys):
-    assert knnper_main(["--no-progress", "evaluate", str(run_dir), "--methods", "knnper",
-                        "--knn-config", "paper", "--k", "5"]) == 0
+    assert (
+        knnper_main(
+            [
+                "--no-progress",
+                "evaluate",
+                str(run_dir),
+                "--methods",
+                "knnper",
+                "--knn-config",
+                "paper",
+                "--k",
+                "5",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "k=5 (flag)" in out and "sigma=1 (paper default)" in out
-    result = evaluate_run(load_run(run_dir), ["knnper"], knn=KNNRequest("paper", k=5),
-                          progress=False)
+    result = evaluate_run(
+        load_run(run_dir), ["knnper"], knn=KNNRequest("paper", k=5), progress=False
+    )
     assert result["knn"]["config"] == {"k": 5, "sigma": 1.0, "normalize": "none"}
     assert (run_dir / MODEL_FILE).exists()
 
@@ -154,8 +189,7 @@ def chosen(run_dir, tmp_path_factory):
     return copy
 
 
-def _refused_by_evaluate(run, tmp_path, capsys, write, *needles: str,
-                         knn: str = "paper") -> None:
+def _refused_by_evaluate(run, tmp_path, capsys, write, *needles: str, knn: str = "paper") -> None:
     """`evaluate` on a copy whose knn_config.json `write` changed fails in one line, exit 2."""
     import shutil
 
@@ -164,8 +198,9 @@ def _refused_by_evaluate(run, tmp_path, capsys, write, *needles: str,
     path = copy / KNN_CONFIG_FILE
     write(path, json.loads(path.read_text()))
     capsys.readouterr()
-    code = knnper_main(["--no-progress", "evaluate", str(copy), "--methods", "knnper",
-                        "--knn-config", knn])
+    code = knnper_main(
+        ["--no-progress", "evaluate", str(copy), "--methods", "knnper", "--knn-config", knn]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     for needle in (str(path), "delete it", *needles):
@@ -181,42 +216,50 @@ def _edit_paper(**changes):
             else:
                 config[key] = value
         path.write_text(json.dumps(saved))
+
     return write
 
 
 _MISSING = object()
 
 
-@pytest.mark.parametrize(("write", "needle"), [
-    (lambda p, s: p.write_bytes(b"\x00\xff\xfe binary"), "not UTF-8"),
-    (lambda p, s: p.write_bytes(json.dumps(s).encode("utf-16")), "not UTF-8"),
-    (lambda p, s: p.write_text("[" * 100_000 + "]" * 100_000), "nested deeper"),
-    (lambda p, s: p.write_text('{"model_sha256": ' + "7" * 5000 + "}"), "not usable JSON"),
-    (_edit_paper(k=2.5), "k must be int"),
-    (_edit_paper(k=True), "k must be int"),
-    (_edit_paper(k=None), "k must be int"),
-    (_edit_paper(k=_MISSING), "lacks 'k'"),
-    (_edit_paper(k=2**70), "k must be an integer from 1"),
-    (_edit_paper(sigma=1e-320), "sigma must be a number from"),
-    (_edit_paper(k=5), "its scores choose"),
-    (_edit_paper(sigma=10**400), "malformed or edited"),  # was an OverflowError
-])
-def test_a_damaged_or_edited_choice_is_refused_in_one_line(chosen, tmp_path, capsys, write,
-                                                           needle):
+@pytest.mark.parametrize(
+    ("write", "needle"),
+    [
+        (lambda p, s: p.write_bytes(b"\x00\xff\xfe binary"), "not UTF-8"),
+        (lambda p, s: p.write_bytes(json.dumps(s).encode("utf-16")), "not UTF-8"),
+        (lambda p, s: p.write_text("[" * 100_000 + "]" * 100_000), "nested deeper"),
+        (lambda p, s: p.write_text('{"model_sha256": ' + "7" * 5000 + "}"), "not usable JSON"),
+        (_edit_paper(k=2.5), "k must be int"),
+        (_edit_paper(k=True), "k must be int"),
+        (_edit_paper(k=None), "k must be int"),
+        (_edit_paper(k=_MISSING), "lacks 'k'"),
+        (_edit_paper(k=2**70), "k must be an integer from 1"),
+        (_edit_paper(sigma=1e-320), "sigma must be a number from"),
+        (_edit_paper(k=5), "its scores choose"),
+        (_edit_paper(sigma=10**400), "malformed or edited"),  # was an OverflowError
+    ],
+)
+def test_a_damaged_or_edited_choice_is_refused_in_one_line(chosen, tmp_path, capsys, write, needle):
     _refused_by_evaluate(chosen, tmp_path, capsys, write, needle)
 
 
 def test_a_choice_edited_to_another_grid_point_is_refused(chosen, tmp_path, capsys):
     """Values that stay in range and in the grid are still not what the saved scores chose."""
+
     def write(path, saved):
         record = saved["choices"][KNNRequest().key()]
-        others = [g for g in record["grid"] if {k: g[k] for k in ("k", "sigma", "normalize")}
-                  != record["config"]]
+        others = [
+            g
+            for g in record["grid"]
+            if {k: g[k] for k in ("k", "sigma", "normalize")} != record["config"]
+        ]
         record["config"] = {k: others[0][k] for k in ("k", "sigma", "normalize")}
         path.write_text(json.dumps(saved))
 
-    _refused_by_evaluate(chosen, tmp_path, capsys, write, "its scores choose", "edited",
-                         knn="tuned")
+    _refused_by_evaluate(
+        chosen, tmp_path, capsys, write, "its scores choose", "edited", knn="tuned"
+    )
 
 
 def test_an_edited_estimator_is_refused(chosen, tmp_path, capsys):
@@ -225,34 +268,40 @@ def test_an_edited_estimator_is_refused(chosen, tmp_path, capsys):
         record["estimator"] = next(e for e in ("val", "loo+val") if e != record["estimator"])
         path.write_text(json.dumps(saved))
 
-    _refused_by_evaluate(chosen, tmp_path, capsys, write, "lambda_cv does not choose",
-                         knn="tuned")
+    _refused_by_evaluate(chosen, tmp_path, capsys, write, "lambda_cv does not choose", knn="tuned")
 
 
 def _edit_tuned(change):
     def write(path, saved):
         change(saved["choices"][KNNRequest().key()])
         path.write_text(json.dumps(saved))
+
     return write
 
 
 def _other_base(record):
-    record["base"] = ({"name": "global", "l2": None, "l2_choice": {}}
-                      if record["base"]["name"] == "linear" else
-                      {"name": "linear", "l2": 0.01, "l2_choice": {}})
+    record["base"] = (
+        {"name": "global", "l2": None, "l2_choice": {}}
+        if record["base"]["name"] == "linear"
+        else {"name": "linear", "l2": 0.01, "l2_choice": {}}
+    )
 
 
 def _other_rule(record):
-    record["lambda_rule"]["name"] = next(r for r in ("client", "pooled")
-                                         if r != record["lambda_rule"]["name"])
+    record["lambda_rule"]["name"] = next(
+        r for r in ("client", "pooled") if r != record["lambda_rule"]["name"]
+    )
 
 
-@pytest.mark.parametrize(("change", "needle"), [
-    (_other_base, "base_cv does not choose"),
-    (_other_rule, "base_cv does not choose"),
-    (lambda r: r["base"].update(l2=-1.0), "is not a base"),
-    (lambda r: r["lambda_rule"].update(grid=[0.0, 2.0]), "distinct values in"),
-])
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (_other_base, "base_cv does not choose"),
+        (_other_rule, "base_cv does not choose"),
+        (lambda r: r["base"].update(l2=-1.0), "is not a base"),
+        (lambda r: r["lambda_rule"].update(grid=[0.0, 2.0]), "distinct values in"),
+    ],
+)
 def test_an_edited_base_or_lambda_rule_is_refused(chosen, tmp_path, capsys, change, needle):
     """The saved base and rule are what their own cross-validation chose, or refused."""
     _refused_by_evaluate(chosen, tmp_path, capsys, _edit_tuned(change), needle, knn="tuned")
@@ -269,8 +318,7 @@ def test_a_fifo_as_the_choice_file_is_refused_without_blocking(chosen, tmp_path,
 
 
 @pytest.mark.parametrize("with_its_config", [False, True])
-def test_an_l2_edited_to_another_grid_value_is_refused(run_dir, tmp_path, capsys,
-                                                       with_its_config):
+def test_an_l2_edited_to_another_grid_value_is_refused(run_dir, tmp_path, capsys, with_its_config):
     """The linear head's l2 (0.01 -> 1e-6, a grid value that did not win) was evaluated,
     exported and printed as "(validation)": it is checked against its scores like the rest."""
     import shutil
@@ -288,8 +336,9 @@ def test_an_l2_edited_to_another_grid_value_is_refused(run_dir, tmp_path, capsys
         base["l2_choice"]["config"]["l2"] = other
     path.write_text(json.dumps(saved))
     capsys.readouterr()
-    code = knnper_main(["--no-progress", "evaluate", str(copy), "--methods", "knnper",
-                        "--base", "linear"])
+    code = knnper_main(
+        ["--no-progress", "evaluate", str(copy), "--methods", "knnper", "--base", "linear"]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "its l2 scores choose" in err and "edited" in err and str(path) in err, err
@@ -306,9 +355,14 @@ def test_a_new_choice_says_each_step_on_a_terminal(run_dir, monkeypatch):
     monkeypatch.setattr(sys, "stderr", terminal)
     choose(run.model, run.clients(), KNNRequest(), seed=0, progress=True)
     shown = terminal.getvalue()
-    for step in ("choosing kNN-Per's configuration", "embedding every client's splits",
-                 "grid points on", "the lambda estimators", "the lambda rule and the base",
-                 "each client's lambda and the report"):
+    for step in (
+        "choosing kNN-Per's configuration",
+        "embedding every client's splits",
+        "grid points on",
+        "the lambda estimators",
+        "the lambda rule and the base",
+        "each client's lambda and the report",
+    ):
         assert step in shown, step
     quiet = Terminal()
     monkeypatch.setattr(sys, "stderr", quiet)

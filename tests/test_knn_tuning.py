@@ -69,9 +69,21 @@ def _direction_views(seed: int = 0) -> list[ClientSplits]:
     for cid in range(4):
         (zt, yt), (zv, yv), (zs, ys) = split(60), split(30), split(30)
         flat = np.full((1, 3), 1 / 3)
-        views.append(ClientSplits(cid, False, zt, yt, zv, yv, zs, ys,
-                                np.repeat(flat, 60, 0), np.repeat(flat, 30, 0),
-                                np.repeat(flat, 30, 0)))
+        views.append(
+            ClientSplits(
+                cid,
+                False,
+                zt,
+                yt,
+                zv,
+                yv,
+                zs,
+                ys,
+                np.repeat(flat, 60, 0),
+                np.repeat(flat, 30, 0),
+                np.repeat(flat, 30, 0),
+            )
+        )
     return views
 
 
@@ -102,6 +114,7 @@ def test_the_loo_estimator_adds_the_datastore_samples_to_the_evidence():
     p_knn_val, p_glob_val = np.array([[0.4, 0.6]]), np.array([[0.9, 0.1]])
     y_tr = np.ones(20, dtype=np.int64)
     loo = (np.tile([[0.1, 0.9]], (20, 1)), np.tile([[0.8, 0.2]], (20, 1)), y_tr)
+
     def estimate(*args):
         return CLIENT_RULE.choose(*estimator_evidence(*args))
 
@@ -124,8 +137,14 @@ def trained():
 @pytest.mark.parametrize("config", [KNNConfig(), KNNConfig(5, 0.01, "l2")])
 def test_client_rows_agree_with_the_knnper_algorithm(trained, estimator, config):
     clients, weights = trained
-    algorithm = KNNPer(model_fn, TRAINING, k=config.k, sigma=config.sigma,
-                       normalize=config.normalize, lambda_estimator=estimator)
+    algorithm = KNNPer(
+        model_fn,
+        TRAINING,
+        k=config.k,
+        sigma=config.sigma,
+        normalize=config.normalize,
+        lambda_estimator=estimator,
+    )
     expected = client_accuracies(algorithm, weights, {}, clients)
     views = client_views(algorithm.global_model(weights), clients)
     rows = client_rows(views, config, estimator=estimator)
@@ -158,7 +177,8 @@ def _noisy_views(seed: int = 0) -> list[ClientSplits]:
 def _knn_posteriors(view: ClientSplits, config: KNNConfig, z: np.ndarray) -> np.ndarray:
     """The device's kNN head over the client's datastore, at `config`."""
     head = KNNHead(view.num_classes, config.k, config.sigma).fit(
-        normalize_embeddings(view.z_train, config.normalize), view.y_train)
+        normalize_embeddings(view.z_train, config.normalize), view.y_train
+    )
     return head.predict_proba(normalize_embeddings(z, config.normalize))
 
 
@@ -166,9 +186,13 @@ def test_the_test_oracle_is_the_best_grid_lambda_and_the_report_its_cost():
     views, config = _noisy_views(), KNNConfig(5, 1.0, "none")
     rows = client_rows(views, config)
     # each client's test accuracy at every grid lambda, through the device's kNN head
-    acc = np.array([[np.mean(interpolate(p, v.p_test, lam).argmax(1) == v.y_test)
-                     for lam in LAMBDA_GRID]
-                    for v in views for p in [_knn_posteriors(v, config, v.z_test)]])
+    acc = np.array(
+        [
+            [np.mean(interpolate(p, v.p_test, lam).argmax(1) == v.y_test) for lam in LAMBDA_GRID]
+            for v in views
+            for p in [_knn_posteriors(v, config, v.z_test)]
+        ]
+    )
     for row, grid in zip(rows, acc, strict=True):
         assert row["accuracy"] == grid[LAMBDA_GRID.index(row["info"]["lambda"])]
         assert row["info"]["oracle_accuracy"] == grid.max()
@@ -178,9 +202,9 @@ def test_the_test_oracle_is_the_best_grid_lambda_and_the_report_its_cost():
     n_test = np.array([len(v.y_test) for v in views], dtype=np.float64)
     report = lambda_report(rows)
     assert report["cost_pp"] == pytest.approx(
-        100 * np.average(acc.max(1) - honest, weights=n_test), abs=1e-9)
-    assert report["differs"] == sum(r["info"]["lambda"] != r["info"]["oracle_lambda"]
-                                    for r in rows)
+        100 * np.average(acc.max(1) - honest, weights=n_test), abs=1e-9
+    )
+    assert report["differs"] == sum(r["info"]["lambda"] != r["info"]["oracle_lambda"] for r in rows)
 
 
 def test_no_choice_depends_on_test_labels(trained):
@@ -196,16 +220,25 @@ def test_no_choice_depends_on_test_labels(trained):
     picks = [select_config(vs, sigmas=(0.01, 1.0)) for vs in (views, shuffled)]
     assert picks[0] == picks[1]
     config = picks[0][0]
-    assert (compare_lambda_estimators(views, config)
-            == compare_lambda_estimators(shuffled, config))
+    assert compare_lambda_estimators(views, config) == compare_lambda_estimators(shuffled, config)
     for est in ("val", "loo+val"):
-        a, b = client_rows(views, config, estimator=est), client_rows(shuffled, config,
-                                                                      estimator=est)
+        a, b = (
+            client_rows(views, config, estimator=est),
+            client_rows(shuffled, config, estimator=est),
+        )
         assert [r["info"]["lambda"] for r in a] == [r["info"]["lambda"] for r in b]
     algorithm = KNNPer(model_fn, TRAINING)
     for c in clients:
-        permuted = type(c)(c.client_id, c.x_train, c.y_train, c.x_val, c.y_val, c.x_test,
-                           c.y_test[torch.randperm(len(c.y_test))], c.unseen)
+        permuted = type(c)(
+            c.client_id,
+            c.x_train,
+            c.y_train,
+            c.x_val,
+            c.y_val,
+            c.x_test,
+            c.y_test[torch.randperm(len(c.y_test))],
+            c.unseen,
+        )
         p1 = algorithm.personalize(weights, c, {}, 0)
         p2 = algorithm.personalize(weights, permuted, {}, 0)
         assert p1.info == p2.info
@@ -213,7 +246,7 @@ def test_no_choice_depends_on_test_labels(trained):
 
 
 def test_estimator_comparison_scores_are_cross_validated_accuracies():
-    """"val"'s score by hand: each seen client's validation split halved (seeded by (0,
+    """ "val"'s score by hand: each seen client's validation split halved (seeded by (0,
     client)), lambda chosen on one half with the device's kNN head, scored on the other, both
     ways, pooled over the clients; "loo+val" is scored on the same samples."""
     views, config = _noisy_views(), KNNConfig(5, 1.0, "none")
@@ -223,7 +256,7 @@ def test_estimator_comparison_scores_are_cross_validated_accuracies():
     for v in (v for v in views if not v.unseen):
         p_knn = _knn_posteriors(v, config, v.z_val)
         order = np.random.default_rng([0, v.client_id]).permutation(len(v.y_val))
-        halves = (order[: len(order) // 2], order[len(order) // 2:])
+        halves = (order[: len(order) // 2], order[len(order) // 2 :])
         for fit, score in (halves, halves[::-1]):
             lam = CLIENT_RULE.choose(p_knn[fit], v.p_val[fit], v.y_val[fit])
             p = interpolate(p_knn[score], v.p_val[score], lam)

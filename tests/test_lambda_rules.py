@@ -40,8 +40,10 @@ def _paper_choice(p_local, p_global, y) -> float:
     mean log-loss to 2 decimals, then the smaller lambda."""
     if len(y) == 0:
         return 0.5
-    return min(LAMBDA_GRID, key=lambda lam: choice_key(
-        *split_score(interpolate(p_local, p_global, lam), y), lam))
+    return min(
+        LAMBDA_GRID,
+        key=lambda lam: choice_key(*split_score(interpolate(p_local, p_global, lam), y), lam),
+    )
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -113,8 +115,17 @@ def _view(cid: int, seed: int, n_val: int = 12, n_train: int = 20, p: int = 4, c
     y_val = rng.integers(0, c, n_val)
     z_val = rng.normal(size=(n_val, p)).astype(np.float32) + y_val[:, None]
     probs = [rng.dirichlet(np.ones(c), size=m) for m in (n_train, n_val, 0)]
-    return ClientSplits(cid, False, z_train, y_train, z_val, y_val,
-                      np.zeros((0, p), np.float32), np.zeros(0, np.int64), *probs)
+    return ClientSplits(
+        cid,
+        False,
+        z_train,
+        y_train,
+        z_val,
+        y_val,
+        np.zeros((0, p), np.float32),
+        np.zeros(0, np.int64),
+        *probs,
+    )
 
 
 def test_rule_cross_validation_scores_each_half_with_a_rule_fitted_on_the_others():
@@ -127,17 +138,21 @@ def test_rule_cross_validation_scores_each_half_with_a_rule_fitted_on_the_others
     right = dict.fromkeys(cv, 0.0)
     total = 0.0
     for f in range(2):
-        halves = [fc[f * grid:(f + 1) * grid] for fc in folds]
+        halves = [fc[f * grid : (f + 1) * grid] for fc in folds]
         pooled = sum(h[:, :3] for h in halves)
         prior = float(np.mean([h[0, 2] for h in halves]))
         for h in halves:
             total += h[0, 4]
             own = h[:, :3]
-            lams = {"client": LambdaRule().choose_from_counts(own),
-                    "pooled": LambdaRule("pooled", tuple(map(tuple, pooled)), prior)
-                    .choose_from_counts(own),
-                    "shrunk": LambdaRule("shrunk", tuple(map(tuple, pooled)), prior)
-                    .choose_from_counts(own)}
+            lams = {
+                "client": LambdaRule().choose_from_counts(own),
+                "pooled": LambdaRule("pooled", tuple(map(tuple, pooled)), prior).choose_from_counts(
+                    own
+                ),
+                "shrunk": LambdaRule("shrunk", tuple(map(tuple, pooled)), prior).choose_from_counts(
+                    own
+                ),
+            }
             for name, lam in lams.items():
                 right[name] += h[LAMBDA_GRID.index(lam), 3]
     assert cv == {name: right[name] / total for name in cv}
@@ -154,8 +169,10 @@ def test_rule_ties_go_to_the_papers_rule_first():
     assert pick_rule({"client": 0.7, "pooled": 0.8, "shrunk": 0.8}) == "pooled"
     assert pick_rule({"client": 0.7, "pooled": 0.75, "shrunk": 0.8}) == "shrunk"
     # and between bases, the global model first
-    assert pick_base_and_rule({"global": {"client": 0.8}, "linear": {"client": 0.8}}) == \
-        ("global", "client")
+    assert pick_base_and_rule({"global": {"client": 0.8}, "linear": {"client": 0.8}}) == (
+        "global",
+        "client",
+    )
 
 
 def test_cross_oracle_never_scores_a_choice_on_the_samples_that_made_it():

@@ -20,8 +20,9 @@ from tests.helpers.bench_table import TINY, bench
 from tests.helpers.federation import CLASSES, TRAINING, initial_weights, make_clients, model_fn
 
 
-def _view(cid: int, rng: np.random.Generator, *, unseen: bool = False, n_val: int = 40,
-          noise: float = 1.5) -> ClientSplits:
+def _view(
+    cid: int, rng: np.random.Generator, *, unseen: bool = False, n_val: int = 40, noise: float = 1.5
+) -> ClientSplits:
     """A client with 3 classes around fixed centres in 8 dimensions: noisy enough that the
     regularisation matters on validation."""
     centres = np.eye(3, 8) * 2.0
@@ -50,9 +51,14 @@ def test_l2_is_chosen_on_seen_validation_splits_only(views):
 
     # test splits, and every split of unseen clients, change nothing
     rng = np.random.default_rng(1)
-    changed = [dataclasses.replace(v, y_test=rng.permutation(v.y_test),
-                                   z_test=rng.normal(size=v.z_test.shape).astype(np.float32))
-               for v in views[:6]]
+    changed = [
+        dataclasses.replace(
+            v,
+            y_test=rng.permutation(v.y_test),
+            z_test=rng.normal(size=v.z_test.shape).astype(np.float32),
+        )
+        for v in views[:6]
+    ]
     changed += [_view(v.client_id, rng, unseen=True) for v in views[6:]]
     assert choose_l2(changed) == (l2, record)
 
@@ -65,9 +71,11 @@ def test_pooled_scores_are_the_clients_summed_counts(views):
     _, record = choose_l2(views)
     counts = sum(l2_counts(v) for v in views[:6])
     assert [g["val_accuracy"] for g in record["grid"]] == pytest.approx(
-        list(counts[:, 0] / counts[:, 2]))
+        list(counts[:, 0] / counts[:, 2])
+    )
     assert [g["val_nll"] for g in record["grid"]] == pytest.approx(
-        list(counts[:, 1] / counts[:, 2]))
+        list(counts[:, 1] / counts[:, 2])
+    )
     assert np.all(counts[:, 0] == np.round(counts[:, 0]))  # samples right, whole numbers
 
 
@@ -91,10 +99,13 @@ def test_personal_model_is_the_linear_head_on_fedavg_embeddings():
     algorithm = build_algorithm("linear", model_fn, TRAINING, l2=0.05)
     personal = algorithm.personalize(weights, client, {}, seed=0)
     model = algorithm.global_model(weights)
-    head = LinearHead(CLASSES, l2=0.05).fit(embed_and_logits(model, client.x_train)[0],
-                                            client.y_train.numpy())
-    np.testing.assert_array_equal(personal.predict_proba(client.x_test),
-                                  head.predict_proba(embed_and_logits(model, client.x_test)[0]))
+    head = LinearHead(CLASSES, l2=0.05).fit(
+        embed_and_logits(model, client.x_train)[0], client.y_train.numpy()
+    )
+    np.testing.assert_array_equal(
+        personal.predict_proba(client.x_test),
+        head.predict_proba(embed_and_logits(model, client.x_test)[0]),
+    )
     assert personal.info == {"l2": 0.05, "head_bytes": head.nbytes}
     with pytest.raises(ValueError, match="l2 must be positive"):
         build_algorithm("linear", model_fn, TRAINING, l2=0.0)
@@ -106,15 +117,17 @@ def test_a_client_without_train_data_keeps_the_global_model():
     weights = initial_weights()
     personal = build_algorithm("linear", model_fn, TRAINING).personalize(weights, client, {}, 0)
     fedavg = build_algorithm("fedavg", model_fn, TRAINING).personalize(weights, client, {}, 0)
-    np.testing.assert_array_equal(personal.predict_proba(client.x_test),
-                                  fedavg.predict_proba(client.x_test))
+    np.testing.assert_array_equal(
+        personal.predict_proba(client.x_test), fedavg.predict_proba(client.x_test)
+    )
     assert personal.info == {"l2": None}
 
 
 def test_bench_table_runs_the_linear_baseline_on_fedavgs_run(tmp_path):
     out = tmp_path / "table"
-    assert bench(*TINY, "--rounds", "1", "--methods", "fedavg,linear,knnper",
-                 "--out", str(out)) == 0
+    assert (
+        bench(*TINY, "--rounds", "1", "--methods", "fedavg,linear,knnper", "--out", str(out)) == 0
+    )
     result = json.loads((out / "results.json").read_text())
     assert result["methods"] == ["fedavg", "linear", "knnper"]
     assert [p.name for p in (out / "runs").iterdir()] == ["fedavg"]  # trained once, shared

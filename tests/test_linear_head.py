@@ -34,10 +34,14 @@ def test_probabilities_match_scikit_learn(digits, l2):
     ours = LinearHead(10, l2=l2, max_iter=5000, tol=1e-9).fit(z, t)
     # in float64: given float32, scikit-learn also solves in float32, to about 1e-4
     ref = LogisticRegression(C=1.0 / (len(t) * l2), tol=1e-12, max_iter=20000).fit(
-        z.astype(np.float64) / scale, t)
+        z.astype(np.float64) / scale, t
+    )
     held_out = x[300:800]
-    np.testing.assert_allclose(ours.predict_proba(held_out),
-                               ref.predict_proba(held_out.astype(np.float64) / scale), atol=1e-4)
+    np.testing.assert_allclose(
+        ours.predict_proba(held_out),
+        ref.predict_proba(held_out.astype(np.float64) / scale),
+        atol=1e-4,
+    )
     assert np.mean(ours.predict(held_out) == ref.predict(held_out / scale)) > 0.995
 
 
@@ -47,8 +51,7 @@ def test_the_embeddings_scale_does_not_change_the_head(digits):
     x, y = digits
     a = LinearHead(10, l2=1e-2, tol=1e-9).fit(x[:300], y[:300])
     b = LinearHead(10, l2=1e-2, tol=1e-9).fit(x[:300] * 40.0, y[:300])
-    np.testing.assert_allclose(a.predict_proba(x[300:]), b.predict_proba(x[300:] * 40.0),
-                               atol=1e-5)
+    np.testing.assert_allclose(a.predict_proba(x[300:]), b.predict_proba(x[300:] * 40.0), atol=1e-5)
 
 
 def test_separable_pair_has_the_hand_solved_probability():
@@ -56,12 +59,16 @@ def test_separable_pair_has_the_hand_solved_probability():
     intercept, the loss is log(1 + exp(-2w)) + l2 * w^2, minimal where l2 * w = 1 / (1 + e^2w).
     With l2 = 1 / (1 + e^2) that is w = 1, so each point gets its class with sigmoid(2)."""
     head = LinearHead(2, l2=1.0 / (1.0 + math.e**2), tol=1e-10).fit(
-        np.array([[-1.0], [1.0]]), np.array([0, 1]))
+        np.array([[-1.0], [1.0]]), np.array([0, 1])
+    )
     np.testing.assert_allclose(head.coef_, [[-1.0, 1.0]], atol=1e-5)
     np.testing.assert_allclose(head.intercept_, [0.0, 0.0], atol=1e-6)
     expected = 1.0 / (1.0 + math.exp(-2.0))
-    np.testing.assert_allclose(head.predict_proba(np.array([[-1.0], [1.0]])),
-                               [[expected, 1 - expected], [1 - expected, expected]], atol=1e-6)
+    np.testing.assert_allclose(
+        head.predict_proba(np.array([[-1.0], [1.0]])),
+        [[expected, 1 - expected], [1 - expected, expected]],
+        atol=1e-6,
+    )
     assert head.predict(np.array([[-3.0], [0.5]])).tolist() == [0, 1]
 
 
@@ -110,23 +117,27 @@ def test_fits_a_large_client_quickly():
         assert time.perf_counter() - start < 5.0, l2
 
 
-@pytest.mark.parametrize(("z", "y", "message"), [
-    (np.zeros((3, 2)), np.zeros(2, int), "z \\[n, p\\] and y \\[n\\]"),
-    (np.zeros(3), np.zeros(3, int), "z \\[n, p\\] and y \\[n\\]"),
-    (np.zeros((0, 2)), np.zeros(0, int), "at least one sample"),
-    (np.array([[0.0, np.nan]]), np.zeros(1, int), "NaN or infinite"),
-    (np.array([[0.0, np.inf]]), np.zeros(1, int), "NaN or infinite"),
-    (np.zeros((2, 2)), np.array([0, 3]), "y must be in \\[0, 3\\)"),
-    (np.zeros((2, 2)), np.array([-1, 0]), "y must be in"),
-    (np.zeros((2, 2)), np.array([0.0, 1.0]), "integer class labels"),
-])
+@pytest.mark.parametrize(
+    ("z", "y", "message"),
+    [
+        (np.zeros((3, 2)), np.zeros(2, int), "z \\[n, p\\] and y \\[n\\]"),
+        (np.zeros(3), np.zeros(3, int), "z \\[n, p\\] and y \\[n\\]"),
+        (np.zeros((0, 2)), np.zeros(0, int), "at least one sample"),
+        (np.array([[0.0, np.nan]]), np.zeros(1, int), "NaN or infinite"),
+        (np.array([[0.0, np.inf]]), np.zeros(1, int), "NaN or infinite"),
+        (np.zeros((2, 2)), np.array([0, 3]), "y must be in \\[0, 3\\)"),
+        (np.zeros((2, 2)), np.array([-1, 0]), "y must be in"),
+        (np.zeros((2, 2)), np.array([0.0, 1.0]), "integer class labels"),
+    ],
+)
 def test_bad_inputs_are_refused_by_name(z, y, message):
     with pytest.raises(ValueError, match=message):
         LinearHead(3).fit(z, y)
 
 
-@pytest.mark.parametrize("kwargs", [{"l2": 0.0}, {"l2": -1.0}, {"l2": float("nan")},
-                                    {"max_iter": 0}, {"tol": 0.0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"l2": 0.0}, {"l2": -1.0}, {"l2": float("nan")}, {"max_iter": 0}, {"tol": 0.0}]
+)
 def test_bad_settings_are_refused_at_fit(kwargs):
     with pytest.raises(ValueError, match="l2|max_iter"):
         LinearHead(2, **kwargs).fit(np.zeros((2, 1)), np.array([0, 1]))

@@ -37,9 +37,15 @@ def test_a_writer_is_not_starved_by_readers_in_tight_loops(tmp_path):
     bundle, stop = tmp_path / "bundle", tmp_path / "stop"
     bundle.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    readers = [subprocess.Popen([sys.executable, "-c", _READER, str(bundle), str(stop),
-                                 str(HOLD_SECONDS)], stdout=subprocess.PIPE, env=env, text=True)
-               for _ in range(READERS)]
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _READER, str(bundle), str(stop), str(HOLD_SECONDS)],
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for _ in range(READERS)
+    ]
     try:
         for reader in readers:
             assert reader.stdout.readline().strip() == "ready"

@@ -16,10 +16,14 @@ from experiments import benchmark_support as C
 
 
 def test_machine_line_names_model_instruction_sets_and_onnxruntime():
-    info = {"cpu_model": "Some CPU", "lscpu_cpus": "2", "cpus_usable": 2, "python": "3.11",
-            "onnxruntime": "9.9.9",
-            "cpu_features": {"AVX2": True, "AVX-512 VNNI": True, "AVX-VNNI": False,
-                             "AMX": False}}
+    info = {
+        "cpu_model": "Some CPU",
+        "lscpu_cpus": "2",
+        "cpus_usable": 2,
+        "python": "3.11",
+        "onnxruntime": "9.9.9",
+        "cpu_features": {"AVX2": True, "AVX-512 VNNI": True, "AVX-VNNI": False, "AMX": False},
+    }
     line = C.machine_line(info)
     assert line.startswith("Some CPU, 2 CPUs")
     assert "AVX2 yes, AVX-512 VNNI yes, AVX-VNNI no, AMX no; onnxruntime 9.9.9" in line

@@ -32,9 +32,15 @@ def test_two_standard_errors():
 
 def _rows(rng, n, shift):
     base = rng.uniform(0.4, 0.9, n)
-    return ([{"point": "a", "client_id": i, "n_test": 50, "accuracy": base[i]} for i in range(n)]
-            + [{"point": "b", "client_id": i, "n_test": 50,
-                "accuracy": base[i] + shift + rng.normal(0, 0.01)} for i in range(n)])
+    return [{"point": "a", "client_id": i, "n_test": 50, "accuracy": base[i]} for i in range(n)] + [
+        {
+            "point": "b",
+            "client_id": i,
+            "n_test": 50,
+            "accuracy": base[i] + shift + rng.normal(0, 0.01),
+        }
+        for i in range(n)
+    ]
 
 
 def test_paired_interval_sees_a_steady_shift_and_not_noise():
@@ -51,11 +57,18 @@ def _hardware(strong_shift):
     for cid in range(40):
         base = rng.uniform(0.6, 0.9)
         for dc, delta in ((0.0, 0.0), (0.4, (-0.05 if cid < 20 else strong_shift))):
-            clients.append({"version": "fractions", "delta_c": dc, "client_id": cid,
-                            "test_accuracy": base + delta + rng.normal(0, 0.002),
-                            "test_samples": 50})
-    points = [{"version": "fractions", "delta_c": dc, "all_mean": 0.8 - dc / 10}
-              for dc in (0.0, 0.4)]
+            clients.append(
+                {
+                    "version": "fractions",
+                    "delta_c": dc,
+                    "client_id": cid,
+                    "test_accuracy": base + delta + rng.normal(0, 0.002),
+                    "test_samples": 50,
+                }
+            )
+    points = [
+        {"version": "fractions", "delta_c": dc, "all_mean": 0.8 - dc / 10} for dc in (0.0, 0.4)
+    ]
     return hardware_claims(points, clients, set(range(20)))[1]
 
 
@@ -73,12 +86,20 @@ def test_shift_claims_compare_streams_by_two_standard_errors():
         for client in range(10):
             for step in range(6):
                 after = step >= 3
-                for strategy, acc in (("fixed", 0.5 if after else 0.9),
-                                      ("fifo", 0.6 + 0.1 * (step - 3) if after else 0.9),
-                                      ("concatenate", 0.88 + rng.normal(0, 0.02)
-                                       if not after else 0.6)):
-                    steps.append({"seed": seed, "client": client, "step": step,
-                                  "strategy": strategy, "accuracy": acc})
+                for strategy, acc in (
+                    ("fixed", 0.5 if after else 0.9),
+                    ("fifo", 0.6 + 0.1 * (step - 3) if after else 0.9),
+                    ("concatenate", 0.88 + rng.normal(0, 0.02) if not after else 0.6),
+                ):
+                    steps.append(
+                        {
+                            "seed": seed,
+                            "client": client,
+                            "step": step,
+                            "strategy": strategy,
+                            "accuracy": acc,
+                        }
+                    )
     verdicts = [c.verdict for c in shift_claims(steps, settings)]
     # fixed drops; fifo recovers; concatenate is not better than fixed before the shift
     assert verdicts[0] == "agree" and verdicts[1] == "agree"

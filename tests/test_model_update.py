@@ -25,16 +25,69 @@ def knnper(*argv: str) -> int:
 @pytest.fixture(scope="module")
 def releases(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("update")
-    assert knnper("pretrain", "--dataset", "digits", "--server-fraction", "0.2", "--epochs",
-                  "2", "--out", str(root / "pre")) == 0
+    assert (
+        knnper(
+            "pretrain",
+            "--dataset",
+            "digits",
+            "--server-fraction",
+            "0.2",
+            "--epochs",
+            "2",
+            "--out",
+            str(root / "pre"),
+        )
+        == 0
+    )
     for name, seed in (("v1", "0"), ("v2", "1")):
-        assert knnper("train", "--init", str(root / "pre"), "--clients", "4", "--rounds", "2",
-                      "--seed", seed, "--out", str(root / name)) == 0
-    assert knnper("export", str(root / "v1"), "--out", str(root / "b1"), "--budget", "200kB",
-                  "--workers", "1", "--device-extras", "none") == 0
-    assert knnper("export", str(root / "v2"), "--out", str(root / "b2"), "--budget", "200kB",
-                  "--workers", "1", "--device-extras", "none",
-                  "--upgrade-from", str(root / "b1")) == 0
+        assert (
+            knnper(
+                "train",
+                "--init",
+                str(root / "pre"),
+                "--clients",
+                "4",
+                "--rounds",
+                "2",
+                "--seed",
+                seed,
+                "--out",
+                str(root / name),
+            )
+            == 0
+        )
+    assert (
+        knnper(
+            "export",
+            str(root / "v1"),
+            "--out",
+            str(root / "b1"),
+            "--budget",
+            "200kB",
+            "--workers",
+            "1",
+            "--device-extras",
+            "none",
+        )
+        == 0
+    )
+    assert (
+        knnper(
+            "export",
+            str(root / "v2"),
+            "--out",
+            str(root / "b2"),
+            "--budget",
+            "200kB",
+            "--workers",
+            "1",
+            "--device-extras",
+            "none",
+            "--upgrade-from",
+            str(root / "b1"),
+        )
+        == 0
+    )
     return root
 
 
@@ -42,10 +95,16 @@ def test_release_ships_a_map_with_its_evidence(releases):
     maps = list((releases / "b2" / "upgrades").glob("from-*.npz"))
     assert len(maps) == 1
     evidence = json.loads(maps[0].with_suffix(".json").read_text())
-    assert evidence["fit_samples"] > 0 and evidence["alpha"] in (1e-4, 1e-3, 1e-2, 0.1, 1.0,
-                                                                10.0, 100.0)
-    assert set(evidence["evidence_knn_accuracy"]) == {"mapped", "stale", "re-embedded",
-                                                      "global"}
+    assert evidence["fit_samples"] > 0 and evidence["alpha"] in (
+        1e-4,
+        1e-3,
+        1e-2,
+        0.1,
+        1.0,
+        10.0,
+        100.0,
+    )
+    assert set(evidence["evidence_knn_accuracy"]) == {"mapped", "stale", "re-embedded", "global"}
     report = json.loads((releases / "b2" / "export.json").read_text())
     old = json.loads((releases / "b1" / "export.json").read_text())
     assert report["replaces"] == old["model"] and report["model"]["run"] == "v2"
@@ -62,29 +121,66 @@ def test_device_upgrade_keeps_its_samples(releases, tmp_path, capsys):
     x = np.random.default_rng(0).integers(0, 17, (5, 8, 8, 1)).astype(np.uint8)
     rt.add(x, np.arange(5) % 10)
     labels = rt.datastore.labels_.copy()
-    assert edge(["upgrade", str(device), "--to", str(releases / "b2" / "client_0000"),
-                 "--force"]) == 0
+    assert (
+        edge(["upgrade", str(device), "--to", str(releases / "b2" / "client_0000"), "--force"]) == 0
+    )
     assert "carried (mapped)" in capsys.readouterr().out
     after = Runtime.load(device)
-    np.testing.assert_array_equal(after.datastore.labels_, labels[-len(after.datastore):])
+    np.testing.assert_array_equal(after.datastore.labels_, labels[-len(after.datastore) :])
     assert after.manifest["model"]["run"] == "v2"
 
 
 def test_training_continues_from_a_finished_run_and_records_it(releases, tmp_path):
     out = tmp_path / "v1b"
-    assert knnper("train", "--continue-from", str(releases / "v1"), "--clients", "4",
-                  "--rounds", "1", "--out", str(out)) == 0
+    assert (
+        knnper(
+            "train",
+            "--continue-from",
+            str(releases / "v1"),
+            "--clients",
+            "4",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["continue_from"] == str((releases / "v1").resolve())
     assert "init" not in config and config["init_sha256"]
-    assert knnper("export", str(out), "--out", str(tmp_path / "b"), "--budget", "200kB",
-                  "--workers", "1", "--device-extras", "none", "--upgrade-from",
-                  str(releases / "b1")) == 0  # the key map finds v1's pretraining split
+    assert (
+        knnper(
+            "export",
+            str(out),
+            "--out",
+            str(tmp_path / "b"),
+            "--budget",
+            "200kB",
+            "--workers",
+            "1",
+            "--device-extras",
+            "none",
+            "--upgrade-from",
+            str(releases / "b1"),
+        )
+        == 0
+    )  # the key map finds v1's pretraining split
     report = json.loads((tmp_path / "b" / "export.json").read_text())
     assert report["continues"] == config["continue_from"]
     assert list((tmp_path / "b" / "upgrades").glob("from-*.npz"))
-    assert knnper("train", "--continue-from", str(releases / "v1"), "--init",
-                  str(releases / "pre"), "--out", str(tmp_path / "both")) == 2
+    assert (
+        knnper(
+            "train",
+            "--continue-from",
+            str(releases / "v1"),
+            "--init",
+            str(releases / "pre"),
+            "--out",
+            str(tmp_path / "both"),
+        )
+        == 2
+    )
 
 
 def test_model_update_experiment_writes_its_report(tmp_path):

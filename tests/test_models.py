@@ -12,10 +12,13 @@ from fed_train.models import build_model
         ("small-cnn", {"kind": "image", "shape": [28, 28, 1]}, torch.zeros(2, 1, 28, 28), 128),
         ("small-cnn", {"kind": "image", "shape": [32, 32, 3]}, torch.zeros(2, 3, 32, 32), 128),
         ("small-cnn", {"kind": "image", "shape": [8, 8, 1]}, torch.zeros(2, 1, 8, 8), 128),
-        ("mobilenet-v2", {"kind": "image", "shape": [32, 32, 3]}, torch.zeros(2, 3, 32, 32),
-         1280),
-        ("char-lstm", {"kind": "tokens", "shape": [80], "vocab_size": 81},
-         torch.zeros(2, 80, dtype=torch.long), 1024),
+        ("mobilenet-v2", {"kind": "image", "shape": [32, 32, 3]}, torch.zeros(2, 3, 32, 32), 1280),
+        (
+            "char-lstm",
+            {"kind": "tokens", "shape": [80], "vocab_size": 81},
+            torch.zeros(2, 80, dtype=torch.long),
+            1024,
+        ),
     ],
 )
 def test_forward_is_head_of_embed(name, spec, x, dim):

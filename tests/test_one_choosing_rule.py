@@ -62,8 +62,9 @@ def _rule(name: str, encoder, seed: int) -> LambdaRule:
         return LambdaRule()
     x, y = make_images(120, seed=seed + 100, signal=20)
     z, logits = raw_outputs(encoder, x)
-    evidence = lambda_counts(KNNHead(NUM_CLASSES).fit(z[:80], y[:80]).predict_proba(z[80:]),
-                             softmax(logits[80:]), y[80:])
+    evidence = lambda_counts(
+        KNNHead(NUM_CLASSES).fit(z[:80], y[:80]).predict_proba(z[80:]), softmax(logits[80:]), y[80:]
+    )
     return LambdaRule(name, tuple(map(tuple, evidence)), 25.0)
 
 
@@ -74,24 +75,40 @@ def test_server_sizer_and_device_init_choose_alike(tmp_path, seed, rule_name):
     rule = _rule(rule_name, encoder, seed)
     x, y = make_images(160, seed=seed, signal=50)
     val_fraction, budget = 0.25, 10**6
-    init = init_bundle(encoder, x, y, budget, tmp_path / "device", input_spec=IMAGE_SPEC,
-                       recipes=[f"flat:{t}" for t in DTYPES], val_fraction=val_fraction,
-                       seed=seed, lambda_rule=rule)
+    init = init_bundle(
+        encoder,
+        x,
+        y,
+        budget,
+        tmp_path / "device",
+        input_spec=IMAGE_SPEC,
+        recipes=[f"flat:{t}" for t in DTYPES],
+        val_fraction=val_fraction,
+        seed=seed,
+        lambda_rule=rule,
+    )
     # the device's own split, fed to the server and the exporter as embeddings
     order = np.random.default_rng(seed).permutation(len(y))
     n_val = int(round(val_fraction * len(y)))
     val, train = order[:n_val], order[n_val:]
     z, logits = raw_outputs(encoder, x)
-    data = ClientSplits.from_logits(0, True, (z[train], logits[train], y[train]),
-                                    (z[val], logits[val], y[val]))
-    sizer = DatastoreSizer(NUM_CLASSES, space=SearchSpace(backends=("flat",),
-                                                          flat_dtypes=DTYPES), seed=seed,
-                           knn=KNNChoice(lambda_rule=rule))
+    data = ClientSplits.from_logits(
+        0, True, (z[train], logits[train], y[train]), (z[val], logits[val], y[val])
+    )
+    sizer = DatastoreSizer(
+        NUM_CLASSES,
+        space=SearchSpace(backends=("flat",), flat_dtypes=DTYPES),
+        seed=seed,
+        knn=KNNChoice(lambda_rule=rule),
+    )
     sizer.fit(data, Budget(budget, encoder.stat().st_size))
     server = PersonalHead(NUM_CLASSES, rule=rule).fit(data).lambda_
 
-    device = {c["recipe"].split(":n")[0]: c for c in init.candidates if
-              int(c["recipe"].split(":n")[1]) >= len(train)}
+    device = {
+        c["recipe"].split(":n")[0]: c
+        for c in init.candidates
+        if int(c["recipe"].split(":n")[1]) >= len(train)
+    }
     exporter = {c.recipe.split(":n")[0]: c for c in sizer.candidates_}
     assert set(device) == set(exporter) == {f"flat:{t}" for t in DTYPES}
     for recipe, cand in exporter.items():
@@ -129,13 +146,19 @@ def _server_int8_correct(run, cid: int, bundle, manifest: dict) -> int:
     x_test, y_test = client_split(run, cid, "test")
     z_test, logits = encoder.run(prepare_input(x_test, manifest["input"]))
     normalize = manifest["knn_choice"]["normalize"]["value"]
-    p = interpolate(store.predict_proba(normalize_embeddings(z_test, normalize)),
-                    softmax(logits.astype(np.float64)), manifest["lambda"])
+    p = interpolate(
+        store.predict_proba(normalize_embeddings(z_test, normalize)),
+        softmax(logits.astype(np.float64)),
+        manifest["lambda"],
+    )
     return int(np.sum(p.argmax(axis=1) == y_test))
 
 
-PIPELINES = {"default": [], "linear-pooled": ["--base", "linear", "--lambda-rule", "pooled"],
-             "global-shrunk": ["--base", "global", "--lambda-rule", "shrunk"]}
+PIPELINES = {
+    "default": [],
+    "linear-pooled": ["--base", "linear", "--lambda-rule", "pooled"],
+    "global-shrunk": ["--base", "global", "--lambda-rule", "shrunk"],
+}
 
 
 @pytest.mark.slow
@@ -145,22 +168,68 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
     encoder it was shipped (any CPU: both sides run the same kernels); against the float32
     model the int8 encoder's cost is bounded separately (INT8_MAX_*)."""
     run = tmp_path / "run"
-    assert knnper_main(["--no-progress", "train", "--dataset", "digits", "--clients", "8",
-                        "--rounds", "6", "--out", str(run)]) == 0
+    assert (
+        knnper_main(
+            [
+                "--no-progress",
+                "train",
+                "--dataset",
+                "digits",
+                "--clients",
+                "8",
+                "--rounds",
+                "6",
+                "--out",
+                str(run),
+            ]
+        )
+        == 0
+    )
     flags = PIPELINES[pipeline]
-    assert knnper_main(["--no-progress", "evaluate", str(run), "--methods", "knnper",
-                        "--json", str(tmp_path / "eval.json"), *flags]) == 0
+    assert (
+        knnper_main(
+            [
+                "--no-progress",
+                "evaluate",
+                str(run),
+                "--methods",
+                "knnper",
+                "--json",
+                str(tmp_path / "eval.json"),
+                *flags,
+            ]
+        )
+        == 0
+    )
     server = json.loads((tmp_path / "eval.json").read_text())
     chosen = server["knn"]["config"]
     pinned = {"lambda_rule", "base"} if flags else set()
     assert server["knn"]["source"] == {
         name: FROM_FLAG if name in pinned else FROM_VALIDATION
-        for name in ("k", "sigma", "normalize", "lambda_estimator", "lambda_rule", "base")}
+        for name in ("k", "sigma", "normalize", "lambda_estimator", "lambda_rule", "base")
+    }
     if flags:
-        assert [server["knn"]["base"]["name"], server["knn"]["lambda_rule"]["name"]] == \
-            [flags[1], flags[3]]
-    assert knnper_main(["--no-progress", "export", str(run), "--out", str(tmp_path / "b"),
-                        "--budget", "2MB", "--workers", "1", *flags]) == 0
+        assert [server["knn"]["base"]["name"], server["knn"]["lambda_rule"]["name"]] == [
+            flags[1],
+            flags[3],
+        ]
+    assert (
+        knnper_main(
+            [
+                "--no-progress",
+                "export",
+                str(run),
+                "--out",
+                str(tmp_path / "b"),
+                "--budget",
+                "2MB",
+                "--workers",
+                "1",
+                *flags,
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "b" / "export.json").read_text())
     assert report["knn"]["k"] == {"value": chosen["k"], "source": FROM_VALIDATION}
     saved = json.loads((run / KNN_CONFIG_FILE).read_text())
@@ -174,21 +243,23 @@ def test_default_pipeline_devices_get_the_servers_kNN_Per_accuracy(tmp_path, cap
         manifest = json.loads((bundle / "manifest.json").read_text())
         assert (manifest["k"], manifest["sigma"]) == (chosen["k"], chosen["sigma"])
         assert manifest["knn_choice"]["normalize"]["value"] == chosen["normalize"]
-        assert manifest["knn_choice"]["lambda_estimator"]["value"] == \
-            server["knn"]["estimator"]
+        assert manifest["knn_choice"]["lambda_estimator"]["value"] == server["knn"]["estimator"]
         for name in ("lambda_rule", "base"):
             assert manifest["knn_choice"][name] == {
                 "value": server["knn"][name]["name"],
-                "source": server["knn"]["source"][name]}
+                "source": server["knn"]["source"][name],
+            }
         write_client_files(loaded, cid, tmp_path / f"c{cid}")
         device, n = _device_correct(capsys, bundle, tmp_path / f"c{cid}" / "test.npz")
         assert n == row["n_test"]
         assert device == _server_int8_correct(loaded, cid, bundle, manifest), cid
         float_correct = round(row["knnper"] * n)
-        assert abs(device - float_correct) <= INT8_MAX_CLIENT_SAMPLES, (cid, device,
-                                                                       float_correct)
-        device_total, float_total, n_total = (device_total + device,
-                                              float_total + float_correct, n_total + n)
+        assert abs(device - float_correct) <= INT8_MAX_CLIENT_SAMPLES, (cid, device, float_correct)
+        device_total, float_total, n_total = (
+            device_total + device,
+            float_total + float_correct,
+            n_total + n,
+        )
     assert 100 * abs(device_total - float_total) / n_total <= INT8_MAX_MEAN_PP
     if server["knn"]["base"]["name"] == "linear":
         _device_refits_its_head(capsys, tmp_path, server)
@@ -206,7 +277,8 @@ def _device_refits_its_head(capsys, tmp_path, server) -> None:
     assert [n for n in manifest["files"] if n.startswith("linear_head")] == ["linear_head.1.npz"]
     store = load_bundle_datastore(bundle, manifest)
     head = LinearHead(manifest["num_classes"], l2=server["knn"]["base"]["l2"]).fit(
-        store.keys(), store.labels_)
+        store.keys(), store.labels_
+    )
     model = Encoder(bundle / "encoder.onnx")  # as exported: the shipped head
     refitted = Runtime.load(bundle)
     with np.load(tmp_path / f"c{cid}" / "test.npz", allow_pickle=False) as data:

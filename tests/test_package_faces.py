@@ -33,10 +33,11 @@ def test_an_unknown_name_is_an_attribute_error(package):
 
 
 def test_the_runtime_face_loads_onnxruntime_on_use_and_never_torch():
-    code = ("import sys, edge_runtime, edge_runtime._io\n"
-            "assert 'onnxruntime' not in sys.modules\n"
-            "from edge_runtime import Runtime, write_bundle\n"
-            "assert 'onnxruntime' in sys.modules and 'torch' not in sys.modules\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import sys, edge_runtime, edge_runtime._io\n"
+        "assert 'onnxruntime' not in sys.modules\n"
+        "from edge_runtime import Runtime, write_bundle\n"
+        "assert 'onnxruntime' in sys.modules and 'torch' not in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

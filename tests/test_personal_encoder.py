@@ -24,8 +24,7 @@ def test_logits_become_the_linear_head_on_the_embedding(tmp_path):
     z2, logits = raw_outputs(personal, x)
     np.testing.assert_array_equal(z2, z)
     np.testing.assert_allclose(logits, z @ head.coef_ + head.intercept_, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(softmax(logits.astype(np.float64)), head.predict_proba(z),
-                               atol=1e-5)
+    np.testing.assert_allclose(softmax(logits.astype(np.float64)), head.predict_proba(z), atol=1e-5)
     model = onnx.load(personal)
     names = {i.name for i in model.graph.initializer}
     assert "w2" not in names and "b2" not in names  # the global classifier is gone
@@ -34,7 +33,8 @@ def test_logits_become_the_linear_head_on_the_embedding(tmp_path):
 
 def test_a_head_of_another_width_is_refused(tmp_path):
     encoder = make_image_encoder(tmp_path / "encoder.onnx")
-    head = LinearHead(NUM_CLASSES).fit(np.random.default_rng(0).normal(size=(20, 3)),
-                                       np.arange(20) % NUM_CLASSES)
+    head = LinearHead(NUM_CLASSES).fit(
+        np.random.default_rng(0).normal(size=(20, 3)), np.arange(20) % NUM_CLASSES
+    )
     with pytest.raises(ExportError, match="linear head was fitted on 3"):
         with_linear_head(encoder, head)

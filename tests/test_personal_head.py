@@ -28,10 +28,19 @@ from tests.helpers.bundles import (
 
 def _splits(z_train, y_train, z_val, y_val, p_val, p_train=None) -> ClientSplits:
     p_train = np.full((len(y_train), 2), 0.5) if p_train is None else p_train
-    return ClientSplits(0, False, np.asarray(z_train, np.float32), np.asarray(y_train),
-                        np.asarray(z_val, np.float32), np.asarray(y_val),
-                        np.zeros((0, 1), np.float32), np.zeros(0, np.int64), p_train,
-                        np.asarray(p_val, np.float64), np.zeros((0, 2)))
+    return ClientSplits(
+        0,
+        False,
+        np.asarray(z_train, np.float32),
+        np.asarray(y_train),
+        np.asarray(z_val, np.float32),
+        np.asarray(y_val),
+        np.zeros((0, 1), np.float32),
+        np.zeros(0, np.int64),
+        p_train,
+        np.asarray(p_val, np.float64),
+        np.zeros((0, 2)),
+    )
 
 
 def test_prediction_is_the_hand_computed_mixture():
@@ -42,8 +51,9 @@ def test_prediction_is_the_hand_computed_mixture():
     w = np.exp([-1.0, -4.0]) / np.exp([-1.0, -4.0]).sum()
     p_global = np.array([[0.2, 0.8]])
     expected = 0.3 * w + 0.7 * p_global[0]
-    np.testing.assert_allclose(head.predict_proba(np.array([[1.0]], np.float32), p_global)[0],
-                               expected, rtol=1e-12)
+    np.testing.assert_allclose(
+        head.predict_proba(np.array([[1.0]], np.float32), p_global)[0], expected, rtol=1e-12
+    )
 
 
 def test_lambda_is_the_rules_choice_on_validation():
@@ -59,8 +69,9 @@ def test_lambda_is_the_rules_choice_on_validation():
 
 
 def test_without_validation_the_rule_decides():
-    data = _splits([[0.0], [1.0]], [0, 1], np.zeros((0, 1)), np.zeros(0, np.int64),
-                   np.zeros((0, 2)))
+    data = _splits(
+        [[0.0], [1.0]], [0, 1], np.zeros((0, 1)), np.zeros(0, np.int64), np.zeros((0, 2))
+    )
     assert PersonalHead(2, k=1, rule=CLIENT_RULE).fit(data).lambda_ == 0.5
     pooled = np.zeros((len(LAMBDA_GRID), 3))
     pooled[:, 2] = 10
@@ -99,26 +110,40 @@ def test_server_exporter_device_init_and_runtime_choose_and_predict_alike(tmp_pa
     if rule_name == "pooled":
         xo, yo = make_images(120, seed=103, signal=20)
         zo, lo = raw_outputs(encoder, xo)
-        other = ClientSplits.from_logits(9, False, (zo[:80], lo[:80], yo[:80]),
-                                         (zo[80:], lo[80:], yo[80:]))
-        rule = LambdaRule("pooled", tuple(map(tuple, PersonalHead(NUM_CLASSES).fit(other)
-                                              .evidence_)))
+        other = ClientSplits.from_logits(
+            9, False, (zo[:80], lo[:80], yo[:80]), (zo[80:], lo[80:], yo[80:])
+        )
+        rule = LambdaRule(
+            "pooled", tuple(map(tuple, PersonalHead(NUM_CLASSES).fit(other).evidence_))
+        )
     x, y = make_images(160, seed=3, signal=50)
     val_fraction, budget = 0.25, 10**6
-    init = init_bundle(encoder, x, y, budget, tmp_path / "device", input_spec=IMAGE_SPEC,
-                       recipes=["flat:fp32"], val_fraction=val_fraction, seed=3,
-                       lambda_rule=rule)
+    init = init_bundle(
+        encoder,
+        x,
+        y,
+        budget,
+        tmp_path / "device",
+        input_spec=IMAGE_SPEC,
+        recipes=["flat:fp32"],
+        val_fraction=val_fraction,
+        seed=3,
+        lambda_rule=rule,
+    )
     order = np.random.default_rng(3).permutation(len(y))
     n_val = int(round(val_fraction * len(y)))
     val, train = order[:n_val], order[n_val:]
     z, logits = raw_outputs(encoder, x)
-    data = ClientSplits.from_logits(0, True, (z[train], logits[train], y[train]),
-                                    (z[val], logits[val], y[val]))
+    data = ClientSplits.from_logits(
+        0, True, (z[train], logits[train], y[train]), (z[val], logits[val], y[val])
+    )
     server = PersonalHead(NUM_CLASSES, rule=rule).fit(data)
-    sizer = DatastoreSizer(NUM_CLASSES, space=SearchSpace(backends=("flat",),
-                                                          flat_dtypes=("fp32",)),
-                           seed=3, knn=KNNChoice(lambda_rule=rule)).fit(
-        data, Budget(budget, encoder.stat().st_size))
+    sizer = DatastoreSizer(
+        NUM_CLASSES,
+        space=SearchSpace(backends=("flat",), flat_dtypes=("fp32",)),
+        seed=3,
+        knn=KNNChoice(lambda_rule=rule),
+    ).fit(data, Budget(budget, encoder.stat().st_size))
     assert server.lambda_ == sizer.best_.lam == init.lam
     assert server.val_accuracy_ == pytest.approx(sizer.best_.val_accuracy)
     assert server.val_accuracy_ == pytest.approx(init.val_accuracy)
@@ -144,13 +169,27 @@ def test_the_experiments_pool_lambda_at_each_point_as_the_server_does():
         y = rng.integers(0, 2, 50)
         z = (rng.normal(size=(50, 3)) + 1.5 * y[:, None]).astype(np.float32)
         p = softmax(rng.normal(size=(50, 2)))
-        views.append(ClientSplits(cid, cid == 5, z[:30], y[:30], z[30:40], y[30:40], z[40:],
-                                  y[40:], p[:30], p[30:40], p[40:]))
+        views.append(
+            ClientSplits(
+                cid,
+                cid == 5,
+                z[:30],
+                y[:30],
+                z[30:40],
+                y[30:40],
+                z[40:],
+                y[40:],
+                p[:30],
+                p[30:40],
+                p[40:],
+            )
+        )
     own = knnper_rows(views, 2, k=5, sigma=1.0, seed=0)
     pooled = knnper_rows(views, 2, k=5, sigma=1.0, seed=0, rule="pooled")
     heads = [PersonalHead(2, k=5).fit(v) for v in views]
     expected = fit_rule("pooled", [h.evidence_ for h in heads[:5]]).choose_from_counts(
-        heads[0].evidence_)
+        heads[0].evidence_
+    )
     assert {r["info"]["lambda"] for r in pooled} == {expected}  # one lambda, from seen clients
     assert [r["info"]["lambda"] for r in own] == [h.lambda_ for h in heads]
     assert len({h.lambda_ for h in heads}) > 1  # their own evidence disagrees
@@ -168,21 +207,47 @@ def test_init_like_a_bundle_chooses_lambda_by_the_rule_it_ships(tmp_path, capsys
     pooled[:, 2] = 100
     pooled[LAMBDA_GRID.index(0.9), 0] = 100  # the seen clients were right at 0.9 alone
     rule = LambdaRule("pooled", tuple(map(tuple, pooled)))
-    write_bundle(tmp_path / "exported", {"client_id": 1, "input": IMAGE_SPEC, "lambda": 0.9,
-                                         "budget_bytes": 10**6, "lambda_rule": rule.to_dict()},
-                 encoder, FlatDatastore(NUM_CLASSES).fit(z, y))
+    write_bundle(
+        tmp_path / "exported",
+        {
+            "client_id": 1,
+            "input": IMAGE_SPEC,
+            "lambda": 0.9,
+            "budget_bytes": 10**6,
+            "lambda_rule": rule.to_dict(),
+        },
+        encoder,
+        FlatDatastore(NUM_CLASSES).fit(z, y),
+    )
     np.savez(tmp_path / "own.npz", x=x, y=y)
     for name, like in (("device", True), ("plain", False)):
-        spec = ["--like", str(tmp_path / "exported")] if like else \
-            ["--input-spec", str(tmp_path / "spec.json")]
+        spec = (
+            ["--like", str(tmp_path / "exported")]
+            if like
+            else ["--input-spec", str(tmp_path / "spec.json")]
+        )
         (tmp_path / "spec.json").write_text(json.dumps(IMAGE_SPEC))
-        assert edge_main(["init", "--encoder", str(encoder), "--data", str(tmp_path / "own.npz"),
-                          "--budget", "1MB", "--out", str(tmp_path / name), *spec]) == 0
+        assert (
+            edge_main(
+                [
+                    "init",
+                    "--encoder",
+                    str(encoder),
+                    "--data",
+                    str(tmp_path / "own.npz"),
+                    "--budget",
+                    "1MB",
+                    "--out",
+                    str(tmp_path / name),
+                    *spec,
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
     own = init_bundle(encoder, x, y, 10**6, tmp_path / "direct", input_spec=IMAGE_SPEC)
     assert read_manifest(tmp_path / "device")["lambda"] == 0.9  # the pooled rule's choice
     assert read_manifest(tmp_path / "plain")["lambda"] == own.lam != 0.9  # its own evidence
-
 
 
 def test_init_like_a_linear_base_bundle_sets_its_pooled_rule_aside(tmp_path, capsys):
@@ -199,35 +264,64 @@ def test_init_like_a_linear_base_bundle_sets_its_pooled_rule_aside(tmp_path, cap
     pooled[:, 2] = 100
     pooled[LAMBDA_GRID.index(0.9), 0] = 100
     rule = LambdaRule("pooled", tuple(map(tuple, pooled)))
-    choice = {"k": {"value": 10, "source": "validation"},
-              "sigma": {"value": 1.0, "source": "validation"},
-              "normalize": {"value": "none", "source": "validation"},
-              "lambda_estimator": {"value": "val", "source": "validation"},
-              "lambda_rule": {"value": "pooled", "source": "flag"},
-              "base": {"value": "linear", "source": "validation"},
-              "l2": {"value": 0.01, "source": "validation"}}
-    write_bundle(tmp_path / "exported", {"client_id": 1, "input": IMAGE_SPEC, "lambda": 0.9,
-                                         "budget_bytes": 10**6, "lambda_rule": rule.to_dict(),
-                                         "knn_choice": choice},
-                 encoder, FlatDatastore(NUM_CLASSES).fit(z, y))
+    choice = {
+        "k": {"value": 10, "source": "validation"},
+        "sigma": {"value": 1.0, "source": "validation"},
+        "normalize": {"value": "none", "source": "validation"},
+        "lambda_estimator": {"value": "val", "source": "validation"},
+        "lambda_rule": {"value": "pooled", "source": "flag"},
+        "base": {"value": "linear", "source": "validation"},
+        "l2": {"value": 0.01, "source": "validation"},
+    }
+    write_bundle(
+        tmp_path / "exported",
+        {
+            "client_id": 1,
+            "input": IMAGE_SPEC,
+            "lambda": 0.9,
+            "budget_bytes": 10**6,
+            "lambda_rule": rule.to_dict(),
+            "knn_choice": choice,
+        },
+        encoder,
+        FlatDatastore(NUM_CLASSES).fit(z, y),
+    )
     np.savez(tmp_path / "own.npz", x=x, y=y)
     capsys.readouterr()
-    assert edge_main(["init", "--encoder", str(encoder), "--data", str(tmp_path / "own.npz"),
-                      "--budget", "1MB", "--out", str(tmp_path / "device"), "--like",
-                      str(tmp_path / "exported")]) == 0
+    assert (
+        edge_main(
+            [
+                "init",
+                "--encoder",
+                str(encoder),
+                "--data",
+                str(tmp_path / "own.npz"),
+                "--budget",
+                "1MB",
+                "--out",
+                str(tmp_path / "device"),
+                "--like",
+                str(tmp_path / "exported"),
+            ]
+        )
+        == 0
+    )
     assert "measured with each client's own linear head" in capsys.readouterr().err
     own = init_bundle(encoder, x, y, 10**6, tmp_path / "direct", input_spec=IMAGE_SPEC)
     assert read_manifest(tmp_path / "device")["lambda"] == own.lam != 0.9
+
 
 def test_the_sizer_scores_candidates_with_the_loo_estimator():
     rng = np.random.default_rng(7)
     y = rng.integers(0, NUM_CLASSES, 90)
     z = (rng.normal(size=(90, 6)) + 2 * y[:, None]).astype(np.float32)
     logits = rng.normal(size=(90, NUM_CLASSES)).astype(np.float32)
-    data = ClientSplits.from_logits(0, False, (z[:60], logits[:60], y[:60]),
-                                    (z[60:], logits[60:], y[60:]))
+    data = ClientSplits.from_logits(
+        0, False, (z[:60], logits[:60], y[:60]), (z[60:], logits[60:], y[60:])
+    )
     space = SearchSpace(backends=("flat",), flat_dtypes=("fp32",))
-    sizer = DatastoreSizer(NUM_CLASSES, space=space,
-                           knn=KNNChoice(lambda_estimator="loo+val")).fit(data, Budget(10**6, 0))
+    sizer = DatastoreSizer(NUM_CLASSES, space=space, knn=KNNChoice(lambda_estimator="loo+val")).fit(
+        data, Budget(10**6, 0)
+    )
     loo = PersonalHead(NUM_CLASSES, estimator="loo+val").fit(data)
     assert sizer.best_.lam == loo.lambda_

@@ -39,8 +39,10 @@ def test_a_fitted_axis_shows_a_few_points_of_difference_and_says_its_range():
 
 
 def test_capacity_draws_fedavg_as_a_reference_line_not_a_point_of_the_curve(figures, tmp_path):
-    points = [{"alpha": "0.3", "capacity": c, "all_mean": a}
-              for c, a in ((0.0, 0.80), (0.2, 0.86), (1.0, 0.90))]
+    points = [
+        {"alpha": "0.3", "capacity": c, "all_mean": a}
+        for c, a in ((0.0, 0.80), (0.2, 0.86), (1.0, 0.90))
+    ]
     capacity._plot(points, tmp_path / "capacity.png", "digits, 8 clients (--quick)")
     ax = figures[0].axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
@@ -53,15 +55,18 @@ def test_capacity_draws_fedavg_as_a_reference_line_not_a_point_of_the_curve(figu
 
 
 def test_error_bars_say_what_they_are(figures, tmp_path):
-    points = [{"alpha": "0.3", "capacity": c, "all_mean": a, "all_mean_std": 0.01}
-              for c, a in ((0.0, 0.80), (0.2, 0.86), (1.0, 0.90))]
+    points = [
+        {"alpha": "0.3", "capacity": c, "all_mean": a, "all_mean_std": 0.01}
+        for c, a in ((0.0, 0.80), (0.2, 0.86), (1.0, 0.90))
+    ]
     capacity._plot(points, tmp_path / "capacity.png", "3 seeds")
     labels = figures[0].axes[0].get_legend_handles_labels()[1]
     assert any(report.ERROR_BARS in label for label in labels)
 
 
-@pytest.mark.parametrize("ks, shaded", [((3, 5), False), ((5, 10, 20), False),
-                                        ((5, 10, 14, 20), True)])
+@pytest.mark.parametrize(
+    "ks, shaded", [((3, 5), False), ((5, 10, 20), False), ((5, 10, 14, 20), True)]
+)
 def test_k_sigma_shades_the_claims_k_range_only_over_measured_k(figures, tmp_path, ks, shaded):
     points = [{"k": k, "sigma": s, "all_mean": 0.9 - 0.001 * k} for k in ks for s in (1.0, 10.0)]
     k_sigma._plot(points, tmp_path / "k_sigma.png", "digits")
@@ -72,6 +77,9 @@ def test_k_sigma_shades_the_claims_k_range_only_over_measured_k(figures, tmp_pat
         span = next(p for p in left.patches if "k range" in p.get_label())
         bbox = span.get_bbox()  # in data x (and axes y) coordinates
         assert (bbox.x0, bbox.x1) == (10, 14)  # the measured k inside [7, 14]
-    styles = {(line.get_marker(), line.get_linestyle()) for line in left.get_lines()
-              if line.get_label().startswith("sigma")}
+    styles = {
+        (line.get_marker(), line.get_linestyle())
+        for line in left.get_lines()
+        if line.get_label().startswith("sigma")
+    }
     assert len(styles) == 2  # two sigmas whose lines coincide still look different

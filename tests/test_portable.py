@@ -39,9 +39,14 @@ SPACES = {
     ),
 }
 # the linear base (a linear head the device refits after `add`), with every value from a flag
-LINEAR = KNNChoice(base="linear", l2=1e-2, source={
-    name: "flag" for name in ("k", "sigma", "normalize", "lambda_estimator", "lambda_rule",
-                              "base")})
+LINEAR = KNNChoice(
+    base="linear",
+    l2=1e-2,
+    source={
+        name: "flag"
+        for name in ("k", "sigma", "normalize", "lambda_estimator", "lambda_rule", "base")
+    },
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +106,8 @@ def test_portable_predictor_equals_the_runtime(digits, bundles, tmp_path, name, 
     samples = portable_samples(runtime) if keys_as_inputs else None
     assert written == [out] + (
         [Path(f"{out}.{suffix}") for suffix in ("keys.f32", "labels.i64", "app.json")]
-        if samples is not None else []
+        if samples is not None
+        else []
     )
     probs, _ = _run_python(out, x, samples)
     _assert_same(probs, runtime.predict_proba(x))
@@ -257,8 +263,11 @@ def _browser_missing() -> str | None:
 
 
 class _Files(http.server.SimpleHTTPRequestHandler):
-    extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map,
-                      ".mjs": "text/javascript", ".wasm": "application/wasm"}
+    extensions_map = {
+        **http.server.SimpleHTTPRequestHandler.extensions_map,
+        ".mjs": "text/javascript",
+        ".wasm": "application/wasm",
+    }
 
     def log_message(self, *args) -> None:  # quiet: the test reads the results, not the log
         pass
@@ -310,11 +319,19 @@ def browser(digits, bundles, tmp_path_factory):
             job = f"{name}-{'app' if learns else 'plain'}"
             runtime = _copy(bundles[name], root / "bundles" / job)
             write_portable(runtime, data / f"{job}.onnx", keys_as_inputs=learns)
-            spec = {"name": job, "model": f"/data/{job}.onnx", "learns": learns,
-                    "input": "/data/x.u8", "shape": list(x.shape)}
+            spec = {
+                "name": job,
+                "model": f"/data/{job}.onnx",
+                "learns": learns,
+                "input": "/data/x.u8",
+                "shape": list(x.shape),
+            }
             if learns:
-                spec["learn"] = {"input": "/data/new_x.u8", "shape": list(new_x.shape),
-                                 "labels": new_y.tolist()}
+                spec["learn"] = {
+                    "input": "/data/new_x.u8",
+                    "shape": list(new_x.shape),
+                    "labels": new_y.tolist(),
+                }
                 runtime.add(new_x, new_y)
             jobs.append(spec)
             expected[job] = (runtime.predict_proba(x), *portable_samples(runtime))
@@ -327,14 +344,29 @@ def browser(digits, bundles, tmp_path_factory):
     page_rt.add(image, [label])
     page_expected = (page_before, page_rt.predict_proba(image), len(page_rt.datastore.labels_))
     with serve(root) as base:
-        plan = {"browser": shutil.which("chromium"), "harness": f"{base}tests/browser/harness.html",
-                "jobs": jobs, "example": {
-                    "url": f"{base}examples/browser/index.html?model=/data/page.onnx",
-                    "image": str(data / "image.png"), "label": label}}
+        plan = {
+            "browser": shutil.which("chromium"),
+            "harness": f"{base}tests/browser/harness.html",
+            "jobs": jobs,
+            "example": {
+                "url": f"{base}examples/browser/index.html?model=/data/page.onnx",
+                "image": str(data / "image.png"),
+                "label": label,
+            },
+        }
         (root / "plan.json").write_text(json.dumps(plan))
-        done = subprocess.run(["node", str(BROWSER_DIR / "drive.mjs"), str(root / "plan.json"),
-                               str(root / "out.json")], capture_output=True, text=True,
-                              timeout=300, cwd=BROWSER_DIR)
+        done = subprocess.run(
+            [
+                "node",
+                str(BROWSER_DIR / "drive.mjs"),
+                str(root / "plan.json"),
+                str(root / "out.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=BROWSER_DIR,
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((root / "out.json").read_text())
     assert results["errors"] == []
@@ -355,8 +387,7 @@ def test_the_browser_predicts_what_the_runtime_predicts(browser, name, learns):
     np.testing.assert_allclose(got_probs, probs, rtol=0, atol=1e-5)
     if learns:
         np.testing.assert_array_equal(got["labels"], labels)
-        np.testing.assert_allclose(np.reshape(got["keys"], keys.shape), keys, rtol=1e-6,
-                                   atol=1e-6)
+        np.testing.assert_allclose(np.reshape(got["keys"], keys.shape), keys, rtol=1e-6, atol=1e-6)
 
 
 def test_the_example_page_predicts_and_learns_like_the_runtime(browser):

@@ -22,10 +22,34 @@ from fed_train.run import RunConfig, load_run
 from knnper_cli.main import main
 
 # 30% of digits' 1347 training images: enough for a body that beats one round from scratch
-PRETRAIN = ["--no-progress", "pretrain", "--dataset", "digits", "--server-fraction", "0.3",
-            "--epochs", "15", "--seed", "0"]
-RUN = ["--dataset", "digits", "--clients", "10", "--rounds", "1", "--batch-size", "16",
-       "--lr", "0.02", "--momentum", "0.9", "--seed", "0"]
+PRETRAIN = [
+    "--no-progress",
+    "pretrain",
+    "--dataset",
+    "digits",
+    "--server-fraction",
+    "0.3",
+    "--epochs",
+    "15",
+    "--seed",
+    "0",
+]
+RUN = [
+    "--dataset",
+    "digits",
+    "--clients",
+    "10",
+    "--rounds",
+    "1",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.02",
+    "--momentum",
+    "0.9",
+    "--seed",
+    "0",
+]
 
 
 def _train(out: Path, *extra: str) -> int:
@@ -33,8 +57,12 @@ def _train(out: Path, *extra: str) -> int:
 
 
 def _config(init: str | None) -> RunConfig:
-    return RunConfig(clients=10, seed=0, init=init,
-                     training=TrainingConfig(rounds=1, batch_size=16, lr=0.02, momentum=0.9))
+    return RunConfig(
+        clients=10,
+        seed=0,
+        init=init,
+        training=TrainingConfig(rounds=1, batch_size=16, lr=0.02, momentum=0.9),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +93,9 @@ def test_pretrain_writes_weights_record_and_server_indices(pretrained):
     assert np.array_equal(server, np.unique(server)) and server.max() < len(full.y_train)
     # stratified: every class keeps its share of the training set, to within one sample
     share = np.bincount(full.y_train[server], minlength=10) / len(server)
-    assert np.allclose(share, np.bincount(full.y_train, minlength=10) / len(full.y_train),
-                       atol=1.5 / len(server))
+    assert np.allclose(
+        share, np.bincount(full.y_train, minlength=10) / len(full.y_train), atol=1.5 / len(server)
+    )
     state = torch.load(pretrained / "model.pt", weights_only=True)
     assert "classifier.weight" in state
 
@@ -93,8 +122,11 @@ def test_server_split_is_disjoint_from_every_clients_data(pretrained, init_run):
     # and by content (digits holds no duplicate images): no server image reaches any client
     server_images = {x.tobytes() for x in full.x_train[server]}
     for split in run.partition.clients:
-        for images in (run.dataset.x_train[split.train], run.dataset.x_train[split.val],
-                       run.dataset.x_test[split.test]):
+        for images in (
+            run.dataset.x_train[split.train],
+            run.dataset.x_train[split.val],
+            run.dataset.x_test[split.test],
+        ):
             assert not server_images & {x.tobytes() for x in images}
 
 
@@ -108,8 +140,7 @@ def test_train_bench_and_evaluate_see_the_same_clients(pretrained, init_run, tmp
     assert main(["--no-progress", "evaluate", str(init_run), "--methods", "fedavg"]) == 0
 
 
-def test_init_loads_the_pretrained_weights_into_train_and_bench(pretrained, tmp_path,
-                                                                 monkeypatch):
+def test_init_loads_the_pretrained_weights_into_train_and_bench(pretrained, tmp_path, monkeypatch):
     state = torch.load(pretrained / "model.pt", weights_only=True)
     seen = {}
     real = run_module.simulate
@@ -170,15 +201,26 @@ def _bad_files(pretrained: Path, where: Path) -> dict[str, tuple[Path, str]]:
         torch.save(obj, path)
         files[name] = (path, message)
 
-    save("wrong_shape", _state_with(pretrained, lambda s: s.update(
-        {"classifier.weight": torch.zeros(5, 128)})),
-        "'classifier.weight' has shape [5, 128] in the file, [10, 128] in the model")
-    save("missing_key", _state_with(pretrained, lambda s: s.pop("classifier.bias")),
-         "'classifier.bias' (shape [10] in the model) is missing")
-    save("extra_key", _state_with(pretrained, lambda s: s.update({"extra": torch.zeros(1)})),
-         "'extra' is not one of the model's")
-    save("nan", _state_with(pretrained, lambda s: s["classifier.bias"].fill_(float("nan"))),
-         "NaN or infinite")
+    save(
+        "wrong_shape",
+        _state_with(pretrained, lambda s: s.update({"classifier.weight": torch.zeros(5, 128)})),
+        "'classifier.weight' has shape [5, 128] in the file, [10, 128] in the model",
+    )
+    save(
+        "missing_key",
+        _state_with(pretrained, lambda s: s.pop("classifier.bias")),
+        "'classifier.bias' (shape [10] in the model) is missing",
+    )
+    save(
+        "extra_key",
+        _state_with(pretrained, lambda s: s.update({"extra": torch.zeros(1)})),
+        "'extra' is not one of the model's",
+    )
+    save(
+        "nan",
+        _state_with(pretrained, lambda s: s["classifier.bias"].fill_(float("nan"))),
+        "NaN or infinite",
+    )
     save("bare_tensor", torch.zeros(3), "not a state dict (it holds a Tensor")
     save("not_tensors", {"classifier.weight": [1.0, 2.0]}, "entry 'classifier.weight' is a list")
     path = where / "code.pt"
@@ -205,8 +247,20 @@ def _bad_files(pretrained: Path, where: Path) -> dict[str, tuple[Path, str]]:
     return files
 
 
-BAD = ["wrong_shape", "missing_key", "extra_key", "nan", "bare_tensor", "not_tensors",
-       "pickle_with_code", "junk", "missing", "other_model", "indices_outside", "indices_pickled"]
+BAD = [
+    "wrong_shape",
+    "missing_key",
+    "extra_key",
+    "nan",
+    "bare_tensor",
+    "not_tensors",
+    "pickle_with_code",
+    "junk",
+    "missing",
+    "other_model",
+    "indices_outside",
+    "indices_pickled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +269,9 @@ def bad_files(pretrained, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", BAD)
-def test_a_bad_init_is_refused_on_one_line_before_anything_is_written(name, bad_files, tmp_path,
-                                                                      capsys):
+def test_a_bad_init_is_refused_on_one_line_before_anything_is_written(
+    name, bad_files, tmp_path, capsys
+):
     path, message = bad_files[name]
     out = tmp_path / "run"
     assert _train(out, "--init", str(path)) == 2
@@ -229,8 +284,20 @@ def test_a_bad_init_is_refused_on_one_line_before_anything_is_written(name, bad_
 
 def test_bench_table_refuses_a_mismatched_init(bad_files, tmp_path, capsys):
     out = tmp_path / "table"
-    code = main(["--no-progress", "bench", "table", *RUN, "--methods", "fedavg", "--out", str(out),
-                 "--init", str(bad_files["wrong_shape"][0])])
+    code = main(
+        [
+            "--no-progress",
+            "bench",
+            "table",
+            *RUN,
+            "--methods",
+            "fedavg",
+            "--out",
+            str(out),
+            "--init",
+            str(bad_files["wrong_shape"][0]),
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'classifier.weight' has shape [5, 128]" in err
@@ -248,23 +315,30 @@ def test_resuming_with_a_different_init_is_refused(pretrained, init_run, capsys)
 def test_public_data_pretraining_removes_nothing_from_the_clients(tmp_path):
     full = load_dataset("digits", seed=1)
     public = tmp_path / "public.npz"
-    np.savez(public, x_train=full.x_test, y_train=full.y_test, x_test=full.x_test[:10],
-             y_test=full.y_test[:10])
+    np.savez(
+        public,
+        x_train=full.x_test,
+        y_train=full.y_test,
+        x_test=full.x_test[:10],
+        y_test=full.y_test[:10],
+    )
     out = tmp_path / "pretrain"
-    assert main([*PRETRAIN[:-4], "--epochs", "1", "--public-data", str(public),
-                 "--out", str(out)]) == 0
+    assert (
+        main([*PRETRAIN[:-4], "--epochs", "1", "--public-data", str(public), "--out", str(out)])
+        == 0
+    )
     assert np.load(out / "server_indices.npy", allow_pickle=False).size == 0
     assert json.loads((out / "pretrain.json").read_text())["public_data"] == str(public)
     assert _train(tmp_path / "run", "--init", str(out)) == 0
     assert len(load_run(tmp_path / "run").dataset.y_train) == len(full.y_train)
 
 
-def test_pretrain_refuses_bad_public_data_and_an_existing_pretraining(pretrained, tmp_path,
-                                                                      capsys):
+def test_pretrain_refuses_bad_public_data_and_an_existing_pretraining(pretrained, tmp_path, capsys):
     wrong = tmp_path / "wrong.npz"
     images = np.zeros((20, 28, 28), np.uint8)
-    np.savez(wrong, x_train=images, y_train=np.arange(20) % 10, x_test=images,
-             y_test=np.arange(20) % 10)
+    np.savez(
+        wrong, x_train=images, y_train=np.arange(20) % 10, x_test=images, y_test=np.arange(20) % 10
+    )
     assert main([*PRETRAIN, "--public-data", str(wrong), "--out", str(tmp_path / "p")]) == 2
     assert main([*PRETRAIN, "--out", str(pretrained)]) == 2
     err = capsys.readouterr().err.splitlines()
@@ -291,8 +365,12 @@ def test_augmentation_is_a_flip_and_a_shifted_crop_of_each_image():
     assert out.shape == x.shape
     padded = torch.nn.functional.pad(torch.cat([x, x.flip(3)], 1), (2, 2, 2, 2))
     for image, source in zip(out, padded, strict=True):
-        candidates = [source[c:c + 3, dy:dy + 6, dx:dx + 5] for c in (0, 3)
-                      for dy in range(5) for dx in range(5)]
+        candidates = [
+            source[c : c + 3, dy : dy + 6, dx : dx + 5]
+            for c in (0, 3)
+            for dy in range(5)
+            for dx in range(5)
+        ]
         assert any(torch.equal(image, candidate) for candidate in candidates)
     assert not torch.equal(out, x)  # 16 images: some were moved
 

@@ -29,8 +29,10 @@ def test_a_log_gets_lines_while_one_slow_unit_runs():
     lines = text.splitlines()
     assert "\r" not in text
     assert len(lines) >= 2
-    assert all(line.startswith("train: 0/3 rounds done") and "no estimate until the first round"
-               in line for line in lines)
+    assert all(
+        line.startswith("train: 0/3 rounds done") and "no estimate until the first round" in line
+        for line in lines
+    )
 
 
 def test_time_left_is_measured_time_per_work_times_work_left(monkeypatch):
@@ -38,13 +40,15 @@ def test_time_left_is_measured_time_per_work_times_work_left(monkeypatch):
     monkeypatch.setattr(progress_module, "time", clock)
     stream = io.StringIO()
     work = [1, 1, 1, 5]
-    bar = Progress(4, desc="export", unit="client", stream=stream, every_s=3600,
-                   total_work=sum(work))
+    bar = Progress(
+        4, desc="export", unit="client", stream=stream, every_s=3600, total_work=sum(work)
+    )
     for share in work[:3]:
         clock.now += 10.0
         bar.update(share)
-    assert bar.line() == ("export: 3/4 clients done, 30s elapsed, about 50s left "
-                          "(measured 10s per client over 3)")
+    assert bar.line() == (
+        "export: 3/4 clients done, 30s elapsed, about 50s left (measured 10s per client over 3)"
+    )
     clock.now += 50.0
     bar.update(work[3])
     bar.close()
@@ -54,8 +58,7 @@ def test_time_left_is_measured_time_per_work_times_work_left(monkeypatch):
 def test_a_resumed_command_estimates_from_this_call_only(monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(progress_module, "time", clock)
-    bar = Progress(10, desc="train", unit="round", initial=6, stream=io.StringIO(),
-                   every_s=3600)
+    bar = Progress(10, desc="train", unit="round", initial=6, stream=io.StringIO(), every_s=3600)
     clock.now += 4.0
     bar.update()
     assert "7/10 rounds done" in bar.line() and "about 12s left" in bar.line()

@@ -47,10 +47,17 @@ def test_the_readme_and_the_guides_have_their_commands_in_order():
     runs = [c.run for c in commands]
     assert len(commands) >= 25
     assert runs[0] == "knnper demo" and commands[0].source == "README.md"
-    first = {name: next(i for i, r in enumerate(runs) if name in r)
-             for name in ("knnper pretrain", "--init runs/pretrain-fmnist", "knnper-edge keygen",
-                          "--signing-key keys/signing.pem", "knnper client-data runs/fmnist "
-                          "--client 3", "data/client_3/test_x.npy")}
+    first = {
+        name: next(i for i, r in enumerate(runs) if name in r)
+        for name in (
+            "knnper pretrain",
+            "--init runs/pretrain-fmnist",
+            "knnper-edge keygen",
+            "--signing-key keys/signing.pem",
+            "knnper client-data runs/fmnist --client 3",
+            "data/client_3/test_x.npy",
+        )
+    }
     assert first["knnper pretrain"] < first["--init runs/pretrain-fmnist"]
     assert first["knnper-edge keygen"] < first["--signing-key keys/signing.pem"]
     assert first["knnper client-data runs/fmnist --client 3"] < first["data/client_3/test_x.npy"]
@@ -68,7 +75,8 @@ def test_the_guide_pages_run_in_nav_order_after_the_readme():
 def test_the_nav_reader_takes_titled_and_bare_entries(tmp_path):
     (tmp_path / "mkdocs.yml").write_text(
         "site_name: x\nnav:\n  - Home: index.md\n  - guide.md\n  - Benchmarks:\n"
-        "      - Glance: benchmarks/index.md\n  - API:\n      - a: api/a.md\n  - Home: index.md\n")
+        "      - Glance: benchmarks/index.md\n  - API:\n      - a: api/a.md\n  - Home: index.md\n"
+    )
     pages = readme.guide_pages(tmp_path / "mkdocs.yml")
     assert [p.name for p in pages] == ["index.md", "guide.md"]
 
@@ -86,7 +94,8 @@ def test_every_documented_command_parses_as_written_and_at_digits_scale():
 def test_digits_scale_changes_sizes_only():
     run = readme.at_digits_scale(
         "knnper train --dataset fashion-mnist --data /usr/share/datasets/fashion-mnist "
-        "--max-train 8000 --clients 100 --out runs/x")
+        "--max-train 8000 --clients 100 --out runs/x"
+    )
     assert run == "knnper train --dataset digits --clients 10 --out runs/x --rounds 2"
     assert readme.at_digits_scale("knnper experiment --help") == "knnper experiment --help"
     assert all("fashion-mnist" not in c.run for c in readme.all_commands())
@@ -95,14 +104,26 @@ def test_digits_scale_changes_sizes_only():
 def test_pip_venv_and_pytest_steps_are_left_to_ci():
     runs = [c.run for c in readme.all_commands()]
     assert not any("pip install" in r or "pytest" in r or "venv" in r for r in runs)
-    assert readme._runnable_part("python3 -m venv .venv && . .venv/bin/activate && pip install "
-                                 "-e . && knnper demo") == "knnper demo"
+    assert (
+        readme._runnable_part(
+            "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && knnper demo"
+        )
+        == "knnper demo"
+    )
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
-@pytest.mark.parametrize("path", ["keys/signing.pem", "bundles/predictor.onnx",
-                                  "data/client_3/p.npy", "runs/fmnist/model.pt",
-                                  "bundles/my-device/manifest.json", "keys/pki/ca.crt"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "keys/signing.pem",
+        "bundles/predictor.onnx",
+        "data/client_3/p.npy",
+        "runs/fmnist/model.pt",
+        "bundles/my-device/manifest.json",
+        "keys/pki/ca.crt",
+    ],
+)
 def test_what_the_readme_writes_is_ignored_by_git(path):
     ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", path])
     assert ignored.returncode == 0, f"{path} is not covered by .gitignore"
@@ -121,8 +142,10 @@ def _printed_demo(**changes: str) -> str:
     ("method/where/column": new value)."""
     text = (REPO / "README.md").read_text()
     rows = readme.markdown_rows(text, "| method | where |")
-    lines = ["| method | where | budget | bundle (mean) | seen acc % | unseen acc % |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | where | budget | bundle (mean) | seen acc % | unseen acc % |",
+        "|---|---|---|---|---|---|",
+    ]
     for (method, where), row in rows.items():
         cells = [changes.get(f"{method}/{where}/{c}", row[c]) for c in row]
         lines.append("| " + " | ".join(cells) + " |")
@@ -135,8 +158,9 @@ def test_the_demo_table_is_checked_against_the_readme_within_its_tolerance():
     # a bundle one kB larger on average: inside the tolerance
     larger = _printed_demo(**{"kNN-Per/strong device (runtime)/bundle (mean)": "42 kB"})
     assert readme.demo_differences(text, larger) == []
-    worse = readme.demo_differences(text, _printed_demo(
-        **{"kNN-Per/weak device (runtime)/seen acc %": "96.0"}))
+    worse = readme.demo_differences(
+        text, _printed_demo(**{"kNN-Per/weak device (runtime)/seen acc %": "96.0"})
+    )
     assert len(worse) == 1 and "weak device (runtime), seen acc %" in worse[0]
     # what an AMD EPYC with AVX2 prints: FedAvg one test sample higher, inside the tolerance
     fedavg = "FedAvg/server/seen acc %"

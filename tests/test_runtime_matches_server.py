@@ -21,12 +21,17 @@ from fed_train.run import RunConfig, load_run, train
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("match")
-    config = RunConfig(dataset="digits", clients=6, seed=3,
-                       training=TrainingConfig(rounds=4, batch_size=16, lr=0.05, momentum=0.9))
+    config = RunConfig(
+        dataset="digits",
+        clients=6,
+        seed=3,
+        training=TrainingConfig(rounds=4, batch_size=16, lr=0.05, momentum=0.9),
+    )
     train(config, root / "run", progress=False)
     run = load_run(root / "run")
-    settings = ExportSettings(quantize="fp32", backend="flat",
-                              space=SearchSpace(flat_dtypes=("fp32",)))
+    settings = ExportSettings(
+        quantize="fp32", backend="flat", space=SearchSpace(flat_dtypes=("fp32",))
+    )
     budgets = {c: 10**8 for c in range(len(run.partition.clients))}
     report = export_run(run, root / "bundles", budgets, settings, progress=False)
     return run, root / "bundles", report
@@ -45,11 +50,15 @@ def test_runtime_equals_server_side_knnper_for_flat_fp32(exported):
         on_device = runtime.predict_proba(run.dataset.x_test[idx])
 
         z_train, _ = embed_and_logits(run.model, client.x_train)
-        head = KNNHead(run.dataset.num_classes, k=runtime.manifest["k"],
-                       sigma=runtime.manifest["sigma"]).fit(z_train, client.y_train.numpy())
+        head = KNNHead(
+            run.dataset.num_classes, k=runtime.manifest["k"], sigma=runtime.manifest["sigma"]
+        ).fit(z_train, client.y_train.numpy())
         z_test, logits = embed_and_logits(run.model, client.x_test)
-        server = interpolate(head.predict_proba(z_test), softmax(logits.astype(np.float64)),
-                             runtime.manifest["lambda"])
+        server = interpolate(
+            head.predict_proba(z_test),
+            softmax(logits.astype(np.float64)),
+            runtime.manifest["lambda"],
+        )
         np.testing.assert_array_equal(on_device.argmax(1), server.argmax(1))
         np.testing.assert_allclose(on_device, server, atol=1e-5)
         checked += len(idx)
@@ -77,13 +86,20 @@ def test_l2_normalised_bundles_equal_server_side_knnper_with_l2(tmp_path):
     device computes KNNPer(normalize="l2") without any runtime change."""
     from edge_runtime.knn import normalize_embeddings
 
-    config = RunConfig(dataset="digits", clients=4, seed=5,
-                       training=TrainingConfig(rounds=2, batch_size=16, lr=0.05, momentum=0.9))
+    config = RunConfig(
+        dataset="digits",
+        clients=4,
+        seed=5,
+        training=TrainingConfig(rounds=2, batch_size=16, lr=0.05, momentum=0.9),
+    )
     train(config, tmp_path / "run", progress=False)
     run = load_run(tmp_path / "run")
-    settings = ExportSettings(quantize="fp32", backend="flat",
-                              knn=KNNChoice(KNNConfig(5, 0.01, "l2")),
-                              space=SearchSpace(flat_dtypes=("fp32",)))
+    settings = ExportSettings(
+        quantize="fp32",
+        backend="flat",
+        knn=KNNChoice(KNNConfig(5, 0.01, "l2")),
+        space=SearchSpace(flat_dtypes=("fp32",)),
+    )
     budgets = {c: 10**8 for c in range(len(run.partition.clients))}
     report = export_run(run, tmp_path / "bundles", budgets, settings, progress=False)
     clients = run.clients()
@@ -95,9 +111,14 @@ def test_l2_normalised_bundles_equal_server_side_knnper_with_l2(tmp_path):
         np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, atol=1e-5)
         z_train, _ = embed_and_logits(run.model, client.x_train)
         head = KNNHead(run.dataset.num_classes, k=5, sigma=0.01).fit(
-            normalize_embeddings(z_train, "l2"), client.y_train.numpy())
+            normalize_embeddings(z_train, "l2"), client.y_train.numpy()
+        )
         z_test, logits = embed_and_logits(run.model, client.x_test)
-        server = interpolate(head.predict_proba(normalize_embeddings(z_test, "l2")),
-                             softmax(logits.astype(np.float64)), runtime.manifest["lambda"])
-        np.testing.assert_allclose(runtime.predict_proba(run.dataset.x_test[idx]), server,
-                                   atol=1e-5)
+        server = interpolate(
+            head.predict_proba(normalize_embeddings(z_test, "l2")),
+            softmax(logits.astype(np.float64)),
+            runtime.manifest["lambda"],
+        )
+        np.testing.assert_allclose(
+            runtime.predict_proba(run.dataset.x_test[idx]), server, atol=1e-5
+        )

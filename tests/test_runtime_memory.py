@@ -67,8 +67,9 @@ def test_a_bundle_of_10k_keys_predicts_within_its_budget_in_memory(tmp_path, flo
     write_bundle(tmp_path / "bundle", {**FIELDS, "budget_bytes": budget}, encoder, ds)
     x, _ = make_images(256, seed=1)
     np.save(tmp_path / "x.npy", x)
-    result = mem.run_sampled(mem.CHILD_RUNTIME, [str(tmp_path / "bundle"),
-                                                 str(tmp_path / "x.npy"), "1"], threads=1)
+    result = mem.run_sampled(
+        mem.CHILD_RUNTIME, [str(tmp_path / "bundle"), str(tmp_path / "x.npy"), "1"], threads=1
+    )
     assert result["shape"] == [256, NUM_CLASSES]
     above_mib = (result["peak_private_kib"] - floor_kib["floor_kib"]) / 1024
     limit_mib = budget / 2**20 + mem.PRIVATE_SLACK_MIB

@@ -47,8 +47,13 @@ def _datastore(backend: str, enc: Path):
     if backend == "protonn":
         rng = np.random.default_rng(0)
         return ProtoNNDatastore.from_matrices(
-            rng.normal(size=(3, P)), rng.normal(size=(3, 5)), rng.random((NUM_CLASSES, 5)),
-            0.5, k=5, m=0.3, buffer=8,
+            rng.normal(size=(3, P)),
+            rng.normal(size=(3, 5)),
+            rng.random((NUM_CLASSES, 5)),
+            0.5,
+            k=5,
+            m=0.3,
+            buffer=8,
         )
     x, y = make_images(30)
     z, _ = raw_outputs(enc, x)
@@ -83,15 +88,25 @@ def test_every_allowed_update_keeps_the_bundle_verifiable(
     rt.add(*make_images(12, 1))  # the bundle's own strategy, as a plain `add` does
     x, y = make_images(12, 2)
     np.savez(tmp_path / "val.npz", x=x, y=y)
-    args = [*_trust(keys, signed), "add", str(bundle), "--data", str(tmp_path / "val.npz"),
-            "--strategy", strategy]
+    args = [
+        *_trust(keys, signed),
+        "add",
+        str(bundle),
+        "--data",
+        str(tmp_path / "val.npz"),
+        "--strategy",
+        strategy,
+    ]
     assert edge_main(args) == 0, capsys.readouterr().err
     capsys.readouterr()
     assert edge_main([*_trust(keys, signed), "info", str(bundle)]) == 0, capsys.readouterr().err
     again = Runtime.load(bundle, trusted_keys=trusted)
     after = len(again.datastore.sample_store())
-    expected = {"fixed": before, "fifo": max(before, min(24, again.capacity)),
-                "concatenate": before + 24}[strategy]
+    expected = {
+        "fixed": before,
+        "fifo": max(before, min(24, again.capacity)),
+        "concatenate": before + 24,
+    }[strategy]
     assert after == expected
     if backend == "protonn" and strategy == "concatenate":  # the buffer grew past b8
         assert again.manifest["backend"]["recipe"] == f"protonn:d3:m0.3:b{after}"
@@ -116,6 +131,7 @@ def test_a_signed_setting_changed_with_the_counts_is_still_refused(tmp_path, key
     (bundle / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(SignatureError, match="datastore backend differs"):
         Runtime.load(bundle, trusted_keys=[load_public_key(keys / "key.pub")])
-    signed = json.loads(base64.b64decode(
-        json.loads((bundle / SIGNATURE_FILE).read_text())["manifest"]))
+    signed = json.loads(
+        base64.b64decode(json.loads((bundle / SIGNATURE_FILE).read_text())["manifest"])
+    )
     assert signed["backend"]["recipe"] == "protonn:d3:m0.3:b8"

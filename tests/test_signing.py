@@ -66,13 +66,18 @@ def _forge_base(bundle: Path) -> None:
 
 
 TAMPERED = {
-    "edited lambda": (lambda b: rewrite_manifest(b, **{"lambda": 1.0}),
-                      "'lambda' differs from the signed manifest"),
+    "edited lambda": (
+        lambda b: rewrite_manifest(b, **{"lambda": 1.0}),
+        "'lambda' differs from the signed manifest",
+    ),
     "edited normalisation": (
         lambda b: rewrite_manifest(b, input={**FIELDS["input"], "mean": [0.1]}),
-        "'input' differs from the signed manifest"),
-    "raised budget": (lambda b: rewrite_manifest(b, budget_bytes=10**9),
-                      "'budget_bytes' differs from the signed manifest"),
+        "'input' differs from the signed manifest",
+    ),
+    "raised budget": (
+        lambda b: rewrite_manifest(b, budget_bytes=10**9),
+        "'budget_bytes' differs from the signed manifest",
+    ),
     "swapped encoder": (_swap_encoder, "the encoder's sha256 differs from the signed manifest"),
     "removed signature": (lambda b: (b / SIGNATURE_FILE).unlink(), "unsigned"),
     "forged signed copy": (_forge_base, "the signature does not verify"),
@@ -112,9 +117,10 @@ def test_unsigned_bundles_load_when_no_key_is_trusted(tmp_path, keys):
         Runtime.load(bundle, trusted_keys=trusted(keys))
 
 
-@pytest.mark.parametrize(("recipe", "strategy"), [("flat:int8:n60", "fifo"),
-                                                  ("flat:fp16:n60", "concatenate"),
-                                                  ("hnsw:M8", "fifo")])
+@pytest.mark.parametrize(
+    ("recipe", "strategy"),
+    [("flat:int8:n60", "fifo"), ("flat:fp16:n60", "concatenate"), ("hnsw:M8", "fifo")],
+)
 def test_device_updates_keep_a_signed_bundle_verifiable(tmp_path, keys, recipe, strategy):
     pytest.importorskip("hnswlib")
     bundle = signed_bundle(tmp_path, keys, recipe, budget_bytes=10**7)
@@ -123,17 +129,28 @@ def test_device_updates_keep_a_signed_bundle_verifiable(tmp_path, keys, recipe, 
         rt.add(*make_images(10, seed), strategy=strategy)
     again = Runtime.load(bundle, trusted_keys=trusted(keys))
     assert len(again.datastore) == (80 if strategy == "concatenate" else 60)
-    assert again.manifest["files"] != json.loads(
-        base64.b64decode(json.loads((bundle / SIGNATURE_FILE).read_text())["manifest"])
-    )["files"]
+    assert (
+        again.manifest["files"]
+        != json.loads(
+            base64.b64decode(json.loads((bundle / SIGNATURE_FILE).read_text())["manifest"])
+        )["files"]
+    )
 
 
 def test_cli_keygen_and_trusted_key(tmp_path, keys, capsys):
-    assert edge_main(["keygen", "--private", str(tmp_path / "k.pem"),
-                      "--public", str(tmp_path / "k.pub")]) == 0
+    assert (
+        edge_main(
+            ["keygen", "--private", str(tmp_path / "k.pem"), "--public", str(tmp_path / "k.pub")]
+        )
+        == 0
+    )
     assert (tmp_path / "k.pem").stat().st_mode & 0o077 == 0
-    assert edge_main(["keygen", "--private", str(tmp_path / "k.pem"),
-                      "--public", str(tmp_path / "x.pub")]) == 2
+    assert (
+        edge_main(
+            ["keygen", "--private", str(tmp_path / "k.pem"), "--public", str(tmp_path / "x.pub")]
+        )
+        == 2
+    )
     bundle = signed_bundle(tmp_path, keys)
     capsys.readouterr()
     assert edge_main(["--trusted-key", str(keys / "key.pub"), "info", str(bundle)]) == 0
@@ -150,20 +167,53 @@ def test_export_signs_every_bundle(tmp_path, keys, capsys):
     from fed_train.run import RunConfig, train
 
     run_dir = tmp_path / "run"
-    train(RunConfig(dataset="digits", clients=4, seed=0,
-                    training=TrainingConfig(rounds=1, epochs=1, batch_size=16)),
-          run_dir, progress=False)
+    train(
+        RunConfig(
+            dataset="digits",
+            clients=4,
+            seed=0,
+            training=TrainingConfig(rounds=1, epochs=1, batch_size=16),
+        ),
+        run_dir,
+        progress=False,
+    )
     out = tmp_path / "bundles"
-    code = export_cli.main(["--no-progress", "export", str(run_dir), "--out", str(out),
-                            "--budget", "2M", "--backend", "flat", "--clients", "0,1",
-                            "--signing-key", str(keys / "key.pem"), "--workers", "1"])
+    code = export_cli.main(
+        [
+            "--no-progress",
+            "export",
+            str(run_dir),
+            "--out",
+            str(out),
+            "--budget",
+            "2M",
+            "--backend",
+            "flat",
+            "--clients",
+            "0,1",
+            "--signing-key",
+            str(keys / "key.pem"),
+            "--workers",
+            "1",
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     for bundle in sorted(out.glob("client_*")):
         rt = Runtime.load(bundle, trusted_keys=trusted(keys))
         assert rt.predict(np.zeros((1, 8, 8, 1), np.uint8)).shape == (1,)
-    code = export_cli.main(["--no-progress", "export", str(run_dir), "--out",
-                            str(tmp_path / "b2"), "--budget", "2M",
-                            "--signing-key", str(keys / "key.pub")])
+    code = export_cli.main(
+        [
+            "--no-progress",
+            "export",
+            str(run_dir),
+            "--out",
+            str(tmp_path / "b2"),
+            "--budget",
+            "2M",
+            "--signing-key",
+            str(keys / "key.pub"),
+        ]
+    )
     assert code == 2 and "not an unencrypted PEM private key" in capsys.readouterr().err
 
 
@@ -177,9 +227,22 @@ def test_init_like_verifies_the_signed_bundle_and_the_encoder(tmp_path, keys, ca
 
     def init(encoder: Path, out: str, *extra: str) -> tuple[int, str]:
         capsys.readouterr()
-        code = edge_main([*extra, "init", "--encoder", str(encoder), "--data",
-                          str(tmp_path / "own.npz"), "--budget", "1MB", "--out",
-                          str(tmp_path / out), "--like", str(bundle)])
+        code = edge_main(
+            [
+                *extra,
+                "init",
+                "--encoder",
+                str(encoder),
+                "--data",
+                str(tmp_path / "own.npz"),
+                "--budget",
+                "1MB",
+                "--out",
+                str(tmp_path / out),
+                "--like",
+                str(bundle),
+            ]
+        )
         return code, capsys.readouterr().err
 
     key = ["--trusted-key", str(keys / "key.pub")]
@@ -190,14 +253,29 @@ def test_init_like_verifies_the_signed_bundle_and_the_encoder(tmp_path, keys, ca
     code, err = init(bundle / "encoder.onnx", "edited", *key)
     assert code == 2 and err.count("\n") == 1 and "'k' differs from the signed manifest" in err
     assert not (tmp_path / "swapped").exists() and not (tmp_path / "edited").exists()
-    code, err = init(bundle / "encoder.onnx", "other-key", "--trusted-key",
-                     str(keys / "other.pub"))
+    code, err = init(bundle / "encoder.onnx", "other-key", "--trusted-key", str(keys / "other.pub"))
     assert code == 2 and "not trusted" in err
     assert init(bundle / "encoder.onnx", "unchecked")[0] == 0  # no key: not checked, as before
     (tmp_path / "spec.json").write_text(json.dumps(FIELDS["input"]))
-    assert edge_main([*key, "init", "--encoder", str(bundle / "encoder.onnx"), "--data",
-                      str(tmp_path / "own.npz"), "--budget", "1MB", "--out",
-                      str(tmp_path / "spec"), "--input-spec", str(tmp_path / "spec.json")]) == 2
+    assert (
+        edge_main(
+            [
+                *key,
+                "init",
+                "--encoder",
+                str(bundle / "encoder.onnx"),
+                "--data",
+                str(tmp_path / "own.npz"),
+                "--budget",
+                "1MB",
+                "--out",
+                str(tmp_path / "spec"),
+                "--input-spec",
+                str(tmp_path / "spec.json"),
+            ]
+        )
+        == 2
+    )
     assert "needs --like SIGNED_BUNDLE" in capsys.readouterr().err
 
 

@@ -30,8 +30,9 @@ def _integer_scan_session(scale: np.ndarray) -> ort.InferenceSession:
     g.input("key_sums", P.INT32, ["n"])
     out = _int8_products(g, "q", "keys_t", "key_sums", scale)
     g.nodes.append(P.node("Identity", [out], ["products"]))
-    graph = P.graph("scan", g.nodes, g.inputs, [P.value_info("products", P.FLOAT, None)],
-                    g.initializers)
+    graph = P.graph(
+        "scan", g.nodes, g.inputs, [P.value_info("products", P.FLOAT, None)], g.initializers
+    )
     model = P.model(graph, ir_version=8, opsets={"": 17}, producer="test")
     return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
 
@@ -94,8 +95,12 @@ def _datastores(z: np.ndarray, y: np.ndarray) -> dict:
         for dtype in ("fp32", "int8", "fp16")
     }
     stores["protonn"] = ProtoNNDatastore.from_matrices(
-        rng.normal(size=(6, DIM)), rng.normal(size=(6, 20)), rng.random((CLASSES, 20)), 0.7,
-        k=5, buffer=50,
+        rng.normal(size=(6, DIM)),
+        rng.normal(size=(6, 20)),
+        rng.random((CLASSES, 20)),
+        0.7,
+        k=5,
+        buffer=50,
     )
     if importlib.util.find_spec("hnswlib") is not None:
         stores["hnsw"] = HNSWDatastore(CLASSES, k=5, M=8).fit(z, y)
@@ -107,8 +112,12 @@ def bundles(tmp_path):
     encoder = _encoder_bytes()
     out = {}
     for name, ds in _datastores(*_embedded(encoder, 300, seed=2)).items():
-        write_bundle(tmp_path / name, {"client_id": 0, "input": SPEC, "lambda": 0.6,
-                                       "budget_bytes": 10**7}, encoder, ds)
+        write_bundle(
+            tmp_path / name,
+            {"client_id": 0, "input": SPEC, "lambda": 0.6, "budget_bytes": 10**7},
+            encoder,
+            ds,
+        )
         out[name] = tmp_path / name
     return out
 

@@ -19,22 +19,36 @@ from experiments.table_seeds import (
 
 def _clients(rng, n, a_mean, b_mean, noise=0.05):
     base = rng.uniform(0.5, 0.8, n)
-    return [{"client_id": i, "unseen": False, "n_test": int(rng.integers(10, 50)),
-             "knnper": float(base[i] + a_mean + rng.normal(0, noise)),
-             "fedrep": float(base[i] + b_mean + rng.normal(0, noise)),
-             "fedavg": float(base[i] - 0.1)} for i in range(n)]
+    return [
+        {
+            "client_id": i,
+            "unseen": False,
+            "n_test": int(rng.integers(10, 50)),
+            "knnper": float(base[i] + a_mean + rng.normal(0, noise)),
+            "fedrep": float(base[i] + b_mean + rng.normal(0, noise)),
+            "fedavg": float(base[i] - 0.1),
+        }
+        for i in range(n)
+    ]
 
 
 def _result(clients):
     def summary(m):
         acc = np.array([c[m] for c in clients])
         w = np.array([c["n_test"] for c in clients])
-        return {"mean": float(np.average(acc, weights=w)),
-                "bottom_decile": float(np.sort(acc)[int(np.ceil(len(acc) / 10)) - 1])}
+        return {
+            "mean": float(np.average(acc, weights=w)),
+            "bottom_decile": float(np.sort(acc)[int(np.ceil(len(acc) / 10)) - 1]),
+        }
 
     methods = ["fedavg", "fedrep", "knnper"]
-    return {"methods": methods, "clients": clients, "seen": {m: summary(m) for m in methods},
-            "unseen": {}, "lr": {}}
+    return {
+        "methods": methods,
+        "clients": clients,
+        "seen": {m: summary(m) for m in methods},
+        "unseen": {},
+        "lr": {},
+    }
 
 
 def test_a_clear_paired_gain_is_called_and_a_tiny_one_is_inconclusive():
@@ -66,7 +80,8 @@ def test_each_baseline_gets_its_own_interval_and_the_best_one_matches():
     assert each["fedavg"]["verdict"] == each["fedrep"]["verdict"] == "knnper ahead"
     best = compare_to_best(spread, compare_to_each(results, spread))["seen"]["mean"]
     assert {k: best[k] for k in ("diff", "low", "high")} == {
-        k: each["fedrep"][k] for k in ("diff", "low", "high")}
+        k: each["fedrep"][k] for k in ("diff", "low", "high")
+    }
 
 
 def test_spread_is_mean_and_sample_std_across_seeds():
@@ -88,26 +103,50 @@ def test_pairing_removes_the_clients_shared_difficulty():
 
 
 def test_lambda_ties_are_counted_apart_from_real_differences():
-    clients = [{"knnper": 0.5, "knnper_lambda": 0.3, "knnper_oracle_lambda": 0.5,
-                "knnper_oracle_accuracy": 0.5},
-               {"knnper": 0.5, "knnper_lambda": 0.3, "knnper_oracle_lambda": 0.7,
-                "knnper_oracle_accuracy": 0.6},
-               {"knnper": 0.5, "knnper_lambda": 0.3, "knnper_oracle_lambda": 0.3,
-                "knnper_oracle_accuracy": 0.5}]
-    assert lambda_ties([{"clients": clients}]) == [{"differs": 2, "same_accuracy": 1,
-                                                    "lower_accuracy": 1}]
+    clients = [
+        {
+            "knnper": 0.5,
+            "knnper_lambda": 0.3,
+            "knnper_oracle_lambda": 0.5,
+            "knnper_oracle_accuracy": 0.5,
+        },
+        {
+            "knnper": 0.5,
+            "knnper_lambda": 0.3,
+            "knnper_oracle_lambda": 0.7,
+            "knnper_oracle_accuracy": 0.6,
+        },
+        {
+            "knnper": 0.5,
+            "knnper_lambda": 0.3,
+            "knnper_oracle_lambda": 0.3,
+            "knnper_oracle_accuracy": 0.5,
+        },
+    ]
+    assert lambda_ties([{"clients": clients}]) == [
+        {"differs": 2, "same_accuracy": 1, "lower_accuracy": 1}
+    ]
 
 
 def _hurt_rows(knnper, fedavg, fedavg_plus, unseen=False):
-    return [{"client_id": i, "unseen": unseen, "n_test": 10, "knnper": k, "fedavg": f,
-             "fedavg+": p, "local": f - 0.1}
-            for i, (k, f, p) in enumerate(zip(knnper, fedavg, fedavg_plus, strict=True))]
+    return [
+        {
+            "client_id": i,
+            "unseen": unseen,
+            "n_test": 10,
+            "knnper": k,
+            "fedavg": f,
+            "fedavg+": p,
+            "local": f - 0.1,
+        }
+        for i, (k, f, p) in enumerate(zip(knnper, fedavg, fedavg_plus, strict=True))
+    ]
 
 
 def test_clients_hurt_counts_clients_strictly_below_the_reference_across_seeds():
     # seed 0: 2 of 8 below FedAvg, one tie (not hurt); seed 1: 4 of 8 below
-    seed0 = _hurt_rows([.5, .5, .7, .7, .7, .7, .7, .6], [.6] * 8, [.8] * 8)
-    seed1 = _hurt_rows([.5, .5, .5, .5, .7, .7, .7, .7], [.6] * 8, [.4] * 8)
+    seed0 = _hurt_rows([0.5, 0.5, 0.7, 0.7, 0.7, 0.7, 0.7, 0.6], [0.6] * 8, [0.8] * 8)
+    seed1 = _hurt_rows([0.5, 0.5, 0.5, 0.5, 0.7, 0.7, 0.7, 0.7], [0.6] * 8, [0.4] * 8)
     hurt = clients_hurt([seed0, seed1], ["local", "fedavg", "fedavg+", "knnper"])
     h = hurt["seen"]["knnper"]["fedavg"]
     assert h["values"] == [0.25, 0.5] and h["share"] == pytest.approx(0.375)
@@ -124,7 +163,9 @@ def test_clients_hurt_counts_clients_strictly_below_the_reference_across_seeds()
 
 
 def test_clients_hurt_needs_enough_clients_and_the_reference():
-    few = _hurt_rows([.5] * (MIN_CLIENTS - 1), [.6] * (MIN_CLIENTS - 1), [.6] * (MIN_CLIENTS - 1))
+    few = _hurt_rows(
+        [0.5] * (MIN_CLIENTS - 1), [0.6] * (MIN_CLIENTS - 1), [0.6] * (MIN_CLIENTS - 1)
+    )
     assert clients_hurt([few], ["fedavg", "fedavg+", "knnper"]) == {"seen": {}, "unseen": {}}
-    rows = _hurt_rows([.5] * 6, [.6] * 6, [.6] * 6)
+    rows = _hurt_rows([0.5] * 6, [0.6] * 6, [0.6] * 6)
     assert clients_hurt([rows], ["local", "knnper"]) == {"seen": {}, "unseen": {}}

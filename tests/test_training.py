@@ -20,14 +20,32 @@ from knnper_cli.main import main
 from tests.helpers.interrupts import interrupt_after
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "4", "--local-epochs", "1",
-        "--batch-size", "16", "--lr", "0.05", "--no-progress"]
+TINY = [
+    "--dataset",
+    "digits",
+    "--clients",
+    "8",
+    "--rounds",
+    "4",
+    "--local-epochs",
+    "1",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+    "--no-progress",
+]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "knnper_cli.main", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "knnper_cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def _train_args(out: Path, *extra: str) -> list[str]:
@@ -92,8 +110,9 @@ def test_knnper_with_lambda_zero_everywhere_equals_fedavg(digits_run, monkeypatc
     from fed_train.run_evaluation import evaluate_run
 
     monkeypatch.setattr(LambdaRule, "choose_from_counts", lambda self, own: 0.0)
-    result = evaluate_run(load_run(digits_run), ["fedavg", "knnper"], progress=False,
-                          knn=KNNRequest(base="global"))  # lambda 0 is then the global model
+    result = evaluate_run(
+        load_run(digits_run), ["fedavg", "knnper"], progress=False, knn=KNNRequest(base="global")
+    )  # lambda 0 is then the global model
     for row in result["clients"]:
         assert row["knnper"] == row["fedavg"]
 
@@ -111,8 +130,12 @@ def test_a_killed_run_resumes_without_losing_rounds(tmp_path):
 
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "knnper_cli.main", *_train_args(out, *args)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "knnper_cli.main", *_train_args(out, *args)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     metrics = out / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -154,8 +177,11 @@ def test_a_different_config_in_an_existing_run_is_refused(digits_run):
 def test_bad_input_gives_one_line_error_and_exit_2(tmp_path, args, message):
     r = _cli("--no-progress", "train", *TINY[:-1], "--out", str(tmp_path / "run"), *args)
     assert r.returncode == 2, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()
-             and not line.startswith(("INFO", "WARNING"))]
+    lines = [
+        line
+        for line in r.stderr.splitlines()
+        if line.strip() and not line.startswith(("INFO", "WARNING"))
+    ]
     assert len(lines) == 1, r.stderr
     assert re.search(message, lines[0], flags=re.I), lines[0]
 
@@ -180,7 +206,16 @@ def test_evaluate_a_corrupt_model_is_a_clear_error(digits_run, tmp_path):
 def test_malformed_npz_is_a_clear_error(tmp_path):
     bad = tmp_path / "bad.npz"
     np.savez(bad, x_train=np.zeros((4, 8, 8), np.uint8))
-    r = _cli("--no-progress", "train", *TINY[:-1], "--dataset", "npz", "--data", str(bad),
-             "--out", str(tmp_path / "run"))
+    r = _cli(
+        "--no-progress",
+        "train",
+        *TINY[:-1],
+        "--dataset",
+        "npz",
+        "--data",
+        str(bad),
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert r.returncode == 2
     assert "y_train" in r.stderr

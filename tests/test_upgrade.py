@@ -32,8 +32,15 @@ def _encoders(tmp_path: Path) -> tuple[Path, Path]:
     return old, new
 
 
-def _bundle(tmp_path: Path, encoder: Path, name: str, recipe: str = "flat:fp32",
-            n: int = 60, seed: int = 0, strategy: str = "fifo") -> Path:
+def _bundle(
+    tmp_path: Path,
+    encoder: Path,
+    name: str,
+    recipe: str = "flat:fp32",
+    n: int = 60,
+    seed: int = 0,
+    strategy: str = "fifo",
+) -> Path:
     x, y = make_images(n, seed)
     z, _ = raw_outputs(encoder, x)
     ds = make_datastore(recipe, NUM_CLASSES, k=5, sigma=1.0).fit(z, y)
@@ -48,8 +55,14 @@ def _fit_map(old: Path, new: Path, out: Path, advice: str = "map the keys") -> P
     a = np.hstack([z_old, np.ones((len(z_old), 1), np.float32)])
     coef = np.linalg.lstsq(a, z_new, rcond=None)[0].astype(np.float32)
     ids = [embedding_id(p.read_bytes()) for p in (old, new)]
-    KeyMap(coef[:-1], coef[-1], ids[0], ids[1], advice,
-           {"mapped": 0.9, "stale": 0.5, "re-embedded": 0.95, "global": 0.6}).save(out)
+    KeyMap(
+        coef[:-1],
+        coef[-1],
+        ids[0],
+        ids[1],
+        advice,
+        {"mapped": 0.9, "stale": 0.5, "re-embedded": 0.95, "global": 0.6},
+    ).save(out)
     return out
 
 
@@ -146,8 +159,10 @@ def test_upgrade_refuses_a_map_of_other_versions(tmp_path):
         rt.upgrade(release)
     assert rt.predict(make_images(3)[0]).shape == (3,)  # still the old version, usable
     assert sorted(p.name for p in a.iterdir()) == before
-    assert Runtime.load(a).manifest["files"]["encoder.onnx"] == \
-        hashlib.sha256(old.read_bytes()).hexdigest()
+    assert (
+        Runtime.load(a).manifest["files"]["encoder.onnx"]
+        == hashlib.sha256(old.read_bytes()).hexdigest()
+    )
 
 
 def test_upgrade_follows_the_release_advice(tmp_path):
@@ -165,10 +180,14 @@ def test_bad_map_files_are_refused_with_one_line(tmp_path, damage):
     old, new = _encoders(tmp_path)
     good = load_key_map(_fit_map(old, new, tmp_path / "good.npz"))
     bad = tmp_path / "bad.npz"
-    arrays = {"weight": good.weight, "bias": good.bias,
-              "from_embedding": np.frombuffer(bytes.fromhex(good.from_embedding), np.uint8),
-              "to_embedding": np.frombuffer(bytes.fromhex(good.to_embedding), np.uint8),
-              "advice": np.int8(0), "evidence": np.array([.9, .5, .95, .6])}
+    arrays = {
+        "weight": good.weight,
+        "bias": good.bias,
+        "from_embedding": np.frombuffer(bytes.fromhex(good.from_embedding), np.uint8),
+        "to_embedding": np.frombuffer(bytes.fromhex(good.to_embedding), np.uint8),
+        "advice": np.int8(0),
+        "evidence": np.array([0.9, 0.5, 0.95, 0.6]),
+    }
     if damage == "not a zip":
         bad.write_bytes(b"PK\x03\x04 nonsense")
     elif damage == "pickle":
@@ -193,12 +212,14 @@ def test_every_command_refuses_a_datastore_of_another_encoder(tmp_path, capsys):
     x, y = make_images(4, seed=3)
     np.save(tmp_path / "x.npy", x)
     np.savez(tmp_path / "xy.npz", x=x, y=y)
-    for argv in (["predict", str(b), "--input", str(tmp_path / "x.npy")],
-                 ["evaluate", str(b), "--data", str(tmp_path / "xy.npz")],
-                 ["add", str(b), "--data", str(tmp_path / "xy.npz")],
-                 ["info", str(b)],
-                 ["export-onnx", str(b), "--out", str(tmp_path / "p.onnx")],
-                 ["upgrade", str(b), "--to", str(a)]):
+    for argv in (
+        ["predict", str(b), "--input", str(tmp_path / "x.npy")],
+        ["evaluate", str(b), "--data", str(tmp_path / "xy.npz")],
+        ["add", str(b), "--data", str(tmp_path / "xy.npz")],
+        ["info", str(b)],
+        ["export-onnx", str(b), "--out", str(tmp_path / "p.onnx")],
+        ["upgrade", str(b), "--to", str(a)],
+    ):
         capsys.readouterr()
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -241,16 +262,20 @@ def test_sigkill_during_upgrade_leaves_the_old_bundle_or_the_new(tmp_path):
     release = _bundle(tmp_path, new, "release", "flat:int8")
     key_map = _fit_map(old, new, tmp_path / "map.npz")
     labels = Runtime.load(pristine).datastore.labels_.copy()
-    shas = {hashlib.sha256(p.read_bytes()).hexdigest(): name
-            for name, p in (("old", old), ("new", new))}
+    shas = {
+        hashlib.sha256(p.read_bytes()).hexdigest(): name for name, p in (("old", old), ("new", new))
+    }
     bundle, seen = tmp_path / "device", set()
     for delay in (0.05, 0.12, 0.18, 0.24, 0.3, 0.4, 0.6):  # the process starts, then upgrades
         if not bundle.exists() or seen and "new" in seen:
             shutil.rmtree(bundle, ignore_errors=True)
             shutil.copytree(pristine, bundle)
-        proc = subprocess.Popen([sys.executable, "-c", _UPGRADER, str(bundle), str(release),
-                                 str(key_map)], cwd=REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _UPGRADER, str(bundle), str(release), str(key_map)],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -260,11 +285,18 @@ def test_sigkill_during_upgrade_leaves_the_old_bundle_or_the_new(tmp_path):
         np.testing.assert_array_equal(rt.datastore.labels_, labels)
         assert rt.predict(make_images(2)[0]).shape == (2,)
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
-    write_bundle(tmp_path / "later", FIELDS, old,  # the next write beside them cleans up
-                 make_datastore("flat:fp32", NUM_CLASSES).fit(*_embedded(old)))
+    write_bundle(
+        tmp_path / "later",
+        FIELDS,
+        old,  # the next write beside them cleans up
+        make_datastore("flat:fp32", NUM_CLASSES).fit(*_embedded(old)),
+    )
     # the bundle's turnstile (edge_runtime.locking) stays; temporaries and theirs go
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith((".device", "..device"))
-                and p.name != ".device.lock"], leftovers
+    assert not [
+        p.name
+        for p in tmp_path.iterdir()
+        if p.name.startswith((".device", "..device")) and p.name != ".device.lock"
+    ], leftovers
 
 
 def _embedded(encoder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -278,8 +310,17 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
 
     old, new = _encoders(tmp_path)
     x, y = make_images(80, seed=1)
-    init_bundle(old, x, y, 10**6, tmp_path / "device", input_spec=FIELDS["input"], k=5,
-                recipes=[recipe], keep_inputs=True)
+    init_bundle(
+        old,
+        x,
+        y,
+        10**6,
+        tmp_path / "device",
+        input_spec=FIELDS["input"],
+        k=5,
+        recipes=[recipe],
+        keep_inputs=True,
+    )
     release = _bundle(tmp_path, new, "release", seed=5)
     rt = Runtime.load(tmp_path / "device")
     assert rt.manifest["backend"]["recipe"].endswith(f":x{8 * 8}")
@@ -288,12 +329,22 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
     report = rt.upgrade(release)  # no map: the kept inputs are re-embedded
     assert report.how == "re-embedded" and report.carried == 89
     all_x, all_y = np.concatenate([x, x_add]), np.concatenate([y, y_add])
-    fresh = init_bundle(new, all_x, all_y, 10**6, tmp_path / "fresh", input_spec=FIELDS["input"],
-                        k=5, recipes=[rt.manifest["backend"]["recipe"]], keep_inputs=True)
+    fresh = init_bundle(
+        new,
+        all_x,
+        all_y,
+        10**6,
+        tmp_path / "fresh",
+        input_spec=FIELDS["input"],
+        k=5,
+        recipes=[rt.manifest["backend"]["recipe"]],
+        keep_inputs=True,
+    )
     assert fresh.lam == rt.lam
     probe, _ = make_images(50, seed=3)
-    np.testing.assert_array_equal(Runtime.load(tmp_path / "fresh").predict_proba(probe),
-                                  rt.predict_proba(probe))
+    np.testing.assert_array_equal(
+        Runtime.load(tmp_path / "fresh").predict_proba(probe), rt.predict_proba(probe)
+    )
     np.testing.assert_array_equal(rt.datastore.inputs_, all_x)
 
 
@@ -303,10 +354,19 @@ def test_kept_inputs_count_in_the_budget(tmp_path):
     old, _ = _encoders(tmp_path)
     x, y = make_images(200, seed=1)
     budget = old.stat().st_size + 6000
-    plain = init_bundle(old, x, y, budget, tmp_path / "plain", input_spec=FIELDS["input"],
-                        recipes=["flat:int8"])
-    kept = init_bundle(old, x, y, budget, tmp_path / "kept", input_spec=FIELDS["input"],
-                       recipes=["flat:int8"], keep_inputs=True)
+    plain = init_bundle(
+        old, x, y, budget, tmp_path / "plain", input_spec=FIELDS["input"], recipes=["flat:int8"]
+    )
+    kept = init_bundle(
+        old,
+        x,
+        y,
+        budget,
+        tmp_path / "kept",
+        input_spec=FIELDS["input"],
+        recipes=["flat:int8"],
+        keep_inputs=True,
+    )
     n_plain = len(Runtime.load(tmp_path / "plain").datastore)
     n_kept = len(Runtime.load(tmp_path / "kept").datastore)
     assert n_kept < n_plain
@@ -319,7 +379,8 @@ def test_fitting_from_chunks_stores_what_fit_stores(recipe):
     y = np.arange(2500) % NUM_CLASSES
     whole = make_datastore(recipe, NUM_CLASSES, k=5).fit(z, y)
     chunked = make_datastore(recipe, NUM_CLASSES, k=5).fit_chunks(
-        lambda: (z[i:i + 1024] for i in range(0, 2500, 1024)), 2500, y)
+        lambda: (z[i : i + 1024] for i in range(0, 2500, 1024)), 2500, y
+    )
     np.testing.assert_array_equal(chunked.keys(), whole.keys())
     np.testing.assert_array_equal(chunked.labels_, whole.labels_)
     np.testing.assert_array_equal(chunked.predict_proba(z[:50]), whole.predict_proba(z[:50]))
@@ -383,9 +444,16 @@ def test_concurrent_predictions_see_one_version_or_the_other(tmp_path):
     device = _bundle(tmp_path, old, "device", "flat:int8", n=3000)
     release = _bundle(tmp_path, new, "release", "flat:int8")
     key_map = _fit_map(old, new, tmp_path / "map.npz")
-    readers = [subprocess.Popen([sys.executable, "-c", _READER, str(device), "4"], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for _ in range(3)]
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _READER, str(device), "4"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     time.sleep(1.5)
     Runtime.load(device).upgrade(release, key_map=key_map)
     seen = set()
@@ -406,13 +474,20 @@ def test_upgrade_refits_the_linear_head_where_the_release_does(tmp_path):
     x, y = make_images(40, seed=5)
     z, _ = raw_outputs(new, x)
     personal = with_linear_head(new, LinearHead(NUM_CLASSES, l2=1e-2).fit(z, y))
-    choice = {"k": {"value": 5, "source": "flag"}, "sigma": {"value": 1.0, "source": "flag"},
-              "normalize": {"value": "none", "source": "flag"},
-              "lambda_estimator": {"value": "val", "source": "flag"},
-              "base": {"value": "linear", "source": "validation"},
-              "l2": {"value": 1e-2, "source": "validation"}}
-    write_bundle(tmp_path / "release", {**FIELDS, "knn_choice": choice}, personal,
-                 make_datastore("flat:fp32", NUM_CLASSES, k=5, sigma=1.0).fit(z, y))
+    choice = {
+        "k": {"value": 5, "source": "flag"},
+        "sigma": {"value": 1.0, "source": "flag"},
+        "normalize": {"value": "none", "source": "flag"},
+        "lambda_estimator": {"value": "val", "source": "flag"},
+        "base": {"value": "linear", "source": "validation"},
+        "l2": {"value": 1e-2, "source": "validation"},
+    }
+    write_bundle(
+        tmp_path / "release",
+        {**FIELDS, "knn_choice": choice},
+        personal,
+        make_datastore("flat:fp32", NUM_CLASSES, k=5, sigma=1.0).fit(z, y),
+    )
     (tmp_path / "personal.onnx").write_bytes(personal)  # its embeddings are new's
     key_map = _fit_map(old, tmp_path / "personal.onnx", tmp_path / "map.npz")
     rt = Runtime.load(device)

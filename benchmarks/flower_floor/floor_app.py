@@ -18,8 +18,10 @@ server = ServerApp()
 
 @client.train()
 def echo(msg: Message, context: Context) -> Message:
-    return Message(RecordDict({"arrays": msg.content["arrays"],
-                               "metrics": MetricRecord({"num-examples": 0})}), reply_to=msg)
+    return Message(
+        RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 0})}),
+        reply_to=msg,
+    )
 
 
 @server.main()
@@ -40,13 +42,27 @@ def rounds(grid: Grid, context: Context) -> None:
     with open(run_dir / "metrics.jsonl", "w") as log:
         for r in range(1, settings.run.training.rounds + 1):
             start = time.perf_counter()
-            replies = list(grid.send_and_receive(
-                [Message(RecordDict({"arrays": arrays}), dst_node_id=n,
-                         message_type=MessageType.TRAIN, group_id=str(r)) for n in nodes],
-                timeout=settings.round_timeout))
+            replies = list(
+                grid.send_and_receive(
+                    [
+                        Message(
+                            RecordDict({"arrays": arrays}),
+                            dst_node_id=n,
+                            message_type=MessageType.TRAIN,
+                            group_id=str(r),
+                        )
+                        for n in nodes
+                    ],
+                    timeout=settings.round_timeout,
+                )
+            )
             ok = sum(not reply.has_error() for reply in replies)
-            log.write(json.dumps({"round": r, "clients": ok,
-                                  "seconds": round(time.perf_counter() - start, 3)}) + "\n")
+            log.write(
+                json.dumps(
+                    {"round": r, "clients": ok, "seconds": round(time.perf_counter() - start, 3)}
+                )
+                + "\n"
+            )
             log.flush()
     status = "completed" if ok == len(nodes) else "failed"
     (run_dir / "flower.json").write_text(json.dumps({"status": status, "nodes": len(nodes)}))

@@ -189,8 +189,9 @@ class BaseDatastore:
         names = list(files) if files is not None else list(cls.FILES)
         layout = Counter(Path(name).suffix for name in cls.FILES)
         by_kind = {ext: [f for f in names if f.endswith(ext)] for ext in layout}
-        if (any(len(by_kind[ext]) != count for ext, count in layout.items())
-                or len(names) != sum(layout.values())):
+        if any(len(by_kind[ext]) != count for ext, count in layout.items()) or len(names) != sum(
+            layout.values()
+        ):
             raise ValueError(f"{cls.FILES_RULE}, got {names}")
         npz = by_kind[".npz"][0]
         arrays = load_npz(Path(directory) / npz)
@@ -232,8 +233,9 @@ class SampleDatastore(BaseDatastore):
         "inputs": _optional(_check_positive_int),
     }
 
-    def fit(self: SampleT, z: np.ndarray, y: np.ndarray,
-            inputs: np.ndarray | None = None) -> SampleT:
+    def fit(
+        self: SampleT, z: np.ndarray, y: np.ndarray, inputs: np.ndarray | None = None
+    ) -> SampleT:
         """Store (a seeded random subset of at most n of) the pairs (z_i, y_i), and each
         sample's raw input where the recipe keeps them (`inputs`, x<bytes per sample>)."""
         self.check_params()
@@ -262,10 +264,16 @@ class SampleDatastore(BaseDatastore):
             raise ValueError(f"{self.recipe} keeps raw inputs: give them with the samples")
         inputs = np.asarray(inputs)
         per_sample = inputs.nbytes // max(1, inputs.shape[0]) if inputs.ndim else -1
-        if (inputs.dtype not in INPUT_DTYPES or inputs.ndim < 2 or inputs.shape[0] != count
-                or per_sample != self.inputs):
-            raise ValueError(f"{self.recipe} keeps {count} raw inputs of {self.inputs} bytes "
-                             f"(uint8 or int64), got {inputs.dtype} {list(inputs.shape)}")
+        if (
+            inputs.dtype not in INPUT_DTYPES
+            or inputs.ndim < 2
+            or inputs.shape[0] != count
+            or per_sample != self.inputs
+        ):
+            raise ValueError(
+                f"{self.recipe} keeps {count} raw inputs of {self.inputs} bytes "
+                f"(uint8 or int64), got {inputs.dtype} {list(inputs.shape)}"
+            )
         return np.ascontiguousarray(inputs)
 
     def _append_inputs(self, inputs: np.ndarray | None, count: int) -> None:
@@ -280,11 +288,17 @@ class SampleDatastore(BaseDatastore):
             return
         _require(arrays, [INPUTS_ARRAY], npz)
         kept = arrays[INPUTS_ARRAY]
-        if (kept.dtype not in INPUT_DTYPES or kept.ndim < 2 or kept.shape[0] != len(self)
-                or kept[:1].nbytes != self.inputs * min(1, len(self))):
-            raise ValueError(f"{npz}: inputs must be {len(self)} raw inputs of {self.inputs} "
-                             f"bytes each (uint8 or int64), got {kept.dtype} "
-                             f"{list(kept.shape)}")
+        if (
+            kept.dtype not in INPUT_DTYPES
+            or kept.ndim < 2
+            or kept.shape[0] != len(self)
+            or kept[:1].nbytes != self.inputs * min(1, len(self))
+        ):
+            raise ValueError(
+                f"{npz}: inputs must be {len(self)} raw inputs of {self.inputs} "
+                f"bytes each (uint8 or int64), got {kept.dtype} "
+                f"{list(kept.shape)}"
+            )
         self.inputs_ = kept
 
     def inputs_nbytes(self, n_samples: int) -> int:

@@ -65,7 +65,7 @@ class FlatDatastore(SampleDatastore):
         # n is how many it may hold, not how many it does (`info` prints that beside it)
         "n": "n{0}: holds at most {0} samples",
         "inputs": "x{0}: keeps each sample's raw input ({0} bytes) to re-embed it when the "
-                  "model changes",
+        "model changes",
     }
     ONNX_FORM = "keys"
     EXACT_SEARCH = True
@@ -111,20 +111,20 @@ class FlatDatastore(SampleDatastore):
             self.scale_ = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
         keys_t, done = None, 0
         for chunk in chunks():
-            chunk, _ = _check_fit_inputs(chunk, labels[done:done + chunk.shape[0]],
-                                         self.num_classes)
+            chunk, _ = _check_fit_inputs(
+                chunk, labels[done : done + chunk.shape[0]], self.num_classes
+            )
             stored = self._stored_form(chunk)
             if keys_t is None:
                 keys_t = np.empty((stored.shape[0], count), stored.dtype)
-            keys_t[:, done:done + chunk.shape[0]] = stored
+            keys_t[:, done : done + chunk.shape[0]] = stored
             done += chunk.shape[0]
         if done != count or labels.shape != (count,):
             raise ValueError(f"got {done} embeddings and {labels.shape} labels for {count}")
         self._set(keys_t, labels, np.arange(count, dtype=np.int64))
         return self
 
-    def add(self, z: np.ndarray, y: np.ndarray,
-            inputs: np.ndarray | None = None) -> FlatDatastore:
+    def add(self, z: np.ndarray, y: np.ndarray, inputs: np.ndarray | None = None) -> FlatDatastore:
         """Append samples (and their raw inputs, where the recipe keeps them) with new
         insertion stamps (no eviction: the caller decides that)."""
         z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
@@ -212,8 +212,9 @@ class FlatDatastore(SampleDatastore):
         itemsize = np.dtype(FLAT_DTYPES[self.dtype]).itemsize
         arrays = 3 + (self.dtype == "int8")
         data = n_samples * (dim * itemsize + 16) + (4 * dim if self.dtype == "int8" else 0)
-        return (data + arrays * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD
-                + self.inputs_nbytes(n_samples))
+        return (
+            data + arrays * _NPZ_ARRAY_OVERHEAD + _NPZ_FILE_OVERHEAD + self.inputs_nbytes(n_samples)
+        )
 
     # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
@@ -260,8 +261,9 @@ class FlatDatastore(SampleDatastore):
                 or not np.all(np.isfinite(scale))
                 or np.any(scale < np.finfo(np.float32).tiny)
             ):
-                raise ValueError(f"{npz}: scale must be {dim} positive, finite, normal "
-                                 "float32 numbers")
+                raise ValueError(
+                    f"{npz}: scale must be {dim} positive, finite, normal float32 numbers"
+                )
             self.scale_ = scale
         else:
             self.scale_ = None

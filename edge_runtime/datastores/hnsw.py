@@ -59,8 +59,13 @@ class HNSWDatastore(SampleDatastore):
         (re.compile(r"x(\d+)"), "inputs", int),
     )
     RECIPE_HELP = "M<links>, ef<search width>, efc<construction width>, n<count> and x<input bytes>"
-    RECIPE_FORMAT = (("M", "M{}"), ("ef", "ef{}"), ("ef_construction", "efc{}"), ("n", "n{}"),
-                     ("inputs", "x{}"))
+    RECIPE_FORMAT = (
+        ("M", "M{}"),
+        ("ef", "ef{}"),
+        ("ef_construction", "efc{}"),
+        ("n", "n{}"),
+        ("inputs", "x{}"),
+    )
     DESCRIPTION = "an HNSW graph index"
     PARAM_WORDS = {
         "M": "M{0}: {0} links per node",
@@ -68,7 +73,7 @@ class HNSWDatastore(SampleDatastore):
         "ef_construction": "efc{0}: construction width {0}",
         "n": "n{0}: holds at most {0} samples",
         "inputs": "x{0}: keeps each sample's raw input ({0} bytes) to re-embed it when the "
-                  "model changes",
+        "model changes",
     }
     DEVICE_EXTRA = "hnsw"
     SEARCH_AXES = {"M": "hnsw_M", "ef": "hnsw_ef"}
@@ -119,8 +124,9 @@ class HNSWDatastore(SampleDatastore):
         labels = np.asarray(y).astype(np.int64)
         done = 0
         for chunk in chunks():
-            chunk, _ = _check_fit_inputs(chunk, labels[done:done + chunk.shape[0]],
-                                         self.num_classes)
+            chunk, _ = _check_fit_inputs(
+                chunk, labels[done : done + chunk.shape[0]], self.num_classes
+            )
             if done == 0:
                 self.index_ = self._new_index(chunk.shape[1], count)
             ids = np.arange(done, done + chunk.shape[0], dtype=np.int64)
@@ -132,8 +138,7 @@ class HNSWDatastore(SampleDatastore):
         self.embedding_dim_, self._next_id = self.index_.dim, count
         return self
 
-    def add(self, z: np.ndarray, y: np.ndarray,
-            inputs: np.ndarray | None = None) -> HNSWDatastore:
+    def add(self, z: np.ndarray, y: np.ndarray, inputs: np.ndarray | None = None) -> HNSWDatastore:
         z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
         if z.shape[0] == 0:
             return self
@@ -210,10 +215,14 @@ class HNSWDatastore(SampleDatastore):
         directory = Path(directory)
         npz = datastore_file_name("datastore", "npz", generation)
         binary = datastore_file_name("hnsw", "bin", generation)
-        write_path_atomic(directory / binary, lambda tmp: self.index_.save_index(os.fspath(tmp)),
-                          sync_dir=False)
-        save_npz_atomic(directory / npz, {"labels": self.labels_, "ids": self.ids_,
-                                          **self.extra_arrays()}, sync_dir=False)
+        write_path_atomic(
+            directory / binary, lambda tmp: self.index_.save_index(os.fspath(tmp)), sync_dir=False
+        )
+        save_npz_atomic(
+            directory / npz,
+            {"labels": self.labels_, "ids": self.ids_, **self.extra_arrays()},
+            sync_dir=False,
+        )
         fsync_dir(directory)
         return [npz, binary]
 

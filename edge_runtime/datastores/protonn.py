@@ -117,8 +117,9 @@ class ProtoNNDatastore(BaseDatastore):
         W, B, Z = (np.asarray(a) for a in (W, B, Z))
         for name, a in (("W", W), ("B", B), ("Z", Z)):
             if a.ndim != 2 or a.dtype.kind not in "fiu":
-                raise ValueError(f"{name} must be a 2-D array of numbers, got shape "
-                                 f"{list(a.shape)}")
+                raise ValueError(
+                    f"{name} must be a 2-D array of numbers, got shape {list(a.shape)}"
+                )
         if B.shape[0] != W.shape[0] or Z.shape[1] != B.shape[1]:
             raise ValueError(
                 f"ProtoNN shapes disagree: W {list(W.shape)} [d,p], B {list(B.shape)} [d,m], "
@@ -128,12 +129,14 @@ class ProtoNNDatastore(BaseDatastore):
         g = float(gamma_arr.reshape(())) if gamma_arr.size == 1 else math.nan
         # the kernel is exp(-gamma^2 * d): gamma^2 must be finite, or 0 * inf makes it NaN
         if not (g > 0 and math.isfinite(g * g)):
-            raise ValueError(f"gamma must be one positive number whose square is finite, got "
-                             f"{gamma!r}")
+            raise ValueError(
+                f"gamma must be one positive number whose square is finite, got {gamma!r}"
+            )
         ds = cls(int(Z.shape[0]), d=int(W.shape[0]), **params)
         ds.check_params()
-        ds.W_, ds.B_, ds.Z_ = (_float32_matrix(name, a) for name, a in (("W", W), ("B", B),
-                                                                         ("Z", Z)))
+        ds.W_, ds.B_, ds.Z_ = (
+            _float32_matrix(name, a) for name, a in (("W", W), ("B", B), ("Z", Z))
+        )
         ds.gamma_ = g
         ds.embedding_dim_ = int(W.shape[1])
         with np.errstate(over="ignore", invalid="ignore"):
@@ -141,11 +144,12 @@ class ProtoNNDatastore(BaseDatastore):
             # a class score sums Z over the prototypes, each weighted by a kernel of at most 1
             score_bound = np.abs(ds.Z_).astype(np.float64).sum(axis=1).max(initial=0.0)
         if not np.all(np.isfinite(ds.prototype_norms_)):
-            raise ValueError("B's prototypes overflow float32 (their squared norms are not "
-                             "finite)")
+            raise ValueError("B's prototypes overflow float32 (their squared norms are not finite)")
         if not score_bound <= FLOAT32_MAX:
-            raise ValueError(f"Z's class scores can reach {score_bound:.3g}, past float32's "
-                             f"{FLOAT32_MAX:.3g}: they would overflow to NaN")
+            raise ValueError(
+                f"Z's class scores can reach {score_bound:.3g}, past float32's "
+                f"{FLOAT32_MAX:.3g}: they would overflow to NaN"
+            )
         ds.buffer_weight_ = float(max(ds.Z_.max(axis=0).mean(), 0.0)) or 1.0
         ds._set_buffer(
             np.zeros((ds.W_.shape[0], 0), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -167,9 +171,13 @@ class ProtoNNDatastore(BaseDatastore):
 
     def graph_feeds(self) -> dict[str, np.ndarray]:
         """The predictor graph's sample inputs ("stored" form): the datastore's own arrays."""
-        return {"prototypes": self.B_, "prototype_scores": self.Z_,
-                "prototype_norms": self.prototype_norms_, "keys_t": self.buffer_keys_t_,
-                "labels": self.buffer_labels_}
+        return {
+            "prototypes": self.B_,
+            "prototype_scores": self.Z_,
+            "prototype_norms": self.prototype_norms_,
+            "keys_t": self.buffer_keys_t_,
+            "labels": self.buffer_labels_,
+        }
 
     def graph_samples(self) -> tuple[np.ndarray, np.ndarray]:
         """(keys [n, q] float32, labels [n]) a keys-as-inputs graph takes: the buffer."""
@@ -261,9 +269,7 @@ class ProtoNNDatastore(BaseDatastore):
     def file_nbytes(self, n_prototypes: int, dim: int) -> int:
         """Upper bound on the saved file for n_prototypes, with the buffer full to capacity."""
         held = self.buffer or 0
-        return self._matrices_nbytes(n_prototypes, dim) + (
-            self.buffer_nbytes(held) if held else 0
-        )
+        return self._matrices_nbytes(n_prototypes, dim) + (self.buffer_nbytes(held) if held else 0)
 
     def _matrices_nbytes(self, n_prototypes: int, dim: int) -> int:
         """Upper bound on the saved file for n_prototypes, without the buffer."""
@@ -292,8 +298,9 @@ class ProtoNNDatastore(BaseDatastore):
         params = self.get_params()
         num_classes, d = params.pop("num_classes"), params.pop("d")
         try:
-            ds = self.from_matrices(arrays["W"], arrays["B"], arrays["Z"], arrays["gamma"],
-                                    **params)
+            ds = self.from_matrices(
+                arrays["W"], arrays["B"], arrays["Z"], arrays["gamma"], **params
+            )
         except ValueError as exc:  # name the file: the message names the field
             raise ValueError(f"{npz}: {exc}") from None
         if ds.num_classes != num_classes:

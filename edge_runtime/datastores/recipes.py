@@ -52,8 +52,11 @@ def recipe_params(name: str, params: Mapping[str, Any]) -> dict:
     recipe's order and as the recipe reads them (int, float or str): what a manifest records."""
     cls = backend_class(name)
     convert = {key: converter for _, key, converter in cls.RECIPE_TOKENS}
-    return {key: convert[key](params[key]) for key, _ in cls.RECIPE_FORMAT
-            if params.get(key) is not None}
+    return {
+        key: convert[key](params[key])
+        for key, _ in cls.RECIPE_FORMAT
+        if params.get(key) is not None
+    }
 
 
 def format_recipe(name: str, params: dict) -> str:
@@ -70,5 +73,6 @@ def describe_recipe(recipe: str) -> str:
     "flat keys (exact search); keys stored as fp32; n1944: holds at most 1944 samples"."""
     name, params = parse_recipe(recipe)
     cls = BACKENDS[name]
-    return "; ".join([cls.DESCRIPTION, *(cls.PARAM_WORDS[key].format(value)
-                                         for key, value in params.items())])
+    return "; ".join(
+        [cls.DESCRIPTION, *(cls.PARAM_WORDS[key].format(value) for key, value in params.items())]
+    )

@@ -39,8 +39,9 @@ def federated_methods() -> list[str]:
     return [name for name, algorithm in ALGORITHMS.items() if algorithm.federated]
 
 
-def build_algorithm(name: str, model_fn: ModelFactory, training: TrainingConfig,
-                    **hyper: Any) -> Algorithm:
+def build_algorithm(
+    name: str, model_fn: ModelFactory, training: TrainingConfig, **hyper: Any
+) -> Algorithm:
     if name not in ALGORITHMS:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(ALGORITHMS)}")
     return ALGORITHMS[name](model_fn, training, **hyper)

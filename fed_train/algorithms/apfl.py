@@ -49,10 +49,16 @@ APFL_ALPHAS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 def mix_weights(personal: Weights, global_weights: Weights, alpha: float) -> Weights:
     """alpha v + (1 - alpha) w for floating tensors; counters (BatchNorm's) come from w."""
     floats = set(float_keys(global_weights))
-    return {name: ((alpha * personal[name].astype(np.float64)
-                    + (1.0 - alpha) * w.astype(np.float64)).astype(w.dtype)
-                   if name in floats else w.copy())
-            for name, w in global_weights.items()}
+    return {
+        name: (
+            (
+                alpha * personal[name].astype(np.float64) + (1.0 - alpha) * w.astype(np.float64)
+            ).astype(w.dtype)
+            if name in floats
+            else w.copy()
+        )
+        for name, w in global_weights.items()
+    }
 
 
 class APFL(PersonalGrid):
@@ -62,9 +68,14 @@ class APFL(PersonalGrid):
     key = "alpha"
     rule = "APFL alpha must be in [0, 1]"
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 alphas: Sequence[float] = APFL_ALPHAS, finetune_epochs: int = 3,
-                 finetune_lr: float | None = None) -> None:
+    def __init__(
+        self,
+        model_fn: ModelFactory,
+        training: TrainingConfig,
+        alphas: Sequence[float] = APFL_ALPHAS,
+        finetune_epochs: int = 3,
+        finetune_lr: float | None = None,
+    ) -> None:
         super().__init__(model_fn, training, alphas, finetune_epochs, finetune_lr)
         self._mixed = model_fn()  # holds v_bar for the personal steps
         self._personal = [model_fn() for _ in self.grid]
@@ -72,8 +83,16 @@ class APFL(PersonalGrid):
     def allows(self, value: float) -> bool:
         return 0.0 <= value <= 1.0
 
-    def _joint_sgd(self, client: ClientData, training: TrainingConfig, lr: float, seed: int, *,
-                   update_global: bool, epochs: int | None = None) -> float:
+    def _joint_sgd(
+        self,
+        client: ClientData,
+        training: TrainingConfig,
+        lr: float,
+        seed: int,
+        *,
+        update_global: bool,
+        epochs: int | None = None,
+    ) -> float:
         """APFL's local steps on self._work (w) and self._personal (one v per alpha).
 
         The gradient of the loss of v_bar with respect to v is alpha times its gradient at
@@ -92,8 +111,7 @@ class APFL(PersonalGrid):
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         personal_total = torch.zeros_like(total)
         count = 0
-        for index in on_device(batch_schedule(int(y.shape[0]), training, seed, epochs),
-                               x.device):
+        for index in on_device(batch_schedule(int(y.shape[0]), training, seed, epochs), x.device):
             xb, yb = x[index], y[index]
             for alpha, v, opt in zip(self.grid, self._personal, opts_v, strict=True):
                 with torch.no_grad():  # v_bar from w before its own step, as in Algorithm 1
@@ -131,12 +149,22 @@ class APFL(PersonalGrid):
         for v, start in zip(self._personal, starts, strict=True):
             set_weights(v, start)
 
-    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                      lr: float, seed: int) -> ClientResult:
+    def client_update(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        state: dict[str, Any],
+        lr: float,
+        seed: int,
+    ) -> ClientResult:
         self._load(global_weights, self.starts(state, global_weights))
         loss = self._joint_sgd(client, self.training, lr, seed, update_global=True)
-        return ClientResult(get_weights(self._work), client.num_train,
-                            self.personal_state(get_weights(v) for v in self._personal), loss)
+        return ClientResult(
+            get_weights(self._work),
+            client.num_train,
+            self.personal_state(get_weights(v) for v in self._personal),
+            loss,
+        )
 
     def _joint_loss(self, names: list[str]) -> LossFn:
         """One lane holds w ("w.<name>") and every v ("<i>.<name>"). The objective's gradient is
@@ -145,24 +173,31 @@ class APFL(PersonalGrid):
         v_bar, as `_joint_sgd` takes it). The reported loss is w's, as in `client_update`."""
         model = self._work
 
-        def loss(params: Params, x: torch.Tensor, y: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        def loss(
+            params: Params, x: torch.Tensor, y: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             w = {n: params[f"w.{n}"] for n in names}
-            own = nn.functional.cross_entropy(functional_call(model, w, (x,)), y,
-                                              reduction="none")
+            own = nn.functional.cross_entropy(functional_call(model, w, (x,)), y, reduction="none")
             objective = own
             for i, alpha in enumerate(self.grid):
-                mixed = {n: alpha * params[f"{i}.{n}"] + (1.0 - alpha) * w[n].detach()
-                         for n in names}
+                mixed = {
+                    n: alpha * params[f"{i}.{n}"] + (1.0 - alpha) * w[n].detach() for n in names
+                }
                 objective = objective + nn.functional.cross_entropy(
-                    functional_call(model, mixed, (x,)), y, reduction="none")
+                    functional_call(model, mixed, (x,)), y, reduction="none"
+                )
             return objective, own
 
         return loss
 
-    def client_updates(self, global_weights: Weights, clients: list[ClientData],
-                       states: list[dict[str, Any]], lr: float,
-                       seeds: list[int]) -> list[ClientResult]:
+    def client_updates(
+        self,
+        global_weights: Weights,
+        clients: list[ClientData],
+        states: list[dict[str, Any]],
+        lr: float,
+        seeds: list[int],
+    ) -> list[ClientResult]:
         """`client_update` for several clients stepped together: one lane per client holding
         its w and every v, all on the same mini-batches as `_joint_sgd` draws them."""
         names = self.param_names
@@ -176,22 +211,43 @@ class APFL(PersonalGrid):
         trained, losses = self.step(lanes, lr, self._joint_loss(names))
         results = []
         for plain, client, loss in zip(trained, clients, losses, strict=True):
-            own = ({**global_weights, **{n: plain[f"{i}.{n}"] for n in names}}
-                   for i in range(len(self.grid)))
-            results.append(ClientResult({**global_weights, **{n: plain[f"w.{n}"] for n in names}},
-                                        client.num_train, self.personal_state(own), loss))
+            own = (
+                {**global_weights, **{n: plain[f"{i}.{n}"] for n in names}}
+                for i in range(len(self.grid))
+            )
+            results.append(
+                ClientResult(
+                    {**global_weights, **{n: plain[f"w.{n}"] for n in names}},
+                    client.num_train,
+                    self.personal_state(own),
+                    loss,
+                )
+            )
         return results
 
-    def fine_tune(self, global_weights: Weights, client: ClientData, starts: list[Weights],
-                  fresh: list[bool], seed: int) -> list[Weights]:
+    def fine_tune(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        starts: list[Weights],
+        fresh: list[bool],
+        seed: int,
+    ) -> list[Weights]:
         """Every personal model (the client's own where it has one) trained against the frozen
         global model for `finetune_epochs` epochs."""
         self._load(global_weights, starts)
-        self._joint_sgd(client, epochs_only(self.training), self.finetune_lr, seed,
-                        update_global=False, epochs=self.finetune_epochs)
+        self._joint_sgd(
+            client,
+            epochs_only(self.training),
+            self.finetune_lr,
+            seed,
+            update_global=False,
+            epochs=self.finetune_epochs,
+        )
         return [get_weights(v) for v in self._personal]
 
-    def predictor_weights(self, value: float, personal: Weights,
-                          global_weights: Weights) -> Weights:
+    def predictor_weights(
+        self, value: float, personal: Weights, global_weights: Weights
+    ) -> Weights:
         """v_bar = alpha v + (1 - alpha) w."""
         return mix_weights(personal, global_weights, value)

@@ -108,14 +108,22 @@ class Algorithm(Protocol):
     trained_by: str | None
     job_cost: float
 
-    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                      lr: float, seed: int) -> ClientResult: ...
+    def client_update(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        state: dict[str, Any],
+        lr: float,
+        seed: int,
+    ) -> ClientResult: ...
 
-    def aggregate(self, global_weights: Weights, results: list[ClientResult],
-                  total_samples: int, seed: int) -> Weights: ...
+    def aggregate(
+        self, global_weights: Weights, results: list[ClientResult], total_samples: int, seed: int
+    ) -> Weights: ...
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel: ...
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel: ...
 
 
 def get_weights(model: nn.Module) -> Weights:
@@ -126,8 +134,9 @@ def set_weights(model: nn.Module, weights: Weights) -> None:
     model.load_state_dict({name: torch.from_numpy(np.asarray(w)) for name, w in weights.items()})
 
 
-def aggregate_weights(global_weights: Weights, updates: list[tuple[Weights, int]],
-                      total_samples: int) -> Weights:
+def aggregate_weights(
+    global_weights: Weights, updates: list[tuple[Weights, int]], total_samples: int
+) -> Weights:
     """w_{t+1} = sum_{m not sampled} (n_m/n) w_t + sum_{m sampled} (n_m/n) w_t^m.
 
     Clients that were not sampled contribute the current global weights, so with partial
@@ -137,15 +146,19 @@ def aggregate_weights(global_weights: Weights, updates: list[tuple[Weights, int]
         raise ValueError("total_samples must be positive")
     reported = sum(n for _, n in updates)
     if reported > total_samples:
-        raise ValueError(f"clients reported {reported} samples, more than the total "
-                         f"{total_samples}")
+        raise ValueError(
+            f"clients reported {reported} samples, more than the total {total_samples}"
+        )
     out: Weights = {}
     for name, w in global_weights.items():
         acc = (1.0 - reported / total_samples) * w.astype(np.float64)
         for weights, n in updates:
             acc += (n / total_samples) * weights[name].astype(np.float64)
-        out[name] = acc.astype(w.dtype) if np.issubdtype(w.dtype, np.floating) else np.rint(
-            acc).astype(w.dtype)
+        out[name] = (
+            acc.astype(w.dtype)
+            if np.issubdtype(w.dtype, np.floating)
+            else np.rint(acc).astype(w.dtype)
+        )
     return out
 
 
@@ -158,11 +171,12 @@ def sub_seed(seed: int, *keys: int) -> int:
 def batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterable[np.ndarray]:
     order = rng.permutation(n)
     for start in range(0, n, batch_size):
-        yield order[start:start + batch_size]
+        yield order[start : start + batch_size]
 
 
-def batch_schedule(n: int, training: TrainingConfig, seed: int,
-                   epochs: int | None = None) -> Iterator[np.ndarray]:
+def batch_schedule(
+    n: int, training: TrainingConfig, seed: int, epochs: int | None = None
+) -> Iterator[np.ndarray]:
     """The mini-batch indices `local_sgd` steps through for this seed: `training.steps` of them
     when set, else `epochs` (default `training.epochs`) passes over a fresh permutation each.
     Methods that step on their own (APFL, clients stepped together) draw the same batches, so a
@@ -194,7 +208,7 @@ def on_device(schedule: Iterable[np.ndarray], device: torch.device) -> Iterator[
     flat = torch.from_numpy(np.concatenate(parts)).to(device)
     start = 0
     for part in parts:
-        yield flat[start:start + len(part)]
+        yield flat[start : start + len(part)]
         start += len(part)
 
 
@@ -205,16 +219,27 @@ def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return nn.functional.cross_entropy(model(x), y)
 
 
-def make_optimizer(params: Iterable[nn.Parameter], training: TrainingConfig,
-                   lr: float) -> torch.optim.Optimizer:
-    return torch.optim.SGD(list(params), lr=lr, momentum=training.momentum,
-                           weight_decay=training.weight_decay)
+def make_optimizer(
+    params: Iterable[nn.Parameter], training: TrainingConfig, lr: float
+) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        list(params), lr=lr, momentum=training.momentum, weight_decay=training.weight_decay
+    )
 
 
-def local_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, training: TrainingConfig,
-              lr: float, seed: int, *, epochs: int | None = None,
-              params: Iterable[nn.Parameter] | None = None, loss_fn: LossFn = cross_entropy,
-              after_step: Callable[[], None] | None = None) -> float:
+def local_sgd(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    training: TrainingConfig,
+    lr: float,
+    seed: int,
+    *,
+    epochs: int | None = None,
+    params: Iterable[nn.Parameter] | None = None,
+    loss_fn: LossFn = cross_entropy,
+    after_step: Callable[[], None] | None = None,
+) -> float:
     """SGD over the client's data in `batch_schedule`'s order; returns the mean loss (NaN when
     there is no data). Every method's local training is this loop, with hooks for what differs:
     `params`, the parameters that train (FedRep's body; default all); `loss_fn`, the loss of a
@@ -249,25 +274,27 @@ def finite_mean_loss(total: torch.Tensor, count: int, lr: float) -> float:
         return float("nan")
     mean = float(total) / count
     if not math.isfinite(mean):
-        raise TrainingDiverged(f"the training loss became {mean} (lr={lr:g}); "
-                            "lower the learning rate")
+        raise TrainingDiverged(
+            f"the training loss became {mean} (lr={lr:g}); lower the learning rate"
+        )
     return mean
 
 
 @torch.no_grad()
 def predict_proba(model: nn.Module, x: torch.Tensor, batch_size: int = 1024) -> np.ndarray:
     model.eval()
-    out = [torch.softmax(model(x[i:i + batch_size]), dim=1) for i in range(0, len(x), batch_size)]
+    out = [torch.softmax(model(x[i : i + batch_size]), dim=1) for i in range(0, len(x), batch_size)]
     return torch.cat(out).double().cpu().numpy() if out else np.zeros((0, 0))
 
 
 @torch.no_grad()
-def embed_and_logits(model: EmbedHeadModel, x: torch.Tensor,
-                     batch_size: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+def embed_and_logits(
+    model: EmbedHeadModel, x: torch.Tensor, batch_size: int = 1024
+) -> tuple[np.ndarray, np.ndarray]:
     model.eval()
     zs, logits = [], []
     for i in range(0, len(x), batch_size):
-        z = model.embed(x[i:i + batch_size])
+        z = model.embed(x[i : i + batch_size])
         zs.append(z)
         logits.append(model.head(z))
     if not zs:
@@ -304,27 +331,42 @@ class FederatedAlgorithm:
         """The loss `local_sgd` steps on in the client update seeded `seed`."""
         return cross_entropy
 
-    def train_from(self, weights: Weights, client: ClientData, lr: float,
-                   seed: int) -> tuple[Weights, float]:
+    def train_from(
+        self, weights: Weights, client: ClientData, lr: float, seed: int
+    ) -> tuple[Weights, float]:
         """The working model trained on the client's data from `weights`: its weights and the
         mean loss (`local_sgd`)."""
         set_weights(self._work, weights)
-        loss = local_sgd(self._work, client.x_train, client.y_train, self.training, lr, seed,
-                         loss_fn=self.batch_loss(seed))
+        loss = local_sgd(
+            self._work,
+            client.x_train,
+            client.y_train,
+            self.training,
+            lr,
+            seed,
+            loss_fn=self.batch_loss(seed),
+        )
         return get_weights(self._work), loss
 
-    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                      lr: float, seed: int) -> ClientResult:
+    def client_update(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        state: dict[str, Any],
+        lr: float,
+        seed: int,
+    ) -> ClientResult:
         weights, loss = self.train_from(global_weights, client, lr, seed)
         return ClientResult(weights, client.num_train, state, loss)
 
-    def aggregate(self, global_weights: Weights, results: list[ClientResult],
-                  total_samples: int, seed: int) -> Weights:
-        return aggregate_weights(global_weights, [(r.weights, r.num_samples) for r in results],
-                                 total_samples)
+    def aggregate(
+        self, global_weights: Weights, results: list[ClientResult], total_samples: int, seed: int
+    ) -> Weights:
+        return aggregate_weights(
+            global_weights, [(r.weights, r.num_samples) for r in results], total_samples
+        )
 
-    def check_result(self, global_weights: Weights, client_id: int,
-                     result: ClientResult) -> None:
+    def check_result(self, global_weights: Weights, client_id: int, result: ClientResult) -> None:
         """Refuse (ValueError) what this method's `client_update` for `client_id` could not
         have sent from `global_weights`, before a server aggregates a remote client's reply.
         The weights' shapes and the sample count are the receiver's to check; a method whose

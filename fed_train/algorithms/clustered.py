@@ -73,15 +73,20 @@ class ClusterState:
         for key, value in weights.items():
             if key.startswith("cluster") and not key.startswith(STATE):
                 head, name = key.split("/", 1)
-                models[int(head[len("cluster"):])][name] = value
-        ids, of, sizes = (np.asarray(weights[STATE + k]).tolist()
-                          for k in ("client_ids", "cluster_of", "num_samples"))
+                models[int(head[len("cluster") :])][name] = value
+        ids, of, sizes = (
+            np.asarray(weights[STATE + k]).tolist()
+            for k in ("client_ids", "cluster_of", "num_samples")
+        )
         members = {int(i): (int(c), int(n)) for i, c, n in zip(ids, of, sizes, strict=True)}
         return cls(models, members, int(weights[STATE + "round"]))
 
     def pack(self) -> Weights:
-        out: Weights = {f"cluster{c}/{name}": w for c, model in enumerate(self.models)
-                        for name, w in model.items()}
+        out: Weights = {
+            f"cluster{c}/{name}": w
+            for c, model in enumerate(self.models)
+            for name, w in model.items()
+        }
         ids = sorted(self.members)
         out[STATE + "client_ids"] = np.asarray(ids, dtype=np.int64)
         out[STATE + "cluster_of"] = np.asarray([self.members[i][0] for i in ids], dtype=np.int64)
@@ -113,9 +118,15 @@ class ClusteredFL(FederatedAlgorithm):
     title = "ClusteredFL"
     job_cost = 1.2
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 eps1: float = 0.4, eps2: float = 1.6, warmup_rounds: int = 0,
-                 min_split_size: int = 3) -> None:
+    def __init__(
+        self,
+        model_fn: ModelFactory,
+        training: TrainingConfig,
+        eps1: float = 0.4,
+        eps2: float = 1.6,
+        warmup_rounds: int = 0,
+        min_split_size: int = 3,
+    ) -> None:
         if eps1 < 0 or eps2 < 0:
             raise ValueError(f"eps1 and eps2 must be >= 0, got {eps1}, {eps2}")
         if min_split_size < 2:
@@ -133,19 +144,28 @@ class ClusteredFL(FederatedAlgorithm):
         picked = proba[np.arange(len(proba)), client.y_train.cpu().numpy()]
         return float(-np.mean(np.log(np.maximum(picked, 1e-12))))
 
-    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                      lr: float, seed: int) -> ClientResult:
+    def client_update(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        state: dict[str, Any],
+        lr: float,
+        seed: int,
+    ) -> ClientResult:
         server = ClusterState.unpack(global_weights)
         cluster = server.cluster_of(client.client_id)
         if cluster == UNASSIGNED:
-            cluster = (0 if len(server.models) == 1 else int(np.argmin(
-                [self._train_loss(m, client) for m in server.models])))
+            cluster = (
+                0
+                if len(server.models) == 1
+                else int(np.argmin([self._train_loss(m, client) for m in server.models]))
+            )
         weights, loss = self.train_from(server.models[cluster], client, lr, seed)
-        return ClientResult(weights, client.num_train,
-                            {"client_id": client.client_id, "cluster": cluster}, loss)
+        return ClientResult(
+            weights, client.num_train, {"client_id": client.client_id, "cluster": cluster}, loss
+        )
 
-    def check_result(self, global_weights: Weights, client_id: int,
-                     result: ClientResult) -> None:
+    def check_result(self, global_weights: Weights, client_id: int, result: ClientResult) -> None:
         """The server reads the client's id and cluster from its state: they must be the
         sender's own id and a cluster that exists, and, for a client the server has placed,
         the cluster it was placed in (only a client new to the server picks its own)."""
@@ -154,19 +174,25 @@ class ClusteredFL(FederatedAlgorithm):
         if not is_integer(claimed) or claimed != client_id:
             raise ValueError(f"its state names client {claimed!r:.40}, not {client_id}")
         if not is_integer(cluster) or not 0 <= cluster < len(server.models):
-            raise ValueError(f"its state's cluster {cluster!r:.40} is not one of the "
-                             f"{len(server.models)} clusters")
+            raise ValueError(
+                f"its state's cluster {cluster!r:.40} is not one of the "
+                f"{len(server.models)} clusters"
+            )
         placed = server.cluster_of(client_id)
         if placed not in (UNASSIGNED, cluster):
             raise ValueError(f"it trained cluster {cluster}, the server placed it in {placed}")
 
     def _flat_update(self, result: ClientResult, model: Weights) -> np.ndarray:
-        return np.concatenate([(result.weights[n].astype(np.float64)
-                                - model[n].astype(np.float64)).ravel()
-                               for n in self.param_names])
+        return np.concatenate(
+            [
+                (result.weights[n].astype(np.float64) - model[n].astype(np.float64)).ravel()
+                for n in self.param_names
+            ]
+        )
 
-    def aggregate(self, global_weights: Weights, results: list[ClientResult],
-                  total_samples: int, seed: int) -> Weights:
+    def aggregate(
+        self, global_weights: Weights, results: list[ClientResult], total_samples: int, seed: int
+    ) -> Weights:
         server = ClusterState.unpack(global_weights)
         server.round += 1
         for r in results:
@@ -181,15 +207,31 @@ class ClusteredFL(FederatedAlgorithm):
                 updates = np.stack([self._flat_update(r, model) for r in reported])
                 mean_norm = float(np.linalg.norm(updates.mean(0)))
                 max_norm = float(np.linalg.norm(updates, axis=1).max())
-                log.debug("round %d cluster %d: mean update norm %.3g, max %.3g",
-                          server.round, c, mean_norm, max_norm)
+                log.debug(
+                    "round %d cluster %d: mean update norm %.3g, max %.3g",
+                    server.round,
+                    c,
+                    mean_norm,
+                    max_norm,
+                )
                 if mean_norm < self.eps1 and max_norm > self.eps2:
                     labels = bipartition(updates)
-                    groups = [[r for r, lab in zip(reported, labels, strict=True) if lab == side]
-                              for side in (0, 1)]
-                    log.info("round %d: cluster %d splits into %d + %d clients (mean update "
-                             "norm %.3g < %g, max %.3g > %g)", server.round, c, len(groups[0]),
-                             len(groups[1]), mean_norm, self.eps1, max_norm, self.eps2)
+                    groups = [
+                        [r for r, lab in zip(reported, labels, strict=True) if lab == side]
+                        for side in (0, 1)
+                    ]
+                    log.info(
+                        "round %d: cluster %d splits into %d + %d clients (mean update "
+                        "norm %.3g < %g, max %.3g > %g)",
+                        server.round,
+                        c,
+                        len(groups[0]),
+                        len(groups[1]),
+                        mean_norm,
+                        self.eps1,
+                        max_norm,
+                        self.eps2,
+                    )
             if len(groups) > 1:  # members that did not report cannot be placed: unassigned
                 reported_ids = {int(r.state["client_id"]) for r in reported}
                 for cid, (old, n) in list(server.members.items()):
@@ -202,13 +244,15 @@ class ClusteredFL(FederatedAlgorithm):
                     server.members[int(r.state["client_id"])] = (index, r.num_samples)
             for index, group in zip(indices, groups, strict=True):
                 members_n = sum(n for cl, n in server.members.values() if cl == index)
-                models[index] = aggregate_weights(model, [(r.weights, r.num_samples)
-                                                          for r in group], members_n)
+                models[index] = aggregate_weights(
+                    model, [(r.weights, r.num_samples) for r in group], members_n
+                )
         server.models = models
         return server.pack()
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         server = ClusterState.unpack(global_weights)
         cluster = UNASSIGNED if client.unseen else server.cluster_of(client.client_id)
         picked = cluster == UNASSIGNED
@@ -216,9 +260,13 @@ class ClusteredFL(FederatedAlgorithm):
             scores = []
             for model in server.models:
                 set_weights(self._work, model)
-                scores.append(accuracy(predict_proba(self._work, client.x_val), client.y_val)
-                              if len(client.y_val) else 0.0)
+                scores.append(
+                    accuracy(predict_proba(self._work, client.x_val), client.y_val)
+                    if len(client.y_val)
+                    else 0.0
+                )
             cluster = int(np.argmax(scores))  # ties: the lowest index
-        return PersonalModel(model_predictor(self.model_with(server.models[cluster])),
-                             {"cluster": cluster, "clusters": len(server.models),
-                              "picked_on_validation": picked})
+        return PersonalModel(
+            model_predictor(self.model_with(server.models[cluster])),
+            {"cluster": cluster, "clusters": len(server.models), "picked_on_validation": picked},
+        )

@@ -56,22 +56,30 @@ class Ditto(PersonalGrid):
     key = "lambda"
     rule = "Ditto lambda must be >= 0"
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 lambdas: Sequence[float] = DITTO_LAMBDAS, finetune_epochs: int = 3,
-                 finetune_lr: float | None = None) -> None:
+    def __init__(
+        self,
+        model_fn: ModelFactory,
+        training: TrainingConfig,
+        lambdas: Sequence[float] = DITTO_LAMBDAS,
+        finetune_epochs: int = 3,
+        finetune_lr: float | None = None,
+    ) -> None:
         super().__init__(model_fn, training, lambdas, finetune_epochs, finetune_lr)
         self._personal = model_fn()
 
     def allows(self, value: float) -> bool:
         return value >= 0
 
-    def _prox_step(self, model: torch.nn.Module, anchor: Weights, lam: float,
-                   lr: float) -> Callable[[], None]:
+    def _prox_step(
+        self, model: torch.nn.Module, anchor: Weights, lam: float, lr: float
+    ) -> Callable[[], None]:
         """v <- argmin_u ||u - v||^2 / (2 lr) + lam/2 ||u - w||^2 = v + t (w - v) with
         t = lr lam / (1 + lr lam), applied in place."""
         t = pull(lr, lam)
-        targets = {name: torch.from_numpy(np.asarray(anchor[name])).to(p.device)
-                   for name, p in model.named_parameters()}
+        targets = {
+            name: torch.from_numpy(np.asarray(anchor[name])).to(p.device)
+            for name, p in model.named_parameters()
+        }
 
         @torch.no_grad()
         def step() -> None:
@@ -82,61 +90,114 @@ class Ditto(PersonalGrid):
 
         return step
 
-    def _train_personal(self, start: Weights, anchor: Weights, client: ClientData, lam: float,
-                        training: TrainingConfig, lr: float, seed: int,
-                        epochs: int | None = None) -> Weights:
+    def _train_personal(
+        self,
+        start: Weights,
+        anchor: Weights,
+        client: ClientData,
+        lam: float,
+        training: TrainingConfig,
+        lr: float,
+        seed: int,
+        epochs: int | None = None,
+    ) -> Weights:
         set_weights(self._personal, start)
-        local_sgd(self._personal, client.x_train, client.y_train, training, lr, seed,
-                  epochs=epochs, after_step=self._prox_step(self._personal, anchor, lam, lr))
+        local_sgd(
+            self._personal,
+            client.x_train,
+            client.y_train,
+            training,
+            lr,
+            seed,
+            epochs=epochs,
+            after_step=self._prox_step(self._personal, anchor, lam, lr),
+        )
         return get_weights(self._personal)
 
-    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                      lr: float, seed: int) -> ClientResult:
+    def client_update(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        state: dict[str, Any],
+        lr: float,
+        seed: int,
+    ) -> ClientResult:
         result = super().client_update(global_weights, client, state, lr, seed)
         starts = self.starts(state, global_weights)
-        personal = [self._train_personal(start, global_weights, client, lam, self.training, lr,
-                                         sub_seed(seed, i))
-                    for i, (lam, start) in enumerate(zip(self.grid, starts, strict=True))]
+        personal = [
+            self._train_personal(
+                start, global_weights, client, lam, self.training, lr, sub_seed(seed, i)
+            )
+            for i, (lam, start) in enumerate(zip(self.grid, starts, strict=True))
+        ]
         return replace(result, state=self.personal_state(personal))
 
-    def client_updates(self, global_weights: Weights, clients: list[ClientData],
-                       states: list[dict[str, Any]], lr: float,
-                       seeds: list[int]) -> list[ClientResult]:
+    def client_updates(
+        self,
+        global_weights: Weights,
+        clients: list[ClientData],
+        states: list[dict[str, Any]],
+        lr: float,
+        seeds: list[int],
+    ) -> list[ClientResult]:
         """`client_update` for several clients: their global models and every personal model
         (one per client and lambda) step together, the personal ones pulled towards w by the
         same proximal step after each SGD step."""
         device = clients[0].x_train.device
         anchor = self.params(global_weights, device)
-        lanes = [self.lane(anchor, client, seed) for client, seed in zip(clients, seeds,
-                                                                         strict=True)]
+        lanes = [
+            self.lane(anchor, client, seed) for client, seed in zip(clients, seeds, strict=True)
+        ]
         pulls = [0.0] * len(lanes)  # lerp by 0 leaves the global lanes exactly as they are
         for client, state, seed in zip(clients, states, seeds, strict=True):
-            for i, (lam, start) in enumerate(zip(self.grid, self.starts(state, global_weights),
-                                                 strict=True)):
+            for i, (lam, start) in enumerate(
+                zip(self.grid, self.starts(state, global_weights), strict=True)
+            ):
                 lanes.append(self.lane(self.params(start, device), client, sub_seed(seed, i)))
                 pulls.append(pull(lr, lam))
         toward = torch.tensor(pulls, device=device)
 
         def proximal(params: Params, which: slice) -> Params:
             weight = toward[which]
-            return {name: torch.lerp(p, anchor[name], weight.view(-1, *([1] * anchor[name].dim())))
-                    for name, p in params.items()}
+            return {
+                name: torch.lerp(p, anchor[name], weight.view(-1, *([1] * anchor[name].dim())))
+                for name, p in params.items()
+            }
 
         trained, losses = self.step(lanes, lr, after_step=proximal)
         results, k, per = [], len(clients), len(self.grid)
         for j, client in enumerate(clients):
-            own = trained[k + j * per:k + (j + 1) * per]
+            own = trained[k + j * per : k + (j + 1) * per]
             personal = self.personal_state({**global_weights, **w} for w in own)
-            results.append(ClientResult({**global_weights, **trained[j]}, client.num_train,
-                                        personal, losses[j]))
+            results.append(
+                ClientResult(
+                    {**global_weights, **trained[j]}, client.num_train, personal, losses[j]
+                )
+            )
         return results
 
-    def fine_tune(self, global_weights: Weights, client: ClientData, starts: list[Weights],
-                  fresh: list[bool], seed: int) -> list[Weights]:
+    def fine_tune(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        starts: list[Weights],
+        fresh: list[bool],
+        seed: int,
+    ) -> list[Weights]:
         """The missing personal models, each fine-tuned from the global model with the same
         proximal step for `finetune_epochs` epochs."""
-        return [self._train_personal(start, global_weights, client, lam,
-                                     epochs_only(self.training), self.finetune_lr,
-                                     sub_seed(seed, i), epochs=self.finetune_epochs)
-                if new else start
-                for i, (lam, start, new) in enumerate(zip(self.grid, starts, fresh, strict=True))]
+        return [
+            self._train_personal(
+                start,
+                global_weights,
+                client,
+                lam,
+                epochs_only(self.training),
+                self.finetune_lr,
+                sub_seed(seed, i),
+                epochs=self.finetune_epochs,
+            )
+            if new
+            else start
+            for i, (lam, start, new) in enumerate(zip(self.grid, starts, fresh, strict=True))
+        ]

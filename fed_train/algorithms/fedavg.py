@@ -21,6 +21,7 @@ class FedAvg(SteppedAlgorithm):
         personal heads or pFedGP's GPs, which have none)."""
         return self.model_with(global_weights)
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         return PersonalModel(model_predictor(self.global_model(global_weights)))

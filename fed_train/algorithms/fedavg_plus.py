@@ -28,18 +28,31 @@ class FedAvgPlus(FedAvg):
     title = "FedAvg+"
     trained_by = "fedavg"
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 finetune_epochs: int = 3, finetune_lr: float | None = None,
-                 select_on_validation: bool = True) -> None:
+    def __init__(
+        self,
+        model_fn: ModelFactory,
+        training: TrainingConfig,
+        finetune_epochs: int = 3,
+        finetune_lr: float | None = None,
+        select_on_validation: bool = True,
+    ) -> None:
         super().__init__(model_fn, training)
-        self.finetune_epochs, self.finetune_lr = finetune_settings(finetune_epochs, finetune_lr,
-                                                                   training)
+        self.finetune_epochs, self.finetune_lr = finetune_settings(
+            finetune_epochs, finetune_lr, training
+        )
         self.select_on_validation = select_on_validation
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         model = self.global_model(global_weights)
-        epochs, _ = finetune(model, client, self.training, self.finetune_lr,
-                             self.finetune_epochs, seed,
-                             select_on_validation=self.select_on_validation)
+        epochs, _ = finetune(
+            model,
+            client,
+            self.training,
+            self.finetune_lr,
+            self.finetune_epochs,
+            seed,
+            select_on_validation=self.select_on_validation,
+        )
         return PersonalModel(model_predictor(model), {"finetune_epochs": epochs})

@@ -48,17 +48,25 @@ class FedRep(SteppedAlgorithm):
     title = "FedRep"
     job_cost = 1.5
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 head_epochs: int = 10, unseen_head_epochs: int | None = None,
-                 head_lr: float | None = None) -> None:
+    def __init__(
+        self,
+        model_fn: ModelFactory,
+        training: TrainingConfig,
+        head_epochs: int = 10,
+        unseen_head_epochs: int | None = None,
+        head_lr: float | None = None,
+    ) -> None:
         if head_epochs < 0:
             raise ValueError(f"head_epochs must be >= 0, got {head_epochs}")
         if unseen_head_epochs is not None and unseen_head_epochs < 0:
             raise ValueError(f"unseen_head_epochs must be >= 0, got {unseen_head_epochs}")
         super().__init__(model_fn, training)
         self.head_epochs = head_epochs
-        self.unseen_head_epochs = (unseen_head_epochs if unseen_head_epochs is not None
-                                   else max(1, head_epochs) * training.participations)
+        self.unseen_head_epochs = (
+            unseen_head_epochs
+            if unseen_head_epochs is not None
+            else max(1, head_epochs) * training.participations
+        )
         self.head_lr = head_lr  # None: the round's learning rate (the initial one at the end)
         self.head_names = set(self._work.head_parameter_names())
         self.body_names = [n for n in self._work.state_dict() if n not in self.head_names]
@@ -67,30 +75,56 @@ class FedRep(SteppedAlgorithm):
         # in a fixed order: a set's order varies with PYTHONHASHSEED, and so did checkpoints
         return {n: weights[n].copy() for n in sorted(self.head_names)}
 
-    def _train_head(self, model: EmbedHeadModel, client: ClientData, epochs: int, lr: float,
-                    seed: int) -> None:
+    def _train_head(
+        self, model: EmbedHeadModel, client: ClientData, epochs: int, lr: float, seed: int
+    ) -> None:
         if epochs == 0 or client.num_train == 0:
             return
         z, _ = embed_and_logits(model, client.x_train)
         z_train = torch.from_numpy(z).to(client.y_train.device)
-        local_sgd(model.classifier, z_train, client.y_train, epochs_only(self.training), lr, seed,
-                  epochs=epochs)
+        local_sgd(
+            model.classifier,
+            z_train,
+            client.y_train,
+            epochs_only(self.training),
+            lr,
+            seed,
+            epochs=epochs,
+        )
 
-    def client_update(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                      lr: float, seed: int) -> ClientResult:
+    def client_update(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        state: dict[str, Any],
+        lr: float,
+        seed: int,
+    ) -> ClientResult:
         model = self._work
         set_weights(model, {**global_weights, **state.get("head", self._head(global_weights))})
         self._train_head(model, client, self.head_epochs, self.head_lr or lr, seed)
         body_params = [p for n, p in model.named_parameters() if n not in self.head_names]
-        loss = local_sgd(model, client.x_train, client.y_train, self.training, lr,
-                         sub_seed(seed, 1), params=body_params)
+        loss = local_sgd(
+            model,
+            client.x_train,
+            client.y_train,
+            self.training,
+            lr,
+            sub_seed(seed, 1),
+            params=body_params,
+        )
         weights = get_weights(model)
         body = {n: weights[n] for n in self.body_names}
         return ClientResult(body, client.num_train, {"head": self._head(weights)}, loss)
 
-    def client_updates(self, global_weights: Weights, clients: list[ClientData],
-                       states: list[dict[str, Any]], lr: float,
-                       seeds: list[int]) -> list[ClientResult]:
+    def client_updates(
+        self,
+        global_weights: Weights,
+        clients: list[ClientData],
+        states: list[dict[str, Any]],
+        lr: float,
+        seeds: list[int],
+    ) -> list[ClientResult]:
         """`client_update` for several clients: their heads step together on the embeddings of
         the global body (every client's, as `client_update` computes them), then their bodies
         step together with the heads held."""
@@ -105,31 +139,57 @@ class FedRep(SteppedAlgorithm):
             head = state.get("head", self._head(global_weights))
             z = torch.from_numpy(embed_and_logits(model, client.x_train)[0]).to(device)
             schedule = batch_schedule(client.num_train, head_training, seed, self.head_epochs)
-            head_lanes.append(Lane({local[n]: p for n, p in self.params(head, device,
-                                                                        list(local)).items()},
-                                   {}, z, client.y_train, list(schedule)))
-        trained_heads, _ = self.step(head_lanes, self.head_lr or lr,
-                                     cross_entropy_loss(model.classifier), training=head_training)
+            head_lanes.append(
+                Lane(
+                    {local[n]: p for n, p in self.params(head, device, list(local)).items()},
+                    {},
+                    z,
+                    client.y_train,
+                    list(schedule),
+                )
+            )
+        trained_heads, _ = self.step(
+            head_lanes,
+            self.head_lr or lr,
+            cross_entropy_loss(model.classifier),
+            training=head_training,
+        )
         heads = [{n: w[local[n]] for n in local} for w in trained_heads]
-        start = self.params(global_weights, device,
-                            [n for n in self.param_names if n not in self.head_names])
-        lanes = [self.lane(start, client, sub_seed(seed, 1),
-                           fixed=self.params(head, device, sorted(self.head_names)))
-                 for client, head, seed in zip(clients, heads, seeds, strict=True)]
+        start = self.params(
+            global_weights, device, [n for n in self.param_names if n not in self.head_names]
+        )
+        lanes = [
+            self.lane(
+                start,
+                client,
+                sub_seed(seed, 1),
+                fixed=self.params(head, device, sorted(self.head_names)),
+            )
+            for client, head, seed in zip(clients, heads, seeds, strict=True)
+        ]
         trained, losses = self.step(lanes, lr)
-        return [ClientResult({n: w for n, w in {**global_weights, **t}.items()
-                              if n in self.body_names}, c.num_train, {"head": head}, loss)
-                for t, c, head, loss in zip(trained, clients, heads, losses, strict=True)]
+        return [
+            ClientResult(
+                {n: w for n, w in {**global_weights, **t}.items() if n in self.body_names},
+                c.num_train,
+                {"head": head},
+                loss,
+            )
+            for t, c, head, loss in zip(trained, clients, heads, losses, strict=True)
+        ]
 
-    def aggregate(self, global_weights: Weights, results: list[ClientResult],
-                  total_samples: int, seed: int) -> Weights:
+    def aggregate(
+        self, global_weights: Weights, results: list[ClientResult], total_samples: int, seed: int
+    ) -> Weights:
         body = {n: global_weights[n] for n in self.body_names}
-        new_body = aggregate_weights(body, [(r.weights, r.num_samples) for r in results],
-                                     total_samples)
+        new_body = aggregate_weights(
+            body, [(r.weights, r.num_samples) for r in results], total_samples
+        )
         return {**global_weights, **new_body}
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         model = self.model_fn()
         own = "head" in state
         set_weights(model, {**global_weights, **state.get("head", self._head(global_weights))})

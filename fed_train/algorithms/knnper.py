@@ -44,11 +44,19 @@ class KNNPer(FedAvg):
     title = "kNN-Per"
     trained_by = "fedavg"
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA, capacity: float = 1.0,
-                 normalize: str = DEFAULT_NORMALIZE, lambda_estimator: str = "val",
-                 lambda_rule: dict[str, Any] | None = None, base: str = "global",
-                 l2: float | None = None) -> None:
+    def __init__(
+        self,
+        model_fn: ModelFactory,
+        training: TrainingConfig,
+        k: int = DEFAULT_K,
+        sigma: float = DEFAULT_SIGMA,
+        capacity: float = 1.0,
+        normalize: str = DEFAULT_NORMALIZE,
+        lambda_estimator: str = "val",
+        lambda_rule: dict[str, Any] | None = None,
+        base: str = "global",
+        l2: float | None = None,
+    ) -> None:
         """`lambda_rule` is `LambdaRule.to_dict()`'s plain data (what a Flower message
         carries); None is each client's own lambda, the paper's rule. `base` is what the kNN
         is interpolated with: the global model, or ("linear") a linear head fitted with `l2`
@@ -60,27 +68,37 @@ class KNNPer(FedAvg):
         check_settings(k, sigma, normalize, lambda_estimator, l2 if base == "linear" else None)
         self.k, self.sigma, self.capacity = k, sigma, capacity
         self.normalize, self.lambda_estimator = normalize, lambda_estimator
-        self.lambda_rule = LambdaRule() if lambda_rule is None else \
-            LambdaRule.from_dict(lambda_rule)
+        self.lambda_rule = (
+            LambdaRule() if lambda_rule is None else LambdaRule.from_dict(lambda_rule)
+        )
         self.base, self.l2 = base, l2
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         model = self.global_model(global_weights)
         num_classes = model.classifier.out_features
         z_train, logits_train = embed_and_logits(model, client.x_train)
         z_val, logits_val = embed_and_logits(model, client.x_val)
         splits = ClientSplits.from_logits(
-            client.client_id, client.unseen, (z_train, logits_train, client.y_train.cpu().numpy()),
-            (z_val, logits_val, client.y_val.cpu().numpy()))
-        head = PersonalHead(num_classes, k=self.k, sigma=self.sigma, normalize=self.normalize,
-                            l2=self.l2 if self.base == "linear" else None, rule=self.lambda_rule,
-                            estimator=self.lambda_estimator)
+            client.client_id,
+            client.unseen,
+            (z_train, logits_train, client.y_train.cpu().numpy()),
+            (z_val, logits_val, client.y_val.cpu().numpy()),
+        )
+        head = PersonalHead(
+            num_classes,
+            k=self.k,
+            sigma=self.sigma,
+            normalize=self.normalize,
+            l2=self.l2 if self.base == "linear" else None,
+            rule=self.lambda_rule,
+            estimator=self.lambda_estimator,
+        )
         head.fit(splits, keep=datastore_indices(client.num_train, self.capacity, seed))
 
         def predict(x: torch.Tensor) -> np.ndarray:
             z, logits = embed_and_logits(model, x)
             return head.predict_proba(z, softmax(logits.astype(np.float64)))
 
-        return PersonalModel(predict, {"lambda": head.lambda_,
-                                       "datastore_size": head.stored_})
+        return PersonalModel(predict, {"lambda": head.lambda_, "datastore_size": head.stored_})

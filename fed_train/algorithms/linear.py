@@ -27,15 +27,17 @@ class LinearPer(FedAvg):
     title = "FedAvg + linear head"
     trained_by = "fedavg"
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 l2: float = DEFAULT_L2) -> None:
+    def __init__(
+        self, model_fn: ModelFactory, training: TrainingConfig, l2: float = DEFAULT_L2
+    ) -> None:
         super().__init__(model_fn, training)
         if not l2 > 0:
             raise ValueError(f"l2 must be positive, got {l2}")
         self.l2 = l2
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         if client.num_train == 0:  # nothing to fit: the global model is all the client has
             personal = super().personalize(global_weights, client, state, seed)
             personal.info["l2"] = None
@@ -43,7 +45,8 @@ class LinearPer(FedAvg):
         model = self.global_model(global_weights)
         z_train, _ = embed_and_logits(model, client.x_train)
         head = LinearHead(model.classifier.out_features, l2=self.l2).fit(
-            z_train, client.y_train.cpu().numpy())
+            z_train, client.y_train.cpu().numpy()
+        )
 
         def predict(x: torch.Tensor) -> np.ndarray:
             return head.predict_proba(embed_and_logits(model, x)[0])

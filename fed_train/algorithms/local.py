@@ -31,13 +31,15 @@ class Local:
         self.training = training
         self.epochs = training.participations * training.epochs
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         torch.manual_seed(seed)
         model = self.model_fn()
         for epoch in range(self.epochs):
             lr = self.training.lr_at(epoch, self.epochs)
-            local_sgd(model, client.x_train, client.y_train, self.training, lr, seed + epoch,
-                      epochs=1)
+            local_sgd(
+                model, client.x_train, client.y_train, self.training, lr, seed + epoch, epochs=1
+            )
         model.eval()
         return PersonalModel(model_predictor(model), {"epochs": self.epochs})

@@ -29,8 +29,9 @@ def epochs_only(training: TrainingConfig) -> TrainingConfig:
     return replace(training, steps=None)
 
 
-def finetune_settings(finetune_epochs: int, finetune_lr: float | None,
-                      training: TrainingConfig) -> tuple[int, float]:
+def finetune_settings(
+    finetune_epochs: int, finetune_lr: float | None, training: TrainingConfig
+) -> tuple[int, float]:
     """(epochs, lr) of a local fine-tuning, checked. The lr defaults to the initial learning
     rate, not the decayed one: a few epochs at lr * gamma^2 would barely move the model."""
     if finetune_epochs < 0:
@@ -49,9 +50,11 @@ def model_accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return accuracy(predict_proba(model, x), y)
 
 
-def best_on_validation(model_with: Callable[[Weights], nn.Module],
-                       candidates: Iterable[tuple[float, Weights]],
-                       client: ClientData) -> tuple[float, nn.Module]:
+def best_on_validation(
+    model_with: Callable[[Weights], nn.Module],
+    candidates: Iterable[tuple[float, Weights]],
+    client: ClientData,
+) -> tuple[float, nn.Module]:
     """The candidate (a grid value and its weights) whose model, built by `model_with`, is most
     accurate on the client's validation split, and that model. Ties keep the first candidate,
     and so does a client without validation data."""
@@ -64,10 +67,18 @@ def best_on_validation(model_with: Callable[[Weights], nn.Module],
     return best_value, best_model
 
 
-def finetune(model: nn.Module, client: ClientData, training: TrainingConfig, lr: float,
-             epochs: int, seed: int, *, select_on_validation: bool = True,
-             after_step: Callable[[], None] | None = None,
-             params: Iterable[nn.Parameter] | None = None) -> tuple[int, float | None]:
+def finetune(
+    model: nn.Module,
+    client: ClientData,
+    training: TrainingConfig,
+    lr: float,
+    epochs: int,
+    seed: int,
+    *,
+    select_on_validation: bool = True,
+    after_step: Callable[[], None] | None = None,
+    params: Iterable[nn.Parameter] | None = None,
+) -> tuple[int, float | None]:
     """Train `model` on the client's train split one epoch at a time and keep the epoch count
     (0 .. epochs) that scores best on its validation split (ties: fewer epochs, the safer
     choice on few samples). Without validation data, or with selection off, all epochs are
@@ -80,8 +91,17 @@ def finetune(model: nn.Module, client: ClientData, training: TrainingConfig, lr:
     best_acc = model_accuracy(model, client.x_val, client.y_val) if has_val else None
     best_weights: Weights | None = get_weights(model) if select else None
     for epoch in range(1, epochs + 1):
-        local_sgd(model, client.x_train, client.y_train, training, lr, sub_seed(seed, epoch),
-                  epochs=1, params=trainable, after_step=after_step)
+        local_sgd(
+            model,
+            client.x_train,
+            client.y_train,
+            training,
+            lr,
+            sub_seed(seed, epoch),
+            epochs=1,
+            params=trainable,
+            after_step=after_step,
+        )
         if not has_val:
             best_epochs = epoch
             continue

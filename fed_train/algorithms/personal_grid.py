@@ -29,14 +29,20 @@ class PersonalGrid(FedAvg):
     key: str
     rule: str
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 grid: Sequence[float], finetune_epochs: int,
-                 finetune_lr: float | None) -> None:
+    def __init__(
+        self,
+        model_fn: ModelFactory,
+        training: TrainingConfig,
+        grid: Sequence[float],
+        finetune_epochs: int,
+        finetune_lr: float | None,
+    ) -> None:
         super().__init__(model_fn, training)
         self.grid = self._checked(grid)
         # FedAvg+'s budget, for clients without personal models
-        self.finetune_epochs, self.finetune_lr = finetune_settings(finetune_epochs, finetune_lr,
-                                                                   training)
+        self.finetune_epochs, self.finetune_lr = finetune_settings(
+            finetune_epochs, finetune_lr, training
+        )
 
     def allows(self, value: float) -> bool:
         """Whether `value` may be in the grid (NaN never is)."""
@@ -59,21 +65,32 @@ class PersonalGrid(FedAvg):
 
     def personal_state(self, models: Iterable[Weights]) -> dict[str, Any]:
         """The client state that keeps one personal model per value, in the grid's order."""
-        return {"personal": {str(value): weights
-                             for value, weights in zip(self.grid, models, strict=True)}}
+        return {
+            "personal": {
+                str(value): weights for value, weights in zip(self.grid, models, strict=True)
+            }
+        }
 
-    def fine_tune(self, global_weights: Weights, client: ClientData, starts: list[Weights],
-                  fresh: list[bool], seed: int) -> list[Weights]:
+    def fine_tune(
+        self,
+        global_weights: Weights,
+        client: ClientData,
+        starts: list[Weights],
+        fresh: list[bool],
+        seed: int,
+    ) -> list[Weights]:
         """Personal models for a client that lacks some (`fresh`: which), from `starts`."""
         raise NotImplementedError
 
-    def predictor_weights(self, value: float, personal: Weights,
-                          global_weights: Weights) -> Weights:
+    def predictor_weights(
+        self, value: float, personal: Weights, global_weights: Weights
+    ) -> Weights:
         """The weights a client predicts with for `value` and its personal model."""
         return personal
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         """The value whose model is most accurate on the client's validation split (ties: the
         first in the grid, which the papers' grids start closest to the global model)."""
         previous = state.get("personal", {})
@@ -82,7 +99,11 @@ class PersonalGrid(FedAvg):
         if any(fresh):
             models = self.fine_tune(global_weights, client, models, fresh, seed)
         best, model = best_on_validation(
-            self.model_with, ((value, self.predictor_weights(value, personal, global_weights))
-                              for value, personal in zip(self.grid, models, strict=True)),
-            client)
+            self.model_with,
+            (
+                (value, self.predictor_weights(value, personal, global_weights))
+                for value, personal in zip(self.grid, models, strict=True)
+            ),
+            client,
+        )
         return PersonalModel(model_predictor(model), {self.key: best, "fine_tuned": any(fresh)})

@@ -44,24 +44,33 @@ from fed_train.models import EmbedHeadModel, ModelFactory
 CLASS_CHUNK = 16  # classes solved together: bounds memory at chunk x context^2
 
 
-def dirichlet_targets(y: torch.Tensor, num_classes: int,
-                      alpha_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def dirichlet_targets(
+    y: torch.Tensor, num_classes: int, alpha_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Milios et al.'s transform: labels -> log-normal pseudo-targets and their noise variance."""
     a = nn.functional.one_hot(y, num_classes).to(torch.float64) + alpha_eps
     noise = torch.log1p(1.0 / a)
     return torch.log(a) - noise / 2.0, noise
 
 
-def rbf_kernel(a: torch.Tensor, b: torch.Tensor, lengthscale: float,
-               outputscale: float) -> torch.Tensor:
+def rbf_kernel(
+    a: torch.Tensor, b: torch.Tensor, lengthscale: float, outputscale: float
+) -> torch.Tensor:
     sq = (a.pow(2).sum(1, keepdim=True) - 2.0 * a @ b.T + b.pow(2).sum(1)).clamp_min(0.0)
     return outputscale * torch.exp(-sq / (2.0 * lengthscale**2))
 
 
-def gp_posterior(z_context: torch.Tensor, y_context: torch.Tensor, z_query: torch.Tensor,
-                 num_classes: int, *, lengthscale: float = 0.5, outputscale: float = 8.0,
-                 alpha_eps: float = 0.01,
-                 jitter: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+def gp_posterior(
+    z_context: torch.Tensor,
+    y_context: torch.Tensor,
+    z_query: torch.Tensor,
+    num_classes: int,
+    *,
+    lengthscale: float = 0.5,
+    outputscale: float = 8.0,
+    alpha_eps: float = 0.01,
+    jitter: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior mean and variance [n_query, C] of the per-class latent functions, each a GP
     with a constant prior mean (the class's mean pseudo-target), conditioned on the context.
     Differentiable in the embeddings; computed in the embeddings' dtype."""
@@ -105,22 +114,36 @@ class PFedGP(FederatedAlgorithm):
     title = "pFedGP"
     job_cost = 2.0
 
-    def __init__(self, model_fn: ModelFactory, training: TrainingConfig,
-                 lengthscale: float = 0.5, outputscale: float = 8.0, alpha_eps: float = 0.01,
-                 predict_ratio: float = 0.5, max_context: int = 1000,
-                 batch_size: int | None = None) -> None:
-        for name, value in (("lengthscale", lengthscale), ("outputscale", outputscale),
-                            ("alpha_eps", alpha_eps)):
+    def __init__(
+        self,
+        model_fn: ModelFactory,
+        training: TrainingConfig,
+        lengthscale: float = 0.5,
+        outputscale: float = 8.0,
+        alpha_eps: float = 0.01,
+        predict_ratio: float = 0.5,
+        max_context: int = 1000,
+        batch_size: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("lengthscale", lengthscale),
+            ("outputscale", outputscale),
+            ("alpha_eps", alpha_eps),
+        ):
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if not 0.0 < predict_ratio < 1.0:
             raise ValueError(f"predict_ratio must be in (0, 1), got {predict_ratio}")
         if max_context < 1:
             raise ValueError(f"max_context must be >= 1, got {max_context}")
-        super().__init__(model_fn,
-                         replace(training, batch_size=batch_size) if batch_size else training)
-        self.kernel = {"lengthscale": lengthscale, "outputscale": outputscale,
-                       "alpha_eps": alpha_eps}
+        super().__init__(
+            model_fn, replace(training, batch_size=batch_size) if batch_size else training
+        )
+        self.kernel = {
+            "lengthscale": lengthscale,
+            "outputscale": outputscale,
+            "alpha_eps": alpha_eps,
+        }
         self.predict_ratio = predict_ratio
         self.max_context = max_context
         self.num_classes = int(self._work.classifier.out_features)
@@ -143,8 +166,7 @@ class PFedGP(FederatedAlgorithm):
             target = target[torch.isin(y[target], classes)]
             if len(target) == 0 or len(classes) < 2:
                 return z.sum() * 0.0
-            mean, var = gp_posterior(z[context], y_context, z[target], len(classes),
-                                     **self.kernel)
+            mean, var = gp_posterior(z[context], y_context, z[target], len(classes), **self.kernel)
             y_target = torch.searchsorted(classes, y[target])
             return nn.functional.cross_entropy(gp_logits(mean, var), y_target)
 
@@ -153,17 +175,22 @@ class PFedGP(FederatedAlgorithm):
     @torch.no_grad()
     def _embed(self, model: EmbedHeadModel, x: torch.Tensor) -> torch.Tensor:
         model.eval()
-        parts = [normalise(model.embed(x[i:i + 1024])) for i in range(0, len(x), 1024)]
-        return torch.cat(parts).double() if parts else torch.zeros(0, model.embedding_dim,
-                                                              device=x.device)
+        parts = [normalise(model.embed(x[i : i + 1024])) for i in range(0, len(x), 1024)]
+        return (
+            torch.cat(parts).double()
+            if parts
+            else torch.zeros(0, model.embedding_dim, device=x.device)
+        )
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         model = self.model_with(global_weights)
         keep = np.arange(client.num_train)
         if len(keep) > self.max_context:
-            keep = np.sort(np.random.default_rng(seed).choice(len(keep), self.max_context,
-                                                               replace=False))
+            keep = np.sort(
+                np.random.default_rng(seed).choice(len(keep), self.max_context, replace=False)
+            )
         z_context = self._embed(model, client.x_train[torch.from_numpy(keep)])
         classes, y_context = client_classes(client.y_train[torch.from_numpy(keep)])
         num_classes = self.num_classes
@@ -175,10 +202,16 @@ class PFedGP(FederatedAlgorithm):
                 out[:] = 1.0 / num_classes
                 return out
             for i in range(0, len(x), 1024):
-                mean, var = gp_posterior(z_context, y_context, self._embed(model, x[i:i + 1024]),
-                                         len(classes), **self.kernel)
-                out[i:i + 1024, classes.cpu().numpy()] = torch.softmax(gp_logits(mean, var),
-                                                                   1).cpu().numpy()
+                mean, var = gp_posterior(
+                    z_context,
+                    y_context,
+                    self._embed(model, x[i : i + 1024]),
+                    len(classes),
+                    **self.kernel,
+                )
+                out[i : i + 1024, classes.cpu().numpy()] = (
+                    torch.softmax(gp_logits(mean, var), 1).cpu().numpy()
+                )
             return out
 
         return PersonalModel(predict, {"context": int(len(keep)), "classes": int(len(classes))})

@@ -41,36 +41,59 @@ class SteppedAlgorithm(FederatedAlgorithm):
         simulation asks before it steps them."""
         return stepping_blocker(self._work)
 
-    def params(self, weights: Weights, device: torch.device,
-               names: list[str] | None = None) -> Params:
+    def params(
+        self, weights: Weights, device: torch.device, names: list[str] | None = None
+    ) -> Params:
         """The working model's parameters (or the `names` entries) of `weights`, on `device`."""
         return as_params(weights, self.param_names if names is None else names, device)
 
-    def lane(self, start: Params, client: ClientData, seed: int,
-             fixed: Params | None = None) -> Lane:
+    def lane(
+        self, start: Params, client: ClientData, seed: int, fixed: Params | None = None
+    ) -> Lane:
         """`start` trained on the client's train split in the batch order `client_update` draws
         for `seed`, with `fixed` held still."""
-        return Lane(start, {} if fixed is None else fixed, client.x_train, client.y_train,
-                    list(batch_schedule(client.num_train, self.training, seed)))
+        return Lane(
+            start,
+            {} if fixed is None else fixed,
+            client.x_train,
+            client.y_train,
+            list(batch_schedule(client.num_train, self.training, seed)),
+        )
 
-    def step(self, lanes: list[Lane], lr: float, loss_fn: LossFn | None = None,
-             after_step: AfterStep | None = None, training: TrainingConfig | None = None
-             ) -> tuple[list[Weights], list[float]]:
+    def step(
+        self,
+        lanes: list[Lane],
+        lr: float,
+        loss_fn: LossFn | None = None,
+        after_step: AfterStep | None = None,
+        training: TrainingConfig | None = None,
+    ) -> tuple[list[Weights], list[float]]:
         """The lanes stepped together (`step_together`; default: the working model's
         cross-entropy with this method's training settings): each one's trained parameters as
         plain weights, and its mean loss."""
-        trained, losses = step_together(cross_entropy_loss(self._work) if loss_fn is None
-                                        else loss_fn, lanes,
-                                        self.training if training is None else training, lr,
-                                        after_step)
+        trained, losses = step_together(
+            cross_entropy_loss(self._work) if loss_fn is None else loss_fn,
+            lanes,
+            self.training if training is None else training,
+            lr,
+            after_step,
+        )
         return [as_weights(p) for p in trained], losses
 
-    def client_updates(self, global_weights: Weights, clients: list[ClientData],
-                       states: list[dict[str, Any]], lr: float,
-                       seeds: list[int]) -> list[ClientResult]:
+    def client_updates(
+        self,
+        global_weights: Weights,
+        clients: list[ClientData],
+        states: list[dict[str, Any]],
+        lr: float,
+        seeds: list[int],
+    ) -> list[ClientResult]:
         """`client_update` for several clients, stepped together."""
         start = self.params(global_weights, clients[0].x_train.device)
-        trained, losses = self.step([self.lane(start, c, seed)
-                                     for c, seed in zip(clients, seeds, strict=True)], lr)
-        return [ClientResult({**global_weights, **w}, c.num_train, state, loss)
-                for w, c, state, loss in zip(trained, clients, states, losses, strict=True)]
+        trained, losses = self.step(
+            [self.lane(start, c, seed) for c, seed in zip(clients, seeds, strict=True)], lr
+        )
+        return [
+            ClientResult({**global_weights, **w}, c.num_train, state, loss)
+            for w, c, state, loss in zip(trained, clients, states, losses, strict=True)
+        ]

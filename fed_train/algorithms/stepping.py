@@ -65,8 +65,10 @@ def stepping_blocker(model: nn.Module) -> str | None:
     """Why `model` cannot be stepped together with copies of itself, or None when it can."""
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            return ("its BatchNorm layers keep running statistics per model (mobilenet-v2-gn "
-                    "is the variant that can)")
+            return (
+                "its BatchNorm layers keep running statistics per model (mobilenet-v2-gn "
+                "is the variant that can)"
+            )
         if isinstance(module, nn.RNNBase):
             return "torch.func has no batching rule for its LSTM (it would loop, no faster)"
     return None
@@ -75,10 +77,10 @@ def stepping_blocker(model: nn.Module) -> str | None:
 def cross_entropy_loss(model: nn.Module) -> LossFn:
     """The loss `local_sgd` takes, per sample."""
 
-    def loss(params: Params, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor,
-                                                                          torch.Tensor]:
-        per_sample = nn.functional.cross_entropy(functional_call(model, params, (x,)), y,
-                                                 reduction="none")
+    def loss(params: Params, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        per_sample = nn.functional.cross_entropy(
+            functional_call(model, params, (x,)), y, reduction="none"
+        )
         return per_sample, per_sample
 
     return loss
@@ -88,8 +90,9 @@ def _stack(dicts: list[Params]) -> Params:
     return {name: torch.stack([d[name] for d in dicts]) for name in dicts[0]} if dicts else {}
 
 
-def _batches(lanes: list[Lane], batch_size: int, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batches(
+    lanes: list[Lane], batch_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """All lanes' data once (lanes that share a client share its rows), and for every step the
     rows each lane reads and the mask of real (not padding) samples: [steps, lanes, batch]."""
     offsets: dict[int, int] = {}
@@ -107,14 +110,24 @@ def _batches(lanes: list[Lane], batch_size: int, device: torch.device
         base = offsets[id(lane.x)]
         rows[:, j, :] = base
         for s, idx in enumerate(lane.schedule):
-            rows[s, j, :len(idx)] = base + idx
-            mask[s, j, :len(idx)] = 1.0
-    return (torch.cat(xs), torch.cat(ys), torch.from_numpy(rows).to(device),
-            torch.from_numpy(mask).to(device))
+            rows[s, j, : len(idx)] = base + idx
+            mask[s, j, : len(idx)] = 1.0
+    return (
+        torch.cat(xs),
+        torch.cat(ys),
+        torch.from_numpy(rows).to(device),
+        torch.from_numpy(mask).to(device),
+    )
 
 
-def _step_chunk(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, lr: float,
-                after_step: AfterStep | None, which: slice) -> tuple[list[Params], list[float]]:
+def _step_chunk(
+    loss_fn: LossFn,
+    lanes: list[Lane],
+    training: TrainingConfig,
+    lr: float,
+    after_step: AfterStep | None,
+    which: slice,
+) -> tuple[list[Params], list[float]]:
     """`step_together` for lanes that fit in memory together: `which` of the whole list."""
     device = lanes[0].x.device
     x_all, y_all, rows, mask = _batches(lanes, training.batch_size, device)
@@ -122,8 +135,9 @@ def _step_chunk(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, lr
     fixed = _stack([lane.fixed for lane in lanes])
     momentum = {name: torch.zeros_like(p) for name, p in params.items()}
 
-    def lane_loss(trainable: Params, held: Params, x: torch.Tensor, y: torch.Tensor,
-                  m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def lane_loss(
+        trainable: Params, held: Params, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast(device, training.precision):
             objective, reported = loss_fn({**trainable, **held}, x, y)
         count = m.sum().clamp(min=1.0)
@@ -154,13 +168,20 @@ def _step_chunk(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, lr
     counts = [sum(len(idx) for idx in lane.schedule) for lane in lanes]
     for total, count in zip(objective_total.cpu(), counts, strict=True):
         finite_mean_loss(total, count, lr)
-    losses = [finite_mean_loss(total, count, lr)
-              for total, count in zip(reported_total.cpu(), counts, strict=True)]
+    losses = [
+        finite_mean_loss(total, count, lr)
+        for total, count in zip(reported_total.cpu(), counts, strict=True)
+    ]
     return [{name: p[j] for name, p in params.items()} for j in range(len(lanes))], losses
 
 
-def step_together(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, lr: float,
-                  after_step: AfterStep | None = None) -> tuple[list[Params], list[float]]:
+def step_together(
+    loss_fn: LossFn,
+    lanes: list[Lane],
+    training: TrainingConfig,
+    lr: float,
+    after_step: AfterStep | None = None,
+) -> tuple[list[Params], list[float]]:
     """Train every lane by SGD (momentum and weight decay as torch.optim.SGD applies them) over
     its own schedule; returns each lane's trained parameters and mean reported loss. A NaN or
     infinite loss in any lane raises TrainingDiverged, as `local_sgd` does. Lanes go in chunks
@@ -173,8 +194,13 @@ def step_together(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, 
     if memory is not None:
         per_lane = lane_bytes(loss_fn, lanes[0], training)
         chunk = max(1, min(len(lanes), int(MEMORY_SHARE * memory // per_lane)))
-        log.info("stepping %d lanes in chunks of %d (%.0f MiB free, about %.0f MiB per lane)",
-                 len(lanes), chunk, memory / 2**20, per_lane / 2**20)
+        log.info(
+            "stepping %d lanes in chunks of %d (%.0f MiB free, about %.0f MiB per lane)",
+            len(lanes),
+            chunk,
+            memory / 2**20,
+            per_lane / 2**20,
+        )
     trained: list[Params] = []
     losses: list[float] = []
     while len(trained) < len(lanes):
@@ -188,8 +214,9 @@ def step_together(loss_fn: LossFn, lanes: list[Lane], training: TrainingConfig, 
             chunk = max(1, len(part) // 2)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            log.warning("out of memory stepping %d lanes together: retrying %d at a time",
-                        len(part), chunk)
+            log.warning(
+                "out of memory stepping %d lanes together: retrying %d at a time", len(part), chunk
+            )
             continue
         trained += params
         losses += part_losses

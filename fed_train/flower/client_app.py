@@ -40,8 +40,9 @@ def _setup(msg: Message, context: Context) -> tuple[FlowerSettings, ModelSpec, C
     spec = ModelSpec.from_record(msg.content["model"])
     node_config = dict(context.node_config)
     device = resolve_device(str(node_config.get("device", "cpu")))
-    client = load_node_client(settings.run, node_config, spec.input_spec, spec.num_classes,
-                              context.state)
+    client = load_node_client(
+        settings.run, node_config, spec.input_spec, spec.num_classes, context.state
+    )
     return settings, spec.on(device), client.to(device)
 
 
@@ -58,9 +59,14 @@ def query(msg: Message, context: Context) -> Message:
     """Which client this node serves: checked here, at the start, so a misconfigured node stops
     the run before any training instead of failing mid-way."""
     _, _, client = _setup(msg, context)
-    metrics = MetricRecord({"client-id": client.client_id, "num-train": client.num_train,
-                            "num-val": int(client.y_val.shape[0]),
-                            "num-test": int(client.y_test.shape[0])})
+    metrics = MetricRecord(
+        {
+            "client-id": client.client_id,
+            "num-train": client.num_train,
+            "num-val": int(client.y_val.shape[0]),
+            "num-test": int(client.y_test.shape[0]),
+        }
+    )
     return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
 
@@ -74,14 +80,25 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     algorithm = build_algorithm(settings.algorithm, spec.model_fn(), settings.run.training)
     started = time.perf_counter()
-    result = algorithm.client_update(weights, client, load_state(context.state),
-                                     float(config["lr"]), int(config["seed"]))
+    result = algorithm.client_update(
+        weights, client, load_state(context.state), float(config["lr"]), int(config["seed"])
+    )
     seconds = time.perf_counter() - started  # the training alone: what the simulation spends
     scalars = save_state(context.state, result.state)
-    metrics = MetricRecord({"client-id": client.client_id, "num-examples": result.num_samples,
-                            "train-loss": float(result.loss), "train-seconds": seconds})
-    return Message(RecordDict({"arrays": to_array_record(result.weights), "metrics": metrics,
-                               "state": scalars}), reply_to=msg)
+    metrics = MetricRecord(
+        {
+            "client-id": client.client_id,
+            "num-examples": result.num_samples,
+            "train-loss": float(result.loss),
+            "train-seconds": seconds,
+        }
+    )
+    return Message(
+        RecordDict(
+            {"arrays": to_array_record(result.weights), "metrics": metrics, "state": scalars}
+        ),
+        reply_to=msg,
+    )
 
 
 @app.evaluate()
@@ -111,17 +128,23 @@ def evaluate(msg: Message, context: Context) -> Message:
         hyper = {**knn_hyper, "capacity": settings.capacity} if method == "knnper" else {}
         algorithm = build_algorithm(method, spec.model_fn(), settings.run.training, **hyper)
         state = load_state(context.state) if method == settings.algorithm else {}
-        row = client_accuracies(algorithm, weights, {client.client_id: state}, [client],
-                                seed=settings.run.seed)[0]
+        row = client_accuracies(
+            algorithm, weights, {client.client_id: state}, [client], seed=settings.run.seed
+        )[0]
         info[method] = row["info"]
         if row["accuracy"] is not None:
             metrics[f"{method}-accuracy"] = row["accuracy"]
-    return Message(RecordDict({"metrics": metrics, "info": to_config_record(info)}),
-                   reply_to=msg)
+    return Message(RecordDict({"metrics": metrics, "info": to_config_record(info)}), reply_to=msg)
 
 
-def _knn_choice_counts(phase: str, content: RecordDict, settings: FlowerSettings,
-                       spec: ModelSpec, client: ClientData, weights: dict) -> np.ndarray:
+def _knn_choice_counts(
+    phase: str,
+    content: RecordDict,
+    settings: FlowerSettings,
+    spec: ModelSpec,
+    client: ClientData,
+    weights: dict,
+) -> np.ndarray:
     """This client's grid_counts ("knn-grid": every point sent), estimator_counts
     ("knn-estimators"), l2_counts ("knn-l2"), rule_fold_counts ("knn-rule-folds") or
     rule_evidence ("knn-rule-evidence"; these four under the one point sent) under the global
@@ -143,8 +166,7 @@ def _knn_choice_counts(phase: str, content: RecordDict, settings: FlowerSettings
     points = points_from_record(content["points"])
     if phase != "knn-grid" and len(points) != 1:
         raise ValueError(f"phase {phase} takes one kNN configuration, got {len(points)}")
-    model = build_algorithm("fedavg", spec.model_fn(), settings.run.training).global_model(
-        weights)
+    model = build_algorithm("fedavg", spec.model_fn(), settings.run.training).global_model(weights)
     view = client_views(model, [client])[0]
     view.unseen = False  # only seen clients are asked
     if float(config.get("linear-l2", 0.0)) > 0:  # the rule phases under the linear base
@@ -156,8 +178,7 @@ def _knn_choice_counts(phase: str, content: RecordDict, settings: FlowerSettings
     if phase == "knn-l2":
         return l2_counts(normalized_views([view], points[0].normalize)[0])
     if phase == "knn-rule-folds":
-        return rule_fold_counts(view, points[0], str(config["estimator"]),
-                                seed=settings.run.seed)
+        return rule_fold_counts(view, points[0], str(config["estimator"]), seed=settings.run.seed)
     if phase == "knn-rule-evidence":
         return rule_evidence(view, points[0], str(config["estimator"]))
     raise ValueError(f"unknown evaluation phase {phase!r}")

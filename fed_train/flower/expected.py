@@ -39,8 +39,9 @@ def nearest_measured(config: RunConfig, path: Path = EXPECTED_FILE) -> dict[str,
 
     def distance(run: dict[str, Any]) -> float:
         c = run["config"]
-        return (abs(math.log(c["clients"] / config.clients))
-                + abs(math.log(c["training"]["rounds"] / config.training.rounds)))
+        return abs(math.log(c["clients"] / config.clients)) + abs(
+            math.log(c["training"]["rounds"] / config.training.rounds)
+        )
 
     return min(same, key=distance)
 
@@ -49,14 +50,19 @@ def expectation_line(config: RunConfig, path: Path = EXPECTED_FILE) -> str:
     """One line for the user: the nearest measured size and its accuracies, or why none."""
     run = nearest_measured(config, path)
     if run is None:
-        return ("expected: no run with these settings was measured; `knnper train` with the "
-                "same flags reaches the same weights in a fraction of the time")
+        return (
+            "expected: no run with these settings was measured; `knnper train` with the "
+            "same flags reaches the same weights in a fraction of the time"
+        )
     c = run["config"]
     size = f"{c['dataset']}, {c['clients']} clients, {c['training']['rounds']} rounds"
-    exact = (c["clients"] == config.clients
-             and c["training"]["rounds"] == config.training.rounds)
-    scores = ", ".join(f"{name} {run[f'{m}_seen']}% seen / {run[f'{m}_unseen']}% unseen"
-                       for m, name in (("fedavg", "FedAvg"), ("knnper", "kNN-Per"))
-                       if f"{m}_seen" in run and f"{m}_unseen" in run)
-    return (f"expected ({'this size' if exact else 'nearest measured size'}: {size}): "
-            f"{scores} (the simulation, same weights as Flower; {run.get('source', path.name)})")
+    exact = c["clients"] == config.clients and c["training"]["rounds"] == config.training.rounds
+    scores = ", ".join(
+        f"{name} {run[f'{m}_seen']}% seen / {run[f'{m}_unseen']}% unseen"
+        for m, name in (("fedavg", "FedAvg"), ("knnper", "kNN-Per"))
+        if f"{m}_seen" in run and f"{m}_unseen" in run
+    )
+    return (
+        f"expected ({'this size' if exact else 'nearest measured size'}: {size}): "
+        f"{scores} (the simulation, same weights as Flower; {run.get('source', path.name)})"
+    )

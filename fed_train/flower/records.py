@@ -39,16 +39,23 @@ def decode(name: str, array: Array) -> np.ndarray:
     stream = BytesIO(array.data)
     try:
         version = npy.read_magic(stream)
-        read_header = {(1, 0): npy.read_array_header_1_0,
-                       (2, 0): npy.read_array_header_2_0}[version]
+        read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}[
+            version
+        ]
         shape, _, dtype = read_header(stream)
     except (EOFError, KeyError, ValueError) as err:
         raise ValueError(f"{name} is not an .npy payload ({err})") from None
     payload = len(array.data) - stream.tell()
-    if (array.stype != SType.NUMPY or str(dtype) != array.dtype
-            or shape != tuple(array.shape) or payload != dtype.itemsize * math.prod(shape)):
-        raise ValueError(f"{name} declares {array.dtype} {tuple(array.shape)} but carries "
-                         f"{payload} bytes of {dtype} {shape}")
+    if (
+        array.stype != SType.NUMPY
+        or str(dtype) != array.dtype
+        or shape != tuple(array.shape)
+        or payload != dtype.itemsize * math.prod(shape)
+    ):
+        raise ValueError(
+            f"{name} declares {array.dtype} {tuple(array.shape)} but carries "
+            f"{payload} bytes of {dtype} {shape}"
+        )
     return array.numpy()
 
 
@@ -69,8 +76,9 @@ def read_counts(record: ArrayRecord, phase: str, shape: tuple[int, ...]) -> np.n
         raise ValueError(f"no sums for {phase} (sent: {sorted(record)[:3]})")
     array = record[phase]
     if array.dtype != "float64" or tuple(array.shape) != shape:
-        raise ValueError(f"{phase} sums are {array.dtype} {tuple(array.shape)}, not float64 "
-                         f"{shape}")
+        raise ValueError(
+            f"{phase} sums are {array.dtype} {tuple(array.shape)}, not float64 {shape}"
+        )
     counts = decode(phase, array)
     if not np.isfinite(counts).all() or (counts < 0).any():
         raise ValueError(f"{phase} sums are not all finite and non-negative")
@@ -84,8 +92,10 @@ def points_record(points: Sequence[KNNConfig]) -> ConfigRecord:
 
 
 def points_from_record(record: ConfigRecord) -> list[KNNConfig]:
-    return [KNNConfig(**dict(zip(record, values, strict=True)))
-            for values in zip(*record.values(), strict=True)]
+    return [
+        KNNConfig(**dict(zip(record, values, strict=True)))
+        for values in zip(*record.values(), strict=True)
+    ]
 
 
 def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -119,8 +129,10 @@ def _config_value(name: str, value: Any) -> ConfigRecordValues:
         return []
     if isinstance(value, (bool, int, float, str, np.integer, np.floating)):
         return value.item() if isinstance(value, np.generic) else value
-    raise TypeError(f"entry {name!r} is a {type(value).__name__}; only arrays and scalars "
-                    "travel between ServerApp and ClientApp")
+    raise TypeError(
+        f"entry {name!r} is a {type(value).__name__}; only arrays and scalars "
+        "travel between ServerApp and ClientApp"
+    )
 
 
 def _plain_value(value: ConfigRecordValues) -> Any:
@@ -161,8 +173,10 @@ def load_state(store: RecordDict) -> dict[str, Any]:
     """The state this SuperNode kept for its client in earlier rounds of the run."""
     arrays = store.get(STATE_ARRAYS)
     scalars = store.get(STATE_SCALARS)
-    return join_state(arrays if isinstance(arrays, ArrayRecord) else None,
-                      scalars if isinstance(scalars, ConfigRecord) else None)
+    return join_state(
+        arrays if isinstance(arrays, ArrayRecord) else None,
+        scalars if isinstance(scalars, ConfigRecord) else None,
+    )
 
 
 def save_state(store: RecordDict, state: dict[str, Any]) -> ConfigRecord:
@@ -187,13 +201,19 @@ class ModelSpec:
         return replace(self, device=str(device))
 
     def to_record(self) -> ConfigRecord:
-        return ConfigRecord({"name": self.name, "num-classes": self.num_classes,
-                             "input-spec": json.dumps(self.input_spec)})
+        return ConfigRecord(
+            {
+                "name": self.name,
+                "num-classes": self.num_classes,
+                "input-spec": json.dumps(self.input_spec),
+            }
+        )
 
     @classmethod
     def from_record(cls, record: ConfigRecord) -> ModelSpec:
-        return cls(str(record["name"]), int(record["num-classes"]),
-                   json.loads(str(record["input-spec"])))
+        return cls(
+            str(record["name"]), int(record["num-classes"]), json.loads(str(record["input-spec"]))
+        )
 
     def model_fn(self) -> ModelFactory:
         return lambda: build_model(self.name, self.num_classes, self.input_spec).to(self.device)
@@ -214,12 +234,18 @@ def check_shapes(received: Weights, model: Weights, *, sender: str) -> None:
             continue
         matched += 1
         if tuple(value.shape) != tuple(model[base].shape):
-            raise ValueError(f"{sender} sent {name} with shape {tuple(value.shape)}, but this "
-                             f"side's model has {tuple(model[base].shape)}: the server and the "
-                             "client build different models")
+            raise ValueError(
+                f"{sender} sent {name} with shape {tuple(value.shape)}, but this "
+                f"side's model has {tuple(model[base].shape)}: the server and the "
+                "client build different models"
+            )
         if value.dtype != model[base].dtype:
-            raise ValueError(f"{sender} sent {name} as {value.dtype}, but this side's model "
-                             f"holds {model[base].dtype}")
+            raise ValueError(
+                f"{sender} sent {name} as {value.dtype}, but this side's model "
+                f"holds {model[base].dtype}"
+            )
     if received and not matched:
-        raise ValueError(f"{sender} sent weights named {sorted(received)[:3]}..., none of them "
-                         "a parameter of this side's model")
+        raise ValueError(
+            f"{sender} sent weights named {sorted(received)[:3]}..., none of them "
+            "a parameter of this side's model"
+        )

@@ -58,8 +58,9 @@ POLL_SECONDS = 1.0
 app = ServerApp()
 
 
-def find_clients(grid: Grid, settings: FlowerSettings, spec: ModelSpec,
-                 num_train: dict[int, int]) -> dict[int, int]:
+def find_clients(
+    grid: Grid, settings: FlowerSettings, spec: ModelSpec, num_train: dict[int, int]
+) -> dict[int, int]:
     """client id -> node id, from a query every SuperNode answers. Waits (at most
     connect-timeout) until every client of the run is served; a node whose configuration is
     wrong, two nodes claiming one client, or a client count that disagrees stop the run here."""
@@ -75,26 +76,40 @@ def find_clients(grid: Grid, settings: FlowerSettings, spec: ModelSpec,
                 continue
             if not new:
                 missing = sorted(set(range(clients)) - set(node_of))
-                raise FederationError(f"after {settings.connect_timeout:g} s no SuperNode "
-                                      f"serves client(s) {missing} (start them with "
-                                      "--node-config 'partition-id=N num-partitions=M')")
+                raise FederationError(
+                    f"after {settings.connect_timeout:g} s no SuperNode "
+                    f"serves client(s) {missing} (start them with "
+                    "--node-config 'partition-id=N num-partitions=M')"
+                )
             # past the deadline: ask the nodes that are there, so the error names who is missing
         asked.update(new)
-        queries = [Message(RecordDict({"model": spec.to_record()}), dst_node_id=n,
-                           message_type=MessageType.QUERY) for n in new]
+        queries = [
+            Message(
+                RecordDict({"model": spec.to_record()}),
+                dst_node_id=n,
+                message_type=MessageType.QUERY,
+            )
+            for n in new
+        ]
         remaining = max(1.0, deadline - time.monotonic())
-        got = read_replies(grid.send_and_receive(queries, timeout=remaining),
-                           {n: n for n in new}, lambda node, reply: _served_client(reply, clients))
+        got = read_replies(
+            grid.send_and_receive(queries, timeout=remaining),
+            {n: n for n in new},
+            lambda node, reply: _served_client(reply, clients),
+        )
         if got.failed:
             node, why = next(iter(got.failed.items()))
             raise FederationError(f"SuperNode {node} cannot serve a client: {why}")
         for node, (cid, reported) in got.read.items():
             if cid in node_of:
-                raise FederationError(f"SuperNodes {node_of[cid]} and {node} both serve client "
-                                      f"{cid}")
+                raise FederationError(
+                    f"SuperNodes {node_of[cid]} and {node} both serve client {cid}"
+                )
             if cid in num_train and reported != num_train[cid]:
-                raise FederationError(f"client {cid} holds {reported} training samples, the "
-                                      f"server's partition gives it {num_train[cid]}")
+                raise FederationError(
+                    f"client {cid} holds {reported} training samples, the "
+                    f"server's partition gives it {num_train[cid]}"
+                )
             node_of[cid] = node
     return node_of
 
@@ -104,13 +119,22 @@ def _served_client(reply: Message, clients: int) -> tuple[int, int]:
     metrics = reply.content.metric_records["metrics"]
     cid, reported = metrics["client-id"], metrics["num-train"]
     if not (isinstance(cid, int) and 0 <= cid < clients and isinstance(reported, int)):
-        raise ValueError(f"client {cid!r:.40} with {reported!r:.40} training samples is not "
-                         f"one of the run's clients 0 to {clients - 1}")
+        raise ValueError(
+            f"client {cid!r:.40} with {reported!r:.40} training samples is not "
+            f"one of the run's clients 0 to {clients - 1}"
+        )
     return cid, reported
 
 
-def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings: FlowerSettings,
-                         run_dir: Path, model: Any, server_round: int) -> KNNChoice:
+def federated_knn_choice(
+    grid: Grid,
+    strategy: KnnperStrategy,
+    arrays,
+    settings: FlowerSettings,
+    run_dir: Path,
+    model: Any,
+    server_round: int,
+) -> KNNChoice:
     """kNN-Per's configuration chosen as `knnper evaluate` chooses it, from sums the seen
     clients compute on their own validation splits (the grid's scores, then the estimators'
     cross-validation), and saved in the run directory so that evaluate and export reuse it."""
@@ -121,15 +145,23 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
     if saved is not None:
         return choice_from_record(saved, path)
 
-    def ask(phase: str, points: list[KNNConfig], shape: tuple[int, int],
-            config: dict[str, Any] | None = None) -> dict[int, np.ndarray]:
+    def ask(
+        phase: str,
+        points: list[KNNConfig],
+        shape: tuple[int, int],
+        config: dict[str, Any] | None = None,
+    ) -> dict[int, np.ndarray]:
         """Each answering seen client's sums for `phase`, refused unless of `shape`: the
         phase's function in fed_train.knn_tuning says its shape."""
         replies = grid.send_and_receive(
-            strategy.configure_knn_phase(server_round, arrays,
-                                         ConfigRecord({"phase": phase, **(config or {})}),
-                                         points_record(points)),
-            timeout=settings.round_timeout)
+            strategy.configure_knn_phase(
+                server_round,
+                arrays,
+                ConfigRecord({"phase": phase, **(config or {})}),
+                points_record(points),
+            ),
+            timeout=settings.round_timeout,
+        )
         counts = strategy.collect_knn_counts(replies, phase, shape)
         if not counts:
             raise FederationError("no seen client answered for kNN-Per's configuration")
@@ -141,8 +173,9 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
     estimator = request.estimator()
     cv: dict[str, float] = {}
     if estimator == "auto":
-        cv = pool_estimators(list(ask("knn-estimators", [config],
-                                      (len(LAMBDA_ESTIMATORS), 2)).values()))
+        cv = pool_estimators(
+            list(ask("knn-estimators", [config], (len(LAMBDA_ESTIMATORS), 2)).values())
+        )
         estimator = pick_estimator(cv)
     chosen_on = [cid for cid, c in grid_counts.items() if c[0, 2] > 0]
     bases = BASES if request.base_choice() == "auto" else (request.base_choice(),)
@@ -150,30 +183,50 @@ def federated_knn_choice(grid: Grid, strategy: KnnperStrategy, arrays, settings:
     l2_choice: dict[str, Any] = {}
     if "linear" in bases:
         l2_grid = [LinearConfig(float(v)) for v in L2_GRID]
-        best, l2_scores = pick_config(l2_grid, list(ask("knn-l2", [config],
-                                                        (len(L2_GRID), 3)).values()))
+        best, l2_scores = pick_config(
+            l2_grid, list(ask("knn-l2", [config], (len(L2_GRID), 3)).values())
+        )
         l2_choice = {"config": best.to_dict(), "grid": l2_scores}
-    under = {b: {"estimator": estimator,
-                 "linear-l2": l2_choice["config"]["l2"] if b == "linear" else 0.0}
-             for b in bases}
+    under = {
+        b: {
+            "estimator": estimator,
+            "linear-l2": l2_choice["config"]["l2"] if b == "linear" else 0.0,
+        }
+        for b in bases
+    }
     base_cv: dict[str, dict[str, float]] = {}
     if len(bases) * len(rules) > 1:
-        base_cv = {b: pool_rules(list(ask("knn-rule-folds", [config],
-                                          (2 * len(LAMBDA_GRID), 5), under[b]).values()),
-                                 rules) for b in bases}
+        base_cv = {
+            b: pool_rules(
+                list(ask("knn-rule-folds", [config], (2 * len(LAMBDA_GRID), 5), under[b]).values()),
+                rules,
+            )
+            for b in bases
+        }
         base, rule = pick_base_and_rule(base_cv)
     else:
         base, rule = bases[0], rules[0]
-    evidence = (ask("knn-rule-evidence", [config], (len(LAMBDA_GRID), 3), under[base])
-                if rule != "client" else {})
+    evidence = (
+        ask("knn-rule-evidence", [config], (len(LAMBDA_GRID), 3), under[base])
+        if rule != "client"
+        else {}
+    )
     fitted = fit_rule(rule, [evidence[cid] for cid in chosen_on if cid in evidence])
-    record = make_record(request, config, estimator, sha, grid=scores, lambda_cv=cv,
-                         lambda_rule=fitted.to_dict(), lambda_rule_cv=base_cv.get(base, {}),
-                         base={"name": base, "l2": under[base]["linear-l2"] or None,
-                               "l2_choice": l2_choice}, base_cv=base_cv,
-                         clients=chosen_on,
-                         samples=sum(grid_counts[cid][0, 2] for cid in chosen_on),
-                         made_by="Flower: sums from each seen client's own validation split")
+    record = make_record(
+        request,
+        config,
+        estimator,
+        sha,
+        grid=scores,
+        lambda_cv=cv,
+        lambda_rule=fitted.to_dict(),
+        lambda_rule_cv=base_cv.get(base, {}),
+        base={"name": base, "l2": under[base]["linear-l2"] or None, "l2_choice": l2_choice},
+        base_cv=base_cv,
+        clients=chosen_on,
+        samples=sum(grid_counts[cid][0, 2] for cid in chosen_on),
+        made_by="Flower: sums from each seen client's own validation split",
+    )
     save_choice(path, record)
     choice = choice_from_record(record, path)
     log.info("%s", choice.describe())
@@ -188,16 +241,21 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
     run_dir = Path(settings.run_dir)
     config, training = settings.run, settings.run.training
     run = open_run(config, run_dir)
-    spec = ModelSpec(run.model_name, run.dataset.num_classes,
-                     json.loads(json.dumps(run.dataset.input_spec)))
+    spec = ModelSpec(
+        run.model_name, run.dataset.num_classes, json.loads(json.dumps(run.dataset.input_spec))
+    )
     algorithm = build_algorithm(settings.algorithm, run.model_fn, training)
     unseen = {cid: bool(u) for cid, u in enumerate(run.partition.unseen)}
-    num_train = {cid: len(split.train) for cid, split in enumerate(run.partition.clients)
-                 if not unseen[cid]}
+    num_train = {
+        cid: len(split.train) for cid, split in enumerate(run.partition.clients) if not unseen[cid]
+    }
     if not num_train:
         raise FederationError("no training clients: every client is held out as unseen")
-    record: dict[str, Any] = {"algorithm": settings.algorithm, "status": "running",
-                              "settings": settings.to_run_config()}
+    record: dict[str, Any] = {
+        "algorithm": settings.algorithm,
+        "status": "running",
+        "settings": settings.to_run_config(),
+    }
     _write_flower_file(run_dir, record)
     node_of = find_clients(grid, settings, spec, num_train)
     num_test = {cid: len(split.test) for cid, split in enumerate(run.partition.clients)}
@@ -209,18 +267,28 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
         start = time.perf_counter()
         replies = grid.send_and_receive(
             strategy.configure_train(server_round, arrays, ConfigRecord(), grid),
-            timeout=settings.round_timeout)
+            timeout=settings.round_timeout,
+        )
         arrays, _ = strategy.aggregate_train(server_round, replies)
         state.weights, state.rounds_done = to_weights(arrays), server_round
         info = strategy.round_info
-        row = {"round": server_round, "lr": info["lr"], "clients": info["clients"],
-               "train_loss": info["train_loss"],
-               "seconds": round(time.perf_counter() - start, 3),
-               "bytes_down": info["bytes_down"], "bytes_up": info["bytes_up"],
-               "train_seconds": info["train_seconds"],
-               "train_seconds_max": info["train_seconds_max"]}
-        log_round(run_dir, row, state,
-                  is_checkpoint_round(server_round, training.rounds, config.checkpoint_every))
+        row = {
+            "round": server_round,
+            "lr": info["lr"],
+            "clients": info["clients"],
+            "train_loss": info["train_loss"],
+            "seconds": round(time.perf_counter() - start, 3),
+            "bytes_down": info["bytes_down"],
+            "bytes_up": info["bytes_up"],
+            "train_seconds": info["train_seconds"],
+            "train_seconds_max": info["train_seconds_max"],
+        }
+        log_round(
+            run_dir,
+            row,
+            state,
+            is_checkpoint_round(server_round, training.rounds, config.checkpoint_every),
+        )
         log.info("round %d/%d: %s", server_round, training.rounds, row)
     if set(state.weights) == set(strategy.model_weights):
         save_model(run_dir, run.model_fn(), state.weights)
@@ -229,17 +297,21 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
     evaluate_config = ConfigRecord()
     if "knnper" in settings.eval_methods:
         if set(state.weights) != set(strategy.model_weights):
-            raise FederationError(f"{algorithm.name} keeps no single global model for kNN-Per "
-                                  "to personalize: leave knnper out of --eval-methods")
+            raise FederationError(
+                f"{algorithm.name} keeps no single global model for kNN-Per "
+                "to personalize: leave knnper out of --eval-methods"
+            )
         model = run.model_fn()
         set_weights(model, state.weights)
-        choice = federated_knn_choice(grid, strategy, arrays, settings, run_dir, model,
-                                      training.rounds + 1)
+        choice = federated_knn_choice(
+            grid, strategy, arrays, settings, run_dir, model, training.rounds + 1
+        )
         record["knn"] = choice.record
         evaluate_config = ConfigRecord({"knn": json.dumps(choice.hyper())})
     replies = grid.send_and_receive(
         strategy.configure_evaluate(training.rounds + 1, arrays, evaluate_config, grid),
-        timeout=settings.round_timeout)
+        timeout=settings.round_timeout,
+    )
     strategy.aggregate_evaluate(training.rounds + 1, replies)
     record.update(status="completed", evaluation=strategy.evaluation)
     _write_flower_file(run_dir, record)
@@ -257,7 +329,13 @@ def main(grid: Grid, context: Context) -> None:
         reason = one_line(err, first_line=True)
         run_dir = Path(settings.run_dir)
         if run_dir.is_dir():
-            _write_flower_file(run_dir, {"algorithm": settings.algorithm, "status": "failed",
-                                         "error": reason,
-                                         "settings": settings.to_run_config()})
+            _write_flower_file(
+                run_dir,
+                {
+                    "algorithm": settings.algorithm,
+                    "status": "failed",
+                    "error": reason,
+                    "settings": settings.to_run_config(),
+                },
+            )
         raise

@@ -40,66 +40,89 @@ class FlowerSettings:
     def check(self) -> FlowerSettings:
         algorithm = ALGORITHMS.get(self.algorithm)
         if algorithm is None:
-            raise FlowerConfigError(f"unknown algorithm {self.algorithm!r}; known: "
-                                    f"{', '.join(federated_methods())}")
+            raise FlowerConfigError(
+                f"unknown algorithm {self.algorithm!r}; known: {', '.join(federated_methods())}"
+            )
         if not algorithm.federated:
-            raise FlowerConfigError(f"algorithm {self.algorithm!r} does not train federatedly; "
-                                    "there is nothing to deploy")
+            raise FlowerConfigError(
+                f"algorithm {self.algorithm!r} does not train federatedly; "
+                "there is nothing to deploy"
+            )
         if not self.run_dir:
             raise FlowerConfigError("run config 'run-dir' (the server's run directory) is empty")
         for name in ("round_timeout", "connect_timeout"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
-                raise FlowerConfigError(f"{name.replace('_', '-')} must be a positive number of "
-                                        f"seconds, got {value}")
+                raise FlowerConfigError(
+                    f"{name.replace('_', '-')} must be a positive number of seconds, got {value}"
+                )
         if not 0 <= self.min_train_clients <= self.run.clients:
-            raise FlowerConfigError(f"min-train-clients must be from 0 to the run's "
-                                    f"{self.run.clients} clients, got {self.min_train_clients}")
+            raise FlowerConfigError(
+                f"min-train-clients must be from 0 to the run's "
+                f"{self.run.clients} clients, got {self.min_train_clients}"
+            )
         unknown = [m for m in self.eval_methods if m not in ALGORITHMS]
         if unknown:
-            raise FlowerConfigError(f"unknown evaluation method(s) {', '.join(unknown)}; known: "
-                                    f"{', '.join(ALGORITHMS)}")
+            raise FlowerConfigError(
+                f"unknown evaluation method(s) {', '.join(unknown)}; known: {', '.join(ALGORITHMS)}"
+            )
         if not 0 < self.capacity <= 1:
-            raise FlowerConfigError(f"kNN-Per's capacity must be in (0, 1], got "
-                                    f"{self.capacity}")
+            raise FlowerConfigError(f"kNN-Per's capacity must be in (0, 1], got {self.capacity}")
         return self
 
     def to_run_config(self) -> dict[str, Any]:
         """Flower's run config: TOML scalars only."""
-        return {"run": json.dumps(self.run.to_dict()), "run-dir": self.run_dir,
-                "algorithm": self.algorithm, "round-timeout": float(self.round_timeout),
-                "connect-timeout": float(self.connect_timeout),
-                "min-train-clients": int(self.min_train_clients),
-                "eval-methods": ",".join(self.eval_methods), **_knn_values(self.knn),
-                "capacity": float(self.capacity)}
+        return {
+            "run": json.dumps(self.run.to_dict()),
+            "run-dir": self.run_dir,
+            "algorithm": self.algorithm,
+            "round-timeout": float(self.round_timeout),
+            "connect-timeout": float(self.connect_timeout),
+            "min-train-clients": int(self.min_train_clients),
+            "eval-methods": ",".join(self.eval_methods),
+            **_knn_values(self.knn),
+            "capacity": float(self.capacity),
+        }
 
     @classmethod
     def from_run_config(cls, values: dict[str, Any]) -> FlowerSettings:
         try:
             run = RunConfig.from_dict(parse_json(str(values.get("run", "{}")).encode("utf-8")))
         except (ValueError, TypeError) as err:  # RunError is a ValueError
-            raise FlowerConfigError(f"run config 'run' is not a knnper run configuration: "
-                                    f"{one_line(err)}") from None
+            raise FlowerConfigError(
+                f"run config 'run' is not a knnper run configuration: {one_line(err)}"
+            ) from None
         d = cls()
         try:
             settings = cls(
-                run=run, run_dir=str(values.get("run-dir", d.run_dir)),
+                run=run,
+                run_dir=str(values.get("run-dir", d.run_dir)),
                 algorithm=str(values.get("algorithm", d.algorithm)),
                 round_timeout=float(values.get("round-timeout", d.round_timeout)),
                 connect_timeout=float(values.get("connect-timeout", d.connect_timeout)),
                 min_train_clients=int(values.get("min-train-clients", d.min_train_clients)),
-                eval_methods=tuple(m for m in str(values.get("eval-methods", ",".join(
-                    d.eval_methods))).split(",") if m),
-                knn=_knn_request(values), capacity=float(values.get("capacity", d.capacity)))
+                eval_methods=tuple(
+                    m
+                    for m in str(values.get("eval-methods", ",".join(d.eval_methods))).split(",")
+                    if m
+                ),
+                knn=_knn_request(values),
+                capacity=float(values.get("capacity", d.capacity)),
+            )
         except (TypeError, ValueError) as err:
             raise FlowerConfigError(f"bad run config value: {err}") from err
         return settings.check()
 
 
 # A run config holds no None: a value kNN-Per chooses (not pinned by a flag) travels as 0 or "".
-_KNN_KEYS = (("k", "k", int), ("sigma", "sigma", float), ("normalize", "normalize", str),
-             ("lambda_estimator", "lambda-estimator", str), ("lambda_rule", "lambda-rule", str),
-             ("base", "base", str))
+_KNN_KEYS = (
+    ("k", "k", int),
+    ("sigma", "sigma", float),
+    ("normalize", "normalize", str),
+    ("lambda_estimator", "lambda-estimator", str),
+    ("lambda_rule", "lambda-rule", str),
+    ("base", "base", str),
+)
 
 
 def _knn_values(request: KNNRequest) -> dict[str, Any]:

@@ -61,8 +61,9 @@ class Replies(Generic[T]):
     silent: list[int]
 
 
-def read_replies(replies: Iterable[Message], sent: dict[int, int],
-                 read: Callable[[int, Message], T]) -> Replies[T]:
+def read_replies(
+    replies: Iterable[Message], sent: dict[int, int], read: Callable[[int, Message], T]
+) -> Replies[T]:
     """Every phase's reply check. `sent` maps each asked node to the id its reply is filed
     under (a client id; the node's own before clients are known); other replies are ignored.
     An error reply leaves its sender out with Flower's reason; `read` takes what a reply
@@ -91,11 +92,16 @@ def _checked_choices(method: str, chosen: Any) -> dict[str, Any]:
     if not isinstance(chosen, dict) or len(chosen) > MAX_CHOICES:
         raise ValueError(f"{method}'s choices are not at most {MAX_CHOICES} named values")
     for key, value in chosen.items():
-        if not (value is None or isinstance(value, bool | int)
-                or (isinstance(value, float) and math.isfinite(value))
-                or (isinstance(value, str) and len(value) <= MAX_NAME)):
-            raise ValueError(f"{method}'s choice {key!r} is {value!r:.40}, not a finite number, "
-                             "a flag or a short name")
+        if not (
+            value is None
+            or isinstance(value, bool | int)
+            or (isinstance(value, float) and math.isfinite(value))
+            or (isinstance(value, str) and len(value) <= MAX_NAME)
+        ):
+            raise ValueError(
+                f"{method}'s choice {key!r} is {value!r:.40}, not a finite number, "
+                "a flag or a short name"
+            )
     return chosen
 
 
@@ -104,9 +110,16 @@ class KnnperStrategy(Strategy):
     samples of every training client (n_m), `num_test` every client's test samples, as the
     server's partition says (a reply's counts weigh means, so they must be these)."""
 
-    def __init__(self, algorithm: FederatedAlgorithm, settings: FlowerSettings, spec: ModelSpec,
-                 node_of: dict[int, int], num_train: dict[int, int],
-                 unseen: dict[int, bool], num_test: dict[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        algorithm: FederatedAlgorithm,
+        settings: FlowerSettings,
+        spec: ModelSpec,
+        node_of: dict[int, int],
+        num_train: dict[int, int],
+        unseen: dict[int, bool],
+        num_test: dict[int, int] | None = None,
+    ) -> None:
         self.algorithm, self.settings, self.spec = algorithm, settings, spec
         self.node_of, self.num_train, self.unseen = node_of, num_train, unseen
         self.num_test = num_test
@@ -122,32 +135,60 @@ class KnnperStrategy(Strategy):
 
     def summary(self) -> None:
         training = self.settings.run.training
-        log.info("%s on %d training clients (%d SuperNodes), %d rounds, participation %g",
-                 self.algorithm.name, len(self.participants), len(self.node_of),
-                 training.rounds, training.participation)
+        log.info(
+            "%s on %d training clients (%d SuperNodes), %d rounds, participation %g",
+            self.algorithm.name,
+            len(self.participants),
+            len(self.node_of),
+            training.rounds,
+            training.participation,
+        )
 
-    def _message(self, node: int, kind: str, content: dict[str, Any], server_round: int
-                 ) -> Message:
-        return Message(RecordDict({**content, "model": self.spec.to_record()}), dst_node_id=node,
-                       message_type=kind, group_id=str(server_round))
+    def _message(self, node: int, kind: str, content: dict[str, Any], server_round: int) -> Message:
+        return Message(
+            RecordDict({**content, "model": self.spec.to_record()}),
+            dst_node_id=node,
+            message_type=kind,
+            group_id=str(server_round),
+        )
 
-    def configure_train(self, server_round: int, arrays, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         r = server_round - 1
         training, seed = self.settings.run.training, self.settings.run.seed
         self._global = to_weights(arrays)
         lr = training.lr_at(r, training.rounds)
-        picked = [self.participants[i] for i in sample_clients(seed, r, len(self.participants),
-                                                               training.participation)]
+        picked = [
+            self.participants[i]
+            for i in sample_clients(seed, r, len(self.participants), training.participation)
+        ]
         self._sampled = picked
         self._sent = {self.node_of[cid]: cid for cid in picked if cid not in self.lost}
-        self.round_info = {"lr": lr, "sampled": len(picked),
-                           "bytes_down": len(self._sent) * arrays.count_bytes()}
-        return [self._message(node, MessageType.TRAIN,
-                              {"arrays": arrays, "config": ConfigRecord(
-                                  {**config, "lr": lr, "seed": client_seed(seed, r, cid),
-                                   "round": server_round})}, server_round)
-                for node, cid in self._sent.items()]
+        self.round_info = {
+            "lr": lr,
+            "sampled": len(picked),
+            "bytes_down": len(self._sent) * arrays.count_bytes(),
+        }
+        return [
+            self._message(
+                node,
+                MessageType.TRAIN,
+                {
+                    "arrays": arrays,
+                    "config": ConfigRecord(
+                        {
+                            **config,
+                            "lr": lr,
+                            "seed": client_seed(seed, r, cid),
+                            "round": server_round,
+                        }
+                    ),
+                },
+                server_round,
+            )
+            for node, cid in self._sent.items()
+        ]
 
     def _train_result(self, cid: int, reply: Message) -> tuple[ClientResult, int, float]:
         """A reply checked before it is aggregated: weight shapes and the sample count (n_m
@@ -161,22 +202,26 @@ class KnnperStrategy(Strategy):
         bound = FLOAT32_MAX / max(1, self.total)
         for name, w in weights.items():
             if not np.all(np.abs(np.asarray(w, dtype=np.float64)) <= bound):
-                raise ValueError(f"its weights {name!r} are not finite or past {bound:.3g} "
-                                 "(averaging them would overflow)")
+                raise ValueError(
+                    f"its weights {name!r} are not finite or past {bound:.3g} "
+                    "(averaging them would overflow)"
+                )
         metrics = reply.content.metric_records["metrics"]
         reported = int(metrics["num-examples"])
         if reported != self.num_train[cid]:
-            raise ValueError(f"it reports {reported} training samples, the partition gives it "
-                             f"{self.num_train[cid]}")
+            raise ValueError(
+                f"it reports {reported} training samples, the partition gives it "
+                f"{self.num_train[cid]}"
+            )
         seconds = float(metrics.get("train-seconds", 0.0))
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"it reports {seconds} s of training")
         loss = float(metrics["train-loss"])
         if not (math.isfinite(loss) and loss >= 0):  # metrics.jsonl keeps it; resume reads it
             raise ValueError(f"it reports a training loss of {loss}")
-        result = ClientResult(weights, reported,
-                              from_config_record(reply.content.config_records["state"]),
-                              loss)
+        result = ClientResult(
+            weights, reported, from_config_record(reply.content.config_records["state"]), loss
+        )
         self.algorithm.check_result(self._global, cid, result)
         return result, arrays.count_bytes(), seconds
 
@@ -185,14 +230,17 @@ class KnnperStrategy(Strategy):
         skipped = sorted(set(self._sampled) - set(self._sent.values()))
         self.lost.update(got.silent, got.failed)
         needed = min(self.settings.min_train_clients or len(self._sampled), len(self._sampled))
-        problems = ([f"client {c}: {why}" for c, why in got.failed.items()]
-                    + [f"client {c}: no reply within {self.settings.round_timeout:g} s"
-                       for c in got.silent]
-                    + [f"client {c}: lost in an earlier round" for c in skipped])
+        problems = (
+            [f"client {c}: {why}" for c, why in got.failed.items()]
+            + [f"client {c}: no reply within {self.settings.round_timeout:g} s" for c in got.silent]
+            + [f"client {c}: lost in an earlier round" for c in skipped]
+        )
         if len(got.read) < needed:
-            raise FederationError(f"round {server_round}: {len(got.read)} of "
-                                  f"{len(self._sampled)} sampled clients answered, {needed} "
-                                  f"needed ({'; '.join(problems)})")
+            raise FederationError(
+                f"round {server_round}: {len(got.read)} of "
+                f"{len(self._sampled)} sampled clients answered, {needed} "
+                f"needed ({'; '.join(problems)})"
+            )
         for problem in problems:
             log.warning("round %d goes on without %s", server_round, problem)
         # the simulation's order: by client id
@@ -200,47 +248,81 @@ class KnnperStrategy(Strategy):
         bytes_up = sum(sent for _, sent, _ in got.read.values())
         train_seconds = [seconds for _, _, seconds in got.read.values()]
         seed, r = self.settings.run.seed, server_round - 1
-        new = self.algorithm.aggregate(self._global, ordered, self.total,
-                                       client_seed(seed, r, 0, AGGREGATE_STREAM))
-        loss = float(np.average([x.loss for x in ordered],
-                                weights=[x.num_samples for x in ordered]))
-        self.round_info.update(clients=len(ordered), train_loss=loss, bytes_up=bytes_up,
-                               train_seconds=round(sum(train_seconds), 3),
-                               train_seconds_max=round(max(train_seconds, default=0.0), 3))
+        new = self.algorithm.aggregate(
+            self._global, ordered, self.total, client_seed(seed, r, 0, AGGREGATE_STREAM)
+        )
+        loss = float(
+            np.average([x.loss for x in ordered], weights=[x.num_samples for x in ordered])
+        )
+        self.round_info.update(
+            clients=len(ordered),
+            train_loss=loss,
+            bytes_up=bytes_up,
+            train_seconds=round(sum(train_seconds), 3),
+            train_seconds_max=round(max(train_seconds, default=0.0), 3),
+        )
         return to_array_record(new), MetricRecord({"train-loss": loss, "clients": len(ordered)})
 
-    def configure_evaluate(self, server_round: int, arrays, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         """Every client still there, seen and unseen, personalizes and tests on its own node."""
-        self._sent = {node: cid for cid, node in sorted(self.node_of.items())
-                      if cid not in self.lost}
-        return [self._message(node, MessageType.EVALUATE, {"arrays": arrays, "config": (
-            ConfigRecord({**config, "unseen": self.unseen[cid]}))}, server_round)
-            for node, cid in self._sent.items()]
+        self._sent = {
+            node: cid for cid, node in sorted(self.node_of.items()) if cid not in self.lost
+        }
+        return [
+            self._message(
+                node,
+                MessageType.EVALUATE,
+                {
+                    "arrays": arrays,
+                    "config": (ConfigRecord({**config, "unseen": self.unseen[cid]})),
+                },
+                server_round,
+            )
+            for node, cid in self._sent.items()
+        ]
 
-    def configure_knn_phase(self, server_round: int, arrays, config: ConfigRecord,
-                            points: ConfigRecord) -> Iterable[Message]:
+    def configure_knn_phase(
+        self, server_round: int, arrays, config: ConfigRecord, points: ConfigRecord
+    ) -> Iterable[Message]:
         """Every seen client still there computes its share of a kNN-Per choice (a config
         "phase", under kNN-Per's grid `points`; only sums over its validation split come
         back)."""
-        self._sent = {node: cid for cid, node in sorted(self.node_of.items())
-                      if cid not in self.lost and not self.unseen[cid]}
-        return [self._message(node, MessageType.EVALUATE,
-                              {"arrays": arrays, "config": config, "points": points},
-                              server_round) for node in self._sent]
+        self._sent = {
+            node: cid
+            for cid, node in sorted(self.node_of.items())
+            if cid not in self.lost and not self.unseen[cid]
+        }
+        return [
+            self._message(
+                node,
+                MessageType.EVALUATE,
+                {"arrays": arrays, "config": config, "points": points},
+                server_round,
+            )
+            for node in self._sent
+        ]
 
-    def collect_knn_counts(self, replies: Iterable[Message], phase: str,
-                           shape: tuple[int, ...]) -> dict[int, np.ndarray]:
+    def collect_knn_counts(
+        self, replies: Iterable[Message], phase: str, shape: tuple[int, ...]
+    ) -> dict[int, np.ndarray]:
         """Each answering client's sums for `phase`, each of `shape`; a client that failed is
         left out (with a warning), as in the evaluation: the choice is pooled over those that
         answered."""
-        got = read_replies(replies, self._sent, lambda cid, reply: read_counts(
-            reply.content.array_records["counts"], phase, shape))
+        got = read_replies(
+            replies,
+            self._sent,
+            lambda cid, reply: read_counts(reply.content.array_records["counts"], phase, shape),
+        )
         for cid, why in got.failed.items():
             log.warning("kNN-Per choice without client %d: %s", cid, why)
         for cid in got.silent:
-            log.warning("kNN-Per choice without client %d: no reply within %g s", cid,
-                        self.settings.round_timeout)
+            log.warning(
+                "kNN-Per choice without client %d: no reply within %g s",
+                cid,
+                self.settings.round_timeout,
+            )
         return got.read
 
     def _evaluation_rows(self, cid: int, reply: Message) -> dict[str, dict[str, Any]]:
@@ -253,8 +335,9 @@ class KnnperStrategy(Strategy):
         if not isinstance(n_test, int) or n_test < 0:
             raise ValueError(f"it reports {n_test!r:.40} test samples")
         if self.num_test is not None and n_test != self.num_test[cid]:
-            raise ValueError(f"it reports {n_test} test samples, the partition gives it "
-                             f"{self.num_test[cid]}")
+            raise ValueError(
+                f"it reports {n_test} test samples, the partition gives it {self.num_test[cid]}"
+            )
         methods = list(dict.fromkeys(self.settings.eval_methods))
         unasked = sorted(set(chosen) - set(methods))
         if unasked:
@@ -262,12 +345,17 @@ class KnnperStrategy(Strategy):
         rows = {}
         for method in methods:
             accuracy = metrics.get(f"{method}-accuracy")
-            if accuracy is not None and not (isinstance(accuracy, float)
-                                             and 0.0 <= accuracy <= 1.0):
+            if accuracy is not None and not (
+                isinstance(accuracy, float) and 0.0 <= accuracy <= 1.0
+            ):
                 raise ValueError(f"its {method} accuracy {accuracy!r:.40} is not in [0, 1]")
-            rows[method] = {"client_id": cid, "unseen": self.unseen[cid], "n_test": n_test,
-                            "accuracy": accuracy,
-                            "info": _checked_choices(method, chosen.get(method, {}))}
+            rows[method] = {
+                "client_id": cid,
+                "unseen": self.unseen[cid],
+                "n_test": n_test,
+                "accuracy": accuracy,
+                "info": _checked_choices(method, chosen.get(method, {})),
+            }
         return rows
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord:
@@ -280,8 +368,11 @@ class KnnperStrategy(Strategy):
                 per_method.setdefault(method, []).append(row)
         missing = sorted(set(self.node_of) - set(got.read))
         if missing:
-            log.warning("evaluation without clients %s (%s)", missing,
-                        "; ".join(f"client {c}: {why}" for c, why in got.failed.items()))
+            log.warning(
+                "evaluation without clients %s (%s)",
+                missing,
+                "; ".join(f"client {c}: {why}" for c, why in got.failed.items()),
+            )
         self.evaluation = merge_results(per_method)
         self.evaluation["missing_clients"] = missing
         summary = {}

@@ -6,8 +6,20 @@ import argparse
 
 from knnper_cli.bench import add_bench_command
 
-TINY = ["--dataset", "digits", "--clients", "8", "--rounds", "2", "--local-epochs", "1",
-        "--batch-size", "16", "--lr", "0.05"]
+TINY = [
+    "--dataset",
+    "digits",
+    "--clients",
+    "8",
+    "--rounds",
+    "2",
+    "--local-epochs",
+    "1",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+]
 
 
 def bench(*argv: str) -> int:

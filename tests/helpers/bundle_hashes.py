@@ -14,8 +14,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-TRAIN = ["--dataset", "digits", "--clients", "6", "--rounds", "2", "--local-epochs", "1",
-         "--batch-size", "16", "--lr", "0.05", "--seed", "0", "--device", "cpu"]
+TRAIN = [
+    "--dataset",
+    "digits",
+    "--clients",
+    "6",
+    "--rounds",
+    "2",
+    "--local-epochs",
+    "1",
+    "--batch-size",
+    "16",
+    "--lr",
+    "0.05",
+    "--seed",
+    "0",
+    "--device",
+    "cpu",
+]
 # (name, flags): a budget in bytes over the encoder decides the key precision of a flat store.
 EXPORTS = [
     ("flat-fp32", ["--backend", "flat", "--budget", "4MB", "--quantize", "fp32"]),
@@ -31,19 +47,26 @@ COMMON = ["--clients", "0,1,5", "--knn-config", "paper", "--seed", "0"]
 
 
 def _knnper(*argv: str) -> None:
-    subprocess.run([sys.executable, "-m", "knnper_cli.main", "--no-progress", *argv],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "knnper_cli.main", "--no-progress", *argv],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def file_hashes(root: Path) -> dict[str, str]:
     """sha256 per file; an append-only journal's lines sorted first (parallel workers finish
     clients in any order)."""
+
     def content(path: Path) -> bytes:
         data = path.read_bytes()
         return b"".join(sorted(data.splitlines(True))) if path.suffix == ".jsonl" else data
 
-    return {str(p.relative_to(root)): hashlib.sha256(content(p)).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(content(p)).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def main(work: Path, out: Path) -> None:

@@ -17,8 +17,9 @@ class NearestCentroid(FedAvg):
     title = "FedAvg + class means"
     trained_by = "fedavg"  # personalizes FedAvg's run instead of training its own
 
-    def personalize(self, global_weights: Weights, client: ClientData, state: dict[str, Any],
-                    seed: int) -> PersonalModel:
+    def personalize(
+        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+    ) -> PersonalModel:
         model = self.global_model(global_weights)
         z, _ = embed_and_logits(model, client.x_train)
         y = client.y_train.cpu().numpy()

@@ -19,8 +19,12 @@ def cmd_classes(args) -> int:
     return 0
 
 
-register_command(command(
-    "classes", cmd_classes, bundle_argument,
-    help="how many samples of each class the bundle's datastore stores",
-    epilog=examples("knnper-edge classes bundles/500k/client_0003"),
-))
+register_command(
+    command(
+        "classes",
+        cmd_classes,
+        bundle_argument,
+        help="how many samples of each class the bundle's datastore stores",
+        epilog=examples("knnper-edge classes bundles/500k/client_0003"),
+    )
+)

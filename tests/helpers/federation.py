@@ -33,8 +33,13 @@ def _blobs(n: int, rng: np.random.Generator, label_map: np.ndarray) -> tuple[tor
     return torch.tensor(x, dtype=torch.float32), torch.tensor(label_map[y], dtype=torch.int64)
 
 
-def make_clients(count: int = 6, swapped: tuple[int, ...] = (), unseen: tuple[int, ...] = (),
-                 n_train: int = 96, seed: int = 0) -> list[ClientData]:
+def make_clients(
+    count: int = 6,
+    swapped: tuple[int, ...] = (),
+    unseen: tuple[int, ...] = (),
+    n_train: int = 96,
+    seed: int = 0,
+) -> list[ClientData]:
     """Clients sharing one input distribution; those in `swapped` see classes 0<->1, 2<->3."""
     rng = np.random.default_rng(seed)
     clients = []

@@ -28,32 +28,47 @@ class ProjectionDatastore(SampleDatastore):
     FILES = ("datastore.npz",)
     FILES_RULE = "a randproj datastore is one .npz file"
     NPZ_ARRAYS = ("keys", "labels", "order", "projection")
-    RECIPE_TOKENS = ((re.compile(r"d(\d+)"), "d", int), (re.compile(r"n(\d+)"), "n", int),
-                     (re.compile(r"x(\d+)"), "inputs", int))
+    RECIPE_TOKENS = (
+        (re.compile(r"d(\d+)"), "d", int),
+        (re.compile(r"n(\d+)"), "n", int),
+        (re.compile(r"x(\d+)"), "inputs", int),
+    )
     RECIPE_HELP = "d<projected dim>, n<count> and x<input bytes>"
     RECIPE_FORMAT = (("d", "d{}"), ("n", "n{}"), ("inputs", "x{}"))
     DESCRIPTION = "randomly projected keys (exact search)"
-    PARAM_WORDS = {"d": "d{0}: keys projected to {0} dimensions",
-                   "n": "n{0}: holds at most {0} samples",
-                   "inputs": "x{0}: keeps each sample's raw input ({0} bytes)"}
+    PARAM_WORDS = {
+        "d": "d{0}: keys projected to {0} dimensions",
+        "n": "n{0}: holds at most {0} samples",
+        "inputs": "x{0}: keeps each sample's raw input ({0} bytes)",
+    }
     EXACT_SEARCH = True
     SEARCH_AXES = {"d": (8,)}
 
-    def __init__(self, num_classes: int, *, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA,
-                 d: int = 8, n: int | None = None, inputs: int | None = None,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        k: int = DEFAULT_K,
+        sigma: float = DEFAULT_SIGMA,
+        d: int = 8,
+        n: int | None = None,
+        inputs: int | None = None,
+        seed: int = 0,
+    ) -> None:
         self._init_params(locals())
 
     def _store(self, z: np.ndarray, y: np.ndarray) -> None:
         self.embedding_dim_ = int(z.shape[1])
         rng = np.random.default_rng(self.seed)
         self.projection_ = (rng.normal(size=(z.shape[1], self.d)) / np.sqrt(self.d)).astype(
-            np.float32)
+            np.float32
+        )
         self.keys_, self.labels_ = z @ self.projection_, y
         self.order_ = np.arange(len(y), dtype=np.int64)
 
-    def add(self, z: np.ndarray, y: np.ndarray,
-            inputs: np.ndarray | None = None) -> ProjectionDatastore:
+    def add(
+        self, z: np.ndarray, y: np.ndarray, inputs: np.ndarray | None = None
+    ) -> ProjectionDatastore:
         self._append_inputs(inputs, z.shape[0])
         z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
         start = int(self.order_[-1]) + 1 if len(self.order_) else 0
@@ -63,8 +78,9 @@ class ProjectionDatastore(SampleDatastore):
         return self
 
     def _drop_oldest(self, count: int) -> None:
-        self.keys_, self.labels_, self.order_ = (a[count:] for a in
-                                                 (self.keys_, self.labels_, self.order_))
+        self.keys_, self.labels_, self.order_ = (
+            a[count:] for a in (self.keys_, self.labels_, self.order_)
+        )
 
     def keys(self) -> np.ndarray:
         return self.keys_.copy()
@@ -75,7 +91,7 @@ class ProjectionDatastore(SampleDatastore):
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         q = np.asarray(z, dtype=np.float32) @ self.projection_
         sq = ((q[:, None, :] - self.keys_[None]) ** 2).sum(-1)
-        rows = np.argsort(sq, axis=1, kind="stable")[:, :self.k]
+        rows = np.argsort(sq, axis=1, kind="stable")[:, : self.k]
         return np.take_along_axis(sq, rows, axis=1), rows
 
     def __len__(self) -> int:
@@ -84,27 +100,42 @@ class ProjectionDatastore(SampleDatastore):
     def estimate_nbytes(self, n_samples: int, dim: int) -> int:
         """The memory model: projected keys, labels, stamps and the projection, plus npz
         overhead (an upper bound)."""
-        return (n_samples * (4 * self.d + 16) + 4 * dim * self.d + 4096
-                + self.inputs_nbytes(n_samples))
+        return (
+            n_samples * (4 * self.d + 16) + 4 * dim * self.d + 4096 + self.inputs_nbytes(n_samples)
+        )
 
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         name = datastore_file_name("datastore", "npz", generation)
-        save_npz_atomic(Path(directory) / name, {
-            "keys": self.keys_, "labels": self.labels_, "order": self.order_,
-            "projection": self.projection_, **self.extra_arrays()})
+        save_npz_atomic(
+            Path(directory) / name,
+            {
+                "keys": self.keys_,
+                "labels": self.labels_,
+                "order": self.order_,
+                "projection": self.projection_,
+                **self.extra_arrays(),
+            },
+        )
         return [name]
 
     def _restore(self, saved: SavedFiles, embedding_dim: int | None) -> ProjectionDatastore:
         keys, projection = saved.arrays["keys"], saved.arrays["projection"]
-        if (projection.dtype != np.float32 or projection.ndim != 2
-                or projection.shape[1] != self.d or keys.dtype != np.float32
-                or keys.ndim != 2 or keys.shape[1] != self.d or len(keys) < 1):
+        if (
+            projection.dtype != np.float32
+            or projection.ndim != 2
+            or projection.shape[1] != self.d
+            or keys.dtype != np.float32
+            or keys.ndim != 2
+            or keys.shape[1] != self.d
+            or len(keys) < 1
+        ):
             raise ValueError(f"{saved.npz}: keys and projection must be float32 of width {self.d}")
         if embedding_dim is not None and projection.shape[0] != embedding_dim:
             raise ValueError(f"{saved.npz}: projection expects dimension {projection.shape[0]}")
         self.embedding_dim_ = int(projection.shape[0])
         self.projection_, self.keys_ = projection, keys
-        self.labels_ = _check_labels_array(saved.arrays["labels"], len(keys), self.num_classes,
-                                           saved.npz)
+        self.labels_ = _check_labels_array(
+            saved.arrays["labels"], len(keys), self.num_classes, saved.npz
+        )
         self.order_ = saved.arrays["order"].astype(np.int64)
         return self
