@@ -204,13 +204,27 @@ def read_bundle(
     with_predictor: bool = False,
 ) -> Bundle:
     """Read and verify a bundle: schema, version, footprint and budget, sha256s, the
-    signature when `trusted_keys` (Ed25519 public keys, see `signing`) are given, the
-    datastore's arrays, and the encoder's output sizes (one probe inference on a zero input).
-    `with_predictor`: also build the one-session predictor (`predictor`) where the datastore
-    has one, from the same verified encoder bytes.
+    signature when `trusted_keys` are given, the datastore's arrays, and the encoder's output
+    sizes (one probe inference on a zero input).
 
     Reads under a shared lock, so a concurrent update is seen whole or not at all. The only
     write: datastore files no manifest lists (left by a writer that died) are removed.
+
+    Parameters
+    ----------
+    bundle_dir : the bundle's folder (manifest.json, encoder.onnx, the datastore's files).
+    intra_op_threads : onnxruntime's intra-op threads for the encoder session; None lets
+        onnxruntime choose.
+    trusted_keys : Ed25519 public keys (see `signing`); when given, the manifest must carry a
+        valid signature by one of them. None skips the signature check.
+    lock_timeout : seconds to wait for the shared lock while a writer holds the bundle
+        (BundleBusy after it).
+    with_predictor : also build the one-session predictor (`Bundle.predictor`) where the
+        datastore has one, from the same verified encoder bytes.
+
+    Returns
+    -------
+    Bundle : the verified manifest, encoder session, datastore and optional predictor.
     """
     bundle_dir = Path(bundle_dir)
     where = f"bundle {bundle_dir}"
@@ -445,17 +459,27 @@ def write_bundle(
 ) -> dict:
     """Write a verified bundle to `out_dir` atomically and return its manifest.
 
-    `manifest_fields`: see `build_manifest` (client_id, input, lambda, budget_bytes required;
-    update_strategy optional; num_classes, embedding_dim, k, sigma checked against the datastore;
-    format, version, backend, footprint, files are computed). `encoder`: ONNX bytes or a path.
-    `datastore`: a fitted FlatDatastore / HNSWDatastore / ProtoNNDatastore.
-
     Everything is written into a temporary sibling directory, fsynced, hashed, checked against
     the budget and verified as `read_bundle` would, then renamed into place. An existing bundle
-    at `out_dir` is replaced (unless replace=False) by two renames, old aside then new in, so
-    the window without a bundle is two system calls; any other existing non-empty directory is
-    refused. On any error nothing is left behind and BundleError says why. `signing_key`: an
-    Ed25519 private key (`signing.load_private_key`) to sign the manifest with.
+    at `out_dir` is replaced by two renames, old aside then new in, so the window without a
+    bundle is two system calls; any other existing non-empty directory is refused. On any
+    error nothing is left behind and BundleError (BudgetExceeded when over budget) says why.
+
+    Parameters
+    ----------
+    out_dir : the bundle's folder; its parent must exist.
+    manifest_fields : see `build_manifest`: client_id, input, lambda, budget_bytes (bytes)
+        required; update_strategy optional; num_classes, embedding_dim, k, sigma checked
+        against the datastore; format, version, backend, footprint, files are computed.
+    encoder : the ONNX encoder, as bytes or a path to read.
+    datastore : a fitted FlatDatastore / HNSWDatastore / ProtoNNDatastore.
+    replace : replace a bundle already at `out_dir` (default); False refuses to.
+    signing_key : an Ed25519 private key (`signing.load_private_key`) to sign the manifest
+        with; None writes an unsigned bundle.
+
+    Returns
+    -------
+    dict : the manifest as written (with footprint and files filled in).
     """
     out_dir = Path(out_dir)
     try:

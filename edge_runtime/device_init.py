@@ -76,16 +76,37 @@ def init_bundle(
     keep_inputs: bool = False,
 ) -> InitReport:
     """Build and write a bundle for a new device (see the module docstring for the choice).
+    Raises BundleError when even the encoder (or the encoder plus one stored sample) exceeds
+    the budget.
 
-    `recipes`: candidate recipe strings (flat or hnsw; protonn needs server-side training).
-    Ones without n<count> get the budget's maximum and its halves; ones with n are tried as
-    given if they fit. client_id -1 marks a device that never trained. `lambda_rule`: how lambda
-    is chosen from the validation split (a device on its own has no pooled evidence: its own
-    split, the paper's rule; one given a server's pooled rule chooses as the server does).
-    `keep_inputs`: the bundle also keeps every sample's raw input (counted in its budget), so
-    that `knnper-edge upgrade` re-embeds them exactly when the model changes.
-    Raises BundleError when
-    even the encoder (or the encoder plus one stored sample) exceeds the budget.
+    Parameters
+    ----------
+    encoder_path : the ONNX encoder (a server's export, e.g. its encoder.onnx).
+    x, y : the device's labelled samples (inputs as `input_spec` describes, integer labels).
+    budget_bytes : the device's total budget in bytes, encoder included.
+    out_dir : the bundle's folder (written atomically, as `write_bundle`).
+    input_spec : the encoder's input description (`preprocess.validate_spec`; a bundle's
+        manifest "input").
+    k, sigma : the kNN head's neighbours and kernel scale.
+    recipes : candidate recipe strings (flat or hnsw; protonn needs server-side training);
+        ones without n<count> get the budget's maximum and its halves, ones with n are tried
+        as given if they fit. None: flat fp32, fp16 and int8.
+    val_fraction : share of the samples held out (seeded) to choose the recipe and lambda,
+        in [0, 1).
+    seed : the seed of that split.
+    client_id : the manifest's client id; -1 marks a device that never trained.
+    update_strategy : the manifest's default for `Runtime.add`: "fifo", "concatenate" or
+        "fixed".
+    intra_op_threads : onnxruntime's intra-op threads for the encoder; None lets it choose.
+    lambda_rule : how lambda is chosen from the validation split (a device on its own has no
+        pooled evidence: its own split, the paper's rule; one given a server's pooled rule
+        chooses as the server does).
+    keep_inputs : the bundle also keeps every sample's raw input (counted in its budget), so
+        that `knnper-edge upgrade` re-embeds them exactly when the model changes.
+
+    Returns
+    -------
+    InitReport : the recipe chosen, lambda, and the candidates' validation scores.
     """
     try:
         validate_spec(input_spec)

@@ -76,9 +76,20 @@ def write_portable(
     runtime: Runtime, out: str | os.PathLike, *, keys_as_inputs: bool = False
 ) -> list[Path]:
     """Build a loaded bundle's predictor, check it with onnx's checker and write it to `out`
-    atomically; with keys_as_inputs also <out>.keys.f32 ([n, q] float32) and
-    <out>.labels.i64 ([n] int64), the bundle's current keys and labels, and <out>.app.json
-    (`app_contract`). Returns the paths written."""
+    atomically.
+
+    Parameters
+    ----------
+    runtime : a loaded bundle (`Runtime.load`) whose encoder and datastore the predictor holds.
+    out : the .onnx file to write; it may not lie inside the bundle.
+    keys_as_inputs : the keys and labels become the model's inputs instead of constants, and
+        are written beside it: <out>.keys.f32 ([n, q] float32), <out>.labels.i64 ([n] int64)
+        and <out>.app.json (`app_contract`), so an app keeps learning in any language.
+
+    Returns
+    -------
+    list of Path : the files written, `out` first.
+    """
     import onnx
 
     if Path(out).suffix != ".onnx":

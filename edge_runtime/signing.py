@@ -53,8 +53,18 @@ def _crypto():
 
 
 def generate_key_pair(private_path: str | os.PathLike, public_path: str | os.PathLike) -> str:
-    """Write a new Ed25519 private key (PEM, PKCS8, mode 0600) and its public key (PEM);
-    returns the public key's fingerprint. Refuses to overwrite either file."""
+    """Write a new Ed25519 private key (PEM, PKCS8, mode 0600) and its public key (PEM).
+    Refuses to overwrite either file (SignatureError).
+
+    Parameters
+    ----------
+    private_path : where the private key goes (its folder is made with mode 0700).
+    public_path : where the public key goes (devices' trusted keys).
+
+    Returns
+    -------
+    str : the public key's fingerprint.
+    """
     ed25519, serialization, _ = _crypto()
     key = ed25519.Ed25519PrivateKey.generate()
     private_pem = key.private_bytes(

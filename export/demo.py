@@ -76,7 +76,25 @@ def run_demo(
 ) -> tuple[list[dict[str, Any]], KNNChoice]:
     """Train, evaluate, export for each device class, evaluate the bundles: the table's rows
     and kNN-Per's configuration, chosen once on validation and run by the server and every
-    bundle alike."""
+    bundle alike.
+
+    Parameters
+    ----------
+    out : the demo's folder: the run, evaluation.json and one bundles-<device> folder per
+        device class.
+    size : clients, rounds and local epochs (`DemoSize`); None is the documented demo.
+    seed : the run's and the export's seed.
+    progress : a bar on a terminal, a line every 30 s in a log.
+    workers : processes that export bundles in parallel.
+    knn : kNN-Per's setting and any values pinned (`KNNRequest`); None tunes it on
+        validation.
+
+    Returns
+    -------
+    rows : one dict per table row (the server's FedAvg, Local and kNN-Per, then each device
+        class's bundles).
+    choice : kNN-Per's configuration (`KNNChoice`) the server and bundles ran.
+    """
     size = size or DemoSize()
     out = Path(out)
     train(demo_config(size, seed), out, progress=progress)

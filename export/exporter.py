@@ -214,8 +214,22 @@ def build_encoder(
 ) -> EncoderFiles:
     """Export fp32 ONNX into `directory` (checked against torch), then quantize to int8 when
     asked. Calibration uses a seeded sample of the training clients' train splits: server-side
-    data, never a test split, never an unseen client's data. `clients`: run.clients(), when
-    the caller has them already (preparing them costs a pass over the data set)."""
+    data, never a test split, never an unseen client's data.
+
+    Parameters
+    ----------
+    run : the finished run (`load_run`) whose global model is exported.
+    directory : an existing folder for the fp32 and the device encoder's .onnx files.
+    settings : `ExportSettings`: its quantize ("int8" or "fp32"), calibration_samples, seed and
+        kNN-Per's normalization are read here.
+    clients : run.clients(), when the caller has them already (preparing them costs a pass
+        over the data set); None prepares them.
+
+    Returns
+    -------
+    EncoderFiles : both files' paths and sizes (bytes) and their measured differences (fp32
+        against torch, int8 against fp32).
+    """
     clients = run.clients() if clients is None else clients
     calibration = calibration_inputs(clients, settings.calibration_samples, settings.seed)
     fp32_path, path = directory / FP32_ENCODER_FILE, directory / ENCODER_FILE

@@ -42,7 +42,17 @@ MAX_BUDGET_FILE_BYTES = 16 << 20  # a line per client
 def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, Budget]:
     """Budgets from a JSON file {"<client id>": bytes, ...}. Every requested client must have one;
     entries for other clients are ignored only if they name real clients of the run, so that a
-    typo never silently gives a device the wrong budget."""
+    typo never silently gives a device the wrong budget.
+
+    Parameters
+    ----------
+    path : the JSON file (size bounded; BudgetInvalid says what is wrong with it).
+    client_ids : the clients that need a budget.
+
+    Returns
+    -------
+    dict : client id to its `Budget`, in the order of `client_ids`.
+    """
     path = Path(path)
     ids = _check_clients(client_ids)
     try:
@@ -74,7 +84,17 @@ def load_budgets(path: str | Path, client_ids: Sequence[int]) -> dict[int, Budge
 
 
 def uniform_budgets(client_ids: Sequence[int], budget: int) -> dict[int, Budget]:
-    """The same budget of `budget` bytes for every client."""
+    """The same budget of `budget` bytes for every client.
+
+    Parameters
+    ----------
+    client_ids : the clients to give a budget to (distinct ids).
+    budget : each device's total budget in bytes, encoder included (a positive integer).
+
+    Returns
+    -------
+    dict : client id to its `Budget`.
+    """
     value = Budget(_check_bytes(budget, "--budget"))
     return dict.fromkeys(_check_clients(client_ids), value)
 
@@ -84,7 +104,19 @@ def weak_strong_budgets(
 ) -> dict[int, Budget]:
     """The paper's system heterogeneity: a seeded half of the clients ("weak") get
     (1/2 - delta_c) x reference and the others ("strong") (1/2 + delta_c) x reference.
-    With an odd number of clients the extra one is strong."""
+    With an odd number of clients the extra one is strong.
+
+    Parameters
+    ----------
+    client_ids : the clients to give a budget to (distinct ids).
+    reference : the reference budget in bytes (the paper's C).
+    delta_c : the paper's delta_C, in [0, 0.5): 0 gives every client half the reference.
+    seed : chooses which half is weak.
+
+    Returns
+    -------
+    dict : client id to its `Budget`.
+    """
     ids = _check_clients(client_ids)
     reference = _check_bytes(reference, "--reference")
     if not isinstance(delta_c, (int, float)) or not 0 <= delta_c < 0.5:
@@ -109,7 +141,20 @@ def lognormal_budgets(
     client_ids: Sequence[int], reference: int, sigma: float = 0.5, seed: int = 0
 ) -> dict[int, Budget]:
     """Budgets spread log-normally around `reference` (its median): reference x exp(sigma x N(0,1)).
-    Device memory in the wild spans orders of magnitude; this models that spread."""
+    Device memory in the wild spans orders of magnitude; this models that spread.
+
+    Parameters
+    ----------
+    client_ids : the clients to give a budget to (distinct ids).
+    reference : the median budget in bytes.
+    sigma : the spread, the standard deviation of the budgets' natural logarithm (>= 0;
+        0 gives every client `reference`).
+    seed : the draws' seed.
+
+    Returns
+    -------
+    dict : client id to its `Budget` (at least 1 byte).
+    """
     ids = _check_clients(client_ids)
     reference = _check_bytes(reference, "--reference")
     if not isinstance(sigma, (int, float)) or not math.isfinite(sigma) or sigma < 0:

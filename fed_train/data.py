@@ -858,11 +858,24 @@ def load_dataset(
     seed: int = 0,
     **options: Any,
 ) -> Dataset:
-    """Load data set `name` (a key of DATASETS) from `path` (or its default location).
+    """Load data set `name` from `path` (or its default location).
 
-    `exclude_train` removes these training-set indices (a server's pretraining split, which no
-    client may see) before `max_train` keeps a stratified, seeded subsample of the rest (for
-    quick runs); `options` go to the loader (e.g. shakespeare's max_windows_per_role).
+    Parameters
+    ----------
+    name : a key of DATASETS ("digits", "fashion-mnist", "mnist", "npz", "cifar10",
+        "cifar100", "femnist", "shakespeare").
+    path : the data's file or folder; None uses the data set's default location (digits
+        ships with scikit-learn).
+    max_train : keep a stratified, seeded subsample of this many training samples (for quick
+        runs); None keeps all.
+    exclude_train : training-set indices removed first (a server's pretraining split, which
+        no client may see).
+    seed : seeds the subsample (and any loader's own draws).
+    **options : go to the loader (e.g. shakespeare's max_windows_per_role).
+
+    Returns
+    -------
+    Dataset : train and test arrays, the number of classes and the input spec.
     """
     loader = DATASETS.get(name)
     if loader is None:

@@ -200,6 +200,15 @@ def default_model(input_spec: dict) -> str:
 
 
 def build_model(name: str, num_classes: int, input_spec: dict) -> EmbedHeadModel:
+    """An untrained embedding + linear-head model.
+
+    Parameters
+    ----------
+    name : a key of MODELS ("small-cnn", "mobilenet-v2", "mobilenet-v2-gn", "char-lstm";
+        char-lstm takes token inputs, the others images).
+    num_classes : the head's outputs.
+    input_spec : the data set's input description (`Dataset.input_spec`).
+    """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     kind = input_spec["kind"]

@@ -425,10 +425,29 @@ def make_partition(
     unseen_fraction: float = 0.2,
     seed: int = 0,
 ) -> Partition:
-    """Split `dataset` among `num_clients` clients with `scheme` (a key of SCHEMES).
+    """Split `dataset` among `num_clients` clients with `scheme`.
 
     Every client gets train/val indices into x_train and test indices into x_test; a seeded
     floor(unseen_fraction * M) of them are flagged unseen. The result depends only on `seed`.
+
+    Parameters
+    ----------
+    dataset : the data set to split (`load_dataset`).
+    scheme : a key of SCHEMES: "dirichlet", "pachinko" (CIFAR-100's coarse labels),
+        "pathological" or "natural" (one client per writer or speaking role).
+    num_clients : M, the number of clients.
+    alpha : the Dirichlet concentration (dirichlet; pachinko's coarse level): smaller is more
+        heterogeneous.
+    beta : pachinko's Dirichlet concentration over each coarse label's fine labels.
+    classes_per_client : pathological: the distinct classes each client holds.
+    val_fraction : share of each client's training samples held out for validation, in
+        [0, 1).
+    unseen_fraction : share of clients held out of training (evaluated as new clients).
+    seed : the only source of randomness.
+
+    Returns
+    -------
+    Partition : each client's split and the unseen flags.
     """
     split = SCHEMES.get(scheme)
     if split is None:

@@ -350,9 +350,29 @@ def simulate(
     progress: bool = True,
     client_batch: int = 1,
 ) -> SimulationResult:
-    """Run `training.rounds` rounds over the clients that are not held out as unseen.
-    `keep_every`: see save_checkpoint. `client_batch`: up to this many sampled clients step
-    together (fed_train.algorithms.stepping) when the algorithm and model allow it."""
+    """Run `training.rounds` rounds over the clients that are not held out as unseen,
+    resuming from `run_dir`'s last checkpoint when it has one.
+
+    Parameters
+    ----------
+    algorithm : the federated algorithm (`build_algorithm`).
+    clients : every client's data (`ClientData`); unseen ones are skipped.
+    training : rounds, participation, learning rate and its schedule (`TrainingConfig`).
+    initial_weights : the server's weights before round 1.
+    seed : seeds client sampling, local steps and aggregation; a rerun with the same seed
+        repeats the run.
+    run_dir : where metrics.jsonl and checkpoints/ go; None keeps everything in memory.
+    checkpoint_every : rounds between checkpoints (the last round is always saved).
+    keep_every : checkpoints of every keep_every-th round are kept beside the newest two
+        (see save_checkpoint); None keeps only the newest two.
+    progress : a bar on a terminal, a line every 30 s in a log.
+    client_batch : up to this many sampled clients step together
+        (fed_train.algorithms.stepping) when the algorithm and model allow it.
+
+    Returns
+    -------
+    SimulationResult : the final weights, each client's state and the rounds done.
+    """
     participants = [c for c in clients if not c.unseen]
     if not participants:
         raise ValueError("no training clients: every client is held out as unseen")

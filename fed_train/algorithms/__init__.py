@@ -42,6 +42,15 @@ def federated_methods() -> list[str]:
 def build_algorithm(
     name: str, model_fn: ModelFactory, training: TrainingConfig, **hyper: Any
 ) -> Algorithm:
+    """The federated algorithm registered under `name`, ready for `simulate`.
+
+    Parameters
+    ----------
+    name : a key of ALGORITHMS ("fedavg", "local", "fedavg+", "ditto", "apfl", ...).
+    model_fn : builds a fresh, untrained model (each client's and the server's copy).
+    training : rounds, participation, local steps and the optimizer (`TrainingConfig`).
+    **hyper : the algorithm's own hyper-parameters (its class's keyword arguments).
+    """
     if name not in ALGORITHMS:
         raise ValueError(f"unknown method {name!r}; known: {', '.join(ALGORITHMS)}")
     return ALGORITHMS[name](model_fn, training, **hyper)
