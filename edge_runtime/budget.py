@@ -14,8 +14,14 @@ from .values import is_integer
 
 @dataclass(frozen=True)
 class Budget:
-    """`total` bytes for the encoder and the datastore together, `encoder` of them the
-    encoder's (a client's own encoder, with the linear base); None until it is known."""
+    """A device's memory for one bundle, in bytes; `room` is what the datastore may take.
+
+    Parameters
+    ----------
+    total : bytes for the encoder and the datastore together (a positive integer).
+    encoder : bytes of them the encoder's file takes (a client's own encoder, with the linear
+        base); None until it is known (`with_encoder`).
+    """
 
     total: int
     encoder: int | None = None

@@ -503,7 +503,15 @@ def leave_one_out_search(keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
 
 class KNNHead:
     """Exact kNN posterior over a float32 datastore, scikit-learn style: fit(z, y),
-    predict_proba(z)."""
+    predict_proba(z).
+
+    Parameters
+    ----------
+    num_classes : the number of classes the labels range over (the posterior's columns).
+    k : the neighbours each query's posterior is taken over.
+    sigma : the kernel's scale: a neighbour at squared distance d^2 weighs
+        exp(-d^2 / (p * sigma)), p the embedding's dimension (`kernel_posterior`).
+    """
 
     def __init__(self, num_classes: int, k: int = DEFAULT_K, sigma: float = DEFAULT_SIGMA) -> None:
         self.num_classes = num_classes

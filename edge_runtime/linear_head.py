@@ -35,7 +35,16 @@ class LinearHead:
 
     Classes absent from the training labels get a zero weight column and an intercept low enough
     that on every training sample each has probability at most 1 / (n + 1): small, finite (the
-    unpenalised optimum would be -inf), and below the likeliest seen class there."""
+    unpenalised optimum would be -inf), and below the likeliest seen class there.
+
+    Parameters
+    ----------
+    num_classes : the number of classes the labels range over (the output's columns).
+    l2 : the ridge penalty on the weights, l2 / 2 * ||coef||^2 added to the mean cross-entropy
+        (on standardized embeddings; > 0).
+    max_iter : L-BFGS iterations at most.
+    tol : stop once the largest gradient entry is below it.
+    """
 
     def __init__(
         self, num_classes: int, l2: float = DEFAULT_L2, max_iter: int = 500, tol: float = 1e-5

@@ -134,9 +134,19 @@ class PersonalHead:
     validation sums lambda was chosen from) and `val_accuracy_` / `val_nll_` at `lambda_`
     (None without a validation split).
 
-    `normalize` is applied to every embedding the head sees (keys and queries alike); `l2`
-    (None: no linear head) fits a linear head on the normalised train embeddings as the base;
-    `rule` and `estimator` say how lambda comes from the validation split (edge_runtime.knn)."""
+    Parameters
+    ----------
+    num_classes : the number of classes the labels range over.
+    k, sigma : the kNN part's neighbours and kernel scale (`KNNHead`).
+    normalize : "none" or "l2", applied to every embedding the head sees (keys and queries
+        alike).
+    l2 : fits a `LinearHead` with this penalty on the normalised train embeddings as the
+        base; None: no linear head, the base is the global model's output the caller passes.
+    rule : how lambda comes from the validation evidence (`LambdaRule`: the client's own, pooled
+        or shrunk towards the pool).
+    estimator : "val" (the validation split) or "loo+val" (leave-one-out on the train split
+        as well).
+    """
 
     def __init__(
         self,

@@ -80,7 +80,26 @@ DEVICE_EXTRAS = ("any", "none")  # --device-extras: "none" tries only what the r
 
 @dataclass
 class ExportSettings:
-    """How bundles are made; everything else comes from the run."""
+    """How bundles are made; everything else comes from the run.
+
+    Parameters
+    ----------
+    quantize : the shipped encoder's weights: "int8" (default) or "fp32".
+    backend : "auto" (every registered backend is a candidate; each client keeps the best
+        on its validation split that fits its budget) or one registered backend ("flat",
+        "hnsw", "protonn", ...).
+    knn : kNN-Per as every bundle runs it, with where each value came from (`KNNChoice`).
+    update_strategy : what `Runtime.add` does on the device: "fifo", "concatenate" or
+        "fixed".
+    device_extras : "any", or "none" for only the backends the runtime alone loads (no
+        hnswlib on the device).
+    protonn_buffer : share of a client's train samples a protonn bundle reserves room for, as
+        its buffer of samples learned on the device.
+    calibration_samples : training inputs int8 quantization calibrates on.
+    seed : seeds calibration's sample and the datastore sizing.
+    space : the configurations tried per client (`export.sizing.SearchSpace`).
+    signing_key : an Ed25519 private key file (PEM) that signs every bundle; None: unsigned.
+    """
 
     quantize: str = "int8"
     backend: str = "auto"

@@ -49,7 +49,29 @@ class RunError(KnnperError, ValueError):
 
 @dataclass
 class RunConfig:
-    """Everything needed to reproduce a run; saved as config.json beside its results."""
+    """Everything needed to reproduce a run; saved as config.json beside its results.
+
+    Parameters
+    ----------
+    dataset : a data set name (`load_dataset`), "digits" by default.
+    data : the data's file or folder; None uses the data set's default location.
+    max_train : a stratified, seeded subsample of this many training samples; None: all.
+    partition : the split scheme (`make_partition`): "dirichlet", "pachinko",
+        "pathological" or "natural".
+    alpha, beta, classes_per_client : the scheme's settings (`make_partition`).
+    clients : the number of clients.
+    unseen_fraction : share of clients held out of training, in [0, 1).
+    val_fraction : share of each client's training samples held out for validation.
+    model : a model name (`build_model`); None: small-cnn for images, char-lstm for tokens.
+    seed : seeds the data subsample, the partition, the model's initial weights and training.
+    checkpoint_every : rounds between checkpoints.
+    init : a pretrain directory or a .pt state dict every method starts from; None: random
+        weights.
+    continue_from : a finished run whose model this one continues training (its weights are
+        the start, its pretraining's server split stays the server's); the lineage its exports
+        record.
+    training : the optimisation settings every method shares (`TrainingConfig`).
+    """
 
     dataset: str = "digits"
     data: str | None = None

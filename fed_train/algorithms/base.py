@@ -51,7 +51,21 @@ class ClientData:
 
 @dataclass
 class TrainingConfig:
-    """Optimisation settings shared by every algorithm, so all methods get the same budget."""
+    """Optimisation settings shared by every algorithm, so all methods get the same budget.
+
+    Parameters
+    ----------
+    rounds : communication rounds.
+    participation : fraction of training clients sampled per round, in (0, 1].
+    epochs : local epochs per round.
+    steps : when set, a fixed number of local SGD steps per round replaces `epochs`.
+    batch_size : local SGD's batch size, in samples.
+    lr : the initial learning rate.
+    momentum, weight_decay : local SGD's.
+    milestones : fractions of the rounds at which the learning rate is multiplied by `gamma`.
+    gamma : the learning rate's decay at each milestone.
+    precision : of the forward passes: "fp32" or "bf16" (fed_train.accelerator.autocast).
+    """
 
     rounds: int = 20
     participation: float = 1.0  # fraction of training clients sampled per round
