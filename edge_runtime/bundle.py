@@ -113,7 +113,16 @@ __all__ = [
 class Bundle:
     """A verified bundle: its manifest, the loaded datastore and one onnxruntime session, the
     encoder's or (`read_bundle(with_predictor=True)`, where the datastore has one) the whole
-    predictor's, which gives the encoder's outputs too."""
+    predictor's, which gives the encoder's outputs too.
+
+    Parameters
+    ----------
+    path : the bundle's folder.
+    manifest : its verified manifest.json.
+    encoder : the encoder's onnxruntime session; None when the predictor's session serves.
+    datastore : the loaded, verified datastore (flat, HNSW or ProtoNN).
+    predictor : the whole predictor's session, when asked for and the datastore has one.
+    """
 
     path: Path
     manifest: dict

@@ -19,7 +19,14 @@ class BundleError(ValueError):
 
 
 class BudgetExceeded(BundleError):
-    """The files would take more bytes than the bundle's budget."""
+    """The files would take more bytes than the bundle's budget.
+
+    Parameters
+    ----------
+    message : the one-line error shown to the user.
+    needed : the bytes the files would take.
+    budget : the budget's total bytes.
+    """
 
     def __init__(self, message: str, needed: int, budget: int) -> None:
         super().__init__(message)

@@ -47,7 +47,16 @@ class ClientSplits:
     and the linear head are fitted on), its validation split (what every choice is judged on)
     and its test split (what is reported), each as embeddings, labels and the base model's
     class probabilities. The one per-client type of the server, the exporter, the experiments
-    and the device (whose test split is empty)."""
+    and the device (whose test split is empty).
+
+    Parameters
+    ----------
+    client_id : the client's id in its run (-1 on a device that never trained).
+    unseen : whether the client was held out of training.
+    z_train, z_val, z_test : each split's embeddings, float [n, p].
+    y_train, y_val, y_test : each split's integer labels [n].
+    p_train, p_val, p_test : each split's base-model class probabilities [n, C].
+    """
 
     client_id: int
     unseen: bool

@@ -82,7 +82,17 @@ ADD_CHUNK_ROWS = 4096
 
 @dataclass
 class UpdateReport:
-    """What one `add` did: samples kept from the new ones, old samples evicted, final size."""
+    """What one `add` did: samples kept from the new ones, old samples evicted, final size.
+
+    Parameters
+    ----------
+    strategy : the update strategy applied ("fifo", "concatenate" or "fixed").
+    received : samples passed to `add`.
+    added : of them, the samples stored.
+    evicted : old samples removed to make room.
+    size : samples stored after the update.
+    footprint_bytes : the bundle's total bytes after the update.
+    """
 
     strategy: str
     received: int

@@ -52,7 +52,13 @@ class ClientSplit:
 
 @dataclass(repr=False)
 class Partition:
-    """Every client's split plus which clients are held out ("unseen": they never train)."""
+    """Every client's split plus which clients are held out ("unseen": they never train).
+
+    Parameters
+    ----------
+    clients : each client's train, val and test indices (`ClientSplit`).
+    unseen : one flag per client, True for a held-out one.
+    """
 
     clients: list[ClientSplit]
     unseen: np.ndarray

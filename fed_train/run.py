@@ -158,6 +158,19 @@ def _check_types(config: Any, where: str) -> None:
 
 @dataclass
 class LoadedRun:
+    """A finished run read back by `load_run`, with the pieces every later stage needs.
+
+    Parameters
+    ----------
+    config : the run's settings, from its config.json.
+    dataset : the data set as the run loaded it.
+    partition : the clients' splits, from partition.npz.
+    model : the trained global model (model.pt's weights).
+    model_name : the model's name (`build_model`).
+    run_dir : the run's folder.
+    device : torch's device where `clients()` and `model_factory()` place work.
+    """
+
     config: RunConfig
     dataset: Dataset
     partition: Partition

@@ -26,7 +26,15 @@ _SPLITS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
 
 @dataclass
 class ClientData:
-    """One client's prepared tensors (model inputs) and labels for each split."""
+    """One client's prepared tensors (model inputs) and labels for each split.
+
+    Parameters
+    ----------
+    client_id : the client's index in its partition.
+    x_train, x_val, x_test : each split's model-ready inputs.
+    y_train, y_val, y_test : each split's int64 labels.
+    unseen : whether the client is held out of training.
+    """
 
     client_id: int
     x_train: torch.Tensor
