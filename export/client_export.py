@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edge_runtime.budget import Budget
 from edge_runtime.bundle import BundleError, write_bundle
 from edge_runtime.personal_head import ClientSplits
@@ -28,6 +30,7 @@ class ClientTask:
     target: Path
     input_spec: dict
     encoder: bytes | None = None  # this client's own encoder (linear base); None: the shared one
+    inputs: np.ndarray | None = None  # the train split's raw inputs, where the bundle keeps them
 
 
 @dataclass
@@ -56,7 +59,7 @@ def export_client(
     sizer = sizer or context.sizer()
     data = task.data
     encoder = context.encoder_path if task.encoder is None else task.encoder
-    sizer.fit(data, task.budget)
+    sizer.fit(data, task.budget, task.inputs)
     best, datastore = sizer.best_, sizer.datastore_
     fields = {
         "client_id": int(data.client_id),

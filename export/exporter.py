@@ -42,6 +42,7 @@ from edge_runtime.knn import (
 from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest, taught_on_device
 from edge_runtime.personal_head import ClientSplits, PersonalHead
+from edge_runtime.preprocess import raw_checked
 from edge_runtime.signing import load_private_key
 from edge_runtime.versions import embedding_id
 from export.client_export import (
@@ -63,6 +64,7 @@ from export.sizing import (
     smallest_datastore_bytes,
 )
 from fed_train.algorithms.base import ClientData, embed_and_logits
+from fed_train.client_files import client_split
 from fed_train.knn_choice import KNNChoice
 from fed_train.progress import Progress
 from fed_train.run import MODEL_FILE, LoadedRun
@@ -117,6 +119,9 @@ class ExportSettings:
     seed: int = 0
     space: SearchSpace = field(default_factory=SearchSpace)
     signing_key: str | None = None  # Ed25519 private key (PEM) that signs every bundle
+    # every bundle keeps its stored samples' raw inputs beside their keys (counted in its
+    # budget), so `knnper-edge upgrade` re-embeds them exactly; flat and HNSW only
+    keep_inputs: bool = False
 
     def check(self) -> None:
         _check_known("quantization", self.quantize, QUANTIZE_MODES)
@@ -128,6 +133,13 @@ class ExportSettings:
                 "extra on the device; --device-extras none rules it out"
             )
         _check_known("update strategy", self.update_strategy, UPDATE_STRATEGIES)
+        if self.keep_inputs and self.backend != "auto" and BACKENDS[self.backend].TRAINED:
+            raise ExportError(
+                f"--keep-inputs keeps raw inputs beside stored samples, and a {self.backend} "
+                "datastore stores trained prototypes instead: use --backend "
+                + ", ".join(b for b, cls in BACKENDS.items() if not cls.TRAINED)
+                + " or auto"
+            )
         knn, config = self.knn, self.knn.config
         _check_known("embedding normalisation", config.normalize, NORMALIZATIONS)
         _check_known("lambda estimator", knn.lambda_estimator, LAMBDA_ESTIMATORS)
@@ -379,6 +391,8 @@ def export_run(
     )
     if settings.device_extras == "none":
         space = replace(space, backends=tuple(b for b in space.backends if not device_extra(b)))
+    if settings.keep_inputs:
+        space = _keeping_inputs(space, run)
     out_dir = Path(out_dir)
     every_client = run.clients()
     chosen = select_clients(every_client, clients)
@@ -422,6 +436,20 @@ def export_run(
                 workers,
                 replaces,
             )
+
+
+def _keeping_inputs(space: SearchSpace, run: LoadedRun) -> SearchSpace:
+    """The space whose datastores keep each stored sample's raw input; backends that store
+    no samples (ProtoNN) are left out, with one line saying so."""
+    trained = [b for b in space.backends if BACKENDS[b].TRAINED]
+    if trained:
+        log.warning("--keep-inputs: %s datastores keep no samples, left out", ", ".join(trained))
+    one = raw_checked(run.dataset.x_train[:1], run.dataset.input_spec)
+    return replace(
+        space,
+        backends=tuple(b for b in space.backends if b not in trained),
+        inputs=int(one[0].nbytes),
+    )
 
 
 def _refuse_taught(out_dir: Path, client_ids: Sequence[int]) -> None:
@@ -597,6 +625,10 @@ def _client_task(
     if personal is not None:
         session = Encoder(personal, intra_op_threads=1)
         budget = budget.with_encoder(len(personal))
+    inputs = None
+    if settings.keep_inputs:  # as the device receives them, in the order of x_train
+        x, _ = client_split(run, client.client_id, "train")
+        inputs = raw_checked(x, run.dataset.input_spec)
     return ClientTask(
         client_embeddings(session, client),
         budget,
@@ -604,6 +636,7 @@ def _client_task(
         bundle_dir(out_dir, client.client_id),
         run.dataset.input_spec,
         personal,
+        inputs,
     )
 
 

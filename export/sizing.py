@@ -81,6 +81,10 @@ class SearchSpace:
     # share of the train split a ProtoNN datastore reserves room for, as its buffer of samples
     # added on the device (the exporter sets it unless the update strategy is "fixed")
     protonn_buffer: float = 0.0
+    # bytes of one sample's raw input that every flat or HNSW datastore keeps beside its key
+    # (x<bytes>), so `knnper-edge upgrade` re-embeds exactly; counted in its bytes, so a budget
+    # holds fewer keys. None: no raw inputs kept
+    inputs: int | None = None
 
     def pruned(self, screen_steps: int = 50) -> SearchSpace:
         """This space with the pruning rules and successive halving of the module's doc."""
@@ -141,7 +145,10 @@ def smallest_datastore_bytes(space: SearchSpace, num_classes: int, dim: int) -> 
     the smallest projection): a budget with less room than this cannot get a bundle."""
     rng = np.random.default_rng(0)
     z, y = rng.normal(size=(1, dim)).astype(np.float32), np.zeros(1, dtype=np.int64)
-    sizes = [measure_nbytes(config.fit(z, y)) for config in sample_configs(space, num_classes)]
+    kept = None if space.inputs is None else np.zeros((1, space.inputs), np.uint8)
+    sizes = [
+        measure_nbytes(config.fit(z, y, kept)) for config in sample_configs(space, num_classes)
+    ]
     if ProtoNNDatastore.backend in space.backends and space.protonn_dims:
         d = min(space.protonn_dims)
         ds = ProtoNNDatastore.from_matrices(
@@ -157,7 +164,10 @@ def sample_configs(space: SearchSpace, num_classes: int, **params: Any) -> list[
     """The unfitted configurations of the space's sample-storing backends (every registered
     class not TRAINED): per backend, the product of its class's SEARCH_AXES, read from the
     space where an axis names a field of it. A pruned space drops a backend whose
-    DOMINATED_BY recipe is among them (the module's doc)."""
+    DOMINATED_BY recipe is among them (the module's doc). With `space.inputs`, each keeps
+    every stored sample's raw input."""
+    if space.inputs is not None:
+        params = {**params, "inputs": space.inputs}
     configs = []
     for backend in space.backends:
         cls = BACKENDS.get(backend)
@@ -221,8 +231,21 @@ class DatastoreSizer:
         self._protonn_cache: dict[tuple, Any] = {}
 
     # -- the search
-    def fit(self, data: ClientSplits, budget: Budget) -> DatastoreSizer:
+    def fit(
+        self, data: ClientSplits, budget: Budget, inputs: np.ndarray | None = None
+    ) -> DatastoreSizer:
+        """`inputs`: the raw inputs of the train split, one per row of data.z_train, where the
+        space keeps them (`SearchSpace.inputs`)."""
         room = budget.room
+        if (inputs is None) != (self.space.inputs is None):
+            raise ExportError(
+                f"client {data.client_id}: the search space keeps raw inputs "
+                f"({self.space.inputs} bytes each) exactly when they are given"
+            )
+        trained = [b for b in self.space.backends if BACKENDS[b].TRAINED]
+        if inputs is not None and trained:
+            raise ExportError(f"{', '.join(trained)} datastores cannot keep raw inputs")
+        self._inputs = inputs
         if len(data.y_train) == 0:
             raise ExportError(
                 f"client {data.client_id} has no training samples to build a datastore from"
@@ -369,7 +392,7 @@ class DatastoreSizer:
         grow = self.space.fill_budget and count < n_train and estimate(count + 1) > room
         while 1 <= count <= n_train:
             params = {**config.get_params(), "n": _n_param(count, n_train, capacity)}
-            ds = type(config)(**params).fit(data.z_train, data.y_train)
+            ds = type(config)(**params).fit(data.z_train, data.y_train, self._inputs)
             nbytes = measure_nbytes(ds)
             if nbytes > room:
                 if fitted is not None:

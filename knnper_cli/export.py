@@ -147,6 +147,13 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         help="sign every bundle with this Ed25519 private key (knnper-edge keygen "
         "makes one); devices given the public key refuse unsigned bundles",
     )
+    p.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="every bundle also keeps its stored samples' raw inputs (counted in its budget, "
+        "so it holds fewer keys), and `knnper-edge upgrade` re-embeds them exactly; flat and "
+        "hnsw only (auto leaves protonn out)",
+    )
     add_upgrade_arguments(p)
 
 
@@ -259,6 +266,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         device_extras=args.device_extras,
         seed=args.seed,
         signing_key=args.signing_key,
+        keep_inputs=args.keep_inputs,
     )
     if args.pruned_search:
         settings.space = settings.space.pruned()
