@@ -101,6 +101,9 @@ class ExportSettings:
     seed : seeds calibration's sample and the datastore sizing.
     space : the configurations tried per client (`export.sizing.SearchSpace`).
     signing_key : an Ed25519 private key file (PEM) that signs every bundle; None: unsigned.
+    keep_inputs : every bundle keeps its stored samples' raw inputs beside their keys, counted
+        in its budget, so `knnper-edge upgrade` re-embeds them exactly (flat and HNSW only:
+        "auto" leaves ProtoNN out).
     """
 
     quantize: str = "int8"
@@ -119,8 +122,6 @@ class ExportSettings:
     seed: int = 0
     space: SearchSpace = field(default_factory=SearchSpace)
     signing_key: str | None = None  # Ed25519 private key (PEM) that signs every bundle
-    # every bundle keeps its stored samples' raw inputs beside their keys (counted in its
-    # budget), so `knnper-edge upgrade` re-embeds them exactly; flat and HNSW only
     keep_inputs: bool = False
 
     def check(self) -> None:
