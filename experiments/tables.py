@@ -40,6 +40,7 @@ from experiments.lr_tuning import (
     personalized_accuracies,
     validation_score,
 )
+from experiments.table_estimate import estimate_table
 from experiments.table_seeds import (
     clients_hurt,
     format_hurt,
@@ -558,8 +559,12 @@ def run_table(
         device=device,
         client_batch=client_batch,
     )
+    jobs, done = _table_jobs(runner, names, lrs, hyper, knn, device, client_batch)
+    if jobs:  # said before the first job starts: a table at its documented scale takes hours
+        costs = [cost for _, _, cost in jobs]
+        estimate = estimate_table(costs, runner.clients, config.training, runner.model_fn, workers)
+        log.info(estimate.line())
     if workers > 1:
-        jobs, done = _table_jobs(runner, names, lrs, hyper, knn, device, client_batch)
         _in_processes(
             workers, jobs, desc="bench table: training runs", progress=progress, done=done
         )
