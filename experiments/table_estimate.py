@@ -5,8 +5,9 @@ Time: each training run's local SGD steps (the config's rounds, participation, e
 and the clients' sizes), times the seconds of one SGD step of the model timed here on a real
 batch, times the method's `job_cost` (its training in FedAvg runs, which the algorithm declares),
 spread over the workers. Evaluation and kNN-Per's configuration search come on top. Disk: each
-run keeps its model and two checkpoints, each at least the model's weights; methods with
-per-client state (personal models, heads) add to that, so the figure is a lower bound."""
+run keeps two checkpoints, each at least the model's weights; methods with per-client state
+(personal models, heads) add to that, so the figure is a lower bound (on digits, 20 clients:
+FedAvg's run took 0.19 MB, its bound; APFL's 15 MB)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 from fed_train.algorithms.base import ClientData, TrainingConfig, cross_entropy, make_optimizer
 from fed_train.progress import duration
 
-KEPT_PER_RUN = 3  # model.pt and the two newest checkpoints (simulation.save_checkpoint)
+KEPT_PER_RUN = 2  # a table's run keeps its two newest checkpoints (simulation.save_checkpoint)
 _TIMED_STEPS = 3
 
 
@@ -34,7 +35,8 @@ class TableEstimate:
     runs : training runs left to do (cached ones excluded).
     fedavg_runs : their summed `job_cost`, in FedAvg runs.
     seconds : the wall time of that training on `workers` workers.
-    min_bytes : the disk the runs take at least (model and checkpoints, no per-client state).
+    min_bytes : the disk the runs take at least (their checkpoints' weights, no per-client
+        state).
     workers : the worker processes the runs are spread over.
     """
 
@@ -50,8 +52,15 @@ class TableEstimate:
             f"bench table: {self.runs} training run(s) left, {self.fedavg_runs:g} FedAvg runs "
             f"of work: about {duration(self.seconds)} of training on {self.workers} worker(s) "
             f"(estimated from a timed SGD step; evaluation comes on top), at least "
-            f"{self.min_bytes / 1e6:.0f} MB of disk"
+            f"{_at_least(self.min_bytes)} of disk"
         )
+
+
+def _at_least(nbytes: int) -> str:
+    """Bytes in MB or GB, rounded down (a lower bound stays one)."""
+    if nbytes >= 10**9:
+        return f"{math.floor(nbytes / 10**8) / 10:g} GB"
+    return f"{math.floor(nbytes / 10**5) / 10:g} MB"
 
 
 def fedavg_steps(client_sizes: Sequence[int], training: TrainingConfig) -> float:

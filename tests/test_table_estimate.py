@@ -28,8 +28,9 @@ def test_wall_time_shares_the_jobs_out_but_never_below_the_longest():
 
 
 def test_the_line_says_time_and_disk():
-    line = TableEstimate(35, 62.5, 2 * 3600 + 18 * 60, 1_600_000_000, 1).line()
-    assert "35 training run(s)" in line and "2h18m00s" in line and "1600 MB" in line
+    line = TableEstimate(35, 62.5, 2 * 3600 + 18 * 60, 1_690_000_000, 1).line()
+    assert "35 training run(s)" in line and "2h18m00s" in line and "at least 1.6 GB" in line
+    assert "at least 0.5 MB" in TableEstimate(3, 12.5, 22.0, 542_448, 1).line()
 
 
 @pytest.fixture
