@@ -379,33 +379,20 @@ class DatastoreSizer:
         self, config: SampleDatastore, data: ClientSplits, count: int, capacity: int, room: int
     ) -> tuple[Candidate, Datastore] | None:
         """`config` fitted with `count` samples, its exact bytes measured. Over `room` (the
-        estimates are not exact): shrink the count in proportion until it fits. The
-        budget-filling candidate (the largest count the estimate allowed) then grows while the
-        exact bytes leave room for more samples, so no budget is wasted on the estimate's
-        safety margin. `capacity`: see _counts_within."""
-        n_train, dim = len(data.y_train), data.z_train.shape[1]
-
-        def estimate(samples: int) -> int:
-            return config.estimate_nbytes(samples, dim)
-
-        fitted: tuple[Candidate, Datastore] | None = None
-        grow = self.space.fill_budget and count < n_train and estimate(count + 1) > room
+        estimate bounds the files from above, so this is a safeguard): shrink the count in
+        proportion until it fits. The count is never grown past what `estimate_nbytes` (files
+        and the memory a device holds beside them) allows: that estimate is what `add` and
+        `knnper-edge upgrade` hold the bundle to, so an exported bundle must pass it too, or an
+        upgrade to a same-size encoder would evict. `capacity`: see _counts_within."""
+        n_train = len(data.y_train)
         while 1 <= count <= n_train:
             params = {**config.get_params(), "n": _n_param(count, n_train, capacity)}
             ds = type(config)(**params).fit(data.z_train, data.y_train, self._inputs)
             nbytes = measure_nbytes(ds)
-            if nbytes > room:
-                if fitted is not None:
-                    return fitted
-                count = min(count - 1, int(count * room / nbytes))
-                continue
-            fitted = Candidate(ds.recipe, config.backend, nbytes, len(ds)), ds
-            per_sample = max(1, estimate(count + 1) - estimate(count))
-            extra = (room - nbytes) // per_sample
-            if not grow or extra < 1 or count == n_train:
-                return fitted
-            count = min(n_train, count + int(extra))
-        return fitted
+            if nbytes <= room:
+                return Candidate(ds.recipe, config.backend, nbytes, len(ds)), ds
+            count = min(count - 1, int(count * room / nbytes))
+        return None
 
     def _protonn_shapes(self, data: ClientSplits, room: int) -> list[tuple[int, int]]:
         """(projection dim, prototypes) pairs whose estimated bytes fit the room."""

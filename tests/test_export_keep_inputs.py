@@ -89,12 +89,11 @@ def test_upgrade_of_an_exported_bundle_re_embeds_exactly(exports, tmp_path):
     shutil.copytree(exports / "kept" / row["bundle"], device)
     before = Runtime.load(device).datastore.inputs_.copy()
     report = Runtime.load(device).upgrade(release)
-    # the exporter fills the budget by the files' bytes, upgrade checks it by the runtime's
-    # estimate (files plus search memory): at a budget this tight the oldest samples go
-    assert report.how == "re-embedded" and report.carried >= 1
-    assert report.carried + report.evicted == row["stored"]
+    # the same-size encoder: the exporter sized the bundle by the runtime's own estimate
+    assert report.how == "re-embedded"
+    assert (report.carried, report.evicted) == (row["stored"], 0)
     rt = Runtime.load(device)
-    np.testing.assert_array_equal(rt.datastore.inputs_, before[report.evicted :])
+    np.testing.assert_array_equal(rt.datastore.inputs_, before)
     manifest = json.loads((release / "manifest.json").read_text())
     fresh = init_bundle(
         release / ENCODER_FILE,
@@ -119,6 +118,23 @@ def test_upgrade_of_an_exported_bundle_re_embeds_exactly(exports, tmp_path):
     np.testing.assert_array_equal(
         Runtime.load(tmp_path / "fresh").predict_proba(x), rt.predict_proba(x)
     )
+
+
+def test_upgrade_of_a_tightly_exported_bundle_to_a_same_size_encoder_evicts_nothing(
+    exports, tmp_path
+):
+    """The exporter and upgrade hold a bundle to one definition of what fits (the datastore's
+    estimate_nbytes), so an encoder no larger than the old one evicts nothing."""
+    for row in _report(exports, "kept")["clients"]:
+        device = tmp_path / row["bundle"]
+        release = exports / "new" / row["bundle"]
+        shutil.copytree(exports / "kept" / row["bundle"], device)
+        old = (device / ENCODER_FILE).stat().st_size
+        assert (release / ENCODER_FILE).stat().st_size <= old
+        assert row["stored"] < row["train_samples"]  # the budget binds
+        report = Runtime.load(device).upgrade(release)
+        assert (report.carried, report.evicted) == (row["stored"], 0)
+        assert len(Runtime.load(device).datastore) == row["stored"]
 
 
 @pytest.mark.parametrize("backend", ["protonn"])
