@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ._io import load_npz, save_npz_atomic
-from .datastores import SampleDatastore
+from .datastores import SampleDatastore, max_count_within
 from .linear_head import LinearHead
 from .onnx_proto import replace_initializers
 
@@ -64,6 +64,16 @@ def head_nbytes(dim: int, num_classes: int) -> int:
         **_arrays(np.zeros((dim, num_classes), np.float32), np.zeros(num_classes, np.float32)),
     )
     return buffer.tell()
+
+
+def samples_within(store: Any, dim: int, room: int, head_classes: int | None) -> int:
+    """The most samples `store` may hold within `room` bytes by its estimate (files and held
+    memory), less the refitted head's file where the device refits one (`head_classes`: its
+    class count; None: no refit). One rule for `add` and `upgrade`, so an upgrade keeps what
+    `add` kept."""
+    if head_classes is not None:
+        room -= head_nbytes(dim, head_classes)
+    return max_count_within(lambda n: store.estimate_nbytes(n, dim), room)
 
 
 def load_head(path: str | os.PathLike, dim: int, num_classes: int) -> dict[str, np.ndarray]:

@@ -61,9 +61,8 @@ from .bundle import (
     read_bundle,
     read_manifest,
 )
-from .datastores import max_count_within
 from .encoder import Encoder
-from .head_file import head_nbytes, refit_head, refits
+from .head_file import refit_head, refits, samples_within
 from .knn import softmax
 from .linear_head import LinearHead
 from .locking import DEFAULT_LOCK_TIMEOUT
@@ -494,12 +493,13 @@ class Runtime:
     def _max_fit(self) -> int:
         """The most stored samples whose (estimated) datastore files fit next to the encoder
         (and the refitted head's file, where the bundle refits one)."""
-        dim = self.manifest["embedding_dim"]
-        store = self.datastore.sample_store()
-        room = self.budget.room
-        if self._refit_l2() is not None:
-            room -= head_nbytes(dim, self.num_classes)
-        return max_count_within(lambda n: store.estimate_nbytes(n, dim), room)
+        head_classes = self.num_classes if self._refit_l2() is not None else None
+        return samples_within(
+            self.datastore.sample_store(),
+            self.manifest["embedding_dim"],
+            self.budget.room,
+            head_classes,
+        )
 
     def _refit_l2(self) -> float | None:
         """The l2 an update refits the linear head with; None where it keeps the shipped head

@@ -48,11 +48,11 @@ from .bundle import (
     read_bundle,
     write_bundle,
 )
-from .datastores import BACKENDS, format_recipe, max_count_within
+from .datastores import BACKENDS, format_recipe
 from .device_choice import choose_datastore
 from .encoder import Encoder
 from .errors import SignatureError, one_line
-from .head_file import head_nbytes, refit_head
+from .head_file import refit_head, samples_within
 from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
 from .manifest import MODEL_RECORDS, lambda_rule_of, refit_l2
 from .preprocess import prepare_input
@@ -189,10 +189,8 @@ def upgrade_bundle(
     fresh = BACKENDS[manifest["backend"]["name"]].from_params(params)
     dim = release["embedding_dim"]
     l2 = refit_l2(release)
-    room = int(manifest["budget_bytes"]) - encoder_size
-    if l2 is not None:
-        room -= head_nbytes(dim, release["num_classes"])
-    fits = max_count_within(lambda n: fresh.estimate_nbytes(n, dim), room)
+    head_classes = release["num_classes"] if l2 is not None else None
+    fits = samples_within(fresh, dim, int(manifest["budget_bytes"]) - encoder_size, head_classes)
     if fits < 1:
         raise BudgetExceeded(
             f"{where}: the new encoder ({encoder_size} bytes) leaves no room for "
