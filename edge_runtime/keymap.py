@@ -6,6 +6,13 @@ and value checked before use): weight float32 [p_old, p_new], bias float32 [p_ne
 encoders' embedding ids (uint8[32] each, edge_runtime.versions), the server's advice (0: map the
 keys, 1: keep the old keys, 2: start fresh) and its evidence, kNN accuracies on held-out server
 data as float64 [mapped, stale, re-embedded, new global model alone].
+
+Optionally (releases from the ProtoNN upgrade on; both or neither) the reverse map, fitted the
+same way from the new space back to the old, z_old = z_new @ reverse_weight + reverse_bias:
+reverse_weight float32 [p_new, p_old], reverse_bias float32 [p_old]. A ProtoNN datastore folds
+it into its projection (ProtoNNDatastore.fold_input_map): its prototypes stay where they were
+trained and the new encoder's queries are taken back to them. A map file without it still loads;
+a ProtoNN bundle then cannot be upgraded with it.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from .versions import id_array, id_from_arrays, short
 ADVICE = ("map the keys", "keep the old keys", "start fresh")
 EVIDENCE = ("mapped", "stale", "re-embedded", "global")
 MAP_ARRAYS = ("weight", "bias", "from_embedding", "to_embedding", "advice", "evidence")
+REVERSE_ARRAYS = ("reverse_weight", "reverse_bias")
 # The widest map a device reads (the manifests' MAX_WIDTH squared would be 16 GiB).
 MAX_MAP_WIDTH = 4096
-MAX_MAP_BYTES = 4 * MAX_MAP_WIDTH * (MAX_MAP_WIDTH + 1) + 64 * 1024
+# the forward and the reverse map's arrays
+MAX_MAP_BYTES = 2 * 4 * MAX_MAP_WIDTH * (MAX_MAP_WIDTH + 1) + 64 * 1024
 # Rows mapped at a time: bounds what an upgrade holds widened.
 MAP_CHUNK_ROWS = 1024
 
@@ -40,6 +49,9 @@ class KeyMap:
     to_embedding: str
     advice: str
     evidence: dict[str, float]
+    # the reverse map (new space -> old), None in a release without it
+    reverse_weight: np.ndarray | None = None
+    reverse_bias: np.ndarray | None = None
 
     def apply(self, z: np.ndarray) -> np.ndarray:
         """Old keys [n, p_old] -> new keys [n, p_new], float32."""
@@ -60,6 +72,14 @@ class KeyMap:
                 "to_embedding": id_array(self.to_embedding),
                 "advice": np.int8(ADVICE.index(self.advice)),
                 "evidence": np.array([self.evidence[k] for k in EVIDENCE], np.float64),
+                **(
+                    {}
+                    if self.reverse_weight is None
+                    else {
+                        "reverse_weight": np.ascontiguousarray(self.reverse_weight, np.float32),
+                        "reverse_bias": np.ascontiguousarray(self.reverse_bias, np.float32),
+                    }
+                ),
             },
         )
 
@@ -87,9 +107,10 @@ def load_key_map(path: str | os.PathLike) -> KeyMap:
         raise ValueError(f"key map {path}: not a readable .npz: {exc}") from None
     except Exception as exc:  # zipfile.BadZipFile and kin
         raise ValueError(f"key map {path}: not a readable .npz ({type(exc).__name__})") from None
-    if sorted(arrays) != sorted(MAP_ARRAYS):
+    if sorted(arrays) not in (sorted(MAP_ARRAYS), sorted(MAP_ARRAYS + REVERSE_ARRAYS)):
         raise ValueError(
-            f"key map {path}: holds {sorted(arrays)}, a map holds {sorted(MAP_ARRAYS)}"
+            f"key map {path}: holds {sorted(arrays)}, a map holds {sorted(MAP_ARRAYS)} "
+            f"(and, with its reverse, {list(REVERSE_ARRAYS)})"
         )
     weight, bias = arrays["weight"], arrays["bias"]
     if (
@@ -130,4 +151,28 @@ def load_key_map(path: str | os.PathLike) -> KeyMap:
         ids[1],
         ADVICE[int(advice)],
         dict(zip(EVIDENCE, map(float, evidence), strict=True)),
+        *_reverse(arrays, weight.shape, path),
     )
+
+
+def _reverse(
+    arrays: dict[str, np.ndarray], forward: tuple[int, int], path: Path
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The checked reverse map (weight [p_new, p_old], bias [p_old]), or (None, None)."""
+    if "reverse_weight" not in arrays:
+        return None, None
+    weight, bias = arrays["reverse_weight"], arrays["reverse_bias"]
+    p_old, p_new = forward
+    if weight.dtype != np.float32 or weight.shape != (p_new, p_old):
+        raise ValueError(
+            f"key map {path}: reverse_weight must be float32 [{p_new}, {p_old}] (the "
+            f"forward weight transposed in shape), got {weight.dtype} {list(weight.shape)}"
+        )
+    if bias.dtype != np.float32 or bias.shape != (p_old,):
+        raise ValueError(
+            f"key map {path}: reverse_bias must be float32 [{p_old}], got "
+            f"{bias.dtype} {list(bias.shape)}"
+        )
+    if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+        raise ValueError(f"key map {path}: reverse_weight and reverse_bias must be finite")
+    return weight, bias

@@ -12,9 +12,13 @@ What the upgraded bundle is made of:
 - a linear head refitted on the new keys where the release's bundle refits one;
 - the budget checked again with the new encoder's size: the oldest samples that no longer fit
   are evicted, and the report says how many.
-ProtoNN bundles are not upgraded: their prototypes were trained in the old embedding's
-projection, and folding a map into it would leave prototypes trained for another encoder; the
-release's own ProtoNN bundle (trained on the new encoder) replaces them.
+A ProtoNN bundle keeps its prototypes where they were trained: the release's reverse map (new
+space -> old, shipped beside the forward one, edge_runtime.keymap) is folded into its projection
+(ProtoNNDatastore.fold_input_map), so the new encoder's queries are scored exactly as their
+mapped-back embeddings would be; its buffer of added samples (already projected) moves with the
+prototypes, and the oldest of it is evicted if the new encoder leaves less room. Its shipped
+linear head (in the release's encoder) is kept, as `add` keeps it. A release without the reverse
+map cannot upgrade it.
 
 Crash and concurrency safety: the upgrade holds the bundle's exclusive lock throughout, writes
 the upgraded bundle complete and verified into a temporary sibling directory, then swaps the two
@@ -63,6 +67,10 @@ UPGRADES_DIR = "upgrades"
 # the validation share lambda is re-chosen on from kept inputs: `knnper-edge init`'s default
 REEMBED_VAL_FRACTION = 0.2
 _RELEASE_FIELDS = ("knn_choice", "lambda_rule", *MODEL_RECORDS)
+_HOW = {
+    "folded": "buffered; the release's reverse map folded into the ProtoNN projection, "
+    "the prototypes kept"
+}
 
 
 def map_file_name(from_embedding: str) -> str:
@@ -78,7 +86,7 @@ class UpgradeReport:
     to_embedding: str
     from_model: dict | None
     to_model: dict | None
-    how: str  # "mapped" | "re-embedded" | "nothing to do"
+    how: str  # "mapped" | "re-embedded" | "folded" (protonn) | "nothing to do"
     carried: int
     evicted: int
     lam: float
@@ -95,7 +103,7 @@ class UpgradeReport:
         out = [
             f"version       {version(self.from_embedding, self.from_model)} -> "
             f"{version(self.to_embedding, self.to_model)}",
-            f"samples       {self.carried} carried ({self.how})"
+            f"samples       {self.carried} carried ({_HOW.get(self.how, self.how)})"
             + (
                 f", {self.evicted} oldest evicted: the new encoder leaves less room"
                 if self.evicted
@@ -134,12 +142,8 @@ def upgrade_bundle(
     where = f"bundle {path}"
     new_dir = Path(new_dir)
     release = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys).manifest
-    if BACKENDS[manifest["backend"]["name"]].TRAINED:
-        raise BundleError(
-            f"{where}: a {manifest['backend']['name']} datastore cannot be "
-            "upgraded (its prototypes belong to the old encoder's projection); "
-            f"install the release's own bundle {new_dir} instead"
-        )
+    backend = manifest["backend"]["name"]
+    trained = BACKENDS[backend].TRAINED
     if release["num_classes"] != manifest["num_classes"]:
         raise BundleError(
             f"{where}: the release {new_dir} has {release['num_classes']} "
@@ -152,7 +156,7 @@ def upgrade_bundle(
     from_id = datastore_embedding(datastore) or bundle_embedding_id(
         encoder_bytes(path, manifest), manifest
     )
-    count = len(datastore)
+    count = len(datastore.sample_store())
     report = UpgradeReport(
         from_id,
         to_id,
@@ -178,7 +182,13 @@ def upgrade_bundle(
         mapping = _key_map(
             new_dir, from_id, to_id, key_map, manifest, release, where, force, trusted_keys
         )
-        report.how, report.evidence = "mapped", mapping.describe()
+        if trained and mapping.reverse_weight is None:
+            raise BundleError(
+                f"{where}: the release's map ({mapping.describe()}) lacks the reverse map a "
+                f"{backend} bundle is upgraded with: install the release's own bundle "
+                f"{new_dir} instead"
+            )
+        report.how, report.evidence = ("folded" if trained else "mapped"), mapping.describe()
 
     params = {
         **manifest["backend"]["params"],
@@ -186,12 +196,22 @@ def upgrade_bundle(
         "k": release["k"],
         "sigma": release["sigma"],
     }
-    fresh = BACKENDS[manifest["backend"]["name"]].from_params(params)
     dim = release["embedding_dim"]
-    l2 = refit_l2(release)
+    if trained:  # the folded datastore is small: its buffer is what an eviction takes from
+        try:
+            datastore = datastore.fold_input_map(
+                mapping.reverse_weight, mapping.reverse_bias, k=params["k"], sigma=params["sigma"]
+            )
+        except ValueError as exc:
+            raise BundleError(
+                f"{where}: folding the release's reverse map: {one_line(exc)}"
+            ) from None
+        fresh, l2 = datastore.sample_store(), None  # a protonn bundle keeps its shipped head
+    else:
+        fresh, l2 = BACKENDS[backend].from_params(params), refit_l2(release)
     head_classes = release["num_classes"] if l2 is not None else None
     fits = samples_within(fresh, dim, int(manifest["budget_bytes"]) - encoder_size, head_classes)
-    if fits < 1:
+    if fits < 1 and not (trained and count == 0):
         raise BudgetExceeded(
             f"{where}: the new encoder ({encoder_size} bytes) leaves no room for "
             f"one stored sample in the budget of {manifest['budget_bytes']} "
@@ -211,17 +231,20 @@ def upgrade_bundle(
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         for _ in range(8):
-            if datastore is None:  # a retry: the old keys again, from the bundle on disk
-                datastore = load_bundle_datastore(path, manifest)
-            if mapping is None:
-                ds, lam = _reembedded(
-                    datastore, evict, encoder_bytes(new_dir, release), release, params, manifest
-                )
-                fields["lambda"] = release["lambda"] if signed else lam
+            if trained:  # the folded datastore, its buffer down to the newest count - evict
+                ds = datastore.evict_oldest(len(datastore.sample_store()) - (count - evict))
             else:
-                ds = _mapped(datastore, evict, mapping, params, manifest["backend"]["name"])
+                if datastore is None:  # a retry: the old keys again, from the bundle on disk
+                    datastore = load_bundle_datastore(path, manifest)
+                if mapping is None:
+                    ds, lam = _reembedded(
+                        datastore, evict, encoder_bytes(new_dir, release), release, params, manifest
+                    )
+                    fields["lambda"] = release["lambda"] if signed else lam
+                else:
+                    ds = _mapped(datastore, evict, mapping, params, backend)
+                datastore = None  # the old keys go before the new bundle is written and checked
             ds.embedding_id_ = to_id
-            datastore = None  # the old keys go before the new bundle is written and checked
             try:
                 written = write_bundle(tmp, fields, new_dir / ENCODER_FILE, ds)
                 break

@@ -12,6 +12,10 @@ with new queries), and re-embedded (what kept inputs give), beside the new globa
 The release advises to map the keys when the mapped keys score at least the stale ones; else,
 to keep the old keys (stay on the old version) when stale keys still beat the global model, and
 to start fresh otherwise.
+
+The reverse map (new space -> old, what a ProtoNN bundle folds into its projection) is fitted
+the same way on the same samples, its strength chosen by the same cross-validation, and judged
+beside the others: the memory's old keys searched with the queries mapped back.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class MapFit:
     cv_mse: dict[float, float]
     fit_samples: int
     held_out_samples: int
+    reverse_alpha: float
+    reverse_cv_mse: dict[float, float]
+    reverse_evidence: float  # kNN accuracy of the old keys, queries mapped back
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +65,11 @@ class MapFit:
             "held_out_samples": self.held_out_samples,
             "advice": self.key_map.advice,
             "evidence_knn_accuracy": self.key_map.evidence,
+            "reverse": {
+                "alpha": self.reverse_alpha,
+                "cv_mse": {f"{a:g}": m for a, m in self.reverse_cv_mse.items()},
+                "evidence_knn_accuracy_queries_mapped_back": self.reverse_evidence,
+            },
             "from_embedding": self.key_map.from_embedding,
             "to_embedding": self.key_map.to_embedding,
         }
@@ -128,9 +140,12 @@ def fit_key_map(
     fit, memory, queries = order[held:], order[: held // 2], order[held // 2 : held]
     alpha, mse = choose_alpha(z_old[fit], z_new[fit], seed)
     w, b = ridge(z_old[fit], z_new[fit], alpha)
+    reverse_alpha, reverse_mse = choose_alpha(z_new[fit], z_old[fit], seed)
+    rw, rb = ridge(z_new[fit], z_old[fit], reverse_alpha)
 
-    def score(keys: np.ndarray) -> float:
-        return knn_accuracy(keys, y[memory], z_new[queries], y[queries], num_classes, k, sigma)
+    def score(keys: np.ndarray, mapped_back: bool = False) -> float:
+        q = z_new[queries] @ rw + rb if mapped_back else z_new[queries]
+        return knn_accuracy(keys, y[memory], q, y[queries], num_classes, k, sigma)
 
     evidence = {
         "mapped": score(z_old[memory] @ w + b),
@@ -144,8 +159,17 @@ def fit_key_map(
         advice = ADVICE[1]
     else:
         advice = ADVICE[2]
-    key_map = KeyMap(w, b, from_id, to_id, advice, evidence)
-    return MapFit(key_map, alpha, mse, len(fit), held)
+    key_map = KeyMap(w, b, from_id, to_id, advice, evidence, rw, rb)
+    return MapFit(
+        key_map,
+        alpha,
+        mse,
+        len(fit),
+        held,
+        reverse_alpha,
+        reverse_mse,
+        score(z_old[memory], mapped_back=True),
+    )
 
 
 def write_upgrade_map(

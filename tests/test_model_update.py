@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from edge_runtime.cli import main as edge
+from edge_runtime.keymap import load_key_map
 from edge_runtime.runtime import Runtime
 from knnper_cli.main import main
 
@@ -105,6 +106,8 @@ def test_release_ships_a_map_with_its_evidence(releases):
         100.0,
     )
     assert set(evidence["evidence_knn_accuracy"]) == {"mapped", "stale", "re-embedded", "global"}
+    assert 0 <= evidence["reverse"]["evidence_knn_accuracy_queries_mapped_back"] <= 1
+    assert load_key_map(maps[0]).reverse_weight is not None  # what a protonn bundle folds
     report = json.loads((releases / "b2" / "export.json").read_text())
     old = json.loads((releases / "b1" / "export.json").read_text())
     assert report["replaces"] == old["model"] and report["model"]["run"] == "v2"
@@ -116,17 +119,17 @@ def test_device_upgrade_keeps_its_samples(releases, tmp_path, capsys):
     device = tmp_path / "device"
     shutil.copytree(releases / "b1" / "client_0000", device)
     rt = Runtime.load(device)
-    if rt.manifest["backend"]["name"] == "protonn":
-        pytest.skip("client 0 got a protonn bundle")
+    protonn = rt.manifest["backend"]["name"] == "protonn"  # its buffer is what it learned
     x = np.random.default_rng(0).integers(0, 17, (5, 8, 8, 1)).astype(np.uint8)
     rt.add(x, np.arange(5) % 10)
-    labels = rt.datastore.labels_.copy()
+    labels = (rt.datastore.buffer_labels_ if protonn else rt.datastore.labels_).copy()
     assert (
         edge(["upgrade", str(device), "--to", str(releases / "b2" / "client_0000"), "--force"]) == 0
     )
-    assert "carried (mapped)" in capsys.readouterr().out
-    after = Runtime.load(device)
-    np.testing.assert_array_equal(after.datastore.labels_, labels[-len(after.datastore) :])
+    assert ("carried (buffered" if protonn else "carried (mapped)") in capsys.readouterr().out
+    after = Runtime.load(device).datastore
+    kept = after.buffer_labels_ if protonn else after.labels_
+    np.testing.assert_array_equal(kept, labels[len(labels) - len(kept) :])
     assert after.manifest["model"]["run"] == "v2"
 
 

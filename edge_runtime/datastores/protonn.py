@@ -156,6 +156,32 @@ class ProtoNNDatastore(BaseDatastore):
         )
         return ds
 
+    def fold_input_map(
+        self, weight: np.ndarray, bias: np.ndarray, **params: Any
+    ) -> ProtoNNDatastore:
+        """This datastore for another encoder's embeddings z', given the map back to the ones it
+        was trained on, z = z' @ weight + bias (weight [p', p], bias [p]): W z = W' z' + W bias
+        with W' = W weight^T, so W bias moves into the prototypes and the buffer (both live in
+        the projected space) and the scores of z' are those of z exactly. `params`: the
+        constructor's keywords to change (k, sigma, ...); the buffer keeps its labels and order.
+        ValueError when the folded matrices leave float32's range."""
+        weight, bias = np.asarray(weight, np.float64), np.asarray(bias, np.float64)
+        p = self.embedding_dim_
+        if weight.ndim != 2 or weight.shape[1] != p or bias.shape != (p,):
+            raise ValueError(
+                f"a map folded into this projection takes embeddings to dimension {p}: weight "
+                f"[p', {p}] and bias [{p}], got {list(weight.shape)} and {list(bias.shape)}"
+            )
+        W = self.W_.astype(np.float64)
+        shift = (W @ bias)[:, None]
+        kept = {**self.get_params(), **params}
+        kept.pop("num_classes"), kept.pop("d")
+        with np.errstate(over="ignore", invalid="ignore"):
+            folded = self.from_matrices(W @ weight.T, self.B_ - shift, self.Z_, self.gamma_, **kept)
+            keys_t = _float32_matrix("the folded buffer", self.buffer_keys_t_ - shift)
+        folded._set_buffer(keys_t, self.buffer_labels_.copy(), self.buffer_order_.copy())
+        return folded
+
     # -- the buffer of samples learned on the device
     def _set_buffer(self, keys_t: np.ndarray, labels: np.ndarray, order: np.ndarray) -> None:
         self.buffer_keys_t_ = np.ascontiguousarray(keys_t, dtype=np.float32)
