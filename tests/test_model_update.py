@@ -127,8 +127,8 @@ def test_device_upgrade_keeps_its_samples(releases, tmp_path, capsys):
         edge(["upgrade", str(device), "--to", str(releases / "b2" / "client_0000"), "--force"]) == 0
     )
     assert ("carried (buffered" if protonn else "carried (mapped)") in capsys.readouterr().out
-    after = Runtime.load(device).datastore
-    kept = after.buffer_labels_ if protonn else after.labels_
+    after = Runtime.load(device)
+    kept = after.datastore.buffer_labels_ if protonn else after.datastore.labels_
     np.testing.assert_array_equal(kept, labels[len(labels) - len(kept) :])
     assert after.manifest["model"]["run"] == "v2"
 
