@@ -1,7 +1,9 @@
 """The sha256 of every file the exporter writes for one fixed digits run and fixed flags, one
 export per datastore kind (flat at three budgets: fp32, fp16, int8 keys; HNSW; ProtoNN; both
-encoder precisions): a restructuring that should not change what a device receives is checked
-by running this before and after it and comparing the two JSON files.
+encoder precisions) and per kNN-Per setting that changes a bundle (the linear base; l2
+normalisation with a pooled lambda rule and the leave-one-out estimator): a restructuring that
+should not change what a device receives is checked by running this before and after it and
+comparing the two JSON files.
 
     python -m tests.helpers.bundle_hashes WORKDIR OUT.json
 """
@@ -42,6 +44,16 @@ EXPORTS = [
     ("hnsw", ["--backend", "hnsw", "--budget", "4MB"]),
     ("protonn", ["--backend", "protonn", "--budget", "120kB"]),
     ("auto", ["--backend", "auto", "--budget", "130kB"]),
+    # the client's own encoder (its linear head inside) and the sizer's head on its logits
+    ("flat-linear", ["--backend", "flat", "--budget", "4MB", "--base", "linear"]),
+    # normalisation inside the encoder, a pooled lambda rule, the leave-one-out estimator
+    (
+        "flat-l2-pooled",
+        [
+            *("--backend", "flat", "--budget", "140kB", "--normalize", "l2"),
+            *("--lambda-rule", "pooled", "--lambda-estimator", "loo+val"),
+        ],
+    ),
 ]
 COMMON = ["--clients", "0,1,5", "--knn-config", "paper", "--seed", "0"]
 
