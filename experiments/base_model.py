@@ -67,16 +67,7 @@ def checkpoint_point(ctx: Context, alpha: float, path: Path) -> dict[str, Any]:
     heads = pooled_heads(
         views,
         [
-            knn_head(
-                view,
-                run.dataset.num_classes,
-                k=choice.config.k,
-                sigma=choice.config.sigma,
-                capacity=1.0,
-                seed=ctx.seed,
-                estimator=choice.lambda_estimator,
-                l2=choice.l2 if choice.base == "linear" else None,
-            )
+            knn_head(view, run.dataset.num_classes, choice, capacity=1.0, seed=ctx.seed)
             for view in views
         ],
         choice.lambda_rule.name,

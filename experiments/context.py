@@ -17,8 +17,9 @@ from experiments.points import PointStore
 from experiments.spec import format_alpha
 from experiments.table_seeds import seed_dir
 from fed_train.algorithms.base import TrainingConfig
-from fed_train.knn_choice import KNNChoice, load_or_choose
+from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
+from fed_train.knn_setting import KNNChoice
 from fed_train.knn_tuning import client_views
 from fed_train.run import MODEL_FILE, LoadedRun, RunConfig, load_run, train
 

@@ -62,8 +62,7 @@ from export.sizing import (
     measure_nbytes,
     selection_key,
 )
-from fed_train.knn_choice import KNNChoice
-from fed_train.knn_tuning import KNNConfig
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger("benchmarks.export")

@@ -7,38 +7,31 @@ exactly the kNN-Per of `knnper evaluate`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from edge_runtime.knn import CLIENT_RULE
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from fed_train.algorithms.knnper import datastore_indices
 from fed_train.evaluation import summarize
-from fed_train.knn_choice import KNNChoice
+from fed_train.knn_setting import KNNChoice
 from fed_train.knn_tuning import choosing_views, fit_rule
 from fed_train.simulation import PERSONALIZE_STREAM, client_seed
 
 
 def knn_head(
-    view: ClientSplits,
-    num_classes: int,
-    *,
-    k: int,
-    sigma: float,
-    capacity: float,
-    seed: int,
-    estimator: str = "val",
-    l2: float | None = None,
+    view: ClientSplits, num_classes: int, choice: KNNChoice, *, capacity: float, seed: int
 ) -> PersonalHead:
-    """kNN-Per for one client, datastore = the seeded `capacity` fraction of its train split
-    (KNNPer's own sample), lambda chosen on its validation split by its own evidence; `l2`: a
-    linear head as the base."""
+    """kNN-Per for one client under `choice` (its k, sigma, estimator and base) on a view
+    normalised as it says (`client_views`), datastore = the seeded `capacity` fraction of its
+    train split (KNNPer's own sample), lambda chosen on its validation split by its own
+    evidence: the choice's rule is fitted over every client's after (`pooled_heads`)."""
     keep = datastore_indices(
         view.n_train, capacity, client_seed(seed, 0, view.client_id, PERSONALIZE_STREAM)
     )
-    return PersonalHead(num_classes, k=k, sigma=sigma, estimator=estimator, l2=l2).fit(
-        view, keep=keep
-    )
+    return choice.head(num_classes, normalized=True, rule=CLIENT_RULE).fit(view, keep=keep)
 
 
 def pooled_heads(
@@ -94,43 +87,6 @@ def summary_fields(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def knnper_rows(
-    views: Sequence[ClientSplits],
-    num_classes: int,
-    *,
-    k: int,
-    sigma: float,
-    seed: int,
-    capacity: float | dict[int, float] = 1.0,
-    estimator: str = "val",
-    rule: str = "client",
-    l2: float | None = None,
-) -> list[dict[str, Any]]:
-    """kNN-Per on every client (lambda chosen on validation by `rule`, base the global model or
-    with `l2` each client's linear head); `capacity` may differ per client (a dict by id)."""
-    heads = [
-        knn_head(
-            view,
-            num_classes,
-            k=k,
-            sigma=sigma,
-            seed=seed,
-            estimator=estimator,
-            l2=l2,
-            capacity=capacity[view.client_id] if isinstance(capacity, dict) else capacity,
-        )
-        for view in views
-    ]
-    return [
-        row(
-            view,
-            accuracy_on_test(head, view),
-            **{"lambda": head.lambda_, "datastore_size": head.stored_, "n_train": view.n_train},
-        )
-        for view, head in zip(views, pooled_heads(views, heads, rule), strict=True)
-    ]
-
-
 def choice_rows(
     views: Sequence[ClientSplits],
     num_classes: int,
@@ -141,19 +97,35 @@ def choice_rows(
     k: int | None = None,
     sigma: float | None = None,
 ) -> list[dict[str, Any]]:
-    """`knnper_rows` with a run's kNN choice (its estimator, rule and base); `k` / `sigma`
-    override its values (the k-sigma sweep)."""
-    return knnper_rows(
-        views,
-        num_classes,
+    """kNN-Per on every client under a run's kNN choice (lambda chosen on validation by its
+    rule, base the global model or each client's linear head); `capacity` may differ per
+    client (a dict by id); `k` / `sigma` override the choice's (the k-sigma sweep)."""
+    config = replace(
+        choice.config,
         k=choice.config.k if k is None else k,
         sigma=choice.config.sigma if sigma is None else sigma,
-        seed=seed,
-        capacity=capacity,
-        estimator=choice.lambda_estimator,
-        rule=choice.lambda_rule.name,
-        l2=choice.l2 if choice.base == "linear" else None,
     )
+    choice = replace(choice, config=config)
+    heads = [
+        knn_head(
+            view,
+            num_classes,
+            choice,
+            seed=seed,
+            capacity=capacity[view.client_id] if isinstance(capacity, dict) else capacity,
+        )
+        for view in views
+    ]
+    return [
+        row(
+            view,
+            accuracy_on_test(head, view),
+            **{"lambda": head.lambda_, "datastore_size": head.stored_, "n_train": view.n_train},
+        )
+        for view, head in zip(
+            views, pooled_heads(views, heads, choice.lambda_rule.name), strict=True
+        )
+    ]
 
 
 def fedavg_rows(views: Sequence[ClientSplits]) -> list[dict[str, Any]]:

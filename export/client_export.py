@@ -17,7 +17,7 @@ from edge_runtime.signing import load_private_key
 from export.errors import ExportError
 from export.journal import ExportJournal
 from export.sizing import DatastoreSizer, SearchSpace
-from fed_train.knn_choice import KNNChoice
+from fed_train.knn_setting import KNNChoice
 
 
 @dataclass

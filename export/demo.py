@@ -21,8 +21,9 @@ from export.evaluation import evaluate_export, weighted_mean
 from export.exporter import ExportSettings, apply_knn_choice, build_encoder, export_run
 from export.profiles import uniform_budgets
 from fed_train import defaults
-from fed_train.knn_choice import KNNChoice, load_or_choose
+from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
+from fed_train.knn_setting import KNNChoice
 from fed_train.run import LoadedRun, RunConfig, load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
 

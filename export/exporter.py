@@ -41,7 +41,7 @@ from edge_runtime.knn import (
 )
 from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest, taught_on_device
-from edge_runtime.personal_head import ClientSplits, PersonalHead
+from edge_runtime.personal_head import ClientSplits
 from edge_runtime.preprocess import raw_checked
 from edge_runtime.signing import load_private_key
 from edge_runtime.versions import embedding_id
@@ -65,7 +65,7 @@ from export.sizing import (
 )
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.client_files import client_split
-from fed_train.knn_choice import KNNChoice
+from fed_train.knn_setting import KNNChoice
 from fed_train.progress import Progress
 from fed_train.run import MODEL_FILE, LoadedRun
 from fed_train.workers import worker_pool
@@ -651,9 +651,7 @@ def _personal_encoder(
     if knn.base != "linear":
         return None
     z_train, _ = embed_and_logits(run.model, client.x_train)
-    head = PersonalHead(
-        run.dataset.num_classes, normalize=knn.config.normalize, l2=knn.l2
-    ).fit_linear(z_train, client.y_train.cpu().numpy())
+    head = knn.head(run.dataset.num_classes).fit_linear(z_train, client.y_train.cpu().numpy())
     return with_linear_head(encoder, head)
 
 

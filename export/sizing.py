@@ -41,7 +41,7 @@ from edge_runtime.head_file import head_nbytes
 from edge_runtime.knn import datastore_key
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from export.errors import BudgetInvalid, ExportError
-from fed_train.knn_choice import KNNChoice
+from fed_train.knn_setting import KNNChoice
 from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger(__name__)
@@ -315,16 +315,10 @@ class DatastoreSizer:
         return any(ds.exact_fp32 and c.stored == len(data.y_train) for c, ds in candidates)
 
     def _head(self) -> PersonalHead:
-        """A candidate's head: its datastore, the encoder's base (the global model, or the
-        client's linear head inside its own encoder) and the export's lambda rule."""
-        knn = self.knn
-        return PersonalHead(
-            self.num_classes,
-            k=knn.config.k,
-            sigma=knn.config.sigma,
-            rule=knn.lambda_rule,
-            estimator=knn.lambda_estimator,
-        )
+        """A candidate's head, on what the client's encoder outputs as a device runs it: its
+        embeddings normalised inside the graph, and its logits the global model's or, with
+        the linear base, the client's linear head's (inside its own encoder)."""
+        return self.knn.head(self.num_classes, normalized=True, linear_in_logits=True)
 
     def _score(self, cand: Candidate, ds: Datastore, data: ClientSplits) -> None:
         head = self._head().fit(data, datastore=ds, loo=self._loo)

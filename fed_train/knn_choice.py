@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +30,15 @@ from edge_runtime.knn import (
     LAMBDA_ESTIMATORS,
     NORMALIZATIONS,
     LambdaRule,
-    base_problem,
     choice_key,
     k_sigma_problem,
 )
 from edge_runtime.linear_head import L2_GRID
 from fed_train.algorithms.base import ClientData
 from fed_train.errors import KnnperError
-from fed_train.knn_request import (
-    KNNRequest,
-)
+from fed_train.knn_request import KNNRequest
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from fed_train.knn_tuning import (
-    KNNConfig,
     choose_knn,
     grid_points,
     pick_base_and_rule,
@@ -53,69 +50,6 @@ log = logging.getLogger(__name__)
 
 KNN_CONFIG_FILE = "knn_config.json"
 _MAX_FILE_BYTES = 16 << 20  # a real file is a few hundred kB (the grid and per-client lambdas)
-
-
-@dataclass(frozen=True)
-class KNNChoice:
-    """The configuration a model's devices run, where each value came from, and the evidence.
-    One built in code, with no sources (the paper's setting by default), runs the same but is
-    recorded nowhere: it has no provenance."""
-
-    config: KNNConfig = KNNConfig()
-    lambda_estimator: str = "val"
-    source: dict[str, str] = field(default_factory=dict)
-    record: dict[str, Any] = field(default_factory=dict, repr=False)
-    lambda_rule: LambdaRule = CLIENT_RULE
-    base: str = "global"  # what the kNN is interpolated with: the global model or a linear head
-    l2: float | None = None  # the linear head's regularisation, with the linear base
-
-    def hyper(self) -> dict[str, Any]:
-        """KNNPer's keyword arguments, as plain data (a Flower message carries them)."""
-        return {
-            **self.config.to_dict(),
-            "lambda_estimator": self.lambda_estimator,
-            "lambda_rule": self.lambda_rule.to_dict(),
-            "base": self.base,
-            "l2": self.l2,
-        }
-
-    def provenance(self) -> dict[str, dict[str, Any]] | None:
-        """Each value with where it came from: what manifests and export.json record (None
-        without sources)."""
-        if not self.source:
-            return None
-        values = {
-            **self.config.to_dict(),
-            "lambda_estimator": self.lambda_estimator,
-            "lambda_rule": self.lambda_rule.name,
-            "base": self.base,
-        }
-        sources = dict(self.source)
-        if self.base == "linear":  # what a device refits its head with after `add`
-            values["l2"] = self.l2
-            sources.setdefault("l2", sources["base"])
-        return {name: {"value": values[name], "source": sources[name]} for name in values}
-
-    def describe(self) -> str:
-        return describe_record(self.record)
-
-
-def describe_record(record: dict[str, Any]) -> str:
-    """One line: the values and where each came from."""
-    c, source = record["config"], record["source"]
-    return (
-        f"kNN-Per: k={c['k']} ({source['k']}), sigma={c['sigma']:g} ({source['sigma']}), "
-        f"embeddings {c['normalize']} ({source['normalize']}), lambda by "
-        f"{record['estimator']} ({source['lambda_estimator']}), lambda rule "
-        f"{record['lambda_rule']['name']} ({source['lambda_rule']}), interpolated with the "
-        f"{_base_words(record['base'])} ({source['base']})"
-    )
-
-
-def _base_words(base: dict[str, Any]) -> str:
-    if base["name"] == "linear":
-        return f"clients' linear heads (l2={base['l2']:g})"
-    return "global model"
 
 
 def model_sha256(model: torch.nn.Module) -> str:
@@ -365,20 +299,25 @@ def choice_from_record(record: Any, path: Path) -> KNNChoice:
         if not isinstance(request_fields, dict):
             raise KnnperError("request must be an object")
         request = KNNRequest(**request_fields)
-        estimator, source = record.get("estimator"), record.get("source")
-        if estimator not in LAMBDA_ESTIMATORS or source != request.sources():
-            raise KnnperError("inconsistent estimator or sources")
-        rule = LambdaRule.from_dict(record["lambda_rule"])
-        base, l2 = record["base"]["name"], record["base"]["l2"]
-        if base_problem(base, l2) is not None:
-            raise KnnperError(f"base {base!r} with l2 {l2!r} is not a base")
-        _check_evidence(record, request, config, estimator)
-        _check_base_evidence(record, request, base, rule.name)
-        if base == "linear":
-            _check_l2_evidence(record["base"], l2)
+        source = record.get("source")
+        if source != request.sources():
+            raise KnnperError("its sources are not its request's")
+        choice = KNNChoice(
+            config,
+            record["estimator"],
+            dict(source),
+            record,
+            LambdaRule.from_dict(record["lambda_rule"]),
+            record["base"]["name"],
+            record["base"]["l2"],
+        )
+        _check_evidence(record, request, config, choice.lambda_estimator)
+        _check_base_evidence(record, request, choice.base, choice.lambda_rule.name)
+        if choice.base == "linear":
+            _check_l2_evidence(record["base"], choice.l2)
     except (KeyError, TypeError, ValueError, OverflowError, KnnperError) as err:
         raise _malformed(path, f"a saved choice is malformed or edited ({err})") from None
-    return KNNChoice(config, estimator, dict(source), record, rule, base, l2)
+    return choice
 
 
 def _check_l2_evidence(base: dict[str, Any], l2: float) -> None:

@@ -22,9 +22,7 @@ import numpy as np
 
 from edge_runtime.knn import (
     CLIENT_RULE,
-    DEFAULT_K,
     DEFAULT_NORMALIZE,
-    DEFAULT_SIGMA,
     KNN_BASES,
     LAMBDA_ESTIMATORS,
     LAMBDA_GRID,
@@ -43,21 +41,9 @@ from edge_runtime.linear_head import L2_GRID, LinearHead
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.knn_request import K_GRID, SIGMA_GRID
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from fed_train.models import EmbedHeadModel
 from fed_train.progress import Progress
-
-
-@dataclass(frozen=True)
-class KNNConfig:
-    """One point of kNN-Per's grid; the defaults are the paper's (k = 10, sigma = 1, raw)."""
-
-    k: int = DEFAULT_K
-    sigma: float = DEFAULT_SIGMA
-    normalize: str = DEFAULT_NORMALIZE
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 BaseProbs = Callable[[ClientData], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
@@ -147,14 +133,7 @@ def _head(
     rule over `grid`)."""
     if rule.name == "client":
         rule = LambdaRule(grid=tuple(grid))
-    return PersonalHead(
-        num_classes,
-        k=config.k,
-        sigma=config.sigma,
-        normalize=config.normalize,
-        rule=rule,
-        estimator=estimator,
-    )
+    return KNNChoice(config, estimator, lambda_rule=rule).head(num_classes)
 
 
 def _chosen(

@@ -15,7 +15,7 @@ from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from fed_train.client_files import write_client_files
 from fed_train.evaluation import format_table
-from fed_train.knn_choice import describe_record
+from fed_train.knn_setting import describe_record
 from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run

@@ -20,8 +20,8 @@ from edge_runtime.knn import (
 from edge_runtime.personal_head import ClientSplits
 from fed_train.algorithms.knnper import KNNPer
 from fed_train.evaluation import client_accuracies
+from fed_train.knn_setting import KNNConfig
 from fed_train.knn_tuning import (
-    KNNConfig,
     client_rows,
     client_views,
     compare_lambda_estimators,

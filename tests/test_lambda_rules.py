@@ -17,8 +17,8 @@ from edge_runtime.knn import (
     split_score,
 )
 from edge_runtime.personal_head import ClientSplits
+from fed_train.knn_setting import KNNConfig
 from fed_train.knn_tuning import (
-    KNNConfig,
     cross_oracle_accuracy,
     fit_rule,
     pick_base_and_rule,

@@ -32,8 +32,9 @@ from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
 from export.sizing import DatastoreSizer, SearchSpace
 from fed_train.client_files import client_split, write_client_files
-from fed_train.knn_choice import KNN_CONFIG_FILE, KNNChoice
+from fed_train.knn_choice import KNN_CONFIG_FILE
 from fed_train.knn_request import FROM_FLAG, FROM_VALIDATION
+from fed_train.knn_setting import KNNChoice
 from fed_train.run import load_run
 from knnper_cli.main import main as knnper_main
 from tests.helpers.bundles import (

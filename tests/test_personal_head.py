@@ -16,7 +16,7 @@ from edge_runtime.linear_head import LinearHead
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.runtime import Runtime
 from export.sizing import DatastoreSizer, SearchSpace
-from fed_train.knn_choice import KNNChoice
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from tests.helpers.bundles import (
     IMAGE_SPEC,
     NUM_CLASSES,
@@ -160,7 +160,7 @@ def test_server_exporter_device_init_and_runtime_choose_and_predict_alike(tmp_pa
 
 
 def test_the_experiments_pool_lambda_at_each_point_as_the_server_does():
-    from experiments.views import knnper_rows
+    from experiments.views import choice_rows
     from fed_train.knn_tuning import fit_rule
 
     rng = np.random.default_rng(5)
@@ -184,8 +184,11 @@ def test_the_experiments_pool_lambda_at_each_point_as_the_server_does():
                 p[40:],
             )
         )
-    own = knnper_rows(views, 2, k=5, sigma=1.0, seed=0)
-    pooled = knnper_rows(views, 2, k=5, sigma=1.0, seed=0, rule="pooled")
+    own = choice_rows(views, 2, KNNChoice(KNNConfig(5, 1.0)), seed=0)
+    # the pooled rule is fitted at the point, from the clients' own evidence: the rule's own
+    # pooled sums (here uniform) are not what choice_rows uses
+    uniform = LambdaRule("pooled", tuple((1.0, 1.0, 1.0) for _ in LAMBDA_GRID))
+    pooled = choice_rows(views, 2, KNNChoice(KNNConfig(5, 1.0), lambda_rule=uniform), seed=0)
     heads = [PersonalHead(2, k=5).fit(v) for v in views]
     expected = fit_rule("pooled", [h.evidence_ for h in heads[:5]]).choose_from_counts(
         heads[0].evidence_

@@ -25,7 +25,7 @@ from edge_runtime.runtime import Runtime
 from export.exporter import ExportSettings, export_run
 from export.sizing import SearchSpace
 from fed_train.algorithms.base import TrainingConfig
-from fed_train.knn_choice import KNNChoice
+from fed_train.knn_setting import KNNChoice
 from fed_train.run import RunConfig, load_run, train
 from tests.helpers.int8_reference import node_differences
 

@@ -13,8 +13,7 @@ from edge_runtime.runtime import Runtime
 from export.exporter import ExportSettings, export_run
 from export.sizing import SearchSpace
 from fed_train.algorithms.base import TrainingConfig, embed_and_logits
-from fed_train.knn_choice import KNNChoice
-from fed_train.knn_tuning import KNNConfig
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from fed_train.run import RunConfig, load_run, train
 
 

@@ -10,14 +10,14 @@ import numpy as np
 import torch
 
 from edge_runtime.knn import (
+    CLIENT_RULE,
     DEFAULT_K,
     DEFAULT_NORMALIZE,
     DEFAULT_SIGMA,
     LambdaRule,
-    base_problem,
     softmax,
 )
-from edge_runtime.personal_head import ClientSplits, PersonalHead, check_settings
+from edge_runtime.personal_head import ClientSplits
 from fed_train.algorithms.base import (
     ClientData,
     PersonalModel,
@@ -26,6 +26,7 @@ from fed_train.algorithms.base import (
     embed_and_logits,
 )
 from fed_train.algorithms.fedavg import FedAvg
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from fed_train.models import ModelFactory
 
 
@@ -62,16 +63,14 @@ class KNNPer(FedAvg):
         is interpolated with: the global model, or ("linear") a linear head fitted with `l2`
         on the client's train embeddings, normalised as the kNN's are."""
         super().__init__(model_fn, training)
-        problem = base_problem(base, l2)
-        if problem is not None:
-            raise ValueError(problem)
-        check_settings(k, sigma, normalize, lambda_estimator, l2 if base == "linear" else None)
-        self.k, self.sigma, self.capacity = k, sigma, capacity
-        self.normalize, self.lambda_estimator = normalize, lambda_estimator
-        self.lambda_rule = (
-            LambdaRule() if lambda_rule is None else LambdaRule.from_dict(lambda_rule)
+        self.choice = KNNChoice(
+            KNNConfig(k, sigma, normalize),
+            lambda_estimator,
+            lambda_rule=CLIENT_RULE if lambda_rule is None else LambdaRule.from_dict(lambda_rule),
+            base=base,
+            l2=l2,
         )
-        self.base, self.l2 = base, l2
+        self.capacity = capacity
 
     def personalize(
         self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
@@ -86,15 +85,7 @@ class KNNPer(FedAvg):
             (z_train, logits_train, client.y_train.cpu().numpy()),
             (z_val, logits_val, client.y_val.cpu().numpy()),
         )
-        head = PersonalHead(
-            num_classes,
-            k=self.k,
-            sigma=self.sigma,
-            normalize=self.normalize,
-            l2=self.l2 if self.base == "linear" else None,
-            rule=self.lambda_rule,
-            estimator=self.lambda_estimator,
-        )
+        head = self.choice.head(num_classes)
         head.fit(splits, keep=datastore_indices(client.num_train, self.capacity, seed))
 
         def predict(x: torch.Tensor) -> np.ndarray:

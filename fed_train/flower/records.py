@@ -21,7 +21,7 @@ from flwr.common.constant import SType
 from numpy.lib import format as npy
 
 from fed_train.algorithms.base import Weights, get_weights
-from fed_train.knn_tuning import KNNConfig
+from fed_train.knn_setting import KNNConfig
 from fed_train.models import ModelFactory, build_model
 
 STATE_ARRAYS, STATE_SCALARS = "knnper-state-arrays", "knnper-state-scalars"

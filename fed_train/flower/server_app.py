@@ -28,16 +28,15 @@ from fed_train.flower.settings import FlowerSettings
 from fed_train.flower.strategy import FederationError, KnnperStrategy, read_replies
 from fed_train.knn_choice import (
     KNN_CONFIG_FILE,
-    KNNChoice,
     choice_from_record,
     make_record,
     model_sha256,
     save_choice,
     saved_choice,
 )
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from fed_train.knn_tuning import (
     BASES,
-    KNNConfig,
     LinearConfig,
     fit_rule,
     grid_points,
