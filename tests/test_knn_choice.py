@@ -298,7 +298,7 @@ def _other_rule(record):
     [
         (_other_base, "base_cv does not choose"),
         (_other_rule, "base_cv does not choose"),
-        (lambda r: r["base"].update(l2=-1.0), "is not a base"),
+        (lambda r: r["base"].update(l2=-1.0), "base must be 'global', or 'linear' with l2 > 0"),
         (lambda r: r["lambda_rule"].update(grid=[0.0, 2.0]), "distinct values in"),
     ],
 )
