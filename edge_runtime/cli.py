@@ -573,7 +573,7 @@ def cmd_init(args) -> int:
     from .knn import CLIENT_RULE
     from .manifest import new_device_lambda_rule
 
-    k, sigma, rule = args.k, args.sigma, CLIENT_RULE
+    k, sigma, rule, like = args.k, args.sigma, CLIENT_RULE, None
     if args.trusted_key and not args.like:
         raise UsageError(
             "--trusted-key needs --like SIGNED_BUNDLE with init: --encoder is "
@@ -618,6 +618,7 @@ def cmd_init(args) -> int:
         intra_op_threads=args.threads,
         lambda_rule=rule,
         keep_inputs=args.keep_inputs,
+        release=like,
     )
     acc = "n/a" if report.val_accuracy is None else f"{100 * report.val_accuracy:.1f}%"
     fp = report.manifest["footprint"]

@@ -36,8 +36,10 @@ from .datastores import (
 from .device_choice import choose_datastore, with_inputs
 from .encoder import Encoder
 from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule
+from .manifest import MODEL_RECORDS
 from .preprocess import prepare_input, raw_checked, validate_spec
 from .runtime import check_labels
+from .versions import embedding_id, short
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ def init_bundle(
     intra_op_threads: int | None = None,
     lambda_rule: LambdaRule = CLIENT_RULE,
     keep_inputs: bool = False,
+    release: dict | None = None,
 ) -> InitReport:
     """Build and write a bundle for a new device (see the module docstring for the choice).
     Raises BundleError when even the encoder (or the encoder plus one stored sample) exceeds
@@ -103,6 +106,10 @@ def init_bundle(
         chooses as the server does).
     keep_inputs : the bundle also keeps every sample's raw input (counted in its budget), so
         that `knnper-edge upgrade` re-embeds them exactly when the model changes.
+    release : the validated manifest of a bundle of the release `encoder_path` comes from
+        (`init --like`): the model version it records ("model", "replaces") is recorded in
+        the new bundle too, so `info` and `upgrade` say which version the device runs.
+        BundleError when that version's encoder is not `encoder_path`.
 
     Returns
     -------
@@ -120,6 +127,7 @@ def init_bundle(
             f"the encoder alone takes {budget.encoder} bytes, over the budget of "
             f"{budget.total} bytes"
         )
+    versions = _release_versions(release, encoder_path)
     encoder = Encoder(encoder_path, intra_op_threads=intra_op_threads)
     xp = prepare_input(x, input_spec)
     if xp.shape[0] == 0:
@@ -158,9 +166,28 @@ def init_bundle(
         "lambda": float(best["lambda"]),
         "budget_bytes": budget.total,
         "update_strategy": update_strategy,
+        **versions,
     }
     manifest = write_bundle(out_dir, fields, encoder_path, final)
     return InitReport(manifest, best["recipe"], best["lambda"], best["val_accuracy"], scored)
+
+
+def _release_versions(release: dict | None, encoder_path: str | os.PathLike) -> dict:
+    """The model version records of `release` (a bundle's manifest) to write into the new
+    bundle: none without one, or where it records none (a bundle from before versions)."""
+    records = {key: release[key] for key in MODEL_RECORDS if key in (release or {})}
+    recorded = records.get("model", {}).get("embedding")
+    if recorded is not None:
+        encoder_id = embedding_id(Path(encoder_path).read_bytes())
+        if encoder_id != recorded:
+            model = records["model"]
+            raise BundleError(
+                f"the release's model (run {model['run']} round {model['round']}) is encoder "
+                f"{short(recorded)}, {encoder_path} is encoder {short(encoder_id)}: give the "
+                "encoder of that release (its export's encoder.onnx), or a bundle of the "
+                "encoder's own release"
+            )
+    return records
 
 
 def _candidate_recipes(

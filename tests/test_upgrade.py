@@ -498,3 +498,70 @@ def test_upgrade_refits_the_linear_head_where_the_release_does(tmp_path):
     probe, _ = make_images(5, seed=6)
     z_probe, logits = rt.embed(probe)
     np.testing.assert_allclose(logits, z_probe @ refit.coef_ + refit.intercept_, atol=1e-4)
+
+
+def _release(tmp_path: Path, encoder: Path, name: str, run: str, round_: int, seed: int) -> Path:
+    """A bundle of an exported release: it records its model version, as the exporter does."""
+    x, y = make_images(60, seed)
+    z, _ = raw_outputs(encoder, x)
+    ds = make_datastore("flat:fp32", NUM_CLASSES, k=5, sigma=1.0).fit(z, y)
+    model = {
+        "run": run,
+        "round": round_,
+        "weights_sha256": hashlib.sha256(run.encode()).hexdigest(),
+        "embedding": embedding_id(encoder.read_bytes()),
+    }
+    replaces = {**model, "run": "runs/v0", "round": 1}
+    write_bundle(tmp_path / name, {**FIELDS, "model": model, "replaces": replaces}, encoder, ds)
+    return tmp_path / name
+
+
+def _init_like(like: Path, encoder: Path, data: Path, out: Path) -> int:
+    from edge_runtime.cli import main
+
+    return main(
+        ["init", "--like", str(like), "--encoder", str(encoder), "--data", str(data)]
+        + ["--budget", "1MB", "--out", str(out)]
+    )
+
+
+def test_init_like_records_the_release_version_that_info_and_upgrade_report(tmp_path, capsys):
+    from edge_runtime.cli import main
+
+    old, new = _encoders(tmp_path)
+    v1 = _release(tmp_path, old, "v1", "runs/v1", 3, seed=0)
+    x, y = make_images(40, seed=4)
+    np.savez(tmp_path / "mine.npz", x=x, y=y)
+    assert _init_like(v1, old, tmp_path / "mine.npz", tmp_path / "device") == 0
+    released = json.loads((v1 / "manifest.json").read_text())
+    written = Runtime.load(tmp_path / "device").manifest
+    assert written["model"] == released["model"] and written["replaces"] == released["replaces"]
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "device")]) == 0
+    assert "run runs/v1 round 3, keys embedded by encoder" in capsys.readouterr().out
+    v2 = _release(tmp_path, new, "v2", "runs/v2", 5, seed=1)
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    assert main(["upgrade", str(tmp_path / "device"), "--to", str(v2), "--map", str(key_map)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"version       run runs/v1 round 3 (encoder {embedding_id(old.read_bytes())[:12]}) "
+        f"-> run runs/v2 round 5 (encoder {embedding_id(new.read_bytes())[:12]})"
+    ) in out
+
+
+def test_init_like_a_release_of_another_encoder_is_refused(tmp_path, capsys):
+    old, new = _encoders(tmp_path)
+    v1 = _release(tmp_path, old, "v1", "runs/v1", 3, seed=0)
+    x, y = make_images(40, seed=4)
+    np.savez(tmp_path / "mine.npz", x=x, y=y)
+    capsys.readouterr()
+    assert _init_like(v1, new, tmp_path / "mine.npz", tmp_path / "device") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "the release's model (run runs/v1 round 3) is encoder" in err
+    assert f"{new} is encoder {embedding_id(new.read_bytes())[:12]}" in err
+    assert not (tmp_path / "device").exists()
+    # a bundle from before versions records none: the new bundle records none either
+    unversioned = _bundle(tmp_path, new, "unversioned")
+    assert _init_like(unversioned, new, tmp_path / "mine.npz", tmp_path / "device") == 0
+    assert "model" not in Runtime.load(tmp_path / "device").manifest
