@@ -846,7 +846,9 @@ register_command(
         description="Turn the bundle into the version of a release's bundle (--to): its "
         "encoder and settings, with every sample the bundle stores (the exported ones and those "
         "`add` taught it) carried over: re-embedded where the bundle kept its raw inputs, else "
-        "mapped by the map the release ships (upgrades/ beside --to). Crash-safe: killed at any "
+        "mapped by the map the release ships (upgrades/ beside --to); a ProtoNN bundle keeps "
+        "its prototypes and buffer, the release's reverse map folded into its projection. "
+        "Crash-safe: killed at any "
         "instant, the bundle is the old version or the new one.",
         epilog=examples(
             f"knnper-edge upgrade {EXAMPLE} --to bundles-v2/500k/client_0003",

@@ -210,12 +210,14 @@ def upgrade_bundle(
     else:
         fresh, l2 = BACKENDS[backend].from_params(params), refit_l2(release)
     head_classes = release["num_classes"] if l2 is not None else None
-    fits = samples_within(fresh, dim, int(manifest["budget_bytes"]) - encoder_size, head_classes)
-    if fits < 1 and not (trained and count == 0):
+    room = int(manifest["budget_bytes"]) - encoder_size
+    fits = samples_within(fresh, dim, room, head_classes)
+    # a protonn bundle's prototypes stay with an empty buffer too
+    if fits < 1 and (not trained or fresh.estimate_nbytes(0, dim) > room):
         raise BudgetExceeded(
             f"{where}: the new encoder ({encoder_size} bytes) leaves no room for "
-            f"one stored sample in the budget of {manifest['budget_bytes']} "
-            "bytes",
+            f"{'its folded prototypes' if trained else 'one stored sample'} in the budget "
+            f"of {manifest['budget_bytes']} bytes",
             encoder_size,
             int(manifest["budget_bytes"]),
         )
@@ -250,9 +252,10 @@ def upgrade_bundle(
                 break
             except BudgetExceeded as exc:  # estimates (hnsw) undershot: evict a little more
                 per = max(1, fresh.estimate_nbytes(2, dim) - fresh.estimate_nbytes(1, dim))
-                evict += max(1, (exc.needed - exc.budget) // per + 1)
-                if evict >= count:
+                most = count if trained else count - 1  # a protonn bundle may buffer none
+                if evict >= most:
                     raise
+                evict = min(most, evict + max(1, (exc.needed - exc.budget) // per + 1))
         else:
             raise BudgetExceeded(
                 f"{where}: the upgraded datastore does not fit the budget",

@@ -50,6 +50,7 @@ CASES: dict[str, Case] = {
     "load_checks.py": Case(("--sizes", "100", "--reps", "1", "--out", "{out}")),
     "upgrade_device.py": Case(("--smoke", "--out", "{out}")),
     "upgrade_kills.py": Case(("--smoke", "--out", "{out}"), slow=True),
+    "upgrade_protonn.py": Case(("--smoke", "--out", "{out}"), slow=True),
     "train_throughput.py": Case(
         (
             "--tag",

@@ -16,10 +16,11 @@ from edge_runtime.keymap import KeyMap, load_key_map
 from edge_runtime.runtime import Runtime
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
 from edge_runtime.versions import embedding_id
-from export.upgrade_map import fit_key_map
+from export.upgrade_map import fit_key_map, ridge
 from tests.helpers.bundles import (
     FIELDS,
     NUM_CLASSES,
+    P,
     make_image_encoder,
     make_images,
     raw_outputs,
@@ -85,11 +86,15 @@ def _protonn(encoder: Path, seed: int, buffer: int = 6) -> ProtoNNDatastore:
 
 @pytest.fixture
 def release(tmp_path):
+    return _release(tmp_path)
+
+
+def _release(tmp_path: Path, p_new: int = P):
     """An old encoder's ProtoNN device bundle that learned 4 samples, the new release's own
-    ProtoNN bundle, and the release's map file (fitted by the server's code, with its
-    reverse) where upgrade looks for it."""
+    ProtoNN bundle (its encoder's embeddings of dimension p_new), and the release's map file
+    (fitted by the server's code, with its reverse) where upgrade looks for it."""
     old = make_image_encoder(tmp_path / "old.onnx", seed=0)
-    new = make_image_encoder(tmp_path / "new.onnx", seed=1)
+    new = make_image_encoder(tmp_path / "new.onnx", seed=1, p=p_new)
     fields = {**FIELDS, "update_strategy": "fifo"}
     write_bundle(tmp_path / "device", fields, old, _protonn(old, 0))
     (tmp_path / "v2").mkdir()
@@ -97,10 +102,16 @@ def release(tmp_path):
     x, y = make_images(400, seed=7)
     (z_old, _), (z_new, logits) = raw_outputs(old, x), raw_outputs(new, x)
     ids = [embedding_id(p.read_bytes()) for p in (old, new)]
-    fit = fit_key_map(z_old, z_new, logits, y, *ids, num_classes=NUM_CLASSES, k=5)
+    if p_new == P:  # the server's own fit (its evidence scores old keys with new queries)
+        mapping = fit_key_map(z_old, z_new, logits, y, *ids, num_classes=NUM_CLASSES, k=5).key_map
+    else:
+        evidence = {"mapped": 0.9, "stale": 0.5, "re-embedded": 0.95, "global": 0.6}
+        mapping = KeyMap(
+            *ridge(z_old, z_new, 1e-3), *ids, "map the keys", evidence, *ridge(z_new, z_old, 1e-3)
+        )
     key_map = tmp_path / "v2" / UPGRADES_DIR / map_file_name(ids[0])
     key_map.parent.mkdir()
-    fit.key_map.save(key_map)
+    mapping.save(key_map)
     x_add, y_add = make_images(4, seed=9)
     Runtime.load(tmp_path / "device").add(x_add, y_add)
     return tmp_path / "device", tmp_path / "v2" / "client", key_map, old, new
@@ -189,9 +200,10 @@ def test_a_map_without_its_reverse_still_loads(tmp_path):
     assert load_key_map(tmp_path / "m.npz").reverse_weight is None
 
 
-def test_the_buffer_s_oldest_go_when_the_new_encoder_leaves_less_room(release, capsys):
-    """A budget with room for only 2 of the 4 buffered samples beside the new encoder: the 2
-    oldest are evicted and the report says so."""
+@pytest.mark.parametrize("room", [2, 0])
+def test_the_buffer_s_oldest_go_when_the_new_encoder_leaves_less_room(release, capsys, room):
+    """A budget with room for only `room` of the 4 buffered samples beside the new encoder: the
+    oldest are evicted (all of them if need be: the prototypes stay) and the report says so."""
     from edge_runtime.cli import main
     from tests.helpers.bundles import rewrite_manifest
 
@@ -199,9 +211,31 @@ def test_the_buffer_s_oldest_go_when_the_new_encoder_leaves_less_room(release, c
     rt = Runtime.load(device)
     store, dim = rt.datastore.sample_store(), rt.manifest["embedding_dim"]
     labels = rt.datastore.buffer_labels_.copy()
-    rewrite_manifest(device, budget_bytes=new.stat().st_size + store.estimate_nbytes(2, dim))
+    rewrite_manifest(device, budget_bytes=new.stat().st_size + store.estimate_nbytes(room, dim))
     capsys.readouterr()
     assert main(["upgrade", str(device), "--to", str(client)]) == 0
     out = capsys.readouterr().out
-    assert "2 carried (buffered" in out and "2 oldest evicted" in out
-    np.testing.assert_array_equal(Runtime.load(device).datastore.buffer_labels_, labels[2:])
+    assert f"{room} carried (buffered" in out and f"{4 - room} oldest evicted" in out
+    after = Runtime.load(device).datastore
+    np.testing.assert_array_equal(after.buffer_labels_, labels[4 - room :])
+    assert len(after) == len(rt.datastore)  # every prototype kept
+
+
+def test_prototypes_that_no_longer_fit_are_refused_with_one_line(tmp_path, capsys):
+    """A much wider new encoder: its file and the folded projection take more than the budget
+    leaves, even with no buffered sample; the bundle stays the old version."""
+    from edge_runtime.cli import main
+    from tests.helpers.bundles import rewrite_manifest
+
+    device, client, key_map, old, new = _release(tmp_path, p_new=64)
+    rt = Runtime.load(device)
+    store, dim = rt.datastore.sample_store(), rt.manifest["embedding_dim"]
+    rewrite_manifest(device, budget_bytes=old.stat().st_size + store.estimate_nbytes(4, dim))
+    assert new.stat().st_size > old.stat().st_size + store.estimate_nbytes(4, dim)
+    files = {p.name: p.read_bytes() for p in device.iterdir()}
+    capsys.readouterr()
+    assert main(["upgrade", str(device), "--to", str(client)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no room for its folded prototypes" in err, err
+    assert {p.name: p.read_bytes() for p in device.iterdir()} == files
+    assert Runtime.load(device).predict(make_images(2)[0]).shape == (2,)
