@@ -11,6 +11,7 @@ from the same partition and its export with `--upgrade-from v1` (v2):
 - retrained: another training from the same pretraining (learning rate 0.05, 2 local epochs).
 Each client's device is its v1 bundle after `knnper-edge add` of its validation split (what it
 learned on the device goes into the ProtoNN buffer, fifo). On the client's test split:
+- old-noadd: the v1 bundle as exported, before the device added anything;
 - old: the device before the upgrade (old encoder, old prototypes);
 - stale: the new encoder's queries scored against the old prototypes and buffer (no fold), with
   the release's encoder, head and lambda, i.e. what an upgrade that only swapped the encoder
@@ -57,9 +58,19 @@ from edge_runtime.personal_head import PersonalHead  # noqa: E402
 from edge_runtime.runtime import Runtime  # noqa: E402
 from knnper_cli.main import main as knnper  # noqa: E402
 
-PATHS = ("old", "stale", "folded", "folded-pinv", "folded-noadd", "fresh", "fresh+readd")
+PATHS = (
+    "old-noadd",
+    "old",
+    "stale",
+    "folded",
+    "folded-pinv",
+    "folded-noadd",
+    "fresh",
+    "fresh+readd",
+)
 COMPARISONS = (
     ("folded", "stale"),
+    ("old", "old-noadd"),
     ("folded", "folded-pinv"),
     ("folded", "old"),
     ("folded", "fresh"),
@@ -147,8 +158,9 @@ def one_client(client: int, v1: Path, v2: Path, runs: Path, work: Path, pinv: Pa
     shutil.rmtree(device, ignore_errors=True)
     shutil.copytree(v1 / name, device)
     before = Runtime.load(device, intra_op_threads=1)
+    row = {"client": client, "test": len(y), "old-noadd": accuracies(before, x, y)}
     before.add(val["x"], val["y"])
-    row = {"client": client, "test": len(y), "buffered": len(before.datastore.buffer_labels_)}
+    row["buffered"] = len(before.datastore.buffer_labels_)
     row["old"] = accuracies(before, x, y)
     folded = upgraded(device, v2 / name, work, None)
     row["stale"] = accuracies(folded, x, y, datastore=before.datastore)
