@@ -30,11 +30,11 @@ from .datastores import (
     BACKENDS,
     format_recipe,
     make_datastore,
-    max_count_within,
     parse_recipe,
 )
 from .device_choice import choose_datastore, with_inputs
 from .encoder import Encoder
+from .head_file import no_sample_fits, samples_within
 from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule
 from .manifest import MODEL_RECORDS
 from .preprocess import prepare_input, raw_checked, validate_spec
@@ -139,14 +139,7 @@ def init_bundle(
     inputs = raw_checked(x, input_spec) if keep_inputs else None
     if inputs is not None:  # every candidate keeps them, and counts them in its footprint
         recipes = [with_inputs(r, inputs[0].nbytes) for r in (recipes or DEFAULT_RECIPES)]
-    candidates = _candidate_recipes(
-        recipes, num_classes, k, sigma, dim, budget.room, seed, z.shape[0]
-    )
-    if not candidates:
-        raise BundleError(
-            f"the budget of {budget.total} bytes leaves {budget.room} bytes after the encoder "
-            f"({budget.encoder} bytes): not enough for one stored sample of any candidate recipe"
-        )
+    candidates = _candidate_recipes(recipes, num_classes, k, sigma, dim, budget, seed, z.shape[0])
     final, best, scored = choose_datastore(
         z,
         logits,
@@ -196,13 +189,15 @@ def _candidate_recipes(
     k: int,
     sigma: float,
     dim: int,
-    room: int,
+    budget: Budget,
     seed: int,
     n_all: int,
 ) -> list[str]:
-    """Recipe strings with n<count> that fit `room` bytes (by the datastores' estimates)."""
+    """Recipe strings with n<count> that fit the budget's room by `samples_within` (the rule
+    `add` and `upgrade` hold the bundle to); BundleError, one line, when none does."""
     out: list[str] = []
     seen: set = set()
+    probes = []
     too_many: list[str] = []  # recipes whose own n is the problem, with the n that fits
     for recipe in recipes if recipes is not None else DEFAULT_RECIPES:
         name, params = parse_recipe(recipe)
@@ -214,7 +209,8 @@ def _candidate_recipes(
                 + " recipes"
             )
         probe = make_datastore(recipe, num_classes, k, sigma, seed=seed)
-        most = max_count_within(lambda n, p=probe: p.estimate_nbytes(n, dim), room)
+        probes.append(probe)
+        most = samples_within(probe, dim, budget.room, None)  # an init bundle refits no head
         if params.get("n") is not None:
             counts = [params["n"]] if params["n"] <= most else []
             if most >= 1 and not counts:
@@ -232,6 +228,6 @@ def _candidate_recipes(
             if same not in seen:
                 seen.add(same)
                 out.append(format_recipe(name, {**params, "n": n}))
-    if not out and too_many:
-        raise BundleError(too_many[0])
+    if not out:
+        raise BundleError(too_many[0] if too_many else no_sample_fits(budget, probes, dim, None))
     return out

@@ -16,12 +16,14 @@ from __future__ import annotations
 import io
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ._io import load_npz, save_npz_atomic
+from .budget import Budget
 from .datastores import SampleDatastore, max_count_within
 from .linear_head import LinearHead
 from .onnx_proto import replace_initializers
@@ -74,6 +76,31 @@ def samples_within(store: Any, dim: int, room: int, head_classes: int | None) ->
     if head_classes is not None:
         room -= head_nbytes(dim, head_classes)
     return max_count_within(lambda n: store.estimate_nbytes(n, dim), room)
+
+
+def one_sample_room(stores: Iterable[Any], dim: int, head_classes: int | None) -> int:
+    """The fewest bytes after the encoder in which one of `stores` holds one sample by
+    `samples_within`'s rule (the head's file, then one sample's estimate)."""
+    head = 0 if head_classes is None else head_nbytes(dim, head_classes)
+    return head + min(store.estimate_nbytes(1, dim) for store in stores)
+
+
+def no_sample_fits(
+    budget: Budget, stores: Iterable[Any], dim: int, head_classes: int | None
+) -> str:
+    """The one-line refusal where not even one sample of any of `stores` fits `budget` by
+    `samples_within`'s rule: what the encoder and the refitted head take, the budget, and the
+    smallest budget that would hold one. The exporter and `init` refuse such a budget instead
+    of writing a bundle that `add` and `upgrade` would find over it."""
+    head = 0 if head_classes is None else head_nbytes(dim, head_classes)
+    taken = f"the encoder takes {budget.encoder} bytes" + (
+        f" and the refitted linear head's file {head} bytes" if head else ""
+    )
+    return (
+        f"budget {budget.total} bytes: {taken}, leaving {budget.room - head} bytes, too few for "
+        f"one stored sample; the smallest budget that holds one is "
+        f"{budget.encoder + one_sample_room(stores, dim, head_classes)} bytes"
+    )
 
 
 def load_head(path: str | os.PathLike, dim: int, num_classes: int) -> dict[str, np.ndarray]:

@@ -418,7 +418,10 @@ def export_run(
                 f"ask for {settings.quantize}"
             )
         smallest = smallest_datastore_bytes(
-            space, run.dataset.num_classes, int(run.model.embedding_dim)
+            space,
+            run.dataset.num_classes,
+            int(run.model.embedding_dim),
+            run.dataset.num_classes if settings.knn.base == "linear" else None,
         )
         budgets = _client_budgets(budgets, encoder_files, smallest)  # before writing
         _warn_device_extras(space)
@@ -728,7 +731,8 @@ def _client_budgets(
         raise refuse(
             tight,
             f"cannot hold the {encoder.quantize} encoder ({encoder.nbytes} "
-            f"bytes) plus the smallest datastore ({smallest_datastore} bytes)",
+            f"bytes) plus the smallest datastore ({smallest_datastore} bytes): the smallest "
+            f"budget that fits is {encoder.nbytes + smallest_datastore} bytes",
         )
     return out
 

@@ -37,7 +37,7 @@ from edge_runtime.datastores import (
     SampleDatastore,
     max_count_within,
 )
-from edge_runtime.head_file import head_nbytes
+from edge_runtime.head_file import head_nbytes, no_sample_fits, one_sample_room, samples_within
 from edge_runtime.knn import datastore_key
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from export.errors import BudgetInvalid, ExportError
@@ -140,15 +140,15 @@ def measure_nbytes(datastore: Datastore) -> int:
             datastore.embedding_id_ = None
 
 
-def smallest_datastore_bytes(space: SearchSpace, num_classes: int, dim: int) -> int:
-    """Bytes of the smallest datastore the space allows (one stored sample, or one prototype at
-    the smallest projection): a budget with less room than this cannot get a bundle."""
-    rng = np.random.default_rng(0)
-    z, y = rng.normal(size=(1, dim)).astype(np.float32), np.zeros(1, dtype=np.int64)
-    kept = None if space.inputs is None else np.zeros((1, space.inputs), np.uint8)
-    sizes = [
-        measure_nbytes(config.fit(z, y, kept)) for config in sample_configs(space, num_classes)
-    ]
+def smallest_datastore_bytes(
+    space: SearchSpace, num_classes: int, dim: int, head_classes: int | None = None
+) -> int:
+    """Bytes of the smallest datastore the space allows (one stored sample by
+    `samples_within`'s rule, the refitted head's file included where `head_classes` is
+    given, or one prototype at the smallest projection): a budget with less room than this
+    cannot get a bundle."""
+    configs = sample_configs(space, num_classes)
+    sizes = [one_sample_room(configs, dim, head_classes)] if configs else []
     if ProtoNNDatastore.backend in space.backends and space.protonn_dims:
         d = min(space.protonn_dims)
         ds = ProtoNNDatastore.from_matrices(
@@ -257,15 +257,7 @@ class DatastoreSizer:
         )
         candidates: list[tuple[Candidate, Datastore]] = []
         seen: set[tuple[str, int]] = set()
-        # with the linear base, a device's first `add` refits the head into its own file, taken
-        # from the datastore's share: flat and HNSW datastores are sized to leave it room (a
-        # ProtoNN datastore keeps prototypes, and its head is never refitted)
-        sample_room = room - (
-            head_nbytes(int(data.z_train.shape[1]), self.num_classes)
-            if self.knn.base == "linear"
-            else 0
-        )
-        for build in self._builders(data, sample_room):
+        for build in self._builders(data, room):
             made = build()
             if made is None:
                 continue
@@ -290,6 +282,12 @@ class DatastoreSizer:
         ):
             candidates += self._protonn_search(data, room)
         if not candidates:
+            configs, dim = list(self._sample_configs()), data.z_train.shape[1]
+            head_classes = self._head_classes()
+            if configs and not any(samples_within(c, dim, room, head_classes) for c in configs):
+                protonn = " (and no ProtoNN datastore fits either)" if trained else ""
+                why = no_sample_fits(budget, configs, dim, head_classes)
+                raise BudgetInvalid(f"client {data.client_id}: {why}{protonn}")
             raise BudgetInvalid(
                 f"client {data.client_id}: the budget leaves {room} bytes after the encoder, too "
                 f"few for any datastore of backend(s) {', '.join(self.space.backends)}"
@@ -330,33 +328,30 @@ class DatastoreSizer:
 
     # -- enumeration
     def _counts(self, n_train: int, most: int) -> list[int]:
-        # The estimates are upper bounds with some margin: at a budget so tight that they allow
-        # nothing, one stored sample is still tried (and measured exactly).
-        most = max(most, 1)
         counts = {max(1, int(round(f * n_train))) for f in self.space.count_fractions}
         if self.space.fill_budget:
             counts.add(min(most, n_train))
         return sorted((c for c in counts if c <= most), reverse=True)
 
-    def _counts_within(
-        self, config: SampleDatastore, room: int, n: int, dim: int
-    ) -> tuple[list[int], int]:
-        """Sample counts to try for a flat or hnsw configuration, and its capacity: the most
-        samples its files can ever hold within `room` (what fifo may later grow to)."""
-
-        def estimate(count: int) -> int:
-            return config.estimate_nbytes(count, dim)
-
-        return self._counts(n, _most_within(estimate, room, n)), max_count_within(estimate, room)
+    def _head_classes(self) -> int | None:
+        """With the linear base, a device's first `add` refits the head into its own file,
+        taken from the datastore's share: flat and HNSW datastores are sized to leave it room
+        (a ProtoNN datastore keeps prototypes, and its head is never refitted)."""
+        return self.num_classes if self.knn.base == "linear" else None
 
     def _builders(
         self, data: ClientSplits, room: int
     ) -> Iterator[Callable[[], tuple[Candidate, Datastore] | None]]:
+        """Per flat or HNSW configuration, each sample count to try. Its capacity (what fifo
+        may later grow to) is the most samples `samples_within` allows in `room`, the rule
+        `add` and `upgrade` hold the bundle to; none where not one sample fits."""
         n, dim = data.z_train.shape
+        head_classes = self._head_classes()
+        sample_room = room - (0 if head_classes is None else head_nbytes(dim, head_classes))
         for config in self._sample_configs():
-            counts, capacity = self._counts_within(config, room, n, dim)
-            for count in counts:
-                yield _bind(self._fit_within, config, data, count, capacity, room)
+            capacity = samples_within(config, dim, room, head_classes)
+            for count in self._counts(n, min(n, capacity)):
+                yield _bind(self._fit_within, config, data, count, capacity, sample_room)
 
     def _sample_configs(self) -> Iterator[SampleDatastore]:
         """The flat and HNSW configurations to fill with samples (ProtoNN is trained after

@@ -770,7 +770,7 @@ def test_init_bundle_refuses_budgets_that_cannot_work(tmp_path):
     size = enc.stat().st_size
     with pytest.raises(BundleError, match=f"encoder alone takes {size} bytes"):
         init_bundle(enc, x, y, size - 1, tmp_path / "b", input_spec=IMAGE_SPEC)
-    with pytest.raises(BundleError, match="not enough for one stored sample"):
+    with pytest.raises(BundleError, match="too few for one stored sample; the smallest budget"):
         init_bundle(enc, x, y, size + 100, tmp_path / "b", input_spec=IMAGE_SPEC)
     with pytest.raises(ValueError, match="protonn datastores are trained on the server"):
         init_bundle(enc, x, y, 10**6, tmp_path / "b", input_spec=IMAGE_SPEC, recipes=["protonn:d8"])

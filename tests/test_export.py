@@ -25,7 +25,7 @@ from export.exporter import (
     client_embeddings,
     export_run,
 )
-from export.sizing import DatastoreSizer, SearchSpace, selection_key
+from export.sizing import DatastoreSizer, SearchSpace, selection_key, smallest_datastore_bytes
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.partition import ClientSplit, Partition
 from fed_train.run import RunConfig, load_run, train
@@ -39,7 +39,7 @@ SMALL_SPACE = SearchSpace(
     protonn_fractions=(0.3,),
     protonn_steps=30,
 )
-ROOMS = (2_500, 5_000, 10_000, 20_000, 40_000, 150_000)  # datastore bytes above the encoder
+ROOMS = (3_000, 5_000, 10_000, 20_000, 40_000, 150_000)  # datastore bytes above the encoder
 
 
 @pytest.fixture(scope="session")
@@ -284,7 +284,7 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_cli_exports_and_prints_a_table(run_dir, tmp_path, capsys, encoder_bytes):
     budgets = tmp_path / "budgets.json"
-    budgets.write_text(json.dumps({"0": encoder_bytes + 30_000, "4": encoder_bytes + 8_000}))
+    budgets.write_text(json.dumps({"0": encoder_bytes + 30_000, "4": encoder_bytes + 10_000}))
     code, out, _ = _cli(
         capsys,
         "export",
@@ -303,6 +303,27 @@ def test_cli_exports_and_prints_a_table(run_dir, tmp_path, capsys, encoder_bytes
     report = json.loads((tmp_path / "b" / "export.json").read_text())
     assert [r["client_id"] for r in report["clients"]] == [0, 4]
     assert all(r["backend"] == "flat" for r in report["clients"])
+
+
+def test_cli_refuses_a_budget_below_one_sample_and_fits_at_the_smallest_it_names(
+    run_dir, run, tmp_path, capsys, encoder_bytes
+):
+    """One sample's files fitted where its estimate (files and held memory, what `add` holds
+    the bundle to) did not: the exporter wrote a bundle over the device's own rule."""
+    smallest = encoder_bytes + smallest_datastore_bytes(
+        SearchSpace(backends=("flat",)), run.dataset.num_classes, int(run.model.embedding_dim)
+    )
+    flags = ["--backend", "flat", "--knn-config", "paper", "--clients", "2", "--budget"]
+    export = ["export", str(run_dir), "--out", str(tmp_path / "o"), *flags]
+    code, _, err = _cli(capsys, *export, str(smallest - 1))
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"client 2: budget {smallest - 1} bytes cannot hold the int8 encoder" in err
+    assert f"the smallest budget that fits is {smallest} bytes" in err
+    assert not (tmp_path / "o" / "client_0002").exists()
+    code, _, err = _cli(capsys, *export, str(smallest))
+    assert code == 0, err
+    rt = Runtime.load(tmp_path / "o" / "client_0002")
+    assert 1 <= len(rt.datastore) <= rt._max_fit()
 
 
 @pytest.mark.parametrize(
