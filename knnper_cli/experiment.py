@@ -13,19 +13,22 @@ of the means, and claims judged on all seeds, clients resampled within their own
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import shutil
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from edge_runtime._io import read_json_cache, write_text_atomic
 from edge_runtime.commands import command
 from experiments import model_update
 from experiments.context import QUICK, Context
 from experiments.experiment_seeds import combine, combined_result
 from experiments.registry import EXPERIMENTS
-from experiments.report import refuse_other_report, write_report
-from experiments.spec import IID_ALPHA, Experiment
+from experiments.report import SETTINGS_FILE, refuse_other_report, write_report
+from experiments.spec import IID_ALPHA, Experiment, ExperimentError
 from experiments.table_seeds import seed_dir
 from fed_train.accelerator import resolve_device
 from fed_train.progress import Progress
@@ -169,8 +172,41 @@ def _add_model_update(names: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--budget", type=positive_int, default=d.budget, help="each device's budget in bytes"
     )
+    q.add_argument(
+        "--steps",
+        type=positive_int,
+        default=d.steps,
+        help="batches each device adds between the versions (the distribution-shift protocol)",
+    )
+    q.add_argument(
+        "--shift-at", type=int, default=d.shift_at, help="first batch of the shifted labels"
+    )
+    q.add_argument("--batch", type=positive_int, default=d.batch, help="samples per batch")
+    q.add_argument(
+        "--alpha",
+        type=float,
+        default=d.alpha,
+        help="Dirichlet concentration of the shifted label distribution",
+    )
+    q.add_argument(
+        "--eval-samples",
+        type=positive_int,
+        default=d.eval_samples,
+        help="images of the shifted distribution each device is scored on",
+    )
     q.add_argument("--seed", type=int, default=0, help="first seed")
-    q.add_argument("--seeds", type=positive_int, default=1, help="seeds --seed .. +N-1")
+    q.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=1,
+        help="seeds --seed .. +N-1; the report pools every seed in OUT/model-update, so "
+        "seeds may run as separate invocations",
+    )
+    q.add_argument(
+        "--force",
+        action="store_true",
+        help="delete OUT/model-update first when it holds a report made with other flags",
+    )
 
 
 def _cmd_model_update(args: argparse.Namespace) -> int:
@@ -182,30 +218,73 @@ def _cmd_model_update(args: argparse.Namespace) -> int:
         pretrain_epochs=args.pretrain_epochs,
         budget=args.budget,
         max_train=args.max_train,
+        steps=args.steps,
+        shift_at=args.shift_at,
+        batch=args.batch,
+        alpha=args.alpha,
+        eval_samples=args.eval_samples,
     )
     if args.quick:
         settings = replace(
-            settings, dataset="digits", data=None, clients=6, rounds=2, pretrain_epochs=2
+            settings,
+            dataset="digits",
+            data=None,
+            clients=6,
+            rounds=2,
+            pretrain_epochs=2,
+            steps=4,
+            shift_at=2,
+            batch=10,
+            eval_samples=60,
         )
+    if not 0 < settings.shift_at < settings.steps:
+        raise ExperimentError(
+            f"--shift-at must be in 1 .. {settings.steps - 1}, got {settings.shift_at}"
+        )
+    if not settings.alpha > 0:
+        raise ExperimentError(f"--alpha must be positive, got {settings.alpha}")
     folder = Path(args.out) / "model-update"
-    rows = []
-    for seed in range(args.seed, args.seed + args.seeds):
-        rows += model_update.run_seed(folder / f"seed_{seed}", settings, seed)
-    command = " ".join(
-        [
-            "knnper experiment model-update",
-            *(["--quick"] if args.quick else []),
-            f"--dataset {settings.dataset}",
-            *([f"--data {settings.data}"] if settings.data else []),
-            *([f"--max-train {settings.max_train}"] if settings.max_train else []),
-            f"--clients {settings.clients}",
-            f"--rounds {settings.rounds}",
-            f"--pretrain-epochs {settings.pretrain_epochs}",
-            f"--seed {args.seed} --seeds {args.seeds}",
-            f"--budget {settings.budget}",
-            f"--out {args.out}",
-        ]
+
+    def line(first: int, count: int) -> str:
+        return " ".join(
+            [
+                "knnper experiment model-update",
+                *(["--quick"] if args.quick else []),
+                f"--dataset {settings.dataset}",
+                *([f"--data {settings.data}"] if settings.data else []),
+                *([f"--max-train {settings.max_train}"] if settings.max_train else []),
+                f"--clients {settings.clients}",
+                f"--rounds {settings.rounds}",
+                f"--pretrain-epochs {settings.pretrain_epochs}",
+                f"--budget {settings.budget}",
+                f"--steps {settings.steps} --shift-at {settings.shift_at}",
+                f"--batch {settings.batch} --alpha {settings.alpha}",
+                f"--eval-samples {settings.eval_samples}",
+                f"--seed {first} --seeds {count}",
+                f"--out {args.out}",
+            ]
+        )
+
+    if args.force:
+        shutil.rmtree(folder, ignore_errors=True)
+    refuse_other_report(folder, asdict(settings), line(args.seed, args.seeds))
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(
+        folder / SETTINGS_FILE,
+        json.dumps({"settings": asdict(settings), "command": line(args.seed, args.seeds)}),
     )
+    for seed in range(args.seed, args.seed + args.seeds):
+        model_update.run_seed(seed_dir(folder, seed), settings, seed)
+    # every finished seed in the folder (earlier invocations' too): one report
+    rows, seeds = [], []
+    for seed_folder in sorted(folder.glob("seed_*")):
+        saved = read_json_cache(seed_folder / model_update.ROWS_FILE)
+        if saved is not None and saved.get("settings") == asdict(settings):
+            rows += saved["rows"]
+            seeds.append(int(seed_folder.name.removeprefix("seed_")))
+    seeds.sort()
+    contiguous = seeds == list(range(seeds[0], seeds[0] + len(seeds)))
+    command = line(seeds[0], len(seeds)) if contiguous else line(args.seed, args.seeds)
     model_update.summarise(rows, folder, command)
     print((folder / "summary.md").read_text())
     return 0

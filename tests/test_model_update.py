@@ -197,4 +197,19 @@ def test_model_update_experiment_writes_its_report(tmp_path):
     assert {r["gap"] for r in rows} == {"continued", "retrained"}
     assert all(0 <= float(r["knn_accuracy"]) <= 1 for r in rows)
     assert (folder / "model_update.png").read_bytes().startswith(b"\x89PNG")
-    assert "mapped vs exact" in (folder / "summary.md").read_text()
+    summary = (folder / "summary.md").read_text()
+    assert "mapped within 0.5 pp of exact" in summary and "Clients hurt" in summary
+    # the distribution-shift stream was added (4 batches of 10) and kept: stale, mapped and
+    # exact were scored on the same stored samples, the train split and the stream
+    assert {int(r["added"]) for r in rows} == {40}
+    assert all(int(r["stored"]) == int(r["train"]) + 40 for r in rows)
+    assert all(int(r["test_samples"]) == 60 for r in rows)
+    # a finished seed is read back, not measured again; other flags are refused before
+    # anything is trained
+    before = (folder / "seed_0" / "rows.json").stat().st_mtime_ns
+    assert knnper("experiment", "model-update", "--quick", "--out", str(tmp_path)) == 0
+    assert (folder / "seed_0" / "rows.json").stat().st_mtime_ns == before
+    assert (
+        knnper("experiment", "model-update", "--quick", "--alpha", "1", "--out", str(tmp_path)) == 2
+    )
+    assert not (folder / "seed_1").exists()
