@@ -143,6 +143,14 @@ def test_cli_upgrades_a_protonn_bundle_by_folding_the_reverse_map(release, capsy
         atol=1e-5,
     )
     assert rt.predict(probe).shape == (40,)
+    onnx_file = device.parent / "predictor.onnx"  # the one-file predictor of the folded matrices
+    assert main(["export-onnx", str(device), "--out", str(onnx_file)]) == 0
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(
+        session.run(None, {"input": probe})[0], rt.predict_proba(probe), atol=1e-5
+    )
     np.savez(device.parent / "test.npz", x=probe, y=truth)
     assert main(["evaluate", str(device), "--data", str(device.parent / "test.npz")]) == 0
     x_more, y_more = make_images(3, seed=11)
