@@ -191,6 +191,7 @@ class LocalFederation:
     superlink_port: int | None = None
     device: str = "cpu"  # every SuperNode's node config `device`
     app_dir: Path = APP_DIR  # benchmarks swap in an empty ClientApp to measure Flower's floor
+    bundle_dir: Path | None = None  # node i keeps its own bundle in bundle_dir/node-i
 
 
 def _connection_toml(port: int, ca_cert: Path | None) -> str:
@@ -214,7 +215,7 @@ def run_config_toml(settings: FlowerSettings) -> str:
 def _run_timeout(settings: FlowerSettings) -> float:
     """The longest a healthy run can take: connecting, every round and the evaluation at their
     timeouts, plus a margin for starting the apps."""
-    rounds = settings.run.training.rounds
+    rounds = 0 if settings.release else settings.run.training.rounds
     return settings.connect_timeout + (rounds + 1) * settings.round_timeout + 120.0
 
 
@@ -336,6 +337,17 @@ def start_supernode(
     return procs.start(name, argv)
 
 
+def node_bundle_dir(bundle_dir: Path, node: int) -> Path:
+    """Where the local federation's node `node` keeps its own bundle."""
+    return bundle_dir / f"node-{node}"
+
+
+def _bundle_config(bundle_dir: Path | None, node: int) -> str:
+    if bundle_dir is None:
+        return ""
+    return f' bundle-dir="{node_bundle_dir(bundle_dir.resolve(), node)}"'
+
+
 def deploy_local(
     settings: FlowerSettings, federation: LocalFederation, *, progress: bool = False
 ) -> dict[str, Any]:
@@ -351,7 +363,10 @@ def deploy_local(
             raise DeployError(f"{tool} is not installed: {install_hint('flower')}")
     run_dir = Path(settings.run_dir).resolve()
     settings.run_dir = str(run_dir)
-    open_run(settings.run, run_dir)  # a bad data set or run directory fails before any process
+    if settings.release:  # pushing an export: run_dir only records it
+        run_dir.mkdir(parents=True, exist_ok=True)
+    else:  # a bad data set or run directory fails before any process
+        open_run(settings.run, run_dir)
     log_dir = run_dir / LOG_DIR
     log_dir.mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="knnper-flower-"))  # 0700: keys and the CLI's home
@@ -383,7 +398,7 @@ def deploy_local(
                 tls,
                 key,
                 f"partition-id={i} num-partitions={federation.clients} "
-                f'device="{federation.device}"',
+                f'device="{federation.device}"' + _bundle_config(federation.bundle_dir, i),
             )
         run_toml = work / "run.toml"
         write_text_atomic(run_toml, run_config_toml(settings))
@@ -407,7 +422,7 @@ def deploy_local(
             port,
             "TLS, SuperNode authentication" if tls else "insecure",
         )
-        rounds = settings.run.training.rounds
+        rounds = 0 if settings.release else settings.run.training.rounds
         with Progress(
             rounds,
             desc="deploy local",

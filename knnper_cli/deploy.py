@@ -17,6 +17,7 @@ from fed_train.deploy import (
     DeployError,
     LocalFederation,
     deploy_local,
+    node_bundle_dir,
     rounds_logged,
     run_config_toml,
 )
@@ -24,6 +25,7 @@ from fed_train.evaluation import format_table
 from fed_train.flower.expected import expectation_line
 from fed_train.flower.pki import make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerSettings
+from fed_train.run import RunConfig, read_config
 from knnper_cli.args import (
     add_knn_arguments,
     add_training_arguments,
@@ -78,6 +80,62 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     if split:
         print(split)
     return 0
+
+
+def _cmd_deploy_release(args: argparse.Namespace) -> int:
+    release = Path(args.release).resolve()
+    if not (release / "export.json").is_file():
+        raise DeployError(f"{args.release} is not a release (no export.json): run `knnper export`")
+    run = RunConfig.from_dict(read_config(Path(args.run)))
+    settings = FlowerSettings(
+        run=run,
+        run_dir=args.out,
+        round_timeout=args.round_timeout,
+        connect_timeout=args.connect_timeout,
+        release=str(release),
+        keep_inputs=args.keep_inputs,
+        force_upgrade=args.force,
+    )
+    federation = LocalFederation(
+        clients=run.clients,
+        insecure=args.insecure,
+        startup_timeout=args.startup_timeout,
+        bundle_dir=Path(args.bundle_dir),
+    )
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
+    try:
+        record = deploy_local(settings, federation)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(format_release_table(record["nodes"], Path(args.bundle_dir)))
+    traffic = record["superlink_run"].get("network-traffic", {})
+    print(
+        f"{len(record['nodes'])} node(s) on release {args.release}; from the nodes to the "
+        f"SuperLink: {traffic.get('inbound-bytes', '?')} bytes (counts, accuracies and "
+        "versions: no sample leaves a node)"
+    )
+    return 0
+
+
+def format_release_table(nodes: dict[int, dict[str, Any]], bundle_dir: Path) -> str:
+    """One row per node: what it did to its bundle and how its test accuracy moved."""
+
+    def pct(row: dict[str, Any], key: str) -> str:
+        return f"{100 * row[key]:.1f}" if key in row else "-"
+
+    lines = [
+        "| client | bundle | did | stored | added | carried | test % before | after | version |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cid, row in sorted(nodes.items()):
+        did = "built" if row["built"] else (row.get("how", "") if row["upgraded"] else "current")
+        lines.append(
+            f"| {cid} | {node_bundle_dir(bundle_dir, int(cid))} | {did} | {row['stored']} | "
+            f"{row.get('added', '-')} | {row.get('carried', '-')} | "
+            f"{pct(row, 'test-accuracy-before')} | {pct(row, 'test-accuracy')} | "
+            f"{row.get('version', '')} |"
+        )
+    return "\n".join(lines)
 
 
 def round_split(rows: list[dict[str, Any]]) -> str | None:
@@ -145,6 +203,12 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["fedavg", "knnper"],
         help="personalizations evaluated on the clients after training",
+    )
+    p.add_argument(
+        "--continue-from",
+        metavar="RUN",
+        default=None,
+        help="continue training a finished run's model, as `knnper train --continue-from`",
     )
     add_knn_arguments(p)
     p.add_argument(
@@ -231,6 +295,53 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
         type=output_file_or_stdout,
         help="write the TOML here (default, - or /dev/stdout: standard output; "
         "an existing path must be a regular file or a link to one)",
+    )
+
+    release_example = (
+        "knnper deploy release bundles/fl-v1 --run runs/fl-v1 --bundle-dir devices/fl "
+        "--out runs/fl-v1-devices"
+    )
+    push = command(
+        "release",
+        _cmd_deploy_release,
+        help="push an export to a local federation's devices: each SuperNode builds its own "
+        "bundle from its own data and learns, or upgrades the bundle it has",
+        epilog=examples(release_example),
+    ).add_to(where)
+    push.add_argument("release", help="a `knnper export` directory (the release)")
+    push.add_argument(
+        "--run",
+        required=True,
+        help="the run the release was exported from (the nodes draw their clients' data as it did)",
+    )
+    push.add_argument(
+        "--bundle-dir",
+        required=True,
+        help="the devices' bundles: node N keeps its own in BUNDLE_DIR/node-N",
+    )
+    push.add_argument(
+        "--out", required=True, type=output_dir, help="where flower.json and the logs go"
+    )
+    push.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="a bundle built on a node keeps its raw inputs (upgrades re-embed them exactly)",
+    )
+    push.add_argument(
+        "--force",
+        action="store_true",
+        help="upgrade with the release's key map even where it advises to keep the old keys",
+    )
+    for flag, default, text in (
+        ("--round-timeout", 600.0, "seconds the server waits for the nodes' replies"),
+        ("--connect-timeout", 120.0, "seconds the server waits for every client's SuperNode"),
+        ("--startup-timeout", 60.0, "seconds the SuperLink may take to start listening"),
+    ):
+        push.add_argument(flag, type=positive_float, default=default, help=text)
+    push.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS and no SuperNode authentication (never across machines)",
     )
 
     certs = command(

@@ -101,6 +101,44 @@ def train(msg: Message, context: Context) -> Message:
     )
 
 
+@app.train("release")
+def release(msg: Message, context: Context) -> Message:
+    """Bring this node's own bundle (node config `bundle-dir`) to the release the server sent:
+    build it from this node's train split and teach it the validation split, or upgrade it in
+    place (fed_train.flower.device_release). The reply holds counts, accuracies and version
+    ids only (fed_train.flower.release.node_reply refuses anything else)."""
+    from pathlib import Path
+
+    from fed_train.flower.client_data import node_partition_id, node_splits
+    from fed_train.flower.device_release import bring_to_release
+    from fed_train.flower.records import ModelSpec
+    from fed_train.flower.release import node_reply
+    from fed_train.flower.settings import FlowerConfigError, FlowerSettings
+
+    settings = FlowerSettings.from_run_config(dict(context.run_config))
+    spec = ModelSpec.from_record(msg.content["model"])
+    node_config = dict(context.node_config)
+    if "bundle-dir" not in node_config:
+        raise FlowerConfigError(
+            "node config has no 'bundle-dir' (where this device keeps its bundle: start the "
+            "SuperNode with --node-config 'partition-id=N bundle-dir=\"DIR\"')"
+        )
+    client_id = node_partition_id(node_config, settings.run.clients)
+    splits = node_splits(
+        settings.run, node_config, spec.input_spec, spec.num_classes, context.state
+    )
+    metrics, texts = bring_to_release(
+        msg.content["files"],
+        Path(str(node_config["bundle-dir"])).expanduser(),
+        splits,
+        client_id=client_id,
+        keep_inputs=settings.keep_inputs,
+        force=settings.force_upgrade,
+        seed=settings.run.seed,
+    )
+    return node_reply(msg, metrics, texts)
+
+
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Personalize each requested method on this client's own data (kNN-Per: a datastore from

@@ -97,22 +97,35 @@ def load_node_client(
     (the node's Context.state, kept between the messages of a run) the raw splits are read
     once per run: later messages skip loading the data set and drawing the partition."""
     client_id = node_partition_id(node_config, config.clients)
+    splits = node_splits(config, node_config, input_spec, num_classes, store)
+    return _client(client_id, splits, input_spec, num_classes)
+
+
+def node_splits(
+    config: RunConfig,
+    node_config: dict[str, Any],
+    input_spec: dict,
+    num_classes: int,
+    store: RecordDict | None = None,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """This node's raw splits (name -> (x, y), inputs as the data set stores them), kept in
+    `store` (see load_node_client): what the device runtime builds and teaches a bundle from."""
+    client_id = node_partition_id(node_config, config.clients)
     cached = store.get(DATA_KEY) if store is not None else None
     if isinstance(cached, ArrayRecord):
-        splits = {
+        return {
             name: (cached[f"{name}-x"].numpy(), cached[f"{name}-y"].numpy()) for name in SPLIT_FILES
         }
-    else:
-        splits = _node_splits(client_id, config, node_config, input_spec, num_classes)
-        if store is not None:
-            store[DATA_KEY] = ArrayRecord(
-                {
-                    f"{name}-{part}": Array(np.ascontiguousarray(a))
-                    for name, xy in splits.items()
-                    for part, a in zip("xy", xy, strict=True)
-                }
-            )
-    return _client(client_id, splits, input_spec, num_classes)
+    splits = _node_splits(client_id, config, node_config, input_spec, num_classes)
+    if store is not None:
+        store[DATA_KEY] = ArrayRecord(
+            {
+                f"{name}-{part}": Array(np.ascontiguousarray(a))
+                for name, xy in splits.items()
+                for part, a in zip("xy", xy, strict=True)
+            }
+        )
+    return splits
 
 
 def _node_splits(

@@ -20,10 +20,12 @@ from edge_runtime._io import write_json_atomic
 from edge_runtime.errors import one_line
 from edge_runtime.knn import LAMBDA_ESTIMATORS, LAMBDA_GRID, LAMBDA_RULES
 from edge_runtime.linear_head import L2_GRID
+from edge_runtime.manifest import read_manifest
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import set_weights
 from fed_train.evaluation import format_table
 from fed_train.flower.records import ModelSpec, points_record, to_array_record, to_weights
+from fed_train.flower.release import RELEASE_ACTION, read_reply, release_files
 from fed_train.flower.settings import FlowerSettings
 from fed_train.flower.strategy import FederationError, KnnperStrategy, read_replies
 from fed_train.knn_choice import (
@@ -318,11 +320,56 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
     return record
 
 
+def push_release(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
+    """`knnper deploy release`: send every client's node its files of the export
+    `settings.release` (fed_train.flower.release), wait for each node to build or upgrade its
+    own bundle, and keep their replies (counts, accuracies, versions) in flower.json."""
+    release = Path(settings.release)
+    bundles = sorted(release.glob("client_[0-9]*"))
+    if not bundles:
+        raise FederationError(f"{release} holds no client bundles (is it a `knnper export`?)")
+    like = read_manifest(bundles[0])
+    spec = ModelSpec(settings.run.model or "", int(like["num_classes"]), like["input"])
+    record: dict[str, Any] = {
+        "status": "running",
+        "release": str(release),
+        "settings": settings.to_run_config(),
+    }
+    _write_flower_file(Path(settings.run_dir), record)
+    node_of = find_clients(grid, settings, spec, {})
+    messages = [
+        Message(
+            RecordDict({"model": spec.to_record(), "files": release_files(release, cid)}),
+            dst_node_id=node,
+            message_type=f"{MessageType.TRAIN}.{RELEASE_ACTION}",
+        )
+        for cid, node in node_of.items()
+    ]
+    got = read_replies(
+        grid.send_and_receive(messages, timeout=settings.round_timeout),
+        {node: cid for cid, node in node_of.items()},
+        lambda cid, reply: read_reply(reply),
+    )
+    record.update(nodes=got.read, failed=got.failed, silent=got.silent)
+    if got.failed or got.silent:
+        why = "; ".join(f"client {c}: {r}" for c, r in got.failed.items())
+        silent = (
+            f"no reply from client(s) {got.silent} within the round timeout" if got.silent else ""
+        )
+        raise FederationError("; ".join(x for x in (why, silent) if x))
+    record["status"] = "completed"
+    _write_flower_file(Path(settings.run_dir), record)
+    return record
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     settings = FlowerSettings.from_run_config(dict(context.run_config))
     try:
-        train_and_evaluate(grid, settings)
+        if settings.release:
+            push_release(grid, settings)
+        else:
+            train_and_evaluate(grid, settings)
     except Exception as err:
         # the launcher only sees "failed"; the run directory says why, in one line
         reason = one_line(err, first_line=True)

@@ -36,6 +36,10 @@ class FlowerSettings:
     # kNN-Per's configuration as `--knn-config` and its pinning flags ask for it, carried whole
     knn: KNNRequest = field(default_factory=KNNRequest)
     capacity: float = 1.0
+    # `knnper deploy release`: instead of training, push this export to the nodes' bundles
+    release: str = ""
+    keep_inputs: bool = False  # a bundle built on a node keeps its raw inputs (exact upgrades)
+    force_upgrade: bool = False  # map keys even where the release advises otherwise
 
     def check(self) -> FlowerSettings:
         algorithm = ALGORITHMS.get(self.algorithm)
@@ -82,6 +86,9 @@ class FlowerSettings:
             "eval-methods": ",".join(self.eval_methods),
             **_knn_values(self.knn),
             "capacity": float(self.capacity),
+            "release": self.release,
+            "keep-inputs": bool(self.keep_inputs),
+            "force-upgrade": bool(self.force_upgrade),
         }
 
     @classmethod
@@ -108,10 +115,19 @@ class FlowerSettings:
                 ),
                 knn=_knn_request(values),
                 capacity=float(values.get("capacity", d.capacity)),
+                release=str(values.get("release", d.release)),
+                keep_inputs=_flag(values.get("keep-inputs", d.keep_inputs)),
+                force_upgrade=_flag(values.get("force-upgrade", d.force_upgrade)),
             )
         except (TypeError, ValueError) as err:
             raise FlowerConfigError(f"bad run config value: {err}") from err
         return settings.check()
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r:.40}")
+    return value
 
 
 # A run config holds no None: a value kNN-Per chooses (not pinned by a flag) travels as 0 or "".

@@ -1,0 +1,137 @@
+"""A release pushed to the SuperNodes' own bundles (`knnper deploy release`).
+
+The server sends each node the files it needs from an export (`knnper export`): the release's
+encoder, its client's bundle and the release's key maps (upgrades/). The node keeps its bundle
+in its own directory (node config `bundle-dir`): the first time, it builds it from its own train
+split and teaches it its validation split, as `knnper-edge init --like` and `add` do; later,
+when the release is a new model version, it upgrades it in place as `knnper-edge upgrade` does,
+keeping every sample it learned. The node's reply holds only the scalar fields listed here
+(counts, accuracies, lambda, bytes) and short version ids; the server refuses any other reply,
+so no sample can leave a node on it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from edge_runtime._io import read_within, write_bytes_atomic
+from edge_runtime.manifest import ENCODER_FILE, MANIFEST
+
+RELEASE_ACTION = "release"  # the ClientApp's handler for message type "train.release"
+UPGRADES = "upgrades"  # the release's key maps, as `knnper export --upgrade-from` writes them
+CLIENT = "client"  # where a node writes its client's bundle of the release
+MAX_FILE_BYTES = 64 << 20  # one file of a release (an encoder, a datastore, a key map)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+# A node's reply: these numbers in MetricRecord "metrics", these short texts in ConfigRecord
+# "versions"; nothing else.
+REPLY_METRICS = (
+    "client-id",
+    "built",
+    "upgraded",
+    "stored",
+    "added",
+    "carried",
+    "evicted",
+    "lambda",
+    "footprint-bytes",
+    "test-accuracy",
+    "test-accuracy-before",
+)
+REPLY_TEXTS = ("version", "version-before", "how")
+MAX_TEXT = 200
+
+
+class ReleaseError(ValueError):
+    """A release that cannot be pushed, or a node's reply that the server refuses."""
+
+
+def release_files(release: Path, client_id: int) -> ConfigRecord:
+    """What the node of `client_id` needs from the release directory: its encoder, the
+    client's bundle (client_NNNN) and the key maps, as file bytes under their relative names."""
+    bundle = release / f"client_{client_id:04d}"
+    if not (bundle / MANIFEST).is_file():
+        raise ReleaseError(
+            f"{release} holds no bundle for client {client_id} (export it with --clients all)"
+        )
+    files = {ENCODER_FILE: release / ENCODER_FILE}
+    files |= {f"{CLIENT}/{p.name}": p for p in sorted(bundle.iterdir()) if p.is_file()}
+    if (release / UPGRADES).is_dir():
+        files |= {
+            f"{UPGRADES}/{p.name}": p for p in sorted((release / UPGRADES).iterdir()) if p.is_file()
+        }
+    return ConfigRecord({name: _read(path) for name, path in files.items()})
+
+
+def _read(path: Path) -> bytes:
+    return read_within(path, MAX_FILE_BYTES, lambda why: ReleaseError(f"{path} {why}"))
+
+
+def write_release(record: ConfigRecord, root: Path) -> Path:
+    """Write the files the server sent under `root` (names checked: one folder of CLIENT or
+    UPGRADES at most, plain names, no path tricks); returns the client bundle's directory. The
+    bundle's own checks (sha256s, schema, sizes) run when the device runtime reads it."""
+    for name, data in record.items():
+        parts = name.split("/")
+        folder_ok = len(parts) == 1 or (len(parts) == 2 and parts[0] in (CLIENT, UPGRADES))
+        if not (folder_ok and _NAME.fullmatch(parts[-1]) and ".." not in parts[-1]):
+            raise ReleaseError(f"the server sent a file with a refused name {name!r:.80}")
+        if not isinstance(data, bytes) or len(data) > MAX_FILE_BYTES:
+            raise ReleaseError(f"the server's file {name} is not bytes within {MAX_FILE_BYTES}")
+        if len(parts) == 2:
+            (root / parts[0]).mkdir(exist_ok=True)
+        write_bytes_atomic(root / name, data, sync_dir=False)
+    if not (root / CLIENT / MANIFEST).is_file() or not (root / ENCODER_FILE).is_file():
+        raise ReleaseError("the server sent no client bundle or no encoder")
+    return root / CLIENT
+
+
+def node_reply(msg: Message, metrics: dict[str, Any], texts: dict[str, str]) -> Message:
+    """The node's reply: the listed numbers and texts only (ReleaseError otherwise)."""
+    extra = (set(metrics) - set(REPLY_METRICS)) | (set(texts) - set(REPLY_TEXTS))
+    if extra:
+        raise ReleaseError(f"fields {sorted(extra)} are not part of a release reply")
+    return Message(
+        RecordDict(
+            {
+                "metrics": MetricRecord(metrics),
+                "versions": ConfigRecord({k: str(v)[:MAX_TEXT] for k, v in texts.items()}),
+            }
+        ),
+        reply_to=msg,
+    )
+
+
+def read_reply(reply: Message) -> dict[str, Any]:
+    """A node's reply as one flat dict, refused unless it is what node_reply makes: exactly a
+    MetricRecord "metrics" of listed scalars and a ConfigRecord "versions" of listed short
+    texts (no array record, no list, no bytes: nothing a sample could hide in)."""
+    content = reply.content
+    if set(content.keys()) != {"metrics", "versions"} or content.array_records:
+        raise ReleaseError(f"a release reply holds records {sorted(content.keys())}")
+    metrics = content.metric_records["metrics"]
+    texts = content.config_records["versions"]
+    row: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if key not in REPLY_METRICS or not isinstance(value, int | float):
+            raise ReleaseError(f"a release reply's metric {key!r:.40} is refused")
+        row[key] = value
+    for key, value in texts.items():
+        if key not in REPLY_TEXTS or not isinstance(value, str) or len(value) > MAX_TEXT:
+            raise ReleaseError(f"a release reply's text {key!r:.40} is refused")
+        row[key] = value
+    return row
+
+
+def version_text(manifest: dict, embedding: str | None = None) -> str:
+    """A bundle's model version in a few words: run and round where its manifest records them,
+    and the id of the encoder its keys come from (`embedding`, else the manifest's record)."""
+    model = manifest.get("model")
+    model = model if isinstance(model, dict) else {}
+    encoder = str(embedding or model.get("embedding") or "unrecorded")[:12]
+    if not model:
+        return f"encoder {encoder}"
+    return f"run {model.get('run')} round {model.get('round')} encoder {encoder}"
