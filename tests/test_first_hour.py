@@ -86,7 +86,7 @@ def test_edge_version_prints_and_exits_zero(capsys):
 @pytest.mark.parametrize(
     "argv,commands",
     [
-        (["deploy"], "local, config, certs"),
+        (["deploy"], "local, config, release, certs"),
         (["bench"], "table"),
     ],
 )

@@ -162,7 +162,7 @@ def test_nodes_build_their_bundles_from_their_own_data_and_learn(lifecycle):
         row = built["nodes"][str(cid)]
         val = _splits(root / "v1", cid)["val"]
         assert row["built"] == 1 and row["added"] == len(val[1]) > 0
-        assert row["version"] == f"encoder {encoder}"
+        assert row["version"] == f"run v1 round 2 encoder {encoder}"
         assert 0.5 < row["test-accuracy"] <= 1.0
 
 

@@ -31,9 +31,9 @@ def bring_to_release(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Bring the node's bundle at `bundle` to the release in `files` (a ConfigRecord of file
     bytes). No bundle yet: build one from the train split (the release's encoder, input, k,
-    sigma, budget and lambda rule for a new device) and `add` the validation split. A bundle of
-    another model version: upgrade it in place (every stored sample kept; `force` maps keys
-    where the release advises otherwise). Returns the reply's numbers and version texts; the
+    sigma, budget and lambda rule for a new device; its model version recorded) and `add` the
+    validation split. A bundle of another model version: upgrade it in place (every stored
+    sample kept; `force` maps keys where the release advises otherwise). Returns the reply's numbers and version texts; the
     test split only measures accuracy."""
     bundle.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".release-", dir=bundle.parent) as tmp:
@@ -71,6 +71,7 @@ def _build(
         intra_op_threads=1,
         lambda_rule=rule,
         keep_inputs=keep_inputs,
+        release=like,
     )
     runtime = Runtime.load(bundle, intra_op_threads=1)
     learned = runtime.add(*splits["val"])
