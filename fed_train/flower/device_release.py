@@ -33,8 +33,8 @@ def bring_to_release(
     bytes). No bundle yet: build one from the train split (the release's encoder, input, k,
     sigma, budget and lambda rule for a new device; its model version recorded) and `add` the
     validation split. A bundle of another model version: upgrade it in place (every stored
-    sample kept; `force` maps keys where the release advises otherwise). Returns the reply's numbers and version texts; the
-    test split only measures accuracy."""
+    sample kept; `force` maps keys where the release advises otherwise). Returns the reply's
+    numbers and version texts; the test split only measures accuracy."""
     bundle.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".release-", dir=bundle.parent) as tmp:
         client_dir = write_release(files, Path(tmp))
