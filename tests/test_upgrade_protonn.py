@@ -247,3 +247,45 @@ def test_prototypes_that_no_longer_fit_are_refused_with_one_line(tmp_path, capsy
     assert err.count("\n") == 1 and "no room for its folded prototypes" in err, err
     assert {p.name: p.read_bytes() for p in device.iterdir()} == files
     assert Runtime.load(device).predict(make_images(2)[0]).shape == (2,)
+
+
+@pytest.mark.parametrize("same_recipe", [True, False])
+def test_signed_protonn_bundle_stays_verifiable_across_an_upgrade(tmp_path, same_recipe):
+    """Signed: the upgraded bundle carries the release's signature, which covers the recipe
+    but its counts, so a release whose ProtoNN has another projection is refused (one line)."""
+    pytest.importorskip("cryptography")
+    from edge_runtime.errors import SignatureError
+    from edge_runtime.signing import generate_key_pair, load_private_key, load_public_key, sign_file
+
+    generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
+    key, trusted = load_private_key(tmp_path / "key.pem"), [load_public_key(tmp_path / "key.pub")]
+    device, client, key_map, old, new = _release(tmp_path)
+    release_ds = _protonn(new, 5)
+    if not same_recipe:
+        release_ds = ProtoNNDatastore.from_matrices(
+            np.vstack([release_ds.W_, release_ds.W_[:1]]),
+            np.vstack([release_ds.B_, release_ds.B_[:1]]),
+            release_ds.Z_,
+            release_ds.gamma_,
+            k=5,
+            buffer=6,
+        )
+    fields = {**FIELDS, "update_strategy": "fifo"}
+    write_bundle(device, fields, old, _protonn(old, 0), signing_key=key)
+    write_bundle(client, fields, new, release_ds, signing_key=key)
+    sign_file(key_map, key)
+    rt = Runtime.load(device, trusted_keys=trusted)
+    rt.add(*make_images(3, seed=8))
+    labels = rt.datastore.buffer_labels_.copy()
+    if same_recipe:
+        report = rt.upgrade(client, trusted_keys=trusted)
+        assert report.signed and report.how == "folded" and report.carried == 3
+        after = Runtime.load(device, trusted_keys=trusted)  # verifies
+        np.testing.assert_array_equal(after.datastore.buffer_labels_, labels)
+    else:
+        with pytest.raises(SignatureError, match="datastore backend") as err:
+            rt.upgrade(client, trusted_keys=trusted)
+        assert "\n" not in str(err.value)
+        assert Runtime.load(device, trusted_keys=trusted).manifest["files"]["encoder.onnx"] == (
+            hashlib.sha256(old.read_bytes()).hexdigest()
+        )
