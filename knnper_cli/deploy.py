@@ -298,7 +298,7 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     )
 
     release_example = (
-        "knnper deploy release bundles/fl-v1 --run runs/fl-v1 --bundle-dir devices/fl "
+        "knnper deploy release bundles/fl-v1 --run runs/fl-v1 --bundle-dir bundles/fl-devices "
         "--out runs/fl-v1-devices"
     )
     push = command(
