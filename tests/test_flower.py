@@ -6,7 +6,7 @@ SuperLink and SuperNodes are exercised in test_flower_deploy.py."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,14 +15,12 @@ import pytest
 
 pytest.importorskip("flwr")
 
-from flwr.app import ConfigRecord, Context, Error, Message, MessageType, RecordDict  # noqa: E402,E501
-from flwr.serverapp import Grid  # noqa: E402
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict  # noqa: E402,E501
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from fed_train.algorithms import build_algorithm  # noqa: E402
 from fed_train.algorithms.base import TrainingConfig, get_weights  # noqa: E402
 from fed_train.evaluation import client_accuracies  # noqa: E402
-from fed_train.flower.client_app import app as client_app  # noqa: E402
 from fed_train.flower.client_data import load_node_client  # noqa: E402
 from fed_train.flower.records import (  # noqa: E402
     ModelSpec,
@@ -51,6 +49,7 @@ from fed_train.run import (  # noqa: E402
 )
 from fed_train.run_evaluation import evaluate_run  # noqa: E402
 from fed_train.simulation import resume_from, simulate  # noqa: E402
+from tests.helpers.flower_grid import InProcessGrid  # noqa: E402
 
 CLIENTS = 3
 TRAINING = TrainingConfig(
@@ -69,65 +68,6 @@ def _config(**changes) -> RunConfig:
         ),
         **changes,
     )
-
-
-class InProcessGrid(Grid):
-    """Each node is a Context; a node in `dead_after` stops answering after that many
-    messages (as a SuperNode killed mid-run)."""
-
-    def __init__(
-        self, run_config: dict, node_configs: list[dict], dead_after: dict[int, int] | None = None
-    ) -> None:
-        self.contexts = {
-            100 + i: Context(
-                run_id=1,
-                node_id=100 + i,
-                node_config=cfg,
-                state=RecordDict(),
-                run_config=run_config,
-            )
-            for i, cfg in enumerate(node_configs)
-        }
-        self.budget = {100 + i: n for i, n in (dead_after or {}).items()}
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
-
-    # the rest of Grid's surface: the server app only sends and receives
-    def set_run(self, run_id):  # pragma: no cover
-        raise NotImplementedError
-
-    @property
-    def run(self):  # pragma: no cover
-        raise NotImplementedError
-
-    def create_message(self, *args, **kwargs):  # pragma: no cover
-        raise NotImplementedError
-
-    def push_messages(self, messages):  # pragma: no cover
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):  # pragma: no cover
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            if node in self.budget:
-                if self.budget[node] == 0:
-                    continue  # gone: no reply, the server's timeout passes
-                self.budget[node] -= 1
-            TaskIdentity.node_id = node
-            try:
-                replies.append(client_app(msg, self.contexts[node]))
-            except Exception as err:  # what a SuperNode sends back for a raising ClientApp
-                replies.append(
-                    Message(Error(code=2, reason=f"{type(err)}:<'{err}'>"), reply_to=msg)
-                )
-            finally:
-                TaskIdentity.node_id = 0
-        return replies
 
 
 @pytest.fixture(autouse=True)

@@ -27,8 +27,12 @@ from fed_train.flower.release import (  # noqa: E402
     read_reply,
     write_release,
 )
+from fed_train.flower.server_app import push_release  # noqa: E402
+from fed_train.flower.settings import FlowerSettings  # noqa: E402
+from fed_train.flower.strategy import FederationError  # noqa: E402
 from fed_train.run import RunConfig, read_config  # noqa: E402
 from knnper_cli.main import main  # noqa: E402
+from tests.helpers.flower_grid import InProcessGrid  # noqa: E402
 
 
 @pytest.fixture
@@ -199,3 +203,46 @@ def test_no_sample_leaves_a_node(lifecycle):
             assert set(row) <= set(REPLY_METRICS) | set(REPLY_TEXTS)
             assert all(isinstance(v, int | float | str) for v in row.values())
         assert push["superlink_run"]["network-traffic"]["inbound-bytes"] < smallest
+
+
+def _push_in_process(root: Path, run_dir: Path, nodes: list[dict]) -> dict:
+    """Release 2 pushed again, through a Grid in this process (tests.helpers.flower_grid)."""
+    settings = FlowerSettings(
+        run=RunConfig.from_dict(read_config(root / "v2")),
+        run_dir=str(run_dir),
+        release=str(root / "rel2"),
+        keep_inputs=True,
+        round_timeout=60.0,
+        connect_timeout=5.0,
+    )
+    run_dir.mkdir()
+    return push_release(InProcessGrid(settings.to_run_config(), nodes), settings)
+
+
+@pytest.mark.slow
+def test_a_node_already_on_the_release_keeps_its_bundle_as_it_is(
+    lifecycle, task_identity, tmp_path
+):
+    root, _, upgraded, _ = lifecycle
+    devices = root / "devices"
+    before = {cid: (devices / f"node-{cid}" / "manifest.json").read_bytes() for cid in range(3)}
+    nodes = [
+        {"partition-id": cid, "num-partitions": 3, "bundle-dir": str(devices / f"node-{cid}")}
+        for cid in range(3)
+    ]
+    record = _push_in_process(root, tmp_path / "again", nodes)
+    for cid in range(3):
+        row, last = record["nodes"][cid], upgraded["nodes"][str(cid)]
+        assert (row["built"], row["upgraded"], row["how"]) == (0, 0, "already this version")
+        assert (row["version"], row["stored"]) == (last["version"], last["stored"])
+        assert (devices / f"node-{cid}" / "manifest.json").read_bytes() == before[cid]
+
+
+@pytest.mark.slow
+def test_a_node_without_a_bundle_dir_stops_the_push_with_one_line(
+    lifecycle, task_identity, tmp_path
+):
+    root = lifecycle[0]
+    nodes = [{"partition-id": cid, "num-partitions": 3} for cid in range(3)]
+    with pytest.raises(FederationError, match="node config has no 'bundle-dir'"):
+        _push_in_process(root, tmp_path / "nowhere", nodes)
