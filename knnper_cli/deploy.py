@@ -87,6 +87,12 @@ def _cmd_deploy_release(args: argparse.Namespace) -> int:
     if not (release / "export.json").is_file():
         raise DeployError(f"{args.release} is not a release (no export.json): run `knnper export`")
     run = RunConfig.from_dict(read_config(Path(args.run)))
+    missing = [c for c in range(run.clients) if not (release / f"client_{c:04d}").is_dir()]
+    if missing:  # checked before any process starts
+        raise DeployError(
+            f"{args.release} holds no bundle for client(s) {missing[:10]} of {args.run}'s "
+            f"{run.clients}: export every client (--clients all) of that run"
+        )
     settings = FlowerSettings(
         run=run,
         run_dir=args.out,

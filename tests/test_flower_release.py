@@ -20,6 +20,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from edge_runtime.runtime import Runtime  # noqa: E402
 from fed_train.flower.client_data import node_splits  # noqa: E402
 from fed_train.flower.release import (  # noqa: E402
+    MAX_FILES,
     REPLY_METRICS,
     REPLY_TEXTS,
     ReleaseError,
@@ -88,6 +89,37 @@ def test_a_node_refuses_release_files_with_path_tricks(tmp_path, name):
     with pytest.raises(ReleaseError, match="refused name"):
         write_release(files, tmp_path)
     assert not (tmp_path.parent / "encoder.onnx").exists()
+
+
+def test_a_node_refuses_more_files_than_a_release_has(tmp_path):
+    files = ConfigRecord({f"upgrades/from-{i}.npz": b"" for i in range(MAX_FILES + 1)})
+    with pytest.raises(ReleaseError, match="files, over"):
+        write_release(files, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "release,run,message",
+    [
+        ("run", "run", "is not a release (no export.json)"),
+        ("release", "elsewhere", "config.json is not readable JSON"),
+        ("partial", "run", "holds no bundle for client(s) [1, 2]"),
+    ],
+)
+def test_a_bad_release_push_fails_in_one_line_before_any_process(
+    tmp_path, capsys, release, run, message
+):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"dataset": "digits", "clients": 3}))
+    for name, clients in (("release", 3), ("partial", 1)):
+        for cid in range(clients):
+            (tmp_path / name / f"client_{cid:04d}").mkdir(parents=True)
+        (tmp_path / name / "export.json").write_text("{}")
+    argv = ["deploy", "release", str(tmp_path / release), "--run", str(tmp_path / run)]
+    code = main([*argv, "--bundle-dir", str(tmp_path / "d"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists() and not (tmp_path / "d").exists()
 
 
 # --- the lifecycle on a real local federation ---------------------------------------------

@@ -24,6 +24,7 @@ RELEASE_ACTION = "release"  # the ClientApp's handler for message type "train.re
 UPGRADES = "upgrades"  # the release's key maps, as `knnper export --upgrade-from` writes them
 CLIENT = "client"  # where a node writes its client's bundle of the release
 MAX_FILE_BYTES = 64 << 20  # one file of a release (an encoder, a datastore, a key map)
+MAX_FILES = 64  # a bundle's few files and a release's maps (one per older version)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # A node's reply: these numbers in MetricRecord "metrics", these short texts in ConfigRecord
@@ -74,6 +75,8 @@ def write_release(record: ConfigRecord, root: Path) -> Path:
     """Write the files the server sent under `root` (names checked: one folder of CLIENT or
     UPGRADES at most, plain names, no path tricks); returns the client bundle's directory. The
     bundle's own checks (sha256s, schema, sizes) run when the device runtime reads it."""
+    if len(record) > MAX_FILES:
+        raise ReleaseError(f"the server sent {len(record)} files, over {MAX_FILES}")
     for name, data in record.items():
         parts = name.split("/")
         folder_ok = len(parts) == 1 or (len(parts) == 2 and parts[0] in (CLIENT, UPGRADES))
