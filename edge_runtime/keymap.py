@@ -13,13 +13,22 @@ reverse_weight float32 [p_new, p_old], reverse_bias float32 [p_old]. A ProtoNN d
 it into its projection (ProtoNNDatastore.fold_input_map): its prototypes stay where they were
 trained and the new encoder's queries are taken back to them. A map file without it still loads;
 a ProtoNN bundle then cannot be upgraded with it.
+
+The map's form (export.map_forms chooses it by cross-validation on the server): an optional
+`form` int8 scalar, 0 "linear" (also what a file without it is), 1 "per-class".
+weight and bias are always the linear part (what a linear fold, like ProtoNN's, can use); a
+per-class map adds, for a key of class c (the label the datastore stores beside it), its
+class's correction: z @ (weight + class_weight[c]) + bias + class_bias[c], with class_weight
+float32 [C, p_old, p_new] and class_bias float32 [C, p_new] (finite; C the bundle's number of
+classes). Every form is applied MAP_CHUNK_ROWS keys at a time, numpy only; a form's arrays
+take at most MAX_FORM_BYTES.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +40,14 @@ ADVICE = ("map the keys", "keep the old keys", "start fresh")
 EVIDENCE = ("mapped", "stale", "re-embedded", "global")
 MAP_ARRAYS = ("weight", "bias", "from_embedding", "to_embedding", "advice", "evidence")
 REVERSE_ARRAYS = ("reverse_weight", "reverse_bias")
+FORMS = ("linear", "per-class")
+FORM_ARRAYS = {"linear": (), "per-class": ("class_weight", "class_bias")}
 # The widest map a device reads (the manifests' MAX_WIDTH squared would be 16 GiB).
 MAX_MAP_WIDTH = 4096
-# the forward and the reverse map's arrays
-MAX_MAP_BYTES = 2 * 4 * MAX_MAP_WIDTH * (MAX_MAP_WIDTH + 1) + 64 * 1024
+# what a form's correction may add (a per-class map of 10 classes at width 1024 takes 40 MiB)
+MAX_FORM_BYTES = 4 * MAX_MAP_WIDTH * (MAX_MAP_WIDTH + 1)
+# the forward and the reverse map's arrays, and a form's
+MAX_MAP_BYTES = 2 * 4 * MAX_MAP_WIDTH * (MAX_MAP_WIDTH + 1) + MAX_FORM_BYTES + 64 * 1024
 # Rows mapped at a time: bounds what an upgrade holds widened.
 MAP_CHUNK_ROWS = 1024
 
@@ -52,15 +65,20 @@ class KeyMap:
     # the reverse map (new space -> old), None in a release without it
     reverse_weight: np.ndarray | None = None
     reverse_bias: np.ndarray | None = None
+    form: str = "linear"
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # the form's arrays
 
-    def apply(self, z: np.ndarray) -> np.ndarray:
-        """Old keys [n, p_old] -> new keys [n, p_new], float32."""
-        return (np.asarray(z, np.float32) @ self.weight + self.bias).astype(np.float32)
+    def apply(self, z: np.ndarray, labels: np.ndarray | None = None) -> np.ndarray:
+        """Old keys [n, p_old] (of classes `labels`, for a per-class map) -> new keys
+        [n, p_new], float32."""
+        return apply_map(self.form, self.weight, self.bias, self.extra, z, labels)
 
-    def chunks(self, rows, count: int) -> Iterator[np.ndarray]:
-        """`rows(start, stop)` (old keys) mapped a chunk at a time."""
+    def chunks(self, rows, count: int, labels: np.ndarray | None = None) -> Iterator[np.ndarray]:
+        """`rows(start, stop)` (old keys, of classes labels[start:stop]) mapped a chunk at a
+        time."""
         for start in range(0, count, MAP_CHUNK_ROWS):
-            yield self.apply(rows(start, min(count, start + MAP_CHUNK_ROWS)))
+            stop = min(count, start + MAP_CHUNK_ROWS)
+            yield self.apply(rows(start, stop), None if labels is None else labels[start:stop])
 
     def save(self, path: str | os.PathLike) -> None:
         save_npz_atomic(
@@ -72,6 +90,8 @@ class KeyMap:
                 "to_embedding": id_array(self.to_embedding),
                 "advice": np.int8(ADVICE.index(self.advice)),
                 "evidence": np.array([self.evidence[k] for k in EVIDENCE], np.float64),
+                **({} if self.form == "linear" else {"form": np.int8(FORMS.index(self.form))}),
+                **{name: np.ascontiguousarray(a, np.float32) for name, a in self.extra.items()},
                 **(
                     {}
                     if self.reverse_weight is None
@@ -86,8 +106,8 @@ class KeyMap:
     def describe(self) -> str:
         figures = ", ".join(f"{k} {100 * v:.2f}%" for k, v in self.evidence.items())
         return (
-            f"map {short(self.from_embedding)} -> {short(self.to_embedding)}: the server "
-            f"advises to {self.advice} (kNN accuracy on held-out server data: {figures})"
+            f"{self.form} map {short(self.from_embedding)} -> {short(self.to_embedding)}: "
+            f"the server advises to {self.advice} (kNN accuracy on held-out server data: {figures})"
         )
 
 
@@ -107,9 +127,11 @@ def load_key_map(path: str | os.PathLike) -> KeyMap:
         raise ValueError(f"key map {path}: not a readable .npz: {exc}") from None
     except Exception as exc:  # zipfile.BadZipFile and kin
         raise ValueError(f"key map {path}: not a readable .npz ({type(exc).__name__})") from None
-    if sorted(arrays) not in (sorted(MAP_ARRAYS), sorted(MAP_ARRAYS + REVERSE_ARRAYS)):
+    form = _form(arrays, path)
+    base = MAP_ARRAYS + FORM_ARRAYS[form] + (("form",) if "form" in arrays else ())
+    if sorted(arrays) not in (sorted(base), sorted(base + REVERSE_ARRAYS)):
         raise ValueError(
-            f"key map {path}: holds {sorted(arrays)}, a map holds {sorted(MAP_ARRAYS)} "
+            f"key map {path}: holds {sorted(arrays)}, a {form} map holds {sorted(base)} "
             f"(and, with its reverse, {list(REVERSE_ARRAYS)})"
         )
     weight, bias = arrays["weight"], arrays["bias"]
@@ -152,7 +174,72 @@ def load_key_map(path: str | os.PathLike) -> KeyMap:
         ADVICE[int(advice)],
         dict(zip(EVIDENCE, map(float, evidence), strict=True)),
         *_reverse(arrays, weight.shape, path),
+        form,
+        _form_arrays(form, arrays, weight.shape, path),
     )
+
+
+def apply_map(
+    form: str,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    extra: dict[str, np.ndarray],
+    z: np.ndarray,
+    labels: np.ndarray | None = None,
+) -> np.ndarray:
+    """Old keys [n, p_old] -> new keys [n, p_new], float32, by a map of `form` (see the module
+    docstring); `labels` (the keys' classes) for a per-class map."""
+    z = np.asarray(z, np.float32)
+    out = z @ weight + bias
+    if form == "per-class":
+        if labels is None or len(labels) != len(z):
+            raise ValueError("a per-class key map needs the label of every key")
+        labels = np.asarray(labels)
+        for c in np.unique(labels):
+            rows = labels == c
+            out[rows] += z[rows] @ extra["class_weight"][c] + extra["class_bias"][c]
+    return out.astype(np.float32, copy=False)
+
+
+def _form(arrays: dict[str, np.ndarray], path: Path) -> str:
+    if "form" not in arrays:
+        return "linear"
+    form = arrays["form"]
+    if form.shape != () or form.dtype.kind not in "iu" or not 0 <= int(form) < len(FORMS):
+        raise ValueError(
+            f"key map {path}: form must be one integer in [0, {len(FORMS)}) ({', '.join(FORMS)})"
+        )
+    return FORMS[int(form)]
+
+
+def _form_arrays(
+    form: str, arrays: dict[str, np.ndarray], forward: tuple[int, int], path: Path
+) -> dict[str, np.ndarray]:
+    """The checked arrays of a form's correction (shapes, dtype, size, finite values)."""
+    if form == "linear":
+        return {}
+    p_old, p_new = forward
+    names = FORM_ARRAYS[form]
+    cw = arrays["class_weight"]
+    classes = cw.shape[0] if cw.ndim == 3 else 0
+    shapes = {"class_weight": (classes, p_old, p_new), "class_bias": (classes, p_new)}
+    for name in names:
+        a = arrays[name]
+        if a.dtype != np.float32 or a.shape != shapes[name] or not 1 <= classes <= MAX_MAP_WIDTH:
+            want = ", ".join(str(d) for d in shapes[name])
+            raise ValueError(
+                f"key map {path}: {name} of a {form} map must be float32 [{want}] "
+                f"(1 to {MAX_MAP_WIDTH} classes), got {a.dtype} {list(a.shape)}"
+            )
+    total = sum(arrays[name].nbytes for name in names)
+    if total > MAX_FORM_BYTES:
+        raise ValueError(
+            f"key map {path}: the {form} map's arrays take {total} bytes, over the "
+            f"{MAX_FORM_BYTES} a map's form may add"
+        )
+    if not all(np.isfinite(arrays[name]).all() for name in names):
+        raise ValueError(f"key map {path}: {', '.join(names)} must be finite")
+    return {name: arrays[name] for name in names}
 
 
 def _reverse(

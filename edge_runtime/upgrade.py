@@ -7,8 +7,9 @@ What the upgraded bundle is made of:
 - from the device (BUNDLE): every stored sample's label, in the same order (oldest first), its
   client id, budget, update strategy and datastore recipe (backend, key dtype, capacity n);
 - the keys: re-embedded by the new encoder where the bundle kept its raw inputs (exact), else
-  the old keys mapped by the release's key map (edge_runtime.keymap), a chunk at a time, then
-  stored (re-quantized) in the recipe's dtype; an HNSW graph is rebuilt on them;
+  the old keys mapped by the release's key map (edge_runtime.keymap; a per-class map by each
+  key's stored label), a chunk at a time, then stored (re-quantized) in the recipe's dtype; an
+  HNSW graph is rebuilt on them;
 - a linear head refitted on the new keys where the release's bundle refits one;
 - the budget checked again with the new encoder's size: the oldest samples that no longer fit
   are evicted, and the report says how many.
@@ -288,7 +289,9 @@ def _mapped(datastore: Any, evict: int, mapping: KeyMap, params: dict, backend: 
     kept = len(datastore) - evict
 
     def chunks():
-        return mapping.chunks(lambda a, b: datastore.key_rows(evict + a, evict + b), kept)
+        return mapping.chunks(
+            lambda a, b: datastore.key_rows(evict + a, evict + b), kept, datastore.labels_[evict:]
+        )
 
     return BACKENDS[backend].from_params(params).fit_chunks(chunks, kept, datastore.labels_[evict:])
 
@@ -367,6 +370,12 @@ def _key_map(
         raise BundleError(
             f"key map {path} is {list(mapping.weight.shape)}, this upgrade needs "
             f"[{manifest['embedding_dim']}, {release['embedding_dim']}]"
+        )
+    classes = mapping.extra.get("class_weight", np.zeros((manifest["num_classes"],))).shape[0]
+    if classes != manifest["num_classes"]:
+        raise BundleError(
+            f"key map {path} is per-class for {classes} classes, this bundle has "
+            f"{manifest['num_classes']}: use the map the release ships for this bundle's version"
         )
     if mapping.advice != ADVICE[0] and not force:
         raise BundleError(

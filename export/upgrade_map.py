@@ -1,20 +1,20 @@
 """The server's half of a model update: a map from an older release's embedding space to the new
 one, fitted only on data the server holds, with the evidence that it helps, written beside the
 new bundles as upgrades/from-<old encoder id>.npz (edge_runtime.keymap) for `knnper-edge
-upgrade`.
-
-The map is ridge-regularised linear, z_new = z_old @ W + b, its strength chosen by k-fold
-cross-validation (mean squared error of the new embedding) on a seeded part of the server data.
-The rest is held out for the evidence: half of it plays a device's memory, the other half its
-queries (embedded by the new encoder), and the device's own kNN (a flat datastore with the
-release's k and sigma) is scored with the memory's keys mapped, left stale (old keys searched
-with new queries), and re-embedded (what kept inputs give), beside the new global model alone.
+upgrade`. The map's form and strength (export.map_forms: ridge, ridge on standardised inputs,
+low-rank, per-class) are chosen by k-fold cross-validation on a seeded part of the server data,
+by the kNN accuracy a device would get from the mapped keys (the release's k and sigma), not by
+the squared error alone; every candidate's scores go into the evidence JSON. The rest is held
+out for the evidence: half of it plays a device's memory, the other half its queries (embedded
+by the new encoder), and the device's own kNN (a flat datastore with the release's k and sigma)
+is scored with the memory's keys mapped, left stale (old keys searched with new queries), and
+re-embedded (what kept inputs give), beside the new global model alone.
 The release advises to map the keys when the mapped keys score at least the stale ones; else,
 to keep the old keys (stay on the old version) when stale keys still beat the global model, and
 to start fresh otherwise.
 
-The reverse map (new space -> old, what a ProtoNN bundle folds into its projection) is fitted
-the same way on the same samples, its strength chosen by the same cross-validation, and judged
+The reverse map (new space -> old, what a ProtoNN bundle folds into its projection) is ridge,
+fitted on the same samples, its strength chosen by cross-validated squared error, and judged
 beside the others: the memory's old keys searched with the queries mapped back.
 """
 
@@ -35,9 +35,21 @@ from edge_runtime.preprocess import prepare_input
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
 from edge_runtime.versions import embedding_id
 from export.errors import ExportError
+from export.map_forms import (
+    CV_FOLDS,
+    RIDGE_ALPHAS,
+    Candidate,
+    best_alpha,
+    candidates,
+    choose,
+    cross_validate,
+    fit_candidate,
+    folds_of,
+    ridge,
+)
 
-RIDGE_ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
-CV_FOLDS = 5
+# the forms tried beside plain ridge (export.map_forms)
+MAP_FORMS = ("ridge standardised", "low-rank", "per-class")
 HELD_OUT_FRACTION = 0.4
 # Server samples used at most: the fit is a p x p solve, the evidence a kNN over half the rest.
 MAX_SERVER_SAMPLES = 10_000
@@ -48,8 +60,8 @@ class MapFit:
     """A fitted map and how it was chosen."""
 
     key_map: KeyMap
-    alpha: float
-    cv_mse: dict[float, float]
+    chosen: Candidate
+    cv: dict[Candidate, dict[str, float]]  # every candidate's knn_accuracy and mse
     fit_samples: int
     held_out_samples: int
     reverse_alpha: float
@@ -58,9 +70,12 @@ class MapFit:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "form": "ridge linear",
-            "alpha": self.alpha,
-            "cv_mse": {f"{a:g}": m for a, m in self.cv_mse.items()},
+            "form": self.chosen.name(),
+            "device_form": self.key_map.form,
+            "alpha": self.chosen.alpha,
+            "criterion": f"{CV_FOLDS}-fold cross-validated kNN accuracy of the mapped keys "
+            "(leave-own-out, the release's k and sigma); ties to the lower mean squared error",
+            "cv": {c.name(): scores for c, scores in self.cv.items()},
             "fit_samples": self.fit_samples,
             "held_out_samples": self.held_out_samples,
             "advice": self.key_map.advice,
@@ -75,21 +90,12 @@ class MapFit:
         }
 
 
-def ridge(x: np.ndarray, y: np.ndarray, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """(W, b) minimising ||x W + b - y||^2 + alpha ||W||^2 (the intercept unpenalised)."""
-    x64, y64 = x.astype(np.float64), y.astype(np.float64)
-    mx, my = x64.mean(0), y64.mean(0)
-    xc = x64 - mx
-    gram = xc.T @ xc + alpha * len(x) * np.eye(x.shape[1])
-    w = np.linalg.solve(gram, xc.T @ (y64 - my))
-    return w.astype(np.float32), (my - mx @ w).astype(np.float32)
-
-
 def choose_alpha(
     x: np.ndarray, y: np.ndarray, seed: int, alphas=RIDGE_ALPHAS, folds: int = CV_FOLDS
 ) -> tuple[float, dict[float, float]]:
-    """The ridge strength of the least cross-validated mean squared error (ties: stronger)."""
-    fold = np.random.default_rng([seed, 0x3A9]).permutation(len(x)) % folds
+    """The ridge strength of the least cross-validated mean squared error (ties: stronger):
+    the reverse map's (a ProtoNN projection folds it; its queries are not a device's keys)."""
+    fold = folds_of(len(x), seed, folds)
     mse = {}
     for alpha in alphas:
         errors = []
@@ -127,9 +133,10 @@ def fit_key_map(
     k: int = 10,
     sigma: float = 1.0,
     seed: int = 0,
+    forms: tuple[str, ...] = MAP_FORMS,
 ) -> MapFit:
     """Fit and judge the map on server samples embedded by both encoders (see the module
-    docstring)."""
+    docstring); `forms`: those tried beside plain ridge (export.map_forms)."""
     n = len(y)
     if n < 4 * CV_FOLDS:
         raise ExportError(
@@ -138,8 +145,17 @@ def fit_key_map(
     order = np.random.default_rng([seed, 0x3A8]).permutation(n)
     held = int(round(HELD_OUT_FRACTION * n))
     fit, memory, queries = order[held:], order[: held // 2], order[held // 2 : held]
-    alpha, mse = choose_alpha(z_old[fit], z_new[fit], seed)
-    w, b = ridge(z_old[fit], z_new[fit], alpha)
+    x_fit, y_fit, labels_fit = z_old[fit], z_new[fit], y[fit]
+
+    def cv(cands: list[Candidate]) -> dict[Candidate, dict[str, float]]:
+        return cross_validate(
+            cands, x_fit, y_fit, labels_fit, num_classes, k=k, sigma=sigma, seed=seed
+        )
+
+    scores = cv(candidates(0.0, ()))
+    scores.update(cv(candidates(best_alpha(scores), forms)[len(RIDGE_ALPHAS) :]))
+    chosen = choose(scores)
+    fitted = fit_candidate(chosen, x_fit, y_fit, labels_fit, num_classes)
     reverse_alpha, reverse_mse = choose_alpha(z_new[fit], z_old[fit], seed)
     rw, rb = ridge(z_new[fit], z_old[fit], reverse_alpha)
 
@@ -148,7 +164,7 @@ def fit_key_map(
         return knn_accuracy(keys, y[memory], q, y[queries], num_classes, k, sigma)
 
     evidence = {
-        "mapped": score(z_old[memory] @ w + b),
+        "mapped": score(fitted.apply(z_old[memory], y[memory])),
         "stale": score(z_old[memory]),
         "re-embedded": score(z_new[memory]),
         "global": float((logits_new[queries].argmax(1) == y[queries]).mean()),
@@ -159,11 +175,22 @@ def fit_key_map(
         advice = ADVICE[1]
     else:
         advice = ADVICE[2]
-    key_map = KeyMap(w, b, from_id, to_id, advice, evidence, rw, rb)
+    key_map = KeyMap(
+        fitted.weight,
+        fitted.bias,
+        from_id,
+        to_id,
+        advice,
+        evidence,
+        rw,
+        rb,
+        fitted.form,
+        fitted.extra,
+    )
     return MapFit(
         key_map,
-        alpha,
-        mse,
+        chosen,
+        scores,
         len(fit),
         held,
         reverse_alpha,

@@ -329,7 +329,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
             signing_key=key,
         )
         print(
-            f"wrote {path} (ridge alpha {fit.alpha:g}, fitted on {fit.fit_samples} server "
+            f"wrote {path} ({fit.chosen.name()}, chosen by cross-validation on "
+            f"{fit.fit_samples} server "
             f"samples): {fit.key_map.describe()}"
         )
     return 0

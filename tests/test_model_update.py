@@ -106,6 +106,8 @@ def test_release_ships_a_map_with_its_evidence(releases):
         100.0,
     )
     assert set(evidence["evidence_knn_accuracy"]) == {"mapped", "stale", "re-embedded", "global"}
+    cv = evidence["cv"]  # every candidate form's cross-validated scores; the chosen one is best
+    assert cv[evidence["form"]]["knn_accuracy"] == max(s["knn_accuracy"] for s in cv.values())
     assert 0 <= evidence["reverse"]["evidence_knn_accuracy_queries_mapped_back"] <= 1
     assert load_key_map(maps[0]).reverse_weight is not None  # what a protonn bundle folds
     report = json.loads((releases / "b2" / "export.json").read_text())
