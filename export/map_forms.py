@@ -11,8 +11,8 @@ Every form has a linear part z @ weight + bias; one adds a correction the device
 - "per-class": the ridge map plus, for keys of class c, a ridge-fitted affine correction of its
   residual on that class's samples (a device knows its keys' labels): form "per-class".
 
-A small MLP on the ridge map's residual was measured too (benchmarks/map_forms.py) and left out:
-no better by this criterion on either version gap, and 50 times slower to cross-validate.
+A small MLP on the ridge map's residual was measured too and left out: no better by this
+criterion on either version gap, and ten times slower to cross-validate than the rest together.
 
 The criterion is what a device gets from the map rather than the mean squared error: on each
 fold, the held-out samples' old embeddings are mapped and searched, each by its own new
