@@ -21,7 +21,8 @@ per-class map adds, for a key of class c (the label the datastore stores beside 
 class's correction: z @ (weight + class_weight[c]) + bias + class_bias[c], with class_weight
 float32 [C, p_old, p_new] and class_bias float32 [C, p_new] (finite; C the bundle's number of
 classes). Every form is applied MAP_CHUNK_ROWS keys at a time, numpy only; a form's arrays
-take at most MAX_FORM_BYTES.
+take at most MAX_FORM_BYTES, and a device reads class_weight from the file one class at a time
+(ClassWeights) rather than holding all C of them.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ._io import load_npz, save_npz_atomic
+from ._io import NpzRows, check_npz_members, save_npz_atomic
 from .versions import id_array, id_from_arrays, short
 
 ADVICE = ("map the keys", "keep the old keys", "start fresh")
@@ -66,7 +68,8 @@ class KeyMap:
     reverse_weight: np.ndarray | None = None
     reverse_bias: np.ndarray | None = None
     form: str = "linear"
-    extra: dict[str, np.ndarray] = field(default_factory=dict)  # the form's arrays
+    # the form's arrays (a loaded per-class map's class_weight: ClassWeights, read in turn)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def apply(self, z: np.ndarray, labels: np.ndarray | None = None) -> np.ndarray:
         """Old keys [n, p_old] (of classes `labels`, for a per-class map) -> new keys
@@ -122,7 +125,7 @@ def load_key_map(path: str | os.PathLike) -> KeyMap:
     if size > MAX_MAP_BYTES:
         raise ValueError(f"key map {path}: {size} bytes, over the {MAX_MAP_BYTES} a map may take")
     try:
-        arrays = load_npz(path)
+        arrays = _load_arrays(path)
     except (ValueError, OSError, EOFError) as exc:
         raise ValueError(f"key map {path}: not a readable .npz: {exc}") from None
     except Exception as exc:  # zipfile.BadZipFile and kin
@@ -183,7 +186,7 @@ def apply_map(
     form: str,
     weight: np.ndarray,
     bias: np.ndarray,
-    extra: dict[str, np.ndarray],
+    extra: dict[str, Any],
     z: np.ndarray,
     labels: np.ndarray | None = None,
 ) -> np.ndarray:
@@ -195,10 +198,34 @@ def apply_map(
         if labels is None or len(labels) != len(z):
             raise ValueError("a per-class key map needs the label of every key")
         labels = np.asarray(labels)
-        for c in np.unique(labels):
+        # an array's rows, or a file's classes read in turn (ClassWeights)
+        for c, class_weight in enumerate(extra["class_weight"]):
             rows = labels == c
-            out[rows] += z[rows] @ extra["class_weight"][c] + extra["class_bias"][c]
+            if rows.any():
+                out[rows] += z[rows] @ class_weight + extra["class_bias"][c]
     return out.astype(np.float32, copy=False)
+
+
+class ClassWeights:
+    """A per-class map file's class_weight [C, p_old, p_new], read one class at a time each
+    time it is iterated: what an upgrade holds is one class's [p_old, p_new], not all C."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        rows = NpzRows(path, ["class_weight"])  # checks the header against the member's size
+        self.shape, self.dtype = rows.shapes["class_weight"], rows.dtypes["class_weight"]
+        self.ndim = len(self.shape)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for (chunk,) in NpzRows(self.path, ["class_weight"]).chunks(1):
+            yield chunk[0]
+
+
+def _load_arrays(path: Path) -> dict:
+    """Every array of the map file, class_weight left in the file (ClassWeights)."""
+    check_npz_members(path)
+    with np.load(path, allow_pickle=False) as f:
+        return {name: ClassWeights(path) if name == "class_weight" else f[name] for name in f.files}
 
 
 def _form(arrays: dict[str, np.ndarray], path: Path) -> str:
@@ -221,7 +248,7 @@ def _form_arrays(
     p_old, p_new = forward
     names = FORM_ARRAYS[form]
     cw = arrays["class_weight"]
-    classes = cw.shape[0] if cw.ndim == 3 else 0
+    classes = cw.shape[0] if len(cw.shape) == 3 else 0
     shapes = {"class_weight": (classes, p_old, p_new), "class_bias": (classes, p_new)}
     for name in names:
         a = arrays[name]
@@ -231,13 +258,16 @@ def _form_arrays(
                 f"key map {path}: {name} of a {form} map must be float32 [{want}] "
                 f"(1 to {MAX_MAP_WIDTH} classes), got {a.dtype} {list(a.shape)}"
             )
-    total = sum(arrays[name].nbytes for name in names)
+    total = 4 * sum(int(np.prod(arrays[name].shape)) for name in names)
     if total > MAX_FORM_BYTES:
         raise ValueError(
             f"key map {path}: the {form} map's arrays take {total} bytes, over the "
             f"{MAX_FORM_BYTES} a map's form may add"
         )
-    if not all(np.isfinite(arrays[name]).all() for name in names):
+    finite = np.isfinite(arrays["class_bias"]).all() and all(
+        np.isfinite(w).all() for w in arrays["class_weight"]
+    )
+    if not finite:
         raise ValueError(f"key map {path}: {', '.join(names)} must be finite")
     return {name: arrays[name] for name in names}
 
