@@ -11,8 +11,9 @@ Every form has a linear part z @ weight + bias; one adds a correction the device
 - "per-class": the ridge map plus, for keys of class c, a ridge-fitted affine correction of its
   residual on that class's samples (a device knows its keys' labels): form "per-class".
 
-A small MLP on the ridge map's residual was measured too and left out: no better by this
-criterion on either version gap, and ten times slower to cross-validate than the rest together.
+A small MLP on the ridge map's residual was measured too and left out (benchmarks/map_forms.py):
+no better by this criterion on either version gap, and 15 to 50 times slower to cross-validate
+than all the forms kept together.
 
 The criterion is what a device gets from the map rather than the mean squared error: on each
 fold, the held-out samples' old embeddings are mapped and searched, each by its own new
@@ -174,14 +175,16 @@ def cross_validate(
     sigma: float,
     seed: int = 0,
     folds: int = CV_FOLDS,
+    fit=fit_candidate,
 ) -> dict[Candidate, dict[str, float]]:
-    """Each candidate's pooled leave-own-out kNN accuracy and mean squared error over folds."""
+    """Each candidate's pooled leave-own-out kNN accuracy and mean squared error over folds
+    (`fit`: how a candidate is fitted, fit_candidate's signature; benchmarks try others)."""
     fold = folds_of(len(x), seed, folds)
     scores: dict[Candidate, dict[str, Any]] = {c: {"hits": 0, "se": 0.0} for c in cands}
     for f in range(folds):
         train, test = fold != f, fold == f
         for c in cands:
-            fitted = fit_candidate(c, x[train], y[train], labels[train], classes)
+            fitted = fit(c, x[train], y[train], labels[train], classes)
             mapped = fitted.apply(x[test], labels[test])
             scores[c]["hits"] += int(
                 leave_own_out_accuracy(mapped, y[test], labels[test], classes, k, sigma).sum()
