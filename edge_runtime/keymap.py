@@ -214,11 +214,19 @@ class ClassWeights:
         self.path = path
         rows = NpzRows(path, ["class_weight"])  # checks the header against the member's size
         self.shape, self.dtype = rows.shapes["class_weight"], rows.dtypes["class_weight"]
-        self.ndim = len(self.shape)
+        self._stamp = _stamp(path)
 
     def __iter__(self) -> Iterator[np.ndarray]:
+        # what was checked (and verified, for a signed release) is what is read again
+        if _stamp(self.path) != self._stamp:
+            raise ValueError(f"key map {self.path}: changed while it was in use; run again")
         for (chunk,) in NpzRows(self.path, ["class_weight"]).chunks(1):
             yield chunk[0]
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _load_arrays(path: Path) -> dict:

@@ -254,3 +254,12 @@ def test_upgrade_refuses_a_per_class_map_of_another_class_count(tmp_path, capsys
     assert main(["upgrade", str(device), "--to", str(release), "--map", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "per-class" in err and "Traceback" not in err
+
+
+def test_a_per_class_map_changed_after_its_check_is_refused(tmp_path):
+    _per_class_map().save(tmp_path / "m.npz")
+    loaded = load_key_map(tmp_path / "m.npz")
+    (tmp_path / "m.npz").unlink()
+    _per_class_map(classes=NUM_CLASSES + 1).save(tmp_path / "m.npz")  # another in its place
+    with pytest.raises(ValueError, match="changed while it was in use"):
+        loaded.apply(np.ones((2, 4), np.float32), np.array([0, 1]))
