@@ -30,7 +30,7 @@ import numpy as np
 from edge_runtime._io import write_bytes_atomic
 from edge_runtime.datastores import make_datastore
 from edge_runtime.encoder import Encoder
-from edge_runtime.keymap import ADVICE, KeyMap
+from edge_runtime.keymap import ADVICE, MAX_FORM_BYTES, KeyMap
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
 from edge_runtime.versions import embedding_id
@@ -152,6 +152,8 @@ def fit_key_map(
             cands, x_fit, y_fit, labels_fit, num_classes, k=k, sigma=sigma, seed=seed
         )
 
+    if 4 * num_classes * (z_old.shape[1] + 1) * z_new.shape[1] > MAX_FORM_BYTES:
+        forms = tuple(f for f in forms if f != "per-class")  # a device would refuse the file
     scores = cv(candidates(0.0, ()))
     scores.update(cv(candidates(best_alpha(scores), forms)[len(RIDGE_ALPHAS) :]))
     chosen = choose(scores)

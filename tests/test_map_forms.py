@@ -263,3 +263,13 @@ def test_a_per_class_map_changed_after_its_check_is_refused(tmp_path):
     _per_class_map(classes=NUM_CLASSES + 1).save(tmp_path / "m.npz")  # another in its place
     with pytest.raises(ValueError, match="changed while it was in use"):
         loaded.apply(np.ones((2, 4), np.float32), np.array([0, 1]))
+
+
+def test_no_per_class_map_a_device_would_refuse_for_its_size(monkeypatch):
+    import export.upgrade_map as upgrade_map
+
+    x, y, labels, _, _ = _per_class_data(n=300)
+    monkeypatch.setattr(upgrade_map, "MAX_FORM_BYTES", 4 * 3 * 7 * 6 - 1)
+    fit = fit_key_map(x, y, np.eye(3)[labels], labels, *IDS, num_classes=3, k=5, sigma=1.0)
+    assert fit.key_map.form == "linear"
+    assert not any(name.startswith("per-class") for name in fit.to_dict()["cv"])
