@@ -166,19 +166,29 @@ def shifted_stream(
     return run.dataset.x_test[added], y_added, run.dataset.x_test[scored], y_eval
 
 
-def _accuracy(rt: Runtime, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """(kNN-Per's accuracy, the datastore's alone)."""
+def _accuracy(rt: Runtime, x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """(kNN-Per's accuracy, the datastore's alone, the bundle's lambda)."""
     local, _ = rt.components(x)
-    return float((rt.predict(x) == y).mean()), float((local.argmax(1) == y).mean())
+    return (
+        float((rt.predict(x) == y).mean()),
+        float((local.argmax(1) == y).mean()),
+        float(rt.lam),
+    )
 
 
-def _stale(old: Runtime, mapped: Runtime, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+def _stale(
+    old: Runtime, mapped: Runtime, x: np.ndarray, y: np.ndarray
+) -> tuple[float, float, float]:
     """The new encoder's queries searched against the old keys (by hand: knnper refuses it),
     interpolated with the mapped bundle's lambda; and the old keys' kNN alone."""
     z, logits = mapped.embed(x)
     local = old.datastore.predict_proba(z)
     p = mapped.lam * local + (1 - mapped.lam) * softmax(logits)
-    return float((p.argmax(1) == y).mean()), float((local.argmax(1) == y).mean())
+    return (
+        float((p.argmax(1) == y).mean()),
+        float((local.argmax(1) == y).mean()),
+        float(mapped.lam),
+    )
 
 
 def _same_samples(a: Runtime, b: Runtime) -> None:
@@ -337,6 +347,7 @@ def run_seed(root: Path, settings: UpdateSettings, seed: int) -> list[dict[str, 
                     "path": path,
                     "accuracy": scores[path][0],
                     "knn_accuracy": scores[path][1],
+                    "lam": scores[path][2],
                     "test_samples": len(y_eval),
                     **facts,
                     "fresh_stored": len(fresh.datastore),
@@ -461,6 +472,16 @@ def _hurt(rows: list[dict[str, Any]], column: str) -> list[str]:
     return lines
 
 
+def _advice(rows: list[dict[str, Any]]) -> str:
+    """What each gap's releases advised, counted over seeds."""
+    parts = []
+    for gap in GAPS:
+        said = {(r["seed"], r["advice"]) for r in rows if r["gap"] == gap}
+        counts = {a: sum(1 for _, b in said if b == a) for a in sorted({a for _, a in said})}
+        parts.append(f"{gap}: " + ", ".join(f"{a!r} in {n} seed(s)" for a, n in counts.items()))
+    return "; ".join(parts)
+
+
 def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, Any]:
     """points.csv, clients.csv, summary.md and the plot from every client's row."""
     out.mkdir(parents=True, exist_ok=True)
@@ -475,6 +496,7 @@ def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, 
                 "path": key[2],
                 "mean_accuracy": float(np.mean([r["accuracy"] for r in mine])),
                 "mean_knn_accuracy": float(np.mean([r["knn_accuracy"] for r in mine])),
+                "mean_lam": float(np.mean([r["lam"] for r in mine])),
                 "clients": len(mine),
                 "mean_stored": float(np.mean([r["stored"] for r in mine])),
                 "mean_fresh_stored": float(np.mean([r["fresh_stored"] for r in mine])),
@@ -493,7 +515,8 @@ def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, 
         "clients, then mean ± standard deviation across seeds. Verdicts: paired bootstrap 95% "
         "intervals, clients resampled within their seed. The device bundles held "
         f"{np.mean(stored):.0f} samples on average after adding {np.mean(added):.0f} (stale, "
-        f"mapped and exact: the same ones); fresh bundles {np.mean(fresh):.0f}.",
+        f"mapped and exact: the same ones); fresh bundles {np.mean(fresh):.0f}. The releases' "
+        f"advice (mapped is the map applied regardless, `upgrade --force`): {_advice(rows)}.",
         "",
     ]
     tables = {}
