@@ -165,9 +165,19 @@ def fit_key_map(
         q = z_new[queries] @ rw + rb if mapped_back else z_new[queries]
         return knn_accuracy(keys, y[memory], q, y[queries], num_classes, k, sigma)
 
+    # Old keys cannot be searched by queries of another width: staying on the old version then
+    # means the old encoder's queries too.
+    same_width = z_old.shape[1] == z_new.shape[1]
+    stale = (
+        score(z_old[memory])
+        if same_width
+        else knn_accuracy(
+            z_old[memory], y[memory], z_old[queries], y[queries], num_classes, k, sigma
+        )
+    )
     evidence = {
         "mapped": score(fitted.apply(z_old[memory], y[memory])),
-        "stale": score(z_old[memory]),
+        "stale": stale,
         "re-embedded": score(z_new[memory]),
         "global": float((logits_new[queries].argmax(1) == y[queries]).mean()),
     }

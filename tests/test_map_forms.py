@@ -122,6 +122,21 @@ def test_fit_key_map_reports_every_candidate_and_ships_the_chosen_form():
     assert fit.key_map.evidence["mapped"] >= fit.key_map.evidence["stale"]
 
 
+def test_a_map_between_encoders_of_different_widths_is_fitted_and_judged():
+    """A new architecture (another embedding width): old keys cannot be searched by the new
+    queries, so staying is judged by the old encoder's own queries (it raised before)."""
+    rng = np.random.default_rng(4)
+    labels = rng.integers(0, 3, 300)
+    z_old = (np.eye(3)[labels] @ rng.normal(size=(3, 6)) + 0.1 * rng.normal(size=(300, 6))).astype(
+        np.float32
+    )
+    z_new = (z_old @ rng.normal(size=(6, 4))).astype(np.float32)
+    logits = np.eye(3, dtype=np.float32)[labels]
+    fit = fit_key_map(z_old, z_new, logits, labels, *IDS, num_classes=3, k=5, sigma=1.0)
+    assert fit.key_map.weight.shape == (6, 4) and fit.key_map.reverse_weight.shape == (4, 6)
+    assert 0.0 <= fit.key_map.evidence["stale"] <= 1.0
+
+
 def _per_class_map(classes=NUM_CLASSES, p_old=4, p_new=3) -> KeyMap:
     rng = np.random.default_rng(0)
     return KeyMap(
