@@ -215,3 +215,17 @@ def test_model_update_experiment_writes_its_report(tmp_path):
         knnper("experiment", "model-update", "--quick", "--alpha", "1", "--out", str(tmp_path)) == 2
     )
     assert not (folder / "seed_1").exists()
+    # benchmarks/map_forms.py compares the map forms on these releases' server splits
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "map_forms.py"
+    forms = subprocess.run(
+        [sys.executable, str(script), str(folder), "--out", str(tmp_path / "forms")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert forms.returncode == 0, forms.stderr
+    measured = json.loads((tmp_path / "forms" / "forms.json").read_text())
+    assert measured and "Command:" in (tmp_path / "forms" / "forms.md").read_text()
