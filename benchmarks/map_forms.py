@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ sys.path.insert(0, str(REPO))
 from edge_runtime._io import write_text_atomic  # noqa: E402
 from edge_runtime.encoder import Encoder  # noqa: E402
 from edge_runtime.preprocess import prepare_input  # noqa: E402
+from experiments.benchmark_support import machine_info  # noqa: E402
 from export import map_forms as mf  # noqa: E402
 from export.upgrade_map import MAP_FORMS, MAX_SERVER_SAMPLES, server_data  # noqa: E402
 from fed_train.run import load_run  # noqa: E402
@@ -188,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.experiment}: no seed_*/ with its releases", file=sys.stderr)
         return 2
     results = {s.name: measure(s) for s in ready}
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")),
-        "unknown",
-    )
+    cpu = machine_info()["cpu_model"]
     command = " ".join(["python", "benchmarks/map_forms.py", *(argv or sys.argv[1:])])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -161,24 +161,17 @@ def fit_key_map(
     reverse_alpha, reverse_mse = choose_alpha(z_new[fit], z_old[fit], seed)
     rw, rb = ridge(z_new[fit], z_old[fit], reverse_alpha)
 
-    def score(keys: np.ndarray, mapped_back: bool = False) -> float:
-        q = z_new[queries] @ rw + rb if mapped_back else z_new[queries]
+    def score(keys: np.ndarray, q: np.ndarray) -> float:
         return knn_accuracy(keys, y[memory], q, y[queries], num_classes, k, sigma)
 
+    new_queries = z_new[queries]
     # Old keys cannot be searched by queries of another width: staying on the old version then
     # means the old encoder's queries too.
-    same_width = z_old.shape[1] == z_new.shape[1]
-    stale = (
-        score(z_old[memory])
-        if same_width
-        else knn_accuracy(
-            z_old[memory], y[memory], z_old[queries], y[queries], num_classes, k, sigma
-        )
-    )
+    stale_queries = new_queries if z_old.shape[1] == z_new.shape[1] else z_old[queries]
     evidence = {
-        "mapped": score(fitted.apply(z_old[memory], y[memory])),
-        "stale": stale,
-        "re-embedded": score(z_new[memory]),
+        "mapped": score(fitted.apply(z_old[memory], y[memory]), new_queries),
+        "stale": score(z_old[memory], stale_queries),
+        "re-embedded": score(z_new[memory], new_queries),
         "global": float((logits_new[queries].argmax(1) == y[queries]).mean()),
     }
     if evidence["mapped"] >= evidence["stale"]:
@@ -207,7 +200,7 @@ def fit_key_map(
         held,
         reverse_alpha,
         reverse_mse,
-        score(z_old[memory], mapped_back=True),
+        score(z_old[memory], new_queries @ rw + rb),
     )
 
 
