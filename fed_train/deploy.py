@@ -17,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,12 +83,18 @@ except (OSError, AttributeError):
     _PRCTL = None
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel sends SIGTERM to this child when the deploying process dies, even by
-    SIGKILL, so a killed `knnper deploy` cannot leave a federation running. Elsewhere the stop
-    in `finally` is the only guard."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+def _child_setup(mask: set[signal.Signals]) -> Callable[[], None]:
+    """What a started child runs before exec: the parent's signal mask from before the start
+    (`Processes.start` holds Ctrl-C while it forks), and on Linux the kernel's SIGTERM when the
+    deploying process dies, even by SIGKILL, so a killed `knnper deploy` cannot leave a
+    federation running. Elsewhere the stop in `finally` is the only guard."""
+
+    def setup() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if _PRCTL is not None:
+            _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return setup
 
 
 @dataclass
@@ -100,20 +107,25 @@ class Processes:
     running: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """Ctrl-C is held until the child is in `running`: Python runs its fork hooks around a
+        start with a preexec function, and a KeyboardInterrupt raised inside one is printed and
+        dropped, so the Ctrl-C was lost and the federation ran on. Held, it arrives after."""
         log_file = open_append(self.log_dir / f"{name}.log")  # the child owns it
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            process = subprocess.Popen(
+            self.running[name] = subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(mask),
             )
         finally:
             log_file.close()
-        self.running[name] = process
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        process = self.running[name]
         self._write_pids()
         return process
 

@@ -363,6 +363,7 @@ def _ctrl_c_as_typed() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a blocked one is inherited
 
 
 def _repo_env() -> dict[str, str]:
@@ -449,8 +450,55 @@ def test_the_early_ctrl_c_handler_is_in_place_before_numpy_imports():
     )
     assert child.stdout.readline() == "importing\n"
     child.send_signal(signal.SIGINT)
-    _, err = child.communicate(timeout=60)
+    try:
+        _, err = child.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # what the child did with SIGINT, for the report
+        status = Path(f"/proc/{child.pid}/status").read_text()
+        child.kill()
+        raise AssertionError(
+            [line for line in status.splitlines() if line.startswith("Sig")]
+        ) from None
     assert child.returncode == 130 and err == "knnper-edge: interrupted\n", err
+
+
+CTRL_C_IN_A_FORK_HOOK = """
+import os, signal, sys
+from pathlib import Path
+from fed_train.deploy import Processes
+
+def ctrl_c_now():  # as a terminal's Ctrl-C landing while the child is being forked
+    if not getattr(ctrl_c_now, "sent", False):
+        ctrl_c_now.sent = True
+        os.kill(os.getpid(), signal.SIGINT)
+
+os.register_at_fork(after_in_parent=ctrl_c_now)
+procs = Processes(dict(os.environ), Path(sys.argv[1]))
+check = "import signal; print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))"
+try:
+    procs.start("child", [sys.executable, "-c", check])
+except KeyboardInterrupt:
+    procs.running["child"].wait(timeout=60)
+    print("interrupted, child kept:", sorted(procs.running))
+"""
+
+
+def test_ctrl_c_while_deploy_starts_a_process_is_not_lost(tmp_path):
+    """Python runs fork hooks around a start with a preexec function, and a KeyboardInterrupt
+    raised inside one is printed and dropped: a Ctrl-C there was lost and `knnper deploy` ran
+    on (seen in CI). Now it arrives once the child is recorded, and the child takes Ctrl-C."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", CTRL_C_IN_A_FORK_HOOK, str(tmp_path)],
+        env=_repo_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout == "interrupted, child kept: ['child']\n", done.stdout + done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
+    assert (tmp_path / "child.log").read_text() == "False\n"
 
 
 def test_output_paths_are_checked_before_any_work(run_dir, tmp_path, capsys, monkeypatch):
