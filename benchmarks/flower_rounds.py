@@ -89,7 +89,7 @@ def _rows(run_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
-def clientapp_import_cost(repeats: int = 3) -> dict[str, float]:
+def clientapp_import_cost(repeats: int) -> dict[str, float]:
     """What every ClientApp process pays before it trains: Python, torch, flwr and knnper
     imported afresh (Flower starts one process per message). Median CPU and wall seconds."""
     cpu, wall = [], []
@@ -110,6 +110,12 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     C.add_flower_arguments(p)
+    p.add_argument(
+        "--import-repeats",
+        type=int,
+        default=3,
+        help="fresh processes timing the ClientApp's imports (the median is reported)",
+    )
     args = p.parse_args()
     # `timeout` sends SIGTERM: let it unwind like Ctrl-C, so deploy stops every process it started
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -156,7 +162,7 @@ def main() -> None:
         if c["knnper"] is not None
     )
 
-    imports = clientapp_import_cost()
+    imports = clientapp_import_cost(args.import_repeats)
     rounds = []
     for engine, run_dir in (("simulation", sim_dir), ("flower", flower_dir)):
         for row in _rows(run_dir):

@@ -102,6 +102,8 @@ CASES: dict[str, Case] = {
             "1",
             "--rounds",
             "1",
+            "--import-repeats",
+            "1",
             "--results",
             "{out}",
             "--work",
