@@ -373,6 +373,7 @@ class Runtime:
         keeping every sample it stores (edge_runtime.upgrade), then reload it. `key_map`: the
         release's map file (default: upgrades/ beside `new_bundle`); `trusted_keys`: verify
         the release's signature; `force`: map even where the release advises otherwise."""
+        upgraded = False
         try:
             with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):
                 if read_manifest(self.path) != self.manifest:
@@ -392,14 +393,18 @@ class Runtime:
                     trusted_keys=trusted_keys,
                     force=force,
                 )
+            upgraded = True
         finally:
             if self.encoder is None and self.predictor is None:
-                # whichever version is on disk now (the new one, or the old after a failure)
+                # whichever version is on disk now: the new one, verified with the release's
+                # keys where it carries the release's signature; or, after a failure, the old
+                # one as it was loaded (a bundle a device built itself is unsigned: checking it
+                # would hide why the upgrade failed)
                 fresh = Runtime.load(
                     self.path,
                     intra_op_threads=self._intra_op_threads,
                     lock_timeout=self.lock_timeout,
-                    trusted_keys=trusted_keys,
+                    trusted_keys=trusted_keys if upgraded and report.signed else None,
                 )
                 fresh._blas_threads = self._blas_threads
                 self.__dict__.update(fresh.__dict__)

@@ -26,8 +26,11 @@ the upgraded bundle complete and verified into a temporary sibling directory, th
 directories in one atomic step (renameat2 RENAME_EXCHANGE on Linux; elsewhere two renames under
 the lock, a window of two system calls). Killed at any instant, the path holds the old bundle
 or the new one, each complete; the leftover temporary is removed by the next write beside it.
-Signed: the release's signature.json travels with the upgraded bundle, which must stay what the
-release signed in everything an update cannot change (otherwise the upgrade is refused).
+Signed: a bundle the exporter signed takes the release's signature.json with it, and must stay
+what the release signed in everything an update cannot change (otherwise the upgrade is
+refused). A bundle the device built itself (`init`: its recipe and lambda its own) was never
+signed and is not after an upgrade either; the release it upgrades to is verified all the same
+when keys are given.
 """
 
 from __future__ import annotations
@@ -171,7 +174,7 @@ def upgrade_bundle(
     )
     if from_id == to_id:
         return report
-    signed = (new_dir / SIGNATURE_FILE).is_file()
+    signed = (new_dir / SIGNATURE_FILE).is_file() and (path / SIGNATURE_FILE).is_file()
     if getattr(datastore, "inputs_", None) is not None:
         if release["input"] != manifest["input"]:
             raise BundleError(

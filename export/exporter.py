@@ -43,7 +43,7 @@ from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest, taught_on_device
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.preprocess import raw_checked
-from edge_runtime.signing import load_private_key
+from edge_runtime.signing import load_private_key, sign_file
 from edge_runtime.versions import embedding_id
 from export.client_export import (
     ClientTask,
@@ -428,6 +428,7 @@ def export_run(
         out_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(out_dir):
             encoder_files = _move_encoder(encoder_files, out_dir)
+            _sign_shared_encoder(encoder_files.path, settings.signing_key)
             return _export_locked(
                 run,
                 out_dir,
@@ -440,6 +441,17 @@ def export_run(
                 workers,
                 replaces,
             )
+
+
+def _sign_shared_encoder(path: Path, signing_key: str | None) -> None:
+    """The shared encoder, which a new device builds its bundle on (`knnper-edge init --like`,
+    a node of `knnper deploy release`), signed as the key maps are (PATH.sig.json): with the
+    linear base a client's bundle carries its own encoder, so no bundle's signature covers
+    this one. Unsigned exports leave no signature of an earlier one behind."""
+    if signing_key is None:
+        Path(f"{path}.sig.json").unlink(missing_ok=True)
+    else:
+        sign_file(path, load_private_key(signing_key))
 
 
 def _keeping_inputs(space: SearchSpace, run: LoadedRun) -> SearchSpace:

@@ -204,6 +204,7 @@ class LocalFederation:
     device: str = "cpu"  # every SuperNode's node config `device`
     app_dir: Path = APP_DIR  # benchmarks swap in an empty ClientApp to measure Flower's floor
     bundle_dir: Path | None = None  # node i keeps its own bundle in bundle_dir/node-i
+    trusted_key: Path | None = None  # every node's node config `trusted-key` (a public key)
 
 
 def _connection_toml(port: int, ca_cert: Path | None) -> str:
@@ -354,10 +355,14 @@ def node_bundle_dir(bundle_dir: Path, node: int) -> Path:
     return bundle_dir / f"node-{node}"
 
 
-def _bundle_config(bundle_dir: Path | None, node: int) -> str:
-    if bundle_dir is None:
-        return ""
-    return f' bundle-dir="{node_bundle_dir(bundle_dir.resolve(), node)}"'
+def _bundle_config(federation: LocalFederation, node: int) -> str:
+    """Node `node`'s config for release pushes: where it keeps its bundle, the key it trusts."""
+    config = ""
+    if federation.bundle_dir is not None:
+        config += f' bundle-dir="{node_bundle_dir(federation.bundle_dir.resolve(), node)}"'
+    if federation.trusted_key is not None:
+        config += f' trusted-key="{federation.trusted_key.resolve()}"'
+    return config
 
 
 def deploy_local(
@@ -410,7 +415,7 @@ def deploy_local(
                 tls,
                 key,
                 f"partition-id={i} num-partitions={federation.clients} "
-                f'device="{federation.device}"' + _bundle_config(federation.bundle_dir, i),
+                f'device="{federation.device}"' + _bundle_config(federation, i),
             )
         run_toml = work / "run.toml"
         write_text_atomic(run_toml, run_config_toml(settings))

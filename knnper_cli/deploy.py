@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 from edge_runtime._io import is_stdout, write_output
 from edge_runtime.commands import command
+from edge_runtime.signing import SIGNATURE_FILE, load_public_key
 from fed_train.accelerator import resolve_device
 from fed_train.algorithms import federated_methods
 from fed_train.deploy import (
@@ -82,18 +84,21 @@ def _cmd_deploy_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_deploy_release(args: argparse.Namespace) -> int:
+def release_settings(args: argparse.Namespace) -> FlowerSettings:
+    """The push of `args.release` to the nodes of `args.run`'s clients (`deploy release`, and
+    `deploy config --release` for a federation of one's own), checked before anything starts:
+    the release is an export that holds a bundle for every client of the run."""
     release = Path(args.release).resolve()
     if not (release / "export.json").is_file():
         raise DeployError(f"{args.release} is not a release (no export.json): run `knnper export`")
     run = RunConfig.from_dict(read_config(Path(args.run)))
     missing = [c for c in range(run.clients) if not (release / f"client_{c:04d}").is_dir()]
-    if missing:  # checked before any process starts
+    if missing:
         raise DeployError(
             f"{args.release} holds no bundle for client(s) {missing[:10]} of {args.run}'s "
             f"{run.clients}: export every client (--clients all) of that run"
         )
-    settings = FlowerSettings(
+    return FlowerSettings(
         run=run,
         run_dir=args.out,
         round_timeout=args.round_timeout,
@@ -102,11 +107,18 @@ def _cmd_deploy_release(args: argparse.Namespace) -> int:
         keep_inputs=args.keep_inputs,
         force_upgrade=args.force,
     )
+
+
+def _cmd_deploy_release(args: argparse.Namespace) -> int:
+    settings = release_settings(args)
+    if args.trusted_key is not None:  # a key no node could read fails here, not on the nodes
+        load_public_key(args.trusted_key)
     federation = LocalFederation(
-        clients=run.clients,
+        clients=settings.run.clients,
         insecure=args.insecure,
         startup_timeout=args.startup_timeout,
         bundle_dir=Path(args.bundle_dir),
+        trusted_key=None if args.trusted_key is None else Path(args.trusted_key),
     )
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
     try:
@@ -164,7 +176,21 @@ def round_split(rows: list[dict[str, Any]]) -> str | None:
 
 
 def _cmd_deploy_config(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args).check()
+    if (args.release is None) != (args.run is None):
+        raise DeployError("--release and --run go together: the export and the run it is of")
+    if args.release is None:
+        if args.keep_inputs or args.force:
+            raise DeployError("--keep-inputs and --force are for a push: give --release and --run")
+        settings = settings_from_args(args).check()
+    else:
+        settings = release_settings(args).check()
+        if (Path(settings.release) / "client_0000" / SIGNATURE_FILE).is_file():
+            print(
+                "note: the release is signed: a SuperNode verifies it when its --node-config "
+                'names the public key, trusted-key="keys/signing.pub"; one without takes it '
+                "unverified",
+                file=sys.stderr,
+            )
     settings.run_dir = str(Path(args.out).resolve())
     text = run_config_toml(settings)
     if args.write and not is_stdout(args.write):
@@ -243,6 +269,19 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_push_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keep-inputs",
+        action="store_true",
+        help="a bundle built on a node keeps its raw inputs (upgrades re-embed them exactly)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="upgrade with the release's key map even where it advises to keep the old keys",
+    )
+
+
 def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     local_example = "knnper deploy local --dataset digits --clients 5 --rounds 5 --out runs/flower"
     p = sub.add_parser(
@@ -296,6 +335,16 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
         "--out", required=True, help="run directory on the machine that runs the ServerApp"
     )
     config.add_argument(
+        "--release",
+        default=None,
+        help="instead of training, push this `knnper export` directory to the nodes' bundles, "
+        "as `deploy release` does (with --run; the training flags then do not apply)",
+    )
+    config.add_argument(
+        "--run", default=None, help="with --release: the run the release was exported from"
+    )
+    _add_push_arguments(config)
+    config.add_argument(
         "--write",
         default=None,
         type=output_file_or_stdout,
@@ -328,15 +377,13 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     push.add_argument(
         "--out", required=True, type=output_dir, help="where flower.json and the logs go"
     )
+    _add_push_arguments(push)
     push.add_argument(
-        "--keep-inputs",
-        action="store_true",
-        help="a bundle built on a node keeps its raw inputs (upgrades re-embed them exactly)",
-    )
-    push.add_argument(
-        "--force",
-        action="store_true",
-        help="upgrade with the release's key map even where it advises to keep the old keys",
+        "--trusted-key",
+        default=None,
+        metavar="PUBLIC_KEY",
+        help="every node refuses a release not signed by this Ed25519 key (`knnper export "
+        "--signing-key`); default: nodes take unsigned releases",
     )
     for flag, default, text in (
         ("--round-timeout", 600.0, "seconds the server waits for the nodes' replies"),

@@ -132,7 +132,7 @@ def _knnper(*argv: str) -> None:
     assert main(["--threads", "1", "--no-progress", *argv]) == 0
 
 
-def _push(root: Path, release: str, run: str, out: str) -> dict:
+def _push(root: Path, release: str, run: str, out: str, *extra: str) -> dict:
     _knnper(
         "deploy",
         "release",
@@ -146,6 +146,7 @@ def _push(root: Path, release: str, run: str, out: str) -> dict:
         "120",
         "--out",
         str(root / out),
+        *extra,
     )
     return json.loads((root / out / "flower.json").read_text())
 
@@ -153,10 +154,14 @@ def _push(root: Path, release: str, run: str, out: str) -> dict:
 @pytest.fixture(scope="module")
 def lifecycle(tmp_path_factory):
     """Release 1 from a training, pushed to the nodes (they build and learn); release 2 from a
-    training continued from the first, exported with the map, pushed again (they upgrade).
-    The trainings run in the simulation, which reaches the Flower run's weights."""
+    training continued from the first, exported with the map and signed, pushed again to
+    nodes that trust its key (they verify it, then upgrade). The trainings run in the
+    simulation, which reaches the Flower run's weights."""
     if shutil.which("flower-superlink") is None or shutil.which("flower-supernode") is None:
         pytest.skip("flwr's executables are not on PATH")
+    pytest.importorskip("cryptography")
+    from edge_runtime.signing import generate_key_pair
+
     root = tmp_path_factory.mktemp("lifecycle")
     _knnper(
         "pretrain", "--dataset", "digits", "--server-fraction", "0.2", "--epochs", "2",
@@ -170,11 +175,12 @@ def lifecycle(tmp_path_factory):
         for cid in range(3)
     }
     _knnper("train", *TRAIN, "--continue-from", str(root / "v1"), "--out", str(root / "v2"))
+    generate_key_pair(root / "keys" / "signing.pem", root / "keys" / "signing.pub")
     _knnper(
         "export", str(root / "v2"), "--out", str(root / "rel2"), *EXPORT,
-        "--upgrade-from", str(root / "rel1"),
+        "--upgrade-from", str(root / "rel1"), "--signing-key", str(root / "keys" / "signing.pem"),
     )  # fmt: skip
-    upgraded = _push(root, "rel2", "v2", "push2")
+    upgraded = _push(root, "rel2", "v2", "push2", "--trusted-key", str(root / "keys/signing.pub"))
     return root, built, upgraded, after_build
 
 
@@ -215,7 +221,9 @@ def test_nodes_upgrade_in_place_and_keep_every_sample_they_learned(lifecycle):
         # every sample the node stored before, its validation split that `add` taught it
         # last among them, is still there in the same order
         assert row["carried"] == row["stored"] == len(after_build[cid])
+        # the nodes verified the signed release; the bundle stays the node's own: unsigned
         runtime = Runtime.load(root / "devices" / f"node-{cid}")
+        assert not (runtime.path / "signature.json").exists()
         assert runtime.manifest["model"] == new
         labels = runtime.datastore.labels_
         np.testing.assert_array_equal(labels, after_build[cid])
@@ -237,18 +245,35 @@ def test_no_sample_leaves_a_node(lifecycle):
         assert push["superlink_run"]["network-traffic"]["inbound-bytes"] < smallest
 
 
+def _nodes(root: Path, **config: str) -> list[dict]:
+    """The node configs of the federation's three nodes."""
+    return [
+        {
+            "partition-id": cid,
+            "num-partitions": 3,
+            "bundle-dir": str(root / "devices" / f"node-{cid}"),
+            **config,
+        }
+        for cid in range(3)
+    ]
+
+
 def _push_in_process(root: Path, run_dir: Path, nodes: list[dict]) -> dict:
-    """Release 2 pushed again, through a Grid in this process (tests.helpers.flower_grid)."""
-    settings = FlowerSettings(
-        run=RunConfig.from_dict(read_config(root / "v2")),
-        run_dir=str(run_dir),
-        release=str(root / "rel2"),
-        keep_inputs=True,
-        round_timeout=60.0,
-        connect_timeout=5.0,
-    )
+    """Release 2 pushed again as a federation of one's own runs it: the run config `knnper
+    deploy config --release` writes, through a Grid in this process (tests.helpers.flower_grid)."""
+    import tomllib
+
+    toml = run_dir.parent / f"{run_dir.name}.toml"
+    _knnper(
+        "deploy", "config", "--release", str(root / "rel2"), "--run", str(root / "v2"),
+        "--keep-inputs", "--round-timeout", "60", "--connect-timeout", "5",
+        "--out", str(run_dir), "--write", str(toml),
+    )  # fmt: skip
+    values = tomllib.loads(toml.read_text())
+    settings = FlowerSettings.from_run_config(values)
+    assert (settings.release, settings.keep_inputs) == (str(root / "rel2"), True)
     run_dir.mkdir()
-    return push_release(InProcessGrid(settings.to_run_config(), nodes), settings)
+    return push_release(InProcessGrid(values, nodes), settings)
 
 
 @pytest.mark.slow
@@ -258,11 +283,7 @@ def test_a_node_already_on_the_release_keeps_its_bundle_as_it_is(
     root, _, upgraded, _ = lifecycle
     devices = root / "devices"
     before = {cid: (devices / f"node-{cid}" / "manifest.json").read_bytes() for cid in range(3)}
-    nodes = [
-        {"partition-id": cid, "num-partitions": 3, "bundle-dir": str(devices / f"node-{cid}")}
-        for cid in range(3)
-    ]
-    record = _push_in_process(root, tmp_path / "again", nodes)
+    record = _push_in_process(root, tmp_path / "again", _nodes(root))
     for cid in range(3):
         row, last = record["nodes"][cid], upgraded["nodes"][str(cid)]
         assert (row["built"], row["upgraded"], row["how"]) == (0, 0, "already this version")
@@ -278,3 +299,221 @@ def test_a_node_without_a_bundle_dir_stops_the_push_with_one_line(
     nodes = [{"partition-id": cid, "num-partitions": 3} for cid in range(3)]
     with pytest.raises(FederationError, match="node config has no 'bundle-dir'"):
         _push_in_process(root, tmp_path / "nowhere", nodes)
+
+
+@pytest.mark.slow
+def test_nodes_that_trust_another_key_refuse_the_signed_release(lifecycle, task_identity, tmp_path):
+    from edge_runtime.signing import generate_key_pair
+
+    root = lifecycle[0]
+    generate_key_pair(tmp_path / "other.pem", tmp_path / "other.pub")
+    devices = root / "devices"
+    before = {cid: (devices / f"node-{cid}" / "manifest.json").read_bytes() for cid in range(3)}
+    nodes = _nodes(root, **{"trusted-key": str(tmp_path / "other.pub")})
+    with pytest.raises(FederationError, match="refused the release: .*which is not trusted") as e:
+        _push_in_process(root, tmp_path / "push", nodes)
+    assert str(e.value).count("client ") == 3 and "\n" not in str(e.value)
+    assert ".release-" not in str(e.value)  # the release's files, not the node's scratch
+    for cid in range(3):
+        assert (devices / f"node-{cid}" / "manifest.json").read_bytes() == before[cid]
+
+
+# --- a node verifies a signed release before it builds or upgrades (no Flower process) ----
+
+
+def _tiny_release(root: Path, name: str, encoder: Path, key: Path | None) -> Path:
+    """An export's layout (encoder.onnx, client_0003/) of the tests' tiny image encoder,
+    recording its model version; signed with the private key `key` where given."""
+    from edge_runtime.bundle import write_bundle
+    from edge_runtime.datastores import make_datastore
+    from edge_runtime.signing import load_private_key, sign_file
+    from edge_runtime.versions import embedding_id
+    from tests.helpers.bundles import FIELDS, NUM_CLASSES, make_images, raw_outputs
+
+    x, y = make_images(60, seed=5)
+    ds = make_datastore("flat:fp32", NUM_CLASSES, k=5).fit(raw_outputs(encoder, x)[0], y)
+    model = {"run": name, "round": 1, "weights_sha256": "0" * 64}
+    model["embedding"] = embedding_id(encoder.read_bytes())
+    signing_key = None if key is None else load_private_key(key)
+    release = root / name
+    release.mkdir()
+    write_bundle(
+        release / "client_0003", {**FIELDS, "model": model}, encoder, ds, signing_key=signing_key
+    )
+    shutil.copyfile(encoder, release / "encoder.onnx")
+    if signing_key is not None:  # as `knnper export --signing-key` signs its shared encoder
+        sign_file(release / "encoder.onnx", signing_key)
+    return release
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Two versions of a tiny release (v1 signed by `a`, v2 by `a` and, apart, by `b`, and
+    unsigned) and a node's own splits."""
+    pytest.importorskip("cryptography")
+    from edge_runtime.signing import generate_key_pair
+    from tests.helpers.bundles import make_image_encoder, make_images
+
+    root = tmp_path_factory.mktemp("tiny")
+    for key in ("a", "b"):
+        generate_key_pair(root / f"{key}.pem", root / f"{key}.pub")
+    old = make_image_encoder(root / "old.onnx", seed=0)
+    new = make_image_encoder(root / "new.onnx", seed=1)
+    for name, encoder, key in (
+        ("v1", old, "a"),
+        ("v2", new, "a"),
+        ("v2-by-b", new, "b"),
+        ("v2-unsigned", new, None),
+    ):
+        _tiny_release(root, name, encoder, None if key is None else root / f"{key}.pem")
+    splits = {"train": make_images(60, 1), "val": make_images(10, 2), "test": make_images(20, 3)}
+    return root, splits
+
+
+def _bring(tiny, release: str, bundle: Path, key: str | None, edit=None) -> tuple[dict, dict]:
+    """bring_to_release on the node of client 3 that trusts `key` (None: no key), with the
+    release's files as the server sends them, changed by `edit` on the way."""
+    from fed_train.flower.device_release import bring_to_release, node_trusted_keys
+    from fed_train.flower.release import release_files
+
+    root, splits = tiny
+    files = release_files(root / release, 3)
+    if edit is not None:
+        edit(files)
+    config = {} if key is None else {"trusted-key": str(root / f"{key}.pub")}
+    return bring_to_release(
+        files,
+        bundle,
+        splits,
+        client_id=3,
+        keep_inputs=True,
+        force=False,
+        seed=0,
+        trusted_keys=node_trusted_keys(config),
+    )
+
+
+def _flip_last_byte(name: str):
+    def edit(files: ConfigRecord) -> None:
+        data = files[name]
+        files[name] = data[:-1] + bytes([data[-1] ^ 1])
+
+    return edit
+
+
+def _drop(name: str):
+    def edit(files: ConfigRecord) -> None:
+        del files[name]
+
+    return edit
+
+
+def _edit_lambda(files: ConfigRecord) -> None:
+    manifest = json.loads(files["client/manifest.json"])
+    manifest["lambda"] = 1.0
+    files["client/manifest.json"] = json.dumps(manifest).encode()
+
+
+@pytest.mark.parametrize(
+    "release,key,edit,message",
+    [
+        ("v1", "b", None, "signed by key .*, which is not trusted"),
+        ("v2-unsigned", "a", None, "unsigned .*signature.json is missing"),
+        ("v1", "a", _flip_last_byte("encoder.onnx"), "not the one that was signed"),
+        ("v1", "a", _drop("encoder.onnx.sig.json"), "encoder.onnx: unsigned"),
+        ("v1", "a", _flip_last_byte("client/datastore.npz"), "datastore.npz"),
+        ("v1", "a", _edit_lambda, "'lambda' differs from the signed manifest"),
+    ],
+    ids=["wrong-key", "unsigned", "encoder", "encoder-unsigned", "datastore", "manifest"],
+)
+def test_a_node_that_trusts_a_key_builds_from_no_other_release(
+    tiny, tmp_path, release, key, edit, message
+):
+    from edge_runtime.errors import SignatureError
+
+    with pytest.raises(SignatureError, match=f"refused the release: .*{message}") as e:
+        _bring(tiny, release, tmp_path / "node" / "bundle", key, edit)
+    assert "\n" not in str(e.value) and ".release-" not in str(e.value)
+    assert list((tmp_path / "node").iterdir()) == []  # no bundle, no scratch left
+
+
+def test_a_node_that_trusts_a_key_upgrades_only_to_a_release_it_signed(tiny, tmp_path):
+    from edge_runtime.errors import SignatureError
+
+    bundle = tmp_path / "bundle"
+    metrics, _ = _bring(tiny, "v1", bundle, "a")
+    assert metrics["built"] == 1
+    before = {p.name: p.read_bytes() for p in bundle.iterdir()}
+    for release, message in (("v2-by-b", "not trusted"), ("v2-unsigned", "unsigned")):
+        with pytest.raises(SignatureError, match=f"refused the release: .*{message}"):
+            _bring(tiny, release, bundle, "a")
+        assert {p.name: p.read_bytes() for p in bundle.iterdir()} == before
+    metrics, texts = _bring(tiny, "v2", bundle, "a")
+    assert metrics["upgraded"] == 1 and texts["how"] == "re-embedded"
+    assert metrics["carried"] == metrics["stored"] == 70  # train and the added val split
+    # the node's bundle is its own (its recipe, its lambda): unsigned, as when it was built
+    assert not (bundle / "signature.json").exists()
+
+
+def test_a_node_without_a_trusted_key_takes_unsigned_and_signed_releases(tiny, tmp_path):
+    metrics, _ = _bring(tiny, "v1", tmp_path / "bundle", None)
+    assert metrics["built"] == 1
+    metrics, _ = _bring(tiny, "v2-unsigned", tmp_path / "bundle", None)
+    assert metrics["upgraded"] == 1
+
+
+def test_a_node_with_an_unreadable_trusted_key_says_so_in_one_line(tmp_path):
+    from edge_runtime.errors import SignatureError
+    from fed_train.flower.device_release import node_trusted_keys
+
+    pytest.importorskip("cryptography")
+    (tmp_path / "k.pub").write_text("not a key")
+    with pytest.raises(SignatureError, match="is not a PEM public key"):
+        node_trusted_keys({"trusted-key": str(tmp_path / "k.pub")})
+    assert node_trusted_keys({"trusted-key": ""}) is None
+
+
+def _fake_release(tmp_path: Path, signed: bool, run_clients: int = 2) -> tuple[Path, Path]:
+    """A run and a release directory with 2 clients' folders (all that `deploy config`
+    reads of a release)."""
+    (tmp_path / "run").mkdir()
+    config = {"dataset": "digits", "clients": run_clients}
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config))
+    for cid in range(2):
+        (tmp_path / "rel" / f"client_{cid:04d}").mkdir(parents=True)
+    (tmp_path / "rel" / "export.json").write_text("{}")
+    if signed:
+        (tmp_path / "rel" / "client_0000" / "signature.json").write_text("{}")
+    return tmp_path / "rel", tmp_path / "run"
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_deploy_config_writes_the_push_deploy_release_runs(tmp_path, capsys, signed):
+    import tomllib
+
+    release, run = _fake_release(tmp_path, signed)
+    argv = ["deploy", "config", "--release", str(release), "--run", str(run), "--force"]
+    assert main([*argv, "--out", str(tmp_path / "push")]) == 0
+    captured = capsys.readouterr()
+    settings = FlowerSettings.from_run_config(tomllib.loads(captured.out))
+    assert (settings.release, settings.run_dir) == (str(release), str(tmp_path / "push"))
+    assert (settings.force_upgrade, settings.keep_inputs, settings.run.clients) == (True, False, 2)
+    assert ('trusted-key="' in captured.err) == signed  # the node's key: its own config
+
+
+@pytest.mark.parametrize(
+    "argv,run_clients,message",
+    [
+        (["--release", "REL"], 2, "--release and --run go together"),
+        (["--keep-inputs"], 2, "--keep-inputs and --force are for a push"),
+        (["--release", "REL", "--run", "RUN"], 3, "holds no bundle for client(s) [2]"),
+    ],
+)
+def test_deploy_config_refuses_a_push_it_cannot_write_in_one_line(
+    tmp_path, capsys, argv, run_clients, message
+):
+    release, run = _fake_release(tmp_path, signed=False, run_clients=run_clients)
+    argv = [{"REL": str(release), "RUN": str(run)}.get(a, a) for a in argv]
+    assert main(["deploy", "config", *argv, "--out", str(tmp_path / "push")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

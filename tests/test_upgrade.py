@@ -418,6 +418,37 @@ def test_signed_bundle_stays_verifiable_across_an_upgrade(tmp_path):
     np.testing.assert_array_equal(after.datastore.labels_, labels)
 
 
+def test_a_bundle_the_device_built_upgrades_to_a_signed_release_unsigned(tmp_path):
+    """A device's own bundle (unsigned) upgraded with trusted keys: the release and its map are
+    verified, a refusal says what was refused (not that the device's bundle is unsigned), and
+    the upgraded bundle stays the device's own, unsigned."""
+    pytest.importorskip("cryptography")
+    from edge_runtime.signing import (
+        SignatureError,
+        generate_key_pair,
+        load_private_key,
+        load_public_key,
+        sign_file,
+    )
+
+    generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
+    key, trusted = load_private_key(tmp_path / "key.pem"), [load_public_key(tmp_path / "key.pub")]
+    old, new = _encoders(tmp_path)
+    device = _bundle(tmp_path, old, "device")
+    x, y = make_images(60, 5)
+    ds = make_datastore("flat:int8", NUM_CLASSES, k=5).fit(raw_outputs(new, x)[0], y)
+    write_bundle(tmp_path / "release", FIELDS, new, ds, signing_key=key)
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    rt = Runtime.load(device)
+    labels = rt.datastore.labels_.copy()
+    with pytest.raises(SignatureError, match=r"map\.npz: unsigned"):
+        rt.upgrade(tmp_path / "release", key_map=key_map, trusted_keys=trusted)
+    sign_file(key_map, key)
+    report = rt.upgrade(tmp_path / "release", key_map=key_map, trusted_keys=trusted)
+    assert not report.signed and not (device / "signature.json").exists()
+    np.testing.assert_array_equal(Runtime.load(device).datastore.labels_, labels)
+
+
 _READER = """
 import sys, time
 import numpy as np

@@ -105,12 +105,13 @@ def train(msg: Message, context: Context) -> Message:
 def release(msg: Message, context: Context) -> Message:
     """Bring this node's own bundle (node config `bundle-dir`) to the release the server sent:
     build it from this node's train split and teach it the validation split, or upgrade it in
-    place (fed_train.flower.device_release). The reply holds counts, accuracies and version
-    ids only (fed_train.flower.release.node_reply refuses anything else)."""
+    place (fed_train.flower.device_release); a node config `trusted-key` refuses a release not
+    signed by it. The reply holds counts, accuracies and version ids only
+    (fed_train.flower.release.node_reply refuses anything else)."""
     from pathlib import Path
 
     from fed_train.flower.client_data import node_partition_id, node_splits
-    from fed_train.flower.device_release import bring_to_release
+    from fed_train.flower.device_release import bring_to_release, node_trusted_keys
     from fed_train.flower.records import ModelSpec
     from fed_train.flower.release import node_reply
     from fed_train.flower.settings import FlowerConfigError, FlowerSettings
@@ -135,6 +136,7 @@ def release(msg: Message, context: Context) -> Message:
         keep_inputs=settings.keep_inputs,
         force=settings.force_upgrade,
         seed=settings.run.seed,
+        trusted_keys=node_trusted_keys(node_config),
     )
     return node_reply(msg, metrics, texts)
 

@@ -1,7 +1,8 @@
 """A release pushed to the SuperNodes' own bundles (`knnper deploy release`).
 
 The server sends each node the files it needs from an export (`knnper export`): the release's
-encoder, its client's bundle and the release's key maps (upgrades/). The node keeps its bundle
+encoder (and its signature, where the export is signed), its client's bundle and the release's
+key maps (upgrades/). The node keeps its bundle
 in its own directory (node config `bundle-dir`): the first time, it builds it from its own train
 split and teaches it its validation split, as `knnper-edge init --like` and `add` do; later,
 when the release is a new model version, it upgrades it in place as `knnper-edge upgrade` does,
@@ -23,6 +24,7 @@ from edge_runtime.manifest import ENCODER_FILE, MANIFEST
 RELEASE_ACTION = "release"  # the ClientApp's handler for message type "train.release"
 UPGRADES = "upgrades"  # the release's key maps, as `knnper export --upgrade-from` writes them
 CLIENT = "client"  # where a node writes its client's bundle of the release
+ENCODER_SIGNATURE = f"{ENCODER_FILE}.sig.json"  # a signed export's signature of its encoder
 MAX_FILE_BYTES = 64 << 20  # one file of a release (an encoder, a datastore, a key map)
 MAX_FILES = 64  # a bundle's few files and a release's maps (one per older version)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -59,6 +61,8 @@ def release_files(release: Path, client_id: int) -> ConfigRecord:
             f"{release} holds no bundle for client {client_id} (export it with --clients all)"
         )
     files = {ENCODER_FILE: release / ENCODER_FILE}
+    if (release / ENCODER_SIGNATURE).is_file():
+        files[ENCODER_SIGNATURE] = release / ENCODER_SIGNATURE
     files |= {f"{CLIENT}/{p.name}": p for p in sorted(bundle.iterdir()) if p.is_file()}
     if (release / UPGRADES).is_dir():
         files |= {
