@@ -21,6 +21,7 @@ from edge_runtime.signing import (  # noqa: E402
     SIGNATURE_FILE,
     generate_key_pair,
     load_public_key,
+    verify_file,
 )
 from tests.helpers.bundles import (  # noqa: E402
     FIELDS,
@@ -201,6 +202,8 @@ def test_export_signs_every_bundle(tmp_path, keys, capsys):
     for bundle in sorted(out.glob("client_*")):
         rt = Runtime.load(bundle, trusted_keys=trusted(keys))
         assert rt.predict(np.zeros((1, 8, 8, 1), np.uint8)).shape == (1,)
+    # the shared encoder a new device builds on is signed too
+    verify_file(out / "encoder.onnx", (out / "encoder.onnx").read_bytes(), trusted(keys))
     code = export_cli.main(
         [
             "--no-progress",
