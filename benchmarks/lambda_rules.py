@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 
 from edge_runtime._io import write_json_atomic
 from edge_runtime.knn import LAMBDA_RULES
+from experiments.benchmark_support import machine_info, machine_line
 from experiments.table_seeds import paired_bootstrap
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.knn_request import KNNRequest
@@ -143,16 +143,6 @@ def explain(args: argparse.Namespace, seed: int) -> dict:
     }
 
 
-def cpu_model() -> str:
-    """The CPU the figures were measured on (integer kernels and speed differ between them)."""
-    for line in (
-        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    ):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def mean(rows: list[dict], group: str, column: str) -> float:
     scored = [r for r in rows if r["unseen"] == (group == "unseen")]
     return 100 * sum(r[column] * r["n_test"] for r in scored) / sum(r["n_test"] for r in scored)
@@ -188,7 +178,7 @@ def main() -> None:
         f"# Lambda rules: {args.dataset}, {args.clients} clients, {args.rounds} rounds, "
         f"{args.seeds} seeds",
         "",
-        f"Machine: {cpu_model()}; torch {torch.__version__}."
+        f"Machine: {machine_line(machine_info())}; torch {torch.__version__}."
         " Test accuracy in % (mean weighted by test size; per seed, then averaged). "
         "The oracle rows choose lambda on test data: for scale only.",
         "",

@@ -42,6 +42,7 @@ from edge_runtime.encoder import Encoder
 from edge_runtime.keymap import FORMS, KeyMap
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.versions import embedding_id
+from experiments.benchmark_support import machine_info, machine_line
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {"kind": "image", "shape": [28, 28, 1], "dtype": "uint8", "mean": [0.5], "std": [0.25]}
@@ -174,18 +175,6 @@ def run_sampled(args: list[str]) -> dict:
     return {**json.loads(out.strip().splitlines()[-1]), "peak_private_kib": peak}
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(
-            line.split(":", 1)[1].strip()
-            for line in out.splitlines()
-            if line.startswith("Model name")
-        )
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="results directory")
@@ -236,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory_limit_mib": limit,
         "time_target_met": seconds < 1.0,
         "memory_target_met": above <= limit,
-        "cpu": cpu_name(),
+        "cpu": machine_line(machine_info()),
         "python": platform.python_version(),
         "runs": rows,
         "command": " ".join(["python", "benchmarks/upgrade_device.py", *(argv or sys.argv[1:])]),

@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -56,6 +54,7 @@ from edge_runtime.keymap import KeyMap, load_key_map  # noqa: E402
 from edge_runtime.knn import softmax  # noqa: E402
 from edge_runtime.personal_head import PersonalHead  # noqa: E402
 from edge_runtime.runtime import Runtime  # noqa: E402
+from experiments.benchmark_support import machine_info, machine_line  # noqa: E402
 from knnper_cli.main import main as knnper  # noqa: E402
 
 PATHS = (
@@ -270,16 +269,6 @@ def render(results: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        model = next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln)
-        flags = [f for f in ("avx512_vnni", "avx2", "amx_tile") if f in out]
-        return f"{model} ({', '.join(flags)}), {platform.python_version()}"
-    except (OSError, StopIteration, subprocess.SubprocessError):
-        return platform.processor() or "unknown"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -291,7 +280,7 @@ def main() -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="upgrade_protonn-"))
     per_seed = {s: one_seed(s, gaps, work) for s in seeds}
     results = {
-        "machine": cpu(),
+        "machine": machine_line(machine_info()),
         "seeds": seeds,
         "gaps": {g: GAPS[g] for g in gaps},
         "per_seed": per_seed,
