@@ -99,15 +99,16 @@ def test_a_node_refuses_more_files_than_a_release_has(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "release,run,message",
+    "release,run,extra,message",
     [
-        ("run", "run", "is not a release (no export.json)"),
-        ("release", "elsewhere", "config.json is not readable JSON"),
-        ("partial", "run", "holds no bundle for client(s) [1, 2]"),
+        ("run", "run", [], "is not a release (no export.json)"),
+        ("release", "elsewhere", [], "config.json is not readable JSON"),
+        ("partial", "run", [], "holds no bundle for client(s) [1, 2]"),
+        ("release", "run", ["--trusted-key", "run/config.json"], "is not a PEM public key"),
     ],
 )
 def test_a_bad_release_push_fails_in_one_line_before_any_process(
-    tmp_path, capsys, release, run, message
+    tmp_path, capsys, release, run, extra, message
 ):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text(json.dumps({"dataset": "digits", "clients": 3}))
@@ -116,6 +117,7 @@ def test_a_bad_release_push_fails_in_one_line_before_any_process(
             (tmp_path / name / f"client_{cid:04d}").mkdir(parents=True)
         (tmp_path / name / "export.json").write_text("{}")
     argv = ["deploy", "release", str(tmp_path / release), "--run", str(tmp_path / run)]
+    argv += [str(tmp_path / a) if a.startswith("run/") else a for a in extra]
     code = main([*argv, "--bundle-dir", str(tmp_path / "d"), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1

@@ -2,9 +2,9 @@
 
 The server sends each node the files it needs from an export (`knnper export`): the release's
 encoder (and its signature, where the export is signed), its client's bundle and the release's
-key maps (upgrades/). The node keeps its bundle
-in its own directory (node config `bundle-dir`): the first time, it builds it from its own train
-split and teaches it its validation split, as `knnper-edge init --like` and `add` do; later,
+key maps (upgrades/). The node keeps its bundle in its own directory (node config
+`bundle-dir`): the first time, it builds it from its own train split and teaches it its
+validation split, as `knnper-edge init --like` and `add` do; later,
 when the release is a new model version, it upgrades it in place as `knnper-edge upgrade` does,
 keeping every sample it learned. The node's reply holds only the scalar fields listed here
 (counts, accuracies, lambda, bytes) and short version ids; the server refuses any other reply,
