@@ -355,14 +355,32 @@ def node_bundle_dir(bundle_dir: Path, node: int) -> Path:
     return bundle_dir / f"node-{node}"
 
 
-def _bundle_config(federation: LocalFederation, node: int) -> str:
-    """Node `node`'s config for release pushes: where it keeps its bundle, the key it trusts."""
-    config = ""
+# what TOML cannot read inside a quoted value, or flwr's parser cuts it at
+_NODE_CONFIG_ESCAPES = {c: f"\\u{ord(c):04x}" for c in ('"', "\\", "\x7f", *map(chr, range(32)))}
+
+
+def node_config_value(text: str) -> str:
+    """`text` quoted for `flower-supernode --node-config`, to come back whole on the node.
+    flwr (common.config.parse_config_args) takes a value from its opening `"` to the next `"`,
+    knowing no escapes, and reads the pair as TOML: so a `"`, a backslash (an escape to TOML)
+    and the control characters TOML refuses in a string (a newline among them) are written as
+    TOML's \\uXXXX escapes. Anything else stays inside the quotes as it is: spaces, `=` and
+    `,`, and other scripts' letters, which argv carries as their bytes (a name that is no UTF-8
+    as well, as Python decodes and encodes file names)."""
+    return '"' + "".join(_NODE_CONFIG_ESCAPES.get(c, c) for c in text) + '"'
+
+
+def node_config(federation: LocalFederation, node: int) -> str:
+    """Node `node`'s --node-config: its partition, its device and, for release pushes, where it
+    keeps its bundle and the key it trusts."""
+    values: dict[str, str] = {"device": federation.device}
     if federation.bundle_dir is not None:
-        config += f' bundle-dir="{node_bundle_dir(federation.bundle_dir.resolve(), node)}"'
+        values["bundle-dir"] = str(node_bundle_dir(federation.bundle_dir.resolve(), node))
     if federation.trusted_key is not None:
-        config += f' trusted-key="{federation.trusted_key.resolve()}"'
-    return config
+        values["trusted-key"] = str(federation.trusted_key.resolve())
+    return f"partition-id={node} num-partitions={federation.clients} " + " ".join(
+        f"{key}={node_config_value(value)}" for key, value in values.items()
+    )
 
 
 def deploy_local(
@@ -378,6 +396,7 @@ def deploy_local(
     for tool in ("flower-superlink", "flower-supernode", "flwr"):
         if shutil.which(tool) is None:
             raise DeployError(f"{tool} is not installed: {install_hint('flower')}")
+    node_configs = [node_config(federation, i) for i in range(federation.clients)]
     run_dir = Path(settings.run_dir).resolve()
     settings.run_dir = str(run_dir)
     if settings.release:  # pushing an export: run_dir only records it
@@ -408,15 +427,7 @@ def deploy_local(
             with ThreadPoolExecutor(max_workers=4) as pool:
                 list(pool.map(lambda key: register_supernode(procs, key), keys))
         for i, key in enumerate(keys):
-            start_supernode(
-                procs,
-                f"supernode-{i}",
-                port,
-                tls,
-                key,
-                f"partition-id={i} num-partitions={federation.clients} "
-                f'device="{federation.device}"' + _bundle_config(federation, i),
-            )
+            start_supernode(procs, f"supernode-{i}", port, tls, key, node_configs[i])
         run_toml = work / "run.toml"
         write_text_atomic(run_toml, run_config_toml(settings))
         submitted = procs.run_cli(

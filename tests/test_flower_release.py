@@ -124,6 +124,59 @@ def test_a_bad_release_push_fails_in_one_line_before_any_process(
     assert not (tmp_path / "out").exists() and not (tmp_path / "d").exists()
 
 
+# what breaks a quoted value of flwr's --node-config parser, or TOML's strings, or argv
+HOSTILE_NAMES = [
+    'quote"d',
+    'x" trusted-key="/evil',
+    "a=b,c",
+    "two words",
+    "line\nbreak",
+    "back\\slash",
+    "it's",
+    "tab\tand\x7fdel",
+    "é ü",
+    "\udcff-no-utf8",
+    "ends in space ",
+    "k.toml",
+]
+
+
+def test_hostile_paths_reach_each_node_as_they_are(tmp_path):
+    """flwr's own parser, in a process of its own given the argv a SuperNode gets, returns
+    every bundle directory and key path whole, with no key added, and the node reads its key
+    there."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("cryptography")
+    from edge_runtime.signing import generate_key_pair
+    from fed_train.deploy import LocalFederation, node_bundle_dir, node_config
+    from fed_train.flower.device_release import node_trusted_keys
+
+    generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
+    (tmp_path / "keys").mkdir()
+    federations = []
+    for name in HOSTILE_NAMES:
+        key = tmp_path / "keys" / name.replace("/", "|")  # the key's own name ends as the path
+        shutil.copyfile(tmp_path / "key.pub", key)
+        federations.append(LocalFederation(clients=2, bundle_dir=tmp_path / name, trusted_key=key))
+    parse = (
+        "import json, sys; from flwr.common.config import parse_config_args; "
+        "print(json.dumps([parse_config_args([a]) for a in sys.argv[1:]]))"
+    )
+    argv = [sys.executable, "-c", parse, *(node_config(f, 1) for f in federations)]
+    parsed = json.loads(subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout)
+    for federation, config in zip(federations, parsed, strict=True):
+        assert config == {
+            "partition-id": 1,
+            "num-partitions": 2,
+            "device": "cpu",
+            "bundle-dir": str(node_bundle_dir(federation.bundle_dir.resolve(), 1)),
+            "trusted-key": str(federation.trusted_key.resolve()),
+        }
+        assert len(node_trusted_keys(config)) == 1
+
+
 # --- the lifecycle on a real local federation ---------------------------------------------
 
 TRAIN = ["--dataset", "digits", "--clients", "3", "--rounds", "2", "--unseen-fraction", "0"]

@@ -66,8 +66,8 @@ def bring_to_release(
 def node_trusted_keys(node_config: dict[str, Any]) -> list[Any] | None:
     """The public key a node trusts (node config `trusted-key`: a PEM file's path), or None
     where it names none."""
-    path = str(node_config.get("trusted-key", "")).strip()
-    if not path:
+    path = str(node_config.get("trusted-key", ""))
+    if not path.strip():  # a path is taken as it is: a file name may end in a space
         return None
     return [load_public_key(Path(path).expanduser())]
 
