@@ -17,6 +17,7 @@ error: ...`, and exit status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback ins
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import logging
 import os
@@ -187,7 +188,8 @@ def _init_arguments(s: argparse.ArgumentParser) -> None:
         help="take the input spec (and k, sigma, and the server's "
         "pooled lambda rule where it ships one) from this bundle; with "
         "--trusted-key its signature is verified and --encoder must be the "
-        "encoder it signs",
+        "encoder it signs, or its export's shared encoder.onnx signed beside it "
+        "(encoder.onnx.sig.json) and of the model version it records",
     )
     spec.add_argument("--input-spec", help=INPUT_SPEC_HELP)
     s.add_argument(
@@ -577,7 +579,7 @@ def cmd_init(args) -> int:
     if args.trusted_key and not args.like:
         raise UsageError(
             "--trusted-key needs --like SIGNED_BUNDLE with init: --encoder is "
-            "verified as the encoder that bundle's signature covers"
+            "verified against that bundle's signature and model version"
         )
     if args.like:
         like = read_manifest(args.like)
@@ -632,22 +634,39 @@ def cmd_init(args) -> int:
 
 def _verify_like(args, like: dict) -> None:
     """With --trusted-key, what init takes from --like (the input normalisation, k, sigma, the
-    lambda rule) must be what a trusted key signed, and --encoder the very encoder that
-    signature covers: an edited manifest or another encoder is refused (SignatureError)."""
-    from ._io import sha256_file
+    lambda rule) must be what a trusted key signed, and --encoder either the very encoder that
+    signature covers or the release's shared encoder (`knnper export` signs it as
+    encoder.onnx.sig.json: with the linear base a client's bundle carries an encoder of its
+    own), signed by a trusted key and of the model version the signed manifest records. An
+    edited manifest, another encoder, or a shared one unsigned or altered is refused
+    (SignatureError)."""
+    from ._io import read_within
     from .errors import SignatureError
     from .manifest import ENCODER_FILE
-    from .signing import load_public_key, verify_signature
+    from .signing import load_public_key, verify_file, verify_signature
+    from .versions import embedding_id, short
 
     keys = [load_public_key(path) for path in args.trusted_key]
     signed = verify_signature(args.like, like, keys, f"--like bundle {args.like}")
-    if not Path(args.encoder).is_file():
-        raise UsageError(f"no such file: {args.encoder}")
-    if sha256_file(args.encoder) != signed["files"][ENCODER_FILE]:
+    data = read_within(
+        args.encoder, args.budget, lambda why: UsageError(f"--encoder {args.encoder} {why}")
+    )
+    if hashlib.sha256(data).hexdigest() == signed["files"][ENCODER_FILE]:
+        return
+    use = f"use {Path(args.like) / ENCODER_FILE} or its export's signed {ENCODER_FILE}"
+    try:
+        verify_file(args.encoder, data, keys)
+    except SignatureError as exc:
         raise SignatureError(
-            f"--encoder {args.encoder} is not the encoder the signed bundle "
-            f"{args.like} carries (its sha256 differs); use "
-            f"{Path(args.like) / ENCODER_FILE}"
+            f"--encoder is not the encoder the signed bundle {args.like} carries, nor a "
+            f"signed shared encoder ({exc}); {use}"
+        ) from None
+    model = signed.get("model") or {}
+    if embedding_id(data) != model.get("embedding"):
+        raise SignatureError(
+            f"--encoder {args.encoder} is signed but is encoder {short(embedding_id(data))}, "
+            f"not the release's {short(model.get('embedding'))} that the signed bundle "
+            f"{args.like} was exported with; {use}"
         )
 
 

@@ -282,6 +282,93 @@ def test_init_like_verifies_the_signed_bundle_and_the_encoder(tmp_path, keys, ca
     assert "needs --like SIGNED_BUNDLE" in capsys.readouterr().err
 
 
+def _linear_base_release(root: Path, keys: Path) -> Path:
+    """An export's layout with the linear base: a shared encoder (stamped with its embedding
+    id, signed beside it as `knnper export --signing-key` does) and client 3's signed bundle
+    carrying its own encoder, the shared one with a linear head of its own."""
+    from edge_runtime.bundle import write_bundle
+    from edge_runtime.datastores import make_datastore
+    from edge_runtime.encoder import optimize_encoder
+    from edge_runtime.linear_head import LinearHead
+    from edge_runtime.signing import load_private_key, sign_file
+    from edge_runtime.versions import embedding_id
+    from export.personal_encoder import with_linear_head
+    from tests.helpers.bundles import NUM_CLASSES, raw_outputs
+
+    release = root / "release"
+    release.mkdir()
+    shared = release / "encoder.onnx"
+    shared.write_bytes(optimize_encoder(make_image_encoder(root / "raw.onnx").read_bytes()))
+    x, y = make_images(60)
+    z, _ = raw_outputs(shared, x)
+    personal = with_linear_head(shared, LinearHead(NUM_CLASSES, l2=1e-2).fit(z, y))
+    assert embedding_id(personal) == embedding_id(shared.read_bytes()) != embedding_id(b"")
+    model = {"run": "v1", "round": 2, "weights_sha256": "0" * 64}
+    model["embedding"] = embedding_id(shared.read_bytes())
+    private = load_private_key(keys / "key.pem")
+    ds = make_datastore("flat:fp32", NUM_CLASSES, k=5).fit(z, y)
+    write_bundle(
+        release / "client_0003", {**FIELDS, "model": model}, personal, ds, signing_key=private
+    )
+    sign_file(shared, private)
+    return release
+
+
+def test_init_like_takes_the_exports_signed_shared_encoder(tmp_path, keys, capsys):
+    """With the linear base a client's bundle carries its own encoder, and init --like refused
+    the export's shared one that a device builds on, though it is signed (as a Flower node
+    takes it); an unsigned, altered, untrusted or other release's encoder is still refused."""
+    from edge_runtime.encoder import optimize_encoder
+    from edge_runtime.signing import load_private_key, sign_file
+
+    release = _linear_base_release(tmp_path, keys)
+    shared = release / "encoder.onnx"
+    x, y = make_images(40)
+    np.savez(tmp_path / "own.npz", x=x, y=y)
+
+    def init(encoder: Path, out: str) -> tuple[int, str]:
+        capsys.readouterr()
+        argv = ["--trusted-key", str(keys / "key.pub"), "init", "--encoder", str(encoder)]
+        argv += ["--data", str(tmp_path / "own.npz"), "--budget", "1MB", "--out"]
+        code = edge_main([*argv, str(tmp_path / out), "--like", str(release / "client_0003")])
+        return code, capsys.readouterr().err
+
+    def variant(name: str, data: bytes, signer: str | None) -> Path:
+        path = tmp_path / name / "encoder.onnx"
+        path.parent.mkdir()
+        path.write_bytes(data)
+        if signer is not None:
+            sign_file(path, load_private_key(keys / signer))
+        return path
+
+    assert init(shared, "device") == (0, "")
+    built = Runtime.load(tmp_path / "device")
+    assert (tmp_path / "device" / "encoder.onnx").read_bytes() == shared.read_bytes()
+    assert (
+        built.manifest["model"]
+        == json.loads((release / "client_0003" / "manifest.json").read_text())["model"]
+    )
+    altered = variant("altered", shared.read_bytes() + b"\0", None)
+    (altered.parent / "encoder.onnx.sig.json").write_bytes(
+        (release / "encoder.onnx.sig.json").read_bytes()
+    )
+    other_version = optimize_encoder(
+        make_image_encoder(tmp_path / "raw2.onnx", seed=1).read_bytes()
+    )
+    for path, message in (
+        (
+            variant("unsigned", shared.read_bytes(), None),
+            "unsigned (encoder.onnx.sig.json is missing)",
+        ),
+        (altered, "the file is not the one that was signed"),
+        (variant("untrusted", shared.read_bytes(), "other.pem"), "which is not trusted"),
+        (variant("v2", other_version, "key.pem"), "is signed but is encoder"),
+    ):
+        code, err = init(path, f"device-{path.parent.name}")
+        assert code == 2 and err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / f"device-{path.parent.name}").exists()
+
+
 @pytest.mark.parametrize("kind", ["fifo", "link"])
 def test_a_signature_that_is_a_pipe_or_a_link_is_not_called_missing(tmp_path, keys, kind):
     import os
