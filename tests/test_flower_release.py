@@ -463,6 +463,13 @@ def _drop(name: str):
     return edit
 
 
+def _flip_the_shared_encoder_only(files: ConfigRecord) -> None:
+    """The client's encoder sent apart (as the linear base's own is), the release's altered:
+    its own signature, not the client bundle's, catches it."""
+    files["client/encoder.onnx"] = files["encoder.onnx"]
+    _flip_last_byte("encoder.onnx")(files)
+
+
 def _edit_lambda(files: ConfigRecord) -> None:
     manifest = json.loads(files["client/manifest.json"])
     manifest["lambda"] = 1.0
@@ -474,12 +481,22 @@ def _edit_lambda(files: ConfigRecord) -> None:
     [
         ("v1", "b", None, "signed by key .*, which is not trusted"),
         ("v2-unsigned", "a", None, "unsigned .*signature.json is missing"),
-        ("v1", "a", _flip_last_byte("encoder.onnx"), "not the one that was signed"),
+        # sent once, the encoder altered is the client's too: its bundle's sha256s catch it
+        ("v1", "a", _flip_last_byte("encoder.onnx"), "encoder.onnx does not match its sha256"),
+        ("v1", "a", _flip_the_shared_encoder_only, "not the one that was signed"),
         ("v1", "a", _drop("encoder.onnx.sig.json"), "encoder.onnx: unsigned"),
         ("v1", "a", _flip_last_byte("client/datastore.npz"), "datastore.npz"),
         ("v1", "a", _edit_lambda, "'lambda' differs from the signed manifest"),
     ],
-    ids=["wrong-key", "unsigned", "encoder", "encoder-unsigned", "datastore", "manifest"],
+    ids=[
+        "wrong-key",
+        "unsigned",
+        "encoder",
+        "shared-encoder",
+        "encoder-unsigned",
+        "datastore",
+        "manifest",
+    ],
 )
 def test_a_node_that_trusts_a_key_builds_from_no_other_release(
     tiny, tmp_path, release, key, edit, message
@@ -490,6 +507,39 @@ def test_a_node_that_trusts_a_key_builds_from_no_other_release(
         _bring(tiny, release, tmp_path / "node" / "bundle", key, edit)
     assert "\n" not in str(e.value) and ".release-" not in str(e.value)
     assert list((tmp_path / "node").iterdir()) == []  # no bundle, no scratch left
+
+
+def test_the_release_encoder_travels_once_where_it_is_the_clients_too(tiny, tmp_path):
+    """The server sent each node the release's encoder and the client bundle's copy of it, the
+    same bytes twice; the node writes the one it got in both places, and the client bundle
+    verifies against its signature as exported. A client's own encoder (the linear base's) is
+    still sent beside the release's."""
+    from edge_runtime.bundle import read_bundle
+    from edge_runtime.signing import load_public_key
+    from fed_train.flower.release import release_files
+
+    root, _ = tiny
+    release = root / "v1"
+    exported = {"encoder.onnx", "encoder.onnx.sig.json"}
+    exported |= {f"client/{p.name}" for p in (release / "client_0003").iterdir()}
+    files = release_files(release, 3)
+    assert set(files) == exported - {"client/encoder.onnx"}
+    assert (
+        sum(map(len, files.values()))
+        == sum(
+            (release / name.replace("client/", "client_0003/")).stat().st_size for name in exported
+        )
+        - (release / "encoder.onnx").stat().st_size
+    )
+    (tmp_path / "node").mkdir()
+    client = write_release(files, tmp_path / "node")
+    assert (client / "encoder.onnx").read_bytes() == (release / "encoder.onnx").read_bytes()
+    read_bundle(client, intra_op_threads=1, trusted_keys=[load_public_key(root / "a.pub")])
+    own = tmp_path / "own-encoder"
+    shutil.copytree(release, own)
+    (own / "encoder.onnx").write_bytes(b"the release's encoder, another than the client's")
+    assert set(release_files(own, 3)) == exported
+    assert release_files(own, 3)["client/encoder.onnx"] == files["encoder.onnx"]
 
 
 def test_a_node_that_trusts_a_key_upgrades_only_to_a_release_it_signed(tiny, tmp_path):

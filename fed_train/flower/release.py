@@ -2,13 +2,15 @@
 
 The server sends each node the files it needs from an export (`knnper export`): the release's
 encoder (and its signature, where the export is signed), its client's bundle and the release's
-key maps (upgrades/). The node keeps its bundle in its own directory (node config
-`bundle-dir`): the first time, it builds it from its own train split and teaches it its
-validation split, as `knnper-edge init --like` and `add` do; later,
-when the release is a new model version, it upgrades it in place as `knnper-edge upgrade` does,
-keeping every sample it learned. The node's reply holds only the scalar fields listed here
-(counts, accuracies, lambda, bytes) and short version ids; the server refuses any other reply,
-so no sample can leave a node on it."""
+key maps (upgrades/); the client's encoder only where it is another than the release's (the
+linear base gives each client its own), else the node writes the release's there, and the
+bundle's sha256 list (and its signature) checks that copy as it would a sent one. The node
+keeps its bundle in its own directory (node config `bundle-dir`): the first time, it builds it
+from its own train split and teaches it its validation split, as `knnper-edge init --like` and
+`add` do; later, when the release is a new model version, it upgrades it in place as
+`knnper-edge upgrade` does, keeping every sample it learned. The node's reply holds only the
+scalar fields listed here (counts, accuracies, lambda, bytes) and short version ids; the
+server refuses any other reply, so no sample can leave a node on it."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ RELEASE_ACTION = "release"  # the ClientApp's handler for message type "train.re
 UPGRADES = "upgrades"  # the release's key maps, as `knnper export --upgrade-from` writes them
 CLIENT = "client"  # where a node writes its client's bundle of the release
 ENCODER_SIGNATURE = f"{ENCODER_FILE}.sig.json"  # a signed export's signature of its encoder
+CLIENT_ENCODER = f"{CLIENT}/{ENCODER_FILE}"  # the client's encoder, sent where not the release's
 MAX_FILE_BYTES = 64 << 20  # one file of a release (an encoder, a datastore, a key map)
 MAX_FILES = 64  # a bundle's few files and a release's maps (one per older version)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -54,7 +57,8 @@ class ReleaseError(ValueError):
 
 def release_files(release: Path, client_id: int) -> ConfigRecord:
     """What the node of `client_id` needs from the release directory: its encoder, the
-    client's bundle (client_NNNN) and the key maps, as file bytes under their relative names."""
+    client's bundle (client_NNNN) and the key maps, as file bytes under their relative names;
+    the client's encoder is left out where its bytes are the release's encoder's (sent once)."""
     bundle = release / f"client_{client_id:04d}"
     if not (bundle / MANIFEST).is_file():
         raise ReleaseError(
@@ -68,7 +72,10 @@ def release_files(release: Path, client_id: int) -> ConfigRecord:
         files |= {
             f"{UPGRADES}/{p.name}": p for p in sorted((release / UPGRADES).iterdir()) if p.is_file()
         }
-    return ConfigRecord({name: _read(path) for name, path in files.items()})
+    record = {name: _read(path) for name, path in files.items()}
+    if record.get(CLIENT_ENCODER) == record[ENCODER_FILE]:
+        del record[CLIENT_ENCODER]
+    return ConfigRecord(record)
 
 
 def _read(path: Path) -> bytes:
@@ -77,8 +84,9 @@ def _read(path: Path) -> bytes:
 
 def write_release(record: ConfigRecord, root: Path) -> Path:
     """Write the files the server sent under `root` (names checked: one folder of CLIENT or
-    UPGRADES at most, plain names, no path tricks); returns the client bundle's directory. The
-    bundle's own checks (sha256s, schema, sizes) run when the device runtime reads it."""
+    UPGRADES at most, plain names, no path tricks), the release's encoder as the client's where
+    the server left that out; returns the client bundle's directory. The bundle's own checks
+    (sha256s, schema, sizes, its signature) run when the device runtime reads it."""
     if len(record) > MAX_FILES:
         raise ReleaseError(f"the server sent {len(record)} files, over {MAX_FILES}")
     for name, data in record.items():
@@ -93,6 +101,8 @@ def write_release(record: ConfigRecord, root: Path) -> Path:
         write_bytes_atomic(root / name, data, sync_dir=False)
     if not (root / CLIENT / MANIFEST).is_file() or not (root / ENCODER_FILE).is_file():
         raise ReleaseError("the server sent no client bundle or no encoder")
+    if CLIENT_ENCODER not in record:
+        write_bytes_atomic(root / CLIENT_ENCODER, record[ENCODER_FILE], sync_dir=False)
     return root / CLIENT
 
 
