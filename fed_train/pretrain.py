@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from edge_runtime._io import array_file_bytes, parse_json, read_within, write_atomic
+from edge_runtime.arg_types import SEED_MAX
 from edge_runtime.errors import one_line
 from edge_runtime.preprocess import prepare_input
 from fed_train.algorithms.base import TrainingConfig, Weights, get_weights, local_sgd, predict_proba
@@ -65,7 +66,15 @@ class PretrainConfig:
     weight_decay: float = 5e-4
     augment: bool = False  # random shifted crops and horizontal flips (CIFAR's usual recipe)
     precision: str = "fp32"  # of the forward passes (fed_train.accelerator.autocast)
-    seed: int = 0
+    seed: int = 0  # the data: the server split, max_train's subsample, the held-out slice
+    # the training: initial weights, batch order, augmentation (None: `seed`); another value
+    # trains an independent model on the very same server split, so runs from either
+    # pretraining give the clients the same samples
+    weights_seed: int | None = None
+
+    def training_seed(self) -> int:
+        """The seed of the initial weights, the batch order and the augmentation."""
+        return self.seed if self.weights_seed is None else self.weights_seed
 
 
 def server_split(
@@ -148,13 +157,21 @@ def pretrain(
     out = Path(out)
     if (out / RECORD_FILE).exists():
         raise InitError(f"{out} already holds a pretraining; choose another --out or delete it")
+    if config.weights_seed is not None and (
+        isinstance(config.weights_seed, bool)
+        or not isinstance(config.weights_seed, int)
+        or not 0 <= config.weights_seed <= SEED_MAX
+    ):
+        raise InitError(
+            f"--weights-seed must be an integer in 0 .. {SEED_MAX}, got {config.weights_seed!r}"
+        )
     target, source, server = _pretraining_data(config)
     model_name = config.model or default_model(target.input_spec)
     if config.augment and target.input_spec["kind"] != "image":
         raise InitError(
             f"--augment crops and flips images; {config.dataset} holds {target.input_spec['kind']}"
         )
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.training_seed())
     device = torch.device(device)
     model = build_model(model_name, target.num_classes, target.input_spec).to(device)
     # the run's normalisation, so the weights see the inputs they will see in federated training
@@ -172,9 +189,11 @@ def pretrain(
     best_state, best_epoch, best_acc = _cpu_state(model), 0, -1.0
     epochs = Progress(config.epochs, desc="pretrain", unit="epoch", enabled=progress)
     for epoch in range(1, config.epochs + 1):
-        seed = client_seed(config.seed, epoch, 0)
+        seed = client_seed(config.training_seed(), epoch, 0)
         x_epoch = (
-            augment_images(x_fit, np.random.default_rng(client_seed(config.seed, epoch, 1)))
+            augment_images(
+                x_fit, np.random.default_rng(client_seed(config.training_seed(), epoch, 1))
+            )
             if config.augment
             else x_fit
         )

@@ -131,7 +131,7 @@ def _add_model_update(names: argparse._SubParsersAction) -> None:
         _cmd_model_update,
         help="what devices keep when the global model "
         "changes: accuracy after an upgrade by path (exact, mapped, stale, "
-        "fresh, none) across version gaps (continued, retrained)",
+        "fresh, none) across version gaps (continued, retrained, independent)",
         description=model_update.__doc__,
         epilog=examples(
             "knnper experiment model-update --quick --out runs/exp",
@@ -279,7 +279,7 @@ def _cmd_model_update(args: argparse.Namespace) -> int:
     rows, seeds = [], []
     for seed_folder in sorted(folder.glob("seed_*")):
         saved = read_json_cache(seed_folder / model_update.ROWS_FILE)
-        if saved is not None and saved.get("settings") == asdict(settings):
+        if saved is not None and model_update.same_protocol(saved, settings):
             rows += saved["rows"]
             seeds.append(int(seed_folder.name.removeprefix("seed_")))
     seeds.sort()

@@ -102,6 +102,7 @@ def _cmd_pretrain(args: argparse.Namespace) -> int:
         augment=args.augment,
         precision=args.precision,
         seed=args.seed,
+        weights_seed=args.weights_seed,
     )
     record = pretrain(
         config, Path(args.out), progress=not args.no_progress, device=resolve_device(args.device)
@@ -177,7 +178,19 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
         help="random 4-pixel shifted crops and horizontal flips of the images (for "
         "CIFAR-like data; not for digits or letters)",
     )
-    p.add_argument("--seed", type=seed, default=d.seed, help="seed of the split and the training")
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=d.seed,
+        help="seed of the split (and of the training, without --weights-seed)",
+    )
+    p.add_argument(
+        "--weights-seed",
+        type=seed,
+        default=None,
+        help="seed of the initial weights, the batch order and the augmentation: another "
+        "value trains an independent model on the same server split (default: --seed)",
+    )
     add_device_argument(p)
     add_precision_argument(p)
 
