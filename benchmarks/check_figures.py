@@ -18,7 +18,9 @@ intervals and verdicts and the lambda tie counts (seeds.json, seeds.csv, seeds.m
 benchmark pages (docs/benchmarks/*.md and BENCHMARKS.md, found by their headings on whichever
 page holds them; a heading found on none is a mismatch): the fair section's two tables and the
 seeds sections' tables, including their kNN-Per-minus-a-baseline intervals and verdicts, and
-the clients-hurt tables (the share of clients below FedAvg, and kNN-Per's below FedAvg+).
+the clients-hurt tables (the share of clients below FedAvg, and kNN-Per's below FedAvg+); the
+model-update section's accuracy tables (mean +- std across seeds of each seed's mean over
+clients, from benchmarks/results/model_update/NAME/clients.csv).
 """
 
 from __future__ import annotations
@@ -69,6 +71,14 @@ SEEDS_HEADING = "### Across seeds"
 HURT_HEADING = "### Clients hurt: share below the global model (FedAvg)"
 DEFAULT_HEADING = "### The default across seeds"
 TOLERANCE = 1e-9
+MODEL_UPDATE = REPO / "benchmarks" / "results" / "model_update"
+MODEL_UPDATE_HEADING = "### After an update: what each path keeps"
+# results folder -> its heading in that section; per table heading, the clients.csv column
+MODEL_UPDATE_DATA = {"fashion-mnist": "#### Fashion-MNIST", "cifar10": "#### CIFAR-10"}
+MODEL_UPDATE_TABLES = {
+    "##### kNN-Per (each bundle's lambda)": "accuracy",
+    "##### the datastore alone (lambda 1)": "knn_accuracy",
+}
 
 
 class Checker:
@@ -401,6 +411,41 @@ def check_hurt_md(
                 )
 
 
+def check_model_update_md(text: str, check: Checker) -> None:
+    """Each (gap, path) cell of the model-update tables: the mean and standard deviation
+    across seeds of the seed's mean accuracy over its clients, in percent."""
+    if not _found(text, MODEL_UPDATE_HEADING, check):
+        return
+    section = text[text.index(MODEL_UPDATE_HEADING) :]
+    for name, data_heading in MODEL_UPDATE_DATA.items():
+        if not _found(section, data_heading, check):
+            continue
+        part = section[section.index(data_heading) :]
+        rows = read_csv(MODEL_UPDATE / name / "clients.csv")
+        for heading, column in MODEL_UPDATE_TABLES.items():
+            if not _found(part, heading, check):
+                continue
+            header, table = _markdown_table(part, heading)
+            for row in table:
+                for path, cell in zip(header[1:], row[1:], strict=True):
+                    per_seed: dict[str, list[float]] = {}
+                    for r in rows:
+                        if r["gap"] == row[0] and r["path"] == path:
+                            per_seed.setdefault(r["seed"], []).append(float(r[column]))
+                    means = [100 * sum(v) / len(v) for v in per_seed.values()]
+                    mean = sum(means) / len(means) if means else math.nan
+                    std = (
+                        math.sqrt(sum((m - mean) ** 2 for m in means) / (len(means) - 1))
+                        if len(means) > 1
+                        else 0.0
+                    )
+                    check.same(
+                        f"model update {name} {heading[6:20]} {row[0]} {path}",
+                        [round(mean, 2), round(std, 2)],
+                        _numbers(cell),
+                    )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -422,6 +467,7 @@ def main() -> int:
         check_seeds_md(text, found, check, heading, tables)
         check_versus_md(text, found, check, heading, tables)
     check_hurt_md(text, found, check)
+    check_model_update_md(text, check)
     for line in check.mismatches:
         print(f"MISMATCH {line}")
     print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")

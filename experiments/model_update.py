@@ -562,6 +562,10 @@ def _hurt(rows: list[dict[str, Any]], column: str) -> list[str]:
     return lines
 
 
+def _word(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def _knn_changes(rows: list[dict[str, Any]]) -> str:
     """Per gap, the seeds whose release runs another kNN setting than v1's."""
     names = ("k", "sigma", "normalize", "base")
@@ -576,7 +580,11 @@ def _knn_changes(rows: list[dict[str, Any]]) -> str:
         )
         changed = [
             f"seed {seed} "
-            + ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, v1, new, strict=True) if a != b)
+            + ", ".join(
+                f"{n} {_word(a)} -> {_word(b)}"
+                for n, a, b in zip(names, v1, new, strict=True)
+                if a != b
+            )
             for seed, v1, new in pairs
             if v1 != new
         ]

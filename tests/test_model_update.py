@@ -196,11 +196,34 @@ def test_model_update_experiment_writes_its_report(tmp_path):
     with open(folder / "clients.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert {r["path"] for r in rows} == {"no upgrade", "stale", "mapped", "exact", "fresh"}
-    assert {r["gap"] for r in rows} == {"continued", "retrained"}
+    assert {r["gap"] for r in rows} == {"continued", "retrained", "independent"}
     assert all(0 <= float(r["knn_accuracy"]) <= 1 for r in rows)
+    # the independent gap: a second pretraining on the very same server split from other
+    # weights, so its run trains on v1's clients sample for sample, and its release is an
+    # upgrade a device accepts (the key map fitted on that split)
+    seed_dir = folder / "seed_0"
+    pre, other = (
+        json.loads((seed_dir / d / "pretrain.json").read_text()) for d in ("pre", "pre-independent")
+    )
+    assert (pre["seed"], pre["weights_seed"]) == (0, None) and other["seed"] == 0
+    assert other["weights_seed"] not in (None, 0)
+    np.testing.assert_array_equal(
+        *(np.load(seed_dir / d / "server_indices.npy") for d in ("pre", "pre-independent"))
+    )
+    v1, independent = (
+        json.loads((seed_dir / d / "config.json").read_text()) for d in ("v1", "independent")
+    )
+    assert v1["data_sha256"] == independent["data_sha256"]
+    assert v1["init_sha256"] != independent["init_sha256"]
+    assert list((seed_dir / "b-independent" / "upgrades").glob("from-*.npz"))
+    # every successor runs v1's normalisation; stale is mixed with the mapped bundle's lambda
+    assert {r["normalize"] for r in rows} == {r["v1_normalize"] for r in rows}
+    lam = {(r["gap"], r["client"], r["path"]): r["lam"] for r in rows}
+    assert all(lam[g, c, "stale"] == lam[g, c, "mapped"] for g, c, _ in lam)
     assert (folder / "model_update.png").read_bytes().startswith(b"\x89PNG")
     summary = (folder / "summary.md").read_text()
     assert "mapped within 0.5 pp of exact" in summary and "Clients hurt" in summary
+    assert "independent: recovers >= 80% of what stale keys lose" in summary
     # the distribution-shift stream was added (4 batches of 10) and kept: stale, mapped and
     # exact were scored on the same stored samples, the train split and the stream
     assert {int(r["added"]) for r in rows} == {40}

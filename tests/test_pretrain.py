@@ -379,3 +379,40 @@ def test_pretrain_with_augmentation_records_it(tmp_path):
     out = tmp_path / "augmented"
     assert main([*PRETRAIN[:-4], "--epochs", "1", "--augment", "--out", str(out)]) == 0
     assert json.loads((out / "pretrain.json").read_text())["augment"] is True
+
+
+def test_a_weights_seed_trains_other_weights_on_the_same_server_split(tmp_path):
+    """--weights-seed changes the initial weights and the batch order, never the split: runs
+    from either pretraining give the clients the same samples; without it, --seed drives both
+    (the default is the pretraining it always was)."""
+    one_epoch = [*PRETRAIN[:-4], "--epochs", "1", "--seed", "0"]
+    outs = {name: tmp_path / name for name in ("default", "same", "other")}
+    assert main([*one_epoch, "--out", str(outs["default"])]) == 0
+    assert main([*one_epoch, "--weights-seed", "0", "--out", str(outs["same"])]) == 0
+    assert main([*one_epoch, "--weights-seed", "7", "--out", str(outs["other"])]) == 0
+    records = {n: json.loads((o / "pretrain.json").read_text()) for n, o in outs.items()}
+    assert [records[n]["weights_seed"] for n in outs] == [None, 0, 7]
+    splits = [np.load(o / "server_indices.npy", allow_pickle=False) for o in outs.values()]
+    assert all(np.array_equal(splits[0], s) for s in splits[1:])
+    states = {n: torch.load(o / "model.pt", weights_only=True) for n, o in outs.items()}
+    assert all(torch.equal(states["default"][k], states["same"][k]) for k in states["default"])
+    assert not torch.equal(
+        states["default"]["classifier.weight"], states["other"]["classifier.weight"]
+    )
+
+
+@pytest.mark.parametrize("value", ["-1", "x", str(2**32)])
+def test_a_bad_weights_seed_is_refused_on_one_line(value, tmp_path, capsys):
+    out = tmp_path / "p"
+    assert main([*PRETRAIN[:-4], "--epochs", "1", "--weights-seed", value, "--out", str(out)]) == 2
+    assert "--weights-seed" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, 2**32])
+def test_pretrain_refuses_a_bad_weights_seed_before_writing(value, tmp_path):
+    from fed_train.pretrain import InitError, PretrainConfig, pretrain
+
+    with pytest.raises(InitError, match="--weights-seed must be an integer"):
+        pretrain(PretrainConfig(epochs=1, weights_seed=value), tmp_path / "p", progress=False)
+    assert not (tmp_path / "p").exists()
