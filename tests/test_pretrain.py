@@ -404,8 +404,11 @@ def test_a_weights_seed_trains_other_weights_on_the_same_server_split(tmp_path):
 @pytest.mark.parametrize("value", ["-1", "x", str(2**32)])
 def test_a_bad_weights_seed_is_refused_on_one_line(value, tmp_path, capsys):
     out = tmp_path / "p"
-    assert main([*PRETRAIN[:-4], "--epochs", "1", "--weights-seed", value, "--out", str(out)]) == 2
-    assert "--weights-seed" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error
+        main([*PRETRAIN[:-4], "--epochs", "1", "--weights-seed", value, "--out", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --weights-seed" in err and err.count("\n") == 1
     assert not out.exists()
 
 
