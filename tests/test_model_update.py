@@ -251,4 +251,6 @@ def test_model_update_experiment_writes_its_report(tmp_path):
     )
     assert forms.returncode == 0, forms.stderr
     measured = json.loads((tmp_path / "forms" / "forms.json").read_text())
-    assert measured and "Command:" in (tmp_path / "forms" / "forms.md").read_text()
+    table = (tmp_path / "forms" / "forms.md").read_text()
+    assert set(measured["seeds"]["seed_0"]) == {"continued", "retrained", "independent"}
+    assert "Command:" in table and "| per-class | " in table and "of 3 |" in table
