@@ -214,7 +214,12 @@ def _connection_toml(port: int, ca_cert: Path | None) -> str:
         f"[superlink.{CONNECTION}]",
         f'address = "{HOST}:{port}"',
     ]
-    lines.append("insecure = true" if ca_cert is None else f'root-certificates = "{ca_cert}"')
+    # the CA's path lies under TMPDIR, which may hold a `"` or a backslash
+    lines.append(
+        "insecure = true"
+        if ca_cert is None
+        else f"root-certificates = {node_config_value(str(ca_cert))}"
+    )
     return "\n".join(lines) + "\n"
 
 

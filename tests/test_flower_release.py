@@ -141,6 +141,19 @@ HOSTILE_NAMES = [
 ]
 
 
+@pytest.mark.parametrize("name", [n for n in HOSTILE_NAMES if "\udcff" not in n])  # a UTF-8 file
+def test_the_flwr_connection_file_holds_a_hostile_ca_path_whole(tmp_path, name):
+    """The CA certificate lies under TMPDIR: a `"` or a backslash there broke the TOML file
+    the `flwr` commands read (or turned into another value)."""
+    import tomllib
+
+    from fed_train.deploy import _connection_toml
+
+    ca = tmp_path / name / "ca.pem"
+    parsed = tomllib.loads(_connection_toml(9092, ca))
+    assert parsed["superlink"]["knnper-local"]["root-certificates"] == str(ca)
+
+
 def test_hostile_paths_reach_each_node_as_they_are(tmp_path):
     """flwr's own parser, in a process of its own given the argv a SuperNode gets, returns
     every bundle directory and key path whole, with no key added, and the node reads its key
