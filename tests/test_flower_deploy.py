@@ -116,6 +116,11 @@ def test_a_supernode_whose_key_is_not_registered_is_refused(tmp_path):
     assert _wait_until_gone(marker) == []
 
 
+# kNN-Per's setting chosen in one message round, not five (each costs Flower's floor, about 6 s
+# here); the automatic choices' rounds are tests/test_flower.py's, on an in-process grid
+KNN_SETTING = ["--base", "global", "--lambda-rule", "client", "--lambda-estimator", "val"]
+
+
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     """`knnper deploy local` with 3 SuperNodes; the one serving client 2 is killed as soon as
@@ -136,6 +141,7 @@ def deployed(tmp_path_factory):
         "2",
         "--round-timeout",
         "25",  # round 1 takes about 10 s here; the dead node costs this wait twice
+        *KNN_SETTING,
         "--out",
         str(run),
     ]
@@ -216,6 +222,7 @@ def test_knnper_evaluate_on_the_flower_run_agrees_with_the_federated_evaluation(
             "--methods",
             "fedavg",
             "knnper",
+            *KNN_SETTING,
             "--json",
             str(out),
         ],
