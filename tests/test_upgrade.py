@@ -386,18 +386,19 @@ def test_fitting_from_chunks_stores_what_fit_stores(recipe):
     np.testing.assert_array_equal(chunked.predict_proba(z[:50]), whole.predict_proba(z[:50]))
 
 
-def test_signed_bundle_stays_verifiable_across_an_upgrade(tmp_path):
+def _signing_keys(tmp_path: Path) -> tuple:
+    """A fresh Ed25519 pair: the private key and the trusted list holding its public half."""
     pytest.importorskip("cryptography")
-    from edge_runtime.signing import (
-        SignatureError,
-        generate_key_pair,
-        load_private_key,
-        load_public_key,
-        sign_file,
-    )
+    from edge_runtime.signing import generate_key_pair, load_private_key, load_public_key
 
     generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
-    key, trusted = load_private_key(tmp_path / "key.pem"), [load_public_key(tmp_path / "key.pub")]
+    return load_private_key(tmp_path / "key.pem"), [load_public_key(tmp_path / "key.pub")]
+
+
+def test_signed_bundle_stays_verifiable_across_an_upgrade(tmp_path):
+    key, trusted = _signing_keys(tmp_path)
+    from edge_runtime.signing import SignatureError, sign_file
+
     old, new = _encoders(tmp_path)
     bundles = {}
     for name, encoder, seed in (("device", old, 0), ("release", new, 5)):
@@ -422,17 +423,9 @@ def test_a_bundle_the_device_built_upgrades_to_a_signed_release_unsigned(tmp_pat
     """A device's own bundle (unsigned) upgraded with trusted keys: the release and its map are
     verified, a refusal says what was refused (not that the device's bundle is unsigned), and
     the upgraded bundle stays the device's own, unsigned."""
-    pytest.importorskip("cryptography")
-    from edge_runtime.signing import (
-        SignatureError,
-        generate_key_pair,
-        load_private_key,
-        load_public_key,
-        sign_file,
-    )
+    key, trusted = _signing_keys(tmp_path)
+    from edge_runtime.signing import SignatureError, sign_file
 
-    generate_key_pair(tmp_path / "key.pem", tmp_path / "key.pub")
-    key, trusted = load_private_key(tmp_path / "key.pem"), [load_public_key(tmp_path / "key.pub")]
     old, new = _encoders(tmp_path)
     device = _bundle(tmp_path, old, "device")
     x, y = make_images(60, 5)
