@@ -224,10 +224,23 @@ def _connection_toml(port: int, ca_cert: Path | None) -> str:
 
 
 def run_config_toml(settings: FlowerSettings) -> str:
-    """The settings as `flwr run --run-config FILE` takes them (JSON scalars are TOML too)."""
-    return "".join(
-        f"{key} = {json.dumps(value)}\n" for key, value in settings.to_run_config().items()
-    )
+    """The settings as `flwr run --run-config FILE` takes them: a string quoted as TOML (JSON's
+    \\u escapes of a character beyond U+FFFF are surrogates, which TOML refuses), the other
+    scalars as JSON writes them, which is TOML too. A path that is no UTF-8 (Python keeps its
+    bytes as lone surrogates) has no TOML spelling: refused here, before any process starts."""
+    lines = []
+    for key, value in settings.to_run_config().items():
+        if not isinstance(value, str):
+            lines.append(f"{key} = {json.dumps(value)}\n")
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FlowerConfigError(
+                f"{key} {value!r} is not UTF-8, which Flower's run config (TOML) must be: rename it"
+            ) from None
+        lines.append(f"{key} = {node_config_value(value)}\n")
+    return "".join(lines)
 
 
 def _run_timeout(settings: FlowerSettings) -> float:
@@ -404,6 +417,7 @@ def deploy_local(
     node_configs = [node_config(federation, i) for i in range(federation.clients)]
     run_dir = Path(settings.run_dir).resolve()
     settings.run_dir = str(run_dir)
+    run_toml_text = run_config_toml(settings)
     if settings.release:  # pushing an export: run_dir only records it
         run_dir.mkdir(parents=True, exist_ok=True)
     else:  # a bad data set or run directory fails before any process
@@ -434,7 +448,7 @@ def deploy_local(
         for i, key in enumerate(keys):
             start_supernode(procs, f"supernode-{i}", port, tls, key, node_configs[i])
         run_toml = work / "run.toml"
-        write_text_atomic(run_toml, run_config_toml(settings))
+        write_text_atomic(run_toml, run_toml_text)
         submitted = procs.run_cli(
             [
                 "flwr",

@@ -105,6 +105,7 @@ def test_a_node_refuses_more_files_than_a_release_has(tmp_path):
         ("release", "elsewhere", [], "config.json is not readable JSON"),
         ("partial", "run", [], "holds no bundle for client(s) [1, 2]"),
         ("release", "run", ["--trusted-key", "run/config.json"], "is not a PEM public key"),
+        ("release", "run", ["--out", "run/out-\udcff"], "is not UTF-8"),  # no TOML spelling
     ],
 )
 def test_a_bad_release_push_fails_in_one_line_before_any_process(
@@ -118,10 +119,12 @@ def test_a_bad_release_push_fails_in_one_line_before_any_process(
         (tmp_path / name / "export.json").write_text("{}")
     argv = ["deploy", "release", str(tmp_path / release), "--run", str(tmp_path / run)]
     argv += [str(tmp_path / a) if a.startswith("run/") else a for a in extra]
-    code = main([*argv, "--bundle-dir", str(tmp_path / "d"), "--out", str(tmp_path / "out")])
+    out = [] if "--out" in extra else ["--out", str(tmp_path / "out")]
+    code = main([*argv, "--bundle-dir", str(tmp_path / "d"), *out])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists() and not (tmp_path / "d").exists()
+    assert not (tmp_path / "run" / "out-\udcff").exists()
 
 
 # what breaks a quoted value of flwr's --node-config parser, or TOML's strings, or argv
@@ -617,6 +620,28 @@ def test_deploy_config_writes_the_push_deploy_release_runs(tmp_path, capsys, sig
     assert (settings.release, settings.run_dir) == (str(release), str(tmp_path / "push"))
     assert (settings.force_upgrade, settings.keep_inputs, settings.run.clients) == (True, False, 2)
     assert ('trusted-key="' in captured.err) == signed  # the node's key: its own config
+
+
+@pytest.mark.parametrize("name", ["rel-\U0001f680", *HOSTILE_NAMES])
+def test_deploy_config_quotes_hostile_release_and_out_paths_as_toml(tmp_path, capsys, name):
+    """JSON's escapes of a character beyond U+FFFF are surrogates, which TOML refuses: `flwr
+    run` failed after the SuperLink and the nodes had started. A path that is no UTF-8 has
+    no TOML spelling at all: one line, exit 2."""
+    import tomllib
+
+    release, run = _fake_release(tmp_path, signed=False)
+    hostile = release.rename(tmp_path / f"rel-{name.replace('/', '|')}")
+    out = tmp_path / f"out-{name}"
+    argv = ["deploy", "config", "--release", str(hostile), "--run", str(run), "--out", str(out)]
+    code = main([*argv, "--write", str(tmp_path / "push.toml")])
+    err = capsys.readouterr().err
+    if "\udcff" in name:
+        assert code == 2 and "is not UTF-8" in err and err.count("\n") == 1
+        assert not (tmp_path / "push.toml").exists()
+        return
+    assert code == 0
+    settings = FlowerSettings.from_run_config(tomllib.loads((tmp_path / "push.toml").read_text()))
+    assert (settings.release, settings.run_dir) == (str(hostile), str(out))
 
 
 @pytest.mark.parametrize(
