@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import sys
 import uuid
@@ -126,6 +127,46 @@ def exchange_directories(a: Path, b: Path) -> bool:
         raise OSError(err, os.strerror(err), os.fspath(a))
     fsync_dir(a.parent)
     return True
+
+
+def swap_target(path: Path) -> Path:
+    """The directory a swap at `path` replaces: `path`, or the directory a link there names
+    (the link is kept and goes on naming the new directory)."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def staging_directory(path: Path, kind: str = "tmp") -> Path:
+    """A new unique name (.<name>.<kind>-<pid>-<random>) beside `swap_target(path)`, where a
+    directory is built complete before `swap_directory` puts it at `path`; the pid lets the
+    next writer remove it if this one dies (bundle.remove_abandoned_temporaries)."""
+    target = swap_target(path)
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def swap_directory(staged: Path, path: Path) -> None:
+    """Put the complete directory `staged` (a `staging_directory(path)`) at `path` and remove
+    the one it replaces. One atomic exchange where the system offers it (a process killed at
+    any instant leaves the old directory or the new one at `path`), two renames otherwise (a
+    window of two system calls); the caller holds the exclusive lock on `path` where a
+    directory is there, so no reader sees it change. A link at `path` is kept: the directory
+    it names is the one replaced."""
+    fsync_dir(staged)
+    target = swap_target(path)
+    if not os.path.lexists(target):
+        os.rename(staged, target)
+        fsync_dir(target.parent)
+        return
+    old = staged
+    if not exchange_directories(staged, target):
+        old = staging_directory(target, "old")
+        os.rename(target, old)
+        try:
+            os.rename(staged, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def replace_synced(tmp: Path, final: Path, *, sync_dir: bool = True) -> None:

@@ -32,9 +32,8 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,9 @@ from ._io import (
     fsync_file,
     read_regular,
     sha256_file,
+    staging_directory,
+    swap_directory,
+    swap_target,
     to_json_types,
     write_bytes_atomic,
     write_json_atomic,
@@ -507,16 +509,16 @@ def write_bundle(
             encoder_bytes,
             budget.total,
         )
-    problem = _not_replaceable(out_dir)
+    problem = _not_replaceable(swap_target(out_dir))
     if problem:
         raise BundleError(f"refusing to write bundle {out_dir}: {problem}")
     if out_dir.exists() and not replace:
         raise BundleError(f"refusing to replace bundle {out_dir} (replace=False)")
-    parent = out_dir.parent
+    parent = swap_target(out_dir).parent
     if not parent.is_dir():
         raise BundleError(f"cannot write bundle {out_dir}: {parent} is not a directory")
     remove_abandoned_temporaries(parent)
-    tmp = parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = staging_directory(out_dir)
     try:
         tmp.mkdir()
         _write_encoder(tmp / ENCODER_FILE, encoder)
@@ -549,7 +551,9 @@ def write_bundle(
             read_bundle(tmp, intra_op_threads=1, trusted_keys=trusted)
         except BundleError as exc:
             raise BundleError(str(exc).replace(str(tmp), str(out_dir))) from None
-        _swap_into_place(tmp, out_dir)
+        # no device update or load mid-swap
+        with bundle_lock(out_dir, exclusive=True) if out_dir.exists() else nullcontext():
+            swap_directory(tmp, out_dir)
     except BundleError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -636,12 +640,8 @@ def _write_encoder(dest: Path, encoder: bytes | str | os.PathLike) -> None:
 
 
 def _not_replaceable(out_dir: Path) -> str | None:
-    """Why a bundle cannot be written at `out_dir` (with the fix), or None: it is new, empty
-    or a bundle. A link is refused, not followed: the swap renames the directory itself."""
-    if out_dir.is_symlink():
-        return (
-            f"it is a link (to {os.readlink(out_dir)}); give the directory itself or another --out"
-        )
+    """Why a bundle cannot be written at `out_dir` (a link's target, `swap_target`; with the
+    fix), or None: it is new, empty or a bundle."""
     if not out_dir.exists():
         return None
     if not out_dir.is_dir():
@@ -649,25 +649,6 @@ def _not_replaceable(out_dir: Path) -> str | None:
     if (out_dir / MANIFEST).is_file() or not any(out_dir.iterdir()):
         return None
     return "it is a directory that holds other files, not a bundle; choose another --out"
-
-
-def _swap_into_place(tmp: Path, out_dir: Path) -> None:
-    fsync_dir(tmp)
-    parent = out_dir.parent
-    if not out_dir.exists():
-        os.rename(tmp, out_dir)
-        fsync_dir(parent)
-        return
-    old = parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    with bundle_lock(out_dir, exclusive=True):  # no device update or load mid-swap
-        os.rename(out_dir, old)
-        try:
-            os.rename(tmp, out_dir)
-        except BaseException:
-            os.rename(old, out_dir)
-            raise
-    fsync_dir(parent)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- updates

@@ -23,9 +23,10 @@ map cannot upgrade it.
 
 Crash and concurrency safety: the upgrade holds the bundle's exclusive lock throughout, writes
 the upgraded bundle complete and verified into a temporary sibling directory, then swaps the two
-directories in one atomic step (renameat2 RENAME_EXCHANGE on Linux; elsewhere two renames under
-the lock, a window of two system calls). Killed at any instant, the path holds the old bundle
-or the new one, each complete; the leftover temporary is removed by the next write beside it.
+(`_io.swap_directory`, as `write_bundle` does: one atomic step on Linux; elsewhere two renames
+under the lock; a link at the path is kept, its directory replaced). Killed at any instant, the
+path holds the old bundle or the new one, each complete; the leftover temporary is removed by
+the next write beside it.
 Signed: a bundle the exporter signed takes the release's signature.json with it, and must stay
 what the release signed in everything an update cannot change (otherwise the upgrade is
 refused). A bundle the device built itself (`init`: its recipe and lambda its own) was never
@@ -37,14 +38,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._io import exchange_directories, fsync_dir, read_within
+from ._io import read_within, staging_directory, swap_directory
 from .bundle import (
     ENCODER_FILE,
     BudgetExceeded,
@@ -234,7 +234,7 @@ def upgrade_bundle(
         "update_strategy": manifest["update_strategy"],
         **{key: release[key] for key in _RELEASE_FIELDS if key in release},
     }
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = staging_directory(path)
     try:
         for _ in range(8):
             if trained:  # the folded datastore, its buffer down to the newest count - evict
@@ -275,7 +275,7 @@ def upgrade_bundle(
                 read_bundle(tmp, intra_op_threads=1, trusted_keys=trusted_keys)
             else:
                 check_signed_base(tmp, written, f"the upgraded {where}")
-        _swap(tmp, path)
+        swap_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -386,19 +386,3 @@ def _key_map(
             f"the keys ({mapping.describe()}); --force maps them anyway"
         )
     return mapping
-
-
-def _swap(tmp: Path, path: Path) -> None:
-    """Put the upgraded bundle `tmp` at `path` (see the module docstring); the old one goes."""
-    fsync_dir(tmp)
-    if not exchange_directories(tmp, path):
-        aside = path.parent / f".{path.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        os.rename(path, aside)
-        try:
-            os.rename(tmp, path)
-        except BaseException:
-            os.rename(aside, path)
-            raise
-        tmp = aside
-        fsync_dir(path.parent)
-    shutil.rmtree(tmp, ignore_errors=True)

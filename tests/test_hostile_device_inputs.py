@@ -334,7 +334,7 @@ def test_predict_writes_through_a_link_and_to_standard_output(tmp_path, capsys):
 
 def test_messages_name_the_file_and_the_fix(tmp_path, capsys):
     """A 400-digit prior_samples was `OverflowError: int too large to convert to float`; an
-    --out that is a link was 'exists and is not a bundle'."""
+    --out that is a link was 'exists and is not a bundle' (now it is written through)."""
     bundle = build_bundle(tmp_path)
     m = json.loads((bundle / "manifest.json").read_text())
     m["lambda_rule"] = {
@@ -356,25 +356,12 @@ def test_messages_name_the_file_and_the_fix(tmp_path, capsys):
     np.savez(tmp_path / "d.npz", x=x, y=y)
     (tmp_path / "target").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "target")
-    _fails_in_one_line(
-        [
-            "init",
-            "--encoder",
-            str(tmp_path / "enc.onnx"),
-            "--data",
-            str(tmp_path / "d.npz"),
-            "--budget",
-            "1MB",
-            "--out",
-            str(tmp_path / "link"),
-            "--force",
-            "--like",
-            str(other),
-        ],
-        capsys,
-        "is a link",
-        "give the directory itself",
-    )
+    # an --out that is a link is written as an upgrade writes one: into the directory it names
+    argv = ["init", "--encoder", str(tmp_path / "enc.onnx"), "--data", str(tmp_path / "d.npz")]
+    argv += ["--budget", "1MB", "--out", str(tmp_path / "link"), "--force", "--like", str(other)]
+    assert edge_cli.main(argv) == 0
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "manifest.json").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
 def test_init_names_the_n_that_does_not_fit(tmp_path, capsys):

@@ -240,6 +240,34 @@ def test_upgrade_command_prints_what_it_did(tmp_path, capsys):
     assert embedding_id(new.read_bytes())[:12] in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_an_upgrade_through_a_linked_bundle_path_keeps_the_link(
+    tmp_path, capsys, monkeypatch, atomic
+):
+    """The exchange swapped the link itself (the path became a directory) and left the link
+    behind as .link.tmp-*; the two renames (where the kernel has no exchange) alike: the
+    directory the link names is the one replaced, and nothing is left beside either."""
+    from edge_runtime import _io
+    from edge_runtime.cli import main
+
+    if not atomic:
+        monkeypatch.setattr(_io, "exchange_directories", lambda a, b: False)
+    old, new = _encoders(tmp_path)
+    (tmp_path / "store").mkdir()
+    target = _bundle(tmp_path / "store", old, "a")
+    link = tmp_path / "device"
+    link.symlink_to(target)
+    release = _bundle(tmp_path, new, "release")
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    assert main(["upgrade", str(link), "--to", str(release), "--map", str(key_map)]) == 0
+    assert "60 carried (mapped)" in capsys.readouterr().out
+    assert link.is_symlink() and link.resolve() == target
+    encoder = read_bundle(target).manifest["files"]["encoder.onnx"]
+    assert encoder == hashlib.sha256(new.read_bytes()).hexdigest()
+    left = sorted(p.name for d in (tmp_path, tmp_path / "store") for p in d.iterdir())
+    assert not [name for name in left if ".tmp-" in name or ".old-" in name], left
+
+
 _UPGRADER = """
 import sys
 from edge_runtime.runtime import Runtime
