@@ -202,6 +202,29 @@ def write_atomic(
         raise
 
 
+def write_files_atomic(files: Sequence[tuple[Path, bytes]]) -> None:
+    """Write several files as one step: each to a new unique temporary beside it first
+    (`open_exclusive`: nothing planted at the name is followed), and only once all are written
+    and synced are they renamed into place, so a failure (a full disk, a bad name) changes
+    none of them."""
+    temps: list[tuple[Path, Path]] = []
+    try:
+        for final, data in files:
+            temps.append((temp_path(final), final))
+            with open_exclusive(temps[-1][0]) as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, final in temps:
+            os.replace(tmp, final)
+    except BaseException:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+        raise
+    for directory in {final.parent for _, final in temps}:
+        fsync_dir(directory)
+
+
 def write_path_atomic(
     path: str | os.PathLike, write: Callable[[Path], object], *, sync_dir: bool = True
 ) -> None:
@@ -357,11 +380,15 @@ def to_json_types(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=json_default))
 
 
+def json_bytes(obj: Any, *, indent: int = 2) -> bytes:
+    """The bytes of every JSON file the project writes (numpy values as `json_default` says)."""
+    return (json.dumps(obj, indent=indent, default=json_default) + "\n").encode("utf-8")
+
+
 def write_json_atomic(
     path: str | os.PathLike, obj: dict, *, sync_dir: bool = True, indent: int = 2
 ) -> None:
-    text = json.dumps(obj, indent=indent, default=json_default) + "\n"
-    write_bytes_atomic(path, text.encode("utf-8"), sync_dir=sync_dir)
+    write_bytes_atomic(path, json_bytes(obj, indent=indent), sync_dir=sync_dir)
 
 
 def save_npz_atomic(

@@ -38,12 +38,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ._io import output_target, write_bytes_atomic, write_json_atomic
+from ._io import json_bytes, output_problem, output_target, write_files_atomic
 from .bundle import BundleError, encoder_model
 from .head_file import refits
 from .manifest import refit_l2
 from .predictor_graph import build_predictor, graph_backends
 from .runtime import Runtime
+
+# beside <out>.onnx with --keys-as-inputs: the keys, the labels, the app's contract
+SIDE_FILES = (".keys.f32", ".labels.i64", ".app.json")
 
 
 def build_portable(runtime: Runtime, *, keys_as_inputs: bool = False) -> bytes:
@@ -81,7 +84,9 @@ def write_portable(
     Parameters
     ----------
     runtime : a loaded bundle (`Runtime.load`) whose encoder and datastore the predictor holds.
-    out : the .onnx file to write; it may not lie inside the bundle.
+    out : the .onnx file to write; it may not lie inside the bundle. The side files beside it
+        may not either, nor be links: all are checked before any is written, and all are
+        written or none (`write_files_atomic`).
     keys_as_inputs : the keys and labels become the model's inputs instead of constants, and
         are written beside it: <out>.keys.f32 ([n, q] float32), <out>.labels.i64 ([n] int64)
         and <out>.app.json (`app_contract`), so an app keeps learning in any language.
@@ -95,25 +100,40 @@ def write_portable(
     if Path(out).suffix != ".onnx":
         raise ValueError(f"--out must end in .onnx, got {out}")
     out = output_target(out)  # a regular file or a link to one (written through), or new
-    if out.resolve().is_relative_to(runtime.path.resolve()):
-        # over its encoder.onnx (through a link too), or files the bundle does not list
-        raise ValueError(f"--out {out} is inside the bundle {runtime.path}; write it elsewhere")
+    targets = [out, *(Path(f"{out}{suffix}") for suffix in SIDE_FILES)] if keys_as_inputs else [out]
+    _check_targets(targets, runtime.path)
     model = build_portable(runtime, keys_as_inputs=keys_as_inputs)
     onnx.checker.check_model(onnx.load_from_string(model))
-    written = []
+    contents = [model]
     if keys_as_inputs:
         keys, labels = portable_samples(runtime)
-        for path, array in (
-            (Path(f"{out}.keys.f32"), keys.astype("<f4")),
-            (Path(f"{out}.labels.i64"), labels.astype("<i8")),
-        ):
-            write_bytes_atomic(output_target(path), np.ascontiguousarray(array).tobytes())
-            written.append(path)
-        contract = Path(f"{out}.app.json")
-        write_json_atomic(output_target(contract), app_contract(runtime))
-        written.append(contract)
-    write_bytes_atomic(out, model)
-    return [out, *written]
+        contents += [
+            np.ascontiguousarray(keys, dtype="<f4").tobytes(),
+            np.ascontiguousarray(labels, dtype="<i8").tobytes(),
+            json_bytes(app_contract(runtime)),
+        ]
+    write_files_atomic(list(zip(targets, contents, strict=True)))
+    return targets
+
+
+def _check_targets(targets: list[Path], bundle: Path) -> None:
+    """Refuse, before anything is written, every target that lies in the bundle (through a link
+    too: over its encoder.onnx or datastore.npz a device would lose what it learned) and every
+    side file that is a link or not a regular file: the side files' names are derived, not
+    chosen, so a link planted there is never written through."""
+    inside = bundle.resolve()
+    for path in targets:
+        if path is not targets[0]:
+            if os.path.islink(path):
+                raise ValueError(
+                    f"{path} is a link; --keys-as-inputs writes its side files only as new or "
+                    "regular files (remove the link or choose another --out)"
+                )
+            problem = output_problem(path)
+            if problem:
+                raise ValueError(problem)
+        if path.resolve().is_relative_to(inside):
+            raise ValueError(f"--out {path} is inside the bundle {bundle}; write it elsewhere")
 
 
 def portable_samples(runtime: Runtime) -> tuple[np.ndarray, np.ndarray]:

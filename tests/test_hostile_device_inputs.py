@@ -231,6 +231,34 @@ def test_export_onnx_refuses_to_write_into_the_bundle_it_reads(tmp_path, capsys)
     assert edge_cli.main(["export-onnx", str(bundle), "--out", str(tmp_path / "p.onnx")]) == 0
 
 
+@pytest.mark.parametrize("suffix", [".keys.f32", ".labels.i64", ".app.json"])
+@pytest.mark.parametrize("planted", ["link into the bundle", "directory"])
+def test_keys_as_inputs_side_files_are_all_written_or_none(tmp_path, capsys, suffix, planted):
+    """A link planted at a side file's name (here to the bundle's datastore) is never written
+    through, and a side file that cannot be written is found before any file is: the bundle
+    keeps what it learned and no other output appears."""
+    work = tmp_path / "work"
+    work.mkdir()
+    bundle = build_bundle(work)
+    before = {f.name: f.read_bytes() for f in bundle.iterdir()}
+    out = tmp_path / "app.onnx"  # beside the work folder: what appears here is all it wrote
+    side = Path(f"{out}{suffix}")
+    if planted == "directory":
+        side.mkdir()
+    else:
+        side.symlink_to(bundle / "datastore.npz")
+    argv = ["export-onnx", str(bundle), "--out", str(out), "--keys-as-inputs"]
+    _fails_in_one_line(argv, capsys, str(side))
+    assert {f.name: f.read_bytes() for f in bundle.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["work", side.name])
+    Runtime.load(bundle)
+    (side.rmdir if planted == "directory" else side.unlink)()
+    assert edge_cli.main(argv) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["work", out.name, *(f"{out.name}{s}" for s in (".keys.f32", ".labels.i64", ".app.json"))]
+    )
+
+
 def test_threads_past_the_machine_are_refused(tmp_path, capsys):
     bundle = build_bundle(tmp_path)
     _fails_in_one_line(["--threads", "100000", "info", str(bundle)], capsys, "at most")
