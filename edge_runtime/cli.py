@@ -62,6 +62,7 @@ from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .interrupt import INTERRUPTED
 from .knn import DEFAULT_K, DEFAULT_SIGMA
+from .ort_format import MODEL_FORMATS
 from .predictor_graph import graph_backends
 from .preprocess import is_one_sample
 from .runtime import Runtime, check_labels
@@ -244,7 +245,16 @@ def bundle_argument(s: argparse.ArgumentParser) -> None:
 
 def _export_onnx_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("bundle", help=BUNDLE_HELP)
-    s.add_argument("--out", required=True, type=output_file, help="predictor .onnx file to write")
+    s.add_argument(
+        "--out", required=True, type=output_file, help="predictor file to write (.onnx or .ort)"
+    )
+    s.add_argument(
+        "--format",
+        choices=MODEL_FORMATS,
+        default="onnx",
+        help="onnx, or ort: onnxruntime's ORT format for its mobile (Android, iOS) and minimal "
+        "builds, with OUT.required_operators.config listing the operators a reduced build needs",
+    )
     s.add_argument(
         "--keys-as-inputs",
         action="store_true",
@@ -723,9 +733,13 @@ def cmd_export_onnx(args) -> int:
             "export-onnx builds the graph with the onnx package, which this install "
             f"lacks: {install_hint('portable')}"
         )
-    if Path(args.out).suffix != ".onnx":
-        raise UsageError(f"--out must end in .onnx, got {args.out}")
-    written = write_portable(_runtime(args), args.out, keys_as_inputs=args.keys_as_inputs)
+    if Path(args.out).suffix != f".{args.format}":
+        raise UsageError(
+            f"--out must end in .{args.format} for --format {args.format}, got {args.out}"
+        )
+    written = write_portable(
+        _runtime(args), args.out, keys_as_inputs=args.keys_as_inputs, model_format=args.format
+    )
     print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
 
@@ -853,6 +867,7 @@ register_command(
         epilog=examples(
             f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.onnx",
             f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor-app.onnx --keys-as-inputs",
+            f"knnper-edge export-onnx {EXAMPLE} --out bundles/predictor.ort --format ort",
         ),
     )
 )

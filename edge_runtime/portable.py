@@ -3,6 +3,7 @@ and the lambda interpolation, for devices that run ONNX Runtime but not Python (
 browser, a board with the C API).
 
     knnper-edge export-onnx BUNDLE --out predictor.onnx [--keys-as-inputs]
+    knnper-edge export-onnx BUNDLE --out predictor.ort --format ort   (mobile: ort_format.py)
 
 Graph inputs: "input", raw inputs as the bundle's manifest declares them (uint8 images
 [N, H, W, C] or int64 token ids [N, L]). Outputs: "probabilities" [N, C] float32, what
@@ -42,6 +43,7 @@ from ._io import json_bytes, output_problem, output_target, write_files_atomic
 from .bundle import BundleError, encoder_model
 from .head_file import refits
 from .manifest import refit_l2
+from .ort_format import CONFIG_SUFFIX, MODEL_FORMATS, to_ort
 from .predictor_graph import build_predictor, graph_backends
 from .runtime import Runtime
 
@@ -76,7 +78,11 @@ def build_portable(runtime: Runtime, *, keys_as_inputs: bool = False) -> bytes:
 
 
 def write_portable(
-    runtime: Runtime, out: str | os.PathLike, *, keys_as_inputs: bool = False
+    runtime: Runtime,
+    out: str | os.PathLike,
+    *,
+    keys_as_inputs: bool = False,
+    model_format: str = "onnx",
 ) -> list[Path]:
     """Build a loaded bundle's predictor, check it with onnx's checker and write it to `out`
     atomically.
@@ -84,12 +90,14 @@ def write_portable(
     Parameters
     ----------
     runtime : a loaded bundle (`Runtime.load`) whose encoder and datastore the predictor holds.
-    out : the .onnx file to write; it may not lie inside the bundle. The side files beside it
-        may not either, nor be links: all are checked before any is written, and all are
+    out : the .onnx (or .ort) file to write; it may not lie inside the bundle. The side files
+        beside it may not either, nor be links: all are checked before any is written, and all are
         written or none (`write_files_atomic`).
     keys_as_inputs : the keys and labels become the model's inputs instead of constants, and
         are written beside it: <out>.keys.f32 ([n, q] float32), <out>.labels.i64 ([n] int64)
         and <out>.app.json (`app_contract`), so an app keeps learning in any language.
+    model_format : "onnx", or "ort": onnxruntime's ORT format for its mobile and minimal builds
+        (`ort_format.to_ort`), with <out>.required_operators.config for a reduced build.
 
     Returns
     -------
@@ -97,13 +105,21 @@ def write_portable(
     """
     import onnx
 
-    if Path(out).suffix != ".onnx":
-        raise ValueError(f"--out must end in .onnx, got {out}")
+    if model_format not in MODEL_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(MODEL_FORMATS)}, got {model_format}")
+    if Path(out).suffix != f".{model_format}":
+        raise ValueError(f"--out must end in .{model_format}, got {out}")
     out = output_target(out)  # a regular file or a link to one (written through), or new
-    targets = [out, *(Path(f"{out}{suffix}") for suffix in SIDE_FILES)] if keys_as_inputs else [out]
+    suffixes = (SIDE_FILES if keys_as_inputs else ()) + (
+        (CONFIG_SUFFIX,) if model_format == "ort" else ()
+    )
+    targets = [out, *(Path(f"{out}{suffix}") for suffix in suffixes)]
     _check_targets(targets, runtime.path)
     model = build_portable(runtime, keys_as_inputs=keys_as_inputs)
     onnx.checker.check_model(onnx.load_from_string(model))
+    operators = None
+    if model_format == "ort":
+        model, operators = to_ort(model)
     contents = [model]
     if keys_as_inputs:
         keys, labels = portable_samples(runtime)
@@ -112,6 +128,8 @@ def write_portable(
             np.ascontiguousarray(labels, dtype="<i8").tobytes(),
             json_bytes(app_contract(runtime)),
         ]
+    if operators is not None:
+        contents.append(operators.encode())
     write_files_atomic(list(zip(targets, contents, strict=True)))
     return targets
 
@@ -126,7 +144,7 @@ def _check_targets(targets: list[Path], bundle: Path) -> None:
         if path is not targets[0]:
             if os.path.islink(path):
                 raise ValueError(
-                    f"{path} is a link; --keys-as-inputs writes its side files only as new or "
+                    f"{path} is a link; export-onnx writes its side files only as new or "
                     "regular files (remove the link or choose another --out)"
                 )
             problem = output_problem(path)

@@ -154,6 +154,48 @@ def test_keys_as_inputs_keep_learning_like_the_runtime(digits, bundles, tmp_path
     np.testing.assert_allclose(probs, runtime.predict_proba(x), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name, keys_as_inputs", [("flat-int8", False), ("protonn", True)])
+def test_the_ort_format_predicts_as_the_onnx_graph(digits, bundles, tmp_path, name, keys_as_inputs):
+    """`export-onnx --format ort` (onnxruntime's mobile format) loads in the installed
+    onnxruntime and predicts as the .onnx graph does; its config lists exactly the operators
+    onnxruntime's own tool reads from the .ort file (what a reduced build must include)."""
+    _, run = digits
+    x, paths = _inputs(run), {}
+    for fmt in ("onnx", "ort"):
+        paths[fmt] = tmp_path / f"predictor.{fmt}"
+        argv = ["export-onnx", str(bundles[name]), "--out", str(paths[fmt]), "--format", fmt]
+        assert edge_cli.main(argv + ["--keys-as-inputs"] * keys_as_inputs) == 0
+    samples = portable_samples(Runtime.load(bundles[name])) if keys_as_inputs else None
+    onnx_probs, onnx_keys = _run_python(paths["onnx"], x, samples)
+    ort_probs, ort_keys = _run_python(paths["ort"], x, samples)
+    np.testing.assert_array_equal(ort_probs.argmax(1), onnx_probs.argmax(1))
+    np.testing.assert_allclose(ort_probs, onnx_probs, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ort_keys, onnx_keys, rtol=0, atol=1e-6)
+    from onnxruntime.tools.ort_format_model import create_config_from_models
+
+    tool = tmp_path / "tool.config"
+    create_config_from_models([paths["ort"]], tool, enable_type_reduction=False)
+    ours = Path(f"{paths['ort']}.required_operators.config").read_text()
+
+    def lines(text: str) -> list[str]:
+        return [line for line in text.splitlines() if not line.startswith("#")]
+
+    assert lines(ours) == lines(tool.read_text()) and "QLinearConv" in ours
+
+
+def test_export_onnx_refuses_an_out_of_the_other_format(bundles, tmp_path, capsys):
+    out = tmp_path / "predictor.onnx"
+    assert (
+        edge_cli.main(
+            ["export-onnx", str(bundles["flat-int8"]), "--out", str(out), "--format", "ort"]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "--out must end in .ort" in err and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
 def test_keys_as_inputs_refuses_a_base_that_add_refits(bundles, tmp_path, capsys):
     """A flat bundle with the linear base: `add` refits its head on the stored keys, which an
     app appending keys to the graph cannot do, so --keys-as-inputs refuses (plain works)."""
