@@ -281,6 +281,14 @@ def _upgrade_arguments(s: argparse.ArgumentParser) -> None:
         action="store_true",
         help="map the keys even where the release advises to keep the old keys or start fresh",
     )
+    s.add_argument(
+        "--release-key",
+        action="append",
+        metavar="PUBLIC.pem",
+        help="verify the release (--to) and its key map against this Ed25519 key (repeat for "
+        "several), whether or not the bundle itself is signed: a bundle the device built "
+        "(init) is not (default: the --trusted-key keys, which the bundle must be signed by)",
+    )
 
 
 def _keygen_arguments(s: argparse.ArgumentParser) -> None:
@@ -377,12 +385,14 @@ def _load_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> tuple[np.n
 # ----------------------------------------------------------------------------- commands
 
 
-def _trusted(args) -> list | None:
-    if not args.trusted_key:
+def _trusted(args, paths: list[str] | None = None) -> list | None:
+    """The public keys of `paths` (default: --trusted-key), or None where none is given."""
+    paths = args.trusted_key if paths is None else paths
+    if not paths:
         return None
     from .signing import load_public_key
 
-    return [load_public_key(path) for path in args.trusted_key]
+    return [load_public_key(path) for path in paths]
 
 
 def _runtime(args) -> Runtime:
@@ -395,8 +405,9 @@ def _runtime(args) -> Runtime:
 
 
 def cmd_upgrade(args) -> int:
+    release_keys = _trusted(args, args.release_key)  # a key that cannot load fails first
     rt = _runtime(args)
-    report = rt.upgrade(args.to, key_map=args.map, trusted_keys=_trusted(args), force=args.force)
+    report = rt.upgrade(args.to, key_map=args.map, trusted_keys=release_keys, force=args.force)
     if report.how == "nothing to do":
         print(f"bundle {rt.path} is already at the version of {args.to}: nothing to do")
         return 0

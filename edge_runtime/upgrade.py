@@ -29,9 +29,10 @@ path holds the old bundle or the new one, each complete; the leftover temporary 
 the next write beside it.
 Signed: a bundle the exporter signed takes the release's signature.json with it, and must stay
 what the release signed in everything an update cannot change (otherwise the upgrade is
-refused). A bundle the device built itself (`init`: its recipe and lambda its own) was never
-signed and is not after an upgrade either; the release it upgrades to is verified all the same
-when keys are given.
+refused), and is refused an unsigned release (it would lose its signature). A bundle the device
+built itself (`init`: its recipe and lambda its own) was never signed and is not after an upgrade
+either; the release it upgrades to is verified all the same when keys are given (the CLI's
+`upgrade --release-key`).
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ def upgrade_bundle(
     if from_id == to_id:
         return report
     signed = (new_dir / SIGNATURE_FILE).is_file() and (path / SIGNATURE_FILE).is_file()
+    if (path / SIGNATURE_FILE).is_file() and not signed:  # lost, and not back until a next version
+        raise BundleError(
+            f"{where} is signed and the release {new_dir} is not: the upgrade would drop its "
+            f"signature; upgrade to the signed release (or delete {SIGNATURE_FILE} to take it)"
+        )
     if getattr(datastore, "inputs_", None) is not None:
         if release["input"] != manifest["input"]:
             raise BundleError(

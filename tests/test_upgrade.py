@@ -470,6 +470,55 @@ def test_a_bundle_the_device_built_upgrades_to_a_signed_release_unsigned(tmp_pat
     np.testing.assert_array_equal(Runtime.load(device).datastore.labels_, labels)
 
 
+def test_the_cli_verifies_a_signed_release_for_a_bundle_the_device_built(tmp_path, capsys):
+    """--trusted-key K refuses the device's own (unsigned) bundle, as it refuses any unsigned
+    bundle; --release-key K verifies the release and its map alone."""
+    from edge_runtime.cli import main
+    from edge_runtime.signing import sign_file
+
+    key, _ = _signing_keys(tmp_path)
+    old, new = _encoders(tmp_path)
+    device = _bundle(tmp_path, old, "device")
+    x, y = make_images(60, 5)
+    ds = make_datastore("flat:int8", NUM_CLASSES, k=5).fit(raw_outputs(new, x)[0], y)
+    write_bundle(tmp_path / "release", FIELDS, new, ds, signing_key=key)
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    upgrade = ["upgrade", str(device), "--to", str(tmp_path / "release"), "--map", str(key_map)]
+    pub = str(tmp_path / "key.pub")
+    for argv, refusal in (
+        (["--trusted-key", pub, *upgrade], f"{device}: unsigned"),
+        ([*upgrade, "--release-key", pub], "map.npz: unsigned"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and refusal in err, err
+    sign_file(key_map, key)
+    assert main([*upgrade, "--release-key", pub]) == 0
+    assert "60 carried (mapped)" in capsys.readouterr().out
+    assert not (device / "signature.json").exists()
+
+
+def test_a_signed_bundle_is_refused_an_unsigned_release(tmp_path, capsys):
+    """Upgraded without a key, a signed bundle took an unsigned release and lost its signature
+    silently, and could not take the signed release of that version back."""
+    from edge_runtime.cli import main
+
+    key, trusted = _signing_keys(tmp_path)
+    old, new = _encoders(tmp_path)
+    x, y = make_images(60, 0)
+    ds = make_datastore("flat:fp32", NUM_CLASSES, k=5).fit(raw_outputs(old, x)[0], y)
+    write_bundle(tmp_path / "device", FIELDS, old, ds, signing_key=key)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "device").iterdir()}
+    release = _bundle(tmp_path, new, "release")
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    upgrade = ["upgrade", str(tmp_path / "device"), "--to", str(release), "--map", str(key_map)]
+    assert main(upgrade) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the upgrade would drop its signature" in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "device").iterdir()} == before
+    Runtime.load(tmp_path / "device", trusted_keys=trusted)  # still verifies
+
+
 _READER = """
 import sys, time
 import numpy as np
