@@ -210,7 +210,7 @@ def _candidate_recipes(
             )
         probe = make_datastore(recipe, num_classes, k, sigma, seed=seed)
         probes.append(probe)
-        most = samples_within(probe, dim, budget.room, None)  # an init bundle refits no head
+        most = samples_within(probe, dim, budget)  # an init bundle refits no head
         if params.get("n") is not None:
             counts = [params["n"]] if params["n"] <= most else []
             if most >= 1 and not counts:
@@ -229,5 +229,5 @@ def _candidate_recipes(
                 seen.add(same)
                 out.append(format_recipe(name, {**params, "n": n}))
     if not out:
-        raise BundleError(too_many[0] if too_many else no_sample_fits(budget, probes, dim, None))
+        raise BundleError(too_many[0] if too_many else no_sample_fits(budget, probes, dim))
     return out

@@ -58,8 +58,11 @@ def save_head(directory: str | os.PathLike, head: LinearHead, generation: int) -
     return name
 
 
-def head_nbytes(dim: int, num_classes: int) -> int:
-    """The bytes `save_head` writes for a head of this shape (what it takes of the budget)."""
+def head_nbytes(dim: int, num_classes: int | None) -> int:
+    """The bytes `save_head` writes for a head of this shape (what it takes of the budget); 0
+    for `num_classes` None, where the device refits no head."""
+    if num_classes is None:
+        return 0
     buffer = io.BytesIO()
     np.savez(
         buffer,
@@ -68,38 +71,32 @@ def head_nbytes(dim: int, num_classes: int) -> int:
     return buffer.tell()
 
 
-def samples_within(store: Any, dim: int, room: int, head_classes: int | None) -> int:
-    """The most samples `store` may hold within `room` bytes by its estimate (files and held
-    memory), less the refitted head's file where the device refits one (`head_classes`: its
-    class count; None: no refit). One rule for `add` and `upgrade`, so an upgrade keeps what
-    `add` kept."""
-    if head_classes is not None:
-        room -= head_nbytes(dim, head_classes)
-    return max_count_within(lambda n: store.estimate_nbytes(n, dim), room)
+def samples_within(store: Any, dim: int, budget: Budget) -> int:
+    """The most samples `store` may hold within the budget's `sample_room` by its estimate
+    (files and held memory). One rule for `add` and `upgrade`, so an upgrade keeps what `add`
+    kept."""
+    return max_count_within(lambda n: store.estimate_nbytes(n, dim), budget.sample_room)
 
 
 def one_sample_room(stores: Iterable[Any], dim: int, head_classes: int | None) -> int:
     """The fewest bytes after the encoder in which one of `stores` holds one sample by
     `samples_within`'s rule (the head's file, then one sample's estimate)."""
-    head = 0 if head_classes is None else head_nbytes(dim, head_classes)
-    return head + min(store.estimate_nbytes(1, dim) for store in stores)
+    return head_nbytes(dim, head_classes) + min(store.estimate_nbytes(1, dim) for store in stores)
 
 
-def no_sample_fits(
-    budget: Budget, stores: Iterable[Any], dim: int, head_classes: int | None
-) -> str:
+def no_sample_fits(budget: Budget, stores: Iterable[Any], dim: int) -> str:
     """The one-line refusal where not even one sample of any of `stores` fits `budget` by
     `samples_within`'s rule: what the encoder and the refitted head take, the budget, and the
     smallest budget that would hold one. The exporter and `init` refuse such a budget instead
     of writing a bundle that `add` and `upgrade` would find over it."""
-    head = 0 if head_classes is None else head_nbytes(dim, head_classes)
     taken = f"the encoder takes {budget.encoder} bytes" + (
-        f" and the refitted linear head's file {head} bytes" if head else ""
+        f" and the refitted linear head's file {budget.head} bytes" if budget.head else ""
     )
+    one = min(store.estimate_nbytes(1, dim) for store in stores)
     return (
-        f"budget {budget.total} bytes: {taken}, leaving {budget.room - head} bytes, too few for "
+        f"budget {budget.total} bytes: {taken}, leaving {budget.sample_room} bytes, too few for "
         f"one stored sample; the smallest budget that holds one is "
-        f"{budget.encoder + one_sample_room(stores, dim, head_classes)} bytes"
+        f"{budget.encoder + budget.head + one} bytes"
     )
 
 

@@ -62,7 +62,7 @@ from .bundle import (
     read_manifest,
 )
 from .encoder import Encoder
-from .head_file import refit_head, refits, samples_within
+from .head_file import head_nbytes, refit_head, refits, samples_within
 from .knn import softmax
 from .linear_head import LinearHead
 from .locking import DEFAULT_LOCK_TIMEOUT
@@ -498,13 +498,9 @@ class Runtime:
     def _max_fit(self) -> int:
         """The most stored samples whose (estimated) datastore files fit next to the encoder
         (and the refitted head's file, where the bundle refits one)."""
-        head_classes = self.num_classes if self._refit_l2() is not None else None
-        return samples_within(
-            self.datastore.sample_store(),
-            self.manifest["embedding_dim"],
-            self.budget.room,
-            head_classes,
-        )
+        dim = self.manifest["embedding_dim"]
+        head = head_nbytes(dim, self.num_classes if self._refit_l2() is not None else None)
+        return samples_within(self.datastore.sample_store(), dim, self.budget.with_head(head))
 
     def _refit_l2(self) -> float | None:
         """The l2 an update refits the linear head with; None where it keeps the shipped head

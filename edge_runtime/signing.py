@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,61 @@ def signature_document(manifest_bytes: bytes, private_key) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class _Document:
+    """A signature document as read: what was signed, the signature, and by which key."""
+
+    signed: bytes
+    signature: bytes
+    algorithm: str
+    key: str
+
+    @classmethod
+    def read(cls, path: Path, where: str) -> _Document:
+        """The document at `path`, bounded; SignatureError (one line) when it is missing, not
+        a regular file, or malformed."""
+        if not os.path.lexists(path):
+            raise SignatureError(
+                f"{where}: unsigned ({path.name} is missing) and a trusted key is configured"
+            )
+        if path.is_symlink() or not path.is_file():
+            raise SignatureError(
+                f"{where}: {path.name} is a link or not a regular file (a pipe, a device); a "
+                "signature is a plain file: copy it again from its exporter"
+            )
+        raw = read_within(
+            path, MAX_SIGNATURE_BYTES, lambda why: SignatureError(f"{where}: {path.name} {why}")
+        )
+        try:
+            doc = parse_json(raw)
+            return cls(
+                base64.b64decode(doc["manifest"], validate=True),
+                base64.b64decode(doc["signature"], validate=True),
+                doc["algorithm"],
+                doc["key"],
+            )
+        except (ValueError, TypeError, KeyError, RecursionError, binascii.Error):
+            raise SignatureError(f"{where}: {path.name} is malformed") from None
+
+    def verified(self, trusted_keys: Sequence[Any], where: str) -> bytes:
+        """The signed bytes, once the signature verifies under one of `trusted_keys`."""
+        _, _, invalid_signature = _crypto()
+        if self.algorithm != ALGORITHM:
+            raise SignatureError(
+                f"{where}: signature algorithm {self.algorithm!r} is not {ALGORITHM}"
+            )
+        keys = [k for k in trusted_keys if fingerprint(k) == self.key]
+        if not keys:
+            raise SignatureError(
+                f"{where}: signed by key {str(self.key)[:16]}..., which is not trusted"
+            )
+        try:
+            keys[0].verify(self.signature, self.signed)
+        except invalid_signature:
+            raise SignatureError(f"{where}: the signature does not verify") from None
+        return self.signed
+
+
 def verify_signature(
     bundle_dir: str | os.PathLike, manifest: dict, trusted_keys: Sequence[Any], where: str
 ) -> dict:
@@ -145,39 +201,8 @@ def verify_signature(
     the signed base manifest. SignatureError (one line) when the bundle is unsigned, signed by
     an untrusted key, the signature does not verify, or the manifest departs from the signed
     base in anything an on-device update cannot change."""
-
-    _, _, invalid_signature = _crypto()
-    path = Path(bundle_dir) / SIGNATURE_FILE
-    if not os.path.lexists(path):
-        raise SignatureError(
-            f"{where}: unsigned ({SIGNATURE_FILE} is missing) and a trusted key is configured"
-        )
-    if path.is_symlink() or not path.is_file():
-        raise SignatureError(
-            f"{where}: {SIGNATURE_FILE} is a link or not a regular file (a "
-            "pipe, a device); a bundle's signature is a plain file: copy the "
-            "bundle again from its exporter"
-        )
-    raw = read_within(
-        path, MAX_SIGNATURE_BYTES, lambda why: SignatureError(f"{where}: {SIGNATURE_FILE} {why}")
-    )
-    try:
-        doc = parse_json(raw)
-        signed = base64.b64decode(doc["manifest"], validate=True)
-        signature = base64.b64decode(doc["signature"], validate=True)
-        algorithm, key_id = doc["algorithm"], doc["key"]
-    except (ValueError, TypeError, KeyError, RecursionError, binascii.Error):
-        raise SignatureError(f"{where}: {SIGNATURE_FILE} is malformed") from None
-    if algorithm != ALGORITHM:
-        raise SignatureError(f"{where}: signature algorithm {algorithm!r} is not {ALGORITHM}")
-    keys = [k for k in trusted_keys if fingerprint(k) == key_id]
-    if not keys:
-        raise SignatureError(f"{where}: signed by key {str(key_id)[:16]}..., which is not trusted")
-    try:
-        keys[0].verify(signature, signed)
-    except invalid_signature:
-        raise SignatureError(f"{where}: the signature does not verify") from None
-    base = parse_manifest(signed, f"{where}: signed manifest")
+    doc = _Document.read(Path(bundle_dir) / SIGNATURE_FILE, where)
+    base = parse_manifest(doc.verified(trusted_keys, where), f"{where}: signed manifest")
     _check_against_base(manifest, base, where)
     return base
 
@@ -193,30 +218,8 @@ def sign_file(path: str | os.PathLike, private_key) -> Path:
 def verify_file(path: str | os.PathLike, data: bytes, trusted_keys: Sequence[Any]) -> None:
     """SignatureError unless PATH.sig.json, by a trusted key, signs the sha256 of `data` (the
     file's bytes as read)."""
-    _, _, invalid_signature = _crypto()
     where = os.fspath(path)
-    doc_path = Path(f"{where}.sig.json")
-    if doc_path.is_symlink() or not doc_path.is_file():
-        raise SignatureError(
-            f"{where}: unsigned ({doc_path.name} is missing) and a trusted key is configured"
-        )
-    raw = read_within(
-        doc_path, MAX_SIGNATURE_BYTES, lambda why: SignatureError(f"{where}: {doc_path.name} {why}")
-    )
-    try:
-        doc = parse_json(raw)
-        signed = base64.b64decode(doc["manifest"], validate=True)
-        signature = base64.b64decode(doc["signature"], validate=True)
-        key_id = doc["key"]
-    except (ValueError, TypeError, KeyError, RecursionError, binascii.Error):
-        raise SignatureError(f"{where}: {doc_path.name} is malformed") from None
-    keys = [k for k in trusted_keys if fingerprint(k) == key_id]
-    if not keys:
-        raise SignatureError(f"{where}: signed by key {str(key_id)[:16]}..., which is not trusted")
-    try:
-        keys[0].verify(signature, signed)
-    except invalid_signature:
-        raise SignatureError(f"{where}: the signature does not verify") from None
+    signed = _Document.read(Path(f"{where}.sig.json"), where).verified(trusted_keys, where)
     if signed != hashlib.sha256(data).hexdigest().encode("ascii"):
         raise SignatureError(f"{where}: the file is not the one that was signed")
 
@@ -225,15 +228,7 @@ def check_signed_base(bundle_dir: str | os.PathLike, manifest: dict, where: str)
     """Without checking the signature itself (no key at hand): SignatureError when the
     manifest departs from the base signature.json signed in anything an update cannot
     change, so a runtime that trusts the signer will accept it."""
-    raw = read_within(
-        Path(bundle_dir) / SIGNATURE_FILE,
-        MAX_SIGNATURE_BYTES,
-        lambda why: SignatureError(f"{where}: {SIGNATURE_FILE} {why}"),
-    )
-    try:
-        signed = base64.b64decode(parse_json(raw)["manifest"], validate=True)
-    except (ValueError, TypeError, KeyError, RecursionError, binascii.Error):
-        raise SignatureError(f"{where}: {SIGNATURE_FILE} is malformed") from None
+    signed = _Document.read(Path(bundle_dir) / SIGNATURE_FILE, where).signed
     _check_against_base(manifest, parse_manifest(signed, f"{where}: signed manifest"), where)
 
 

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from ._io import read_within, staging_directory, swap_directory
+from .budget import Budget
 from .bundle import (
     ENCODER_FILE,
     BudgetExceeded,
@@ -61,7 +62,7 @@ from .datastores import BACKENDS, format_recipe
 from .device_choice import choose_datastore
 from .encoder import Encoder
 from .errors import SignatureError, one_line
-from .head_file import refit_head, samples_within
+from .head_file import head_nbytes, refit_head, samples_within
 from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
 from .manifest import MODEL_RECORDS, lambda_rule_of, refit_l2
 from .preprocess import prepare_input
@@ -219,17 +220,18 @@ def upgrade_bundle(
         fresh, l2 = datastore.sample_store(), None  # a protonn bundle keeps its shipped head
     else:
         fresh, l2 = BACKENDS[backend].from_params(params), refit_l2(release)
-    head_classes = release["num_classes"] if l2 is not None else None
-    room = int(manifest["budget_bytes"]) - encoder_size
-    fits = samples_within(fresh, dim, room, head_classes)
+    budget = Budget(manifest["budget_bytes"], encoder_size).with_head(
+        head_nbytes(dim, release["num_classes"] if l2 is not None else None)
+    )
+    fits = samples_within(fresh, dim, budget)
     # a protonn bundle's prototypes stay with an empty buffer too
-    if fits < 1 and (not trained or fresh.estimate_nbytes(0, dim) > room):
+    if fits < 1 and (not trained or fresh.estimate_nbytes(0, dim) > budget.sample_room):
         raise BudgetExceeded(
             f"{where}: the new encoder ({encoder_size} bytes) leaves no room for "
             f"{'its folded prototypes' if trained else 'one stored sample'} in the budget "
-            f"of {manifest['budget_bytes']} bytes",
+            f"of {budget.total} bytes",
             encoder_size,
-            int(manifest["budget_bytes"]),
+            budget.total,
         )
     evict = max(0, count - fits)
     fields = {
@@ -270,7 +272,7 @@ def upgrade_bundle(
             raise BudgetExceeded(
                 f"{where}: the upgraded datastore does not fit the budget",
                 0,
-                int(manifest["budget_bytes"]),
+                budget.total,
             )
         if l2 is not None:
             head = refit_head(ds, release["num_classes"], l2)

@@ -257,7 +257,8 @@ class DatastoreSizer:
         )
         candidates: list[tuple[Candidate, Datastore]] = []
         seen: set[tuple[str, int]] = set()
-        for build in self._builders(data, room):
+        samples = budget.with_head(head_nbytes(data.z_train.shape[1], self._head_classes()))
+        for build in self._builders(data, samples):
             made = build()
             if made is None:
                 continue
@@ -283,10 +284,9 @@ class DatastoreSizer:
             candidates += self._protonn_search(data, room)
         if not candidates:
             configs, dim = list(self._sample_configs()), data.z_train.shape[1]
-            head_classes = self._head_classes()
-            if configs and not any(samples_within(c, dim, room, head_classes) for c in configs):
+            if configs and not any(samples_within(c, dim, samples) for c in configs):
                 protonn = " (and no ProtoNN datastore fits either)" if trained else ""
-                why = no_sample_fits(budget, configs, dim, head_classes)
+                why = no_sample_fits(samples, configs, dim)
                 raise BudgetInvalid(f"client {data.client_id}: {why}{protonn}")
             raise BudgetInvalid(
                 f"client {data.client_id}: the budget leaves {room} bytes after the encoder, too "
@@ -340,18 +340,16 @@ class DatastoreSizer:
         return self.num_classes if self.knn.base == "linear" else None
 
     def _builders(
-        self, data: ClientSplits, room: int
+        self, data: ClientSplits, budget: Budget
     ) -> Iterator[Callable[[], tuple[Candidate, Datastore] | None]]:
         """Per flat or HNSW configuration, each sample count to try. Its capacity (what fifo
-        may later grow to) is the most samples `samples_within` allows in `room`, the rule
+        may later grow to) is the most samples `samples_within` allows in `budget`, the rule
         `add` and `upgrade` hold the bundle to; none where not one sample fits."""
         n, dim = data.z_train.shape
-        head_classes = self._head_classes()
-        sample_room = room - (0 if head_classes is None else head_nbytes(dim, head_classes))
         for config in self._sample_configs():
-            capacity = samples_within(config, dim, room, head_classes)
+            capacity = samples_within(config, dim, budget)
             for count in self._counts(n, min(n, capacity)):
-                yield _bind(self._fit_within, config, data, count, capacity, sample_room)
+                yield _bind(self._fit_within, config, data, count, capacity, budget.sample_room)
 
     def _sample_configs(self) -> Iterator[SampleDatastore]:
         """The flat and HNSW configurations to fill with samples (ProtoNN is trained after

@@ -1,5 +1,6 @@
-"""The one budget value: the room a datastore gets is the total less the encoder, wherever it is
-asked for (exporter, sizer, device init, the runtime's fit check)."""
+"""The one budget value: the room a datastore gets is the total less the encoder, and its samples'
+the room less a refitted head's file, wherever it is asked for (exporter, sizer, device init, the
+runtime's fit check, upgrade)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,13 @@ def test_a_total_must_be_a_positive_whole_number_of_bytes(total):
 def test_an_encoder_share_must_be_a_count():
     with pytest.raises(ValueError, match="non-negative integer"):
         Budget(1_000, -1)
+    with pytest.raises(ValueError, match="head file's bytes must be a non-negative integer"):
+        Budget(1_000, 10).with_head(-1)
+
+
+def test_the_samples_room_is_what_a_refitted_heads_file_leaves_of_the_room():
+    """The head's file was subtracted by hand in four places (the sizer, add, upgrade and the
+    refusal's arithmetic); now a budget carries it."""
+    budget = Budget(10_000, 3_000).with_head(1_200)
+    assert (budget.room, budget.sample_room) == (7_000, 5_800)
+    assert Budget(10_000, 3_000).sample_room == 7_000  # no head refitted

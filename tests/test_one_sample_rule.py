@@ -33,20 +33,21 @@ def test_one_sample_room_is_where_the_rule_first_allows_one_sample():
     assert one_sample_room(stores, DIM, CLASSES) == head + one
     for head_classes in (None, CLASSES):
         room = one_sample_room(stores, DIM, head_classes)
-        assert max(samples_within(s, DIM, room, head_classes) for s in stores) == 1
-        assert max(samples_within(s, DIM, room - 1, head_classes) for s in stores) == 0
+        for total, most in ((room, 1), (room - 1, 0)):
+            budget = Budget(1000 + total, 1000).with_head(head_nbytes(DIM, head_classes))
+            assert max(samples_within(s, DIM, budget) for s in stores) == most
 
 
 def test_the_refusal_says_what_the_encoder_and_the_head_take_and_the_smallest_budget():
     store = make_datastore("flat:fp32", CLASSES)
     one, head = store.estimate_nbytes(1, DIM), head_nbytes(DIM, CLASSES)
-    budget = Budget(1000 + head + one - 1, encoder=1000)
-    assert no_sample_fits(budget, [store], DIM, CLASSES) == (
+    budget = Budget(1000 + head + one - 1, encoder=1000, head=head)
+    assert no_sample_fits(budget, [store], DIM) == (
         f"budget {1000 + head + one - 1} bytes: the encoder takes 1000 bytes and the refitted "
         f"linear head's file {head} bytes, leaving {one - 1} bytes, too few for one stored "
         f"sample; the smallest budget that holds one is {1000 + head + one} bytes"
     )
-    assert no_sample_fits(Budget(1000 + one - 1, encoder=1000), [store], DIM, None) == (
+    assert no_sample_fits(Budget(1000 + one - 1, encoder=1000), [store], DIM) == (
         f"budget {1000 + one - 1} bytes: the encoder takes 1000 bytes, leaving {one - 1} bytes, "
         f"too few for one stored sample; the smallest budget that holds one is {1000 + one} bytes"
     )
@@ -77,7 +78,7 @@ def test_the_sizer_stores_what_the_rule_allows_and_refuses_below_one_sample(base
     with pytest.raises(BudgetInvalid) as err:
         DatastoreSizer(CLASSES, knn=knn, space=space).fit(_client(), Budget(room - 1, encoder=0))
     assert str(err.value) == "client 0: " + no_sample_fits(
-        Budget(room - 1, encoder=0), stores, DIM, head_classes
+        Budget(room - 1, encoder=0, head=head_nbytes(DIM, head_classes)), stores, DIM
     )
 
 

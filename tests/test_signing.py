@@ -381,3 +381,42 @@ def test_a_signature_that_is_a_pipe_or_a_link_is_not_called_missing(tmp_path, ke
         (bundle / SIGNATURE_FILE).symlink_to(tmp_path / "real.json")
     with pytest.raises(SignatureError, match="is a link or not a regular file"):
         Runtime.load(bundle, trusted_keys=trusted(keys))
+
+
+_DAMAGES = {
+    "missing": lambda doc: doc.unlink(),
+    "link": lambda doc: (doc.rename(doc.with_name("real")), doc.symlink_to(doc.with_name("real"))),
+    "malformed": lambda doc: doc.write_text("{}"),
+    "algorithm": lambda doc: _edit_document(doc, algorithm="rsa"),
+    "untrusted": lambda doc: _edit_document(doc, key="0" * 64),
+    "forged": lambda doc: _edit_document(doc, signature=base64.b64encode(b"x" * 64).decode()),
+}
+
+
+def _edit_document(doc: Path, **fields) -> None:
+    doc.write_text(json.dumps({**json.loads(doc.read_text()), **fields}))
+
+
+@pytest.mark.parametrize("damage", sorted(_DAMAGES))
+def test_a_bundles_signature_and_a_files_fail_alike(tmp_path, keys, damage):
+    """One reader: a file's signature (a key map's, an encoder's) that was a link was called
+    missing, and its algorithm was never read."""
+    from edge_runtime.signing import load_private_key, sign_file, verify_signature
+
+    bundle = signed_bundle(tmp_path, keys)
+    (tmp_path / "f").mkdir()
+    shared = tmp_path / "f" / "payload"
+    shared.write_bytes(b"a release file")
+    sign_file(shared, load_private_key(keys / "key.pem"))
+    _DAMAGES[damage](bundle / SIGNATURE_FILE)
+    _DAMAGES[damage](tmp_path / "f" / "payload.sig.json")
+    errors = []
+    with pytest.raises(SignatureError) as err:
+        verify_signature(
+            bundle, json.loads((bundle / "manifest.json").read_text()), trusted(keys), "B"
+        )
+    errors.append(str(err.value).replace(SIGNATURE_FILE, "DOC"))
+    with pytest.raises(SignatureError) as err:
+        verify_file(shared, shared.read_bytes(), trusted(keys))
+    errors.append(str(err.value).replace(f"{shared}:", "B:").replace("payload.sig.json", "DOC"))
+    assert errors[0] == errors[1] and "\n" not in errors[0], errors
