@@ -1,6 +1,8 @@
 """The argparse types both command lines share (`knnper-edge` here, `knnper` in knnper_cli):
 one definition of a positive number, a fraction, a thread count and a byte count, so the same
-text means the same value to both and a bad one is the same one-line error, exit 2."""
+text means the same value to both and a bad one is the same one-line error, exit 2. Light on
+purpose: `knnper --help` and a bad flag are answered before numpy is imported, so the checks
+that need `_io` or `knn` (numpy) import them when they run."""
 
 from __future__ import annotations
 
@@ -10,9 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ._io import is_stdout, output_problem
 from .byte_count import parse_byte_count
-from .knn import k_sigma_problem
 
 _NAMES = {int: "an integer", float: "a number"}
 INT64_MAX = 2**63 - 1  # counts end up in numpy and torch integers
@@ -76,6 +76,8 @@ def _runnable(name: str, parse: Callable[[str], int | float]) -> Callable[[str],
     (knn.k_sigma_problem: k past an int64, a kernel that underflows or overflows)."""
 
     def check(text: str) -> int | float:
+        from .knn import k_sigma_problem
+
         value = parse(text)
         problem = k_sigma_problem(**{name: value})
         if problem:
@@ -141,6 +143,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Check every output path of a parsed command line before any work starts (a long
     evaluation or export must not fail at its last step); ValueError names the flag's value
     and the problem."""
+    from ._io import is_stdout, output_problem
+
     for value in vars(args).values():
         if isinstance(value, OutputDir):
             _check_output_dir(value)

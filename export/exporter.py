@@ -55,14 +55,11 @@ from export.client_export import (
 from export.errors import BudgetInvalid, ExportError
 from export.journal import ExportJournal
 from export.onnx_export import export_onnx
+from export.options import DEVICE_EXTRAS, backend_choices
 from export.personal_encoder import with_linear_head
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
 from export.resume import bundle_problem, row_problem
-from export.sizing import (
-    SearchSpace,
-    backend_choices,
-    smallest_datastore_bytes,
-)
+from export.sizing import SearchSpace, smallest_datastore_bytes
 from fed_train.algorithms.base import ClientData, embed_and_logits
 from fed_train.client_files import client_split
 from fed_train.knn_setting import KNNChoice
@@ -77,7 +74,6 @@ FP32_ENCODER_FILE = "encoder.fp32.onnx"
 REPORT_FILE = "export.json"
 JOURNAL_FILE = "export.journal.jsonl"
 UPDATE_STRATEGIES = ("fifo", "concatenate", "fixed")
-DEVICE_EXTRAS = ("any", "none")  # --device-extras: "none" tries only what the runtime alone loads
 
 
 @dataclass

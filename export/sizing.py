@@ -41,17 +41,13 @@ from edge_runtime.head_file import head_nbytes, no_sample_fits, one_sample_room,
 from edge_runtime.knn import datastore_key
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from export.errors import BudgetInvalid, ExportError
+from export.options import backend_choices
 from fed_train.knn_setting import KNNChoice
 from protonn.training import ProtoNNClassifier
 
 log = logging.getLogger(__name__)
 
 Datastore = BaseDatastore  # any registered backend
-
-
-def backend_choices() -> tuple[str, ...]:
-    """What --backend takes: "auto" (every registered backend) or one registered backend."""
-    return ("auto", *BACKENDS)
 
 
 @dataclass

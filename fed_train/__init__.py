@@ -18,7 +18,7 @@ __all__, __getattr__, __dir__ = lazy_face(
         "evaluate_run": "run_evaluation",
         "ALGORITHMS": "algorithms",
         "build_algorithm": "algorithms",
-        "TrainingConfig": "algorithms.base",
+        "TrainingConfig": "training_config",
         "ClientData": "algorithms.base",
         "simulate": "simulation",
         "Dataset": "data",

@@ -16,7 +16,7 @@ were 1.28x faster with a core free, which `--threads 2` gives.
 
 from __future__ import annotations
 
-from fed_train.algorithms.base import TrainingConfig
+from fed_train.training_config import TrainingConfig
 
 TRAINING = TrainingConfig(
     rounds=20, epochs=1, batch_size=32, lr=0.02, momentum=0.9, milestones=(0.75,), gamma=0.1

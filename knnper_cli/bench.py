@@ -14,13 +14,13 @@ from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from knnper_cli.args import (
     add_knn_arguments,
-    add_training_arguments,
-    config_from_args,
     examples,
     knn_request,
     output_dir,
     positive,
 )
+from knnper_cli.commands import help_of
+from knnper_cli.training_args import add_training_arguments, config_from_args
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
@@ -65,9 +65,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         note="Re-running the same command resumes: finished training runs, methods and clients "
         "are kept in OUT.",
     )
-    bench = subparsers.add_parser(
-        "bench", help="benchmarks: the paper's comparison tables", epilog=table_examples
-    )
+    bench = subparsers.add_parser("bench", help=help_of("bench"), epilog=table_examples)
     sub = bench.add_subparsers(dest="bench_command", metavar="table", required=True)
     p = command(
         "table",

@@ -9,6 +9,7 @@ from pathlib import Path
 from edge_runtime.commands import command
 from export.demo import format_demo_table, run_demo
 from knnper_cli.args import add_knn_arguments, examples, knn_request, output_dir, positive_int, seed
+from knnper_cli.commands import help_of
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -29,8 +30,7 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = command(
         "demo",
         _cmd_demo,
-        help="the whole pipeline on scikit-learn's digits in about a "
-        "minute: train, evaluate, export for weak and strong devices, run them",
+        help=help_of("demo"),
         epilog=examples("knnper demo", "knnper demo --knn-config paper --out runs/demo-paper"),
     ).add_to(sub)
     p.add_argument(

@@ -30,8 +30,6 @@ from fed_train.flower.settings import FlowerSettings
 from fed_train.run import RunConfig, read_config
 from knnper_cli.args import (
     add_knn_arguments,
-    add_training_arguments,
-    config_from_args,
     count,
     examples,
     fraction,
@@ -41,6 +39,8 @@ from knnper_cli.args import (
     positive_float,
     positive_int,
 )
+from knnper_cli.commands import help_of
+from knnper_cli.training_args import add_training_arguments, config_from_args
 
 
 def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
@@ -286,7 +286,7 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
     local_example = "knnper deploy local --dataset digits --clients 5 --rounds 5 --out runs/flower"
     p = sub.add_parser(
         "deploy",
-        help="federated training on Flower (SuperLink + SuperNodes)",
+        help=help_of("deploy"),
         epilog=examples(
             local_example,
             "knnper deploy certs --host fl.example.org --supernode-keys 20 --out keys/pki",

@@ -34,13 +34,13 @@ from fed_train.accelerator import resolve_device
 from fed_train.progress import Progress
 from knnper_cli.args import (
     add_knn_arguments,
-    add_training_arguments,
-    config_from_args,
     examples,
     knn_request,
     output_dir,
     positive_int,
 )
+from knnper_cli.commands import help_of
+from knnper_cli.training_args import add_training_arguments, config_from_args
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ def _shown(values: tuple) -> str:
 def add_experiment_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "experiment",
-        help="the paper's experiments, one command each: CSV, PNG "
-        "plot and a summary with the paper's claims",
+        help=help_of("experiment"),
         description=__doc__,
         epilog=examples(
             "knnper experiment capacity --quick --out runs/exp",

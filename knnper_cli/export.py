@@ -10,19 +10,8 @@ from typing import Any
 
 from edge_runtime.budget import Budget
 from edge_runtime.commands import command
-from edge_runtime.errors import one_line
-from edge_runtime.signing import load_private_key
-from export.errors import BudgetInvalid, ExportError
-from export.exporter import (
-    DEVICE_EXTRAS,
-    REPORT_FILE,
-    ExportSettings,
-    apply_knn_choice,
-    device_extra,
-    export_run,
-    needing_extras,
-    select_ids,
-)
+from export.errors import BudgetInvalid
+from export.options import DEVICE_EXTRAS, backend_choices
 from export.profiles import (
     PROFILES,
     load_budgets,
@@ -30,11 +19,6 @@ from export.profiles import (
     uniform_budgets,
     weak_strong_budgets,
 )
-from export.sizing import backend_choices
-from export.upgrade_map import old_release, server_data, write_upgrade_map
-from fed_train.errors import KnnperError
-from fed_train.knn_choice import load_or_choose
-from fed_train.run import load_run
 from knnper_cli.args import (
     add_knn_arguments,
     byte_count,
@@ -44,14 +28,14 @@ from knnper_cli.args import (
     positive_int,
     seed,
 )
+from knnper_cli.commands import help_of
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
     p = command(
         "export",
         _cmd_export,
-        help="write per-device bundles (int8 ONNX encoder + datastore "
-        "sized to each device's budget) from a finished run",
+        help=help_of("export"),
         epilog=examples(
             "knnper export runs/fmnist --out bundles/500k --budget 500kB",
             "knnper export runs/fmnist --out bundles/weak-strong --profile "
@@ -259,6 +243,24 @@ PER_CLIENT_TABLE_MAX = 20  # above this many clients, only the summary is printe
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    # imported here, not above: `knnper export` parses its flags before torch and onnx load
+    from edge_runtime.errors import one_line
+    from edge_runtime.signing import load_private_key
+    from export.errors import ExportError
+    from export.exporter import (
+        REPORT_FILE,
+        ExportSettings,
+        apply_knn_choice,
+        device_extra,
+        export_run,
+        needing_extras,
+        select_ids,
+    )
+    from export.upgrade_map import old_release, server_data, write_upgrade_map
+    from fed_train.errors import KnnperError
+    from fed_train.knn_choice import load_or_choose
+    from fed_train.run import load_run
+
     settings = ExportSettings(
         quantize=args.quantize,
         backend=args.backend,

@@ -8,9 +8,12 @@
 - experiment: knnper_cli/experiment.py
 - deploy: knnper_cli/deploy.py
 
-They run the server side (torch, scikit-learn, tqdm, onnx, edgeml: the `train` extra); on a
-runtime-only install (`pip install knnper`) it says which extra to install, in one line, instead
-of failing with an import traceback."""
+knnper_cli.commands names them: `--help`, `--version` and a mistyped command are answered
+from it, and only the module of the command named is imported (export's imports no torch: its
+flags are parsed and its output paths checked before torch is). They run the server side
+(torch, scikit-learn, tqdm, onnx, edgeml: the `train` extra); on a runtime-only install (`pip
+install knnper`) it says which extra to install, in one line, instead of failing with an import
+traceback."""
 
 from __future__ import annotations
 
@@ -23,10 +26,13 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from edge_runtime.cli_help import install_hint, package_version
+from edge_runtime.arg_types import check_outputs, threads
+from edge_runtime.cli_help import examples, install_hint, package_version
 from edge_runtime.commands import Parser, UsageError
 from edge_runtime.errors import one_line
 from edge_runtime.interrupt import INTERRUPTED, exit_on_interrupt, exit_quietly_from_now
+from fed_train import defaults
+from knnper_cli.commands import COMMANDS
 
 SERVER_MODULES = ("torch", "sklearn", "tqdm", "onnx", "edgeml")
 DESCRIPTION = (
@@ -79,18 +85,8 @@ def console() -> int:
     os._exit(code)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line, one module per command group."""
-    # imported here: they import torch, which a runtime-only install lacks
-    from fed_train import defaults
-    from knnper_cli.args import examples, threads
-    from knnper_cli.bench import add_bench_command
-    from knnper_cli.demo import add_demo_command
-    from knnper_cli.deploy import add_deploy_command
-    from knnper_cli.experiment import add_experiment_command
-    from knnper_cli.export import add_export_command
-    from knnper_cli.train import add_train_commands
-
+def _top_parser() -> Parser:
+    """`knnper` and its own flags, without its commands (no command module imported)."""
     parser = Parser(
         prog="knnper",
         description=DESCRIPTION,
@@ -114,35 +110,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch intra-op threads (1 trained the digits and Fashion-MNIST "
         "models fastest: docs/benchmarks/training.md)",
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    for add in (
-        add_train_commands,
-        add_bench_command,
-        add_export_command,
-        add_demo_command,
-        add_experiment_command,
-        add_deploy_command,
-    ):
-        add(sub)
     return parser
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, one module per command group; with `command`, only the group
+    that declares it (only its module is imported)."""
+    parser = _top_parser()
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    entries = COMMANDS.values() if command is None else [COMMANDS[command]]
+    for module, adder in dict.fromkeys((e.module, e.adder) for e in entries):
+        getattr(importlib.import_module(module), adder)(sub)
+    return parser
+
+
+def command_named(argv: Sequence[str] | None) -> str:
+    """The command a command line names, from the table of commands alone: `--help`,
+    `--version`, a bad `knnper` flag and an unknown or missing command end here (argparse's
+    own exit, or a UsageError), before any command module is imported."""
+    parser = _top_parser()
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name, entry in COMMANDS.items():
+        sub.add_parser(name, help=entry.help, add_help=False)
+    return parser.parse_known_args(argv)[0].command
 
 
 def run(argv: Sequence[str] | None = None) -> int:
     """Parse and run one command: its errors are one line and exit 2, Ctrl-C exits 130 (also
     while torch and the command modules import, before the command's own handling)."""
     with exit_on_interrupt("knnper"):
+        try:
+            args = build_parser(command_named(argv)).parse_args(argv)
+            check_outputs(args)  # paths: before the heavy imports, not after them
+        except UsageError as err:  # a bad flag: argparse's own exit, in one line
+            print(f"{err.prog}: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except (ValueError, OSError) as err:
+            print(f"knnper: error: {_one_line(err)}", file=sys.stderr)
+            return 2
         import numpy as np
         import torch
         from tqdm.contrib.logging import logging_redirect_tqdm
 
-        from edge_runtime.arg_types import check_outputs
         from fed_train.errors import KnnperError
 
-        try:
-            args = build_parser().parse_args(argv)
-        except UsageError as err:  # a bad flag: argparse's own exit, in one line
-            print(f"{err.prog}: error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
     torch.set_num_threads(args.threads)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -153,7 +164,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         # warning would only print numpy's source lines before the one-line error; log lines
         # go above the progress bars, not glued to one
         with np.errstate(all="ignore"), logging_redirect_tqdm():
-            check_outputs(args)
             return args.func(args)
     except KeyboardInterrupt:
         pass

@@ -20,14 +20,7 @@ from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
 from knnper_cli.args import (
-    DATA_HELP,
-    add_device_argument,
     add_knn_arguments,
-    add_model_argument,
-    add_precision_argument,
-    add_sgd_arguments,
-    add_training_arguments,
-    config_from_args,
     count,
     examples,
     fraction,
@@ -36,6 +29,16 @@ from knnper_cli.args import (
     output_file_or_stdout,
     positive_int,
     seed,
+)
+from knnper_cli.commands import help_of
+from knnper_cli.training_args import (
+    DATA_HELP,
+    add_device_argument,
+    add_model_argument,
+    add_precision_argument,
+    add_sgd_arguments,
+    add_training_arguments,
+    config_from_args,
 )
 
 
@@ -120,8 +123,7 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     p = command(
         "pretrain",
         _cmd_pretrain,
-        help="train the model centrally on a server-held split that "
-        "no client sees, as the starting point for --init",
+        help=help_of("pretrain"),
         epilog=examples(
             "knnper pretrain --dataset fashion-mnist --server-fraction 0.1 --out "
             "runs/pretrain-fmnist",
@@ -199,7 +201,7 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = command(
         "train",
         _cmd_train,
-        help="train FedAvg's global model on a partitioned data set",
+        help=help_of("train"),
         epilog=examples(
             "knnper train --out runs/digits                     # digits, a minute",
             "knnper train --dataset fashion-mnist --partition dirichlet --alpha "
@@ -230,7 +232,7 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = command(
         "evaluate",
         _cmd_evaluate,
-        help="local / FedAvg / kNN-Per accuracy of a finished run",
+        help=help_of("evaluate"),
         epilog=examples(
             "knnper evaluate runs/fmnist --json runs/fmnist/evaluation.json",
             "knnper evaluate runs/fmnist --knn-config paper --methods knnper",
@@ -262,8 +264,7 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
     p = command(
         "client-data",
         _cmd_client_data,
-        help="write one client's raw data as the .npz / .npy files "
-        "the device commands (knnper-edge) take",
+        help=help_of("client-data"),
         epilog=examples("knnper client-data runs/fmnist --client 3 --out data/client_3"),
     ).add_to(sub)
     p.add_argument("run", help="run directory written by `knnper train`")

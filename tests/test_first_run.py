@@ -21,7 +21,7 @@ from fed_train.algorithms.base import TrainingConfig
 from fed_train.algorithms.local import Local
 from fed_train.run import RunConfig, load_run, train
 from fed_train.run_evaluation import evaluate_run
-from knnper_cli.args import config_from_args
+from knnper_cli.training_args import config_from_args
 
 
 def _options(parser: argparse.ArgumentParser, path: tuple[str, ...]):

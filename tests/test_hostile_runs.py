@@ -279,8 +279,8 @@ def test_deploy_certs_under_a_file_is_one_line(capsys, tmp_path):
 
 
 def test_a_relative_init_is_recorded_absolute(tmp_path, monkeypatch):
-    from knnper_cli.args import config_from_args
     from knnper_cli.main import build_parser
+    from knnper_cli.training_args import config_from_args
 
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["train", "--init", "pre", "--out", "r"])

@@ -1,0 +1,68 @@
+"""`knnper` answers what needs no model before it imports torch: `--help`, `--version`, a
+mistyped command and a bad flag of `export` (knnper_cli.commands; benchmarks/cli_start.py
+times them). Checked by the modules a fresh interpreter holds afterwards, not by time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")  # the server CLI needs the train extra
+
+HEAVY = ("torch", "onnx", "onnxruntime", "sklearn", "tqdm", "edgeml")
+
+_PROBE = """
+import contextlib, io, json, sys
+from knnper_cli.main import main
+answers = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as done:
+            code = done.code
+    answers.append([code, out.getvalue(), err.getvalue()])
+loaded = sorted({name.split(".")[0] for name in sys.modules})
+print(json.dumps({"answers": answers, "loaded": loaded}))
+"""
+
+
+def _answer(*argvs: list[str]) -> tuple[list, set[str]]:
+    """Each command line's (exit code, stdout, stderr) in one fresh interpreter, and the top
+    packages it imported in all."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(done.stdout)
+    return result["answers"], set(result["loaded"])
+
+
+def test_help_version_and_a_mistyped_command_import_neither_torch_nor_numpy():
+    (help_, version, mistyped), loaded = _answer(["--help"], ["--version"], ["expotr"])
+    assert help_[0] == 0 and "export" in help_[1] and "knnper COMMAND --help" in help_[1]
+    assert version[0] == 0 and version[1].startswith("knnper ")
+    assert mistyped[0] == 2 and "invalid choice: 'expotr'" in mistyped[2]
+    assert not loaded & {*HEAVY, "numpy"}, loaded & {*HEAVY, "numpy"}
+
+
+def test_export_help_and_a_bad_export_flag_import_no_torch(tmp_path):
+    out = tmp_path / "file"
+    out.write_text("")
+    (help_, bad_budget, bad_out), loaded = _answer(
+        ["export", "--help"],
+        ["export", "RUN", "--out", str(tmp_path / "b"), "--budget", "banana"],
+        ["export", "RUN", "--out", str(out), "--budget", "1MB"],
+    )
+    assert help_[0] == 0 and "--budget" in help_[1]
+    assert bad_budget[0] == 2 and "--budget: not a byte count: 'banana'" in bad_budget[2]
+    assert bad_out[0] == 2 and f"{out} exists and is not a directory" in bad_out[2]
+    assert all(err.count("\n") == 1 for _, _, err in (bad_budget, bad_out))
+    assert not loaded & set(HEAVY), loaded & set(HEAVY)
