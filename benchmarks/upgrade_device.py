@@ -41,7 +41,7 @@ from edge_runtime.datastores import make_datastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.keymap import FORMS, KeyMap
 from edge_runtime.preprocess import prepare_input
-from edge_runtime.versions import embedding_id
+from edge_runtime.versions import ModelVersion
 from experiments.benchmark_support import machine_info, machine_line
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,8 +130,8 @@ def key_map(old: Path, new: Path, out: Path, form: str = "linear") -> Path:
     KeyMap(
         coef[:-1],
         coef[-1],
-        embedding_id(old.read_bytes()),
-        embedding_id(new.read_bytes()),
+        ModelVersion.of_encoder(old.read_bytes()),
+        ModelVersion.of_encoder(new.read_bytes()),
         "map the keys",
         dict.fromkeys(("mapped", "stale", "re-embedded", "global"), 0.0),
         form=form,

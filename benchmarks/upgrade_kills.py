@@ -16,7 +16,6 @@ reports every encoder it saw and any failure. Outputs in OUT: kills.md and run.j
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ import numpy as np
 from edge_runtime._io import exchange_directories, write_text_atomic
 from edge_runtime.locking import directory_lock
 from edge_runtime.runtime import Runtime
+from edge_runtime.versions import encoder_sha256
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from upgrade_device import REPO, bundle, key_map, mlp_encoder  # noqa: E402
@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         release = bundle(work / "release", new, 50, 1)
         mapping = key_map(old, new, work / "map.npz")
         versions = {
-            hashlib.sha256(p.read_bytes()).hexdigest(): name
-            for name, p in (("old", old), ("new", new))
+            encoder_sha256(p.read_bytes()): name for name, p in (("old", old), ("new", new))
         }
         labels = Runtime.load(pristine).datastore.labels_.copy()
         device = work / "devices" / "device"

@@ -116,8 +116,8 @@ def pinv_map(key_map: Path, out: Path) -> Path:
     KeyMap(
         m.weight,
         m.bias,
-        m.from_embedding,
-        m.to_embedding,
+        m.from_version,
+        m.to_version,
         m.advice,
         m.evidence,
         inverse.astype(np.float32),

@@ -27,7 +27,6 @@ no external data files. A signature (see `signing`) additionally guards the mani
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -92,7 +91,7 @@ from .onnx_proto import ParsedModel
 from .predictor import BATCH_ROWS, Predictor
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
-from .versions import datastore_embedding, embedding_id, mismatch
+from .versions import ModelVersion, encoder_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -257,29 +256,25 @@ def read_bundle(
         intra_op_threads=intra_op_threads,
         with_predictor=with_predictor,
     )
-    encoder_id = bundle_embedding_id(model, manifest)
+    version = encoder_version(model, manifest)
     del model  # the session holds what it needs
     check_sessions(encoder, predictor, manifest, datastore, bundle_dir)
-    check_embedding(datastore, encoder_id, manifest, where)  # after the encoder's own checks
+    check_embedding(datastore, version, manifest, where)  # after the encoder's own checks
     return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
 
 
-def bundle_embedding_id(model: bytes, manifest: dict) -> str:
-    """The embedding id of a bundle's encoder (`model`: its verified bytes, a refitted head
-    put in or not)."""
-    return embedding_id(model, manifest["files"][ENCODER_FILE])
+def encoder_version(model: bytes, manifest: dict) -> ModelVersion:
+    """The version of a bundle's encoder (`model`: its verified bytes, a refitted head put in
+    or not)."""
+    return ModelVersion.of_encoder(model, manifest["files"][ENCODER_FILE])
 
 
-def check_embedding(datastore: Any, encoder_id: str, manifest: dict, where: str) -> None:
+def check_embedding(datastore: Any, encoder: ModelVersion, manifest: dict, where: str) -> None:
     """BundleError when the datastore's keys were embedded by another encoder than the
-    bundle's (`encoder_id`), or the manifest's model record names another one
-    (edge_runtime.versions)."""
-    problem = mismatch(where, datastore_embedding(datastore), encoder_id)
-    recorded = manifest.get("model", {}).get("embedding")
-    if problem is None and recorded is not None and recorded != encoder_id:
-        problem = mismatch(where, recorded, encoder_id).replace(
-            "the datastore's keys were", "the manifest says its keys were"
-        )
+    bundle's (`encoder`), or the manifest's model record names another one."""
+    problem = encoder.keys_problem(where, ModelVersion.of_keys(datastore)) or (
+        encoder.keys_problem(where, ModelVersion.of(manifest), "the manifest says its keys were")
+    )
     if problem is not None:
         raise BundleError(problem)
 
@@ -392,7 +387,7 @@ def _read_verified(bundle_dir: Path, name: str, manifest: dict, where: str) -> b
         data = read_regular(bundle_dir / name, Budget.of(manifest).total)
     except OSError as exc:
         raise BundleError(f"{where}: cannot read {name}: {exc.strerror}") from None
-    if data is None or hashlib.sha256(data).hexdigest() != manifest["files"][name]:
+    if data is None or encoder_sha256(data) != manifest["files"][name]:
         raise BundleError(f"{where}: {name} changed while it was read")
     return data
 
@@ -523,8 +518,7 @@ def write_bundle(
         tmp.mkdir()
         _write_encoder(tmp / ENCODER_FILE, encoder)
         names = _save_stamped(datastore, tmp, encoder_id)
-        files = {ENCODER_FILE: sha256_file(tmp / ENCODER_FILE)}
-        files.update({name: sha256_file(tmp / name) for name in names})
+        files = {name: sha256_file(tmp / name) for name in (ENCODER_FILE, *names)}
         datastore_bytes = sum((tmp / name).stat().st_size for name in names)
         total = encoder_bytes + datastore_bytes
         if datastore_bytes > budget.room:
@@ -604,17 +598,19 @@ def _encoder_embedding(datastore: Any, encoder: bytes | str | os.PathLike, out_d
         model = encoder if isinstance(encoder, bytes) else Path(encoder).read_bytes()
     except OSError as exc:
         raise BundleError(f"cannot read encoder {encoder}: {exc.strerror}") from None
-    encoder_id = embedding_id(model)
-    problem = mismatch(f"cannot write bundle {out_dir}", datastore_embedding(datastore), encoder_id)
+    version = ModelVersion.of_encoder(model)
+    problem = version.keys_problem(
+        f"cannot write bundle {out_dir}", ModelVersion.of_keys(datastore)
+    )
     if problem is not None:
         raise BundleError(problem)
-    return encoder_id
+    return version.embedding
 
 
 def _save_stamped(datastore: Any, directory: Path, encoder_id: str) -> list[str]:
     """Save the datastore recording `encoder_id` in its files. The caller's object is left
     as it was: one fitted on embeddings of unrecorded origin may go into several bundles."""
-    recorded = datastore_embedding(datastore)
+    recorded = getattr(datastore, "embedding_id_", None)
     datastore.embedding_id_ = encoder_id
     try:
         return datastore.save(directory, generation=0)

@@ -17,7 +17,6 @@ error: ...`, and exit status 2; set KNNPER_EDGE_DEBUG=1 to get the traceback ins
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import logging
 import os
@@ -665,14 +664,14 @@ def _verify_like(args, like: dict) -> None:
     from .errors import SignatureError
     from .manifest import ENCODER_FILE
     from .signing import load_public_key, verify_file, verify_signature
-    from .versions import embedding_id, short
+    from .versions import ModelVersion, encoder_sha256
 
     keys = [load_public_key(path) for path in args.trusted_key]
     signed = verify_signature(args.like, like, keys, f"--like bundle {args.like}")
     data = read_within(
         args.encoder, args.budget, lambda why: UsageError(f"--encoder {args.encoder} {why}")
     )
-    if hashlib.sha256(data).hexdigest() == signed["files"][ENCODER_FILE]:
+    if encoder_sha256(data) == signed["files"][ENCODER_FILE]:
         return
     use = f"use {Path(args.like) / ENCODER_FILE} or its export's signed {ENCODER_FILE}"
     try:
@@ -682,16 +681,19 @@ def _verify_like(args, like: dict) -> None:
             f"--encoder is not the encoder the signed bundle {args.like} carries, nor a "
             f"signed shared encoder ({exc}); {use}"
         ) from None
-    model = signed.get("model") or {}
-    if embedding_id(data) != model.get("embedding"):
-        raise SignatureError(
-            f"--encoder {args.encoder} is signed but is encoder {short(embedding_id(data))}, "
-            f"not the release's {short(model.get('embedding'))} that the signed bundle "
-            f"{args.like} was exported with; {use}"
-        )
+    release = ModelVersion.of(signed)
+    problem = (
+        release.encoder_problem(data, f"--encoder {args.encoder} (signed)")
+        if release is not None
+        else f"--encoder {args.encoder} is signed, but {args.like} records no model version"
+    )
+    if problem:
+        raise SignatureError(f"{problem}; {use}")
 
 
 def cmd_info(args) -> int:
+    from .versions import describe
+
     rt = _runtime(args)
     m = rt.manifest
     spec = m["input"]
@@ -716,24 +718,10 @@ def cmd_info(args) -> int:
         f"footprint     {fp['total']} of {m['budget_bytes']} bytes (encoder {fp['encoder']}, "
         f"datastore {fp['datastore']})",
         f"files         {', '.join(sorted(m['files']))}",
-        f"version       {_version(rt)}",
+        f"version       {describe(rt.version)}",
     ]
     print("\n".join(lines))
     return 0
-
-
-def _version(rt: Runtime) -> str:
-    """The model version the bundle runs and the encoder its keys were embedded by."""
-    from .versions import datastore_embedding, short
-
-    keys = datastore_embedding(rt.datastore)
-    record = rt.manifest.get("model")
-    model = f"run {record['run']} round {record['round']}, " if record else ""
-    return (
-        f"{model}keys embedded by encoder {short(keys)}"
-        if keys
-        else f"{model}keys of an unrecorded encoder (a bundle from before versions)"
-    )
 
 
 def cmd_export_onnx(args) -> int:

@@ -39,7 +39,7 @@ from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule
 from .manifest import MODEL_RECORDS
 from .preprocess import prepare_input, raw_checked, validate_spec
 from .runtime import check_labels
-from .versions import embedding_id, short
+from .versions import ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -169,17 +169,13 @@ def _release_versions(release: dict | None, encoder_path: str | os.PathLike) -> 
     """The model version records of `release` (a bundle's manifest) to write into the new
     bundle: none without one, or where it records none (a bundle from before versions)."""
     records = {key: release[key] for key in MODEL_RECORDS if key in (release or {})}
-    recorded = records.get("model", {}).get("embedding")
-    if recorded is not None:
-        encoder_id = embedding_id(Path(encoder_path).read_bytes())
-        if encoder_id != recorded:
-            model = records["model"]
-            raise BundleError(
-                f"the release's model (run {model['run']} round {model['round']}) is encoder "
-                f"{short(recorded)}, {encoder_path} is encoder {short(encoder_id)}: give the "
-                "encoder of that release (its export's encoder.onnx), or a bundle of the "
-                "encoder's own release"
-            )
+    version = None if release is None else ModelVersion.of(release)
+    problem = version and version.encoder_problem(Path(encoder_path).read_bytes(), encoder_path)
+    if problem:
+        raise BundleError(
+            f"{problem}: give the encoder of that release (its export's encoder.onnx), or a "
+            "bundle of the encoder's own release"
+        )
     return records
 
 

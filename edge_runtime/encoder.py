@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import numpy as np
 import onnxruntime as ort
 
 from .errors import one_line
-from .versions import EMBEDDING_KEY
+from .versions import stamp
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 # Metadata key the exporter sets on an encoder it saved already optimized by onnxruntime; such
@@ -140,8 +139,5 @@ def optimize_encoder(model: bytes) -> bytes:
     del proto.metadata_props[:]
     for key, value in {OPTIMIZED_KEY: "extended", "onnxruntime": ort.__version__}.items():
         proto.metadata_props.add(key=key, value=value)
-    # its embedding id (edge_runtime.versions): a client's encoder with its own linear head,
-    # made from this one, keeps it, since its embeddings are the same
-    identity = hashlib.sha256(proto.SerializeToString()).hexdigest()
-    proto.metadata_props.add(key=EMBEDDING_KEY, value=identity)
+    stamp(proto)
     return proto.SerializeToString()

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ._io import NpzRows, check_npz_members, save_npz_atomic
-from .versions import id_array, id_from_arrays, short
+from .versions import ModelVersion
 
 ADVICE = ("map the keys", "keep the old keys", "start fresh")
 EVIDENCE = ("mapped", "stale", "re-embedded", "global")
@@ -60,8 +60,8 @@ class KeyMap:
 
     weight: np.ndarray
     bias: np.ndarray
-    from_embedding: str
-    to_embedding: str
+    from_version: ModelVersion  # the old encoder's (its embedding only)
+    to_version: ModelVersion
     advice: str
     evidence: dict[str, float]
     # the reverse map (new space -> old), None in a release without it
@@ -89,8 +89,8 @@ class KeyMap:
             {
                 "weight": np.ascontiguousarray(self.weight, np.float32),
                 "bias": np.ascontiguousarray(self.bias, np.float32),
-                "from_embedding": id_array(self.from_embedding),
-                "to_embedding": id_array(self.to_embedding),
+                "from_embedding": self.from_version.as_array(),
+                "to_embedding": self.to_version.as_array(),
                 "advice": np.int8(ADVICE.index(self.advice)),
                 "evidence": np.array([self.evidence[k] for k in EVIDENCE], np.float64),
                 **({} if self.form == "linear" else {"form": np.int8(FORMS.index(self.form))}),
@@ -109,7 +109,7 @@ class KeyMap:
     def describe(self) -> str:
         figures = ", ".join(f"{k} {100 * v:.2f}%" for k, v in self.evidence.items())
         return (
-            f"{self.form} map {short(self.from_embedding)} -> {short(self.to_embedding)}: "
+            f"{self.form} map {self.from_version.short} -> {self.to_version.short}: "
             f"the server advises to {self.advice} (kNN accuracy on held-out server data: {figures})"
         )
 
@@ -166,7 +166,7 @@ def load_key_map(path: str | os.PathLike) -> KeyMap:
             f"key map {path}: evidence must be {len(EVIDENCE)} float64 accuracies in [0, 1]"
         )
     ids = [
-        id_from_arrays({"embedding_id": arrays[k]}, f"{name} {k}")
+        ModelVersion.from_array(arrays[k], f"{name} {k}")
         for k in ("from_embedding", "to_embedding")
     ]
     return KeyMap(

@@ -72,6 +72,7 @@ from .predictor import Predictor
 from .preprocess import prepare_checked, raw_checked, validate_spec
 from .threads import DEFAULT_THREADS, BlasThreads
 from .upgrade import UpgradeReport, upgrade_bundle
+from .versions import ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +212,12 @@ class Runtime:
     def budget(self) -> Budget:
         """What the bundle may take, the encoder's share in it, and the datastore's room."""
         return Budget.of(self.manifest)
+
+    @property
+    def version(self) -> ModelVersion | None:
+        """The model version the bundle runs (its manifest's record, else its keys' encoder);
+        None for a bundle from before versions."""
+        return ModelVersion.of(self.manifest) or ModelVersion.of_keys(self.datastore)
 
     @property
     def input_spec(self) -> dict:

@@ -51,9 +51,9 @@ from .bundle import (
     ENCODER_FILE,
     BudgetExceeded,
     BundleError,
-    bundle_embedding_id,
     commit_datastore,
     encoder_bytes,
+    encoder_version,
     load_bundle_datastore,
     read_bundle,
     write_bundle,
@@ -67,7 +67,7 @@ from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
 from .manifest import MODEL_RECORDS, lambda_rule_of, refit_l2
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, check_signed_base, verify_file
-from .versions import datastore_embedding, short
+from .versions import ModelVersion
 
 UPGRADES_DIR = "upgrades"
 # the validation share lambda is re-chosen on from kept inputs: `knnper-edge init`'s default
@@ -79,19 +79,17 @@ _HOW = {
 }
 
 
-def map_file_name(from_embedding: str) -> str:
+def map_file_name(old: ModelVersion) -> str:
     """Where a release keeps the map from an older encoder: upgrades/from-<id12>.npz."""
-    return f"from-{from_embedding[:12]}.npz"
+    return f"from-{old.short}.npz"
 
 
 @dataclass
 class UpgradeReport:
     """What one upgrade did."""
 
-    from_embedding: str
-    to_embedding: str
-    from_model: dict | None
-    to_model: dict | None
+    from_version: ModelVersion
+    to_version: ModelVersion
     how: str  # "mapped" | "re-embedded" | "folded" (protonn) | "nothing to do"
     carried: int
     evicted: int
@@ -101,14 +99,8 @@ class UpgradeReport:
     signed: bool = False
 
     def lines(self) -> list[str]:
-        def version(identity: str, record: dict | None) -> str:
-            if record is None:
-                return f"encoder {short(identity)}"
-            return f"run {record['run']} round {record['round']} (encoder {short(identity)})"
-
         out = [
-            f"version       {version(self.from_embedding, self.from_model)} -> "
-            f"{version(self.to_embedding, self.to_model)}",
+            f"version       {self.from_version.describe()} -> {self.to_version.describe()}",
             f"samples       {self.carried} carried ({_HOW.get(self.how, self.how)})"
             + (
                 f", {self.evicted} oldest evicted: the new encoder leaves less room"
@@ -156,25 +148,25 @@ def upgrade_bundle(
             f"classes, this bundle {manifest['num_classes']}: not an upgrade of it"
         )
     model = encoder_bytes(new_dir, release)
-    to_id, encoder_size = bundle_embedding_id(model, release), len(model)
-    # written from its file, not held: the written bundle is checked against to_id again
+    new, encoder_size = ModelVersion.of(release) or encoder_version(model, release), len(model)
+    # written from its file, not held: the written bundle is checked against `new` again
     del model
-    from_id = datastore_embedding(datastore) or bundle_embedding_id(
-        encoder_bytes(path, manifest), manifest
+    old = (
+        ModelVersion.of(manifest)
+        or ModelVersion.of_keys(datastore)
+        or encoder_version(encoder_bytes(path, manifest), manifest)
     )
     count = len(datastore.sample_store())
     report = UpgradeReport(
-        from_id,
-        to_id,
-        manifest.get("model"),
-        release.get("model"),
+        old,
+        new,
         "nothing to do",
         count,
         0,
         float(manifest["lambda"]),
         int(manifest["footprint"]["total"]),
     )
-    if from_id == to_id:
+    if old.matches(new):
         return report
     signed = (new_dir / SIGNATURE_FILE).is_file() and (path / SIGNATURE_FILE).is_file()
     if (path / SIGNATURE_FILE).is_file() and not signed:  # lost, and not back until a next version
@@ -191,7 +183,7 @@ def upgrade_bundle(
         mapping, report.how = None, "re-embedded"
     else:
         mapping = _key_map(
-            new_dir, from_id, to_id, key_map, manifest, release, where, force, trusted_keys
+            new_dir, old, new, key_map, manifest, release, where, force, trusted_keys
         )
         if trained and mapping.reverse_weight is None:
             raise BundleError(
@@ -258,7 +250,7 @@ def upgrade_bundle(
                 else:
                     ds = _mapped(datastore, evict, mapping, params, backend)
                 datastore = None  # the old keys go before the new bundle is written and checked
-            ds.embedding_id_ = to_id
+            ds.embedding_id_ = new.embedding
             try:
                 written = write_bundle(tmp, fields, new_dir / ENCODER_FILE, ds)
                 break
@@ -341,8 +333,8 @@ def _reembedded(
 
 def _key_map(
     new_dir: Path,
-    from_id: str,
-    to_id: str,
+    old: ModelVersion,
+    new: ModelVersion,
     given: str | os.PathLike | None,
     manifest: dict,
     release: dict,
@@ -351,13 +343,11 @@ def _key_map(
     trusted_keys: Any = None,
 ) -> KeyMap:
     path = (
-        Path(given)
-        if given is not None
-        else (new_dir.parent / UPGRADES_DIR / map_file_name(from_id))
+        Path(given) if given is not None else (new_dir.parent / UPGRADES_DIR / map_file_name(old))
     )
     if given is None and not path.is_file():
         raise BundleError(
-            f"{where}: its keys were embedded by encoder {short(from_id)} and the release ships "
+            f"{where}: its keys were embedded by encoder {old.short} and the release ships "
             f"no map from it ({path} is missing): pass the release's map with --map, or build "
             "a fresh bundle with `knnper-edge init --like NEW_BUNDLE`"
         )
@@ -371,11 +361,11 @@ def _key_map(
         mapping = load_key_map(path)
     except (ValueError, OSError) as exc:
         raise BundleError(one_line(exc)) from None
-    if mapping.from_embedding != from_id or mapping.to_embedding != to_id:
+    if not (mapping.from_version.matches(old) and mapping.to_version.matches(new)):
         raise BundleError(
-            f"key map {path} maps encoder {short(mapping.from_embedding)} -> "
-            f"{short(mapping.to_embedding)}, this upgrade needs {short(from_id)} -> "
-            f"{short(to_id)}: use the map the release ships for this bundle's version"
+            f"key map {path} maps encoder {mapping.from_version.short} -> "
+            f"{mapping.to_version.short}, this upgrade needs {old.short} -> "
+            f"{new.short}: use the map the release ships for this bundle's version"
         )
     if mapping.weight.shape != (manifest["embedding_dim"], release["embedding_dim"]):
         raise BundleError(

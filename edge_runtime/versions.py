@@ -1,22 +1,27 @@
-"""Which embedding space a bundle's keys live in, so that keys of one encoder are never searched
-with queries of another (same dimension is not the same space: a retrained encoder leaves old
-keys silently worse).
+"""A model version: which training (run, round, weights fingerprint) and which embedding space
+(the encoder's embedding id) a bundle, a release or a datastore's keys belong to, so that keys
+of one encoder are never searched with queries of another (same dimension is not the same
+space: a retrained encoder leaves old keys silently worse), and a device is not moved back to
+an older version unnoticed.
 
 An encoder's embedding id is the value of its ONNX metadata entry `knnper.embedding` (the
 exporter stamps the shared encoder with its own sha256, and each client's encoder with a linear
 head of its own keeps it: their embeddings are the same), else the sha256 of the encoder's
-bytes. A datastore records the id of the encoder that embedded its keys inside its own .npz
-(array `embedding_id`, 32 bytes), so a datastore file moved into another bundle is caught by
-the file itself, not by a manifest that could be rewritten with it.
+bytes. This module is the one place an encoder is hashed (`ModelVersion.of_encoder`, `stamp`,
+`encoder_sha256`); a test fails if another module does. A datastore records the id of the
+encoder that embedded its keys inside its own .npz (array `embedding_id`, 32 bytes), so a
+datastore file moved into another bundle is caught by the file itself, not by a manifest that
+could be rewritten with it.
 
-Bundles written before this record existed carry no `embedding_id`: they load as before (their
-keys are taken to be their own encoder's), and `upgrade` treats them likewise.
+Bundles written before these records existed carry none: they load as before (their keys are
+taken to be their own encoder's), and `upgrade` treats them likewise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,57 +30,174 @@ from .onnx_proto import ParsedModel
 
 EMBEDDING_KEY = "knnper.embedding"
 EMBEDDING_ARRAY = "embedding_id"
+# the keys of a manifest's model record, in the order the exporter writes them
+RECORD_KEYS = ("run", "round", "weights_sha256", "embedding")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-def embedding_id(model: bytes, file_sha256: str | None = None) -> str:
-    """The embedding id of an encoder's bytes (see the module docstring). `file_sha256`: the
-    sha256 of the encoder's file as shipped, when `model` is those bytes with a refitted head
-    put in (the same embeddings, other bytes)."""
-    try:
-        stamped = ParsedModel(model).metadata.get(EMBEDDING_KEY)
-    except ValueError:
-        stamped = None
-    if isinstance(stamped, str) and _HEX_RE.match(stamped):
-        return stamped
-    return file_sha256 or hashlib.sha256(model).hexdigest()
+@dataclass(frozen=True)
+class ModelVersion:
+    """One model version. `embedding` (64 hex) names the encoder's embedding space; `run`,
+    `round` and `weights_sha256` the training it came from, where known (an encoder alone, or
+    a bundle from before versions, knows only its embedding). `replaces`: the version this one
+    was released to replace (a manifest's "replaces" record), the lineage `compare` follows.
+    """
+
+    embedding: str
+    run: str | None = None
+    round: int | None = None
+    weights_sha256: str | None = None
+    replaces: ModelVersion | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, manifest: Any) -> ModelVersion | None:
+        """The version a bundle was built from (its validated manifest's "model" record, with
+        the "replaces" record as its lineage); None for a bundle from before versions."""
+        return cls.from_record(manifest.get("model"), manifest.get("replaces"))
+
+    @classmethod
+    def from_record(cls, record: dict | None, replaces: dict | None = None) -> ModelVersion | None:
+        """A version from a validated record (RECORD_KEYS), None for none."""
+        if record is None:
+            return None
+        return cls(
+            record["embedding"],
+            record["run"],
+            record["round"],
+            record["weights_sha256"],
+            cls.from_record(replaces),
+        )
+
+    @classmethod
+    def of_encoder(cls, model: bytes, file_sha256: str | None = None) -> ModelVersion:
+        """The version an encoder's bytes are (its embedding only). `file_sha256`: the sha256
+        of the encoder's file as shipped, when `model` is those bytes with a refitted head put
+        in (the same embeddings, other bytes)."""
+        try:
+            stamped = ParsedModel(model).metadata.get(EMBEDDING_KEY)
+        except ValueError:
+            stamped = None
+        if isinstance(stamped, str) and _HEX_RE.match(stamped):
+            return cls(stamped)
+        return cls(file_sha256 or encoder_sha256(model))
+
+    @classmethod
+    def of_keys(cls, datastore: Any) -> ModelVersion | None:
+        """The version of the encoder a datastore's keys were embedded by; None where its
+        files record none (a bundle from before versions)."""
+        embedding = getattr(datastore, "embedding_id_", None)
+        return None if embedding is None else cls(embedding)
+
+    def to_record(self) -> dict[str, Any]:
+        """The record a manifest and export.json hold (without the lineage)."""
+        return {
+            "run": self.run,
+            "round": self.round,
+            "weights_sha256": self.weights_sha256,
+            "embedding": self.embedding,
+        }
+
+    @property
+    def short(self) -> str:
+        """The embedding id's first 12 hex digits: what messages show and release file names
+        carry (upgrades/from-<short>.npz)."""
+        return self.embedding[:12]
+
+    def describe(self) -> str:
+        """The version in words, the one text form: "run R round N (encoder <12 hex>)", or
+        "encoder <12 hex>" where the training is not known."""
+        if self.run is None:
+            return f"encoder {self.short}"
+        return f"run {self.run} round {self.round} (encoder {self.short})"
+
+    def matches(self, other: ModelVersion | None) -> bool:
+        """Whether `other` embeds into the same space (the same encoder's embedding id): its
+        keys and this version's queries can be searched together."""
+        return other is not None and other.embedding == self.embedding
+
+    def compare(self, other: ModelVersion) -> int | None:
+        """-1 if this version is older than `other`, 1 if newer, 0 if the same; None where no
+        lineage links them. A lineage: the same run (ordered by round), or one version
+        released as replacing the other."""
+        if self == other:
+            return 0
+        if self.replaces == other:
+            return 1
+        if other.replaces == self:
+            return -1
+        if (
+            self.run is not None
+            and self.run == other.run
+            and self.round is not None
+            and other.round is not None
+            and self.round != other.round
+        ):
+            return -1 if self.round < other.round else 1
+        return None
+
+    def older_than(self, other: ModelVersion) -> bool:
+        """Whether a lineage shows this version to be older than `other` (moving a device from
+        `other` to this one is a downgrade)."""
+        return self.compare(other) == -1
+
+    def keys_problem(
+        self, where: str, keys: ModelVersion | None, said: str = "the datastore's keys were"
+    ) -> str | None:
+        """The one-line refusal when `keys` (the version a datastore's keys were embedded by,
+        as `said`) is not this encoder's space, else None."""
+        if keys is None or self.matches(keys):
+            return None
+        return (
+            f"{where}: {said} embedded by encoder {keys.short}, "
+            f"this bundle's encoder is {self.short}: keys of one encoder cannot be searched "
+            "with another's queries; carry them over with `knnper-edge upgrade BUNDLE --to "
+            "NEW_BUNDLE` (from a bundle of the keys' own version), or build a fresh one with "
+            "`knnper-edge init`"
+        )
+
+    def encoder_problem(self, model: bytes, what: str) -> str | None:
+        """The rule "this encoder is the release's", in one place: the one-line refusal when
+        the encoder `model` (its bytes, named `what`) is not this release version's, else
+        None."""
+        given = ModelVersion.of_encoder(model)
+        if self.matches(given):
+            return None
+        return f"{what} is {given.describe()}, not the release's {self.describe()}"
+
+    def as_array(self) -> np.ndarray:
+        """The embedding id as the uint8[32] array a datastore's (or key map's) .npz stores."""
+        return np.frombuffer(bytes.fromhex(self.embedding), dtype=np.uint8).copy()
+
+    @classmethod
+    def from_array(cls, value: np.ndarray, what: str) -> ModelVersion:
+        """The version an .npz's uint8[32] id array names; ValueError if it is not one."""
+        if value.dtype != np.uint8 or value.shape != (32,):
+            raise ValueError(
+                f"{what} must be 32 uint8 bytes (a sha256), got {value.dtype} {list(value.shape)}"
+            )
+        return cls(bytes(value).hex())
 
 
-def short(identity: str | None) -> str:
-    """The first 12 hex digits, as messages and `info` show an id."""
-    return "unrecorded" if identity is None else identity[:12]
-
-
-def id_array(identity: str) -> np.ndarray:
-    """An id as the uint8[32] array a datastore's .npz stores."""
-    return np.frombuffer(bytes.fromhex(identity), dtype=np.uint8).copy()
+def describe(version: ModelVersion | None) -> str:
+    """`ModelVersion.describe`, and the words for a bundle that records no version."""
+    return "unrecorded (a bundle from before versions)" if version is None else version.describe()
 
 
 def id_from_arrays(arrays: dict[str, np.ndarray], file: str) -> str | None:
-    """The id a datastore's .npz records, None where it records none (an older bundle)."""
+    """The embedding id a datastore's .npz records, None where it records none (an older
+    bundle)."""
     if EMBEDDING_ARRAY not in arrays:
         return None
-    value = arrays[EMBEDDING_ARRAY]
-    if value.dtype != np.uint8 or value.shape != (32,):
-        raise ValueError(
-            f"{file}: {EMBEDDING_ARRAY} must be 32 uint8 bytes (a sha256), got "
-            f"{value.dtype} {list(value.shape)}"
-        )
-    return bytes(value).hex()
+    return ModelVersion.from_array(arrays[EMBEDDING_ARRAY], f"{file}: {EMBEDDING_ARRAY}").embedding
 
 
-def datastore_embedding(datastore: Any) -> str | None:
-    return getattr(datastore, "embedding_id_", None)
+def encoder_sha256(model: bytes) -> str:
+    """The sha256 of an encoder file's bytes: what a manifest's `files` entry records for it,
+    and its embedding id where the exporter stamped none."""
+    return hashlib.sha256(model).hexdigest()
 
 
-def mismatch(where: str, datastore_id: str | None, encoder_id: str) -> str | None:
-    """The one-line refusal when a datastore's keys come from another encoder, else None."""
-    if datastore_id is None or datastore_id == encoder_id:
-        return None
-    return (
-        f"{where}: the datastore's keys were embedded by encoder {short(datastore_id)}, "
-        f"this bundle's encoder is {short(encoder_id)}: keys of one encoder cannot be searched "
-        "with another's queries; carry them over with `knnper-edge upgrade BUNDLE --to "
-        "NEW_BUNDLE` (from a bundle of the keys' own version), or build a fresh one with "
-        "`knnper-edge init`"
-    )
+def stamp(proto: Any) -> None:
+    """Stamp an ONNX ModelProto with its own embedding id (the sha256 of its bytes as they
+    are), so that a client's encoder made from it with a linear head of its own keeps it."""
+    proto.metadata_props.add(key=EMBEDDING_KEY, value=encoder_sha256(proto.SerializeToString()))

@@ -4,7 +4,6 @@ and write the bundles plus an export.json summary."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -44,7 +43,7 @@ from edge_runtime.manifest import read_manifest, taught_on_device
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.preprocess import raw_checked
 from edge_runtime.signing import load_private_key, sign_file
-from edge_runtime.versions import embedding_id
+from edge_runtime.versions import ModelVersion, encoder_sha256
 from export.client_export import (
     ClientTask,
     SizingContext,
@@ -612,12 +611,12 @@ def _export_locked(
 def model_record(run: LoadedRun, encoder: Path) -> dict[str, Any]:
     """The model version the bundles are built from, as each manifest records it: the run,
     its last round, the sha256 of its weights file and the encoder's embedding id."""
-    return {
-        "run": run.run_dir.name,
-        "round": int(run.config.training.rounds),
-        "weights_sha256": sha256_file(run.run_dir / MODEL_FILE),
-        "embedding": embedding_id(encoder.read_bytes()),
-    }
+    return ModelVersion(
+        ModelVersion.of_encoder(encoder.read_bytes()).embedding,
+        run.run_dir.name,
+        int(run.config.training.rounds),
+        sha256_file(run.run_dir / MODEL_FILE),
+    ).to_record()
 
 
 def _client_task(
@@ -676,16 +675,15 @@ def _resumable(
         [load_private_key(settings.signing_key).public_key()] if settings.signing_key else None
     )
     input_spec = to_json_types(run.dataset.input_spec)
-    shared_sha256 = sha256_file(encoder.path)
+    shared_sha256 = encoder_sha256(encoder.path.read_bytes())
     clients: dict[int, ClientData] = {}
 
-    def encoder_sha256(cid: int) -> str:
+    def client_encoder_sha256(cid: int) -> str:
         if settings.knn.base != "linear":
             return shared_sha256
         if not clients:
             clients.update((c.client_id, c) for c in run.clients())
-        personal = _personal_encoder(run, clients[cid], encoder.path, settings)
-        return hashlib.sha256(personal).hexdigest()
+        return encoder_sha256(_personal_encoder(run, clients[cid], encoder.path, settings))
 
     def keep(cid: int, row: dict[str, Any]) -> bool:
         problem = row_problem(row)
@@ -698,7 +696,7 @@ def _resumable(
                 "update_strategy": settings.update_strategy,
             }
             problem = bundle_problem(
-                bundle_dir(out_dir, cid), row, expected, trusted, encoder_sha256(cid)
+                bundle_dir(out_dir, cid), row, expected, trusted, client_encoder_sha256(cid)
             )
         if problem is not None:
             log.warning("client %d: rebuilding its bundle: %s", cid, problem)
@@ -773,7 +771,7 @@ def _fingerprint(
         {
             "run": str(Path(run.run_dir).resolve()),
             "settings": settings.to_dict(space),
-            "encoder_sha256": sha256_file(encoder.path),
+            "encoder_sha256": encoder_sha256(encoder.path.read_bytes()),
         }
     )
 

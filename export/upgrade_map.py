@@ -33,7 +33,7 @@ from edge_runtime.encoder import Encoder
 from edge_runtime.keymap import ADVICE, MAX_FORM_BYTES, KeyMap
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
-from edge_runtime.versions import embedding_id
+from edge_runtime.versions import ModelVersion
 from export.errors import ExportError
 from export.map_forms import (
     CV_FOLDS,
@@ -85,8 +85,8 @@ class MapFit:
                 "cv_mse": {f"{a:g}": m for a, m in self.reverse_cv_mse.items()},
                 "evidence_knn_accuracy_queries_mapped_back": self.reverse_evidence,
             },
-            "from_embedding": self.key_map.from_embedding,
-            "to_embedding": self.key_map.to_embedding,
+            "from_embedding": self.key_map.from_version.embedding,
+            "to_embedding": self.key_map.to_version.embedding,
         }
 
 
@@ -126,8 +126,8 @@ def fit_key_map(
     z_new: np.ndarray,
     logits_new: np.ndarray,
     y: np.ndarray,
-    from_id: str,
-    to_id: str,
+    old: ModelVersion,
+    new: ModelVersion,
     *,
     num_classes: int,
     k: int = 10,
@@ -183,8 +183,8 @@ def fit_key_map(
     key_map = KeyMap(
         fitted.weight,
         fitted.bias,
-        from_id,
-        to_id,
+        old,
+        new,
         advice,
         evidence,
         rw,
@@ -232,14 +232,14 @@ def write_upgrade_map(
     xp = prepare_input(x, input_spec)
     z_old, _ = Encoder(old_encoder, intra_op_threads=None).run(xp)
     z_new, logits = Encoder(new_encoder, intra_op_threads=None).run(xp)
-    from_id, to_id = (embedding_id(p.read_bytes()) for p in (old_encoder, new_encoder))
+    old, new = (ModelVersion.of_encoder(p.read_bytes()) for p in (old_encoder, new_encoder))
     result = fit_key_map(
         z_old,
         z_new,
         logits,
         np.asarray(y),
-        from_id,
-        to_id,
+        old,
+        new,
         num_classes=num_classes,
         k=k,
         sigma=sigma,
@@ -247,7 +247,7 @@ def write_upgrade_map(
     )
     directory = new_export / UPGRADES_DIR
     directory.mkdir(exist_ok=True)
-    path = directory / map_file_name(from_id)
+    path = directory / map_file_name(old)
     result.key_map.save(path)
     write_bytes_atomic(
         path.with_suffix(".json"), (json.dumps(result.to_dict(), indent=2) + "\n").encode()
@@ -307,9 +307,6 @@ def old_release(old_export: Path) -> dict[str, Any]:
     record = report.get("model") if isinstance(report, dict) else None
     if isinstance(record, dict):
         return record
-    return {
-        "run": Path(str(report.get("run", old_export.name))).name,
-        "round": None,
-        "weights_sha256": None,
-        "embedding": embedding_id(encoder.read_bytes()),
-    }
+    run = Path(str(report.get("run", old_export.name))).name
+    embedding = ModelVersion.of_encoder(encoder.read_bytes()).embedding
+    return ModelVersion(embedding, run).to_record()

@@ -275,7 +275,7 @@ def test_nodes_build_their_bundles_from_their_own_data_and_learn(lifecycle):
         row = built["nodes"][str(cid)]
         val = _splits(root / "v1", cid)["val"]
         assert row["built"] == 1 and row["added"] == len(val[1]) > 0
-        assert row["version"] == f"run v1 round 2 encoder {encoder}"
+        assert row["version"] == f"run v1 round 2 (encoder {encoder})"
         assert 0.5 < row["test-accuracy"] <= 1.0
 
 
@@ -288,7 +288,7 @@ def test_nodes_upgrade_in_place_and_keep_every_sample_they_learned(lifecycle):
         row = upgraded["nodes"][str(cid)]
         assert row["upgraded"] == 1 and row["how"] == "re-embedded"
         assert row["version-before"] == built["nodes"][str(cid)]["version"]
-        assert row["version"] == f"run v2 round 2 encoder {new['embedding'][:12]}"
+        assert row["version"] == f"run v2 round 2 (encoder {new['embedding'][:12]})"
         # every sample the node stored before, its validation split that `add` taught it
         # last among them, is still there in the same order
         assert row["carried"] == row["stored"] == len(after_build[cid])
@@ -398,13 +398,13 @@ def _tiny_release(root: Path, name: str, encoder: Path, key: Path | None) -> Pat
     from edge_runtime.bundle import write_bundle
     from edge_runtime.datastores import make_datastore
     from edge_runtime.signing import load_private_key, sign_file
-    from edge_runtime.versions import embedding_id
+    from edge_runtime.versions import ModelVersion
     from tests.helpers.bundles import FIELDS, NUM_CLASSES, make_images, raw_outputs
 
     x, y = make_images(60, seed=5)
     ds = make_datastore("flat:fp32", NUM_CLASSES, k=5).fit(raw_outputs(encoder, x)[0], y)
     model = {"run": name, "round": 1, "weights_sha256": "0" * 64}
-    model["embedding"] = embedding_id(encoder.read_bytes())
+    model["embedding"] = ModelVersion.of_encoder(encoder.read_bytes()).embedding
     signing_key = None if key is None else load_private_key(key)
     release = root / name
     release.mkdir()

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from edge_runtime.keymap import KeyMap, apply_map, load_key_map
+from edge_runtime.versions import ModelVersion
 from export import map_forms as mf
 from export.upgrade_map import fit_key_map
 from tests.helpers.bundles import NUM_CLASSES
 from tests.test_upgrade import _bundle, _encoders, _fit_map
 
-IDS = ("ab" * 32, "cd" * 32)
+IDS = (ModelVersion("ab" * 32), ModelVersion("cd" * 32))
 EVIDENCE = {"mapped": 0.9, "stale": 0.5, "re-embedded": 0.95, "global": 0.6}
 
 
@@ -230,8 +231,8 @@ def _real_per_class_map(old, new, out, classes=NUM_CLASSES):
     KeyMap(
         linear.weight,
         linear.bias,
-        linear.from_embedding,
-        linear.to_embedding,
+        linear.from_version,
+        linear.to_version,
         "map the keys",
         EVIDENCE,
         form="per-class",

@@ -291,7 +291,7 @@ def _linear_base_release(root: Path, keys: Path) -> Path:
     from edge_runtime.encoder import optimize_encoder
     from edge_runtime.linear_head import LinearHead
     from edge_runtime.signing import load_private_key, sign_file
-    from edge_runtime.versions import embedding_id
+    from edge_runtime.versions import ModelVersion
     from export.personal_encoder import with_linear_head
     from tests.helpers.bundles import NUM_CLASSES, raw_outputs
 
@@ -302,9 +302,13 @@ def _linear_base_release(root: Path, keys: Path) -> Path:
     x, y = make_images(60)
     z, _ = raw_outputs(shared, x)
     personal = with_linear_head(shared, LinearHead(NUM_CLASSES, l2=1e-2).fit(z, y))
-    assert embedding_id(personal) == embedding_id(shared.read_bytes()) != embedding_id(b"")
+    assert (
+        ModelVersion.of_encoder(personal).embedding
+        == ModelVersion.of_encoder(shared.read_bytes()).embedding
+        != ModelVersion.of_encoder(b"").embedding
+    )
     model = {"run": "v1", "round": 2, "weights_sha256": "0" * 64}
-    model["embedding"] = embedding_id(shared.read_bytes())
+    model["embedding"] = ModelVersion.of_encoder(shared.read_bytes()).embedding
     private = load_private_key(keys / "key.pem")
     ds = make_datastore("flat:fp32", NUM_CLASSES, k=5).fit(z, y)
     write_bundle(
@@ -362,7 +366,7 @@ def test_init_like_takes_the_exports_signed_shared_encoder(tmp_path, keys, capsy
         ),
         (altered, "the file is not the one that was signed"),
         (variant("untrusted", shared.read_bytes(), "other.pem"), "which is not trusted"),
-        (variant("v2", other_version, "key.pem"), "is signed but is encoder"),
+        (variant("v2", other_version, "key.pem"), "(signed) is encoder"),
     ):
         code, err = init(path, f"device-{path.parent.name}")
         assert code == 2 and err.count("\n") == 1 and message in err, err

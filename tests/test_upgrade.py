@@ -16,7 +16,7 @@ from edge_runtime.datastores import make_datastore
 from edge_runtime.keymap import KeyMap, load_key_map
 from edge_runtime.runtime import Runtime
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
-from edge_runtime.versions import embedding_id
+from edge_runtime.versions import ModelVersion
 from tests.helpers.bundles import (
     FIELDS,
     NUM_CLASSES,
@@ -54,7 +54,7 @@ def _fit_map(old: Path, new: Path, out: Path, advice: str = "map the keys") -> P
     z_new, _ = raw_outputs(new, x)
     a = np.hstack([z_old, np.ones((len(z_old), 1), np.float32)])
     coef = np.linalg.lstsq(a, z_new, rcond=None)[0].astype(np.float32)
-    ids = [embedding_id(p.read_bytes()) for p in (old, new)]
+    ids = [ModelVersion.of_encoder(p.read_bytes()) for p in (old, new)]
     KeyMap(
         coef[:-1],
         coef[-1],
@@ -126,7 +126,9 @@ def test_upgrade_maps_keys_and_keeps_every_sample(tmp_path, recipe):
     a = _bundle(tmp_path, old, "a", recipe, strategy="concatenate")
     release = _bundle(tmp_path, new, "release", recipe, seed=5)
     (tmp_path / UPGRADES_DIR).mkdir()
-    _fit_map(old, new, tmp_path / UPGRADES_DIR / map_file_name(embedding_id(old.read_bytes())))
+    _fit_map(
+        old, new, tmp_path / UPGRADES_DIR / map_file_name(ModelVersion.of_encoder(old.read_bytes()))
+    )
     rt = Runtime.load(a)
     x_add, y_add = make_images(7, seed=9)
     rt.add(x_add, y_add)
@@ -183,8 +185,8 @@ def test_bad_map_files_are_refused_with_one_line(tmp_path, damage):
     arrays = {
         "weight": good.weight,
         "bias": good.bias,
-        "from_embedding": np.frombuffer(bytes.fromhex(good.from_embedding), np.uint8),
-        "to_embedding": np.frombuffer(bytes.fromhex(good.to_embedding), np.uint8),
+        "from_embedding": good.from_version.as_array(),
+        "to_embedding": good.to_version.as_array(),
         "advice": np.int8(0),
         "evidence": np.array([0.9, 0.5, 0.95, 0.6]),
     }
@@ -237,7 +239,7 @@ def test_upgrade_command_prints_what_it_did(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "60 carried (mapped)" in out and "->" in out and "evidence" in out
     assert main(["info", str(a)]) == 0
-    assert embedding_id(new.read_bytes())[:12] in capsys.readouterr().out
+    assert ModelVersion.of_encoder(new.read_bytes()).short in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("atomic", [True, False])
@@ -610,7 +612,7 @@ def _release(tmp_path: Path, encoder: Path, name: str, run: str, round_: int, se
         "run": run,
         "round": round_,
         "weights_sha256": hashlib.sha256(run.encode()).hexdigest(),
-        "embedding": embedding_id(encoder.read_bytes()),
+        "embedding": ModelVersion.of_encoder(encoder.read_bytes()).embedding,
     }
     replaces = {**model, "run": "runs/v0", "round": 1}
     write_bundle(tmp_path / name, {**FIELDS, "model": model, "replaces": replaces}, encoder, ds)
@@ -639,14 +641,16 @@ def test_init_like_records_the_release_version_that_info_and_upgrade_report(tmp_
     assert written["model"] == released["model"] and written["replaces"] == released["replaces"]
     capsys.readouterr()
     assert main(["info", str(tmp_path / "device")]) == 0
-    assert "run runs/v1 round 3, keys embedded by encoder" in capsys.readouterr().out
+    old_version = ModelVersion.of_encoder(old.read_bytes()).short
+    assert f"version       run runs/v1 round 3 (encoder {old_version})" in capsys.readouterr().out
     v2 = _release(tmp_path, new, "v2", "runs/v2", 5, seed=1)
     key_map = _fit_map(old, new, tmp_path / "map.npz")
     assert main(["upgrade", str(tmp_path / "device"), "--to", str(v2), "--map", str(key_map)]) == 0
     out = capsys.readouterr().out
+    new_version = ModelVersion.of_encoder(new.read_bytes()).short
     assert (
-        f"version       run runs/v1 round 3 (encoder {embedding_id(old.read_bytes())[:12]}) "
-        f"-> run runs/v2 round 5 (encoder {embedding_id(new.read_bytes())[:12]})"
+        f"version       run runs/v1 round 3 (encoder {old_version}) "
+        f"-> run runs/v2 round 5 (encoder {new_version})"
     ) in out
 
 
@@ -659,8 +663,8 @@ def test_init_like_a_release_of_another_encoder_is_refused(tmp_path, capsys):
     assert _init_like(v1, new, tmp_path / "mine.npz", tmp_path / "device") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert "the release's model (run runs/v1 round 3) is encoder" in err
-    assert f"{new} is encoder {embedding_id(new.read_bytes())[:12]}" in err
+    assert f"{new} is encoder {ModelVersion.of_encoder(new.read_bytes()).short}" in err
+    assert "not the release's run runs/v1 round 3 (encoder" in err
     assert not (tmp_path / "device").exists()
     # a bundle from before versions records none: the new bundle records none either
     unversioned = _bundle(tmp_path, new, "unversioned")

@@ -15,7 +15,7 @@ from edge_runtime.datastores import ProtoNNDatastore
 from edge_runtime.keymap import KeyMap, load_key_map
 from edge_runtime.runtime import Runtime
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
-from edge_runtime.versions import embedding_id
+from edge_runtime.versions import ModelVersion
 from export.upgrade_map import fit_key_map, ridge
 from tests.helpers.bundles import (
     FIELDS,
@@ -101,7 +101,7 @@ def _release(tmp_path: Path, p_new: int = P):
     write_bundle(tmp_path / "v2" / "client", fields, new, _protonn(new, 5))
     x, y = make_images(400, seed=7)
     (z_old, _), (z_new, logits) = raw_outputs(old, x), raw_outputs(new, x)
-    ids = [embedding_id(p.read_bytes()) for p in (old, new)]
+    ids = [ModelVersion.of_encoder(p.read_bytes()) for p in (old, new)]
     if p_new == P:  # the server's own fit (its evidence scores old keys with new queries)
         mapping = fit_key_map(z_old, z_new, logits, y, *ids, num_classes=NUM_CLASSES, k=5).key_map
     else:
@@ -129,7 +129,7 @@ def test_cli_upgrades_a_protonn_bundle_by_folding_the_reverse_map(release, capsy
     out = capsys.readouterr().out
     assert "4 carried (buffered; the release's reverse map folded" in out and "->" in out
     assert main(["info", str(device)]) == 0
-    assert embedding_id(new.read_bytes())[:12] in capsys.readouterr().out
+    assert ModelVersion.of_encoder(new.read_bytes()).short in capsys.readouterr().out
     rt = Runtime.load(device)
     assert rt.manifest["files"]["encoder.onnx"] == hashlib.sha256(new.read_bytes()).hexdigest()
     assert rt.manifest["backend"]["recipe"] == before.recipe
@@ -200,7 +200,7 @@ def test_a_map_without_a_good_reverse_is_refused_with_one_line(release, capsys, 
 
 
 def test_a_map_without_its_reverse_still_loads(tmp_path):
-    ids = [hashlib.sha256(bytes([i])).hexdigest() for i in range(2)]
+    ids = [ModelVersion(hashlib.sha256(bytes([i])).hexdigest()) for i in range(2)]
     evidence = {"mapped": 0.9, "stale": 0.5, "re-embedded": 0.95, "global": 0.6}
     KeyMap(
         np.eye(3, dtype=np.float32), np.zeros(3, np.float32), *ids, "map the keys", evidence

@@ -19,7 +19,7 @@ import numpy as np
 
 from .._io import load_npz
 from ..knn import kernel_posterior
-from ..versions import EMBEDDING_ARRAY, id_array, id_from_arrays
+from ..versions import EMBEDDING_ARRAY, ModelVersion, id_from_arrays
 from . import recipes
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
@@ -211,7 +211,7 @@ class BaseDatastore:
         """What a save adds to its .npz: the embedding id of the encoder that embedded the
         keys (edge_runtime.versions), when it is known, and kept raw inputs."""
         identity = getattr(self, "embedding_id_", None)
-        out = {} if identity is None else {EMBEDDING_ARRAY: id_array(identity)}
+        out = {} if identity is None else {EMBEDDING_ARRAY: ModelVersion(identity).as_array()}
         if getattr(self, "inputs_", None) is not None:
             out[INPUTS_ARRAY] = self.inputs_
         return out

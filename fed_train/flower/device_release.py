@@ -20,8 +20,8 @@ from edge_runtime.errors import BundleError, SignatureError
 from edge_runtime.manifest import ENCODER_FILE, MANIFEST, new_device_lambda_rule, read_manifest
 from edge_runtime.runtime import Runtime
 from edge_runtime.signing import load_public_key, verify_file
-from edge_runtime.versions import datastore_embedding
-from fed_train.flower.release import MAX_FILE_BYTES, version_text, write_release
+from edge_runtime.versions import ModelVersion, describe
+from fed_train.flower.release import MAX_FILE_BYTES, write_release
 
 Split = tuple[np.ndarray, np.ndarray]
 
@@ -142,7 +142,8 @@ def _upgrade(
     before = _version(runtime)
     metrics: dict[str, Any] = {"client-id": client_id, "built": 0, "upgraded": 0}
     texts = {"version-before": before, "version": before, "how": "already this version"}
-    if datastore_embedding(runtime.datastore) != release.get("model", {}).get("embedding"):
+    keys = ModelVersion.of_keys(runtime.datastore)
+    if keys is None or not keys.matches(ModelVersion.of(release)):
         metrics |= _accuracy("test-accuracy-before", runtime, splits["test"])
         report = runtime.upgrade(client_dir, force=force, trusted_keys=trusted_keys)
         metrics |= {"upgraded": 1, "carried": report.carried, "evicted": report.evicted}
@@ -157,7 +158,7 @@ def _upgrade(
 
 
 def _version(runtime: Runtime) -> str:
-    return version_text(runtime.manifest, datastore_embedding(runtime.datastore))
+    return describe(runtime.version)
 
 
 def _accuracy(name: str, runtime: Runtime, split: Split) -> dict[str, float]:

@@ -141,14 +141,3 @@ def read_reply(reply: Message) -> dict[str, Any]:
             raise ReleaseError(f"a release reply's text {key!r:.40} is refused")
         row[key] = value
     return row
-
-
-def version_text(manifest: dict, embedding: str | None = None) -> str:
-    """A bundle's model version in a few words: run and round where its manifest records them,
-    and the id of the encoder its keys come from (`embedding`, else the manifest's record)."""
-    model = manifest.get("model")
-    model = model if isinstance(model, dict) else {}
-    encoder = str(embedding or model.get("embedding") or "unrecorded")[:12]
-    if not model:
-        return f"encoder {encoder}"
-    return f"run {model.get('run')} round {model.get('round')} encoder {encoder}"
