@@ -245,7 +245,7 @@ def server_split_source(config: RunConfig) -> str | None:
     """The pretrain directory whose server split this run leaves to the server: its --init, or
     that of the run it continues."""
     if config.continue_from is not None:
-        return server_split_source(RunConfig.from_dict(read_config(Path(config.continue_from))))
+        return server_split_source(continued_config(Path(config.continue_from)))
     return config.init if config.init is not None and Path(config.init).is_dir() else None
 
 
@@ -257,7 +257,7 @@ def continued_init(config: RunConfig) -> Init:
             "--continue-from starts from that run's model; it cannot be combined with --init"
         )
     prior_dir = Path(config.continue_from)
-    prior = RunConfig.from_dict(read_config(prior_dir))
+    prior = continued_config(prior_dir)
     if prior.dataset != config.dataset:
         raise RunError(
             f"--continue-from {prior_dir} was trained on {prior.dataset}, this run "
@@ -277,6 +277,15 @@ def continued_init(config: RunConfig) -> Init:
         None if server is None else server.server_indices,
         None if server is None else server.record,
     )
+
+
+def continued_config(prior_dir: Path) -> RunConfig:
+    """The configuration of the run another continues; unreadable (deleted, say), the error
+    names it as that run, not as a config.json the user never touched."""
+    try:
+        return RunConfig.from_dict(read_config(prior_dir))
+    except RunError as err:
+        raise RunError(f"the run this one continues (--continue-from {prior_dir}): {err}") from None
 
 
 def read_config(run_dir: Path) -> dict:
@@ -407,6 +416,14 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
     """Write config.json and partition.npz into a new run_dir, or check that run_dir holds this
     same run (then its partition is read back). `knnper train` and the Flower server both start
     here, so their run directories are interchangeable."""
+    if (
+        config.continue_from is not None
+        and Path(config.continue_from).resolve() == run_dir.resolve()
+    ):
+        raise RunError(
+            f"--continue-from {config.continue_from} is --out too: a continued run trains into "
+            "a folder of its own; choose another --out"
+        )
     dataset, init = load_run_data(config)
     model_name = config.model or default_model(dataset.input_spec)
 
@@ -425,6 +442,11 @@ def open_run(config: RunConfig, run_dir: Path) -> OpenRun:
     if config_path.exists():
         remove_dead_writers_files(run_dir)
         previous = read_config(run_dir)
+        if previous.get("clients") != config.clients:  # a flag, not the file: say which
+            raise RunError(
+                f"{run_dir} holds a run of {previous.get('clients')} clients, not --clients "
+                f"{config.clients}; choose another --out or delete it"
+            )
         check_same_init(previous, saved, run_dir)
         if "init" in previous:  # the same file, perhaps recorded relative by an older version
             saved["init"] = previous["init"]

@@ -357,6 +357,21 @@ def test_an_edited_clients_count_is_refused(copy, capsys):
     )
 
 
+def test_resuming_with_other_flags_names_the_flag_not_an_untouched_file(copy, capsys, tmp_path):
+    """Another --clients blamed config.json ('says clients is 3'); --continue-from R --out R
+    blamed --init; a continued run whose parent was deleted named only a config.json."""
+    train = ["train", "--dataset", "digits", "--max-train", "600", "--out", str(copy)]
+    _knnper([*train, "--clients", "4"], capsys, "holds a run of 3 clients, not --clients 4")
+    _knnper([*train, "--continue-from", str(copy)], capsys, f"--continue-from {copy} is --out")
+    _edit_config(copy, continue_from=str(tmp_path / "deleted"))
+    _knnper(
+        ["evaluate", str(copy), "--methods", "fedavg"],
+        capsys,
+        f"the run this one continues (--continue-from {tmp_path / 'deleted'})",
+        "config.json is not readable JSON",
+    )
+
+
 def _ctrl_c_as_typed() -> None:
     """The child takes Ctrl-C as a terminal delivers it, even when pytest runs as a background
     job (started with SIGINT ignored, which children inherit)."""
