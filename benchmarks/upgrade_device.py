@@ -1,10 +1,12 @@
 """Time and peak private memory of `Runtime.upgrade` on a device: a 10,000-key flat:int8 bundle
 carried to a new encoder by a key map, each measurement in a fresh process.
 
-    python benchmarks/upgrade_device.py --out OUT [--keys 10000] [--repeats 3]
+    python benchmarks/upgrade_device.py --out OUT [--keys 10000] [--repeats 3] [--encoder cnn]
     python benchmarks/upgrade_device.py --smoke --out OUT     # tiny sizes: checks the pipeline
 
-The encoders are two float MLPs (784 -> 128, tanh; seeds 0 and 1) built with onnx.helper on
+The encoders (seeds 0 and 1) are built with onnx.helper: two float MLPs (784 -> 128, tanh), or
+with --encoder cnn two of fed_train's SmallCNN (the encoder `knnper train` gives images;
+cnn-int8: quantized as `knnper export` ships it), on
 28x28 grey images (random pixels: time and memory do not depend on the values); the bundle's
 budget is the tightest the runtime's memory model gives it (encoder + the datastore's
 estimate_nbytes), as benchmarks/runtime_memory.py sets it; the map is a least-squares one on
@@ -77,9 +79,13 @@ def mlp_encoder(path: Path, seed: int) -> Path:
         helper.make_node("Tanh", ["hb"], ["embedding"]),
         helper.make_node("MatMul", ["embedding", "w2"], ["logits"]),
     ]
+    return _save(nodes, inits, "mlp", path)
+
+
+def _save(nodes: list, inits: list, name: str, path: Path) -> Path:
     graph = helper.make_graph(
         nodes,
-        "mlp",
+        name,
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 1, 28, 28])],
         [
             helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["N", DIM]),
@@ -91,6 +97,50 @@ def mlp_encoder(path: Path, seed: int) -> Path:
     model.ir_version = 8
     onnx.save(model, path)
     return path
+
+
+def cnn_encoder(path: Path, seed: int, width: int = 16) -> Path:
+    """fed_train.models.SmallCNN's graph for 28x28x1 (two 3x3 conv blocks, each ReLU and a 2x2
+    max-pool, then a 128-wide hidden layer): the encoder `knnper train` gives image data."""
+    rng = np.random.default_rng(seed)
+    flat = 2 * width * 7 * 7
+    arrays = {
+        "c1": rng.normal(0, 0.3, (width, 1, 3, 3)),
+        "k1": np.zeros(width),
+        "c2": rng.normal(0, 0.1, (2 * width, width, 3, 3)),
+        "k2": np.zeros(2 * width),
+        "w1": rng.normal(0, 0.03, (flat, DIM)),
+        "b1": np.zeros(DIM),
+        "w2": rng.normal(0, 0.3, (DIM, CLASSES)),
+    }
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    nodes = []
+    for i, previous in ((1, "input"), (2, "p1")):
+        nodes += [
+            helper.make_node("Conv", [previous, f"c{i}", f"k{i}"], [f"v{i}"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", [f"v{i}"], [f"r{i}"]),
+            helper.make_node("MaxPool", [f"r{i}"], [f"p{i}"], kernel_shape=[2, 2], strides=[2, 2]),
+        ]
+    nodes += [
+        helper.make_node("Flatten", ["p2"], ["flat"], axis=1),
+        helper.make_node("MatMul", ["flat", "w1"], ["h"]),
+        helper.make_node("Add", ["h", "b1"], ["hb"]),
+        helper.make_node("Relu", ["hb"], ["embedding"]),
+        helper.make_node("MatMul", ["embedding", "w2"], ["logits"]),
+    ]
+    return _save(nodes, inits, "cnn", path)
+
+
+def cnn_int8_encoder(path: Path, seed: int) -> Path:
+    """The SmallCNN quantized as `knnper export` ships it (export.quantize: QDQ, int7 weights,
+    the first layer and the head float), calibrated on 64 images."""
+    from export.quantize import quantize_int8
+
+    fp32 = cnn_encoder(path.with_suffix(".fp32.onnx"), seed)
+    return quantize_int8(fp32, path, prepare_input(images(64, 50 + seed)[0], SPEC))
+
+
+ENCODERS = {"mlp": mlp_encoder, "cnn": cnn_encoder, "cnn-int8": cnn_int8_encoder}
 
 
 def images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -184,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--form", choices=FORMS, default="linear", help="the key map's form (edge_runtime.keymap)"
     )
+    p.add_argument(
+        "--encoder", choices=sorted(ENCODERS), default="mlp", help="the two versions' encoders"
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.keys, args.repeats = 200, 1
@@ -191,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="knnper-upgrade-bench-") as tmp:
         work = Path(tmp)
-        old, new = mlp_encoder(work / "old.onnx", 0), mlp_encoder(work / "new.onnx", 1)
+        build = ENCODERS[args.encoder]
+        old, new = build(work / "old.onnx", 0), build(work / "new.onnx", 1)
         pristine = bundle(work / "pristine", old, args.keys, 0)
         release = bundle(work / "release", new, 50, 1)
         floor_bundle = bundle(work / "floor", old, 1, 2)
@@ -218,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "keys": args.keys,
         "form": args.form,
+        "encoder": args.encoder,
         "map_bytes": map_bytes,
         "budget_bytes": budget,
         "median_seconds": seconds,
@@ -232,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_text_atomic(out / "run.json", json.dumps(summary, indent=2) + "\n")
     table = [
-        f"Upgrade of a {args.keys}-key flat:int8 bundle (dim {DIM}) by a {args.form} key map "
+        f"Upgrade of a {args.keys}-key flat:int8 bundle (dim {DIM}, {args.encoder} encoder) by "
+        f"a {args.form} key map "
         f"({map_bytes} bytes), "
         f"{args.repeats} fresh processes; CPU: {summary['cpu']}.",
         "",

@@ -416,6 +416,31 @@ def test_fitting_from_chunks_stores_what_fit_stores(recipe):
     np.testing.assert_array_equal(chunked.predict_proba(z[:50]), whole.predict_proba(z[:50]))
 
 
+def test_mapping_10000_int8_keys_holds_little_beside_the_two_datastores():
+    """The upgrade's memory bound is the old keys, the new ones and a chunk of scratch: with
+    1,024-row chunks, each widened, divided, rounded and clipped into a copy of its own, the
+    scratch alone was 2 MiB, which put a 10,000-key int8 bundle with an int8 CNN encoder (a
+    smaller budget than an MLP's) past budget + 2 MiB (benchmarks/upgrade_device.py)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    z, y = rng.normal(size=(10_000, 128)).astype(np.float32), np.arange(10_000) % NUM_CLASSES
+    old = make_datastore("flat:int8", NUM_CLASSES, k=5).fit(z, y)
+    weight = (np.eye(128) + rng.normal(0, 0.05, (128, 128))).astype(np.float32)
+    mapping = KeyMap(weight, np.zeros(128, np.float32), "a" * 64, "b" * 64, "map the keys", {})
+    del z
+    tracemalloc.start()
+    try:
+        new = make_datastore("flat:int8", NUM_CLASSES, k=5).fit_chunks(
+            lambda: mapping.chunks(old.key_rows, len(old)), len(old), old.labels_
+        )
+        held, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert new.keys_t_.nbytes == 128 * 10_000 <= held
+    assert peak - held < 0.75 * 2**20, f"{(peak - held) / 2**20:.2f} MiB of scratch"
+
+
 def _signing_keys(tmp_path: Path) -> tuple:
     """A fresh Ed25519 pair: the private key and the trusted list holding its public half."""
     pytest.importorskip("cryptography")

@@ -146,8 +146,10 @@ class FlatDatastore(SampleDatastore):
         if self.dtype == "fp16":
             limit = np.finfo(np.float16).max  # clipped like int8, rather than stored as inf
             return np.clip(z, -limit, limit).T.astype(np.float16, order="C")
-        if self.dtype == "int8":
-            return np.clip(np.rint(z / self.scale_), -127, 127).T.astype(np.int8, order="C")
+        if self.dtype == "int8":  # one float32 temporary of z's size, not three
+            levels = np.divide(z, self.scale_)
+            np.clip(np.rint(levels, out=levels), -127, 127, out=levels)
+            return levels.T.astype(np.int8, order="C")
         return np.ascontiguousarray(z.T, dtype=np.float32)
 
     def _set(self, keys_t: np.ndarray, labels: np.ndarray, order: np.ndarray) -> None:
@@ -186,7 +188,9 @@ class FlatDatastore(SampleDatastore):
 
     def key_rows(self, start: int, stop: int) -> np.ndarray:
         widened = self.keys_t_[:, start:stop].T.astype(np.float32)
-        return widened * self.scale_ if self.scale_ is not None else widened
+        if self.scale_ is not None:
+            widened *= self.scale_
+        return widened
 
     # -- inference
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
