@@ -380,6 +380,11 @@ class Runtime:
         keeping every sample it stores (edge_runtime.upgrade), then reload it. `key_map`: the
         release's map file (default: upgrades/ beside `new_bundle`); `trusted_keys`: verify
         the release's signature; `force`: map even where the release advises otherwise."""
+        if Path(new_bundle).resolve() == self.path.resolve():  # it waited on its own lock
+            raise BundleError(
+                f"bundle {self.path}: --to {new_bundle} is this bundle itself; give the "
+                "release's bundle (a client_NNNN folder of the new export)"
+            )
         upgraded = False
         try:
             with bundle_lock(self.path, exclusive=True, timeout=self.lock_timeout):

@@ -168,6 +168,8 @@ def upgrade_bundle(
     )
     if old.matches(new):
         return report
+    if not os.access(path, os.W_OK):  # its swapped-out copy could not be removed: left behind
+        raise BundleError(f"{where} is read-only: make it writable to upgrade it, as to add to it")
     signed = (new_dir / SIGNATURE_FILE).is_file() and (path / SIGNATURE_FILE).is_file()
     if (path / SIGNATURE_FILE).is_file() and not signed:  # lost, and not back until a next version
         raise BundleError(
@@ -182,7 +184,7 @@ def upgrade_bundle(
             )
         mapping, report.how = None, "re-embedded"
     else:
-        mapping = _key_map(
+        mapping, map_path = _key_map(
             new_dir, old, new, key_map, manifest, release, where, force, trusted_keys
         )
         if trained and mapping.reverse_weight is None:
@@ -248,7 +250,7 @@ def upgrade_bundle(
                     )
                     fields["lambda"] = release["lambda"] if signed else lam
                 else:
-                    ds = _mapped(datastore, evict, mapping, params, backend)
+                    ds = _mapped(datastore, evict, mapping, params, backend, where, map_path)
                 datastore = None  # the old keys go before the new bundle is written and checked
             ds.embedding_id_ = new.embedding
             try:
@@ -285,15 +287,38 @@ def upgrade_bundle(
     return report
 
 
-def _mapped(datastore: Any, evict: int, mapping: KeyMap, params: dict, backend: str) -> Any:
+def _mapped(
+    datastore: Any,
+    evict: int,
+    mapping: KeyMap,
+    params: dict,
+    backend: str,
+    where: str,
+    map_path: Path,
+) -> Any:
     """The samples from the `evict`-th oldest on, their keys mapped a chunk at a time and
     stored a chunk at a time (`fit_chunks`): what is held beside the two datastores is a few
-    chunks, not the mapped keys in float32."""
+    chunks, not the mapped keys in float32. A finite map may still take keys past float32's
+    range (a key or its squared norm): refused naming the bundle and the map."""
     kept = len(datastore) - evict
 
+    def checked(chunk: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore"):
+            if not np.isfinite(np.einsum("ij,ij->i", chunk, chunk)).all():
+                raise BundleError(
+                    f"{where}: the key map {map_path} takes its keys out of float32's range: "
+                    "not a map for them; use the map the release ships for this bundle"
+                )
+        return chunk
+
     def chunks():
-        return mapping.chunks(
-            lambda a, b: datastore.key_rows(evict + a, evict + b), kept, datastore.labels_[evict:]
+        return map(
+            checked,
+            mapping.chunks(
+                lambda a, b: datastore.key_rows(evict + a, evict + b),
+                kept,
+                datastore.labels_[evict:],
+            ),
         )
 
     return BACKENDS[backend].from_params(params).fit_chunks(chunks, kept, datastore.labels_[evict:])
@@ -341,7 +366,7 @@ def _key_map(
     where: str,
     force: bool,
     trusted_keys: Any = None,
-) -> KeyMap:
+) -> tuple[KeyMap, Path]:
     path = (
         Path(given) if given is not None else (new_dir.parent / UPGRADES_DIR / map_file_name(old))
     )
@@ -383,4 +408,4 @@ def _key_map(
             f"{where}: the release advises to {mapping.advice} rather than map "
             f"the keys ({mapping.describe()}); --force maps them anyway"
         )
-    return mapping
+    return mapping, path

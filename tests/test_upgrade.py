@@ -79,6 +79,35 @@ def _move_datastore(source: Path, target: Path) -> None:
     (target / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.parametrize("huge", ["weight", "bias"])
+def test_a_finite_map_that_overflows_the_keys_names_the_bundle_and_the_map(tmp_path, capsys, huge):
+    """Keys mapped to inf were refused as 'z must hold finite numbers'; keys whose squared norm
+    overflows, by a line naming the upgrade's temporary folder."""
+    from edge_runtime.cli import main
+
+    old, new = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a")
+    before = {p.name: p.read_bytes() for p in a.iterdir()}
+    release = _bundle(tmp_path, new, "release")
+    good = load_key_map(_fit_map(old, new, tmp_path / "good.npz"))
+    arrays = {"weight": good.weight, "bias": good.bias}
+    arrays[huge] = np.full_like(arrays[huge], 3e38)
+    KeyMap(
+        arrays["weight"],
+        arrays["bias"],
+        good.from_version,
+        good.to_version,
+        good.advice,
+        good.evidence,
+    ).save(tmp_path / "bad.npz")
+    argv = ["upgrade", str(a), "--to", str(release), "--map", str(tmp_path / "bad.npz")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"bundle {a}: the key map {tmp_path / 'bad.npz'}" in err
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == before
+    assert not list(tmp_path.glob(".a.tmp-*"))
+
+
 def test_datastore_of_another_encoder_is_refused_by_load(tmp_path):
     old, new = _encoders(tmp_path)
     a, b = _bundle(tmp_path, old, "a"), _bundle(tmp_path, new, "b")
@@ -268,6 +297,51 @@ def test_an_upgrade_through_a_linked_bundle_path_keeps_the_link(
     assert encoder == hashlib.sha256(new.read_bytes()).hexdigest()
     left = sorted(p.name for d in (tmp_path, tmp_path / "store") for p in d.iterdir())
     assert not [name for name in left if ".tmp-" in name or ".old-" in name], left
+
+
+def test_upgrading_a_bundle_to_itself_is_one_line_not_a_wait_on_its_own_lock(tmp_path, capsys):
+    from edge_runtime.cli import main
+
+    old, _ = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a")
+    (tmp_path / "link").symlink_to(a)
+    assert main(["upgrade", str(a), "--to", str(tmp_path / "link")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is this bundle itself" in err
+
+
+def test_a_read_only_bundle_is_refused_in_one_line_and_nothing_is_left_beside_it(tmp_path):
+    """The swapped-out old bundle kept its read-only mode, so `.a.tmp-*` could not be removed.
+    Root ignores modes: the command runs without the capabilities that let it."""
+    import os
+    import subprocess
+    import sys
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv (util-linux) to drop the permission overrides")
+    old, new = _encoders(tmp_path)
+    a = _bundle(tmp_path, old, "a")
+    release = _bundle(tmp_path, new, "release")
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    before = {p.name: p.read_bytes() for p in a.iterdir()}
+    a.chmod(0o555)
+    try:
+        done = subprocess.run(
+            [setpriv, "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+            + [sys.executable, "-m", "edge_runtime.cli", "upgrade", str(a), "--to", str(release)]
+            + ["--map", str(key_map)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        )
+    finally:
+        a.chmod(0o755)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "is read-only" in done.stderr
+    assert not list(tmp_path.glob(".a.tmp-*"))
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == before
 
 
 _UPGRADER = """
