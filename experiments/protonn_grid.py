@@ -32,7 +32,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -146,10 +146,10 @@ class ClientCase:
         self.client = client
         self.data = client_embeddings(encoder, client, test=True)
         self.head = PersonalHead(num_classes, k=k, sigma=sigma)
-        full = FlatDatastore(num_classes, k=k, sigma=sigma).fit(
+        self.full = FlatDatastore(num_classes, k=k, sigma=sigma).fit(
             self.data.z_train, self.data.y_train
         )
-        self.full_bytes = measure_nbytes(full)
+        self.full_bytes = measure_nbytes(self.full)
 
     def test_accuracy(self, datastore: Any, lam: float) -> float:
         return self._accuracy(datastore, lam, "test")
@@ -185,72 +185,83 @@ def budget_curve(
     )
     client_rows: list[dict] = []
     for text in fractions:
-        f = _fraction(text)
         started = time.perf_counter()
         for case in cases:
-            room = int(math.floor(f * case.full_bytes))
-            base = {
-                "fraction": text,
-                "client_id": case.client.client_id,
-                "unseen": case.client.unseen,
-                "test_samples": int(len(case.data.y_test)),
-                "room_bytes": room,
-                "full_bytes": case.full_bytes,
-            }
-            try:
-                sizer.fit(case.data, Budget(room, encoder=0))
-            except BudgetInvalid:
-                for backend in (*BACKENDS, "auto"):
-                    client_rows.append({**base, "backend": backend, "fits": False})
-                continue
-            picks = {"auto": (sizer.best_, sizer.datastore_)}
-            for backend in BACKENDS:
-                mine = [cd for cd in sizer.fitted_ if cd[0].backend == backend]
-                if mine:
-                    picks[backend] = min(mine, key=lambda cd: selection_key(cd[0]))
-            for backend in (*BACKENDS, "auto"):
-                if backend not in picks:
-                    client_rows.append({**base, "backend": backend, "fits": False})
-                    continue
-                cand, ds = picks[backend]
-                client_rows.append(
-                    {
-                        **base,
-                        "backend": backend,
-                        "fits": True,
-                        "recipe": cand.recipe,
-                        "bytes": cand.nbytes,
-                        "lambda": cand.lam,
-                        "val_accuracy": cand.val_accuracy,
-                        "test_accuracy": case.test_accuracy(ds, cand.lam),
-                    }
-                )
+            client_rows += _client_choices(sizer, case, text)
         log.info(
             "budget %s of the full datastore: %d clients in %.1f s",
             text,
             len(cases),
             time.perf_counter() - started,
         )
-    curve = []
-    for text in fractions:
-        for backend in (*BACKENDS, "auto"):
-            rows = [r for r in client_rows if r["fraction"] == text and r["backend"] == backend]
-            fit = [r for r in rows if r["fits"]]
-            curve.append(
-                {
-                    "fraction": text,
-                    "fraction_value": _fraction(text),
-                    "backend": backend,
-                    "clients": len(rows),
-                    "clients_fitting": len(fit),
-                    "mean_accuracy": weighted_mean(fit) if fit else None,
-                    "bytes_ratio": (
-                        float(np.mean([r["bytes"] / r["full_bytes"] for r in fit])) if fit else None
-                    ),
-                    "recipes": _top_recipes(fit),
-                }
-            )
+    curve = [
+        _curve_point(client_rows, text, backend)
+        for text in fractions
+        for backend in (*BACKENDS, "auto")
+    ]
     return curve, client_rows
+
+
+def _client_choices(sizer: DatastoreSizer, case: ClientCase, text: str) -> list[dict]:
+    """One client's rows at budget fraction `text`: per backend and `auto`, the configuration
+    the sizer chooses on validation and its test accuracy, or `fits` False where none fits."""
+    room = int(math.floor(_fraction(text) * case.full_bytes))
+    base = {
+        "fraction": text,
+        "client_id": case.client.client_id,
+        "unseen": case.client.unseen,
+        "test_samples": int(len(case.data.y_test)),
+        "room_bytes": room,
+        "full_bytes": case.full_bytes,
+    }
+    picks = {}
+    try:
+        sizer.fit(case.data, Budget(room, encoder=0))
+    except BudgetInvalid:
+        pass
+    else:
+        picks["auto"] = (sizer.best_, sizer.datastore_)
+        for backend in BACKENDS:
+            mine = [cd for cd in sizer.fitted_ if cd[0].backend == backend]
+            if mine:
+                picks[backend] = min(mine, key=lambda cd: selection_key(cd[0]))
+    rows = []
+    for backend in (*BACKENDS, "auto"):
+        if backend not in picks:
+            rows.append({**base, "backend": backend, "fits": False})
+            continue
+        cand, ds = picks[backend]
+        rows.append(
+            {
+                **base,
+                "backend": backend,
+                "fits": True,
+                "recipe": cand.recipe,
+                "bytes": cand.nbytes,
+                "lambda": cand.lam,
+                "val_accuracy": cand.val_accuracy,
+                "test_accuracy": case.test_accuracy(ds, cand.lam),
+            }
+        )
+    return rows
+
+
+def _curve_point(client_rows: list[dict], text: str, backend: str) -> dict:
+    """One point of the curve: `backend`'s mean over the clients it fits at fraction `text`."""
+    rows = [r for r in client_rows if r["fraction"] == text and r["backend"] == backend]
+    fit = [r for r in rows if r["fits"]]
+    return {
+        "fraction": text,
+        "fraction_value": _fraction(text),
+        "backend": backend,
+        "clients": len(rows),
+        "clients_fitting": len(fit),
+        "mean_accuracy": weighted_mean(fit) if fit else None,
+        "bytes_ratio": (
+            float(np.mean([r["bytes"] / r["full_bytes"] for r in fit])) if fit else None
+        ),
+        "recipes": _top_recipes(fit),
+    }
 
 
 def _top_recipes(rows: list[dict], top: int = 3) -> str:
@@ -423,6 +434,149 @@ def _finish(fig, ax, reference: float, xlabel: str, path: Path, shown: Sequence[
 # ----------------------------------------------------------------------------- main
 
 
+@dataclass(frozen=True)
+class Grids:
+    """What is measured: the budget fractions, the ProtoNN grid's projection dimensions and
+    prototype fractions, and the exporter's search space (small ones under --smoke)."""
+
+    fractions: list[str]
+    dims: list[int]
+    prototype_fractions: list[float]
+    space: SearchSpace
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Grids:
+        if args.smoke:
+            space = SearchSpace(
+                count_fractions=(1.0, 0.25),
+                hnsw_M=(8,),
+                protonn_dims=(8, 16),
+                protonn_fractions=(0.3,),
+                protonn_steps=50,
+            )
+            return cls(["1/16", "1/4", "1"], [8, 16], [0.1, 0.3], space)
+        return cls(
+            [t.strip() for t in args.fractions.split(",") if t.strip()],
+            [int(t) for t in args.grid_dims.split(",")],
+            [float(t) for t in args.grid_fractions.split(",")],
+            SearchSpace(protonn_steps=args.protonn_steps),
+        )
+
+
+@dataclass(frozen=True)
+class EncoderReport:
+    """Measurement 1: the int8 and fp32 encoders' rows (bytes, kNN-Per accuracy, agreement),
+    the kNN-Per accuracy of each with the full datastore (`reference`), and the two headlines."""
+
+    rows: list[dict]
+    reference: dict[str, float]
+    size_ratio: float
+    cost_pp: float
+
+
+@dataclass(frozen=True)
+class Results:
+    """Everything results.md reports, measured on `n_clients` clients (`n_grid` of them in the
+    ProtoNN grid, whose full float32 flat datastore scores `grid_reference`)."""
+
+    run_path: Path
+    encoders: EncoderReport
+    curve: list[dict]
+    check: dict | None
+    grid: list[dict]
+    grid_reference: float
+    n_clients: int
+    n_grid: int
+
+
+def measure_encoders(
+    enc: Any, clients: list[Any], num_classes: int, k: int, sigma: float
+) -> EncoderReport:
+    """Measurement 1: int8 against fp32, kNN-Per with every client's full datastore."""
+    ref = {
+        name: weighted_mean(
+            reference_accuracy(path, clients, num_classes=num_classes, k=k, sigma=sigma)
+        )
+        for name, path in (("int8", enc.path), ("fp32", enc.fp32_path))
+    }
+    rows = [
+        {"encoder": "fp32", "bytes": enc.fp32_nbytes, "knnper_accuracy": ref["fp32"]},
+        {
+            "encoder": "int8",
+            "bytes": enc.nbytes,
+            "knnper_accuracy": ref["int8"],
+            **{f"vs_fp32_{k}": v for k, v in enc.int8_vs_fp32.items()},
+        },
+    ]
+    report = EncoderReport(
+        rows, ref, enc.fp32_nbytes / enc.nbytes, 100 * (ref["fp32"] - ref["int8"])
+    )
+    log.info(
+        "encoder int8 %d bytes, fp32 %d (x%.2f); kNN-Per %.4f vs %.4f",
+        enc.nbytes,
+        enc.fp32_nbytes,
+        report.size_ratio,
+        ref["int8"],
+        ref["fp32"],
+    )
+    return report
+
+
+def device_check(
+    run: Any,
+    folder: Path,
+    enc: Any,
+    cases: list[ClientCase],
+    settings: ExportSettings,
+    curve: list[dict],
+    fraction: str,
+) -> dict:
+    """The `auto` bundles at budget `fraction`, written with `export_run` into `folder` and
+    evaluated through the device runtime, beside the curve's own accuracy at that point."""
+    f = _fraction(fraction)
+    budgets = {c.client.client_id: enc.nbytes + int(math.floor(f * c.full_bytes)) for c in cases}
+    try:
+        # the curve sizes datastores as they are exported: the check's bundles must not
+        # reserve room for on-device learning (a protonn buffer), which the curve leaves out
+        export_run(
+            run,
+            _fresh(folder),
+            budgets,
+            replace(settings, update_strategy="fixed"),
+            clients=",".join(str(cid) for cid in budgets),
+            encoder=enc,
+            progress=False,
+        )
+        device = weighted_mean(evaluate_export(run, folder))
+    except BudgetInvalid as err:
+        return {"fraction": fraction, "error": str(err)}
+    inproc = next(
+        r["mean_accuracy"] for r in curve if r["fraction"] == fraction and r["backend"] == "auto"
+    )
+    return {"fraction": fraction, "runtime_accuracy": device, "benchmark_accuracy": inproc}
+
+
+def grid_subset(cases: list[ClientCase], most: int | None, seed: int) -> list[ClientCase]:
+    """The clients the ProtoNN grid trains on: a seeded subset of `most` of them, or all."""
+    if not most or most >= len(cases):
+        return cases
+    pick = np.random.default_rng(seed).choice(len(cases), most, replace=False)
+    return [cases[i] for i in sorted(pick)]
+
+
+def full_accuracy(cases: list[ClientCase]) -> float:
+    """kNN-Per's mean test accuracy over `cases` with each one's full float32 flat datastore."""
+    return weighted_mean(
+        [
+            {
+                "test_accuracy": c.test_accuracy(c.full, c.lambda_on_validation(c.full)),
+                "test_samples": len(c.data.y_test),
+            }
+            for c in cases
+        ]
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     C.setup_logging()
@@ -435,218 +589,124 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_path = Path(args.run) if args.run else train_smoke_run(out)
     run = load_run(run_path)
     num_classes = run.dataset.num_classes
-    fractions = [t.strip() for t in args.fractions.split(",") if t.strip()]
-    dims = [int(t) for t in args.grid_dims.split(",")]
-    grid_fractions = [float(t) for t in args.grid_fractions.split(",")]
-    space = SearchSpace(protonn_steps=args.protonn_steps)
-    if args.smoke:
-        fractions = ["1/16", "1/4", "1"]
-        dims, grid_fractions = [8, 16], [0.1, 0.3]
-        space = SearchSpace(
-            count_fractions=(1.0, 0.25),
-            hnsw_M=(8,),
-            protonn_dims=(8, 16),
-            protonn_fractions=(0.3,),
-            protonn_steps=50,
-        )
-
-    # 1. encoders
+    grids = Grids.of(args)
     settings = ExportSettings(
-        knn=KNNChoice(KNNConfig(args.k, args.sigma)), seed=args.seed, space=space
+        knn=KNNChoice(KNNConfig(args.k, args.sigma)), seed=args.seed, space=grids.space
     )
     every_client = run.clients()
     enc = build_encoder(run, _fresh(out / "encoders"), settings, every_client)
-    clients = select_clients(every_client, args.clients)
-    clients = [c for c in clients if c.num_train > 0]
-    ref = {}
-    for name, path in (("int8", enc.path), ("fp32", enc.fp32_path)):
-        ref[name] = weighted_mean(
-            reference_accuracy(path, clients, num_classes=num_classes, k=args.k, sigma=args.sigma)
-        )
-    encoder_rows = [
-        {"encoder": "fp32", "bytes": enc.fp32_nbytes, "knnper_accuracy": ref["fp32"]},
-        {
-            "encoder": "int8",
-            "bytes": enc.nbytes,
-            "knnper_accuracy": ref["int8"],
-            **{f"vs_fp32_{k}": v for k, v in enc.int8_vs_fp32.items()},
-        },
-    ]
-    size_ratio = enc.fp32_nbytes / enc.nbytes
-    accuracy_cost_pp = 100 * (ref["fp32"] - ref["int8"])
-    log.info(
-        "encoder int8 %d bytes, fp32 %d (x%.2f); kNN-Per %.4f vs %.4f",
-        enc.nbytes,
-        enc.fp32_nbytes,
-        size_ratio,
-        ref["int8"],
-        ref["fp32"],
-    )
+    clients = [c for c in select_clients(every_client, args.clients) if c.num_train > 0]
+    encoders = measure_encoders(enc, clients, num_classes, args.k, args.sigma)
 
-    # 2. budget curve (int8 encoder)
     session = Encoder(enc.path, intra_op_threads=1)
     cases = [ClientCase(session, c, num_classes, args.k, args.sigma) for c in clients]
     curve, client_rows = budget_curve(
-        cases, fractions, space, num_classes, args.k, args.sigma, args.seed
+        cases, grids.fractions, grids.space, num_classes, args.k, args.sigma, args.seed
     )
-
-    # Device check: the auto bundles at --check-fraction, evaluated through Runtime.
     check = None
-    if args.check_fraction in fractions:
-        f = _fraction(args.check_fraction)
-        budgets = {
-            c.client.client_id: enc.nbytes + int(math.floor(f * c.full_bytes)) for c in cases
-        }
-        ids = ",".join(str(cid) for cid in budgets)
-        try:
-            # the curve sizes datastores as they are exported: the check's bundles must not
-            # reserve room for on-device learning (a protonn buffer), which the curve leaves out
-            export_run(
-                run,
-                _fresh(out / "bundles"),
-                budgets,
-                replace(settings, update_strategy="fixed"),
-                clients=ids,
-                encoder=enc,
-                progress=False,
-            )
-            device = weighted_mean(evaluate_export(run, out / "bundles"))
-            inproc = next(
-                r["mean_accuracy"]
-                for r in curve
-                if r["fraction"] == args.check_fraction and r["backend"] == "auto"
-            )
-            check = {
-                "fraction": args.check_fraction,
-                "runtime_accuracy": device,
-                "benchmark_accuracy": inproc,
-            }
-        except BudgetInvalid as err:
-            check = {"fraction": args.check_fraction, "error": str(err)}
+    if args.check_fraction in grids.fractions:
+        check = device_check(run, out / "bundles", enc, cases, settings, curve, args.check_fraction)
 
-    # 3. ProtoNN grid
-    grid_cases = cases
-    if args.grid_clients and args.grid_clients < len(cases):
-        pick = np.random.default_rng(args.seed).choice(len(cases), args.grid_clients, replace=False)
-        grid_cases = [cases[i] for i in sorted(pick)]
+    grid_cases = grid_subset(cases, args.grid_clients, args.seed)
     grid = protonn_grid(
         grid_cases,
-        dims,
-        grid_fractions,
+        grids.dims,
+        grids.prototype_fractions,
         num_classes,
-        space.protonn_steps,
+        grids.space.protonn_steps,
         args.k,
         args.sigma,
         args.seed,
     )
-    grid_reference = weighted_mean(
-        [
-            {
-                "test_accuracy": c.test_accuracy(full, c.lambda_on_validation(full)),
-                "test_samples": len(c.data.y_test),
-            }
-            for c in grid_cases
-            for full in [
-                FlatDatastore(num_classes, k=args.k, sigma=args.sigma).fit(
-                    c.data.z_train, c.data.y_train
-                )
-            ]
-        ]
-    )
-
-    # outputs
-    C.write_csv(
-        out / "encoder.csv",
-        encoder_rows,
-        [
-            "encoder",
-            "bytes",
-            "knnper_accuracy",
-            "vs_fp32_embedding_cosine_min",
-            "vs_fp32_embedding_cosine_mean",
-            "vs_fp32_logits_max_abs_diff",
-            "vs_fp32_argmax_agreement",
-        ],
-    )
-    C.write_csv(
-        out / "budget_curve.csv",
-        curve,
-        [
-            "fraction",
-            "backend",
-            "clients",
-            "clients_fitting",
-            "mean_accuracy",
-            "bytes_ratio",
-            "recipes",
-        ],
-    )
-    C.write_csv(
-        out / "clients.csv",
-        client_rows,
-        [
-            "fraction",
-            "backend",
-            "client_id",
-            "unseen",
-            "fits",
-            "recipe",
-            "bytes",
-            "room_bytes",
-            "full_bytes",
-            "lambda",
-            "val_accuracy",
-            "test_accuracy",
-            "test_samples",
-        ],
-    )
-    C.write_csv(
-        out / "protonn_grid.csv",
-        grid,
-        [
-            "projection_dim",
-            "prototype_fraction",
-            "mean_accuracy",
-            "val_accuracy",
-            "bytes_ratio",
-            "seconds",
-        ],
-    )
-    scale = f"run {Path(run_path).name}, {len(cases)} clients ({len(grid_cases)} in the grid)"
-    plot_curve(curve, ref["int8"], out / "budget_curve.png", scale)
-    plot_grid(grid, grid_reference, out / "protonn_grid.png", scale=scale)
-    info = C.machine_info()
-    md = render_markdown(
+    results = Results(
         run_path,
-        encoder_rows,
-        size_ratio,
-        accuracy_cost_pp,
+        encoders,
         curve,
-        ref,
         check,
         grid,
-        grid_reference,
+        full_accuracy(grid_cases),
         len(cases),
         len(grid_cases),
-        info,
-        time.perf_counter() - started,
     )
+    write_outputs(out, results, client_rows, grids.space, started)
+    return 0
+
+
+ENCODER_COLUMNS = (
+    "encoder",
+    "bytes",
+    "knnper_accuracy",
+    "vs_fp32_embedding_cosine_min",
+    "vs_fp32_embedding_cosine_mean",
+    "vs_fp32_logits_max_abs_diff",
+    "vs_fp32_argmax_agreement",
+)
+CURVE_COLUMNS = (
+    "fraction",
+    "backend",
+    "clients",
+    "clients_fitting",
+    "mean_accuracy",
+    "bytes_ratio",
+    "recipes",
+)
+CLIENT_COLUMNS = (
+    "fraction",
+    "backend",
+    "client_id",
+    "unseen",
+    "fits",
+    "recipe",
+    "bytes",
+    "room_bytes",
+    "full_bytes",
+    "lambda",
+    "val_accuracy",
+    "test_accuracy",
+    "test_samples",
+)
+GRID_COLUMNS = (
+    "projection_dim",
+    "prototype_fraction",
+    "mean_accuracy",
+    "val_accuracy",
+    "bytes_ratio",
+    "seconds",
+)
+
+
+def write_outputs(
+    out: Path, results: Results, client_rows: list[dict], space: SearchSpace, started: float
+) -> None:
+    """The CSV tables, both plots, results.md (also printed) and run.json, into `out`."""
+    C.write_csv(out / "encoder.csv", results.encoders.rows, ENCODER_COLUMNS)
+    C.write_csv(out / "budget_curve.csv", results.curve, CURVE_COLUMNS)
+    C.write_csv(out / "clients.csv", client_rows, CLIENT_COLUMNS)
+    C.write_csv(out / "protonn_grid.csv", results.grid, GRID_COLUMNS)
+    scale = (
+        f"run {Path(results.run_path).name}, {results.n_clients} clients "
+        f"({results.n_grid} in the grid)"
+    )
+    reference = results.encoders.reference
+    plot_curve(results.curve, reference["int8"], out / "budget_curve.png", scale)
+    plot_grid(results.grid, results.grid_reference, out / "protonn_grid.png", scale=scale)
+    info = C.machine_info()
+    md = render_markdown(results, info, time.perf_counter() - started)
     write_text_atomic(out / "results.md", md + "\n")
     C.write_json(
         out / "run.json",
         {
             "command": C.command_line(),
             "machine": info,
-            "run": str(run_path),
-            "encoder": encoder_rows,
-            "reference": ref,
-            "check": check,
+            "run": str(results.run_path),
+            "encoder": results.encoders.rows,
+            "reference": reference,
+            "check": results.check,
             "space": space.__dict__,
             "seconds": time.perf_counter() - started,
         },
     )
     print(md)
-    return 0
 
 
 def _fresh(path: Path) -> Path:
@@ -658,31 +718,30 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def render_markdown(
-    run_path: Path,
-    encoder_rows: list[dict],
-    size_ratio: float,
-    cost_pp: float,
-    curve: list[dict],
-    ref: dict,
-    check: dict | None,
-    grid: list[dict],
-    grid_reference: float,
-    n_clients: int,
-    n_grid: int,
-    info: dict,
-    seconds: float,
-) -> str:
-    parts = [f"## Export: budgets and accuracy ({run_path})", ""]
-    parts.append(
-        f"Encoder (kNN-Per mean test accuracy with the full float32 flat datastore, "
-        f"{n_clients} clients): int8 is {size_ratio:.2f}x smaller than fp32 and costs "
-        f"{cost_pp:+.2f} pp."
+def _check_line(check: dict) -> str:
+    """The device check's sentence: the runtime's accuracy beside the benchmark's, or why the
+    bundles could not be written."""
+    if "error" in check:
+        return f"Device check at {check['fraction']}: {check['error']}"
+    return (
+        f"Device check at {check['fraction']}: auto bundles written with "
+        f"export_run and run through Runtime: {check['runtime_accuracy']:.2%} "
+        f"(benchmark: {check['benchmark_accuracy']:.2%})."
     )
-    parts.append("")
-    parts.append(
+
+
+def render_markdown(results: Results, info: dict, seconds: float) -> str:
+    """results.md: the three measurements' tables, the device check, command and machine."""
+    encoders = results.encoders
+    parts = [
+        f"## Export: budgets and accuracy ({results.run_path})",
+        "",
+        f"Encoder (kNN-Per mean test accuracy with the full float32 flat datastore, "
+        f"{results.n_clients} clients): int8 is {encoders.size_ratio:.2f}x smaller than fp32 "
+        f"and costs {encoders.cost_pp:+.2f} pp.",
+        "",
         C.markdown_table(
-            encoder_rows,
+            encoders.rows,
             [
                 ("encoder", "encoder", ""),
                 ("bytes", "bytes", ""),
@@ -690,17 +749,14 @@ def render_markdown(
                 ("vs_fp32_embedding_cosine_min", "min cos to fp32", ".5f"),
                 ("vs_fp32_argmax_agreement", "argmax agreement", ".2%"),
             ],
-        )
-    )
-    parts += [
+        ),
         "",
         "Accuracy versus datastore budget (fraction of each client's full float32 "
-        f"flat datastore, on top of the int8 encoder); full datastore: {ref['int8']:.2%}.",
+        f"flat datastore, on top of the int8 encoder); full datastore: "
+        f"{encoders.reference['int8']:.2%}.",
         "",
-    ]
-    parts.append(
         C.markdown_table(
-            curve,
+            results.curve,
             [
                 ("fraction", "budget", ""),
                 ("backend", "backend", ""),
@@ -709,35 +765,24 @@ def render_markdown(
                 ("bytes_ratio", "bytes / full", ".3f"),
                 ("recipes", "most chosen", ""),
             ],
-        )
-    )
-    if check:
-        if "error" in check:
-            parts += ["", f"Device check at {check['fraction']}: {check['error']}"]
-        else:
-            parts += [
-                "",
-                f"Device check at {check['fraction']}: auto bundles written with "
-                f"export_run and run through Runtime: {check['runtime_accuracy']:.2%} "
-                f"(benchmark: {check['benchmark_accuracy']:.2%}).",
-            ]
+        ),
+    ]
+    if results.check:
+        parts += ["", _check_line(results.check)]
     parts += [
         "",
-        f"ProtoNN grid ({n_grid} clients; full float32 flat datastore {grid_reference:.2%}):",
+        f"ProtoNN grid ({results.n_grid} clients; full float32 flat datastore "
+        f"{results.grid_reference:.2%}):",
         "",
-    ]
-    parts.append(
         C.markdown_table(
-            grid,
+            results.grid,
             [
                 ("projection_dim", "d", ""),
                 ("prototype_fraction", "m", ""),
                 ("mean_accuracy", "mean acc", ".2%"),
                 ("bytes_ratio", "bytes / full", ".3f"),
             ],
-        )
-    )
-    parts += [
+        ),
         "",
         f"Command: `{C.command_line()}`",
         "",
