@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from experiments import benchmark_support as C
-from experiments.tables import format_markdown, run_table
+from experiments.tables import TableOptions, format_markdown, run_table
 from fed_train.accelerator import PRECISIONS, resolve_device
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.knn_request import KNNRequest
@@ -107,13 +107,13 @@ def with_precision(config: RunConfig, precision: str) -> RunConfig:
     return replace(config, training=replace(config.training, precision=precision))
 
 
-def paper_rule_table(config: RunConfig, tuned_out: Path, out: Path, **table) -> dict:
+def paper_rule_table(config: RunConfig, tuned_out: Path, out: Path, options: TableOptions) -> dict:
     """kNN-Per under the paper's rule on the same global model: the tuned table's FedAvg run
     (same configuration and seed) is copied in, so only the personalization is computed."""
     fedavg = out / "runs" / "fedavg"
     if not fedavg.exists():
         shutil.copytree(tuned_out / "runs" / "fedavg", fedavg)
-    return run_table(config, ["knnper"], out, knn=PAPER_RULE, **table)
+    return run_table(config, ["knnper"], out, replace(options, knn=PAPER_RULE))
 
 
 def _mean(result: dict, group: str) -> str:
@@ -164,11 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     data = None if args.tiny else args.data
     device = resolve_device(args.device)
-    table = {
-        "device": str(device),
-        "client_batch": args.client_batch,
-        "progress": not args.no_progress,
-    }
+    table = TableOptions(
+        device=str(device), client_batch=args.client_batch, progress=not args.no_progress
+    )
     out = args.out
     stages: dict[str, dict] = {}
 
@@ -219,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
 
         def tuned(config=config, name=name, results=results) -> None:
-            results["tuned"] = run_table(config, "all", out / name, **table)
+            results["tuned"] = run_table(config, "all", out / name, table)
 
         def paper(config=config, name=name, results=results) -> None:
             results["paper"] = paper_rule_table(
-                config, out / name, out / f"{name}-paper-rule", **table
+                config, out / name, out / f"{name}-paper-rule", table
             )
 
         stage(f"{name} table", False, tuned)

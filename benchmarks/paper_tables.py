@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.tables import format_markdown, run_table  # noqa: E402
+from experiments.tables import TableOptions, format_markdown, run_table  # noqa: E402
 from fed_train.algorithms.base import TrainingConfig  # noqa: E402
 from fed_train.run import RunConfig  # noqa: E402
 
@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             config,
             args.methods,
             out,
-            tune_lr=args.tune_lr,
-            progress=not args.no_progress,
+            TableOptions(tune_lr=args.tune_lr, progress=not args.no_progress),
             command=command(name, config, out, args.tune_lr, args.methods),
         )
         minutes = (time.perf_counter() - start) / 60

@@ -2,7 +2,7 @@
 export and benchmarks, so it may use all of them.
 
 The face: `EXPERIMENTS` by name; `run_table` / `run_seeds` are `knnper bench table` (one
-partition, or several seeds)."""
+partition, or several seeds), run as `TableOptions` says."""
 
 from edge_runtime.face import lazy_face
 
@@ -12,6 +12,7 @@ __all__, __getattr__, __dir__ = lazy_face(
         "EXPERIMENTS": "registry",
         "run_table": "tables",
         "run_seeds": "tables",
+        "TableOptions": "tables",
         "BenchError": "tables",
     },
 )

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, KeysView, Mapping, Sequence
 from concurrent.futures import as_completed
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,26 +131,49 @@ def _lr_dir(lr: float) -> str:
     return f"lr_{lr:.4g}"
 
 
+@dataclass(frozen=True)
+class TableOptions:
+    """How a table is run, beside what every method trains with (its `RunConfig`).
+
+    Parameters
+    ----------
+    tune_lr : choose each method's learning rate from `lr_grid` on validation accuracy.
+    lr_grid : the learning rates tried when `tune_lr`.
+    hyper : each method's own hyper-parameters, by method.
+    progress : a bar on a terminal, a line every 30 s in a log.
+    knn : kNN-Per's configuration request; the default is chosen on validation.
+    workers : > 1 trains the (method, learning rate) runs in that many processes first.
+    attribution : also evaluate every head on every body (attribution.csv).
+    device, client_batch : torch's device and the clients stepped together on it.
+    """
+
+    tune_lr: bool = False
+    lr_grid: Sequence[float] = LR_GRID
+    hyper: Mapping[str, Mapping[str, Any]] | None = None
+    progress: bool = True
+    knn: KNNRequest = KNNRequest()
+    workers: int = 1
+    attribution: bool = False
+    device: str = "cpu"
+    client_batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise BenchError(f"workers must be >= 1, got {self.workers}")
+
+
 class TableRunner:
     """Trains and evaluates the methods of one table inside its output folder."""
 
     def __init__(
-        self,
-        config: RunConfig,
-        out: Path,
-        *,
-        hyper: Mapping[str, Mapping[str, Any]] | None = None,
-        progress: bool = True,
-        knn: KNNRequest | None = None,
-        device: str = "cpu",
-        client_batch: int = 1,
+        self, config: RunConfig, out: Path, options: TableOptions = TableOptions()
     ) -> None:
-        self.knn = knn or KNNRequest()
+        self.knn = options.knn
         self.config = config
         self.out = Path(out)
-        self.hyper = {m: dict(h) for m, h in (hyper or {}).items()}
-        self.progress = progress
-        self.device, self.client_batch = torch.device(device), client_batch
+        self.hyper = {m: dict(h) for m, h in (options.hyper or {}).items()}
+        self.progress = options.progress
+        self.device, self.client_batch = torch.device(options.device), options.client_batch
         self.dataset, self.init = load_run_data(config)
         self.model_name = config.model or default_model(self.dataset.input_spec)
         # every method starts here; a mismatched --init fails before anything is written
@@ -430,54 +453,28 @@ def _in_processes(
 def _table_job(
     config: RunConfig,
     out: str,
-    hyper: Mapping[str, Mapping[str, Any]] | None,
-    knn: KNNRequest,
+    options: TableOptions,
     methods: list[str],
     lr: float,
     diverged_ok: bool,
-    device: str,
-    client_batch: int,
 ) -> None:
     """One worker's share of a table: the methods that share one training run at one rate."""
     torch.set_num_threads(1)
-    runner = TableRunner(
-        config,
-        Path(out),
-        hyper=hyper,
-        progress=False,
-        knn=knn,
-        device=device,
-        client_batch=client_batch,
-    )
+    runner = TableRunner(config, Path(out), replace(options, progress=False))
     for method in methods:
         runner.rows(method, lr, diverged_ok=diverged_ok)
 
 
 def _attribution_job(
-    config: RunConfig,
-    out: str,
-    hyper: Mapping[str, Mapping[str, Any]] | None,
-    body: str,
-    lr: float,
-    estimator: str,
-    device: str,
-    client_batch: int,
+    config: RunConfig, out: str, options: TableOptions, body: str, lr: float, estimator: str
 ) -> None:
     torch.set_num_threads(1)
-    runner = TableRunner(
-        config, Path(out), hyper=hyper, progress=False, device=device, client_batch=client_batch
-    )
+    runner = TableRunner(config, Path(out), replace(options, progress=False, knn=KNNRequest()))
     body_rows(runner, body, lr, lambda_estimator=estimator)
 
 
 def _table_jobs(
-    runner: TableRunner,
-    names: Sequence[str],
-    lrs: Sequence[float],
-    hyper: Mapping[str, Mapping[str, Any]] | None,
-    knn: KNNRequest,
-    device: str,
-    client_batch: int,
+    runner: TableRunner, names: Sequence[str], lrs: Sequence[float], options: TableOptions
 ) -> tuple[list[Job], int]:
     """One job per (training run, learning rate), the costliest first, less the jobs whose
     rows are all cached already; and how many those were."""
@@ -491,17 +488,7 @@ def _table_jobs(
     todo = [
         (
             _table_job,
-            (
-                runner.config,
-                str(runner.out),
-                hyper,
-                knn,
-                methods,
-                lr,
-                len(lrs) > 1,
-                device,
-                client_batch,
-            ),
+            (runner.config, str(runner.out), options, methods, lr, len(lrs) > 1),
             ALGORITHMS[trainer].job_cost,
         )
         for trainer, methods, lr in jobs
@@ -514,17 +501,9 @@ def run_table(
     config: RunConfig,
     methods: str | Sequence[str],
     out: str | Path,
+    options: TableOptions = TableOptions(),
     *,
-    tune_lr: bool = False,
-    lr_grid: Sequence[float] = LR_GRID,
-    hyper: Mapping[str, Mapping[str, Any]] | None = None,
-    progress: bool = True,
-    knn: KNNRequest | None = None,
-    workers: int = 1,
-    attribution: bool = False,
     command: str | None = None,
-    device: str = "cpu",
-    client_batch: int = 1,
 ) -> dict[str, Any]:
     """Run every method, write the tables and per-client files into `out`, return the results
     (evaluation's JSON plus the learning rates, validation scores and kNN-Per's choices).
@@ -535,55 +514,24 @@ def run_table(
     methods : names (`METHODS`) or "all".
     out : the table's folder: table.md, table1.csv, table2.csv, clients.csv, results.json, and
         the training runs and evaluation caches an interrupted table resumes from.
-    tune_lr : choose each method's learning rate from `lr_grid` on validation accuracy.
-    lr_grid : the learning rates tried when `tune_lr`.
-    hyper : each method's own hyper-parameters, by method.
-    progress : a bar on a terminal, a line every 30 s in a log.
-    knn : kNN-Per's configuration request; None is the default (chosen on validation).
-    workers : > 1 trains the (method, learning rate) runs in that many processes first.
-    attribution : also evaluate every head on every body (attribution.csv).
+    options : how the table runs (`TableOptions`): learning rates, hyper-parameters, workers,
+        attribution, device.
     command : the command line, recorded in table.md.
-    device, client_batch : torch's device and the clients stepped together on it.
     """
     names = parse_methods(methods)
-    lrs = check_lr_grid(lr_grid) if tune_lr else check_lr_grid([config.training.lr])
-    if workers < 1:
-        raise BenchError(f"workers must be >= 1, got {workers}")
-    knn = knn or KNNRequest()
-    runner = TableRunner(
-        config,
-        Path(out),
-        hyper=hyper,
-        progress=progress,
-        knn=knn,
-        device=device,
-        client_batch=client_batch,
-    )
-    jobs, done = _table_jobs(runner, names, lrs, hyper, knn, device, client_batch)
-    if jobs:  # said before the first job starts: a table at its documented scale takes hours
-        costs = [cost for _, _, cost in jobs]
-        estimate = estimate_table(costs, runner.clients, config.training, runner.model_fn, workers)
-        log.info(estimate.line())
-    if workers > 1:
-        _in_processes(
-            workers, jobs, desc="bench table: training runs", progress=progress, done=done
-        )
+    lrs = check_lr_grid(options.lr_grid if options.tune_lr else [config.training.lr])
+    runner = TableRunner(config, Path(out), options)
+    _train_in_workers(runner, names, lrs, options)
+    by_run = _rows_by_run(runner, names, lrs, options.progress)
     per_method: dict[str, list[dict[str, Any]]] = {}
     chosen: dict[str, float] = {}
     scores: dict[str, dict[str, float | None]] = {}
-    runs = [(method, lr) for method in names for lr in lrs]
-    by_run: dict[tuple[str, float], list[dict[str, Any]] | None] = {}
-    with Progress(len(runs), desc="bench table", unit="method run", enabled=progress) as bar:
-        for run in runs:
-            measured = not runner.is_cached(*run)  # a cached run's time says nothing of the rest
-            by_run[run] = runner.rows(*run, diverged_ok=len(lrs) > 1)
-            bar.update(measured=measured)
     for method in names:
         by_lr = {lr: by_run[method, lr] for lr in lrs}
         if all(rows is None for rows in by_lr.values()):
             raise BenchError(f"{method}: training diverged at every learning rate of the grid")
         val = {lr: None if rows is None else validation_score(rows) for lr, rows in by_lr.items()}
-        chosen[method] = choose_lr(val) if tune_lr else lrs[0]
+        chosen[method] = choose_lr(val) if options.tune_lr else lrs[0]
         scores[method] = {f"{lr:g}": s for lr, s in val.items()}
         per_method[method] = by_lr[chosen[method]]
     result = merge_results(per_method)
@@ -591,52 +539,103 @@ def run_table(
         methods=names,
         lr=chosen,
         validation=scores,
-        tuned=tune_lr,
+        tuned=options.tune_lr,
         config={**config.to_dict(), "model_name": runner.model_name},
     )
     if command is not None:
         result["command"] = command
     if "knnper" in names:
-        record = runner.knn_record(chosen["knnper"])
-        oracle_rows = [
-            {**r, "accuracy": r["info"].get("oracle_accuracy")} for r in per_method["knnper"]
-        ]
-        cross_rows = [
-            {**r, "accuracy": r["info"].get("cross_oracle_accuracy")} for r in per_method["knnper"]
-        ]
-        result["knn"] = {
-            **(record or {}),
-            "oracle": summarize(oracle_rows),
-            "cross_oracle": summarize(cross_rows),
-        }
+        result["knn"] = _knn_summary(runner, chosen["knnper"], per_method["knnper"])
     if "linear" in names:
         result["linear"] = runner.linear_record(chosen["linear"])
-    if attribution:
+    if options.attribution:
         body_lrs = {b: chosen.get(b, lrs[0]) for b in BODIES}
-        estimator = knn.estimator()  # "auto": each body gets its own cross-validated choice
-        if workers > 1:
-            _in_processes(
-                workers,
-                [
-                    (
-                        _attribution_job,
-                        (config, str(out), hyper, body, lr, estimator, device, client_batch),
-                        1.0,
-                    )
-                    for body, lr in body_lrs.items()
-                ],
-                desc="bench table: attribution",
-                progress=progress,
-            )
-        result["attribution"] = attribution_table(
-            runner, body_lrs, lambda_estimator=estimator, progress=progress
-        )
+        result["attribution"] = _attribution(runner, body_lrs, options)
     write_outputs(result, Path(out))
     return result
 
 
+def _train_in_workers(
+    runner: TableRunner, names: list[str], lrs: list[float], options: TableOptions
+) -> None:
+    """Log the table's estimated time, then (with `workers` > 1) train every training run not
+    cached yet in worker processes, so that the rows are read from their caches."""
+    jobs, done = _table_jobs(runner, names, lrs, options)
+    if jobs:  # said before the first job starts: a table at its documented scale takes hours
+        costs = [cost for _, _, cost in jobs]
+        estimate = estimate_table(
+            costs, runner.clients, runner.config.training, runner.model_fn, options.workers
+        )
+        log.info(estimate.line())
+    if options.workers > 1:
+        _in_processes(
+            options.workers,
+            jobs,
+            desc="bench table: training runs",
+            progress=options.progress,
+            done=done,
+        )
+
+
+def _rows_by_run(
+    runner: TableRunner, names: list[str], lrs: list[float], progress: bool
+) -> dict[tuple[str, float], list[dict[str, Any]] | None]:
+    """Every method's per-client rows at every learning rate (None: training diverged)."""
+    runs = [(method, lr) for method in names for lr in lrs]
+    by_run: dict[tuple[str, float], list[dict[str, Any]] | None] = {}
+    with Progress(len(runs), desc="bench table", unit="method run", enabled=progress) as bar:
+        for run in runs:
+            measured = not runner.is_cached(*run)  # a cached run's time says nothing of the rest
+            by_run[run] = runner.rows(*run, diverged_ok=len(lrs) > 1)
+            bar.update(measured=measured)
+    return by_run
+
+
+def _knn_summary(runner: TableRunner, lr: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """kNN-Per's choice record at its chosen rate, with the test-chosen (oracle) lambda's and
+    the split-half cross-oracle's accuracies beside it."""
+    oracle_rows = [{**r, "accuracy": r["info"].get("oracle_accuracy")} for r in rows]
+    cross_rows = [{**r, "accuracy": r["info"].get("cross_oracle_accuracy")} for r in rows]
+    return {
+        **(runner.knn_record(lr) or {}),
+        "oracle": summarize(oracle_rows),
+        "cross_oracle": summarize(cross_rows),
+    }
+
+
+def _attribution(
+    runner: TableRunner, body_lrs: dict[str, float], options: TableOptions
+) -> dict[str, Any]:
+    """Every head on every body at that body's chosen rate (the bodies' evaluations in worker
+    processes first where `workers` > 1)."""
+    estimator = options.knn.estimator()  # "auto": each body gets its own cross-validated choice
+    if options.workers > 1:
+        _in_processes(
+            options.workers,
+            [
+                (
+                    _attribution_job,
+                    (runner.config, str(runner.out), options, body, lr, estimator),
+                    1.0,
+                )
+                for body, lr in body_lrs.items()
+            ],
+            desc="bench table: attribution",
+            progress=options.progress,
+        )
+    return attribution_table(
+        runner, body_lrs, lambda_estimator=estimator, progress=options.progress
+    )
+
+
 def run_seeds(
-    config: RunConfig, seeds: int, out: str | Path, *, command: str | None = None, **table: Any
+    config: RunConfig,
+    seeds: int,
+    out: str | Path,
+    methods: str | Sequence[str],
+    options: TableOptions = TableOptions(),
+    *,
+    command: str | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The same table for seeds config.seed, config.seed + 1, ...: each in OUT/seed_S with its
     own partition and training, then seeds.md / seeds.csv / seeds.json across them.
@@ -646,8 +645,8 @@ def run_seeds(
     config : as for `run_table`; its seed is the first.
     seeds : how many seeds.
     out : the folder holding seed_S/ per seed and the summary.
+    methods, options : as for `run_table`, the same for every seed.
     command : the command line, recorded in seeds.md.
-    **table : `run_table`'s other arguments, the same for every seed.
 
     Returns
     -------
@@ -658,7 +657,9 @@ def run_seeds(
         raise BenchError(f"seeds must be >= 1, got {seeds}")
     numbers = [config.seed + i for i in range(seeds)]
     results = [
-        run_table(replace(config, seed=s), out=seed_dir(Path(out), s), command=command, **table)
+        run_table(
+            replace(config, seed=s), methods, seed_dir(Path(out), s), options, command=command
+        )
         for s in numbers
     ]
     summary = summarize_seeds(results, numbers)

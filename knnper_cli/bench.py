@@ -9,7 +9,14 @@ from pathlib import Path
 
 from edge_runtime.commands import command
 from experiments.lr_tuning import LR_GRID, parse_lr_grid
-from experiments.tables import METHODS, BenchError, format_markdown, run_seeds, run_table
+from experiments.tables import (
+    METHODS,
+    BenchError,
+    TableOptions,
+    format_markdown,
+    run_seeds,
+    run_table,
+)
 from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from knnper_cli.args import (
@@ -33,24 +40,23 @@ def _cmd_table(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     hyper = {"knnper": {"capacity": args.capacity}}
     command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    table = {
-        "methods": args.methods,
-        "tune_lr": args.tune_lr,
-        "lr_grid": grid,
-        "hyper": hyper,
-        "progress": not getattr(args, "no_progress", False),
-        "knn": knn_request(args),
-        "workers": args.workers,
-        "attribution": args.attribution,
-        "device": str(resolve_device(args.device)),
-        "client_batch": args.client_batch,
-    }
+    options = TableOptions(
+        tune_lr=args.tune_lr,
+        lr_grid=grid,
+        hyper=hyper,
+        progress=not getattr(args, "no_progress", False),
+        knn=knn_request(args),
+        workers=args.workers,
+        attribution=args.attribution,
+        device=str(resolve_device(args.device)),
+        client_batch=args.client_batch,
+    )
     if args.seeds is not None:
-        run_seeds(config, args.seeds, Path(args.out), command=command, **table)
+        run_seeds(config, args.seeds, Path(args.out), args.methods, options, command=command)
         print((Path(args.out) / "seeds.md").read_text())
         print(f"wrote {args.out}/seeds.md, seeds.csv, seeds.json and seed_S/ per seed")
         return 0
-    result = run_table(config, out=Path(args.out), command=command, **table)
+    result = run_table(config, args.methods, Path(args.out), options, command=command)
     print(format_markdown(result))
     print(f"wrote {args.out}/table.md, table1.csv, table2.csv, clients.csv, results.json")
     return 0

@@ -299,8 +299,9 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
             for c in real_prepare(dataset, partition, *args, **kwargs)
         ]
 
-    def with_clusters(*args, hyper, **kwargs):
-        return real_table(*args, hyper={**hyper, "clustered": SPLIT_ALWAYS}, **kwargs)
+    def with_clusters(config, methods, out, options, **kwargs):
+        hyper = {**options.hyper, "clustered": SPLIT_ALWAYS}
+        return real_table(config, methods, out, dataclasses.replace(options, hyper=hyper), **kwargs)
 
     monkeypatch.setattr(bench_module, "run_table", with_clusters)
     monkeypatch.setattr(bench_command, "run_table", with_clusters)  # the name the CLI calls

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.tables import TableRunner
+from experiments.tables import TableOptions, TableRunner
 from fed_train import run as run_module
 from fed_train.algorithms.base import TrainingConfig, predict_proba
 from fed_train.data import load_dataset
@@ -132,7 +132,7 @@ def test_server_split_is_disjoint_from_every_clients_data(pretrained, init_run):
 
 def test_train_bench_and_evaluate_see_the_same_clients(pretrained, init_run, tmp_path):
     run = load_run(init_run)
-    table = TableRunner(_config(str(pretrained)), tmp_path / "table", progress=False)
+    table = TableRunner(_config(str(pretrained)), tmp_path / "table", TableOptions(progress=False))
     np.testing.assert_array_equal(table.dataset.x_train, run.dataset.x_train)
     for a, b in zip(table.partition.clients, run.partition.clients, strict=True):
         for part in ("train", "val", "test"):
@@ -151,7 +151,7 @@ def test_init_loads_the_pretrained_weights_into_train_and_bench(pretrained, tmp_
 
     monkeypatch.setattr(run_module, "simulate", recording)
     assert _train(tmp_path / "run", "--init", str(pretrained / "model.pt")) == 0
-    table = TableRunner(_config(str(pretrained)), tmp_path / "table", progress=False)
+    table = TableRunner(_config(str(pretrained)), tmp_path / "table", TableOptions(progress=False))
     for weights in (seen["weights"], table.initial_weights):
         assert set(weights) == set(state)
         for key, tensor in state.items():
