@@ -178,7 +178,39 @@ def pretrain(
     x = torch.from_numpy(prepare_input(source.x_train, target.input_spec)).to(device)
     y = np.asarray(source.y_train, dtype=np.int64)
     fit, val = _split_validation(y, config.val_fraction, config.seed)
-    x_fit, y_fit = x[fit], torch.from_numpy(y[fit]).to(device)
+    best_state, best_epoch, best_acc, history = _best_epoch(model, x, y, fit, val, config, progress)
+    record = {
+        **asdict(config),
+        "model": model_name,
+        "num_classes": target.num_classes,
+        "train_size": len(target.y_train),
+        "server_samples": int(len(server)),
+        "samples": {"train": int(len(fit)), "val": int(len(val))},
+        "best_epoch": best_epoch,
+        "epochs_run": len(history),
+        "val_accuracy": best_acc,
+        "history": history,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / SERVER_INDICES_FILE, lambda f: np.save(f, server.astype(np.int64)))
+    write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
+    write_atomic(out / RECORD_FILE, lambda f: f.write(json.dumps(record, indent=2).encode()))
+    return record
+
+
+def _best_epoch(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: np.ndarray,
+    fit: np.ndarray,
+    val: np.ndarray,
+    config: PretrainConfig,
+    progress: bool,
+) -> tuple[dict[str, torch.Tensor], int, float, list[dict[str, float]]]:
+    """Up to `config.epochs` epochs on the `fit` samples, stopped after `patience` epochs
+    without a better accuracy on the `val` ones: the best epoch's weights (on the CPU), that
+    epoch, its accuracy, and every epoch's loss and accuracy."""
+    x_fit, y_fit = x[fit], torch.from_numpy(y[fit]).to(x.device)
     training = TrainingConfig(
         batch_size=config.batch_size,
         momentum=config.momentum,
@@ -212,23 +244,7 @@ def pretrain(
             )
             break
     epochs.close()
-    record = {
-        **asdict(config),
-        "model": model_name,
-        "num_classes": target.num_classes,
-        "train_size": len(target.y_train),
-        "server_samples": int(len(server)),
-        "samples": {"train": int(len(fit)), "val": int(len(val))},
-        "best_epoch": best_epoch,
-        "epochs_run": len(history),
-        "val_accuracy": best_acc,
-        "history": history,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / SERVER_INDICES_FILE, lambda f: np.save(f, server.astype(np.int64)))
-    write_atomic(out / WEIGHTS_FILE, lambda f: torch.save(best_state, f))
-    write_atomic(out / RECORD_FILE, lambda f: f.write(json.dumps(record, indent=2).encode()))
-    return record
+    return best_state, best_epoch, best_acc, history
 
 
 def _cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

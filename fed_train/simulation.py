@@ -34,6 +34,7 @@ from edge_runtime.values import is_integer
 from fed_train.algorithms.base import (
     Algorithm,
     ClientData,
+    ClientResult,
     TrainingConfig,
     Weights,
     predict_proba,
@@ -337,6 +338,67 @@ def stepped_batch(algorithm: Algorithm, client_batch: int) -> int:
     return client_batch
 
 
+def _participants(clients: list[ClientData]) -> list[ClientData]:
+    """The clients that train: every one not held out as unseen (refused if none is)."""
+    participants = [c for c in clients if not c.unseen]
+    if not participants:
+        raise ValueError("no training clients: every client is held out as unseen")
+    return participants
+
+
+def train_clients(
+    algorithm: Algorithm,
+    state: SimulationResult,
+    sampled: list[ClientData],
+    lr: float,
+    seed: int,
+    round_index: int,
+    client_batch: int,
+) -> list[ClientResult]:
+    """One round's client updates from `state`'s weights, `client_batch` clients stepped
+    together at a time; each client's new state is kept in `state`."""
+    results = []
+    for first in range(0, len(sampled), client_batch):
+        chunk = sampled[first : first + client_batch]
+        states = [state.states.get(c.client_id, {}) for c in chunk]
+        seeds = [client_seed(seed, round_index, c.client_id) for c in chunk]
+        if client_batch > 1:
+            done = algorithm.client_updates(state.weights, chunk, states, lr, seeds)
+        else:
+            done = [algorithm.client_update(state.weights, chunk[0], states[0], lr, seeds[0])]
+        for client, result in zip(chunk, done, strict=True):
+            state.states[client.client_id] = result.state
+        results.extend(done)
+    return results
+
+
+class _CheckpointPace:
+    """Logs each round into the run directory and writes the checkpoints of its checkpoint
+    rounds, skipping one whose write would cost more than CHECKPOINT_SHARE of the training
+    since the last write (never a cheap one, the last round's, or a kept one)."""
+
+    def __init__(self, rounds: int, checkpoint_every: int, keep_every: int | None) -> None:
+        self.rounds, self.every, self.keep_every = rounds, checkpoint_every, keep_every
+        self.write_seconds = self.trained_seconds = 0.0  # the last write; training since it
+
+    def is_checkpoint(self, rounds_done: int) -> bool:
+        return is_checkpoint_round(rounds_done, self.rounds, self.every)
+
+    def log(self, run_dir: Path, row: dict[str, Any], state: SimulationResult) -> None:
+        done = state.rounds_done
+        self.trained_seconds += row["seconds"]
+        write = self.is_checkpoint(done) and (
+            self.write_seconds < CHECKPOINT_FREE_SECONDS
+            or done == self.rounds
+            or self.trained_seconds * CHECKPOINT_SHARE >= self.write_seconds
+            or (self.keep_every is not None and done % self.keep_every == 0)
+        )
+        begun = time.perf_counter()
+        log_round(run_dir, row, state, write, self.keep_every)
+        if write:
+            self.write_seconds, self.trained_seconds = time.perf_counter() - begun, 0.0
+
+
 def simulate(
     algorithm: Algorithm,
     clients: list[ClientData],
@@ -373,9 +435,7 @@ def simulate(
     -------
     SimulationResult : the final weights, each client's state and the rounds done.
     """
-    participants = [c for c in clients if not c.unseen]
-    if not participants:
-        raise ValueError("no training clients: every client is held out as unseen")
+    participants = _participants(clients)
     total = sum(c.num_train for c in participants)
     state = (
         open_run_log(run_dir, initial_weights)
@@ -383,10 +443,9 @@ def simulate(
         else SimulationResult(initial_weights, {}, 0)
     )
     client_batch = stepped_batch(algorithm, client_batch)
-    write_seconds = trained_seconds = 0.0  # the last checkpoint's write; training since it
-    rounds = range(state.rounds_done, training.rounds)
+    pace = _CheckpointPace(training.rounds, checkpoint_every, keep_every)
     for r in track(
-        rounds,
+        range(state.rounds_done, training.rounds),
         total=training.rounds,
         initial=state.rounds_done,
         desc=algorithm.name,
@@ -399,18 +458,7 @@ def simulate(
             participants[i]
             for i in sample_clients(seed, r, len(participants), training.participation)
         ]
-        results = []
-        for first in range(0, len(sampled), client_batch):
-            chunk = sampled[first : first + client_batch]
-            states = [state.states.get(c.client_id, {}) for c in chunk]
-            seeds = [client_seed(seed, r, c.client_id) for c in chunk]
-            if client_batch > 1:
-                done = algorithm.client_updates(state.weights, chunk, states, lr, seeds)
-            else:
-                done = [algorithm.client_update(state.weights, chunk[0], states[0], lr, seeds[0])]
-            for client, result in zip(chunk, done, strict=True):
-                state.states[client.client_id] = result.state
-            results.extend(done)
+        results = train_clients(algorithm, state, sampled, lr, seed, r, client_batch)
         state.weights = algorithm.aggregate(
             state.weights, results, total, client_seed(seed, r, 0, AGGREGATE_STREAM)
         )
@@ -425,19 +473,8 @@ def simulate(
             "seconds": round(time.perf_counter() - start, 3),
         }
         if run_dir is not None:
-            checkpoint = is_checkpoint_round(state.rounds_done, training.rounds, checkpoint_every)
-            trained_seconds += row["seconds"]
-            if checkpoint:
+            if pace.is_checkpoint(state.rounds_done):
                 row["val_accuracy"] = _pooled_val_accuracy(algorithm, state.weights, participants)
-            write = checkpoint and (
-                write_seconds < CHECKPOINT_FREE_SECONDS
-                or state.rounds_done == training.rounds
-                or trained_seconds * CHECKPOINT_SHARE >= write_seconds
-                or (keep_every is not None and state.rounds_done % keep_every == 0)
-            )
-            begun = time.perf_counter()
-            log_round(run_dir, row, state, write, keep_every)
-            if write:
-                write_seconds, trained_seconds = time.perf_counter() - begun, 0.0
+            pace.log(run_dir, row, state)
         log.debug("round %d: %s", r + 1, row)
     return state
