@@ -70,6 +70,7 @@ from .manifest import refit_l2
 from .personal_head import PersonalHead
 from .predictor import Predictor
 from .preprocess import prepare_checked, raw_checked, validate_spec
+from .release import bundle_release_problem
 from .threads import DEFAULT_THREADS, BlasThreads
 from .upgrade import UpgradeReport, upgrade_bundle
 from .versions import ModelVersion
@@ -177,6 +178,9 @@ class Runtime:
         Raises
         ------
         BundleError : one line naming the bundle, the file and what is wrong with it.
+
+        A bundle whose folder's release record (export.json beside it) names another model
+        version loads, with one warning line saying so: the folder mixes two releases.
         """
         bundle = read_bundle(
             bundle_dir,
@@ -185,6 +189,9 @@ class Runtime:
             lock_timeout=lock_timeout,
             with_predictor=True,
         )
+        mixed = bundle_release_problem(bundle.path, bundle.manifest)
+        if mixed is not None:
+            logger.warning("%s", mixed)
         parts = (bundle.path, bundle.manifest, bundle.encoder, bundle.datastore)
         return cls(
             *parts,

@@ -57,6 +57,7 @@ from edge_runtime._io import read_json_cache, write_bytes_atomic, write_text_ato
 from edge_runtime.budget import Budget
 from edge_runtime.device_init import init_bundle
 from edge_runtime.knn import softmax
+from edge_runtime.release import read_release
 from edge_runtime.runtime import Runtime
 from experiments.distribution_shift import TestPool, shifted_distribution
 from experiments.margins import call, interval, pp
@@ -128,7 +129,8 @@ def _export(
         KNNRequest(normalize=normalize),
         seed=run.config.seed,
     )
-    if (out / "export.json").is_file():
+    release = read_release(out)
+    if release is not None and release.finished:
         return choice.config.normalize
     settings = apply_knn_choice(ExportSettings(backend="flat", device_extras="none"), choice)
     seen = [c for c in range(len(run.partition.clients)) if not run.partition.unseen[c]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,7 +43,9 @@ from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest, taught_on_device
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.preprocess import raw_checked
+from edge_runtime.release import Release, ReleaseError, read_release, write_release
 from edge_runtime.signing import load_private_key, sign_file
+from edge_runtime.upgrade import UPGRADES_DIR
 from edge_runtime.versions import ModelVersion, encoder_sha256
 from export.client_export import (
     ClientTask,
@@ -333,6 +336,9 @@ def bundle_dir(out_dir: Path, client_id: int) -> Path:
     return out_dir / f"client_{client_id:04d}"
 
 
+BUNDLE_DIR_RE = re.compile(r"client_[0-9]{4,}")
+
+
 def export_run(
     run: LoadedRun,
     out_dir: str | Path,
@@ -343,7 +349,7 @@ def export_run(
     encoder: EncoderFiles | None = None,
     progress: bool = True,
     workers: int | None = 1,
-    replace_taught: bool = False,
+    force: bool = False,
     replaces: dict | None = None,
 ) -> dict[str, Any]:
     """Write one bundle per selected client into out_dir and return the export report (also
@@ -357,9 +363,14 @@ def export_run(
     Resumable: each finished client is recorded in out_dir/export.journal.jsonl, and a re-run
     with the same run, settings and encoder skips clients whose bundle exists for the same
     budget; leftover temporary bundle directories are removed. `workers`: processes sizing
-    clients in parallel (None: one per usable core). A bundle in out_dir that `add` has
-    taught since it was exported is refused (ExportError) unless `replace_taught`, the rule
-    `knnper-edge init --out` keeps: replacing it loses what its device learned.
+    clients in parallel (None: one per usable core).
+
+    One release per folder: out_dir/export.json is written first, as the release's record
+    (edge_runtime.release), before any bundle. An out_dir holding another release (another
+    model version, or a record that cannot be read) is refused (ExportError) before anything
+    is written, unless `force`, which replaces that release whole; so is a bundle that `add`
+    has taught since it was exported, the rule `knnper-edge init --out` keeps: replacing it
+    loses what its device learned.
 
     Parameters
     ----------
@@ -371,7 +382,8 @@ def export_run(
     encoder : files from an earlier `build_encoder` with the same settings, reused.
     progress : a bar on a terminal, a line every 30 s in a log.
     workers : processes sizing clients in parallel; None is one per usable core.
-    replace_taught : replace bundles that `add` has taught since they were exported.
+    force : replace another release in out_dir whole, and bundles that `add` has taught
+        since they were exported.
     replaces : the model version record (`model_record`) of the release these bundles
         replace, written into every manifest.
 
@@ -403,8 +415,6 @@ def export_run(
     existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     if not existing.is_dir():  # checked before the encoder is built
         raise ExportError(f"--out {out_dir}: {existing} exists and is not a directory")
-    if not replace_taught:
-        _refuse_taught(out_dir, [c.client_id for c in chosen])
     with tempfile.TemporaryDirectory(prefix="knnper-encoder-") as tmp:
         encoder_files = encoder or build_encoder(run, Path(tmp), settings, every_client)
         if encoder_files.quantize != settings.quantize:
@@ -420,8 +430,16 @@ def export_run(
         )
         budgets = _client_budgets(budgets, encoder_files, smallest)  # before writing
         _warn_device_extras(space)
+        release = Release(
+            str(run.run_dir),
+            model_record(run, encoder_files.path),
+            tuple(c.client_id for c in chosen),
+            replaces,
+            run.config.continue_from,
+        )
         out_dir.mkdir(parents=True, exist_ok=True)
         with _exclusive(out_dir):
+            _claim(out_dir, release, force)
             encoder_files = _move_encoder(encoder_files, out_dir)
             _sign_shared_encoder(encoder_files.path, settings.signing_key)
             return _export_locked(
@@ -434,7 +452,7 @@ def export_run(
                 chosen,
                 progress,
                 workers,
-                replaces,
+                release,
             )
 
 
@@ -461,6 +479,43 @@ def _keeping_inputs(space: SearchSpace, run: LoadedRun) -> SearchSpace:
         backends=tuple(b for b in space.backends if b not in trained),
         inputs=int(one[0].nbytes),
     )
+
+
+def _claim(out_dir: Path, release: Release, force: bool) -> None:
+    """Make out_dir `release`'s folder, writing its record first (the caller holds the
+    folder's lock). Another release there (or a record that cannot be read) is refused, and a
+    bundle of this one that `add` taught, unless `force`: the other release is then removed
+    whole (its bundles, journal and key maps, its record last), the taught bundle replaced."""
+    try:
+        held, damaged = read_release(out_dir), None
+    except ReleaseError as err:
+        held, damaged = None, str(err)
+    other = damaged or (
+        None
+        if held is None or held.same_version(release)
+        else f"another release: {held.describe()}, exported from {held.run}"
+    )
+    if other is not None and not force:
+        raise ExportError(
+            f"--out {out_dir} holds {other}; this export is {release.describe()}: export into "
+            "another --out, or add --force to replace that release whole"
+        )
+    if other is not None:
+        _remove_release(out_dir)
+    elif not force:
+        _refuse_taught(out_dir, release.clients)
+    write_release(out_dir, release)
+
+
+def _remove_release(out_dir: Path) -> None:
+    """Remove what a release wrote into out_dir: its bundles (client_NNNN), journal and key
+    maps; its record and shared encoder are replaced by the next one's."""
+    for entry in out_dir.iterdir():
+        if entry.name in (JOURNAL_FILE, UPGRADES_DIR) or BUNDLE_DIR_RE.fullmatch(entry.name):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
 
 def _refuse_taught(out_dir: Path, client_ids: Sequence[int]) -> None:
@@ -542,10 +597,9 @@ def _export_locked(
     chosen: list[ClientData],
     progress: bool,
     workers: int | None,
-    replaces: dict | None = None,
+    release: Release,
 ) -> dict[str, Any]:
     """The bundles and export.json, while this process holds out_dir's lock."""
-    model = model_record(run, encoder_files.path)
     context = SizingContext(
         encoder_files.path,
         run.dataset.num_classes,
@@ -555,8 +609,8 @@ def _export_locked(
         settings.update_strategy,
         settings.signing_key,
         out_dir / JOURNAL_FILE,
-        model,
-        replaces,
+        release.model,
+        release.replaces,
     )
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
@@ -586,7 +640,7 @@ def _export_locked(
             bar.update(work[row["client_id"]])
     rows = [done[c.client_id] for c in chosen]
     report = {
-        "run": str(run.run_dir),
+        "run": release.run,
         "settings": settings.to_dict(space),
         "knn": settings.knn.provenance(),
         "encoder": {
@@ -599,9 +653,9 @@ def _export_locked(
             "int8_vs_fp32": encoder_files.int8_vs_fp32,
             "calibration": "seeded sample of the training clients' train splits",
         },
-        "model": model,
-        **({"replaces": replaces} if replaces is not None else {}),
-        **({"continues": run.config.continue_from} if run.config.continue_from is not None else {}),
+        "model": release.model,
+        **({"replaces": release.replaces} if release.replaces is not None else {}),
+        **({"continues": release.continues} if release.continues is not None else {}),
         "clients": rows,
     }
     write_json_atomic(out_dir / REPORT_FILE, report)

@@ -32,6 +32,7 @@ from edge_runtime.datastores import make_datastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.keymap import ADVICE, MAX_FORM_BYTES, KeyMap
 from edge_runtime.preprocess import prepare_input
+from edge_runtime.release import ReleaseError, read_release
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
 from edge_runtime.versions import ModelVersion
 from export.errors import ExportError
@@ -291,22 +292,16 @@ def server_data(run, public_data: str | None) -> tuple[np.ndarray, np.ndarray]:
 
 
 def old_release(old_export: Path) -> dict[str, Any]:
-    """The model version record of an earlier export (its export.json's, or, for an export
+    """The model version record of an earlier export (its release record's, or, for an export
     from before versions, one naming its encoder only)."""
-    from edge_runtime._io import read_json
-
     encoder = old_export / "encoder.onnx"
     if not encoder.is_file():
         raise ExportError(f"--upgrade-from {old_export}: not an export directory (no encoder.onnx)")
     try:
-        report = read_json(
-            old_export / "export.json", limit=64 << 20, fix="re-export the old release"
-        )
-    except (OSError, ValueError):
-        report = {}
-    record = report.get("model") if isinstance(report, dict) else None
-    if isinstance(record, dict):
-        return record
-    run = Path(str(report.get("run", old_export.name))).name
+        release = read_release(old_export)
+    except ReleaseError:
+        release = None
+    if release is not None:
+        return release.model
     embedding = ModelVersion.of_encoder(encoder.read_bytes()).embedding
-    return ModelVersion(embedding, run).to_record()
+    return ModelVersion(embedding, old_export.name).to_record()

@@ -54,9 +54,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="replace bundles in --out that `knnper-edge add` has taught since "
-        "they were exported (they lose what their devices learned; refused "
-        "without it)",
+        help="replace another release that --out holds, whole, and bundles in --out that "
+        "`knnper-edge add` has taught since they were exported (they lose what their "
+        "devices learned); both refused without it",
     )
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budgets", metavar="FILE", help="JSON file {client_id: bytes}")
@@ -302,7 +302,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         clients=args.clients,
         progress=not args.no_progress,
         workers=args.workers,
-        replace_taught=args.force,
+        force=args.force,
         replaces=replaces,
     )
     if len(report["clients"]) <= PER_CLIENT_TABLE_MAX:

@@ -115,7 +115,7 @@ def test_re_exporting_over_a_taught_bundle_is_refused_without_force(exported, tm
     with pytest.raises(ExportError, match="taught since they were exported.*--force"):
         export_run(run, out, budgets, settings, clients="0", progress=False)
     assert read_manifest(bundle)["files"] == taught  # nothing lost
-    export_run(run, out, budgets, settings, clients="0", progress=False, replace_taught=True)
+    export_run(run, out, budgets, settings, clients="0", progress=False, force=True)
     assert read_manifest(bundle)["files"] != taught
 
 

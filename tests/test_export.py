@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +15,11 @@ import knnper_cli.main as cli
 from edge_runtime.budget import Budget
 from edge_runtime.bundle import read_manifest
 from edge_runtime.encoder import Encoder
+from edge_runtime.release import Release, read_release, write_release
 from edge_runtime.runtime import Runtime
 from export.errors import BudgetInvalid, ExportError
 from export.exporter import (
+    EncoderFiles,
     ExportSettings,
     build_encoder,
     bundle_dir,
@@ -29,6 +30,7 @@ from export.sizing import DatastoreSizer, SearchSpace, selection_key, smallest_d
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.partition import ClientSplit, Partition
 from fed_train.run import RunConfig, load_run, train
+from tests.helpers.bundle_hashes import file_hashes
 
 # Small enough for a test: one count fraction besides the budget-filling one, one ProtoNN
 # shape with short training, one HNSW graph degree.
@@ -61,9 +63,22 @@ def run(run_dir):
 
 
 @pytest.fixture(scope="session")
-def encoder_bytes(run) -> int:
-    with tempfile.TemporaryDirectory() as tmp:
-        return build_encoder(run, Path(tmp), ExportSettings()).nbytes
+def encoder_files(run, tmp_path_factory) -> EncoderFiles:
+    """The run's int8 encoder, built once: exports that only differ in what they check reuse it."""
+    return build_encoder(run, tmp_path_factory.mktemp("encoder"), ExportSettings())
+
+
+@pytest.fixture(scope="session")
+def encoder_bytes(encoder_files) -> int:
+    return encoder_files.nbytes
+
+
+@pytest.fixture(scope="session")
+def other_run_dir(run_dir, tmp_path_factory) -> Path:
+    """Another model version: the same weights as another run (its record names another run)."""
+    path = tmp_path_factory.mktemp("other") / "digits-v2"
+    shutil.copytree(run_dir, path)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -241,7 +256,9 @@ def test_unknown_client_and_selection(run, tmp_path):
         export_run(run, tmp_path, {}, clients="first", progress=False)
 
 
-def test_interrupted_export_leaves_no_half_written_bundle(run, tmp_path, monkeypatch):
+def test_interrupted_export_leaves_no_half_written_bundle_and_resumes_its_release_only(
+    run, tmp_path, monkeypatch, encoder_files, other_run_dir
+):
     import edge_runtime.bundle as bundle_module
 
     real = bundle_module.sha256_file
@@ -255,22 +272,96 @@ def test_interrupted_export_leaves_no_half_written_bundle(run, tmp_path, monkeyp
     monkeypatch.setattr(bundle_module, "sha256_file", failing_hash)
     space = dataclasses.replace(SMALL_SPACE, backends=("flat",))
     out = tmp_path / "out"
-    with pytest.raises(KeyboardInterrupt):
-        export_run(
+    budgets, settings = {0: 10**6, 1: 10**6}, ExportSettings(space=space)
+
+    def export(run, **kwargs):
+        return export_run(
             run,
             out,
-            {0: 10**6, 1: 10**6},
-            ExportSettings(space=space),
+            budgets,
+            settings,
             clients="0,1",
             progress=False,
+            encoder=encoder_files,
+            **kwargs,
         )
+
+    with pytest.raises(KeyboardInterrupt):
+        export(run)
     monkeypatch.setattr(bundle_module, "sha256_file", real)
     assert Runtime.load(bundle_dir(out, 0)).manifest["client_id"] == 0
     assert not bundle_dir(out, 1).exists()
     for entry in out.iterdir():  # no leftover directory, hidden or not, holds a bundle
         if entry.is_dir():
             assert entry == bundle_dir(out, 0)
-    assert not (out / "export.json").exists()
+    # the release's record was written first: the folder says which release it holds
+    record = read_release(out)
+    assert record == Release(
+        str(run.run_dir), read_manifest(bundle_dir(out, 0))["model"], (0, 1), finished=False
+    )
+    assert (out / "export.json").read_bytes() == _record_bytes(record, tmp_path)
+    # an export of another version does not resume it: refused, nothing written
+    before = file_hashes(out)
+    with pytest.raises(ExportError, match=r"holds another release: run digits round 3 \("):
+        export(load_run(other_run_dir))
+    assert file_hashes(out) == before
+    # the same release resumes: client 0 is kept, client 1 made, the report written
+    report = export(run)
+    assert read_release(out) == dataclasses.replace(record, finished=True)
+    kept = {name: h for name, h in file_hashes(out).items() if name.startswith("client_0000/")}
+    assert kept == {name: h for name, h in before.items() if name.startswith("client_0000/")}
+    assert [r["client_id"] for r in report["clients"]] == [0, 1]
+
+
+def _record_bytes(release: Release, tmp_path: Path) -> bytes:
+    """The bytes a release's record is written in (write_release into a fresh folder)."""
+    folder = tmp_path / "record"
+    folder.mkdir(exist_ok=True)
+    write_release(folder, release)
+    return (folder / "export.json").read_bytes()
+
+
+def test_an_export_over_another_release_is_one_line_exit_2_and_force_replaces_it_whole(
+    run, run_dir, other_run_dir, tmp_path, capsys, caplog, encoder_files
+):
+    """`knnper export RUN2 --out DIR` over RUN1's bundles rewrote those of RUN2's clients,
+    left the others and wrote a report naming RUN2 alone, exit 0: one folder, two releases."""
+    out = tmp_path / "b"
+    settings = ExportSettings(backend="flat", space=SMALL_SPACE)
+    budgets = {c: encoder_files.nbytes + 20_000 for c in range(6)}
+    other = load_run(other_run_dir)
+    export_run(other, out, budgets, settings, clients="0,1", progress=False, encoder=encoder_files)
+    (out / "upgrades").mkdir()  # the key maps a release ships go with it
+    before = file_hashes(out)
+    code, _, err = _cli(
+        capsys,
+        *("export", str(run_dir), "--out", str(out), "--clients", "0"),
+        *("--budget", str(budgets[0]), "--backend", "flat", "--knn-config", "paper"),
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--out {out} holds another release: run digits-v2 round 3" in err
+    assert "this export is run digits round 3" in err and "--force" in err
+    assert file_hashes(out) == before
+    # a folder an older version left mixed: a bundle loaded from it says so
+    held = read_release(out)
+    write_release(out, dataclasses.replace(held, model={**held.model, "run": "digits"}))
+    with caplog.at_level("WARNING", logger="edge_runtime.runtime"):
+        Runtime.load(bundle_dir(out, 1))
+    assert "is version run digits-v2 round 3" in caplog.text
+    assert "names run digits round 3" in caplog.text
+    write_release(out, held)
+    # --force replaces the other release whole: none of its bundles is left beside the new one
+    export_run(
+        run, out, budgets, settings, clients="0", progress=False, encoder=encoder_files, force=True
+    )
+    release = read_release(out)
+    assert release.finished and release.clients == (0,) and release.run == str(run.run_dir)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["client_0000"]
+    assert read_manifest(bundle_dir(out, 0))["model"] == release.model
+    # a record that is no release's is refused as another release's
+    (out / "export.json").write_text('{"run": "x"}')
+    with pytest.raises(ExportError, match=r"export.json: 'model' must be an object.*--force"):
+        export_run(run, out, budgets, settings, clients="0", progress=False, encoder=encoder_files)
 
 
 # ----------------------------------------------------------------------------- command line
