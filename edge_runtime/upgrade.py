@@ -140,6 +140,7 @@ def upgrade_bundle(
     where = f"bundle {path}"
     new_dir = Path(new_dir)
     release = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys).manifest
+    _check_same_client(where, manifest, release, new_dir)
     backend = manifest["backend"]["name"]
     trained = BACKENDS[backend].TRAINED
     if release["num_classes"] != manifest["num_classes"]:
@@ -285,6 +286,19 @@ def upgrade_bundle(
     report.lam, report.footprint_bytes = float(written["lambda"]), written["footprint"]["total"]
     report.signed = signed
     return report
+
+
+def _check_same_client(where: str, manifest: dict, release: dict, new_dir: Path) -> None:
+    """BundleError when the release bundle is another client's: its lambda (and a refitted
+    head) are that client's, chosen on that client's data. A device that never trained
+    (client id -1, built by `init`) takes any client's bundle of the release."""
+    device, other = manifest["client_id"], release["client_id"]
+    if device >= 0 and other >= 0 and device != other:
+        raise BundleError(
+            f"{where} is client {device}'s and the release bundle {new_dir} is client "
+            f"{other}'s: upgrade it with client {device}'s bundle of the release "
+            f"({new_dir.parent / f'client_{device:04d}'})"
+        )
 
 
 def _mapped(

@@ -23,6 +23,7 @@ from tests.helpers.bundles import (
     make_image_encoder,
     make_images,
     raw_outputs,
+    snapshot,
 )
 
 
@@ -269,6 +270,30 @@ def test_upgrade_command_prints_what_it_did(tmp_path, capsys):
     assert "60 carried (mapped)" in out and "->" in out and "evidence" in out
     assert main(["info", str(a)]) == 0
     assert ModelVersion.of_encoder(new.read_bytes()).short in capsys.readouterr().out
+
+
+def test_an_upgrade_with_another_clients_bundle_is_refused_in_one_line(tmp_path, capsys):
+    """`upgrade` took the release's lambda, chosen on another client's data, onto a device of
+    another client without comparing their ids."""
+    from edge_runtime.cli import main
+
+    old, new = _encoders(tmp_path)
+    device = _bundle(tmp_path, old, "device")  # client 3's
+    x, y = make_images(60, seed=5)
+    ds = make_datastore("flat:fp32", NUM_CLASSES, k=5, sigma=1.0).fit(raw_outputs(new, x)[0], y)
+    release = tmp_path / "v2" / "client_0004"
+    release.parent.mkdir()
+    write_bundle(release, {**FIELDS, "client_id": 4}, new, ds)
+    key_map = _fit_map(old, new, tmp_path / "map.npz")
+    before, beside = snapshot(device), sorted(tmp_path.iterdir())
+    beside.append(tmp_path / ".device.lock")  # the bundle's turnstile, its lock's file
+    capsys.readouterr()
+    assert main(["upgrade", str(device), "--to", str(release), "--map", str(key_map)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"bundle {device} is client 3's and the release bundle {release} is client 4's" in err
+    assert str(tmp_path / "v2" / "client_0003") in err
+    assert snapshot(device) == before and sorted(tmp_path.iterdir()) == sorted(beside)
 
 
 @pytest.mark.parametrize("atomic", [True, False])
