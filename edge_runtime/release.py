@@ -21,7 +21,7 @@ from typing import Any
 from ._io import parse_json, read_data_bytes, write_json_atomic
 from .manifest import _validate_model_record
 from .values import is_integer
-from .versions import short
+from .versions import ModelVersion
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +42,17 @@ class Release:
     Parameters
     ----------
     run : the run directory the release was exported from, as the export was given it.
-    model : the model version record every bundle of the release is built from (run, round,
-        weights sha256, embedding id: the manifests' "model").
+    model : the model version every bundle of the release is built from (the manifests'
+        "model"), with the version it replaces (their "replaces") as its lineage.
     clients : the client ids the release holds, in the export's order.
-    replaces : the model version record of the release this one replaces, if any.
     continues : the run the release's run continued from, if any.
     finished : whether export.json is the finished report (each client's row), not only the
         record written before the bundles.
     """
 
     run: str
-    model: dict[str, Any]
+    model: ModelVersion
     clients: tuple[int, ...]
-    replaces: dict[str, Any] | None = None
     continues: str | None = None
     finished: bool = False
 
@@ -89,21 +87,18 @@ class Release:
         ids = [e.get("client_id") if isinstance(e, dict) else e for e in entries]
         if not all(is_integer(c) and c >= 0 for c in ids) or len(set(ids)) != len(ids):
             raise fail("'clients' must name each client once, by a non-negative integer id")
-        return cls(run, doc["model"], tuple(ids), doc.get("replaces"), continues, finished)
+        model = ModelVersion.from_record(doc["model"], doc.get("replaces"))
+        return cls(run, model, tuple(ids), continues, finished)
 
     def record(self) -> dict[str, Any]:
         """The record written before any bundle, in the order `parse` reads it back."""
-        out: dict[str, Any] = {"run": self.run, "model": self.model}
-        if self.replaces is not None:
-            out["replaces"] = self.replaces
+        out: dict[str, Any] = {"run": self.run, "model": self.model.to_record()}
+        if self.model.replaces is not None:
+            out["replaces"] = self.model.replaces.to_record()
         if self.continues is not None:
             out["continues"] = self.continues
         out["clients"] = list(self.clients)
         return out
-
-    def describe(self) -> str:
-        """The release's version, as messages name it."""
-        return _describe(self.model)
 
     def same_version(self, other: Release) -> bool:
         """Whether both are releases of one model version (same run, round, weights and
@@ -132,22 +127,21 @@ def write_release(folder: str | os.PathLike, release: Release) -> None:
 def bundle_release_problem(bundle_dir: str | os.PathLike, manifest: dict) -> str | None:
     """Why the bundle at `bundle_dir` does not belong to the release its folder records (the
     export.json beside it), or None: it is that release's version, or a device's upgrade from
-    it, or there is no readable record to compare with, or the bundle records no version."""
-    model = manifest.get("model")
+    it (a newer version along its lineage), or there is no readable record to compare with,
+    or the bundle records no version."""
+    version = ModelVersion.of(manifest)
     path = Path(bundle_dir).absolute().parent / RELEASE_FILE
     try:
         info = path.stat()
     except OSError:
         return None
     release = _cached_release(str(path), (info.st_dev, info.st_ino, info.st_mtime_ns, info.st_size))
-    if release is None or model is None or model == release.model:
-        return None
-    if manifest.get("replaces") == release.model:
+    if release is None or version is None or release.model.compare(version) in (0, -1):
         return None
     return (
-        f"bundle {bundle_dir} is version {_describe(model)}, and "
-        f"its folder's release record {path} names {release.describe()}: the folder mixes "
-        "two releases (export again with --force to replace the older one whole)"
+        f"bundle {bundle_dir} is {version.describe()}, and its folder's release record "
+        f"{path} names {release.model.describe()}: the folder mixes two releases (export "
+        "again with --force to replace the older one whole)"
     )
 
 
@@ -160,8 +154,3 @@ def _cached_release(path: str, _stat: tuple[int, ...]) -> Release | None:
     except ReleaseError as err:
         log.debug("%s", err)
         return None
-
-
-def _describe(record: dict[str, Any]) -> str:
-    """A model version record in words, as `upgrade` shows it."""
-    return f"run {record['run']} round {record['round']} (encoder {short(record['embedding'])})"

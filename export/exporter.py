@@ -432,9 +432,8 @@ def export_run(
         _warn_device_extras(space)
         release = Release(
             str(run.run_dir),
-            model_record(run, encoder_files.path),
+            ModelVersion.from_record(model_record(run, encoder_files.path), replaces),
             tuple(c.client_id for c in chosen),
-            replaces,
             run.config.continue_from,
         )
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -493,12 +492,12 @@ def _claim(out_dir: Path, release: Release, force: bool) -> None:
     other = damaged or (
         None
         if held is None or held.same_version(release)
-        else f"another release: {held.describe()}, exported from {held.run}"
+        else f"another release: {held.model.describe()}, exported from {held.run}"
     )
     if other is not None and not force:
         raise ExportError(
-            f"--out {out_dir} holds {other}; this export is {release.describe()}: export into "
-            "another --out, or add --force to replace that release whole"
+            f"--out {out_dir} holds {other}; this export is {release.model.describe()}: "
+            "export into another --out, or add --force to replace that release whole"
         )
     if other is not None:
         _remove_release(out_dir)
@@ -600,6 +599,8 @@ def _export_locked(
     release: Release,
 ) -> dict[str, Any]:
     """The bundles and export.json, while this process holds out_dir's lock."""
+    model, lineage = release.model.to_record(), release.model.replaces
+    replaces = None if lineage is None else lineage.to_record()
     context = SizingContext(
         encoder_files.path,
         run.dataset.num_classes,
@@ -609,8 +610,8 @@ def _export_locked(
         settings.update_strategy,
         settings.signing_key,
         out_dir / JOURNAL_FILE,
-        release.model,
-        release.replaces,
+        model,
+        replaces,
     )
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
@@ -653,8 +654,8 @@ def _export_locked(
             "int8_vs_fp32": encoder_files.int8_vs_fp32,
             "calibration": "seeded sample of the training clients' train splits",
         },
-        "model": release.model,
-        **({"replaces": release.replaces} if release.replaces is not None else {}),
+        "model": model,
+        **({"replaces": replaces} if replaces is not None else {}),
         **({"continues": release.continues} if release.continues is not None else {}),
         "clients": rows,
     }

@@ -302,6 +302,6 @@ def old_release(old_export: Path) -> dict[str, Any]:
     except ReleaseError:
         release = None
     if release is not None:
-        return release.model
+        return release.model.to_record()
     embedding = ModelVersion.of_encoder(encoder.read_bytes()).embedding
     return ModelVersion(embedding, old_export.name).to_record()

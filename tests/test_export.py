@@ -17,6 +17,7 @@ from edge_runtime.bundle import read_manifest
 from edge_runtime.encoder import Encoder
 from edge_runtime.release import Release, read_release, write_release
 from edge_runtime.runtime import Runtime
+from edge_runtime.versions import ModelVersion
 from export.errors import BudgetInvalid, ExportError
 from export.exporter import (
     EncoderFiles,
@@ -296,9 +297,8 @@ def test_interrupted_export_leaves_no_half_written_bundle_and_resumes_its_releas
             assert entry == bundle_dir(out, 0)
     # the release's record was written first: the folder says which release it holds
     record = read_release(out)
-    assert record == Release(
-        str(run.run_dir), read_manifest(bundle_dir(out, 0))["model"], (0, 1), finished=False
-    )
+    version = ModelVersion.of(read_manifest(bundle_dir(out, 0)))
+    assert record == Release(str(run.run_dir), version, (0, 1), finished=False)
     assert (out / "export.json").read_bytes() == _record_bytes(record, tmp_path)
     # an export of another version does not resume it: refused, nothing written
     before = file_hashes(out)
@@ -344,10 +344,12 @@ def test_an_export_over_another_release_is_one_line_exit_2_and_force_replaces_it
     assert file_hashes(out) == before
     # a folder an older version left mixed: a bundle loaded from it says so
     held = read_release(out)
-    write_release(out, dataclasses.replace(held, model={**held.model, "run": "digits"}))
+    write_release(
+        out, dataclasses.replace(held, model=dataclasses.replace(held.model, run="digits"))
+    )
     with caplog.at_level("WARNING", logger="edge_runtime.runtime"):
         Runtime.load(bundle_dir(out, 1))
-    assert "is version run digits-v2 round 3" in caplog.text
+    assert "client_0001 is run digits-v2 round 3" in caplog.text
     assert "names run digits round 3" in caplog.text
     write_release(out, held)
     # --force replaces the other release whole: none of its bundles is left beside the new one
@@ -357,7 +359,7 @@ def test_an_export_over_another_release_is_one_line_exit_2_and_force_replaces_it
     release = read_release(out)
     assert release.finished and release.clients == (0,) and release.run == str(run.run_dir)
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["client_0000"]
-    assert read_manifest(bundle_dir(out, 0))["model"] == release.model
+    assert ModelVersion.of(read_manifest(bundle_dir(out, 0))) == release.model
     # a record that is no release's is refused as another release's
     (out / "export.json").write_text('{"run": "x"}')
     with pytest.raises(ExportError, match=r"export.json: 'model' must be an object.*--force"):

@@ -14,16 +14,18 @@ from edge_runtime.release import (
     read_release,
     write_release,
 )
+from edge_runtime.versions import ModelVersion
 
 MODEL = {"run": "v2", "round": 3, "weights_sha256": "a" * 64, "embedding": "b" * 64}
 OLDER = {**MODEL, "run": "v1", "embedding": "c" * 64}
+V2, V2_AFTER_V1 = ModelVersion.from_record(MODEL), ModelVersion.from_record(MODEL, OLDER)
 
 
 @pytest.mark.parametrize(
     "release",
     [
-        Release("runs/v2", MODEL, (0, 3, 1)),
-        Release("runs/v2", MODEL, (4,), replaces=OLDER, continues="runs/v1"),
+        Release("runs/v2", V2, (0, 3, 1)),
+        Release("runs/v2", V2_AFTER_V1, (4,), continues="runs/v1"),
     ],
 )
 def test_a_record_is_written_back_in_the_same_bytes(release, tmp_path):
@@ -31,6 +33,7 @@ def test_a_record_is_written_back_in_the_same_bytes(release, tmp_path):
     raw = (tmp_path / "export.json").read_bytes()
     parsed = read_release(tmp_path)
     assert parsed == release and not parsed.finished
+    assert parsed.model.replaces == release.model.replaces
     (tmp_path / "again").mkdir()
     write_release(tmp_path / "again", parsed)
     assert (tmp_path / "again" / "export.json").read_bytes() == raw
@@ -47,7 +50,9 @@ def test_the_finished_report_records_the_same_release(tmp_path):
         "clients": [{"client_id": 2, "bundle": "client_0002"}, {"client_id": 0, "bundle": "x"}],
     }
     (tmp_path / "export.json").write_text(json.dumps(report))
-    assert read_release(tmp_path) == Release("runs/v2", MODEL, (2, 0), OLDER, finished=True)
+    release = read_release(tmp_path)
+    assert release == Release("runs/v2", V2_AFTER_V1, (2, 0), finished=True)
+    assert release.model.replaces == ModelVersion.from_record(OLDER)
     assert read_release(tmp_path / "none") is None
 
 
