@@ -194,7 +194,7 @@ def datastore_params(manifest: dict) -> dict:
 def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: dict):
     """The datastore a (verified) manifest points at."""
     try:
-        return load_datastore(
+        ds = load_datastore(
             bundle_dir,
             manifest["backend"]["name"],
             datastore_params(manifest),
@@ -203,6 +203,24 @@ def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: dict):
         )
     except (ValueError, TypeError, KeyError, OSError, EOFError, RuntimeError, BadZipFile) as exc:
         raise BundleError(f"bundle {bundle_dir}: datastore: {one_line(exc)}") from None
+    _check_kept_inputs(getattr(ds, "inputs_", None), manifest["input"], bundle_dir)
+    return ds
+
+
+def _check_kept_inputs(kept: np.ndarray | None, spec: dict, bundle_dir) -> None:
+    """Kept raw inputs are samples of the bundle's input spec (an image of one channel may
+    drop its channel axis): the right bytes in another shape failed only when re-embedded or
+    added to, naming neither the bundle nor the array."""
+    if kept is None:
+        return
+    dims = tuple(int(d) for d in spec["shape"])
+    shapes = {dims, dims[:2]} if spec["kind"] == "image" and dims[-1] == 1 else {dims}
+    dtype = np.dtype(spec.get("dtype", "uint8" if spec["kind"] == "image" else "int64"))
+    if kept.shape[1:] not in shapes or kept.dtype != dtype:
+        raise BundleError(
+            f"bundle {bundle_dir}: datastore: its kept inputs are {kept.dtype} "
+            f"{list(kept.shape[1:])} per sample, the bundle's input {dtype} {list(dims)}"
+        )
 
 
 def read_bundle(

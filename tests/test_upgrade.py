@@ -477,6 +477,26 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
     np.testing.assert_array_equal(rt.datastore.inputs_, all_x)
 
 
+def test_kept_inputs_of_the_right_bytes_in_another_shape_are_refused_at_load(tmp_path, capsys):
+    """[n, 64] for 8x8x1 images has the bytes the recipe counts: it failed only when re-embedded
+    or added to, naming neither the bundle nor the array."""
+    from edge_runtime.cli import main
+    from edge_runtime.device_init import init_bundle
+
+    old, _ = _encoders(tmp_path)
+    x, y = make_images(30, seed=1)
+    device = tmp_path / "device"
+    init_bundle(old, x, y, 10**6, device, input_spec=FIELDS["input"], k=5, keep_inputs=True)
+    with np.load(device / "datastore.npz", allow_pickle=False) as f:
+        arrays = dict(f)
+    arrays["inputs"] = arrays["inputs"].reshape(len(arrays["inputs"]), -1)
+    np.savez(tmp_path / "datastore.npz", **arrays)
+    _move_datastore(tmp_path, device)
+    assert main(["info", str(device)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"bundle {device}: datastore: its kept inputs" in err
+
+
 def test_kept_inputs_count_in_the_budget(tmp_path):
     from edge_runtime.device_init import init_bundle
 
