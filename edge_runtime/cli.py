@@ -278,7 +278,8 @@ def _upgrade_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--force",
         action="store_true",
-        help="map the keys even where the release advises to keep the old keys or start fresh",
+        help="map the keys even where the release advises to keep the old keys or start "
+        "fresh, and go back to an older version (a downgrade, refused without it)",
     )
     s.add_argument(
         "--release-key",

@@ -135,7 +135,9 @@ def upgrade_bundle(
     exclusive lock, and no other reference to `datastore`, which is let go once mapped) to the
     version of the release bundle `new_dir`. See the module docstring.
     `key_map`: the release's map file (default: NEW's parent's upgrades/from-<id>.npz).
-    `force`: apply the map even where the release advises to keep the old keys or start fresh.
+    `force`: apply the map even where the release advises to keep the old keys or start fresh,
+    and go back to an older version of the same lineage (a downgrade, refused without it).
+    Another client's bundle of the release is refused, forced or not.
     """
     where = f"bundle {path}"
     new_dir = Path(new_dir)
@@ -169,6 +171,11 @@ def upgrade_bundle(
     )
     if old.matches(new):
         return report
+    if new.older_than(old) and not force:
+        raise BundleError(
+            f"{where} is {old.describe()} and the release {new_dir} is the older "
+            f"{new.describe()}: a downgrade; --force goes back to it"
+        )
     if not os.access(path, os.W_OK):  # its swapped-out copy could not be removed: left behind
         raise BundleError(f"{where} is read-only: make it writable to upgrade it, as to add to it")
     signed = (new_dir / SIGNATURE_FILE).is_file() and (path / SIGNATURE_FILE).is_file()

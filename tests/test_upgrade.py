@@ -763,6 +763,32 @@ def _release(tmp_path: Path, encoder: Path, name: str, run: str, round_: int, se
     return tmp_path / name
 
 
+def test_a_downgrade_is_refused_in_one_line_unless_forced(tmp_path, capsys):
+    """`upgrade` from v2 to v1 was accepted without a word."""
+    from edge_runtime.cli import main
+
+    old, new = _encoders(tmp_path)
+    device = _release(tmp_path, new, "device", "runs/v", 5, seed=0)
+    v1 = _release(tmp_path, old, "v1", "runs/v", 3, seed=1)  # the same run, an earlier round
+    key_map = _fit_map(new, old, tmp_path / "map.npz")
+    argv = ["upgrade", str(device), "--to", str(v1), "--map", str(key_map)]
+    before, beside = snapshot(device), sorted(tmp_path.iterdir())
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"bundle {device} is run runs/v round 5 (encoder {_short(new)}) and the release " in err
+    assert f"is the older run runs/v round 3 (encoder {_short(old)}): a downgrade; --force" in err
+    assert snapshot(device) == before
+    assert sorted(tmp_path.iterdir()) == sorted([*beside, tmp_path / ".device.lock"])
+    assert main([*argv, "--force"]) == 0
+    assert ModelVersion.of(Runtime.load(device).manifest).round == 3
+
+
+def _short(encoder: Path) -> str:
+    return ModelVersion.of_encoder(encoder.read_bytes()).short
+
+
 def _init_like(like: Path, encoder: Path, data: Path, out: Path) -> int:
     from edge_runtime.cli import main
 
