@@ -141,17 +141,26 @@ def format_release_table(nodes: dict[int, dict[str, Any]], bundle_dir: Path) -> 
     def pct(row: dict[str, Any], key: str) -> str:
         return f"{100 * row[key]:.1f}" if key in row else "-"
 
+    def cell(text: str) -> str:  # a node's text stays in its cell: no row or column of its own
+        return "".join(
+            "\\|" if c == "|" else (repr(c)[1:-1] if not c.isprintable() else c) for c in text
+        )
+
     lines = [
         "| client | bundle | did | stored | added | carried | test % before | after | version |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for cid, row in sorted(nodes.items()):
-        did = "built" if row["built"] else (row.get("how", "") if row["upgraded"] else "current")
+        did = (
+            "built"
+            if row["built"]
+            else (cell(row.get("how", "")) if row["upgraded"] else "current")
+        )
         lines.append(
             f"| {cid} | {node_bundle_dir(bundle_dir, int(cid))} | {did} | {row['stored']} | "
             f"{row.get('added', '-')} | {row.get('carried', '-')} | "
             f"{pct(row, 'test-accuracy-before')} | {pct(row, 'test-accuracy')} | "
-            f"{row.get('version', '')} |"
+            f"{cell(row.get('version', ''))} |"
         )
     return "\n".join(lines)
 

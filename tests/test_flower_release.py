@@ -50,9 +50,12 @@ def _sent(content: RecordDict) -> Message:
     return Message(content, reply_to=request)
 
 
+GOOD_REPLY = {"client-id": 3, "built": 1, "upgraded": 0, "stored": 10}
+
+
 def test_a_release_reply_carries_only_the_listed_scalars(task_identity):
-    reply = node_reply(_sent(RecordDict()), {"client-id": 3, "stored": 10}, {"version": "v"})
-    assert read_reply(_sent(reply.content)) == {"client-id": 3, "stored": 10, "version": "v"}
+    reply = node_reply(_sent(RecordDict()), GOOD_REPLY, {"version": "v"})
+    assert read_reply(_sent(reply.content)) == {**GOOD_REPLY, "version": "v"}
     with pytest.raises(ReleaseError, match="not part of a release reply"):
         node_reply(_sent(RecordDict()), {"x-train": 1.0}, {})
 
@@ -79,6 +82,33 @@ def test_a_release_reply_carries_only_the_listed_scalars(task_identity):
 def test_the_server_refuses_a_reply_that_could_carry_samples(task_identity, content):
     with pytest.raises(ReleaseError):
         read_reply(_sent(content))
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {**GOOD_REPLY, "test-accuracy": float("nan")},
+        {key: v for key, v in GOOD_REPLY.items() if key != "built"},  # a KeyError in the table
+        {**GOOD_REPLY, "lambda": -1e300},
+        {**GOOD_REPLY, "stored": 2.5},
+        {**GOOD_REPLY, "upgraded": 7},
+    ],
+)
+def test_the_server_refuses_a_tampered_reply_in_one_line(task_identity, metrics):
+    content = RecordDict({"metrics": MetricRecord(metrics), "versions": ConfigRecord({})})
+    with pytest.raises(ReleaseError) as err:
+        read_reply(_sent(content))
+    assert "\n" not in str(err.value)
+
+
+def test_a_forged_version_text_stays_in_its_cell(tmp_path):
+    from knnper_cli.deploy import format_release_table
+
+    forged = "v1 |\n| 9 | /etc | built | 1 | - | - | - | 100.0 | owned"
+    rows = {0: {**GOOD_REPLY, "upgraded": 1, "built": 0, "how": "mapped|x", "version": forged}}
+    table = format_release_table(rows, tmp_path).splitlines()
+    assert len(table) == 3 and table[2].count(" | ") == table[0].count(" | ")
+    assert "v1 \\|\\n\\| 9" in table[2]
 
 
 @pytest.mark.parametrize(

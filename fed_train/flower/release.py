@@ -14,6 +14,7 @@ server refuses any other reply, so no sample can leave a node on it."""
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,11 @@ REPLY_METRICS = (
 )
 REPLY_TEXTS = ("version", "version-before", "how")
 MAX_TEXT = 200
+# what each reply number may be: a count, a flag or a fraction; and what every reply holds
+_FLAGS = ("built", "upgraded")
+_FRACTIONS = ("lambda", "test-accuracy", "test-accuracy-before")
+_REQUIRED = ("client-id", *_FLAGS, "stored")
+_MAX_COUNT = 2**53  # exact in a float64
 
 
 class ReleaseError(ValueError):
@@ -133,11 +139,25 @@ def read_reply(reply: Message) -> dict[str, Any]:
     texts = content.config_records["versions"]
     row: dict[str, Any] = {}
     for key, value in metrics.items():
-        if key not in REPLY_METRICS or not isinstance(value, int | float):
-            raise ReleaseError(f"a release reply's metric {key!r:.40} is refused")
+        if key not in REPLY_METRICS or not _metric_ok(key, value):
+            raise ReleaseError(f"a release reply's metric {key!r:.40} = {value!r:.40} is refused")
         row[key] = value
+    missing = [key for key in _REQUIRED if key not in row]
+    if missing:
+        raise ReleaseError(f"a release reply lacks {missing}")
     for key, value in texts.items():
         if key not in REPLY_TEXTS or not isinstance(value, str) or len(value) > MAX_TEXT:
             raise ReleaseError(f"a release reply's text {key!r:.40} is refused")
         row[key] = value
     return row
+
+
+def _metric_ok(key: str, value: Any) -> bool:
+    """A fraction in [0, 1], a flag 0 or 1, else a count: a whole number in [0, 2**53]."""
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    if key in _FRACTIONS:
+        return 0.0 <= value <= 1.0
+    if key in _FLAGS:
+        return value in (0, 1)
+    return value == int(value) and 0 <= value <= _MAX_COUNT
