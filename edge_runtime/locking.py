@@ -52,6 +52,9 @@ class LinkRefused(OSError):
     """The turnstile's path is a link or not a regular file: it is not followed."""
 
 
+_NOT_PLAIN = "is not a plain lock file (a link or another kind of file); remove it"
+
+
 def turnstile_path(directory: str | os.PathLike) -> str:
     """The turnstile of `directory`: `.<name>.lock` beside it."""
     head, name = os.path.split(os.path.abspath(os.fspath(directory)))
@@ -76,17 +79,15 @@ def _open_turnstile(directory: str | os.PathLike, *, create: bool) -> int | None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise LinkRefused(errno.ELOOP, f"{path} is a link; remove it", path) from None
+        if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket, a device
+            raise LinkRefused(exc.errno, f"{path} {_NOT_PLAIN}", path) from None
         if exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS):
             return None
         raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
         os.close(fd)
-        raise LinkRefused(
-            errno.EPERM,
-            f"{path} is not a plain lock file (a link or another kind of file); remove it",
-            path,
-        )
+        raise LinkRefused(errno.EPERM, f"{path} {_NOT_PLAIN}", path)
     return fd
 
 

@@ -85,6 +85,20 @@ def test_a_turnstile_that_is_a_link_is_refused_not_followed(tmp_path):
     assert elsewhere.read_text() == ""
 
 
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_a_turnstile_that_is_a_socket_is_refused_as_such(tmp_path, exclusive):
+    """Opening a socket fails with ENXIO: the line said 'No such device or address'."""
+    import socket
+
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    with socket.socket(socket.AF_UNIX) as planted:
+        planted.bind(turnstile_path(bundle))
+        with pytest.raises(LinkRefused, match="is not a plain lock file"):
+            with directory_lock(bundle, exclusive=exclusive):
+                pass
+
+
 def test_the_turnstile_is_a_hidden_sibling_and_the_bundle_stays_clean(tmp_path):
     bundle = tmp_path / "bundle"
     bundle.mkdir()
