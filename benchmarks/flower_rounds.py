@@ -32,9 +32,9 @@ from experiments import benchmark_support as C
 from fed_train.algorithms.base import get_weights
 from fed_train.deploy import LocalFederation, deploy_local
 from fed_train.flower.settings import FlowerSettings
+from fed_train.knn_request import KNNRequest
 from fed_train.run import load_run, train
 from fed_train.run_evaluation import evaluate_run
-from knnper_cli.args import add_knn_arguments, knn_request
 
 log = logging.getLogger("benchmarks.flower")
 
@@ -111,7 +111,7 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     C.add_flower_arguments(p)
-    add_knn_arguments(p)  # kNN-Per's setting, chosen by the federation and by evaluate alike
+    KNNRequest.add_arguments(p)  # kNN-Per's setting, chosen by the federation and by evaluate alike
     p.add_argument(
         "--import-repeats",
         type=int,
@@ -144,16 +144,18 @@ def main() -> None:
             run_dir=str(flower_dir),
             round_timeout=args.round_timeout,
             connect_timeout=600.0,
-            knn=knn_request(args),
+            knn=KNNRequest.from_args(args),
         )
         deploy_local(settings, LocalFederation(clients=args.clients, startup_timeout=120.0))
         log.info("Flower run done in %.0f s", time.perf_counter() - start)
     record = json.loads(record_path.read_text())
 
     sim_run, flower_run = load_run(sim_dir), load_run(flower_dir)
-    sim_eval = evaluate_run(sim_run, ["fedavg", "knnper"], knn=knn_request(args), progress=False)
+    sim_eval = evaluate_run(
+        sim_run, ["fedavg", "knnper"], knn=KNNRequest.from_args(args), progress=False
+    )
     flower_eval = evaluate_run(
-        flower_run, ["fedavg", "knnper"], knn=knn_request(args), progress=False
+        flower_run, ["fedavg", "knnper"], knn=KNNRequest.from_args(args), progress=False
     )
     federated = record["evaluation"]
     sim_w, flower_w = get_weights(sim_run.model), get_weights(flower_run.model)

@@ -46,7 +46,7 @@ SUMMARY_COLUMNS = (
 
 def _evaluate(ctx: Context, alpha: float, method: str) -> dict[str, Any]:
     run = ctx.run(alpha)
-    hyper = ctx.knn_choice(alpha).hyper() if method == "knnper" else {}
+    hyper = {"choice": ctx.knn_choice(alpha)} if method == "knnper" else {}
     algorithm = build_algorithm(method, run.model_factory(), run.config.training, **hyper)
     rows = client_accuracies(
         algorithm,

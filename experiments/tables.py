@@ -291,7 +291,7 @@ class TableRunner:
             seed=self.config.seed,
         )
         return (
-            {**self.hyper.get("knnper", {}), **choice.hyper()},
+            {**self.hyper.get("knnper", {}), "choice": choice},
             {**choice.record, "oracle_rows": oracle},
         )
 

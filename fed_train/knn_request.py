@@ -4,10 +4,12 @@ ClientApp process."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from edge_runtime.arg_types import k_neighbours, kernel_sigma
 from edge_runtime.knn import (
     DEFAULT_K,
     DEFAULT_NORMALIZE,
@@ -53,21 +55,89 @@ class KNNRequest:
         problem = k_sigma_problem(self.k, self.sigma)
         if problem:
             raise KnnperError(problem)
-        if self.normalize is not None and self.normalize not in NORMALIZATIONS:
-            raise KnnperError(
-                f"unknown normalisation {self.normalize!r}; known: {', '.join(NORMALIZATIONS)}"
-            )
-        if self.lambda_estimator is not None and self.lambda_estimator not in ESTIMATOR_CHOICES:
-            raise KnnperError(
-                f"unknown lambda estimator {self.lambda_estimator!r}; known: "
-                f"{', '.join(ESTIMATOR_CHOICES)}"
-            )
-        if self.lambda_rule is not None and self.lambda_rule not in RULE_CHOICES:
-            raise KnnperError(
-                f"unknown lambda rule {self.lambda_rule!r}; known: {', '.join(RULE_CHOICES)}"
-            )
-        if self.base is not None and self.base not in BASE_CHOICES:
-            raise KnnperError(f"unknown base {self.base!r}; known: {', '.join(BASE_CHOICES)}")
+        for name, what, known in (
+            ("normalize", "normalisation", NORMALIZATIONS),
+            ("lambda_estimator", "lambda estimator", ESTIMATOR_CHOICES),
+            ("lambda_rule", "lambda rule", RULE_CHOICES),
+            ("base", "base", BASE_CHOICES),
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in known:
+                raise KnnperError(f"unknown {what} {value!r}; known: {', '.join(known)}")
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        """--knn-config and the flags that pin one value of it, for every command that runs
+        kNN-Per (evaluate, export, bench table, demo, experiment, deploy, the benchmarks);
+        `from_args` reads them back."""
+        p.add_argument(
+            "--knn-config",
+            choices=KNN_MODES,
+            default="tuned",
+            help="kNN-Per's k, sigma, normalisation and lambda estimator: chosen on the "
+            "seen clients' pooled validation splits (tuned, saved in the run directory "
+            "and reused) or the paper's fixed setting (k=10, sigma=1, raw embeddings, "
+            "lambda on validation)",
+        )
+        p.add_argument(
+            "--k",
+            type=k_neighbours,
+            default=None,
+            help="pin kNN-Per's number of neighbours (default: from --knn-config)",
+        )
+        p.add_argument(
+            "--sigma",
+            type=kernel_sigma,
+            default=None,
+            help="pin kNN-Per's kernel width (default: from --knn-config)",
+        )
+        p.add_argument(
+            "--normalize",
+            choices=NORMALIZATIONS,
+            default=None,
+            help="pin the embedding normalisation before the kNN (default: from --knn-config)",
+        )
+        p.add_argument(
+            "--lambda-estimator",
+            choices=ESTIMATOR_CHOICES,
+            default=None,
+            help="pin how each client picks lambda: its validation split (val), plus "
+            "leave-one-out posteriors of its datastore (loo+val), or whichever wins 2-fold "
+            "cross-validation inside the validation splits (auto; default: from "
+            "--knn-config)",
+        )
+        p.add_argument(
+            "--lambda-rule",
+            choices=RULE_CHOICES,
+            default=None,
+            help="pin how lambda pools evidence across clients: each client's own "
+            "(client, the paper's), one lambda from the seen clients' pooled validation "
+            "splits (pooled), each client's own evidence shrunk toward the pooled one "
+            "(shrunk), or whichever wins 2-fold cross-validation inside the validation "
+            "splits (auto; default: auto with --knn-config tuned, client with paper)",
+        )
+        p.add_argument(
+            "--base",
+            choices=BASE_CHOICES,
+            default=None,
+            help="pin what the kNN is interpolated with: the global model (global, the "
+            "paper's), each client's linear head fitted on its own embeddings (linear), "
+            "or whichever wins 2-fold cross-validation inside the validation splits "
+            "(auto; default: auto with --knn-config tuned, global with paper)",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> KNNRequest:
+        """The request `add_arguments`' flags spell."""
+        return cls(
+            args.knn_config,
+            args.k,
+            args.sigma,
+            args.normalize,
+            args.lambda_estimator,
+            args.lambda_rule,
+            args.base,
+        )
 
     @property
     def tuned(self) -> bool:
@@ -114,27 +184,13 @@ class KNNRequest:
             name: FROM_FLAG if getattr(self, name) is not None else unpinned
             for name in ("k", "sigma", "normalize")
         }
-        out["lambda_estimator"] = (
-            FROM_VALIDATION
-            if self.estimator() == "auto"
-            else FROM_FLAG
-            if self.lambda_estimator is not None
-            else FROM_PAPER
-        )
-        out["lambda_rule"] = (
-            FROM_VALIDATION
-            if self.rule() == "auto"
-            else FROM_FLAG
-            if self.lambda_rule is not None
-            else FROM_PAPER
-        )
-        out["base"] = (
-            FROM_VALIDATION
-            if self.base_choice() == "auto"
-            else FROM_FLAG
-            if self.base is not None
-            else FROM_PAPER
-        )
+        for name, asked in (
+            ("lambda_estimator", self.estimator()),
+            ("lambda_rule", self.rule()),
+            ("base", self.base_choice()),
+        ):
+            pinned = getattr(self, name) is not None
+            out[name] = FROM_VALIDATION if asked == "auto" else FROM_FLAG if pinned else FROM_PAPER
         return out
 
     def key(self) -> str:

@@ -87,16 +87,6 @@ class KNNChoice:
             estimator=self.lambda_estimator,
         )
 
-    def hyper(self) -> dict[str, Any]:
-        """KNNPer's keyword arguments, as plain data (a Flower message carries them)."""
-        return {
-            **self.config.to_dict(),
-            "lambda_estimator": self.lambda_estimator,
-            "lambda_rule": self.lambda_rule.to_dict(),
-            "base": self.base,
-            "l2": self.l2,
-        }
-
     def provenance(self) -> dict[str, dict[str, Any]] | None:
         """Each value with where it came from: what manifests and export.json record (None
         without sources)."""

@@ -75,7 +75,7 @@ def evaluate_run(
                 seed=run.config.seed,
                 progress=progress,
             )
-            hyper = {**choice.hyper(), "capacity": capacity}
+            hyper = {"choice": choice, "capacity": capacity}
         algorithm = build_algorithm(method, run.model_factory(), run.config.training, **hyper)
         journal = (
             ClientRows(run.run_dir / "eval" / "local.jsonl", _local_cache_key(run))

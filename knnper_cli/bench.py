@@ -19,10 +19,9 @@ from experiments.tables import (
 )
 from fed_train import defaults
 from fed_train.accelerator import resolve_device
+from fed_train.knn_request import KNNRequest
 from knnper_cli.args import (
-    add_knn_arguments,
     examples,
-    knn_request,
     output_dir,
     positive,
 )
@@ -45,7 +44,7 @@ def _cmd_table(args: argparse.Namespace) -> int:
         lr_grid=grid,
         hyper=hyper,
         progress=not getattr(args, "no_progress", False),
-        knn=knn_request(args),
+        knn=KNNRequest.from_args(args),
         workers=args.workers,
         attribution=args.attribution,
         device=str(resolve_device(args.device)),
@@ -106,7 +105,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         "(Ctrl-C loses at most this many; a write that would take over a tenth of "
         "the training time waits for a later round)",
     )
-    add_knn_arguments(p)
+    KNNRequest.add_arguments(p)
     p.add_argument(
         "--capacity",
         type=positive(float, 1.0),

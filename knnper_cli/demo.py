@@ -8,7 +8,8 @@ from pathlib import Path
 
 from edge_runtime.commands import command
 from export.demo import format_demo_table, run_demo
-from knnper_cli.args import add_knn_arguments, examples, knn_request, output_dir, positive_int, seed
+from fed_train.knn_request import KNNRequest
+from knnper_cli.args import examples, output_dir, positive_int, seed
 from knnper_cli.commands import help_of
 
 
@@ -18,7 +19,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         workers=args.workers,
-        knn=knn_request(args),
+        knn=KNNRequest.from_args(args),
     )
     print(choice.describe())
     print(format_demo_table(rows))
@@ -43,4 +44,4 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
         default=2,
         help="processes that size clients' datastores in parallel",
     )
-    add_knn_arguments(p)
+    KNNRequest.add_arguments(p)

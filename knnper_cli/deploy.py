@@ -27,13 +27,12 @@ from fed_train.evaluation import format_table
 from fed_train.flower.expected import expectation_line
 from fed_train.flower.pki import make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerSettings
+from fed_train.knn_request import KNNRequest
 from fed_train.run import RunConfig, read_config
 from knnper_cli.args import (
-    add_knn_arguments,
     count,
     examples,
     fraction,
-    knn_request,
     output_dir,
     output_file_or_stdout,
     positive_float,
@@ -52,7 +51,7 @@ def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
         connect_timeout=args.connect_timeout,
         min_train_clients=args.min_train_clients,
         eval_methods=tuple(args.eval_methods),
-        knn=knn_request(args),
+        knn=KNNRequest.from_args(args),
         capacity=args.capacity,
     )
 
@@ -251,7 +250,7 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="continue training a finished run's model, as `knnper train --continue-from`",
     )
-    add_knn_arguments(p)
+    KNNRequest.add_arguments(p)
     p.add_argument(
         "--capacity",
         type=fraction,

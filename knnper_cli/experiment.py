@@ -31,11 +31,10 @@ from experiments.report import SETTINGS_FILE, refuse_other_report, write_report
 from experiments.spec import IID_ALPHA, Experiment, ExperimentError
 from experiments.table_seeds import seed_dir
 from fed_train.accelerator import resolve_device
+from fed_train.knn_request import KNNRequest
 from fed_train.progress import Progress
 from knnper_cli.args import (
-    add_knn_arguments,
     examples,
-    knn_request,
     output_dir,
     positive_int,
 )
@@ -94,7 +93,7 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
                 help=f"{grid.help} (default {_shown(grid.full)}; with --quick "
                 f"{_shown(grid.quick)})",
             )
-        add_knn_arguments(q)
+        KNNRequest.add_arguments(q)
         q.add_argument(
             "--checkpoint-every",
             type=positive_int,
@@ -327,7 +326,7 @@ def _cmd_experiment(args: argparse.Namespace) -> int:
             "configs": [c.config.to_dict() for c in contexts],
             "quick": args.quick,
             "grids": {name: sorted(values) for name, values in grids.items()},
-            "knn": asdict(knn_request(args)),
+            "knn": asdict(KNNRequest.from_args(args)),
         }
 
     total = exp.count(grids) * args.seeds if exp.count is not None else None
@@ -376,7 +375,7 @@ def _context(args: argparse.Namespace, seed: int, bar: Progress) -> Context:
     return Context(
         Path(args.out),
         config,
-        knn=knn_request(args),
+        knn=KNNRequest.from_args(args),
         quick=args.quick,
         progress=not args.no_progress,
         points_done=lambda computed: bar.update(measured=computed),

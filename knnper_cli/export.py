@@ -19,11 +19,10 @@ from export.profiles import (
     uniform_budgets,
     weak_strong_budgets,
 )
+from fed_train.knn_request import KNNRequest
 from knnper_cli.args import (
-    add_knn_arguments,
     byte_count,
     examples,
-    knn_request,
     output_dir,
     positive_int,
     seed,
@@ -98,7 +97,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quantize", default="int8", help="encoder precision: int8 or fp32")
     p.add_argument("--clients", default="all", help="all, seen, unseen, or ids like 0,3,7")
-    add_knn_arguments(p)
+    KNNRequest.add_arguments(p)
     p.add_argument(
         "--update-strategy",
         default="fifo",
@@ -273,7 +272,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.pruned_search:
         settings.space = settings.space.pruned()
     settings.check()  # bad flags fail before the run is loaded
-    request = knn_request(args)
+    request = KNNRequest.from_args(args)
     try:
         run = load_run(args.run)
     except KnnperError as err:

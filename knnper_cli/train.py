@@ -15,16 +15,15 @@ from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from fed_train.client_files import write_client_files
 from fed_train.evaluation import format_table
+from fed_train.knn_request import KNNRequest
 from fed_train.knn_setting import describe_record
 from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
 from knnper_cli.args import (
-    add_knn_arguments,
     count,
     examples,
     fraction,
-    knn_request,
     output_dir,
     output_file_or_stdout,
     positive_int,
@@ -70,7 +69,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     result = evaluate_run(
         run,
         args.methods,
-        knn=knn_request(args),
+        knn=KNNRequest.from_args(args),
         capacity=args.capacity,
         progress=not args.no_progress,
     )
@@ -241,7 +240,7 @@ def _add_core_commands(sub: argparse._SubParsersAction) -> None:
         ),
     ).add_to(sub)
     p.add_argument("run", help="run directory written by `knnper train`")
-    add_knn_arguments(p)
+    KNNRequest.add_arguments(p)
     p.add_argument(
         "--capacity",
         type=fraction,

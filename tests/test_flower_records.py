@@ -17,16 +17,20 @@ from flwr.common.serde import recorddict_from_proto, recorddict_to_proto  # noqa
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # noqa: E402
 from numpy.lib import format as npy  # noqa: E402
 
+from edge_runtime.knn import LAMBDA_GRID, LambdaRule  # noqa: E402
 from fed_train.flower.records import (  # noqa: E402
     check_shapes,
     counts_record,
     from_config_record,
+    knn_choice_from,
+    knn_choice_record,
     points_from_record,
     points_record,
     read_counts,
     to_config_record,
     to_weights,
 )
+from fed_train.knn_setting import KNNChoice, KNNConfig  # noqa: E402
 from fed_train.knn_tuning import grid_points  # noqa: E402
 
 SHAPE = (7, 3)
@@ -125,3 +129,44 @@ def test_grid_point_columns_of_different_lengths_are_refused():
         points_from_record(
             ConfigRecord({"k": [5, 10], "sigma": [1.0], "normalize": ["raw", "raw"]})
         )
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        KNNChoice(),
+        KNNChoice(
+            KNNConfig(5, 0.01, "l2"),
+            "loo+val",
+            lambda_rule=LambdaRule("shrunk", tuple((3.0, 2.5, 4.0) for _ in LAMBDA_GRID), 8.0),
+            base="linear",
+            l2=0.1,
+        ),
+    ],
+)
+def test_the_knn_choice_travels_as_named_scalars_and_arrives_as_one(choice):
+    """It was one JSON string ("knn"), read back into nine keyword arguments."""
+    record = knn_choice_record(choice)
+    assert all(isinstance(v, (int, float, str, list)) for v in record.values())
+    assert record["knn-k"] == choice.config.k and record["knn-base"] == choice.base
+    arrived = knn_choice_from(ConfigRecord({**_over_the_wire(record), "unseen": False}))
+    assert arrived == KNNChoice(
+        choice.config, choice.lambda_estimator, lambda_rule=choice.lambda_rule,
+        base=choice.base, l2=choice.l2,
+    )  # fmt: skip
+    assert knn_choice_from(ConfigRecord({"unseen": False})) is None  # no kNN-Per evaluated
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("knn-lambda-pooled", [1.0, 2.0], "cannot reshape"),
+        ("knn-k", 0, "k must be an integer"),
+        ("knn-l2", 0.1, "base must be 'global'"),
+    ],
+)
+def test_a_knn_choice_record_that_no_device_could_run_is_refused(field, value, message):
+    record = knn_choice_record(KNNChoice())
+    record[field] = value
+    with pytest.raises(ValueError, match=f"^the server's kNN-Per setting: .*{message}"):
+        knn_choice_from(record)

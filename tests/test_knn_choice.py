@@ -106,7 +106,7 @@ def test_the_choice_is_saved_with_its_evidence_and_reused(run_dir, monkeypatch):
 
     monkeypatch.setattr("fed_train.knn_choice.choose_knn", refuse)
     again = load_or_choose(run_dir, run.model, clients, KNNRequest(), seed=0)
-    assert again.hyper() == choice.hyper() and again.source == choice.source
+    assert again == choice
 
 
 def test_a_changed_model_is_chosen_for_again_with_one_line(run_dir, tmp_path, caplog):

@@ -7,9 +7,7 @@ import math
 import pytest
 
 from edge_runtime.knn import CLIENT_RULE, LAMBDA_GRID, LambdaRule
-from fed_train.algorithms.knnper import KNNPer
 from fed_train.knn_setting import KNNChoice, KNNConfig
-from tests.helpers.federation import TRAINING, model_fn
 
 POOLED = LambdaRule("pooled", tuple((3.0, 2.0, 4.0) for _ in LAMBDA_GRID))
 
@@ -87,21 +85,3 @@ def test_a_choice_a_device_cannot_run_is_refused_with_one_line(fields, problem):
     message = str(err.value)
     assert message.startswith(f"kNN-Per setting: {problem}")
     assert "\n" not in message
-
-
-def test_the_knnper_algorithm_refuses_by_the_same_check():
-    with pytest.raises(ValueError, match=r"^kNN-Per setting: base must be 'global'"):
-        KNNPer(model_fn, TRAINING, base="linear")
-    algorithm = KNNPer(
-        model_fn,
-        TRAINING,
-        k=3,
-        sigma=0.5,
-        normalize="l2",
-        lambda_rule=POOLED.to_dict(),
-        base="linear",
-        l2=0.1,
-    )
-    assert algorithm.choice == KNNChoice(
-        KNNConfig(3, 0.5, "l2"), lambda_rule=POOLED, base="linear", l2=0.1
-    )

@@ -20,7 +20,7 @@ from edge_runtime.knn import (
 from edge_runtime.personal_head import ClientSplits
 from fed_train.algorithms.knnper import KNNPer
 from fed_train.evaluation import client_accuracies
-from fed_train.knn_setting import KNNConfig
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from fed_train.knn_tuning import (
     client_rows,
     client_views,
@@ -137,14 +137,7 @@ def trained():
 @pytest.mark.parametrize("config", [KNNConfig(), KNNConfig(5, 0.01, "l2")])
 def test_client_rows_agree_with_the_knnper_algorithm(trained, estimator, config):
     clients, weights = trained
-    algorithm = KNNPer(
-        model_fn,
-        TRAINING,
-        k=config.k,
-        sigma=config.sigma,
-        normalize=config.normalize,
-        lambda_estimator=estimator,
-    )
+    algorithm = KNNPer(model_fn, TRAINING, KNNChoice(config, estimator))
     expected = client_accuracies(algorithm, weights, {}, clients)
     views = client_views(algorithm.global_model(weights), clients)
     rows = client_rows(views, config, estimator=estimator)

@@ -9,14 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_runtime.knn import (
-    CLIENT_RULE,
-    DEFAULT_K,
-    DEFAULT_NORMALIZE,
-    DEFAULT_SIGMA,
-    LambdaRule,
-    softmax,
-)
+from edge_runtime.knn import softmax
 from edge_runtime.personal_head import ClientSplits
 from fed_train.algorithms.base import (
     ClientData,
@@ -26,7 +19,7 @@ from fed_train.algorithms.base import (
     embed_and_logits,
 )
 from fed_train.algorithms.fedavg import FedAvg
-from fed_train.knn_setting import KNNChoice, KNNConfig
+from fed_train.knn_setting import KNNChoice
 from fed_train.models import ModelFactory
 
 
@@ -49,27 +42,13 @@ class KNNPer(FedAvg):
         self,
         model_fn: ModelFactory,
         training: TrainingConfig,
-        k: int = DEFAULT_K,
-        sigma: float = DEFAULT_SIGMA,
+        choice: KNNChoice | None = None,
         capacity: float = 1.0,
-        normalize: str = DEFAULT_NORMALIZE,
-        lambda_estimator: str = "val",
-        lambda_rule: dict[str, Any] | None = None,
-        base: str = "global",
-        l2: float | None = None,
     ) -> None:
-        """`lambda_rule` is `LambdaRule.to_dict()`'s plain data (what a Flower message
-        carries); None is each client's own lambda, the paper's rule. `base` is what the kNN
-        is interpolated with: the global model, or ("linear") a linear head fitted with `l2`
-        on the client's train embeddings, normalised as the kNN's are."""
+        """`choice`: the setting every client personalizes with (None: the paper's);
+        `capacity`: the share of its train samples a client keeps (`datastore_indices`)."""
         super().__init__(model_fn, training)
-        self.choice = KNNChoice(
-            KNNConfig(k, sigma, normalize),
-            lambda_estimator,
-            lambda_rule=CLIENT_RULE if lambda_rule is None else LambdaRule.from_dict(lambda_rule),
-            base=base,
-            l2=l2,
-        )
+        self.choice = KNNChoice() if choice is None else choice
         self.capacity = capacity
 
     def personalize(

@@ -10,7 +10,6 @@ or auto; cpu when absent) says where this node trains."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -151,7 +150,12 @@ def evaluate(msg: Message, context: Context) -> Message:
     (config "phase"): sums over its validation split, never the samples."""
     from fed_train.algorithms import build_algorithm
     from fed_train.evaluation import client_accuracies
-    from fed_train.flower.records import counts_record, load_state, to_config_record
+    from fed_train.flower.records import (
+        counts_record,
+        knn_choice_from,
+        load_state,
+        to_config_record,
+    )
 
     settings, spec, client = _setup(msg, context)
     weights = _received_weights(msg, spec)
@@ -161,11 +165,11 @@ def evaluate(msg: Message, context: Context) -> Message:
         counts = _knn_choice_counts(phase, msg.content, settings, spec, client, weights)
         return Message(RecordDict({"counts": counts_record(phase, counts)}), reply_to=msg)
     client.unseen = bool(config["unseen"])
-    knn_hyper = json.loads(str(config.get("knn", "{}")))
+    choice = knn_choice_from(config)
     metrics = MetricRecord({"num-examples": int(client.y_test.shape[0])})
     info: dict[str, dict] = {}
     for method in settings.eval_methods:
-        hyper = {**knn_hyper, "capacity": settings.capacity} if method == "knnper" else {}
+        hyper = {"choice": choice, "capacity": settings.capacity} if method == "knnper" else {}
         algorithm = build_algorithm(method, spec.model_fn(), settings.run.training, **hyper)
         state = load_state(context.state) if method == settings.algorithm else {}
         row = client_accuracies(

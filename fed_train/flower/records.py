@@ -20,8 +20,10 @@ from flwr.app.typing import ConfigRecordValues
 from flwr.common.constant import SType
 from numpy.lib import format as npy
 
+from edge_runtime.errors import one_line
+from edge_runtime.knn import LambdaRule
 from fed_train.algorithms.base import Weights, get_weights
-from fed_train.knn_setting import KNNConfig
+from fed_train.knn_setting import KNNChoice, KNNConfig
 from fed_train.models import ModelFactory, build_model
 
 STATE_ARRAYS, STATE_SCALARS = "knnper-state-arrays", "knnper-state-scalars"
@@ -96,6 +98,49 @@ def points_from_record(record: ConfigRecord) -> list[KNNConfig]:
         KNNConfig(**dict(zip(record, values, strict=True)))
         for values in zip(*record.values(), strict=True)
     ]
+
+
+def knn_choice_record(choice: KNNChoice) -> ConfigRecord:
+    """kNN-Per's setting as Flower's named scalars ("knn-k", "knn-sigma", ...; the lambda
+    rule's pooled evidence one flat list, three numbers per grid value); `knn_choice_from`
+    reads it back."""
+    rule = choice.lambda_rule
+    values = {
+        "k": int(choice.config.k),
+        "sigma": float(choice.config.sigma),
+        "normalize": choice.config.normalize,
+        "lambda-estimator": choice.lambda_estimator,
+        "base": choice.base,
+        "l2": [] if choice.l2 is None else float(choice.l2),  # a ConfigRecord holds no None
+        "lambda-rule": rule.name,
+        "lambda-pooled": [float(v) for row in rule.pooled for v in row],
+        "lambda-prior-samples": float(rule.prior_samples),
+        "lambda-grid": [float(v) for v in rule.grid],
+    }
+    return ConfigRecord({f"knn-{name}": value for name, value in values.items()})
+
+
+def knn_choice_from(config: ConfigRecord) -> KNNChoice | None:
+    """The setting `knn_choice_record` put into `config` (None where it holds none), checked
+    as any `KNNChoice` is; ValueError (one line) where a value is missing or wrong."""
+    if "knn-k" not in config:
+        return None
+    try:
+        rule = LambdaRule(
+            str(config["knn-lambda-rule"]),
+            tuple(map(tuple, np.asarray(config["knn-lambda-pooled"], float).reshape(-1, 3))),
+            float(config["knn-lambda-prior-samples"]),
+            tuple(float(v) for v in config["knn-lambda-grid"]),
+        )
+        return KNNChoice(
+            KNNConfig(config["knn-k"], config["knn-sigma"], str(config["knn-normalize"])),
+            str(config["knn-lambda-estimator"]),
+            lambda_rule=rule,
+            base=str(config["knn-base"]),
+            l2=_plain_value(config["knn-l2"]),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"the server's kNN-Per setting: {one_line(err)}") from None
 
 
 def _flatten(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -24,7 +24,13 @@ from edge_runtime.manifest import read_manifest
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import set_weights
 from fed_train.evaluation import format_table
-from fed_train.flower.records import ModelSpec, points_record, to_array_record, to_weights
+from fed_train.flower.records import (
+    ModelSpec,
+    knn_choice_record,
+    points_record,
+    to_array_record,
+    to_weights,
+)
 from fed_train.flower.release import RELEASE_ACTION, read_reply, release_files
 from fed_train.flower.settings import FlowerSettings
 from fed_train.flower.strategy import FederationError, KnnperStrategy, read_replies
@@ -308,7 +314,7 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
             grid, strategy, arrays, settings, run_dir, model, training.rounds + 1
         )
         record["knn"] = choice.record
-        evaluate_config = ConfigRecord({"knn": json.dumps(choice.hyper())})
+        evaluate_config = knn_choice_record(choice)
     replies = grid.send_and_receive(
         strategy.configure_evaluate(training.rounds + 1, arrays, evaluate_config, grid),
         timeout=settings.round_timeout,
