@@ -264,7 +264,8 @@ def server_data(run, public_data: str | None) -> tuple[np.ndarray, np.ndarray]:
     """Data the server holds, never a client's: `public_data` (an npz with x_train, y_train),
     else the split the run's pretraining kept for the server (`knnper pretrain`, then `knnper
     train --init PRETRAIN_DIR`). ExportError when there is neither."""
-    from fed_train.data import load_dataset
+    from fed_train.data import load_dataset, load_server_arrays
+    from fed_train.errors import DataError
     from fed_train.pretrain import load_init
     from fed_train.run import server_split_source
 
@@ -281,14 +282,16 @@ def server_data(run, public_data: str | None) -> tuple[np.ndarray, np.ndarray]:
             "--public-data NPZ (x_train, y_train), or train the run from a "
             "pretraining on a server split (knnper pretrain, knnper train --init)"
         )
-    data = load_dataset("npz", public_data, seed=run.config.seed)
-    if data.x_train.shape[1:] != run.dataset.x_train.shape[1:]:
+    try:
+        x, y = load_server_arrays(Path(public_data), run.dataset.num_classes)
+    except DataError as err:
+        raise ExportError(f"--public-data {err}") from None
+    if x.shape[1:] != run.dataset.x_train.shape[1:]:
         raise ExportError(
-            f"--public-data {public_data}: inputs of shape "
-            f"{list(data.x_train.shape[1:])}, the run's are "
+            f"--public-data {public_data}: inputs of shape {list(x.shape[1:])}, the run's are "
             f"{list(run.dataset.x_train.shape[1:])}"
         )
-    return data.x_train, data.y_train
+    return x, y
 
 
 def old_release(old_export: Path) -> dict[str, Any]:

@@ -385,6 +385,28 @@ def _load_npz_file(path: Path, name: str, num_classes: int | None = None) -> Dat
     return Dataset(name, x_train, y_train, x_test, y_test, num_classes, {}, **extras)
 
 
+def load_server_arrays(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """x_train and y_train of a .npz the server holds (`knnper export --public-data`; test
+    arrays, if any, are not read), its labels checked against the run's `num_classes`."""
+    try:
+        with load_arrays(path, memory_limit(), "arrays") as archive:
+            missing = [key for key in ("x_train", "y_train") if key not in archive.files]
+            if missing:
+                raise DataError(
+                    f"{path}: missing key(s) {', '.join(missing)} (has {archive.files})"
+                )
+            x, y = archive["x_train"], archive["y_train"]
+    except DataError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise DataError(f"{path}: not a readable .npz file ({one_line(exc)})") from None
+    x, y = _as_images(x, f"{path}: x_train"), _as_labels(y, f"{path}: y_train")
+    if len(x) != len(y) or len(y) == 0:
+        raise DataError(f"{path}: x_train has {len(x)} images and y_train {len(y)} labels")
+    _check_label_range(y, num_classes, f"{path}: y_train")
+    return x, y
+
+
 def _load_npz(path: Path | None, *, seed: int) -> Dataset:
     """Any image data set saved as x_train, y_train, x_test, y_test."""
     return _load_npz_file(_require_path(path, "npz"), "npz")

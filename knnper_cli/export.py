@@ -272,6 +272,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if args.pruned_search:
         settings.space = settings.space.pruned()
     settings.check()  # bad flags fail before the run is loaded
+    if args.public_data is not None and args.upgrade_from is None:  # it was silently unused
+        raise ExportError(
+            "--public-data is the data --upgrade-from's key map is fitted on: give "
+            "--upgrade-from OLD_EXPORT too, or leave it out"
+        )
     request = KNNRequest.from_args(args)
     try:
         run = load_run(args.run)

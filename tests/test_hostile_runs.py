@@ -372,6 +372,35 @@ def test_resuming_with_other_flags_names_the_flag_not_an_untouched_file(copy, ca
     )
 
 
+def test_public_data_is_x_train_and_y_train_checked_before_any_bundle(tmp_path, capsys):
+    """--help says x_train, y_train: test arrays were required; labels out of the run's range
+    failed with a reshape error after every bundle was written; without --upgrade-from the
+    file was silently unused."""
+    from types import SimpleNamespace
+
+    from export.errors import ExportError
+    from export.upgrade_map import server_data
+
+    run = SimpleNamespace(
+        config=RunConfig(dataset="digits", clients=3),
+        dataset=SimpleNamespace(num_classes=10, x_train=np.zeros((1, 8, 8, 1), np.uint8)),
+    )
+    x = np.random.default_rng(0).integers(0, 17, (40, 8, 8, 1)).astype(np.uint8)
+    np.savez(tmp_path / "public.npz", x_train=x, y_train=np.arange(40) % 10)
+    np.savez(tmp_path / "wide.npz", x_train=x, y_train=np.arange(40) % 12)
+    got_x, got_y = server_data(run, str(tmp_path / "public.npz"))
+    assert got_x.shape == (40, 8, 8, 1) and list(got_y[:12]) == [*range(10), 0, 1]
+    with pytest.raises(ExportError, match="label 11 is out of range for 10 classes") as err:
+        server_data(run, str(tmp_path / "wide.npz"))
+    assert "\n" not in str(err.value) and "wide.npz" in str(err.value)
+    _knnper(
+        ["export", str(tmp_path / "run"), "--out", str(tmp_path / "o"), "--budget", "1M"]
+        + ["--public-data", str(tmp_path / "public.npz")],
+        capsys,
+        "give --upgrade-from OLD_EXPORT too",
+    )
+
+
 def _ctrl_c_as_typed() -> None:
     """The child takes Ctrl-C as a terminal delivers it, even when pytest runs as a background
     job (started with SIGINT ignored, which children inherit)."""
