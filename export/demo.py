@@ -120,7 +120,7 @@ def run_demo(
     encoder_dir.mkdir(parents=True, exist_ok=True)
     encoder = build_encoder(run, encoder_dir, settings, clients)
     ids = list(range(len(clients)))
-    for device, budget in device_budgets(run, encoder.nbytes).items():
+    for i, (device, budget) in enumerate(device_budgets(run, encoder.nbytes).items()):
         bundles = out / f"bundles-{device}"
         export_run(
             run,
@@ -130,6 +130,7 @@ def run_demo(
             encoder=encoder,
             progress=progress,
             workers=workers,
+            warn_extras=i == 0,  # the same space each time: its warning once
         )
         rows.append(_device_row(device, budget, evaluate_export(run, bundles)))
     shutil.rmtree(encoder_dir)

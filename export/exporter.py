@@ -351,6 +351,7 @@ def export_run(
     workers: int | None = 1,
     force: bool = False,
     replaces: dict | None = None,
+    warn_extras: bool = True,
 ) -> dict[str, Any]:
     """Write one bundle per selected client into out_dir and return the export report (also
     written as out_dir/export.json). Every bundle is written atomically by edge_runtime's
@@ -429,7 +430,8 @@ def export_run(
             run.dataset.num_classes if settings.knn.base == "linear" else None,
         )
         budgets = _client_budgets(budgets, encoder_files, smallest)  # before writing
-        _warn_device_extras(space)
+        if warn_extras:  # off where one process exports the same space again (the demo)
+            _warn_device_extras(space)
         release = Release(
             str(run.run_dir),
             ModelVersion.from_record(model_record(run, encoder_files.path), replaces),
