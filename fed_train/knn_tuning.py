@@ -637,8 +637,12 @@ def choose_knn(
     and cross-oracle accuracy (for the report; nothing chosen depends on test labels).
     `progress`: say each step as it starts (minutes on a large federation: a bar on a
     terminal, a line every 30 s in a log)."""
+    bases = BASES if base == "auto" else (base,)
+    rules = LAMBDA_RULES if rule == "auto" else (rule,)
+    # embedding, the grid, the estimators, [the linear heads], [rule and base], the report
+    total = 4 + ("linear" in bases) + (len(bases) * len(rules) > 1)
     with Progress(
-        None, desc="choosing kNN-Per's configuration", unit="step", enabled=progress
+        total, desc="choosing kNN-Per's configuration", unit="step", enabled=progress
     ) as steps:
         return _choose_knn(
             model, clients, ks, sigmas, normalizations, estimator, rule, base, seed, steps
@@ -671,6 +675,8 @@ def _choose_knn(
         # a fixed setting needs no validation data to be chosen
         config, scores, cv = KNNConfig(int(ks[0]), float(sigmas[0]), normalizations[0]), [], {}
         rule, base = "client", "global"
+        for _ in range(steps.total - 2):  # all but the embedding and the report: nothing to do
+            steps.update(measured=False)
     else:
         points = len(ks) * len(sigmas) * len(normalizations)
         steps.set_postfix(

@@ -257,3 +257,15 @@ def test_estimator_comparison_scores_are_cross_validated_accuracies():
             scored += len(score)
     assert scores["val"] == right / scored < 1.0
     assert scores["loo+val"] * scored == pytest.approx(round(scores["loo+val"] * scored))
+
+
+@pytest.mark.parametrize("base", ["global", "auto"])
+def test_choosing_the_setting_counts_its_steps_against_a_total(capsys, base):
+    """A log said '3 steps done' for minutes, with no total to measure it against."""
+    from fed_train.knn_tuning import choose_knn
+
+    choose_knn(model_fn(), make_clients(4), ks=(5,), sigmas=(1.0,), base=base, progress=True)
+    total = 6 if base == "auto" else 4
+    assert f"choosing kNN-Per's configuration: {total}/{total} steps done in" in (
+        capsys.readouterr().err
+    )
