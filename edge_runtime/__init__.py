@@ -3,7 +3,8 @@ server-side packages, so a device can install it without torch.
 
 The face: `Runtime` loads a bundle and predicts (`predict_proba`, `add`); `write_bundle` /
 `read_bundle` write and verify one; `make_datastore` builds a flat, HNSW or ProtoNN datastore
-from its recipe string; `PersonalHead` is kNN-Per's interpolation of the kNN, the global model
+from its recipe string (a new backend: `register_backend`, and `check_backend` checks it);
+`PersonalHead` is kNN-Per's interpolation of the kNN, the global model
 and an optional `LinearHead`, chosen per client on validation (`ClientSplits`); `Budget` is a
 device's bytes; `init_bundle` builds a bundle on the device from its own data;
 `write_portable` writes the one-file ONNX predictor."""
@@ -20,6 +21,8 @@ __all__, __getattr__, __dir__ = lazy_face(
         "write_bundle": "bundle",
         "make_datastore": "datastores",
         "BaseDatastore": "datastores",
+        "register_backend": "datastores",
+        "check_backend": "datastores",
         "KNNHead": "knn",
         "PersonalHead": "personal_head",
         "ClientSplits": "personal_head",

@@ -55,6 +55,7 @@ from ._io import (
 )
 from .budget import Budget
 from .datastores import (
+    LOAD_ERRORS,
     backend_class,
     file_generation,
     load_datastore,
@@ -201,7 +202,7 @@ def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: dict):
             files=datastore_files(manifest),
             embedding_dim=manifest["embedding_dim"],
         )
-    except (ValueError, TypeError, KeyError, OSError, EOFError, RuntimeError, BadZipFile) as exc:
+    except LOAD_ERRORS as exc:
         raise BundleError(f"bundle {bundle_dir}: datastore: {one_line(exc)}") from None
     _check_kept_inputs(getattr(ds, "inputs_", None), manifest["input"], bundle_dir)
     return ds

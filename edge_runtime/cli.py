@@ -56,8 +56,8 @@ from .arg_types import (
 )
 from .cli_help import examples, install_hint, package_version
 from .commands import Command, Parser, UsageError, add_commands, command
+from .datastores import DEVICE_RECIPES
 from .datastores.recipes import describe_recipe
-from .device_init import DEFAULT_RECIPES
 from .errors import one_line
 from .interrupt import INTERRUPTED
 from .knn import DEFAULT_K, DEFAULT_SIGMA
@@ -206,7 +206,7 @@ def _init_arguments(s: argparse.ArgumentParser) -> None:
     )
     s.add_argument(
         "--recipes",
-        default=",".join(DEFAULT_RECIPES),
+        default=",".join(DEVICE_RECIPES),
         help="comma-separated candidates, e.g. flat:int8,flat:fp16",
     )
     s.add_argument(

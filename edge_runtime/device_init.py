@@ -28,6 +28,7 @@ from .budget import Budget
 from .bundle import BundleError, write_bundle
 from .datastores import (
     BACKENDS,
+    DEVICE_RECIPES,
     format_recipe,
     make_datastore,
     parse_recipe,
@@ -43,7 +44,6 @@ from .versions import ModelVersion
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RECIPES = ("flat:fp32", "flat:fp16", "flat:int8")
 _COUNT_FRACTIONS = (1.0, 0.5, 0.25)
 
 
@@ -138,7 +138,7 @@ def init_bundle(
     y = check_labels(y, z.shape[0], num_classes)
     inputs = raw_checked(x, input_spec) if keep_inputs else None
     if inputs is not None:  # every candidate keeps them, and counts them in its footprint
-        recipes = [with_inputs(r, inputs[0].nbytes) for r in (recipes or DEFAULT_RECIPES)]
+        recipes = [with_inputs(r, inputs[0].nbytes) for r in (recipes or DEVICE_RECIPES)]
     candidates = _candidate_recipes(recipes, num_classes, k, sigma, dim, budget, seed, z.shape[0])
     final, best, scored = choose_datastore(
         z,
@@ -195,7 +195,7 @@ def _candidate_recipes(
     seen: set = set()
     probes = []
     too_many: list[str] = []  # recipes whose own n is the problem, with the n that fits
-    for recipe in recipes if recipes is not None else DEFAULT_RECIPES:
+    for recipe in recipes if recipes is not None else DEVICE_RECIPES:
         name, params = parse_recipe(recipe)
         if BACKENDS[name].TRAINED:
             raise ValueError(

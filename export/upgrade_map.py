@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from edge_runtime._io import write_bytes_atomic
-from edge_runtime.datastores import make_datastore
+from edge_runtime.datastores import EXACT_RECIPE, make_datastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.keymap import ADVICE, MAX_FORM_BYTES, KeyMap
 from edge_runtime.preprocess import prepare_input
@@ -118,7 +118,7 @@ def knn_accuracy(
     k: int,
     sigma: float,
 ) -> float:
-    ds = make_datastore("flat:fp32", num_classes, k=k, sigma=sigma).fit(keys, labels)
+    ds = make_datastore(EXACT_RECIPE, num_classes, k=k, sigma=sigma).fit(keys, labels)
     return float((ds.predict_proba(queries).argmax(1) == truth).mean())
 
 

@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
+from edge_runtime.datastores import BACKENDS
 from edge_runtime.runtime import Runtime
 from export.exporter import ExportSettings, export_run
 from export.sizing import SearchSpace
@@ -23,7 +24,6 @@ SPACE = SearchSpace(
     protonn_steps=30,
 )
 ROOM = 20_000  # datastore bytes above the encoder: not every sample fits
-BACKENDS = ("auto", "flat", "hnsw", "protonn")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def exported(tmp_path_factory):
     )
     budgets = {0: first["encoder"]["bytes"] + ROOM}
     rows = []
-    for backend in BACKENDS:
+    for backend in ("auto", *BACKENDS):
         settings = ExportSettings(backend=backend, space=SPACE)
         report = export_run(run, root / backend, budgets, settings, clients="0", progress=False)
         rows.append((root / backend / report["clients"][0]["bundle"], report["clients"][0]))
@@ -54,7 +54,7 @@ def test_add_works_on_every_exported_backend_within_the_budget(
     exported, tmp_path, strategy, caplog
 ):
     _, run, rows = exported
-    assert {row["backend"] for _, row in rows} == {"flat", "hnsw", "protonn"}
+    assert {row["backend"] for _, row in rows} == set(BACKENDS)
     x, y = run.dataset.x_test[:40], run.dataset.y_test[:40].astype(np.int64)
     for path, row in rows:
         bundle = tmp_path / path.parent.name / path.name

@@ -15,6 +15,7 @@ import torch
 from edgeml.pytorch.graph.protoNN import ProtoNN
 
 from edge_runtime.budget import Budget
+from edge_runtime.datastores import BACKENDS
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.runtime import Runtime
 from export import exporter
@@ -48,7 +49,7 @@ def _backends(sizer: DatastoreSizer) -> set[str]:
 
 def test_exhaustive_search_is_the_default_and_trains_every_protonn_to_the_end():
     sizer = DatastoreSizer(3, space=SPACE).fit(_embeddings(), Budget(4_600, encoder=0))
-    assert _backends(sizer) == {"flat", "hnsw", "protonn"}
+    assert _backends(sizer) == set(BACKENDS)
     steps = [c.steps for c in sizer.candidates_ if c.backend == "protonn"]
     assert len(steps) > SPACE.protonn_finalists and set(steps) == {SPACE.protonn_steps}
 

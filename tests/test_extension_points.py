@@ -24,20 +24,24 @@ PACKAGES = ("edge_runtime", "export", "fed_train", "knnper_cli")
 
 
 def backend_literals() -> list[str]:
-    """Every string literal equal to a built-in backend's name outside edge_runtime/datastores/."""
-    names = {"flat", "hnsw", "protonn"}
+    """Every string literal that is a registered backend's name or a recipe of one ("flat",
+    "flat:fp32") outside edge_runtime/datastores/."""
+    names = tuple(BACKENDS)
     found = []
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             if "datastores" in path.relative_to(ROOT).parts:
                 continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if isinstance(node, ast.Constant) and node.value in names:
+                if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                    continue
+                if node.value in names or node.value.startswith(tuple(f"{n}:" for n in names)):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     return found
 
 
-def test_no_module_outside_the_datastores_names_a_backend():
+def test_no_module_outside_the_datastores_names_a_backend_or_a_recipe():
+    """The four recipe strings device_init and upgrade_map held were found by no check."""
     assert backend_literals() == []
 
 

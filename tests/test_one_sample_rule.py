@@ -12,8 +12,7 @@ import pytest
 
 from edge_runtime import cli as edge_cli
 from edge_runtime.budget import Budget
-from edge_runtime.datastores import make_datastore
-from edge_runtime.device_init import DEFAULT_RECIPES
+from edge_runtime.datastores import DEVICE_RECIPES, make_datastore
 from edge_runtime.head_file import head_nbytes, no_sample_fits, one_sample_room, samples_within
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.runtime import Runtime
@@ -97,7 +96,7 @@ def test_init_refuses_below_one_sample_in_one_line_and_fits_at_the_smallest_budg
     x, y = make_images(30)
     np.savez(tmp_path / "d.npz", x=x, y=y)
     (tmp_path / "spec.json").write_text(json.dumps(IMAGE_SPEC))
-    stores = [make_datastore(r, NUM_CLASSES) for r in DEFAULT_RECIPES]
+    stores = [make_datastore(r, NUM_CLASSES) for r in DEVICE_RECIPES]
     smallest = encoder.stat().st_size + one_sample_room(stores, P, None)
     capsys.readouterr()
     assert edge_cli.main(_init(tmp_path, smallest - 1)) == 2

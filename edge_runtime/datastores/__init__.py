@@ -25,10 +25,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..knn import DEFAULT_K, DEFAULT_SIGMA
-from .base import BaseDatastore, SampleDatastore
+from .base import LOAD_ERRORS, BaseDatastore, SampleDatastore, SavedFiles
+from .checks import BACKEND_CHECKS, check_backend
 from .common import (
     DATASTORE_FILE_RE,
     FLAT_DTYPES,
+    check_fit_inputs,
+    check_labels_array,
+    check_positive_int,
     datastore_file_name,
     file_generation,
     max_count_within,
@@ -41,14 +45,23 @@ from .registry import BACKENDS, backend_class, register_backend
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_CHECKS",
+    "LOAD_ERRORS",
     "BaseDatastore",
     "DATASTORE_FILE_RE",
+    "DEVICE_RECIPES",
+    "EXACT_RECIPE",
     "FLAT_DTYPES",
     "FlatDatastore",
     "HNSWDatastore",
     "ProtoNNDatastore",
     "SampleDatastore",
+    "SavedFiles",
     "backend_class",
+    "check_backend",
+    "check_fit_inputs",
+    "check_labels_array",
+    "check_positive_int",
     "datastore_file_name",
     "file_generation",
     "format_recipe",
@@ -62,6 +75,11 @@ __all__ = [
 register_backend(FlatDatastore)
 register_backend(HNSWDatastore)
 register_backend(ProtoNNDatastore)
+
+# what `knnper-edge init` tries where no --recipes are given (every flat key dtype), and the
+# exact float32 search a reference accuracy is measured with
+DEVICE_RECIPES = ("flat:fp32", "flat:fp16", "flat:int8")
+EXACT_RECIPE = "flat:fp32"
 
 
 def make_datastore(

@@ -14,25 +14,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
+from zipfile import BadZipFile
 
 import numpy as np
 
-from .._io import load_npz
+from .._io import load_npz, save_npz_atomic
 from ..knn import kernel_posterior
 from ..versions import EMBEDDING_ARRAY, ModelVersion, id_from_arrays
 from . import recipes
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     ParamCheck,
-    _check_fit_inputs,
-    _check_positive_int,
     _check_positive_number,
     _optional,
     _require,
     _subsample,
+    check_fit_inputs,
+    check_positive_int,
+    datastore_file_name,
 )
 
 DatastoreT = TypeVar("DatastoreT", bound="BaseDatastore")
+# what `load` raises for damaged or hostile files: a bundle reader turns each into one line
+LOAD_ERRORS = (ValueError, TypeError, KeyError, OSError, EOFError, RuntimeError, BadZipFile)
 INPUTS_ARRAY = "inputs"
 # what kept raw inputs may be: uint8 images or int64 token ids (edge_runtime.preprocess)
 INPUT_DTYPES = (np.dtype(np.uint8), np.dtype(np.int64))
@@ -66,10 +70,10 @@ class BaseDatastore:
     PARAM_NAMES: ClassVar[tuple[str, ...]] = ()
     # per parameter name, the check a value must pass; a parameter without one is unchecked
     PARAM_CHECKS: ClassVar[dict[str, ParamCheck]] = {
-        "num_classes": _check_positive_int,
-        "k": _check_positive_int,
+        "num_classes": check_positive_int,
+        "k": check_positive_int,
         "sigma": _check_positive_number,
-        "n": _optional(_check_positive_int),
+        "n": _optional(check_positive_int),
     }
     # the files a save writes (their generation-0 names: one of each extension), the sentence a
     # different list is refused with, and the arrays the .npz must hold
@@ -161,6 +165,12 @@ class BaseDatastore:
         return self.estimate_nbytes(n, dim)
 
     @classmethod
+    def for_checks(cls: type[DatastoreT], z: np.ndarray, y: np.ndarray) -> DatastoreT:
+        """A small datastore fitted on (z, y) with k = 3, for `check_backend` (checks.py). A
+        backend that is trained rather than fitted with `fit` says how to build one."""
+        return cls(int(y.max()) + 1, k=3).fit(z, y)
+
+    @classmethod
     def from_params(cls: type[DatastoreT], params: dict) -> DatastoreT:
         """An unfitted datastore from a manifest's (hostile) params, checked before any file
         of it is read."""
@@ -216,6 +226,17 @@ class BaseDatastore:
             out[INPUTS_ARRAY] = self.inputs_
         return out
 
+    def save_npz(
+        self, directory: str | os.PathLike, generation: int, arrays: dict, *, sync_dir: bool = True
+    ) -> str:
+        """Write `arrays` and `extra_arrays()` as datastore[.<generation>].npz (atomically,
+        fsynced, uncompressed); returns its name: the .npz every backend's `save` writes."""
+        name = datastore_file_name("datastore", "npz", generation)
+        save_npz_atomic(
+            Path(directory) / name, {**arrays, **self.extra_arrays()}, sync_dir=sync_dir
+        )
+        return name
+
     def _restore(self: DatastoreT, saved: SavedFiles, embedding_dim: int | None) -> DatastoreT:
         """This (unfitted, checked) datastore filled from its saved files, each checked."""
         raise NotImplementedError
@@ -230,7 +251,7 @@ class SampleDatastore(BaseDatastore):
 
     PARAM_CHECKS: ClassVar[dict[str, ParamCheck]] = {
         **BaseDatastore.PARAM_CHECKS,
-        "inputs": _optional(_check_positive_int),
+        "inputs": _optional(check_positive_int),
     }
 
     def fit(
@@ -239,7 +260,7 @@ class SampleDatastore(BaseDatastore):
         """Store (a seeded random subset of at most n of) the pairs (z_i, y_i), and each
         sample's raw input where the recipe keeps them (`inputs`, x<bytes per sample>)."""
         self.check_params()
-        z, y = _check_fit_inputs(z, y, self.num_classes)
+        z, y = check_fit_inputs(z, y, self.num_classes)
         if z.shape[0] == 0:
             raise ValueError("fit needs at least one sample")
         keep = _subsample(z.shape[0], self.n, self.seed)

@@ -67,7 +67,9 @@ def max_count_within(estimate: Callable[[int], int], room: int) -> int:
 # ----------------------------------------------------------------------------- shared checks
 
 
-def _check_fit_inputs(z: Any, y: Any, num_classes: int, dim: int | None = None):
+def check_fit_inputs(z: Any, y: Any, num_classes: int, dim: int | None = None):
+    """(z, y) as float32 [n, dim] embeddings and int64 labels in [0, num_classes);
+    ValueError, one line, otherwise: what `fit` and `add` take."""
     z = np.asarray(z)
     y = np.asarray(y)
     if z.ndim != 2:
@@ -106,7 +108,8 @@ def _require(arrays: dict[str, np.ndarray], names: Sequence[str], file: str) -> 
         raise ValueError(f"{file} lacks array(s) {missing}; it has {sorted(arrays)}")
 
 
-def _check_labels_array(labels: np.ndarray, n: int, num_classes: int, file: str) -> np.ndarray:
+def check_labels_array(labels: np.ndarray, n: int, num_classes: int, file: str) -> np.ndarray:
+    """A saved file's `n` labels, checked (integers in range) before anything uses them."""
     if labels.dtype.kind not in "iu" or labels.shape != (n,):
         raise ValueError(
             f"{file}: labels must be integers of shape [{n}], got {labels.dtype} "
@@ -124,7 +127,8 @@ def _check_labels_array(labels: np.ndarray, n: int, num_classes: int, file: str)
 ParamCheck = Callable[[str, Any], None]
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def check_positive_int(name: str, value: Any) -> None:
+    """A `PARAM_CHECKS` entry: the parameter must be a positive integer."""
     if not is_integer(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 

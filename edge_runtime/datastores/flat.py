@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._io import save_npz_atomic
 from ..knn import DEFAULT_K, DEFAULT_SIGMA, search_transposed, transposed_key_norms
 from .base import SampleDatastore, SavedFiles
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
     FLAT_DTYPES,
-    _check_fit_inputs,
-    _check_labels_array,
     _check_query,
     _require,
-    datastore_file_name,
+    check_fit_inputs,
+    check_labels_array,
     search_nbytes,
 )
 
@@ -111,7 +108,7 @@ class FlatDatastore(SampleDatastore):
             self.scale_ = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
         keys_t, done = None, 0
         for chunk in chunks():
-            chunk, _ = _check_fit_inputs(
+            chunk, _ = check_fit_inputs(
                 chunk, labels[done : done + chunk.shape[0]], self.num_classes
             )
             stored = self._stored_form(chunk)
@@ -127,7 +124,7 @@ class FlatDatastore(SampleDatastore):
     def add(self, z: np.ndarray, y: np.ndarray, inputs: np.ndarray | None = None) -> FlatDatastore:
         """Append samples (and their raw inputs, where the recipe keeps them) with new
         insertion stamps (no eviction: the caller decides that)."""
-        z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
+        z, y = check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
         self._append_inputs(inputs, z.shape[0])
         start = int(self.order_[-1]) + 1 if len(self.order_) else 0
         stamps = np.arange(start, start + z.shape[0], dtype=np.int64)
@@ -223,14 +220,11 @@ class FlatDatastore(SampleDatastore):
     # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
         """Write datastore[.<generation>].npz (atomically, fsynced); returns the file names."""
-        name = datastore_file_name("datastore", "npz", generation)
         # keys_t_.T is the [n, p] array in Fortran order: saved without a copy, loaded likewise
         arrays = {"keys": self.keys_t_.T, "labels": self.labels_, "order": self.order_}
         if self.dtype == "int8":
             arrays["scale"] = self.scale_
-        arrays.update(self.extra_arrays())
-        save_npz_atomic(Path(directory) / name, arrays)
-        return [name]
+        return [self.save_npz(directory, generation, arrays)]
 
     def _restore(self, saved: SavedFiles, embedding_dim: int | None) -> FlatDatastore:
         npz, arrays = saved.npz, saved.arrays
@@ -244,7 +238,7 @@ class FlatDatastore(SampleDatastore):
         n, dim = keys.shape
         if embedding_dim is not None and dim != embedding_dim:
             raise ValueError(f"{npz}: keys have dimension {dim}, expected {embedding_dim}")
-        labels = _check_labels_array(arrays["labels"], n, self.num_classes, npz)
+        labels = check_labels_array(arrays["labels"], n, self.num_classes, npz)
         order = arrays["order"]
         if order.dtype.kind not in "iu" or order.shape != (n,):
             raise ValueError(f"{npz}: order must be integers of shape [{n}]")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .._io import fsync_dir, save_npz_atomic, write_path_atomic
+from .._io import fsync_dir, write_path_atomic
 from ..cli_help import install_hint
 from ..hnsw_format import check_hnsw_index
 from ..knn import DEFAULT_K, DEFAULT_SIGMA
@@ -17,10 +17,10 @@ from .base import SampleDatastore, SavedFiles
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
-    _check_fit_inputs,
-    _check_labels_array,
-    _check_positive_int,
     _check_query,
+    check_fit_inputs,
+    check_labels_array,
+    check_positive_int,
     datastore_file_name,
 )
 
@@ -46,7 +46,7 @@ class HNSWDatastore(SampleDatastore):
     backend = "hnsw"
     PARAM_CHECKS = {
         **SampleDatastore.PARAM_CHECKS,
-        **dict.fromkeys(("M", "ef_construction", "ef", "num_threads"), _check_positive_int),
+        **dict.fromkeys(("M", "ef_construction", "ef", "num_threads"), check_positive_int),
     }
     FILES = ("datastore.npz", "hnsw.bin")
     FILES_RULE = "an hnsw datastore is one .npz and one .bin file"
@@ -124,7 +124,7 @@ class HNSWDatastore(SampleDatastore):
         labels = np.asarray(y).astype(np.int64)
         done = 0
         for chunk in chunks():
-            chunk, _ = _check_fit_inputs(
+            chunk, _ = check_fit_inputs(
                 chunk, labels[done : done + chunk.shape[0]], self.num_classes
             )
             if done == 0:
@@ -139,7 +139,7 @@ class HNSWDatastore(SampleDatastore):
         return self
 
     def add(self, z: np.ndarray, y: np.ndarray, inputs: np.ndarray | None = None) -> HNSWDatastore:
-        z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
+        z, y = check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
         if z.shape[0] == 0:
             return self
         self._append_inputs(inputs, z.shape[0])
@@ -213,16 +213,12 @@ class HNSWDatastore(SampleDatastore):
         """Write datastore[.g].npz (labels, ids) and hnsw[.g].bin, each atomically."""
         self._compact()
         directory = Path(directory)
-        npz = datastore_file_name("datastore", "npz", generation)
         binary = datastore_file_name("hnsw", "bin", generation)
         write_path_atomic(
             directory / binary, lambda tmp: self.index_.save_index(os.fspath(tmp)), sync_dir=False
         )
-        save_npz_atomic(
-            directory / npz,
-            {"labels": self.labels_, "ids": self.ids_, **self.extra_arrays()},
-            sync_dir=False,
-        )
+        arrays = {"labels": self.labels_, "ids": self.ids_}
+        npz = self.save_npz(directory, generation, arrays, sync_dir=False)
         fsync_dir(directory)
         return [npz, binary]
 
@@ -236,7 +232,7 @@ class HNSWDatastore(SampleDatastore):
             raise ValueError(f"{npz}: labels and ids must be 1-D of the same length >= 1")
         if np.any(np.diff(ids) <= 0) or ids[0] < 0:
             raise ValueError(f"{npz}: ids must be increasing non-negative stamps")
-        labels = _check_labels_array(arrays["labels"], n, self.num_classes, npz)
+        labels = check_labels_array(arrays["labels"], n, self.num_classes, npz)
         hnswlib = _import_hnswlib()
         index = hnswlib.Index(space="l2", dim=int(embedding_dim))
         # hnswlib trusts its file; a crafted one crashes the process at query time

@@ -6,25 +6,22 @@ from __future__ import annotations
 import math
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._io import save_npz_atomic
 from ..knn import DEFAULT_K, DEFAULT_SIGMA
 from .base import BaseDatastore, SavedFiles
 from .common import (
     _NPZ_ARRAY_OVERHEAD,
     _NPZ_FILE_OVERHEAD,
-    _check_fit_inputs,
-    _check_labels_array,
-    _check_positive_int,
     _check_positive_number,
     _check_query,
     _optional,
     _require,
-    datastore_file_name,
+    check_fit_inputs,
+    check_labels_array,
+    check_positive_int,
     search_nbytes,
 )
 
@@ -58,9 +55,9 @@ class ProtoNNDatastore(BaseDatastore):
     backend = "protonn"
     PARAM_CHECKS = {
         **BaseDatastore.PARAM_CHECKS,
-        "d": _optional(_check_positive_int),
+        "d": _optional(check_positive_int),
         "m": _optional(_check_positive_number),
-        "buffer": _optional(_check_positive_int),
+        "buffer": _optional(check_positive_int),
     }
     FILES = ("datastore.npz",)
     FILES_RULE = "a protonn datastore is one .npz file"
@@ -101,6 +98,15 @@ class ProtoNNDatastore(BaseDatastore):
             "ProtoNN datastores are trained on the server with the protonn package (it needs "
             "torch); build one here with ProtoNNDatastore.from_matrices(W, B, Z, gamma)"
         )
+
+    @classmethod
+    def for_checks(cls, z: np.ndarray, y: np.ndarray) -> ProtoNNDatastore:
+        """The class means as prototypes, seen through an identity projection, with a
+        buffer of 4 samples (no training: `check_backend` checks the datastore, not ProtoNN)."""
+        classes = int(y.max()) + 1
+        means = np.stack([z[y == c].mean(axis=0) for c in range(classes)]).T
+        W = np.eye(z.shape[1], dtype=np.float32)
+        return cls.from_matrices(W, means, np.eye(classes), 0.3, k=3, m=1.0, buffer=4)
 
     @classmethod
     def from_matrices(
@@ -215,7 +221,7 @@ class ProtoNNDatastore(BaseDatastore):
 
     def add(self, z: np.ndarray, y: np.ndarray) -> ProtoNNDatastore:
         """Project samples with W and append them to the buffer (the caller evicts)."""
-        z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
+        z, y = check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
         start = int(self.buffer_order_[-1]) + 1 if len(self.buffer_order_) else 0
         self._set_buffer(
             np.concatenate([self.buffer_keys_t_, self.W_ @ z.T], axis=1),
@@ -305,7 +311,6 @@ class ProtoNNDatastore(BaseDatastore):
 
     # -- persistence
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
-        name = datastore_file_name("datastore", "npz", generation)
         arrays = {"W": self.W_, "B": self.B_, "Z": self.Z_, "gamma": np.float64(self.gamma_)}
         if self.buffer is not None or len(self.buffer_labels_):
             arrays.update(
@@ -313,9 +318,7 @@ class ProtoNNDatastore(BaseDatastore):
                 buffer_labels=self.buffer_labels_,
                 buffer_order=self.buffer_order_,
             )
-        arrays.update(self.extra_arrays())
-        save_npz_atomic(Path(directory) / name, arrays)
-        return [name]
+        return [self.save_npz(directory, generation, arrays)]
 
     def _restore(self, saved: SavedFiles, embedding_dim: int | None) -> ProtoNNDatastore:
         """A datastore of these params built from the saved matrices (`from_matrices`, which
@@ -348,7 +351,7 @@ class ProtoNNDatastore(BaseDatastore):
         if keys.ndim != 2 or keys.shape[1] != d or keys.dtype != np.float32:
             raise ValueError(f"{file}: buffer_keys must be float32 [count, {d}]")
         held = keys.shape[0]
-        labels = _check_labels_array(arrays["buffer_labels"], held, self.num_classes, file)
+        labels = check_labels_array(arrays["buffer_labels"], held, self.num_classes, file)
         if order.dtype.kind not in "iu" or order.shape != (held,):
             raise ValueError(f"{file}: buffer_order must be integers of shape [{held}]")
         order = order.astype(np.int64, copy=False)

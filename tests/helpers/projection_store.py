@@ -7,24 +7,22 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 
 import numpy as np
 
-from edge_runtime._io import save_npz_atomic
-from edge_runtime.datastores.base import SampleDatastore, SavedFiles
-from edge_runtime.datastores.common import (
-    _check_fit_inputs,
-    _check_labels_array,
-    _check_positive_int,
-    datastore_file_name,
+from edge_runtime.datastores import (
+    SampleDatastore,
+    SavedFiles,
+    check_fit_inputs,
+    check_labels_array,
+    check_positive_int,
 )
 from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
 
 
 class ProjectionDatastore(SampleDatastore):
     backend = "randproj"
-    PARAM_CHECKS = {**SampleDatastore.PARAM_CHECKS, "d": _check_positive_int}
+    PARAM_CHECKS = {**SampleDatastore.PARAM_CHECKS, "d": check_positive_int}
     FILES = ("datastore.npz",)
     FILES_RULE = "a randproj datastore is one .npz file"
     NPZ_ARRAYS = ("keys", "labels", "order", "projection")
@@ -70,7 +68,7 @@ class ProjectionDatastore(SampleDatastore):
         self, z: np.ndarray, y: np.ndarray, inputs: np.ndarray | None = None
     ) -> ProjectionDatastore:
         self._append_inputs(inputs, z.shape[0])
-        z, y = _check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
+        z, y = check_fit_inputs(z, y, self.num_classes, self.embedding_dim_)
         start = int(self.order_[-1]) + 1 if len(self.order_) else 0
         self.keys_ = np.concatenate([self.keys_, z @ self.projection_])
         self.labels_ = np.concatenate([self.labels_, y])
@@ -105,18 +103,8 @@ class ProjectionDatastore(SampleDatastore):
         )
 
     def save(self, directory: str | os.PathLike, *, generation: int = 0) -> list[str]:
-        name = datastore_file_name("datastore", "npz", generation)
-        save_npz_atomic(
-            Path(directory) / name,
-            {
-                "keys": self.keys_,
-                "labels": self.labels_,
-                "order": self.order_,
-                "projection": self.projection_,
-                **self.extra_arrays(),
-            },
-        )
-        return [name]
+        arrays = {"keys": self.keys_, "labels": self.labels_, "order": self.order_}
+        return [self.save_npz(directory, generation, {**arrays, "projection": self.projection_})]
 
     def _restore(self, saved: SavedFiles, embedding_dim: int | None) -> ProjectionDatastore:
         keys, projection = saved.arrays["keys"], saved.arrays["projection"]
@@ -134,7 +122,7 @@ class ProjectionDatastore(SampleDatastore):
             raise ValueError(f"{saved.npz}: projection expects dimension {projection.shape[0]}")
         self.embedding_dim_ = int(projection.shape[0])
         self.projection_, self.keys_ = projection, keys
-        self.labels_ = _check_labels_array(
+        self.labels_ = check_labels_array(
             saved.arrays["labels"], len(keys), self.num_classes, saved.npz
         )
         self.order_ = saved.arrays["order"].astype(np.int64)
