@@ -1,11 +1,25 @@
 """int8 static quantization of the ONNX encoder (onnxruntime, QDQ), calibrated on server-side
-training data, with the first layer and the classifier head kept in float.
+training data, with the classifier head kept in float.
 
-Weights are quantized to 7 bits ([-64, 64], onnxruntime's `reduce_range`) so that the encoder
-computes the same integers on every CPU: onnxruntime's uint8 x int8 kernels on AVX2 without VNNI
-add pairs of products in 16 bits and saturate (255 * (127 + 127) > 32767), while VNNI, AMX, ARM
-and WebAssembly add in 32 bits. With 7-bit weights a pair is at most 255 * (64 + 64) = 32640, so
-no sum saturates anywhere; `check_pair_sums` proves it from the weights of every encoder written.
+The encoder computes the same integers on every CPU (x86 with or without VNNI, ARM with or
+without the dot-product instructions, WebAssembly), because nothing in it depends on a kernel:
+- Weights are quantized to 7 bits ([-64, 64], onnxruntime's `reduce_range`): onnxruntime's
+  uint8 x int8 kernels on AVX2 without VNNI add pairs of products in 16 bits and saturate
+  (255 * (127 + 127) > 32767), while VNNI, AMX, ARM and WebAssembly add in 32 bits. With 7-bit
+  weights a pair is at most 255 * (64 + 64) = 32640, so no sum saturates anywhere.
+- The first layer is quantized too: kept in float (as before), its convolution summed in
+  another order on x86 (NCHWc) than on ARM, 1 ulp apart, and the QuantizeLinear after it rounded
+  a value the other way (MobileNet-v2-gn: its embedding moved on 63 of 200 inputs under emulated
+  ARM). Quantized, the input's QuantizeLinear divides and rounds one value at a time: the same
+  everywhere.
+- GroupNorm's statistics (an InstanceNormalization, summed in float in the CPU's vector order)
+  are computed from the quantized integers, exactly (export/integer_norm.py).
+- A quantized Add is written as a float Sum between its DequantizeLinear and QuantizeLinear
+  nodes: onnxruntime fuses an Add there into QLinearAdd, which computes in float32 on x86 and in
+  fixed point on ARM and differs by one step on about 1 output in 10^4; a float sum of two
+  dequantized values is one IEEE rounding, and no onnxruntime level fuses a Sum.
+`check_integer_path` proves all but the statistics' rewrite from every encoder written (it
+refuses an InstanceNormalization that reads quantized values too).
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from onnxruntime.quantization import (
 )
 
 from export.errors import ExportError
+from export.integer_norm import integer_group_norms
 from export.onnx_export import INPUT_NAME, OUTPUT_NAMES
 from fed_train.algorithms.base import ClientData
 
@@ -118,12 +133,25 @@ def input_nodes(model: onnx.ModelProto) -> list[str]:
     return [node.name for node in model.graph.node if INPUT_NAME in node.input]
 
 
-def float_nodes(model: onnx.ModelProto) -> list[str]:
+def float_nodes(model: onnx.ModelProto, *, first_layer: bool = False) -> list[str]:
     """The nodes kept in float: the classifier head (int8 saturated logits outside the
-    calibrated range) and the first layer. Quantizing the first convolution of the digits CNN
-    cost most of the int8 error (embedding cosine to fp32 0.980 -> 0.9995 minimum, argmax
-    agreement 98.1% -> 100% once it stayed float) and it holds few weights."""
-    return list(dict.fromkeys(input_nodes(model) + head_nodes(model)))
+    calibrated range), and with `first_layer` the nodes reading the input, as the exporter
+    kept them before its integers had to be the same on every CPU (benchmarks/int8_form.py
+    measures both)."""
+    return list(dict.fromkeys((input_nodes(model) if first_layer else []) + head_nodes(model)))
+
+
+def sum_for_quantized_adds(model: onnx.ModelProto) -> int:
+    """Turn every Add whose inputs are both dequantized values into a Sum (the same result, one
+    IEEE rounding), so that onnxruntime does not fuse it into QLinearAdd, whose integers
+    depend on the CPU's kernel. Returns how many were turned."""
+    dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    turned = 0
+    for node in model.graph.node:
+        if node.op_type == "Add" and all(name in dequantized for name in node.input):
+            node.op_type = "Sum"
+            turned += 1
+    return turned
 
 
 class _DropPreprocessingAdvice(logging.Filter):
@@ -171,6 +199,37 @@ def pair_sum_bound(weights: np.ndarray) -> int:
     return int(UINT8_MAX * top2.sum(axis=1).max())
 
 
+def check_integer_path(model: onnx.ModelProto) -> None:
+    """Raise unless the encoder's integers are defined the same on every CPU: no pair of
+    uint8 x int8 products can leave int16 (`check_pair_sums`), the graph input is quantized by
+    the first node that reads it (a float layer before the first QuantizeLinear would round by
+    its kernel's summation order), and no Add or QLinearAdd sums quantized values (onnxruntime
+    fuses one into QLinearAdd, which rounds by kernel)."""
+    check_pair_sums(model)
+    readers = [node for node in model.graph.node if INPUT_NAME in node.input]
+    if [node.op_type for node in readers] != ["QuantizeLinear"]:
+        raise ExportError(
+            "the encoder's input is read by "
+            f"{', '.join(f'{n.op_type} {n.name}' for n in readers)}, not quantized first: a "
+            "float first layer rounds differently on other CPUs"
+        )
+    dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    for node in model.graph.node:
+        if node.op_type == "InstanceNormalization" and node.input[0] in dequantized:
+            raise ExportError(
+                f"InstanceNormalization {node.name} sums dequantized values in float, in an "
+                "order that depends on the CPU (compute it from the integers: "
+                "export.integer_norm)"
+            )
+        if node.op_type == "QLinearAdd" or (
+            node.op_type == "Add" and all(name in dequantized for name in node.input)
+        ):
+            raise ExportError(
+                f"{node.op_type} {node.name} adds quantized values: onnxruntime's QLinearAdd "
+                "rounds differently on x86 and ARM (write it as a float Sum)"
+            )
+
+
 def check_pair_sums(model: onnx.ModelProto) -> None:
     """Raise unless no pair of uint8 x int8 products in the encoder can leave the int16 range,
     so its integers are the same on every CPU whatever its kernels' accumulator width."""
@@ -191,11 +250,14 @@ def quantize_int8(
     *,
     keep_float: bool = True,
     weights: str = "int7",
+    previous_form: bool = False,
 ) -> Path:
     """Static QDQ quantization: uint8 activations, per-channel weights in `weights`'s scheme
-    (see WEIGHT_SCHEMES; int8 activations ran about 1.4x slower). With `keep_float`, the first
-    layer and the classifier head stay float (see `float_nodes`). An encoder with int8 weights
-    is checked by `check_pair_sums` unless its scheme is "int8", the one that saturates."""
+    (see WEIGHT_SCHEMES; int8 activations ran about 1.4x slower). With `keep_float`, the
+    classifier head stays float (see `float_nodes`). The encoder is checked by
+    `check_integer_path`; one in the form written before (`previous_form`: a float first
+    layer, QLinearAdd, GroupNorm's float statistics; benchmarks/int8_form.py measures both) by
+    `check_pair_sums` alone; one with the "int8" scheme, which saturates, not at all."""
     fp32_path, out_path = Path(fp32_path), Path(out_path)
     if weights not in WEIGHT_SCHEMES:
         raise ValueError(f"weights must be one of {sorted(WEIGHT_SCHEMES)}, got {weights!r}")
@@ -206,7 +268,7 @@ def quantize_int8(
     for i, node in enumerate(model.graph.node):
         if not node.name:  # nodes_to_exclude works by name; give every node one
             node.name = f"node_{i}"
-    exclude = float_nodes(model) if keep_float else []
+    exclude = float_nodes(model, first_layer=previous_form) if keep_float else []
     out_path.parent.mkdir(parents=True, exist_ok=True)
     advice_filter = _DropPreprocessingAdvice()
     with tempfile.TemporaryDirectory(prefix="knnper-quant-") as tmp:
@@ -230,8 +292,13 @@ def quantize_int8(
             raise ExportError(f"int8 quantization failed: {err}") from err
         finally:
             logging.getLogger().removeFilter(advice_filter)
+    quantized = onnx.load(out_path)
+    if not previous_form:
+        integer_group_norms(quantized)
+        sum_for_quantized_adds(quantized)
+        onnx.save(quantized, out_path)
     if weights != "int8":
-        check_pair_sums(onnx.load(out_path))
+        (check_pair_sums if previous_form else check_integer_path)(quantized)
     log.info(
         "quantized %s -> %s (%d -> %d bytes, kept float: %s)",
         fp32_path.name,

@@ -72,6 +72,9 @@ CASES: dict[str, Case] = {
         slow=True,
     ),
     "int8_scheme.py": Case(("{run}", "--out", "{out}", "--reps", "5", "--warmup", "2"), slow=True),
+    "int8_form.py": Case(
+        ("{run}", "--out", "{out}", "--reps", "5", "--warmup", "2", "--test-limit", "50"), slow=True
+    ),
     "int8_query_accuracy.py": Case(
         ("--clients", "2", "--rounds", "1", "--out", "{out}"), slow=True
     ),

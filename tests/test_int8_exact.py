@@ -1,7 +1,10 @@
 """The int8 encoder computes the same integers on every CPU: onnxruntime's output on the CPU the
-suite runs on equals an exact-integer recomputation (tests/helpers/int8_reference.py), and the
-exporter's 7-bit weights keep every pair of uint8 x int8 products inside int16, so AVX2's
-saturating pair-add (emulated here) cannot change them."""
+suite runs on equals an exact-integer recomputation of every quantized operator the exporter's
+encoders hold (tests/helpers/int8_reference.py; the small CNN's and a small MobileNet-v2-gn's:
+depthwise convolutions, QLinearMul, QLinearGlobalAveragePool), the exporter's 7-bit weights keep
+every pair of uint8 x int8 products inside int16, so AVX2's saturating pair-add (emulated here)
+cannot change them, and nothing float that rounds by kernel comes before a QuantizeLinear
+(`check_integer_path`). .ci/arm runs the same encoders on emulated ARM CPUs."""
 
 from __future__ import annotations
 
@@ -14,13 +17,22 @@ import torch
 from edge_runtime.encoder import optimize_encoder
 from edge_runtime.preprocess import prepare_input
 from export.errors import ExportError
+from export.integer_norm import integer_group_norms
 from export.onnx_export import export_onnx
-from export.quantize import INT16_MAX, check_pair_sums, int8_weights, pair_sum_bound, quantize_int8
+from export.quantize import (
+    INT16_MAX,
+    check_integer_path,
+    check_pair_sums,
+    int8_weights,
+    pair_sum_bound,
+    quantize_int8,
+)
 from fed_train.data import load_dataset
-from fed_train.models import build_model
+from fed_train.models import MobileNetV2, build_model
 from tests.helpers.int8_reference import (
     integer_dot,
     node_differences,
+    qlinear_add,
     qlinear_conv,
     reference_outputs,
 )
@@ -54,13 +66,112 @@ def encoders(digits, tmp_path_factory):
     return paths
 
 
-def test_every_quantized_node_equals_the_exact_integers_on_this_cpu(encoders, digits):
+class _SmallMobileNet(MobileNetV2):
+    """MobileNet-v2's blocks (depthwise convolutions, residual adds) with GroupNorm, two stages:
+    the operators of mobilenet-v2-gn's int8 encoder in a second, not a minute."""
+
+    _SETTINGS = ((1, 16, 1, 1), (2, 16, 2, 1))
+
+
+@pytest.fixture(scope="module")
+def mobilenet(tmp_path_factory):
+    torch.manual_seed(0)
+    model = _SmallMobileNet(10, 3, embedding_dim=32, norm="group").eval()
+    x = np.random.default_rng(0).normal(size=(48, 3, 8, 8)).astype(np.float32)
+    x[40:] = np.sign(x[40:]) * 4  # past the calibrated range: saturating activations
+    root = tmp_path_factory.mktemp("mobilenet")
+    export_onnx(model, x[:8], root / "fp32.onnx")
+    path = quantize_int8(root / "fp32.onnx", root / "int8.onnx", x[:32])
+    path.write_bytes(optimize_encoder(path.read_bytes()))
+    return path, x, root
+
+
+def _assert_exact(report: dict) -> None:
     """Measured exact (0 steps, 0 outputs differing) on AVX-512 VNNI; the bound left for
     another CPU's float32 requantization is one step on a tiny share of outputs."""
-    report = node_differences(encoders["int7"], digits[1])
-    assert set(report) == {"/features/features.3/Conv", "/hidden/hidden.1/Gemm"}
     for node, diff in report.items():
         assert diff["max_steps"] <= 1 and diff["share_differing"] <= 1e-3, (node, diff)
+
+
+def test_every_quantized_node_equals_the_exact_integers_on_this_cpu(encoders, digits):
+    report = node_differences(encoders["int7"], digits[1])
+    kinds = {diff["op_type"] for diff in report.values()}
+    assert kinds == {"QuantizeLinear", "QLinearConv", "QGemm", "DequantizeLinear"}
+    assert {"/features/features.0/Conv", "/features/features.3/Conv"} <= set(report)
+    _assert_exact(report)
+
+
+def test_every_operator_of_a_mobilenet_gn_encoder_equals_the_exact_integers(mobilenet):
+    """Every node is either checked against its integer definition or has no quantized
+    arithmetic (node_differences raises on any other); the depthwise convolutions, GroupNorm's
+    affine QLinearMul and the pooling are among the checked."""
+    path, x, _ = mobilenet
+    report = node_differences(path, x)
+    kinds = {diff["op_type"] for diff in report.values()}
+    assert {"QLinearConv", "QLinearMul", "QLinearGlobalAveragePool", "QuantizeLinear"} <= kinds
+    groups = [a.i for n in onnx.load(path).graph.node for a in n.attribute if a.name == "group"]
+    assert max(groups) > 1  # depthwise
+    _assert_exact(report)
+    check_integer_path(onnx.load(path))
+
+
+def test_the_check_refuses_what_rounds_by_kernel(mobilenet):
+    """The form written before (float first layer, QLinearAdd, GroupNorm's float statistics)
+    fails `check_integer_path`, and so does an encoder with one quantized Add put back."""
+    _, x, root = mobilenet
+    before = quantize_int8(root / "fp32.onnx", root / "before.onnx", x[:32], previous_form=True)
+    with pytest.raises(ExportError, match="read by Conv .*, not quantized first"):
+        check_integer_path(onnx.load(before))
+    model = onnx.load(root / "int8.onnx")
+    next(n for n in model.graph.node if n.op_type == "Sum").op_type = "Add"
+    model.graph.ClearField("value_info")
+    with pytest.raises(ExportError, match="adds quantized values"):
+        check_integer_path(model)
+
+
+def test_qlinear_add_rounds_by_kernel():
+    """Why the exporter writes a quantized Add as a float Sum: onnxruntime's QLinearAdd is
+    fixed point on ARM (the reference follows it) and float32 on x86, and they part on values
+    near a half step: this sum is 169.5001 steps, the fixed point gives 169, x86 gave 170."""
+    args = (np.uint8(215), 0.04655174, np.uint8(135), np.uint8(0), 1.0, np.uint8(0))
+    real = (215 - 135) * np.float64(np.float32(0.04655174)) / np.float64(np.float32(0.02197131))
+    assert 169.5 < real < 169.5002
+    assert qlinear_add(*args, np.float32(0.02197131), np.uint8(0)) == 169
+
+
+def test_groupnorm_from_the_integers_equals_instance_normalization():
+    """export.integer_norm's rewrite computes what InstanceNormalization computes on the
+    dequantized values, to float rounding."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 256, size=(3, 4, 50), dtype=np.uint8)
+    scale, zero_point = np.float32(0.037), np.uint8(119)
+    gamma, beta = rng.normal(size=4).astype(np.float32), rng.normal(size=4).astype(np.float32)
+    inits = [
+        onnx.numpy_helper.from_array(np.asarray(v), name)
+        for name, v in (("s", scale), ("z", zero_point), ("g", gamma), ("b", beta))
+    ]
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("DequantizeLinear", ["q", "s", "z"], ["x"], name="dq"),
+            onnx.helper.make_node(
+                "InstanceNormalization", ["x", "g", "b"], ["y"], name="norm", epsilon=1e-5
+            ),
+        ],
+        "g",
+        [onnx.helper.make_tensor_value_info("q", onnx.TensorProto.UINT8, [None, 4, 50])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        inits,
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+    def run(m: onnx.ModelProto) -> np.ndarray:
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"q": q})[0]
+
+    expected = run(model)
+    assert integer_group_norms(model) == 1
+    assert "InstanceNormalization" not in {n.op_type for n in model.graph.node}
+    np.testing.assert_allclose(run(model), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_whole_encoder_equals_the_exact_reference(encoders, digits):
@@ -84,7 +195,7 @@ def test_the_whole_encoder_equals_the_exact_reference(encoders, digits):
 
 def test_exported_weights_keep_every_pair_sum_in_int16(encoders):
     weights = int8_weights(onnx.load(encoders["int7"]))
-    assert len(weights) == 2
+    assert len(weights) == 3
     assert max(map(pair_sum_bound, weights.values())) == 255 * 128 <= INT16_MAX
     check_pair_sums(onnx.load(encoders["int7"]))
 

@@ -214,7 +214,7 @@ def test_the_bundles_int8_encoder_equals_the_exact_integers(digits, bundles):
     _, run = digits
     x = prepare_input(_inputs(run), run.dataset.input_spec)
     report = node_differences(bundles["flat-int8"] / "encoder.onnx", x)
-    assert len(report) == 2
+    assert {d["op_type"] for d in report.values()} >= {"QuantizeLinear", "QLinearConv", "QGemm"}
     for node, diff in report.items():
         assert diff["max_steps"] <= 1 and diff["share_differing"] <= 1e-3, (node, diff)
 
