@@ -442,3 +442,32 @@ def test_the_example_page_predicts_and_learns_like_the_runtime(browser):
     np.testing.assert_allclose(page["before"], before[0], rtol=0, atol=1e-5)
     np.testing.assert_allclose(page["after"], after[0], rtol=0, atol=1e-5)
     assert f"{stored} stored keys" in page["statusAfter"]
+
+
+_PAGE_WITHOUT_ITS_PACKAGES = """
+const elements = {};
+globalThis.location = { search: "" };
+globalThis.document = {
+  getElementById: (id) =>
+    (elements[id] ??= { textContent: id === "status" ? "loading..." : "", addEventListener() {} }),
+};
+try { await import(process.argv[1]); } catch (error) { /* the page's own error: not shown */ }
+console.log(elements.status.textContent);
+"""
+
+
+def test_the_example_page_shows_why_it_cannot_load(tmp_path):
+    """Without onnxruntime-web beside the tests the page stayed at "loading...", the error in
+    the browser's console only. The page's module runs in Node with the few DOM calls it makes
+    before loading, from a copy with no packages beside it."""
+    if shutil.which("node") is None:
+        pytest.skip("Node.js is not installed (CI installs it)")
+    shutil.copytree(REPO / "examples" / "browser", tmp_path / "examples" / "browser")
+    page = tmp_path / "examples" / "browser" / "app.mjs"
+    shown = subprocess.run(
+        ["node", "--input-type=module", "-e", _PAGE_WITHOUT_ITS_PACKAGES, page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    assert shown.startswith("error: onnxruntime-web is not installed at"), shown

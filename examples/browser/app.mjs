@@ -1,11 +1,10 @@
 // The page: loads ?model=URL (default ../../bundles/predictor-app.onnx) with its keys, turns
 // the chosen image into the raw uint8 pixels the bundle declares, predicts, and learns.
-import * as ort from "../../tests/browser/node_modules/onnxruntime-web/dist/ort.wasm.min.mjs";
 import { Device } from "./knnper-device.mjs";
 
-ort.env.wasm.numThreads = 1;
-ort.env.wasm.wasmPaths = new URL("../../tests/browser/node_modules/onnxruntime-web/dist/",
-                                 import.meta.url).href;
+// imported in the try below: a static import that fails stops the module before any of it
+// runs, and the page stayed at "loading..." with the error in the console only
+const ORT_DIR = new URL("../../tests/browser/node_modules/onnxruntime-web/dist/", import.meta.url);
 
 const $ = (id) => document.getElementById(id);
 const modelUrl = new URLSearchParams(location.search).get("model") ??
@@ -38,6 +37,15 @@ async function readImage(file, [height, width, channels]) {
 }
 
 try {
+  let ort;
+  try {
+    ort = await import(new URL("ort.wasm.min.mjs", ORT_DIR).href);
+  } catch (error) {
+    throw new Error(`onnxruntime-web is not installed at ${ORT_DIR.pathname} (run ` +
+      "`(cd tests/browser && npm install --ignore-scripts)`, docs/browser.md): " + error.message);
+  }
+  ort.env.wasm.numThreads = 1;
+  ort.env.wasm.wasmPaths = ORT_DIR.href;
   const device = await Device.load(ort, modelUrl);
   const shape = [1, ...device.contract.input.shape];
   $("label").max = device.contract.num_classes - 1;
