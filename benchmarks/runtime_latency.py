@@ -248,10 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 row = {
                     "backend": backend,
-                    "recipe": manifest["backend"]["recipe"],
+                    "recipe": manifest.recipe,
                     "keys": size,
                     "stored": len(rt.datastore),
-                    "datastore_bytes": manifest["footprint"]["datastore"],
+                    "datastore_bytes": manifest.footprint.datastore,
                     **base,
                 }
                 row.update(measure(rt.predict_proba, torch_path, queries, args))

@@ -371,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # and at least its files (an estimate for hnsw)
                 budget = encoder.stat().st_size + max(measure_nbytes(ds), ds.nbytes)
                 manifest = C.write_benchmark_bundle(path, encoder, ds, spec, budget_bytes=budget)
-                fp = manifest["footprint"]
+                fp = manifest.footprint
                 for b in args.batches:
                     result = run_sampled(
                         CHILD_RUNTIME, [str(path), str(inputs[b]), threads], threads=args.threads
@@ -383,19 +383,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                             target,
                             process="edge runtime loads bundle and predicts",
                             backend=backend,
-                            recipe=manifest["backend"]["recipe"],
+                            recipe=manifest.recipe,
                             keys=size,
                             stored=len(ds),
                             batch=b,
-                            encoder_bytes=fp["encoder"],
-                            datastore_bytes=fp["datastore"],
-                            bundle_bytes=fp["total"],
+                            encoder_bytes=fp.encoder,
+                            datastore_bytes=fp.datastore,
+                            bundle_bytes=fp.total,
                             **_against_budget(peak, bare_mib, session_mib, budget),
                             **_private(
                                 result["peak_private_kib"] / 1024,
                                 floor_mib,
                                 budget,
-                                fp["total"],
+                                fp.total,
                                 backend,
                             ),
                         )

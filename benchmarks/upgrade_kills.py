@@ -59,7 +59,7 @@ while not os.path.exists(stop):
     try:
         rt = Runtime.load(path, intra_op_threads=1)
         assert rt.predict_proba(x).shape == (2, 10)
-        seen.add(rt.manifest["files"]["encoder.onnx"])
+        seen.add(rt.manifest.files["encoder.onnx"])
         loads += 1
     except Exception as exc:  # every failure is counted, none is expected
         count += 1
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=60)
             try:
                 rt = Runtime.load(device, intra_op_threads=1)
-                version = versions[rt.manifest["files"]["encoder.onnx"]]
+                version = versions[rt.manifest.files["encoder.onnx"]]
                 if not np.array_equal(rt.datastore.labels_, labels):
                     problems.append(f"kill at {delay:.3f} s: labels differ")
             except Exception as exc:  # noqa: BLE001 - every failure is the finding

@@ -3,7 +3,7 @@ the room that leaves the datastore, and of that the stored samples' room after a
 head's file. One value from the command line (or `knnper-edge init`) to the device's check
 before it learns, so every room is worked out here. Budgets are made before the encoder is
 known (a profile gives each device its total); the exporter then adds the encoder's share with
-`with_encoder`. A manifest records the budget as `budget_bytes` and its footprint's `encoder`."""
+`with_encoder`. A bundle's is its manifest's (`Manifest.budget`)."""
 
 from __future__ import annotations
 
@@ -63,8 +63,3 @@ class Budget:
     def sample_room(self) -> int:
         """The stored samples' bytes: the room less the refitted head's file."""
         return self.room - self.head
-
-    @classmethod
-    def of(cls, manifest: dict) -> Budget:
-        """A bundle's budget, from its validated manifest."""
-        return cls(manifest["budget_bytes"], manifest["footprint"]["encoder"])

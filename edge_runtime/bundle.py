@@ -48,7 +48,6 @@ from ._io import (
     staging_directory,
     swap_directory,
     swap_target,
-    to_json_types,
     write_bytes_atomic,
     write_json_atomic,
     writer_alive,
@@ -56,7 +55,6 @@ from ._io import (
 from .budget import Budget
 from .datastores import (
     LOAD_ERRORS,
-    backend_class,
     file_generation,
     load_datastore,
 )
@@ -78,14 +76,12 @@ from .manifest import (
     ENCODER_FILE,
     MANIFEST,
     UPDATE_STRATEGIES,
+    Footprint,
+    Manifest,
     build_manifest,
-    datastore_files,
-    head_file,
     parse_manifest,
-    personal_files,
     read_manifest,
     read_manifest_bytes,
-    validate_manifest,
 )
 from .onnx_check import uses_external_data
 from .onnx_proto import ParsedModel
@@ -127,7 +123,7 @@ class Bundle:
     """
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     encoder: Encoder | None
     datastore: Any
     predictor: Predictor | None = None
@@ -136,14 +132,14 @@ class Bundle:
 # ----------------------------------------------------------------------------- reading
 
 
-def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int]:
+def verify_files(bundle_dir: str | os.PathLike, manifest: Manifest) -> dict[str, int]:
     """Every listed file exists, is a regular file and matches its sha256; the footprint equals
     the file sizes and fits the budget. Returns the sizes."""
     bundle_dir = Path(bundle_dir)
     where = f"bundle {bundle_dir}"
-    budget = Budget.of(manifest)
+    budget = manifest.budget
     sizes = {}
-    for name in manifest["files"]:
+    for name in manifest.files:
         path = bundle_dir / name
         if path.is_symlink() or not path.is_file():
             raise BundleError(f"{where}: {name} is missing or not a regular file")
@@ -156,7 +152,7 @@ def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int
                 f"{where}: over budget: {name} takes {sizes[name]} bytes > budget_bytes "
                 f"{budget.total}"
             )
-    for name, digest in manifest["files"].items():
+    for name, digest in manifest.files.items():
         try:
             actual = sha256_file(bundle_dir / name)
         except OSError as exc:
@@ -166,13 +162,13 @@ def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int
                 f"{where}: {name} does not match its sha256 in the manifest (edited, truncated "
                 "or corrupted)"
             )
-    footprint = manifest["footprint"]
+    footprint = manifest.footprint
     encoder_bytes = sizes[ENCODER_FILE]
-    datastore_bytes = sum(sizes[n] for n in personal_files(manifest))
-    if footprint["encoder"] != encoder_bytes or footprint["datastore"] != datastore_bytes:
+    datastore_bytes = sum(sizes[n] for n in manifest.personal_files)
+    if footprint.encoder != encoder_bytes or footprint.datastore != datastore_bytes:
         raise BundleError(
-            f"{where}: footprint says encoder {footprint['encoder']} + datastore "
-            f"{footprint['datastore']} bytes, the files take {encoder_bytes} + {datastore_bytes}"
+            f"{where}: footprint says encoder {footprint.encoder} + datastore "
+            f"{footprint.datastore} bytes, the files take {encoder_bytes} + {datastore_bytes}"
         )
     if datastore_bytes > budget.room:
         raise BundleError(
@@ -182,29 +178,29 @@ def verify_files(bundle_dir: str | os.PathLike, manifest: dict) -> dict[str, int
     return sizes
 
 
-def datastore_params(manifest: dict) -> dict:
+def datastore_params(manifest: Manifest) -> dict:
     """Constructor arguments of the manifest's datastore: backend params plus C, k and sigma."""
     return {
-        **manifest["backend"]["params"],
-        "num_classes": manifest["num_classes"],
-        "k": manifest["k"],
-        "sigma": manifest["sigma"],
+        **manifest.params,
+        "num_classes": manifest.num_classes,
+        "k": manifest.k,
+        "sigma": manifest.sigma,
     }
 
 
-def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: dict):
+def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: Manifest):
     """The datastore a (verified) manifest points at."""
     try:
         ds = load_datastore(
             bundle_dir,
-            manifest["backend"]["name"],
+            manifest.backend,
             datastore_params(manifest),
-            files=datastore_files(manifest),
-            embedding_dim=manifest["embedding_dim"],
+            files=manifest.datastore_files,
+            embedding_dim=manifest.embedding_dim,
         )
     except LOAD_ERRORS as exc:
         raise BundleError(f"bundle {bundle_dir}: datastore: {one_line(exc)}") from None
-    _check_kept_inputs(getattr(ds, "inputs_", None), manifest["input"], bundle_dir)
+    _check_kept_inputs(getattr(ds, "inputs_", None), manifest.input, bundle_dir)
     return ds
 
 
@@ -282,49 +278,47 @@ def read_bundle(
     return Bundle(bundle_dir, manifest, encoder, datastore, predictor)
 
 
-def encoder_version(model: bytes, manifest: dict) -> ModelVersion:
+def encoder_version(model: bytes, manifest: Manifest) -> ModelVersion:
     """The version of a bundle's encoder (`model`: its verified bytes, a refitted head put in
     or not)."""
-    return ModelVersion.of_encoder(model, manifest["files"][ENCODER_FILE])
+    return ModelVersion.of_encoder(model, manifest.files[ENCODER_FILE])
 
 
-def check_embedding(datastore: Any, encoder: ModelVersion, manifest: dict, where: str) -> None:
+def check_embedding(datastore: Any, encoder: ModelVersion, manifest: Manifest, where: str) -> None:
     """BundleError when the datastore's keys were embedded by another encoder than the
     bundle's (`encoder`), or the manifest's model record names another one."""
     problem = encoder.keys_problem(where, ModelVersion.of_keys(datastore)) or (
-        encoder.keys_problem(where, ModelVersion.of(manifest), "the manifest says its keys were")
+        encoder.keys_problem(where, manifest.model, "the manifest says its keys were")
     )
     if problem is not None:
         raise BundleError(problem)
 
 
-def _check_head_scores(bundle_dir: Path, manifest: dict, datastore) -> None:
+def _check_head_scores(bundle_dir: Path, manifest: Manifest, datastore) -> None:
     """A refitted head's class scores on the samples it was refitted on must stay within
     float32 (head_file.head_score_problem; ProtoNN's Z has the same check)."""
-    name = head_file(manifest)
+    name = manifest.head_file
     if name is None or not refits(datastore):
         return
-    coef, intercept = read_head(
-        bundle_dir / name, manifest["embedding_dim"], manifest["num_classes"]
-    )
+    coef, intercept = read_head(bundle_dir / name, manifest.embedding_dim, manifest.num_classes)
     problem = head_score_problem(coef, intercept, datastore.keys())
     if problem:
         raise BundleError(f"bundle {bundle_dir}: {name}: {problem}")
 
 
-def encoder_model(bundle_dir: Path, manifest: dict, head: LinearHead | None = None) -> bytes:
+def encoder_model(bundle_dir: Path, manifest: Manifest, head: LinearHead | None = None) -> bytes:
     """The encoder's verified bytes with the linear head a session should run put in: `head`
     (one just refitted, not yet committed), else the refitted head's file the manifest lists,
     else the encoder as exported (edge_runtime.head_file)."""
     where = f"bundle {bundle_dir}"
     model = _read_verified(bundle_dir, ENCODER_FILE, manifest, where)
-    name = head_file(manifest)
+    name = manifest.head_file
     if head is None and name is None:
         return model
     try:
         if head is not None:
             return with_head(model, head_tensors(head.coef_, head.intercept_))
-        tensors = load_head(bundle_dir / name, manifest["embedding_dim"], manifest["num_classes"])
+        tensors = load_head(bundle_dir / name, manifest.embedding_dim, manifest.num_classes)
         return with_head(model, tensors)
     except (ValueError, OSError, EOFError, KeyError, BadZipFile) as exc:
         raise BundleError(
@@ -334,7 +328,7 @@ def encoder_model(bundle_dir: Path, manifest: dict, head: LinearHead | None = No
 
 def open_sessions(
     model: bytes,
-    manifest: dict,
+    manifest: Manifest,
     datastore: Any,
     bundle_dir: Path,
     *,
@@ -364,7 +358,7 @@ def open_sessions(
 def check_sessions(
     encoder: Encoder | None,
     predictor: Predictor | None,
-    manifest: dict,
+    manifest: Manifest,
     datastore: Any,
     bundle_dir: Path,
 ) -> None:
@@ -394,24 +388,24 @@ def bundle_lock(
         yield
 
 
-def encoder_bytes(bundle_dir: Path, manifest: dict) -> bytes:
+def encoder_bytes(bundle_dir: Path, manifest: Manifest) -> bytes:
     """The encoder file's verified bytes as the bundle shipped it (no refitted head put in)."""
     return _read_verified(bundle_dir, ENCODER_FILE, manifest, f"bundle {bundle_dir}")
 
 
-def _read_verified(bundle_dir: Path, name: str, manifest: dict, where: str) -> bytes:
+def _read_verified(bundle_dir: Path, name: str, manifest: Manifest, where: str) -> bytes:
     """The bytes of a listed file, checked against its sha256 once more: what runs is what
     was hashed, even if the file is swapped after `verify_files`."""
     try:
-        data = read_regular(bundle_dir / name, Budget.of(manifest).total)
+        data = read_regular(bundle_dir / name, manifest.budget.total)
     except OSError as exc:
         raise BundleError(f"{where}: cannot read {name}: {exc.strerror}") from None
-    if data is None or encoder_sha256(data) != manifest["files"][name]:
+    if data is None or encoder_sha256(data) != manifest.files[name]:
         raise BundleError(f"{where}: {name} changed while it was read")
     return data
 
 
-def _remove_stale_quietly(bundle_dir: Path, manifest: dict) -> None:
+def _remove_stale_quietly(bundle_dir: Path, manifest: Manifest) -> None:
     """Leftovers of a dead writer take room past the budget: remove them when loading. Under
     the shared lock no writer is running, so every unlisted datastore file is a leftover."""
     try:
@@ -428,7 +422,7 @@ def _remove_stale_quietly(bundle_dir: Path, manifest: dict) -> None:
 
 
 def _predictor(
-    model: bytes, manifest: dict, datastore: Any, intra_op_threads: int | None, where: str
+    model: bytes, manifest: Manifest, datastore: Any, intra_op_threads: int | None, where: str
 ) -> Predictor:
     """The one-session predictor; when onnxruntime refuses its graph, the encoder alone is
     checked first, so that an encoder that does not match the manifest is named as such."""
@@ -445,16 +439,16 @@ def _predictor(
         raise
 
 
-def _check_encoder_alone(encoder: Encoder, manifest: dict, where: str) -> None:
-    check_encoder(lambda raw: encoder.run(prepare_input(raw, manifest["input"])), manifest, where)
+def _check_encoder_alone(encoder: Encoder, manifest: Manifest, where: str) -> None:
+    check_encoder(lambda raw: encoder.run(prepare_input(raw, manifest.input)), manifest, where)
 
 
 def check_encoder(
-    embed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], manifest: dict, where: str
+    embed: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], manifest: Manifest, where: str
 ) -> None:
     """One inference (`embed`: raw inputs -> embeddings, logits) on a zero input of the
     manifest's input spec: it must run and give embedding_dim and num_classes outputs."""
-    spec = manifest["input"]
+    spec = manifest.input
     probe = np.zeros([1, *spec["shape"]], dtype=np.uint8 if spec["kind"] == "image" else np.int64)
     try:
         z, logits = embed(probe)
@@ -462,11 +456,11 @@ def check_encoder(
         raise BundleError(
             f"{where}: the encoder does not take the manifest's input spec: {one_line(exc)}"
         ) from None
-    if z.shape[1] != manifest["embedding_dim"] or logits.shape[1] != manifest["num_classes"]:
+    if z.shape[1] != manifest.embedding_dim or logits.shape[1] != manifest.num_classes:
         raise BundleError(
             f"{where}: the encoder gives embedding dim {z.shape[1]} and {logits.shape[1]} "
-            f"classes, the manifest says {manifest['embedding_dim']} and "
-            f"{manifest['num_classes']}"
+            f"classes, the manifest says {manifest.embedding_dim} and "
+            f"{manifest.num_classes}"
         )
 
 
@@ -481,7 +475,7 @@ def write_bundle(
     *,
     replace: bool = True,
     signing_key: Any = None,
-) -> dict:
+) -> Manifest:
     """Write a verified bundle to `out_dir` atomically and return its manifest.
 
     Everything is written into a temporary sibling directory, fsynced, hashed, checked against
@@ -504,18 +498,13 @@ def write_bundle(
 
     Returns
     -------
-    dict : the manifest as written (with footprint and files filled in).
+    Manifest : the manifest as written.
     """
     out_dir = Path(out_dir)
-    try:
-        manifest = to_json_types(build_manifest(manifest_fields, datastore))
-    except TypeError as exc:
-        raise BundleError(f"write_bundle: manifest fields are not JSON data: {exc}") from None
-    manifest.update(footprint={"encoder": 0, "datastore": 0, "total": 0}, files={})
-    _check_fields_only(manifest)  # before anything is written
+    draft = build_manifest(manifest_fields, datastore)  # checked before anything is written
     encoder_bytes = _encoder_size(encoder)
     encoder_id = _encoder_embedding(datastore, encoder, out_dir)
-    budget = Budget(manifest["budget_bytes"]).with_encoder(encoder_bytes)
+    budget = Budget(draft.budget.total).with_encoder(encoder_bytes)
     if budget.room < 0:
         raise BudgetExceeded(
             f"cannot write bundle {out_dir}: the encoder alone takes {encoder_bytes} bytes, over "
@@ -548,13 +537,8 @@ def write_bundle(
                 total,
                 budget.total,
             )
-        manifest["footprint"] = {
-            "encoder": encoder_bytes,
-            "datastore": datastore_bytes,
-            "total": total,
-        }
-        manifest["files"] = files
-        write_json_atomic(tmp / MANIFEST, manifest)
+        manifest = draft.with_datastore(Footprint(encoder_bytes, datastore_bytes, total), files)
+        write_json_atomic(tmp / MANIFEST, manifest.to_json())
         trusted = None
         if signing_key is not None:
             signed = (tmp / MANIFEST).read_bytes()
@@ -599,15 +583,6 @@ def remove_abandoned_temporaries(directory: Path) -> list[str]:
             directory,
         )
     return removed
-
-
-def _check_fields_only(manifest: dict) -> None:
-    """validate_manifest without the file list (not known before saving)."""
-    probe = dict(manifest)
-    names = {ENCODER_FILE: "0" * 64}
-    names.update(dict.fromkeys(backend_class(manifest["backend"]["name"]).FILES, "0" * 64))
-    probe["files"] = names
-    validate_manifest(probe, "write_bundle")
 
 
 def _encoder_embedding(datastore: Any, encoder: bytes | str | os.PathLike, out_dir: Path) -> str:
@@ -675,13 +650,13 @@ _STALE_RE = re.compile(
 )
 
 
-def remove_stale_files(bundle_dir: str | os.PathLike, manifest: dict) -> list[str]:
+def remove_stale_files(bundle_dir: str | os.PathLike, manifest: Manifest) -> list[str]:
     """Delete datastore files and temporaries the manifest does not list (left by a crash).
     Call it only under the bundle's lock: then no live writer owns any of them."""
     bundle_dir = Path(bundle_dir)
     removed = []
     for entry in bundle_dir.iterdir():
-        if _STALE_RE.match(entry.name) and entry.name not in manifest["files"]:
+        if _STALE_RE.match(entry.name) and entry.name not in manifest.files:
             entry.unlink(missing_ok=True)
             removed.append(entry.name)
     if removed:
@@ -690,8 +665,11 @@ def remove_stale_files(bundle_dir: str | os.PathLike, manifest: dict) -> list[st
 
 
 def commit_datastore(
-    bundle_dir: str | os.PathLike, manifest: dict, datastore: Any, head: LinearHead | None = None
-) -> dict:
+    bundle_dir: str | os.PathLike,
+    manifest: Manifest,
+    datastore: Any,
+    head: LinearHead | None = None,
+) -> Manifest:
     """Persist an updated datastore (and a refitted linear head, `head`; without one the
     bundle keeps the head file it lists, if any) into a bundle crash-safely and return the
     new manifest.
@@ -708,27 +686,27 @@ def commit_datastore(
             f"bundle {bundle_dir}: manifest.json changed on disk since the bundle was loaded "
             "(another writer?); load it again"
         )
-    old = personal_files(manifest)
+    old = manifest.personal_files
     remove_stale_files(bundle_dir, manifest)
     # past every generation the manifest lists, the head's included: a (crafted) manifest
     # listing linear_head.<next>.npz would otherwise have that file overwritten, and a failed
     # commit would leave the bundle unloadable
-    kept_head = head_file(manifest)
+    kept_head = manifest.head_file
     generation = 1 + max(
-        [file_generation(name) for name in datastore_files(manifest)]
+        [file_generation(name) for name in manifest.datastore_files]
         + ([head_generation(kept_head)] if kept_head else [])
     )
     names = datastore.save(bundle_dir, generation=generation)
-    kept = head_file(manifest)
+    kept = manifest.head_file
     try:
         if head is not None:
             names.append(save_head(bundle_dir, head, generation))
         elif kept is not None:
             names.append(kept)
-        files = {ENCODER_FILE: manifest["files"][ENCODER_FILE]}
+        files = {ENCODER_FILE: manifest.files[ENCODER_FILE]}
         files.update({name: sha256_file(bundle_dir / name) for name in names})
         datastore_bytes = sum((bundle_dir / name).stat().st_size for name in names)
-        budget = Budget.of(manifest)
+        budget = manifest.budget
         total = budget.encoder + datastore_bytes
         if datastore_bytes > budget.room:
             raise BudgetExceeded(
@@ -738,17 +716,13 @@ def commit_datastore(
                 total,
                 budget.total,
             )
-        new = dict(manifest)
-        new["backend"] = {
-            "name": datastore.backend,
-            "recipe": datastore.recipe,
-            "params": datastore.recipe_params(),
-        }
-        new["footprint"] = {"encoder": budget.encoder, "datastore": datastore_bytes, "total": total}
-        new["files"] = files
-        new = to_json_types(new)
-        validate_manifest(new, f"bundle {bundle_dir}: updated manifest")
-        write_json_atomic(bundle_dir / MANIFEST, new)
+        new = manifest.with_datastore(
+            Footprint(budget.encoder, datastore_bytes, total),
+            files,
+            datastore,
+            f"bundle {bundle_dir}: updated manifest",
+        )
+        write_json_atomic(bundle_dir / MANIFEST, new.to_json())
     except BaseException:
         for name in names:
             if name not in old:

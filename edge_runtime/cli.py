@@ -61,6 +61,7 @@ from .datastores.recipes import describe_recipe
 from .errors import one_line
 from .interrupt import INTERRUPTED
 from .knn import DEFAULT_K, DEFAULT_SIGMA
+from .manifest import FORMAT, Manifest
 from .ort_format import MODEL_FORMATS
 from .predictor_graph import graph_backends
 from .preprocess import is_one_sample
@@ -594,7 +595,6 @@ def cmd_init(args) -> int:
     from .bundle import read_manifest
     from .device_init import init_bundle
     from .knn import CLIENT_RULE
-    from .manifest import new_device_lambda_rule
 
     k, sigma, rule, like = args.k, args.sigma, CLIENT_RULE, None
     if args.trusted_key and not args.like:
@@ -606,12 +606,12 @@ def cmd_init(args) -> int:
         like = read_manifest(args.like)
         if args.trusted_key:
             _verify_like(args, like)
-        spec = like["input"]
-        rule, set_aside = new_device_lambda_rule(like)
+        spec = like.input
+        rule, set_aside = like.new_device_lambda_rule()
         if set_aside:
             print(f"note: {set_aside}", file=sys.stderr)
-        k = like["k"] if k is None else k
-        sigma = like["sigma"] if sigma is None else sigma
+        k = like.k if k is None else k
+        sigma = like.sigma if sigma is None else sigma
     else:
         spec = _read_spec_file(args.input_spec)
     if not Path(args.encoder).is_file():
@@ -644,16 +644,15 @@ def cmd_init(args) -> int:
         release=like,
     )
     acc = "n/a" if report.val_accuracy is None else f"{100 * report.val_accuracy:.1f}%"
-    fp = report.manifest["footprint"]
+    fp = report.manifest.footprint
     print(
         f"wrote {args.out}: {report.recipe}, lambda {report.lam:g}, validation accuracy {acc}; "
-        f"footprint {fp['total']}/{budget} bytes (encoder {fp['encoder']}, datastore "
-        f"{fp['datastore']})"
+        f"footprint {fp.total}/{budget} bytes (encoder {fp.encoder}, datastore {fp.datastore})"
     )
     return 0
 
 
-def _verify_like(args, like: dict) -> None:
+def _verify_like(args, like: Manifest) -> None:
     """With --trusted-key, what init takes from --like (the input normalisation, k, sigma, the
     lambda rule) must be what a trusted key signed, and --encoder either the very encoder that
     signature covers or the release's shared encoder (`knnper export` signs it as
@@ -672,7 +671,7 @@ def _verify_like(args, like: dict) -> None:
     data = read_within(
         args.encoder, args.budget, lambda why: UsageError(f"--encoder {args.encoder} {why}")
     )
-    if encoder_sha256(data) == signed["files"][ENCODER_FILE]:
+    if encoder_sha256(data) == signed.files[ENCODER_FILE]:
         return
     use = f"use {Path(args.like) / ENCODER_FILE} or its export's signed {ENCODER_FILE}"
     try:
@@ -697,28 +696,28 @@ def cmd_info(args) -> int:
 
     rt = _runtime(args)
     m = rt.manifest
-    spec = m["input"]
-    fp = m["footprint"]
+    spec = m.input
+    fp = m.footprint
     lines = [
-        f"bundle        {rt.path} (every file matches its sha256; format {m['format']} "
-        f"v{m['version']})",
+        f"bundle        {rt.path} (every file matches its sha256; format {FORMAT} "
+        f"v{m.format_version})",
         f"signature     {_signature_status(rt.path, bool(args.trusted_key))}",
-        f"client        {m['client_id']}"
+        f"client        {m.client_id}"
         + (
             " (a device's own bundle, from `knnper-edge init`)"
-            if m["client_id"] == -1
+            if m.client_id == -1
             else " (the federated client it was exported for)"
         ),
         f"input         {spec['kind']} {spec['shape']}",
-        f"classes       {m['num_classes']}",
-        f"embedding     {m['embedding_dim']}",
-        f"kNN           k={m['k']} sigma={m['sigma']:g} lambda={m['lambda']:g}",
-        f"datastore     {m['backend']['recipe']}, {rt.datastore.stored_words()}",
-        f"              ({describe_recipe(m['backend']['recipe'])})",
-        f"update        {m['update_strategy']}",
-        f"footprint     {fp['total']} of {m['budget_bytes']} bytes (encoder {fp['encoder']}, "
-        f"datastore {fp['datastore']})",
-        f"files         {', '.join(sorted(m['files']))}",
+        f"classes       {m.num_classes}",
+        f"embedding     {m.embedding_dim}",
+        f"kNN           k={m.k} sigma={m.sigma:g} lambda={m.lam:g}",
+        f"datastore     {m.recipe}, {rt.datastore.stored_words()}",
+        f"              ({describe_recipe(m.recipe)})",
+        f"update        {m.update_strategy}",
+        f"footprint     {fp.total} of {m.budget.total} bytes (encoder {fp.encoder}, "
+        f"datastore {fp.datastore})",
+        f"files         {', '.join(sorted(m.files))}",
         f"version       {describe(rt.version)}",
     ]
     print("\n".join(lines))

@@ -37,10 +37,9 @@ from .device_choice import choose_datastore, with_inputs
 from .encoder import Encoder
 from .head_file import no_sample_fits, samples_within
 from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule
-from .manifest import MODEL_RECORDS
+from .manifest import Manifest
 from .preprocess import prepare_input, raw_checked, validate_spec
 from .runtime import check_labels
-from .versions import ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ _COUNT_FRACTIONS = (1.0, 0.5, 0.25)
 class InitReport:
     """The chosen configuration and every candidate's validation score."""
 
-    manifest: dict
+    manifest: Manifest
     recipe: str
     lam: float
     val_accuracy: float | None
@@ -76,7 +75,7 @@ def init_bundle(
     intra_op_threads: int | None = None,
     lambda_rule: LambdaRule = CLIENT_RULE,
     keep_inputs: bool = False,
-    release: dict | None = None,
+    release: Manifest | None = None,
 ) -> InitReport:
     """Build and write a bundle for a new device (see the module docstring for the choice).
     Raises BundleError when even the encoder (or the encoder plus one stored sample) exceeds
@@ -165,18 +164,19 @@ def init_bundle(
     return InitReport(manifest, best["recipe"], best["lambda"], best["val_accuracy"], scored)
 
 
-def _release_versions(release: dict | None, encoder_path: str | os.PathLike) -> dict:
+def _release_versions(release: Manifest | None, encoder_path: str | os.PathLike) -> dict:
     """The model version records of `release` (a bundle's manifest) to write into the new
     bundle: none without one, or where it records none (a bundle from before versions)."""
-    records = {key: release[key] for key in MODEL_RECORDS if key in (release or {})}
-    version = None if release is None else ModelVersion.of(release)
+    if release is None:
+        return {}
+    version = release.model
     problem = version and version.encoder_problem(Path(encoder_path).read_bytes(), encoder_path)
     if problem:
         raise BundleError(
             f"{problem}: give the encoder of that release (its export's encoder.onnx), or a "
             "bundle of the encoder's own release"
         )
-    return records
+    return release.release_fields(Manifest.RECORDS)
 
 
 def _candidate_recipes(

@@ -5,14 +5,17 @@ manifest against the current one) import it, so neither imports the other."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from ._io import parse_json, read_within
+from ._io import parse_json, read_within, to_json_types
+from .budget import Budget
 from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
 from .datastores.common import file_generation
 from .errors import BundleError
@@ -20,6 +23,7 @@ from .head_file import HEAD_FILE_RE
 from .knn import CLIENT_RULE, KNN_BASES, LAMBDA_RULES, LambdaRule, k_sigma_problem
 from .preprocess import validate_spec
 from .values import is_integer, is_real
+from .versions import RECORD_KEYS, ModelVersion
 
 FORMAT = "knnper-bundle"
 FORMAT_VERSION = 1
@@ -116,23 +120,20 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
         _validate_knn_choice(manifest, fail)
     if "lambda_rule" in manifest:
         _lambda_rule(manifest, fail)
-    for key in MODEL_RECORDS:
+    for key in Manifest.RECORDS:
         if key in manifest:
             _validate_model_record(manifest[key], key, fail)
     return manifest
 
 
 # The model version a bundle was built from ("model") and the one it replaces ("replaces",
-# a later training's bundles): which run, which round, the weights' sha256, and the embedding
-# id of the encoder (edge_runtime.versions).
-MODEL_RECORDS = ("model", "replaces")
-MODEL_RECORD_KEYS = ("embedding", "round", "run", "weights_sha256")
+# a later training's bundles): edge_runtime.versions.ModelVersion's record.
 MAX_RUN_NAME = 256
 
 
 def _validate_model_record(record: Any, key: str, fail) -> None:
-    if not isinstance(record, dict) or sorted(record) != sorted(MODEL_RECORD_KEYS):
-        raise fail(f"{key!r} must be an object with keys {list(MODEL_RECORD_KEYS)}")
+    if not isinstance(record, dict) or sorted(record) != sorted(RECORD_KEYS):
+        raise fail(f"{key!r} must be an object with keys {sorted(RECORD_KEYS)}")
     if not isinstance(record["run"], str) or len(record["run"]) > MAX_RUN_NAME:
         raise fail(f"{key!r} 'run' must be a string of at most {MAX_RUN_NAME} characters")
     if record["round"] is not None and (not is_integer(record["round"]) or record["round"] < 0):
@@ -182,33 +183,6 @@ def _lambda_rule(manifest: dict, fail) -> LambdaRule:
     if named != parsed.name:
         raise fail(f"'lambda_rule' is {parsed.name!r} but 'knn_choice' says {named!r}")
     return parsed
-
-
-def lambda_rule_of(manifest: dict) -> LambdaRule:
-    """How a bundle's lambda was chosen from validation evidence: its pooled rule, or each
-    client's own evidence (the paper's) where it records none. `manifest` is validated."""
-    if "lambda_rule" not in manifest:
-        return CLIENT_RULE
-    return _lambda_rule(manifest, BundleError)
-
-
-def new_device_lambda_rule(manifest: dict) -> tuple[LambdaRule, str | None]:
-    """The lambda rule a new device built `--like` this bundle can use, and why the bundle's
-    own was set aside (None when it was not). `knnper-edge init` interpolates with the
-    encoder's classifier, not a linear head fitted on the device as the seen clients' were; a
-    pooled rule measured on those heads ranks lambdas for another mixture (on digits it
-    picked lambda 0, the global model alone: 2-8% accuracy), so the device then chooses from
-    its own validation split, on the base it will have."""
-    rule = lambda_rule_of(manifest)
-    base = manifest.get("knn_choice", {}).get("base", {}).get("value", "global")
-    if rule.name == "client" or base == "global":
-        return rule, None
-    return CLIENT_RULE, (
-        f"the bundle's {rule.name} lambda evidence was measured with each "
-        "client's own linear head as the base, which a new device does not "
-        "have; lambda is chosen on its own validation split (the client "
-        "rule)"
-    )
 
 
 KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
@@ -314,38 +288,226 @@ def _datastore_names(files: dict) -> list[str]:
     return sorted(n for n in files if n != ENCODER_FILE and not HEAD_FILE_RE.match(n))
 
 
-def taught_on_device(manifest: dict) -> bool:
-    """Whether `add` has updated the bundle since it was written: an update writes the next
-    generation's datastore files (datastore.<n>.npz), which an export or init never does."""
-    return any(file_generation(name) > 0 for name in datastore_files(manifest))
+class Footprint(NamedTuple):
+    """A bundle's bytes: its encoder's file, its personal files' (the datastore's and a
+    refitted head's), and both."""
+
+    encoder: int
+    datastore: int
+    total: int
 
 
-def datastore_files(manifest: dict) -> list[str]:
-    """The datastore's files (everything the manifest lists but the encoder and a head)."""
-    return _datastore_names(manifest["files"])
+@dataclass(frozen=True)
+class Manifest:
+    """A bundle's validated manifest.json: what code reads of a bundle, as attributes; `json`
+    is the object as read (or written), so that it is written back in the same bytes. Parse
+    one with `parse_manifest` / `read_manifest`; never build one from unchecked data.
 
+    The field policy: COMPUTED is what `write_bundle` derives (callers do not give it);
+    OPTIONAL what a caller may give beside the required fields; RELEASE what a bundle built
+    from a release (`init --like`, `upgrade`) takes from the release's manifest; DEVICE what
+    an on-device update may change in a signed bundle (signing)."""
 
-def head_file(manifest: dict) -> str | None:
-    """The device's refitted linear head's file (edge_runtime.head_file), if it has one."""
-    return next((n for n in manifest["files"] if HEAD_FILE_RE.match(n)), None)
+    json: dict[str, Any]
 
+    COMPUTED: ClassVar = ("format", "version", "backend", "footprint", "files")
+    RECORDS: ClassVar = ("model", "replaces")
+    OPTIONAL: ClassVar = ("knn_choice", "lambda_rule", *RECORDS)
+    RELEASE: ClassVar = OPTIONAL
+    DEVICE: ClassVar = ("files", "footprint", "backend")
 
-def personal_files(manifest: dict) -> list[str]:
-    """What an on-device update rewrites and the footprint's datastore share counts: the
-    datastore's files and the refitted head's."""
-    return sorted(n for n in manifest["files"] if n != ENCODER_FILE)
+    def to_json(self) -> dict[str, Any]:
+        """A copy of the object to write (json.dumps of it gives the manifest's bytes)."""
+        return copy.deepcopy(self.json)
 
+    @property
+    def format_version(self) -> int:
+        """The bundle format's version it was written in (FORMAT_VERSION or older)."""
+        return self.json["version"]
 
-def refit_l2(manifest: dict) -> float | None:
-    """The l2 a device refits its linear head with after `add`: the exporter's, recorded with
-    the linear base; None for a bundle interpolating with the global model (nothing to refit)."""
-    choice = manifest.get("knn_choice", {})
-    if choice.get("base", {}).get("value") != "linear" or "l2" not in choice:
+    @property
+    def client_id(self) -> int:
+        return self.json["client_id"]
+
+    @property
+    def input(self) -> dict[str, Any]:
+        """The input spec (edge_runtime.preprocess): what the encoder takes."""
+        return copy.deepcopy(self.json["input"])
+
+    @property
+    def num_classes(self) -> int:
+        return self.json["num_classes"]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.json["embedding_dim"]
+
+    @property
+    def k(self) -> int:
+        return self.json["k"]
+
+    @property
+    def sigma(self) -> float:
+        return self.json["sigma"]
+
+    @property
+    def lam(self) -> float:
+        return float(self.json["lambda"])
+
+    @property
+    def update_strategy(self) -> str:
+        return self.json["update_strategy"]
+
+    @property
+    def backend(self) -> str:
+        """The datastore's backend (edge_runtime.datastores)."""
+        return self.json["backend"]["name"]
+
+    @property
+    def recipe(self) -> str:
+        return self.json["backend"]["recipe"]
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The datastore's recipe parameters (what `format_recipe` spells)."""
+        return dict(self.json["backend"]["params"])
+
+    @property
+    def budget(self) -> Budget:
+        return Budget(self.json["budget_bytes"], self.json["footprint"]["encoder"])
+
+    @property
+    def footprint(self) -> Footprint:
+        return Footprint(**self.json["footprint"])
+
+    @property
+    def files(self) -> dict[str, str]:
+        """Every file the bundle holds but the manifest, with its sha256."""
+        return dict(self.json["files"])
+
+    @property
+    def datastore_files(self) -> list[str]:
+        """The datastore's files (everything listed but the encoder and a head)."""
+        return _datastore_names(self.json["files"])
+
+    @property
+    def head_file(self) -> str | None:
+        """The device's refitted linear head's file (edge_runtime.head_file), if it has one."""
+        return next((n for n in self.json["files"] if HEAD_FILE_RE.match(n)), None)
+
+    @property
+    def personal_files(self) -> list[str]:
+        """What an on-device update rewrites and the footprint's datastore share counts: the
+        datastore's files and the refitted head's."""
+        return sorted(n for n in self.json["files"] if n != ENCODER_FILE)
+
+    @property
+    def taught_on_device(self) -> bool:
+        """Whether `add` has updated the bundle since it was written: an update writes the
+        next generation's datastore files (datastore.<n>.npz), which an export never does."""
+        return any(file_generation(name) > 0 for name in self.datastore_files)
+
+    @property
+    def model(self) -> ModelVersion | None:
+        """The model version the bundle was built from (with the one it replaces as its
+        lineage); None for a bundle from before versions."""
+        return ModelVersion.from_record(self.json.get("model"), self.json.get("replaces"))
+
+    def release_fields(self, keys: tuple[str, ...] = RELEASE) -> dict[str, Any]:
+        """What a bundle built from this release's bundle takes from it beside the input spec
+        and the kNN setting (`upgrade`: RELEASE, how they were chosen and the model version
+        records; `init --like`: RECORDS only), as write_bundle's fields."""
+        return {key: copy.deepcopy(self.json[key]) for key in keys if key in self.json}
+
+    @property
+    def knn_choice(self) -> dict[str, Any] | None:
+        """Where k, sigma, the normalisation and the lambda estimator came from (each
+        {value, source}); None in a bundle that records none."""
+        return copy.deepcopy(self.json.get("knn_choice"))
+
+    def _chosen(self, key: str, default: Any = None) -> Any:
+        return self.json.get("knn_choice", {}).get(key, {}).get("value", default)
+
+    @property
+    def normalize(self) -> str | None:
+        """How embeddings are normalised before the kNN ("none", "l2"); None where the
+        bundle records no choice."""
+        return self._chosen("normalize")
+
+    @property
+    def base(self) -> str:
+        """What the kNN is interpolated with: "global" (the encoder's classifier) or "linear"
+        (the client's own head)."""
+        return self._chosen("base", "global")
+
+    @property
+    def refit_l2(self) -> float | None:
+        """The l2 a device refits its linear head with after `add`: the exporter's, recorded
+        with the linear base; None for a bundle interpolating with the global model."""
+        l2 = self._chosen("l2")
+        return None if self.base != "linear" or l2 is None else float(l2)
+
+    @property
+    def lambda_rule(self) -> LambdaRule:
+        """How the bundle's lambda was chosen from validation evidence: its pooled rule, or
+        each client's own evidence (the paper's) where it records none."""
+        return _lambda_rule(self.json, BundleError) if "lambda_rule" in self.json else CLIENT_RULE
+
+    def new_device_lambda_rule(self) -> tuple[LambdaRule, str | None]:
+        """The lambda rule a new device built `--like` this bundle can use, and why the
+        bundle's own was set aside (None when it was not). `knnper-edge init` interpolates
+        with the encoder's classifier, not a linear head fitted on the device as the seen
+        clients' were; a pooled rule measured on those heads ranks lambdas for another mixture
+        (on digits it picked lambda 0, the global model alone: 2-8% accuracy), so the device
+        then chooses from its own validation split, on the base it will have."""
+        rule = self.lambda_rule
+        if rule.name == "client" or self.base == "global":
+            return rule, None
+        return CLIENT_RULE, (
+            f"the bundle's {rule.name} lambda evidence was measured with each "
+            "client's own linear head as the base, which a new device does not "
+            "have; lambda is chosen on its own validation split (the client "
+            "rule)"
+        )
+
+    def with_datastore(
+        self, footprint: Footprint, files: dict[str, str], datastore: Any = None, where: str = ""
+    ) -> Manifest:
+        """This manifest with the files written (and, after an on-device update, the recipe of
+        the `datastore` stored)."""
+        new = self.to_json()
+        if datastore is not None:
+            new["backend"] = _backend_record(datastore)
+        new.update(footprint=footprint._asdict(), files=files)
+        return Manifest(validate_manifest(to_json_types(new), where or "write_bundle"))
+
+    def departure_from(self, base: Manifest) -> str | None:
+        """What this manifest changes of `base` (a signed one) beyond what an on-device update
+        may change (DEVICE: the datastore's files and size, its sample counts), else None."""
+        ours, theirs = self.json, base.json
+        for key in sorted(set(ours) | set(theirs)):
+            if key not in self.DEVICE and ours.get(key) != theirs.get(key):
+                return repr(key)
+        if self.files.get(ENCODER_FILE) != base.files.get(ENCODER_FILE):
+            return "the encoder's sha256"
+        if self.footprint.encoder != base.footprint.encoder:
+            return "the encoder's footprint"
+        if self.backend != base.backend or _fixed_params(self.params) != _fixed_params(base.params):
+            return "the datastore backend"
         return None
-    return float(choice["l2"]["value"])
 
 
-def parse_manifest(raw: bytes, where: str) -> dict:
+# Recipe parameters an update may change: how many samples are stored (and, for ProtoNN, how
+# many the buffer holds); the budget still bounds the files they take.
+_COUNT_PARAMS = ("n", "buffer")
+
+
+def _fixed_params(params: dict) -> dict:
+    """The recipe's parameters an update cannot change (all but the sample counts)."""
+    return {key: value for key, value in params.items() if key not in _COUNT_PARAMS}
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
     """Bytes of a manifest -> the schema-checked manifest. BundleError, never RecursionError or
     MemoryError: the size, the nesting and repeated keys are bounded or refused."""
     if len(raw) > MAX_MANIFEST_BYTES:
@@ -354,7 +516,7 @@ def parse_manifest(raw: bytes, where: str) -> dict:
         manifest = parse_json(raw, max_depth=MAX_MANIFEST_DEPTH)
     except ValueError as exc:  # not UTF-8 or JSON, too deep, repeated keys, NaN, huge integers
         raise BundleError(f"{where}: {exc}") from None
-    return validate_manifest(manifest, where)
+    return Manifest(validate_manifest(manifest, where))
 
 
 def read_manifest_bytes(bundle_dir: Path) -> bytes:
@@ -368,20 +530,19 @@ def read_manifest_bytes(bundle_dir: Path) -> bytes:
     )
 
 
-def read_manifest(bundle_dir: str | os.PathLike) -> dict:
+def read_manifest(bundle_dir: str | os.PathLike) -> Manifest:
     """Parse and schema-check manifest.json only (no file hashes): for `info` and `--like`."""
     bundle_dir = Path(bundle_dir)
     raw = read_manifest_bytes(bundle_dir)
     return parse_manifest(raw, f"bundle {bundle_dir}: {MANIFEST}")
 
 
-_COMPUTED_KEYS = ("format", "version", "backend", "footprint", "files")
-_OPTIONAL_FIELDS = ("knn_choice", "lambda_rule", *MODEL_RECORDS)
-_ALLOWED_FIELDS = set(_SCHEMA) | set(_COMPUTED_KEYS) | set(_OPTIONAL_FIELDS)
+_ALLOWED_FIELDS = set(_SCHEMA) | set(Manifest.COMPUTED) | set(Manifest.OPTIONAL)
 
 
-def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
-    """A manifest (without footprint and files) from caller fields and a fitted datastore.
+def build_manifest(manifest_fields: dict, datastore: Any) -> Manifest:
+    """A manifest from caller fields and a fitted datastore, its footprint and files still
+    to be filled in (`Manifest.with_datastore`) once the files are written.
 
     Required fields: client_id, input, lambda, budget_bytes. Taken from the datastore unless
     given (and then checked against it): num_classes, embedding_dim, k, sigma. update_strategy
@@ -408,11 +569,7 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
                 f"write_bundle: manifest field {key!r} is {manifest_fields[key]!r} but the "
                 f"datastore has {value!r}"
             )
-    backend = {
-        "name": datastore.backend,
-        "recipe": datastore.recipe,
-        "params": datastore.recipe_params(),
-    }
+    backend = _backend_record(datastore)
     given = manifest_fields.get("backend")
     if given is not None and (not isinstance(given, dict) or given.get("name") != backend["name"]):
         raise BundleError(
@@ -431,7 +588,7 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
         "update_strategy": manifest_fields.get("update_strategy", default_strategy),
         "budget_bytes": manifest_fields["budget_bytes"],
     }
-    for key in _OPTIONAL_FIELDS:
+    for key in Manifest.OPTIONAL:
         if key in manifest_fields:
             manifest[key] = manifest_fields[key]
     for key in ("format", "version"):
@@ -445,4 +602,19 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> dict:
     for key in ("client_id", "budget_bytes"):
         if isinstance(manifest[key], np.integer):
             manifest[key] = int(manifest[key])
-    return manifest
+    try:
+        manifest = to_json_types(manifest)
+    except TypeError as exc:
+        raise BundleError(f"write_bundle: manifest fields are not JSON data: {exc}") from None
+    # checked before anything is written: the files are not known yet, only their layout
+    placeholder = dict.fromkeys((ENCODER_FILE, *BACKENDS[backend["name"]].FILES), "0" * 64)
+    manifest.update(footprint={"encoder": 0, "datastore": 0, "total": 0}, files=placeholder)
+    return Manifest(validate_manifest(manifest, "write_bundle"))
+
+
+def _backend_record(datastore: Any) -> dict[str, Any]:
+    return {
+        "name": datastore.backend,
+        "recipe": datastore.recipe,
+        "params": datastore.recipe_params(),
+    }

@@ -42,7 +42,6 @@ import numpy as np
 from ._io import json_bytes, output_problem, output_target, write_files_atomic
 from .bundle import BundleError, encoder_model
 from .head_file import refits
-from .manifest import refit_l2
 from .ort_format import CONFIG_SUFFIX, MODEL_FORMATS, to_ort
 from .predictor_graph import build_predictor, graph_backends
 from .runtime import Runtime
@@ -59,7 +58,7 @@ def build_portable(runtime: Runtime, *, keys_as_inputs: bool = False) -> bytes:
             f"bundle {runtime.path}: a {backend} datastore has no ONNX form; export the client "
             f"with a {' or '.join(graph_backends())} datastore"
         )
-    if keys_as_inputs and refit_l2(runtime.manifest) is not None and refits(runtime.datastore):
+    if keys_as_inputs and runtime.manifest.refit_l2 is not None and refits(runtime.datastore):
         raise BundleError(
             f"bundle {runtime.path}: --keys-as-inputs cannot follow `add` here: its base is a "
             "linear head that `add` refits on the stored keys, which the graph cannot refit"
@@ -164,7 +163,7 @@ def app_contract(runtime: Runtime) -> dict:
     """How an app keeps learning as `Runtime.add` does (see the module docstring): the update
     strategy, the most keys kept after an update, the key width, the rule in words, and the
     raw input the graph takes (the manifest's input spec) with the number of classes."""
-    strategy = runtime.manifest["update_strategy"]
+    strategy = runtime.manifest.update_strategy
     keys, _ = portable_samples(runtime)
     rule = (
         "append nothing: 'fixed' keeps the stored keys"

@@ -20,6 +20,7 @@ import onnxruntime as ort
 from .datastores.common import WORK_CELLS
 from .encoder import _session, _session_options
 from .errors import one_line
+from .manifest import Manifest
 from .predictor_graph import build_predictor
 
 # A run's intermediates must fit in the 2 MiB a bundle's memory may pass its budget by (with
@@ -36,7 +37,7 @@ class Predictor:
 
     def __init__(
         self,
-        manifest: dict,
+        manifest: Manifest,
         datastore,
         encoder: bytes,
         *,

@@ -33,6 +33,7 @@ import numpy as np
 from . import onnx_proto as P
 from .datastores.registry import BACKENDS
 from .knn import QUERY_LEVELS
+from .manifest import Manifest
 
 OPSET = 17
 ENCODER_INPUT = "knnper/encoder_input"
@@ -84,7 +85,7 @@ class _Graph:
 
 
 def build_predictor(
-    manifest: dict,
+    manifest: Manifest,
     datastore,
     encoder: bytes,
     *,
@@ -114,7 +115,7 @@ def build_predictor(
     opsets = dict(parsed.opsets)
     opsets[""] = max(opsets.get("", OPSET), OPSET)
     g = _Graph(opsets[""])
-    spec = manifest["input"]
+    spec = manifest.input
     if spec["kind"] == "image":
         g.input("input", P.UINT8, ["N", *spec["shape"]])
         _normalise(g, spec)
@@ -128,7 +129,7 @@ def build_predictor(
     form = {"keys": _flat, "prototypes": _protonn}[datastore.ONNX_FORM]
     key, p_local = form(g, manifest, datastore, z, samples)
     p_global = g.cast(g.node("Softmax", [logits], axis=1), P.DOUBLE)
-    lam = float(manifest["lambda"])
+    lam = manifest.lam
     mixed = g.node(
         "Add",
         [
@@ -139,11 +140,11 @@ def build_predictor(
     out_type = {"float32": P.FLOAT, "float64": P.DOUBLE}[probabilities]
     g.nodes.append(P.node("Cast", [mixed], ["probabilities"], to=out_type))
     g.nodes.append(P.node("Identity", [key], ["key"]))
-    classes = int(manifest["num_classes"])
+    classes = int(manifest.num_classes)
     outputs = [
         P.value_info("probabilities", out_type, ["N", classes]),
         P.value_info("key", P.FLOAT, ["N", None]),
-        P.value_info("embedding", P.FLOAT, ["N", int(manifest["embedding_dim"])]),
+        P.value_info("embedding", P.FLOAT, ["N", int(manifest.embedding_dim)]),
         P.value_info("logits", P.FLOAT, ["N", classes]),
     ]
     graph = P.graph("knnper_predictor", g.nodes, g.inputs, outputs, g.initializers, prefix=head)
@@ -153,8 +154,8 @@ def build_predictor(
         opsets=opsets,
         producer="knnper-edge predictor",
         metadata={
-            "knnper.client_id": str(manifest["client_id"]),
-            "knnper.recipe": manifest["backend"]["recipe"],
+            "knnper.client_id": str(manifest.client_id),
+            "knnper.recipe": manifest.recipe,
             "knnper.samples": samples,
         },
     )
@@ -225,7 +226,7 @@ def _portable_samples(g: _Graph) -> tuple[str, str]:
     return g.node("Transpose", ["keys"], perm=[1, 0]), "labels"
 
 
-def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str]:
+def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str, str]:
     int8 = ds.dtype == "int8"
     if samples == "portable":
         keys_t, labels = _portable_samples(g)
@@ -253,8 +254,8 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
             dots = g.node("MatMul", [_minus_twice(g, z), g.cast(keys_t, P.FLOAT)])
         else:
             dots = g.node("MatMul", [_minus_twice(g, z), keys_t])
-    sq_k, idx = _nearest(g, dots, _row_norms(g, z, 1), key_norms, int(manifest["k"]))
-    scale = 1.0 / (manifest["embedding_dim"] * manifest["sigma"])
+    sq_k, idx = _nearest(g, dots, _row_norms(g, z, 1), key_norms, int(manifest.k))
+    scale = 1.0 / (manifest.embedding_dim * manifest.sigma)
     key = z  # fp32: stored as given
     if int8:
         key = _int8_key(g, z, ds.scale_)
@@ -263,7 +264,7 @@ def _flat(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str
     weights = g.node(
         "Softmax", [g.node("Mul", [g.cast(sq_k, P.DOUBLE), g.const(-scale, np.float64)])], axis=1
     )
-    onehot = _one_hot(g, g.node("Gather", [labels, idx]), int(manifest["num_classes"]), 1.0)
+    onehot = _one_hot(g, g.node("Gather", [labels, idx]), int(manifest.num_classes), 1.0)
     weighted = g.node(
         "Mul", [g.cast(onehot, P.DOUBLE), g.node("Unsqueeze", [weights, g.const([2], np.int64)])]
     )
@@ -302,11 +303,11 @@ def _fp16_key(g: _Graph, z: str) -> str:
     return g.cast(g.cast(clipped, P.FLOAT16), P.FLOAT)
 
 
-def _protonn(g: _Graph, manifest: dict, ds, z: str, samples: str) -> tuple[str, str]:
+def _protonn(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str, str]:
     """ProtoNN's posterior. The prototypes and the buffer of added samples are scored as two
     parts whose squared distances meet only to find the nearest: nothing as large as the
     prototypes is concatenated on a call."""
-    classes = int(manifest["num_classes"])
+    classes = int(manifest.num_classes)
     wz = g.node("MatMul", [z, g.const(ds.W_.T)])
     wz_norms = g.cast(_row_norms(g, wz, 1), P.DOUBLE)
     if samples == "constant":

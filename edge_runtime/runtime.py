@@ -66,7 +66,7 @@ from .head_file import head_nbytes, refit_head, refits, samples_within
 from .knn import softmax
 from .linear_head import LinearHead
 from .locking import DEFAULT_LOCK_TIMEOUT
-from .manifest import refit_l2
+from .manifest import Manifest
 from .personal_head import PersonalHead
 from .predictor import Predictor
 from .preprocess import prepare_checked, raw_checked, validate_spec
@@ -130,7 +130,7 @@ class Runtime:
     def __init__(
         self,
         path: Path,
-        manifest: dict,
+        manifest: Manifest,
         encoder: Encoder | None,
         datastore,
         *,
@@ -146,7 +146,7 @@ class Runtime:
         self.predictor = predictor
         self.lock_timeout = lock_timeout
         self.size_at_load_ = len(datastore.sample_store())
-        self._spec = validate_spec(manifest["input"])  # checked once here, not on every call
+        self._spec = validate_spec(manifest.input)  # checked once here, not on every call
         self._blas_threads = BlasThreads(blas_threads)
         self._intra_op_threads = intra_op_threads
 
@@ -204,11 +204,11 @@ class Runtime:
     # -- properties from the manifest
     @property
     def num_classes(self) -> int:
-        return int(self.manifest["num_classes"])
+        return int(self.manifest.num_classes)
 
     @property
     def lam(self) -> float:
-        return float(self.manifest["lambda"])
+        return self.manifest.lam
 
     @property
     def head(self) -> PersonalHead:
@@ -218,17 +218,17 @@ class Runtime:
     @property
     def budget(self) -> Budget:
         """What the bundle may take, the encoder's share in it, and the datastore's room."""
-        return Budget.of(self.manifest)
+        return self.manifest.budget
 
     @property
     def version(self) -> ModelVersion | None:
         """The model version the bundle runs (its manifest's record, else its keys' encoder);
         None for a bundle from before versions."""
-        return ModelVersion.of(self.manifest) or ModelVersion.of_keys(self.datastore)
+        return self.manifest.model or ModelVersion.of_keys(self.datastore)
 
     @property
     def input_spec(self) -> dict:
-        return self.manifest["input"]
+        return self.manifest.input
 
     @property
     def capacity(self) -> int:
@@ -242,7 +242,7 @@ class Runtime:
         """Raw inputs -> (embeddings [N,p], logits [N,C]); input checks happen here."""
         batch = self._checked(x)
         if batch.shape[0] == 0:
-            dim = self.manifest["embedding_dim"]
+            dim = self.manifest.embedding_dim
             return np.zeros((0, dim), np.float32), np.zeros((0, self.num_classes), np.float32)
         return self._encode(batch)
 
@@ -334,7 +334,7 @@ class Runtime:
         """`add` of `count` labelled samples that arrive as consecutive (x, y) chunks, oldest
         first: every chunk is checked, but only the newest samples the strategy can keep are
         embedded and held, so memory does not grow with the input (a file read lazily)."""
-        strategy = self.manifest["update_strategy"] if strategy is None else strategy
+        strategy = self.manifest.update_strategy if strategy is None else strategy
         if strategy not in UPDATE_STRATEGIES:
             raise ValueError(
                 f"update strategy must be one of {list(UPDATE_STRATEGIES)}, got {strategy!r}"
@@ -433,7 +433,7 @@ class Runtime:
         """The most samples the datastore holds after `add` by `strategy` (default: the
         manifest's): `add` appends the new samples after the stored ones and evicts the oldest
         beyond this many ('fixed' adds none: what is stored now)."""
-        strategy = self.manifest["update_strategy"] if strategy is None else strategy
+        strategy = self.manifest.update_strategy if strategy is None else strategy
         if strategy == "fixed":
             return len(self.datastore.sample_store())
         return self._target(strategy)
@@ -450,7 +450,7 @@ class Runtime:
             raise BudgetExceeded(
                 f"bundle {self.path}: no stored sample fits the budget of "
                 f"{self.budget.total} bytes",
-                self.manifest["footprint"]["total"],
+                self.manifest.footprint.total,
                 self.budget.total,
             )
         target = min(self.capacity, fits) if strategy == "fifo" else fits
@@ -511,20 +511,20 @@ class Runtime:
             added,
             evicted,
             len(self.datastore.sample_store()),
-            int(self.manifest["footprint"]["total"]),
+            self.manifest.footprint.total,
         )
 
     def _max_fit(self) -> int:
         """The most stored samples whose (estimated) datastore files fit next to the encoder
         (and the refitted head's file, where the bundle refits one)."""
-        dim = self.manifest["embedding_dim"]
+        dim = self.manifest.embedding_dim
         head = head_nbytes(dim, self.num_classes if self._refit_l2() is not None else None)
         return samples_within(self.datastore.sample_store(), dim, self.budget.with_head(head))
 
     def _refit_l2(self) -> float | None:
         """The l2 an update refits the linear head with; None where it keeps the shipped head
         (see the module docstring)."""
-        return refit_l2(self.manifest) if refits(self.datastore) else None
+        return self.manifest.refit_l2 if refits(self.datastore) else None
 
     def _refit(self) -> LinearHead | None:
         l2 = self._refit_l2()
@@ -537,7 +537,7 @@ class Runtime:
         """Commit the datastore (and the refitted head); if the real files overshoot the
         budget (estimates for hnsw), evict more of the oldest and retry. Returns how many extra
         samples were evicted. A refitted head goes into the session before this returns."""
-        ds, dim, extra = self.datastore.sample_store(), self.manifest["embedding_dim"], 0
+        ds, dim, extra = self.datastore.sample_store(), self.manifest.embedding_dim, 0
         for _ in range(8):
             try:
                 head = self._refit()

@@ -33,12 +33,11 @@ from typing import Any
 from ._io import parse_json, read_within, write_bytes_atomic
 from .cli_help import install_hint
 from .errors import SignatureError
-from .manifest import parse_manifest
+from .manifest import Manifest, parse_manifest
 
 SIGNATURE_FILE = "signature.json"
 ALGORITHM = "ed25519"
 MAX_SIGNATURE_BYTES = 1 << 20
-_DEVICE_FIELDS = ("files", "footprint", "backend")
 
 
 def _crypto():
@@ -195,8 +194,8 @@ class _Document:
 
 
 def verify_signature(
-    bundle_dir: str | os.PathLike, manifest: dict, trusted_keys: Sequence[Any], where: str
-) -> dict:
+    bundle_dir: str | os.PathLike, manifest: Manifest, trusted_keys: Sequence[Any], where: str
+) -> Manifest:
     """Check signature.json against the trusted public keys and the current manifest; returns
     the signed base manifest. SignatureError (one line) when the bundle is unsigned, signed by
     an untrusted key, the signature does not verify, or the manifest departs from the signed
@@ -224,7 +223,7 @@ def verify_file(path: str | os.PathLike, data: bytes, trusted_keys: Sequence[Any
         raise SignatureError(f"{where}: the file is not the one that was signed")
 
 
-def check_signed_base(bundle_dir: str | os.PathLike, manifest: dict, where: str) -> None:
+def check_signed_base(bundle_dir: str | os.PathLike, manifest: Manifest, where: str) -> None:
     """Without checking the signature itself (no key at hand): SignatureError when the
     manifest departs from the base signature.json signed in anything an update cannot
     change, so a runtime that trusts the signer will accept it."""
@@ -232,27 +231,7 @@ def check_signed_base(bundle_dir: str | os.PathLike, manifest: dict, where: str)
     _check_against_base(manifest, parse_manifest(signed, f"{where}: signed manifest"), where)
 
 
-def _check_against_base(manifest: dict, base: dict, where: str) -> None:
-    def fail(what: str) -> SignatureError:
-        return SignatureError(f"{where}: {what} differs from the signed manifest")
-
-    for key in sorted(set(manifest) | set(base)):
-        if key not in _DEVICE_FIELDS and manifest.get(key) != base.get(key):
-            raise fail(repr(key))
-    if manifest["files"].get("encoder.onnx") != base["files"].get("encoder.onnx"):
-        raise fail("the encoder's sha256")
-    if manifest["footprint"]["encoder"] != base["footprint"]["encoder"]:
-        raise fail("the encoder's footprint")
-    ours, theirs = manifest["backend"], base["backend"]
-    if ours["name"] != theirs["name"] or _fixed_params(ours) != _fixed_params(theirs):
-        raise fail("the datastore backend")
-
-
-# Recipe parameters an update may change: how many samples are stored (and, for ProtoNN, how
-# many the buffer holds); the budget still bounds the files they take.
-_COUNT_PARAMS = ("n", "buffer")
-
-
-def _fixed_params(backend: dict) -> dict:
-    """The recipe's parameters an update cannot change (all but the sample counts)."""
-    return {key: value for key, value in backend["params"].items() if key not in _COUNT_PARAMS}
+def _check_against_base(manifest: Manifest, base: Manifest, where: str) -> None:
+    what = manifest.departure_from(base)
+    if what is not None:
+        raise SignatureError(f"{where}: {what} differs from the signed manifest")

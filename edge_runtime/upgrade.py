@@ -64,7 +64,7 @@ from .encoder import Encoder
 from .errors import SignatureError, one_line
 from .head_file import head_nbytes, refit_head, samples_within
 from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
-from .manifest import MODEL_RECORDS, lambda_rule_of, refit_l2
+from .manifest import Manifest
 from .preprocess import prepare_input
 from .signing import SIGNATURE_FILE, check_signed_base, verify_file
 from .versions import ModelVersion
@@ -72,7 +72,6 @@ from .versions import ModelVersion
 UPGRADES_DIR = "upgrades"
 # the validation share lambda is re-chosen on from kept inputs: `knnper-edge init`'s default
 REEMBED_VAL_FRACTION = 0.2
-_RELEASE_FIELDS = ("knn_choice", "lambda_rule", *MODEL_RECORDS)
 _HOW = {
     "folded": "buffered; the release's reverse map folded into the ProtoNN projection, "
     "the prototypes kept"
@@ -123,7 +122,7 @@ class UpgradeReport:
 
 def upgrade_bundle(
     path: Path,
-    manifest: dict,
+    manifest: Manifest,
     datastore: Any,
     new_dir: str | os.PathLike,
     *,
@@ -143,19 +142,19 @@ def upgrade_bundle(
     new_dir = Path(new_dir)
     release = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys).manifest
     _check_same_client(where, manifest, release, new_dir)
-    backend = manifest["backend"]["name"]
+    backend = manifest.backend
     trained = BACKENDS[backend].TRAINED
-    if release["num_classes"] != manifest["num_classes"]:
+    if release.num_classes != manifest.num_classes:
         raise BundleError(
-            f"{where}: the release {new_dir} has {release['num_classes']} "
-            f"classes, this bundle {manifest['num_classes']}: not an upgrade of it"
+            f"{where}: the release {new_dir} has {release.num_classes} "
+            f"classes, this bundle {manifest.num_classes}: not an upgrade of it"
         )
     model = encoder_bytes(new_dir, release)
-    new, encoder_size = ModelVersion.of(release) or encoder_version(model, release), len(model)
+    new, encoder_size = release.model or encoder_version(model, release), len(model)
     # written from its file, not held: the written bundle is checked against `new` again
     del model
     old = (
-        ModelVersion.of(manifest)
+        manifest.model
         or ModelVersion.of_keys(datastore)
         or encoder_version(encoder_bytes(path, manifest), manifest)
     )
@@ -166,8 +165,8 @@ def upgrade_bundle(
         "nothing to do",
         count,
         0,
-        float(manifest["lambda"]),
-        int(manifest["footprint"]["total"]),
+        manifest.lam,
+        manifest.footprint.total,
     )
     if old.matches(new):
         return report
@@ -185,7 +184,7 @@ def upgrade_bundle(
             f"signature; upgrade to the signed release (or delete {SIGNATURE_FILE} to take it)"
         )
     if getattr(datastore, "inputs_", None) is not None:
-        if release["input"] != manifest["input"]:
+        if release.input != manifest.input:
             raise BundleError(
                 f"{where}: the release {new_dir} takes other inputs than the ones "
                 "this bundle kept; it cannot re-embed them"
@@ -204,12 +203,12 @@ def upgrade_bundle(
         report.how, report.evidence = ("folded" if trained else "mapped"), mapping.describe()
 
     params = {
-        **manifest["backend"]["params"],
-        "num_classes": release["num_classes"],
-        "k": release["k"],
-        "sigma": release["sigma"],
+        **manifest.params,
+        "num_classes": release.num_classes,
+        "k": release.k,
+        "sigma": release.sigma,
     }
-    dim = release["embedding_dim"]
+    dim = release.embedding_dim
     if trained:  # the folded datastore is small: its buffer is what an eviction takes from
         try:
             datastore = datastore.fold_input_map(
@@ -221,9 +220,9 @@ def upgrade_bundle(
             ) from None
         fresh, l2 = datastore.sample_store(), None  # a protonn bundle keeps its shipped head
     else:
-        fresh, l2 = BACKENDS[backend].from_params(params), refit_l2(release)
-    budget = Budget(manifest["budget_bytes"], encoder_size).with_head(
-        head_nbytes(dim, release["num_classes"] if l2 is not None else None)
+        fresh, l2 = BACKENDS[backend].from_params(params), release.refit_l2
+    budget = Budget(manifest.budget.total, encoder_size).with_head(
+        head_nbytes(dim, release.num_classes if l2 is not None else None)
     )
     fits = samples_within(fresh, dim, budget)
     # a protonn bundle's prototypes stay with an empty buffer too
@@ -237,12 +236,12 @@ def upgrade_bundle(
         )
     evict = max(0, count - fits)
     fields = {
-        "client_id": manifest["client_id"],
-        "input": release["input"],
-        "lambda": release["lambda"],
-        "budget_bytes": manifest["budget_bytes"],
-        "update_strategy": manifest["update_strategy"],
-        **{key: release[key] for key in _RELEASE_FIELDS if key in release},
+        "client_id": manifest.client_id,
+        "input": release.input,
+        "lambda": release.lam,
+        "budget_bytes": manifest.budget.total,
+        "update_strategy": manifest.update_strategy,
+        **release.release_fields(),
     }
     tmp = staging_directory(path)
     try:
@@ -256,7 +255,7 @@ def upgrade_bundle(
                     ds, lam = _reembedded(
                         datastore, evict, encoder_bytes(new_dir, release), release, params, manifest
                     )
-                    fields["lambda"] = release["lambda"] if signed else lam
+                    fields["lambda"] = release.lam if signed else lam
                 else:
                     ds = _mapped(datastore, evict, mapping, params, backend, where, map_path)
                 datastore = None  # the old keys go before the new bundle is written and checked
@@ -277,7 +276,7 @@ def upgrade_bundle(
                 budget.total,
             )
         if l2 is not None:
-            head = refit_head(ds, release["num_classes"], l2)
+            head = refit_head(ds, release.num_classes, l2)
             written = commit_datastore(tmp, written, ds, head)
         if signed:
             shutil.copyfile(new_dir / SIGNATURE_FILE, tmp / SIGNATURE_FILE)
@@ -290,16 +289,16 @@ def upgrade_bundle(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     report.evicted, report.carried = evict, count - evict
-    report.lam, report.footprint_bytes = float(written["lambda"]), written["footprint"]["total"]
+    report.lam, report.footprint_bytes = written.lam, written.footprint.total
     report.signed = signed
     return report
 
 
-def _check_same_client(where: str, manifest: dict, release: dict, new_dir: Path) -> None:
+def _check_same_client(where: str, manifest: Manifest, release: Manifest, new_dir: Path) -> None:
     """BundleError when the release bundle is another client's: its lambda (and a refitted
     head) are that client's, chosen on that client's data. A device that never trained
     (client id -1, built by `init`) takes any client's bundle of the release."""
-    device, other = manifest["client_id"], release["client_id"]
+    device, other = manifest.client_id, release.client_id
     if device >= 0 and other >= 0 and device != other:
         raise BundleError(
             f"{where} is client {device}'s and the release bundle {new_dir} is client "
@@ -346,7 +345,7 @@ def _mapped(
 
 
 def _reembedded(
-    datastore: Any, evict: int, model: bytes, release: dict, params: dict, manifest: dict
+    datastore: Any, evict: int, model: bytes, release: Manifest, params: dict, manifest: Manifest
 ) -> tuple[Any, float]:
     """The samples from the `evict`-th oldest on, re-embedded from their kept raw inputs by
     the new encoder (in the encoder's own batches), with lambda chosen as `init --like
@@ -356,22 +355,22 @@ def _reembedded(
     zs, logits = [], []
     for start in range(0, len(labels), encoder.batch_size):
         z, lg = encoder.run(
-            prepare_input(inputs[start : start + encoder.batch_size], release["input"])
+            prepare_input(inputs[start : start + encoder.batch_size], release.input)
         )
         zs.append(z)
         logits.append(lg)
-    recipe = format_recipe(manifest["backend"]["name"], params)
+    recipe = format_recipe(manifest.backend, params)
     final, best, _ = choose_datastore(
         np.concatenate(zs),
         np.concatenate(logits),
         labels,
         [recipe],
-        k=release["k"],
-        sigma=release["sigma"],
+        k=release.k,
+        sigma=release.sigma,
         val_fraction=REEMBED_VAL_FRACTION,
         seed=0,
-        client_id=manifest["client_id"],
-        lambda_rule=lambda_rule_of(release),
+        client_id=manifest.client_id,
+        lambda_rule=release.lambda_rule,
         inputs=inputs,
     )
     return final, float(best["lambda"])
@@ -382,8 +381,8 @@ def _key_map(
     old: ModelVersion,
     new: ModelVersion,
     given: str | os.PathLike | None,
-    manifest: dict,
-    release: dict,
+    manifest: Manifest,
+    release: Manifest,
     where: str,
     force: bool,
     trusted_keys: Any = None,
@@ -413,16 +412,16 @@ def _key_map(
             f"{mapping.to_version.short}, this upgrade needs {old.short} -> "
             f"{new.short}: use the map the release ships for this bundle's version"
         )
-    if mapping.weight.shape != (manifest["embedding_dim"], release["embedding_dim"]):
+    if mapping.weight.shape != (manifest.embedding_dim, release.embedding_dim):
         raise BundleError(
             f"key map {path} is {list(mapping.weight.shape)}, this upgrade needs "
-            f"[{manifest['embedding_dim']}, {release['embedding_dim']}]"
+            f"[{manifest.embedding_dim}, {release.embedding_dim}]"
         )
-    classes = mapping.extra.get("class_weight", np.zeros((manifest["num_classes"],))).shape[0]
-    if classes != manifest["num_classes"]:
+    classes = mapping.extra.get("class_weight", np.zeros((manifest.num_classes,))).shape[0]
+    if classes != manifest.num_classes:
         raise BundleError(
             f"key map {path} is per-class for {classes} classes, this bundle has "
-            f"{manifest['num_classes']}: use the map the release ships for this bundle's version"
+            f"{manifest.num_classes}: use the map the release ships for this bundle's version"
         )
     if mapping.advice != ADVICE[0] and not force:
         raise BundleError(

@@ -51,9 +51,10 @@ class ModelVersion:
 
     @classmethod
     def of(cls, manifest: Any) -> ModelVersion | None:
-        """The version a bundle was built from (its validated manifest's "model" record, with
-        the "replaces" record as its lineage); None for a bundle from before versions."""
-        return cls.from_record(manifest.get("model"), manifest.get("replaces"))
+        """The version a bundle was built from (edge_runtime.manifest.Manifest.model: its
+        "model" record, with its "replaces" record as the lineage); None for a bundle from
+        before versions."""
+        return manifest.model
 
     @classmethod
     def from_record(cls, record: dict | None, replaces: dict | None = None) -> ModelVersion | None:

@@ -220,12 +220,11 @@ def _stale(
 
 def _knn_setting(rt: Runtime) -> dict[str, Any]:
     """The kNN setting a bundle runs (each release chose its own on validation)."""
-    choice = rt.manifest.get("knn_choice") or {}
     return {
         "k": rt.datastore.k,
         "sigma": rt.datastore.sigma,
-        "normalize": (choice.get("normalize") or {}).get("value"),
-        "base": (choice.get("base") or {}).get("value", "global"),
+        "normalize": rt.manifest.normalize,
+        "base": rt.manifest.base,
     }
 
 

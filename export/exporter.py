@@ -40,7 +40,7 @@ from edge_runtime.knn import (
     base_problem,
 )
 from edge_runtime.locking import LockTimeout, directory_lock
-from edge_runtime.manifest import read_manifest, taught_on_device
+from edge_runtime.manifest import read_manifest
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.preprocess import raw_checked
 from edge_runtime.release import Release, ReleaseError, read_release, write_release
@@ -525,7 +525,7 @@ def _refuse_taught(out_dir: Path, client_ids: Sequence[int]) -> None:
     taught = []
     for cid in client_ids:
         try:
-            if taught_on_device(read_manifest(bundle_dir(out_dir, cid))):
+            if read_manifest(bundle_dir(out_dir, cid)).taught_on_device:
                 taught.append(bundle_dir(out_dir, cid).name)
         except BundleError:
             continue

@@ -65,12 +65,18 @@ def bundle_problem(
         manifest = read_bundle(path, intra_op_threads=1, trusted_keys=trusted_keys).manifest
     except BundleError as err:
         return str(err)
-    if manifest["files"][ENCODER_FILE] != encoder_sha256:
+    if manifest.files[ENCODER_FILE] != encoder_sha256:
         return "its encoder is not this export's (another model or export)"
-    got = {key: manifest[key] for key in expected}
+    got = {
+        "client_id": manifest.client_id,
+        "input": manifest.input,
+        "k": manifest.k,
+        "sigma": manifest.sigma,
+        "update_strategy": manifest.update_strategy,
+    }
     if got != expected:
         return f"its settings {got} are not this export's {expected}"
-    footprint = manifest["footprint"]
+    footprint = manifest.footprint
     described = {
         "client_id": row["client_id"],
         "budget_bytes": row["budget"],
@@ -82,12 +88,12 @@ def bundle_problem(
         "total": row["total_bytes"],
     }
     actual = {
-        "client_id": manifest["client_id"],
-        "budget_bytes": manifest["budget_bytes"],
-        "lambda": manifest["lambda"],
-        "recipe": manifest["backend"]["recipe"],
-        "backend": manifest["backend"]["name"],
-        **footprint,
+        "client_id": manifest.client_id,
+        "budget_bytes": manifest.budget.total,
+        "lambda": manifest.lam,
+        "recipe": manifest.recipe,
+        "backend": manifest.backend,
+        **footprint._asdict(),
     }
     if described != actual:
         return "it is not the bundle its journal row describes"

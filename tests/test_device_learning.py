@@ -60,7 +60,7 @@ def test_add_works_on_every_exported_backend_within_the_budget(
         bundle = tmp_path / path.parent.name / path.name
         shutil.copytree(path, bundle)
         rt = Runtime.load(bundle)
-        assert rt.manifest["update_strategy"] == "fifo"
+        assert rt.manifest.update_strategy == "fifo"
         before, held = rt.components(x)[0], len(rt.datastore.sample_store())
         caplog.clear()
         update = rt.add(x, y, strategy=strategy)  # the README's example
@@ -69,7 +69,7 @@ def test_add_works_on_every_exported_backend_within_the_budget(
             assert (
                 update.size == min(rt.capacity, held + len(y)) and "does not fit" not in caplog.text
             )
-        assert rt.manifest["footprint"]["total"] <= rt.manifest["budget_bytes"]
+        assert rt.manifest.footprint.total <= rt.manifest.budget.total
         reloaded = Runtime.load(bundle)
         np.testing.assert_allclose(reloaded.predict_proba(x), rt.predict_proba(x))
         # the samples just learned are found again: the datastore's own accuracy on them does
@@ -94,7 +94,7 @@ def test_fixed_strategy_reserves_no_protonn_buffer(exported):
         progress=False,
     )
     rt = Runtime.load(root / "fixed" / report["clients"][0]["bundle"])
-    assert rt.manifest["update_strategy"] == "fixed"
+    assert rt.manifest.update_strategy == "fixed"
     assert rt.datastore.buffer is None and ":b" not in rt.datastore.recipe
 
 
@@ -109,14 +109,14 @@ def test_re_exporting_over_a_taught_bundle_is_refused_without_force(exported, tm
     shutil.copytree(root / "flat", out)
     bundle = out / rows[1][0].name
     Runtime.load(bundle).add(run.dataset.x_test[:20], run.dataset.y_test[:20].astype(np.int64))
-    taught = read_manifest(bundle)["files"]
-    budgets = {0: read_manifest(bundle)["budget_bytes"]}
+    taught = read_manifest(bundle).files
+    budgets = {0: read_manifest(bundle).budget.total}
     settings = ExportSettings(backend="flat", space=SPACE)
     with pytest.raises(ExportError, match="taught since they were exported.*--force"):
         export_run(run, out, budgets, settings, clients="0", progress=False)
-    assert read_manifest(bundle)["files"] == taught  # nothing lost
+    assert read_manifest(bundle).files == taught  # nothing lost
     export_run(run, out, budgets, settings, clients="0", progress=False, force=True)
-    assert read_manifest(bundle)["files"] != taught
+    assert read_manifest(bundle).files != taught
 
 
 def test_a_linear_base_export_leaves_room_for_the_head_the_device_refits(

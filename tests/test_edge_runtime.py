@@ -118,7 +118,7 @@ def test_single_sample_is_a_batch_of_one(bundle):
 
 def test_lambda_zero_is_global_model(tmp_path):
     out = build_bundle(tmp_path)
-    m = read_manifest(out)
+    m = read_manifest(out).to_json()
     m["lambda"] = 0.0
     (out / "manifest.json").write_text(json.dumps(m))
     x, _ = make_images(10, 3)
@@ -308,7 +308,7 @@ def test_protonn_bundle_learns_into_its_buffer_within_the_budget(tmp_path, strat
     report = rt.add(x[:6], y[:6])
     # fifo keeps its capacity of 4; concatenate grows while the budget has room
     assert report.size == (4 if strategy == "fifo" else len(rt.datastore.buffer_labels_))
-    assert report.size >= 4 and rt.manifest["footprint"]["total"] <= budget
+    assert report.size >= 4 and rt.manifest.footprint.total <= budget
     assert not np.allclose(rt.predict_proba(x), before)
     again = Runtime.load(tmp_path / "b")
     np.testing.assert_allclose(again.predict_proba(x), rt.predict_proba(x))
@@ -322,7 +322,7 @@ def test_protonn_bundle_without_a_buffer_defaults_to_concatenate(tmp_path):
         rng.normal(size=(3, P)), rng.normal(size=(3, 5)), rng.random((NUM_CLASSES, 5)), 0.5
     )
     write_bundle(tmp_path / "b", FIELDS, enc, ds)
-    assert read_manifest(tmp_path / "b")["update_strategy"] == "concatenate"
+    assert read_manifest(tmp_path / "b").update_strategy == "concatenate"
     rt = Runtime.load(tmp_path / "b")
     x, y = make_images(6, 1)
     with pytest.raises(ValueError, match="reserves no room"):
@@ -487,10 +487,10 @@ def test_write_bundle_over_budget_writes_nothing(tmp_path):
 
 def test_write_bundle_replaces_a_bundle_but_not_other_directories(tmp_path):
     b = build_bundle(tmp_path, "flat:fp32")
-    first = read_manifest(b)["files"]["datastore.npz"]
+    first = read_manifest(b).files["datastore.npz"]
     build_bundle(tmp_path, "flat:int8")
-    assert read_manifest(b)["backend"]["recipe"] == "flat:int8"
-    assert read_manifest(b)["files"]["datastore.npz"] != first
+    assert read_manifest(b).recipe == "flat:int8"
+    assert read_manifest(b).files["datastore.npz"] != first
     # no temporary is left; the replace locked the bundle, whose turnstile (locking) stays
     assert sorted(p.name for p in tmp_path.iterdir()) == [".bundle.lock", "bundle", "encoder.onnx"]
     (tmp_path / "photos").mkdir()
@@ -592,7 +592,7 @@ def test_concatenate_grows_until_the_budget_then_evicts_the_oldest(tmp_path, cap
     probe = build_bundle(tmp_path, n=60, name="probe")
     m = read_manifest(probe)
     ds = FlatDatastore(NUM_CLASSES)
-    budget = m["footprint"]["encoder"] + ds.estimate_nbytes(100, P)
+    budget = m.footprint.encoder + ds.estimate_nbytes(100, P)
     b = build_bundle(tmp_path, n=60, budget=budget, strategy="concatenate")
     rt = Runtime.load(b)
     x, y = make_images(30, 4)
@@ -604,7 +604,7 @@ def test_concatenate_grows_until_the_budget_then_evicts_the_oldest(tmp_path, cap
     assert report.size == 100 and report.evicted == 20
     assert "reached the budget" in caplog.text
     m = read_manifest(b)
-    assert m["footprint"]["total"] <= m["budget_bytes"]
+    assert m.footprint.total <= m.budget.total
     assert len(Runtime.load(b).datastore) == 100
 
 
@@ -627,7 +627,7 @@ def test_hnsw_bundle_updates_persist(tmp_path, strategy):
     report = rt.add(x, y)
     assert report.size == (60 if strategy == "fifo" else 80)
     again = Runtime.load(b)
-    assert sorted(again.manifest["files"]) == ["datastore.1.npz", "encoder.onnx", "hnsw.1.bin"]
+    assert sorted(again.manifest.files) == ["datastore.1.npz", "encoder.onnx", "hnsw.1.bin"]
     np.testing.assert_allclose(again.predict_proba(x), rt.predict_proba(x))
 
 
@@ -749,9 +749,9 @@ def test_init_bundle_for_a_new_device_fits_its_budget(tmp_path):
     budget = enc.stat().st_size + FlatDatastore(NUM_CLASSES, dtype="fp16").estimate_nbytes(80, P)
     report = init_bundle(enc, x, y, budget, tmp_path / "new", input_spec=IMAGE_SPEC, k=5)
     m = read_manifest(tmp_path / "new")
-    assert m["footprint"]["total"] <= budget == m["budget_bytes"]
-    assert m["lambda"] == report.lam and m["backend"]["recipe"] == report.recipe
-    assert m["client_id"] == -1 and m["update_strategy"] == "fifo"
+    assert m.footprint.total <= budget == m.budget.total
+    assert m.lam == report.lam and m.recipe == report.recipe
+    assert m.client_id == -1 and m.update_strategy == "fifo"
     assert len(report.candidates) == 9  # fp32, fp16, int8 at the most that fit, 1/2 and 1/4
     assert all(c["nbytes"] <= budget - enc.stat().st_size for c in report.candidates)
     assert report.val_accuracy == max(c["val_accuracy"] for c in report.candidates)
@@ -838,7 +838,7 @@ def test_cli_add_and_init(bundle, tmp_path, capsys):
         bundle,
     )
     assert code == 0 and "wrote" in out
-    assert read_manifest(tmp_path / "dev")["k"] == 5  # taken from --like
+    assert read_manifest(tmp_path / "dev").k == 5  # taken from --like
     (tmp_path / "spec.json").write_text(json.dumps(IMAGE_SPEC))
     code, out, _ = _cli(
         capsys,
@@ -943,4 +943,4 @@ def test_write_bundle_accepts_numpy_scalars_in_fields(tmp_path):
     fields = {**FIELDS, "input": spec, "lambda": np.float64(0.3), "budget_bytes": np.int64(10**6)}
     manifest = write_bundle(tmp_path / "b", fields, enc, FlatDatastore(NUM_CLASSES).fit(z, y))
     assert manifest == read_manifest(tmp_path / "b")
-    assert manifest["input"]["shape"] == [H, W, C_IN] and manifest["lambda"] == 0.3
+    assert manifest.input["shape"] == [H, W, C_IN] and manifest.lam == 0.3

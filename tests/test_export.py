@@ -92,8 +92,7 @@ def exported(run, encoder_bytes, tmp_path_factory):
 
 
 def _bundle_files_bytes(path: Path) -> int:
-    manifest = read_manifest(path)
-    return sum((path / name).stat().st_size for name in manifest["files"])
+    return sum((path / name).stat().st_size for name in read_manifest(path).files)
 
 
 def test_every_bundle_fits_its_budget_and_loads(exported):
@@ -105,8 +104,8 @@ def test_every_bundle_fits_its_budget_and_loads(exported):
         assert total <= budgets[row["client_id"]].total == row["budget"]
         assert total == row["total_bytes"]
         runtime = Runtime.load(path)
-        assert runtime.manifest["footprint"]["total"] == total
-        assert runtime.manifest["client_id"] == row["client_id"]
+        assert runtime.manifest.footprint.total == total
+        assert runtime.manifest.client_id == row["client_id"]
 
 
 def test_choice_is_best_on_validation_among_candidates_that_fit(exported):
@@ -291,7 +290,7 @@ def test_interrupted_export_leaves_no_half_written_bundle_and_resumes_its_releas
     with pytest.raises(KeyboardInterrupt):
         export(run)
     monkeypatch.setattr(bundle_module, "sha256_file", real)
-    assert Runtime.load(bundle_dir(out, 0)).manifest["client_id"] == 0
+    assert Runtime.load(bundle_dir(out, 0)).manifest.client_id == 0
     assert not bundle_dir(out, 1).exists()
     for entry in out.iterdir():  # no leftover directory, hidden or not, holds a bundle
         if entry.is_dir():

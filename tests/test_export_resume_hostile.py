@@ -67,9 +67,9 @@ def _consistent(out: Path, trusted=None) -> dict:
     report = json.loads((out / REPORT_FILE).read_text())
     for row in report["clients"]:
         rt = Runtime.load(out / row["bundle"], trusted_keys=trusted)
-        assert rt.manifest["budget_bytes"] == row["budget"]
-        assert rt.manifest["footprint"]["total"] == row["total_bytes"]
-        assert rt.manifest["backend"]["recipe"] == row["recipe"]
+        assert rt.manifest.budget.total == row["budget"]
+        assert rt.manifest.footprint.total == row["total_bytes"]
+        assert rt.manifest.recipe == row["recipe"]
     return report
 
 
@@ -198,7 +198,7 @@ def test_resume_rebuilds_another_models_bundle_whose_row_was_rewritten_to_match(
     with caplog.at_level(logging.WARNING):
         assert export_cli.main(_export(run_dir, out)) == 0
     assert "its encoder is not this export's" in caplog.text
-    assert Runtime.load(out / "client_0000").manifest["files"]["encoder.onnx"] == sha256_file(
+    assert Runtime.load(out / "client_0000").manifest.files["encoder.onnx"] == sha256_file(
         out / "encoder.onnx"
     )
     _consistent(out)

@@ -155,7 +155,7 @@ def test_demo_pipeline_prints_server_and_device_rows(tmp_path, caplog):
     for name in ("weak", "strong"):
         report = json.loads((tmp_path / "demo" / f"bundles-{name}" / "export.json").read_text())
         bundle = tmp_path / "demo" / f"bundles-{name}" / report["clients"][0]["bundle"]
-        assert Runtime.load(bundle).manifest["budget_bytes"] == device_budget(rows, name)
+        assert Runtime.load(bundle).manifest.budget.total == device_budget(rows, name)
     table = format_demo_table(rows)
     assert "weak device" in table and "strong device" in table and "FedAvg" in table
 

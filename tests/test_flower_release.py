@@ -325,7 +325,7 @@ def test_nodes_upgrade_in_place_and_keep_every_sample_they_learned(lifecycle):
         # the nodes verified the signed release; the bundle stays the node's own: unsigned
         runtime = Runtime.load(root / "devices" / f"node-{cid}")
         assert not (runtime.path / "signature.json").exists()
-        assert runtime.manifest["model"] == new
+        assert runtime.manifest.model.to_record() == new
         labels = runtime.datastore.labels_
         np.testing.assert_array_equal(labels, after_build[cid])
         val_y = _splits(root / "v2", cid)["val"][1]

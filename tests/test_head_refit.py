@@ -78,7 +78,7 @@ def test_add_refits_the_head_on_the_stored_samples(tmp_path, recipe):
     before = rt.embed(x_probe)[1]
     rt.add(x_new, y_new)
 
-    assert "linear_head.1.npz" in rt.manifest["files"]
+    assert "linear_head.1.npz" in rt.manifest.files
     keys, labels = rt.datastore.keys(), rt.datastore.labels_
     expected = LinearHead(NUM_CLASSES, l2=L2).fit(keys, labels)
     z, logits = rt.embed(x_probe)
@@ -102,8 +102,8 @@ def test_the_head_file_is_counted_in_the_footprint_and_replaced_by_the_next_upda
     assert names == ["linear_head.2.npz"]
     size = (bundle / "linear_head.2.npz").stat().st_size
     assert size == head_nbytes(P, NUM_CLASSES)
-    stored = sum((bundle / n).stat().st_size for n in rt.manifest["files"] if n != "encoder.onnx")
-    assert rt.manifest["footprint"]["datastore"] == stored
+    stored = sum((bundle / n).stat().st_size for n in rt.manifest.files if n != "encoder.onnx")
+    assert rt.manifest.footprint.datastore == stored
 
 
 def test_the_head_takes_its_room_from_the_datastore(tmp_path):
@@ -116,7 +116,7 @@ def test_the_head_takes_its_room_from_the_datastore(tmp_path):
     rt = Runtime.load(bundle)
     report = rt.add(*make_images(3, seed=5, signal=60), strategy="concatenate")
     assert report.evicted >= 1
-    assert rt.manifest["footprint"]["total"] <= tight
+    assert rt.manifest.footprint.total <= tight
 
 
 def test_a_refitted_signed_bundle_still_verifies(tmp_path):
@@ -127,7 +127,7 @@ def test_a_refitted_signed_bundle_still_verifies(tmp_path):
     rt = Runtime.load(bundle, trusted_keys=trusted)
     rt.add(*make_images(5, seed=5, signal=60))
     again = Runtime.load(bundle, trusted_keys=trusted)
-    assert again.manifest["files"]["encoder.onnx"] == rt.manifest["files"]["encoder.onnx"]
+    assert again.manifest.files["encoder.onnx"] == rt.manifest.files["encoder.onnx"]
 
 
 def test_a_bundle_that_records_no_l2_keeps_the_exported_head(tmp_path):
@@ -137,7 +137,7 @@ def test_a_bundle_that_records_no_l2_keeps_the_exported_head(tmp_path):
     (bundle / "manifest.json").write_text(json.dumps(m))
     rt = Runtime.load(bundle)
     rt.add(*make_images(5, seed=5, signal=60))
-    assert not any(n.startswith("linear_head") for n in rt.manifest["files"])
+    assert not any(n.startswith("linear_head") for n in rt.manifest.files)
 
 
 def test_an_encoder_without_a_head_is_refused_before_anything_is_written(tmp_path):
@@ -251,17 +251,17 @@ def test_a_manifest_listing_the_next_head_file_keeps_it_through_a_failed_commit(
 ):
     """A crafted manifest listing linear_head.<next generation>.npz had that file overwritten
     by the next update's head, and a failed commit left the bundle unloadable."""
-    import edge_runtime.bundle as bundle_module
+    from edge_runtime.manifest import Manifest
 
     bundle = linear_bundle(tmp_path)
     _with_head_file(bundle, GOOD, name="linear_head.1.npz")  # datastore.npz: generation 0
     kept = (bundle / "linear_head.1.npz").read_bytes()
     x_new, y_new = make_images(12, seed=5, signal=60)
 
-    def refuse(manifest, where):
-        raise BundleError(f"{where}: refused for the test")
+    def refuse(manifest, *args):
+        raise BundleError("the updated manifest: refused for the test")
 
-    monkeypatch.setattr(bundle_module, "validate_manifest", refuse)
+    monkeypatch.setattr(Manifest, "with_datastore", refuse)
     with pytest.raises(BundleError, match="refused for the test"):
         Runtime.load(bundle).add(x_new, y_new)
     monkeypatch.undo()

@@ -108,7 +108,7 @@ def test_a_huge_budget_works_without_allocating_it(tmp_path, capsys):
         == 0
     )
     rt = Runtime.load(out)
-    assert rt.manifest["budget_bytes"] == 2**50
+    assert rt.manifest.budget.total == 2**50
     assert rt.add(*make_images(5, 1)).added == 5
 
 

@@ -121,7 +121,7 @@ def test_device_upgrade_keeps_its_samples(releases, tmp_path, capsys):
     device = tmp_path / "device"
     shutil.copytree(releases / "b1" / "client_0000", device)
     rt = Runtime.load(device)
-    protonn = rt.manifest["backend"]["name"] == "protonn"  # its buffer is what it learned
+    protonn = rt.manifest.backend == "protonn"  # its buffer is what it learned
     x = np.random.default_rng(0).integers(0, 17, (5, 8, 8, 1)).astype(np.uint8)
     rt.add(x, np.arange(5) % 10)
     labels = (rt.datastore.buffer_labels_ if protonn else rt.datastore.labels_).copy()
@@ -132,7 +132,7 @@ def test_device_upgrade_keeps_its_samples(releases, tmp_path, capsys):
     after = Runtime.load(device)
     kept = after.datastore.buffer_labels_ if protonn else after.datastore.labels_
     np.testing.assert_array_equal(kept, labels[len(labels) - len(kept) :])
-    assert after.manifest["model"]["run"] == "v2"
+    assert after.manifest.model.run == "v2"
 
 
 def test_training_continues_from_a_finished_run_and_records_it(releases, tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from edge_runtime.budget import Budget
-from edge_runtime.bundle import load_bundle_datastore
+from edge_runtime.bundle import load_bundle_datastore, read_manifest
 from edge_runtime.cli import main as edge_main
 from edge_runtime.device_init import init_bundle
 from edge_runtime.encoder import Encoder
@@ -143,7 +143,7 @@ def _server_int8_correct(run, cid: int, bundle, manifest: dict) -> int:
     datastore through numpy's scan, the manifest's normalisation and lambda. Computed on this
     CPU with this CPU's kernels, it is what the device must equal exactly, whatever they are."""
     encoder = Encoder(bundle / "encoder.onnx", intra_op_threads=1)
-    store = load_bundle_datastore(bundle, manifest)
+    store = load_bundle_datastore(bundle, read_manifest(bundle))
     x_test, y_test = client_split(run, cid, "test")
     z_test, logits = encoder.run(prepare_input(x_test, manifest["input"]))
     normalize = manifest["knn_choice"]["normalize"]["value"]
@@ -276,7 +276,7 @@ def _device_refits_its_head(capsys, tmp_path, server) -> None:
     assert edge_main(["add", str(bundle), "--data", str(tmp_path / f"c{cid}" / "val.npz")]) == 0
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert [n for n in manifest["files"] if n.startswith("linear_head")] == ["linear_head.1.npz"]
-    store = load_bundle_datastore(bundle, manifest)
+    store = load_bundle_datastore(bundle, read_manifest(bundle))
     head = LinearHead(manifest["num_classes"], l2=server["knn"]["base"]["l2"]).fit(
         store.keys(), store.labels_
     )

@@ -249,8 +249,8 @@ def test_init_like_a_bundle_chooses_lambda_by_the_rule_it_ships(tmp_path, capsys
         )
     capsys.readouterr()
     own = init_bundle(encoder, x, y, 10**6, tmp_path / "direct", input_spec=IMAGE_SPEC)
-    assert read_manifest(tmp_path / "device")["lambda"] == 0.9  # the pooled rule's choice
-    assert read_manifest(tmp_path / "plain")["lambda"] == own.lam != 0.9  # its own evidence
+    assert read_manifest(tmp_path / "device").lam == 0.9  # the pooled rule's choice
+    assert read_manifest(tmp_path / "plain").lam == own.lam != 0.9  # its own evidence
 
 
 def test_init_like_a_linear_base_bundle_sets_its_pooled_rule_aside(tmp_path, capsys):
@@ -311,7 +311,7 @@ def test_init_like_a_linear_base_bundle_sets_its_pooled_rule_aside(tmp_path, cap
     )
     assert "measured with each client's own linear head" in capsys.readouterr().err
     own = init_bundle(encoder, x, y, 10**6, tmp_path / "direct", input_spec=IMAGE_SPEC)
-    assert read_manifest(tmp_path / "device")["lambda"] == own.lam != 0.9
+    assert read_manifest(tmp_path / "device").lam == own.lam != 0.9
 
 
 def test_the_sizer_scores_candidates_with_the_loo_estimator():

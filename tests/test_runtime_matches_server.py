@@ -50,13 +50,13 @@ def test_runtime_equals_server_side_knnper_for_flat_fp32(exported):
 
         z_train, _ = embed_and_logits(run.model, client.x_train)
         head = KNNHead(
-            run.dataset.num_classes, k=runtime.manifest["k"], sigma=runtime.manifest["sigma"]
+            run.dataset.num_classes, k=runtime.manifest.k, sigma=runtime.manifest.sigma
         ).fit(z_train, client.y_train.numpy())
         z_test, logits = embed_and_logits(run.model, client.x_test)
         server = interpolate(
             head.predict_proba(z_test),
             softmax(logits.astype(np.float64)),
-            runtime.manifest["lambda"],
+            runtime.manifest.lam,
         )
         np.testing.assert_array_equal(on_device.argmax(1), server.argmax(1))
         np.testing.assert_allclose(on_device, server, atol=1e-5)
@@ -70,7 +70,7 @@ def test_every_bundle_fits_its_budget(exported):
         files = (out / row["bundle"]).iterdir()
         manifest = Runtime.load(out / row["bundle"]).manifest
         on_disk = sum(f.stat().st_size for f in files if f.name != "manifest.json")
-        assert on_disk == manifest["footprint"]["total"] <= manifest["budget_bytes"]
+        assert on_disk == manifest.footprint.total <= manifest.budget.total
 
 
 def test_runtime_input_is_the_raw_data_not_the_prepared_tensor(exported):
@@ -116,7 +116,7 @@ def test_l2_normalised_bundles_equal_server_side_knnper_with_l2(tmp_path):
         server = interpolate(
             head.predict_proba(normalize_embeddings(z_test, "l2")),
             softmax(logits.astype(np.float64)),
-            runtime.manifest["lambda"],
+            runtime.manifest.lam,
         )
         np.testing.assert_allclose(
             runtime.predict_proba(run.dataset.x_test[idx]), server, atol=1e-5

@@ -108,7 +108,7 @@ def test_every_allowed_update_keeps_the_bundle_verifiable(
     }[strategy]
     assert after == expected
     if backend == "protonn" and strategy == "concatenate":  # the buffer grew past b8
-        assert again.manifest["backend"]["recipe"] == f"protonn:d3:m0.3:b{after}"
+        assert again.manifest.recipe == f"protonn:d3:m0.3:b{after}"
 
 
 def test_a_forged_recipe_string_is_refused_signed_or_not(tmp_path, keys):

@@ -131,7 +131,7 @@ def test_device_updates_keep_a_signed_bundle_verifiable(tmp_path, keys, recipe, 
     again = Runtime.load(bundle, trusted_keys=trusted(keys))
     assert len(again.datastore) == (80 if strategy == "concatenate" else 60)
     assert (
-        again.manifest["files"]
+        again.manifest.files
         != json.loads(
             base64.b64decode(json.loads((bundle / SIGNATURE_FILE).read_text())["manifest"])
         )["files"]
@@ -349,7 +349,7 @@ def test_init_like_takes_the_exports_signed_shared_encoder(tmp_path, keys, capsy
     built = Runtime.load(tmp_path / "device")
     assert (tmp_path / "device" / "encoder.onnx").read_bytes() == shared.read_bytes()
     assert (
-        built.manifest["model"]
+        built.manifest.model.to_record()
         == json.loads((release / "client_0003" / "manifest.json").read_text())["model"]
     )
     altered = variant("altered", shared.read_bytes() + b"\0", None)

@@ -14,6 +14,7 @@ import pytest
 from edge_runtime.bundle import BundleError, read_bundle, write_bundle
 from edge_runtime.datastores import make_datastore
 from edge_runtime.keymap import KeyMap, load_key_map
+from edge_runtime.manifest import Manifest
 from edge_runtime.runtime import Runtime
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
 from edge_runtime.versions import ModelVersion
@@ -166,9 +167,9 @@ def test_upgrade_maps_keys_and_keeps_every_sample(tmp_path, recipe):
     report = rt.upgrade(release)
     assert report.how == "mapped" and report.carried == 67 and report.evicted == 0
     np.testing.assert_array_equal(rt.datastore.labels_, labels_before)
-    assert rt.manifest["update_strategy"] == "concatenate"
-    assert rt.manifest["backend"]["recipe"].split(":")[:2] == recipe.split(":")[:2]
-    assert rt.manifest["files"]["encoder.onnx"] == hashlib.sha256(new.read_bytes()).hexdigest()
+    assert rt.manifest.update_strategy == "concatenate"
+    assert rt.manifest.recipe.split(":")[:2] == recipe.split(":")[:2]
+    assert rt.manifest.files["encoder.onnx"] == hashlib.sha256(new.read_bytes()).hexdigest()
     # the device's additions, embedded by the new encoder, are found as their own neighbours
     z_new, _ = raw_outputs(new, x_add)
     assert (rt.datastore.predict_proba(z_new).argmax(1) == y_add).mean() >= 5 / 7
@@ -192,7 +193,7 @@ def test_upgrade_refuses_a_map_of_other_versions(tmp_path):
     assert rt.predict(make_images(3)[0]).shape == (3,)  # still the old version, usable
     assert sorted(p.name for p in a.iterdir()) == before
     assert (
-        Runtime.load(a).manifest["files"]["encoder.onnx"]
+        Runtime.load(a).manifest.files["encoder.onnx"]
         == hashlib.sha256(old.read_bytes()).hexdigest()
     )
 
@@ -318,7 +319,7 @@ def test_an_upgrade_through_a_linked_bundle_path_keeps_the_link(
     assert main(["upgrade", str(link), "--to", str(release), "--map", str(key_map)]) == 0
     assert "60 carried (mapped)" in capsys.readouterr().out
     assert link.is_symlink() and link.resolve() == target
-    encoder = read_bundle(target).manifest["files"]["encoder.onnx"]
+    encoder = read_bundle(target).manifest.files["encoder.onnx"]
     assert encoder == hashlib.sha256(new.read_bytes()).hexdigest()
     left = sorted(p.name for d in (tmp_path, tmp_path / "store") for p in d.iterdir())
     assert not [name for name in left if ".tmp-" in name or ".old-" in name], left
@@ -409,7 +410,7 @@ def test_sigkill_during_upgrade_leaves_the_old_bundle_or_the_new(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         rt = Runtime.load(bundle)
-        version = shas[rt.manifest["files"]["encoder.onnx"]]
+        version = shas[rt.manifest.files["encoder.onnx"]]
         seen.add(version)
         np.testing.assert_array_equal(rt.datastore.labels_, labels)
         assert rt.predict(make_images(2)[0]).shape == (2,)
@@ -452,7 +453,7 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
     )
     release = _bundle(tmp_path, new, "release", seed=5)
     rt = Runtime.load(tmp_path / "device")
-    assert rt.manifest["backend"]["recipe"].endswith(f":x{8 * 8}")
+    assert rt.manifest.recipe.endswith(f":x{8 * 8}")
     x_add, y_add = make_images(9, seed=2)
     rt.add(x_add, y_add, strategy="concatenate")
     report = rt.upgrade(release)  # no map: the kept inputs are re-embedded
@@ -466,7 +467,7 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
         tmp_path / "fresh",
         input_spec=FIELDS["input"],
         k=5,
-        recipes=[rt.manifest["backend"]["recipe"]],
+        recipes=[rt.manifest.recipe],
         keep_inputs=True,
     )
     assert fresh.lam == rt.lam
@@ -519,7 +520,7 @@ def test_kept_inputs_count_in_the_budget(tmp_path):
     n_plain = len(Runtime.load(tmp_path / "plain").datastore)
     n_kept = len(Runtime.load(tmp_path / "kept").datastore)
     assert n_kept < n_plain
-    assert kept.manifest["footprint"]["total"] <= budget >= plain.manifest["footprint"]["total"]
+    assert kept.manifest.footprint.total <= budget >= plain.manifest.footprint.total
 
 
 @pytest.mark.parametrize("recipe", ["flat:fp32", "flat:fp16", "flat:int8", "hnsw:M8"])
@@ -675,7 +676,7 @@ deadline, seen = time.monotonic() + seconds, set()
 while time.monotonic() < deadline:
     rt = Runtime.load(bundle, intra_op_threads=1)
     assert rt.predict_proba(x).shape == (4, 4)
-    seen.add(rt.manifest["files"]["encoder.onnx"][:12])
+    seen.add(rt.manifest.files["encoder.onnx"][:12])
 print(" ".join(sorted(seen)), flush=True)
 """
 
@@ -739,8 +740,8 @@ def test_upgrade_refits_the_linear_head_where_the_release_does(tmp_path):
     key_map = _fit_map(old, tmp_path / "personal.onnx", tmp_path / "map.npz")
     rt = Runtime.load(device)
     rt.upgrade(tmp_path / "release", key_map=key_map)
-    head = [name for name in rt.manifest["files"] if name.startswith("linear_head")]
-    assert head and rt.manifest["knn_choice"]["base"]["value"] == "linear"
+    head = [name for name in rt.manifest.files if name.startswith("linear_head")]
+    assert head and rt.manifest.knn_choice["base"]["value"] == "linear"
     refit = LinearHead(NUM_CLASSES, l2=1e-2).fit(rt.datastore.keys(), rt.datastore.labels_)
     probe, _ = make_images(5, seed=6)
     z_probe, logits = rt.embed(probe)
@@ -808,7 +809,10 @@ def test_init_like_records_the_release_version_that_info_and_upgrade_report(tmp_
     assert _init_like(v1, old, tmp_path / "mine.npz", tmp_path / "device") == 0
     released = json.loads((v1 / "manifest.json").read_text())
     written = Runtime.load(tmp_path / "device").manifest
-    assert written["model"] == released["model"] and written["replaces"] == released["replaces"]
+    assert written.release_fields(Manifest.RECORDS) == {
+        "model": released["model"],
+        "replaces": released["replaces"],
+    }
     capsys.readouterr()
     assert main(["info", str(tmp_path / "device")]) == 0
     old_version = ModelVersion.of_encoder(old.read_bytes()).short
@@ -839,4 +843,4 @@ def test_init_like_a_release_of_another_encoder_is_refused(tmp_path, capsys):
     # a bundle from before versions records none: the new bundle records none either
     unversioned = _bundle(tmp_path, new, "unversioned")
     assert _init_like(unversioned, new, tmp_path / "mine.npz", tmp_path / "device") == 0
-    assert "model" not in Runtime.load(tmp_path / "device").manifest
+    assert Runtime.load(tmp_path / "device").manifest.model is None

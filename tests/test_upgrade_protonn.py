@@ -131,8 +131,8 @@ def test_cli_upgrades_a_protonn_bundle_by_folding_the_reverse_map(release, capsy
     assert main(["info", str(device)]) == 0
     assert ModelVersion.of_encoder(new.read_bytes()).short in capsys.readouterr().out
     rt = Runtime.load(device)
-    assert rt.manifest["files"]["encoder.onnx"] == hashlib.sha256(new.read_bytes()).hexdigest()
-    assert rt.manifest["backend"]["recipe"] == before.recipe
+    assert rt.manifest.files["encoder.onnx"] == hashlib.sha256(new.read_bytes()).hexdigest()
+    assert rt.manifest.recipe == before.recipe
     np.testing.assert_array_equal(rt.datastore.buffer_labels_, before.buffer_labels_)
     probe, truth = make_images(40, seed=3)
     z_new, _ = raw_outputs(new, probe)
@@ -196,7 +196,7 @@ def test_a_map_without_a_good_reverse_is_refused_with_one_line(release, capsys, 
         assert key_map.name in err and "reverse" in err
     assert {p.name: p.read_bytes() for p in device.iterdir()} == files  # untouched
     rt = Runtime.load(device)
-    assert rt.manifest["files"]["encoder.onnx"] == hashlib.sha256(old.read_bytes()).hexdigest()
+    assert rt.manifest.files["encoder.onnx"] == hashlib.sha256(old.read_bytes()).hexdigest()
 
 
 def test_a_map_without_its_reverse_still_loads(tmp_path):
@@ -217,7 +217,7 @@ def test_the_buffer_s_oldest_go_when_the_new_encoder_leaves_less_room(release, c
 
     device, client, key_map, old, new = release
     rt = Runtime.load(device)
-    store, dim = rt.datastore.sample_store(), rt.manifest["embedding_dim"]
+    store, dim = rt.datastore.sample_store(), rt.manifest.embedding_dim
     labels = rt.datastore.buffer_labels_.copy()
     rewrite_manifest(device, budget_bytes=new.stat().st_size + store.estimate_nbytes(room, dim))
     capsys.readouterr()
@@ -237,7 +237,7 @@ def test_prototypes_that_no_longer_fit_are_refused_with_one_line(tmp_path, capsy
 
     device, client, key_map, old, new = _release(tmp_path, p_new=64)
     rt = Runtime.load(device)
-    store, dim = rt.datastore.sample_store(), rt.manifest["embedding_dim"]
+    store, dim = rt.datastore.sample_store(), rt.manifest.embedding_dim
     rewrite_manifest(device, budget_bytes=old.stat().st_size + store.estimate_nbytes(4, dim))
     assert new.stat().st_size > old.stat().st_size + store.estimate_nbytes(4, dim)
     files = {p.name: p.read_bytes() for p in device.iterdir()}
@@ -286,6 +286,6 @@ def test_signed_protonn_bundle_stays_verifiable_across_an_upgrade(tmp_path, same
         with pytest.raises(SignatureError, match="datastore backend") as err:
             rt.upgrade(client, trusted_keys=trusted)
         assert "\n" not in str(err.value)
-        assert Runtime.load(device, trusted_keys=trusted).manifest["files"]["encoder.onnx"] == (
+        assert Runtime.load(device, trusted_keys=trusted).manifest.files["encoder.onnx"] == (
             hashlib.sha256(old.read_bytes()).hexdigest()
         )

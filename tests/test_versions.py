@@ -113,8 +113,7 @@ def test_a_record_round_trips_in_the_order_the_exporter_writes():
     record = _record("runs/v1", 3, "a" * 64)
     version = ModelVersion.from_record(record)
     assert version.to_record() == record and list(version.to_record()) == list(record)
-    assert ModelVersion.of({"model": record}) == version
-    assert ModelVersion.of({}) is None and describe(None).startswith("unrecorded")
+    assert ModelVersion.from_record(None) is None and describe(None).startswith("unrecorded")
 
 
 def test_one_text_form():
@@ -125,9 +124,7 @@ def test_one_text_form():
 def test_versions_are_ordered_along_a_lineage_only():
     v1 = ModelVersion.from_record(_record("v1", 2, "a" * 64))
     v1_later = ModelVersion.from_record(_record("v1", 4, "b" * 64))
-    v2 = ModelVersion.of(
-        {"model": _record("v2", 2, "c" * 64), "replaces": _record("v1", 2, "a" * 64)}
-    )
+    v2 = ModelVersion.from_record(_record("v2", 2, "c" * 64), _record("v1", 2, "a" * 64))
     other = ModelVersion.from_record(_record("w", 9, "d" * 64))
     assert v1.compare(v1_later) == -1 and v1_later.compare(v1) == 1
     assert v1.older_than(v2) and not v2.older_than(v1) and v2.compare(v1) == 1

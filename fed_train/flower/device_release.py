@@ -17,7 +17,7 @@ from edge_runtime._io import read_within
 from edge_runtime.bundle import read_bundle
 from edge_runtime.device_init import init_bundle
 from edge_runtime.errors import BundleError, SignatureError
-from edge_runtime.manifest import ENCODER_FILE, MANIFEST, new_device_lambda_rule, read_manifest
+from edge_runtime.manifest import ENCODER_FILE, MANIFEST, read_manifest
 from edge_runtime.runtime import Runtime
 from edge_runtime.signing import load_public_key, verify_file
 from edge_runtime.versions import ModelVersion, describe
@@ -95,17 +95,17 @@ def _build(
     keep_inputs: bool,
     seed: int,
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    rule, _ = new_device_lambda_rule(like)
+    rule, _ = like.new_device_lambda_rule()
     x, y = splits["train"]
     init_bundle(
         encoder,
         x,
         y,
-        int(like["budget_bytes"]),
+        int(like.budget.total),
         bundle,
-        input_spec=like["input"],
-        k=int(like["k"]),
-        sigma=float(like["sigma"]),
+        input_spec=like.input,
+        k=int(like.k),
+        sigma=float(like.sigma),
         seed=seed,
         client_id=client_id,
         intra_op_threads=1,
@@ -143,7 +143,7 @@ def _upgrade(
     metrics: dict[str, Any] = {"client-id": client_id, "built": 0, "upgraded": 0}
     texts = {"version-before": before, "version": before, "how": "already this version"}
     keys = ModelVersion.of_keys(runtime.datastore)
-    if keys is None or not keys.matches(ModelVersion.of(release)):
+    if keys is None or not keys.matches(release.model):
         metrics |= _accuracy("test-accuracy-before", runtime, splits["test"])
         report = runtime.upgrade(client_dir, force=force, trusted_keys=trusted_keys)
         metrics |= {"upgraded": 1, "carried": report.carried, "evicted": report.evicted}
@@ -151,7 +151,7 @@ def _upgrade(
     metrics |= {
         "stored": len(runtime.datastore),
         "lambda": runtime.lam,
-        "footprint-bytes": int(runtime.manifest["footprint"]["total"]),
+        "footprint-bytes": int(runtime.manifest.footprint.total),
         **_accuracy("test-accuracy", runtime, splits["test"]),
     }
     return metrics, texts

@@ -335,7 +335,7 @@ def push_release(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
     if not bundles:
         raise FederationError(f"{release} holds no client bundles (is it a `knnper export`?)")
     like = read_manifest(bundles[0])
-    spec = ModelSpec(settings.run.model or "", int(like["num_classes"]), like["input"])
+    spec = ModelSpec(settings.run.model or "", like.num_classes, like.input)
     record: dict[str, Any] = {
         "status": "running",
         "release": str(release),
