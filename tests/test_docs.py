@@ -39,3 +39,27 @@ def test_every_docs_page_is_in_the_nav():
     listed = set(re.findall(r"([\w./-]+\.md)", nav))
     pages = {p.relative_to(REPO / "docs").as_posix() for p in (REPO / "docs").rglob("*.md")}
     assert pages == listed
+
+
+def _demo_rows(text: str) -> dict[tuple[str, str], list[str]]:
+    """The demo table's rows (method, where) -> the other cells, from the first such table."""
+    start = text.index("| method | where |")
+    lines = text[start : text.index("\n\n", start)].splitlines()[2:]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return {(c[0], c[1]): c[2:] for c in cells}
+
+
+def test_the_demo_figures_have_one_source_the_readme():
+    """The README, the accuracy page and the results at a glance printed three tables' worth
+    of demo figures; the README's is the one .ci/readme.py checks against the demo."""
+    readme = _demo_rows((REPO / "README.md").read_text())
+    accuracy = (REPO / "docs" / "benchmarks" / "accuracy.md").read_text()
+    assert _demo_rows(accuracy[accuracy.index("## `knnper demo`") :]) == readme
+    seen = {key: float(cells[2]) for key, cells in readme.items()}
+    over_fedavg = seen[("kNN-Per", "server")] - seen[("FedAvg", "server")]
+    weak = seen[("kNN-Per", "server")] - seen[("kNN-Per", "weak device (runtime)")]
+    glance = (REPO / "docs" / "benchmarks" / "index.md").read_text()
+    assert f"kNN-Per **+{over_fedavg:.1f} pp** over FedAvg" in glance
+    assert f"the weak device's bundles give up {weak:.1f} pp" in glance
+    assert f"kNN-Per is {over_fedavg:.1f} pp above FedAvg" in accuracy
+    assert f"lose {weak:.1f} pp against kNN-Per" in accuracy
