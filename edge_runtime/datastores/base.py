@@ -351,7 +351,11 @@ class SampleDatastore(BaseDatastore):
     def keys(self) -> np.ndarray:
         """The stored samples [n, p] as the search sees them, as a new float32 array, in the
         order of `labels_`."""
-        raise NotImplementedError
+        return self.key_rows(0, len(self))
+
+    def __len__(self) -> int:
+        """The samples held: one label each (`labels_`, oldest first)."""
+        return int(self.labels_.shape[0]) if hasattr(self, "labels_") else 0
 
     def key_rows(self, start: int, stop: int) -> np.ndarray:
         """Stored samples start..stop-1 [rows, p] as float32 (a chunk of `keys`, so that what

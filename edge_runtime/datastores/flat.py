@@ -178,11 +178,6 @@ class FlatDatastore(SampleDatastore):
         as the search sees it."""
         return self.keys(), self.labels_
 
-    def keys(self) -> np.ndarray:
-        """The keys [n, p] as the search sees them, as a new float32 array (for inspection)."""
-        widened = self.keys_t_.T.astype(np.float32)
-        return widened * self.scale_ if self.scale_ is not None else widened
-
     def key_rows(self, start: int, stop: int) -> np.ndarray:
         widened = self.keys_t_[:, start:stop].T.astype(np.float32)
         if self.scale_ is not None:
@@ -196,9 +191,6 @@ class FlatDatastore(SampleDatastore):
         return search_transposed(
             z, self.keys_t_, self.k, key_norms=self.key_norms_, scale=self.scale_
         )
-
-    def __len__(self) -> int:
-        return int(self.labels_.shape[0]) if hasattr(self, "labels_") else 0
 
     # -- footprint
     def estimate_nbytes(self, n_samples: int, dim: int) -> int:

@@ -168,12 +168,6 @@ class HNSWDatastore(SampleDatastore):
         index.add_items(vectors, self.ids_, num_threads=1)
         self.index_ = index
 
-    def keys(self) -> np.ndarray:
-        """The stored vectors [n, p], in the order of labels_, as a new float32 array."""
-        if not len(self):
-            return np.zeros((0, self.embedding_dim_), np.float32)
-        return np.asarray(self.index_.get_items(self.ids_), dtype=np.float32)
-
     def key_rows(self, start: int, stop: int) -> np.ndarray:
         ids = self.ids_[start:stop]
         if not len(ids):
@@ -196,9 +190,6 @@ class HNSWDatastore(SampleDatastore):
                     raise
                 ef = max(4 * ef, len(self)) if attempt == 1 else 4 * ef
         return sq, np.searchsorted(self.ids_, found.astype(np.int64))
-
-    def __len__(self) -> int:
-        return int(self.ids_.shape[0]) if hasattr(self, "ids_") else 0
 
     def estimate_nbytes(self, n_samples: int, dim: int) -> int:
         """hnsw.bin (level-0 links, vectors, labels, expected upper levels) plus labels/ids npz."""

@@ -80,9 +80,6 @@ class ProjectionDatastore(SampleDatastore):
             a[count:] for a in (self.keys_, self.labels_, self.order_)
         )
 
-    def keys(self) -> np.ndarray:
-        return self.keys_.copy()
-
     def key_rows(self, start: int, stop: int) -> np.ndarray:
         return self.keys_[start:stop].copy()
 
@@ -91,9 +88,6 @@ class ProjectionDatastore(SampleDatastore):
         sq = ((q[:, None, :] - self.keys_[None]) ** 2).sum(-1)
         rows = np.argsort(sq, axis=1, kind="stable")[:, : self.k]
         return np.take_along_axis(sq, rows, axis=1), rows
-
-    def __len__(self) -> int:
-        return int(self.labels_.shape[0]) if hasattr(self, "labels_") else 0
 
     def estimate_nbytes(self, n_samples: int, dim: int) -> int:
         """The memory model: projected keys, labels, stamps and the projection, plus npz
