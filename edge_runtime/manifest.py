@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
@@ -309,6 +309,21 @@ class Manifest:
     an on-device update may change in a signed bundle (signing)."""
 
     json: dict[str, Any]
+    format_version: int = field(init=False)  # of the bundle format, FORMAT_VERSION or older
+    client_id: int = field(init=False)
+    num_classes: int = field(init=False)
+    embedding_dim: int = field(init=False)
+    k: int = field(init=False)
+    sigma: float = field(init=False)
+    lam: float = field(init=False)
+    update_strategy: str = field(init=False)
+    backend: str = field(init=False)  # the datastore's (edge_runtime.datastores)
+    recipe: str = field(init=False)
+    budget: Budget = field(init=False)
+    footprint: Footprint = field(init=False)
+    # the version it was built from, with the one it replaces as its lineage; None before
+    # versions
+    model: ModelVersion | None = field(init=False)
 
     COMPUTED: ClassVar = ("format", "version", "backend", "footprint", "files")
     RECORDS: ClassVar = ("model", "replaces")
@@ -320,14 +335,25 @@ class Manifest:
         """A copy of the object to write (json.dumps of it gives the manifest's bytes)."""
         return copy.deepcopy(self.json)
 
-    @property
-    def format_version(self) -> int:
-        """The bundle format's version it was written in (FORMAT_VERSION or older)."""
-        return self.json["version"]
-
-    @property
-    def client_id(self) -> int:
-        return self.json["client_id"]
+    def __post_init__(self) -> None:
+        j, backend = self.json, self.json["backend"]
+        fields = {
+            "format_version": j["version"],
+            "client_id": j["client_id"],
+            "num_classes": j["num_classes"],
+            "embedding_dim": j["embedding_dim"],
+            "k": j["k"],
+            "sigma": j["sigma"],
+            "lam": float(j["lambda"]),
+            "update_strategy": j["update_strategy"],
+            "backend": backend["name"],
+            "recipe": backend["recipe"],
+            "budget": Budget(j["budget_bytes"], j["footprint"]["encoder"]),
+            "footprint": Footprint(**j["footprint"]),
+            "model": ModelVersion.from_record(j.get("model"), j.get("replaces")),
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     @property
     def input(self) -> dict[str, Any]:
@@ -335,50 +361,9 @@ class Manifest:
         return copy.deepcopy(self.json["input"])
 
     @property
-    def num_classes(self) -> int:
-        return self.json["num_classes"]
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.json["embedding_dim"]
-
-    @property
-    def k(self) -> int:
-        return self.json["k"]
-
-    @property
-    def sigma(self) -> float:
-        return self.json["sigma"]
-
-    @property
-    def lam(self) -> float:
-        return float(self.json["lambda"])
-
-    @property
-    def update_strategy(self) -> str:
-        return self.json["update_strategy"]
-
-    @property
-    def backend(self) -> str:
-        """The datastore's backend (edge_runtime.datastores)."""
-        return self.json["backend"]["name"]
-
-    @property
-    def recipe(self) -> str:
-        return self.json["backend"]["recipe"]
-
-    @property
     def params(self) -> dict[str, Any]:
         """The datastore's recipe parameters (what `format_recipe` spells)."""
         return dict(self.json["backend"]["params"])
-
-    @property
-    def budget(self) -> Budget:
-        return Budget(self.json["budget_bytes"], self.json["footprint"]["encoder"])
-
-    @property
-    def footprint(self) -> Footprint:
-        return Footprint(**self.json["footprint"])
 
     @property
     def files(self) -> dict[str, str]:
@@ -406,12 +391,6 @@ class Manifest:
         """Whether `add` has updated the bundle since it was written: an update writes the
         next generation's datastore files (datastore.<n>.npz), which an export never does."""
         return any(file_generation(name) > 0 for name in self.datastore_files)
-
-    @property
-    def model(self) -> ModelVersion | None:
-        """The model version the bundle was built from (with the one it replaces as its
-        lineage); None for a bundle from before versions."""
-        return ModelVersion.from_record(self.json.get("model"), self.json.get("replaces"))
 
     def release_fields(self, keys: tuple[str, ...] = RELEASE) -> dict[str, Any]:
         """What a bundle built from this release's bundle takes from it beside the input spec
