@@ -503,7 +503,7 @@ def write_bundle(
     out_dir = Path(out_dir)
     draft = build_manifest(manifest_fields, datastore)  # checked before anything is written
     encoder_bytes = _encoder_size(encoder)
-    encoder_id = _encoder_embedding(datastore, encoder, out_dir)
+    version = _encoder_version(datastore, encoder, out_dir)
     budget = Budget(draft.budget.total).with_encoder(encoder_bytes)
     if budget.room < 0:
         raise BudgetExceeded(
@@ -525,7 +525,7 @@ def write_bundle(
     try:
         tmp.mkdir()
         _write_encoder(tmp / ENCODER_FILE, encoder)
-        names = _save_stamped(datastore, tmp, encoder_id)
+        names = _save_stamped(datastore, tmp, version)
         files = {name: sha256_file(tmp / name) for name in (ENCODER_FILE, *names)}
         datastore_bytes = sum((tmp / name).stat().st_size for name in names)
         total = encoder_bytes + datastore_bytes
@@ -585,9 +585,11 @@ def remove_abandoned_temporaries(directory: Path) -> list[str]:
     return removed
 
 
-def _encoder_embedding(datastore: Any, encoder: bytes | str | os.PathLike, out_dir: Path) -> str:
-    """The encoder's embedding id; BundleError when the datastore records keys another
-    encoder embedded."""
+def _encoder_version(
+    datastore: Any, encoder: bytes | str | os.PathLike, out_dir: Path
+) -> ModelVersion:
+    """The encoder's version (its embedding id); BundleError when the datastore records keys
+    another encoder embedded."""
     try:
         model = encoder if isinstance(encoder, bytes) else Path(encoder).read_bytes()
     except OSError as exc:
@@ -598,14 +600,15 @@ def _encoder_embedding(datastore: Any, encoder: bytes | str | os.PathLike, out_d
     )
     if problem is not None:
         raise BundleError(problem)
-    return version.embedding
+    return version
 
 
-def _save_stamped(datastore: Any, directory: Path, encoder_id: str) -> list[str]:
-    """Save the datastore recording `encoder_id` in its files. The caller's object is left
-    as it was: one fitted on embeddings of unrecorded origin may go into several bundles."""
+def _save_stamped(datastore: Any, directory: Path, version: ModelVersion) -> list[str]:
+    """Save the datastore recording `version` (its embedding id) in its files. The caller's
+    object is left as it was: one fitted on embeddings of unrecorded origin may go into
+    several bundles."""
     recorded = getattr(datastore, "embedding_id_", None)
-    datastore.embedding_id_ = encoder_id
+    datastore.embedding_id_ = version.embedding
     try:
         return datastore.save(directory, generation=0)
     finally:

@@ -220,8 +220,8 @@ class BaseDatastore:
     def extra_arrays(self) -> dict[str, np.ndarray]:
         """What a save adds to its .npz: the embedding id of the encoder that embedded the
         keys (edge_runtime.versions), when it is known, and kept raw inputs."""
-        identity = getattr(self, "embedding_id_", None)
-        out = {} if identity is None else {EMBEDDING_ARRAY: ModelVersion(identity).as_array()}
+        version = ModelVersion.of_keys(self)
+        out = {} if version is None else {EMBEDDING_ARRAY: version.as_array()}
         if getattr(self, "inputs_", None) is not None:
             out[INPUTS_ARRAY] = self.inputs_
         return out
