@@ -97,7 +97,8 @@ def _edge(*argv: str) -> None:
 
 def _inputs(work: Path) -> tuple[Path, Path]:
     """A fixed signing key's PEM file, and the digits training split as an .npz (x, y and
-    x_train, y_train: a device's data for `init`, the server's for a key map)."""
+    x_train, y_train: a device's data for `init`, the server's for a key map; test arrays
+    too, which --public-data required before it read the training ones only)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
@@ -118,7 +119,7 @@ def _inputs(work: Path) -> tuple[Path, Path]:
         ds = load_dataset("digits", None, seed=0)
         x, y = ds.x_train[:300], ds.y_train[:300]
         with data.open("wb") as f:
-            np.savez(f, x=x, y=y, x_train=x, y_train=y)
+            np.savez(f, x=x, y=y, x_train=x, y_train=y, x_test=x, y_test=y)
     return key, data
 
 
