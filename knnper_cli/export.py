@@ -283,6 +283,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except KnnperError as err:
         # torch's own message for a corrupt checkpoint runs over several lines; one is enough.
         raise ExportError(one_line(err, first_line=True)) from err
+    # the budgets need no model: a bad one fails before the kNN setting is chosen (minutes)
+    budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
     choice = load_or_choose(
         run.run_dir,
         run.model,
@@ -293,7 +295,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
     )
     print(choice.describe())
     settings = apply_knn_choice(settings, choice)
-    budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
     replaces, server = None, None
     if args.upgrade_from is not None:  # both checked before any bundle is written
         replaces = old_release(Path(args.upgrade_from))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -396,6 +397,33 @@ def test_cli_exports_and_prints_a_table(run_dir, tmp_path, capsys, encoder_bytes
     report = json.loads((tmp_path / "b" / "export.json").read_text())
     assert [r["client_id"] for r in report["clients"]] == [0, 4]
     assert all(r["backend"] == "flat" for r in report["clients"])
+
+
+@pytest.mark.parametrize("budgets", ['{"0": 500000}', '{"4": "1MB"}'])
+def test_cli_refuses_bad_budgets_before_choosing_the_knn_setting(
+    run_dir, tmp_path, capsys, monkeypatch, budgets
+):
+    import fed_train.knn_choice
+
+    def never(*args, **kwargs):
+        raise AssertionError("the kNN setting was chosen before the budgets were checked")
+
+    monkeypatch.setattr(fed_train.knn_choice, "load_or_choose", never)
+    path = tmp_path / "budgets.json"
+    path.write_text(budgets)
+    code, _, err = _cli(
+        capsys,
+        "export",
+        str(run_dir),
+        "--out",
+        str(tmp_path / "b"),
+        "--budgets",
+        str(path),
+        "--clients",
+        "0,4",
+    )
+    assert code == 2 and err.count("\n") == 1 and re.search(r"client(\(s\))? 4", err), err
+    assert not (tmp_path / "b").exists()
 
 
 def test_cli_refuses_a_budget_below_one_sample_and_fits_at_the_smallest_it_names(
