@@ -199,49 +199,50 @@ class TestPool:
         return int(self.rng.choice(self.all[label]))
 
 
-def run_client(
-    run: Any,
-    cid: int,
-    seed: int,
-    encoder_path: Path,
-    encoder: Encoder,
-    work: Path,
-    args: argparse.Namespace,
-) -> tuple[list[dict], dict]:
-    ds_ = run.dataset
-    spec, num_classes = ds_.input_spec, ds_.num_classes
-    split = run.partition.clients[cid]
-    rng = np.random.default_rng([seed, cid])
-    x_tr, y_tr = ds_.x_train[split.train], ds_.y_train[split.train].astype(np.int64)
-    z_tr, logits_tr = encoder.run(prepare_input(x_tr, spec))
+def client_datastore(
+    z: np.ndarray, y: np.ndarray, num_classes: int, seed: int, args: argparse.Namespace
+) -> Any:
+    """The client's datastore at export, of --recipe: ProtoNN trained on its embeddings with a
+    buffer of --capacity new samples, or another backend holding them (--capacity at most)."""
     name, params = parse_recipe(args.recipe)
     if name == "protonn":
         datastore = C.build_datastore(
-            args.recipe, z_tr, y_tr, num_classes, seed=seed, protonn_steps=args.protonn_steps
+            args.recipe, z, y, num_classes, seed=seed, protonn_steps=args.protonn_steps
         )
-        datastore.buffer = args.capacity or len(y_tr)  # the fifo capacity of new samples
-    else:
-        if args.capacity is not None:
-            params["n"] = args.capacity
-        datastore = make_datastore(format_recipe(name, params), num_classes, seed=seed).fit(
-            z_tr, y_tr
-        )
-    if args.lam == "val":
-        val = None
-        if len(split.val):
-            x_val = prepare_input(ds_.x_train[split.val], spec)
-            val = (*encoder.run(x_val), ds_.y_train[split.val])
-        splits = ClientSplits.from_logits(cid, False, (z_tr, logits_tr, y_tr), val)
-        lam = PersonalHead(num_classes).fit(splits, datastore=datastore).lambda_
-    else:
-        lam = float(args.lam)
+        datastore.buffer = args.capacity or len(y)  # the fifo capacity of new samples
+        return datastore
+    if args.capacity is not None:
+        params["n"] = args.capacity
+    return make_datastore(format_recipe(name, params), num_classes, seed=seed).fit(z, y)
+
+
+def client_lambda(
+    run: Any, cid: int, encoder: Encoder, train: tuple, datastore: Any, args: argparse.Namespace
+) -> float:
+    """--lam, or lambda chosen on the client's validation split as the exporter does;
+    `train`: its training split's embeddings, logits and labels."""
+    if args.lam != "val":
+        return float(args.lam)
+    split, ds_ = run.partition.clients[cid], run.dataset
+    val = None
+    if len(split.val):
+        x_val = prepare_input(ds_.x_train[split.val], ds_.input_spec)
+        val = (*encoder.run(x_val), ds_.y_train[split.val])
+    splits = ClientSplits.from_logits(cid, False, train, val)
+    return PersonalHead(ds_.num_classes).fit(splits, datastore=datastore).lambda_
+
+
+def strategy_devices(
+    base: Path, encoder_path: Path, datastore: Any, spec: Any, lam: float, cid: int, args: Any
+) -> dict[str, Runtime]:
+    """The client's bundle, with room for the whole stream, loaded once per update strategy
+    (a copy each, under `base`)."""
     dim, store = datastore.embedding_dim_, datastore.sample_store()
     budget = (
         encoder_path.stat().st_size
         + (1 << 12)
         + store.estimate_nbytes(len(store) + args.steps * args.batch, dim)
     )
-    base = work / f"s{seed}-c{cid}"
     C.write_benchmark_bundle(
         base / "export",
         encoder_path,
@@ -255,7 +256,30 @@ def run_client(
     for strategy in UPDATE_STRATEGIES:
         shutil.copytree(base / "export", base / strategy)
         runtimes[strategy] = Runtime.load(base / strategy, intra_op_threads=args.threads)
+    return runtimes
 
+
+def run_client(
+    run: Any,
+    cid: int,
+    seed: int,
+    encoder_path: Path,
+    encoder: Encoder,
+    work: Path,
+    args: argparse.Namespace,
+) -> tuple[list[dict], dict]:
+    """One client's stream at one seed: every step's accuracy per strategy (and the global
+    model's), and the client's facts (sizes, lambda, label distributions)."""
+    ds_ = run.dataset
+    spec, num_classes = ds_.input_spec, ds_.num_classes
+    split = run.partition.clients[cid]
+    rng = np.random.default_rng([seed, cid])
+    x_tr, y_tr = ds_.x_train[split.train], ds_.y_train[split.train].astype(np.int64)
+    z_tr, logits_tr = encoder.run(prepare_input(x_tr, spec))
+    datastore = client_datastore(z_tr, y_tr, num_classes, seed, args)
+    lam = client_lambda(run, cid, encoder, (z_tr, logits_tr, y_tr), datastore, args)
+    base = work / f"s{seed}-c{cid}"
+    runtimes = strategy_devices(base, encoder_path, datastore, spec, lam, cid, args)
     before = np.bincount(y_tr, minlength=num_classes) / len(y_tr)
     after = shifted_distribution(before, args, rng)
     pool = TestPool(ds_.y_test, num_classes, rng)
@@ -273,27 +297,7 @@ def run_client(
             "batch": args.batch,
             "lam": lam,
         }
-        _, p_global = runtimes["fixed"].components(xb)
-        rows.append(
-            {
-                **common,
-                "strategy": GLOBAL,
-                "accuracy": float(np.mean(p_global.argmax(1) == yb)),
-                "datastore_size": 0,
-            }
-        )
-        for strategy, rt in runtimes.items():
-            acc = float(np.mean(rt.predict(xb) == yb))
-            rows.append(
-                {
-                    **common,
-                    "strategy": strategy,
-                    "accuracy": acc,
-                    "datastore_size": len(rt.datastore.sample_store()),
-                }
-            )
-        for strategy, rt in runtimes.items():
-            rt.add(xb, yb, strategy=strategy)
+        rows += step_rows(runtimes, xb, yb, common)
     shutil.rmtree(base, ignore_errors=True)
     info = {
         "seed": seed,
@@ -307,6 +311,35 @@ def run_client(
         "pi_after": " ".join(f"{v:.3f}" for v in after),
     }
     return rows, info
+
+
+def step_rows(
+    runtimes: dict[str, Runtime], xb: np.ndarray, yb: np.ndarray, common: dict
+) -> list[dict]:
+    """One step: the global model's and every device's accuracy on the arriving batch, then
+    each device adds the batch by its strategy."""
+    _, p_global = runtimes["fixed"].components(xb)
+    rows = [
+        {
+            **common,
+            "strategy": GLOBAL,
+            "accuracy": float(np.mean(p_global.argmax(1) == yb)),
+            "datastore_size": 0,
+        }
+    ]
+    for strategy, rt in runtimes.items():
+        acc = float(np.mean(rt.predict(xb) == yb))
+        rows.append(
+            {
+                **common,
+                "strategy": strategy,
+                "accuracy": acc,
+                "datastore_size": len(rt.datastore.sample_store()),
+            }
+        )
+    for strategy, rt in runtimes.items():
+        rt.add(xb, yb, strategy=strategy)
+    return rows
 
 
 def curve(rows: list[dict], steps: int) -> list[dict]:
@@ -415,15 +448,12 @@ def _after_shift(rows: list[dict], shift_at: int) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    started, machine = C.start_benchmark(args.out, args.threads)
-    run = global_run(args)
-    weights = f"global model: {'run ' + str(args.run) if args.run else 'FedAvg trained here'}"
+def measure(run: Any, args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Every drawn client's stream at every seed, through one encoder of the global model
+    (calibrated on 256 training images): the step rows and the clients' facts."""
     eligible = [c for c, s in enumerate(run.partition.clients) if len(s.train) >= MIN_TRAIN]
     if not eligible:
         raise SystemExit(f"no client of the run has {MIN_TRAIN} training samples")
-
     work = Path(tempfile.mkdtemp(prefix="knnper-shift-"))
     rows: list[dict] = []
     infos: list[dict] = []
@@ -452,7 +482,45 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return rows, infos
 
+
+def render_markdown(
+    table: list[dict], args: argparse.Namespace, weights: str, clients: int, head: str
+) -> str:
+    """shift.md: the settings in words and the summary table (`head`: command and machine)."""
+    columns = [("strategy", "strategy", "")] + [
+        (k, k, ".1f" if k.endswith("size") else ".1%") for k in table[0] if k != "strategy"
+    ]
+    return "\n".join(
+        [
+            "# Robustness to distribution shift: on-device datastore updates",
+            "",
+            head,
+            "",
+            f"{weights}; {args.encoder} ONNX encoder; datastore {args.recipe}"
+            f"{f' (capacity {args.capacity})' if args.capacity else ''}; lambda "
+            f"{'chosen on each client validation split' if args.lam == 'val' else args.lam}. "
+            f"{clients} client runs ({args.clients} clients x {args.seeds} seeds), T = "
+            f"{args.steps} steps of {args.batch} test images, shift at t0 = {args.shift_at} "
+            f"({args.shift}"
+            f"{f', alpha {args.alpha}' if args.shift == 'dirichlet' else ''}). Mean accuracy on "
+            "the arriving batch, predicted before it is added:",
+            "",
+            C.markdown_table(table, columns),
+            "",
+            "![accuracy vs time](shift.png)",
+            "",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started, machine = C.start_benchmark(args.out, args.threads)
+    run = global_run(args)
+    weights = f"global model: {'run ' + str(args.run) if args.run else 'FedAvg trained here'}"
+    rows, infos = measure(run, args)
     points = curve(rows, args.steps)
     C.write_csv(
         args.out / "steps.csv",
@@ -481,33 +549,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["seed", "client", "unseen", "train", "val", "stored", "lam", "pi_before", "pi_after"],
     )
     plot(points, args, args.out / "shift.png", weights, run.dataset.name)
-    table = summary(rows, args)
-    columns = [("strategy", "strategy", "")] + [
-        (k, k, ".1f" if k.endswith("size") else ".1%") for k in table[0] if k != "strategy"
-    ]
-    text = "\n".join(
-        [
-            "# Robustness to distribution shift: on-device datastore updates",
-            "",
-            f"Command: `{C.command_line()}`",
-            "",
-            f"Machine: {C.machine_line(machine)}. Took {time.time() - started:.0f} s.",
-            "",
-            f"{weights}; {args.encoder} ONNX encoder; datastore {args.recipe}"
-            f"{f' (capacity {args.capacity})' if args.capacity else ''}; lambda "
-            f"{'chosen on each client validation split' if args.lam == 'val' else args.lam}. "
-            f"{len(infos)} client runs ({args.clients} clients x {args.seeds} seeds), T = "
-            f"{args.steps} steps of {args.batch} test images, shift at t0 = {args.shift_at} "
-            f"({args.shift}"
-            f"{f', alpha {args.alpha}' if args.shift == 'dirichlet' else ''}). Mean accuracy on "
-            "the arriving batch, predicted before it is added:",
-            "",
-            C.markdown_table(table, columns),
-            "",
-            "![accuracy vs time](shift.png)",
-            "",
-        ]
+    head = (
+        f"Command: `{C.command_line()}`\n\n"
+        f"Machine: {C.machine_line(machine)}. Took {time.time() - started:.0f} s."
     )
+    text = render_markdown(summary(rows, args), args, weights, len(infos), head)
     write_text_atomic(args.out / "shift.md", text)
     C.write_json(
         args.out / "run.json", C.run_record(args, started, machine=machine, weights=weights)

@@ -326,6 +326,30 @@ def run_seed(root: Path, settings: UpdateSettings, seed: int) -> list[dict[str, 
     saved = read_json_cache(root / ROWS_FILE)
     if saved is not None and same_protocol(saved, settings):
         return list(saved["rows"])
+    v1, successors = _releases(root, settings, seed)
+    b1 = root / "b1"
+    # the successors run v1's normalisation: it is in each encoder's graph, so a release that
+    # chose another would make stale keys lose by the change of norm, not of encoder
+    normalize = _export(v1, b1, settings.budget, None, None)
+    exports = {gap: root / f"b-{gap}" for gap in successors}
+    for gap, run_dir in successors.items():
+        _export(run_dir, exports[gap], settings.budget, b1, normalize)
+    run = load_run(v1)
+    rows = []
+    for client in range(len(run.partition.clients)):
+        if not run.partition.unseen[client]:
+            rows += _client_rows(run, client, b1, exports, settings, seed, root / "devices")
+    write_text_atomic(
+        root / ROWS_FILE,
+        json.dumps({"settings": asdict(settings), "gaps": list(GAPS), "rows": rows}, indent=0),
+    )
+    return rows
+
+
+def _releases(root: Path, settings: UpdateSettings, seed: int) -> tuple[Path, dict[str, Path]]:
+    """Release v1 (trained from a pretraining) and its successor by each gap: training
+    continued from v1, retrained from the same start, and trained from an independent
+    pretraining; each checked to hold v1's clients."""
     pre = _pretraining(root / "pre", settings, seed, None)
     base = RunConfig(
         dataset=settings.dataset,
@@ -366,65 +390,64 @@ def run_seed(root: Path, settings: UpdateSettings, seed: int) -> list[dict[str, 
     }
     for gap, run_dir in successors.items():
         _same_clients(v1, run_dir, gap)
-    b1 = root / "b1"
-    # the successors run v1's normalisation: it is in each encoder's graph, so a release that
-    # chose another would make stale keys lose by the change of norm, not of encoder
-    normalize = _export(v1, b1, settings.budget, None, None)
-    exports = {gap: root / f"b-{gap}" for gap in successors}
-    for gap, run_dir in successors.items():
-        _export(run_dir, exports[gap], settings.budget, b1, normalize)
-    run = load_run(v1)
+    return v1, successors
+
+
+def _client_rows(
+    run: Any,
+    client: int,
+    b1: Path,
+    exports: dict[str, Path],
+    settings: UpdateSettings,
+    seed: int,
+    root: Path,
+) -> list[dict[str, Any]]:
+    """One client's rows: its device (from v1's bundle `b1`, grown on its stream) upgraded to
+    each gap's release by every path, against a fresh bundle of that release."""
+    devices = root / f"client_{client:04d}"
+    v1_release = Runtime.load(bundle_dir(b1, client))
+    device = _device(run, client, b1 / "encoder.onnx", v1_release, settings, seed, devices)
+    if device is None:
+        return []
+    facts, x_eval, y_eval = device
+    old = Runtime.load(devices / "plain")
     rows = []
-    for client in range(len(run.partition.clients)):
-        if run.partition.unseen[client]:
-            continue
-        devices = root / "devices" / f"client_{client:04d}"
-        v1_release = Runtime.load(bundle_dir(b1, client))
-        device = _device(run, client, b1 / "encoder.onnx", v1_release, settings, seed, devices)
-        if device is None:
-            continue
-        facts, x_eval, y_eval = device
-        old = Runtime.load(devices / "plain")
-        for gap, release in exports.items():
-            target = bundle_dir(release, client)
-            scores = {"no upgrade": _accuracy(old, x_eval, y_eval)}
-            for name, path in (("plain", "mapped"), ("kept", "exact")):
-                copy = devices / f"{name}-{gap}"
-                shutil.copytree(devices / name, copy)
-                rt = Runtime.load(copy)
-                rt.upgrade(target, force=True)
-                scores[path] = _accuracy(rt, x_eval, y_eval)
-                if path == "mapped":
-                    scores["stale"] = _stale(old, rt, x_eval, y_eval)
-            fresh = Runtime.load(target)
-            scores["fresh"] = _accuracy(fresh, x_eval, y_eval)
-            knn_settings = {
-                **{f"v1_{key}": value for key, value in _knn_setting(v1_release).items()},
-                **_knn_setting(fresh),
+    for gap, release in exports.items():
+        target = bundle_dir(release, client)
+        scores = {"no upgrade": _accuracy(old, x_eval, y_eval)}
+        for name, path in (("plain", "mapped"), ("kept", "exact")):
+            copy = devices / f"{name}-{gap}"
+            shutil.copytree(devices / name, copy)
+            rt = Runtime.load(copy)
+            rt.upgrade(target, force=True)
+            scores[path] = _accuracy(rt, x_eval, y_eval)
+            if path == "mapped":
+                scores["stale"] = _stale(old, rt, x_eval, y_eval)
+        fresh = Runtime.load(target)
+        scores["fresh"] = _accuracy(fresh, x_eval, y_eval)
+        knn_settings = {
+            **{f"v1_{key}": value for key, value in _knn_setting(v1_release).items()},
+            **_knn_setting(fresh),
+        }
+        advice = json.loads(next((release / "upgrades").glob("*.json")).read_text())
+        rows += [
+            {
+                "seed": seed,
+                "gap": gap,
+                "client": client,
+                "path": path,
+                "accuracy": scores[path][0],
+                "knn_accuracy": scores[path][1],
+                "lam": scores[path][2],
+                "test_samples": len(y_eval),
+                **facts,
+                "fresh_stored": len(fresh.datastore),
+                "advice": advice["advice"],
+                **knn_settings,
             }
-            advice = json.loads(next((release / "upgrades").glob("*.json")).read_text())
-            rows += [
-                {
-                    "seed": seed,
-                    "gap": gap,
-                    "client": client,
-                    "path": path,
-                    "accuracy": scores[path][0],
-                    "knn_accuracy": scores[path][1],
-                    "lam": scores[path][2],
-                    "test_samples": len(y_eval),
-                    **facts,
-                    "fresh_stored": len(fresh.datastore),
-                    "advice": advice["advice"],
-                    **knn_settings,
-                }
-                for path in PATHS
-            ]
-        shutil.rmtree(devices, ignore_errors=True)
-    write_text_atomic(
-        root / ROWS_FILE,
-        json.dumps({"settings": asdict(settings), "gaps": list(GAPS), "rows": rows}, indent=0),
-    )
+            for path in PATHS
+        ]
+    shutil.rmtree(devices, ignore_errors=True)
     return rows
 
 
