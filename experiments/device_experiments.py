@@ -29,6 +29,15 @@ GRID = "protonn-grid"
 SHIFT_FULL = {"clients": 10, "seeds": 3, "steps": 30, "shift_at": 10, "batch": 20}
 SHIFT_QUICK = {"clients": 2, "seeds": 1, "steps": 4, "shift_at": 2, "batch": 8}
 PROTONN_STEPS_QUICK = 30
+# each client's columns in the grid's clients.csv, after its point (d, m)
+GRID_CLIENT_COLUMNS = (
+    "client_id",
+    "test_accuracy",
+    "test_samples",
+    "val_accuracy",
+    "val_samples",
+    "ratio",
+)
 
 
 def _shift_curve(ctx: Context, settings: dict[str, int], out: Path) -> dict[str, Any]:
@@ -278,17 +287,7 @@ def measure_grid(ctx: Context, grids: dict[str, tuple]) -> Measured:
                 {
                     "projection_dim": d,
                     "prototype_fraction": m,
-                    **{
-                        k: r[k]
-                        for k in (
-                            "client_id",
-                            "test_accuracy",
-                            "test_samples",
-                            "val_accuracy",
-                            "val_samples",
-                            "ratio",
-                        )
-                    },
+                    **{k: r[k] for k in GRID_CLIENT_COLUMNS},
                 }
                 for r in record["clients"]
             ]
@@ -328,16 +327,7 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
         grid_claims(m.points, m.clients, full),
         plot,
         m.clients,
-        (
-            "projection_dim",
-            "prototype_fraction",
-            "client_id",
-            "test_accuracy",
-            "test_samples",
-            "val_accuracy",
-            "val_samples",
-            "ratio",
-        ),
+        ("projection_dim", "prototype_fraction", *GRID_CLIENT_COLUMNS),
         notes=[
             f"Full float32 flat datastore (the reference): {full:.2%}. ProtoNN "
             f"trained {m.facts[0]['steps']} steps per client and point with the "

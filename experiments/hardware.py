@@ -60,6 +60,18 @@ COLUMNS = (
     "recipes",
     "error",
 )
+# each client's columns in clients.csv, after its version and delta_c
+CLIENT_COLUMNS = (
+    "client_id",
+    "unseen",
+    "budget",
+    "recipe",
+    "stored",
+    "total_bytes",
+    "lambda",
+    "test_accuracy",
+    "test_samples",
+)
 
 
 def _shares(ids: list[int], delta_c: float, seed: int) -> dict[int, float]:
@@ -152,23 +164,7 @@ class ByteBudgets:
             )
         except BudgetInvalid as err:
             return {"rows": [], "error": str(err), "clients": 0}
-        rows = [
-            {
-                k: r[k]
-                for k in (
-                    "client_id",
-                    "unseen",
-                    "budget",
-                    "recipe",
-                    "stored",
-                    "total_bytes",
-                    "lambda",
-                    "test_accuracy",
-                    "test_samples",
-                )
-            }
-            for r in evaluate_export(self.run, bundles)
-        ]
+        rows = [{k: r[k] for k in CLIENT_COLUMNS} for r in evaluate_export(self.run, bundles)]
         shutil.rmtree(bundles)
         return {
             "rows": rows,
@@ -251,19 +247,7 @@ def summarise(m: Measured, folder: Path) -> Result:
         _claims(m.points, m.clients, weak_of(m.clients, m.seeds)),
         plot,
         m.clients,
-        (
-            "version",
-            "delta_c",
-            "client_id",
-            "unseen",
-            "budget",
-            "recipe",
-            "stored",
-            "total_bytes",
-            "lambda",
-            "test_accuracy",
-            "test_samples",
-        ),
+        ("version", "delta_c", *CLIENT_COLUMNS),
         notes,
     )
 

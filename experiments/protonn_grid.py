@@ -733,6 +733,7 @@ def _check_line(check: dict) -> str:
 def render_markdown(results: Results, info: dict, seconds: float) -> str:
     """results.md: the three measurements' tables, the device check, command and machine."""
     encoders = results.encoders
+    encoder_rows, curve, grid = encoders.rows, results.curve, results.grid
     parts = [
         f"## Export: budgets and accuracy ({results.run_path})",
         "",
@@ -741,7 +742,7 @@ def render_markdown(results: Results, info: dict, seconds: float) -> str:
         f"and costs {encoders.cost_pp:+.2f} pp.",
         "",
         C.markdown_table(
-            encoders.rows,
+            encoder_rows,
             [
                 ("encoder", "encoder", ""),
                 ("bytes", "bytes", ""),
@@ -756,7 +757,7 @@ def render_markdown(results: Results, info: dict, seconds: float) -> str:
         f"{encoders.reference['int8']:.2%}.",
         "",
         C.markdown_table(
-            results.curve,
+            curve,
             [
                 ("fraction", "budget", ""),
                 ("backend", "backend", ""),
@@ -775,7 +776,7 @@ def render_markdown(results: Results, info: dict, seconds: float) -> str:
         f"{results.grid_reference:.2%}):",
         "",
         C.markdown_table(
-            results.grid,
+            grid,
             [
                 ("projection_dim", "d", ""),
                 ("prototype_fraction", "m", ""),
