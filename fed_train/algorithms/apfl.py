@@ -18,7 +18,6 @@ parameter space, v_bar = alpha v + (1 - alpha) w, with alpha chosen per client o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +28,7 @@ from fed_train.accelerator import autocast
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
+    ClientState,
     TrainingConfig,
     Weights,
     batch_schedule,
@@ -150,12 +150,7 @@ class APFL(PersonalGrid):
             set_weights(v, start)
 
     def client_update(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        state: dict[str, Any],
-        lr: float,
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, lr: float, seed: int
     ) -> ClientResult:
         self._load(global_weights, self.starts(state, global_weights))
         loss = self._joint_sgd(client, self.training, lr, seed, update_global=True)
@@ -194,7 +189,7 @@ class APFL(PersonalGrid):
         self,
         global_weights: Weights,
         clients: list[ClientData],
-        states: list[dict[str, Any]],
+        states: list[ClientState],
         lr: float,
         seeds: list[int],
     ) -> list[ClientResult]:

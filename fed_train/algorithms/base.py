@@ -20,6 +20,8 @@ from fed_train.models import EmbedHeadModel, ModelFactory
 from fed_train.training_config import TrainingConfig
 
 Weights = dict[str, np.ndarray]
+# what a client keeps between its rounds (personal models, its cluster): plain data only
+ClientState = dict[str, Any]
 
 
 _SPLITS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
@@ -64,7 +66,7 @@ class ClientResult:
 
     weights: Weights
     num_samples: int
-    state: dict[str, Any] = field(default_factory=dict)
+    state: ClientState = field(default_factory=dict)
     loss: float = float("nan")
 
 
@@ -90,12 +92,7 @@ class Algorithm(Protocol):
     job_cost: float
 
     def client_update(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        state: dict[str, Any],
-        lr: float,
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, lr: float, seed: int
     ) -> ClientResult: ...
 
     def aggregate(
@@ -103,7 +100,7 @@ class Algorithm(Protocol):
     ) -> Weights: ...
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel: ...
 
 
@@ -330,12 +327,7 @@ class FederatedAlgorithm:
         return get_weights(self._work), loss
 
     def client_update(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        state: dict[str, Any],
-        lr: float,
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, lr: float, seed: int
     ) -> ClientResult:
         weights, loss = self.train_from(global_weights, client, lr, seed)
         return ClientResult(weights, client.num_train, state, loss)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -38,6 +37,7 @@ from edge_runtime.values import is_integer
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
+    ClientState,
     FederatedAlgorithm,
     PersonalModel,
     TrainingConfig,
@@ -145,12 +145,7 @@ class ClusteredFL(FederatedAlgorithm):
         return float(-np.mean(np.log(np.maximum(picked, 1e-12))))
 
     def client_update(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        state: dict[str, Any],
-        lr: float,
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, lr: float, seed: int
     ) -> ClientResult:
         server = ClusterState.unpack(global_weights)
         cluster = server.cluster_of(client.client_id)
@@ -251,7 +246,7 @@ class ClusteredFL(FederatedAlgorithm):
         return server.pack()
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         server = ClusterState.unpack(global_weights)
         cluster = UNASSIGNED if client.unseen else server.cluster_of(client.client_id)

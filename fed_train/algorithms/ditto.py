@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ import torch
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
+    ClientState,
     TrainingConfig,
     Weights,
     get_weights,
@@ -115,12 +115,7 @@ class Ditto(PersonalGrid):
         return get_weights(self._personal)
 
     def client_update(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        state: dict[str, Any],
-        lr: float,
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, lr: float, seed: int
     ) -> ClientResult:
         result = super().client_update(global_weights, client, state, lr, seed)
         starts = self.starts(state, global_weights)
@@ -136,7 +131,7 @@ class Ditto(PersonalGrid):
         self,
         global_weights: Weights,
         clients: list[ClientData],
-        states: list[dict[str, Any]],
+        states: list[ClientState],
         lr: float,
         seeds: list[int],
     ) -> list[ClientResult]:

@@ -3,9 +3,13 @@ the global model itself."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from fed_train.algorithms.base import ClientData, PersonalModel, Weights, model_predictor
+from fed_train.algorithms.base import (
+    ClientData,
+    ClientState,
+    PersonalModel,
+    Weights,
+    model_predictor,
+)
 from fed_train.algorithms.stepped import SteppedAlgorithm
 from fed_train.models import EmbedHeadModel
 
@@ -22,6 +26,6 @@ class FedAvg(SteppedAlgorithm):
         return self.model_with(global_weights)
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         return PersonalModel(model_predictor(self.global_model(global_weights)))

@@ -9,10 +9,9 @@ per-client choice kNN-Per makes for its lambda; `select_on_validation=False` alw
 
 from __future__ import annotations
 
-from typing import Any
-
 from fed_train.algorithms.base import (
     ClientData,
+    ClientState,
     PersonalModel,
     TrainingConfig,
     Weights,
@@ -43,7 +42,7 @@ class FedAvgPlus(FedAvg):
         self.select_on_validation = select_on_validation
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         model = self.global_model(global_weights)
         epochs, _ = finetune(

@@ -18,13 +18,12 @@ personal linear head per client that never leaves it.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
+    ClientState,
     PersonalModel,
     TrainingConfig,
     Weights,
@@ -93,12 +92,7 @@ class FedRep(SteppedAlgorithm):
         )
 
     def client_update(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        state: dict[str, Any],
-        lr: float,
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, lr: float, seed: int
     ) -> ClientResult:
         model = self._work
         set_weights(model, {**global_weights, **state.get("head", self._head(global_weights))})
@@ -121,7 +115,7 @@ class FedRep(SteppedAlgorithm):
         self,
         global_weights: Weights,
         clients: list[ClientData],
-        states: list[dict[str, Any]],
+        states: list[ClientState],
         lr: float,
         seeds: list[int],
     ) -> list[ClientResult]:
@@ -188,7 +182,7 @@ class FedRep(SteppedAlgorithm):
         return {**global_weights, **new_body}
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         model = self.model_fn()
         own = "head" in state

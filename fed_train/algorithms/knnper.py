@@ -4,8 +4,6 @@ exactly what a device computes."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -13,6 +11,7 @@ from edge_runtime.knn import softmax
 from edge_runtime.personal_head import ClientSplits
 from fed_train.algorithms.base import (
     ClientData,
+    ClientState,
     PersonalModel,
     TrainingConfig,
     Weights,
@@ -52,7 +51,7 @@ class KNNPer(FedAvg):
         self.capacity = capacity
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         model = self.global_model(global_weights)
         num_classes = model.classifier.out_features

@@ -5,14 +5,13 @@ must beat."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from edge_runtime.linear_head import DEFAULT_L2, LinearHead
 from fed_train.algorithms.base import (
     ClientData,
+    ClientState,
     PersonalModel,
     TrainingConfig,
     Weights,
@@ -36,7 +35,7 @@ class LinearPer(FedAvg):
         self.l2 = l2
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         if client.num_train == 0:  # nothing to fit: the global model is all the client has
             personal = super().personalize(global_weights, client, state, seed)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from fed_train.algorithms.base import (
     ClientData,
+    ClientState,
     PersonalModel,
     TrainingConfig,
     Weights,
@@ -32,7 +31,7 @@ class Local:
         self.epochs = training.participations * training.epochs
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         torch.manual_seed(seed)
         model = self.model_fn()

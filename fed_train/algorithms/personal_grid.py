@@ -12,6 +12,7 @@ from typing import Any
 
 from fed_train.algorithms.base import (
     ClientData,
+    ClientState,
     PersonalModel,
     TrainingConfig,
     Weights,
@@ -57,7 +58,7 @@ class PersonalGrid(FedAvg):
                 raise ValueError(f"{self.rule}, got {value}")
         return grid
 
-    def starts(self, state: dict[str, Any], global_weights: Weights) -> list[Weights]:
+    def starts(self, state: ClientState, global_weights: Weights) -> list[Weights]:
         """Where each value's personal model starts: the client's own from its last round, or
         the global model for a client that has none."""
         previous = state.get("personal", {})
@@ -89,7 +90,7 @@ class PersonalGrid(FedAvg):
         return personal
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         """The value whose model is most accurate on the client's validation split (ties: the
         first in the grid, which the papers' grids start closest to the global model)."""

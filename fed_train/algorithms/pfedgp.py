@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +32,7 @@ from torch import nn
 
 from fed_train.algorithms.base import (
     ClientData,
+    ClientState,
     FederatedAlgorithm,
     LossFn,
     PersonalModel,
@@ -183,7 +183,7 @@ class PFedGP(FederatedAlgorithm):
         )
 
     def personalize(
-        self, global_weights: Weights, client: ClientData, state: dict[str, Any], seed: int
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> PersonalModel:
         model = self.model_with(global_weights)
         keep = np.arange(client.num_train)

@@ -6,13 +6,12 @@ hold (fed_train.algorithms.stepping steps them)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
+    ClientState,
     FederatedAlgorithm,
     TrainingConfig,
     Weights,
@@ -84,7 +83,7 @@ class SteppedAlgorithm(FederatedAlgorithm):
         self,
         global_weights: Weights,
         clients: list[ClientData],
-        states: list[dict[str, Any]],
+        states: list[ClientState],
         lr: float,
         seeds: list[int],
     ) -> list[ClientResult]:
