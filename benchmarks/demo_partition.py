@@ -13,10 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from experiments import benchmark_support as C
-from experiments.lr_tuning import personalized_accuracies, validation_score
+from experiments.lr_tuning import validation_score
 from export.demo import DemoSize, demo_config
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import get_weights
+from fed_train.evaluation import client_accuracies
 from fed_train.run import load_run, train
 
 CANDIDATES = {
@@ -61,7 +62,9 @@ def main() -> None:
         row = {"partition": name}
         for method in ("fedavg", "knnper"):
             algorithm = build_algorithm(method, run.model_factory(), run.config.training)
-            scores = personalized_accuracies(algorithm, weights, {}, clients, seed=args.seed)
+            scores = client_accuracies(
+                algorithm, weights, {}, clients, seed=args.seed, validation=True
+            )
             row[f"{method}_val"] = validation_score(scores)
         row["gain_pp"] = 100 * (row["knnper_val"] - row["fedavg_val"])
         rows.append(row)

@@ -20,10 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from fed_train.algorithms.base import Algorithm, ClientData, Weights
-from fed_train.evaluation import client_accuracies
-from fed_train.journal import ClientRows
-
 LR_GRID: tuple[float, ...] = tuple(float(10.0**-e) for e in (0.5, 1.0, 1.5, 2.0, 2.5))
 MAX_LR = 1.0  # SGD on these models diverges long before; a larger value is a typo
 
@@ -51,30 +47,6 @@ def parse_lr_grid(text: str) -> tuple[float, ...]:
         except ValueError:
             raise ValueError(f"learning-rate grid value {part.strip()!r} is not a number") from None
     return check_lr_grid(values)
-
-
-def personalized_accuracies(
-    algorithm: Algorithm,
-    weights: Weights,
-    states: dict[int, dict[str, Any]],
-    clients: list[ClientData],
-    *,
-    seed: int = 0,
-    progress: bool = False,
-    journal: ClientRows | None = None,
-) -> list[dict[str, Any]]:
-    """evaluation.client_accuracies' rows (same seeds, same test accuracies) plus each client's
-    validation accuracy ("n_val", "val_accuracy"): what choosing a learning rate reads."""
-    return client_accuracies(
-        algorithm,
-        weights,
-        states,
-        clients,
-        seed=seed,
-        progress=progress,
-        validation=True,
-        journal=journal,
-    )
 
 
 def validation_score(rows: list[dict[str, Any]]) -> float | None:

@@ -37,7 +37,6 @@ from experiments.lr_tuning import (
     LR_GRID,
     check_lr_grid,
     choose_lr,
-    personalized_accuracies,
     validation_score,
 )
 from experiments.table_estimate import estimate_table
@@ -51,7 +50,7 @@ from experiments.table_seeds import (
 from fed_train.algorithms import ALGORITHMS, build_algorithm
 from fed_train.algorithms.base import ClientData, TrainingConfig
 from fed_train.errors import KnnperError, TrainingDiverged
-from fed_train.evaluation import merge_results, summarize
+from fed_train.evaluation import client_accuracies, merge_results, summarize
 from fed_train.journal import ClientRows, rows_fit
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
@@ -376,13 +375,14 @@ class TableRunner:
         # each finished client is kept until the method's rows are: an interrupted table
         # resumes at the next client (a local model or a new client's training each)
         journal = ClientRows(cache.with_suffix(".partial.jsonl"), to_json_types(identity))
-        rows = personalized_accuracies(
+        rows = client_accuracies(
             algorithm,
             weights,
             states,
             self.clients,
             seed=self.config.seed,
             progress=self.progress,
+            validation=True,
             journal=journal,
         )
         if knn_record is not None:

@@ -15,7 +15,6 @@ from experiments.lr_tuning import (
     check_lr_grid,
     choose_lr,
     parse_lr_grid,
-    personalized_accuracies,
     validation_score,
 )
 from experiments.tables import METHODS, BenchError, check_validation_splits
@@ -114,7 +113,7 @@ def test_validation_score_uses_only_seen_clients_validation_splits():
     assert LR_GRID == pytest.approx((10**-0.5, 0.1, 10**-1.5, 0.01, 10**-2.5))
 
 
-def test_personalized_accuracies_match_evaluation_and_add_validation():
+def test_client_accuracies_with_validation_add_the_validation_accuracy():
     class Constant:
         name = "constant"
 
@@ -122,7 +121,7 @@ def test_personalized_accuracies_match_evaluation_and_add_validation():
             return PersonalModel(lambda x: np.tile([1.0, 0.0], (len(x), 1)))
 
     clients = [_client(0, 2), _client(1, 0, unseen=True)]
-    rows = personalized_accuracies(Constant(), {}, {}, clients)
+    rows = client_accuracies(Constant(), {}, {}, clients, validation=True)
     plain = client_accuracies(Constant(), {}, {}, clients)
     assert [r["accuracy"] for r in rows] == [r["accuracy"] for r in plain] == [1.0, 1.0]
     assert [(r["n_val"], r["val_accuracy"]) for r in rows] == [(2, 1.0), (0, None)]
