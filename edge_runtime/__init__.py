@@ -10,7 +10,18 @@ and an optional `LinearHead`, chosen per client on validation (`ClientSplits`); 
 device's bytes; `init_bundle` builds a bundle on the device from its own data;
 `write_portable` writes the one-file ONNX predictor."""
 
-from .face import lazy_face
+import os as _os
+import sys as _sys
+
+if _sys.argv and _os.path.basename(_sys.argv[0]) in ("knnper-edge", "knnper"):
+    # a console script: Ctrl-C is one line and 130 from here on, not a traceback from inside
+    # an import (the script's own handling takes over once its modules are loaded)
+    from .interrupt import exit_while_starting
+
+    exit_while_starting(_os.path.basename(_sys.argv[0]))
+del _os, _sys
+
+from .face import lazy_face  # noqa: E402
 
 __all__, __getattr__, __dir__ = lazy_face(
     __name__,

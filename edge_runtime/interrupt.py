@@ -17,12 +17,26 @@ from typing import Any
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT
 
 
+# the handler a console script started with, where `exit_while_starting` replaced it
+_STARTED_WITH: list[Any] = []
+
+
 def _exit_at_once(prog: str) -> Callable[[int, object], None]:
     def interrupted(signum: int, frame: object) -> None:
         os.write(2, f"{prog}: interrupted\n".encode())
         os._exit(INTERRUPTED)
 
+    interrupted.exits_at_once = True  # type: ignore[attr-defined]
     return interrupted
+
+
+def exit_while_starting(prog: str) -> None:
+    """For a console script, from the first statement of the package it imports (its
+    __init__): Ctrl-C is one line and 130 before the package's own imports, until
+    `exit_on_interrupt` hands over to the handler the process started with."""
+    previous = _install(prog)
+    if previous is not None and not _STARTED_WITH:
+        _STARTED_WITH.append(previous)
 
 
 def _install(prog: str) -> Any:
@@ -48,6 +62,8 @@ def exit_on_interrupt(prog: str) -> Iterator[None]:
     """Inside: Ctrl-C prints "PROG: interrupted" and exits 130 at once. The previous handler
     returns afterwards (`_install` says where nothing changes)."""
     previous = _install(prog)
+    if getattr(previous, "exits_at_once", False):  # installed at start: hand over to the first
+        previous = _STARTED_WITH[0] if _STARTED_WITH else signal.default_int_handler
     try:
         yield
     finally:
