@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -130,20 +130,37 @@ def upgrade_bundle(
     trusted_keys: Any = None,
     force: bool = False,
 ) -> UpgradeReport:
-    """Upgrade the bundle at `path` (loaded as `manifest`, `datastore`; the caller holds its
-    exclusive lock, and no other reference to `datastore`, which is let go once mapped) to the
-    version of the release bundle `new_dir`. See the module docstring.
-    `key_map`: the release's map file (default: NEW's parent's upgrades/from-<id>.npz).
-    `force`: apply the map even where the release advises to keep the old keys or start fresh,
-    and go back to an older version of the same lineage (a downgrade, refused without it).
-    Another client's bundle of the release is refused, forced or not.
+    """Upgrade the bundle at `path` to the version of the release bundle `new_dir`, in place
+    (see the module docstring for what the upgraded bundle is made of).
+
+    Parameters
+    ----------
+    path : the device's bundle; the caller holds its exclusive lock.
+    manifest : its manifest, as loaded.
+    datastore : its datastore, as loaded; the caller holds no other reference to it (it is let
+        go once its keys are carried over, so the old and new keys are not held together).
+    new_dir : the release's bundle for this client (NEW/client_NNNN).
+    key_map : the release's map file; None is NEW's parent's upgrades/from-<id>.npz.
+    trusted_keys : Ed25519 public keys the release (and its map) must be signed with.
+    force : apply the map even where the release advises to keep the old keys or start fresh,
+        and go back to an older version of the same lineage (a downgrade, refused without it).
+
+    Returns
+    -------
+    UpgradeReport : the versions from and to, how the samples went over, how many were
+        carried and evicted, the lambda and the footprint.
+
+    Raises
+    ------
+    BundleError : one line, before anything is written: another client's bundle of the release
+        (forced or not), another number of classes, a downgrade, a read-only or signed bundle
+        the release cannot keep so, no usable map; BudgetExceeded where the new encoder
+        leaves no room.
     """
     where = f"bundle {path}"
     new_dir = Path(new_dir)
     release = read_bundle(new_dir, intra_op_threads=1, trusted_keys=trusted_keys).manifest
     _check_same_client(where, manifest, release, new_dir)
-    backend = manifest.backend
-    trained = BACKENDS[backend].TRAINED
     if release.num_classes != manifest.num_classes:
         raise BundleError(
             f"{where}: the release {new_dir} has {release.num_classes} "
@@ -160,13 +177,7 @@ def upgrade_bundle(
     )
     count = len(datastore.sample_store())
     report = UpgradeReport(
-        old,
-        new,
-        "nothing to do",
-        count,
-        0,
-        manifest.lam,
-        manifest.footprint.total,
+        old, new, "nothing to do", count, 0, manifest.lam, manifest.footprint.total
     )
     if old.matches(new):
         return report
@@ -175,6 +186,57 @@ def upgrade_bundle(
             f"{where} is {old.describe()} and the release {new_dir} is the older "
             f"{new.describe()}: a downgrade; --force goes back to it"
         )
+    plan = _Plan(
+        path, manifest, new_dir, release, new, count, _keeps_signature(where, path, new_dir)
+    )
+    report.how, report.evidence = _carrying(plan, datastore, old, key_map, force, trusted_keys)
+    plan.datastore = datastore
+    del datastore  # the plan owns it now, and lets it go once its keys are carried over
+    evict = _room(plan, encoder_size)
+    written, evict = _write_upgraded(plan, evict, trusted_keys)
+    report.evicted, report.carried = evict, count - evict
+    report.lam, report.footprint_bytes = written.lam, written.footprint.total
+    report.signed = plan.signed
+    return report
+
+
+@dataclass
+class _Plan:
+    """One upgrade as decided before anything is written: the device's bundle and the
+    release's, how the samples go over, and the datastore they go into."""
+
+    path: Path
+    manifest: Manifest
+    new_dir: Path
+    release: Manifest
+    new: ModelVersion
+    count: int  # the samples the bundle stores now
+    signed: bool  # the bundle takes the release's signature
+    mapping: KeyMap | None = None  # None: the kept raw inputs are re-embedded
+    map_path: Path | None = None
+    datastore: Any = None  # the old keys (folded, for ProtoNN), until carried over
+    params: dict = field(default_factory=dict)  # the upgraded datastore's parameters
+    fresh: Any = None  # an empty datastore of the upgraded recipe: what estimates are asked of
+    l2: float | None = None  # the linear head's l2, where the release refits one
+    budget: Budget | None = None
+
+    @property
+    def where(self) -> str:
+        return f"bundle {self.path}"
+
+    @property
+    def trained(self) -> bool:
+        """A ProtoNN-like bundle: its prototypes stay, the release's reverse map folded in."""
+        return BACKENDS[self.manifest.backend].TRAINED
+
+    @property
+    def dim(self) -> int:
+        return self.release.embedding_dim
+
+
+def _keeps_signature(where: str, path: Path, new_dir: Path) -> bool:
+    """Whether the upgraded bundle takes the release's signature (both are signed); refused
+    where the bundle cannot be written, or is signed and the release is not."""
     if not os.access(path, os.W_OK):  # its swapped-out copy could not be removed: left behind
         raise BundleError(f"{where} is read-only: make it writable to upgrade it, as to add to it")
     signed = (new_dir / SIGNATURE_FILE).is_file() and (path / SIGNATURE_FILE).is_file()
@@ -183,58 +245,92 @@ def upgrade_bundle(
             f"{where} is signed and the release {new_dir} is not: the upgrade would drop its "
             f"signature; upgrade to the signed release (or delete {SIGNATURE_FILE} to take it)"
         )
+    return signed
+
+
+def _carrying(
+    plan: _Plan,
+    datastore: Any,
+    old: ModelVersion,
+    key_map: str | os.PathLike | None,
+    force: bool,
+    trusted_keys: Any,
+) -> tuple[str, str]:
+    """How the samples go over: "re-embedded" from the raw inputs the bundle kept, else by the
+    release's key map (`plan.mapping`), "mapped" or, for ProtoNN, "folded"; with the map's
+    evidence. Refused in one line where neither is possible."""
+    where, manifest, release = plan.where, plan.manifest, plan.release
     if getattr(datastore, "inputs_", None) is not None:
         if release.input != manifest.input:
             raise BundleError(
-                f"{where}: the release {new_dir} takes other inputs than the ones "
+                f"{where}: the release {plan.new_dir} takes other inputs than the ones "
                 "this bundle kept; it cannot re-embed them"
             )
-        mapping, report.how = None, "re-embedded"
-    else:
-        mapping, map_path = _key_map(
-            new_dir, old, new, key_map, manifest, release, where, force, trusted_keys
+        return "re-embedded", ""
+    plan.mapping, plan.map_path = _key_map(
+        plan.new_dir, old, plan.new, key_map, manifest, release, where, force, trusted_keys
+    )
+    if plan.trained and plan.mapping.reverse_weight is None:
+        raise BundleError(
+            f"{where}: the release's map ({plan.mapping.describe()}) lacks the reverse map "
+            f"a {manifest.backend} bundle is upgraded with: install the release's own "
+            f"bundle {plan.new_dir} instead"
         )
-        if trained and mapping.reverse_weight is None:
-            raise BundleError(
-                f"{where}: the release's map ({mapping.describe()}) lacks the reverse map a "
-                f"{backend} bundle is upgraded with: install the release's own bundle "
-                f"{new_dir} instead"
-            )
-        report.how, report.evidence = ("folded" if trained else "mapped"), mapping.describe()
+    return ("folded" if plan.trained else "mapped"), plan.mapping.describe()
 
-    params = {
-        **manifest.params,
+
+def _room(plan: _Plan, encoder_size: int) -> int:
+    """Fill in the upgraded datastore (its parameters, an empty one to estimate with, the
+    head's l2, the budget after the new encoder and head; a ProtoNN datastore folded) and
+    return how many of the oldest samples must go to fit; BudgetExceeded where not one fits."""
+    release = plan.release
+    plan.params = {
+        **plan.manifest.params,
         "num_classes": release.num_classes,
         "k": release.k,
         "sigma": release.sigma,
     }
-    dim = release.embedding_dim
-    if trained:  # the folded datastore is small: its buffer is what an eviction takes from
+    if plan.trained:  # the folded datastore is small: its buffer is what an eviction takes from
         try:
-            datastore = datastore.fold_input_map(
-                mapping.reverse_weight, mapping.reverse_bias, k=params["k"], sigma=params["sigma"]
+            plan.datastore = plan.datastore.fold_input_map(
+                plan.mapping.reverse_weight,
+                plan.mapping.reverse_bias,
+                k=release.k,
+                sigma=release.sigma,
             )
         except ValueError as exc:
             raise BundleError(
-                f"{where}: folding the release's reverse map: {one_line(exc)}"
+                f"{plan.where}: folding the release's reverse map: {one_line(exc)}"
             ) from None
-        fresh, l2 = datastore.sample_store(), None  # a protonn bundle keeps its shipped head
+        plan.fresh = plan.datastore.sample_store()  # a protonn bundle keeps its shipped head
     else:
-        fresh, l2 = BACKENDS[backend].from_params(params), release.refit_l2
-    budget = Budget(manifest.budget.total, encoder_size).with_head(
-        head_nbytes(dim, release.num_classes if l2 is not None else None)
+        plan.fresh = BACKENDS[plan.manifest.backend].from_params(plan.params)
+        plan.l2 = release.refit_l2
+    budget = Budget(plan.manifest.budget.total, encoder_size).with_head(
+        head_nbytes(plan.dim, release.num_classes if plan.l2 is not None else None)
     )
-    fits = samples_within(fresh, dim, budget)
+    plan.budget = budget
+    fits = samples_within(plan.fresh, plan.dim, budget)
     # a protonn bundle's prototypes stay with an empty buffer too
-    if fits < 1 and (not trained or fresh.estimate_nbytes(0, dim) > budget.sample_room):
+    if fits < 1 and (
+        not plan.trained or plan.fresh.estimate_nbytes(0, plan.dim) > budget.sample_room
+    ):
         raise BudgetExceeded(
-            f"{where}: the new encoder ({encoder_size} bytes) leaves no room for "
-            f"{'its folded prototypes' if trained else 'one stored sample'} in the budget "
-            f"of {budget.total} bytes",
+            f"{plan.where}: the new encoder ({encoder_size} bytes) leaves no room for "
+            f"{'its folded prototypes' if plan.trained else 'one stored sample'} in the "
+            f"budget of {budget.total} bytes",
             encoder_size,
             budget.total,
         )
-    evict = max(0, count - fits)
+    return max(0, plan.count - fits)
+
+
+def _write_upgraded(plan: _Plan, evict: int, trusted_keys: Any) -> tuple[Manifest, int]:
+    """Write the upgraded bundle complete and verified beside the old one, then swap the two
+    directories: (its manifest, how many of the oldest samples it evicted). An estimate that
+    undershot (HNSW) evicts a few more and writes again; the old keys are let go before the
+    new bundle is written and checked."""
+    release, manifest = plan.release, plan.manifest
     fields = {
         "client_id": manifest.client_id,
         "input": release.input,
@@ -243,55 +339,75 @@ def upgrade_bundle(
         "update_strategy": manifest.update_strategy,
         **release.release_fields(),
     }
-    tmp = staging_directory(path)
+    tmp = staging_directory(plan.path)
     try:
         for _ in range(8):
-            if trained:  # the folded datastore, its buffer down to the newest count - evict
-                ds = datastore.evict_oldest(len(datastore.sample_store()) - (count - evict))
-            else:
-                if datastore is None:  # a retry: the old keys again, from the bundle on disk
-                    datastore = load_bundle_datastore(path, manifest)
-                if mapping is None:
-                    ds, lam = _reembedded(
-                        datastore, evict, encoder_bytes(new_dir, release), release, params, manifest
-                    )
-                    fields["lambda"] = release.lam if signed else lam
-                else:
-                    ds = _mapped(datastore, evict, mapping, params, backend, where, map_path)
-                datastore = None  # the old keys go before the new bundle is written and checked
-            ds.embedding_id_ = new.embedding
+            ds = _carried(plan, evict, fields)
             try:
-                written = write_bundle(tmp, fields, new_dir / ENCODER_FILE, ds)
+                written = write_bundle(tmp, fields, plan.new_dir / ENCODER_FILE, ds)
                 break
             except BudgetExceeded as exc:  # estimates (hnsw) undershot: evict a little more
-                per = max(1, fresh.estimate_nbytes(2, dim) - fresh.estimate_nbytes(1, dim))
-                most = count if trained else count - 1  # a protonn bundle may buffer none
+                per = max(
+                    1,
+                    plan.fresh.estimate_nbytes(2, plan.dim)
+                    - plan.fresh.estimate_nbytes(1, plan.dim),
+                )
+                most = plan.count if plan.trained else plan.count - 1  # protonn may buffer none
                 if evict >= most:
                     raise
                 evict = min(most, evict + max(1, (exc.needed - exc.budget) // per + 1))
         else:
             raise BudgetExceeded(
-                f"{where}: the upgraded datastore does not fit the budget",
+                f"{plan.where}: the upgraded datastore does not fit the budget",
                 0,
-                budget.total,
+                plan.budget.total,
             )
-        if l2 is not None:
-            head = refit_head(ds, release.num_classes, l2)
+        if plan.l2 is not None:
+            head = refit_head(ds, release.num_classes, plan.l2)
             written = commit_datastore(tmp, written, ds, head)
-        if signed:
-            shutil.copyfile(new_dir / SIGNATURE_FILE, tmp / SIGNATURE_FILE)
+        if plan.signed:
+            shutil.copyfile(plan.new_dir / SIGNATURE_FILE, tmp / SIGNATURE_FILE)
             if trusted_keys is not None:
                 read_bundle(tmp, intra_op_threads=1, trusted_keys=trusted_keys)
             else:
-                check_signed_base(tmp, written, f"the upgraded {where}")
-        swap_directory(tmp, path)
+                check_signed_base(tmp, written, f"the upgraded {plan.where}")
+        swap_directory(tmp, plan.path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    report.evicted, report.carried = evict, count - evict
-    report.lam, report.footprint_bytes = written.lam, written.footprint.total
-    report.signed = signed
-    return report
+    return written, evict
+
+
+def _carried(plan: _Plan, evict: int, fields: dict) -> Any:
+    """The upgraded datastore without the `evict` oldest samples: the folded one's buffer cut,
+    or the keys mapped or re-embedded into a fresh one (its lambda into `fields` where chosen
+    on the kept inputs). The old keys are let go once carried over (a retry reads them again
+    from the bundle on disk)."""
+    if plan.trained:  # the folded datastore, its buffer down to the newest count - evict
+        store = plan.datastore
+        ds = store.evict_oldest(len(store.sample_store()) - (plan.count - evict))
+    else:
+        if plan.datastore is None:  # a retry: the old keys again, from the bundle on disk
+            plan.datastore = load_bundle_datastore(plan.path, plan.manifest)
+        if plan.mapping is None:
+            model = encoder_bytes(plan.new_dir, plan.release)
+            ds, lam = _reembedded(
+                plan.datastore, evict, model, plan.release, plan.params, plan.manifest
+            )
+            fields["lambda"] = plan.release.lam if plan.signed else lam
+        else:
+            ds = _mapped(
+                plan.datastore,
+                evict,
+                plan.mapping,
+                plan.params,
+                plan.manifest.backend,
+                plan.where,
+                plan.map_path,
+            )
+        plan.datastore = None  # the old keys go before the new bundle is written and checked
+    ds.embedding_id_ = plan.new.embedding
+    return ds
 
 
 def _check_same_client(where: str, manifest: Manifest, release: Manifest, new_dir: Path) -> None:
