@@ -490,7 +490,7 @@ def _claim(out_dir: Path, release: Release, force: bool) -> None:
     try:
         held, damaged = read_release(out_dir), None
     except ReleaseError as err:
-        held, damaged = None, str(err)
+        held, damaged = None, f"an export.json that records no release ({err})"
     other = damaged or (
         None
         if held is None or held.same_version(release)
