@@ -20,7 +20,9 @@ page holds them; a heading found on none is a mismatch): the fair section's two 
 seeds sections' tables, including their kNN-Per-minus-a-baseline intervals and verdicts, and
 the clients-hurt tables (the share of clients below FedAvg, and kNN-Per's below FedAvg+); the
 model-update section's accuracy tables (mean +- std across seeds of each seed's mean over
-clients, from benchmarks/results/model_update/NAME/clients.csv).
+clients, from benchmarks/results/model_update/NAME/clients.csv); the start-up table (each
+command's median time to its first line, CPU time and load, and the target's verdict, from
+every process in benchmarks/results/cli_start/samples.csv).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -77,6 +80,9 @@ MODEL_UPDATE = REPO / "benchmarks" / "results" / "model_update"
 MODEL_UPDATE_HEADING = "### After an update: what each path keeps"
 # results folder -> its heading in that section; per table heading, the clients.csv column
 MODEL_UPDATE_DATA = {"fashion-mnist": "#### Fashion-MNIST", "cifar10": "#### CIFAR-10"}
+CLI_START = REPO / "benchmarks" / "results" / "cli_start" / "samples.csv"
+CLI_START_HEADING = "### Time to a command's first line"
+CLI_START_TARGET_S = 0.5  # issue 49: --help, --version and argument errors, median of 5
 MODEL_UPDATE_TABLES = {
     "##### kNN-Per (each bundle's lambda)": "accuracy",
     "##### the datastore alone (lambda 1)": "knn_accuracy",
@@ -445,6 +451,42 @@ def check_model_update_md(text: str, check: Checker) -> None:
                     )
 
 
+def check_cli_start_md(text: str, check: Checker) -> None:
+    """Each row of the start-up table (benchmarks/cli_start.py): the medians of the first line,
+    of the CPU time and of the load average over that tree's and command's processes, and the
+    target's verdict, from every process in samples.csv."""
+    if not _found(text, CLI_START_HEADING, check):
+        return
+    samples = read_csv(CLI_START, text_columns=("tree", "case"))
+    header, rows = _markdown_table(text, CLI_START_HEADING)
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        tree, case = cells["tree"], cells["command"].strip("`")
+        mine = [r for r in samples if r["tree"] == tree and r["case"] == case]
+        check.same(f"cli start {tree} {case}: processes", len(mine), int(cells["runs"]))
+        if not mine:
+            continue
+        for column, key, digits in (
+            ("first line median s", "first_line_s", 3),
+            ("CPU median s", "cpu_s", 3),
+            ("load average", "load", 2),
+        ):
+            median = statistics.median(r[key] for r in mine)
+            check.same(
+                f"cli start {tree} {case}: {column}", round(median, digits), float(cells[column])
+            )
+        spread = [min(r["first_line_s"] for r in mine), max(r["first_line_s"] for r in mine)]
+        check.same(
+            f"cli start {tree} {case}: first line min-max",
+            [round(x, 3) for x in spread],
+            _numbers(cells["first line min-max s"]),
+        )
+        if cells["target"] != "-":
+            first = statistics.median(r["first_line_s"] for r in mine)
+            verdict = "met" if first <= CLI_START_TARGET_S else "missed"
+            check.same(f"cli start {tree} {case}: target", verdict, cells["target"].strip("*"))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -467,6 +509,7 @@ def main() -> int:
         check_versus_md(text, found, check, heading, tables)
     check_hurt_md(text, found, check)
     check_model_update_md(text, check)
+    check_cli_start_md(text, check)
     for line in check.mismatches:
         print(f"MISMATCH {line}")
     print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")
