@@ -22,7 +22,8 @@ the clients-hurt tables (the share of clients below FedAvg, and kNN-Per's below 
 model-update section's accuracy tables (mean +- std across seeds of each seed's mean over
 clients, from benchmarks/results/model_update/NAME/clients.csv); the start-up table (each
 command's median time to its first line, CPU time and load, and the target's verdict, from
-every process in benchmarks/results/cli_start/samples.csv).
+every process in benchmarks/results/cli_start/samples.csv); the export profiles' tables (each
+stage's calls, CPU seconds and share, from benchmarks/results/export_profile/).
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ MODEL_UPDATE_DATA = {"fashion-mnist": "#### Fashion-MNIST", "cifar10": "#### CIF
 CLI_START = REPO / "benchmarks" / "results" / "cli_start" / "samples.csv"
 CLI_START_HEADING = "### Time to a command's first line"
 CLI_START_TARGET_S = 0.5  # issue 49: --help, --version and argument errors, median of 5
+# export profiles (benchmarks/export_profile.py): heading -> (its CSV, the scope its table shows)
+EXPORT_PROFILES = {
+    "### Where a digits export's time goes, before any cut": (
+        REPO / "benchmarks" / "results" / "export_profile" / "digits6" / "try.csv",
+        "6 client(s)",
+    ),
+}
 MODEL_UPDATE_TABLES = {
     "##### kNN-Per (each bundle's lambda)": "accuracy",
     "##### the datastore alone (lambda 1)": "knn_accuracy",
@@ -487,6 +495,33 @@ def check_cli_start_md(text: str, check: Checker) -> None:
             check.same(f"cli start {tree} {case}: target", verdict, cells["target"].strip("*"))
 
 
+def check_export_profile_md(text: str, check: Checker) -> None:
+    """Each stage of an export profile's table: its calls, CPU seconds and share of the
+    export's CPU time, from the profile's CSV."""
+    for heading, (path, scope) in EXPORT_PROFILES.items():
+        if not _found(text, heading, check):
+            continue
+        stages = {r["stage"]: r for r in read_csv(path) if r["scope"] == scope}
+        total = next(r["cpu_s"] for name, r in stages.items() if name.startswith("total"))
+        header, rows = _markdown_table(text, heading)
+        for row in rows:
+            cells = dict(zip(header, row, strict=True))
+            found = stages.get(cells["stage"])
+            check.same(
+                f"{heading[4:]}: {cells['stage']}", "in the CSV", "in the CSV" if found else "not"
+            )
+            if found is None:
+                continue
+            check.same(
+                f"{heading[4:]}: {cells['stage']} calls", found["calls"], int(cells["calls"])
+            )
+            check.same(
+                f"{heading[4:]}: {cells['stage']} CPU",
+                [round(found["cpu_s"], 2), round(100 * found["cpu_s"] / total, 1)],
+                _numbers(cells["CPU s"]) + _numbers(cells["share of the CPU time"]),
+            )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -510,6 +545,7 @@ def main() -> int:
     check_hurt_md(text, found, check)
     check_model_update_md(text, check)
     check_cli_start_md(text, check)
+    check_export_profile_md(text, check)
     for line in check.mismatches:
         print(f"MISMATCH {line}")
     print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")
