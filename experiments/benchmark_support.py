@@ -28,7 +28,7 @@ import onnxruntime
 from edge_runtime._io import csv_text, write_text_atomic
 from edge_runtime.arg_types import positive_int
 from edge_runtime.bundle import write_bundle
-from edge_runtime.datastores import make_datastore, parse_recipe
+from edge_runtime.datastores import BACKENDS, make_datastore, parse_recipe
 from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
 from edge_runtime.preprocess import prepare_input
 
@@ -472,7 +472,7 @@ def build_datastore(
     prototype initialisation, `protonn_steps` Adam steps, gamma from a subsample), which keeps
     100k keys affordable; the shapes, not the trained values, set its cost."""
     name, params = parse_recipe(recipe)
-    if name != "protonn":
+    if not BACKENDS[name].TRAINED:
         return make_datastore(recipe, num_classes, k=k, sigma=sigma, seed=seed).fit(z, y)
     from protonn.training import ProtoNNClassifier
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_runtime.datastores import EXACT_RECIPE
 from edge_runtime.encoder import Encoder
 from experiments import distribution_shift, protonn_grid
 from experiments.context import Context
@@ -248,7 +249,7 @@ def measure_grid(ctx: Context, grids: dict[str, tuple]) -> Measured:
         )
         return {"mean_accuracy": weighted_mean(rows), "clients": rows}
 
-    full_record = store.compute(ctx.point_key(reference="flat:fp32"), reference)
+    full_record = store.compute(ctx.point_key(reference=EXACT_RECIPE), reference)
     full = full_record["mean_accuracy"]
     clients = [
         {

@@ -45,7 +45,13 @@ import numpy as np
 
 from edge_runtime._io import write_text_atomic
 from edge_runtime.bundle import UPDATE_STRATEGIES
-from edge_runtime.datastores import format_recipe, make_datastore, parse_recipe
+from edge_runtime.datastores import (
+    BACKENDS,
+    EXACT_RECIPE,
+    format_recipe,
+    make_datastore,
+    parse_recipe,
+)
 from edge_runtime.encoder import Encoder
 from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.preprocess import prepare_input
@@ -90,7 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--recipe",
-        default="flat:fp32",
+        default=EXACT_RECIPE,
         help="datastore recipe; a protonn one learns into a buffer of --capacity "
         "samples (default: the client's train size) beside its prototypes",
     )
@@ -205,7 +211,7 @@ def client_datastore(
     """The client's datastore at export, of --recipe: ProtoNN trained on its embeddings with a
     buffer of --capacity new samples, or another backend holding them (--capacity at most)."""
     name, params = parse_recipe(args.recipe)
-    if name == "protonn":
+    if BACKENDS[name].TRAINED:
         datastore = C.build_datastore(
             args.recipe, z, y, num_classes, seed=seed, protonn_steps=args.protonn_steps
         )
