@@ -106,7 +106,7 @@ def clientapp_import_cost(repeats: int) -> dict[str, float]:
     return {"cpu_s": float(np.median(cpu)), "wall_s": float(np.median(wall))}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -118,16 +118,13 @@ def main() -> None:
         default=3,
         help="fresh processes timing the ClientApp's imports (the median is reported)",
     )
-    args = p.parse_args()
-    # `timeout` sends SIGTERM: let it unwind like Ctrl-C, so deploy stops every process it started
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    C.setup_logging()
-    C.limit_threads(1)
-    load_before = C.load_average()
-    config = C.flower_run_config(args)
-    work = args.work / args.tag
-    sim_dir, flower_dir = work / "simulation", work / "flower"
+    return p.parse_args()
 
+
+def train_both(args: argparse.Namespace, sim_dir: Path, flower_dir: Path) -> dict[str, Any]:
+    """The same configuration trained by the simulation and by a local Flower federation
+    (unless a finished one is there); the Flower run's record (flower.json)."""
+    config = C.flower_run_config(args)
     start = time.perf_counter()
     train(config, sim_dir, progress=False)
     log.info("simulation done in %.0f s", time.perf_counter() - start)
@@ -148,8 +145,15 @@ def main() -> None:
         )
         deploy_local(settings, LocalFederation(clients=args.clients, startup_timeout=120.0))
         log.info("Flower run done in %.0f s", time.perf_counter() - start)
-    record = json.loads(record_path.read_text())
+    return json.loads(record_path.read_text())
 
+
+def compare_runs(
+    args: argparse.Namespace, sim_dir: Path, flower_dir: Path, federated: dict[str, Any]
+) -> dict[str, Any]:
+    """`knnper evaluate` on both runs, and how far apart they end: the largest difference of
+    their final weights, and of a client's kNN-Per accuracy between the Flower run's own
+    federated evaluation (`federated`) and `knnper evaluate` on that run."""
     sim_run, flower_run = load_run(sim_dir), load_run(flower_dir)
     sim_eval = evaluate_run(
         sim_run, ["fedavg", "knnper"], knn=KNNRequest.from_args(args), progress=False
@@ -157,33 +161,37 @@ def main() -> None:
     flower_eval = evaluate_run(
         flower_run, ["fedavg", "knnper"], knn=KNNRequest.from_args(args), progress=False
     )
-    federated = record["evaluation"]
     sim_w, flower_w = get_weights(sim_run.model), get_weights(flower_run.model)
-    weight_diff = max(
-        float(np.max(np.abs(sim_w[k].astype(np.float64) - flower_w[k]))) for k in sim_w
-    )
     by_client = {c["client_id"]: c for c in flower_eval["clients"]}
-    client_diff = max(
-        abs(c["knnper"] - by_client[c["client_id"]]["knnper"])
-        for c in federated["clients"]
-        if c["knnper"] is not None
-    )
+    return {
+        "simulation": sim_eval,
+        "flower": flower_eval,
+        "weight_diff": max(
+            float(np.max(np.abs(sim_w[k].astype(np.float64) - flower_w[k]))) for k in sim_w
+        ),
+        "client_diff": max(
+            abs(c["knnper"] - by_client[c["client_id"]]["knnper"])
+            for c in federated["clients"]
+            if c["knnper"] is not None
+        ),
+    }
 
-    imports = clientapp_import_cost(args.import_repeats)
-    rounds = []
-    for engine, run_dir in (("simulation", sim_dir), ("flower", flower_dir)):
-        for row in _rows(run_dir):
-            rounds.append({"engine": engine, **row})
-    C.write_csv(
-        args.results / f"rounds_{args.tag}.csv",
-        rounds,
-        ("engine", "round", "clients", "seconds", "bytes_down", "bytes_up", "train_loss", "lr"),
-    )
+
+def summary_row(
+    args: argparse.Namespace,
+    rounds: list[dict[str, Any]],
+    record: dict[str, Any],
+    compared: dict[str, Any],
+    imports: dict[str, float],
+    load_before: float,
+) -> dict[str, Any]:
+    """TAG's row of summary.csv: time and bytes per round, accuracies, differences, costs."""
     flower_rounds = [r for r in rounds if r["engine"] == "flower"]
     sim_s = float(np.mean([r["seconds"] for r in rounds if r["engine"] == "simulation"]))
     flower_s = float(np.mean([r["seconds"] for r in flower_rounds]))
     traffic = record["superlink_run"]["network-traffic"]["total-bytes"]
-    summary = {
+    sim_eval, flower_eval = compared["simulation"], compared["flower"]
+    return {
         "tag": args.tag,
         "dataset": args.dataset,
         "clients": args.clients,
@@ -202,31 +210,24 @@ def main() -> None:
         "flower_fedavg_seen": 100 * flower_eval["seen"]["fedavg"]["mean"],
         "sim_knnper_seen": 100 * sim_eval["seen"]["knnper"]["mean"],
         "flower_knnper_seen": 100 * flower_eval["seen"]["knnper"]["mean"],
-        "federated_knnper_seen": 100 * federated["seen"]["knnper"]["mean"],
-        "max_abs_weight_diff": weight_diff,
-        "max_abs_knnper_client_diff": client_diff,
+        "federated_knnper_seen": 100 * record["evaluation"]["seen"]["knnper"]["mean"],
+        "max_abs_weight_diff": compared["weight_diff"],
+        "max_abs_knnper_client_diff": compared["client_diff"],
         "clientapp_import_cpu_s": imports["cpu_s"],
         "clientapp_import_wall_s": imports["wall_s"],
         "load_before": load_before,
         "load_after": C.load_average(),
     }
-    C.write_json(
-        args.results / f"{args.tag}.json",
-        {
-            "command": C.command_line(),
-            "machine": C.machine_info(),
-            "summary": summary,
-            "simulation_evaluation": sim_eval,
-            "flower_evaluation": flower_eval,
-            "federated_evaluation": federated,
-            "superlink_run": record["superlink_run"],
-        },
-    )
-    summary_path = args.results / "summary.csv"
+
+
+def update_summary(results: Path, summary: dict[str, Any]) -> None:
+    """Replace this tag's row in RESULTS/summary.csv (the other tags' rows kept as they are)
+    and rewrite summary.md from all of them."""
+    summary_path = results / "summary.csv"
     rows = []
     if summary_path.is_file():
         with open(summary_path) as f:
-            rows = [r for r in csv.DictReader(f) if r["tag"] != args.tag]
+            rows = [r for r in csv.DictReader(f) if r["tag"] != summary["tag"]]
     rows.append(summary)
     C.write_csv(summary_path, rows, SUMMARY_COLUMNS)
     numeric = [
@@ -242,7 +243,45 @@ def main() -> None:
         }
         for r in rows
     ]
-    (args.results / "summary.md").write_text(C.markdown_table(numeric, MARKDOWN) + "\n")
+    (results / "summary.md").write_text(C.markdown_table(numeric, MARKDOWN) + "\n")
+
+
+def main() -> None:
+    args = parse_args()
+    # `timeout` sends SIGTERM: let it unwind like Ctrl-C, so deploy stops every process it started
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    C.setup_logging()
+    C.limit_threads(1)
+    load_before = C.load_average()
+    work = args.work / args.tag
+    sim_dir, flower_dir = work / "simulation", work / "flower"
+    record = train_both(args, sim_dir, flower_dir)
+    compared = compare_runs(args, sim_dir, flower_dir, record["evaluation"])
+    imports = clientapp_import_cost(args.import_repeats)
+    rounds = [
+        {"engine": engine, **row}
+        for engine, run_dir in (("simulation", sim_dir), ("flower", flower_dir))
+        for row in _rows(run_dir)
+    ]
+    C.write_csv(
+        args.results / f"rounds_{args.tag}.csv",
+        rounds,
+        ("engine", "round", "clients", "seconds", "bytes_down", "bytes_up", "train_loss", "lr"),
+    )
+    summary = summary_row(args, rounds, record, compared, imports, load_before)
+    C.write_json(
+        args.results / f"{args.tag}.json",
+        {
+            "command": C.command_line(),
+            "machine": C.machine_info(),
+            "summary": summary,
+            "simulation_evaluation": compared["simulation"],
+            "flower_evaluation": compared["flower"],
+            "federated_evaluation": record["evaluation"],
+            "superlink_run": record["superlink_run"],
+        },
+    )
+    update_summary(args.results, summary)
     print(C.markdown_table([summary], MARKDOWN))
 
 

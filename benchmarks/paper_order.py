@@ -24,6 +24,7 @@ import logging
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def _mean(result: dict, group: str) -> str:
     return "-" if summary is None else f"{100 * summary['mean']:.2f}%"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -154,30 +155,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    C.setup_logging()
-    scale = TINY if args.tiny else GPU
-    scale = replace(
-        scale,
-        mobilenet_rounds=args.mobilenet_rounds or scale.mobilenet_rounds,
-        cnn_rounds=args.cnn_rounds or scale.cnn_rounds,
-    )
-    data = None if args.tiny else args.data
-    device = resolve_device(args.device)
-    table = TableOptions(
-        device=str(device), client_batch=args.client_batch, progress=not args.no_progress
-    )
-    out = args.out
-    stages: dict[str, dict] = {}
+    return p.parse_args(argv)
 
-    def stage(name: str, done: bool, work) -> None:
+
+class Stages:
+    """Each stage's seconds in this call, or that it was done before (stages.json)."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, dict] = {}
+
+    def run(self, name: str, done: bool, work: Callable[[], object]) -> None:
         start = time.perf_counter()
         if not done:
             work()
-        stages[name] = {"seconds": round(time.perf_counter() - start, 1), "skipped": done}
-        log.info("%s: %s", name, "done before" if done else f"{stages[name]['seconds']} s")
+        self.record[name] = {"seconds": round(time.perf_counter() - start, 1), "skipped": done}
+        log.info("%s: %s", name, "done before" if done else f"{self.record[name]['seconds']} s")
 
-    stage(
+
+def prepare(
+    args: argparse.Namespace, scale: Scale, data: str | None, device: torch.device, stages: Stages
+) -> Path:
+    """The split of the data into the server's and the clients' parts, and MobileNet's
+    pretraining on the server's part (each skipped where done before); the pretrained folder."""
+    out = args.out
+    stages.run(
         "split",
         (out / "data" / "clients.npz").is_file(),
         lambda: split_public(
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     init = out / "pretrain"
-    stage(
+    stages.run(
         "pretrain",
         (init / RECORD_FILE).is_file(),
         lambda: pretrain(
@@ -205,6 +206,57 @@ def main(argv: list[str] | None = None) -> int:
             device=device,
         ),
     )
+    return init
+
+
+def table_section(
+    name: str, config: RunConfig, out: Path, options: TableOptions, stages: Stages
+) -> list[str]:
+    """One model's table (every method, the project's default personalization) and kNN-Per
+    under the paper's rule beside it: summary.md's lines."""
+    results = {}
+
+    def tuned() -> None:
+        results["tuned"] = run_table(config, "all", out / name, options)
+
+    def paper() -> None:
+        results["paper"] = paper_rule_table(config, out / name, out / f"{name}-paper-rule", options)
+
+    stages.run(f"{name} table", False, tuned)
+    stages.run(f"{name} kNN-Per, paper's rule", False, paper)
+    return [
+        format_markdown(results["tuned"]),
+        "",
+        "| kNN-Per's personalization | seen mean | unseen mean |",
+        "|---|---|---|",
+        *(
+            f"| {rule} | {_mean(results[key], 'seen')} | {_mean(results[key], 'unseen')} |"
+            for rule, key in (
+                ("project default (chosen on validation)", "tuned"),
+                ("paper's rule (k 10, sigma 1, lambda per client)", "paper"),
+            )
+        ),
+        "",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    C.setup_logging()
+    scale = TINY if args.tiny else GPU
+    scale = replace(
+        scale,
+        mobilenet_rounds=args.mobilenet_rounds or scale.mobilenet_rounds,
+        cnn_rounds=args.cnn_rounds or scale.cnn_rounds,
+    )
+    data = None if args.tiny else args.data
+    device = resolve_device(args.device)
+    options = TableOptions(
+        device=str(device), client_batch=args.client_batch, progress=not args.no_progress
+    )
+    out = args.out
+    stages = Stages()
+    init = prepare(args, scale, data, device, stages)
     sections = [
         f"Command: `{C.command_line()}`",
         "",
@@ -213,42 +265,19 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     for name, config in tables(scale, data, init, args.seed).items():
-        config = with_precision(config, args.precision)
-        results = {}
-
-        def tuned(config=config, name=name, results=results) -> None:
-            results["tuned"] = run_table(config, "all", out / name, table)
-
-        def paper(config=config, name=name, results=results) -> None:
-            results["paper"] = paper_rule_table(
-                config, out / name, out / f"{name}-paper-rule", table
-            )
-
-        stage(f"{name} table", False, tuned)
-        stage(f"{name} kNN-Per, paper's rule", False, paper)
-        sections += [
-            format_markdown(results["tuned"]),
-            "",
-            "| kNN-Per's personalization | seen mean | unseen mean |",
-            "|---|---|---|",
-            *(
-                f"| {rule} | {_mean(results[key], 'seen')} | {_mean(results[key], 'unseen')} |"
-                for rule, key in (
-                    ("project default (chosen on validation)", "tuned"),
-                    ("paper's rule (k 10, sigma 1, lambda per client)", "paper"),
-                )
-            ),
-            "",
-        ]
+        sections += table_section(
+            name, with_precision(config, args.precision), out, options, stages
+        )
     sections += [
         "| stage | seconds this call | skipped (done before) |",
         "|---|---|---|",
-        *(f"| {k} | {v['seconds']} | {v['skipped']} |" for k, v in stages.items()),
+        *(f"| {k} | {v['seconds']} | {v['skipped']} |" for k, v in stages.record.items()),
     ]
     (out / "summary.md").write_text("\n".join(sections) + "\n")
     (out / "stages.json").write_text(
         json.dumps(
-            {"command": C.command_line(), "machine": C.machine_info(), "stages": stages}, indent=2
+            {"command": C.command_line(), "machine": C.machine_info(), "stages": stages.record},
+            indent=2,
         )
     )
     print(f"wrote {out / 'summary.md'}")

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -90,7 +91,7 @@ def _env() -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="results directory")
     p.add_argument("--kills", type=int, default=50, help="upgrades killed")
@@ -101,26 +102,93 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.kills, args.readers, args.keys = 6, 2, 300
+    return args
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The device's bundle, the pristine old version it is reset to, the release and key map
+    an upgrade applies, each encoder's sha256 by version name, and the labels it must keep."""
+
+    device: Path
+    pristine: Path
+    release: Path
+    mapping: Path
+    versions: dict[str, str]
+    labels: np.ndarray
+
+    def upgrader(self) -> list[str]:
+        """The command of one upgrade process (it prints "ready" once it has loaded)."""
+        return [
+            sys.executable,
+            "-c",
+            _UPGRADER,
+            *map(str, (self.device, self.release, self.mapping)),
+        ]
+
+
+def set_up(work: Path, keys: int) -> Setup:
+    """An old and a new encoder, a `keys`-key bundle of the old one copied into place as the
+    device's, and a release of the new one with its key map."""
+    old, new = mlp_encoder(work / "old.onnx", 0), mlp_encoder(work / "new.onnx", 1)
+    pristine = bundle(work / "pristine", old, keys, 0)
+    release = bundle(work / "release", new, 50, 1)
+    mapping = key_map(old, new, work / "map.npz")
+    versions = {encoder_sha256(p.read_bytes()): name for name, p in (("old", old), ("new", new))}
+    labels = Runtime.load(pristine).datastore.labels_.copy()
+    device = work / "devices" / "device"
+    device.parent.mkdir()
+    shutil.copytree(pristine, device)
+    return Setup(device, pristine, release, mapping, versions, labels)
+
+
+def unkilled_seconds(setup: Setup) -> list[float]:
+    """How long three upgrades take, unkilled, with the readers at work."""
+    durations = []
+    for _ in range(3):
+        done = subprocess.run(
+            setup.upgrader(), env=_env(), check=True, capture_output=True, text=True, timeout=120
+        )
+        durations.append(float(done.stdout.split()[-1]))
+        _reset(setup.device, setup.pristine)
+    return durations
+
+
+def kill_once(setup: Setup, delay: float, problems: list[str]) -> dict:
+    """One upgrade sent SIGKILL `delay` seconds after it loaded the bundle, then the bundle
+    loaded and checked (what is wrong appended to `problems`); reset unless left old."""
+    proc = subprocess.Popen(
+        setup.upgrader(), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    proc.stdout.readline()  # loaded: the upgrade starts now
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    try:
+        rt = Runtime.load(setup.device, intra_op_threads=1)
+        version = setup.versions[rt.manifest.files["encoder.onnx"]]
+        if not np.array_equal(rt.datastore.labels_, setup.labels):
+            problems.append(f"kill at {delay:.3f} s: labels differ")
+    except Exception as exc:  # noqa: BLE001 - every failure is the finding
+        version = "broken"
+        problems.append(f"kill at {delay:.3f} s: {type(exc).__name__}: {exc}")
+    if version != "old":
+        _reset(setup.device, setup.pristine)
+    return {"delay_s": delay, "version": version, "finished": proc.returncode == 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory(prefix="knnper-upgrade-kills-") as tmp:
         work = Path(tmp)
-        old, new = mlp_encoder(work / "old.onnx", 0), mlp_encoder(work / "new.onnx", 1)
-        pristine = bundle(work / "pristine", old, args.keys, 0)
-        release = bundle(work / "release", new, 50, 1)
-        mapping = key_map(old, new, work / "map.npz")
-        versions = {
-            encoder_sha256(p.read_bytes()): name for name, p in (("old", old), ("new", new))
-        }
-        labels = Runtime.load(pristine).datastore.labels_.copy()
-        device = work / "devices" / "device"
-        device.parent.mkdir()
-        shutil.copytree(pristine, device)
+        setup = set_up(work, args.keys)
         stop = work / "stop"
         readers = [
             subprocess.Popen(
-                [sys.executable, "-c", _READER, str(device), str(stop)],
+                [sys.executable, "-c", _READER, str(setup.device), str(stop)],
                 env=_env(),
                 stdout=subprocess.PIPE,
                 text=True,
@@ -129,46 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for reader in readers:  # every reader predicts before the first upgrade
             reader.stdout.readline()
-        durations = []
-        for _ in range(3):  # how long an upgrade takes, unkilled, with the readers at work
-            done = subprocess.run(
-                [sys.executable, "-c", _UPGRADER, str(device), str(release), str(mapping)],
-                env=_env(),
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            durations.append(float(done.stdout.split()[-1]))
-            _reset(device, pristine)
+        durations = unkilled_seconds(setup)
         span = 1.2 * float(np.median(durations))  # some kills come after the commit
-        outcomes, problems = [], []
-        for _ in range(args.kills):
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _UPGRADER, str(device), str(release), str(mapping)],
-                env=_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            proc.stdout.readline()  # loaded: the upgrade starts now
-            delay = float(rng.uniform(0, span))
-            time.sleep(delay)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=60)
-            try:
-                rt = Runtime.load(device, intra_op_threads=1)
-                version = versions[rt.manifest.files["encoder.onnx"]]
-                if not np.array_equal(rt.datastore.labels_, labels):
-                    problems.append(f"kill at {delay:.3f} s: labels differ")
-            except Exception as exc:  # noqa: BLE001 - every failure is the finding
-                version = "broken"
-                problems.append(f"kill at {delay:.3f} s: {type(exc).__name__}: {exc}")
-            outcomes.append(
-                {"delay_s": delay, "version": version, "finished": proc.returncode == 0}
-            )
-            if version != "old":
-                _reset(device, pristine)
+        problems: list[str] = []
+        outcomes = [
+            kill_once(setup, float(rng.uniform(0, span)), problems) for _ in range(args.kills)
+        ]
         stop.touch()
         reads = [
             json.loads(r.communicate(timeout=120)[0].strip().splitlines()[-1]) for r in readers
@@ -185,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "reader_loads": sum(r["loads"] for r in reads),
         "reader_failures": reader_failures,
         "reader_failure_examples": [f for r in reads for f in r["failures"]][:5],
-        "readers_saw": sorted({versions.get(s, s) for r in reads for s in r["seen"]}),
+        "readers_saw": sorted({setup.versions.get(s, s) for r in reads for s in r["seen"]}),
         "command": " ".join(
             ["python benchmarks/upgrade_kills.py", *(argv if argv is not None else sys.argv[1:])]
         ),
