@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fed_train.algorithms.apfl import APFL
-from fed_train.algorithms.base import Algorithm, TrainingConfig
+from fed_train.algorithms.base import Algorithm
 from fed_train.algorithms.clustered import ClusteredFL
 from fed_train.algorithms.ditto import Ditto
 from fed_train.algorithms.fedavg import FedAvg
@@ -19,6 +19,7 @@ from fed_train.algorithms.linear import LinearPer
 from fed_train.algorithms.local import Local
 from fed_train.algorithms.pfedgp import PFedGP
 from fed_train.models import ModelFactory
+from fed_train.training_config import TrainingConfig
 
 ALGORITHMS: dict[str, Callable[..., Algorithm]] = {
     "local": Local,

@@ -29,7 +29,6 @@ from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
     ClientState,
-    TrainingConfig,
     Weights,
     batch_schedule,
     finite_mean_loss,
@@ -42,6 +41,7 @@ from fed_train.algorithms.personal import epochs_only, float_keys
 from fed_train.algorithms.personal_grid import PersonalGrid
 from fed_train.algorithms.stepping import LossFn, Params
 from fed_train.models import ModelFactory
+from fed_train.training_config import TrainingConfig
 
 APFL_ALPHAS: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
 

@@ -40,7 +40,6 @@ from fed_train.algorithms.base import (
     ClientState,
     FederatedAlgorithm,
     PersonalModel,
-    TrainingConfig,
     Weights,
     aggregate_weights,
     model_predictor,
@@ -49,6 +48,7 @@ from fed_train.algorithms.base import (
 )
 from fed_train.algorithms.personal import accuracy
 from fed_train.models import ModelFactory
+from fed_train.training_config import TrainingConfig
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from fed_train.algorithms.base import (
     ClientData,
     ClientResult,
     ClientState,
-    TrainingConfig,
     Weights,
     get_weights,
     local_sgd,
@@ -39,6 +38,7 @@ from fed_train.algorithms.personal import epochs_only
 from fed_train.algorithms.personal_grid import PersonalGrid
 from fed_train.algorithms.stepping import Params
 from fed_train.models import ModelFactory
+from fed_train.training_config import TrainingConfig
 
 DITTO_LAMBDAS: tuple[float, ...] = (10.0, 1.0, 0.1, 0.01)
 

@@ -13,13 +13,13 @@ from fed_train.algorithms.base import (
     ClientData,
     ClientState,
     PersonalModel,
-    TrainingConfig,
     Weights,
     model_predictor,
 )
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.algorithms.personal import finetune, finetune_settings
 from fed_train.models import ModelFactory
+from fed_train.training_config import TrainingConfig
 
 
 class FedAvgPlus(FedAvg):

@@ -25,7 +25,6 @@ from fed_train.algorithms.base import (
     ClientResult,
     ClientState,
     PersonalModel,
-    TrainingConfig,
     Weights,
     aggregate_weights,
     batch_schedule,
@@ -40,6 +39,7 @@ from fed_train.algorithms.personal import epochs_only
 from fed_train.algorithms.stepped import SteppedAlgorithm
 from fed_train.algorithms.stepping import Lane, cross_entropy_loss
 from fed_train.models import EmbedHeadModel, ModelFactory
+from fed_train.training_config import TrainingConfig
 
 
 class FedRep(SteppedAlgorithm):

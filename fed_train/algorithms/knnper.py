@@ -13,13 +13,13 @@ from fed_train.algorithms.base import (
     ClientData,
     ClientState,
     PersonalModel,
-    TrainingConfig,
     Weights,
     embed_and_logits,
 )
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.knn_setting import KNNChoice
 from fed_train.models import ModelFactory
+from fed_train.training_config import TrainingConfig
 
 
 def datastore_indices(n: int, capacity: float, seed: int) -> np.ndarray:

@@ -13,12 +13,12 @@ from fed_train.algorithms.base import (
     ClientData,
     ClientState,
     PersonalModel,
-    TrainingConfig,
     Weights,
     embed_and_logits,
 )
 from fed_train.algorithms.fedavg import FedAvg
 from fed_train.models import ModelFactory
+from fed_train.training_config import TrainingConfig
 
 
 class LinearPer(FedAvg):

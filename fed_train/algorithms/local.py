@@ -8,12 +8,12 @@ from fed_train.algorithms.base import (
     ClientData,
     ClientState,
     PersonalModel,
-    TrainingConfig,
     Weights,
     local_sgd,
     model_predictor,
 )
 from fed_train.models import ModelFactory
+from fed_train.training_config import TrainingConfig
 
 
 class Local:

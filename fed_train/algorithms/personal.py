@@ -13,7 +13,6 @@ from torch import nn
 
 from fed_train.algorithms.base import (
     ClientData,
-    TrainingConfig,
     Weights,
     get_weights,
     local_sgd,
@@ -21,6 +20,7 @@ from fed_train.algorithms.base import (
     set_weights,
     sub_seed,
 )
+from fed_train.training_config import TrainingConfig
 
 
 def epochs_only(training: TrainingConfig) -> TrainingConfig:

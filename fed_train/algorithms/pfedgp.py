@@ -36,10 +36,10 @@ from fed_train.algorithms.base import (
     FederatedAlgorithm,
     LossFn,
     PersonalModel,
-    TrainingConfig,
     Weights,
 )
 from fed_train.models import EmbedHeadModel, ModelFactory
+from fed_train.training_config import TrainingConfig
 
 CLASS_CHUNK = 16  # classes solved together: bounds memory at chunk x context^2
 

@@ -13,7 +13,6 @@ from fed_train.algorithms.base import (
     ClientResult,
     ClientState,
     FederatedAlgorithm,
-    TrainingConfig,
     Weights,
     batch_schedule,
 )
@@ -28,6 +27,7 @@ from fed_train.algorithms.stepping import (
     step_together,
     stepping_blocker,
 )
+from fed_train.training_config import TrainingConfig
 
 
 class SteppedAlgorithm(FederatedAlgorithm):

@@ -32,7 +32,8 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from edge_runtime.byte_count import parse_byte_count
 from fed_train.accelerator import autocast
-from fed_train.algorithms.base import TrainingConfig, finite_mean_loss
+from fed_train.algorithms.base import finite_mean_loss
+from fed_train.training_config import TrainingConfig
 
 log = logging.getLogger(__name__)
 
