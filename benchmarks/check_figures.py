@@ -86,6 +86,10 @@ CLI_START_HEADING = "### Time to a command's first line"
 CLI_START_TARGET_S = 0.5  # issue 49: --help, --version and argument errors, median of 5
 # export profiles (benchmarks/export_profile.py): heading -> (its CSV, the scope its table shows)
 EXPORT_PROFILES = {
+    "### Where a Fashion-MNIST fleet export's time goes, before any cut": (
+        REPO / "benchmarks" / "results" / "export_profile" / "before.csv",
+        "20 client(s)",
+    ),
     "### Where a digits export's time goes, before any cut": (
         REPO / "benchmarks" / "results" / "export_profile" / "digits6" / "try.csv",
         "6 client(s)",
