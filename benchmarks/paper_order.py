@@ -68,30 +68,28 @@ TINY = Scale("digits", 300, 100, 1, 5, 1, 5, 1, 300)
 
 
 def tables(scale: Scale, data: str | None, init: Path, seed: int) -> dict[str, RunConfig]:
-    clients = str(init.parent / "data" / "clients.npz")
-    mobilenet = RunConfig(
+    # what both tables share: the data set, a Dirichlet(0.3) partition, the seed, checkpoints
+    shared = RunConfig(
         dataset=scale.dataset,
-        data=clients,
         max_train=scale.max_train,
         partition="dirichlet",
         alpha=0.3,
-        clients=scale.mobilenet_clients,
-        model="mobilenet-v2-gn",
         seed=seed,
         checkpoint_every=1,
+    )
+    mobilenet = replace(
+        shared,
+        data=str(init.parent / "data" / "clients.npz"),
+        clients=scale.mobilenet_clients,
+        model="mobilenet-v2-gn",
         init=str(init),
         training=replace(FAIR_TRAINING, rounds=scale.mobilenet_rounds),
     )
-    cnn = RunConfig(
-        dataset=scale.dataset,
+    cnn = replace(
+        shared,
         data=data,
-        max_train=scale.max_train,
-        partition="dirichlet",
-        alpha=0.3,
         clients=scale.cnn_clients,
         model="small-cnn",
-        seed=seed,
-        checkpoint_every=1,
         training=TrainingConfig(
             rounds=scale.cnn_rounds,
             epochs=1,

@@ -371,22 +371,15 @@ def _plot(points: list[dict], path, scale: str):
             color=color,
             label=f"{VERSION_WORDS[version]}: all clients",
         )
-        ax.plot(
-            x,
-            [p["weak_mean"] for _, p in pts],
-            "v:",
-            color=color,
-            alpha=0.6,
-            label=f"{VERSION_WORDS[version]}: weak clients",
-        )
-        ax.plot(
-            x,
-            [p["strong_mean"] for _, p in pts],
-            "^:",
-            color=color,
-            alpha=0.6,
-            label=f"{VERSION_WORDS[version]}: strong clients",
-        )
+        for group, style in (("weak", "v:"), ("strong", "^:")):
+            ax.plot(
+                x,
+                [p[f"{group}_mean"] for _, p in pts],
+                style,
+                color=color,
+                alpha=0.6,
+                label=f"{VERSION_WORDS[version]}: {group} clients",
+            )
         for _, p in pts:
             shown += [p["all_mean"], p["weak_mean"], p["strong_mean"]]
             spread += [p.get("all_mean" + STD), None, None]
