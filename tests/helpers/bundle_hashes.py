@@ -139,6 +139,7 @@ def _device_bundles(work: Path, run2: Path, data: Path) -> dict[str, list[str]]:
         target = work / name
         if target.exists():
             continue
+        target.mkdir()
         if name.startswith("upgraded"):
             shutil.copytree(work / argv[0] / "client_0000", target / "device")
             release = work / "release-2" / "client_0000"
