@@ -85,6 +85,10 @@ CASES: dict[str, Case] = {
     "export_speed.py": Case(
         ("{run}", "--label", "smoke", "--out", "{out}", "--work", "{out}/work"), slow=True
     ),
+    "cli_start.py": Case(("--out", "{out}", "--repeats", "1"), slow=True),
+    "export_profile.py": Case(
+        ("{run}", "--label", "smoke", "--one", "0", "--fleet", "0,1", "--out", "{out}"), slow=True
+    ),
     "knn_config_device.py": Case(
         ("--run", "{run}", "--budget", "1MB", "--out", "{out}"), slow=True
     ),

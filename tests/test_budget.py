@@ -23,14 +23,6 @@ def test_the_encoder_share_is_added_once_it_is_known():
     assert budget.with_encoder(3_000).with_encoder(4_000).room == 6_000  # a client's own encoder
 
 
-def test_a_manifest_gives_its_budget_and_encoder_share():
-    manifest = {
-        "budget_bytes": 500_000,
-        "footprint": {"encoder": 36_122, "datastore": 1, "total": 36_123},
-    }
-    assert Budget.of(manifest) == Budget(500_000, 36_122)
-
-
 def test_numpy_integers_become_python_ints():
     budget = Budget(np.int64(1_000), np.int32(10))
     assert type(budget.total) is int and type(budget.encoder) is int
