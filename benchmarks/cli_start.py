@@ -16,7 +16,6 @@ Outputs in OUT: samples.csv (every process), start.csv (the summary), start.md, 
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import shutil
@@ -120,9 +119,7 @@ def summarize(samples: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = C.script_parser(__doc__)
     p.add_argument("--out", type=Path, required=True, help="folder for the results")
     p.add_argument("--repeats", type=int, default=5, help="processes per command and tree")
     p.add_argument(

@@ -8,7 +8,6 @@ FedAvg, the setting where local memorization visibly matters.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,9 +27,7 @@ CANDIDATES = {
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = C.script_parser(__doc__)
     p.add_argument(
         "--out",
         type=Path,

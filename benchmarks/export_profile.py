@@ -15,7 +15,6 @@ Outputs in OUT: LABEL.csv (one row per scope and stage), LABEL.md, LABEL.json (t
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -186,9 +185,7 @@ def profile_export(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = C.script_parser(__doc__)
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--label", required=True, help="name of this profile (before, after...)")
     p.add_argument("--one", default="0", help="the client of the one-client profile")

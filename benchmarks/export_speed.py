@@ -12,7 +12,6 @@ Appends one summary row to OUT/speed.csv and the per-client rows to OUT/speed_cl
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -73,9 +72,7 @@ def _append(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = C.script_parser(__doc__)
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--label", required=True, help="name of this measurement (before, after...)")
     p.add_argument("--clients", default="all", help="all, or ids like 0,10,20")

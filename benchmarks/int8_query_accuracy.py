@@ -27,9 +27,7 @@ from fed_train.run import RunConfig, load_run, train
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = C.script_parser(__doc__)
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--clients", type=C.positive_int, default=6)
     p.add_argument("--rounds", type=C.positive_int, default=5)

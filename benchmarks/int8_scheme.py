@@ -25,61 +25,27 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from edge_runtime.encoder import Encoder, optimize_encoder
 from edge_runtime.preprocess import prepare_input
 from experiments import benchmark_support as C
-from export.onnx_export import export_onnx
-from export.quantize import (
-    INT16_MAX,
-    calibration_inputs,
-    int8_weights,
-    pair_sum_bound,
-    quantize_int8,
-)
+from experiments import encoder_forms as E
+from export.quantize import INT16_MAX, int8_weights, pair_sum_bound
 from fed_train.run import load_run
 
 SCHEMES = ("int8", "int7", "uint8")  # export.quantize.WEIGHT_SCHEMES, the exporter's is int7
 COLUMNS = (
-    "encoder",
-    "bytes",
-    "test_accuracy",
-    "argmax_agreement_fp32",
-    "min_cosine_fp32",
+    *E.ACCURACY,
     "largest_pair_sum",
     "pair_sums_fit_int16",
-    "b1_p50_ms",
-    "b1_p90_ms",
+    *E.LATENCY,
     "b1_vs_int8",
-    "test_images",
-    "reps",
+    *E.COUNTS,
 )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("run", help="run directory written by `knnper train` (or `knnper demo`)")
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--reps", type=C.positive_int, default=3000, help="timed batch-1 calls")
-    p.add_argument("--warmup", type=C.positive_int, default=200, help="untimed batch-1 calls")
-    p.add_argument("--threads", type=C.positive_int, default=1, help="onnxruntime threads")
-    p.add_argument("--calibration-samples", type=C.positive_int, default=256)
+    p = C.script_parser(__doc__)
+    E.add_encoder_arguments(p, reps=3000, warmup=200)
     return p.parse_args(argv)
-
-
-def write_encoders(run, directory: Path, samples: int) -> dict[str, Path]:
-    """fp32 and one int8 encoder per scheme, each optimized as a bundle's is."""
-    calibration = calibration_inputs(run.clients(), samples, seed=0)
-    paths = {"fp32": directory / "fp32.onnx"}
-    export_onnx(run.model, calibration, paths["fp32"])
-    for scheme in SCHEMES:
-        paths[scheme] = quantize_int8(
-            paths["fp32"], directory / f"{scheme}.onnx", calibration, weights=scheme
-        )
-    for path in paths.values():
-        path.write_bytes(optimize_encoder(path.read_bytes()))
-    return paths
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -89,65 +55,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     x = prepare_input(run.dataset.x_test, run.dataset.input_spec)
     y = np.asarray(run.dataset.y_test)
     with tempfile.TemporaryDirectory(prefix="knnper-int8-scheme-") as tmp:
-        paths = write_encoders(run, Path(tmp), args.calibration_samples)
-        encoders = {
-            name: Encoder(path.read_bytes(), intra_op_threads=args.threads)
-            for name, path in paths.items()
-        }
-        # None: no int8 weights (float32, or uint8 weights: uint8 x uint8 kernels widen to 16 bits)
-        bounds = {
-            name: max(map(pair_sum_bound, int8_weights(onnx.load(path)).values()), default=None)
-            for name, path in paths.items()
-        }
-        sizes = {name: path.stat().st_size for name, path in paths.items()}
-    outputs = {name: enc.run(x) for name, enc in encoders.items()}
-    singles = [x[i : i + 1] for i in range(len(x))]
-    times = C.interleaved_times(
-        {name: enc.run for name, enc in encoders.items()}, singles, args.reps, args.warmup
-    )
-    z32, l32 = outputs["fp32"]
-    rows = []
-    for name, (z, logits) in outputs.items():
-        cosine = (z * z32).sum(1) / (
-            np.linalg.norm(z, axis=1) * np.linalg.norm(z32, axis=1) + 1e-12
-        )
-        rows.append(
-            {
-                "encoder": name,
-                "bytes": sizes[name],
-                "test_accuracy": round(float(np.mean(logits.argmax(1) == y)), 5),
-                "argmax_agreement_fp32": round(
-                    float(np.mean(logits.argmax(1) == l32.argmax(1))), 5
-                ),
-                "min_cosine_fp32": round(float(cosine.min()), 5),
-                "largest_pair_sum": bounds[name],
-                "pair_sums_fit_int16": None if bounds[name] is None else bounds[name] <= INT16_MAX,
-                "b1_p50_ms": round(1e3 * float(np.median(times[name])), 4),
-                "b1_p90_ms": round(1e3 * float(np.percentile(times[name], 90)), 4),
-                "b1_vs_int8": round(float(np.median(times[name]) / np.median(times["int8"])), 3),
-                "test_images": len(y),
-                "reps": args.reps,
-            }
-        )
-    end = C.machine_info()
-    head = C.report_head(
-        "int8 weight schemes: accuracy and batch-1 latency",
-        machine,
-        end,
-        f"Run {args.run}; {args.threads} onnxruntime thread(s); latencies are "
-        "medians of interleaved calls on this CPU only.",
-    )
-    table = C.markdown_table(rows, [(c, c, "") for c in COLUMNS])
-    text = C.report_text(head, table)
-    C.write_results(
-        args,
-        started,
-        text,
-        report="int8_scheme.md",
-        record="run.json",
-        tables={"int8_scheme.csv": (rows, COLUMNS)},
-        machine=machine,
-    )
+        forms = {scheme: {"weights": scheme} for scheme in SCHEMES}
+        paths = E.write_encoders(run, Path(tmp), args.calibration_samples, forms)
+        rows = E.encoder_rows(paths, x, y, args, baseline="int8")
+        for row in rows:
+            # None: no int8 weights (float32, or uint8 weights: uint8 x uint8 kernels widen to
+            # 16 bits)
+            weights = int8_weights(onnx.load(paths[row["encoder"]])).values()
+            bound = max(map(pair_sum_bound, weights), default=None)
+            row["largest_pair_sum"] = bound
+            row["pair_sums_fit_int16"] = None if bound is None else bound <= INT16_MAX
+            row["b1_vs_int8"] = row.pop("b1_vs")
+    title = "int8 weight schemes: accuracy and batch-1 latency"
+    E.write_encoder_report(args, started, machine, rows, COLUMNS, title, "int8_scheme")
     return 0
 
 

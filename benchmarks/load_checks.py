@@ -33,9 +33,7 @@ COLUMNS = ["file", "samples", "bytes", "check_ms", "read_ms", "check_over_read"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = C.script_parser(__doc__)
     p.add_argument("--out", type=Path, required=True, help="directory for the CSV and markdown")
     p.add_argument(
         "--sizes",

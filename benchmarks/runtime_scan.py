@@ -74,9 +74,7 @@ TOPK_TABLE = [
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = C.script_parser(__doc__)
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000, 100_000])
     p.add_argument("--dim", type=C.positive_int, default=128, help="embedding dimension")

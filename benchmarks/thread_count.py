@@ -7,7 +7,6 @@ in a fresh process. The `knnper` default thread count is chosen from this table.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -42,9 +41,7 @@ SHAPES = {"digits": [8, 8, 1], "fashion-mnist": [28, 28, 1], "cifar10": [32, 32,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = C.script_parser(__doc__)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="counts to compare")
     p.add_argument("--steps", type=int, default=200, help="timed SGD steps per measurement")
     p.add_argument("--repeats", type=int, default=3, help="measurements per cell (median kept)")

@@ -529,12 +529,19 @@ def recipe_label(recipe: str) -> str:
     return parse_recipe(recipe)[0]
 
 
+def script_parser(
+    doc: str, formatter: type[argparse.HelpFormatter] = argparse.ArgumentDefaultsHelpFormatter
+) -> argparse.ArgumentParser:
+    """A benchmark script's parser: its docstring's first line as the description."""
+    return argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=formatter)
+
+
 def device_parser(
     doc: str, formatter: type[argparse.HelpFormatter] = argparse.ArgumentDefaultsHelpFormatter
 ) -> argparse.ArgumentParser:
     """The flags every device benchmark opens with: where to write, which model
     (load_global_model); each script adds its own."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=formatter)
+    p = script_parser(doc, formatter)
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument(
         "--run",

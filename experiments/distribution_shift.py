@@ -67,9 +67,7 @@ MIN_TRAIN = 10
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = C.script_parser(__doc__, argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument(
         "--run",
