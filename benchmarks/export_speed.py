@@ -12,6 +12,7 @@ Appends one summary row to OUT/speed.csv and the per-client rows to OUT/speed_cl
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -71,7 +72,7 @@ def _append(path: Path, rows: list[dict], columns: tuple[str, ...]) -> None:
         writer.writerows(old + rows)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = C.script_parser(__doc__)
     p.add_argument("run", help="run directory written by `knnper train`")
     p.add_argument("--label", required=True, help="name of this measurement (before, after...)")
@@ -109,16 +110,13 @@ def main() -> None:
         default=Path("runs/bench/export_speed"),
         help="folder for the bundles and the budget file",
     )
-    args = p.parse_args()
-    C.setup_logging()
-    run = load_run(args.run)
-    work = args.work / args.label
-    work.mkdir(parents=True, exist_ok=True)
-    every = list(range(len(run.partition.clients)))
-    budgets_file = args.work / "budgets.json"
-    budgets = weak_strong_budgets(every, args.reference, args.delta_c, seed=0)
-    budgets_file.write_text(json.dumps({str(k): v.total for k, v in budgets.items()}))
-    ids = select_ids(run.partition.unseen, args.clients)
+    return p.parse_args()
+
+
+def export_command(
+    args: argparse.Namespace, work: Path, budgets: Path, ids: list[int]
+) -> list[str]:
+    """The timed `knnper export` of `ids` into WORK/bundles, under the budgets file."""
     command = [
         sys.executable,
         "-m",
@@ -131,7 +129,7 @@ def main() -> None:
         "--out",
         str(work.resolve() / "bundles"),
         "--budgets",
-        str(budgets_file.resolve()),
+        str(budgets.resolve()),
         "--clients",
         ",".join(map(str, ids)),
     ]
@@ -139,6 +137,21 @@ def main() -> None:
         command += ["--workers", str(args.workers)]
     if args.pruned_search:
         command.append("--pruned-search")
+    return command
+
+
+def main() -> None:
+    args = parse_args()
+    C.setup_logging()
+    run = load_run(args.run)
+    work = args.work / args.label
+    work.mkdir(parents=True, exist_ok=True)
+    every = list(range(len(run.partition.clients)))
+    budgets_file = args.work / "budgets.json"
+    budgets = weak_strong_budgets(every, args.reference, args.delta_c, seed=0)
+    budgets_file.write_text(json.dumps({str(k): v.total for k, v in budgets.items()}))
+    ids = select_ids(run.partition.unseen, args.clients)
+    command = export_command(args, work, budgets_file, ids)
     env = {**os.environ, "PYTHONPATH": str(args.code.resolve()), "OMP_NUM_THREADS": "1"}
     load = os.getloadavg()[0]
     start = time.perf_counter()
