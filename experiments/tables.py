@@ -56,7 +56,7 @@ from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_tuning import choose_l2, client_rows, client_views, linear_base_views
 from fed_train.models import EmbedHeadModel, build_model, default_model
-from fed_train.partition import Partition, make_partition
+from fed_train.partition import Partition
 from fed_train.progress import Progress
 from fed_train.run import (
     CONFIG_FILE,
@@ -67,6 +67,7 @@ from fed_train.run import (
     initial_weights,
     load_run_data,
     prepare_clients,
+    run_partition,
 )
 from fed_train.simulation import simulate
 from fed_train.workers import worker_pool
@@ -216,18 +217,7 @@ class TableRunner:
                 )
             self.partition = Partition.load(self.out / PARTITION_FILE)
             return None
-        c = self.config
-        self.partition = make_partition(
-            self.dataset,
-            c.partition,
-            c.clients,
-            alpha=c.alpha,
-            beta=c.beta,
-            classes_per_client=c.classes_per_client,
-            val_fraction=c.val_fraction,
-            unseen_fraction=c.unseen_fraction,
-            seed=c.seed,
-        )
+        self.partition = run_partition(self.config, self.dataset)
         return saved
 
     def train(self, trainer: str, training: TrainingConfig) -> Any:
