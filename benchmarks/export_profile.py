@@ -158,26 +158,18 @@ def profile_export(
         for stage in stages.wall
     ]
     top = [r for r in rows if not r["parent"]]
-    rows.append(
-        {
-            "scope": scope,
-            "stage": "other (total minus the top-level stages)",
-            "parent": "",
-            "calls": 1,
-            "wall_s": total_wall - sum(r["wall_s"] for r in top),
-            "cpu_s": total_cpu - sum(r["cpu_s"] for r in top),
-        }
-    )
-    rows.append(
-        {
-            "scope": scope,
-            "stage": "total (export_run, one worker)",
-            "parent": "",
-            "calls": 1,
-            "wall_s": total_wall,
-            "cpu_s": total_cpu,
-        }
-    )
+    for stage, wall_s, cpu_s in (
+        (
+            "other (total minus the top-level stages)",
+            total_wall - sum(r["wall_s"] for r in top),
+            total_cpu - sum(r["cpu_s"] for r in top),
+        ),
+        ("total (export_run, one worker)", total_wall, total_cpu),
+    ):
+        rows.append(
+            {"scope": scope, "stage": stage, "parent": "", "calls": 1}
+            | {"wall_s": wall_s, "cpu_s": cpu_s}
+        )
     for r in rows:
         r["wall_share"] = r["wall_s"] / total_wall
         r["load"] = load

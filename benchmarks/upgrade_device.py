@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +41,7 @@ from edge_runtime.encoder import Encoder
 from edge_runtime.keymap import FORMS, KeyMap
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.versions import ModelVersion
-from experiments.benchmark_support import machine_info, machine_line
+from experiments.benchmark_support import machine_info, machine_line, run_sampled
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = {"kind": "image", "shape": [28, 28, 1], "dtype": "uint8", "mean": [0.5], "std": [0.25]}
@@ -197,34 +194,6 @@ def key_map(old: Path, new: Path, out: Path, form: str = "linear") -> Path:
     return out
 
 
-def run_sampled(args: list[str]) -> dict:
-    """A child running _CHILD, its RssAnon sampled about every millisecond."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        text=True,
-    )
-    peak, status = 0, Path(f"/proc/{proc.pid}/status")
-    while proc.poll() is None:
-        try:
-            peak = max(peak, int(status.read_text().split("RssAnon:")[1].split()[0]))
-        except (OSError, IndexError, ValueError):
-            pass
-        time.sleep(0.001)
-    out, err = proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"child failed: {err.strip().splitlines()[-1:]}")
-    return {**json.loads(out.strip().splitlines()[-1]), "peak_private_kib": peak}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="results directory")
@@ -254,11 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         map_bytes = mapping.stat().st_size
         rows = []
         for _ in range(args.repeats):
-            floor = run_sampled([str(floor_bundle)])["peak_private_kib"]
+            floor = run_sampled(_CHILD, [str(floor_bundle)], threads=1)["peak_private_kib"]
             device = work / "device"
             shutil.rmtree(device, ignore_errors=True)
             shutil.copytree(pristine, device)
-            result = run_sampled([str(device), str(release), str(mapping)])
+            result = run_sampled(_CHILD, [str(device), str(release), str(mapping)], threads=1)
             rows.append(
                 {
                     **result,

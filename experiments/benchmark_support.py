@@ -16,6 +16,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -635,21 +636,51 @@ def run_child(
 ) -> Any:
     """Run `python -c code args...` in a fresh process with `threads` BLAS/OpenMP threads and the
     repository on PYTHONPATH; returns parse(last line of its stdout)."""
-    env = dict(os.environ)
-    for name in THREAD_ENV:
-        env[name] = str(threads)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=child_env(threads),
         timeout=timeout,
     )
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output on stderr"])[-1]
-        raise RuntimeError(f"child process failed with exit code {proc.returncode}: {last}")
+    _check_child(proc.returncode, proc.stderr)
     return parse(proc.stdout.strip().splitlines()[-1])
+
+
+def child_env(threads: int) -> dict[str, str]:
+    """A child process's environment: `threads` BLAS/OpenMP threads, the repository on
+    PYTHONPATH."""
+    env = dict(os.environ)
+    for name in THREAD_ENV:
+        env[name] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _check_child(returncode: int, stderr: str) -> None:
+    if returncode != 0:
+        last = (stderr.strip().splitlines() or ["no output on stderr"])[-1]
+        raise RuntimeError(f"child process failed with exit code {returncode}: {last}")
+
+
+def run_sampled(code: str, args: Sequence[str], threads: int) -> dict[str, Any]:
+    """run_child, with the child's RssAnon sampled by this process about every millisecond
+    while it runs: its result gains peak_private_kib."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args], stdout=out, stderr=err, env=child_env(threads)
+        )
+        peak, status = 0, Path(f"/proc/{proc.pid}/status")
+        while proc.poll() is None:
+            try:
+                peak = max(peak, int(status.read_text().split("RssAnon:")[1].split()[0]))
+            except (OSError, IndexError, ValueError):
+                pass  # the process is starting or gone
+            time.sleep(0.001)
+        out.seek(0)
+        err.seek(0)
+        _check_child(proc.returncode, err.read())
+        return {**json.loads(out.read().strip().splitlines()[-1]), "peak_private_kib": peak}
 
 
 def interleaved_times(
