@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -93,11 +92,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def spawn_to_first(bundle: Path, image: Path, starts: int) -> dict[str, float]:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(p for p in (str(C.REPO), os.environ.get("PYTHONPATH")) if p),
-    )
-    env.update({name: "1" for name in C.THREAD_ENV})
+    env = C.child_env(1)
     runs = []
     for _ in range(starts):
         spawned = time.time()

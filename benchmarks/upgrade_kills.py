@@ -33,9 +33,10 @@ from edge_runtime._io import exchange_directories, write_text_atomic
 from edge_runtime.locking import directory_lock
 from edge_runtime.runtime import Runtime
 from edge_runtime.versions import encoder_sha256
+from experiments.benchmark_support import child_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from upgrade_device import REPO, bundle, key_map, mlp_encoder  # noqa: E402
+from upgrade_device import bundle, key_map, mlp_encoder  # noqa: E402
 
 _UPGRADER = """
 import sys, time
@@ -81,14 +82,6 @@ def _reset(device: Path, pristine: Path) -> None:
         if not exchange_directories(fresh, device):
             raise SystemExit("this system cannot swap directories atomically (renameat2)")
     shutil.rmtree(fresh)
-
-
-def _env() -> dict:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,7 +140,12 @@ def unkilled_seconds(setup: Setup) -> list[float]:
     durations = []
     for _ in range(3):
         done = subprocess.run(
-            setup.upgrader(), env=_env(), check=True, capture_output=True, text=True, timeout=120
+            setup.upgrader(),
+            env=child_env(1),
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         durations.append(float(done.stdout.split()[-1]))
         _reset(setup.device, setup.pristine)
@@ -158,7 +156,11 @@ def kill_once(setup: Setup, delay: float, problems: list[str]) -> dict:
     """One upgrade sent SIGKILL `delay` seconds after it loaded the bundle, then the bundle
     loaded and checked (what is wrong appended to `problems`); reset unless left old."""
     proc = subprocess.Popen(
-        setup.upgrader(), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        setup.upgrader(),
+        env=child_env(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     proc.stdout.readline()  # loaded: the upgrade starts now
     time.sleep(delay)
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         readers = [
             subprocess.Popen(
                 [sys.executable, "-c", _READER, str(setup.device), str(stop)],
-                env=_env(),
+                env=child_env(1),
                 stdout=subprocess.PIPE,
                 text=True,
             )
