@@ -18,6 +18,7 @@ import argparse
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +48,21 @@ SETTINGS = {
 COLUMNS = (*SETTINGS, "linear_alone", "oracle", "cross_oracle")
 
 
+def choose(run: Any, rule: str, base: str, seed: int) -> tuple[Any, Any, dict]:
+    """choose_knn on the run's clients over KNNRequest's default grids."""
+    ks, sigmas, norms = KNNRequest().grids()
+    return choose_knn(
+        run.model,
+        run.clients(),
+        ks=ks,
+        sigmas=sigmas,
+        normalizations=norms,
+        rule=rule,
+        base=base,
+        seed=seed,
+    )
+
+
 def seed_rows(args: argparse.Namespace, seed: int) -> list[dict]:
     """One row per client of this seed: its test accuracy under every rule and the oracles."""
     out = Path(args.out) / f"seed_{seed}"
@@ -67,19 +83,9 @@ def seed_rows(args: argparse.Namespace, seed: int) -> list[dict]:
     )
     train(config, out / "run", progress=False)
     run = load_run(out / "run")
-    ks, sigmas, norms = KNNRequest().grids()
     rows: dict[int, dict] = {}
     for column, (rule, base) in SETTINGS.items():
-        _, _, record = choose_knn(
-            run.model,
-            run.clients(),
-            ks=ks,
-            sigmas=sigmas,
-            normalizations=norms,
-            rule=rule,
-            base=base,
-            seed=seed,
-        )
+        _, _, record = choose(run, rule, base, seed)
         for r in record["oracle_rows"]:
             row = rows.setdefault(
                 r["client_id"],
@@ -111,17 +117,7 @@ def explain(args: argparse.Namespace, seed: int) -> dict:
     normalised embeddings, and how many seen clients' lambdas left 0 (seen mean, %)."""
     run = load_run(Path(args.out) / f"seed_{seed}" / "run")
     views = client_views(run.model, run.clients())
-    ks, sigmas, norms = KNNRequest().grids()
-    config, _, record = choose_knn(
-        run.model,
-        run.clients(),
-        ks=ks,
-        sigmas=sigmas,
-        normalizations=norms,
-        rule="auto",
-        base="auto",
-        seed=seed,
-    )
+    config, _, record = choose(run, "auto", "auto", seed)
 
     def seen_accuracy(vs: list) -> float:
         seen = [v for v in vs if not v.unseen and len(v.y_test)]
