@@ -150,22 +150,19 @@ def _plot(points: list[dict], path, scale: str):
         fontsize=10,
     )
     sigmas, ks = sorted({p["sigma"] for p in points}), sorted({p["k"] for p in points})
-    for i, sigma in enumerate(sigmas):
-        pts = sorted((p["k"], p["all_mean"]) for p in points if p["sigma"] == sigma)
-        left.plot(
-            [k for k, _ in pts],
-            [100 * (a - best) for _, a in pts],
-            label=f"sigma {sigma:g}",
-            **STYLES[i % len(STYLES)],
-        )
-    for i, k in enumerate(ks):
-        pts = sorted((p["sigma"], p["all_mean"]) for p in points if p["k"] == k)
-        right.plot(
-            [s for s, _ in pts],
-            [100 * (a - best) for _, a in pts],
-            label=f"k {k}",
-            **STYLES[i % len(STYLES)],
-        )
+    # left: one curve per sigma over k; right: one per k over sigma
+    for ax, curves, along, across, label in (
+        (left, sigmas, "k", "sigma", "sigma {:g}"),
+        (right, ks, "sigma", "k", "k {}"),
+    ):
+        for i, value in enumerate(curves):
+            pts = sorted((p[along], p["all_mean"]) for p in points if p[across] == value)
+            ax.plot(
+                [x for x, _ in pts],
+                [100 * (a - best) for _, a in pts],
+                label=label.format(value),
+                **STYLES[i % len(STYLES)],
+            )
     _shade(left, 7, 14, ks, "k")
     _shade(right, 0.1, 100, sigmas, "sigma")
     left.set_xlabel("neighbours k")
