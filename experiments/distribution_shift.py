@@ -57,7 +57,7 @@ from edge_runtime.personal_head import ClientSplits, PersonalHead
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
 from experiments import benchmark_support as C
-from experiments.report import fit_y
+from experiments.report import fit_y, pyplot
 
 log = logging.getLogger("benchmarks.shift")
 
@@ -373,11 +373,7 @@ def curve(rows: list[dict], steps: int) -> list[dict]:
 def plot(
     points: list[dict], args: argparse.Namespace, path: Path, weights: str, dataset: str
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {
         "fifo": ("tab:blue", "-"),
