@@ -593,7 +593,7 @@ def _read_spec_file(path: str) -> dict:
 
 def cmd_init(args) -> int:
     from .bundle import read_manifest
-    from .device_init import init_bundle
+    from .device_init import InitSettings, init_bundle
     from .knn import CLIENT_RULE
 
     k, sigma, rule, like = args.k, args.sigma, CLIENT_RULE, None
@@ -631,16 +631,18 @@ def cmd_init(args) -> int:
         budget,
         args.out,
         input_spec=spec,
-        k=DEFAULT_K if k is None else k,
-        sigma=DEFAULT_SIGMA if sigma is None else sigma,
-        recipes=recipes,
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        client_id=args.client_id,
-        update_strategy=args.strategy,
-        intra_op_threads=args.threads,
-        lambda_rule=rule,
-        keep_inputs=args.keep_inputs,
+        settings=InitSettings(
+            k=DEFAULT_K if k is None else k,
+            sigma=DEFAULT_SIGMA if sigma is None else sigma,
+            recipes=recipes,
+            val_fraction=args.val_fraction,
+            seed=args.seed,
+            client_id=args.client_id,
+            update_strategy=args.strategy,
+            intra_op_threads=args.threads,
+            lambda_rule=rule,
+            keep_inputs=args.keep_inputs,
+        ),
         release=like,
     )
     acc = "n/a" if report.val_accuracy is None else f"{100 * report.val_accuracy:.1f}%"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,42 @@ class InitReport:
     candidates: list[dict] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class InitSettings:
+    """How `init_bundle` chooses a new device's datastore and what its manifest records.
+
+    Attributes
+    ----------
+    k, sigma : the kNN head's neighbours and kernel scale.
+    recipes : candidate recipe strings (flat or hnsw; protonn needs server-side training);
+        ones without n<count> get the budget's maximum and its halves, ones with n are tried
+        as given if they fit. None: flat fp32, fp16 and int8.
+    val_fraction : share of the samples held out (seeded) to choose the recipe and lambda,
+        in [0, 1).
+    seed : the seed of that split.
+    client_id : the manifest's client id; -1 marks a device that never trained.
+    update_strategy : the manifest's default for `Runtime.add`: "fifo", "concatenate" or
+        "fixed".
+    lambda_rule : how lambda is chosen from the validation split (a device on its own has no
+        pooled evidence: its own split, the paper's rule; one given a server's pooled rule
+        chooses as the server does).
+    keep_inputs : the bundle also keeps every sample's raw input (counted in its budget), so
+        that `knnper-edge upgrade` re-embeds them exactly when the model changes.
+    intra_op_threads : onnxruntime's intra-op threads for the encoder; None lets it choose.
+    """
+
+    k: int = DEFAULT_K
+    sigma: float = DEFAULT_SIGMA
+    recipes: Sequence[str] | None = None
+    val_fraction: float = 0.2
+    seed: int = 0
+    client_id: int = -1
+    update_strategy: str = "fifo"
+    lambda_rule: LambdaRule = CLIENT_RULE
+    keep_inputs: bool = False
+    intra_op_threads: int | None = None
+
+
 def init_bundle(
     encoder_path: str | os.PathLike,
     x: np.ndarray,
@@ -65,16 +102,7 @@ def init_bundle(
     out_dir: str | os.PathLike,
     *,
     input_spec: dict,
-    k: int = DEFAULT_K,
-    sigma: float = DEFAULT_SIGMA,
-    recipes: list[str] | None = None,
-    val_fraction: float = 0.2,
-    seed: int = 0,
-    client_id: int = -1,
-    update_strategy: str = "fifo",
-    intra_op_threads: int | None = None,
-    lambda_rule: LambdaRule = CLIENT_RULE,
-    keep_inputs: bool = False,
+    settings: InitSettings = InitSettings(),
     release: Manifest | None = None,
 ) -> InitReport:
     """Build and write a bundle for a new device (see the module docstring for the choice).
@@ -89,22 +117,7 @@ def init_bundle(
     out_dir : the bundle's folder (written atomically, as `write_bundle`).
     input_spec : the encoder's input description (`preprocess.validate_spec`; a bundle's
         manifest "input").
-    k, sigma : the kNN head's neighbours and kernel scale.
-    recipes : candidate recipe strings (flat or hnsw; protonn needs server-side training);
-        ones without n<count> get the budget's maximum and its halves, ones with n are tried
-        as given if they fit. None: flat fp32, fp16 and int8.
-    val_fraction : share of the samples held out (seeded) to choose the recipe and lambda,
-        in [0, 1).
-    seed : the seed of that split.
-    client_id : the manifest's client id; -1 marks a device that never trained.
-    update_strategy : the manifest's default for `Runtime.add`: "fifo", "concatenate" or
-        "fixed".
-    intra_op_threads : onnxruntime's intra-op threads for the encoder; None lets it choose.
-    lambda_rule : how lambda is chosen from the validation split (a device on its own has no
-        pooled evidence: its own split, the paper's rule; one given a server's pooled rule
-        chooses as the server does).
-    keep_inputs : the bundle also keeps every sample's raw input (counted in its budget), so
-        that `knnper-edge upgrade` re-embeds them exactly when the model changes.
+    settings : the kNN head, the candidates and their validation split, the manifest's fields.
     release : the validated manifest of a bundle of the release `encoder_path` comes from
         (`init --like`): the model version it records ("model", "replaces") is recorded in
         the new bundle too, so `info` and `upgrade` say which version the device runs.
@@ -114,12 +127,13 @@ def init_bundle(
     -------
     InitReport : the recipe chosen, lambda, and the candidates' validation scores.
     """
+    s = settings
     try:
         validate_spec(input_spec)
     except ValueError as exc:
         raise ValueError(f"input spec: {exc}") from None
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if not 0.0 <= s.val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {s.val_fraction}")
     budget = Budget(budget_bytes, Path(encoder_path).stat().st_size)
     if budget.room < 0:
         raise BundleError(
@@ -127,41 +141,54 @@ def init_bundle(
             f"{budget.total} bytes"
         )
     versions = _release_versions(release, encoder_path)
-    encoder = Encoder(encoder_path, intra_op_threads=intra_op_threads)
-    xp = prepare_input(x, input_spec)
-    if xp.shape[0] == 0:
-        raise ValueError("init needs at least one labelled sample")
-    z, logits = encoder.run(xp)
-    del xp
+    z, logits, y = _embedded(encoder_path, x, y, input_spec, s.intra_op_threads)
     num_classes, dim = logits.shape[1], z.shape[1]
-    y = check_labels(y, z.shape[0], num_classes)
-    inputs = raw_checked(x, input_spec) if keep_inputs else None
+    inputs = raw_checked(x, input_spec) if s.keep_inputs else None
+    recipes = s.recipes
     if inputs is not None:  # every candidate keeps them, and counts them in its footprint
         recipes = [with_inputs(r, inputs[0].nbytes) for r in (recipes or DEVICE_RECIPES)]
-    candidates = _candidate_recipes(recipes, num_classes, k, sigma, dim, budget, seed, z.shape[0])
+    candidates = _candidate_recipes(
+        recipes, num_classes, s.k, s.sigma, dim, budget, s.seed, z.shape[0]
+    )
     final, best, scored = choose_datastore(
         z,
         logits,
         y,
         candidates,
-        k=k,
-        sigma=sigma,
-        val_fraction=val_fraction,
-        seed=seed,
-        client_id=client_id,
-        lambda_rule=lambda_rule,
+        k=s.k,
+        sigma=s.sigma,
+        val_fraction=s.val_fraction,
+        seed=s.seed,
+        client_id=s.client_id,
+        lambda_rule=s.lambda_rule,
         inputs=inputs,
     )
     fields = {
-        "client_id": int(client_id),
+        "client_id": int(s.client_id),
         "input": input_spec,
         "lambda": float(best["lambda"]),
         "budget_bytes": budget.total,
-        "update_strategy": update_strategy,
+        "update_strategy": s.update_strategy,
         **versions,
     }
     manifest = write_bundle(out_dir, fields, encoder_path, final)
     return InitReport(manifest, best["recipe"], best["lambda"], best["val_accuracy"], scored)
+
+
+def _embedded(
+    encoder_path: str | os.PathLike,
+    x: np.ndarray,
+    y: np.ndarray,
+    input_spec: dict,
+    intra_op_threads: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The device's samples through the encoder: embeddings, the global head's logits, and the
+    labels checked against them."""
+    xp = prepare_input(x, input_spec)
+    if xp.shape[0] == 0:
+        raise ValueError("init needs at least one labelled sample")
+    z, logits = Encoder(encoder_path, intra_op_threads=intra_op_threads).run(xp)
+    return z, logits, check_labels(y, z.shape[0], logits.shape[1])
 
 
 def _release_versions(release: Manifest | None, encoder_path: str | os.PathLike) -> dict:
@@ -180,7 +207,7 @@ def _release_versions(release: Manifest | None, encoder_path: str | os.PathLike)
 
 
 def _candidate_recipes(
-    recipes: list[str] | None,
+    recipes: Sequence[str] | None,
     num_classes: int,
     k: int,
     sigma: float,

@@ -55,7 +55,7 @@ import numpy as np
 
 from edge_runtime._io import read_json_cache, write_bytes_atomic, write_text_atomic
 from edge_runtime.budget import Budget
-from edge_runtime.device_init import init_bundle
+from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.knn import softmax
 from edge_runtime.release import read_release
 from edge_runtime.runtime import Runtime
@@ -284,11 +284,9 @@ def _device(
         settings.budget,
         devices / "kept",
         input_spec=spec,
-        **knn,
-        recipes=["flat:int8"],
-        keep_inputs=True,
-        client_id=client,
-        update_strategy="fifo",
+        settings=InitSettings(
+            **knn, recipes=["flat:int8"], keep_inputs=True, client_id=client, update_strategy="fifo"
+        ),
     )
     # the plain bundle takes the recipe (its n) the one that keeps raw inputs could afford
     recipe = kept.recipe.rsplit(":x", 1)[0]
@@ -299,10 +297,7 @@ def _device(
         settings.budget,
         devices / "plain",
         input_spec=spec,
-        **knn,
-        recipes=[recipe],
-        client_id=client,
-        update_strategy="fifo",
+        settings=InitSettings(**knn, recipes=[recipe], client_id=client, update_strategy="fifo"),
     )
     evicted = 0
     for name in ("kept", "plain"):

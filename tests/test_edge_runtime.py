@@ -31,7 +31,7 @@ from edge_runtime.datastores import (
     make_datastore,
     parse_recipe,
 )
-from edge_runtime.device_init import init_bundle
+from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import KNNHead, exact_search, interpolate, softmax
 from edge_runtime.runtime import Runtime
@@ -747,7 +747,9 @@ def test_init_bundle_for_a_new_device_fits_its_budget(tmp_path):
     enc = make_image_encoder(tmp_path / "encoder.onnx")
     x, y = make_images(200, 11, signal=25)
     budget = enc.stat().st_size + FlatDatastore(NUM_CLASSES, dtype="fp16").estimate_nbytes(80, P)
-    report = init_bundle(enc, x, y, budget, tmp_path / "new", input_spec=IMAGE_SPEC, k=5)
+    report = init_bundle(
+        enc, x, y, budget, tmp_path / "new", input_spec=IMAGE_SPEC, settings=InitSettings(k=5)
+    )
     m = read_manifest(tmp_path / "new")
     assert m.footprint.total <= budget == m.budget.total
     assert m.lam == report.lam and m.recipe == report.recipe
@@ -773,7 +775,15 @@ def test_init_bundle_refuses_budgets_that_cannot_work(tmp_path):
     with pytest.raises(BundleError, match="too few for one stored sample; the smallest budget"):
         init_bundle(enc, x, y, size + 100, tmp_path / "b", input_spec=IMAGE_SPEC)
     with pytest.raises(ValueError, match="protonn datastores are trained on the server"):
-        init_bundle(enc, x, y, 10**6, tmp_path / "b", input_spec=IMAGE_SPEC, recipes=["protonn:d8"])
+        init_bundle(
+            enc,
+            x,
+            y,
+            10**6,
+            tmp_path / "b",
+            input_spec=IMAGE_SPEC,
+            settings=InitSettings(recipes=["protonn:d8"]),
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder.onnx"]
 
 

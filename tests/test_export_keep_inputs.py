@@ -13,7 +13,7 @@ import pytest
 
 from edge_runtime.bundle import ENCODER_FILE
 from edge_runtime.datastores.recipes import format_recipe
-from edge_runtime.device_init import init_bundle
+from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.manifest import Manifest
 from edge_runtime.runtime import Runtime
 from edge_runtime.upgrade import REEMBED_VAL_FRACTION
@@ -102,14 +102,15 @@ def test_upgrade_of_an_exported_bundle_re_embeds_exactly(exports, tmp_path):
         rt.manifest.budget.total,
         tmp_path / "fresh",
         input_spec=manifest["input"],
-        k=manifest["k"],
-        sigma=manifest["sigma"],
-        # the same samples: a capacity of what it carried (room for more is no part of it)
-        recipes=[format_recipe("flat", {**rt.manifest.params, "n": len(rt.datastore)})],
-        val_fraction=REEMBED_VAL_FRACTION,
-        client_id=manifest["client_id"],
-        lambda_rule=Manifest(manifest).lambda_rule,
-        keep_inputs=True,
+        settings=InitSettings(
+            k=manifest["k"],
+            sigma=manifest["sigma"],
+            recipes=[format_recipe("flat", {**rt.manifest.params, "n": len(rt.datastore)})],
+            val_fraction=REEMBED_VAL_FRACTION,
+            client_id=manifest["client_id"],
+            lambda_rule=Manifest(manifest).lambda_rule,
+            keep_inputs=True,
+        ),
     )
     assert fresh.lam == rt.lam
     x, _ = client_split(load_run(exports / "v1"), row["client_id"], "test")

@@ -14,7 +14,7 @@ import pytest
 from edge_runtime.budget import Budget
 from edge_runtime.bundle import load_bundle_datastore, read_manifest
 from edge_runtime.cli import main as edge_main
-from edge_runtime.device_init import init_bundle
+from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import (
     CLIENT_RULE,
@@ -83,10 +83,12 @@ def test_server_sizer_and_device_init_choose_alike(tmp_path, seed, rule_name):
         budget,
         tmp_path / "device",
         input_spec=IMAGE_SPEC,
-        recipes=[f"flat:{t}" for t in DTYPES],
-        val_fraction=val_fraction,
-        seed=seed,
-        lambda_rule=rule,
+        settings=InitSettings(
+            recipes=[f"flat:{t}" for t in DTYPES],
+            val_fraction=val_fraction,
+            seed=seed,
+            lambda_rule=rule,
+        ),
     )
     # the device's own split, fed to the server and the exporter as embeddings
     order = np.random.default_rng(seed).permutation(len(y))

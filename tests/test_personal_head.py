@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edge_runtime.budget import Budget
-from edge_runtime.device_init import init_bundle
+from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.knn import CLIENT_RULE, LAMBDA_GRID, KNNHead, LambdaRule, softmax
 from edge_runtime.linear_head import LinearHead
 from edge_runtime.personal_head import ClientSplits, PersonalHead
@@ -125,10 +125,9 @@ def test_server_exporter_device_init_and_runtime_choose_and_predict_alike(tmp_pa
         budget,
         tmp_path / "device",
         input_spec=IMAGE_SPEC,
-        recipes=["flat:fp32"],
-        val_fraction=val_fraction,
-        seed=3,
-        lambda_rule=rule,
+        settings=InitSettings(
+            recipes=["flat:fp32"], val_fraction=val_fraction, seed=3, lambda_rule=rule
+        ),
     )
     order = np.random.default_rng(3).permutation(len(y))
     n_val = int(round(val_fraction * len(y)))

@@ -436,7 +436,7 @@ def _embedded(encoder: Path) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("recipe", ["flat:int8", "hnsw:M8"])
 def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_path, recipe):
-    from edge_runtime.device_init import init_bundle
+    from edge_runtime.device_init import InitSettings, init_bundle
 
     old, new = _encoders(tmp_path)
     x, y = make_images(80, seed=1)
@@ -447,9 +447,7 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
         10**6,
         tmp_path / "device",
         input_spec=FIELDS["input"],
-        k=5,
-        recipes=[recipe],
-        keep_inputs=True,
+        settings=InitSettings(k=5, recipes=[recipe], keep_inputs=True),
     )
     release = _bundle(tmp_path, new, "release", seed=5)
     rt = Runtime.load(tmp_path / "device")
@@ -466,9 +464,7 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
         10**6,
         tmp_path / "fresh",
         input_spec=FIELDS["input"],
-        k=5,
-        recipes=[rt.manifest.recipe],
-        keep_inputs=True,
+        settings=InitSettings(k=5, recipes=[rt.manifest.recipe], keep_inputs=True),
     )
     assert fresh.lam == rt.lam
     probe, _ = make_images(50, seed=3)
@@ -482,12 +478,20 @@ def test_kept_inputs_of_the_right_bytes_in_another_shape_are_refused_at_load(tmp
     """[n, 64] for 8x8x1 images has the bytes the recipe counts: it failed only when re-embedded
     or added to, naming neither the bundle nor the array."""
     from edge_runtime.cli import main
-    from edge_runtime.device_init import init_bundle
+    from edge_runtime.device_init import InitSettings, init_bundle
 
     old, _ = _encoders(tmp_path)
     x, y = make_images(30, seed=1)
     device = tmp_path / "device"
-    init_bundle(old, x, y, 10**6, device, input_spec=FIELDS["input"], k=5, keep_inputs=True)
+    init_bundle(
+        old,
+        x,
+        y,
+        10**6,
+        device,
+        input_spec=FIELDS["input"],
+        settings=InitSettings(k=5, keep_inputs=True),
+    )
     with np.load(device / "datastore.npz", allow_pickle=False) as f:
         arrays = dict(f)
     arrays["inputs"] = arrays["inputs"].reshape(len(arrays["inputs"]), -1)
@@ -499,13 +503,19 @@ def test_kept_inputs_of_the_right_bytes_in_another_shape_are_refused_at_load(tmp
 
 
 def test_kept_inputs_count_in_the_budget(tmp_path):
-    from edge_runtime.device_init import init_bundle
+    from edge_runtime.device_init import InitSettings, init_bundle
 
     old, _ = _encoders(tmp_path)
     x, y = make_images(200, seed=1)
     budget = old.stat().st_size + 6000
     plain = init_bundle(
-        old, x, y, budget, tmp_path / "plain", input_spec=FIELDS["input"], recipes=["flat:int8"]
+        old,
+        x,
+        y,
+        budget,
+        tmp_path / "plain",
+        input_spec=FIELDS["input"],
+        settings=InitSettings(recipes=["flat:int8"]),
     )
     kept = init_bundle(
         old,
@@ -514,8 +524,7 @@ def test_kept_inputs_count_in_the_budget(tmp_path):
         budget,
         tmp_path / "kept",
         input_spec=FIELDS["input"],
-        recipes=["flat:int8"],
-        keep_inputs=True,
+        settings=InitSettings(recipes=["flat:int8"], keep_inputs=True),
     )
     n_plain = len(Runtime.load(tmp_path / "plain").datastore)
     n_kept = len(Runtime.load(tmp_path / "kept").datastore)

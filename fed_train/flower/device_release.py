@@ -15,7 +15,7 @@ import numpy as np
 
 from edge_runtime._io import read_within
 from edge_runtime.bundle import read_bundle
-from edge_runtime.device_init import init_bundle
+from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.errors import BundleError, SignatureError
 from edge_runtime.manifest import ENCODER_FILE, MANIFEST, read_manifest
 from edge_runtime.runtime import Runtime
@@ -104,13 +104,15 @@ def _build(
         int(like.budget.total),
         bundle,
         input_spec=like.input,
-        k=int(like.k),
-        sigma=float(like.sigma),
-        seed=seed,
-        client_id=client_id,
-        intra_op_threads=1,
-        lambda_rule=rule,
-        keep_inputs=keep_inputs,
+        settings=InitSettings(
+            k=int(like.k),
+            sigma=float(like.sigma),
+            seed=seed,
+            client_id=client_id,
+            intra_op_threads=1,
+            lambda_rule=rule,
+            keep_inputs=keep_inputs,
+        ),
         release=like,
     )
     runtime = Runtime.load(bundle, intra_op_threads=1)
