@@ -434,19 +434,7 @@ def deploy_local(
     env.setdefault("OMP_NUM_THREADS", "1")
     procs = Processes(env, log_dir)
     try:
-        tls = make_server_tls(work / "pki", HOST) if not federation.insecure else None
-        port = start_superlink(
-            procs, tls, federation.superlink_port or free_port(), federation.startup_timeout
-        )
-        keys = [
-            make_node_key(work / "pki", f"supernode-{i}") if tls else None
-            for i in range(federation.clients)
-        ]
-        if tls:  # one `flwr` process per key, a few at a time: each spends seconds starting
-            with ThreadPoolExecutor(max_workers=4) as pool:
-                list(pool.map(lambda key: register_supernode(procs, key), keys))
-        for i, key in enumerate(keys):
-            start_supernode(procs, f"supernode-{i}", port, tls, key, node_configs[i])
+        port, tls = _start_federation(procs, federation, work / "pki", node_configs)
         run_toml = work / "run.toml"
         write_text_atomic(run_toml, run_toml_text)
         submitted = procs.run_cli(
@@ -481,6 +469,32 @@ def deploy_local(
     finally:
         procs.stop_all()
         shutil.rmtree(work, ignore_errors=True)
+    return _finished_record(run_dir, status, log_dir)
+
+
+def _start_federation(
+    procs: Processes, federation: LocalFederation, pki: Path, node_configs: list[str]
+) -> tuple[int, ServerTLS | None]:
+    """The SuperLink and one SuperNode per client, each node registered with a key of its own
+    unless the federation is insecure; returns the SuperLink's port and its TLS files."""
+    tls = make_server_tls(pki, HOST) if not federation.insecure else None
+    port = start_superlink(
+        procs, tls, federation.superlink_port or free_port(), federation.startup_timeout
+    )
+    keys = [
+        make_node_key(pki, f"supernode-{i}") if tls else None for i in range(federation.clients)
+    ]
+    if tls:  # one `flwr` process per key, a few at a time: each spends seconds starting
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(lambda key: register_supernode(procs, key), keys))
+    for i, key in enumerate(keys):
+        start_supernode(procs, f"supernode-{i}", port, tls, key, node_configs[i])
+    return port, tls
+
+
+def _finished_record(run_dir: Path, status: dict[str, Any], log_dir: Path) -> dict[str, Any]:
+    """flower.json's record with the SuperLink's `status` added, written back; DeployError
+    unless both the SuperLink and the ServerApp say the run completed."""
     try:
         record = _read_flower_file(run_dir / "flower.json")
     except FileNotFoundError:

@@ -649,6 +649,50 @@ def choose_knn(
         )
 
 
+def _grid_and_estimators(
+    views: Sequence[ClientSplits],
+    ks: Sequence[int],
+    sigmas: Sequence[float],
+    normalizations: Sequence[str],
+    seed: int,
+    steps: Progress,
+) -> tuple[KNNConfig, list[dict], dict[str, float]]:
+    """The grid's best point on the seen clients' validation splits, its scores, and the lambda
+    estimators' 2-fold cross-validation at that point (two steps of `steps`)."""
+    points = len(ks) * len(sigmas) * len(normalizations)
+    steps.set_postfix(
+        f"k, sigma and normalisation: {points} grid points on {len(choosing_views(views))} "
+        "clients' validation splits"
+    )
+    config, scores = select_config(views, ks=ks, sigmas=sigmas, normalizations=normalizations)
+    steps.update()
+    steps.set_postfix("the lambda estimators, 2-fold cross-validation")
+    cv = compare_lambda_estimators(views, config, seed=seed)
+    steps.update()
+    return config, scores, cv
+
+
+def _base_and_rule(
+    base_views: dict[str, Sequence[ClientSplits]],
+    rules: Sequence[str],
+    config: KNNConfig,
+    estimator: str,
+    seed: int,
+    steps: Progress,
+) -> tuple[str, str, dict[str, dict[str, float]]]:
+    """The base and lambda rule by 2-fold cross-validation where more than one pair is asked
+    (one step of `steps`), with each base's pooled scores ({} when there was nothing to pick)."""
+    if len(base_views) * len(rules) == 1:
+        return next(iter(base_views)), rules[0], {}
+    steps.set_postfix("the lambda rule and the base, 2-fold cross-validation")
+    base_cv = {
+        b: pool_rules([rule_fold_counts(v, config, estimator, seed=seed) for v in views], rules)
+        for b, views in base_views.items()
+    }
+    steps.update()
+    return *pick_base_and_rule(base_cv), base_cv
+
+
 def _choose_knn(
     model: EmbedHeadModel,
     clients: Sequence[ClientData],
@@ -678,16 +722,7 @@ def _choose_knn(
         for _ in range(steps.total - 2):  # all but the embedding and the report: nothing to do
             steps.update(measured=False)
     else:
-        points = len(ks) * len(sigmas) * len(normalizations)
-        steps.set_postfix(
-            f"k, sigma and normalisation: {points} grid points on {len(seen)} "
-            "clients' validation splits"
-        )
-        config, scores = select_config(views, ks=ks, sigmas=sigmas, normalizations=normalizations)
-        steps.update()
-        steps.set_postfix("the lambda estimators, 2-fold cross-validation")
-        cv = compare_lambda_estimators(views, config, seed=seed)
-        steps.update()
+        config, scores, cv = _grid_and_estimators(views, ks, sigmas, normalizations, seed, steps)
     chosen = pick_estimator(cv) if estimator == "auto" else estimator
     bases = BASES if base == "auto" else (base,)
     base_views = {"global": views}
@@ -698,19 +733,8 @@ def _choose_knn(
         base_views["linear"] = linear_base_views(views, l2, config.normalize)
         steps.update()
     rules = LAMBDA_RULES if rule == "auto" else (rule,)
-    base_cv: dict[str, dict[str, float]] = {}
-    if len(bases) * len(rules) > 1:
-        steps.set_postfix("the lambda rule and the base, 2-fold cross-validation")
-        base_cv = {
-            b: pool_rules(
-                [rule_fold_counts(v, config, chosen, seed=seed) for v in base_views[b]], rules
-            )
-            for b in bases
-        }
-        base, rule = pick_base_and_rule(base_cv)
-        steps.update()
-    else:
-        base, rule = bases[0], rules[0]
+    asked = {b: base_views[b] for b in bases}
+    base, rule, base_cv = _base_and_rule(asked, rules, config, chosen, seed, steps)
     views = base_views[base]
     seen = choosing_views(views)
     steps.set_postfix("each client's lambda and the report")

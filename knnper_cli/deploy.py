@@ -227,7 +227,32 @@ def _cmd_deploy_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_federation_arguments(p: argparse.ArgumentParser, round_help: str) -> None:
+    """The server's waits and the local federation's transport, alike for training and push."""
+    for flag, default, text in (
+        ("--round-timeout", 600.0, round_help),
+        ("--connect-timeout", 120.0, "seconds the server waits for every client's SuperNode"),
+    ):
+        p.add_argument(flag, type=positive_float, default=default, help=text)
+
+
+def _add_local_federation_arguments(p: argparse.ArgumentParser) -> None:
+    """How `local` and `release` start their federation on 127.0.0.1."""
+    p.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds the SuperLink may take to start listening",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS and no SuperNode authentication (never across machines)",
+    )
+
+
 def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
+    """The training flags of `local` and `config`: those of `knnper train` and Flower's own."""
     from fed_train.defaults import CHECKPOINT_EVERY
 
     add_training_arguments(p)
@@ -257,18 +282,7 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="fraction of each client's train split kept in its datastore",
     )
-    p.add_argument(
-        "--round-timeout",
-        type=positive_float,
-        default=600.0,
-        help="seconds the server waits for a round's replies",
-    )
-    p.add_argument(
-        "--connect-timeout",
-        type=positive_float,
-        default=120.0,
-        help="seconds the server waits for every client's SuperNode",
-    )
+    _add_federation_arguments(p, "seconds the server waits for a round's replies")
     p.add_argument(
         "--min-train-clients",
         type=count,
@@ -290,24 +304,18 @@ def _add_push_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_deploy_command(sub: argparse._SubParsersAction) -> None:
-    local_example = "knnper deploy local --dataset digits --clients 5 --rounds 5 --out runs/flower"
-    p = sub.add_parser(
-        "deploy",
-        help=help_of("deploy"),
-        epilog=examples(
-            local_example,
-            "knnper deploy certs --host fl.example.org --supernode-keys 20 --out keys/pki",
-        ),
-    )
-    where = p.add_subparsers(dest="where", required=True, parser_class=type(p))
+_LOCAL_EXAMPLE = "knnper deploy local --dataset digits --clients 5 --rounds 5 --out runs/flower"
+_CERTS_EXAMPLE = "knnper deploy certs --host fl.example.org --supernode-keys 20 --out keys/pki"
+
+
+def _add_local(where: argparse._SubParsersAction) -> None:
+    """`deploy local`: train on a whole federation on this machine."""
     local = command(
         "local",
         _cmd_deploy_local,
-        help="a whole federation on 127.0.0.1: one SuperLink, "
-        "one SuperNode per client, TLS and SuperNode "
-        "authentication",
-        epilog=examples(local_example),
+        help="a whole federation on 127.0.0.1: one SuperLink, one SuperNode per client, TLS "
+        "and SuperNode authentication",
+        epilog=examples(_LOCAL_EXAMPLE),
     ).add_to(where)
     _add_settings_arguments(local)
     local.add_argument(
@@ -316,26 +324,18 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
         type=output_dir,
         help="run directory (the same layout as `knnper train` writes)",
     )
-    local.add_argument(
-        "--startup-timeout",
-        type=positive_float,
-        default=60.0,
-        help="seconds the SuperLink may take to start listening",
-    )
-    local.add_argument(
-        "--insecure",
-        action="store_true",
-        help="no TLS and no SuperNode authentication (never across machines)",
-    )
+    _add_local_federation_arguments(local)
 
+
+def _add_config(where: argparse._SubParsersAction) -> None:
+    """`deploy config`: the `flwr run` config of a training, or of a push (--release)."""
     config = command(
         "config",
         _cmd_deploy_config,
         help="the run config file for `flwr run` against a SuperLink of your own (real machines)",
         epilog=examples(
-            "knnper deploy config --dataset fashion-mnist "
-            "--clients 20 --rounds 20 --out /srv/runs/fl "
-            "--write runs/fl.toml"
+            "knnper deploy config --dataset fashion-mnist --clients 20 --rounds 20 "
+            "--out /srv/runs/fl --write runs/fl.toml"
         ),
     ).add_to(where)
     _add_settings_arguments(config)
@@ -360,16 +360,18 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
         "an existing path must be a regular file or a link to one)",
     )
 
-    release_example = (
-        "knnper deploy release bundles/fl-v1 --run runs/fl-v1 --bundle-dir bundles/fl-devices "
-        "--out runs/fl-v1-devices"
-    )
+
+def _add_release(where: argparse._SubParsersAction) -> None:
+    """`deploy release`: push an export to a local federation's devices."""
     push = command(
         "release",
         _cmd_deploy_release,
         help="push an export to a local federation's devices: each SuperNode builds its own "
         "bundle from its own data and learns, or upgrades the bundle it has",
-        epilog=examples(release_example),
+        epilog=examples(
+            "knnper deploy release bundles/fl-v1 --run runs/fl-v1 --bundle-dir "
+            "bundles/fl-devices --out runs/fl-v1-devices"
+        ),
     ).add_to(where)
     push.add_argument("release", help="a `knnper export` directory (the release)")
     push.add_argument(
@@ -393,26 +395,18 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
         help="every node refuses a release not signed by this Ed25519 key (`knnper export "
         "--signing-key`); default: nodes take unsigned releases",
     )
-    for flag, default, text in (
-        ("--round-timeout", 600.0, "seconds the server waits for the nodes' replies"),
-        ("--connect-timeout", 120.0, "seconds the server waits for every client's SuperNode"),
-        ("--startup-timeout", 60.0, "seconds the SuperLink may take to start listening"),
-    ):
-        push.add_argument(flag, type=positive_float, default=default, help=text)
-    push.add_argument(
-        "--insecure",
-        action="store_true",
-        help="no TLS and no SuperNode authentication (never across machines)",
-    )
+    _add_federation_arguments(push, "seconds the server waits for the nodes' replies")
+    _add_local_federation_arguments(push)
 
+
+def _add_certs(where: argparse._SubParsersAction) -> None:
+    """`deploy certs`: the PKI of a federation across machines."""
     certs = command(
         "certs",
         _cmd_deploy_certs,
-        help="a CA, the SuperLink's TLS certificate and SuperNode "
-        "key pairs for a federation across machines",
-        epilog=examples(
-            "knnper deploy certs --host fl.example.org --supernode-keys 20 --out keys/pki"
-        ),
+        help="a CA, the SuperLink's TLS certificate and SuperNode key pairs for a federation "
+        "across machines",
+        epilog=examples(_CERTS_EXAMPLE),
     ).add_to(where)
     certs.add_argument(
         "--host",
@@ -423,3 +417,13 @@ def add_deploy_command(sub: argparse._SubParsersAction) -> None:
         "--supernode-keys", type=count, default=0, help="SuperNode authentication key pairs to make"
     )
     certs.add_argument("--out", required=True, type=output_dir, help="an empty or new directory")
+
+
+def add_deploy_command(sub: argparse._SubParsersAction) -> None:
+    """`knnper deploy` and its four subcommands: local, config, release, certs."""
+    p = sub.add_parser(
+        "deploy", help=help_of("deploy"), epilog=examples(_LOCAL_EXAMPLE, _CERTS_EXAMPLE)
+    )
+    where = p.add_subparsers(dest="where", required=True, parser_class=type(p))
+    for add in (_add_local, _add_config, _add_release, _add_certs):
+        add(where)

@@ -124,6 +124,7 @@ def add_experiment_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_model_update(names: argparse._SubParsersAction) -> None:
+    """`knnper experiment model-update`: its flags default to `model_update.UpdateSettings`."""
     q = command(
         "model-update",
         _cmd_model_update,
@@ -148,58 +149,43 @@ def _add_model_update(names: argparse._SubParsersAction) -> None:
     q.add_argument("--quick", action="store_true", help="digits, 6 clients, 2 rounds")
     q.add_argument("--dataset", default=d.dataset, help="data set")
     q.add_argument("--data", default=None, help="data set location")
-    q.add_argument(
-        "--max-train",
-        type=positive_int,
-        default=None,
-        help="keep a stratified subsample of this many training images",
-    )
-    q.add_argument("--clients", type=positive_int, default=d.clients, help="clients")
-    q.add_argument(
-        "--rounds",
-        type=positive_int,
-        default=d.rounds,
-        help="FedAvg rounds of v1 (and of the continued training)",
-    )
-    q.add_argument(
-        "--pretrain-epochs",
-        type=positive_int,
-        default=d.pretrain_epochs,
-        help="epochs of the pretraining on the server split",
-    )
-    q.add_argument(
-        "--budget", type=positive_int, default=d.budget, help="each device's budget in bytes"
-    )
-    q.add_argument(
-        "--steps",
-        type=positive_int,
-        default=d.steps,
-        help="batches each device adds between the versions (the distribution-shift protocol)",
-    )
-    q.add_argument(
-        "--shift-at", type=int, default=d.shift_at, help="first batch of the shifted labels"
-    )
-    q.add_argument("--batch", type=positive_int, default=d.batch, help="samples per batch")
-    q.add_argument(
-        "--alpha",
-        type=float,
-        default=d.alpha,
-        help="Dirichlet concentration of the shifted label distribution",
-    )
-    q.add_argument(
-        "--eval-samples",
-        type=positive_int,
-        default=d.eval_samples,
-        help="images of the shifted distribution each device is scored on",
-    )
-    q.add_argument("--seed", type=int, default=0, help="first seed")
-    q.add_argument(
-        "--seeds",
-        type=positive_int,
-        default=1,
-        help="seeds --seed .. +N-1; the report pools every seed in OUT/model-update, so "
-        "seeds may run as separate invocations",
-    )
+    pos = positive_int
+    for flag, kind, default, text in (
+        ("--max-train", pos, None, "keep a stratified subsample of this many training images"),
+        ("--clients", pos, d.clients, "clients"),
+        ("--rounds", pos, d.rounds, "FedAvg rounds of v1 (and of the continued training)"),
+        (
+            "--pretrain-epochs",
+            pos,
+            d.pretrain_epochs,
+            "epochs of the pretraining on the server split",
+        ),
+        ("--budget", pos, d.budget, "each device's budget in bytes"),
+        (
+            "--steps",
+            pos,
+            d.steps,
+            "batches each device adds between the versions (the distribution-shift protocol)",
+        ),
+        ("--shift-at", int, d.shift_at, "first batch of the shifted labels"),
+        ("--batch", pos, d.batch, "samples per batch"),
+        ("--alpha", float, d.alpha, "Dirichlet concentration of the shifted label distribution"),
+        (
+            "--eval-samples",
+            pos,
+            d.eval_samples,
+            "images of the shifted distribution each device is scored on",
+        ),
+        ("--seed", int, 0, "first seed"),
+        (
+            "--seeds",
+            pos,
+            1,
+            "seeds --seed .. +N-1; the report pools every seed in OUT/model-update, so "
+            "seeds may run as separate invocations",
+        ),
+    ):
+        q.add_argument(flag, type=kind, default=default, help=text)
     q.add_argument(
         "--force",
         action="store_true",

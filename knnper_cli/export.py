@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_runtime.budget import Budget
 from edge_runtime.commands import command
@@ -29,8 +29,14 @@ from knnper_cli.args import (
 )
 from knnper_cli.commands import help_of
 
+if TYPE_CHECKING:  # torch loads with these: the command imports them when it runs
+    from export.exporter import ExportSettings
+    from fed_train.knn_setting import KNNConfig
+    from fed_train.run import LoadedRun
+
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:
+    """`knnper export RUN --out DIR` and its flags, by group."""
     p = command(
         "export",
         _cmd_export,
@@ -57,6 +63,14 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         "`knnper-edge add` has taught since they were exported (they lose what their "
         "devices learned); both refused without it",
     )
+    _add_budget_arguments(p)
+    _add_bundle_arguments(p)
+    _add_search_arguments(p)
+    add_upgrade_arguments(p)
+
+
+def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """Each device's memory budget: from a file, one for all, or a generated profile."""
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budgets", metavar="FILE", help="JSON file {client_id: bytes}")
     budget.add_argument(
@@ -81,6 +95,10 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         help="weak-strong: half the devices at (1/2 - D), half at (1/2 + D)",
     )
     p.add_argument("--spread", type=float, default=0.5, help="lognormal: sigma of log(budget)")
+
+
+def _add_bundle_arguments(p: argparse.ArgumentParser) -> None:
+    """What a bundle may hold: its datastore backends, encoder precision, clients, kNN setting."""
     p.add_argument(
         "--backend",
         default="auto",
@@ -104,6 +122,10 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         help="on-device updates: fifo, concatenate, fixed (a protonn bundle "
         "buffers new samples beside its prototypes)",
     )
+
+
+def _add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """How the export searches and signs: seed, workers, pruning, key, raw inputs."""
     p.add_argument(
         "--seed",
         type=seed,
@@ -137,7 +159,6 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         "so it holds fewer keys), and `knnper-edge upgrade` re-embeds them exactly; flat and "
         "hnsw only (auto leaves protonn out)",
     )
-    add_upgrade_arguments(p)
 
 
 def add_upgrade_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,34 +265,14 @@ PER_CLIENT_TABLE_MAX = 20  # above this many clients, only the summary is printe
 def _cmd_export(args: argparse.Namespace) -> int:
     # imported here, not above: `knnper export` parses its flags before torch and onnx load
     from edge_runtime.errors import one_line
-    from edge_runtime.signing import load_private_key
     from export.errors import ExportError
-    from export.exporter import (
-        REPORT_FILE,
-        ExportSettings,
-        apply_knn_choice,
-        device_extra,
-        export_run,
-        needing_extras,
-        select_ids,
-    )
-    from export.upgrade_map import old_release, server_data, write_upgrade_map
+    from export.exporter import apply_knn_choice, export_run, select_ids
+    from export.upgrade_map import old_release, server_data
     from fed_train.errors import KnnperError
     from fed_train.knn_choice import load_or_choose
     from fed_train.run import load_run
 
-    settings = ExportSettings(
-        quantize=args.quantize,
-        backend=args.backend,
-        update_strategy=args.update_strategy,
-        device_extras=args.device_extras,
-        seed=args.seed,
-        signing_key=args.signing_key,
-        keep_inputs=args.keep_inputs,
-    )
-    if args.pruned_search:
-        settings.space = settings.space.pruned()
-    settings.check()  # bad flags fail before the run is loaded
+    settings = _export_settings(args)  # bad flags fail before the run is loaded
     if args.public_data is not None and args.upgrade_from is None:  # it was silently unused
         raise ExportError(
             "--public-data is the data --upgrade-from's key map is fitted on: give "
@@ -310,6 +311,35 @@ def _cmd_export(args: argparse.Namespace) -> int:
         force=args.force,
         replaces=replaces,
     )
+    _print_report(report, Path(args.out))
+    if server is not None:
+        _write_upgrade_map(args, run, server, choice.config)
+    return 0
+
+
+def _export_settings(args: argparse.Namespace) -> ExportSettings:
+    """The export's settings from the flags, checked: a bad flag raises before any run loads."""
+    from export.exporter import ExportSettings
+
+    settings = ExportSettings(
+        quantize=args.quantize,
+        backend=args.backend,
+        update_strategy=args.update_strategy,
+        device_extras=args.device_extras,
+        seed=args.seed,
+        signing_key=args.signing_key,
+        keep_inputs=args.keep_inputs,
+    )
+    if args.pruned_search:
+        settings.space = settings.space.pruned()
+    settings.check()
+    return settings
+
+
+def _print_report(report: dict[str, Any], out: Path) -> None:
+    """The export's tables, a warning for bundles that need a device extra, and where it wrote."""
+    from export.exporter import REPORT_FILE, device_extra, needing_extras
+
     if len(report["clients"]) <= PER_CLIENT_TABLE_MAX:
         print(format_export_table(report))
     print(format_export_summary(report))
@@ -321,23 +351,39 @@ def _cmd_export(args: argparse.Namespace) -> int:
             "extra, and `knnper-edge export-onnx` cannot make one file of them; "
             "--device-extras none avoids it"
         )
-    print(f"wrote {len(report['clients'])} bundle(s) and {Path(args.out) / REPORT_FILE}")
-    if server is not None:
-        key = load_private_key(args.signing_key) if args.signing_key else None
-        path, fit = write_upgrade_map(
-            Path(args.upgrade_from),
-            Path(args.out),
-            *server,
-            run.dataset.input_spec,
-            run.dataset.num_classes,
-            k=choice.config.k,
-            sigma=choice.config.sigma,
-            seed=args.seed,
-            signing_key=key,
-        )
-        print(
-            f"wrote {path} ({fit.chosen.name()}, chosen by cross-validation on "
-            f"{fit.fit_samples} server "
-            f"samples): {fit.key_map.describe()}"
-        )
-    return 0
+    print(f"wrote {len(report['clients'])} bundle(s) and {out / REPORT_FILE}")
+
+
+def _write_upgrade_map(
+    args: argparse.Namespace, run: LoadedRun, server: tuple[Any, Any], knn: KNNConfig
+) -> None:
+    """--upgrade-from: the key map from the old release's encoder to this one's, and its line.
+
+    Parameters
+    ----------
+    run : LoadedRun
+        The run exported.
+    server : tuple of ndarray
+        The server-held inputs and labels the map is fitted on (`server_data`).
+    knn : KNNConfig
+        The chosen kNN setting (k and sigma judge the map).
+    """
+    from edge_runtime.signing import load_private_key
+    from export.upgrade_map import write_upgrade_map
+
+    key = load_private_key(args.signing_key) if args.signing_key else None
+    path, fit = write_upgrade_map(
+        Path(args.upgrade_from),
+        Path(args.out),
+        *server,
+        run.dataset.input_spec,
+        run.dataset.num_classes,
+        k=knn.k,
+        sigma=knn.sigma,
+        seed=args.seed,
+        signing_key=key,
+    )
+    print(
+        f"wrote {path} ({fit.chosen.name()}, chosen by cross-validation on "
+        f"{fit.fit_samples} server samples): {fit.key_map.describe()}"
+    )

@@ -64,7 +64,35 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     """Data, partition and optimisation flags shared by `train` and `bench table`; the
     optimisation defaults are fed_train.defaults.TRAINING (chosen on validation)."""
     d = RunConfig()
-    t = defaults.TRAINING
+    _add_data_arguments(p, d)
+    add_model_argument(p)
+    _add_optimisation_arguments(p, defaults.TRAINING)
+    p.add_argument(
+        "--seed",
+        type=seed,
+        default=d.seed,
+        help="seed of the partition, initialisation and client sampling",
+    )
+    p.add_argument(
+        "--init",
+        default=None,
+        help="start every method from these weights: a `knnper pretrain` directory "
+        "(its server split is then left out of the clients' data) or a .pt state dict",
+    )
+    add_device_argument(p)
+    add_precision_argument(p)
+    p.add_argument(
+        "--client-batch",
+        type=positive_int,
+        default=1,
+        help="step up to this many sampled clients together (one vmap over their "
+        "stacked weights): for a GPU; on 2 CPU cores it was 3x slower. Models with "
+        "BatchNorm or an LSTM train one after another (mobilenet-v2-gn can)",
+    )
+
+
+def _add_data_arguments(p: argparse.ArgumentParser, d: RunConfig) -> None:
+    """The data set and how it is partitioned over the clients (defaults: `d`'s)."""
     p.add_argument(
         "--dataset",
         default=d.dataset,
@@ -111,7 +139,10 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         default=d.val_fraction,
         help="fraction of each client's train data kept for validation",
     )
-    add_model_argument(p)
+
+
+def _add_optimisation_arguments(p: argparse.ArgumentParser, t: TrainingConfig) -> None:
+    """Rounds, participation, local work and the learning-rate schedule (defaults: `t`'s)."""
     p.add_argument("--rounds", type=positive_int, default=t.rounds, help="federated rounds")
     p.add_argument(
         "--participation",
@@ -141,28 +172,6 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=t.gamma,
         help="learning-rate factor at each milestone",
-    )
-    p.add_argument(
-        "--seed",
-        type=seed,
-        default=d.seed,
-        help="seed of the partition, initialisation and client sampling",
-    )
-    p.add_argument(
-        "--init",
-        default=None,
-        help="start every method from these weights: a `knnper pretrain` directory "
-        "(its server split is then left out of the clients' data) or a .pt state dict",
-    )
-    add_device_argument(p)
-    add_precision_argument(p)
-    p.add_argument(
-        "--client-batch",
-        type=positive_int,
-        default=1,
-        help="step up to this many sampled clients together (one vmap over their "
-        "stacked weights): for a GPU; on 2 CPU cores it was 3x slower. Models with "
-        "BatchNorm or an LSTM train one after another (mobilenet-v2-gn can)",
     )
 
 

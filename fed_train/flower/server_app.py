@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from fed_train.knn_choice import (
     save_choice,
     saved_choice,
 )
+from fed_train.knn_request import KNNRequest
 from fed_train.knn_setting import KNNChoice, KNNConfig
 from fed_train.knn_tuning import (
     BASES,
@@ -133,6 +136,78 @@ def _served_client(reply: Message, clients: int) -> tuple[int, int]:
     return cid, reported
 
 
+def _ask_phase(
+    grid: Grid,
+    strategy: KnnperStrategy,
+    arrays,
+    settings: FlowerSettings,
+    server_round: int,
+    phase: str,
+    points: list[KNNConfig],
+    shape: tuple[int, int],
+    config: dict[str, Any] | None = None,
+) -> dict[int, np.ndarray]:
+    """Each answering seen client's sums for `phase`, refused unless of `shape`: the phase's
+    function in fed_train.knn_tuning says its shape."""
+    replies = grid.send_and_receive(
+        strategy.configure_knn_phase(
+            server_round,
+            arrays,
+            ConfigRecord({"phase": phase, **(config or {})}),
+            points_record(points),
+        ),
+        timeout=settings.round_timeout,
+    )
+    counts = strategy.collect_knn_counts(replies, phase, shape)
+    if not counts:
+        raise FederationError("no seen client answered for kNN-Per's configuration")
+    return counts
+
+
+def _base_and_rule(
+    ask: Callable[..., dict[int, np.ndarray]],
+    request: KNNRequest,
+    config: KNNConfig,
+    estimator: str,
+) -> tuple[str, str, dict[str, dict[str, Any]], dict[str, dict[str, float]], dict[str, Any]]:
+    """The base (global, or each client's linear head with the l2 the clients' sums pick) and
+    the lambda rule, by the clients' 2-fold cross-validation where more than one pair is asked.
+
+    Returns
+    -------
+    base, rule : the pair chosen.
+    under : per base, the settings its clients' phases run under.
+    base_cv : per base, each rule's pooled cross-validation ({} when nothing was compared).
+    l2_choice : the linear head's l2 and its grid ({} without the linear base).
+    """
+    bases = BASES if request.base_choice() == "auto" else (request.base_choice(),)
+    rules = LAMBDA_RULES if request.rule() == "auto" else (request.rule(),)
+    l2_choice: dict[str, Any] = {}
+    if "linear" in bases:
+        l2_grid = [LinearConfig(float(v)) for v in L2_GRID]
+        best, l2_scores = pick_config(
+            l2_grid, list(ask("knn-l2", [config], (len(L2_GRID), 3)).values())
+        )
+        l2_choice = {"config": best.to_dict(), "grid": l2_scores}
+    under = {
+        b: {
+            "estimator": estimator,
+            "linear-l2": l2_choice["config"]["l2"] if b == "linear" else 0.0,
+        }
+        for b in bases
+    }
+    if len(bases) * len(rules) == 1:
+        return bases[0], rules[0], under, {}, l2_choice
+    base_cv = {
+        b: pool_rules(
+            list(ask("knn-rule-folds", [config], (2 * len(LAMBDA_GRID), 5), under[b]).values()),
+            rules,
+        )
+        for b in bases
+    }
+    return *pick_base_and_rule(base_cv), under, base_cv, l2_choice
+
+
 def federated_knn_choice(
     grid: Grid,
     strategy: KnnperStrategy,
@@ -151,29 +226,7 @@ def federated_knn_choice(
     saved = saved_choice(path, sha, request)
     if saved is not None:
         return choice_from_record(saved, path)
-
-    def ask(
-        phase: str,
-        points: list[KNNConfig],
-        shape: tuple[int, int],
-        config: dict[str, Any] | None = None,
-    ) -> dict[int, np.ndarray]:
-        """Each answering seen client's sums for `phase`, refused unless of `shape`: the
-        phase's function in fed_train.knn_tuning says its shape."""
-        replies = grid.send_and_receive(
-            strategy.configure_knn_phase(
-                server_round,
-                arrays,
-                ConfigRecord({"phase": phase, **(config or {})}),
-                points_record(points),
-            ),
-            timeout=settings.round_timeout,
-        )
-        counts = strategy.collect_knn_counts(replies, phase, shape)
-        if not counts:
-            raise FederationError("no seen client answered for kNN-Per's configuration")
-        return counts
-
+    ask = partial(_ask_phase, grid, strategy, arrays, settings, server_round)
     points = grid_points(*request.grids())
     grid_counts = ask("knn-grid", points, (len(points), 3))
     config, scores = pick_config(points, [c for c in grid_counts.values() if c[0, 2] > 0])
@@ -185,34 +238,7 @@ def federated_knn_choice(
         )
         estimator = pick_estimator(cv)
     chosen_on = [cid for cid, c in grid_counts.items() if c[0, 2] > 0]
-    bases = BASES if request.base_choice() == "auto" else (request.base_choice(),)
-    rules = LAMBDA_RULES if request.rule() == "auto" else (request.rule(),)
-    l2_choice: dict[str, Any] = {}
-    if "linear" in bases:
-        l2_grid = [LinearConfig(float(v)) for v in L2_GRID]
-        best, l2_scores = pick_config(
-            l2_grid, list(ask("knn-l2", [config], (len(L2_GRID), 3)).values())
-        )
-        l2_choice = {"config": best.to_dict(), "grid": l2_scores}
-    under = {
-        b: {
-            "estimator": estimator,
-            "linear-l2": l2_choice["config"]["l2"] if b == "linear" else 0.0,
-        }
-        for b in bases
-    }
-    base_cv: dict[str, dict[str, float]] = {}
-    if len(bases) * len(rules) > 1:
-        base_cv = {
-            b: pool_rules(
-                list(ask("knn-rule-folds", [config], (2 * len(LAMBDA_GRID), 5), under[b]).values()),
-                rules,
-            )
-            for b in bases
-        }
-        base, rule = pick_base_and_rule(base_cv)
-    else:
-        base, rule = bases[0], rules[0]
+    base, rule, under, base_cv, l2_choice = _base_and_rule(ask, request, config, estimator)
     evidence = (
         ask("knn-rule-evidence", [config], (len(LAMBDA_GRID), 3), under[base])
         if rule != "client"
