@@ -23,7 +23,8 @@ import os
 import shutil
 import sys
 import tempfile
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from zipfile import BadZipFile, ZipFile
 
@@ -341,15 +342,22 @@ DEVICE_INPUT_BYTES = 256 << 20
 CHUNK_ROWS = 4096
 
 
-def _load(path: str):
+@contextmanager
+def _array_file(path: str) -> Iterator[None]:
+    """Reading `path` as an .npy/.npz: what can go wrong, as one line each."""
     try:
-        return load_arrays(path, min(DEVICE_INPUT_BYTES, memory_limit()), "arrays")
+        yield
     except FileNotFoundError:
         raise UsageError(f"no such file: {path}") from None
     except IsADirectoryError:
         raise UsageError(f"{path} is a directory, not a file") from None
     except (ValueError, OSError, EOFError, BadZipFile) as exc:
         raise UsageError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
+
+
+def _load(path: str):
+    with _array_file(path):
+        return load_arrays(path, min(DEVICE_INPUT_BYTES, memory_limit()), "arrays")
 
 
 def _lazy_xy(path: str, alternatives: tuple[tuple[str, str], ...]) -> NpzRows | None:
@@ -447,15 +455,9 @@ def cmd_predict(args) -> int:
 def _map_npy(path: str) -> np.ndarray:
     """An .npy memory-mapped (its header checked against its size first): rows are read as
     they are predicted, so a large input is not held in memory."""
-    try:
+    with _array_file(path):
         array_file_bytes(path)
         x = np.load(path, mmap_mode="r", allow_pickle=False)
-    except FileNotFoundError:
-        raise UsageError(f"no such file: {path}") from None
-    except IsADirectoryError:
-        raise UsageError(f"{path} is a directory, not a file") from None
-    except (ValueError, OSError, EOFError) as exc:
-        raise UsageError(f"cannot read {path} as .npy/.npz: {_one_line(exc)}") from None
     if not isinstance(x, np.ndarray):
         x.close()
         raise UsageError(f"{path} is an .npz archive; expected one .npy array")

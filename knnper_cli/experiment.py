@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -194,20 +194,8 @@ def _add_model_update(names: argparse._SubParsersAction) -> None:
 
 
 def _cmd_model_update(args: argparse.Namespace) -> int:
-    settings = model_update.UpdateSettings(
-        dataset=args.dataset,
-        data=args.data,
-        clients=args.clients,
-        rounds=args.rounds,
-        pretrain_epochs=args.pretrain_epochs,
-        budget=args.budget,
-        max_train=args.max_train,
-        steps=args.steps,
-        shift_at=args.shift_at,
-        batch=args.batch,
-        alpha=args.alpha,
-        eval_samples=args.eval_samples,
-    )
+    flagged = {f.name for f in fields(model_update.UpdateSettings)} & vars(args).keys()
+    settings = model_update.UpdateSettings(**{name: getattr(args, name) for name in flagged})
     if args.quick:
         settings = replace(
             settings,
