@@ -53,6 +53,7 @@ PAGES = REPO / "docs" / "benchmarks"
 FAIR = REPO / "benchmarks" / "results" / "fair"
 SEEDS = REPO / "benchmarks" / "results" / "seeds"
 TITLES = titles()  # method -> its title in the tables, from the baselines' registry
+BY_TITLE = {v: k for k, v in TITLES.items()}
 FAIR_TABLES = {
     "CIFAR-10 alpha 0.3": "cifar10",
     "CIFAR-10 v2": "cifar10-v2",
@@ -302,7 +303,6 @@ def _found(text: str, heading: str, check: Checker) -> bool:
 
 
 def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> None:
-    by_title = {v: k for k, v in TITLES.items()}
     for heading, group in (
         ("### Seen clients (Table 1): mean / bottom 10%", "seen"),
         ("### Unseen clients (Table 2): mean / bottom 10%", "unseen"),
@@ -312,7 +312,7 @@ def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> 
         header, rows = _markdown_table(text, heading)
         for row in rows:
             label = row[0].replace("**", "")
-            column = "knnper_oracle_accuracy" if "test-oracle" in label else by_title.get(label)
+            column = "knnper_oracle_accuracy" if "test-oracle" in label else BY_TITLE.get(label)
             for title, cell in zip(header[1:], row[1:], strict=True):
                 result = fair[FAIR_TABLES[title]]
                 s = (
@@ -335,7 +335,6 @@ def check_seeds_md(
     tables: Mapping[str, str] = SEED_TABLES,
 ) -> None:
     """The across-seed tables of the benchmark pages under `heading` against each seeds.json."""
-    by_title = {v: k for k, v in TITLES.items()}
     heading = f"{heading}: mean ± std across seeds"
     if not _found(text, heading, check):
         return
@@ -348,7 +347,7 @@ def check_seeds_md(
                 if "test-oracle" in label
                 else "knnper_cross_oracle"
                 if "cross-oracle" in label
-                else by_title.get(label)
+                else BY_TITLE.get(label)
             )
             for title, cell in zip(header[1:], row[1:], strict=True):
                 summary = seeds.get(tables[title])
@@ -378,7 +377,6 @@ def check_versus_md(
     heading = f"{heading}: kNN-Per minus a baseline"
     if not _found(text, heading, check):
         return
-    by_title = {v: k for k, v in TITLES.items()}
     _, rows = _markdown_table(text, heading)
     for table, group, stat, baseline, cell, verdict in rows:
         summary = seeds.get(tables[table])
@@ -386,7 +384,7 @@ def check_versus_md(
             check.same(f"benchmark pages versus {table}", "a committed seeds.json", "none")
             continue
         stat_key = {"mean": "mean", "bottom decile": "bottom_decile"}[stat]
-        c = summary["versus_each"][group][stat_key][by_title[baseline.replace("**", "")]]
+        c = summary["versus_each"][group][stat_key][BY_TITLE[baseline.replace("**", "")]]
         where = f"benchmark pages versus {table} {group} {stat} {baseline}"
         check.same(where, [round(100 * c[k], 2) for k in ("diff", "low", "high")], _numbers(cell))
         check.same(f"{where} verdict", c["verdict"], verdict.replace("**", ""))
@@ -402,7 +400,6 @@ def check_hurt_md(
     """The benchmark pages' clients-hurt tables under `heading` against each seeds.json: every
     method's share below FedAvg, and kNN-Per's below FedAvg+ (its row "kNN-Per, below
     FedAvg+"), as mean ± std [interval]."""
-    by_title = {v: k for k, v in TITLES.items()}
     for group, suffix in (("seen", "seen clients"), ("unseen", "unseen clients")):
         title = f"{heading}, {suffix}"
         if not _found(text, title, check):
@@ -413,7 +410,7 @@ def check_hurt_md(
             method, reference = (
                 ("knnper", "fedavg+")
                 if label == "kNN-Per, below FedAvg+"
-                else (by_title.get(label), "fedavg")
+                else (BY_TITLE.get(label), "fedavg")
             )
             for table, cell in zip(header[1:], row[1:], strict=True):
                 summary = seeds.get(tables[table])
