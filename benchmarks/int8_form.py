@@ -19,16 +19,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
-import numpy as np
-
-from edge_runtime.preprocess import prepare_input
 from experiments import benchmark_support as C
 from experiments import encoder_forms as E
-from fed_train.run import load_run
 
 COLUMNS = (*E.ACCURACY, *E.LATENCY, "b1_vs_before", *E.COUNTS)
 # fp32, the previous int8 form ("before") and the exporter's ("exact")
@@ -44,18 +38,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started, machine = C.start_benchmark(args.out, args.threads)
-    run = load_run(args.run)
-    limit = args.test_limit or len(run.dataset.y_test)
-    x = prepare_input(run.dataset.x_test[:limit], run.dataset.input_spec)
-    y = np.asarray(run.dataset.y_test[:limit])
-    with tempfile.TemporaryDirectory(prefix="knnper-int8-form-") as tmp:
-        paths = E.write_encoders(run, Path(tmp), args.calibration_samples, FORMS)
-        rows = E.encoder_rows(paths, x, y, args, baseline="int8 before")
-    for row in rows:
-        row["b1_vs_before"] = row.pop("b1_vs")
-    title = "int8 encoder forms: the previous one and the one exact on every CPU"
-    E.write_encoder_report(args, started, machine, rows, COLUMNS, title, "int8_form")
+    E.compare_encoders(
+        args,
+        FORMS,
+        ("b1_vs_before", "int8 before"),
+        COLUMNS,
+        "int8 encoder forms: the previous one and the one exact on every CPU",
+        "int8_form",
+        limit=args.test_limit,
+    )
     return 0
 
 

@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import onnx
 
-from edge_runtime.preprocess import prepare_input
 from experiments import benchmark_support as C
 from experiments import encoder_forms as E
 from export.quantize import INT16_MAX, int8_weights, pair_sum_bound
-from fed_train.run import load_run
 
 SCHEMES = ("int8", "int7", "uint8")  # export.quantize.WEIGHT_SCHEMES, the exporter's is int7
 COLUMNS = (
@@ -48,26 +45,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def pair_sums(path: Path) -> dict[str, Any]:
+    """The largest uint8 x int8 pair sum the encoder's weights allow, and whether it fits a
+    16-bit lane (None: no int8 weights: float32, or uint8 weights, whose kernels widen)."""
+    bound = max(map(pair_sum_bound, int8_weights(onnx.load(path)).values()), default=None)
+    return {
+        "largest_pair_sum": bound,
+        "pair_sums_fit_int16": None if bound is None else bound <= INT16_MAX,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    started, machine = C.start_benchmark(args.out, args.threads)
-    run = load_run(args.run)
-    x = prepare_input(run.dataset.x_test, run.dataset.input_spec)
-    y = np.asarray(run.dataset.y_test)
-    with tempfile.TemporaryDirectory(prefix="knnper-int8-scheme-") as tmp:
-        forms = {scheme: {"weights": scheme} for scheme in SCHEMES}
-        paths = E.write_encoders(run, Path(tmp), args.calibration_samples, forms)
-        rows = E.encoder_rows(paths, x, y, args, baseline="int8")
-        for row in rows:
-            # None: no int8 weights (float32, or uint8 weights: uint8 x uint8 kernels widen to
-            # 16 bits)
-            weights = int8_weights(onnx.load(paths[row["encoder"]])).values()
-            bound = max(map(pair_sum_bound, weights), default=None)
-            row["largest_pair_sum"] = bound
-            row["pair_sums_fit_int16"] = None if bound is None else bound <= INT16_MAX
-            row["b1_vs_int8"] = row.pop("b1_vs")
-    title = "int8 weight schemes: accuracy and batch-1 latency"
-    E.write_encoder_report(args, started, machine, rows, COLUMNS, title, "int8_scheme")
+    E.compare_encoders(
+        args,
+        {scheme: {"weights": scheme} for scheme in SCHEMES},
+        ("b1_vs_int8", "int8"),
+        COLUMNS,
+        "int8 weight schemes: accuracy and batch-1 latency",
+        "int8_scheme",
+        extra=pair_sums,
+    )
     return 0
 
 

@@ -4,15 +4,19 @@ float32's, and its batch-1 latency interleaved with the others'."""
 from __future__ import annotations
 
 import argparse
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edge_runtime.encoder import Encoder, optimize_encoder
+from edge_runtime.preprocess import prepare_input
 from experiments import benchmark_support as C
 from export.onnx_export import export_onnx
 from export.quantize import calibration_inputs, quantize_int8
+from fed_train.run import load_run
 
 # the columns every encoder's row has; the scripts add their own and a `b1_vs_*` ratio
 ACCURACY = ("encoder", "bytes", "test_accuracy", "argmax_agreement_fp32", "min_cosine_fp32")
@@ -44,53 +48,60 @@ def write_encoders(
     return paths
 
 
-def encoder_rows(
-    paths: dict[str, Path], x: np.ndarray, y: np.ndarray, args: argparse.Namespace, baseline: str
-) -> list[dict[str, Any]]:
-    """One row per encoder: ACCURACY, LATENCY and COUNTS' columns, and `b1_vs`, its median
-    batch-1 time over `baseline`'s."""
-    encoders = {n: Encoder(p.read_bytes(), intra_op_threads=args.threads) for n, p in paths.items()}
-    outputs = {name: enc.run(x) for name, enc in encoders.items()}
-    singles = [x[i : i + 1] for i in range(len(x))]
-    times = C.interleaved_times(
-        {name: enc.run for name, enc in encoders.items()}, singles, args.reps, args.warmup
-    )
-    z32, l32 = outputs["fp32"]
-    rows = []
-    for name, (z, logits) in outputs.items():
-        cosine = (z * z32).sum(1) / (
-            np.linalg.norm(z, axis=1) * np.linalg.norm(z32, axis=1) + 1e-12
-        )
-        rows.append(
-            {
-                "encoder": name,
-                "bytes": paths[name].stat().st_size,
-                "test_accuracy": round(float(np.mean(logits.argmax(1) == y)), 5),
-                "argmax_agreement_fp32": round(
-                    float(np.mean(logits.argmax(1) == l32.argmax(1))), 5
-                ),
-                "min_cosine_fp32": round(float(cosine.min()), 5),
-                "b1_p50_ms": round(1e3 * float(np.median(times[name])), 4),
-                "b1_p90_ms": round(1e3 * float(np.percentile(times[name], 90)), 4),
-                "b1_vs": round(float(np.median(times[name]) / np.median(times[baseline])), 3),
-                "test_images": len(y),
-                "reps": args.reps,
-            }
-        )
-    return rows
-
-
-def write_encoder_report(
+def compare_encoders(
     args: argparse.Namespace,
-    started: float,
-    machine: dict[str, Any],
-    rows: list[dict[str, Any]],
+    forms: dict[str, dict[str, Any]],
+    baseline: tuple[str, str],
     columns: tuple[str, ...],
     title: str,
     name: str,
+    limit: int | None = None,
+    extra: Callable[[Path], dict[str, Any]] | None = None,
 ) -> None:
-    """OUT/NAME.csv, OUT/NAME.md (the table under `title`, the command line, the machine) and
+    """The whole comparison: fp32 and the int8 `forms` of the run's model (write_encoders) on
+    its first `limit` test images (all by default), each row with `extra(its file)`'s columns;
+    writes OUT/NAME.csv, OUT/NAME.md (the table under `title`, the command, the machine) and
     OUT/run.json."""
+    started, machine = C.start_benchmark(args.out, args.threads)
+    run = load_run(args.run)
+    limit = limit or len(run.dataset.y_test)
+    x = prepare_input(run.dataset.x_test[:limit], run.dataset.input_spec)
+    y = np.asarray(run.dataset.y_test[:limit])
+    with tempfile.TemporaryDirectory(prefix=f"knnper-{name}-") as tmp:
+        paths = write_encoders(run, Path(tmp), args.calibration_samples, forms)
+        encoders = {
+            f: Encoder(p.read_bytes(), intra_op_threads=args.threads) for f, p in paths.items()
+        }
+        outputs = {form: enc.run(x) for form, enc in encoders.items()}
+        singles = [x[i : i + 1] for i in range(len(x))]
+        times = C.interleaved_times(
+            {form: enc.run for form, enc in encoders.items()}, singles, args.reps, args.warmup
+        )
+        z32, l32 = outputs["fp32"]
+        rows = []
+        for form, (z, logits) in outputs.items():
+            cosine = (z * z32).sum(1) / (
+                np.linalg.norm(z, axis=1) * np.linalg.norm(z32, axis=1) + 1e-12
+            )
+            rows.append(
+                {
+                    "encoder": form,
+                    "bytes": paths[form].stat().st_size,
+                    "test_accuracy": round(float(np.mean(logits.argmax(1) == y)), 5),
+                    "argmax_agreement_fp32": round(
+                        float(np.mean(logits.argmax(1) == l32.argmax(1))), 5
+                    ),
+                    "min_cosine_fp32": round(float(cosine.min()), 5),
+                    "b1_p50_ms": round(1e3 * float(np.median(times[form])), 4),
+                    "b1_p90_ms": round(1e3 * float(np.percentile(times[form], 90)), 4),
+                    baseline[0]: round(
+                        float(np.median(times[form]) / np.median(times[baseline[1]])), 3
+                    ),
+                    "test_images": len(y),
+                    "reps": args.reps,
+                    **(extra(paths[form]) if extra else {}),
+                }
+            )
     head = C.report_head(
         title,
         machine,
