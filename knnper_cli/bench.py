@@ -7,6 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from edge_runtime.arg_types import output_dir, positive
+from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
 from experiments.lr_tuning import LR_GRID, parse_lr_grid
 from experiments.tables import (
@@ -20,11 +22,6 @@ from experiments.tables import (
 from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from fed_train.knn_request import KNNRequest
-from knnper_cli.args import (
-    examples,
-    output_dir,
-    positive,
-)
 from knnper_cli.commands import help_of
 from knnper_cli.training_args import add_training_arguments, config_from_args
 

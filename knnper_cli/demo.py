@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from edge_runtime.arg_types import output_dir, positive_int, seed
+from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
 from export.demo import format_demo_table, run_demo
 from fed_train.knn_request import KNNRequest
-from knnper_cli.args import examples, output_dir, positive_int, seed
 from knnper_cli.commands import help_of
 
 

@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime._io import is_stdout, write_output
+from edge_runtime.arg_types import (
+    count,
+    fraction,
+    output_dir,
+    output_file_or_stdout,
+    positive_float,
+    positive_int,
+)
+from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
 from edge_runtime.signing import SIGNATURE_FILE, load_public_key
 from fed_train.accelerator import resolve_device
@@ -29,15 +38,6 @@ from fed_train.flower.pki import make_node_key, make_server_tls
 from fed_train.flower.settings import FlowerSettings
 from fed_train.knn_request import KNNRequest
 from fed_train.run import RunConfig, read_config
-from knnper_cli.args import (
-    count,
-    examples,
-    fraction,
-    output_dir,
-    output_file_or_stdout,
-    positive_float,
-    positive_int,
-)
 from knnper_cli.commands import help_of
 from knnper_cli.training_args import add_training_arguments, config_from_args
 

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime._io import read_json_cache, write_text_atomic
+from edge_runtime.arg_types import output_dir, positive_int
+from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
 from experiments import model_update
 from experiments.context import QUICK, Context
@@ -33,11 +35,6 @@ from experiments.table_seeds import seed_dir
 from fed_train.accelerator import resolve_device
 from fed_train.knn_request import KNNRequest
 from fed_train.progress import Progress
-from knnper_cli.args import (
-    examples,
-    output_dir,
-    positive_int,
-)
 from knnper_cli.commands import help_of
 from knnper_cli.training_args import add_training_arguments, config_from_args
 

@@ -8,7 +8,9 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge_runtime.arg_types import byte_count, output_dir, positive_int, seed
 from edge_runtime.budget import Budget
+from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
 from export.errors import BudgetInvalid
 from export.options import DEVICE_EXTRAS, backend_choices
@@ -20,13 +22,6 @@ from export.profiles import (
     weak_strong_budgets,
 )
 from fed_train.knn_request import KNNRequest
-from knnper_cli.args import (
-    byte_count,
-    examples,
-    output_dir,
-    positive_int,
-    seed,
-)
 from knnper_cli.commands import help_of
 
 if TYPE_CHECKING:  # torch loads with these: the command imports them when it runs

@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime._io import is_stdout, write_output
+from edge_runtime.arg_types import (
+    count,
+    fraction,
+    output_dir,
+    output_file_or_stdout,
+    positive_int,
+    seed,
+)
+from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
 from fed_train import defaults
 from fed_train.accelerator import resolve_device
@@ -20,15 +29,6 @@ from fed_train.knn_setting import describe_record
 from fed_train.pretrain import PretrainConfig, pretrain
 from fed_train.run import load_run, train
 from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
-from knnper_cli.args import (
-    count,
-    examples,
-    fraction,
-    output_dir,
-    output_file_or_stdout,
-    positive_int,
-    seed,
-)
 from knnper_cli.commands import help_of
 from knnper_cli.training_args import (
     DATA_HELP,

@@ -1,6 +1,7 @@
 """The training flags of `train`, `pretrain`, `bench table`, `experiment` and `deploy`, and the
-RunConfig they make. Apart from knnper_cli.args because their defaults and choices come from
-the training code (torch): only those commands' parsers import it."""
+RunConfig they make. Apart from the light argument types (edge_runtime.arg_types) because their
+defaults and choices come from the training code (torch): only those commands' parsers import
+it."""
 
 from __future__ import annotations
 
