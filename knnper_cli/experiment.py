@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from fed_train.accelerator import resolve_device
 from fed_train.knn_request import KNNRequest
 from fed_train.progress import Progress
 from knnper_cli.commands import help_of
-from knnper_cli.training_args import add_training_arguments, config_from_args
+from knnper_cli.training_args import add_training_arguments, config_from_args, from_flags
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +191,7 @@ def _add_model_update(names: argparse._SubParsersAction) -> None:
 
 
 def _cmd_model_update(args: argparse.Namespace) -> int:
-    flagged = {f.name for f in fields(model_update.UpdateSettings)} & vars(args).keys()
-    settings = model_update.UpdateSettings(**{name: getattr(args, name) for name in flagged})
+    settings = from_flags(model_update.UpdateSettings, args)
     if args.quick:
         settings = replace(
             settings,

@@ -38,6 +38,7 @@ from knnper_cli.training_args import (
     add_sgd_arguments,
     add_training_arguments,
     config_from_args,
+    from_flags,
 )
 
 
@@ -87,25 +88,7 @@ def _cmd_client_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
-    config = PretrainConfig(
-        dataset=args.dataset,
-        data=args.data,
-        public_data=args.public_data,
-        model=args.model,
-        server_fraction=args.server_fraction,
-        val_fraction=args.val_fraction,
-        max_train=args.max_train,
-        epochs=args.epochs,
-        patience=args.patience,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        augment=args.augment,
-        precision=args.precision,
-        seed=args.seed,
-        weights_seed=args.weights_seed,
-    )
+    config = from_flags(PretrainConfig, args)
     record = pretrain(
         config, Path(args.out), progress=not args.no_progress, device=resolve_device(args.device)
     )

@@ -6,8 +6,9 @@ it."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from edge_runtime.arg_types import (
     FLOAT32_MAX,
@@ -23,6 +24,14 @@ from fed_train.data import DEFAULT_PATHS
 from fed_train.models import MODELS
 from fed_train.run import RunConfig
 from fed_train.training_config import TrainingConfig
+
+Settings = TypeVar("Settings")
+
+
+def from_flags(kind: type[Settings], args: argparse.Namespace) -> Settings:
+    """A settings dataclass from the flags named like its fields (the others keep defaults)."""
+    flagged = {f.name for f in fields(kind)} & vars(args).keys()
+    return kind(**{name: getattr(args, name) for name in flagged})
 
 
 def learning_rate(text: str) -> float:
