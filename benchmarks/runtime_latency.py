@@ -85,9 +85,6 @@ COLUMNS = [
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = C.datastore_sizes_parser(__doc__)
     p.add_argument(
-        "--encoder", choices=("int8", "fp32"), default="int8", help="the bundle's ONNX encoder"
-    )
-    p.add_argument(
         "--threads",
         type=C.positive_int,
         default=1,
@@ -103,13 +100,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1000,
         help="held-out test images used as queries (never stored as keys)",
     )
-    p.add_argument(
-        "--noise",
-        type=float,
-        default=0.01,
-        help="noise (x per-dimension std) on keys replicated past the real images",
-    )
-    p.add_argument("--protonn-steps", type=C.positive_int, default=50)
     p.add_argument("--lam", type=float, default=0.5, help="the bundles' lambda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

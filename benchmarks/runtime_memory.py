@@ -187,13 +187,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[1, 256],
         help="batch sizes of the one prediction each child makes",
     )
-    p.add_argument("--encoder", choices=("int8", "fp32"), default="int8")
     p.add_argument("--threads", type=C.positive_int, default=1)
     p.add_argument(
         "--target-mb", type=float, default=80.0, help="peak RSS target in MB (1e6 bytes)"
     )
-    p.add_argument("--noise", type=float, default=0.01)
-    p.add_argument("--protonn-steps", type=C.positive_int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--smoke",

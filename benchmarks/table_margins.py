@@ -41,7 +41,6 @@ TABLES = {
     "from scratch, CIFAR-10 v2": "tables/cifar10-v2/clients.csv",
 }
 COLUMNS = ("table", "group", "stat", "method", "versus", "diff", "low", "high", "verdict")
-NOT_METHODS = ("client_id", "unseen", "n_test")
 
 
 def client_rows(path: Path) -> list[dict[str, Any]]:

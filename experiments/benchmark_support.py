@@ -553,8 +553,8 @@ def device_parser(
 
 
 def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
-    """The flags the latency and memory benchmarks share: device_parser's, and which
-    datastores at which sizes; each script adds its own."""
+    """The flags the latency and memory benchmarks share: device_parser's, which datastores at
+    which sizes, the encoder and the keys; each script adds its own."""
     p = device_parser(doc, argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--sizes",
@@ -569,6 +569,16 @@ def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
         default=list(DEFAULT_RECIPES),
         help="datastore recipes, one per backend",
     )
+    p.add_argument(
+        "--encoder", choices=("int8", "fp32"), default="int8", help="the bundle's ONNX encoder"
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.01,
+        help="noise (x per-dimension std) on keys replicated past the real images",
+    )
+    p.add_argument("--protonn-steps", type=positive_int, default=50)
     return p
 
 
