@@ -83,29 +83,19 @@ CHILD_NUMPY_ORT = _REPORT + "import numpy, onnxruntime\nreport()\n"
 CHILD_TORCH_IMPORT = _REPORT + "import torch\nreport()\n"
 # onnxruntime's first session costs about 9 MiB whatever the model (kernel registries and library
 # pages touched): measured with a one-node model, so the rows can be read without it too.
-CHILD_ORT_SESSION = (
-    _REPORT
-    + """
-import numpy, onnxruntime as ort
+_ONE_SESSION = """
 options = ort.SessionOptions()
 options.intra_op_num_threads = 1
 ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
 report()
 """
-)
-
+CHILD_ORT_SESSION = _REPORT + "\nimport numpy, onnxruntime as ort" + _ONE_SESSION
 # The fixed floor: everything a bundle needs before its own bytes (the runtime's modules, which
 # import hashlib/OpenSSL among others, and onnxruntime's first session).
 CHILD_FLOOR = (
     _REPORT
-    + """
-import numpy, onnxruntime as ort
-import edge_runtime.runtime, edge_runtime.cli
-options = ort.SessionOptions()
-options.intra_op_num_threads = 1
-ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
-report()
-"""
+    + "\nimport numpy, onnxruntime as ort\nimport edge_runtime.runtime, edge_runtime.cli"
+    + _ONE_SESSION
 )
 
 CHILD_RUNTIME = (
