@@ -43,26 +43,12 @@ SCALE = {"clients": 50, "max_train": 8_000, "unseen_fraction": 0.2, "val_fractio
 
 
 def tables(cifar10: Path) -> dict[str, RunConfig]:
+    dirichlet = {"partition": "dirichlet", "alpha": 0.3, "training": TRAINING, **SCALE}
+    cifar = {"dataset": "cifar10", "data": str(cifar10), "training": TRAINING, **SCALE}
     return {
-        "fashion-mnist": RunConfig(
-            dataset="fashion-mnist", partition="dirichlet", alpha=0.3, training=TRAINING, **SCALE
-        ),
-        "cifar10": RunConfig(
-            dataset="cifar10",
-            data=str(cifar10),
-            partition="dirichlet",
-            alpha=0.3,
-            training=TRAINING,
-            **SCALE,
-        ),
-        "cifar10-v2": RunConfig(
-            dataset="cifar10",
-            data=str(cifar10),
-            partition="pathological",
-            classes_per_client=2,
-            training=TRAINING,
-            **SCALE,
-        ),
+        "fashion-mnist": RunConfig(dataset="fashion-mnist", **dirichlet),
+        "cifar10": RunConfig(dataset="cifar10", data=str(cifar10), **dirichlet),
+        "cifar10-v2": RunConfig(partition="pathological", classes_per_client=2, **cifar),
     }
 
 
