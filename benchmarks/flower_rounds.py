@@ -155,11 +155,10 @@ def compare_runs(
     their final weights, and of a client's kNN-Per accuracy between the Flower run's own
     federated evaluation (`federated`) and `knnper evaluate` on that run."""
     sim_run, flower_run = load_run(sim_dir), load_run(flower_dir)
-    sim_eval = evaluate_run(
-        sim_run, ["fedavg", "knnper"], knn=KNNRequest.from_args(args), progress=False
-    )
-    flower_eval = evaluate_run(
-        flower_run, ["fedavg", "knnper"], knn=KNNRequest.from_args(args), progress=False
+    knn = KNNRequest.from_args(args)
+    sim_eval, flower_eval = (
+        evaluate_run(r, ["fedavg", "knnper"], knn=knn, progress=False)
+        for r in (sim_run, flower_run)
     )
     sim_w, flower_w = get_weights(sim_run.model), get_weights(flower_run.model)
     by_client = {c["client_id"]: c for c in flower_eval["clients"]}
