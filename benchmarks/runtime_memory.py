@@ -37,9 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -193,32 +191,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_sampled(code: str, args: list[str], threads: int) -> dict[str, Any]:
-    """C.run_child, with the child's RssAnon sampled by this process while it runs: its
-    result gains peak_private_kib."""
-    env = dict(os.environ)
-    for name in C.THREAD_ENV:
-        env[name] = str(threads)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(C.REPO), env.get("PYTHONPATH")) if p)
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code, *args], stdout=out, stderr=subprocess.DEVNULL, env=env
-        )
-        peak, status = 0, Path(f"/proc/{proc.pid}/status")
-        while proc.poll() is None:
-            try:
-                text = status.read_text()
-                peak = max(peak, int(text.split("RssAnon:")[1].split()[0]))
-            except (OSError, IndexError, ValueError):
-                pass  # the process is starting or gone
-            time.sleep(0.001)
-        if proc.returncode != 0:
-            raise RuntimeError(f"child process failed with exit code {proc.returncode}")
-        out.seek(0)
-        result = json.loads(out.read().strip().splitlines()[-1])
-    return {**result, "peak_private_kib": peak}
-
-
 def rss_row(result: dict[str, Any], target_mb: float, **fields: Any) -> dict[str, Any]:
     kib = int(result["vmhwm_kib"] if result.get("vmhwm_kib") else result["maxrss_kib"])
     mb = kib * 1024 / 1e6
@@ -286,116 +258,122 @@ def _one_node_model(work: Path) -> Path:
     return work / "one_node.onnx"
 
 
+def reference_rows(
+    args: argparse.Namespace, work: Path, inputs: dict[int, Path], gm: Any
+) -> tuple[list[dict[str, Any]], tuple[float, float, float]]:
+    """The processes a bundle's is measured against: bare Python and its imports, one
+    onnxruntime session, the runtime's floor, and the torch model predicting; and the three
+    baselines (numpy + onnxruntime RSS, one session's RSS, the floor's private MiB)."""
+    target, rows = args.target_mb, []
+    references = [
+        ("python (bare)", CHILD_BARE),
+        ("python + numpy + onnxruntime imported", CHILD_NUMPY_ORT),
+    ]
+    if not args.smoke:  # the torch model row below imports torch too
+        references.append(("python + torch imported", CHILD_TORCH_IMPORT))
+    for name, code in references:
+        rows.append(rss_row(C.run_sampled(code, [], threads=args.threads), target, process=name))
+        log.info("%s: %.1f MiB", name, rows[-1]["peak_rss_mib"])
+    bare_mib = rows[1]["peak_rss_mib"]  # numpy + onnxruntime imported
+    one_node = [str(_one_node_model(work))]
+    for code, process in (
+        (CHILD_ORT_SESSION, "python + numpy + onnxruntime + one one-node session"),
+        (
+            CHILD_FLOOR,
+            "floor: python + numpy + onnxruntime + runtime modules + one one-node session",
+        ),
+    ):
+        result = C.run_sampled(code, one_node, threads=args.threads)
+        rows.append(rss_row(result, target, process=process))
+    session_mib, floor_mib = rows[-2]["peak_rss_mib"], rows[-1]["peak_private_mib"]
+    log.info("floor: %.1f MiB private, %.1f MiB RSS", floor_mib, rows[-1]["peak_rss_mib"])
+    for b in args.batches:
+        child_args = [json.dumps(gm.spec), str(inputs[b]), str(args.threads), str(gm.num_classes)]
+        result = C.run_sampled(CHILD_TORCH_MODEL, child_args, threads=args.threads)
+        process = "torch small CNN (float32) predicts"
+        rows.append(rss_row(result, target, process=process, batch=b))
+        log.info("torch model, batch %d: %.1f MiB", b, rows[-1]["peak_rss_mib"])
+    return rows, (bare_mib, session_mib, floor_mib)
+
+
+def bundle_rows(
+    recipe: str,
+    keys: tuple[np.ndarray, np.ndarray],
+    encoder: Path,
+    work: Path,
+    inputs: dict[int, Path],
+    gm: Any,
+    args: argparse.Namespace,
+    baselines: tuple[float, float, float],
+) -> list[dict[str, Any]]:
+    """A bundle of `recipe` over `keys` at the tightest budget the exporter's memory model
+    gives it, loaded and predicting in a fresh process at every batch size."""
+    (z, y), (bare_mib, session_mib, floor_mib) = keys, baselines
+    backend = C.recipe_label(recipe)
+    ds = C.build_datastore(
+        recipe, z, y, gm.num_classes, seed=args.seed, protonn_steps=args.protonn_steps
+    )
+    path = work / "bundles" / f"{backend}-{len(z)}"
+    # the tightest budget the exporter's memory model (estimate_nbytes) gives it,
+    # and at least its files (an estimate for hnsw)
+    budget = encoder.stat().st_size + max(measure_nbytes(ds), ds.nbytes)
+    manifest = C.write_benchmark_bundle(path, encoder, ds, gm.spec, budget_bytes=budget)
+    fp, rows = manifest.footprint, []
+    for b in args.batches:
+        result = C.run_sampled(
+            CHILD_RUNTIME, [str(path), str(inputs[b]), str(args.threads)], threads=args.threads
+        )
+        peak = rss_row(result, args.target_mb)["peak_rss_mib"]
+        private = result["peak_private_kib"] / 1024
+        rows.append(
+            rss_row(
+                result,
+                args.target_mb,
+                process="edge runtime loads bundle and predicts",
+                backend=backend,
+                recipe=manifest.recipe,
+                keys=len(z),
+                stored=len(ds),
+                batch=b,
+                encoder_bytes=fp.encoder,
+                datastore_bytes=fp.datastore,
+                bundle_bytes=fp.total,
+                **_against_budget(peak, bare_mib, session_mib, budget),
+                **_private(private, floor_mib, budget, fp.total, backend),
+            )
+        )
+        log.info(
+            "%s x %d, batch %d: %.1f MiB (server-side imports: %s)",
+            recipe,
+            len(z),
+            b,
+            rows[-1]["peak_rss_mib"],
+            rows[-1]["server_side_imported"],
+        )
+    shutil.rmtree(path, ignore_errors=True)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started, machine, gm, pool = C.start_device_benchmark(
         args, threads=args.threads, queries=max(args.batches), smoke_train=1000
     )
-    spec, num_classes = gm.spec, gm.num_classes
-    pool_idx, z_pool, y_pool, queries = pool.pool_idx, pool.z, pool.y, pool.queries
-
-    rows: list[dict[str, Any]] = []
-    target, threads = args.target_mb, str(args.threads)
     work = Path(tempfile.mkdtemp(prefix="knnper-memory-"))
     try:
-        inputs = {}
-        for b in args.batches:
-            inputs[b] = work / f"inputs_{b}.npy"
-            np.save(inputs[b], queries[:b], allow_pickle=False)
-        references = [
-            ("python (bare)", CHILD_BARE),
-            ("python + numpy + onnxruntime imported", CHILD_NUMPY_ORT),
-        ]
-        if not args.smoke:  # the torch model row below imports torch too
-            references.append(("python + torch imported", CHILD_TORCH_IMPORT))
-        for name, code in references:
-            rows.append(rss_row(run_sampled(code, [], threads=args.threads), target, process=name))
-            log.info("%s: %.1f MiB", name, rows[-1]["peak_rss_mib"])
-        bare_mib = rows[1]["peak_rss_mib"]  # numpy + onnxruntime imported
-        rows.append(
-            rss_row(
-                run_sampled(CHILD_ORT_SESSION, [str(_one_node_model(work))], threads=args.threads),
-                target,
-                process="python + numpy + onnxruntime + one one-node session",
-            )
-        )
-        session_mib = rows[-1]["peak_rss_mib"]
-        rows.append(
-            rss_row(
-                run_sampled(CHILD_FLOOR, [str(_one_node_model(work))], threads=args.threads),
-                target,
-                process="floor: python + numpy + onnxruntime + runtime modules + "
-                "one one-node session",
-            )
-        )
-        floor_mib = rows[-1]["peak_private_mib"]
-        log.info("floor: %.1f MiB private, %.1f MiB RSS", floor_mib, rows[-1]["peak_rss_mib"])
-        for b in args.batches:
-            result = run_sampled(
-                CHILD_TORCH_MODEL,
-                [json.dumps(spec), str(inputs[b]), threads, str(num_classes)],
-                threads=args.threads,
-            )
-            rows.append(
-                rss_row(result, target, process="torch small CNN (float32) predicts", batch=b)
-            )
-            log.info("torch model, batch %d: %.1f MiB", b, rows[-1]["peak_rss_mib"])
-
-        calib = prepare_input(C.images(gm.dataset, pool_idx[: 64 if args.smoke else 256]), spec)
+        inputs = {b: work / f"inputs_{b}.npy" for b in args.batches}
+        for b, path in inputs.items():
+            np.save(path, pool.queries[:b], allow_pickle=False)
+        rows, baselines = reference_rows(args, work, inputs, gm)
+        calib_idx = pool.pool_idx[: 64 if args.smoke else 256]
+        calib = prepare_input(C.images(gm.dataset, calib_idx), gm.spec)
         encoder = C.export_encoder(gm.model, calib, work / "encoder", encoder=args.encoder)
         shipped = encoder.with_name("encoder_optimized.onnx")  # as the exporter ships it
         shipped.write_bytes(optimize_encoder(encoder.read_bytes()))
-        encoder = shipped
         for size in args.sizes:
-            z, y = C.replicate_keys(z_pool, y_pool, size, noise=args.noise, seed=args.seed)
+            keys = C.replicate_keys(pool.z, pool.y, size, noise=args.noise, seed=args.seed)
             for recipe in args.recipes:
-                backend = C.recipe_label(recipe)
-                ds = C.build_datastore(
-                    recipe, z, y, num_classes, seed=args.seed, protonn_steps=args.protonn_steps
-                )
-                path = work / "bundles" / f"{backend}-{size}"
-                # the tightest budget the exporter's memory model (estimate_nbytes) gives it,
-                # and at least its files (an estimate for hnsw)
-                budget = encoder.stat().st_size + max(measure_nbytes(ds), ds.nbytes)
-                manifest = C.write_benchmark_bundle(path, encoder, ds, spec, budget_bytes=budget)
-                fp = manifest.footprint
-                for b in args.batches:
-                    result = run_sampled(
-                        CHILD_RUNTIME, [str(path), str(inputs[b]), threads], threads=args.threads
-                    )
-                    peak = rss_row(result, target)["peak_rss_mib"]
-                    rows.append(
-                        rss_row(
-                            result,
-                            target,
-                            process="edge runtime loads bundle and predicts",
-                            backend=backend,
-                            recipe=manifest.recipe,
-                            keys=size,
-                            stored=len(ds),
-                            batch=b,
-                            encoder_bytes=fp.encoder,
-                            datastore_bytes=fp.datastore,
-                            bundle_bytes=fp.total,
-                            **_against_budget(peak, bare_mib, session_mib, budget),
-                            **_private(
-                                result["peak_private_kib"] / 1024,
-                                floor_mib,
-                                budget,
-                                fp.total,
-                                backend,
-                            ),
-                        )
-                    )
-                    log.info(
-                        "%s x %d, batch %d: %.1f MiB (server-side imports: %s)",
-                        recipe,
-                        size,
-                        b,
-                        rows[-1]["peak_rss_mib"],
-                        rows[-1]["server_side_imported"],
-                    )
-                shutil.rmtree(path, ignore_errors=True)
+                rows += bundle_rows(recipe, keys, shipped, work, inputs, gm, args, baselines)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
