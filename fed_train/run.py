@@ -86,9 +86,7 @@ class RunConfig:
     model: str | None = None
     seed: int = 0
     checkpoint_every: int = 5
-    init: str | None = None  # a pretrain directory or a .pt state dict every method starts from
-    # a finished run whose model this one continues training (its weights are the start, its
-    # pretraining's server split stays the server's): the lineage its exports record
+    init: str | None = None
     continue_from: str | None = None
     training: TrainingConfig = field(default_factory=TrainingConfig)
 
