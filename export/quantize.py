@@ -13,13 +13,14 @@ without the dot-product instructions, WebAssembly), because nothing in it depend
   ARM). Quantized, the input's QuantizeLinear divides and rounds one value at a time: the same
   everywhere.
 - GroupNorm's statistics (an InstanceNormalization, summed in float in the CPU's vector order)
-  are computed from the quantized integers, exactly (export/integer_norm.py).
+  are computed from the quantized integers, exactly (export/integer_norm.py), in int32 where
+  `check_integer_sums` proves every partial sum fits.
 - A quantized Add is written as a float Sum between its DequantizeLinear and QuantizeLinear
   nodes: onnxruntime fuses an Add there into QLinearAdd, which computes in float32 on x86 and in
   fixed point on ARM and differs by one step on about 1 output in 10^4; a float sum of two
   dequantized values is one IEEE rounding, and no onnxruntime level fuses a Sum.
-`check_integer_path` proves all but the statistics' rewrite from every encoder written (it
-refuses an InstanceNormalization that reads quantized values too).
+`check_integer_path` proves each of these from every encoder written (it refuses an
+InstanceNormalization that reads quantized values too).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from onnxruntime.quantization import (
 )
 
 from export.errors import ExportError
-from export.integer_norm import integer_group_norms
+from export.integer_norm import check_integer_sums, integer_group_norms
 from export.onnx_export import INPUT_NAME, OUTPUT_NAMES
 from fed_train.algorithms.base import ClientData
 
@@ -154,6 +155,21 @@ def sum_for_quantized_adds(model: onnx.ModelProto) -> int:
     return turned
 
 
+def shapes_from_integers(model: onnx.ModelProto) -> int:
+    """Point every Shape that reads a DequantizeLinear's output at that node's integer input
+    (the same shape): onnxruntime would otherwise dequantize a whole tensor to read its shape
+    (GroupNorm's Reshape back to [N, C, H, W], once per norm). Returns how many were moved."""
+    dequantized = {
+        n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "DequantizeLinear"
+    }
+    moved = 0
+    for node in model.graph.node:
+        if node.op_type == "Shape" and node.input[0] in dequantized:
+            node.input[0] = dequantized[node.input[0]]
+            moved += 1
+    return moved
+
+
 class _DropPreprocessingAdvice(logging.Filter):
     """onnxruntime's quantizer logs, on the root logger, advice to run its shape-inference
     preprocessing; our graphs come from torch with shapes already inferred."""
@@ -201,11 +217,13 @@ def pair_sum_bound(weights: np.ndarray) -> int:
 
 def check_integer_path(model: onnx.ModelProto) -> None:
     """Raise unless the encoder's integers are defined the same on every CPU: no pair of
-    uint8 x int8 products can leave int16 (`check_pair_sums`), the graph input is quantized by
+    uint8 x int8 products can leave int16 (`check_pair_sums`), no integer sum of GroupNorm's
+    statistics can leave its type (`check_integer_sums`), the graph input is quantized by
     the first node that reads it (a float layer before the first QuantizeLinear would round by
     its kernel's summation order), and no Add or QLinearAdd sums quantized values (onnxruntime
     fuses one into QLinearAdd, which rounds by kernel)."""
     check_pair_sums(model)
+    check_integer_sums(model)
     readers = [node for node in model.graph.node if INPUT_NAME in node.input]
     if [node.op_type for node in readers] != ["QuantizeLinear"]:
         raise ExportError(
@@ -296,6 +314,7 @@ def quantize_int8(
     if not previous_form:
         integer_group_norms(quantized)
         sum_for_quantized_adds(quantized)
+        shapes_from_integers(quantized)
         onnx.save(quantized, out_path)
     if weights != "int8":
         (check_pair_sums if previous_form else check_integer_path)(quantized)

@@ -17,7 +17,7 @@ import torch
 from edge_runtime.encoder import optimize_encoder
 from edge_runtime.preprocess import prepare_input
 from export.errors import ExportError
-from export.integer_norm import integer_group_norms
+from export.integer_norm import check_integer_sums, integer_group_norms
 from export.onnx_export import export_onnx
 from export.quantize import (
     INT16_MAX,
@@ -82,6 +82,7 @@ def mobilenet(tmp_path_factory):
     root = tmp_path_factory.mktemp("mobilenet")
     export_onnx(model, x[:8], root / "fp32.onnx")
     path = quantize_int8(root / "fp32.onnx", root / "int8.onnx", x[:32])
+    (root / "int8.raw.onnx").write_bytes(path.read_bytes())  # as quantize_int8 wrote it
     path.write_bytes(optimize_encoder(path.read_bytes()))
     return path, x, root
 
@@ -105,14 +106,65 @@ def test_every_operator_of_a_mobilenet_gn_encoder_equals_the_exact_integers(mobi
     """Every node is either checked against its integer definition or has no quantized
     arithmetic (node_differences raises on any other); the depthwise convolutions, GroupNorm's
     affine QLinearMul and the pooling are among the checked."""
-    path, x, _ = mobilenet
+    path, x, root = mobilenet
     report = node_differences(path, x)
     kinds = {diff["op_type"] for diff in report.values()}
     assert {"QLinearConv", "QLinearMul", "QLinearGlobalAveragePool", "QuantizeLinear"} <= kinds
     groups = [a.i for n in onnx.load(path).graph.node for a in n.attribute if a.name == "group"]
     assert max(groups) > 1  # depthwise
     _assert_exact(report)
-    check_integer_path(onnx.load(path))
+    check_integer_path(onnx.load(root / "int8.raw.onnx"))
+
+
+def test_groupnorm_sums_run_in_int32_and_leave_nothing_unread(mobilenet):
+    """The exact GroupNorm sums in int32 (int64 made mobilenet-v2-gn's encoder 4x slower),
+    drops the DequantizeLinear it no longer reads, and a Shape reads the integers rather than
+    a whole dequantized tensor."""
+    _, _, root = mobilenet
+    model = onnx.load(root / "int8.raw.onnx")
+    sums = [n for n in model.graph.node if n.op_type == "ReduceSum"]
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True).graph.value_info
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred}
+    assert sums and {types[n.output[0]] for n in sums} == {onnx.TensorProto.INT32}
+    read = {name for n in model.graph.node for name in n.input} | {"embedding", "logits"}
+    dequantize = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert all(n.output[0] in read for n in dequantize)
+    dequantized = {n.output[0] for n in dequantize}
+    assert not [n for n in model.graph.node if n.op_type == "Shape" and n.input[0] in dequantized]
+    check_integer_sums(model)
+
+
+def _sum_of_squares(n: int, size: str | int) -> onnx.ModelProto:
+    """int32 (q - 7)^2 summed over the last axis of a uint8 [1, 1, n] input (`size`: its
+    stated length, or a name where the graph does not state it)."""
+    nodes = [
+        onnx.helper.make_node("Cast", ["q"], ["qi"], name="cast", to=onnx.TensorProto.INT32),
+        onnx.helper.make_node("Sub", ["qi", "zp"], ["d"], name="d"),
+        onnx.helper.make_node("Mul", ["d", "d"], ["dd"], name="dd"),
+        onnx.helper.make_node("ReduceSum", ["dd", "axes"], ["s2"], name="s2"),
+    ]
+    inits = [
+        onnx.numpy_helper.from_array(np.array(7, np.int32), "zp"),
+        onnx.numpy_helper.from_array(np.array([-1], np.int64), "axes"),
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "g",
+        [onnx.helper.make_tensor_value_info("q", onnx.TensorProto.UINT8, [1, 1, size])],
+        [onnx.helper.make_tensor_value_info("s2", onnx.TensorProto.INT32, None)],
+        inits,
+    )
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def test_the_check_proves_int32_sums_or_refuses_them():
+    """(q - 7)^2 is at most 248^2 = 61504: 34,916 of them fit int32, 34,917 can wrap; a sum
+    over a length the graph does not state cannot be bounded."""
+    check_integer_sums(_sum_of_squares(34_916, 34_916))
+    with pytest.raises(ExportError, match=r"ReduceSum s2 can reach 2147535168, past int32"):
+        check_integer_sums(_sum_of_squares(34_917, 34_917))
+    with pytest.raises(ExportError, match="ReduceSum s2 computes integers .* cannot bound"):
+        check_integer_sums(_sum_of_squares(10, "n"))
 
 
 def test_the_check_refuses_what_rounds_by_kernel(mobilenet):
@@ -122,7 +174,7 @@ def test_the_check_refuses_what_rounds_by_kernel(mobilenet):
     before = quantize_int8(root / "fp32.onnx", root / "before.onnx", x[:32], previous_form=True)
     with pytest.raises(ExportError, match="read by Conv .*, not quantized first"):
         check_integer_path(onnx.load(before))
-    model = onnx.load(root / "int8.onnx")
+    model = onnx.load(root / "int8.raw.onnx")
     next(n for n in model.graph.node if n.op_type == "Sum").op_type = "Add"
     model.graph.ClearField("value_info")
     with pytest.raises(ExportError, match="adds quantized values"):
@@ -139,13 +191,30 @@ def test_qlinear_add_rounds_by_kernel():
     assert qlinear_add(*args, np.float32(0.02197131), np.uint8(0)) == 169
 
 
-def test_groupnorm_from_the_integers_equals_instance_normalization():
+def _integer_norm(q, scale, zero_point, gamma, beta, epsilon=1e-5) -> np.ndarray:
+    """export.integer_norm's definition in numpy: exact integer statistics, then one float32
+    rounding per step."""
+    d = q.astype(np.int64) - int(zero_point)
+    n = d.shape[-1]
+    s1, s2 = d.sum(-1, keepdims=True), (d * d).sum(-1, keepdims=True)
+    f = np.float32
+    var = (n * s2 - s1 * s1).astype(f) / f(n * n)
+    std = np.sqrt(var + f(f(epsilon) / f(scale) ** 2))
+    normed = (d.astype(f) - s1.astype(f) / f(n)) / std
+    return normed * gamma.reshape(-1, 1) + beta.reshape(-1, 1)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 50), (1, 2, 40_000)])
+def test_groupnorm_from_the_integers_equals_instance_normalization(shape):
     """export.integer_norm's rewrite computes what InstanceNormalization computes on the
-    dequantized values, to float rounding."""
+    dequantized values, to float rounding, and exactly its own definition: with int32 sums
+    for a small group, int64 past 33,025 elements."""
     rng = np.random.default_rng(0)
-    q = rng.integers(0, 256, size=(3, 4, 50), dtype=np.uint8)
+    q = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    groups, n = shape[1:]
     scale, zero_point = np.float32(0.037), np.uint8(119)
-    gamma, beta = rng.normal(size=4).astype(np.float32), rng.normal(size=4).astype(np.float32)
+    gamma = rng.normal(size=groups).astype(np.float32)
+    beta = rng.normal(size=groups).astype(np.float32)
     inits = [
         onnx.numpy_helper.from_array(np.asarray(v), name)
         for name, v in (("s", scale), ("z", zero_point), ("g", gamma), ("b", beta))
@@ -158,7 +227,7 @@ def test_groupnorm_from_the_integers_equals_instance_normalization():
             ),
         ],
         "g",
-        [onnx.helper.make_tensor_value_info("q", onnx.TensorProto.UINT8, [None, 4, 50])],
+        [onnx.helper.make_tensor_value_info("q", onnx.TensorProto.UINT8, [None, groups, n])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
         inits,
     )
@@ -171,7 +240,12 @@ def test_groupnorm_from_the_integers_equals_instance_normalization():
     expected = run(model)
     assert integer_group_norms(model) == 1
     assert "InstanceNormalization" not in {n.op_type for n in model.graph.node}
-    np.testing.assert_allclose(run(model), expected, rtol=1e-5, atol=1e-5)
+    wide = next(n for n in model.graph.node if n.op_type == "Cast").attribute[0].i
+    assert wide == (onnx.TensorProto.INT32 if n <= 33_025 else onnx.TensorProto.INT64)
+    check_integer_sums(model)
+    got = run(model)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(got, _integer_norm(q, scale, zero_point, gamma, beta))
 
 
 def test_the_whole_encoder_equals_the_exact_reference(encoders, digits):
