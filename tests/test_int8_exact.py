@@ -8,6 +8,8 @@ cannot change them, and nothing float that rounds by kernel comes before a Quant
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -71,6 +73,24 @@ class _SmallMobileNet(MobileNetV2):
     the operators of mobilenet-v2-gn's int8 encoder in a second, not a minute."""
 
     _SETTINGS = ((1, 16, 1, 1), (2, 16, 2, 1))
+
+
+def test_quantizing_a_groupnorm_logs_no_bias_warnings(tmp_path, caplog):
+    """onnxruntime's quantizer warned "Expected bias ... to be an initializer" once per
+    GroupNorm (52 lines for mobilenet-v2-gn); the exporter silences that message while it
+    quantizes, and only then: the root logger's filters are as before."""
+    torch.manual_seed(0)
+    model = _SmallMobileNet(10, 3, embedding_dim=32, norm="group").eval()
+    x = np.random.default_rng(0).normal(size=(8, 3, 8, 8)).astype(np.float32)
+    export_onnx(model, x, tmp_path / "fp32.onnx")
+    filters = list(logging.getLogger().filters)
+    with caplog.at_level(logging.WARNING):
+        quantize_int8(tmp_path / "fp32.onnx", tmp_path / "int8.onnx", x)
+    assert not [r for r in caplog.records if "Expected bias" in r.getMessage()]
+    assert logging.getLogger().filters == filters
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger().warning("Expected bias elsewhere")
+    assert [r for r in caplog.records if "Expected bias" in r.getMessage()]
 
 
 @pytest.fixture(scope="module")
