@@ -116,30 +116,17 @@ def _claims(points: list[dict], clients: list[dict]) -> list[Claim]:
     values = [IID_ALPHA if a == "iid" else float(a) for a in alphas]
     rho = spearman(values, [gains[a] for a in alphas])
     shown = ", ".join(f"alpha {a}: {100 * gains[a]:+.1f} pp" for a in alphas)
+    title = "kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)"
+    claims = [Claim(title, shown, "not measured")]
     if len(alphas) >= 2:
         first, last = alphas[0], alphas[-1]
         iv = interval(
             lambda idx: gain(first, idx[0]) - gain(last, idx[1]),
             [aligned[first].strata, aligned[last].strata],
         )
-        claims = [
-            Claim(
-                "kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
-                f"{shown}"
-                + (f"; Spearman(alpha, gain) = {rho:+.2f}" if rho is not None else "")
-                + f"; gain at alpha {first} minus at {last}: "
-                f"{pp(iv)}",
-                call(iv),
-            )
-        ]
-    else:
-        claims = [
-            Claim(
-                "kNN-Per's gain over FedAvg grows with heterogeneity (smaller alpha)",
-                shown,
-                "not measured",
-            )
-        ]
+        spearman_text = f"; Spearman(alpha, gain) = {rho:+.2f}" if rho is not None else ""
+        margin = f"; gain at alpha {first} minus at {last}: {pp(iv)}"
+        claims = [Claim(title, shown + spearman_text + margin, call(iv))]
     calls, parts = [], []
     for a in alphas:
         over_fed, over_loc = paired(aligned[a], knn, fed), paired(aligned[a], knn, loc)
