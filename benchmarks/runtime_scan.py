@@ -117,9 +117,9 @@ def integer_scan_session(scale: np.ndarray, dim: int) -> ort.InferenceSession:
     g = _Graph(17)
     g.input("q", P.FLOAT, ["m", dim])
     g.input("keys_t", P.INT8, [dim, "n"])
-    g.input("key_sums", P.INT32, ["n"])
+    g.input("key_offsets", P.INT32, ["n"])
     g.nodes.append(
-        P.node("Identity", [_int8_products(g, "q", "keys_t", "key_sums", scale)], ["products"])
+        P.node("Identity", [_int8_products(g, "q", "keys_t", "key_offsets", scale)], ["products"])
     )
     graph = P.graph(
         "scan", g.nodes, g.inputs, [P.value_info("products", P.FLOAT, None)], g.initializers
@@ -153,7 +153,7 @@ def scan_rows(
                 for d, ds in stores.items()
             }
             scans["integer"] = lambda q=q, s=session, ds=int8: s.run(
-                None, {"q": q, "keys_t": ds.keys_t_, "key_sums": ds.key_sums_}
+                None, {"q": q, "keys_t": ds.keys_t_, "key_offsets": ds.key_offsets_}
             )
             if batch == 1:
                 keys_np = stores["fp32"].keys()  # [n, p], the runtime's earlier layout

@@ -352,6 +352,9 @@ def transposed_key_norms(keys_t: np.ndarray, scale: np.ndarray | None = None) ->
 # (Q + QUERY_LEVELS + 1) must stay <= 127 for the integer products to be exact; measured here:
 # wrong products with full 8-bit queries, exact with 7-bit ones.
 QUERY_LEVELS = 63
+# The shift that makes the quantised query uint8 for onnxruntime's integer kernel; each key's
+# sum times it is taken back off the products (a flat datastore holds it: key_offsets_).
+QUERY_SHIFT = QUERY_LEVELS + 1
 
 
 def int8_query(q: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
+# A protobuf message as bytes, or a view into a larger one (see `fields`).
+Buffer = bytes | memoryview
+
 # TensorProto.DataType
 FLOAT, UINT8, INT8, INT32, INT64, FLOAT16, DOUBLE = 1, 2, 3, 6, 7, 10, 11
 _DTYPES = {
@@ -47,7 +50,7 @@ def _key(field: int, wire: int) -> bytes:
     return _varint(field << 3 | wire)
 
 
-def _bytes(field: int, data: bytes) -> bytes:
+def _bytes(field: int, data: Buffer) -> bytes:
     return _key(field, _BYTES) + _varint(len(data)) + data
 
 
@@ -63,12 +66,18 @@ def _float(field: int, value: float) -> bytes:
     return _key(field, _FIXED32) + struct.pack("<f", value)
 
 
+def tensor_type(dtype: np.dtype) -> int:
+    """The TensorProto data type of a numpy dtype."""
+    kind = _DTYPES.get(np.dtype(dtype))
+    if kind is None:
+        raise ValueError(f"no ONNX tensor type for dtype {dtype}")
+    return kind
+
+
 def tensor(name: str, array: np.ndarray) -> bytes:
     """TensorProto: dims (1), data_type (2), name (8), raw_data (9, little-endian)."""
     array = np.asarray(array)
-    kind = _DTYPES.get(array.dtype)
-    if kind is None:
-        raise ValueError(f"no ONNX tensor type for dtype {array.dtype}")
+    kind = tensor_type(array.dtype)
     dims = b"".join(_int(1, d) for d in array.shape)
     data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
     return dims + _int(2, kind) + _str(8, name) + _bytes(9, data)
@@ -125,17 +134,20 @@ def graph(
     outputs: Sequence[bytes],
     initializers: Sequence[bytes] = (),
     *,
-    prefix: bytes = b"",
+    prefix: Sequence[Buffer] = (),
 ) -> bytes:
     """GraphProto: node (1), name (2), initializer (5), input (11), output (12); `prefix` (graph
-    fields, e.g. an inlined graph's nodes) goes first, so nodes stay in topological order."""
-    return (
-        prefix
-        + nodes(items)
-        + _str(2, name)
-        + b"".join(_bytes(5, t) for t in initializers)
-        + b"".join(_bytes(11, v) for v in inputs)
-        + b"".join(_bytes(12, v) for v in outputs)
+    fields, e.g. an inlined graph's nodes) goes first, so nodes stay in topological order.
+    Joined once: an inlined encoder's bytes are copied once, not once per part."""
+    return b"".join(
+        [
+            *prefix,
+            nodes(items),
+            _str(2, name),
+            *(_bytes(5, t) for t in initializers),
+            *(_bytes(11, v) for v in inputs),
+            *(_bytes(12, v) for v in outputs),
+        ]
     )
 
 
@@ -149,19 +161,22 @@ def model(
 ) -> bytes:
     """ModelProto: ir_version (1), producer_name (2), graph (7), opset_import (8),
     metadata_props (14)."""
-    out = _int(1, ir_version) + _str(2, producer) + _bytes(7, graph_bytes)
+    parts = [_int(1, ir_version), _str(2, producer)]
+    parts += [_key(7, _BYTES), _varint(len(graph_bytes)), graph_bytes]  # not copied twice
     for domain, version in opsets.items():
-        out += _bytes(8, (_str(1, domain) if domain else b"") + _int(2, version))
+        parts.append(_bytes(8, (_str(1, domain) if domain else b"") + _int(2, version)))
     for key, value in (metadata or {}).items():
-        out += _bytes(14, _str(1, key) + _str(2, value))
-    return out
+        parts.append(_bytes(14, _str(1, key) + _str(2, value)))
+    return b"".join(parts)
 
 
 # ----------------------------------------------------------------------------- reading
 
 
-def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes, bytes]]:
-    """(field number, wire type, value, the field's raw bytes) of one message's top level."""
+def fields(data: Buffer) -> Iterator[tuple[int, int, int | memoryview, memoryview]]:
+    """(field number, wire type, value, the field's raw bytes) of one message's top level.
+    Length-delimited values and the raw bytes are views into `data`, not copies: an encoder's
+    graph is read without holding it twice (what a device holds at load counts)."""
     view, pos, end = memoryview(data), 0, len(data)
     while pos < end:
         start = pos
@@ -173,7 +188,7 @@ def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes, bytes]]:
             size, pos = _read_varint(view, pos)
             if pos + size > end:
                 raise ValueError("a length-delimited field runs past the message")
-            value, pos = bytes(view[pos : pos + size]), pos + size
+            value, pos = view[pos : pos + size], pos + size
         elif wire in (_FIXED32, _FIXED64):
             width = 4 if wire == _FIXED32 else 8
             value, pos = int.from_bytes(view[pos : pos + width], "little"), pos + width
@@ -181,7 +196,7 @@ def fields(data: bytes) -> Iterator[tuple[int, int, int | bytes, bytes]]:
             raise ValueError(f"unsupported protobuf wire type {wire}")
         if pos > end:
             raise ValueError("a field runs past the message")
-        yield field, wire, value, bytes(view[start:pos])
+        yield field, wire, value, view[start:pos]
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -197,10 +212,10 @@ def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
             return value, pos
 
 
-def _name(message: bytes, field: int = 1) -> str:
+def _name(message: Buffer, field: int = 1) -> str:
     for number, wire, value, _ in fields(message):
         if number == field and wire == _BYTES:
-            return value.decode("utf-8")
+            return str(value, "utf-8")
     return ""
 
 
@@ -216,7 +231,7 @@ class ParsedModel:
             if number == 25:
                 self.functions += raw
             elif number == 14:
-                entry = {f: v.decode("utf-8") for f, _, v, _ in fields(value)}
+                entry = {f: str(v, "utf-8") for f, _, v, _ in fields(value)}
                 self.metadata[entry.get(1, "")] = entry.get(2, "")
             elif number == 1:
                 self.ir_version = int(value)
@@ -225,7 +240,7 @@ class ParsedModel:
             elif number == 8:
                 domain, version = "", 1
                 for f, _, v, _ in fields(value):
-                    domain = v.decode("utf-8") if f == 1 else domain
+                    domain = str(v, "utf-8") if f == 1 else domain
                     version = int(v) if f == 2 else version
                 self.opsets[domain] = version
         if graph_bytes is None:
@@ -237,26 +252,27 @@ class ParsedModel:
         ]
         self.outputs = [_name(v) for f, _, v, _ in self.graph_fields if f == 12]
 
-    def graph_body(self, rename_input: tuple[str, str]) -> bytes:
+    def graph_body(self, rename_input: tuple[str, str]) -> list[Buffer]:
         """The graph's nodes, initializers and value infos (not its name, inputs or outputs),
+        as graph fields for `graph(prefix=...)` (views into the model's bytes where unchanged),
         with every node input named rename_input[0] renamed to rename_input[1]. Nodes with
         subgraphs are refused: their inner references would not be renamed."""
         old, new = rename_input
-        out = []
+        out: list[Buffer] = []
         for number, _, value, raw in self.graph_fields:
             if number == 1:
                 out.append(_bytes(1, _renamed_node(value, old, new)))
             elif number in (5, 13, 14, 15):  # initializer, value_info, quantization, sparse
                 out.append(raw)
-        return b"".join(out)
+        return out
 
 
-def _renamed_node(message: bytes, old: str, new: str) -> bytes:
+def _renamed_node(message: Buffer, old: str, new: str) -> bytes:
     parts = []
     for number, _, value, raw in fields(message):
         if number == 5 and any(f in (6, 11) for f, _, _, _ in fields(value)):
             raise ValueError("the encoder has control-flow subgraphs; they cannot be inlined")
-        if number == 1 and value.decode("utf-8") == old:
+        if number == 1 and str(value, "utf-8") == old:
             parts.append(_str(1, new))
         else:
             parts.append(raw)
@@ -293,7 +309,7 @@ def replace_initializers(model: bytes, arrays: Mapping[str, np.ndarray]) -> byte
     return b"".join(out)
 
 
-def _tensor_type(message: bytes) -> tuple[tuple[int, ...], int]:
+def _tensor_type(message: Buffer) -> tuple[tuple[int, ...], int]:
     """A TensorProto's (dims, data_type); dims written packed or one field each."""
     dims: list[int] = []
     kind = 0

@@ -14,9 +14,9 @@ How the datastore's samples enter the graph (`samples`):
   bundle the float keys meet the query quantised as the integer scan quantises it.
 - "stored": graph inputs as the runtime holds them, so nothing is copied and `add` needs no new
   session: flat "keys_t" [p, n] in the stored dtype, "key_norms" [n] float32, "labels" [n]
-  int64 (int8 keys also "key_sums" [n] int32); ProtoNN "prototypes" B [d, m],
-  "prototype_scores" Z [C, m], "prototype_norms" [m] (float32) and its buffer, "keys_t"
-  [d, count] float32 and "labels" [count] int64.
+  uint8 (int64 past 256 classes; int8 keys also "key_offsets" [n] int32); ProtoNN
+  "prototypes" B [d, m], "prototype_scores" Z [C, m], "prototype_norms" [m] (float32) and its
+  buffer, "keys_t" [d, count] float32 and "labels" [count] int64.
 
 int8 keys are scanned by onnxruntime's integer kernels (MatMulInteger, uint8 x int8): the query
 times the per-dimension scale is quantised to integers in [-63, 63] with one symmetric scale per
@@ -32,7 +32,7 @@ import numpy as np
 
 from . import onnx_proto as P
 from .datastores.registry import BACKENDS
-from .knn import QUERY_LEVELS
+from .knn import QUERY_LEVELS, QUERY_SHIFT
 from .manifest import Manifest
 
 OPSET = 17
@@ -123,7 +123,7 @@ def build_predictor(
         g.input("input", P.INT64, ["N", *spec["shape"]])
         g.nodes.append(P.node("Identity", ["input"], [ENCODER_INPUT]))
     # the graph's nodes: the input's preparation, the encoder's, then the kNN head's
-    head = P.nodes(g.nodes) + parsed.graph_body((parsed.inputs[0], ENCODER_INPUT))
+    head = [P.nodes(g.nodes), *parsed.graph_body((parsed.inputs[0], ENCODER_INPUT))]
     g.nodes = []
     z, logits = "embedding", "logits"
     form = {"keys": _flat, "prototypes": _protonn}[datastore.ONNX_FORM]
@@ -206,13 +206,14 @@ def _quantised_query(g: _Graph, q: str, scale: np.ndarray) -> tuple[str, str]:
     return g.node("Round", [g.node("Div", [qs, s])]), s
 
 
-def _int8_products(g: _Graph, q: str, keys_t: str, key_sums: str, scale: np.ndarray) -> str:
+def _int8_products(g: _Graph, q: str, keys_t: str, key_offsets: str, scale: np.ndarray) -> str:
     """-2 q . (keys_t * scale) [N, n] float32 through MatMulInteger; see the module docstring."""
     quantised, s = _quantised_query(g, q, scale)
-    shift = QUERY_LEVELS + 1
-    shifted = g.cast(g.node("Add", [quantised, g.const(float(shift))]), P.UINT8)
+    shifted = g.cast(g.node("Add", [quantised, g.const(float(QUERY_SHIFT))]), P.UINT8)
     products = g.node("MatMulInteger", [shifted, keys_t])
-    exact = g.node("Sub", [products, g.node("Mul", [key_sums, g.const(shift, np.int32)])])
+    # the shift's share, QUERY_SHIFT x each key's sum, held by the datastore: no n-long
+    # product (time and an intermediate of n int32s) on every call
+    exact = g.node("Sub", [products, key_offsets])
     return g.node("Mul", [g.cast(exact, P.FLOAT), g.node("Mul", [s, g.const(-2.0)])])
 
 
@@ -228,6 +229,7 @@ def _portable_samples(g: _Graph) -> tuple[str, str]:
 
 def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str, str]:
     int8 = ds.dtype == "int8"
+    narrow_labels = samples == "stored" and ds.labels_.dtype != np.int64
     if samples == "portable":
         keys_t, labels = _portable_samples(g)
         key_norms = _row_norms(g, keys_t, 0)
@@ -241,15 +243,15 @@ def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str,
             stored_type = {"fp32": P.FLOAT, "fp16": P.FLOAT16, "int8": P.INT8}[ds.dtype]
             keys_t = g.input("keys_t", stored_type, [int(ds.embedding_dim_), "n"])
             key_norms = g.input("key_norms", P.FLOAT, ["n"])
-            labels = g.input("labels", P.INT64, ["n"])
-            key_sums = g.input("key_sums", P.INT32, ["n"]) if int8 else None
+            labels = g.input("labels", P.tensor_type(ds.labels_.dtype), ["n"])
+            key_offsets = g.input("key_offsets", P.INT32, ["n"]) if int8 else None
         else:
             keys_t = g.const(ds.keys_t_, ds.keys_t_.dtype)
             key_norms = g.const(ds.key_norms_)
             labels = g.const(ds.labels_, np.int64)
-            key_sums = g.const(ds.key_sums_, np.int32) if int8 else None
+            key_offsets = g.const(ds.key_offsets_, np.int32) if int8 else None
         if int8:
-            dots = _int8_products(g, z, keys_t, key_sums, ds.scale_)
+            dots = _int8_products(g, z, keys_t, key_offsets, ds.scale_)
         elif ds.dtype == "fp16":
             dots = g.node("MatMul", [_minus_twice(g, z), g.cast(keys_t, P.FLOAT)])
         else:
@@ -264,7 +266,10 @@ def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str,
     weights = g.node(
         "Softmax", [g.node("Mul", [g.cast(sq_k, P.DOUBLE), g.const(-scale, np.float64)])], axis=1
     )
-    onehot = _one_hot(g, g.node("Gather", [labels, idx]), int(manifest.num_classes), 1.0)
+    neighbour_labels = g.node("Gather", [labels, idx])
+    if narrow_labels:  # a datastore holds one byte a label where the classes fit
+        neighbour_labels = g.cast(neighbour_labels, P.INT64)
+    onehot = _one_hot(g, neighbour_labels, int(manifest.num_classes), 1.0)
     weighted = g.node(
         "Mul", [g.cast(onehot, P.DOUBLE), g.node("Unsqueeze", [weights, g.const([2], np.int64)])]
     )

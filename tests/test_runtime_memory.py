@@ -77,3 +77,40 @@ def test_a_bundle_of_10k_keys_predicts_within_its_budget_in_memory(tmp_path, flo
         f"{recipe}: {above_mib:.2f} MiB above the floor, budget {budget / 2**20:.2f} MiB + "
         f"{mem.PRIVATE_SLACK_MIB} MiB"
     )
+
+
+def test_a_flat_datastore_holds_its_keys_and_9_bytes_a_key_beside_them(tmp_path):
+    """What a loaded flat int8 datastore holds beside its keys: a one-byte label, the norm and
+    the integer scan's offset (4 bytes each) a key; no insertion stamps (consecutive: the first
+    is enough) and no int64 labels (its file keeps both as int64, 16 bytes a key)."""
+    ds = _datastore("flat:int8")
+    ds.save(tmp_path)
+    loaded = type(ds).load(tmp_path, {**ds.get_params()}, files=["datastore.npz"])
+    held = sum(v.nbytes for v in vars(loaded).values() if isinstance(v, np.ndarray))
+    assert held <= loaded.keys_t_.nbytes + DIM * 4 + 9 * KEYS, held
+    np.testing.assert_array_equal(loaded.order_, np.arange(KEYS))
+    assert loaded.labels_.dtype == np.uint8 and np.array_equal(loaded.labels_, ds.labels_)
+
+
+def test_the_predictor_is_built_without_copies_of_the_encoder(tmp_path):
+    """Building the one-session predictor holds at most about three copies of the encoder's
+    bytes at once (its graph and the model joined once, and the result), not one per
+    concatenation: freed copies stay in a device's heap beside its keys."""
+    import tracemalloc
+
+    from edge_runtime.bundle import encoder_model, load_bundle_datastore, read_manifest
+    from edge_runtime.predictor_graph import build_predictor
+
+    encoder = make_image_encoder(tmp_path / "encoder.onnx", p=DIM)
+    ds = _datastore("flat:int8")
+    write_bundle(tmp_path / "b", {**FIELDS, "budget_bytes": 10**8}, encoder, ds)
+    manifest = read_manifest(tmp_path / "b")
+    datastore = load_bundle_datastore(tmp_path / "b", manifest)
+    model = encoder_model(tmp_path / "b", manifest)
+    tracemalloc.start()
+    try:
+        build_predictor(manifest, datastore, model, samples="stored")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 3 * len(model), (peak, len(model))

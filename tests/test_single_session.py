@@ -27,8 +27,8 @@ def _integer_scan_session(scale: np.ndarray) -> ort.InferenceSession:
     g = _Graph(17)
     g.input("q", P.FLOAT, ["m", DIM])
     g.input("keys_t", P.INT8, [DIM, "n"])
-    g.input("key_sums", P.INT32, ["n"])
-    out = _int8_products(g, "q", "keys_t", "key_sums", scale)
+    g.input("key_offsets", P.INT32, ["n"])
+    out = _int8_products(g, "q", "keys_t", "key_offsets", scale)
     g.nodes.append(P.node("Identity", [out], ["products"]))
     graph = P.graph(
         "scan", g.nodes, g.inputs, [P.value_info("products", P.FLOAT, None)], g.initializers
@@ -44,12 +44,12 @@ def test_integer_scan_equals_the_float_reference_on_quantised_keys():
     # the extremes a saturating 16-bit pair sum would get wrong: keys at +-127, a query at
     # its peak in every dimension
     ds.keys_t_[:, :2] = np.array([[127], [-127]], np.int8).T.repeat(DIM, axis=0)
-    ds._set(ds.keys_t_, ds.labels_, ds.order_)
+    ds._set(ds.keys_t_, ds.labels_, ds.first_stamp_)
     q = rng.normal(size=(5, DIM)).astype(np.float32)
     q[0] = 3.0 / ds.scale_  # q * scale = 3 in every dimension: all at the peak
     q[1] = 0.0
     session = _integer_scan_session(ds.scale_)
-    (got,) = session.run(None, {"q": q, "keys_t": ds.keys_t_, "key_sums": ds.key_sums_})
+    (got,) = session.run(None, {"q": q, "keys_t": ds.keys_t_, "key_offsets": ds.key_offsets_})
     quantised, s = int8_query(q, ds.scale_)
     exact = quantised.astype(np.float64) @ ds.keys_t_.astype(np.float64)
     want = exact.astype(np.float32) * s

@@ -120,7 +120,7 @@ def check_labels_array(labels: np.ndarray, n: int, num_classes: int, file: str) 
             f"{file}: labels must be in [0, {num_classes}), got range "
             f"[{labels.min()}, {labels.max()}]"
         )
-    return labels.astype(np.int64)
+    return labels.astype(np.int64, copy=False)
 
 
 # A parameter check: (name, value) -> None, or ValueError naming both.
