@@ -15,6 +15,7 @@ import pytest
 
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import ProtoNNDatastore, make_datastore
+from experiments.benchmark_support import run_sampled
 from tests.helpers.bundles import (
     FIELDS,
     NUM_CLASSES,
@@ -54,7 +55,7 @@ def _datastore(recipe: str):
 def floor_kib(tmp_path_factory) -> dict:
     mem = _memory_benchmark()
     work = tmp_path_factory.mktemp("floor")
-    floor = mem.run_sampled(mem.CHILD_FLOOR, [str(mem._one_node_model(work))], threads=1)
+    floor = run_sampled(mem.CHILD_FLOOR, [str(mem._one_node_model(work))], threads=1)
     return {"module": mem, "floor_kib": floor["peak_private_kib"]}
 
 
@@ -67,7 +68,7 @@ def test_a_bundle_of_10k_keys_predicts_within_its_budget_in_memory(tmp_path, flo
     write_bundle(tmp_path / "bundle", {**FIELDS, "budget_bytes": budget}, encoder, ds)
     x, _ = make_images(256, seed=1)
     np.save(tmp_path / "x.npy", x)
-    result = mem.run_sampled(
+    result = run_sampled(
         mem.CHILD_RUNTIME, [str(tmp_path / "bundle"), str(tmp_path / "x.npy"), "1"], threads=1
     )
     assert result["shape"] == [256, NUM_CLASSES]
