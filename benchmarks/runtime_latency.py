@@ -174,6 +174,71 @@ def agreement(
     }
 
 
+def timed_row(
+    paths: tuple[Callable, Callable],
+    pool: Any,
+    args: argparse.Namespace,
+    encoder_fn: Callable | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """One table row: `fields`, then both paths (runtime, torch) timed (measure, with
+    `encoder_fn` in the batch-1 loop) and compared (agreement) on the pool's held-out queries."""
+    runtime_fn, torch_fn = paths
+    row = {**fields, **measure(runtime_fn, torch_fn, pool.queries, args, encoder_fn)}
+    row.update(agreement(runtime_fn, torch_fn, pool.queries, pool.query_labels, args.batch))
+    log.info("%s", _summary(row))
+    return row
+
+
+def bundle_row(
+    recipe: str,
+    keys: tuple[np.ndarray, np.ndarray],
+    encoder: Path,
+    bundles: Path,
+    gm: Any,
+    fns: tuple[Callable, Callable],
+    pool: Any,
+    args: argparse.Namespace,
+    base: dict[str, Any],
+) -> dict[str, Any]:
+    """A bundle of `recipe` over `keys` (embeddings, labels), loaded by Runtime and timed
+    against the torch path through the same datastore; `fns`: the torch model's (embeddings,
+    logits) and the encoder alone, timed in the same batch-1 loop."""
+    (z, y), (torch_logits, encoder_fn) = keys, fns
+    backend = C.recipe_label(recipe)
+    log.info("building %s with %d keys", recipe, len(z))
+    t0 = time.perf_counter()
+    ds = C.build_datastore(
+        recipe, z, y, gm.num_classes, seed=args.seed, protonn_steps=args.protonn_steps
+    )
+    path = bundles / f"{backend}-{len(z)}"
+    manifest = C.write_benchmark_bundle(path, encoder, ds, gm.spec, lam=args.lam)
+    rt = Runtime.load(path, intra_op_threads=args.threads)
+    if backend == "hnsw":
+        rt.datastore.num_threads = args.threads
+    log.info("built and loaded in %.1f s; timing", time.perf_counter() - t0)
+
+    def torch_path(x: np.ndarray) -> np.ndarray:
+        zq, logits = torch_logits(x)
+        return rt.head.predict_proba(zq, softmax(logits))
+
+    row = timed_row(
+        (rt.predict_proba, torch_path),
+        pool,
+        args,
+        encoder_fn,
+        backend=backend,
+        recipe=manifest.recipe,
+        keys=len(z),
+        stored=len(rt.datastore),
+        datastore_bytes=manifest.footprint.datastore,
+        **base,
+    )
+    if not args.keep_bundles:
+        shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # the thread count for torch, BLAS and OpenMP; onnxruntime and hnswlib get it below
@@ -182,17 +247,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     import torch  # after argparse, so --help is instant
 
-    spec, model, num_classes = gm.spec, gm.model, gm.num_classes
-    pool_idx, z_pool, y_pool = pool.pool_idx, pool.z, pool.y
-    queries, y_queries = pool.queries, pool.query_labels
-
+    spec, model = gm.spec, gm.model
     work = Path(tempfile.mkdtemp(prefix="knnper-latency-"))
     bundles = args.out / "bundles" if args.keep_bundles else work / "bundles"
     rows: list[dict[str, Any]] = []
     try:
-        calib = prepare_input(C.images(gm.dataset, pool_idx[: 64 if args.smoke else 256]), spec)
+        calib = prepare_input(
+            C.images(gm.dataset, pool.pool_idx[: 64 if args.smoke else 256]), spec
+        )
         encoder = C.export_encoder(model, calib, work / "encoder", encoder=args.encoder)
-        encoder_bytes = encoder.stat().st_size
 
         def torch_logits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             with torch.inference_mode():
@@ -204,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads": args.threads,
             "reps": args.reps,
             "batch_reps": args.batch_reps,
-            "encoder_bytes": encoder_bytes,
+            "encoder_bytes": encoder.stat().st_size,
         }
         # The encoder alone (lambda = 0), as the runtime loads an encoder without a datastore:
         # a bundle's session now holds its kNN head too, so it would not time the encoder alone.
@@ -217,54 +280,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return softmax(torch_logits(x)[1])
 
         log.info("timing the encoders alone")
-        row = {
-            "backend": "none",
-            "recipe": "encoder only (lambda=0)",
-            "keys": 0,
-            "stored": 0,
-            "datastore_bytes": 0,
-            **base,
-        }
-        row.update(measure(rt_global, torch_global, queries, args))
-        row.update(agreement(rt_global, torch_global, queries, y_queries, args.batch))
-        rows.append(row)
-        log.info("%s", _summary(row))
-
+        alone = {"backend": "none", "recipe": "encoder only (lambda=0)", "keys": 0, "stored": 0}
+        paths = (rt_global, torch_global)
+        rows.append(timed_row(paths, pool, args, None, **alone, datastore_bytes=0, **base))
         for size in args.sizes:
-            z, y = C.replicate_keys(z_pool, y_pool, size, noise=args.noise, seed=args.seed)
+            keys = C.replicate_keys(pool.z, pool.y, size, noise=args.noise, seed=args.seed)
             for recipe in args.recipes:
-                backend = C.recipe_label(recipe)
-                log.info("building %s with %d keys", recipe, size)
-                t0 = time.perf_counter()
-                ds = C.build_datastore(
-                    recipe, z, y, num_classes, seed=args.seed, protonn_steps=args.protonn_steps
-                )
-                path = bundles / f"{backend}-{size}"
-                manifest = C.write_benchmark_bundle(path, encoder, ds, spec, lam=args.lam)
-                rt = Runtime.load(path, intra_op_threads=args.threads)
-                if backend == "hnsw":
-                    rt.datastore.num_threads = args.threads
-                log.info("built and loaded in %.1f s; timing", time.perf_counter() - t0)
-
-                def torch_path(x: np.ndarray, rt: Runtime = rt) -> np.ndarray:
-                    zq, logits = torch_logits(x)
-                    return rt.head.predict_proba(zq, softmax(logits))
-
-                row = {
-                    "backend": backend,
-                    "recipe": manifest.recipe,
-                    "keys": size,
-                    "stored": len(rt.datastore),
-                    "datastore_bytes": manifest.footprint.datastore,
-                    **base,
-                }
-                row.update(measure(rt.predict_proba, torch_path, queries, args, rt_global))
-                row.update(agreement(rt.predict_proba, torch_path, queries, y_queries, args.batch))
-                rows.append(row)
-                log.info("%s", _summary(row))
-                del rt, ds
-                if not args.keep_bundles:
-                    shutil.rmtree(path, ignore_errors=True)
+                fns = (torch_logits, rt_global)
+                rows.append(bundle_row(recipe, keys, encoder, bundles, gm, fns, pool, args, base))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
