@@ -56,7 +56,7 @@ from export.client_export import (
 )
 from export.errors import BudgetInvalid, ExportError
 from export.journal import ExportJournal
-from export.onnx_export import export_onnx
+from export.onnx_export import encoder_nbytes_floor, export_onnx
 from export.options import DEVICE_EXTRAS, backend_choices
 from export.personal_encoder import with_linear_head
 from export.quantize import QUANTIZE_MODES, calibration_inputs, quantize_int8
@@ -413,6 +413,8 @@ def export_run(
         if client.client_id not in budgets:
             raise BudgetInvalid(f"no budget for client {client.client_id}")
     budgets = {c.client_id: _as_budget(c.client_id, budgets[c.client_id]) for c in chosen}
+    if encoder is None:
+        refuse_budgets_below_encoder(run, budgets, settings.quantize)
     existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
     if not existing.is_dir():  # checked before the encoder is built
         raise ExportError(f"--out {out_dir}: {existing} exists and is not a directory")
@@ -770,6 +772,30 @@ def _as_budget(client_id: int, budget: Budget | int) -> Budget:
         raise BudgetInvalid(f"client {client_id}: {err}") from None
 
 
+def refuse_budgets_below_encoder(
+    run: LoadedRun, budgets: Mapping[int, Budget], quantize: str
+) -> None:
+    """BudgetInvalid when some budget is below the fewest bytes the run's encoder can take
+    (`encoder_nbytes_floor`): checked from the model's weights alone, before the encoder is
+    exported and, in `knnper export`, before the kNN setting is chosen (minutes)."""
+    floor = encoder_nbytes_floor(run.model, quantize)
+    below = [cid for cid, budget in budgets.items() if budget.total < floor]
+    if below:
+        raise _refusal(
+            below,
+            budgets,
+            f"is below the size of the {quantize} encoder alone (at least {floor} bytes, "
+            "counting its weights alone)",
+        )
+
+
+def _refusal(too_small: list[int], budgets: Mapping[int, Budget], why: str) -> BudgetInvalid:
+    """One line naming the first client whose budget is too small, and how many others are."""
+    cid = too_small[0]
+    others = f" (and {len(too_small) - 1} other client(s))" if len(too_small) > 1 else ""
+    return BudgetInvalid(f"client {cid}: budget {budgets[cid].total} bytes {why}{others}")
+
+
 def _client_budgets(
     budgets: dict[int, Budget], encoder: EncoderFiles, smallest_datastore: int
 ) -> dict[int, Budget]:
@@ -777,22 +803,18 @@ def _client_budgets(
     some budget cannot hold the encoder, or cannot hold the encoder plus the smallest datastore
     the search allows."""
     out = {cid: budget.with_encoder(encoder.nbytes) for cid, budget in budgets.items()}
-
-    def refuse(too_small: list[int], why: str) -> BudgetInvalid:
-        cid = too_small[0]
-        others = f" (and {len(too_small) - 1} other client(s))" if len(too_small) > 1 else ""
-        return BudgetInvalid(f"client {cid}: budget {out[cid].total} bytes {why}{others}")
-
     below = [cid for cid, budget in out.items() if budget.room < 0]
     if below:
-        raise refuse(
+        raise _refusal(
             below,
+            out,
             f"is below the size of the {encoder.quantize} encoder alone ({encoder.nbytes} bytes)",
         )
     tight = [cid for cid, budget in out.items() if budget.room < smallest_datastore]
     if tight:
-        raise refuse(
+        raise _refusal(
             tight,
+            out,
             f"cannot hold the {encoder.quantize} encoder ({encoder.nbytes} "
             f"bytes) plus the smallest datastore ({smallest_datastore} bytes): the smallest "
             f"budget that fits is {encoder.nbytes + smallest_datastore} bytes",

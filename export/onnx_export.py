@@ -36,6 +36,16 @@ def on_cpu(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).cpu()
 
 
+def encoder_nbytes_floor(model: nn.Module, quantize: str) -> int:
+    """The fewest bytes the model's encoder file can take, known before it is exported: every
+    weight matrix and kernel (a parameter of two or more dimensions) is stored in it, at one
+    byte per element at least in int8 and four in float32. A budget below this cannot hold the
+    encoder whatever the export does, so it is refused before that work (the exact size is
+    checked once the encoder is written)."""
+    per_element = 1 if quantize == "int8" else 4
+    return per_element * sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+
+
 class EmbedLogits(nn.Module):
     """(embed(x), head(embed(x))) as one graph, so the device gets both from a single run. With
     `normalize="l2"` the "embedding" output is L2-normalised in the graph (the logits still come

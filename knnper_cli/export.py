@@ -261,7 +261,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     # imported here, not above: `knnper export` parses its flags before torch and onnx load
     from edge_runtime.errors import one_line
     from export.errors import ExportError
-    from export.exporter import apply_knn_choice, export_run, select_ids
+    from export.exporter import (
+        apply_knn_choice,
+        export_run,
+        refuse_budgets_below_encoder,
+        select_ids,
+    )
     from export.upgrade_map import old_release, server_data
     from fed_train.errors import KnnperError
     from fed_train.knn_choice import load_or_choose
@@ -279,8 +284,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except KnnperError as err:
         # torch's own message for a corrupt checkpoint runs over several lines; one is enough.
         raise ExportError(one_line(err, first_line=True)) from err
-    # the budgets need no model: a bad one fails before the kNN setting is chosen (minutes)
+    # the budgets need no model but its weights' count: a bad one fails before the kNN setting
+    # is chosen (minutes) and the encoder is exported
     budgets = budgets_from_args(args, select_ids(run.partition.unseen, args.clients))
+    refuse_budgets_below_encoder(run, budgets, settings.quantize)
     choice = load_or_choose(
         run.run_dir,
         run.model,

@@ -29,6 +29,7 @@ from export.exporter import (
     client_embeddings,
     export_run,
 )
+from export.onnx_export import encoder_nbytes_floor
 from export.sizing import DatastoreSizer, SearchSpace, selection_key, smallest_datastore_bytes
 from fed_train.algorithms.base import TrainingConfig
 from fed_train.partition import ClientSplit, Partition
@@ -196,17 +197,29 @@ def test_datastore_keys_are_the_shipped_encoders_embeddings(run, tmp_path, quant
     assert Encoder(tmp_path / "client_0000" / "encoder.onnx").optimized_at_export
 
 
-def test_budget_below_the_encoder_is_refused_before_writing(run, tmp_path, encoder_bytes):
+@pytest.mark.parametrize("below", ["its weights", "its file"])
+def test_budget_below_the_encoder_is_refused_before_writing(run, tmp_path, encoder_bytes, below):
+    """Below the encoder's weights: refused before it is exported (the floor); between them
+    and its file: once the file's size is known."""
     out = tmp_path / "out"
+    floor = encoder_nbytes_floor(run.model, "int8")
+    budget, size = (
+        (1000, f"at least {floor} bytes")
+        if below == "its weights"
+        else (
+            encoder_bytes - 1,
+            f"{encoder_bytes} bytes",
+        )
+    )
     with pytest.raises(
         BudgetInvalid,
-        match=rf"client 1: budget 1000 bytes is below the size of "
-        rf"the int8 encoder alone \({encoder_bytes} bytes\)",
+        match=rf"client 1: budget {budget} bytes is below the size of "
+        rf"the int8 encoder alone \({size}",
     ):
         export_run(
             run,
             out,
-            {0: 10**7, 1: 1000},
+            {0: 10**7, 1: budget},
             ExportSettings(space=SMALL_SPACE),
             clients="0,1",
             progress=False,
@@ -424,6 +437,34 @@ def test_cli_refuses_bad_budgets_before_choosing_the_knn_setting(
     )
     assert code == 2 and err.count("\n") == 1 and re.search(r"client(\(s\))? 4", err), err
     assert not (tmp_path / "b").exists()
+
+
+def test_a_budget_below_the_encoders_weights_is_refused_before_any_heavy_step(
+    run_dir, run, tmp_path, capsys, monkeypatch, encoder_files
+):
+    """Issue 49: the encoder's weights bound its file from below, so a budget under them is
+    refused before the kNN setting is chosen (minutes) or the encoder is exported."""
+    import export.exporter
+    import fed_train.knn_choice
+
+    def never(*args, **kwargs):
+        raise AssertionError("a heavy step ran before the budget was checked")
+
+    floors = {q: encoder_nbytes_floor(run.model, q) for q in ("int8", "fp32")}
+    assert 0 < floors["int8"] <= encoder_files.nbytes
+    assert floors["fp32"] == 4 * floors["int8"] <= encoder_files.fp32_nbytes
+    monkeypatch.setattr(fed_train.knn_choice, "load_or_choose", never)
+    monkeypatch.setattr(export.exporter, "build_encoder", never)
+    for quantize, floor in floors.items():
+        out = tmp_path / quantize
+        flags = ["--quantize", quantize, "--budget", str(floor - 1)]
+        code, _, err = _cli(capsys, "export", str(run_dir), "--out", str(out), *flags)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert (
+            f"budget {floor - 1} bytes is below the size of the {quantize} encoder alone "
+            f"(at least {floor} bytes" in err
+        ), err
+        assert not out.exists()
 
 
 def test_cli_refuses_a_budget_below_one_sample_and_fits_at_the_smallest_it_names(
