@@ -69,6 +69,31 @@ def test_successive_halving_trains_only_the_finalists_to_the_end():
     assert steps.count(5) == len(steps) - space.protonn_finalists > 0
 
 
+def test_the_search_runs_numpys_blas_on_one_thread_and_gives_the_callers_back(monkeypatch):
+    """Issue 49: OpenBLAS's thread per core busy-waits in every worker process of an export;
+    the sizer runs on one and leaves the caller's count as it found it."""
+    from threadpoolctl import ThreadpoolController
+
+    from export import sizing
+
+    blas = ThreadpoolController().select(user_api="blas")
+    if not blas.lib_controllers:
+        pytest.skip("numpy's BLAS is not visible to threadpoolctl")
+    seen = []
+    measure = sizing.measure_nbytes
+
+    def counting(datastore):
+        seen.append({lib.get_num_threads() for lib in blas.lib_controllers})
+        return measure(datastore)
+
+    monkeypatch.setattr(sizing, "measure_nbytes", counting)
+    with blas.limit(limits=2):
+        DatastoreSizer(3, space=SPACE).fit(_embeddings(), Budget(4_600, encoder=0))
+        after = {lib.get_num_threads() for lib in blas.lib_controllers}
+    assert seen and all(counts == {1} for counts in seen), seen
+    assert after == {2}
+
+
 def test_prototype_scores_compute_edgemls_forward():
     rng = np.random.default_rng(1)
     model = ProtoNN(
