@@ -96,6 +96,9 @@ EXPORT_PROFILES = {
         "6 client(s)",
     ),
 }
+# the fleet export as a user runs it (benchmarks/export_speed.py --caller-threads)
+EXPORT_CLI = REPO / "benchmarks" / "results" / "export_profile" / "cli" / "speed.csv"
+EXPORT_CLI_HEADING = "### The fleet export as a user runs it, before and after"
 MODEL_UPDATE_TABLES = {
     "##### kNN-Per (each bundle's lambda)": "accuracy",
     "##### the datastore alone (lambda 1)": "knn_accuracy",
@@ -496,6 +499,33 @@ def check_cli_start_md(text: str, check: Checker) -> None:
             check.same(f"cli start {tree} {case}: target", verdict, cells["target"].strip("*"))
 
 
+def check_export_cli_md(text: str, check: Checker) -> None:
+    """Each row of the fleet export's timing table: its wall and CPU seconds (the command and
+    its workers), the load before and after it and the bundles' test accuracy, from speed.csv."""
+    if not _found(text, EXPORT_CLI_HEADING, check):
+        return
+    words = ("label", "search", "threads_env", "machine", "command")
+    runs = {r["label"]: r for r in read_csv(EXPORT_CLI, text_columns=words)}
+    header, rows = _markdown_table(text, EXPORT_CLI_HEADING)
+    for row in rows:
+        cells = dict(zip(header, row, strict=True))
+        label = cells["run"].strip("`")
+        found = runs.get(label)
+        check.same(f"export cli {label}", "in the CSV", "in the CSV" if found else "not")
+        if found is None:
+            continue
+        check.same(
+            f"export cli {label}: wall, CPU, load",
+            [found[k] for k in ("wall_s", "cpu_s", "load_before", "load_after")],
+            _numbers(cells["wall s"]) + _numbers(cells["CPU s"]) + _numbers(cells["load"]),
+        )
+        check.same(
+            f"export cli {label}: test accuracy",
+            round(100 * found["test_accuracy"], 2),
+            float(cells["mean test acc %"]),
+        )
+
+
 def check_export_profile_md(text: str, check: Checker) -> None:
     """Each stage of an export profile's table: its calls, CPU seconds and share of the
     export's CPU time, from the profile's CSV."""
@@ -547,6 +577,7 @@ def main() -> int:
     check_model_update_md(text, check)
     check_cli_start_md(text, check)
     check_export_profile_md(text, check)
+    check_export_cli_md(text, check)
     for line in check.mismatches:
         print(f"MISMATCH {line}")
     print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from edge_runtime import bundle as bundle_module
 from experiments import benchmark_support as C
 from export import client_export, exporter, quantize, sizing
@@ -185,8 +187,20 @@ def main() -> None:
     p.add_argument("--reference", type=int, default=2_000_000, help="weak-strong reference")
     p.add_argument("--delta-c", type=float, default=0.3, help="weak-strong delta_c")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/export_profile"))
+    p.add_argument(
+        "--caller-threads",
+        action="store_true",
+        help="leave numpy's BLAS threads as the process starts with them, as `knnper export "
+        "--threads 1` does (torch keeps one thread), instead of one",
+    )
     args = p.parse_args()
-    started, machine = C.start_benchmark(args.out, threads=1)
+    if args.caller_threads:
+        started, machine = time.time(), C.machine_info()
+        C.setup_logging()
+        torch.set_num_threads(1)
+        args.out.mkdir(parents=True, exist_ok=True)
+    else:
+        started, machine = C.start_benchmark(args.out, threads=1)
     wall, cpu = time.perf_counter(), time.process_time()
     run = load_run(args.run)
     load_s = (time.perf_counter() - wall, time.process_time() - cpu)
@@ -223,7 +237,9 @@ def main() -> None:
         f"Export profile ({args.label})",
         machine,
         end,
-        "One worker, in process; wall and CPU seconds per stage, nested stages inside their "
+        "One worker, in process"
+        + (", numpy's BLAS threads as the process started" if args.caller_threads else "")
+        + "; wall and CPU seconds per stage, nested stages inside their "
         "parent's time ('*': inside whichever stage called it).",
     )
     C.write_results(
@@ -237,6 +253,7 @@ def main() -> None:
         machine_end=end,
         load_run_s=load_s,
         median_load=statistics.median(r["load"] for r in rows),
+        caller_threads=args.caller_threads,
         backends=json.loads(json.dumps(backends)),
     )
 

@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -32,7 +33,9 @@ SUMMARY = (
     "clients",
     "workers",
     "search",
+    "threads_env",
     "wall_s",
+    "cpu_s",
     "clients_per_min",
     "test_accuracy",
     "protonn_share",
@@ -99,6 +102,12 @@ def parse_args() -> argparse.Namespace:
         "--pruned-search", action="store_true", help="pass --pruned-search to `knnper export`"
     )
     p.add_argument(
+        "--caller-threads",
+        action="store_true",
+        help="time the command in this environment, as a user runs it, instead of with "
+        "OMP_NUM_THREADS=1 (numpy's BLAS then starts a thread per core in every process)",
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=Path("benchmarks/results/export"),
@@ -152,11 +161,15 @@ def main() -> None:
     budgets_file.write_text(json.dumps({str(k): v.total for k, v in budgets.items()}))
     ids = select_ids(run.partition.unseen, args.clients)
     command = export_command(args, work, budgets_file, ids)
-    env = {**os.environ, "PYTHONPATH": str(args.code.resolve()), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(args.code.resolve())}
+    if not args.caller_threads:
+        env["OMP_NUM_THREADS"] = "1"
     load = os.getloadavg()[0]
-    start = time.perf_counter()
+    start, children = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(command, check=True, env=env, cwd=args.code, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
+    done = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command and its workers
+    cpu = done.ru_utime + done.ru_stime - children.ru_utime - children.ru_stime
     load_after = os.getloadavg()[0]
     rows = evaluate_export(run, work / "bundles")
     per_client = [{**r, "label": args.label} for r in rows]
@@ -165,7 +178,9 @@ def main() -> None:
         "clients": len(rows),
         "workers": args.workers,
         "search": "pruned" if args.pruned_search else "exhaustive",
+        "threads_env": env.get("OMP_NUM_THREADS", ""),
         "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1),
         "clients_per_min": round(60 * len(rows) / wall, 2),
         "test_accuracy": round(weighted_mean(rows), 5),
         "protonn_share": round(sum(r["backend"] == "protonn" for r in rows) / len(rows), 3),
