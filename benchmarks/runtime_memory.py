@@ -63,16 +63,17 @@ SERVER_SIDE = ("torch", "sklearn", "edgeml", "fed_train", "export", "protonn", "
 # and is the fallback where /proc is missing.
 _REPORT = """
 import json, resource, sys
-def peak_kib():
+def status_kib(field):
     try:
         with open("/proc/self/status") as f:
-            return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+            return int(next(line for line in f if line.startswith(field)).split()[1])
     except (OSError, StopIteration, ValueError):
         return None
 def report(**extra):
     heavy = sorted(m for m in SERVER_SIDE if m in sys.modules)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"vmhwm_kib": peak_kib(), "maxrss_kib": maxrss,
+    print(json.dumps({"vmhwm_kib": status_kib("VmHWM:"), "maxrss_kib": maxrss,
+                      "anon_kib": status_kib("RssAnon:"),
                       "server_side_imported": heavy, **extra}))
 """.replace("SERVER_SIDE", repr(SERVER_SIDE))
 
