@@ -19,7 +19,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from edge_runtime.runtime import Runtime  # noqa: E402
 from fed_train.flower.client_data import node_splits  # noqa: E402
-from fed_train.flower.release import (  # noqa: E402
+from fed_train.flower.release_push import (  # noqa: E402
     MAX_FILES,
     REPLY_METRICS,
     REPLY_TEXTS,
@@ -475,7 +475,7 @@ def _bring(tiny, release: str, bundle: Path, key: str | None, edit=None) -> tupl
     """bring_to_release on the node of client 3 that trusts `key` (None: no key), with the
     release's files as the server sends them, changed by `edit` on the way."""
     from fed_train.flower.device_release import bring_to_release, node_trusted_keys
-    from fed_train.flower.release import release_files
+    from fed_train.flower.release_push import release_files
 
     root, splits = tiny
     files = release_files(root / release, 3)
@@ -562,7 +562,7 @@ def test_the_release_encoder_travels_once_where_it_is_the_clients_too(tiny, tmp_
     still sent beside the release's."""
     from edge_runtime.bundle import read_bundle
     from edge_runtime.signing import load_public_key
-    from fed_train.flower.release import release_files
+    from fed_train.flower.release_push import release_files
 
     root, _ = tiny
     release = root / "v1"

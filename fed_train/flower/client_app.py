@@ -106,13 +106,13 @@ def release(msg: Message, context: Context) -> Message:
     build it from this node's train split and teach it the validation split, or upgrade it in
     place (fed_train.flower.device_release); a node config `trusted-key` refuses a release not
     signed by it. The reply holds counts, accuracies and version ids only
-    (fed_train.flower.release.node_reply refuses anything else)."""
+    (fed_train.flower.release_push.node_reply refuses anything else)."""
     from pathlib import Path
 
     from fed_train.flower.client_data import node_partition_id, node_splits
     from fed_train.flower.device_release import bring_to_release, node_trusted_keys
     from fed_train.flower.records import ModelSpec
-    from fed_train.flower.release import node_reply
+    from fed_train.flower.release_push import node_reply
     from fed_train.flower.settings import FlowerConfigError, FlowerSettings
 
     settings = FlowerSettings.from_run_config(dict(context.run_config))

@@ -1,7 +1,7 @@
-"""What a SuperNode does with a release the server pushed (fed_train.flower.release): build its
-bundle from its own data and learn, or upgrade the bundle it has, with the device runtime alone
-(no torch), as `knnper-edge init --like`, `add` and `upgrade` do on a device. A node whose
-config names a `trusted-key` takes only releases signed by that key (`knnper export
+"""What a SuperNode does with a release the server pushed (fed_train.flower.release_push):
+build its bundle from its own data and learn, or upgrade the bundle it has, with the device
+runtime alone (no torch), as `knnper-edge init --like`, `add` and `upgrade` do on a device. A
+node whose config names a `trusted-key` takes only releases signed by that key (`knnper export
 --signing-key`), as `knnper-edge --trusted-key` does; a node without one takes any release."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from edge_runtime.manifest import ENCODER_FILE, MANIFEST, read_manifest
 from edge_runtime.runtime import Runtime
 from edge_runtime.signing import load_public_key, verify_file
 from edge_runtime.versions import ModelVersion, describe
-from fed_train.flower.release import MAX_FILE_BYTES, write_release
+from fed_train.flower.release_push import MAX_FILE_BYTES, write_release
 
 Split = tuple[np.ndarray, np.ndarray]
 

@@ -33,7 +33,7 @@ from fed_train.flower.records import (
     to_array_record,
     to_weights,
 )
-from fed_train.flower.release import RELEASE_ACTION, read_reply, release_files
+from fed_train.flower.release_push import RELEASE_ACTION, read_reply, release_files
 from fed_train.flower.settings import FlowerSettings
 from fed_train.flower.strategy import FederationError, KnnperStrategy, read_replies
 from fed_train.knn_choice import (
@@ -354,8 +354,8 @@ def train_and_evaluate(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
 
 def push_release(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
     """`knnper deploy release`: send every client's node its files of the export
-    `settings.release` (fed_train.flower.release), wait for each node to build or upgrade its
-    own bundle, and keep their replies (counts, accuracies, versions) in flower.json."""
+    `settings.release` (fed_train.flower.release_push), wait for each node to build or upgrade
+    its own bundle, and keep their replies (counts, accuracies, versions) in flower.json."""
     release = Path(settings.release)
     bundles = sorted(release.glob("client_[0-9]*"))
     if not bundles:
