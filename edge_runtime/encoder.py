@@ -40,12 +40,12 @@ class Encoder:
         self.intra_op_threads = intra_op_threads
         source = model if isinstance(model, bytes) else os.fspath(model)
         name = "the encoder" if isinstance(model, bytes) else f"encoder {os.fspath(model)}"
-        options = _session_options(intra_op_threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-        self.session = _session(source, options, name)
+        options = session_options(intra_op_threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        self.session = open_session(source, options, name)
         self.optimized_at_export = OPTIMIZED_KEY in self.session.get_modelmeta().custom_metadata_map
         if not self.optimized_at_export:
-            options = _session_options(intra_op_threads, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-            self.session = _session(source, options, name)
+            options = session_options(intra_op_threads, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+            self.session = open_session(source, options, name)
         inputs = self.session.get_inputs()
         if len(inputs) != 1:
             raise ValueError(f"{name} must have exactly one input, it has {len(inputs)}")
@@ -97,9 +97,10 @@ class Encoder:
         return np.concatenate(zs), np.concatenate(ls)
 
 
-def _session_options(
+def session_options(
     intra_op_threads: int | None, level: ort.GraphOptimizationLevel
 ) -> ort.SessionOptions:
+    """The options every session of the runtime opens with (one inter-op thread, quiet)."""
     options = ort.SessionOptions()
     if intra_op_threads is not None:
         options.intra_op_num_threads = int(intra_op_threads)
@@ -109,7 +110,9 @@ def _session_options(
     return options
 
 
-def _session(source: str | bytes, options: ort.SessionOptions, name: str):
+def open_session(source: str | bytes, options: ort.SessionOptions, name: str):
+    """An onnxruntime session on the CPU; ValueError, one line naming `name`, where the model
+    does not load."""
     try:
         return ort.InferenceSession(
             source, sess_options=options, providers=["CPUExecutionProvider"]
@@ -132,9 +135,9 @@ def optimize_encoder(model: bytes) -> bytes:
     import onnx
 
     with tempfile.TemporaryDirectory(prefix="knnper-optimize-") as tmp:
-        options = _session_options(1, _SAVED_LEVEL)
+        options = session_options(1, _SAVED_LEVEL)
         options.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
-        _session(model, options, "the encoder")
+        open_session(model, options, "the encoder")
         proto = onnx.load(options.optimized_model_filepath)
     del proto.metadata_props[:]
     for key, value in {OPTIMIZED_KEY: "extended", "onnxruntime": ort.__version__}.items():

@@ -23,7 +23,7 @@ from .head_file import HEAD_FILE_RE
 from .knn import CLIENT_RULE, KNN_BASES, LAMBDA_RULES, LambdaRule, k_sigma_problem
 from .preprocess import validate_spec
 from .values import is_integer, is_real
-from .versions import RECORD_KEYS, ModelVersion
+from .versions import ModelVersion
 
 FORMAT = "knnper-bundle"
 FORMAT_VERSION = 1
@@ -120,30 +120,13 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
         _validate_knn_choice(manifest, fail)
     if "lambda_rule" in manifest:
         _lambda_rule(manifest, fail)
-    for key in Manifest.RECORDS:
+    for key in Manifest.RECORDS:  # the version built from ("model"), the one it replaces
         if key in manifest:
-            _validate_model_record(manifest[key], key, fail)
+            try:
+                ModelVersion.parse(manifest[key], key)
+            except ValueError as exc:
+                raise fail(str(exc)) from None
     return manifest
-
-
-# The model version a bundle was built from ("model") and the one it replaces ("replaces",
-# a later training's bundles): edge_runtime.versions.ModelVersion's record.
-MAX_RUN_NAME = 256
-
-
-def _validate_model_record(record: Any, key: str, fail) -> None:
-    if not isinstance(record, dict) or sorted(record) != sorted(RECORD_KEYS):
-        raise fail(f"{key!r} must be an object with keys {sorted(RECORD_KEYS)}")
-    if not isinstance(record["run"], str) or len(record["run"]) > MAX_RUN_NAME:
-        raise fail(f"{key!r} 'run' must be a string of at most {MAX_RUN_NAME} characters")
-    if record["round"] is not None and (not is_integer(record["round"]) or record["round"] < 0):
-        raise fail(f"{key!r} 'round' must be a non-negative integer or null")
-    for name in ("embedding", "weights_sha256"):
-        value = record[name]
-        if name == "weights_sha256" and value is None:
-            continue
-        if not isinstance(value, str) or not _SHA256_RE.match(value):
-            raise fail(f"{key!r} {name!r} must be a lowercase hex sha256")
 
 
 # A lambda grid longer than this is not one a server chooses from (LAMBDA_GRID has 7 values).

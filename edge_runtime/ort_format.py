@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from .encoder import _session, _session_options
+from .encoder import open_session, session_options
 
 MODEL_FORMATS = ("onnx", "ort")  # what `knnper-edge export-onnx --format` writes
 LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -34,10 +34,10 @@ def to_ort(model: bytes) -> tuple[bytes, str]:
     with tempfile.TemporaryDirectory(prefix="knnper-ort-") as tmp:
         saved = {}
         for form in ("ORT", "ONNX"):
-            options = _session_options(1, LEVEL)
+            options = session_options(1, LEVEL)
             options.optimized_model_filepath = os.path.join(tmp, f"model.{form.lower()}")
             options.add_session_config_entry("session.save_model_format", form)
-            _session(model, options, "the predictor")
+            open_session(model, options, "the predictor")
             saved[form] = Path(options.optimized_model_filepath).read_bytes()
     return saved["ORT"], required_operators(onnx.load_from_string(saved["ONNX"]))
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .datastores.common import WORK_CELLS
-from .encoder import _session, _session_options
+from .encoder import open_session, session_options
 from .errors import one_line
 from .manifest import Manifest
 from .predictor_graph import build_predictor
@@ -54,7 +54,9 @@ class Predictor:
             if optimized_at_export
             else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         )
-        self.session = _session(model, _session_options(intra_op_threads, level), "the predictor")
+        self.session = open_session(
+            model, session_options(intra_op_threads, level), "the predictor"
+        )
 
     def run(self, x: np.ndarray, datastore) -> np.ndarray:
         """Raw inputs [N, ...] (N >= 1) -> probabilities [N, C] float64."""

@@ -11,6 +11,7 @@ the encoder's figures, each client's row) are the exporter's and are not read he
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -19,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from ._io import parse_json, read_data_bytes, write_json_atomic
-from .manifest import _validate_model_record
 from .values import is_integer
 from .versions import ModelVersion
 
@@ -77,9 +77,14 @@ class Release:
             not isinstance(continues, str) or len(continues) > MAX_RUN_PATH
         ):
             raise fail(f"'continues' must be a string of at most {MAX_RUN_PATH} characters")
-        _validate_model_record(doc.get("model"), "model", fail)
-        if "replaces" in doc:
-            _validate_model_record(doc["replaces"], "replaces", fail)
+        try:
+            model = ModelVersion.parse(doc.get("model"), "model")
+            if "replaces" in doc:
+                model = dataclasses.replace(
+                    model, replaces=ModelVersion.parse(doc["replaces"], "replaces")
+                )
+        except ValueError as exc:
+            raise fail(str(exc)) from None
         entries = doc.get("clients")
         if not isinstance(entries, list):
             raise fail("'clients' must be a list")
@@ -87,7 +92,6 @@ class Release:
         ids = [e.get("client_id") if isinstance(e, dict) else e for e in entries]
         if not all(is_integer(c) and c >= 0 for c in ids) or len(set(ids)) != len(ids):
             raise fail("'clients' must name each client once, by a non-negative integer id")
-        model = ModelVersion.from_record(doc["model"], doc.get("replaces"))
         return cls(run, model, tuple(ids), continues, finished)
 
     def record(self) -> dict[str, Any]:

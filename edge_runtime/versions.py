@@ -19,6 +19,7 @@ taken to be their own encoder's), and `upgrade` treats them likewise.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -27,12 +28,15 @@ from typing import Any
 import numpy as np
 
 from .onnx_proto import ParsedModel
+from .values import is_integer
 
 EMBEDDING_KEY = "knnper.embedding"
 EMBEDDING_ARRAY = "embedding_id"
 # the keys of a manifest's model record, in the order the exporter writes them
 RECORD_KEYS = ("run", "round", "weights_sha256", "embedding")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+# the longest run name a record may carry (a hostile one must not choose its size freely)
+MAX_RUN_NAME = 256
 
 
 @dataclass(frozen=True)
@@ -57,17 +61,33 @@ class ModelVersion:
         return manifest.model
 
     @classmethod
-    def from_record(cls, record: dict | None, replaces: dict | None = None) -> ModelVersion | None:
-        """A version from a validated record (RECORD_KEYS), None for none."""
+    def parse(cls, record: Any, key: str = "model") -> ModelVersion:
+        """The version a record (RECORD_KEYS: a manifest's or export.json's "model" or
+        "replaces", as read, unchecked) names, without its lineage; ValueError, one line naming
+        the record by `key`, for anything else."""
+        if not isinstance(record, dict) or sorted(record) != sorted(RECORD_KEYS):
+            raise ValueError(f"{key!r} must be an object with keys {sorted(RECORD_KEYS)}")
+        run, round_ = record["run"], record["round"]
+        if not isinstance(run, str) or len(run) > MAX_RUN_NAME:
+            raise ValueError(f"{key!r} 'run' must be a string of at most {MAX_RUN_NAME} characters")
+        if round_ is not None and (not is_integer(round_) or round_ < 0):
+            raise ValueError(f"{key!r} 'round' must be a non-negative integer or null")
+        for name in ("embedding", "weights_sha256"):
+            value = record[name]
+            if name == "weights_sha256" and value is None:
+                continue
+            if not isinstance(value, str) or not _HEX_RE.match(value):
+                raise ValueError(f"{key!r} {name!r} must be a lowercase hex sha256")
+        return cls(record["embedding"], run, round_, record["weights_sha256"])
+
+    @classmethod
+    def from_record(cls, record: Any, replaces: Any = None) -> ModelVersion | None:
+        """A version from its record and the record of the one it replaces (each checked by
+        `parse`), None for no record."""
         if record is None:
             return None
-        return cls(
-            record["embedding"],
-            record["run"],
-            record["round"],
-            record["weights_sha256"],
-            cls.from_record(replaces),
-        )
+        lineage = None if replaces is None else cls.parse(replaces, "replaces")
+        return dataclasses.replace(cls.parse(record), replaces=lineage)
 
     @classmethod
     def of_encoder(cls, model: bytes, file_sha256: str | None = None) -> ModelVersion:

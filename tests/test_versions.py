@@ -149,3 +149,37 @@ def test_an_id_array_that_is_not_32_bytes_is_refused(array):
         ModelVersion.from_array(array, "datastore.npz: embedding_id")
     version = ModelVersion("0f" * 32)
     assert ModelVersion.from_array(version.as_array(), "x") == version
+
+
+def private_imports() -> list[str]:
+    """Every `from <a module of the project> import _name` in the packages: a private function,
+    class or constant of another module (a private module such as `_io` is the package's shared
+    helpers; a subpackage's modules, edge_runtime/datastores/, share their own)."""
+    found = []
+    for path in [p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))]:
+        where = path.relative_to(ROOT)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                package = ROOT.joinpath(*where.parts[: len(where.parts) - node.level])
+            elif (node.module or "").split(".")[0] in PACKAGES:
+                package = ROOT
+            else:
+                continue
+            source = package.joinpath(*(node.module or "").split("."))
+            if source.parent == path.parent and len(where.parts) > 2:
+                continue  # within one subpackage
+            for alias in node.names:
+                module = source / alias.name
+                if alias.name.startswith("_") and not (
+                    module.with_suffix(".py").is_file() or module.is_dir()
+                ):
+                    found.append(f"{where.as_posix()}:{node.lineno}: {alias.name}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name one module keeps private is not another's to import (release.py imported
+    manifest._validate_model_record; ModelVersion.parse is its public home)."""
+    assert private_imports() == []
