@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,9 @@ class Release:
     continues : the run the release's run continued from, if any.
     finished : whether export.json is the finished report (each client's row), not only the
         record written before the bundles.
+    rows : the finished report's row per client, in `clients`' order, as the exporter wrote it
+        (its columns are the exporter's: export.client_export) without the candidates it
+        tried; () before the export finished.
     """
 
     run: str
@@ -55,6 +58,7 @@ class Release:
     clients: tuple[int, ...]
     continues: str | None = None
     finished: bool = False
+    rows: tuple[dict[str, Any], ...] = field(default=(), compare=False, repr=False)
 
     @classmethod
     def parse(cls, raw: bytes, where: str) -> Release:
@@ -92,7 +96,8 @@ class Release:
         ids = [e.get("client_id") if isinstance(e, dict) else e for e in entries]
         if not all(is_integer(c) and c >= 0 for c in ids) or len(set(ids)) != len(ids):
             raise fail("'clients' must name each client once, by a non-negative integer id")
-        return cls(run, model, tuple(ids), continues, finished)
+        rows = tuple(_without_candidates(e) for e in entries) if finished else ()
+        return cls(run, model, tuple(ids), continues, finished, rows)
 
     def record(self) -> dict[str, Any]:
         """The record written before any bundle, in the order `parse` reads it back."""
@@ -104,10 +109,28 @@ class Release:
         out["clients"] = list(self.clients)
         return out
 
+    def bundle_dir(self, folder: str | os.PathLike, client_id: int) -> Path:
+        """Where in the release's `folder` client `client_id`'s bundle is; ReleaseError where
+        the release holds no such client."""
+        if client_id not in self.clients:
+            raise ReleaseError(f"{folder} holds no bundle for client {client_id}")
+        return Path(folder) / bundle_name(client_id)
+
     def same_version(self, other: Release) -> bool:
         """Whether both are releases of one model version (same run, round, weights and
         encoder): bundles of the two may share a folder."""
         return self.model == other.model
+
+
+def bundle_name(client_id: int) -> str:
+    """The name of client `client_id`'s bundle folder in a release (client_0003)."""
+    return f"client_{client_id:04d}"
+
+
+def _without_candidates(row: dict[str, Any]) -> dict[str, Any]:
+    """A finished report's client row without the candidates tried (a long list per client
+    that nothing after the export reads)."""
+    return {key: value for key, value in row.items() if key != "candidates"}
 
 
 def read_release(folder: str | os.PathLike) -> Release | None:

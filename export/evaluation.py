@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime._io import JSONFileError, read_json
 from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
 from edge_runtime.personal_head import PersonalHead
+from edge_runtime.release import RELEASE_FILE, ReleaseError, read_release
 from edge_runtime.runtime import Runtime
 from export.errors import ExportError
-from export.exporter import REPORT_FILE, client_embeddings
+from export.exporter import client_embeddings
 from fed_train.algorithms.base import ClientData
 from fed_train.client_files import client_split
 from fed_train.run import LoadedRun
@@ -30,46 +30,27 @@ def weighted_mean(rows: Sequence[dict[str, Any]], key: str = "test_accuracy") ->
     return float(sum(r[key] * r["test_samples"] for r in rows) / total)
 
 
-MAX_REPORT_BYTES = 64 << 20  # export.json: a row per client
-
-
 def evaluate_export(run: LoadedRun, out_dir: str | Path) -> list[dict[str, Any]]:
     """Each exported bundle's test accuracy, predicted by edge_runtime's Runtime from raw
-    inputs: the accuracy a device gets."""
+    inputs: the accuracy a device gets, beside the client's row of the release's report."""
     out_dir = Path(out_dir)
     try:
-        report = read_json(
-            out_dir / REPORT_FILE, limit=MAX_REPORT_BYTES, fix="export the run again"
-        )
-        clients = report["clients"]
-        if not isinstance(clients, list) or not all(
-            isinstance(r, dict)
-            and isinstance(r.get("bundle"), str)
-            and isinstance(r.get("client_id"), int)
-            for r in clients
-        ):
-            raise TypeError
-    except FileNotFoundError:
-        raise ExportError(f"{out_dir} holds no {REPORT_FILE}: export the run first") from None
-    except JSONFileError as err:
-        raise ExportError(str(err)) from None
-    except (TypeError, KeyError):
+        release = read_release(out_dir)
+    except ReleaseError as err:
+        raise ExportError(f"{err}; export the run again") from None
+    if release is None:
+        raise ExportError(f"{out_dir} holds no {RELEASE_FILE}: export the run first")
+    if not release.finished:
         raise ExportError(
-            f"{out_dir / REPORT_FILE} does not list clients with their bundle "
-            "and client id; export the run again"
-        ) from None
-    rows = []
-    for row in clients:
-        runtime = Runtime.load(out_dir / row["bundle"], intra_op_threads=1)
-        x, y = client_split(run, row["client_id"], "test")
-        acc = float(np.mean(runtime.predict(x) == y)) if len(y) else float("nan")
-        rows.append(
-            {
-                **{k: v for k, v in row.items() if k != "candidates"},
-                "test_accuracy": acc,
-                "test_samples": int(len(y)),
-            }
+            f"{out_dir / RELEASE_FILE} records a release whose export did not finish: "
+            "export the run again (it resumes)"
         )
+    rows = []
+    for client, row in zip(release.clients, release.rows, strict=True):
+        runtime = Runtime.load(release.bundle_dir(out_dir, client), intra_op_threads=1)
+        x, y = client_split(run, client, "test")
+        acc = float(np.mean(runtime.predict(x) == y)) if len(y) else float("nan")
+        rows.append({**row, "test_accuracy": acc, "test_samples": int(len(y))})
     return rows
 
 

@@ -43,7 +43,14 @@ from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest
 from edge_runtime.personal_head import ClientSplits
 from edge_runtime.preprocess import raw_checked
-from edge_runtime.release import Release, ReleaseError, read_release, write_release
+from edge_runtime.release import (
+    RELEASE_FILE,
+    Release,
+    ReleaseError,
+    bundle_name,
+    read_release,
+    write_release,
+)
 from edge_runtime.signing import load_private_key, sign_file
 from edge_runtime.upgrade import UPGRADES_DIR
 from edge_runtime.versions import ModelVersion, encoder_sha256
@@ -73,7 +80,6 @@ log = logging.getLogger(__name__)
 
 ENCODER_FILE = "encoder.onnx"
 FP32_ENCODER_FILE = "encoder.fp32.onnx"
-REPORT_FILE = "export.json"
 JOURNAL_FILE = "export.journal.jsonl"
 UPDATE_STRATEGIES = ("fifo", "concatenate", "fixed")
 
@@ -333,7 +339,7 @@ def client_embeddings(encoder: Encoder, client: ClientData, *, test: bool = Fals
 
 
 def bundle_dir(out_dir: Path, client_id: int) -> Path:
-    return out_dir / f"client_{client_id:04d}"
+    return out_dir / bundle_name(client_id)
 
 
 BUNDLE_DIR_RE = re.compile(r"client_[0-9]{4,}")
@@ -663,7 +669,7 @@ def _export_locked(
         **({"continues": release.continues} if release.continues is not None else {}),
         "clients": rows,
     }
-    write_json_atomic(out_dir / REPORT_FILE, report)
+    write_json_atomic(out_dir / RELEASE_FILE, report)
     return report
 
 

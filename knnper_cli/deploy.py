@@ -20,6 +20,7 @@ from edge_runtime.arg_types import (
 )
 from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
+from edge_runtime.release import RELEASE_FILE, ReleaseError, read_release
 from edge_runtime.signing import SIGNATURE_FILE, load_public_key
 from fed_train.accelerator import resolve_device
 from fed_train.algorithms import federated_methods
@@ -88,10 +89,20 @@ def release_settings(args: argparse.Namespace) -> FlowerSettings:
     `deploy config --release` for a federation of one's own), checked before anything starts:
     the release is an export that holds a bundle for every client of the run."""
     release = Path(args.release).resolve()
-    if not (release / "export.json").is_file():
-        raise DeployError(f"{args.release} is not a release (no export.json): run `knnper export`")
+    try:
+        record = read_release(release)
+    except ReleaseError as err:
+        raise DeployError(str(err)) from None
+    if record is None:
+        raise DeployError(
+            f"{args.release} is not a release (no {RELEASE_FILE}): run `knnper export`"
+        )
     run = RunConfig.from_dict(read_config(Path(args.run)))
-    missing = [c for c in range(run.clients) if not (release / f"client_{c:04d}").is_dir()]
+    missing = [
+        c
+        for c in range(run.clients)
+        if c not in record.clients or not record.bundle_dir(release, c).is_dir()
+    ]
     if missing:
         raise DeployError(
             f"{args.release} holds no bundle for client(s) {missing[:10]} of {args.run}'s "

@@ -340,7 +340,8 @@ def _export_settings(args: argparse.Namespace) -> ExportSettings:
 
 def _print_report(report: dict[str, Any], out: Path) -> None:
     """The export's tables, a warning for bundles that need a device extra, and where it wrote."""
-    from export.exporter import REPORT_FILE, device_extra, needing_extras
+    from edge_runtime.release import RELEASE_FILE
+    from export.exporter import device_extra, needing_extras
 
     if len(report["clients"]) <= PER_CLIENT_TABLE_MAX:
         print(format_export_table(report))
@@ -353,7 +354,7 @@ def _print_report(report: dict[str, Any], out: Path) -> None:
             "extra, and `knnper-edge export-onnx` cannot make one file of them; "
             "--device-extras none avoids it"
         )
-    print(f"wrote {len(report['clients'])} bundle(s) and {out / REPORT_FILE}")
+    print(f"wrote {len(report['clients'])} bundle(s) and {out / RELEASE_FILE}")
 
 
 def _write_upgrade_map(

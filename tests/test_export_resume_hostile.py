@@ -17,9 +17,10 @@ pytest.importorskip("cryptography")
 
 import knnper_cli.main as export_cli  # noqa: E402
 from edge_runtime.locking import directory_lock  # noqa: E402
+from edge_runtime.release import RELEASE_FILE  # noqa: E402
 from edge_runtime.runtime import Runtime  # noqa: E402
 from edge_runtime.signing import SIGNATURE_FILE, generate_key_pair, load_public_key  # noqa: E402
-from export.exporter import JOURNAL_FILE, REPORT_FILE  # noqa: E402
+from export.exporter import JOURNAL_FILE  # noqa: E402
 from fed_train.algorithms.base import TrainingConfig  # noqa: E402
 from fed_train.run import RunConfig, train  # noqa: E402
 
@@ -64,7 +65,7 @@ def _export(run_dir: Path, out: Path, budget: str = "2M", *extra: str) -> list[s
 
 def _consistent(out: Path, trusted=None) -> dict:
     """export.json describes every bundle it lists, and each one verifies."""
-    report = json.loads((out / REPORT_FILE).read_text())
+    report = json.loads((out / RELEASE_FILE).read_text())
     for row in report["clients"]:
         rt = Runtime.load(out / row["bundle"], trusted_keys=trusted)
         assert rt.manifest.budget.total == row["budget"]
@@ -80,7 +81,7 @@ def test_an_export_into_a_folder_another_export_holds_is_refused(run_dir, tmp_pa
         assert export_cli.main(_export(run_dir, out)) == 2
     err = capsys.readouterr().err
     assert "in use by another export" in err and err.count("\n") == 1
-    assert not (out / REPORT_FILE).exists()
+    assert not (out / RELEASE_FILE).exists()
 
 
 def test_two_exports_into_one_folder_never_mix(run_dir, tmp_path):

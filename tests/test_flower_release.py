@@ -23,7 +23,7 @@ from fed_train.flower.release_push import (  # noqa: E402
     MAX_FILES,
     REPLY_METRICS,
     REPLY_TEXTS,
-    ReleaseError,
+    PushError,
     node_reply,
     read_reply,
     write_release,
@@ -56,7 +56,7 @@ GOOD_REPLY = {"client-id": 3, "built": 1, "upgraded": 0, "stored": 10}
 def test_a_release_reply_carries_only_the_listed_scalars(task_identity):
     reply = node_reply(_sent(RecordDict()), GOOD_REPLY, {"version": "v"})
     assert read_reply(_sent(reply.content)) == {**GOOD_REPLY, "version": "v"}
-    with pytest.raises(ReleaseError, match="not part of a release reply"):
+    with pytest.raises(PushError, match="not part of a release reply"):
         node_reply(_sent(RecordDict()), {"x-train": 1.0}, {})
 
 
@@ -80,7 +80,7 @@ def test_a_release_reply_carries_only_the_listed_scalars(task_identity):
     ],
 )
 def test_the_server_refuses_a_reply_that_could_carry_samples(task_identity, content):
-    with pytest.raises(ReleaseError):
+    with pytest.raises(PushError):
         read_reply(_sent(content))
 
 
@@ -96,7 +96,7 @@ def test_the_server_refuses_a_reply_that_could_carry_samples(task_identity, cont
 )
 def test_the_server_refuses_a_tampered_reply_in_one_line(task_identity, metrics):
     content = RecordDict({"metrics": MetricRecord(metrics), "versions": ConfigRecord({})})
-    with pytest.raises(ReleaseError) as err:
+    with pytest.raises(PushError) as err:
         read_reply(_sent(content))
     assert "\n" not in str(err.value)
 
@@ -116,14 +116,14 @@ def test_a_forged_version_text_stays_in_its_cell(tmp_path):
 )
 def test_a_node_refuses_release_files_with_path_tricks(tmp_path, name):
     files = ConfigRecord({name: b"data", "encoder.onnx": b"e", "client/manifest.json": b"{}"})
-    with pytest.raises(ReleaseError, match="refused name"):
+    with pytest.raises(PushError, match="refused name"):
         write_release(files, tmp_path)
     assert not (tmp_path.parent / "encoder.onnx").exists()
 
 
 def test_a_node_refuses_more_files_than_a_release_has(tmp_path):
     files = ConfigRecord({f"upgrades/from-{i}.npz": b"" for i in range(MAX_FILES + 1)})
-    with pytest.raises(ReleaseError, match="files, over"):
+    with pytest.raises(PushError, match="files, over"):
         write_release(files, tmp_path)
     assert list(tmp_path.iterdir()) == []
 

@@ -56,6 +56,21 @@ def test_the_finished_report_records_the_same_release(tmp_path):
     assert read_release(tmp_path / "none") is None
 
 
+def test_a_finished_release_carries_each_clients_row_and_bundle(tmp_path):
+    """What `evaluate_export` reads of export.json, through the type: the rows of the report
+    in the clients' order (without the candidates tried) and where each bundle is."""
+    rows = [{"client_id": 7, "recipe": "r", "candidates": [1, 2]}, {"client_id": 0, "lambda": 1}]
+    report = {"run": "runs/v2", "model": MODEL, "clients": rows}
+    (tmp_path / "export.json").write_text(json.dumps(report))
+    release = read_release(tmp_path)
+    assert release.rows == ({"client_id": 7, "recipe": "r"}, {"client_id": 0, "lambda": 1})
+    assert release.bundle_dir(tmp_path, 7) == tmp_path / "client_0007"
+    with pytest.raises(ReleaseError, match="holds no bundle for client 3"):
+        release.bundle_dir(tmp_path, 3)
+    write_release(tmp_path, Release("runs/v2", V2, (7, 0)))
+    assert read_release(tmp_path).rows == ()  # the record before the bundles: no rows yet
+
+
 @pytest.mark.parametrize(
     "doc, why",
     [

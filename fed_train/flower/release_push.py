@@ -23,6 +23,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from edge_runtime._io import read_within, write_bytes_atomic
 from edge_runtime.manifest import ENCODER_FILE, MANIFEST
+from edge_runtime.release import bundle_name
 
 RELEASE_ACTION = "release"  # the ClientApp's handler for message type "train.release"
 UPGRADES = "upgrades"  # the release's key maps, as `knnper export --upgrade-from` writes them
@@ -57,7 +58,7 @@ _REQUIRED = ("client-id", *_FLAGS, "stored")
 _MAX_COUNT = 2**53  # exact in a float64
 
 
-class ReleaseError(ValueError):
+class PushError(ValueError):
     """A release that cannot be pushed, or a node's reply that the server refuses."""
 
 
@@ -65,9 +66,9 @@ def release_files(release: Path, client_id: int) -> ConfigRecord:
     """What the node of `client_id` needs from the release directory: its encoder, the
     client's bundle (client_NNNN) and the key maps, as file bytes under their relative names;
     the client's encoder is left out where its bytes are the release's encoder's (sent once)."""
-    bundle = release / f"client_{client_id:04d}"
+    bundle = release / bundle_name(client_id)
     if not (bundle / MANIFEST).is_file():
-        raise ReleaseError(
+        raise PushError(
             f"{release} holds no bundle for client {client_id} (export it with --clients all)"
         )
     files = {ENCODER_FILE: release / ENCODER_FILE}
@@ -85,7 +86,7 @@ def release_files(release: Path, client_id: int) -> ConfigRecord:
 
 
 def _read(path: Path) -> bytes:
-    return read_within(path, MAX_FILE_BYTES, lambda why: ReleaseError(f"{path} {why}"))
+    return read_within(path, MAX_FILE_BYTES, lambda why: PushError(f"{path} {why}"))
 
 
 def write_release(record: ConfigRecord, root: Path) -> Path:
@@ -94,29 +95,29 @@ def write_release(record: ConfigRecord, root: Path) -> Path:
     the server left that out; returns the client bundle's directory. The bundle's own checks
     (sha256s, schema, sizes, its signature) run when the device runtime reads it."""
     if len(record) > MAX_FILES:
-        raise ReleaseError(f"the server sent {len(record)} files, over {MAX_FILES}")
+        raise PushError(f"the server sent {len(record)} files, over {MAX_FILES}")
     for name, data in record.items():
         parts = name.split("/")
         folder_ok = len(parts) == 1 or (len(parts) == 2 and parts[0] in (CLIENT, UPGRADES))
         if not (folder_ok and _NAME.fullmatch(parts[-1]) and ".." not in parts[-1]):
-            raise ReleaseError(f"the server sent a file with a refused name {name!r:.80}")
+            raise PushError(f"the server sent a file with a refused name {name!r:.80}")
         if not isinstance(data, bytes) or len(data) > MAX_FILE_BYTES:
-            raise ReleaseError(f"the server's file {name} is not bytes within {MAX_FILE_BYTES}")
+            raise PushError(f"the server's file {name} is not bytes within {MAX_FILE_BYTES}")
         if len(parts) == 2:
             (root / parts[0]).mkdir(exist_ok=True)
         write_bytes_atomic(root / name, data, sync_dir=False)
     if not (root / CLIENT / MANIFEST).is_file() or not (root / ENCODER_FILE).is_file():
-        raise ReleaseError("the server sent no client bundle or no encoder")
+        raise PushError("the server sent no client bundle or no encoder")
     if CLIENT_ENCODER not in record:
         write_bytes_atomic(root / CLIENT_ENCODER, record[ENCODER_FILE], sync_dir=False)
     return root / CLIENT
 
 
 def node_reply(msg: Message, metrics: dict[str, Any], texts: dict[str, str]) -> Message:
-    """The node's reply: the listed numbers and texts only (ReleaseError otherwise)."""
+    """The node's reply: the listed numbers and texts only (PushError otherwise)."""
     extra = (set(metrics) - set(REPLY_METRICS)) | (set(texts) - set(REPLY_TEXTS))
     if extra:
-        raise ReleaseError(f"fields {sorted(extra)} are not part of a release reply")
+        raise PushError(f"fields {sorted(extra)} are not part of a release reply")
     return Message(
         RecordDict(
             {
@@ -134,20 +135,20 @@ def read_reply(reply: Message) -> dict[str, Any]:
     texts (no array record, no list, no bytes: nothing a sample could hide in)."""
     content = reply.content
     if set(content.keys()) != {"metrics", "versions"} or content.array_records:
-        raise ReleaseError(f"a release reply holds records {sorted(content.keys())}")
+        raise PushError(f"a release reply holds records {sorted(content.keys())}")
     metrics = content.metric_records["metrics"]
     texts = content.config_records["versions"]
     row: dict[str, Any] = {}
     for key, value in metrics.items():
         if key not in REPLY_METRICS or not _metric_ok(key, value):
-            raise ReleaseError(f"a release reply's metric {key!r:.40} = {value!r:.40} is refused")
+            raise PushError(f"a release reply's metric {key!r:.40} = {value!r:.40} is refused")
         row[key] = value
     missing = [key for key in _REQUIRED if key not in row]
     if missing:
-        raise ReleaseError(f"a release reply lacks {missing}")
+        raise PushError(f"a release reply lacks {missing}")
     for key, value in texts.items():
         if key not in REPLY_TEXTS or not isinstance(value, str) or len(value) > MAX_TEXT:
-            raise ReleaseError(f"a release reply's text {key!r:.40} is refused")
+            raise PushError(f"a release reply's text {key!r:.40} is refused")
         row[key] = value
     return row
 

@@ -23,6 +23,7 @@ from edge_runtime.errors import one_line
 from edge_runtime.knn import LAMBDA_ESTIMATORS, LAMBDA_GRID, LAMBDA_RULES
 from edge_runtime.linear_head import L2_GRID
 from edge_runtime.manifest import read_manifest
+from edge_runtime.release import ReleaseError, read_release
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import set_weights
 from fed_train.evaluation import format_table
@@ -357,10 +358,13 @@ def push_release(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
     `settings.release` (fed_train.flower.release_push), wait for each node to build or upgrade
     its own bundle, and keep their replies (counts, accuracies, versions) in flower.json."""
     release = Path(settings.release)
-    bundles = sorted(release.glob("client_[0-9]*"))
-    if not bundles:
+    try:
+        record = read_release(release)
+    except ReleaseError as err:
+        raise FederationError(str(err)) from None
+    if record is None or not record.clients:
         raise FederationError(f"{release} holds no client bundles (is it a `knnper export`?)")
-    like = read_manifest(bundles[0])
+    like = read_manifest(record.bundle_dir(release, record.clients[0]))
     spec = ModelSpec(settings.run.model or "", like.num_classes, like.input)
     record: dict[str, Any] = {
         "status": "running",
