@@ -29,7 +29,7 @@ import onnxruntime
 from edge_runtime._io import csv_text, write_text_atomic
 from edge_runtime.arg_types import positive_int
 from edge_runtime.bundle import write_bundle
-from edge_runtime.datastores import BACKENDS, make_datastore, parse_recipe
+from edge_runtime.datastores import BACKENDS, TYPICAL_RECIPES, make_datastore, parse_recipe
 from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
 from edge_runtime.preprocess import prepare_input
 
@@ -38,7 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("benchmarks")
 
-DEFAULT_RECIPES = ("flat:fp32", "hnsw:M16:ef64", "protonn:d32:m0.3")
 # Thread-count environment variables read by BLAS / OpenMP runtimes when a process starts.
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -566,7 +565,7 @@ def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--recipes",
         nargs="+",
-        default=list(DEFAULT_RECIPES),
+        default=list(TYPICAL_RECIPES),
         help="datastore recipes, one per backend",
     )
     p.add_argument(

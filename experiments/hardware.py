@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.datastores import FlatDatastore
+from edge_runtime.datastores import BACKENDS, EXACT_BACKEND, FlatDatastore, recipe_without
 from edge_runtime.encoder import Encoder
 from experiments.context import Context
 from experiments.experiment_seeds import STD
@@ -46,8 +46,8 @@ from export.sizing import SearchSpace, measure_nbytes
 NAME = "hardware"
 # ProtoNN is left out of the byte-budget search: training it per client, configuration and
 # budget costs more than this whole experiment; the protonn-grid experiment measures it.
-SPACE = SearchSpace(backends=("flat", "hnsw"))
-QUICK_SPACE = SearchSpace(backends=("flat",))
+SPACE = SearchSpace(backends=tuple(name for name, cls in BACKENDS.items() if not cls.TRAINED))
+QUICK_SPACE = SearchSpace(backends=(EXACT_BACKEND,))
 MONOTONE = 0.8  # |Spearman| from which a curve counts as rising or falling throughout
 COLUMNS = (
     "version",
@@ -178,9 +178,7 @@ class ByteBudgets:
 def _recipe_counts(rows: list[dict]) -> str:
     counts: dict[str, int] = {}
     for r in rows:
-        shape = ":".join(
-            t for t in r["recipe"].split(":") if not (t[:1] == "n" and t[1:].isdigit())
-        )
+        shape = recipe_without(r["recipe"], "n")
         counts[shape] = counts.get(shape, 0) + 1
     return "; ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 

@@ -55,6 +55,7 @@ import numpy as np
 
 from edge_runtime._io import read_json_cache, write_bytes_atomic, write_text_atomic
 from edge_runtime.budget import Budget
+from edge_runtime.datastores import EXACT_BACKEND, format_recipe, recipe_without
 from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.knn import softmax
 from edge_runtime.release import read_release
@@ -132,7 +133,7 @@ def _export(
     release = read_release(out)
     if release is not None and release.finished:
         return choice.config.normalize
-    settings = apply_knn_choice(ExportSettings(backend="flat", device_extras="none"), choice)
+    settings = apply_knn_choice(ExportSettings(backend=EXACT_BACKEND, device_extras="none"), choice)
     seen = [c for c in range(len(run.partition.clients)) if not run.partition.unseen[c]]
     replaces = None if upgrade_from is None else old_release(upgrade_from)
     export_run(
@@ -285,11 +286,15 @@ def _device(
         devices / "kept",
         input_spec=spec,
         settings=InitSettings(
-            **knn, recipes=["flat:int8"], keep_inputs=True, client_id=client, update_strategy="fifo"
+            **knn,
+            recipes=[format_recipe(EXACT_BACKEND, {"dtype": "int8"})],
+            keep_inputs=True,
+            client_id=client,
+            update_strategy="fifo",
         ),
     )
     # the plain bundle takes the recipe (its n) the one that keeps raw inputs could afford
-    recipe = kept.recipe.rsplit(":x", 1)[0]
+    recipe = recipe_without(kept.recipe, "inputs")
     init_bundle(
         encoder,
         x_tr,

@@ -41,7 +41,7 @@ import numpy as np
 
 from edge_runtime._io import write_text_atomic
 from edge_runtime.budget import Budget
-from edge_runtime.datastores import FlatDatastore
+from edge_runtime.datastores import FlatDatastore, recipe_without
 from edge_runtime.encoder import Encoder
 from edge_runtime.personal_head import PersonalHead
 from experiments import benchmark_support as C
@@ -268,9 +268,7 @@ def _top_recipes(rows: list[dict], top: int = 3) -> str:
     """The most frequent chosen recipe shapes (counts dropped), e.g. "flat:int8 x12"."""
     counts: dict[str, int] = {}
     for r in rows:
-        shape = ":".join(
-            t for t in r["recipe"].split(":") if not t[:1] == "n" or not t[1:].isdigit()
-        )
+        shape = recipe_without(r["recipe"], "n")
         counts[shape] = counts.get(shape, 0) + 1
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
     return "; ".join(f"{name} x{n}" for name, n in ranked)

@@ -30,6 +30,7 @@ from edge_runtime.datastores import (
     format_recipe,
     make_datastore,
     parse_recipe,
+    recipe_without,
 )
 from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.encoder import Encoder
@@ -339,6 +340,9 @@ def test_recipes_parse_and_format():
     assert parse_recipe("protonn:d32:m0.3") == ("protonn", {"d": 32, "m": 0.3})
     for recipe in ("flat:int8:n500", "hnsw:M16:ef64:efc200:n500", "protonn:d32:m0.3"):
         assert format_recipe(*parse_recipe(recipe)) == recipe
+    # what the experiments group chosen recipes by, and the same store without raw inputs
+    assert recipe_without("hnsw:M8:ef64:n12:x64", "n") == "hnsw:M8:ef64:x64"
+    assert recipe_without("flat:int8:n500:x64", "inputs") == "flat:int8:n500"
     for bad, message in [
         ("faiss:IVF", "unknown datastore backend 'faiss'"),
         ("flat:int4", "flat recipes take fp32|fp16|int8"),

@@ -40,7 +40,7 @@ from .common import (
 from .flat import FlatDatastore
 from .hnsw import HNSWDatastore
 from .protonn import ProtoNNDatastore
-from .recipes import format_recipe, parse_recipe
+from .recipes import format_recipe, parse_recipe, recipe_without
 from .registry import BACKENDS, backend_class, register_backend
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "BaseDatastore",
     "DATASTORE_FILE_RE",
     "DEVICE_RECIPES",
+    "EXACT_BACKEND",
     "EXACT_RECIPE",
     "FLAT_DTYPES",
     "FlatDatastore",
@@ -57,6 +58,7 @@ __all__ = [
     "ProtoNNDatastore",
     "SampleDatastore",
     "SavedFiles",
+    "TYPICAL_RECIPES",
     "backend_class",
     "check_backend",
     "check_fit_inputs",
@@ -69,6 +71,7 @@ __all__ = [
     "make_datastore",
     "max_count_within",
     "parse_recipe",
+    "recipe_without",
     "register_backend",
 ]
 
@@ -79,7 +82,10 @@ register_backend(ProtoNNDatastore)
 # what `knnper-edge init` tries where no --recipes are given (every flat key dtype), and the
 # exact float32 search a reference accuracy is measured with
 DEVICE_RECIPES = ("flat:fp32", "flat:fp16", "flat:int8")
+EXACT_BACKEND = FlatDatastore.backend  # every key compared with the query
 EXACT_RECIPE = "flat:fp32"
+# one typical recipe per built-in backend: what the runtime benchmarks measure by default
+TYPICAL_RECIPES = ("flat:fp32", "hnsw:M16:ef64", "protonn:d32:m0.3")
 
 
 def make_datastore(

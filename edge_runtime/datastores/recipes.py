@@ -68,6 +68,14 @@ def format_recipe(name: str, params: dict) -> str:
     return ":".join(parts)
 
 
+def recipe_without(recipe: str, *keys: str) -> str:
+    """The recipe with the parameters `keys` left out: "flat:int8:n500:x64" without "n" is
+    "flat:int8:x64" (what a table groups chosen recipes by), without "inputs" "flat:int8:n500"
+    (the same store without raw inputs)."""
+    name, params = parse_recipe(recipe)
+    return format_recipe(name, {key: value for key, value in params.items() if key not in keys})
+
+
 def describe_recipe(recipe: str) -> str:
     """A recipe in words, for a person reading `knnper-edge info`: "flat:fp32:n1944" ->
     "flat keys (exact search); keys stored as fp32; n1944: holds at most 1944 samples"."""
