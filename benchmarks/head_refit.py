@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_runtime.knn_provenance import KNNProvenance
 from edge_runtime.linear_head import DEFAULT_L2, LinearHead
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
@@ -61,14 +62,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def linear_bundle_fields(l2: float) -> dict:
+def linear_base_record(l2: float) -> KNNProvenance:
     """The manifest's record of a linear base, as the exporter writes it."""
 
     def flag(value):
         return {"value": value, "source": "flag"}
 
-    return {
-        "knn_choice": {
+    return KNNProvenance(
+        {
             "k": flag(10),
             "sigma": flag(1.0),
             "normalize": flag("none"),
@@ -76,7 +77,7 @@ def linear_bundle_fields(l2: float) -> dict:
             "base": flag("linear"),
             "l2": flag(l2),
         }
-    }
+    )
 
 
 def time_adds(
@@ -111,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bundles = {"global": work / f"global-{size}", "linear": work / f"linear-{size}"}
             C.write_benchmark_bundle(bundles["global"], encoder, ds, spec)
             C.write_benchmark_bundle(
-                bundles["linear"], personal, ds, spec, extra_fields=linear_bundle_fields(DEFAULT_L2)
+                bundles["linear"], personal, ds, spec, knn_choice=linear_base_record(DEFAULT_L2)
             )
             t = time_adds(bundles, pool.queries, pool.query_labels, args.reps)
             rows.append(

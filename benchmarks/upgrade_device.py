@@ -39,7 +39,8 @@ from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import make_datastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.keymap import FORMS, KeyMap
-from edge_runtime.preprocess import prepare_input
+from edge_runtime.manifest import BundleFields
+from edge_runtime.preprocess import InputSpec, prepare_input
 from edge_runtime.versions import ModelVersion
 from experiments.benchmark_support import machine_info, machine_line, run_sampled
 
@@ -153,18 +154,7 @@ def bundle(out: Path, encoder: Path, n: int, seed: int) -> Path:
     z, _ = Encoder(encoder).run(prepare_input(x, SPEC))
     ds = make_datastore(f"flat:int8:n{n}", CLASSES).fit(z, y)
     budget = encoder.stat().st_size + ds.estimate_nbytes(n, DIM)
-    write_bundle(
-        out,
-        {
-            "client_id": 0,
-            "input": SPEC,
-            "lambda": 0.5,
-            "budget_bytes": budget,
-            "update_strategy": "fifo",
-        },
-        encoder,
-        ds,
-    )
+    write_bundle(out, BundleFields(0, InputSpec(SPEC), 0.5, budget, "fifo"), encoder, ds)
     return out
 
 

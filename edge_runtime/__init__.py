@@ -2,8 +2,9 @@
 server-side packages, so a device can install it without torch.
 
 The face: `Runtime` loads a bundle and predicts (`predict_proba`, `add`); `write_bundle` /
-`read_bundle` write and verify one, whose `Manifest` says what it holds and which
-`ModelVersion` it runs; `make_datastore` builds a flat, HNSW or ProtoNN datastore
+`read_bundle` write and verify one (from the `BundleFields` its writer decides), whose
+`Manifest` says what it holds (its encoder's `InputSpec`...) and which `ModelVersion` it
+runs; `make_datastore` builds a flat, HNSW or ProtoNN datastore
 from its recipe string (a new backend: `register_backend`, and `check_backend` checks it);
 `PersonalHead` is kNN-Per's interpolation of the kNN, the global model
 and an optional `LinearHead`, chosen per client on validation (`ClientSplits`); `Budget` is a
@@ -31,6 +32,8 @@ __all__, __getattr__, __dir__ = lazy_face(
         "Bundle": "bundle",
         "read_bundle": "bundle",
         "write_bundle": "bundle",
+        "BundleFields": "manifest",
+        "InputSpec": "preprocess",
         "Manifest": "manifest",
         "ModelVersion": "versions",
         "make_datastore": "datastores",

@@ -76,6 +76,7 @@ from .manifest import (
     ENCODER_FILE,
     MANIFEST,
     UPDATE_STRATEGIES,
+    BundleFields,
     Footprint,
     Manifest,
     build_manifest,
@@ -86,7 +87,7 @@ from .manifest import (
 from .onnx_check import uses_external_data
 from .onnx_proto import ParsedModel
 from .predictor import BATCH_ROWS, Predictor
-from .preprocess import prepare_input
+from .preprocess import InputSpec, prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
 from .versions import ModelVersion, encoder_sha256
 
@@ -204,15 +205,15 @@ def load_bundle_datastore(bundle_dir: str | os.PathLike, manifest: Manifest):
     return ds
 
 
-def _check_kept_inputs(kept: np.ndarray | None, spec: dict, bundle_dir) -> None:
+def _check_kept_inputs(kept: np.ndarray | None, spec: InputSpec, bundle_dir) -> None:
     """Kept raw inputs are samples of the bundle's input spec (an image of one channel may
     drop its channel axis): the right bytes in another shape failed only when re-embedded or
     added to, naming neither the bundle nor the array."""
     if kept is None:
         return
-    dims = tuple(int(d) for d in spec["shape"])
-    shapes = {dims, dims[:2]} if spec["kind"] == "image" and dims[-1] == 1 else {dims}
-    dtype = np.dtype(spec.get("dtype", "uint8" if spec["kind"] == "image" else "int64"))
+    dims = spec.shape
+    shapes = {dims, dims[:2]} if spec.kind == "image" and dims[-1] == 1 else {dims}
+    dtype = np.dtype(spec.dtype)
     if kept.shape[1:] not in shapes or kept.dtype != dtype:
         raise BundleError(
             f"bundle {bundle_dir}: datastore: its kept inputs are {kept.dtype} "
@@ -449,7 +450,7 @@ def check_encoder(
     """One inference (`embed`: raw inputs -> embeddings, logits) on a zero input of the
     manifest's input spec: it must run and give embedding_dim and num_classes outputs."""
     spec = manifest.input
-    probe = np.zeros([1, *spec["shape"]], dtype=np.uint8 if spec["kind"] == "image" else np.int64)
+    probe = np.zeros([1, *spec.shape], dtype=spec.dtype)
     try:
         z, logits = embed(probe)
     except ValueError as exc:
@@ -469,7 +470,7 @@ def check_encoder(
 
 def write_bundle(
     out_dir: str | os.PathLike,
-    manifest_fields: dict,
+    fields: BundleFields,
     encoder: bytes | str | os.PathLike,
     datastore: Any,
     *,
@@ -487,9 +488,9 @@ def write_bundle(
     Parameters
     ----------
     out_dir : the bundle's folder; its parent must exist.
-    manifest_fields : see `build_manifest`: client_id, input, lambda, budget_bytes (bytes)
-        required; update_strategy optional; num_classes, embedding_dim, k, sigma checked
-        against the datastore; format, version, backend, footprint, files are computed.
+    fields : what the writer decides (client, input spec, lambda, budget, update strategy,
+        the records of how the kNN setting was chosen and of the model version); the rest
+        comes from the datastore and the files written.
     encoder : the ONNX encoder, as bytes or a path to read.
     datastore : a fitted FlatDatastore / HNSWDatastore / ProtoNNDatastore.
     replace : replace a bundle already at `out_dir` (default); False refuses to.
@@ -501,7 +502,7 @@ def write_bundle(
     Manifest : the manifest as written.
     """
     out_dir = Path(out_dir)
-    draft = build_manifest(manifest_fields, datastore)  # checked before anything is written
+    draft = build_manifest(fields, datastore)  # checked before anything is written
     encoder_bytes = _encoder_size(encoder)
     version = _encoder_version(datastore, encoder, out_dir)
     budget = Budget(draft.budget.total).with_encoder(encoder_bytes)

@@ -712,7 +712,7 @@ def cmd_info(args) -> int:
             if m.client_id == -1
             else " (the federated client it was exported for)"
         ),
-        f"input         {spec['kind']} {spec['shape']}",
+        f"input         {spec.kind} {list(spec.shape)}",
         f"classes       {m.num_classes}",
         f"embedding     {m.embedding_dim}",
         f"kNN           k={m.k} sigma={m.sigma:g} lambda={m.lam:g}",

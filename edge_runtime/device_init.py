@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,9 +39,10 @@ from .device_choice import choose_datastore, with_inputs
 from .encoder import Encoder
 from .head_file import no_sample_fits, samples_within
 from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule
-from .manifest import Manifest
-from .preprocess import prepare_input, raw_checked, validate_spec
+from .manifest import BundleFields, Manifest
+from .preprocess import InputSpec, prepare_input, raw_checked
 from .runtime import check_labels
+from .versions import ModelVersion
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ def init_bundle(
     budget_bytes: int,
     out_dir: str | os.PathLike,
     *,
-    input_spec: dict,
+    input_spec: InputSpec | Mapping[str, Any],
     settings: InitSettings = InitSettings(),
     release: Manifest | None = None,
 ) -> InitReport:
@@ -115,8 +117,8 @@ def init_bundle(
     x, y : the device's labelled samples (inputs as `input_spec` describes, integer labels).
     budget_bytes : the device's total budget in bytes, encoder included.
     out_dir : the bundle's folder (written atomically, as `write_bundle`).
-    input_spec : the encoder's input description (`preprocess.validate_spec`; a bundle's
-        manifest "input").
+    input_spec : the encoder's input description (`preprocess.InputSpec`, or its JSON
+        object; a bundle's manifest "input").
     settings : the kNN head, the candidates and their validation split, the manifest's fields.
     release : the validated manifest of a bundle of the release `encoder_path` comes from
         (`init --like`): the model version it records ("model", "replaces") is recorded in
@@ -129,7 +131,7 @@ def init_bundle(
     """
     s = settings
     try:
-        validate_spec(input_spec)
+        input_spec = InputSpec.of(input_spec)
     except ValueError as exc:
         raise ValueError(f"input spec: {exc}") from None
     if not 0.0 <= s.val_fraction < 1.0:
@@ -140,7 +142,7 @@ def init_bundle(
             f"the encoder alone takes {budget.encoder} bytes, over the budget of "
             f"{budget.total} bytes"
         )
-    versions = _release_versions(release, encoder_path)
+    model = _release_version(release, encoder_path)
     z, logits, y = _embedded(encoder_path, x, y, input_spec, s.intra_op_threads)
     num_classes, dim = logits.shape[1], z.shape[1]
     inputs = raw_checked(x, input_spec) if s.keep_inputs else None
@@ -163,14 +165,14 @@ def init_bundle(
         lambda_rule=s.lambda_rule,
         inputs=inputs,
     )
-    fields = {
-        "client_id": int(s.client_id),
-        "input": input_spec,
-        "lambda": float(best["lambda"]),
-        "budget_bytes": budget.total,
-        "update_strategy": s.update_strategy,
-        **versions,
-    }
+    fields = BundleFields(
+        int(s.client_id),
+        input_spec,
+        float(best["lambda"]),
+        budget.total,
+        s.update_strategy,
+        model=model,
+    )
     manifest = write_bundle(out_dir, fields, encoder_path, final)
     return InitReport(manifest, best["recipe"], best["lambda"], best["val_accuracy"], scored)
 
@@ -179,7 +181,7 @@ def _embedded(
     encoder_path: str | os.PathLike,
     x: np.ndarray,
     y: np.ndarray,
-    input_spec: dict,
+    input_spec: InputSpec,
     intra_op_threads: int | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The device's samples through the encoder: embeddings, the global head's logits, and the
@@ -191,11 +193,14 @@ def _embedded(
     return z, logits, check_labels(y, z.shape[0], logits.shape[1])
 
 
-def _release_versions(release: Manifest | None, encoder_path: str | os.PathLike) -> dict:
-    """The model version records of `release` (a bundle's manifest) to write into the new
-    bundle: none without one, or where it records none (a bundle from before versions)."""
+def _release_version(
+    release: Manifest | None, encoder_path: str | os.PathLike
+) -> ModelVersion | None:
+    """The model version (with its lineage) of `release` (a bundle's manifest) to record in
+    the new bundle: none without one, or where it records none (a bundle from before
+    versions)."""
     if release is None:
-        return {}
+        return None
     version = release.model
     problem = version and version.encoder_problem(Path(encoder_path).read_bytes(), encoder_path)
     if problem:
@@ -203,7 +208,7 @@ def _release_versions(release: Manifest | None, encoder_path: str | os.PathLike)
             f"{problem}: give the encoder of that release (its export's encoder.onnx), or a "
             "bundle of the encoder's own release"
         )
-    return release.release_fields(Manifest.RECORDS)
+    return version
 
 
 def _candidate_recipes(

@@ -20,8 +20,9 @@ from .datastores import BACKENDS, DATASTORE_FILE_RE, format_recipe, parse_recipe
 from .datastores.common import file_generation
 from .errors import BundleError
 from .head_file import HEAD_FILE_RE
-from .knn import CLIENT_RULE, KNN_BASES, LAMBDA_RULES, LambdaRule, k_sigma_problem
-from .preprocess import validate_spec
+from .knn import CLIENT_RULE, LambdaRule, k_sigma_problem
+from .knn_provenance import KNNProvenance
+from .preprocess import InputSpec
 from .values import is_integer, is_real
 from .versions import ModelVersion
 
@@ -91,7 +92,7 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
         if not _type_ok(manifest[key], kind):
             raise fail(f"{key!r} must be a JSON {_type_name(kind)}, got {manifest[key]!r}")
     try:
-        validate_spec(manifest["input"])
+        InputSpec(manifest["input"])
     except ValueError as exc:
         raise fail(f"'input': {exc}") from None
     for key in ("num_classes", "embedding_dim", "k", "budget_bytes"):
@@ -117,7 +118,12 @@ def validate_manifest(manifest: Any, where: str = "manifest.json") -> dict:
         raise fail("'footprint' total is not encoder + datastore")
     _validate_files(manifest["files"], manifest["backend"]["name"], fail)
     if "knn_choice" in manifest:
-        _validate_knn_choice(manifest, fail)
+        try:
+            choice = KNNProvenance(manifest["knn_choice"])
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+        if choice.k.value != manifest["k"] or choice.sigma.value != manifest["sigma"]:
+            raise fail("'knn_choice' disagrees with the bundle's k or sigma")
     if "lambda_rule" in manifest:
         _lambda_rule(manifest, fail)
     for key in Manifest.RECORDS:  # the version built from ("model"), the one it replaces
@@ -166,48 +172,6 @@ def _lambda_rule(manifest: dict, fail) -> LambdaRule:
     if named != parsed.name:
         raise fail(f"'lambda_rule' is {parsed.name!r} but 'knn_choice' says {named!r}")
     return parsed
-
-
-KNN_CHOICE_KEYS = ("k", "sigma", "normalize", "lambda_estimator")
-# recorded by newer exporters: how lambda pools evidence, what the kNN is interpolated with
-KNN_CHOICE_OPTIONAL = ("lambda_rule", "base", "l2")
-KNN_CHOICE_SOURCES = ("validation", "flag", "paper default")
-
-
-def _validate_knn_choice(manifest: dict, fail) -> None:
-    """The optional record of where k, sigma, the normalisation and the lambda estimator came
-    from; its k and sigma must be the ones the bundle runs."""
-    choice = manifest["knn_choice"]
-    if not isinstance(choice, dict) or sorted(set(choice) - set(KNN_CHOICE_OPTIONAL)) != sorted(
-        KNN_CHOICE_KEYS
-    ):
-        raise fail(
-            f"'knn_choice' must be an object with keys {list(KNN_CHOICE_KEYS)} "
-            f"(and, from bundles that record them, {list(KNN_CHOICE_OPTIONAL)})"
-        )
-    for key, entry in choice.items():
-        if (
-            not isinstance(entry, dict)
-            or sorted(entry) != ["source", "value"]
-            or entry["source"] not in KNN_CHOICE_SOURCES
-            or not isinstance(entry["value"], (str, int, float))
-            or isinstance(entry["value"], bool)
-        ):
-            raise fail(
-                f"'knn_choice' {key!r} must be {{value, source}} with source one of "
-                f"{list(KNN_CHOICE_SOURCES)}"
-            )
-    if "lambda_rule" in choice and choice["lambda_rule"]["value"] not in LAMBDA_RULES:
-        raise fail(f"'knn_choice' 'lambda_rule' must be one of {list(LAMBDA_RULES)}")
-    if "base" in choice and choice["base"]["value"] not in KNN_BASES:
-        raise fail(f"'knn_choice' 'base' must be one of {list(KNN_BASES)}")
-    l2 = choice.get("l2", {}).get("value")
-    if "l2" in choice and (
-        not is_real(l2, finite=True) or l2 <= 0 or choice.get("base", {}).get("value") != "linear"
-    ):
-        raise fail("'knn_choice' 'l2' must be a positive number, recorded with the linear base")
-    if choice["k"]["value"] != manifest["k"] or choice["sigma"]["value"] != manifest["sigma"]:
-        raise fail("'knn_choice' disagrees with the bundle's k or sigma")
 
 
 def _validate_backend(manifest: dict, fail) -> None:
@@ -286,14 +250,15 @@ class Manifest:
     is the object as read (or written), so that it is written back in the same bytes. Parse
     one with `parse_manifest` / `read_manifest`; never build one from unchecked data.
 
-    The field policy: COMPUTED is what `write_bundle` derives (callers do not give it);
-    OPTIONAL what a caller may give beside the required fields; RELEASE what a bundle built
-    from a release (`init --like`, `upgrade`) takes from the release's manifest; DEVICE what
-    an on-device update may change in a signed bundle (signing)."""
+    The field policy: what a writer decides is `BundleFields` (`write_bundle` derives the
+    rest); RECORDS are the model version's records; DEVICE what an on-device update may change
+    in a signed bundle (signing); a bundle built from a release (`upgrade`) takes the release's
+    records (`upgraded_fields`)."""
 
     json: dict[str, Any]
     format_version: int = field(init=False)  # of the bundle format, FORMAT_VERSION or older
     client_id: int = field(init=False)
+    input: InputSpec = field(init=False)  # what the encoder takes (edge_runtime.preprocess)
     num_classes: int = field(init=False)
     embedding_dim: int = field(init=False)
     k: int = field(init=False)
@@ -307,11 +272,11 @@ class Manifest:
     # the version it was built from, with the one it replaces as its lineage; None before
     # versions
     model: ModelVersion | None = field(init=False)
+    # where k, sigma, the normalisation and the lambda estimator came from; None in a bundle
+    # that records none
+    knn_choice: KNNProvenance | None = field(init=False)
 
-    COMPUTED: ClassVar = ("format", "version", "backend", "footprint", "files")
     RECORDS: ClassVar = ("model", "replaces")
-    OPTIONAL: ClassVar = ("knn_choice", "lambda_rule", *RECORDS)
-    RELEASE: ClassVar = OPTIONAL
     DEVICE: ClassVar = ("files", "footprint", "backend")
 
     def to_json(self) -> dict[str, Any]:
@@ -323,6 +288,7 @@ class Manifest:
         fields = {
             "format_version": j["version"],
             "client_id": j["client_id"],
+            "input": InputSpec(j["input"]),
             "num_classes": j["num_classes"],
             "embedding_dim": j["embedding_dim"],
             "k": j["k"],
@@ -334,14 +300,10 @@ class Manifest:
             "budget": Budget(j["budget_bytes"], j["footprint"]["encoder"]),
             "footprint": Footprint(**j["footprint"]),
             "model": ModelVersion.from_record(j.get("model"), j.get("replaces")),
+            "knn_choice": KNNProvenance(j["knn_choice"]) if "knn_choice" in j else None,
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
-
-    @property
-    def input(self) -> dict[str, Any]:
-        """The input spec (edge_runtime.preprocess): what the encoder takes."""
-        return copy.deepcopy(self.json["input"])
 
     @property
     def params(self) -> dict[str, Any]:
@@ -375,39 +337,40 @@ class Manifest:
         next generation's datastore files (datastore.<n>.npz), which an export never does."""
         return any(file_generation(name) > 0 for name in self.datastore_files)
 
-    def release_fields(self, keys: tuple[str, ...] = RELEASE) -> dict[str, Any]:
-        """What a bundle built from this release's bundle takes from it beside the input spec
-        and the kNN setting (`upgrade`: RELEASE, how they were chosen and the model version
-        records; `init --like`: RECORDS only), as write_bundle's fields."""
-        return {key: copy.deepcopy(self.json[key]) for key in keys if key in self.json}
+    def upgraded_fields(self, device: Manifest) -> BundleFields:
+        """The fields of `device`'s bundle upgraded to this release bundle: the device's client,
+        budget and update strategy; the release's input spec, lambda, how its kNN setting was
+        chosen (knn_choice, lambda_rule) and its model version."""
+        return BundleFields(
+            device.client_id,
+            self.input,
+            self.lam,
+            device.budget.total,
+            device.update_strategy,
+            self.knn_choice,
+            self.lambda_rule,
+            self.model,
+        )
 
     @property
-    def knn_choice(self) -> dict[str, Any] | None:
-        """Where k, sigma, the normalisation and the lambda estimator came from (each
-        {value, source}); None in a bundle that records none."""
-        return copy.deepcopy(self.json.get("knn_choice"))
-
-    def _chosen(self, key: str, default: Any = None) -> Any:
-        return self.json.get("knn_choice", {}).get(key, {}).get("value", default)
-
-    @property
-    def normalize(self) -> str | None:
+    def normalize(self) -> str | int | float | None:
         """How embeddings are normalised before the kNN ("none", "l2"); None where the
         bundle records no choice."""
-        return self._chosen("normalize")
+        return None if self.knn_choice is None else self.knn_choice.normalize.value
 
     @property
     def base(self) -> str:
         """What the kNN is interpolated with: "global" (the encoder's classifier) or "linear"
         (the client's own head)."""
-        return self._chosen("base", "global")
+        base = None if self.knn_choice is None else self.knn_choice.base
+        return "global" if base is None else str(base.value)
 
     @property
     def refit_l2(self) -> float | None:
         """The l2 a device refits its linear head with after `add`: the exporter's, recorded
         with the linear base; None for a bundle interpolating with the global model."""
-        l2 = self._chosen("l2")
-        return None if self.base != "linear" or l2 is None else float(l2)
+        l2 = None if self.knn_choice is None else self.knn_choice.l2
+        return None if self.base != "linear" or l2 is None else float(l2.value)
 
     @property
     def lambda_rule(self) -> LambdaRule:
@@ -499,68 +462,73 @@ def read_manifest(bundle_dir: str | os.PathLike) -> Manifest:
     return parse_manifest(raw, f"bundle {bundle_dir}: {MANIFEST}")
 
 
-_ALLOWED_FIELDS = set(_SCHEMA) | set(Manifest.COMPUTED) | set(Manifest.OPTIONAL)
+@dataclass(frozen=True)
+class BundleFields:
+    """What the writer of a bundle decides; `write_bundle` derives the rest from the datastore
+    (num_classes, embedding_dim, k, sigma, backend) and from the files it writes (footprint,
+    files).
 
-
-def build_manifest(manifest_fields: dict, datastore: Any) -> Manifest:
-    """A manifest from caller fields and a fitted datastore, its footprint and files still
-    to be filled in (`Manifest.with_datastore`) once the files are written.
-
-    Required fields: client_id, input, lambda, budget_bytes. Taken from the datastore unless
-    given (and then checked against it): num_classes, embedding_dim, k, sigma. update_strategy
-    defaults to "fifo" ("concatenate" for a protonn datastore without a buffer, which has no
-    fifo capacity). backend always comes from the datastore.
+    Parameters
+    ----------
+    client_id : the client the bundle is personalised for (-1: a device that never trained).
+    input : what the encoder takes.
+    lam : the interpolation weight of the kNN.
+    budget_bytes : the device's budget, encoder included.
+    update_strategy : how `add` makes room ("fifo", "concatenate", "fixed"); None: "fifo",
+        or "concatenate" for a ProtoNN datastore without a buffer (no fifo capacity).
+    knn_choice : where the kNN setting came from, where the writer records it.
+    lambda_rule : how lambda was chosen; recorded where it pools evidence (a bundle that
+        records none runs the client rule, the paper's).
+    model : the model version the bundle is built from, with the one it replaces as its
+        lineage; None records none.
     """
-    unknown = sorted(set(manifest_fields) - _ALLOWED_FIELDS)
-    if unknown:
-        raise BundleError(f"write_bundle: unknown manifest field(s) {unknown}")
-    for key in ("client_id", "input", "lambda", "budget_bytes"):
-        if key not in manifest_fields:
-            raise BundleError(f"write_bundle: manifest field {key!r} is required")
+
+    client_id: int
+    input: InputSpec
+    lam: float
+    budget_bytes: int
+    update_strategy: str | None = None
+    knn_choice: KNNProvenance | None = None
+    lambda_rule: LambdaRule = CLIENT_RULE
+    model: ModelVersion | None = None
+
+    def records(self) -> dict[str, Any]:
+        """The optional records these fields write (knn_choice, lambda_rule, model,
+        replaces), in that order."""
+        out: dict[str, Any] = {}
+        if self.knn_choice is not None:
+            out["knn_choice"] = self.knn_choice.to_json()
+        if self.lambda_rule.name != CLIENT_RULE.name:
+            out["lambda_rule"] = self.lambda_rule.to_dict()
+        if self.model is not None:
+            out["model"] = self.model.to_record()
+            if self.model.replaces is not None:
+                out["replaces"] = self.model.replaces.to_record()
+        return out
+
+
+def build_manifest(fields: BundleFields, datastore: Any) -> Manifest:
+    """A manifest from the writer's fields and a fitted datastore, its footprint and files
+    still to be filled in (`Manifest.with_datastore`) once the files are written."""
     if not hasattr(datastore, "embedding_dim_"):
         raise BundleError("write_bundle: the datastore is not fitted")
-    derived = {
-        "num_classes": int(datastore.num_classes),
-        "embedding_dim": int(datastore.embedding_dim_),
-        "k": int(datastore.k),
-        "sigma": float(datastore.sigma),
-    }
-    for key, value in derived.items():
-        if key in manifest_fields and manifest_fields[key] != value:
-            raise BundleError(
-                f"write_bundle: manifest field {key!r} is {manifest_fields[key]!r} but the "
-                f"datastore has {value!r}"
-            )
-    backend = _backend_record(datastore)
-    given = manifest_fields.get("backend")
-    if given is not None and (not isinstance(given, dict) or given.get("name") != backend["name"]):
-        raise BundleError(
-            f"write_bundle: manifest backend {given!r} is not the datastore's ({backend['name']})"
-        )
     no_capacity = datastore.TRAINED and not datastore.sample_store().n
     default_strategy = "concatenate" if no_capacity else "fifo"
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
-        "client_id": manifest_fields["client_id"],
-        "input": manifest_fields["input"],
-        **derived,
-        "lambda": manifest_fields["lambda"],
-        "backend": backend,
-        "update_strategy": manifest_fields.get("update_strategy", default_strategy),
-        "budget_bytes": manifest_fields["budget_bytes"],
+        "client_id": fields.client_id,
+        "input": fields.input.to_json(),
+        "num_classes": int(datastore.num_classes),
+        "embedding_dim": int(datastore.embedding_dim_),
+        "k": int(datastore.k),
+        "sigma": float(datastore.sigma),
+        "lambda": float(fields.lam) if is_real(fields.lam) else fields.lam,
+        "backend": _backend_record(datastore),
+        "update_strategy": fields.update_strategy or default_strategy,
+        "budget_bytes": fields.budget_bytes,
+        **fields.records(),
     }
-    for key in Manifest.OPTIONAL:
-        if key in manifest_fields:
-            manifest[key] = manifest_fields[key]
-    for key in ("format", "version"):
-        if key in manifest_fields and manifest_fields[key] != manifest[key]:
-            raise BundleError(
-                f"write_bundle: this runtime writes {key} {manifest[key]!r}, not "
-                f"{manifest_fields[key]!r}"
-            )
-    if is_real(manifest["lambda"]):
-        manifest["lambda"] = float(manifest["lambda"])
     for key in ("client_id", "budget_bytes"):
         if isinstance(manifest[key], np.integer):
             manifest[key] = int(manifest[key])
@@ -569,7 +537,9 @@ def build_manifest(manifest_fields: dict, datastore: Any) -> Manifest:
     except TypeError as exc:
         raise BundleError(f"write_bundle: manifest fields are not JSON data: {exc}") from None
     # checked before anything is written: the files are not known yet, only their layout
-    placeholder = dict.fromkeys((ENCODER_FILE, *BACKENDS[backend["name"]].FILES), "0" * 64)
+    placeholder = dict.fromkeys(
+        (ENCODER_FILE, *BACKENDS[manifest["backend"]["name"]].FILES), "0" * 64
+    )
     manifest.update(footprint={"encoder": 0, "datastore": 0, "total": 0}, files=placeholder)
     return Manifest(validate_manifest(manifest, "write_bundle"))
 

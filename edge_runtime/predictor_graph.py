@@ -34,6 +34,7 @@ from . import onnx_proto as P
 from .datastores.registry import BACKENDS
 from .knn import QUERY_LEVELS, QUERY_SHIFT
 from .manifest import Manifest
+from .preprocess import InputSpec
 
 OPSET = 17
 ENCODER_INPUT = "knnper/encoder_input"
@@ -116,11 +117,11 @@ def build_predictor(
     opsets[""] = max(opsets.get("", OPSET), OPSET)
     g = _Graph(opsets[""])
     spec = manifest.input
-    if spec["kind"] == "image":
-        g.input("input", P.UINT8, ["N", *spec["shape"]])
+    if spec.kind == "image":
+        g.input("input", P.UINT8, ["N", *spec.shape])
         _normalise(g, spec)
     else:
-        g.input("input", P.INT64, ["N", *spec["shape"]])
+        g.input("input", P.INT64, ["N", *spec.shape])
         g.nodes.append(P.node("Identity", ["input"], [ENCODER_INPUT]))
     # the graph's nodes: the input's preparation, the encoder's, then the kNN head's
     head = [P.nodes(g.nodes), *parsed.graph_body((parsed.inputs[0], ENCODER_INPUT))]
@@ -161,14 +162,14 @@ def build_predictor(
     )
 
 
-def _normalise(g: _Graph, spec: dict) -> None:
+def _normalise(g: _Graph, spec: InputSpec) -> None:
     """(x / 255 - mean) / std on NCHW float32, the same float32 steps as prepare_input."""
-    channels = int(spec["shape"][2])
+    channels = spec.shape[2]
     x = g.cast("input", P.FLOAT)
     x = g.node("Transpose", [x], perm=[0, 3, 1, 2])
     x = g.node("Div", [x, g.const(255.0)])
-    x = g.node("Sub", [x, g.const(np.reshape(spec["mean"], (1, channels, 1, 1)))])
-    std = g.const(np.reshape(spec["std"], (1, channels, 1, 1)))
+    x = g.node("Sub", [x, g.const(np.reshape(spec.mean, (1, channels, 1, 1)))])
+    std = g.const(np.reshape(spec.std, (1, channels, 1, 1)))
     g.nodes.append(P.node("Div", [x, std], [ENCODER_INPUT]))
 
 

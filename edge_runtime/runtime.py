@@ -69,7 +69,7 @@ from .locking import DEFAULT_LOCK_TIMEOUT
 from .manifest import Manifest
 from .personal_head import PersonalHead
 from .predictor import Predictor
-from .preprocess import prepare_checked, raw_checked, validate_spec
+from .preprocess import InputSpec, prepare_checked, raw_checked
 from .release import bundle_release_problem
 from .threads import DEFAULT_THREADS, BlasThreads
 from .upgrade import UpgradeReport, upgrade_bundle
@@ -146,7 +146,6 @@ class Runtime:
         self.predictor = predictor
         self.lock_timeout = lock_timeout
         self.size_at_load_ = len(datastore.sample_store())
-        self._spec = validate_spec(manifest.input)  # checked once here, not on every call
         self._blas_threads = BlasThreads(blas_threads)
         self._intra_op_threads = intra_op_threads
 
@@ -227,7 +226,7 @@ class Runtime:
         return self.manifest.model or ModelVersion.of_keys(self.datastore)
 
     @property
-    def input_spec(self) -> dict:
+    def input_spec(self) -> InputSpec:
         return self.manifest.input
 
     @property
@@ -250,8 +249,8 @@ class Runtime:
         """Checked inputs as a batch in the form the bundle's session takes: raw for the
         single-session predictor (it normalises in its graph), normalised for the encoder."""
         if self.predictor is not None:
-            return raw_checked(x, self._spec)
-        return prepare_checked(x, self._spec)
+            return raw_checked(x, self.manifest.input)
+        return prepare_checked(x, self.manifest.input)
 
     def _encode(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A `_checked` batch (N >= 1) -> (embeddings, logits) through the bundle's session."""
@@ -290,7 +289,7 @@ class Runtime:
         """
         if self.predictor is None:
             return self.posterior(*self.embed(x))
-        raw = raw_checked(x, self._spec)
+        raw = raw_checked(x, self.manifest.input)
         if raw.shape[0] == 0:
             return np.zeros((0, self.num_classes))
         return self.predictor.run(raw, self.datastore)
@@ -316,7 +315,7 @@ class Runtime:
         UpdateReport : how many samples were received, added, dropped (and why) and evicted,
             and how many the datastore holds.
         """
-        batch = raw_checked(x, self._spec)
+        batch = raw_checked(x, self.manifest.input)
         labels = check_labels(y, batch.shape[0], self.num_classes)
         rows = ADD_CHUNK_ROWS
         chunks = (
@@ -360,7 +359,7 @@ class Runtime:
                 zs.append(self._encode(xp[skip:])[0])
                 kept.append(labels[skip:])
                 if keeps_inputs:  # the bundle re-embeds them when the model changes
-                    raws.append(raw_checked(x, self._spec)[skip:])
+                    raws.append(raw_checked(x, self.manifest.input)[skip:])
         if seen != count:
             raise ValueError(f"got {seen} samples, {count} were announced")
         if not zs:

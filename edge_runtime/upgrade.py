@@ -37,6 +37,7 @@ either; the release it upgrades to is verified all the same when keys are given 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -331,20 +332,15 @@ def _write_upgraded(plan: _Plan, evict: int, trusted_keys: Any) -> tuple[Manifes
     undershot (HNSW) evicts a few more and writes again; the old keys are let go before the
     new bundle is written and checked."""
     release, manifest = plan.release, plan.manifest
-    fields = {
-        "client_id": manifest.client_id,
-        "input": release.input,
-        "lambda": release.lam,
-        "budget_bytes": manifest.budget.total,
-        "update_strategy": manifest.update_strategy,
-        **release.release_fields(),
-    }
+    fields = release.upgraded_fields(manifest)
     tmp = staging_directory(plan.path)
     try:
         for _ in range(8):
-            ds = _carried(plan, evict, fields)
+            ds, lam = _carried(plan, evict)
             try:
-                written = write_bundle(tmp, fields, plan.new_dir / ENCODER_FILE, ds)
+                written = write_bundle(
+                    tmp, dataclasses.replace(fields, lam=lam), plan.new_dir / ENCODER_FILE, ds
+                )
                 break
             except BudgetExceeded as exc:  # estimates (hnsw) undershot: evict a little more
                 per = max(
@@ -378,11 +374,12 @@ def _write_upgraded(plan: _Plan, evict: int, trusted_keys: Any) -> tuple[Manifes
     return written, evict
 
 
-def _carried(plan: _Plan, evict: int, fields: dict) -> Any:
+def _carried(plan: _Plan, evict: int) -> tuple[Any, float]:
     """The upgraded datastore without the `evict` oldest samples: the folded one's buffer cut,
-    or the keys mapped or re-embedded into a fresh one (its lambda into `fields` where chosen
-    on the kept inputs). The old keys are let go once carried over (a retry reads them again
-    from the bundle on disk)."""
+    or the keys mapped or re-embedded into a fresh one; with its lambda (the release's, or the
+    one chosen on the kept inputs). The old keys are let go once carried over (a retry reads
+    them again from the bundle on disk)."""
+    lam = plan.release.lam
     if plan.trained:  # the folded datastore, its buffer down to the newest count - evict
         store = plan.datastore
         ds = store.evict_oldest(len(store.sample_store()) - (plan.count - evict))
@@ -391,10 +388,10 @@ def _carried(plan: _Plan, evict: int, fields: dict) -> Any:
             plan.datastore = load_bundle_datastore(plan.path, plan.manifest)
         if plan.mapping is None:
             model = encoder_bytes(plan.new_dir, plan.release)
-            ds, lam = _reembedded(
+            ds, chosen = _reembedded(
                 plan.datastore, evict, model, plan.release, plan.params, plan.manifest
             )
-            fields["lambda"] = plan.release.lam if plan.signed else lam
+            lam = plan.release.lam if plan.signed else chosen
         else:
             ds = _mapped(
                 plan.datastore,
@@ -407,7 +404,7 @@ def _carried(plan: _Plan, evict: int, fields: dict) -> Any:
             )
         plan.datastore = None  # the old keys go before the new bundle is written and checked
     ds.embedding_id_ = plan.new.embedding
-    return ds
+    return ds, lam
 
 
 def _check_same_client(where: str, manifest: Manifest, release: Manifest, new_dir: Path) -> None:

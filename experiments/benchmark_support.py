@@ -31,7 +31,9 @@ from edge_runtime.arg_types import positive_int
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import BACKENDS, TYPICAL_RECIPES, make_datastore, parse_recipe
 from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
-from edge_runtime.preprocess import prepare_input
+from edge_runtime.knn_provenance import KNNProvenance
+from edge_runtime.manifest import BundleFields, Manifest
+from edge_runtime.preprocess import InputSpec, prepare_input
 
 # the source checkout this module sits in (its default paths for results and data)
 REPO = Path(__file__).resolve().parents[1]
@@ -505,22 +507,21 @@ def write_benchmark_bundle(
     client_id: int = 0,
     budget_bytes: int | None = None,
     update_strategy: str | None = None,
-    extra_fields: dict[str, Any] | None = None,
-) -> dict:
+    knn_choice: KNNProvenance | None = None,
+) -> Manifest:
     """A bundle through edge_runtime.bundle.write_bundle; the budget defaults to what the files
     take with ample room (benchmarks measure speed and memory, not budget enforcement).
-    `extra_fields`: more manifest fields (a kNN choice's record)."""
+    `knn_choice`: the record of how the kNN setting was chosen, where the bundle keeps one."""
     if budget_bytes is None:
         budget_bytes = encoder.stat().st_size + 2 * int(datastore.nbytes) + (1 << 20)
-    fields: dict[str, Any] = {
-        "client_id": client_id,
-        "input": spec,
-        "lambda": float(lam),
-        "budget_bytes": int(budget_bytes),
-    }
-    if update_strategy is not None:
-        fields["update_strategy"] = update_strategy
-    fields.update(extra_fields or {})
+    fields = BundleFields(
+        client_id,
+        InputSpec(spec),
+        float(lam),
+        int(budget_bytes),
+        update_strategy,
+        knn_choice,
+    )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     return write_bundle(out_dir, fields, encoder, datastore)
 

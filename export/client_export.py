@@ -12,8 +12,12 @@ import numpy as np
 
 from edge_runtime.budget import Budget
 from edge_runtime.bundle import BundleError, write_bundle
+from edge_runtime.knn_provenance import KNNProvenance
+from edge_runtime.manifest import BundleFields
 from edge_runtime.personal_head import ClientSplits
+from edge_runtime.preprocess import InputSpec
 from edge_runtime.signing import load_private_key
+from edge_runtime.versions import ModelVersion
 from export.errors import ExportError
 from export.journal import ExportJournal
 from export.sizing import DatastoreSizer, SearchSpace
@@ -28,7 +32,7 @@ class ClientTask:
     budget: Budget  # its encoder's share: the shared encoder's, or this client's own
     unseen: bool
     target: Path
-    input_spec: dict
+    input_spec: InputSpec
     encoder: bytes | None = None  # this client's own encoder (linear base); None: the shared one
     inputs: np.ndarray | None = None  # the train split's raw inputs, where the bundle keeps them
 
@@ -45,8 +49,7 @@ class SizingContext:
     update_strategy: str
     signing_key: str | None = None  # a path: workers load the key themselves
     journal: Path | None = None  # where each finished client is recorded (export.journal)
-    model: dict | None = None  # the model version record every manifest carries
-    replaces: dict | None = None  # and the one of the release these bundles replace
+    model: ModelVersion | None = None  # what every manifest records, with its lineage
 
     def sizer(self) -> DatastoreSizer:
         return DatastoreSizer(self.num_classes, knn=self.knn, space=self.space, seed=self.seed)
@@ -61,22 +64,17 @@ def export_client(
     encoder = context.encoder_path if task.encoder is None else task.encoder
     sizer.fit(data, task.budget, task.inputs)
     best, datastore = sizer.best_, sizer.datastore_
-    fields = {
-        "client_id": int(data.client_id),
-        "input": task.input_spec,
-        "lambda": float(best.lam),
-        "budget_bytes": task.budget.total,
-        "update_strategy": context.update_strategy,
-    }
     provenance = context.knn.provenance()
-    if provenance is not None:
-        fields["knn_choice"] = provenance
-    rule = context.knn.lambda_rule
-    if rule.name != "client":  # its pooled evidence: `init --like` chooses by it
-        fields["lambda_rule"] = rule.to_dict()
-    for key in ("model", "replaces"):
-        if getattr(context, key) is not None:
-            fields[key] = getattr(context, key)
+    fields = BundleFields(
+        int(data.client_id),
+        task.input_spec,
+        float(best.lam),
+        task.budget.total,
+        context.update_strategy,
+        None if provenance is None else KNNProvenance(provenance),
+        context.knn.lambda_rule,  # where it pools evidence, `init --like` chooses by it
+        context.model,
+    )
     try:
         key = load_private_key(context.signing_key) if context.signing_key else None
         manifest = write_bundle(task.target, fields, encoder, datastore, signing_key=key)

@@ -42,7 +42,7 @@ from edge_runtime.knn import (
 from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest
 from edge_runtime.personal_head import ClientSplits
-from edge_runtime.preprocess import raw_checked
+from edge_runtime.preprocess import InputSpec, raw_checked
 from edge_runtime.release import (
     RELEASE_FILE,
     Release,
@@ -620,8 +620,7 @@ def _export_locked(
         settings.update_strategy,
         settings.signing_key,
         out_dir / JOURNAL_FILE,
-        model,
-        replaces,
+        release.model,
     )
     remove_stale_temporaries(out_dir)
     done = ExportJournal(context.journal).finished(
@@ -710,7 +709,7 @@ def _client_task(
         budget,
         client.unseen,
         bundle_dir(out_dir, client.client_id),
-        run.dataset.input_spec,
+        InputSpec(run.dataset.input_spec),
         personal,
         inputs,
     )

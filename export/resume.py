@@ -69,7 +69,7 @@ def bundle_problem(
         return "its encoder is not this export's (another model or export)"
     got = {
         "client_id": manifest.client_id,
-        "input": manifest.input,
+        "input": manifest.input.to_json(),
         "k": manifest.k,
         "sigma": manifest.sigma,
         "update_strategy": manifest.update_strategy,

@@ -4,6 +4,7 @@ with onnx.helper) so the whole file runs in seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -35,6 +36,7 @@ from edge_runtime.datastores import (
 from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import KNNHead, exact_search, interpolate, softmax
+from edge_runtime.preprocess import InputSpec
 from edge_runtime.runtime import Runtime
 from tests.helpers.bundles import (
     C_IN,
@@ -133,7 +135,7 @@ def test_token_inputs(tmp_path):
     x, y = rng.integers(0, 11, (30, 5)), rng.integers(0, NUM_CLASSES, 30)
     z, _ = raw_outputs(enc, x, TOKEN_SPEC)
     ds = FlatDatastore(NUM_CLASSES, k=3).fit(z, y)
-    write_bundle(tmp_path / "b", {**FIELDS, "input": TOKEN_SPEC}, enc, ds)
+    write_bundle(tmp_path / "b", dataclasses.replace(FIELDS, input=InputSpec(TOKEN_SPEC)), enc, ds)
     rt = Runtime.load(tmp_path / "b")
     assert rt.predict(x[:4]).shape == (4,)
     assert rt.predict_proba(x[0]).shape == (1, NUM_CLASSES)
@@ -301,7 +303,7 @@ def test_protonn_bundle_learns_into_its_buffer_within_the_budget(tmp_path, strat
         buffer=4,
     )
     budget = enc.stat().st_size + ds.estimate_nbytes(5, P) + 3 * ds.buffer_nbytes(1)
-    fields = {**FIELDS, "budget_bytes": budget, "update_strategy": strategy}
+    fields = dataclasses.replace(FIELDS, budget_bytes=budget, update_strategy=strategy)
     write_bundle(tmp_path / "b", fields, enc, ds)
     rt = Runtime.load(tmp_path / "b")
     x, y = make_images(12, 1)
@@ -482,10 +484,10 @@ def test_write_bundle_over_budget_writes_nothing(tmp_path):
     ds = FlatDatastore(NUM_CLASSES).fit(z, y)
     budget = enc.stat().st_size + 1000
     with pytest.raises(BundleError, match=rf"over the budget of {budget} bytes") as info:
-        write_bundle(tmp_path / "b", {**FIELDS, "budget_bytes": budget}, enc, ds)
+        write_bundle(tmp_path / "b", dataclasses.replace(FIELDS, budget_bytes=budget), enc, ds)
     assert f"encoder {enc.stat().st_size} + datastore" in str(info.value)
     with pytest.raises(BundleError, match="the encoder alone takes"):
-        write_bundle(tmp_path / "b", {**FIELDS, "budget_bytes": 100}, enc, ds)
+        write_bundle(tmp_path / "b", dataclasses.replace(FIELDS, budget_bytes=100), enc, ds)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["encoder.onnx"]
 
 
@@ -505,16 +507,19 @@ def test_write_bundle_replaces_a_bundle_but_not_other_directories(tmp_path):
 
 
 def test_write_bundle_checks_fields(tmp_path):
+    """A writer gives only what it decides (k and sigma come from the datastore, a field the
+    type lacks cannot be given); what it gives is checked before anything is written."""
     enc = make_image_encoder(tmp_path / "encoder.onnx")
     z, y = _embeddings(30, P)
     ds = FlatDatastore(NUM_CLASSES, k=5).fit(z, y)
-    with pytest.raises(BundleError, match="'lambda' is required"):
-        write_bundle(tmp_path / "b", {k: v for k, v in FIELDS.items() if k != "lambda"}, enc, ds)
-    with pytest.raises(BundleError, match="'k' is 7 but the datastore has 5"):
-        write_bundle(tmp_path / "b", {**FIELDS, "k": 7}, enc, ds)
-    with pytest.raises(BundleError, match=r"unknown manifest field\(s\) \['lamda'\]"):
-        write_bundle(tmp_path / "b", {**FIELDS, "lamda": 0.1}, enc, ds)
+    with pytest.raises(TypeError):
+        dataclasses.replace(FIELDS, k=7)
+    with pytest.raises(BundleError, match=r"'lambda' must be in \[0, 1\]"):
+        write_bundle(tmp_path / "b", dataclasses.replace(FIELDS, lam=1.5), enc, ds)
+    with pytest.raises(BundleError, match="'update_strategy' must be one of"):
+        write_bundle(tmp_path / "b", dataclasses.replace(FIELDS, update_strategy="lifo"), enc, ds)
     assert not (tmp_path / "b").exists()
+    assert write_bundle(tmp_path / "b", FIELDS, enc, ds).k == 5
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -954,7 +959,9 @@ def test_write_bundle_accepts_numpy_scalars_in_fields(tmp_path):
     enc = make_image_encoder(tmp_path / "encoder.onnx")
     z, y = _embeddings(30, P)
     spec = {**IMAGE_SPEC, "mean": [np.float32(0.5)], "shape": (H, W, C_IN)}
-    fields = {**FIELDS, "input": spec, "lambda": np.float64(0.3), "budget_bytes": np.int64(10**6)}
+    fields = dataclasses.replace(
+        FIELDS, input=InputSpec(spec), lam=np.float64(0.3), budget_bytes=np.int64(10**6)
+    )
     manifest = write_bundle(tmp_path / "b", fields, enc, FlatDatastore(NUM_CLASSES).fit(z, y))
     assert manifest == read_manifest(tmp_path / "b")
-    assert manifest.input["shape"] == [H, W, C_IN] and manifest.lam == 0.3
+    assert manifest.input.to_json()["shape"] == [H, W, C_IN] and manifest.lam == 0.3

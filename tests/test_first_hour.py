@@ -131,7 +131,7 @@ def _buffered_protonn(tmp_path, buffer: int):
         m=0.3,
         buffer=buffer,
     )
-    write_bundle(tmp_path / "b", {**FIELDS, "update_strategy": "fifo"}, enc, ds)
+    write_bundle(tmp_path / "b", dataclasses.replace(FIELDS, update_strategy="fifo"), enc, ds)
     return tmp_path / "b"
 
 

@@ -5,6 +5,7 @@ samples on the nodes; the slow one runs the lifecycle on a real local federation
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,9 @@ pytest.importorskip("flwr")
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
+from edge_runtime.release import Release, read_release, write_release  # noqa: E402
 from edge_runtime.runtime import Runtime  # noqa: E402
+from edge_runtime.versions import ModelVersion  # noqa: E402
 from fed_train.flower.client_data import node_splits  # noqa: E402
 from fed_train.flower.release_push import (  # noqa: E402
     MAX_FILES,
@@ -26,7 +29,7 @@ from fed_train.flower.release_push import (  # noqa: E402
     PushError,
     node_reply,
     read_reply,
-    write_release,
+    write_pushed_files,
 )
 from fed_train.flower.server_app import push_release  # noqa: E402
 from fed_train.flower.settings import FlowerSettings  # noqa: E402
@@ -117,14 +120,14 @@ def test_a_forged_version_text_stays_in_its_cell(tmp_path):
 def test_a_node_refuses_release_files_with_path_tricks(tmp_path, name):
     files = ConfigRecord({name: b"data", "encoder.onnx": b"e", "client/manifest.json": b"{}"})
     with pytest.raises(PushError, match="refused name"):
-        write_release(files, tmp_path)
+        write_pushed_files(files, tmp_path)
     assert not (tmp_path.parent / "encoder.onnx").exists()
 
 
 def test_a_node_refuses_more_files_than_a_release_has(tmp_path):
     files = ConfigRecord({f"upgrades/from-{i}.npz": b"" for i in range(MAX_FILES + 1)})
     with pytest.raises(PushError, match="files, over"):
-        write_release(files, tmp_path)
+        write_pushed_files(files, tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -134,6 +137,7 @@ def test_a_node_refuses_more_files_than_a_release_has(tmp_path):
         ("run", "run", [], "is not a release (no export.json)"),
         ("release", "elsewhere", [], "config.json is not readable JSON"),
         ("partial", "run", [], "holds no bundle for client(s) [1, 2]"),
+        ("damaged", "run", [], "export.json: 'run' must be a string"),
         ("release", "run", ["--trusted-key", "run/config.json"], "is not a PEM public key"),
         ("release", "run", ["--out", "run/out-\udcff"], "is not UTF-8"),  # no TOML spelling
     ],
@@ -143,10 +147,12 @@ def test_a_bad_release_push_fails_in_one_line_before_any_process(
 ):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text(json.dumps({"dataset": "digits", "clients": 3}))
-    for name, clients in (("release", 3), ("partial", 1)):
+    version = ModelVersion("b" * 64, "run", 1, "a" * 64)
+    for name, clients in (("release", 3), ("partial", 1), ("damaged", 3)):
         for cid in range(clients):
             (tmp_path / name / f"client_{cid:04d}").mkdir(parents=True)
-        (tmp_path / name / "export.json").write_text("{}")
+        write_release(tmp_path / name, Release("run", version, tuple(range(clients))))
+    (tmp_path / "damaged" / "export.json").write_text("{}")  # no release's record
     argv = ["deploy", "release", str(tmp_path / release), "--run", str(tmp_path / run)]
     argv += [str(tmp_path / a) if a.startswith("run/") else a for a in extra]
     out = [] if "--out" in extra else ["--out", str(tmp_path / "out")]
@@ -293,7 +299,7 @@ def _splits(run: Path, cid: int) -> dict:
 
 
 def _release_version(release: Path) -> dict:
-    return json.loads((release / "export.json").read_text())["model"]
+    return read_release(release).model.to_record()
 
 
 @pytest.mark.slow
@@ -439,7 +445,11 @@ def _tiny_release(root: Path, name: str, encoder: Path, key: Path | None) -> Pat
     release = root / name
     release.mkdir()
     write_bundle(
-        release / "client_0003", {**FIELDS, "model": model}, encoder, ds, signing_key=signing_key
+        release / "client_0003",
+        dataclasses.replace(FIELDS, model=ModelVersion.from_record(model)),
+        encoder,
+        ds,
+        signing_key=signing_key,
     )
     shutil.copyfile(encoder, release / "encoder.onnx")
     if signing_key is not None:  # as `knnper export --signing-key` signs its shared encoder
@@ -578,7 +588,7 @@ def test_the_release_encoder_travels_once_where_it_is_the_clients_too(tiny, tmp_
         - (release / "encoder.onnx").stat().st_size
     )
     (tmp_path / "node").mkdir()
-    client = write_release(files, tmp_path / "node")
+    client = write_pushed_files(files, tmp_path / "node")
     assert (client / "encoder.onnx").read_bytes() == (release / "encoder.onnx").read_bytes()
     read_bundle(client, intra_op_threads=1, trusted_keys=[load_public_key(root / "a.pub")])
     own = tmp_path / "own-encoder"
@@ -625,14 +635,14 @@ def test_a_node_with_an_unreadable_trusted_key_says_so_in_one_line(tmp_path):
 
 
 def _fake_release(tmp_path: Path, signed: bool, run_clients: int = 2) -> tuple[Path, Path]:
-    """A run and a release directory with 2 clients' folders (all that `deploy config`
-    reads of a release)."""
+    """A run and a release directory with 2 clients' folders and its record (all that
+    `deploy config` reads of a release)."""
     (tmp_path / "run").mkdir()
     config = {"dataset": "digits", "clients": run_clients}
     (tmp_path / "run" / "config.json").write_text(json.dumps(config))
     for cid in range(2):
         (tmp_path / "rel" / f"client_{cid:04d}").mkdir(parents=True)
-    (tmp_path / "rel" / "export.json").write_text("{}")
+    write_release(tmp_path / "rel", Release("run", ModelVersion("b" * 64, "run", 1), (0, 1)))
     if signed:
         (tmp_path / "rel" / "client_0000" / "signature.json").write_text("{}")
     return tmp_path / "rel", tmp_path / "run"

@@ -4,6 +4,7 @@ signature), and loaded back as it was committed. Hostile head files are refused 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -15,6 +16,7 @@ from edge_runtime.bundle import BundleError, write_bundle
 from edge_runtime.datastores import make_datastore
 from edge_runtime.head_file import head_nbytes, head_tensors
 from edge_runtime.knn import interpolate
+from edge_runtime.knn_provenance import KNNProvenance
 from edge_runtime.linear_head import LinearHead
 from edge_runtime.onnx_proto import replace_initializers
 from edge_runtime.runtime import Runtime
@@ -64,7 +66,7 @@ def linear_bundle(
     encoder = with_linear_head(shared, head) if personal else shared.read_bytes()
     ds = make_datastore(recipe, NUM_CLASSES, k=5, sigma=1.0).fit(z, y)
     out = tmp_path / "bundle"
-    fields = {**FIELDS, "budget_bytes": budget, "knn_choice": _choice()}
+    fields = dataclasses.replace(FIELDS, budget_bytes=budget, knn_choice=KNNProvenance(_choice()))
     write_bundle(out, fields, encoder, ds, signing_key=signing_key)
     return out
 

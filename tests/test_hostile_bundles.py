@@ -4,6 +4,7 @@ a MemoryError, and loading them writes nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -364,7 +365,7 @@ def _protonn_bundle(tmp_path: Path) -> Path:
     ds = ProtoNNDatastore.from_matrices(
         rng.normal(size=(3, P)), rng.normal(size=(3, 5)), rng.random((NUM_CLASSES, 5)), 0.5
     )
-    write_bundle(tmp_path / "b", {**FIELDS, "budget_bytes": 10**6}, enc, ds)
+    write_bundle(tmp_path / "b", dataclasses.replace(FIELDS, budget_bytes=10**6), enc, ds)
     return tmp_path / "b"
 
 

@@ -12,8 +12,11 @@ import pytest
 from edge_runtime.budget import Budget
 from edge_runtime.device_init import InitSettings, init_bundle
 from edge_runtime.knn import CLIENT_RULE, LAMBDA_GRID, KNNHead, LambdaRule, softmax
+from edge_runtime.knn_provenance import KNNProvenance
 from edge_runtime.linear_head import LinearHead
+from edge_runtime.manifest import BundleFields
 from edge_runtime.personal_head import ClientSplits, PersonalHead
+from edge_runtime.preprocess import InputSpec
 from edge_runtime.runtime import Runtime
 from export.sizing import DatastoreSizer, SearchSpace
 from fed_train.knn_setting import KNNChoice, KNNConfig
@@ -211,13 +214,7 @@ def test_init_like_a_bundle_chooses_lambda_by_the_rule_it_ships(tmp_path, capsys
     rule = LambdaRule("pooled", tuple(map(tuple, pooled)))
     write_bundle(
         tmp_path / "exported",
-        {
-            "client_id": 1,
-            "input": IMAGE_SPEC,
-            "lambda": 0.9,
-            "budget_bytes": 10**6,
-            "lambda_rule": rule.to_dict(),
-        },
+        BundleFields(1, InputSpec(IMAGE_SPEC), 0.9, 10**6, lambda_rule=rule),
         encoder,
         FlatDatastore(NUM_CLASSES).fit(z, y),
     )
@@ -277,14 +274,9 @@ def test_init_like_a_linear_base_bundle_sets_its_pooled_rule_aside(tmp_path, cap
     }
     write_bundle(
         tmp_path / "exported",
-        {
-            "client_id": 1,
-            "input": IMAGE_SPEC,
-            "lambda": 0.9,
-            "budget_bytes": 10**6,
-            "lambda_rule": rule.to_dict(),
-            "knn_choice": choice,
-        },
+        BundleFields(
+            1, InputSpec(IMAGE_SPEC), 0.9, 10**6, knn_choice=KNNProvenance(choice), lambda_rule=rule
+        ),
         encoder,
         FlatDatastore(NUM_CLASSES).fit(z, y),
     )

@@ -6,6 +6,7 @@ benchmarks/runtime_memory.py measures it, with its own code."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -65,7 +66,7 @@ def test_a_bundle_of_10k_keys_predicts_within_its_budget_in_memory(tmp_path, flo
     encoder = make_image_encoder(tmp_path / "encoder.onnx", p=DIM)
     ds = _datastore(recipe)
     budget = encoder.stat().st_size + ds.nbytes  # the tightest the exporter's model allows
-    write_bundle(tmp_path / "bundle", {**FIELDS, "budget_bytes": budget}, encoder, ds)
+    write_bundle(tmp_path / "bundle", dataclasses.replace(FIELDS, budget_bytes=budget), encoder, ds)
     x, _ = make_images(256, seed=1)
     np.save(tmp_path / "x.npy", x)
     result = run_sampled(

@@ -5,6 +5,7 @@ budget, and nothing else (the recipe string included)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def _bundle(tmp_path: Path, backend: str, strategy: str, signing_key=None) -> Pa
     if backend == "hnsw":
         pytest.importorskip("hnswlib")
     enc = make_image_encoder(tmp_path / "encoder.onnx")
-    fields = {**FIELDS, "budget_bytes": 10**6, "update_strategy": strategy}
+    fields = dataclasses.replace(FIELDS, budget_bytes=10**6, update_strategy=strategy)
     write_bundle(tmp_path / "b", fields, enc, _datastore(backend, enc), signing_key=signing_key)
     return tmp_path / "b"
 

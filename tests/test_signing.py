@@ -5,6 +5,7 @@ verifiable; without a trusted key, unsigned bundles load as before."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -72,7 +73,7 @@ TAMPERED = {
         "'lambda' differs from the signed manifest",
     ),
     "edited normalisation": (
-        lambda b: rewrite_manifest(b, input={**FIELDS["input"], "mean": [0.1]}),
+        lambda b: rewrite_manifest(b, input={**FIELDS.input.to_json(), "mean": [0.1]}),
         "'input' differs from the signed manifest",
     ),
     "raised budget": (
@@ -259,7 +260,7 @@ def test_init_like_verifies_the_signed_bundle_and_the_encoder(tmp_path, keys, ca
     code, err = init(bundle / "encoder.onnx", "other-key", "--trusted-key", str(keys / "other.pub"))
     assert code == 2 and "not trusted" in err
     assert init(bundle / "encoder.onnx", "unchecked")[0] == 0  # no key: not checked, as before
-    (tmp_path / "spec.json").write_text(json.dumps(FIELDS["input"]))
+    (tmp_path / "spec.json").write_text(json.dumps(FIELDS.input.to_json()))
     assert (
         edge_main(
             [
@@ -312,7 +313,11 @@ def _linear_base_release(root: Path, keys: Path) -> Path:
     private = load_private_key(keys / "key.pem")
     ds = make_datastore("flat:fp32", NUM_CLASSES, k=5).fit(z, y)
     write_bundle(
-        release / "client_0003", {**FIELDS, "model": model}, personal, ds, signing_key=private
+        release / "client_0003",
+        dataclasses.replace(FIELDS, model=ModelVersion.from_record(model)),
+        personal,
+        ds,
+        signing_key=private,
     )
     sign_file(shared, private)
     return release

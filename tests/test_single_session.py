@@ -16,7 +16,9 @@ from edge_runtime import onnx_proto as P
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import FlatDatastore, HNSWDatastore, ProtoNNDatastore
 from edge_runtime.knn import int8_query, key_products
+from edge_runtime.manifest import BundleFields
 from edge_runtime.predictor_graph import _Graph, _int8_products
+from edge_runtime.preprocess import InputSpec
 from edge_runtime.runtime import Runtime
 
 SPEC = {"kind": "image", "shape": [8, 8, 1], "dtype": "uint8", "mean": [0.5], "std": [0.25]}
@@ -114,7 +116,7 @@ def bundles(tmp_path):
     for name, ds in _datastores(*_embedded(encoder, 300, seed=2)).items():
         write_bundle(
             tmp_path / name,
-            {"client_id": 0, "input": SPEC, "lambda": 0.6, "budget_bytes": 10**7},
+            BundleFields(0, InputSpec(SPEC), 0.6, 10**7),
             encoder,
             ds,
         )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -14,6 +15,7 @@ import pytest
 from edge_runtime.bundle import BundleError, read_bundle, write_bundle
 from edge_runtime.datastores import make_datastore
 from edge_runtime.keymap import KeyMap, load_key_map
+from edge_runtime.knn_provenance import KNNProvenance
 from edge_runtime.manifest import Manifest
 from edge_runtime.runtime import Runtime
 from edge_runtime.upgrade import UPGRADES_DIR, map_file_name
@@ -46,7 +48,9 @@ def _bundle(
     x, y = make_images(n, seed)
     z, _ = raw_outputs(encoder, x)
     ds = make_datastore(recipe, NUM_CLASSES, k=5, sigma=1.0).fit(z, y)
-    write_bundle(tmp_path / name, {**FIELDS, "update_strategy": strategy}, encoder, ds)
+    write_bundle(
+        tmp_path / name, dataclasses.replace(FIELDS, update_strategy=strategy), encoder, ds
+    )
     return tmp_path / name
 
 
@@ -284,7 +288,7 @@ def test_an_upgrade_with_another_clients_bundle_is_refused_in_one_line(tmp_path,
     ds = make_datastore("flat:fp32", NUM_CLASSES, k=5, sigma=1.0).fit(raw_outputs(new, x)[0], y)
     release = tmp_path / "v2" / "client_0004"
     release.parent.mkdir()
-    write_bundle(release, {**FIELDS, "client_id": 4}, new, ds)
+    write_bundle(release, dataclasses.replace(FIELDS, client_id=4), new, ds)
     key_map = _fit_map(old, new, tmp_path / "map.npz")
     before, beside = snapshot(device), sorted(tmp_path.iterdir())
     beside.append(tmp_path / ".device.lock")  # the bundle's turnstile, its lock's file
@@ -446,7 +450,7 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
         y,
         10**6,
         tmp_path / "device",
-        input_spec=FIELDS["input"],
+        input_spec=FIELDS.input,
         settings=InitSettings(k=5, recipes=[recipe], keep_inputs=True),
     )
     release = _bundle(tmp_path, new, "release", seed=5)
@@ -463,7 +467,7 @@ def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_pa
         all_y,
         10**6,
         tmp_path / "fresh",
-        input_spec=FIELDS["input"],
+        input_spec=FIELDS.input,
         settings=InitSettings(k=5, recipes=[rt.manifest.recipe], keep_inputs=True),
     )
     assert fresh.lam == rt.lam
@@ -489,7 +493,7 @@ def test_kept_inputs_of_the_right_bytes_in_another_shape_are_refused_at_load(tmp
         y,
         10**6,
         device,
-        input_spec=FIELDS["input"],
+        input_spec=FIELDS.input,
         settings=InitSettings(k=5, keep_inputs=True),
     )
     with np.load(device / "datastore.npz", allow_pickle=False) as f:
@@ -514,7 +518,7 @@ def test_kept_inputs_count_in_the_budget(tmp_path):
         y,
         budget,
         tmp_path / "plain",
-        input_spec=FIELDS["input"],
+        input_spec=FIELDS.input,
         settings=InitSettings(recipes=["flat:int8"]),
     )
     kept = init_bundle(
@@ -523,7 +527,7 @@ def test_kept_inputs_count_in_the_budget(tmp_path):
         y,
         budget,
         tmp_path / "kept",
-        input_spec=FIELDS["input"],
+        input_spec=FIELDS.input,
         settings=InitSettings(recipes=["flat:int8"], keep_inputs=True),
     )
     n_plain = len(Runtime.load(tmp_path / "plain").datastore)
@@ -741,7 +745,7 @@ def test_upgrade_refits_the_linear_head_where_the_release_does(tmp_path):
     }
     write_bundle(
         tmp_path / "release",
-        {**FIELDS, "knn_choice": choice},
+        dataclasses.replace(FIELDS, knn_choice=KNNProvenance(choice)),
         personal,
         make_datastore("flat:fp32", NUM_CLASSES, k=5, sigma=1.0).fit(z, y),
     )
@@ -750,7 +754,7 @@ def test_upgrade_refits_the_linear_head_where_the_release_does(tmp_path):
     rt = Runtime.load(device)
     rt.upgrade(tmp_path / "release", key_map=key_map)
     head = [name for name in rt.manifest.files if name.startswith("linear_head")]
-    assert head and rt.manifest.knn_choice["base"]["value"] == "linear"
+    assert head and rt.manifest.knn_choice.base.value == "linear"
     refit = LinearHead(NUM_CLASSES, l2=1e-2).fit(rt.datastore.keys(), rt.datastore.labels_)
     probe, _ = make_images(5, seed=6)
     z_probe, logits = rt.embed(probe)
@@ -769,7 +773,12 @@ def _release(tmp_path: Path, encoder: Path, name: str, run: str, round_: int, se
         "embedding": ModelVersion.of_encoder(encoder.read_bytes()).embedding,
     }
     replaces = {**model, "run": "runs/v0", "round": 1}
-    write_bundle(tmp_path / name, {**FIELDS, "model": model, "replaces": replaces}, encoder, ds)
+    write_bundle(
+        tmp_path / name,
+        dataclasses.replace(FIELDS, model=ModelVersion.from_record(model, replaces)),
+        encoder,
+        ds,
+    )
     return tmp_path / name
 
 
@@ -818,7 +827,7 @@ def test_init_like_records_the_release_version_that_info_and_upgrade_report(tmp_
     assert _init_like(v1, old, tmp_path / "mine.npz", tmp_path / "device") == 0
     released = json.loads((v1 / "manifest.json").read_text())
     written = Runtime.load(tmp_path / "device").manifest
-    assert written.release_fields(Manifest.RECORDS) == {
+    assert {key: written.json[key] for key in Manifest.RECORDS} == {
         "model": released["model"],
         "replaces": released["replaces"],
     }

@@ -4,6 +4,7 @@ where the release ships no reverse map or a hostile one."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def _release(tmp_path: Path, p_new: int = P):
     (fitted by the server's code, with its reverse) where upgrade looks for it."""
     old = make_image_encoder(tmp_path / "old.onnx", seed=0)
     new = make_image_encoder(tmp_path / "new.onnx", seed=1, p=p_new)
-    fields = {**FIELDS, "update_strategy": "fifo"}
+    fields = dataclasses.replace(FIELDS, update_strategy="fifo")
     write_bundle(tmp_path / "device", fields, old, _protonn(old, 0))
     (tmp_path / "v2").mkdir()
     write_bundle(tmp_path / "v2" / "client", fields, new, _protonn(new, 5))
@@ -270,7 +271,7 @@ def test_signed_protonn_bundle_stays_verifiable_across_an_upgrade(tmp_path, same
             k=5,
             buffer=6,
         )
-    fields = {**FIELDS, "update_strategy": "fifo"}
+    fields = dataclasses.replace(FIELDS, update_strategy="fifo")
     write_bundle(device, fields, old, _protonn(old, 0), signing_key=key)
     write_bundle(client, fields, new, release_ds, signing_key=key)
     sign_file(key_map, key)

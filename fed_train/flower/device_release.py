@@ -21,7 +21,7 @@ from edge_runtime.manifest import ENCODER_FILE, MANIFEST, read_manifest
 from edge_runtime.runtime import Runtime
 from edge_runtime.signing import load_public_key, verify_file
 from edge_runtime.versions import ModelVersion, describe
-from fed_train.flower.release_push import MAX_FILE_BYTES, write_release
+from fed_train.flower.release_push import MAX_FILE_BYTES, write_pushed_files
 
 Split = tuple[np.ndarray, np.ndarray]
 
@@ -48,7 +48,7 @@ def bring_to_release(
     bundle.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".release-", dir=bundle.parent) as tmp:
         try:
-            client_dir = write_release(files, Path(tmp))
+            client_dir = write_pushed_files(files, Path(tmp))
             if trusted_keys is not None:
                 _verify(Path(tmp), client_dir, trusted_keys)
             release = read_manifest(client_dir)

@@ -89,7 +89,7 @@ def _read(path: Path) -> bytes:
     return read_within(path, MAX_FILE_BYTES, lambda why: PushError(f"{path} {why}"))
 
 
-def write_release(record: ConfigRecord, root: Path) -> Path:
+def write_pushed_files(record: ConfigRecord, root: Path) -> Path:
     """Write the files the server sent under `root` (names checked: one folder of CLIENT or
     UPGRADES at most, plain names, no path tricks), the release's encoder as the client's where
     the server left that out; returns the client bundle's directory. The bundle's own checks

@@ -365,7 +365,7 @@ def push_release(grid: Grid, settings: FlowerSettings) -> dict[str, Any]:
     if record is None or not record.clients:
         raise FederationError(f"{release} holds no client bundles (is it a `knnper export`?)")
     like = read_manifest(record.bundle_dir(release, record.clients[0]))
-    spec = ModelSpec(settings.run.model or "", like.num_classes, like.input)
+    spec = ModelSpec(settings.run.model or "", like.num_classes, like.input.to_json())
     record: dict[str, Any] = {
         "status": "running",
         "release": str(release),

@@ -3,6 +3,7 @@ onnx.helper, datastores fitted on their embeddings. Small enough that a test bui
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import make_datastore
-from edge_runtime.preprocess import prepare_input
+from edge_runtime.manifest import BundleFields
+from edge_runtime.preprocess import InputSpec, prepare_input
 
 REPO = Path(__file__).resolve().parents[2]
 H, W, C_IN, P, NUM_CLASSES = 8, 8, 1, 6, 4
@@ -113,7 +115,7 @@ def raw_outputs(encoder_path: Path, x: np.ndarray, spec: dict = IMAGE_SPEC):
     return sess.run(["embedding", "logits"], {"input": prepare_input(x, spec)})
 
 
-FIELDS = {"client_id": 3, "input": IMAGE_SPEC, "lambda": 0.5, "budget_bytes": 10**6}
+FIELDS = BundleFields(3, InputSpec(IMAGE_SPEC), 0.5, 10**6)
 
 
 def build_bundle(
@@ -133,7 +135,7 @@ def build_bundle(
     z, _ = raw_outputs(enc, x)
     ds = make_datastore(recipe, NUM_CLASSES, k=5, sigma=1.0).fit(z, y)
     out = tmp_path / name
-    fields = {**FIELDS, "budget_bytes": budget, "update_strategy": strategy}
+    fields = dataclasses.replace(FIELDS, budget_bytes=budget, update_strategy=strategy)
     write_bundle(out, fields, enc, ds)
     return out
 
