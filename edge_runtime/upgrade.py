@@ -67,6 +67,7 @@ from .head_file import head_nbytes, refit_head, samples_within
 from .keymap import ADVICE, MAX_MAP_BYTES, KeyMap, load_key_map
 from .manifest import Manifest
 from .preprocess import prepare_input
+from .release import bundle_name
 from .signing import SIGNATURE_FILE, check_signed_base, verify_file
 from .versions import ModelVersion
 
@@ -416,7 +417,7 @@ def _check_same_client(where: str, manifest: Manifest, release: Manifest, new_di
         raise BundleError(
             f"{where} is client {device}'s and the release bundle {new_dir} is client "
             f"{other}'s: upgrade it with client {device}'s bundle of the release "
-            f"({new_dir.parent / f'client_{device:04d}'})"
+            f"({new_dir.parent / bundle_name(device)})"
         )
 
 
