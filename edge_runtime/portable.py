@@ -176,6 +176,6 @@ def app_contract(runtime: Runtime) -> dict:
         "capacity": runtime.kept_by_add(),
         "key_dim": int(keys.shape[1]),
         "rule": rule,
-        "input": runtime.input_spec,
+        "input": runtime.input_spec.to_json(),
         "num_classes": runtime.num_classes,
     }
