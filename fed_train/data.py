@@ -65,7 +65,7 @@ class Dataset:
     x_train, x_test : inputs: images uint8 [N, H, W, C], text int64 [N, 80] character ids.
     y_train, y_test : int64 labels [N].
     num_classes : the number of classes.
-    input_spec : how a model's input is prepared (`preprocess.validate_spec`).
+    input_spec : how a model's input is prepared (`edge_runtime.preprocess.InputSpec`).
     groups_train, groups_test : each sample's natural client (writer, role), where the data
         set has one; the "natural" partition uses it.
     coarse_train, coarse_test : CIFAR-100's coarse (20) labels; the "pachinko" partition uses
