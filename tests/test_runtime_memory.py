@@ -105,7 +105,7 @@ def test_the_predictor_is_built_without_copies_of_the_encoder(tmp_path):
 
     encoder = make_image_encoder(tmp_path / "encoder.onnx", p=DIM)
     ds = _datastore("flat:int8")
-    write_bundle(tmp_path / "b", {**FIELDS, "budget_bytes": 10**8}, encoder, ds)
+    write_bundle(tmp_path / "b", dataclasses.replace(FIELDS, budget_bytes=10**8), encoder, ds)
     manifest = read_manifest(tmp_path / "b")
     datastore = load_bundle_datastore(tmp_path / "b", manifest)
     model = encoder_model(tmp_path / "b", manifest)
