@@ -1,7 +1,7 @@
 """The device on ARM gives x86's answer: the bundles tests/helpers/arm_cases.py exported on x86
 (digits CNN, Fashion-MNIST CNN, MobileNet-v2-gn; flat int8 / fp16 / fp32 and ProtoNN), loaded
-by the device runtime under emulated ARM, predict the same argmax on every input (200 per small
-CNN, 50 for MobileNet) with probabilities (and the int8 encoder's embedding and logits) within
+by the device runtime under emulated ARM, predict the same argmax on every input (200 per
+model) with probabilities (and the int8 encoder's embedding and logits) within
 1e-5 of x86's.
 
 Run by .ci/arm under qemu-aarch64-static, once per ARM CPU model, with KNNPER_ARM_CASES naming
