@@ -46,7 +46,7 @@ __all__, __getattr__, __dir__ = lazy_face(
         "LinearHead": "linear_head",
         "Budget": "budget",
         "init_bundle": "device_init",
-        "InitSettings": "device_init",
+        "InitSettings": "device_choice",
         "write_portable": "portable",
         "generate_key_pair": "signing",
         "BundleError": "errors",

@@ -595,7 +595,8 @@ def _read_spec_file(path: str) -> dict:
 
 def cmd_init(args) -> int:
     from .bundle import read_manifest
-    from .device_init import InitSettings, init_bundle
+    from .device_choice import InitSettings
+    from .device_init import init_bundle
     from .knn import CLIENT_RULE
 
     k, sigma, rule, like = args.k, args.sigma, CLIENT_RULE, None

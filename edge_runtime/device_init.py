@@ -35,10 +35,9 @@ from .datastores import (
     make_datastore,
     parse_recipe,
 )
-from .device_choice import choose_datastore, with_inputs
+from .device_choice import InitSettings, choose_datastore, with_inputs
 from .encoder import Encoder
 from .head_file import no_sample_fits, samples_within
-from .knn import CLIENT_RULE, DEFAULT_K, DEFAULT_SIGMA, LambdaRule
 from .manifest import BundleFields, Manifest
 from .preprocess import InputSpec, prepare_input, raw_checked
 from .runtime import check_labels
@@ -60,42 +59,6 @@ class InitReport:
     candidates: list[dict] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class InitSettings:
-    """How `init_bundle` chooses a new device's datastore and what its manifest records.
-
-    Attributes
-    ----------
-    k, sigma : the kNN head's neighbours and kernel scale.
-    recipes : candidate recipe strings (flat or hnsw; protonn needs server-side training);
-        ones without n<count> get the budget's maximum and its halves, ones with n are tried
-        as given if they fit. None: flat fp32, fp16 and int8.
-    val_fraction : share of the samples held out (seeded) to choose the recipe and lambda,
-        in [0, 1).
-    seed : the seed of that split.
-    client_id : the manifest's client id; -1 marks a device that never trained.
-    update_strategy : the manifest's default for `Runtime.add`: "fifo", "concatenate" or
-        "fixed".
-    lambda_rule : how lambda is chosen from the validation split (a device on its own has no
-        pooled evidence: its own split, the paper's rule; one given a server's pooled rule
-        chooses as the server does).
-    keep_inputs : the bundle also keeps every sample's raw input (counted in its budget), so
-        that `knnper-edge upgrade` re-embeds them exactly when the model changes.
-    intra_op_threads : onnxruntime's intra-op threads for the encoder; None lets it choose.
-    """
-
-    k: int = DEFAULT_K
-    sigma: float = DEFAULT_SIGMA
-    recipes: Sequence[str] | None = None
-    val_fraction: float = 0.2
-    seed: int = 0
-    client_id: int = -1
-    update_strategy: str = "fifo"
-    lambda_rule: LambdaRule = CLIENT_RULE
-    keep_inputs: bool = False
-    intra_op_threads: int | None = None
-
-
 def init_bundle(
     encoder_path: str | os.PathLike,
     x: np.ndarray,
@@ -104,7 +67,7 @@ def init_bundle(
     out_dir: str | os.PathLike,
     *,
     input_spec: InputSpec | Mapping[str, Any],
-    settings: InitSettings = InitSettings(),
+    settings: InitSettings | None = None,
     release: Manifest | None = None,
 ) -> InitReport:
     """Build and write a bundle for a new device (see the module docstring for the choice).
@@ -119,7 +82,8 @@ def init_bundle(
     out_dir : the bundle's folder (written atomically, as `write_bundle`).
     input_spec : the encoder's input description (`preprocess.InputSpec`, or its JSON
         object; a bundle's manifest "input").
-    settings : the kNN head, the candidates and their validation split, the manifest's fields.
+    settings : the kNN head, the candidates and their validation split, the manifest's fields
+        (None: InitSettings' defaults).
     release : the validated manifest of a bundle of the release `encoder_path` comes from
         (`init --like`): the model version it records ("model", "replaces") is recorded in
         the new bundle too, so `info` and `upgrade` say which version the device runs.
@@ -129,7 +93,7 @@ def init_bundle(
     -------
     InitReport : the recipe chosen, lambda, and the candidates' validation scores.
     """
-    s = settings
+    s = InitSettings() if settings is None else settings
     try:
         input_spec = InputSpec.of(input_spec)
     except ValueError as exc:
@@ -149,22 +113,8 @@ def init_bundle(
     recipes = s.recipes
     if inputs is not None:  # every candidate keeps them, and counts them in its footprint
         recipes = [with_inputs(r, inputs[0].nbytes) for r in (recipes or DEVICE_RECIPES)]
-    candidates = _candidate_recipes(
-        recipes, num_classes, s.k, s.sigma, dim, budget, s.seed, z.shape[0]
-    )
-    final, best, scored = choose_datastore(
-        z,
-        logits,
-        y,
-        candidates,
-        k=s.k,
-        sigma=s.sigma,
-        val_fraction=s.val_fraction,
-        seed=s.seed,
-        client_id=s.client_id,
-        lambda_rule=s.lambda_rule,
-        inputs=inputs,
-    )
+    candidates = _candidate_recipes(recipes, num_classes, dim, budget, z.shape[0], s)
+    final, best, scored = choose_datastore(z, logits, y, candidates, s, inputs=inputs)
     fields = BundleFields(
         int(s.client_id),
         input_spec,
@@ -214,12 +164,10 @@ def _release_version(
 def _candidate_recipes(
     recipes: Sequence[str] | None,
     num_classes: int,
-    k: int,
-    sigma: float,
     dim: int,
     budget: Budget,
-    seed: int,
     n_all: int,
+    settings: InitSettings,
 ) -> list[str]:
     """Recipe strings with n<count> that fit the budget's room by `samples_within` (the rule
     `add` and `upgrade` hold the bundle to); BundleError, one line, when none does."""
@@ -236,7 +184,7 @@ def _candidate_recipes(
                 + " or ".join(b for b, cls in BACKENDS.items() if not cls.TRAINED)
                 + " recipes"
             )
-        probe = make_datastore(recipe, num_classes, k, sigma, seed=seed)
+        probe = make_datastore(recipe, num_classes, settings.k, settings.sigma, seed=settings.seed)
         probes.append(probe)
         most = samples_within(probe, dim, budget)  # an init bundle refits no head
         if params.get("n") is not None:

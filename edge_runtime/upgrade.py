@@ -60,7 +60,7 @@ from .bundle import (
     write_bundle,
 )
 from .datastores import BACKENDS, format_recipe
-from .device_choice import choose_datastore
+from .device_choice import InitSettings, choose_datastore
 from .encoder import Encoder
 from .errors import SignatureError, one_line
 from .head_file import head_nbytes, refit_head, samples_within
@@ -479,13 +479,14 @@ def _reembedded(
         np.concatenate(logits),
         labels,
         [recipe],
-        k=release.k,
-        sigma=release.sigma,
-        val_fraction=REEMBED_VAL_FRACTION,
-        seed=0,
-        client_id=manifest.client_id,
-        lambda_rule=release.lambda_rule,
-        inputs=inputs,
+        InitSettings(
+            k=release.k,
+            sigma=release.sigma,
+            val_fraction=REEMBED_VAL_FRACTION,
+            client_id=manifest.client_id,
+            lambda_rule=release.lambda_rule,
+        ),
+        inputs,
     )
     return final, float(best["lambda"])
 

@@ -56,7 +56,8 @@ import numpy as np
 from edge_runtime._io import read_json_cache, write_bytes_atomic, write_text_atomic
 from edge_runtime.budget import Budget
 from edge_runtime.datastores import EXACT_BACKEND, format_recipe, recipe_without
-from edge_runtime.device_init import InitSettings, init_bundle
+from edge_runtime.device_choice import InitSettings
+from edge_runtime.device_init import init_bundle
 from edge_runtime.knn import softmax
 from edge_runtime.release import read_release
 from edge_runtime.runtime import Runtime

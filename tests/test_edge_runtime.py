@@ -33,7 +33,8 @@ from edge_runtime.datastores import (
     parse_recipe,
     recipe_without,
 )
-from edge_runtime.device_init import InitSettings, init_bundle
+from edge_runtime.device_choice import InitSettings
+from edge_runtime.device_init import init_bundle
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import KNNHead, exact_search, interpolate, softmax
 from edge_runtime.preprocess import InputSpec

@@ -13,7 +13,8 @@ import pytest
 
 from edge_runtime.bundle import ENCODER_FILE
 from edge_runtime.datastores.recipes import format_recipe
-from edge_runtime.device_init import InitSettings, init_bundle
+from edge_runtime.device_choice import InitSettings
+from edge_runtime.device_init import init_bundle
 from edge_runtime.manifest import Manifest
 from edge_runtime.runtime import Runtime
 from edge_runtime.upgrade import REEMBED_VAL_FRACTION

@@ -14,7 +14,8 @@ import pytest
 from edge_runtime.budget import Budget
 from edge_runtime.bundle import load_bundle_datastore, read_manifest
 from edge_runtime.cli import main as edge_main
-from edge_runtime.device_init import InitSettings, init_bundle
+from edge_runtime.device_choice import InitSettings
+from edge_runtime.device_init import init_bundle
 from edge_runtime.encoder import Encoder
 from edge_runtime.knn import (
     CLIENT_RULE,

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from edge_runtime.budget import Budget
-from edge_runtime.device_init import InitSettings, init_bundle
+from edge_runtime.device_choice import InitSettings
+from edge_runtime.device_init import init_bundle
 from edge_runtime.knn import CLIENT_RULE, LAMBDA_GRID, KNNHead, LambdaRule, softmax
 from edge_runtime.knn_provenance import KNNProvenance
 from edge_runtime.linear_head import LinearHead

@@ -440,7 +440,8 @@ def _embedded(encoder: Path) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("recipe", ["flat:int8", "hnsw:M8"])
 def test_upgrade_with_kept_inputs_predicts_exactly_what_a_fresh_init_does(tmp_path, recipe):
-    from edge_runtime.device_init import InitSettings, init_bundle
+    from edge_runtime.device_choice import InitSettings
+    from edge_runtime.device_init import init_bundle
 
     old, new = _encoders(tmp_path)
     x, y = make_images(80, seed=1)
@@ -482,7 +483,8 @@ def test_kept_inputs_of_the_right_bytes_in_another_shape_are_refused_at_load(tmp
     """[n, 64] for 8x8x1 images has the bytes the recipe counts: it failed only when re-embedded
     or added to, naming neither the bundle nor the array."""
     from edge_runtime.cli import main
-    from edge_runtime.device_init import InitSettings, init_bundle
+    from edge_runtime.device_choice import InitSettings
+    from edge_runtime.device_init import init_bundle
 
     old, _ = _encoders(tmp_path)
     x, y = make_images(30, seed=1)
@@ -507,7 +509,8 @@ def test_kept_inputs_of_the_right_bytes_in_another_shape_are_refused_at_load(tmp
 
 
 def test_kept_inputs_count_in_the_budget(tmp_path):
-    from edge_runtime.device_init import InitSettings, init_bundle
+    from edge_runtime.device_choice import InitSettings
+    from edge_runtime.device_init import init_bundle
 
     old, _ = _encoders(tmp_path)
     x, y = make_images(200, seed=1)

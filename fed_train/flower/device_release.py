@@ -15,7 +15,8 @@ import numpy as np
 
 from edge_runtime._io import read_within
 from edge_runtime.bundle import read_bundle
-from edge_runtime.device_init import InitSettings, init_bundle
+from edge_runtime.device_choice import InitSettings
+from edge_runtime.device_init import init_bundle
 from edge_runtime.errors import BundleError, SignatureError
 from edge_runtime.manifest import ENCODER_FILE, MANIFEST, read_manifest
 from edge_runtime.runtime import Runtime
