@@ -505,23 +505,8 @@ def write_bundle(
     draft = build_manifest(fields, datastore)  # checked before anything is written
     encoder_bytes = _encoder_size(encoder)
     version = _encoder_version(datastore, encoder, out_dir)
-    budget = Budget(draft.budget.total).with_encoder(encoder_bytes)
-    if budget.room < 0:
-        raise BudgetExceeded(
-            f"cannot write bundle {out_dir}: the encoder alone takes {encoder_bytes} bytes, over "
-            f"the budget of {budget.total} bytes",
-            encoder_bytes,
-            budget.total,
-        )
-    problem = _not_replaceable(swap_target(out_dir))
-    if problem:
-        raise BundleError(f"refusing to write bundle {out_dir}: {problem}")
-    if out_dir.exists() and not replace:
-        raise BundleError(f"refusing to replace bundle {out_dir} (replace=False)")
-    parent = swap_target(out_dir).parent
-    if not parent.is_dir():
-        raise BundleError(f"cannot write bundle {out_dir}: {parent} is not a directory")
-    remove_abandoned_temporaries(parent)
+    budget = _encoder_within(Budget(draft.budget.total).with_encoder(encoder_bytes), out_dir)
+    _check_target(out_dir, replace)
     tmp = staging_directory(out_dir)
     try:
         tmp.mkdir()
@@ -562,6 +547,32 @@ def write_bundle(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _encoder_within(budget: Budget, out_dir: Path) -> Budget:
+    """`budget`, or BudgetExceeded when its encoder alone is over it."""
+    if budget.room < 0:
+        raise BudgetExceeded(
+            f"cannot write bundle {out_dir}: the encoder alone takes {budget.encoder} bytes, "
+            f"over the budget of {budget.total} bytes",
+            budget.encoder,
+            budget.total,
+        )
+    return budget
+
+
+def _check_target(out_dir: Path, replace: bool) -> None:
+    """BundleError unless a bundle may be written at `out_dir` (nothing there, or a bundle
+    that `replace` lets go) in an existing parent; that parent's abandoned temporaries go."""
+    problem = _not_replaceable(swap_target(out_dir))
+    if problem:
+        raise BundleError(f"refusing to write bundle {out_dir}: {problem}")
+    if out_dir.exists() and not replace:
+        raise BundleError(f"refusing to replace bundle {out_dir} (replace=False)")
+    parent = swap_target(out_dir).parent
+    if not parent.is_dir():
+        raise BundleError(f"cannot write bundle {out_dir}: {parent} is not a directory")
+    remove_abandoned_temporaries(parent)
 
 
 _ABANDONED_RE = re.compile(r"^\..+\.(?:tmp|old)-(\d+)-[0-9a-f]{8}$")

@@ -359,58 +359,124 @@ def export_run(
     replaces: dict | None = None,
     warn_extras: bool = True,
 ) -> dict[str, Any]:
-    """Write one bundle per selected client into out_dir and return the export report (also
-    written as out_dir/export.json). Every bundle is written atomically by edge_runtime's
-    write_bundle (temporary directory, then rename), so an interrupted export leaves complete
-    bundles and nothing half-written that loads. `encoder`: files from an earlier
-    `build_encoder` with the same settings (benchmarks export many times from one run).
-    `budgets`: each client's Budget, as export.profiles makes them (a plain number of bytes is
-    a budget of that total).
+    """Write one bundle per selected client into out_dir and return the export report (every
+    client's choice and every candidate tried; also written as out_dir/export.json). Each
+    bundle is written atomically by edge_runtime's write_bundle (temporary directory, then
+    rename): an interrupted export leaves complete bundles and nothing half-written that loads.
 
     Resumable: each finished client is recorded in out_dir/export.journal.jsonl, and a re-run
     with the same run, settings and encoder skips clients whose bundle exists for the same
-    budget; leftover temporary bundle directories are removed. `workers`: processes sizing
-    clients in parallel (None: one per usable core).
+    budget; leftover temporary bundle directories are removed.
 
     One release per folder: out_dir/export.json is written first, as the release's record
     (edge_runtime.release), before any bundle. An out_dir holding another release (another
     model version, or a record that cannot be read) is refused (ExportError) before anything
-    is written, unless `force`, which replaces that release whole; so is a bundle that `add`
-    has taught since it was exported, the rule `knnper-edge init --out` keeps: replacing it
-    loses what its device learned.
+    is written, unless `force`; so is a bundle that `add` has taught since it was exported, the
+    rule `knnper-edge init --out` keeps: replacing it loses what its device learned.
 
     Parameters
     ----------
     run : a finished run (`fed_train.load_run`).
     out_dir : the folder the bundles (`client_NNNN/`), export.json and the journal go to.
-    budgets : each client's Budget (or bytes), by client id.
+    budgets : each client's Budget, by client id, as export.profiles makes them (a plain
+        number of bytes is a budget of that total).
     settings : quantization, backends, kNN-Per's configuration...; None is the defaults.
     clients : "all", "seen", "unseen" or "ID,ID,...", as `knnper export --clients`.
-    encoder : files from an earlier `build_encoder` with the same settings, reused.
+    encoder : files from an earlier `build_encoder` with the same settings, reused
+        (benchmarks export many times from one run).
     progress : a bar on a terminal, a line every 30 s in a log.
     workers : processes sizing clients in parallel; None is one per usable core.
     force : replace another release in out_dir whole, and bundles that `add` has taught
         since they were exported.
     replaces : the model version record (`model_record`) of the release these bundles
         replace, written into every manifest.
-
-    Returns
-    -------
-    The export report: every client's choice and every candidate tried.
     """
     settings = settings or ExportSettings()
     settings.check()
+    space = _search_space(settings, run)
+    out_dir = Path(out_dir)
+    every_client = run.clients()
+    chosen = select_clients(every_client, clients)
+    budgets = _chosen_budgets(chosen, budgets)
+    if encoder is None:
+        refuse_budgets_below_encoder(run, budgets, settings.quantize)
+    _refuse_non_directory(out_dir)  # before the encoder is built
+    with tempfile.TemporaryDirectory(prefix="knnper-encoder-") as tmp:
+        encoder_files = _encoder_files(encoder, run, Path(tmp), settings, every_client)
+        budgets = _client_budgets(budgets, encoder_files, run, space, settings)  # before writing
+        if warn_extras:  # off where one process exports the same space again (the demo)
+            _warn_device_extras(space)
+        release = _release(run, encoder_files, replaces, chosen)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with _exclusive(out_dir):
+            _claim(out_dir, release, force)
+            return _export_locked(
+                run,
+                out_dir,
+                budgets,
+                settings,
+                space,
+                _move_encoder(encoder_files, out_dir),
+                chosen,
+                progress,
+                workers,
+                release,
+            )
+
+
+def _encoder_files(
+    given: EncoderFiles | None,
+    run: LoadedRun,
+    tmp: Path,
+    settings: ExportSettings,
+    every_client: list[ClientData],
+) -> EncoderFiles:
+    """The given encoder files (ExportError unless of the settings' quantization), or ones
+    built into `tmp`."""
+    files = given or build_encoder(run, tmp, settings, every_client)
+    if files.quantize != settings.quantize:
+        raise ExportError(
+            f"the given encoder is {files.quantize}, the settings ask for {settings.quantize}"
+        )
+    return files
+
+
+def _release(
+    run: LoadedRun, encoder: EncoderFiles, replaces: dict | None, chosen: list[ClientData]
+) -> Release:
+    """The record of the release this export makes (edge_runtime.release)."""
+    return Release(
+        str(run.run_dir),
+        ModelVersion.from_record(model_record(run, encoder.path), replaces),
+        tuple(c.client_id for c in chosen),
+        run.config.continue_from,
+    )
+
+
+def _refuse_non_directory(out_dir: Path) -> None:
+    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise ExportError(f"--out {out_dir}: {existing} exists and is not a directory")
+
+
+def _search_space(settings: ExportSettings, run: LoadedRun) -> SearchSpace:
+    """The datastores the settings let a client's search try: the backend asked for, no
+    ProtoNN buffer for a bundle that never adds, no device extras when refused, and raw inputs
+    kept where asked."""
     space = replace(
         settings.space.restricted_to(settings.backend),
         protonn_buffer=0.0 if settings.update_strategy == "fixed" else settings.protonn_buffer,
     )
     if settings.device_extras == "none":
         space = replace(space, backends=tuple(b for b in space.backends if not device_extra(b)))
-    if settings.keep_inputs:
-        space = _keeping_inputs(space, run)
-    out_dir = Path(out_dir)
-    every_client = run.clients()
-    chosen = select_clients(every_client, clients)
+    return _keeping_inputs(space, run) if settings.keep_inputs else space
+
+
+def _chosen_budgets(
+    chosen: list[ClientData], budgets: Mapping[int, Budget | int]
+) -> dict[int, Budget]:
+    """Each chosen client's Budget; ExportError for a client without training samples,
+    BudgetInvalid for one without a budget."""
     for client in chosen:
         if client.num_train == 0:
             raise ExportError(
@@ -418,51 +484,7 @@ def export_run(
             )
         if client.client_id not in budgets:
             raise BudgetInvalid(f"no budget for client {client.client_id}")
-    budgets = {c.client_id: _as_budget(c.client_id, budgets[c.client_id]) for c in chosen}
-    if encoder is None:
-        refuse_budgets_below_encoder(run, budgets, settings.quantize)
-    existing = next(p for p in (out_dir, *out_dir.parents) if p.exists())
-    if not existing.is_dir():  # checked before the encoder is built
-        raise ExportError(f"--out {out_dir}: {existing} exists and is not a directory")
-    with tempfile.TemporaryDirectory(prefix="knnper-encoder-") as tmp:
-        encoder_files = encoder or build_encoder(run, Path(tmp), settings, every_client)
-        if encoder_files.quantize != settings.quantize:
-            raise ExportError(
-                f"the given encoder is {encoder_files.quantize}, the settings "
-                f"ask for {settings.quantize}"
-            )
-        smallest = smallest_datastore_bytes(
-            space,
-            run.dataset.num_classes,
-            int(run.model.embedding_dim),
-            run.dataset.num_classes if settings.knn.base == "linear" else None,
-        )
-        budgets = _client_budgets(budgets, encoder_files, smallest)  # before writing
-        if warn_extras:  # off where one process exports the same space again (the demo)
-            _warn_device_extras(space)
-        release = Release(
-            str(run.run_dir),
-            ModelVersion.from_record(model_record(run, encoder_files.path), replaces),
-            tuple(c.client_id for c in chosen),
-            run.config.continue_from,
-        )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with _exclusive(out_dir):
-            _claim(out_dir, release, force)
-            encoder_files = _move_encoder(encoder_files, out_dir)
-            _sign_shared_encoder(encoder_files.path, settings.signing_key)
-            return _export_locked(
-                run,
-                out_dir,
-                budgets,
-                settings,
-                space,
-                encoder_files,
-                chosen,
-                progress,
-                workers,
-                release,
-            )
+    return {c.client_id: _as_budget(c.client_id, budgets[c.client_id]) for c in chosen}
 
 
 def _sign_shared_encoder(path: Path, signing_key: str | None) -> None:
@@ -608,7 +630,9 @@ def _export_locked(
     workers: int | None,
     release: Release,
 ) -> dict[str, Any]:
-    """The bundles and export.json, while this process holds out_dir's lock."""
+    """The shared encoder's signature, the bundles and export.json, while this process holds
+    out_dir's lock."""
+    _sign_shared_encoder(encoder_files.path, settings.signing_key)
     model, lineage = release.model.to_record(), release.model.replaces
     replaces = None if lineage is None else lineage.to_record()
     context = SizingContext(
@@ -802,11 +826,21 @@ def _refusal(too_small: list[int], budgets: Mapping[int, Budget], why: str) -> B
 
 
 def _client_budgets(
-    budgets: dict[int, Budget], encoder: EncoderFiles, smallest_datastore: int
+    budgets: dict[int, Budget],
+    encoder: EncoderFiles,
+    run: LoadedRun,
+    space: SearchSpace,
+    settings: ExportSettings,
 ) -> dict[int, Budget]:
     """Each client's budget with the encoder in it. Refused before writing any bundle when
     some budget cannot hold the encoder, or cannot hold the encoder plus the smallest datastore
-    the search allows."""
+    the search (`space`) allows."""
+    smallest_datastore = smallest_datastore_bytes(
+        space,
+        run.dataset.num_classes,
+        int(run.model.embedding_dim),
+        run.dataset.num_classes if settings.knn.base == "linear" else None,
+    )
     out = {cid: budget.with_encoder(encoder.nbytes) for cid, budget in budgets.items()}
     below = [cid for cid, budget in out.items() if budget.room < 0]
     if below:

@@ -122,6 +122,14 @@ def knn_accuracy(
     return float((ds.predict_proba(queries).argmax(1) == truth).mean())
 
 
+def _advice(evidence: dict[str, float]) -> str:
+    """Map the keys where mapped keys score at least the stale ones; else keep the old keys
+    where they score at least the global model; else start fresh."""
+    if evidence["mapped"] >= evidence["stale"]:
+        return ADVICE[0]
+    return ADVICE[1] if evidence["stale"] >= evidence["global"] else ADVICE[2]
+
+
 def fit_key_map(
     z_old: np.ndarray,
     z_new: np.ndarray,
@@ -175,18 +183,12 @@ def fit_key_map(
         "re-embedded": score(z_new[memory], new_queries),
         "global": float((logits_new[queries].argmax(1) == y[queries]).mean()),
     }
-    if evidence["mapped"] >= evidence["stale"]:
-        advice = ADVICE[0]
-    elif evidence["stale"] >= evidence["global"]:
-        advice = ADVICE[1]
-    else:
-        advice = ADVICE[2]
     key_map = KeyMap(
         fitted.weight,
         fitted.bias,
         old,
         new,
-        advice,
+        _advice(evidence),
         evidence,
         rw,
         rb,
