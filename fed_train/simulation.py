@@ -40,6 +40,7 @@ from fed_train.algorithms.base import (
     predict_proba,
     sub_seed,
 )
+from fed_train.algorithms.stepped import Cohort
 from fed_train.errors import TrainingError
 from fed_train.progress import track
 from fed_train.torch_files import load_tensors
@@ -363,7 +364,7 @@ def train_clients(
         states = [state.states.get(c.client_id, {}) for c in chunk]
         seeds = [client_seed(seed, round_index, c.client_id) for c in chunk]
         if client_batch > 1:
-            done = algorithm.client_updates(state.weights, chunk, states, lr, seeds)
+            done = algorithm.client_updates(state.weights, Cohort(chunk, states, seeds), lr)
         else:
             done = [algorithm.client_update(state.weights, chunk[0], states[0], lr, seeds[0])]
         for client, result in zip(chunk, done, strict=True):

@@ -39,6 +39,7 @@ from fed_train.algorithms.base import (
 )
 from fed_train.algorithms.personal import epochs_only, float_keys
 from fed_train.algorithms.personal_grid import PersonalGrid
+from fed_train.algorithms.stepped import Cohort
 from fed_train.algorithms.stepping import LossFn, Params
 from fed_train.models import ModelFactory
 from fed_train.training_config import TrainingConfig
@@ -186,26 +187,21 @@ class APFL(PersonalGrid):
         return loss
 
     def client_updates(
-        self,
-        global_weights: Weights,
-        clients: list[ClientData],
-        states: list[ClientState],
-        lr: float,
-        seeds: list[int],
+        self, global_weights: Weights, cohort: Cohort, lr: float
     ) -> list[ClientResult]:
         """`client_update` for several clients stepped together: one lane per client holding
         its w and every v, all on the same mini-batches as `_joint_sgd` draws them."""
         names = self.param_names
-        device = clients[0].x_train.device
+        device = cohort.device
         lanes = []
-        for client, state, seed in zip(clients, states, seeds, strict=True):
+        for client, state, seed in cohort:
             start = {f"w.{n}": p for n, p in self.params(global_weights, device).items()}
             for i, v in enumerate(self.starts(state, global_weights)):
                 start.update({f"{i}.{n}": p for n, p in self.params(v, device).items()})
             lanes.append(self.lane(start, client, seed))
         trained, losses = self.step(lanes, lr, self._joint_loss(names))
         results = []
-        for plain, client, loss in zip(trained, clients, losses, strict=True):
+        for plain, client, loss in zip(trained, cohort.clients, losses, strict=True):
             own = (
                 {**global_weights, **{n: plain[f"{i}.{n}"] for n in names}}
                 for i in range(len(self.grid))

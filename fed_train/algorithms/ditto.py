@@ -36,6 +36,7 @@ from fed_train.algorithms.base import (
 )
 from fed_train.algorithms.personal import epochs_only
 from fed_train.algorithms.personal_grid import PersonalGrid
+from fed_train.algorithms.stepped import Cohort
 from fed_train.algorithms.stepping import Params
 from fed_train.models import ModelFactory
 from fed_train.training_config import TrainingConfig
@@ -128,23 +129,19 @@ class Ditto(PersonalGrid):
         return replace(result, state=self.personal_state(personal))
 
     def client_updates(
-        self,
-        global_weights: Weights,
-        clients: list[ClientData],
-        states: list[ClientState],
-        lr: float,
-        seeds: list[int],
+        self, global_weights: Weights, cohort: Cohort, lr: float
     ) -> list[ClientResult]:
         """`client_update` for several clients: their global models and every personal model
         (one per client and lambda) step together, the personal ones pulled towards w by the
         same proximal step after each SGD step."""
-        device = clients[0].x_train.device
+        device = cohort.device
         anchor = self.params(global_weights, device)
         lanes = [
-            self.lane(anchor, client, seed) for client, seed in zip(clients, seeds, strict=True)
+            self.lane(anchor, client, seed)
+            for client, seed in zip(cohort.clients, cohort.seeds, strict=True)
         ]
         pulls = [0.0] * len(lanes)  # lerp by 0 leaves the global lanes exactly as they are
-        for client, state, seed in zip(clients, states, seeds, strict=True):
+        for client, state, seed in cohort:
             for i, (lam, start) in enumerate(
                 zip(self.grid, self.starts(state, global_weights), strict=True)
             ):
@@ -160,8 +157,8 @@ class Ditto(PersonalGrid):
             }
 
         trained, losses = self.step(lanes, lr, after_step=proximal)
-        results, k, per = [], len(clients), len(self.grid)
-        for j, client in enumerate(clients):
+        results, k, per = [], len(cohort.clients), len(self.grid)
+        for j, client in enumerate(cohort.clients):
             own = trained[k + j * per : k + (j + 1) * per]
             personal = self.personal_state({**global_weights, **w} for w in own)
             results.append(

@@ -36,7 +36,7 @@ from fed_train.algorithms.base import (
     sub_seed,
 )
 from fed_train.algorithms.personal import epochs_only
-from fed_train.algorithms.stepped import SteppedAlgorithm
+from fed_train.algorithms.stepped import Cohort, SteppedAlgorithm
 from fed_train.algorithms.stepping import Lane, cross_entropy_loss
 from fed_train.models import EmbedHeadModel, ModelFactory
 from fed_train.training_config import TrainingConfig
@@ -112,24 +112,19 @@ class FedRep(SteppedAlgorithm):
         return ClientResult(body, client.num_train, {"head": self._head(weights)}, loss)
 
     def client_updates(
-        self,
-        global_weights: Weights,
-        clients: list[ClientData],
-        states: list[ClientState],
-        lr: float,
-        seeds: list[int],
+        self, global_weights: Weights, cohort: Cohort, lr: float
     ) -> list[ClientResult]:
         """`client_update` for several clients: their heads step together on the embeddings of
         the global body (every client's, as `client_update` computes them), then their bodies
         step together with the heads held."""
         model = self._work
-        device = clients[0].x_train.device
+        device = cohort.device
         set_weights(model, global_weights)
         head_training = epochs_only(self.training)
         # the classifier's own names (weight, bias) for its functional call
         local = {n: n.removeprefix("classifier.") for n in sorted(self.head_names)}
         head_lanes = []
-        for client, state, seed in zip(clients, states, seeds, strict=True):
+        for client, state, seed in cohort:
             head = state.get("head", self._head(global_weights))
             z = torch.from_numpy(embed_and_logits(model, client.x_train)[0]).to(device)
             schedule = batch_schedule(client.num_train, head_training, seed, self.head_epochs)
@@ -159,7 +154,7 @@ class FedRep(SteppedAlgorithm):
                 sub_seed(seed, 1),
                 fixed=self.params(head, device, sorted(self.head_names)),
             )
-            for client, head, seed in zip(clients, heads, seeds, strict=True)
+            for client, head, seed in zip(cohort.clients, heads, cohort.seeds, strict=True)
         ]
         trained, losses = self.step(lanes, lr)
         return [
@@ -169,7 +164,7 @@ class FedRep(SteppedAlgorithm):
                 {"head": head},
                 loss,
             )
-            for t, c, head, loss in zip(trained, clients, heads, losses, strict=True)
+            for t, c, head, loss in zip(trained, cohort.clients, heads, losses, strict=True)
         ]
 
     def aggregate(

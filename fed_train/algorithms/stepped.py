@@ -6,6 +6,9 @@ hold (fed_train.algorithms.stepping steps them)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 
 from fed_train.algorithms.base import (
@@ -28,6 +31,22 @@ from fed_train.algorithms.stepping import (
     stepping_blocker,
 )
 from fed_train.training_config import TrainingConfig
+
+
+@dataclass(frozen=True)
+class Cohort:
+    """Clients stepped together: each one's data, its state from earlier rounds and its seed."""
+
+    clients: list[ClientData]
+    states: list[ClientState]
+    seeds: list[int]
+
+    def __iter__(self) -> Iterator[tuple[ClientData, ClientState, int]]:
+        return zip(self.clients, self.states, self.seeds, strict=True)
+
+    @property
+    def device(self) -> torch.device:
+        return self.clients[0].x_train.device
 
 
 class SteppedAlgorithm(FederatedAlgorithm):
@@ -80,19 +99,20 @@ class SteppedAlgorithm(FederatedAlgorithm):
         return [as_weights(p) for p in trained], losses
 
     def client_updates(
-        self,
-        global_weights: Weights,
-        clients: list[ClientData],
-        states: list[ClientState],
-        lr: float,
-        seeds: list[int],
+        self, global_weights: Weights, cohort: Cohort, lr: float
     ) -> list[ClientResult]:
         """`client_update` for several clients, stepped together."""
-        start = self.params(global_weights, clients[0].x_train.device)
+        start = self.params(global_weights, cohort.device)
         trained, losses = self.step(
-            [self.lane(start, c, seed) for c, seed in zip(clients, seeds, strict=True)], lr
+            [
+                self.lane(start, c, seed)
+                for c, seed in zip(cohort.clients, cohort.seeds, strict=True)
+            ],
+            lr,
         )
         return [
             ClientResult({**global_weights, **w}, c.num_train, state, loss)
-            for w, c, state, loss in zip(trained, clients, states, losses, strict=True)
+            for w, c, state, loss in zip(
+                trained, cohort.clients, cohort.states, losses, strict=True
+            )
         ]
