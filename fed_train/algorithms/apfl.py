@@ -217,16 +217,11 @@ class APFL(PersonalGrid):
         return results
 
     def fine_tune(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        starts: list[Weights],
-        fresh: list[bool],
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> list[Weights]:
         """Every personal model (the client's own where it has one) trained against the frozen
         global model for `finetune_epochs` epochs."""
-        self._load(global_weights, starts)
+        self._load(global_weights, self.starts(state, global_weights))
         self._joint_sgd(
             client,
             epochs_only(self.training),

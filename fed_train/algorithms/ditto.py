@@ -169,12 +169,7 @@ class Ditto(PersonalGrid):
         return results
 
     def fine_tune(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        starts: list[Weights],
-        fresh: list[bool],
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> list[Weights]:
         """The missing personal models, each fine-tuned from the global model with the same
         proximal step for `finetune_epochs` epochs."""
@@ -191,5 +186,7 @@ class Ditto(PersonalGrid):
             )
             if new
             else start
-            for i, (lam, start, new) in enumerate(zip(self.grid, starts, fresh, strict=True))
+            for i, (lam, start, new) in enumerate(
+                zip(self.grid, self.starts(state, global_weights), self.fresh(state), strict=True)
+            )
         ]

@@ -64,6 +64,11 @@ class PersonalGrid(FedAvg):
         previous = state.get("personal", {})
         return [previous.get(str(value), global_weights) for value in self.grid]
 
+    def fresh(self, state: ClientState) -> list[bool]:
+        """Which values' personal models the client's state lacks."""
+        previous = state.get("personal", {})
+        return [str(value) not in previous for value in self.grid]
+
     def personal_state(self, models: Iterable[Weights]) -> dict[str, Any]:
         """The client state that keeps one personal model per value, in the grid's order."""
         return {
@@ -73,14 +78,10 @@ class PersonalGrid(FedAvg):
         }
 
     def fine_tune(
-        self,
-        global_weights: Weights,
-        client: ClientData,
-        starts: list[Weights],
-        fresh: list[bool],
-        seed: int,
+        self, global_weights: Weights, client: ClientData, state: ClientState, seed: int
     ) -> list[Weights]:
-        """Personal models for a client that lacks some (`fresh`: which), from `starts`."""
+        """Personal models for a client whose `state` lacks some (`fresh`: which), from its
+        `starts`."""
         raise NotImplementedError
 
     def predictor_weights(
@@ -94,11 +95,10 @@ class PersonalGrid(FedAvg):
     ) -> PersonalModel:
         """The value whose model is most accurate on the client's validation split (ties: the
         first in the grid, which the papers' grids start closest to the global model)."""
-        previous = state.get("personal", {})
-        fresh = [str(value) not in previous for value in self.grid]
+        fresh = self.fresh(state)
         models = self.starts(state, global_weights)
         if any(fresh):
-            models = self.fine_tune(global_weights, client, models, fresh, seed)
+            models = self.fine_tune(global_weights, client, state, seed)
         best, model = best_on_validation(
             self.model_with,
             (
