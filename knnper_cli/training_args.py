@@ -28,10 +28,11 @@ from fed_train.training_config import TrainingConfig
 Settings = TypeVar("Settings")
 
 
-def from_flags(kind: type[Settings], args: argparse.Namespace) -> Settings:
-    """A settings dataclass from the flags named like its fields (the others keep defaults)."""
-    flagged = {f.name for f in fields(kind)} & vars(args).keys()
-    return kind(**{name: getattr(args, name) for name in flagged})
+def from_flags(kind: type[Settings], args: argparse.Namespace, **given: Any) -> Settings:
+    """A settings dataclass from the flags named like its fields and the `given` values (the
+    others keep defaults)."""
+    flagged = {f.name for f in fields(kind)} & vars(args).keys() - given.keys()
+    return kind(**{name: getattr(args, name) for name in flagged}, **given)
 
 
 def learning_rate(text: str) -> float:
@@ -212,39 +213,23 @@ def add_precision_argument(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    training = TrainingConfig(
-        rounds=args.rounds,
-        participation=args.participation,
+    """The run the training flags describe (--local-epochs, --local-steps and --lr-gamma are
+    the training's epochs, steps and gamma)."""
+    training = from_flags(
+        TrainingConfig,
+        args,
         epochs=args.local_epochs,
         steps=args.local_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
         milestones=tuple(args.milestones),
         gamma=args.lr_gamma,
-        precision=args.precision,
     )
-    return RunConfig(
-        dataset=args.dataset,
-        data=args.data,
-        max_train=args.max_train,
-        partition=args.partition,
-        alpha=args.alpha,
-        beta=args.beta,
-        classes_per_client=args.classes_per_client,
-        clients=args.clients,
-        unseen_fraction=args.unseen_fraction,
-        val_fraction=args.val_fraction,
-        model=args.model,
-        seed=args.seed,
+    continue_from = getattr(args, "continue_from", None)
+    return from_flags(
+        RunConfig,
+        args,
         training=training,
-        # absolute, so later commands find it from any directory
+        # absolute, so later commands find them from any directory
         init=None if args.init is None else str(Path(args.init).resolve()),
-        continue_from=(
-            None
-            if getattr(args, "continue_from", None) is None
-            else str(Path(args.continue_from).resolve())
-        ),
+        continue_from=None if continue_from is None else str(Path(continue_from).resolve()),
         checkpoint_every=getattr(args, "checkpoint_every", defaults.CHECKPOINT_EVERY),
     )
