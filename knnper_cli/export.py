@@ -322,16 +322,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _export_settings(args: argparse.Namespace) -> ExportSettings:
     """The export's settings from the flags, checked: a bad flag raises before any run loads."""
     from export.exporter import ExportSettings
+    from knnper_cli.training_args import from_flags
 
-    settings = ExportSettings(
-        quantize=args.quantize,
-        backend=args.backend,
-        update_strategy=args.update_strategy,
-        device_extras=args.device_extras,
-        seed=args.seed,
-        signing_key=args.signing_key,
-        keep_inputs=args.keep_inputs,
-    )
+    settings = from_flags(ExportSettings, args)
     if args.pruned_search:
         settings.space = settings.space.pruned()
     settings.check()
