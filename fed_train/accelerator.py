@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-
-import torch
+from typing import TYPE_CHECKING
 
 from fed_train.errors import KnnperError
+
+if TYPE_CHECKING:  # torch loads when a device is resolved: the parsers name DEVICES first
+    import torch
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
@@ -23,6 +25,8 @@ class DeviceError(KnnperError, RuntimeError):
 def resolve_device(name: str) -> torch.device:
     """ "auto": the GPU when torch sees one, else the CPU; "cuda" without one is an error (one
     line, exit 2) rather than a silent fall-back that would run 50x slower than asked."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cpu":
@@ -45,6 +49,8 @@ def autocast(device: torch.device | str, precision: str) -> AbstractContextManag
     if precision == "fp32":
         return contextlib.nullcontext()
     if precision == "bf16":
+        import torch
+
         kind = device.type if isinstance(device, torch.device) else str(device)
         return torch.autocast(kind, dtype=torch.bfloat16)
     raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")

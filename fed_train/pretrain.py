@@ -29,6 +29,7 @@ from fed_train.data import Dataset, load_dataset, stratified_subsample
 from fed_train.errors import KnnperError
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.progress import Progress
+from fed_train.run_config import PretrainConfig
 from fed_train.simulation import client_seed
 from fed_train.torch_files import load_tensors
 
@@ -45,36 +46,6 @@ SERVER_STREAM = 0x5E4  # the server split's own random stream, apart from max_tr
 
 class InitError(KnnperError, ValueError):
     """Initial weights that cannot be used: unreadable, not a state dict, or not this model's."""
-
-
-@dataclass
-class PretrainConfig:
-    """Everything a pretraining depends on; saved in pretrain.json beside its results."""
-
-    dataset: str = "digits"
-    data: str | None = None
-    public_data: str | None = None  # an npz to train on instead of a split of the training set
-    model: str | None = None
-    server_fraction: float = 0.1
-    val_fraction: float = 0.1  # of the pretraining data, held out to choose the epoch
-    max_train: int | None = None
-    epochs: int = 30
-    patience: int = 5  # stop after this many epochs without a better validation accuracy
-    batch_size: int = 64
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    augment: bool = False  # random shifted crops and horizontal flips (CIFAR's usual recipe)
-    precision: str = "fp32"  # of the forward passes (fed_train.accelerator.autocast)
-    seed: int = 0  # the data: the server split, max_train's subsample, the held-out slice
-    # the training: initial weights, batch order, augmentation (None: `seed`); another value
-    # trains an independent model on the very same server split, so runs from either
-    # pretraining give the clients the same samples
-    weights_seed: int | None = None
-
-    def training_seed(self) -> int:
-        """The seed of the initial weights, the batch order and the augmentation."""
-        return self.seed if self.weights_seed is None else self.weights_seed
 
 
 def server_split(

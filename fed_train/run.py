@@ -6,10 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import types
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
@@ -25,14 +23,13 @@ from edge_runtime._io import (
 )
 from edge_runtime.errors import one_line
 from edge_runtime.preprocess import prepare_input
-from edge_runtime.values import is_integer, is_real
 from fed_train.algorithms import build_algorithm
-from fed_train.algorithms.base import ClientData, TrainingConfig, Weights, get_weights, set_weights
+from fed_train.algorithms.base import ClientData, Weights, get_weights, set_weights
 from fed_train.data import Dataset, load_dataset
-from fed_train.errors import KnnperError
 from fed_train.models import EmbedHeadModel, build_model, default_model
 from fed_train.partition import Partition, make_partition
 from fed_train.pretrain import Init, check_init_record, init_weights, load_init
+from fed_train.run_config import RunConfig, RunError
 from fed_train.simulation import SimulationResult, simulate
 from fed_train.torch_files import load_tensors
 
@@ -41,117 +38,6 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 PARTITION_FILE = "partition.npz"
 MODEL_FILE = "model.pt"
-
-
-class RunError(KnnperError, ValueError):
-    """A run directory that is missing, incomplete or inconsistent."""
-
-
-@dataclass
-class RunConfig:
-    """Everything needed to reproduce a run; saved as config.json beside its results.
-
-    Parameters
-    ----------
-    dataset : a data set name (`load_dataset`), "digits" by default.
-    data : the data's file or folder; None uses the data set's default location.
-    max_train : a stratified, seeded subsample of this many training samples; None: all.
-    partition : the split scheme (`make_partition`): "dirichlet", "pachinko",
-        "pathological" or "natural".
-    alpha, beta, classes_per_client : the scheme's settings (`make_partition`).
-    clients : the number of clients.
-    unseen_fraction : share of clients held out of training, in [0, 1).
-    val_fraction : share of each client's training samples held out for validation.
-    model : a model name (`build_model`); None: small-cnn for images, char-lstm for tokens.
-    seed : seeds the data subsample, the partition, the model's initial weights and training.
-    checkpoint_every : rounds between checkpoints.
-    init : a pretrain directory or a .pt state dict every method starts from; None: random
-        weights.
-    continue_from : a finished run whose model this one continues training (its weights are
-        the start, its pretraining's server split stays the server's); the lineage its exports
-        record.
-    training : the optimisation settings every method shares (`TrainingConfig`).
-    """
-
-    dataset: str = "digits"
-    data: str | None = None
-    max_train: int | None = None
-    partition: str = "dirichlet"
-    alpha: float = 0.3
-    beta: float = 10.0
-    classes_per_client: int = 2
-    clients: int = 20
-    unseen_fraction: float = 0.2
-    val_fraction: float = 0.2
-    model: str | None = None
-    seed: int = 0
-    checkpoint_every: int = 5
-    init: str | None = None
-    continue_from: str | None = None
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        if data["init"] is None:
-            del data["init"]  # runs from scratch keep the config.json they were saved with
-        if data["continue_from"] is None:
-            del data["continue_from"]
-        if data["training"]["precision"] == "fp32":
-            del data["training"]["precision"]  # and so do runs in the default precision
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> RunConfig:
-        """A config from JSON data (config.json, Flower's run config); RunError names the
-        first key that is unknown or of the wrong type."""
-        if not isinstance(data, dict):
-            raise RunError(f"config must be a JSON object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known - _RECORDED_KEYS
-        if unknown:
-            raise RunError(f"config has unknown keys: {', '.join(sorted(unknown))}")
-        values = {k: v for k, v in data.items() if k in known}
-        training = values.pop("training", {})
-        if not isinstance(training, dict):
-            raise RunError("config 'training' must be a JSON object")
-        unknown = set(training) - {f.name for f in fields(TrainingConfig)}
-        if unknown:
-            raise RunError(f"config 'training' has unknown keys: {', '.join(sorted(unknown))}")
-        training = dict(training)
-        if isinstance(training.get("milestones"), list):
-            training["milestones"] = tuple(training["milestones"])
-        config = cls(**values, training=TrainingConfig(**training))
-        _check_types(config, "config")
-        _check_types(config.training, "config 'training'")
-        return config
-
-
-# Keys config.json records beside the settings (what the run found or computed).
-_RECORDED_KEYS = {"num_classes", "input_spec", "model_name", "init_sha256", "data_sha256"}
-
-
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value has the type a config field declares."""
-    if hint is type(None):
-        return value is None
-    if get_origin(hint) in (Union, types.UnionType):
-        return any(_fits(value, arg) for arg in get_args(hint))
-    if get_origin(hint) is tuple:
-        return isinstance(value, tuple) and all(_fits(v, get_args(hint)[0]) for v in value)
-    if hint is int:
-        return is_integer(value)
-    if hint is float:
-        return is_real(value, finite=True)
-    return not isinstance(hint, type) or isinstance(value, hint)
-
-
-def _check_types(config: Any, where: str) -> None:
-    hints = get_type_hints(type(config))
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if not _fits(value, hints[f.name]):
-            kind = str(hints[f.name]).replace("<class '", "").replace("'>", "")
-            raise RunError(f"{where} {f.name!r} must be {kind}, got {value!r}")
 
 
 @dataclass

@@ -14,8 +14,7 @@ from fed_train.journal import ClientRows
 from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.run import LoadedRun, data_fingerprint
-
-EVAL_METHODS = ("local", "fedavg", "knnper")
+from fed_train.run_config import EVAL_METHODS
 
 
 def _local_cache_key(run: LoadedRun) -> dict[str, Any]:

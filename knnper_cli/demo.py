@@ -9,12 +9,13 @@ from pathlib import Path
 from edge_runtime.arg_types import output_dir, positive_int, seed
 from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
-from export.demo import format_demo_table, run_demo
 from fed_train.knn_request import KNNRequest
 from knnper_cli.commands import help_of
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from export.demo import format_demo_table, run_demo  # torch: after the flags are parsed
+
     rows, choice = run_demo(
         Path(args.out),
         seed=args.seed,

@@ -1,5 +1,6 @@
 """`knnper train`, `evaluate`, `client-data` and `pretrain`: a federated run, its evaluation,
-a client's data for the device commands, and the server-held pretraining."""
+a client's data for the device commands, and the server-held pretraining. The training code
+(torch) is imported by the command that runs, after its flags are parsed."""
 
 from __future__ import annotations
 
@@ -22,13 +23,9 @@ from edge_runtime.cli_help import examples
 from edge_runtime.commands import command
 from fed_train import defaults
 from fed_train.accelerator import resolve_device
-from fed_train.client_files import write_client_files
-from fed_train.evaluation import format_table
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_setting import describe_record
-from fed_train.pretrain import PretrainConfig, pretrain
-from fed_train.run import load_run, train
-from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
+from fed_train.run_config import EVAL_METHODS, PretrainConfig
 from knnper_cli.commands import help_of
 from knnper_cli.training_args import (
     DATA_HELP,
@@ -43,6 +40,8 @@ from knnper_cli.training_args import (
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from fed_train.run import train
+
     config = config_from_args(args)
     result = train(
         config,
@@ -58,6 +57,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _report(result: dict[str, Any], json_path: str | None) -> None:
     """The table on stdout (on stderr when the JSON goes to standard output, so that stdout
     is one JSON document) and the JSON in `json_path`."""
+    from fed_train.evaluation import format_table
+
     print(format_table(result), file=sys.stderr if is_stdout(json_path) else sys.stdout)
     if json_path:
         write_output(json_path, (json.dumps(result, indent=2) + "\n").encode("utf-8"))
@@ -66,6 +67,9 @@ def _report(result: dict[str, Any], json_path: str | None) -> None:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from fed_train.run import load_run
+    from fed_train.run_evaluation import evaluate_run
+
     run = load_run(args.run, resolve_device(args.device))
     result = evaluate_run(
         run,
@@ -81,6 +85,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_client_data(args: argparse.Namespace) -> int:
+    from fed_train.client_files import write_client_files
+    from fed_train.run import load_run
+
     written = write_client_files(load_run(args.run), args.client, Path(args.out))
     for path in written:
         print(f"wrote {path}")
@@ -88,6 +95,8 @@ def _cmd_client_data(args: argparse.Namespace) -> int:
 
 
 def _cmd_pretrain(args: argparse.Namespace) -> int:
+    from fed_train.pretrain import pretrain
+
     config = from_flags(PretrainConfig, args)
     record = pretrain(
         config, Path(args.out), progress=not args.no_progress, device=resolve_device(args.device)

@@ -1,7 +1,6 @@
 """The training flags of `train`, `pretrain`, `bench table`, `experiment` and `deploy`, and the
-RunConfig they make. Apart from the light argument types (edge_runtime.arg_types) because their
-defaults and choices come from the training code (torch): only those commands' parsers import
-it."""
+RunConfig they make. Their defaults come from the settings types (RunConfig, TrainingConfig),
+not from the training code: these parsers answer before torch is imported."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from edge_runtime.arg_types import (
 from fed_train import defaults
 from fed_train.accelerator import DEVICES, PRECISIONS
 from fed_train.data import DEFAULT_PATHS
-from fed_train.models import MODELS
-from fed_train.run import RunConfig
+from fed_train.run_config import RunConfig
 from fed_train.training_config import TrainingConfig
 
 Settings = TypeVar("Settings")
@@ -188,7 +186,9 @@ def _add_optimisation_arguments(p: argparse.ArgumentParser, t: TrainingConfig) -
 
 def add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=None, help=f"{', '.join(MODELS)} (default: chosen by input kind)"
+        "--model",
+        default=None,
+        help="small-cnn, mobilenet-v2, mobilenet-v2-gn, char-lstm (default: chosen by input kind)",
     )
 
 

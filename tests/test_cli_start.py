@@ -66,3 +66,25 @@ def test_export_help_and_a_bad_export_flag_import_no_torch(tmp_path):
     assert bad_out[0] == 2 and f"{out} exists and is not a directory" in bad_out[2]
     assert all(err.count("\n") == 1 for _, _, err in (bad_budget, bad_out))
     assert not loaded & set(HEAVY), loaded & set(HEAVY)
+
+
+def test_training_commands_answer_help_and_a_bad_flag_before_torch():
+    """train, evaluate, client-data, pretrain and demo take their flags' defaults from the
+    settings types (fed_train.run_config), so torch loads only for the command that runs."""
+    argvs = [[name, "--help"] for name in ("train", "evaluate", "client-data", "pretrain", "demo")]
+    argvs += [["train", "--out", "r", "--rounds", "x"], ["pretrain", "--out", "p", "--lr", "-1"]]
+    answers, loaded = _answer(*argvs)
+    for (code, out, _), argv in zip(answers[:5], argvs[:5], strict=True):
+        assert code == 0 and out.startswith(f"usage: knnper {argv[0]}"), argv
+    assert answers[5][0] == 2 and "--rounds: not an integer: 'x'" in answers[5][2]
+    assert answers[6][0] == 2 and "--lr" in answers[6][2]
+    assert not loaded & set(HEAVY), loaded & set(HEAVY)
+
+
+def test_the_model_flag_names_every_registered_model():
+    """--model's help is written out (the registry lives with torch): it names them all."""
+    from fed_train.models import MODELS
+    from knnper_cli.main import build_parser
+
+    help_ = build_parser("train")._subparsers._group_actions[0].choices["train"].format_help()
+    assert all(name in " ".join(help_.split()) for name in MODELS), help_
