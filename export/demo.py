@@ -25,7 +25,8 @@ from fed_train.knn_choice import load_or_choose
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_setting import KNNChoice
 from fed_train.run import LoadedRun, RunConfig, load_run, train
-from fed_train.run_evaluation import EVAL_METHODS, evaluate_run
+from fed_train.run_config import EVAL_METHODS
+from fed_train.run_evaluation import evaluate_run
 
 DEMO_PARTITION = {"partition": "pathological", "classes_per_client": 2}
 # Room for the datastore on top of the encoder, as a share of the largest client's full float32
