@@ -54,8 +54,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--sizes", type=C.positive_int, nargs="+", default=[500, 2000, 5000], help="stored keys"
     )
     p.add_argument("--reps", type=C.positive_int, default=20, help="timed adds per bundle")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="tiny settings to check the pipeline")
     args = p.parse_args(argv)
     if args.smoke:
         args.sizes, args.reps = [100], 2

@@ -87,7 +87,9 @@ COLUMNS = [
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = C.datastore_sizes_parser(__doc__)
+    p = C.datastore_sizes_parser(
+        __doc__, "tiny settings (200 keys, few calls) to check the pipeline end to end"
+    )
     p.add_argument(
         "--threads",
         type=C.positive_int,
@@ -105,16 +107,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="held-out test images used as queries (never stored as keys)",
     )
     p.add_argument("--lam", type=float, default=0.5, help="the bundles' lambda")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--keep-bundles",
         action="store_true",
         help="keep the bundles in OUT/bundles (default: a temporary directory)",
-    )
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny settings (200 keys, few calls) to check the pipeline end to end",
     )
     args = p.parse_args(argv)
     if args.smoke:

@@ -168,7 +168,9 @@ COLUMNS = [
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = C.datastore_sizes_parser(__doc__)
+    p = C.datastore_sizes_parser(
+        __doc__, "tiny settings (200 keys, batch 1) to check the pipeline end to end"
+    )
     p.add_argument(
         "--batches",
         type=C.positive_int,
@@ -179,12 +181,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=C.positive_int, default=1)
     p.add_argument(
         "--target-mb", type=float, default=80.0, help="peak RSS target in MB (1e6 bytes)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny settings (200 keys, batch 1) to check the pipeline end to end",
     )
     args = p.parse_args(argv)
     if args.smoke:

@@ -83,8 +83,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=C.positive_int, default=1000, help="timed batch-1 calls")
     p.add_argument("--recipes", nargs="+", default=["flat:fp32", "flat:int8"])
     p.add_argument("--sizes", type=C.positive_int, nargs="+", default=[1000, 10_000])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="tiny settings to check the pipeline")
     args = p.parse_args(argv)
     if args.smoke:
         args.starts, args.reps, args.sizes = 2, 20, [200]

@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -236,6 +237,14 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, 
             cells.append("-" if value is None or value == "" else format(value, fmt))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def fresh_dir(path: Path) -> Path:
+    """`path` as an empty folder (what an earlier run left there is removed)."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -538,10 +547,13 @@ def script_parser(
 
 
 def device_parser(
-    doc: str, formatter: type[argparse.HelpFormatter] = argparse.ArgumentDefaultsHelpFormatter
+    doc: str,
+    formatter: type[argparse.HelpFormatter] = argparse.ArgumentDefaultsHelpFormatter,
+    smoke: str = "tiny settings to check the pipeline",
 ) -> argparse.ArgumentParser:
     """The flags every device benchmark opens with: where to write, which model
-    (load_global_model); each script adds its own."""
+    (load_global_model), the seed, and --smoke (whose `smoke` settings each script sets);
+    each script adds its own."""
     p = script_parser(doc, formatter)
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument(
@@ -549,13 +561,15 @@ def device_parser(
         default=None,
         help="run directory with a trained small CNN (default: random weights)",
     )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help=smoke)
     return p
 
 
-def datastore_sizes_parser(doc: str) -> argparse.ArgumentParser:
+def datastore_sizes_parser(doc: str, smoke: str) -> argparse.ArgumentParser:
     """The flags the latency and memory benchmarks share: device_parser's, which datastores at
     which sizes, the encoder and the keys; each script adds its own."""
-    p = device_parser(doc, argparse.RawDescriptionHelpFormatter)
+    p = device_parser(doc, argparse.RawDescriptionHelpFormatter, smoke)
     p.add_argument(
         "--sizes",
         type=positive_int,

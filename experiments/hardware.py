@@ -23,6 +23,7 @@ import numpy as np
 
 from edge_runtime.datastores import BACKENDS, EXACT_BACKEND, FlatDatastore, recipe_without
 from edge_runtime.encoder import Encoder
+from experiments.benchmark_support import fresh_dir
 from experiments.context import Context
 from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, paired, pp, unit
@@ -133,7 +134,7 @@ class ByteBudgets:
         self.work = work
         clients = self.run.clients()
         self.encoder: EncoderFiles = build_encoder(
-            self.run, _fresh(work / "encoder"), self.settings, clients
+            self.run, fresh_dir(work / "encoder"), self.settings, clients
         )
         session = Encoder(self.encoder.path, intra_op_threads=1)
         num_classes = self.run.dataset.num_classes
@@ -152,7 +153,7 @@ class ByteBudgets:
             cid: self.encoder.nbytes + int(math.floor(shares[cid] * self.full_bytes[cid]))
             for cid in ids
         }
-        bundles = _fresh(self.work / f"bundles_dc{delta_c:g}")
+        bundles = fresh_dir(self.work / f"bundles_dc{delta_c:g}")
         try:
             export_run(
                 self.run,
@@ -181,13 +182,6 @@ def _recipe_counts(rows: list[dict]) -> str:
         shape = recipe_without(r["recipe"], "n")
         counts[shape] = counts.get(shape, 0) + 1
     return "; ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
-def _fresh(path: Path) -> Path:
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    return path
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:

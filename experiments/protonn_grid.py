@@ -45,7 +45,7 @@ from edge_runtime.datastores import FlatDatastore, recipe_without
 from edge_runtime.encoder import Encoder
 from edge_runtime.personal_head import PersonalHead
 from experiments import benchmark_support as C
-from experiments.report import fit_y
+from experiments.report import finish_axes, fit_y, pyplot
 from export.errors import BudgetInvalid
 from export.evaluation import evaluate_export, reference_accuracy, weighted_mean
 from export.exporter import (
@@ -335,12 +335,7 @@ def protonn_grid(
 
 
 def plot_curve(curve: list[dict], reference: float, path: Path, scale: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     shown = [reference]
     for backend, style in zip((*BACKENDS, "auto"), ("o-", "s-", "^-", "k*-"), strict=True):
         pts = [
@@ -375,12 +370,7 @@ def plot_grid(
 ) -> None:
     """Accuracy against bytes (the claim is about memory): the full datastore's accuracy, the
     claim's cost bound below it, and the 1/4-of-the-bytes line; the y axis fitted to them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     shown = [reference, reference - cost_pp / 100]
     for d in sorted({r["projection_dim"] for r in grid}):
         pts = sorted(
@@ -414,19 +404,14 @@ def plot_grid(
 def _finish(fig, ax, reference: float, xlabel: str, path: Path, shown: Sequence[float]) -> None:
     """What both plots share: the full-datastore reference line, labels, a y axis fitted to
     what is `shown`, the legend beside the axes (never over the data), and saving as PNG."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import PercentFormatter
-
     ax.axhline(reference, color="grey", ls="--", label="full float32 flat datastore")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("kNN-Per mean test accuracy (%)")
-    ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     fit_y(ax, list(shown))
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    ax.grid(alpha=0.3)
+    finish_axes(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 # ----------------------------------------------------------------------------- main
@@ -538,7 +523,7 @@ def device_check(
         # reserve room for on-device learning (a protonn buffer), which the curve leaves out
         export_run(
             run,
-            _fresh(folder),
+            C.fresh_dir(folder),
             budgets,
             replace(settings, update_strategy="fixed"),
             clients=",".join(str(cid) for cid in budgets),
@@ -592,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         knn=KNNChoice(KNNConfig(args.k, args.sigma)), seed=args.seed, space=grids.space
     )
     every_client = run.clients()
-    enc = build_encoder(run, _fresh(out / "encoders"), settings, every_client)
+    enc = build_encoder(run, C.fresh_dir(out / "encoders"), settings, every_client)
     clients = [c for c in select_clients(every_client, args.clients) if c.num_train > 0]
     encoders = measure_encoders(enc, clients, num_classes, args.k, args.sigma)
 
@@ -705,15 +690,6 @@ def write_outputs(
         },
     )
     print(md)
-
-
-def _fresh(path: Path) -> Path:
-    import shutil
-
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-    return path
 
 
 def _check_line(check: dict) -> str:
