@@ -34,7 +34,7 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +330,23 @@ def check_benchmarks_md(text: str, fair: Mapping[str, dict], check: Checker) -> 
                 )
 
 
+def _group_cells(
+    text: str, heading: str, seeds: Mapping[str, dict], tables: Mapping[str, str], check: Checker
+) -> Iterator[tuple[str, str, str, dict | None, str]]:
+    """Every cell of the seen and unseen clients' tables under `heading` (each found by its
+    heading, or a mismatch): its group, row label, column (a table's title), that table's
+    seeds.json summary (None where it has none) and its text."""
+    for group, suffix in (("seen", "seen clients"), ("unseen", "unseen clients")):
+        title = f"{heading}, {suffix}"
+        if not _found(text, title, check):
+            continue
+        header, rows = _markdown_table(text, title)
+        for row in rows:
+            label = row[0].replace("**", "")
+            for table, cell in zip(header[1:], row[1:], strict=True):
+                yield group, label, table, seeds.get(tables[table]), cell
+
+
 def check_seeds_md(
     text: str,
     seeds: Mapping[str, dict],
@@ -341,31 +358,22 @@ def check_seeds_md(
     heading = f"{heading}: mean ± std across seeds"
     if not _found(text, heading, check):
         return
-    for group, suffix in (("seen", "seen clients"), ("unseen", "unseen clients")):
-        header, rows = _markdown_table(text, f"{heading}, {suffix}")
-        for row in rows:
-            label = row[0].replace("**", "")
-            method = (
-                "knnper_oracle"
-                if "test-oracle" in label
-                else "knnper_cross_oracle"
-                if "cross-oracle" in label
-                else BY_TITLE.get(label)
-            )
-            for title, cell in zip(header[1:], row[1:], strict=True):
-                summary = seeds.get(tables[title])
-                if summary is None or cell == "-":
-                    continue
-                s = summary["spread"][group][method]
-                check.same(
-                    f"benchmark pages seeds {group} {label} {title}",
-                    [
-                        round(100 * s[st][k], 1)
-                        for st in ("mean", "bottom_decile")
-                        for k in ("mean", "std")
-                    ],
-                    _numbers(cell),
-                )
+    for group, label, title, summary, cell in _group_cells(text, heading, seeds, tables, check):
+        if summary is None or cell == "-":
+            continue
+        method = (
+            "knnper_oracle"
+            if "test-oracle" in label
+            else "knnper_cross_oracle"
+            if "cross-oracle" in label
+            else BY_TITLE.get(label)
+        )
+        s = summary["spread"][group][method]
+        check.same(
+            f"benchmark pages seeds {group} {label} {title}",
+            [round(100 * s[st][k], 1) for st in ("mean", "bottom_decile") for k in ("mean", "std")],
+            _numbers(cell),
+        )
 
 
 def check_versus_md(
@@ -403,32 +411,18 @@ def check_hurt_md(
     """The benchmark pages' clients-hurt tables under `heading` against each seeds.json: every
     method's share below FedAvg, and kNN-Per's below FedAvg+ (its row "kNN-Per, below
     FedAvg+"), as mean ± std [interval]."""
-    for group, suffix in (("seen", "seen clients"), ("unseen", "unseen clients")):
-        title = f"{heading}, {suffix}"
-        if not _found(text, title, check):
-            continue
-        header, rows = _markdown_table(text, title)
-        for row in rows:
-            label = row[0].replace("**", "")
-            method, reference = (
-                ("knnper", "fedavg+")
-                if label == "kNN-Per, below FedAvg+"
-                else (BY_TITLE.get(label), "fedavg")
-            )
-            for table, cell in zip(header[1:], row[1:], strict=True):
-                summary = seeds.get(tables[table])
-                h = (
-                    None
-                    if summary is None
-                    else (summary.get("hurt", {}).get(group, {}).get(method, {}).get(reference))
-                )
-                check.same(
-                    f"benchmark pages hurt {group} {label} {table}",
-                    []
-                    if h is None
-                    else [round(100 * h[k], 1) for k in ("share", "std", "low", "high")],
-                    _numbers(cell),
-                )
+    for group, label, table, summary, cell in _group_cells(text, heading, seeds, tables, check):
+        method, reference = (
+            ("knnper", "fedavg+")
+            if label == "kNN-Per, below FedAvg+"
+            else (BY_TITLE.get(label), "fedavg")
+        )
+        h = (summary or {}).get("hurt", {}).get(group, {}).get(method, {}).get(reference)
+        check.same(
+            f"benchmark pages hurt {group} {label} {table}",
+            [] if h is None else [round(100 * h[k], 1) for k in ("share", "std", "low", "high")],
+            _numbers(cell),
+        )
 
 
 def check_model_update_md(text: str, check: Checker) -> None:
