@@ -15,7 +15,6 @@ Resumes: each seed's run and rows are kept under OUT/seed_S/."""
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_runtime._io import write_json_atomic
+from edge_runtime._io import csv_text, write_json_atomic, write_text_atomic
 from edge_runtime.knn import LAMBDA_RULES
 from experiments.benchmark_support import machine_info, machine_line
 from experiments.table_seeds import paired_bootstrap
@@ -166,10 +165,8 @@ def main() -> None:
     torch.set_num_threads(1)
     per_seed = [seed_rows(args, s) for s in range(args.seeds)]
     out = Path(args.out)
-    with open(out / "clients.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(per_seed[0][0]))
-        writer.writeheader()
-        writer.writerows(r for rows in per_seed for r in rows)
+    rows = [r for seed in per_seed for r in seed]
+    write_text_atomic(out / "clients.csv", csv_text(rows, list(rows[0])))
     lines = [
         f"# Lambda rules: {args.dataset}, {args.clients} clients, {args.rounds} rounds, "
         f"{args.seeds} seeds",

@@ -7,7 +7,6 @@ shared global model."""
 from __future__ import annotations
 
 import csv
-import shutil
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 from edge_runtime.datastores import EXACT_RECIPE
 from edge_runtime.encoder import Encoder
 from experiments import distribution_shift, protonn_grid
+from experiments.benchmark_support import fresh_dir
 from experiments.context import Context
 from experiments.margins import Aligned, call, paired, pp, two_se
 from experiments.spec import DIMENSION, FRACTION, Claim, Experiment, Grid, Measured, Result
@@ -217,10 +217,7 @@ class _ProtoNNCases:
     def __init__(self, ctx: Context) -> None:
         run = ctx.run()
         clients = [c for c in run.clients() if c.num_train > 0]
-        work = ctx.out / GRID / "work"
-        if work.exists():
-            shutil.rmtree(work)
-        work.mkdir(parents=True)
+        work = fresh_dir(ctx.out / GRID / "work")
         settings = apply_knn_choice(ExportSettings(seed=ctx.seed), ctx.knn_choice())
         self.encoder = build_encoder(run, work, settings, run.clients())
         session = Encoder(self.encoder.path, intra_op_threads=1)

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import io
 import json
 import shutil
@@ -53,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime._io import read_json_cache, write_bytes_atomic, write_text_atomic
+from edge_runtime._io import csv_text, read_json_cache, write_bytes_atomic, write_text_atomic
 from edge_runtime.budget import Budget
 from edge_runtime.datastores import EXACT_BACKEND, format_recipe, recipe_without
 from edge_runtime.device_choice import InitSettings
@@ -63,6 +62,7 @@ from edge_runtime.release import read_release
 from edge_runtime.runtime import Runtime
 from experiments.distribution_shift import TestPool, shifted_distribution
 from experiments.margins import call, interval, pp
+from experiments.report import pyplot
 from experiments.table_seeds import hurt_share, paired_bootstrap
 from export.exporter import ExportSettings, apply_knn_choice, bundle_dir, export_run
 from export.upgrade_map import old_release, server_data, write_upgrade_map
@@ -477,14 +477,6 @@ def _pretraining(out: Path, settings: UpdateSettings, seed: int, weights_seed: i
     return out
 
 
-def _csv(rows: list[dict[str, Any]]) -> str:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    return out.getvalue()
-
-
 def _per_seed(
     rows: list[dict[str, Any]], column: str, gaps: tuple[str, ...]
 ) -> list[list[dict[str, Any]]]:
@@ -630,7 +622,7 @@ def _advice(rows: list[dict[str, Any]]) -> str:
 def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, Any]:
     """points.csv, clients.csv, summary.md and the plot from every client's row."""
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "clients.csv", _csv(rows))
+    write_text_atomic(out / "clients.csv", csv_text(rows, list(rows[0])))
     points = []
     for key in sorted({(r["seed"], r["gap"], r["path"]) for r in rows}):
         mine = [r for r in rows if (r["seed"], r["gap"], r["path"]) == key]
@@ -647,7 +639,7 @@ def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, 
                 "mean_fresh_stored": float(np.mean([r["fresh_stored"] for r in mine])),
             }
         )
-    write_text_atomic(out / "points.csv", _csv(points))
+    write_text_atomic(out / "points.csv", csv_text(points, list(points[0])))
     seeds = sorted({p["seed"] for p in points})
     stored = [p["mean_stored"] for p in points]
     fresh = [p["mean_fresh_stored"] for p in points]
@@ -710,11 +702,7 @@ def summarise(rows: list[dict[str, Any]], out: Path, command: str) -> dict[str, 
 
 
 def _plot(tables: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     width = 0.8 / len(PATHS)
     for ax, (column, title) in zip(
