@@ -38,30 +38,6 @@ from fed_train.run_evaluation import evaluate_run
 
 log = logging.getLogger("benchmarks.flower")
 
-SUMMARY_COLUMNS = (
-    "tag",
-    "dataset",
-    "clients",
-    "rounds",
-    "max_train",
-    "sim_s_per_round",
-    "flower_s_per_round",
-    "flower_over_sim",
-    "payload_bytes_per_round",
-    "superlink_bytes_total",
-    "superlink_bytes_per_round",
-    "sim_fedavg_seen",
-    "flower_fedavg_seen",
-    "sim_knnper_seen",
-    "flower_knnper_seen",
-    "federated_knnper_seen",
-    "max_abs_weight_diff",
-    "max_abs_knnper_client_diff",
-    "clientapp_import_cpu_s",
-    "clientapp_import_wall_s",
-    "load_before",
-    "load_after",
-)
 MARKDOWN = (
     ("tag", "run", ""),
     ("clients", "clients", ""),
@@ -228,7 +204,7 @@ def update_summary(results: Path, summary: dict[str, Any]) -> None:
         with open(summary_path) as f:
             rows = [r for r in csv.DictReader(f) if r["tag"] != summary["tag"]]
     rows.append(summary)
-    C.write_csv(summary_path, rows, SUMMARY_COLUMNS)
+    C.write_csv(summary_path, rows, list(summary))  # this row's columns: the schema
     numeric = [
         {
             k: (

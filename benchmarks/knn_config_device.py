@@ -30,18 +30,6 @@ from fed_train.knn_request import KNN_MODES, KNNRequest
 from fed_train.run import load_run
 from fed_train.run_evaluation import evaluate_run
 
-COLUMNS = (
-    "setting",
-    "client_id",
-    "unseen",
-    "n_test",
-    "server_accuracy",
-    "device_accuracy",
-    "server_lambda",
-    "device_lambda",
-    "device_recipe",
-)
-
 
 def _cached(path: Path, make) -> Any:
     if path.exists():
@@ -189,7 +177,7 @@ def main() -> None:
             "normalize": record["config"]["normalize"],
             "estimator": record["estimator"],
         }
-    C.write_csv(out / "clients.csv", rows, COLUMNS)
+    C.write_csv(out / "clients.csv", rows)
     lines = summary(rows, knn)
     differences = tuned_minus_paper(rows)
     C.write_json(out / "summary.json", {"settings": lines, "tuned_minus_paper": differences})

@@ -32,20 +32,6 @@ from fed_train.simulation import simulate, stepped_batch
 log = logging.getLogger("benchmarks.train_throughput")
 SPEC = {"kind": "image", "shape": [32, 32, 3]}
 CLASSES = 10
-COLUMNS = (
-    "case",
-    "model",
-    "mode",
-    "precision",
-    "device",
-    "clients",
-    "samples_per_client",
-    "batch_size",
-    "rounds_timed",
-    "seconds_per_round",
-    "samples_per_s",
-    "speedup_vs_seq",
-)
 
 
 @dataclass(frozen=True)
@@ -186,7 +172,7 @@ def main() -> None:
             "rows": rows,
         },
     )
-    C.write_csv(out / f"{args.tag}.csv", rows, COLUMNS)
+    C.write_csv(out / f"{args.tag}.csv", rows)
     print(
         C.markdown_table(
             rows,

@@ -175,12 +175,12 @@ def write_results(
     *,
     report: str,
     record: str,
-    tables: dict[str, tuple[Sequence[dict[str, Any]], Sequence[str]]],
+    tables: dict[str, tuple[Sequence[dict[str, Any]], Sequence[str] | None]],
     **fields: Any,
 ) -> None:
     """A benchmark's outputs in args.out, all written at its end: each CSV table (file name:
-    rows and columns), the markdown report `text` (also printed) and its run record
-    (run_record with `fields`)."""
+    rows and columns, None for every key of the rows), the markdown report `text` (also
+    printed) and its run record (run_record with `fields`)."""
     for name, (rows, columns) in tables.items():
         write_csv(args.out / name, rows, columns)
     write_text_atomic(args.out / report, text)
@@ -188,7 +188,13 @@ def write_results(
     print(text)
 
 
-def write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+def write_csv(
+    path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None
+) -> None:
+    """`rows` as CSV, floats to 6 significant digits; `columns` default: every key of the rows,
+    in the order they first appear (the row literal is then the one declaration of the file)."""
+    if columns is None:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(
         path, csv_text(({k: _csv_value(row.get(k)) for k in columns} for row in rows), columns)
