@@ -143,17 +143,7 @@ def summarise(m: Measured, folder: Path) -> Result:
         _claims(m.points, m.clients),
         plot,
         m.clients,
-        (
-            "alpha",
-            "round",
-            "client_id",
-            "unseen",
-            "n_test",
-            "fedavg",
-            "knn_only",
-            "knnper",
-            "lambda",
-        ),
+        (*m.keys, "client_id", "unseen", "n_test", "fedavg", "knn_only", "knnper", "lambda"),
     )
 
 

@@ -58,7 +58,7 @@ def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "capacity.png", m.scale)
     return Result(
         m.points,
-        ("alpha", "capacity", "method", *SUMMARY, "seconds"),
+        (*m.keys, *SUMMARY, "seconds"),
         [
             ("alpha", "alpha", ""),
             ("capacity", "capacity", ".2f"),
@@ -71,9 +71,7 @@ def summarise(m: Measured, folder: Path) -> Result:
         plot,
         m.clients,
         (
-            "alpha",
-            "capacity",
-            "method",
+            *m.keys,
             "client_id",
             "unseen",
             "n_test",

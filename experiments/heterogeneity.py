@@ -81,7 +81,7 @@ def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "heterogeneity.png", m.scale)
     return Result(
         m.points,
-        ("alpha", "method", *SUMMARY_COLUMNS, "seconds"),
+        (*m.keys, *SUMMARY_COLUMNS, "seconds"),
         [
             ("alpha", "alpha", ""),
             ("method", "method", ""),
@@ -93,7 +93,7 @@ def summarise(m: Measured, folder: Path) -> Result:
         _claims(m.points, m.clients),
         plot,
         m.clients,
-        ("alpha", "method", "client_id", "unseen", "n_test", "accuracy", "lambda"),
+        (*m.keys, "client_id", "unseen", "n_test", "accuracy", "lambda"),
     )
 
 

@@ -55,7 +55,7 @@ def summarise(m: Measured, folder: Path) -> Result:
     plot = _plot(m.points, folder / "k_sigma.png", m.scale)
     return Result(
         m.points,
-        ("k", "sigma", "all_mean", "all_bottom_decile", "seconds"),
+        (*m.keys, "all_mean", "all_bottom_decile", "seconds"),
         [
             ("k", "k", ""),
             ("sigma", "sigma", "g"),
@@ -65,7 +65,7 @@ def summarise(m: Measured, folder: Path) -> Result:
         _claims(m.points, m.clients, k, sigma),
         plot,
         m.clients,
-        ("k", "sigma", "client_id", "unseen", "n_test", "accuracy", "lambda"),
+        (*m.keys, "client_id", "unseen", "n_test", "accuracy", "lambda"),
     )
 
 
