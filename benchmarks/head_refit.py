@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
 import tempfile
 import time
@@ -94,9 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, threads=1, queries=50, smoke_train=2000
     )
     spec, num_classes = gm.spec, gm.num_classes
-    work = Path(tempfile.mkdtemp(prefix="knnper-refit-"))
     rows = []
-    try:
+    with tempfile.TemporaryDirectory(prefix="knnper-refit-", ignore_cleanup_errors=True) as tmp:
+        work = Path(tmp)
         calib = prepare_input(C.images(gm.dataset, pool.pool_idx[:256]), spec)
         encoder = C.export_encoder(gm.model, calib, work / "encoder")
         for size in args.sizes:
@@ -131,8 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows[-1]["add_linear_ms"],
                 rows[-1]["fit_ms"],
             )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     machine_end = C.machine_info()
     text = report(rows, args, gm.source, machine, machine_end, time.time() - started)
     C.write_results(

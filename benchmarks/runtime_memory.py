@@ -356,8 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started, machine, gm, pool = C.start_device_benchmark(
         args, threads=args.threads, queries=max(args.batches), smoke_train=1000
     )
-    work = Path(tempfile.mkdtemp(prefix="knnper-memory-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="knnper-memory-", ignore_cleanup_errors=True) as tmp:
+        work = Path(tmp)
         inputs = {b: work / f"inputs_{b}.npy" for b in args.batches}
         for b, path in inputs.items():
             np.save(path, pool.queries[:b], allow_pickle=False)
@@ -371,8 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             keys = C.replicate_keys(pool.z, pool.y, size, noise=args.noise, seed=args.seed)
             for recipe in args.recipes:
                 rows += bundle_rows(recipe, keys, shipped, work, inputs, gm, args, baselines)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
     text = report(rows, args, gm.source, machine, time.time() - started)
     C.write_results(

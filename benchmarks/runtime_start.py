@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -138,9 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec, num_classes = gm.spec, gm.num_classes
     pool_idx, z_pool, y_pool = pool.pool_idx, pool.z, pool.y
     singles = [pool.queries[i : i + 1] for i in range(len(pool.queries))]
-    work = Path(tempfile.mkdtemp(prefix="knnper-start-"))
     starts, b1 = [], []
-    try:
+    with tempfile.TemporaryDirectory(prefix="knnper-start-", ignore_cleanup_errors=True) as tmp:
+        work = Path(tmp)
         calib = prepare_input(C.images(gm.dataset, pool_idx[:256]), spec)
         plain = C.export_encoder(gm.model, calib, work / "encoder")
         optimized = work / "encoder" / "encoder_optimized.onnx"
@@ -189,8 +188,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     b1[-1]["encoder_ms"],
                     b1[-1]["end_to_end_ms"],
                 )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     machine_end = C.machine_info()
     text = report(starts, b1, args, gm.source, machine, machine_end, time.time() - started)
     C.write_results(

@@ -454,10 +454,10 @@ def measure(run: Any, args: argparse.Namespace) -> tuple[list[dict], list[dict]]
     eligible = [c for c, s in enumerate(run.partition.clients) if len(s.train) >= MIN_TRAIN]
     if not eligible:
         raise SystemExit(f"no client of the run has {MIN_TRAIN} training samples")
-    work = Path(tempfile.mkdtemp(prefix="knnper-shift-"))
     rows: list[dict] = []
     infos: list[dict] = []
-    try:
+    with tempfile.TemporaryDirectory(prefix="knnper-shift-", ignore_cleanup_errors=True) as tmp:
+        work = Path(tmp)
         calib_rng = np.random.default_rng(0)
         calib_idx = calib_rng.choice(
             len(run.dataset.y_train), size=min(256, len(run.dataset.y_train)), replace=False
@@ -480,8 +480,6 @@ def measure(run: Any, args: argparse.Namespace) -> tuple[list[dict], list[dict]]
                     info["lam"],
                     _after_shift(client_rows, args.shift_at),
                 )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return rows, infos
 
 
