@@ -30,7 +30,13 @@ import onnxruntime
 from edge_runtime._io import csv_text, write_text_atomic
 from edge_runtime.arg_types import positive_int
 from edge_runtime.bundle import write_bundle
-from edge_runtime.datastores import BACKENDS, TYPICAL_RECIPES, make_datastore, parse_recipe
+from edge_runtime.datastores import (
+    BACKENDS,
+    TYPICAL_RECIPES,
+    make_datastore,
+    parse_recipe,
+    recipe_without,
+)
 from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
 from edge_runtime.knn_provenance import KNNProvenance
 from edge_runtime.manifest import BundleFields, Manifest
@@ -543,6 +549,17 @@ def write_benchmark_bundle(
 
 def recipe_label(recipe: str) -> str:
     return parse_recipe(recipe)[0]
+
+
+def recipe_counts(rows: Sequence[dict[str, Any]], top: int | None = None) -> str:
+    """The chosen recipes' shapes (their key counts dropped), most frequent first, with how
+    many rows chose each, e.g. "flat:int8 x12" (the `top` most frequent only)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        shape = recipe_without(r["recipe"], "n")
+        counts[shape] = counts.get(shape, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return "; ".join(f"{name} x{n}" for name, n in ranked)
 
 
 def script_parser(

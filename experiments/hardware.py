@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.datastores import BACKENDS, EXACT_BACKEND, FlatDatastore, recipe_without
+from edge_runtime.datastores import BACKENDS, EXACT_BACKEND, FlatDatastore
 from edge_runtime.encoder import Encoder
-from experiments.benchmark_support import fresh_dir
+from experiments.benchmark_support import fresh_dir, recipe_counts
 from experiments.context import Context
 from experiments.experiment_seeds import STD
 from experiments.margins import Aligned, call, interval, paired, pp, unit
@@ -171,17 +171,9 @@ class ByteBudgets:
             "rows": rows,
             **_group_means(rows, weak_clients(ids, self.ctx.seed)),
             "mean_stored": float(np.mean([r["stored"] for r in rows])),
-            "recipes": _recipe_counts(rows),
+            "recipes": recipe_counts(rows),
             "encoder_bytes": self.encoder.nbytes,
         }
-
-
-def _recipe_counts(rows: list[dict]) -> str:
-    counts: dict[str, int] = {}
-    for r in rows:
-        shape = recipe_without(r["recipe"], "n")
-        counts[shape] = counts.get(shape, 0) + 1
-    return "; ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def measure(ctx: Context, grids: dict[str, tuple]) -> Measured:

@@ -41,7 +41,7 @@ import numpy as np
 
 from edge_runtime._io import write_text_atomic
 from edge_runtime.budget import Budget
-from edge_runtime.datastores import FlatDatastore, recipe_without
+from edge_runtime.datastores import FlatDatastore
 from edge_runtime.encoder import Encoder
 from edge_runtime.personal_head import PersonalHead
 from experiments import benchmark_support as C
@@ -260,18 +260,8 @@ def _curve_point(client_rows: list[dict], text: str, backend: str) -> dict:
         "bytes_ratio": (
             float(np.mean([r["bytes"] / r["full_bytes"] for r in fit])) if fit else None
         ),
-        "recipes": _top_recipes(fit),
+        "recipes": C.recipe_counts(fit, top=3),
     }
-
-
-def _top_recipes(rows: list[dict], top: int = 3) -> str:
-    """The most frequent chosen recipe shapes (counts dropped), e.g. "flat:int8 x12"."""
-    counts: dict[str, int] = {}
-    for r in rows:
-        shape = recipe_without(r["recipe"], "n")
-        counts[shape] = counts.get(shape, 0) + 1
-    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
-    return "; ".join(f"{name} x{n}" for name, n in ranked)
 
 
 def protonn_grid(
