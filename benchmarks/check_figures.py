@@ -60,9 +60,7 @@ FAIR_TABLES = {
     "Fashion-MNIST alpha 0.3": "fashion-mnist",
 }
 SEED_TABLES = {
-    "CIFAR-10 alpha 0.3": "cifar10",
-    "CIFAR-10 v2": "cifar10-v2",
-    "Fashion-MNIST alpha 0.3": "fashion-mnist",
+    **FAIR_TABLES,
     "kNN-Per vs FedAvg, Fashion-MNIST": "vs-fedavg-fashion-mnist",
     "kNN-Per vs FedAvg, CIFAR-10": "vs-fedavg-cifar10",
 }
