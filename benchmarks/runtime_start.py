@@ -18,9 +18,7 @@ Outputs in OUT: start.csv, batch1.csv, start.md, start_run.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import subprocess
 import sys
 import tempfile
 import time
@@ -89,19 +87,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def spawn_to_first(bundle: Path, image: Path, starts: int) -> dict[str, float]:
-    env = C.child_env(1)
     runs = []
     for _ in range(starts):
         spawned = time.time()
-        out = subprocess.run(
-            [sys.executable, "-c", CHILD, str(bundle), str(image)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-            check=True,
-        )
-        t = json.loads(out.stdout.strip().splitlines()[-1])
+        t = C.run_child(CHILD, [str(bundle), str(image)], threads=1, timeout=120)
         runs.append(
             {
                 "spawn_to_first_ms": t["done"] - spawned,
