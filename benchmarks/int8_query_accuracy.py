@@ -37,9 +37,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup_logging()
-    C.limit_threads(1)
-    args.out.mkdir(parents=True, exist_ok=True)
+    C.start_benchmark(args.out, threads=1)
     root = Path(tempfile.mkdtemp(prefix="knnper-int8-query-"))
     config = RunConfig(
         dataset="digits",

@@ -102,9 +102,7 @@ def lock_ms(directory: Path, reps: int) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup_logging()
-    C.limit_threads(1)
-    info = C.machine_info()
+    _, info = C.start_benchmark(args.out, threads=1)
     rows = []
     with tempfile.TemporaryDirectory(prefix="knnper-load-checks-") as tmp:
         for n in args.sizes:
