@@ -352,41 +352,35 @@ def check_seeds_md(
     heading: str = SEEDS_HEADING,
     tables: Mapping[str, str] = SEED_TABLES,
 ) -> None:
-    """The across-seed tables of the benchmark pages under `heading` against each seeds.json."""
-    heading = f"{heading}: mean ± std across seeds"
-    if not _found(text, heading, check):
+    """The across-seed section of the benchmark pages under `heading` against each seeds.json:
+    its mean ± std tables, then its comparison table (kNN-Per minus the named baseline, its
+    interval and its verdict)."""
+    spread = f"{heading}: mean ± std across seeds"
+    if _found(text, spread, check):
+        for group, label, title, summary, cell in _group_cells(text, spread, seeds, tables, check):
+            if summary is None or cell == "-":
+                continue
+            method = (
+                "knnper_oracle"
+                if "test-oracle" in label
+                else "knnper_cross_oracle"
+                if "cross-oracle" in label
+                else BY_TITLE.get(label)
+            )
+            s = summary["spread"][group][method]
+            check.same(
+                f"benchmark pages seeds {group} {label} {title}",
+                [
+                    round(100 * s[st][k], 1)
+                    for st in ("mean", "bottom_decile")
+                    for k in ("mean", "std")
+                ],
+                _numbers(cell),
+            )
+    versus = f"{heading}: kNN-Per minus a baseline"
+    if not _found(text, versus, check):
         return
-    for group, label, title, summary, cell in _group_cells(text, heading, seeds, tables, check):
-        if summary is None or cell == "-":
-            continue
-        method = (
-            "knnper_oracle"
-            if "test-oracle" in label
-            else "knnper_cross_oracle"
-            if "cross-oracle" in label
-            else BY_TITLE.get(label)
-        )
-        s = summary["spread"][group][method]
-        check.same(
-            f"benchmark pages seeds {group} {label} {title}",
-            [round(100 * s[st][k], 1) for st in ("mean", "bottom_decile") for k in ("mean", "std")],
-            _numbers(cell),
-        )
-
-
-def check_versus_md(
-    text: str,
-    seeds: Mapping[str, dict],
-    check: Checker,
-    heading: str = SEEDS_HEADING,
-    tables: Mapping[str, str] = SEED_TABLES,
-) -> None:
-    """The rows of the benchmark pages' across-seed comparison table under `heading` against
-    each seeds.json: kNN-Per minus the named baseline, its interval and its verdict."""
-    heading = f"{heading}: kNN-Per minus a baseline"
-    if not _found(text, heading, check):
-        return
-    _, rows = _markdown_table(text, heading)
+    _, rows = _markdown_table(text, versus)
     for table, group, stat, baseline, cell, verdict in rows:
         summary = seeds.get(tables[table])
         if summary is None:
@@ -564,7 +558,6 @@ def main() -> int:
     check_benchmarks_md(text, fair, check)
     for heading, tables in ((SEEDS_HEADING, SEED_TABLES), (DEFAULT_HEADING, DEFAULT_SEED_TABLES)):
         check_seeds_md(text, found, check, heading, tables)
-        check_versus_md(text, found, check, heading, tables)
     check_hurt_md(text, found, check)
     check_model_update_md(text, check)
     check_cli_start_md(text, check)
