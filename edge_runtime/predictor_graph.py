@@ -99,7 +99,9 @@ def build_predictor(
     token ids [N, L]). Outputs: "probabilities" [N, C] (float32 or float64), "key" [N, q]
     float32 (what a device stores for an input once labelled, as `Runtime.add` stores it: the
     embedding for flat fp32/fp16, the embedding re-quantised with the datastore's per-dimension
-    scale for flat int8, W z for ProtoNN), and the encoder's own "embedding" and "logits"."""
+    scale for flat int8, W z for ProtoNN; not in the "stored" form: the runtime stores through
+    its datastore, and onnxruntime runs every node of a graph whichever outputs a call asks
+    for), and the encoder's own "embedding" and "logits"."""
     if samples not in SAMPLE_MODES:
         raise ValueError(f"samples must be one of {SAMPLE_MODES}, got {samples!r}")
     if datastore.ONNX_FORM is None:
@@ -131,20 +133,21 @@ def build_predictor(
     key, p_local = form(g, manifest, datastore, z, samples)
     p_global = g.cast(g.node("Softmax", [logits], axis=1), P.DOUBLE)
     lam = manifest.lam
-    mixed = g.node(
-        "Add",
-        [
-            g.node("Mul", [p_local, g.const(lam, np.float64)]),
-            g.node("Mul", [p_global, g.const(1.0 - lam, np.float64)]),
-        ],
-    )
+    terms = [
+        g.node("Mul", [p_local, g.const(lam, np.float64)]),
+        g.node("Mul", [p_global, g.const(1.0 - lam, np.float64)]),
+    ]
     out_type = {"float32": P.FLOAT, "float64": P.DOUBLE}[probabilities]
-    g.nodes.append(P.node("Cast", [mixed], ["probabilities"], to=out_type))
-    g.nodes.append(P.node("Identity", [key], ["key"]))
+    if out_type == P.DOUBLE:  # the sum is the output: no node that copies it
+        g.nodes.append(P.node("Add", terms, ["probabilities"]))
+    else:
+        g.nodes.append(P.node("Cast", [g.node("Add", terms)], ["probabilities"], to=out_type))
     classes = int(manifest.num_classes)
-    outputs = [
-        P.value_info("probabilities", out_type, ["N", classes]),
-        P.value_info("key", P.FLOAT, ["N", None]),
+    outputs = [P.value_info("probabilities", out_type, ["N", classes])]
+    if key is not None:
+        g.nodes.append(P.node("Identity", [key], ["key"]))
+        outputs.append(P.value_info("key", P.FLOAT, ["N", None]))
+    outputs += [
         P.value_info("embedding", P.FLOAT, ["N", int(manifest.embedding_dim)]),
         P.value_info("logits", P.FLOAT, ["N", classes]),
     ]
@@ -228,7 +231,7 @@ def _portable_samples(g: _Graph) -> tuple[str, str]:
     return g.node("Transpose", ["keys"], perm=[1, 0]), "labels"
 
 
-def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str, str]:
+def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str | None, str]:
     int8 = ds.dtype == "int8"
     narrow_labels = samples == "stored" and ds.labels_.dtype != np.int64
     if samples == "portable":
@@ -259,10 +262,10 @@ def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str,
             dots = g.node("MatMul", [_minus_twice(g, z), keys_t])
     sq_k, idx = _nearest(g, dots, _row_norms(g, z, 1), key_norms, int(manifest.k))
     scale = 1.0 / (manifest.embedding_dim * manifest.sigma)
-    key = z  # fp32: stored as given
-    if int8:
+    key = None if samples == "stored" else z  # fp32: stored as given
+    if key is not None and int8:
         key = _int8_key(g, z, ds.scale_)
-    elif ds.dtype == "fp16":
+    elif key is not None and ds.dtype == "fp16":
         key = _fp16_key(g, z)
     weights = g.node(
         "Softmax", [g.node("Mul", [g.cast(sq_k, P.DOUBLE), g.const(-scale, np.float64)])], axis=1
@@ -270,9 +273,12 @@ def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str,
     neighbour_labels = g.node("Gather", [labels, idx])
     if narrow_labels:  # a datastore holds one byte a label where the classes fit
         neighbour_labels = g.cast(neighbour_labels, P.INT64)
-    onehot = _one_hot(g, neighbour_labels, int(manifest.num_classes), 1.0)
+    # each neighbour's weight in its label's column, 0 elsewhere (the weights of a one-hot
+    # product, bit for bit, with no casts or products)
+    hits = _label_hits(g, neighbour_labels, int(manifest.num_classes))
     weighted = g.node(
-        "Mul", [g.cast(onehot, P.DOUBLE), g.node("Unsqueeze", [weights, g.const([2], np.int64)])]
+        "Where",
+        [hits, g.node("Unsqueeze", [weights, g.const([2], np.int64)]), g.const(0.0, np.float64)],
     )
     return key, g.reduce("ReduceSum", weighted, 1, keepdims=0)
 
@@ -281,14 +287,18 @@ def _one_hot(g: _Graph, labels: str, classes: int, on_value: float) -> str:
     """labels [...] -> [..., classes] float32 with on_value at each label, 0 elsewhere.
     Equal against 0..classes-1 rather than OneHot: onnxruntime 1.23 (the newest for Python
     3.10) dies with SIGFPE on a OneHot of zero labels, which an empty ProtoNN buffer feeds."""
-    hits = g.node(
+    return g.node("Mul", [g.cast(_label_hits(g, labels, classes), P.FLOAT), g.const(on_value)])
+
+
+def _label_hits(g: _Graph, labels: str, classes: int) -> str:
+    """labels [...] int64 -> [..., classes] bool, true at each label."""
+    return g.node(
         "Equal",
         [
             g.node("Unsqueeze", [labels, g.const([-1], np.int64)]),
             g.const(np.arange(classes), np.int64),
         ],
     )
-    return g.node("Mul", [g.cast(hits, P.FLOAT), g.const(float(on_value))])
 
 
 def _int8_key(g: _Graph, z: str, scale: np.ndarray) -> str:
@@ -309,7 +319,7 @@ def _fp16_key(g: _Graph, z: str) -> str:
     return g.cast(g.cast(clipped, P.FLOAT16), P.FLOAT)
 
 
-def _protonn(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str, str]:
+def _protonn(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str | None, str]:
     """ProtoNN's posterior. The prototypes and the buffer of added samples are scored as two
     parts whose squared distances meet only to find the nearest: nothing as large as the
     prototypes is concatenated on a call."""
@@ -374,4 +384,4 @@ def _protonn(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[s
             g.const(1.0 / classes, np.float64),
         ],
     )
-    return wz, p_local
+    return (None if samples == "stored" else wz), p_local

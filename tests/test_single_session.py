@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -17,7 +18,7 @@ from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import FlatDatastore, HNSWDatastore, ProtoNNDatastore
 from edge_runtime.knn import int8_query, key_products
 from edge_runtime.manifest import BundleFields
-from edge_runtime.predictor_graph import _Graph, _int8_products
+from edge_runtime.predictor_graph import _Graph, _int8_products, build_predictor
 from edge_runtime.preprocess import InputSpec
 from edge_runtime.runtime import Runtime
 
@@ -156,3 +157,27 @@ def test_add_then_predict_on_every_backend(bundles):
         assert not np.allclose(after, before), name  # the new samples are searched
         np.testing.assert_allclose(after, rt.posterior(*rt.embed(x)), atol=1e-6, err_msg=name)
         np.testing.assert_allclose(after, Runtime.load(path).predict_proba(x), atol=1e-12)
+
+
+def test_the_runtime_session_runs_only_nodes_its_outputs_need(bundles):
+    """onnxruntime runs every node of a graph whatever outputs a call fetches, so a node that
+    neither the probabilities nor the encoder's outputs need costs every prediction."""
+    fetched = {"probabilities", "embedding", "logits"}
+    for name in ("flat-fp32", "flat-int8", "protonn"):
+        rt = Runtime.load(bundles[name])
+        graph = onnx.load_from_string(
+            build_predictor(
+                rt.manifest,
+                rt.datastore,
+                (bundles[name] / "encoder.onnx").read_bytes(),
+                samples="stored",
+                probabilities="float64",
+            )
+        ).graph
+        assert {o.name for o in graph.output} == fetched, name
+        needed, nodes = set(fetched), list(graph.node)
+        for node in reversed(nodes):  # a graph's nodes are in topological order
+            if needed & set(node.output):
+                needed |= set(node.input)
+        idle = [n.op_type for n in nodes if not needed & set(n.output)]
+        assert idle == [], name
