@@ -10,7 +10,6 @@ Writes RESULTS/floor_TAG.json (per-round seconds, the command and the machine).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
@@ -28,10 +27,7 @@ APP_DIR = Path(__file__).resolve().parent / "flower_floor"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    C.add_flower_arguments(p)
+    p = C.flower_parser(__doc__)
     args = p.parse_args()
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `timeout` stops the federation
     C.setup_logging()

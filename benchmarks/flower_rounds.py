@@ -83,10 +83,7 @@ def clientapp_import_cost(repeats: int) -> dict[str, float]:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    C.add_flower_arguments(p)
+    p = C.flower_parser(__doc__)
     KNNRequest.add_arguments(p)  # kNN-Per's setting, chosen by the federation and by evaluate alike
     p.add_argument(
         "--import-repeats",

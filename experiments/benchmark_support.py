@@ -619,9 +619,13 @@ def datastore_sizes_parser(doc: str, smoke: str) -> argparse.ArgumentParser:
     return p
 
 
-def add_flower_arguments(p: argparse.ArgumentParser) -> None:
-    """The configuration flags flower_rounds.py and flower_floor.py share (the same rounds: trained
-    by knnper's ClientApp, or echoed by the floor's empty one)."""
+def flower_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of flower_rounds.py and flower_floor.py, with the configuration flags they
+    share (the same rounds: trained by knnper's ClientApp, or echoed by the floor's empty one);
+    the docstring's first paragraph is its description."""
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--tag", required=True, help="name of this configuration in the results")
     p.add_argument("--dataset", default="digits")
     p.add_argument("--data", default=None)
@@ -642,6 +646,7 @@ def add_flower_arguments(p: argparse.ArgumentParser) -> None:
         help="run directories (not committed)",
     )
     p.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results" / "flower")
+    return p
 
 
 def flower_run_config(args: argparse.Namespace) -> Any:
