@@ -187,9 +187,7 @@ def _nearest(g: _Graph, minus_twice_dots: str, q_norms: str, key_norms: str, k: 
     products (scaling by a power of two is exact), and ||q||^2 and the clamp, which leave the
     order as it is, are applied to the k nearest."""
     partial = g.node("Add", [minus_twice_dots, key_norms])
-    n = g.node(
-        "Slice", [g.node("Shape", [partial]), g.const([1], np.int64), g.const([2], np.int64)]
-    )
+    n = g.node("Shape", [partial], start=1, end=2)  # Shape's own slice (opset 15 on)
     k_n = g.node("Min", [n, g.const([k], np.int64)])
     partial_k, idx = g.node("TopK", [partial, k_n], outputs=2, largest=0, sorted=1)
     return g.node("Relu", [g.node("Add", [partial_k, q_norms])]), idx
