@@ -20,7 +20,7 @@ from experiments.lr_tuning import (
 from experiments.tables import METHODS, BenchError, check_validation_splits
 from fed_train.algorithms.base import ClientData, PersonalModel
 from fed_train.evaluation import client_accuracies
-from tests.helpers.bench_table import TINY, bench
+from tests.helpers.bench_table import LEAN, TINY, bench
 from tests.helpers.interrupts import interrupt_after
 
 
@@ -35,7 +35,7 @@ def one_thread():
 @pytest.mark.slow
 def test_bench_table_writes_both_tables_and_per_client_results(tmp_path, capsys):
     out = tmp_path / "table"
-    assert bench(*TINY, "--methods", "all", "--out", str(out)) == 0
+    assert bench(*LEAN, "--methods", "all", "--out", str(out)) == 0
     printed = capsys.readouterr().out
     assert "Table 1: clients seen in training" in printed and "Table 2: unseen clients" in printed
     for name in ("table.md", "table1.csv", "table2.csv", "clients.csv", "results.json"):
@@ -56,7 +56,7 @@ def test_bench_table_writes_both_tables_and_per_client_results(tmp_path, capsys)
 
     # a second run resumes from the cached runs and results and writes the same numbers
     before = (out / "table1.csv").read_text()
-    assert bench(*TINY, "--methods", "fedavg,knnper", "--out", str(out)) == 0
+    assert bench(*LEAN, "--methods", "fedavg,knnper", "--out", str(out)) == 0
     rows = list(csv.DictReader((out / "table1.csv").open()))
     assert [r["method"] for r in rows] == ["fedavg", "knnper"]
     assert {r["method"]: r["mean"] for r in rows}.items() <= {
@@ -190,7 +190,7 @@ def test_tuned_knn_table_with_workers_and_attribution(tmp_path):
     # the attribution's knn+own head is the kNN with each body's own model and each client's
     # own lambda: the table's kNN-Per with that base and rule pinned
     argv = [
-        *TINY,
+        *LEAN,
         "--methods",
         "fedavg,fedrep,pfedgp,knnper",
         "--lambda-estimator",
@@ -305,7 +305,7 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_module, "run_table", with_clusters)
     monkeypatch.setattr(bench_command, "run_table", with_clusters)  # the name the CLI calls
     argv = [
-        *TINY,
+        *LEAN,
         "--clients",
         "12",
         "--unseen-fraction",
@@ -365,9 +365,7 @@ def test_seeds_run_one_table_per_seed_and_summarize_them(tmp_path):
     out = tmp_path / "seeds"
     assert (
         bench(
-            *TINY,
-            "--rounds",
-            "1",
+            *LEAN,
             "--methods",
             "fedavg,knnper",
             "--seed",
