@@ -91,10 +91,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--readers", type=int, default=20, help="processes predicting meanwhile")
     p.add_argument("--keys", type=int, default=3000, help="keys in the device's bundle")
     p.add_argument("--seed", type=int, default=0, help="seed of the kill instants")
-    p.add_argument("--smoke", action="store_true", help="6 kills, 2 readers, 300 keys")
+    p.add_argument("--smoke", action="store_true", help="3 kills, 1 reader, 300 keys")
     args = p.parse_args(argv)
     if args.smoke:
-        args.kills, args.readers, args.keys = 6, 2, 300
+        args.kills, args.readers, args.keys = 3, 1, 300
     return args
 
 

@@ -9,7 +9,6 @@ import csv
 import json
 import math
 import os
-import runpy
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 
 from fed_train.data import DEFAULT_PATHS
 from fed_train.flower.expected import EXPECTED_FILE
+from tests.helpers.scripts import run_as_main
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py"))
@@ -192,12 +192,7 @@ def test_every_script_has_a_case():
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_prints_its_help(script, tmp_path, monkeypatch, capsys):
     """In this process (the imports are paid once): from another folder, as a user runs it."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # what `python benchmarks/X.py` puts first
-    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), "--help"])
-    with pytest.raises(SystemExit) as exited:
-        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
-    assert exited.value.code in (0, None)
+    assert run_as_main(BENCHMARKS / script, ["--help"], tmp_path, monkeypatch) in (0, None)
     assert "usage:" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())  # --help writes nothing
 
@@ -240,7 +235,9 @@ def tiny_run(tmp_path_factory) -> Path:
         for name, case in CASES.items()
     ],
 )
-def test_smallest_case_runs(script, tmp_path, request):
+def test_smallest_case_runs(script, tmp_path, request, monkeypatch, capsys):
+    """In this process, as `python benchmarks/X.py` runs it from another folder with one
+    thread (torch and the project are imported once for every case, not once a case)."""
     case = CASES[script]
     if case.module is not None:
         pytest.importorskip(case.module)
@@ -256,15 +253,10 @@ def test_smallest_case_runs(script, tmp_path, request):
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     shipped = EXPECTED_FILE.read_bytes()  # a file of the package a benchmark can rewrite
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *(a.format(**values) for a in case.args)],
-        cwd=elsewhere,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    code = run_as_main(
+        BENCHMARKS / script, [a.format(**values) for a in case.args], elsewhere, monkeypatch
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert code in (0, None), capsys.readouterr().err[-4000:]
     if "{out}" in " ".join(case.args):
         assert any(p.is_file() for p in out.rglob("*")), "the case wrote no results"
     assert not list(elsewhere.iterdir()), "the script wrote into the folder it ran from"

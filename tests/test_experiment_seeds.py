@@ -5,8 +5,6 @@ one; a bad seed count is refused in one line."""
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 from experiments.experiment_seeds import combine_points
 from experiments.margins import Aligned, paired, resample
 from knnper_cli.main import main
+from tests.helpers.scripts import run_as_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,7 +69,7 @@ def _csv(path: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_two_seeds_write_each_seed_and_the_combined_report(tmp_path, capsys):
+def test_two_seeds_write_each_seed_and_the_combined_report(tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     assert (
         main(
@@ -101,13 +100,10 @@ def test_two_seeds_write_each_seed_and_the_combined_report(tmp_path, capsys):
     assert "--quick --seeds 2`" in summary and "2 seeds (0, 1)" in summary
     assert len(list((out / "runs").iterdir())) == 2  # one global model per seed
     # the rejudge script takes the combined folder and each seed's
-    judged = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "rejudge_experiments.py"), str(folder)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert judged.count("k-sigma") == 3
+    capsys.readouterr()
+    script = REPO / "benchmarks" / "rejudge_experiments.py"
+    assert run_as_main(script, [str(folder)], tmp_path, monkeypatch) in (0, None)
+    assert capsys.readouterr().out.count("k-sigma") == 3
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
