@@ -3,6 +3,7 @@ imported once for every script a test module runs, not once a script (about 4 CP
 
 from __future__ import annotations
 
+import os
 import runpy
 import signal
 import sys
@@ -16,11 +17,13 @@ from threadpoolctl import threadpool_limits
 
 def run_as_main(script: Path, args: list[str], cwd: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """`python SCRIPT ARGS` from CWD with OMP_NUM_THREADS=1, in this process; its exit code.
-    The process-wide settings a script may change (torch's threads, the SIGTERM and SIGINT
-    handlers) are put back after it."""
+    The process-wide settings a script may change (the environment, e.g. the thread counts
+    benchmark_support.limit_threads exports; torch's threads; the SIGTERM and SIGINT handlers)
+    are put back after it."""
     monkeypatch.chdir(cwd)
     monkeypatch.syspath_prepend(str(script.parent))  # what `python SCRIPT` puts first
     monkeypatch.setattr(sys, "argv", [str(script), *args])
+    environment = dict(os.environ)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     threads = torch.get_num_threads()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -31,6 +34,8 @@ def run_as_main(script: Path, args: list[str], cwd: Path, monkeypatch: pytest.Mo
     except SystemExit as exited:
         return exited.code
     finally:
+        os.environ.clear()
+        os.environ.update(environment)
         torch.set_num_threads(threads)
         for number, handler in handlers.items():
             signal.signal(number, handler)
