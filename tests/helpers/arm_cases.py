@@ -5,11 +5,11 @@ scale, the inputs to compare them on, and what the device runtime answers here.
 
 Models: the digits CNN, the Fashion-MNIST CNN (if Debian's dataset-fashion-mnist is installed)
 and MobileNet-v2-gn on CIFAR-10 (if ../shared/data/cifar10/cifar10.npz is there), each trained
-for a round or two on a few hundred images. Backends: every one with a device path the runtime
-serves on ARM without extras (flat int8 / fp16 / fp32 and ProtoNN; not HNSW: hnswlib publishes
-no wheels, 0.8.0 is a source distribution only, so the emulated userland would have to compile
-it, and Debian's arm64 python3-hnswlib is 0.6.2 against this machine's 0.8.0); for
-MobileNet-v2-gn flat int8 and ProtoNN only (its int8 export takes minutes here). Inputs: 200 per
+for a round or two on a few hundred images. Backends: every one the exporter writes (flat
+int8 / fp16 / fp32, HNSW and ProtoNN; .ci/arm cross-compiles hnswlib for the emulated userland,
+as hnswlib publishes no aarch64 wheels); for MobileNet-v2-gn flat int8, HNSW and ProtoNN (its
+int8 export takes minutes here, and the flat dtypes differ from flat int8 only in the
+datastore, which the small CNNs cover). Inputs: 200 per
 model (120 real test images, 60 uniform random, 20 extreme: all 0, all 255, checkerboards).
 OUT/cases.json lists each case's files and the models skipped with their reason;
 tests/test_arm_device.py reads it under emulated ARM.
@@ -37,12 +37,21 @@ SPACES = {
     "flat-int8": SearchSpace(backends=("flat",), flat_dtypes=("int8",)),
     "flat-fp16": SearchSpace(backends=("flat",), flat_dtypes=("fp16",)),
     "flat-fp32": SearchSpace(backends=("flat",), flat_dtypes=("fp32",)),
+    "hnsw": SearchSpace(backends=("hnsw",), hnsw_M=(8,)),
     "protonn": SearchSpace(
         backends=("protonn",), protonn_dims=(8,), protonn_fractions=(0.3,), protonn_steps=30
     ),
 }
 ROUND = TrainingConfig(rounds=1, epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 INPUTS = 200  # compared per model
+# cases measured to part from x86 on emulated ARM, expected to fail (strictly) until fixed
+KNOWN_DIVERGENT = {
+    ("cifar10-mobilenet-v2-gn", "hnsw"): (
+        "probabilities beyond 1e-5 of x86's on Cortex-A72 and Neoverse-N1 (argmax equal on all "
+        "200; benchmarks/results/arm/ci_arm.txt): not yet traced to the encoder session or to "
+        "hnswlib's distances"
+    ),
+}
 # name -> (run config, the backends exported, why it cannot run here or None)
 MODELS = {
     "digits": (
@@ -65,7 +74,7 @@ MODELS = {
             model="mobilenet-v2-gn",
             training=ROUND,
         ),
-        ["flat-int8", "protonn"],
+        ["flat-int8", "hnsw", "protonn"],
         None if CIFAR10.is_file() else f"{CIFAR10} is absent",
     ),
 }
@@ -112,10 +121,12 @@ def write_cases(out: Path) -> dict:
                 "probabilities": str(root / f"{backend}.probabilities.npy"),
             }
             np.save(case["probabilities"], runtime.predict_proba(x))
-            if backend == "flat-int8":  # the encoder's own outputs, once per model
+            if (name, backend) in KNOWN_DIVERGENT:
+                case["xfail"] = KNOWN_DIVERGENT[name, backend]
+            if backend == "hnsw":  # the encoder's own outputs, once per model (its session)
                 z, logits = runtime.embed(x)
                 case["embedding"], case["logits"] = (
-                    str(root / f"{backend}.{what}.npy") for what in ("embedding", "logits")
+                    str(root / f"encoder.{what}.npy") for what in ("embedding", "logits")
                 )
                 np.save(case["embedding"], z)
                 np.save(case["logits"], logits)
