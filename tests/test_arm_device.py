@@ -34,17 +34,7 @@ def _cases() -> list:
         reason = "runs under emulated ARM from .ci/arm (KNNPER_ARM_CASES: the x86 side's folder)"
         return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="not-on-arm")]
     record = json.loads((Path(CASES) / "cases.json").read_text())
-    return [
-        pytest.param(case, id=case["name"], marks=_expected_to_fail(case))
-        for case in record["cases"]
-    ]
-
-
-def _expected_to_fail(case: dict) -> list:
-    """A case arm_cases records as parting from x86 fails strictly: passing is reported too."""
-    if "xfail" not in case:
-        return []
-    return [pytest.mark.xfail(strict=True, reason=case["xfail"])]
+    return [pytest.param(case, id=case["name"]) for case in record["cases"]]
 
 
 def test_it_runs_on_arm():
@@ -67,12 +57,17 @@ def test_the_bundle_answers_as_on_x86(case):
         probabilities = runtime.posterior(z, logits)
     else:
         probabilities = runtime.predict_proba(x)
-    expected = np.load(case["probabilities"], allow_pickle=False)
-    np.testing.assert_array_equal(probabilities.argmax(1), expected.argmax(1))
-    np.testing.assert_allclose(probabilities, expected, rtol=0, atol=TOLERANCE)
-    if "embedding" in case:
+    if "embedding" in case:  # the encoder first: a known divergence below must not hide it
         assert runtime.predictor is None, "the encoder's outputs are read from an HNSW bundle"
         for got, name in ((z, "embedding"), (logits, "logits")):
             want = np.load(case[name], allow_pickle=False)
             np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCE, err_msg=name)
         np.testing.assert_array_equal(logits.argmax(1), want.argmax(1))
+    expected = np.load(case["probabilities"], allow_pickle=False)
+    np.testing.assert_array_equal(probabilities.argmax(1), expected.argmax(1))
+    try:
+        np.testing.assert_allclose(probabilities, expected, rtol=0, atol=TOLERANCE)
+    except AssertionError:
+        if "xfail" in case:  # recorded by arm_cases with the measured reason; argmax held
+            pytest.xfail(case["xfail"])
+        raise
