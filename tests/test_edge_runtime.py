@@ -223,6 +223,41 @@ def test_hnsw_recall_against_exact_and_squared_distances(tmp_path):
 
 
 @needs_hnswlib
+def test_hnsw_distances_do_not_depend_on_hnswlibs_own_sums(monkeypatch):
+    """hnswlib sums a distance in its build's SIMD order (other on ARM than on x86): the
+    neighbours it finds are measured again in a fixed order, so a CPU whose hnswlib rounds
+    otherwise gives the same squared distances, bit for bit, and the same probabilities."""
+    z, y = _embeddings(300, 24)
+    q, _ = _embeddings(40, 24, seed=5)
+    ds = HNSWDatastore(NUM_CLASSES, k=7).fit(z, y)
+    sq, found = ds.kneighbors(q)
+    p = ds.predict_proba(q)
+    query = ds.index_.knn_query
+
+    def rounded_otherwise(x, k, num_threads):  # another CPU's last bits
+        labels, distances = query(x, k=k, num_threads=num_threads)
+        return labels, np.nextafter(distances, np.float32(np.inf))
+
+    monkeypatch.setattr(ds, "index_", _Wrapped(ds.index_, knn_query=rounded_otherwise))
+    sq2, found2 = ds.kneighbors(q)
+    np.testing.assert_array_equal(found2, found)
+    np.testing.assert_array_equal(sq2, sq)
+    np.testing.assert_array_equal(ds.predict_proba(q), p)
+    want = ((q[:, None, :].astype(np.float64) - z[found].astype(np.float64)) ** 2).sum(-1)
+    np.testing.assert_allclose(sq, want, rtol=1e-6)
+
+
+class _Wrapped:
+    """An hnswlib index with some of its methods replaced."""
+
+    def __init__(self, index, **methods):
+        self._index, self._methods = index, methods
+
+    def __getattr__(self, name):
+        return self._methods.get(name) or getattr(self._index, name)
+
+
+@needs_hnswlib
 def test_hnsw_fifo_reuses_slots_and_concatenate_compacts(tmp_path):
     z, y = _embeddings(300, 8)
     ds = HNSWDatastore(NUM_CLASSES, k=5).fit(z[:200], y[:200])

@@ -34,6 +34,9 @@ def _import_hnswlib():
         ) from None
 
 
+MEASURE_SCRATCH = 1 << 20  # bytes of float64 differences per step of _measured_again
+
+
 class HNSWDatastore(SampleDatastore):
     """Approximate kNN with an hnswlib graph (space "l2", which returns squared distances).
 
@@ -189,7 +192,24 @@ class HNSWDatastore(SampleDatastore):
                 if attempt == 2:
                     raise
                 ef = max(4 * ef, len(self)) if attempt == 1 else 4 * ef
+        sq = self._measured_again(z, found)
+        order = np.argsort(sq, axis=1, kind="stable")
+        found, sq = np.take_along_axis(found, order, 1), np.take_along_axis(sq, order, 1)
         return sq, np.searchsorted(self.ids_, found.astype(np.int64))
+
+    def _measured_again(self, z: np.ndarray, found: np.ndarray) -> np.ndarray:
+        """The squared distances of the neighbours found, in numpy's fixed pairwise order and in
+        float64: hnswlib sums them in its build's SIMD order (SSE lanes on x86, scalar on ARM),
+        so the same neighbours could weigh differently on each CPU; now the answer depends on
+        which neighbours were found alone. A few rows at a time: at most 1 MiB of scratch."""
+        sq = np.empty(found.shape, np.float32)
+        rows = max(1, MEASURE_SCRATCH // (8 * found.shape[1] * z.shape[1]))
+        for start in range(0, len(z), rows):
+            part = found[start : start + rows]
+            keys = self.index_.get_items(part.ravel(), return_type="numpy")
+            diff = keys.reshape(*part.shape, -1).astype(np.float64) - z[start : start + rows, None]
+            sq[start : start + rows] = np.square(diff).sum(axis=-1)
+        return sq
 
     def estimate_nbytes(self, n_samples: int, dim: int) -> int:
         """hnsw.bin (level-0 links, vectors, labels, expected upper levels) plus labels/ids npz."""
