@@ -36,7 +36,12 @@ from fed_train.accelerator import resolve_device
 from fed_train.knn_request import KNNRequest
 from fed_train.progress import Progress
 from knnper_cli.commands import help_of
-from knnper_cli.training_args import add_training_arguments, config_from_args, from_flags
+from knnper_cli.training_args import (
+    add_setting_flags,
+    add_training_arguments,
+    config_from_args,
+    from_flags,
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +141,6 @@ def _add_model_update(names: argparse._SubParsersAction) -> None:
             "runs/exp-fmnist",
         ),
     ).add_to(names)
-    d = model_update.UpdateSettings()
     q.add_argument(
         "--out",
         required=True,
@@ -144,45 +148,34 @@ def _add_model_update(names: argparse._SubParsersAction) -> None:
         help="output folder (releases in OUT/model-update/seed_S, the report in OUT/model-update)",
     )
     q.add_argument("--quick", action="store_true", help="digits, 6 clients, 2 rounds")
-    q.add_argument("--dataset", default=d.dataset, help="data set")
-    q.add_argument("--data", default=None, help="data set location")
     pos = positive_int
-    for flag, kind, default, text in (
-        ("--max-train", pos, None, "keep a stratified subsample of this many training images"),
-        ("--clients", pos, d.clients, "clients"),
-        ("--rounds", pos, d.rounds, "FedAvg rounds of v1 (and of the continued training)"),
-        (
-            "--pretrain-epochs",
+    add_setting_flags(
+        q,
+        model_update.UpdateSettings(),
+        dataset="data set",
+        data="data set location",
+        max_train=(pos, "keep a stratified subsample of this many training images"),
+        clients=(pos, "clients"),
+        rounds=(pos, "FedAvg rounds of v1 (and of the continued training)"),
+        pretrain_epochs=(pos, "epochs of the pretraining on the server split"),
+        budget=(pos, "each device's budget in bytes"),
+        steps=(
             pos,
-            d.pretrain_epochs,
-            "epochs of the pretraining on the server split",
-        ),
-        ("--budget", pos, d.budget, "each device's budget in bytes"),
-        (
-            "--steps",
-            pos,
-            d.steps,
             "batches each device adds between the versions (the distribution-shift protocol)",
         ),
-        ("--shift-at", int, d.shift_at, "first batch of the shifted labels"),
-        ("--batch", pos, d.batch, "samples per batch"),
-        ("--alpha", float, d.alpha, "Dirichlet concentration of the shifted label distribution"),
-        (
-            "--eval-samples",
-            pos,
-            d.eval_samples,
-            "images of the shifted distribution each device is scored on",
-        ),
-        ("--seed", int, 0, "first seed"),
-        (
-            "--seeds",
-            pos,
-            1,
-            "seeds --seed .. +N-1; the report pools every seed in OUT/model-update, so "
-            "seeds may run as separate invocations",
-        ),
-    ):
-        q.add_argument(flag, type=kind, default=default, help=text)
+        shift_at=(int, "first batch of the shifted labels"),
+        batch=(pos, "samples per batch"),
+        alpha=(float, "Dirichlet concentration of the shifted label distribution"),
+        eval_samples=(pos, "images of the shifted distribution each device is scored on"),
+    )
+    q.add_argument("--seed", type=int, default=0, help="first seed")
+    q.add_argument(
+        "--seeds",
+        type=pos,
+        default=1,
+        help="seeds --seed .. +N-1; the report pools every seed in OUT/model-update, so "
+        "seeds may run as separate invocations",
+    )
     q.add_argument(
         "--force",
         action="store_true",

@@ -32,6 +32,7 @@ from knnper_cli.training_args import (
     add_device_argument,
     add_model_argument,
     add_precision_argument,
+    add_setting_flags,
     add_sgd_arguments,
     add_training_arguments,
     config_from_args,
@@ -122,47 +123,28 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
             "--out runs/fmnist-init",
         ),
     ).add_to(sub)
-    p.add_argument("--dataset", default=d.dataset, help="the data set the runs will use")
-    p.add_argument("--data", default=None, help=DATA_HELP)
+    add_setting_flags(p, d, dataset="the data set the runs will use", data=DATA_HELP)
     p.add_argument(
         "--out",
         required=True,
         type=output_dir,
         help="directory for model.pt, pretrain.json and server_indices.npy",
     )
-    p.add_argument(
-        "--public-data",
-        default=None,
-        help="train on this .npz (x_train, y_train, "
+    add_setting_flags(
+        p,
+        d,
+        public_data="train on this .npz (x_train, y_train, "
         "x_test, y_test) instead of a split of the training set",
-    )
-    p.add_argument(
-        "--server-fraction",
-        type=fraction,
-        default=d.server_fraction,
-        help="stratified fraction of the training set the server keeps",
-    )
-    p.add_argument(
-        "--val-fraction",
-        type=fraction,
-        default=d.val_fraction,
-        help="fraction of the pretraining data held out to choose the epoch",
-    )
-    p.add_argument(
-        "--max-train",
-        type=positive_int,
-        default=None,
-        help="draw the server fraction of this many training samples",
+        server_fraction=(fraction, "stratified fraction of the training set the server keeps"),
+        val_fraction=(fraction, "fraction of the pretraining data held out to choose the epoch"),
+        max_train=(positive_int, "draw the server fraction of this many training samples"),
     )
     add_model_argument(p)
-    p.add_argument(
-        "--epochs", type=positive_int, default=d.epochs, help="most epochs of central training"
-    )
-    p.add_argument(
-        "--patience",
-        type=positive_int,
-        default=d.patience,
-        help="stop after this many epochs without a better validation accuracy",
+    add_setting_flags(
+        p,
+        d,
+        epochs=(positive_int, "most epochs of central training"),
+        patience=(positive_int, "stop after this many epochs without a better validation accuracy"),
     )
     add_sgd_arguments(p, d, "SGD")
     p.add_argument(
@@ -171,18 +153,15 @@ def _add_pretrain_command(sub: argparse._SubParsersAction) -> None:
         help="random 4-pixel shifted crops and horizontal flips of the images (for "
         "CIFAR-like data; not for digits or letters)",
     )
-    p.add_argument(
-        "--seed",
-        type=seed,
-        default=d.seed,
-        help="seed of the split (and of the training, without --weights-seed)",
-    )
-    p.add_argument(
-        "--weights-seed",
-        type=seed,
-        default=None,
-        help="seed of the initial weights, the batch order and the augmentation: another "
-        "value trains an independent model on the same server split (default: --seed)",
+    add_setting_flags(
+        p,
+        d,
+        seed=(seed, "seed of the split (and of the training, without --weights-seed)"),
+        weights_seed=(
+            seed,
+            "seed of the initial weights, the batch order and the augmentation: another "
+            "value trains an independent model on the same server split (default: --seed)",
+        ),
     )
     add_device_argument(p)
     add_precision_argument(p)

@@ -5,6 +5,7 @@ not from the training code: these parsers answer before torch is imported."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +34,23 @@ def from_flags(kind: type[Settings], args: argparse.Namespace, **given: Any) -> 
     return kind(**{name: getattr(args, name) for name in flagged}, **given)
 
 
+Flag = str | tuple[Callable[[str], Any], str]
+
+
+def add_setting_flags(p: argparse.ArgumentParser, settings: Any, **flags: Flag) -> None:
+    """A flag per keyword, named like the field (`--val-fraction` for `val_fraction`) and
+    defaulting to `settings`' value of it, so that the flag, its default and the field
+    from_flags fills cannot drift apart; each value is the flag's help, or (type, help)."""
+    for name, flag in flags.items():
+        kind, help_text = (None, flag) if isinstance(flag, str) else flag
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=getattr(settings, name),
+            help=help_text,
+        )
+
+
 def learning_rate(text: str) -> float:
     """A rate torch can apply to float32 weights (larger ones overflow inside the optimizer;
     merely large ones end in the trainer's 'loss became NaN' error)."""
@@ -54,18 +72,13 @@ DATA_HELP = (
 
 def add_sgd_arguments(p: argparse.ArgumentParser, d: Any, what: str) -> None:
     """--batch-size, --lr, --momentum and --weight-decay with `d`'s values as defaults."""
-    p.add_argument(
-        "--batch-size", type=positive_int, default=d.batch_size, help=f"{what} batch size"
-    )
-    p.add_argument("--lr", type=learning_rate, default=d.lr, help=f"{what} learning rate")
-    p.add_argument(
-        "--momentum", type=non_negative_float, default=d.momentum, help=f"{what} momentum"
-    )
-    p.add_argument(
-        "--weight-decay",
-        type=non_negative_float,
-        default=d.weight_decay,
-        help=f"{what} weight decay",
+    add_setting_flags(
+        p,
+        d,
+        batch_size=(positive_int, f"{what} batch size"),
+        lr=(learning_rate, f"{what} learning rate"),
+        momentum=(non_negative_float, f"{what} momentum"),
+        weight_decay=(non_negative_float, f"{what} weight decay"),
     )
 
 
@@ -76,16 +89,11 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
     _add_data_arguments(p, d)
     add_model_argument(p)
     _add_optimisation_arguments(p, defaults.TRAINING)
-    p.add_argument(
-        "--seed",
-        type=seed,
-        default=d.seed,
-        help="seed of the partition, initialisation and client sampling",
-    )
-    p.add_argument(
-        "--init",
-        default=None,
-        help="start every method from these weights: a `knnper pretrain` directory "
+    add_setting_flags(
+        p,
+        d,
+        seed=(seed, "seed of the partition, initialisation and client sampling"),
+        init="start every method from these weights: a `knnper pretrain` directory "
         "(its server split is then left out of the clients' data) or a .pt state dict",
     )
     add_device_argument(p)
@@ -102,62 +110,29 @@ def add_training_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_data_arguments(p: argparse.ArgumentParser, d: RunConfig) -> None:
     """The data set and how it is partitioned over the clients (defaults: `d`'s)."""
-    p.add_argument(
-        "--dataset",
-        default=d.dataset,
-        help="digits, fashion-mnist, mnist, npz, cifar10, cifar100, femnist, shakespeare",
-    )
-    p.add_argument("--data", default=None, help=DATA_HELP)
-    p.add_argument(
-        "--max-train",
-        type=positive_int,
-        default=None,
-        help="subsample the training set (stratified) to this many samples",
-    )
-    p.add_argument(
-        "--partition", default=d.partition, help="dirichlet, pachinko, pathological, natural"
-    )
-    p.add_argument(
-        "--alpha",
-        type=positive_float,
-        default=d.alpha,
-        help="Dirichlet / pachinko concentration (smaller: more heterogeneous)",
-    )
-    p.add_argument(
-        "--beta",
-        type=positive_float,
-        default=d.beta,
-        help="pachinko: concentration of the fine labels within a coarse label",
-    )
-    p.add_argument(
-        "--classes-per-client",
-        type=positive_int,
-        default=d.classes_per_client,
-        help="pathological: classes each client holds",
-    )
-    p.add_argument("--clients", type=positive_int, default=d.clients, help="number of clients")
-    p.add_argument(
-        "--unseen-fraction",
-        type=float,
-        default=d.unseen_fraction,
-        help="fraction of clients held out of training (evaluated as unseen)",
-    )
-    p.add_argument(
-        "--val-fraction",
-        type=float,
-        default=d.val_fraction,
-        help="fraction of each client's train data kept for validation",
+    add_setting_flags(
+        p,
+        d,
+        dataset="digits, fashion-mnist, mnist, npz, cifar10, cifar100, femnist, shakespeare",
+        data=DATA_HELP,
+        max_train=(positive_int, "subsample the training set (stratified) to this many samples"),
+        partition="dirichlet, pachinko, pathological, natural",
+        alpha=(positive_float, "Dirichlet / pachinko concentration (smaller: more heterogeneous)"),
+        beta=(positive_float, "pachinko: concentration of the fine labels within a coarse label"),
+        classes_per_client=(positive_int, "pathological: classes each client holds"),
+        clients=(positive_int, "number of clients"),
+        unseen_fraction=(float, "fraction of clients held out of training (evaluated as unseen)"),
+        val_fraction=(float, "fraction of each client's train data kept for validation"),
     )
 
 
 def _add_optimisation_arguments(p: argparse.ArgumentParser, t: TrainingConfig) -> None:
     """Rounds, participation, local work and the learning-rate schedule (defaults: `t`'s)."""
-    p.add_argument("--rounds", type=positive_int, default=t.rounds, help="federated rounds")
-    p.add_argument(
-        "--participation",
-        type=fraction,
-        default=t.participation,
-        help="fraction of training clients sampled per round",
+    add_setting_flags(
+        p,
+        t,
+        rounds=(positive_int, "federated rounds"),
+        participation=(fraction, "fraction of training clients sampled per round"),
     )
     p.add_argument(
         "--local-epochs", type=positive_int, default=t.epochs, help="local epochs per round"
