@@ -40,7 +40,7 @@ from fed_train.flower.settings import FlowerSettings
 from fed_train.knn_request import KNNRequest
 from fed_train.run import RunConfig, read_config
 from knnper_cli.commands import help_of
-from knnper_cli.training_args import add_training_arguments, config_from_args
+from knnper_cli.training_args import add_setting_flags, add_training_arguments, config_from_args
 
 
 def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
@@ -240,11 +240,12 @@ def _cmd_deploy_certs(args: argparse.Namespace) -> int:
 
 def _add_federation_arguments(p: argparse.ArgumentParser, round_help: str) -> None:
     """The server's waits and the local federation's transport, alike for training and push."""
-    for flag, default, text in (
-        ("--round-timeout", 600.0, round_help),
-        ("--connect-timeout", 120.0, "seconds the server waits for every client's SuperNode"),
-    ):
-        p.add_argument(flag, type=positive_float, default=default, help=text)
+    add_setting_flags(
+        p,
+        FlowerSettings(),
+        round_timeout=(positive_float, round_help),
+        connect_timeout=(positive_float, "seconds the server waits for every client's SuperNode"),
+    )
 
 
 def _add_local_federation_arguments(p: argparse.ArgumentParser) -> None:
@@ -266,6 +267,7 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
     """The training flags of `local` and `config`: those of `knnper train` and Flower's own."""
     from fed_train.defaults import CHECKPOINT_EVERY
 
+    d = FlowerSettings()
     add_training_arguments(p)
     p.add_argument(
         "--checkpoint-every",
@@ -273,7 +275,7 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
         default=CHECKPOINT_EVERY,
         help="rounds between checkpoints",
     )
-    p.add_argument("--algorithm", default="fedavg", help=", ".join(federated_methods()))
+    add_setting_flags(p, d, algorithm=", ".join(federated_methods()))
     p.add_argument(
         "--eval-methods",
         nargs="+",
@@ -287,18 +289,16 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
         help="continue training a finished run's model, as `knnper train --continue-from`",
     )
     KNNRequest.add_arguments(p)
-    p.add_argument(
-        "--capacity",
-        type=fraction,
-        default=1.0,
-        help="fraction of each client's train split kept in its datastore",
+    add_setting_flags(
+        p,
+        d,
+        capacity=(fraction, "fraction of each client's train split kept in its datastore"),
     )
     _add_federation_arguments(p, "seconds the server waits for a round's replies")
-    p.add_argument(
-        "--min-train-clients",
-        type=count,
-        default=0,
-        help="replies a round needs to go on (0: every sampled client)",
+    add_setting_flags(
+        p,
+        d,
+        min_train_clients=(count, "replies a round needs to go on (0: every sampled client)"),
     )
 
 
