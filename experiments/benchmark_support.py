@@ -536,12 +536,7 @@ def write_benchmark_bundle(
     if budget_bytes is None:
         budget_bytes = encoder.stat().st_size + 2 * int(datastore.nbytes) + (1 << 20)
     fields = BundleFields(
-        client_id,
-        InputSpec(spec),
-        float(lam),
-        int(budget_bytes),
-        update_strategy,
-        knn_choice,
+        client_id, InputSpec(spec), float(lam), int(budget_bytes), update_strategy, knn_choice
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     return write_bundle(out_dir, fields, encoder, datastore)

@@ -125,11 +125,7 @@ def _export(
     normalisation it runs."""
     run = load_run(run_dir)
     choice = load_or_choose(
-        run.run_dir,
-        run.model,
-        run.clients(),
-        KNNRequest(normalize=normalize),
-        seed=run.config.seed,
+        run.run_dir, run.model, run.clients(), KNNRequest(normalize=normalize), seed=run.config.seed
     )
     release = read_release(out)
     if release is not None and release.finished:
@@ -194,11 +190,7 @@ def shifted_stream(
 def _accuracy(rt: Runtime, x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
     """(kNN-Per's accuracy, the datastore's alone, the bundle's lambda)."""
     local, _ = rt.components(x)
-    return (
-        float((rt.predict(x) == y).mean()),
-        float((local.argmax(1) == y).mean()),
-        float(rt.lam),
-    )
+    return (float((rt.predict(x) == y).mean()), float((local.argmax(1) == y).mean()), float(rt.lam))
 
 
 def _stale(
@@ -706,9 +698,7 @@ def _plot(tables: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     width = 0.8 / len(PATHS)
     for ax, (column, title) in zip(
-        axes,
-        (("accuracy", "kNN-Per"), ("knn_accuracy", "datastore alone (lambda 1)")),
-        strict=True,
+        axes, (("accuracy", "kNN-Per"), ("knn_accuracy", "datastore alone (lambda 1)")), strict=True
     ):
         table = tables[column]
         for i, p in enumerate(PATHS):

@@ -12,13 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_runtime._io import (
-    append_bytes,
-    json_default,
-    parse_json,
-    read_regular,
-    to_json_types,
-)
+from edge_runtime._io import append_bytes, json_default, parse_json, read_regular, to_json_types
 from edge_runtime.values import is_real
 from fed_train.errors import KnnperError
 

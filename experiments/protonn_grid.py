@@ -55,13 +55,7 @@ from export.exporter import (
     export_run,
     select_clients,
 )
-from export.sizing import (
-    BACKENDS,
-    DatastoreSizer,
-    SearchSpace,
-    measure_nbytes,
-    selection_key,
-)
+from export.sizing import BACKENDS, DatastoreSizer, SearchSpace, measure_nbytes, selection_key
 from fed_train.knn_setting import KNNChoice, KNNConfig
 from protonn.training import ProtoNNClassifier
 

@@ -33,12 +33,7 @@ from edge_runtime._io import (
 )
 from edge_runtime.linear_head import L2_GRID
 from experiments.attribution import BODIES, attribution_table, body_rows, format_attribution
-from experiments.lr_tuning import (
-    LR_GRID,
-    check_lr_grid,
-    choose_lr,
-    validation_score,
-)
+from experiments.lr_tuning import LR_GRID, check_lr_grid, choose_lr, validation_score
 from experiments.table_estimate import estimate_table
 from experiments.table_seeds import (
     clients_hurt,

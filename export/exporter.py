@@ -34,11 +34,7 @@ from edge_runtime.bundle import (
 )
 from edge_runtime.datastores import BACKENDS
 from edge_runtime.encoder import Encoder, optimize_encoder
-from edge_runtime.knn import (
-    LAMBDA_ESTIMATORS,
-    NORMALIZATIONS,
-    base_problem,
-)
+from edge_runtime.knn import LAMBDA_ESTIMATORS, NORMALIZATIONS, base_problem
 from edge_runtime.locking import LockTimeout, directory_lock
 from edge_runtime.manifest import read_manifest
 from edge_runtime.personal_head import ClientSplits

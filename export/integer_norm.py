@@ -112,11 +112,7 @@ def _group_shape(type_proto: onnx.TypeProto | None) -> tuple[int, int] | None:
 
 
 def _from_integers(
-    norm: onnx.NodeProto,
-    producers: dict,
-    initializers: dict,
-    shapes: dict,
-    model: onnx.ModelProto,
+    norm: onnx.NodeProto, producers: dict, initializers: dict, shapes: dict, model: onnx.ModelProto
 ) -> list[onnx.NodeProto] | None:
     """The nodes computing `norm`'s output from its DequantizeLinear's integers, or None
     where it does not read one per tensor, or its group size or gamma and beta are unknown."""

@@ -205,7 +205,4 @@ def choose(scores: dict[Candidate, dict[str, float]]) -> Candidate:
     """The highest cross-validated kNN accuracy; ties to the lower squared error, then to the
     earlier (simpler) candidate."""
     order = list(scores)
-    return min(
-        order,
-        key=lambda c: (-scores[c]["knn_accuracy"], scores[c]["mse"], order.index(c)),
-    )
+    return min(order, key=lambda c: (-scores[c]["knn_accuracy"], scores[c]["mse"], order.index(c)))

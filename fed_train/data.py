@@ -123,9 +123,7 @@ def decode_text(ids: np.ndarray) -> str:
 # --------------------------------------------------------------------------- shared helpers
 
 # Where a data set lives when no path is given; only system-wide installs belong here.
-DEFAULT_PATHS: dict[str, Path] = {
-    "fashion-mnist": Path("/usr/share/datasets/fashion-mnist"),
-}
+DEFAULT_PATHS: dict[str, Path] = {"fashion-mnist": Path("/usr/share/datasets/fashion-mnist")}
 
 _HOW_TO_GET = {
     "fashion-mnist": "install Debian's package dataset-fashion-mnist "

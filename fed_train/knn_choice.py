@@ -38,12 +38,7 @@ from fed_train.algorithms.base import ClientData
 from fed_train.errors import KnnperError
 from fed_train.knn_request import KNNRequest
 from fed_train.knn_setting import KNNChoice, KNNConfig
-from fed_train.knn_tuning import (
-    choose_knn,
-    grid_points,
-    pick_base_and_rule,
-    pick_estimator,
-)
+from fed_train.knn_tuning import choose_knn, grid_points, pick_base_and_rule, pick_estimator
 from fed_train.models import EmbedHeadModel
 
 log = logging.getLogger(__name__)

@@ -290,15 +290,11 @@ def _add_settings_arguments(p: argparse.ArgumentParser) -> None:
     )
     KNNRequest.add_arguments(p)
     add_setting_flags(
-        p,
-        d,
-        capacity=(fraction, "fraction of each client's train split kept in its datastore"),
+        p, d, capacity=(fraction, "fraction of each client's train split kept in its datastore")
     )
     _add_federation_arguments(p, "seconds the server waits for a round's replies")
     add_setting_flags(
-        p,
-        d,
-        min_train_clients=(count, "replies a round needs to go on (0: every sampled client)"),
+        p, d, min_train_clients=(count, "replies a round needs to go on (0: every sampled client)")
     )
 
 

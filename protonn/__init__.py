@@ -5,9 +5,4 @@ The face: `ProtoNNClassifier`, scikit-learn style (`fit`, `predict_proba`)."""
 
 from edge_runtime.face import lazy_face
 
-__all__, __getattr__, __dir__ = lazy_face(
-    __name__,
-    {
-        "ProtoNNClassifier": "training",
-    },
-)
+__all__, __getattr__, __dir__ = lazy_face(__name__, {"ProtoNNClassifier": "training"})
