@@ -175,23 +175,11 @@ def _small_cnn(num_classes: int, spec: dict) -> nn.Module:
     return SmallCNN(num_classes, channels, height)
 
 
-def _mobilenet(num_classes: int, spec: dict) -> nn.Module:
-    return MobileNetV2(num_classes, spec["shape"][2])
-
-
-def _mobilenet_gn(num_classes: int, spec: dict) -> nn.Module:
-    return MobileNetV2(num_classes, spec["shape"][2], norm="group")
-
-
-def _lstm(num_classes: int, spec: dict) -> nn.Module:
-    return CharLSTM(num_classes, spec["vocab_size"])
-
-
 MODELS: dict[str, Callable[[int, dict], nn.Module]] = {
     "small-cnn": _small_cnn,
-    "mobilenet-v2": _mobilenet,
-    "mobilenet-v2-gn": _mobilenet_gn,
-    "char-lstm": _lstm,
+    "mobilenet-v2": lambda classes, spec: MobileNetV2(classes, spec["shape"][2]),
+    "mobilenet-v2-gn": lambda classes, spec: MobileNetV2(classes, spec["shape"][2], norm="group"),
+    "char-lstm": lambda classes, spec: CharLSTM(classes, spec["vocab_size"]),
 }
 
 
