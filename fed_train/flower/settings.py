@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from edge_runtime._io import parse_json
@@ -75,21 +75,20 @@ class FlowerSettings:
         return self
 
     def to_run_config(self) -> dict[str, Any]:
-        """Flower's run config: TOML scalars only."""
-        return {
-            "run": json.dumps(self.run.to_dict()),
-            "run-dir": self.run_dir,
-            "algorithm": self.algorithm,
-            "round-timeout": float(self.round_timeout),
-            "connect-timeout": float(self.connect_timeout),
-            "min-train-clients": int(self.min_train_clients),
-            "eval-methods": ",".join(self.eval_methods),
-            **_knn_values(self.knn),
-            "capacity": float(self.capacity),
-            "release": self.release,
-            "keep-inputs": bool(self.keep_inputs),
-            "force-upgrade": bool(self.force_upgrade),
-        }
+        """Flower's run config: TOML scalars only, each field under its dashed name (in field
+        order), a scalar as its default's type."""
+        values: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "run":
+                values["run"] = json.dumps(value.to_dict())
+            elif f.name == "knn":
+                values.update(_knn_values(value))
+            elif f.name == "eval_methods":
+                values["eval-methods"] = ",".join(value)
+            else:
+                values[_key(f.name)] = type(f.default)(value)
+        return values
 
     @classmethod
     def from_run_config(cls, values: dict[str, Any]) -> FlowerSettings:
@@ -99,29 +98,28 @@ class FlowerSettings:
             raise FlowerConfigError(
                 f"run config 'run' is not a knnper run configuration: {one_line(err)}"
             ) from None
-        d = cls()
+        methods = str(values.get("eval-methods", ",".join(cls.eval_methods))).split(",")
         try:
+            scalars = {
+                f.name: (_flag if isinstance(f.default, bool) else type(f.default))(
+                    values.get(_key(f.name), f.default)
+                )
+                for f in fields(cls)
+                if f.name not in ("run", "knn", "eval_methods")
+            }
             settings = cls(
                 run=run,
-                run_dir=str(values.get("run-dir", d.run_dir)),
-                algorithm=str(values.get("algorithm", d.algorithm)),
-                round_timeout=float(values.get("round-timeout", d.round_timeout)),
-                connect_timeout=float(values.get("connect-timeout", d.connect_timeout)),
-                min_train_clients=int(values.get("min-train-clients", d.min_train_clients)),
-                eval_methods=tuple(
-                    m
-                    for m in str(values.get("eval-methods", ",".join(d.eval_methods))).split(",")
-                    if m
-                ),
+                eval_methods=tuple(m for m in methods if m),
                 knn=_knn_request(values),
-                capacity=float(values.get("capacity", d.capacity)),
-                release=str(values.get("release", d.release)),
-                keep_inputs=_flag(values.get("keep-inputs", d.keep_inputs)),
-                force_upgrade=_flag(values.get("force-upgrade", d.force_upgrade)),
+                **scalars,
             )
         except (TypeError, ValueError) as err:
             raise FlowerConfigError(f"bad run config value: {err}") from err
         return settings.check()
+
+
+def _key(field_name: str) -> str:
+    return field_name.replace("_", "-")
 
 
 def _flag(value: Any) -> bool:
