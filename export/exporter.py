@@ -90,13 +90,16 @@ class ExportSettings:
     backend : "auto" (every registered backend is a candidate; each client keeps the best
         on its validation split that fits its budget) or one registered backend ("flat",
         "hnsw", "protonn", ...).
-    knn : kNN-Per as every bundle runs it, with where each value came from (`KNNChoice`).
+    knn : kNN-Per as every bundle runs it, with where each value came from (`KNNChoice`; in
+        every manifest and export.json): its normalisation is baked into the encoder's
+        "embedding" output, and with the linear base each client's linear head ships as its
+        encoder's classifier (export.personal_encoder).
     update_strategy : what `Runtime.add` does on the device: "fifo", "concatenate" or
         "fixed".
     device_extras : "any", or "none" for only the backends the runtime alone loads (no
         hnswlib on the device).
     protonn_buffer : share of a client's train samples a protonn bundle reserves room for, as
-        its buffer of samples learned on the device.
+        its buffer of samples learned on the device (none with update_strategy "fixed").
     calibration_samples : training inputs int8 quantization calibrates on.
     seed : seeds calibration's sample and the datastore sizing.
     space : the configurations tried per client (`export.sizing.SearchSpace`).
@@ -108,20 +111,14 @@ class ExportSettings:
 
     quantize: str = "int8"
     backend: str = "auto"
-    # kNN-Per as every bundle runs it, with where each value came from (in every manifest and
-    # export.json): its normalisation is baked into the encoder's "embedding" output, and with
-    # the linear base each client's linear head ships as its encoder's classifier
-    # (export.personal_encoder)
     knn: KNNChoice = field(default_factory=KNNChoice)
     update_strategy: str = "fifo"
-    device_extras: str = "any"  # "none": no backend that needs an extra on the device
-    # share of a client's train samples a protonn bundle reserves room for, as its buffer of
-    # samples learned on the device (none with update_strategy "fixed")
+    device_extras: str = "any"
     protonn_buffer: float = 0.1
     calibration_samples: int = 256
     seed: int = 0
     space: SearchSpace = field(default_factory=SearchSpace)
-    signing_key: str | None = None  # Ed25519 private key (PEM) that signs every bundle
+    signing_key: str | None = None
     keep_inputs: bool = False
 
     def check(self) -> None:
