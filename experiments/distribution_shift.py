@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime._io import write_text_atomic
 from edge_runtime.bundle import UPDATE_STRATEGIES
 from edge_runtime.datastores import (
     BACKENDS,
@@ -64,6 +63,12 @@ log = logging.getLogger("benchmarks.shift")
 GLOBAL = "global (lambda=0)"
 CURVES = (*UPDATE_STRATEGIES, GLOBAL)
 MIN_TRAIN = 10
+
+
+# the CSV files' columns, in order
+STEP_COLUMNS = "seed client unseen step phase strategy accuracy batch datastore_size lam".split()
+CURVE_COLUMNS = "step strategy mean_accuracy sem n mean_datastore_size".split()
+CLIENT_COLUMNS = "seed client unseen train val stored lam pi_before pi_after".split()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -520,43 +525,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     weights = f"global model: {'run ' + str(args.run) if args.run else 'FedAvg trained here'}"
     rows, infos = measure(run, args)
     points = curve(rows, args.steps)
-    C.write_csv(
-        args.out / "steps.csv",
-        rows,
-        [
-            "seed",
-            "client",
-            "unseen",
-            "step",
-            "phase",
-            "strategy",
-            "accuracy",
-            "batch",
-            "datastore_size",
-            "lam",
-        ],
-    )
-    C.write_csv(
-        args.out / "curve.csv",
-        points,
-        ["step", "strategy", "mean_accuracy", "sem", "n", "mean_datastore_size"],
-    )
-    C.write_csv(
-        args.out / "clients.csv",
-        infos,
-        ["seed", "client", "unseen", "train", "val", "stored", "lam", "pi_before", "pi_after"],
-    )
     plot(points, args, args.out / "shift.png", weights, run.dataset.name)
     head = (
         f"Command: `{C.command_line()}`\n\n"
         f"Machine: {C.machine_line(machine)}. Took {time.time() - started:.0f} s."
     )
     text = render_markdown(summary(rows, args), args, weights, len(infos), head)
-    write_text_atomic(args.out / "shift.md", text)
-    C.write_json(
-        args.out / "run.json", C.run_record(args, started, machine=machine, weights=weights)
+    C.write_results(
+        args,
+        started,
+        text,
+        report="shift.md",
+        record="run.json",
+        tables={
+            "steps.csv": (rows, STEP_COLUMNS),
+            "curve.csv": (points, CURVE_COLUMNS),
+            "clients.csv": (infos, CLIENT_COLUMNS),
+        },
+        machine=machine,
+        weights=weights,
     )
-    print(text)
     return 0
 
 
