@@ -31,14 +31,7 @@ SHIFT_FULL = {"clients": 10, "seeds": 3, "steps": 30, "shift_at": 10, "batch": 2
 SHIFT_QUICK = {"clients": 2, "seeds": 1, "steps": 4, "shift_at": 2, "batch": 8}
 PROTONN_STEPS_QUICK = 30
 # each client's columns in the grid's clients.csv, after its point (d, m)
-GRID_CLIENT_COLUMNS = (
-    "client_id",
-    "test_accuracy",
-    "test_samples",
-    "val_accuracy",
-    "val_samples",
-    "ratio",
-)
+GRID_CLIENT_COLUMNS = "client_id test_accuracy test_samples val_accuracy val_samples ratio".split()
 
 
 def _shift_curve(ctx: Context, settings: dict[str, int], out: Path) -> dict[str, Any]:
@@ -270,12 +263,9 @@ def measure_grid(ctx: Context, grids: dict[str, tuple]) -> Measured:
                     **{
                         k: record[k]
                         for k in (
-                            "projection_dim",
-                            "prototype_fraction",
-                            "mean_accuracy",
-                            "val_accuracy",
-                            "bytes_ratio",
-                        )
+                            "projection_dim prototype_fraction mean_accuracy val_accuracy "
+                            "bytes_ratio"
+                        ).split()
                     },
                     "drop_pp": 100 * (full - record["mean_accuracy"]),
                     "seconds": record["seconds"],
@@ -306,14 +296,9 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
     return Result(
         m.points,
         (
-            "projection_dim",
-            "prototype_fraction",
-            "mean_accuracy",
-            "val_accuracy",
-            "bytes_ratio",
-            "drop_pp",
-            "seconds",
-        ),
+            "projection_dim prototype_fraction mean_accuracy val_accuracy bytes_ratio drop_pp "
+            "seconds"
+        ).split(),
         [
             ("projection_dim", "d", ""),
             ("prototype_fraction", "m", "g"),

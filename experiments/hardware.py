@@ -50,28 +50,10 @@ NAME = "hardware"
 SPACE = SearchSpace(backends=tuple(name for name, cls in BACKENDS.items() if not cls.TRAINED))
 QUICK_SPACE = SearchSpace(backends=(EXACT_BACKEND,))
 MONOTONE = 0.8  # |Spearman| from which a curve counts as rising or falling throughout
-COLUMNS = (
-    "version",
-    "delta_c",
-    "all_mean",
-    "weak_mean",
-    "strong_mean",
-    "clients",
-    "mean_stored",
-    "recipes",
-    "error",
-)
+COLUMNS = "version delta_c all_mean weak_mean strong_mean clients mean_stored recipes error".split()
 # each client's columns in clients.csv, after its version and delta_c
 CLIENT_COLUMNS = (
-    "client_id",
-    "unseen",
-    "budget",
-    "recipe",
-    "stored",
-    "total_bytes",
-    "lambda",
-    "test_accuracy",
-    "test_samples",
+    "client_id unseen budget recipe stored total_bytes lambda test_accuracy test_samples".split()
 )
 
 

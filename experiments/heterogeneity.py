@@ -34,14 +34,9 @@ from fed_train.evaluation import client_accuracies
 NAME = "heterogeneity"
 METHODS = ("local", "fedavg", "knnper")
 SUMMARY_COLUMNS = (
-    "all_mean",
-    "all_bottom_decile",
-    "all_clients",
-    "seen_mean",
-    "seen_bottom_decile",
-    "unseen_mean",
-    "unseen_bottom_decile",
-)
+    "all_mean all_bottom_decile all_clients seen_mean seen_bottom_decile unseen_mean "
+    "unseen_bottom_decile"
+).split()
 
 
 def _evaluate(ctx: Context, alpha: float, method: str) -> dict[str, Any]:

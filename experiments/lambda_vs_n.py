@@ -84,13 +84,8 @@ def summarise(m: Measured, folder: Path) -> Result:
     return Result(
         m.points,
         (
-            "capacity",
-            "mean_datastore_size",
-            "mean_lambda",
-            "share_lambda_above_half",
-            "mean_accuracy",
-            "seconds",
-        ),
+            "capacity mean_datastore_size mean_lambda share_lambda_above_half mean_accuracy seconds"
+        ).split(),
         [
             ("capacity", "capacity", ".2f"),
             ("mean_datastore_size", "mean n_m", ".1f"),

@@ -597,45 +597,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 ENCODER_COLUMNS = (
-    "encoder",
-    "bytes",
-    "knnper_accuracy",
-    "vs_fp32_embedding_cosine_min",
-    "vs_fp32_embedding_cosine_mean",
-    "vs_fp32_logits_max_abs_diff",
-    "vs_fp32_argmax_agreement",
-)
-CURVE_COLUMNS = (
-    "fraction",
-    "backend",
-    "clients",
-    "clients_fitting",
-    "mean_accuracy",
-    "bytes_ratio",
-    "recipes",
-)
+    "encoder bytes knnper_accuracy vs_fp32_embedding_cosine_min vs_fp32_embedding_cosine_mean "
+    "vs_fp32_logits_max_abs_diff vs_fp32_argmax_agreement"
+).split()
+CURVE_COLUMNS = "fraction backend clients clients_fitting mean_accuracy bytes_ratio recipes".split()
 CLIENT_COLUMNS = (
-    "fraction",
-    "backend",
-    "client_id",
-    "unseen",
-    "fits",
-    "recipe",
-    "bytes",
-    "room_bytes",
-    "full_bytes",
-    "lambda",
-    "val_accuracy",
-    "test_accuracy",
-    "test_samples",
-)
+    "fraction backend client_id unseen fits recipe bytes room_bytes full_bytes lambda val_accuracy "
+    "test_accuracy test_samples"
+).split()
 GRID_COLUMNS = (
-    "projection_dim",
-    "prototype_fraction",
-    "mean_accuracy",
-    "val_accuracy",
-    "bytes_ratio",
-    "seconds",
+    "projection_dim prototype_fraction mean_accuracy val_accuracy bytes_ratio seconds".split()
 )
 
 
