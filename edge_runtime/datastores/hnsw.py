@@ -178,14 +178,24 @@ class HNSWDatastore(SampleDatastore):
         return np.asarray(self.index_.get_items(ids), dtype=np.float32)
 
     def kneighbors(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(squared distances, positions in ids_/labels_) of the k nearest found, nearest first."""
+        """(squared distances, positions in ids_/labels_) of the k nearest found, nearest first.
+
+        The same bundle must find the same neighbours on every CPU, but hnswlib sums a distance
+        in its build's SIMD order (SSE lanes on x86, scalar on ARM), so two candidates at nearly
+        the same distance can swap places in its ranking and the k-th neighbour change. So up to
+        2k candidates of its search are taken (its ef-long candidate list: the search itself is
+        unchanged), measured again in numpy's fixed order in float64, and ranked by that
+        distance, then by id: the answer depends on the candidates found, not on the last bits
+        of hnswlib's sums or their order."""
         z = _check_query(z, self.embedding_dim_)
         k = min(self.k, len(self))
         ef = max(self.ef, k)
         for attempt in range(3):
             self.index_.set_ef(ef)
             try:
-                found, sq = self.index_.knn_query(z, k=k, num_threads=self.num_threads)
+                found, _ = self.index_.knn_query(
+                    z, k=min(2 * k, ef, len(self)), num_threads=self.num_threads
+                )
                 break
             except RuntimeError:
                 # Too few reachable live items at this ef (many deleted slots): search wider.
@@ -193,16 +203,14 @@ class HNSWDatastore(SampleDatastore):
                     raise
                 ef = max(4 * ef, len(self)) if attempt == 1 else 4 * ef
         sq = self._measured_again(z, found)
-        order = np.argsort(sq, axis=1, kind="stable")
+        order = np.lexsort((found, sq))[:, :k]
         found, sq = np.take_along_axis(found, order, 1), np.take_along_axis(sq, order, 1)
-        return sq, np.searchsorted(self.ids_, found.astype(np.int64))
+        return sq.astype(np.float32), np.searchsorted(self.ids_, found.astype(np.int64))
 
     def _measured_again(self, z: np.ndarray, found: np.ndarray) -> np.ndarray:
-        """The squared distances of the neighbours found, in numpy's fixed pairwise order and in
-        float64: hnswlib sums them in its build's SIMD order (SSE lanes on x86, scalar on ARM),
-        so the same neighbours could weigh differently on each CPU; now the answer depends on
-        which neighbours were found alone. A few rows at a time: at most 1 MiB of scratch."""
-        sq = np.empty(found.shape, np.float32)
+        """The squared distances [N, c] float64 of the candidates found, in numpy's pairwise
+        order. A few rows at a time: at most MEASURE_SCRATCH bytes of differences."""
+        sq = np.empty(found.shape, np.float64)
         rows = max(1, MEASURE_SCRATCH // (8 * found.shape[1] * z.shape[1]))
         for start in range(0, len(z), rows):
             part = found[start : start + rows]

@@ -44,15 +44,6 @@ SPACES = {
 }
 ROUND = TrainingConfig(rounds=1, epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 INPUTS = 200  # compared per model
-# cases measured to part from x86 on emulated ARM beyond 1e-5 (their argmax and encoder outputs
-# still checked): an expected failure there until fixed
-KNOWN_DIVERGENT = {
-    ("cifar10-mobilenet-v2-gn", "hnsw"): (
-        "probabilities beyond 1e-5 of x86's on Cortex-A72 and Neoverse-N1 (argmax equal on all "
-        "200; benchmarks/results/arm/ci_arm.txt): not yet traced to the encoder session or to "
-        "hnswlib's distances"
-    ),
-}
 # name -> (run config, the backends exported, why it cannot run here or None)
 MODELS = {
     "digits": (
@@ -122,8 +113,6 @@ def write_cases(out: Path) -> dict:
                 "probabilities": str(root / f"{backend}.probabilities.npy"),
             }
             np.save(case["probabilities"], runtime.predict_proba(x))
-            if (name, backend) in KNOWN_DIVERGENT:
-                case["xfail"] = KNOWN_DIVERGENT[name, backend]
             if backend == "hnsw":  # the encoder's own outputs, once per model (its session)
                 z, logits = runtime.embed(x)
                 case["embedding"], case["logits"] = (
