@@ -142,7 +142,7 @@ def test_client_data_refuses_a_client_the_run_does_not_have(tiny_run, tmp_path, 
 @pytest.mark.slow
 def test_demo_pipeline_prints_server_and_device_rows(tmp_path, caplog):
     rows, _ = run_demo(
-        tmp_path / "demo", DemoSize(clients=6, rounds=3, local_epochs=1), progress=False, workers=1
+        tmp_path / "demo", DemoSize(clients=4, rounds=1, local_epochs=1), progress=False, workers=1
     )
     extras = [r for r in caplog.records if "datastores are among those tried" in r.getMessage()]
     assert len(extras) == 1  # each device class's export printed it: twice
