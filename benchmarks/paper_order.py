@@ -64,7 +64,7 @@ class Scale:
 
 
 GPU = Scale("cifar10", 15_000, 5_000, 12, 100, 20, 200, 100, None)
-TINY = Scale("digits", 300, 100, 1, 5, 1, 5, 1, 300)
+TINY = Scale("digits", 150, 50, 1, 5, 1, 5, 1, 150)
 
 
 def tables(scale: Scale, data: str | None, init: Path, seed: int) -> dict[str, RunConfig]:
@@ -129,7 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tiny",
         action="store_true",
-        help="300 digits images, a few clients, one round: checks the pipeline on a CPU",
+        help="150 digits images, a few clients, one round: checks the pipeline on a CPU",
     )
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument(

@@ -53,8 +53,8 @@ def tables(cifar10: Path) -> dict[str, RunConfig]:
 
 
 def smoke(config: RunConfig) -> RunConfig:
-    """The same table at a size that runs in a minute: for checking the pipeline, not numbers."""
-    return replace(config, clients=10, max_train=1000, training=replace(config.training, rounds=2))
+    """The same table at a size that runs in seconds: for checking the pipeline, not numbers."""
+    return replace(config, clients=10, max_train=500, training=replace(config.training, rounds=1))
 
 
 def command(name: str, config: RunConfig, out: Path, tune_lr: bool, methods: str) -> str:

@@ -46,6 +46,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="timed SGD steps per measurement")
     p.add_argument("--repeats", type=int, default=3, help="measurements per cell (median kept)")
     p.add_argument(
+        "--data", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="input shapes to time"
+    )
+    p.add_argument(
         "--out",
         type=Path,
         default=Path("benchmarks/results/threads"),
@@ -55,7 +58,8 @@ def main() -> None:
     C.setup_logging()
     info = C.machine_info()
     rows = []
-    for name, shape in SHAPES.items():
+    for name in args.data:
+        shape = SHAPES[name]
         row: dict = {"data": name, "shape": "x".join(map(str, shape))}
         for threads in args.threads:
             times = sorted(
