@@ -2,7 +2,7 @@
 projection (what `knnper-edge upgrade` does) against the alternatives, at digits scale.
 
     python benchmarks/upgrade_protonn.py --out benchmarks/results/upgrade_protonn [--seeds 0 1 2]
-    python benchmarks/upgrade_protonn.py --smoke --out OUT     # one seed, one gap
+    python benchmarks/upgrade_protonn.py --smoke --out OUT     # one seed, one gap, 3 clients
 
 For each seed: a pretraining on digits keeping a server split (the only data the key map sees),
 a first training and export with `--backend protonn` (v1), and for each gap a second training
@@ -79,7 +79,7 @@ GAPS = {
     "continued": ["--rounds", "3"],  # with --continue-from v1
     "retrained": ["--rounds", "3", "--lr", "0.05", "--local-epochs", "2"],  # with --init pre
 }
-CLIENTS = 5
+CLIENTS, SMOKE_CLIENTS = 5, 3  # --smoke: fewer clients, each exported ProtoNN a grid search
 BUDGET = "200kB"
 # two-sided 95% t quantiles by degrees of freedom
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
@@ -177,28 +177,28 @@ def one_client(client: int, v1: Path, v2: Path, runs: Path, work: Path, pinv: Pa
     return row
 
 
-def one_seed(seed: int, gaps: list[str], work: Path) -> dict:
+def one_seed(seed: int, gaps: list[str], work: Path, clients: int) -> dict:
     s = str(seed)
     root = work / f"seed{seed}"
     root.mkdir(parents=True, exist_ok=True)
     pre, v1 = root / "pre", root / "v1"
     run("pretrain", "--dataset", "digits", "--server-fraction", "0.2", "--epochs", "3",
         "--seed", s, "--out", str(pre))  # fmt: skip
-    run("train", "--init", str(pre), "--clients", str(CLIENTS), "--rounds", "3", "--seed", s,
+    run("train", "--init", str(pre), "--clients", str(clients), "--rounds", "3", "--seed", s,
         "--out", str(v1))  # fmt: skip
     export(v1, root / "b1")
     out = {}
     for gap in gaps:
         v2 = root / f"v2-{gap}"
         start = ["--continue-from", str(v1)] if gap == "continued" else ["--init", str(pre)]
-        run("train", *start, "--clients", str(CLIENTS), "--seed", s, *GAPS[gap], "--out", str(v2))
+        run("train", *start, "--clients", str(clients), "--seed", s, *GAPS[gap], "--out", str(v2))
         b2 = root / f"b2-{gap}"
         export(v2, b2, "--upgrade-from", str(root / "b1"))
         (key_map,) = (b2 / "upgrades").glob("from-*.npz")
         evidence = json.loads(key_map.with_suffix(".json").read_text())
         pinv = pinv_map(key_map, root / f"pinv-{gap}.npz")
         rows = [
-            one_client(c, root / "b1", b2, v1, root / f"work-{gap}", pinv) for c in range(CLIENTS)
+            one_client(c, root / "b1", b2, v1, root / f"work-{gap}", pinv) for c in range(clients)
         ]
         out[gap] = {
             "advice": evidence["advice"],
@@ -246,7 +246,7 @@ def render(results: dict, command: str) -> str:
         "",
         f"Machine: {results['machine']}",
         "",
-        f"Seeds {results['seeds']}, {CLIENTS} clients each, budget {BUDGET}; mean test "
+        f"Seeds {results['seeds']}, {results['clients']} clients each, budget {BUDGET}; mean test "
         "accuracy (%) over the clients of a seed, then mean [95% t interval] over seeds.",
     ]
     for gap, entry in results["summary"].items():
@@ -274,14 +274,18 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: tmp)")
-    parser.add_argument("--smoke", action="store_true", help="one seed, the continued gap")
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"one seed, the continued gap, {SMOKE_CLIENTS} clients"
+    )
     args = parser.parse_args()
     seeds, gaps = (args.seeds[:1], ["continued"]) if args.smoke else (args.seeds, list(GAPS))
+    clients = SMOKE_CLIENTS if args.smoke else CLIENTS
     work = args.work or Path(tempfile.mkdtemp(prefix="upgrade_protonn-"))
-    per_seed = {s: one_seed(s, gaps, work) for s in seeds}
+    per_seed = {s: one_seed(s, gaps, work, clients) for s in seeds}
     results = {
         "machine": machine_line(machine_info()),
         "seeds": seeds,
+        "clients": clients,
         "gaps": {g: GAPS[g] for g in gaps},
         "per_seed": per_seed,
         "summary": summarize(per_seed, gaps),
