@@ -359,23 +359,33 @@ def test_protonn_grid_smoke_writes_its_tables_and_the_device_agrees(tmp_path):
     assert check["runtime_accuracy"] == pytest.approx(check["benchmark_accuracy"], abs=1e-12)
 
 
-def run_smoke(script: str, tmp_path: Path) -> Path:
+def run_smoke(script: str, tmp_path: Path, monkeypatch, capsys, own_process=False) -> Path:
+    """`python benchmarks/SCRIPT --smoke` from another folder with one thread: in this process
+    (torch and onnxruntime are imported already), or in a process of its own where the script
+    measures its own process."""
     out = tmp_path / "out"
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Command:" in proc.stdout and "Machine:" in proc.stdout
-    assert "onnxruntime 1." in proc.stdout
-    assert "AVX-512 VNNI" in proc.stdout or "instruction sets unknown" in proc.stdout
+    argv = ["--smoke", "--out", str(out)]
+    if own_process:
+        proc = subprocess.run(
+            [sys.executable, str(BENCHMARKS / script), *argv],
+            cwd=elsewhere,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        printed = proc.stdout
+    else:
+        code = run_as_main(BENCHMARKS / script, argv, elsewhere, monkeypatch)
+        captured = capsys.readouterr()
+        assert code in (0, None), captured.err[-4000:]
+        printed = captured.out
+    assert "Command:" in printed and "Machine:" in printed
+    assert "onnxruntime 1." in printed
+    assert "AVX-512 VNNI" in printed or "instruction sets unknown" in printed
     return out
 
 
@@ -386,8 +396,8 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 
 @pytest.mark.slow
 @needs_fashion_mnist
-def test_latency_smoke_times_every_backend_against_torch(tmp_path):
-    out = run_smoke("runtime_latency.py", tmp_path)
+def test_latency_smoke_times_every_backend_against_torch(tmp_path, monkeypatch, capsys):
+    out = run_smoke("runtime_latency.py", tmp_path, monkeypatch, capsys)
     rows = read_csv(out / "latency.csv")
     assert [r["backend"] for r in rows] == ["none", "flat", "hnsw", "protonn"]
     for row in rows:
@@ -409,8 +419,8 @@ def test_latency_smoke_times_every_backend_against_torch(tmp_path):
 
 @pytest.mark.slow
 @needs_fashion_mnist
-def test_memory_smoke_runtime_process_is_small_and_torch_free(tmp_path):
-    out = run_smoke("runtime_memory.py", tmp_path)
+def test_memory_smoke_runtime_process_is_small_and_torch_free(tmp_path, monkeypatch, capsys):
+    out = run_smoke("runtime_memory.py", tmp_path, monkeypatch, capsys, own_process=True)
     rows = read_csv(out / "memory.csv")
     runtime = [r for r in rows if r["backend"]]
     assert sorted(r["backend"] for r in runtime) == ["flat", "hnsw", "protonn"]
@@ -425,8 +435,8 @@ def test_memory_smoke_runtime_process_is_small_and_torch_free(tmp_path):
 
 @pytest.mark.slow
 @needs_fashion_mnist
-def test_distribution_shift_smoke_updates_each_copy_by_its_strategy(tmp_path):
-    out = run_smoke("distribution_shift.py", tmp_path)
+def test_distribution_shift_smoke_updates_each_copy_by_its_strategy(tmp_path, monkeypatch, capsys):
+    out = run_smoke("distribution_shift.py", tmp_path, monkeypatch, capsys)
     rows = read_csv(out / "steps.csv")
     steps, batch, clients = 4, 8, 2
     assert len(rows) == clients * steps * 4
@@ -452,8 +462,8 @@ def test_distribution_shift_smoke_updates_each_copy_by_its_strategy(tmp_path):
 
 @pytest.mark.slow
 @needs_fashion_mnist
-def test_scan_smoke_measures_every_key_dtype_against_memory_speed(tmp_path):
-    out = run_smoke("runtime_scan.py", tmp_path)
+def test_scan_smoke_measures_every_key_dtype_against_memory_speed(tmp_path, monkeypatch, capsys):
+    out = run_smoke("runtime_scan.py", tmp_path, monkeypatch, capsys)
     rows = read_csv(out / "scan.csv")
     assert {r["dtype"] for r in rows} == {"fp32", "fp16", "int8"}
     by_dtype = {r["dtype"]: r for r in rows}
@@ -464,8 +474,8 @@ def test_scan_smoke_measures_every_key_dtype_against_memory_speed(tmp_path):
 
 @pytest.mark.slow
 @needs_fashion_mnist
-def test_start_smoke_times_start_and_batch_one(tmp_path):
-    out = run_smoke("runtime_start.py", tmp_path)
+def test_start_smoke_times_start_and_batch_one(tmp_path, monkeypatch, capsys):
+    out = run_smoke("runtime_start.py", tmp_path, monkeypatch, capsys)
     starts = read_csv(out / "start.csv")
     assert [r["encoder"] for r in starts] == ["optimized at export", "not optimized"]
     assert all(float(r["spawn_to_first_ms"]) > float(r["load_ms"]) > 0 for r in starts)
