@@ -197,25 +197,8 @@ def test_the_flower_round_equals_the_simulation_round(deployed, tmp_path):
 def test_knnper_evaluate_on_the_flower_run_agrees_with_the_federated_evaluation(deployed, tmp_path):
     run, _, _ = deployed
     out = tmp_path / "evaluation.json"
-    subprocess.run(
-        [
-            *KNNPER,
-            "--threads",
-            "1",
-            "--no-progress",
-            "evaluate",
-            str(run),
-            "--methods",
-            "fedavg",
-            "knnper",
-            *KNN_SETTING,
-            "--json",
-            str(out),
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
+    argv = ["evaluate", str(run), "--methods", "fedavg", "knnper", *KNN_SETTING, "--json", str(out)]
+    assert main(["--threads", "1", "--no-progress", *argv]) == 0  # in this process
     server = {c["client_id"]: c for c in json.loads(out.read_text())["clients"]}
     federated = json.loads((run / "flower.json").read_text())["evaluation"]["clients"]
     assert [c["client_id"] for c in federated] == [0]
@@ -288,27 +271,7 @@ def test_bad_deploy_configuration_fails_before_any_process_starts(tmp_path, caps
 def test_knnper_export_works_on_the_flower_run(deployed, tmp_path):
     run, _, _ = deployed
     out = tmp_path / "bundles"
-    subprocess.run(
-        [
-            *KNNPER,
-            "--threads",
-            "1",
-            "--no-progress",
-            "export",
-            str(run),
-            "--out",
-            str(out),
-            "--budget",
-            "1M",
-            "--backend",
-            "flat",
-            "--clients",
-            "0",
-            "--workers",
-            "1",
-        ],
-        check=True,
-        timeout=300,
-        capture_output=True,
-    )
+    argv = ["export", str(run), "--out", str(out), "--budget", "1M", "--backend", "flat"]
+    argv += ["--clients", "0", "--workers", "1"]
+    assert main(["--threads", "1", "--no-progress", *argv]) == 0  # in this process
     assert (out / "client_0000" / "manifest.json").is_file()
