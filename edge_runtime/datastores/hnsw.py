@@ -35,6 +35,10 @@ def _import_hnswlib():
 
 
 MEASURE_SCRATCH = 1 << 20  # bytes of float64 differences per step of _measured_again
+# Twice the relative error bound of a float32 sum of p squared differences, per term (hnswlib's
+# distances on two CPUs each within (p + 2) 2^-24 of the true one, relative), with room: two
+# candidates closer than this times (p + 2) may be ranked either way round.
+ROUNDING = 2.01 * 2.0**-24
 
 
 class HNSWDatastore(SampleDatastore):
@@ -184,16 +188,17 @@ class HNSWDatastore(SampleDatastore):
         in its build's SIMD order (SSE lanes on x86, scalar on ARM), so two candidates at nearly
         the same distance can swap places in its ranking and the k-th neighbour change. So up to
         2k candidates of its search are taken (its ef-long candidate list: the search itself is
-        unchanged), measured again in numpy's fixed order in float64, and ranked by that
-        distance, then by id: the answer depends on the candidates found, not on the last bits
-        of hnswlib's sums or their order."""
+        unchanged); those within ROUNDING of the k-th (any a CPU could rank among the k) are
+        measured again in numpy's fixed order in float64 and ranked by that distance, then by
+        id: the answer depends on the candidates found, not on the last bits of hnswlib's sums
+        or their order, and only near ties cost more than the k nearest."""
         z = _check_query(z, self.embedding_dim_)
         k = min(self.k, len(self))
         ef = max(self.ef, k)
         for attempt in range(3):
             self.index_.set_ef(ef)
             try:
-                found, _ = self.index_.knn_query(
+                found, approx = self.index_.knn_query(
                     z, k=min(2 * k, ef, len(self)), num_threads=self.num_threads
                 )
                 break
@@ -202,6 +207,9 @@ class HNSWDatastore(SampleDatastore):
                 if attempt == 2:
                     raise
                 ef = max(4 * ef, len(self)) if attempt == 1 else 4 * ef
+        kth = approx[:, k - 1 : k].astype(np.float64)
+        near = approx <= kth + kth * (ROUNDING * (z.shape[1] + 2))
+        found = found[:, : max(k, int(near.sum(axis=1).max(initial=0)))]
         sq = self._measured_again(z, found)
         order = np.lexsort((found, sq))[:, :k]
         found, sq = np.take_along_axis(found, order, 1), np.take_along_axis(sq, order, 1)
