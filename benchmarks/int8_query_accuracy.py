@@ -35,10 +35,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    C.start_benchmark(args.out, threads=1)
-    root = Path(tempfile.mkdtemp(prefix="knnper-int8-query-"))
+def _counts(args: argparse.Namespace, root: Path) -> dict[str, int]:
+    """Test images each query form gets right, over every client's int8 bundle, trained and
+    exported under `root`."""
     config = RunConfig(
         dataset="digits",
         clients=args.clients,
@@ -77,6 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         counts["float_query_correct"] += int(np.sum(before == y))
         counts["argmax_agree"] += int(np.sum(now == before))
         counts["test_images"] += len(y)
+    return counts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    C.start_benchmark(args.out, threads=1)
+    with tempfile.TemporaryDirectory(prefix="knnper-int8-query-") as work:
+        counts = _counts(args, Path(work))
     n = counts["test_images"]
     C.write_json(
         args.out / "int8_query_accuracy.json",

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -274,6 +275,10 @@ def test_smallest_case_runs(script, tmp_path, request, monkeypatch, capsys):
         )
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
+    scratch = tmp_path / "tmp"  # the temporary folder, here and in what the script starts
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     shipped = EXPECTED_FILE.read_bytes()  # a file of the package a benchmark can rewrite
     code = run_as_main(
         BENCHMARKS / script, [a.format(**values) for a in case.args], elsewhere, monkeypatch
@@ -282,6 +287,8 @@ def test_smallest_case_runs(script, tmp_path, request, monkeypatch, capsys):
     if "{out}" in " ".join(case.args):
         assert any(p.is_file() for p in out.rglob("*")), "the case wrote no results"
     assert not list(elsewhere.iterdir()), "the script wrote into the folder it ran from"
+    left = sorted(p.name for p in scratch.glob("knnper-*"))  # the project's own temporary folders
+    assert not left, f"the script left temporary folders behind: {left}"
     assert EXPECTED_FILE.read_bytes() == shipped, "the case rewrote the package's expected.json"
 
 
