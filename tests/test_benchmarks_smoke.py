@@ -327,21 +327,27 @@ def test_paper_order_runs_tiny_on_the_cpu_and_resumes(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*.pt")} == written  # nothing retrained
 
 
-@pytest.mark.slow
-def test_protonn_grid_smoke_writes_its_tables_and_the_device_agrees(tmp_path):
-    """Encoder, budget curve and ProtoNN grid at smoke size; the bundles of the device check,
-    run through the runtime, give the benchmark's own accuracy."""
-    out, elsewhere = tmp_path / "out", tmp_path / "cwd"
-    elsewhere.mkdir()
+def _in_own_process(script: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`python benchmarks/SCRIPT ARGV` from `cwd` with one thread, which must exit 0."""
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "protonn_grid.py"), "--smoke", "--out", str(out)],
-        cwd=elsewhere,
+        [sys.executable, str(BENCHMARKS / script), *argv],
+        cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_protonn_grid_smoke_writes_its_tables_and_the_device_agrees(tmp_path):
+    """Encoder, budget curve and ProtoNN grid at smoke size; the bundles of the device check,
+    run through the runtime, give the benchmark's own accuracy."""
+    out, elsewhere = tmp_path / "out", tmp_path / "cwd"
+    elsewhere.mkdir()
+    proc = _in_own_process("protonn_grid.py", ["--smoke", "--out", str(out)], elsewhere)
     assert "Command:" in proc.stdout and "ProtoNN grid" in proc.stdout
     assert not list(elsewhere.iterdir()), "the script wrote into the folder it ran from"
     for name in (
@@ -375,16 +381,7 @@ def run_smoke(script: str, tmp_path: Path, monkeypatch, capsys, own_process=Fals
     elsewhere.mkdir()
     argv = ["--smoke", "--out", str(out)]
     if own_process:
-        proc = subprocess.run(
-            [sys.executable, str(BENCHMARKS / script), *argv],
-            cwd=elsewhere,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        printed = proc.stdout
+        printed = _in_own_process(script, argv, elsewhere).stdout
     else:
         code = run_as_main(BENCHMARKS / script, argv, elsewhere, monkeypatch)
         captured = capsys.readouterr()
