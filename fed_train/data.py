@@ -318,23 +318,27 @@ MIN_IMAGE_SIDE = 4
 _NPZ_OPTIONAL = ("groups_train", "groups_test", "coarse_train", "coarse_test", "num_classes")
 
 
-def _load_npz_file(path: Path, name: str, num_classes: int | None = None) -> Dataset:
-    """Images and labels from a .npz (no pickle), validated key by key."""
+def _npz_arrays(
+    path: Path, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, np.ndarray]:
+    """The `required` arrays of a .npz (no pickle) and those of `optional` it holds."""
     try:
         with load_arrays(path, memory_limit(), "arrays") as archive:
-            missing = [key for key in _NPZ_KEYS if key not in archive.files]
+            missing = [key for key in required if key not in archive.files]
             if missing:
                 raise DataError(
                     f"{path}: missing key(s) {', '.join(missing)} (has {archive.files})"
                 )
-            arrays = {
-                key: archive[key] for key in _NPZ_KEYS + _NPZ_OPTIONAL if key in archive.files
-            }
+            return {key: archive[key] for key in required + optional if key in archive.files}
     except DataError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
+        raise DataError(f"{path}: not a readable .npz file ({one_line(exc)})") from None
 
+
+def _load_npz_file(path: Path, name: str, num_classes: int | None = None) -> Dataset:
+    """Images and labels from a .npz (no pickle), validated key by key."""
+    arrays = _npz_arrays(path, _NPZ_KEYS, _NPZ_OPTIONAL)
     x_train = _as_images(arrays["x_train"], f"{path}: x_train")
     x_test = _as_images(arrays["x_test"], f"{path}: x_test")
     if x_train.shape[1:] != x_test.shape[1:]:
@@ -386,19 +390,9 @@ def _load_npz_file(path: Path, name: str, num_classes: int | None = None) -> Dat
 def load_server_arrays(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
     """x_train and y_train of a .npz the server holds (`knnper export --public-data`; test
     arrays, if any, are not read), its labels checked against the run's `num_classes`."""
-    try:
-        with load_arrays(path, memory_limit(), "arrays") as archive:
-            missing = [key for key in ("x_train", "y_train") if key not in archive.files]
-            if missing:
-                raise DataError(
-                    f"{path}: missing key(s) {', '.join(missing)} (has {archive.files})"
-                )
-            x, y = archive["x_train"], archive["y_train"]
-    except DataError:
-        raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise DataError(f"{path}: not a readable .npz file ({one_line(exc)})") from None
-    x, y = _as_images(x, f"{path}: x_train"), _as_labels(y, f"{path}: y_train")
+    arrays = _npz_arrays(path, ("x_train", "y_train"))
+    x = _as_images(arrays["x_train"], f"{path}: x_train")
+    y = _as_labels(arrays["y_train"], f"{path}: y_train")
     if len(x) != len(y) or len(y) == 0:
         raise DataError(f"{path}: x_train has {len(x)} images and y_train {len(y)} labels")
     _check_label_range(y, num_classes, f"{path}: y_train")

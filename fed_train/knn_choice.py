@@ -219,6 +219,18 @@ def _typed(value: Any, kind: type, what: str) -> Any:
     return value
 
 
+def _best(grid: list[dict[str, Any]], what: str) -> int:
+    """The grid point its saved scores rank first, as choose_knn ranks them (ties: the first)."""
+    scores = [
+        (
+            _typed(g.get("val_accuracy"), float, f"{what} {i} val_accuracy"),
+            _typed(g.get("val_nll"), float, f"{what} {i} val_nll"),
+        )
+        for i, g in enumerate(grid)
+    ]
+    return min(range(len(grid)), key=lambda i: choice_key(*scores[i]))
+
+
 def _config(entry: Any, what: str) -> KNNConfig:
     """A grid point or the chosen point of a saved record, each field's type and range checked."""
     if not isinstance(entry, dict):
@@ -251,16 +263,9 @@ def _check_evidence(
     points = grid_points(*request.grids())
     if grid:
         saved = [_config(g, f"grid point {i}") for i, g in enumerate(grid)]
-        scores = [
-            (
-                _typed(g.get("val_accuracy"), float, f"grid point {i} val_accuracy"),
-                _typed(g.get("val_nll"), float, f"grid point {i} val_nll"),
-            )
-            for i, g in enumerate(grid)
-        ]
+        best = _best(grid, "grid point")
         if saved != points:
             raise KnnperError("its grid is not the one this request searches")
-        best = min(range(len(saved)), key=lambda i: choice_key(*scores[i]))
         winner = saved[best]
     else:  # a fixed setting chosen without validation data
         winner = points[0] if len(points) == 1 else None
@@ -332,13 +337,7 @@ def _check_l2_evidence(base: dict[str, Any], l2: float) -> None:
         for i, g in enumerate(grid)
     ] != list(L2_GRID):
         raise KnnperError("its l2 grid is not the one the linear base searches")
-    best = min(
-        range(len(grid)),
-        key=lambda i: choice_key(
-            _typed(grid[i].get("val_accuracy"), float, f"l2 grid point {i} val_accuracy"),
-            _typed(grid[i].get("val_nll"), float, f"l2 grid point {i} val_nll"),
-        ),
-    )
+    best = _best(grid, "l2 grid point")
     if not L2_GRID[best] == choice["config"].get("l2") == l2:
         raise KnnperError(f"its l2 scores choose {L2_GRID[best]:g}, not the saved {l2!r} (edited?)")
 

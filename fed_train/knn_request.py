@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from edge_runtime.arg_types import k_neighbours, kernel_sigma
@@ -129,15 +129,7 @@ class KNNRequest:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> KNNRequest:
         """The request `add_arguments`' flags spell."""
-        return cls(
-            args.knn_config,
-            args.k,
-            args.sigma,
-            args.normalize,
-            args.lambda_estimator,
-            args.lambda_rule,
-            args.base,
-        )
+        return cls(args.knn_config, *(getattr(args, f.name) for f in fields(cls)[1:]))
 
     @property
     def tuned(self) -> bool:

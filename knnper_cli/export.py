@@ -191,33 +191,13 @@ def budgets_from_args(args: argparse.Namespace, client_ids: list[int]) -> dict[i
 
 def format_export_table(report: dict[str, Any]) -> str:
     """One line per client: budget, chosen backend and recipe, bytes, validation accuracy."""
-    head = (
-        "client",
-        "seen",
-        "budget",
-        "backend",
-        "recipe",
-        "stored",
-        "bytes",
-        "lambda",
-        "val acc %",
-    )
+    head = (*"client seen budget backend recipe stored bytes lambda".split(), "val acc %")
     rows = [head]
     for r in report["clients"]:
         acc = "-" if r["val_accuracy"] is None else f"{100 * r['val_accuracy']:.1f}"
-        rows.append(
-            (
-                str(r["client_id"]),
-                "no" if r["unseen"] else "yes",
-                str(r["budget"]),
-                r["backend"],
-                r["recipe"],
-                str(r["stored"]),
-                str(r["total_bytes"]),
-                f"{r['lambda']:.1f}",
-                acc,
-            )
-        )
+        cells = (r[key] for key in ("budget", "backend", "recipe", "stored", "total_bytes"))
+        seen = "no" if r["unseen"] else "yes"
+        rows.append((str(r["client_id"]), seen, *map(str, cells), f"{r['lambda']:.1f}", acc))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
