@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -69,19 +69,14 @@ class ArrayCalibrationReader(CalibrationDataReader):
     def __init__(self, x: np.ndarray, batch_size: int = 64) -> None:
         self.x = np.ascontiguousarray(x)
         self.batch_size = batch_size
-        self._batches: Iterator[dict[str, np.ndarray]] | None = None
-
-    def _iterate(self) -> Iterator[dict[str, np.ndarray]]:
-        for start in range(0, len(self.x), self.batch_size):
-            yield {INPUT_NAME: self.x[start : start + self.batch_size]}
+        self.rewind()
 
     def get_next(self) -> dict[str, np.ndarray] | None:
-        if self._batches is None:
-            self._batches = self._iterate()
         return next(self._batches, None)
 
     def rewind(self) -> None:
-        self._batches = None
+        starts = range(0, len(self.x), self.batch_size)
+        self._batches = ({INPUT_NAME: self.x[s : s + self.batch_size]} for s in starts)
 
 
 def calibration_inputs(

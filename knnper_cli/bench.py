@@ -23,7 +23,7 @@ from fed_train import defaults
 from fed_train.accelerator import resolve_device
 from fed_train.knn_request import KNNRequest
 from knnper_cli.commands import help_of
-from knnper_cli.training_args import add_training_arguments, config_from_args
+from knnper_cli.training_args import add_training_arguments, config_from_args, from_flags
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
@@ -34,18 +34,15 @@ def _cmd_table(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise BenchError(str(err)) from None
     config = config_from_args(args)
-    hyper = {"knnper": {"capacity": args.capacity}}
     command = "knnper " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    options = TableOptions(
-        tune_lr=args.tune_lr,
+    options = from_flags(  # tune_lr, workers, attribution and client_batch as flagged
+        TableOptions,
+        args,
         lr_grid=grid,
-        hyper=hyper,
+        hyper={"knnper": {"capacity": args.capacity}},
         progress=not getattr(args, "no_progress", False),
         knn=KNNRequest.from_args(args),
-        workers=args.workers,
-        attribution=args.attribution,
         device=str(resolve_device(args.device)),
-        client_batch=args.client_batch,
     )
     if args.seeds is not None:
         run_seeds(config, args.seeds, Path(args.out), args.methods, options, command=command)

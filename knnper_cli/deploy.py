@@ -40,7 +40,12 @@ from fed_train.flower.settings import FlowerSettings
 from fed_train.knn_request import KNNRequest
 from fed_train.run import RunConfig, read_config
 from knnper_cli.commands import help_of
-from knnper_cli.training_args import add_setting_flags, add_training_arguments, config_from_args
+from knnper_cli.training_args import (
+    add_setting_flags,
+    add_training_arguments,
+    config_from_args,
+    from_flags,
+)
 
 
 def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
@@ -59,12 +64,8 @@ def settings_from_args(args: argparse.Namespace) -> FlowerSettings:
 
 def _cmd_deploy_local(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    federation = LocalFederation(
-        clients=args.clients,
-        insecure=args.insecure,
-        startup_timeout=args.startup_timeout,
-        device=str(resolve_device(args.device)),
-    )
+    # --clients, --insecure and --startup-timeout as flagged
+    federation = from_flags(LocalFederation, args, device=str(resolve_device(args.device)))
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop = Ctrl-C
     try:
         first_round = len(rounds_logged(Path(args.out)))  # a resumed run's earlier rounds
@@ -123,10 +124,10 @@ def _cmd_deploy_release(args: argparse.Namespace) -> int:
     settings = release_settings(args)
     if args.trusted_key is not None:  # a key no node could read fails here, not on the nodes
         load_public_key(args.trusted_key)
-    federation = LocalFederation(
+    federation = from_flags(  # --insecure and --startup-timeout as flagged
+        LocalFederation,
+        args,
         clients=settings.run.clients,
-        insecure=args.insecure,
-        startup_timeout=args.startup_timeout,
         bundle_dir=Path(args.bundle_dir),
         trusted_key=None if args.trusted_key is None else Path(args.trusted_key),
     )
