@@ -28,33 +28,17 @@ from export.exporter import select_ids
 from export.profiles import weak_strong_budgets
 from fed_train.run import load_run
 
-SUMMARY = (
-    "label",
-    "clients",
-    "workers",
-    "search",
-    "threads_env",
-    "wall_s",
-    "cpu_s",
-    "clients_per_min",
-    "test_accuracy",
-    "protonn_share",
-    "load_before",
-    "load_after",
-    "machine",
-    "command",
+SUMMARY = tuple(
+    (
+        "label clients workers search threads_env wall_s cpu_s clients_per_min test_accuracy "
+        "protonn_share load_before load_after machine command"
+    ).split()
 )
-PER_CLIENT = (
-    "label",
-    "client_id",
-    "unseen",
-    "budget",
-    "backend",
-    "recipe",
-    "total_bytes",
-    "val_accuracy",
-    "test_accuracy",
-    "test_samples",
+PER_CLIENT = tuple(
+    (
+        "label client_id unseen budget backend recipe total_bytes val_accuracy test_accuracy "
+        "test_samples"
+    ).split()
 )
 
 

@@ -56,34 +56,13 @@ from experiments import benchmark_support as C
 
 log = logging.getLogger("benchmarks.latency")
 
-COLUMNS = [
-    "backend",
-    "recipe",
-    "keys",
-    "stored",
-    "encoder",
-    "threads",
-    "b1_p50_ms_runtime",
-    "b1_p99_ms_runtime",
-    "b1_p50_ms_torch",
-    "b1_p99_ms_torch",
-    "speedup_b1_p50",
-    "speedup_b1_p99",
-    "b1_p50_ms_encoder",
-    "b1_over_encoder",
-    f"b{256}_ms_runtime",
-    f"b{256}_ms_torch",
-    "throughput_runtime",
-    "throughput_torch",
-    "speedup_throughput",
-    "argmax_agreement",
-    "accuracy_runtime",
-    "accuracy_torch",
-    "encoder_bytes",
-    "datastore_bytes",
-    "reps",
-    "batch_reps",
-]
+COLUMNS = (
+    "backend recipe keys stored encoder threads b1_p50_ms_runtime b1_p99_ms_runtime "
+    "b1_p50_ms_torch b1_p99_ms_torch speedup_b1_p50 speedup_b1_p99 b1_p50_ms_encoder "
+    "b1_over_encoder b256_ms_runtime b256_ms_torch throughput_runtime throughput_torch "
+    "speedup_throughput argmax_agreement accuracy_runtime accuracy_torch encoder_bytes "
+    "datastore_bytes reps batch_reps"
+).split()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

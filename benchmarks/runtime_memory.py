@@ -136,35 +136,13 @@ BUDGET_SLACK_MIB = 8  # target: peak RSS above the bare process <= budget + 8 Mi
 PRIVATE_SLACK_MIB = 2  # target: peak private memory above the floor <= budget + 2 MiB
 HNSW_LOAD_OVER_FILE = 1.2  # target: an HNSW bundle's load peak <= 1.2x its files
 
-COLUMNS = [
-    "process",
-    "backend",
-    "recipe",
-    "keys",
-    "stored",
-    "batch",
-    "peak_rss_mib",
-    "peak_rss_mb",
-    "within_target",
-    "above_bare_mib",
-    "budget_bytes",
-    "budget_mib",
-    "within_budget",
-    "above_session_mib",
-    "within_budget_past_session",
-    "peak_private_mib",
-    "private_above_floor_mib",
-    "within_budget_private",
-    "private_over_files",
-    "peak_source",
-    "ru_maxrss_mib",
-    "server_side_imported",
-    "load_s",
-    "predict_s",
-    "encoder_bytes",
-    "datastore_bytes",
-    "bundle_bytes",
-]
+COLUMNS = (
+    "process backend recipe keys stored batch peak_rss_mib peak_rss_mb within_target "
+    "above_bare_mib budget_bytes budget_mib within_budget above_session_mib "
+    "within_budget_past_session peak_private_mib private_above_floor_mib "
+    "within_budget_private private_over_files peak_source ru_maxrss_mib server_side_imported "
+    "load_s predict_s encoder_bytes datastore_bytes bundle_bytes"
+).split()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -57,16 +57,7 @@ from edge_runtime.runtime import Runtime  # noqa: E402
 from experiments.benchmark_support import machine_info, machine_line  # noqa: E402
 from knnper_cli.main import main as knnper  # noqa: E402
 
-PATHS = (
-    "old-noadd",
-    "old",
-    "stale",
-    "folded",
-    "folded-pinv",
-    "folded-noadd",
-    "fresh",
-    "fresh+readd",
-)
+PATHS = tuple("old-noadd old stale folded folded-pinv folded-noadd fresh fresh+readd".split())
 COMPARISONS = (
     ("folded", "stale"),
     ("old", "old-noadd"),
