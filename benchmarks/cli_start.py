@@ -167,10 +167,7 @@ def main() -> None:
         C.report_text(head, C.markdown_table(rows, SUMMARY)),
         report="start.md",
         record="run.json",
-        tables={
-            "samples.csv": (samples, SAMPLE_COLUMNS),
-            "start.csv": (rows, [key for key, _, _ in SUMMARY]),
-        },
+        tables={"samples.csv": (samples, SAMPLE_COLUMNS), "start.csv": (rows, SUMMARY)},
         machine=machine,
         machine_end=end,
         trees={label: str(path) for label, path in trees.items()},

@@ -76,7 +76,7 @@ def main() -> None:
         ("chosen", "chosen", ""),
     ]
     args.out.mkdir(parents=True, exist_ok=True)
-    C.write_csv(args.out / "partitions.csv", rows, [c[0] for c in columns])
+    C.write_csv(args.out / "partitions.csv", rows, columns)
     table = C.markdown_table(rows, columns)
     info = C.machine_info()
     (args.out / "partitions.md").write_text(

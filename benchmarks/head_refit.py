@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text,
         report="head_refit.md",
         record="head_refit_run.json",
-        tables={"head_refit.csv": (rows, [key for key, _, _ in TABLE])},
+        tables={"head_refit.csv": (rows, TABLE)},
         machine=machine,
         machine_end=machine_end,
         weights=gm.source,

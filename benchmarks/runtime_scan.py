@@ -237,10 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text,
         report="scan.md",
         record="scan_run.json",
-        tables={
-            "scan.csv": (scans, None),
-            "topk.csv": (topk, [key for key, _, _ in TOPK_TABLE]),
-        },
+        tables={"scan.csv": (scans, None), "topk.csv": (topk, TOPK_TABLE)},
         machine=machine,
         machine_end=machine_end,
         memory_read_gb_s=memory_bps / 1e9,

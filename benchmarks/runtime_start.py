@@ -185,10 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text,
         report="start.md",
         record="start_run.json",
-        tables={
-            "start.csv": (starts, [key for key, _, _ in START_TABLE]),
-            "batch1.csv": (b1, [key for key, _, _ in B1_TABLE]),
-        },
+        tables={"start.csv": (starts, START_TABLE), "batch1.csv": (b1, B1_TABLE)},
         machine=machine,
         machine_end=machine_end,
         weights=gm.source,

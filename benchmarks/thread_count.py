@@ -76,7 +76,7 @@ def main() -> None:
     columns += [(f"ms_{t}", f"ms/step, {t} thread(s)", ".2f") for t in args.threads]
     columns += [("fastest", "fastest", "")]
     args.out.mkdir(parents=True, exist_ok=True)
-    C.write_csv(args.out / "threads.csv", rows, [c[0] for c in columns])
+    C.write_csv(args.out / "threads.csv", rows, columns)
     table = C.markdown_table(rows, columns)
     (args.out / "threads.md").write_text(
         f"`{C.command_line()}`\n\n{C.machine_line(info)}\n\n{table}\n"

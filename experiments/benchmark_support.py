@@ -181,11 +181,11 @@ def write_results(
     *,
     report: str,
     record: str,
-    tables: dict[str, tuple[Sequence[dict[str, Any]], Sequence[str] | None]],
+    tables: dict[str, tuple[Sequence[dict[str, Any]], Sequence[Any] | None]],
     **fields: Any,
 ) -> None:
     """A benchmark's outputs in args.out, all written at its end: each CSV table (file name:
-    rows and columns, None for every key of the rows), the markdown report `text` (also
+    rows and write_csv's columns), the markdown report `text` (also
     printed) and its run record (run_record with `fields`)."""
     for name, (rows, columns) in tables.items():
         write_csv(args.out / name, rows, columns)
@@ -195,12 +195,17 @@ def write_results(
 
 
 def write_csv(
-    path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None
+    path: Path,
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[str | tuple[str, str, str]] | None = None,
 ) -> None:
-    """`rows` as CSV, floats to 6 significant digits; `columns` default: every key of the rows,
-    in the order they first appear (the row literal is then the one declaration of the file)."""
+    """`rows` as CSV, floats to 6 significant digits; `columns`: names, or markdown_table's
+    (key, header, format) triples (a table's CSV and markdown then have one declaration); by
+    default every key of the rows, in the order they first appear (the row literal is then the
+    one declaration of the file)."""
     if columns is None:
         columns = list(dict.fromkeys(k for row in rows for k in row))
+    columns = [c if isinstance(c, str) else c[0] for c in columns]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(
         path, csv_text(({k: _csv_value(row.get(k)) for k in columns} for row in rows), columns)

@@ -70,16 +70,7 @@ def summarise(m: Measured, folder: Path) -> Result:
         _claims(m.points, m.clients),
         plot,
         m.clients,
-        (
-            *m.keys,
-            "client_id",
-            "unseen",
-            "n_test",
-            "accuracy",
-            "lambda",
-            "datastore_size",
-            "n_train",
-        ),
+        (*m.keys, *"client_id unseen n_test accuracy lambda datastore_size n_train".split()),
     )
 
 
