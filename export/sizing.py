@@ -23,7 +23,7 @@ import itertools
 import logging
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -110,16 +110,9 @@ class Candidate:
     steps: int | None = None  # ProtoNN: the Adam steps it was trained for
 
     def as_row(self) -> dict[str, Any]:
-        return {
-            "recipe": self.recipe,
-            "backend": self.backend,
-            "bytes": self.nbytes,
-            "stored": self.stored,
-            "lambda": self.lam,
-            "val_accuracy": self.val_accuracy,
-            "val_nll": self.val_nll,
-            "steps": self.steps,
-        }
+        """Every field in order, nbytes and lam as export.json names them (bytes, lambda)."""
+        named = {"nbytes": "bytes", "lam": "lambda"}
+        return {named.get(name, name): value for name, value in asdict(self).items()}
 
 
 def measure_nbytes(datastore: Datastore) -> int:
