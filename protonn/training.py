@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -111,6 +112,7 @@ def prototype_scores(model: ProtoNN, x: torch.Tensor) -> torch.Tensor:
     return torch.exp(-(model.gamma**2) * sq.clamp_min(0.0)) @ model.Z.T
 
 
+@dataclass(eq=False, repr=False)  # an estimator: compared and shown as the object it is
 class ProtoNNClassifier:
     """ProtoNN (Gupta et al. 2017) over embeddings: projection W [d,p], prototypes B [d,m] with
     label scores Z [C,m], kernel width gamma; s_c(z) = sum_j Z[c,j] exp(-gamma^2 ||Wz - B_j||^2).
@@ -128,31 +130,17 @@ class ProtoNNClassifier:
     0.967 vs 0.959 after 200 steps) starts from a usable classifier, which short training needs.
     """
 
-    def __init__(
-        self,
-        num_classes: int,
-        projection_dim: int = 32,
-        prototype_fraction: float = 0.3,
-        n_prototypes: int | None = None,
-        gamma: float | None = None,
-        gamma_scale: float = 4.0,
-        init: str = "kmeans",
-        steps: int = 200,
-        batch_size: int = 128,
-        lr: float = 0.02,
-        seed: int = 0,
-    ) -> None:
-        self.num_classes = num_classes
-        self.projection_dim = projection_dim
-        self.prototype_fraction = prototype_fraction
-        self.n_prototypes = n_prototypes
-        self.gamma = gamma
-        self.gamma_scale = gamma_scale
-        self.init = init
-        self.steps = steps
-        self.batch_size = batch_size
-        self.lr = lr
-        self.seed = seed
+    num_classes: int
+    projection_dim: int = 32
+    prototype_fraction: float = 0.3
+    n_prototypes: int | None = None
+    gamma: float | None = None
+    gamma_scale: float = 4.0
+    init: str = "kmeans"
+    steps: int = 200
+    batch_size: int = 128
+    lr: float = 0.02
+    seed: int = 0
 
     def _check(self, z: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if self.init not in INIT_METHODS:
