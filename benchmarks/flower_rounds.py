@@ -202,20 +202,9 @@ def update_summary(results: Path, summary: dict[str, Any]) -> None:
             rows = [r for r in csv.DictReader(f) if r["tag"] != summary["tag"]]
     rows.append(summary)
     C.write_csv(summary_path, rows, list(summary))  # this row's columns: the schema
-    numeric = [
-        {
-            k: (
-                v
-                if k in ("tag", "dataset") or v in ("", None)
-                else int(v)
-                if k in ("clients", "rounds")
-                else float(v)
-            )
-            for k, v in r.items()
-        }
-        for r in rows
-    ]
-    (results / "summary.md").write_text(C.markdown_table(numeric, MARKDOWN) + "\n")
+    # the other tags' rows as written, with their types (this one, last, as measured)
+    table = [*C.read_csv(summary_path, text_columns=("tag", "dataset"))[:-1], summary]
+    (results / "summary.md").write_text(C.markdown_table(table, MARKDOWN) + "\n")
 
 
 def main() -> None:
