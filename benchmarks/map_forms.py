@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from edge_runtime._io import write_text_atomic  # noqa: E402
 from edge_runtime.encoder import Encoder  # noqa: E402
 from edge_runtime.preprocess import prepare_input  # noqa: E402
-from experiments.benchmark_support import machine_info, machine_line  # noqa: E402
+from experiments.benchmark_support import machine_info, machine_line, write_json  # noqa: E402
 from experiments.model_update import GAPS  # noqa: E402
 from export import map_forms as mf  # noqa: E402
 from export.upgrade_map import MAP_FORMS, MAX_SERVER_SAMPLES, server_data  # noqa: E402
@@ -230,10 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python", "benchmarks/map_forms.py", *(argv or sys.argv[1:])])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(
-        out / "forms.json",
-        json.dumps({"command": command, "cpu": cpu, "seeds": results}, indent=2) + "\n",
-    )
+    write_json(out / "forms.json", {"command": command, "cpu": cpu, "seeds": results})
     table = render(results, command, cpu)
     write_text_atomic(out / "forms.md", table)
     print(table)

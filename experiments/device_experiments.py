@@ -32,6 +32,11 @@ SHIFT_QUICK = {"clients": 2, "seeds": 1, "steps": 4, "shift_at": 2, "batch": 8}
 PROTONN_STEPS_QUICK = 30
 # each client's columns in the grid's clients.csv, after its point (d, m)
 GRID_CLIENT_COLUMNS = "client_id test_accuracy test_samples val_accuracy val_samples ratio".split()
+# the grid's point columns: the benchmark's measurement of a point (the first five), its cost
+# against the full datastore and its seconds
+GRID_COLUMNS = (
+    "projection_dim prototype_fraction mean_accuracy val_accuracy bytes_ratio drop_pp seconds"
+).split()
 
 
 def _shift_curve(ctx: Context, settings: dict[str, int], out: Path) -> dict[str, Any]:
@@ -260,13 +265,7 @@ def measure_grid(ctx: Context, grids: dict[str, tuple]) -> Measured:
             )
             points.append(
                 {
-                    **{
-                        k: record[k]
-                        for k in (
-                            "projection_dim prototype_fraction mean_accuracy val_accuracy "
-                            "bytes_ratio"
-                        ).split()
-                    },
+                    **{k: record[k] for k in GRID_COLUMNS[:5]},
                     "drop_pp": 100 * (full - record["mean_accuracy"]),
                     "seconds": record["seconds"],
                 }
@@ -295,10 +294,7 @@ def summarise_grid(m: Measured, folder: Path) -> Result:
     protonn_grid.plot_grid(m.points, full, plot, scale=m.scale, cost_pp=COST_PP)
     return Result(
         m.points,
-        (
-            "projection_dim prototype_fraction mean_accuracy val_accuracy bytes_ratio drop_pp "
-            "seconds"
-        ).split(),
+        GRID_COLUMNS,
         [
             ("projection_dim", "d", ""),
             ("prototype_fraction", "m", "g"),

@@ -4,7 +4,6 @@ and the claim-by-claim table)."""
 
 from __future__ import annotations
 
-import json
 import textwrap
 import time
 from collections.abc import Sequence
@@ -178,9 +177,7 @@ def write_report(
     ]
     path = out / SUMMARY_FILE
     write_text_atomic(path, "\n".join(lines))
-    write_text_atomic(
-        out / SETTINGS_FILE, json.dumps({"command": command, "settings": settings}, indent=2) + "\n"
-    )
+    C.write_json(out / SETTINGS_FILE, {"command": command, "settings": settings})
     return path
 
 
