@@ -171,12 +171,8 @@ def main() -> None:
     for setting in KNN_MODES:
         rows += setting_rows(run, setting, args.budget, out, bundles)
         record = json.loads((out / f"{setting}_server.json").read_text())["knn"]
-        knn[setting] = {
-            "k": record["config"]["k"],
-            "sigma": record["config"]["sigma"],
-            "normalize": record["config"]["normalize"],
-            "estimator": record["estimator"],
-        }
+        knn[setting] = {k: record["config"][k] for k in ("k", "sigma", "normalize")}
+        knn[setting]["estimator"] = record["estimator"]
     C.write_csv(out / "clients.csv", rows)
     lines = summary(rows, knn)
     differences = tuned_minus_paper(rows)

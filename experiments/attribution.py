@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from edge_runtime._io import read_json_cache, to_json_types, write_json_atomic
+from experiments.points import client_fields
 from fed_train.algorithms import build_algorithm
 from fed_train.algorithms.base import (
     ClientData,
@@ -208,10 +209,7 @@ def attribution_table(
                     {
                         "body": body,
                         "head": head,
-                        "client_id": r["client_id"],
-                        "unseen": r["unseen"],
-                        "n_test": r["n_test"],
-                        "accuracy": r["accuracy"],
+                        **client_fields(r),
                         **chosen,
                     }
                 )
