@@ -292,15 +292,14 @@ def run_client(
     before = np.bincount(y_tr, minlength=num_classes) / len(y_tr)
     after = shifted_distribution(before, args, rng)
     pool = TestPool(ds_.y_test, num_classes, rng)
+    who = {"seed": seed, "client": cid, "unseen": bool(run.partition.unseen[cid])}
     rows = []
     for t in range(args.steps):
         pi = before if t < args.shift_at else after
         yb = rng.choice(num_classes, size=args.batch, p=pi).astype(np.int64)
         xb = ds_.x_test[[pool.draw(int(c)) for c in yb]]
         common = {
-            "seed": seed,
-            "client": cid,
-            "unseen": bool(run.partition.unseen[cid]),
+            **who,
             "step": t,
             "phase": "before" if t < args.shift_at else "after",
             "batch": args.batch,
@@ -309,9 +308,7 @@ def run_client(
         rows += step_rows(runtimes, xb, yb, common)
     shutil.rmtree(base, ignore_errors=True)
     info = {
-        "seed": seed,
-        "client": cid,
-        "unseen": bool(run.partition.unseen[cid]),
+        **who,
         "train": len(split.train),
         "val": len(split.val),
         "stored": len(datastore),
@@ -336,16 +333,15 @@ def step_rows(
             "datastore_size": 0,
         }
     ]
-    for strategy, rt in runtimes.items():
-        acc = float(np.mean(rt.predict(xb) == yb))
-        rows.append(
-            {
-                **common,
-                "strategy": strategy,
-                "accuracy": acc,
-                "datastore_size": len(rt.datastore.sample_store()),
-            }
-        )
+    rows += [
+        {
+            **common,
+            "strategy": strategy,
+            "accuracy": float(np.mean(rt.predict(xb) == yb)),
+            "datastore_size": len(rt.datastore.sample_store()),
+        }
+        for strategy, rt in runtimes.items()
+    ]
     for strategy, rt in runtimes.items():
         rt.add(xb, yb, strategy=strategy)
     return rows
@@ -355,13 +351,10 @@ def curve(rows: list[dict], steps: int) -> list[dict]:
     out = []
     for t in range(steps):
         for strategy in CURVES:
-            acc = np.array(
-                [r["accuracy"] for r in rows if r["step"] == t and r["strategy"] == strategy]
-            )
+            mine = [r for r in rows if r["step"] == t and r["strategy"] == strategy]
+            acc = np.array([r["accuracy"] for r in mine])
             sem = float(acc.std(ddof=1) / np.sqrt(len(acc))) if len(acc) > 1 else 0.0
-            size = np.mean(
-                [r["datastore_size"] for r in rows if r["step"] == t and r["strategy"] == strategy]
-            )
+            size = np.mean([r["datastore_size"] for r in mine])
             out.append(
                 {
                     "step": t,
