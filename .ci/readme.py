@@ -199,17 +199,19 @@ def readme_commands(readme: Path = REPO / "README.md") -> list[Command]:
     return commands
 
 
+def git(*args: str | Path) -> str:
+    """git's standard output (its errors go to this script's stderr; a failure raises)."""
+    return subprocess.run(
+        ["git", *map(str, args)], check=True, stdout=subprocess.PIPE, text=True
+    ).stdout
+
+
 def fresh_clone(destination: Path) -> None:
     """This commit, cloned: what a user gets, without this checkout's ignored outputs."""
-    head = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
-    ).stdout.strip()
-    subprocess.run(["git", "init", "--quiet", str(destination)], check=True)
-    subprocess.run(
-        ["git", "-C", str(destination), "fetch", "--quiet", "--depth", "1", str(REPO), head],
-        check=True,
-    )
-    subprocess.run(["git", "-C", str(destination), "checkout", "--quiet", "FETCH_HEAD"], check=True)
+    head = git("-C", REPO, "rev-parse", "HEAD").strip()
+    git("init", "--quiet", destination)
+    git("-C", destination, "fetch", "--quiet", "--depth", "1", REPO, head)
+    git("-C", destination, "checkout", "--quiet", "FETCH_HEAD")
 
 
 def run_all(commands: list[Command], clone: Path) -> int:
@@ -250,12 +252,7 @@ def run_all(commands: list[Command], clone: Path) -> int:
         if done.returncode != 0:
             print(f"readme.py: {where} failed: {c.text}", file=sys.stderr)
             return 1
-    stray = subprocess.run(
-        ["git", "-C", str(clone), "status", "--porcelain"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    stray = git("-C", clone, "status", "--porcelain")
     if stray.strip():
         print(
             "readme.py: the documented commands left files that .gitignore does not cover:\n"
