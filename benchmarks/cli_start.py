@@ -136,7 +136,7 @@ def main() -> None:
     }
     started, machine = C.start_benchmark(args.out, threads=1)
     samples = []
-    with tempfile.TemporaryDirectory(prefix="cli-start-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="knnper-cli-start-") as tmp:
         fill = {"RUN": str(Path(tmp) / "run"), "OUT": str(Path(tmp) / "out")}
         commands = {
             case: [script(name), *(fill.get(a, a) for a in argv)]

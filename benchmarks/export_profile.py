@@ -143,7 +143,7 @@ def profile_export(
     """One in-process export of `clients` into a fresh folder: its stage rows and report."""
     stages.reset()
     load = C.load_average()
-    with tempfile.TemporaryDirectory(prefix="export-profile-") as out:
+    with tempfile.TemporaryDirectory(prefix="knnper-export-profile-") as out:
         wall, cpu = time.perf_counter(), time.process_time()
         report = export_run(run, out, budgets, settings, clients=clients, progress=False, workers=1)
         total_wall, total_cpu = time.perf_counter() - wall, time.process_time() - cpu

@@ -271,8 +271,12 @@ def main() -> int:
     args = parser.parse_args()
     seeds, gaps = (args.seeds[:1], ["continued"]) if args.smoke else (args.seeds, list(GAPS))
     clients = SMOKE_CLIENTS if args.smoke else CLIENTS
-    work = args.work or Path(tempfile.mkdtemp(prefix="upgrade_protonn-"))
-    per_seed = {s: one_seed(s, gaps, work, clients) for s in seeds}
+    work = args.work or Path(tempfile.mkdtemp(prefix="knnper-upgrade-protonn-"))
+    try:
+        per_seed = {s: one_seed(s, gaps, work, clients) for s in seeds}
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
     results = {
         "machine": machine_line(machine_info()),
         "seeds": seeds,
@@ -286,8 +290,6 @@ def main() -> int:
     write_text_atomic(args.out / "results.json", json.dumps(results, indent=2) + "\n")
     write_text_atomic(args.out / "upgrade_protonn.md", render(results, command))
     print(render(results, command))
-    if args.work is None:
-        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
