@@ -58,7 +58,7 @@ from .datastores import (
     file_generation,
     load_datastore,
 )
-from .encoder import OPTIMIZED_KEY, Encoder
+from .encoder import Encoder
 from .errors import BudgetExceeded, BundleBusy, BundleError, SignatureError, one_line
 from .head_file import (
     head_generation,
@@ -85,7 +85,6 @@ from .manifest import (
     read_manifest_bytes,
 )
 from .onnx_check import uses_external_data
-from .onnx_proto import ParsedModel
 from .predictor import BATCH_ROWS, Predictor
 from .preprocess import InputSpec, prepare_input
 from .signing import SIGNATURE_FILE, signature_document, verify_signature
@@ -428,13 +427,7 @@ def _predictor(
     """The one-session predictor; when onnxruntime refuses its graph, the encoder alone is
     checked first, so that an encoder that does not match the manifest is named as such."""
     try:
-        return Predictor(
-            manifest,
-            datastore,
-            model,
-            intra_op_threads=intra_op_threads,
-            optimized_at_export=OPTIMIZED_KEY in ParsedModel(model).metadata,
-        )
+        return Predictor(manifest, datastore, model, intra_op_threads=intra_op_threads)
     except ValueError:
         _check_encoder_alone(Encoder(model, intra_op_threads=1), manifest, where)
         raise

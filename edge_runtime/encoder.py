@@ -11,10 +11,15 @@ from .errors import one_line
 from .versions import stamp
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
-# Metadata key the exporter sets on an encoder it saved already optimized by onnxruntime; such
-# an encoder is loaded with graph optimization off (session creation several times faster).
+# Metadata key the exporter sets on an encoder it saved already optimized by onnxruntime (the
+# portable levels: fusions, no CPU-specific layout, so one file serves every CPU).
 OPTIMIZED_KEY = "knnper.ort_optimized"
 _SAVED_LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+# The level every session of the runtime opens at, an encoder saved optimized too: the layout
+# level onnxruntime adds on this CPU (NHWC integer convolutions) halved the small CNN's batch-1
+# time against loading the saved encoder as it is, for 1 ms more at load, with the same outputs
+# bit for bit (benchmarks/results/runtime/load_level/).
+RUNTIME_LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 
 
 class Encoder:
@@ -23,8 +28,8 @@ class Encoder:
 
     `model` is a path or the model's bytes (the bundle reader passes the bytes it hashed, so what
     was verified is what runs). Large inputs are run in batches of `batch_size` to bound memory.
-    An encoder saved by `optimize_encoder` is loaded with graph optimization off; any other is
-    optimized by onnxruntime as it loads (ORT_ENABLE_ALL, its default).
+    Every encoder is optimized by onnxruntime as it loads (RUNTIME_LEVEL), one saved by
+    `optimize_encoder` too: its saved fusions leave the CPU's own layout to the device.
     """
 
     def __init__(
@@ -40,12 +45,8 @@ class Encoder:
         self.intra_op_threads = intra_op_threads
         source = model if isinstance(model, bytes) else os.fspath(model)
         name = "the encoder" if isinstance(model, bytes) else f"encoder {os.fspath(model)}"
-        options = session_options(intra_op_threads, ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-        self.session = open_session(source, options, name)
+        self.session = open_session(source, session_options(intra_op_threads, RUNTIME_LEVEL), name)
         self.optimized_at_export = OPTIMIZED_KEY in self.session.get_modelmeta().custom_metadata_map
-        if not self.optimized_at_export:
-            options = session_options(intra_op_threads, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
-            self.session = open_session(source, options, name)
         inputs = self.session.get_inputs()
         if len(inputs) != 1:
             raise ValueError(f"{name} must have exactly one input, it has {len(inputs)}")
@@ -126,7 +127,7 @@ def open_session(source: str | bytes, options: ort.SessionOptions, name: str):
 def optimize_encoder(model: bytes) -> bytes:
     """The encoder as onnxruntime optimizes it (ORT_ENABLE_EXTENDED: constant folding and
     operator fusions, which may use onnxruntime's com.microsoft operators; not the
-    hardware-specific layout level), marked so that `Encoder` loads it with optimization off.
+    hardware-specific layout level, which the device adds as it loads it), marked OPTIMIZED_KEY.
 
     Export-time only: it needs the onnx package, which the device path never imports.
     """

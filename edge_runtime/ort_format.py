@@ -3,13 +3,12 @@ its minimal and reduced builds, which read no .onnx file.
 
     knnper-edge export-onnx BUNDLE --out predictor.ort --format ort
 
-The graph is optimized once, here, at the level the runtime's own predictor session uses for an
-encoder the exporter saved optimized (ORT_ENABLE_BASIC: constant folding; the encoder's fusions
-are already in it, and no hardware-specific layout is baked in, so one file serves x86 and ARM),
-then saved in ORT format; a minimal build runs what it is given. Beside it,
-`<out>.required_operators.config` lists the operators a reduced build must include
-(`--include_ops_by_config` of onnxruntime's build script), one "domain;opset;Op,Op" line per
-domain and opset, read from the same optimized graph.
+The graph is optimized once, here, at a portable level (ORT_ENABLE_BASIC: constant folding; the
+encoder's fusions are already in it; not the runtime's own ORT_ENABLE_ALL, whose CPU-specific
+layout would be baked in, so one file serves x86 and ARM), then saved in ORT format; a minimal
+build runs what it is given. Beside it, `<out>.required_operators.config` lists the operators a
+reduced build must include (`--include_ops_by_config` of onnxruntime's build script), one
+"domain;opset;Op,Op" line per domain and opset, read from the same optimized graph.
 """
 
 from __future__ import annotations

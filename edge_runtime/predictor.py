@@ -15,10 +15,9 @@ all of them during each call, which the budget does not allow).
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 
 from .datastores.common import WORK_CELLS
-from .encoder import open_session, session_options
+from .encoder import RUNTIME_LEVEL, open_session, session_options
 from .errors import one_line
 from .manifest import Manifest
 from .predictor_graph import build_predictor
@@ -42,21 +41,12 @@ class Predictor:
         encoder: bytes,
         *,
         intra_op_threads: int | None,
-        optimized_at_export: bool,
     ) -> None:
         model = build_predictor(
             manifest, datastore, encoder, samples="stored", probabilities="float64"
         )
-        # an encoder saved optimized needs only the basic level (constant folding of the
-        # head's shape arithmetic), as `Encoder` loads it with none
-        level = (
-            ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-            if optimized_at_export
-            else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        )
-        self.session = open_session(
-            model, session_options(intra_op_threads, level), "the predictor"
-        )
+        options = session_options(intra_op_threads, RUNTIME_LEVEL)
+        self.session = open_session(model, options, "the predictor")
 
     def run(self, x: np.ndarray, datastore) -> np.ndarray:
         """Raw inputs [N, ...] (N >= 1) -> probabilities [N, C] float64."""

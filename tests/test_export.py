@@ -10,13 +10,14 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 import knnper_cli.main as cli
 from edge_runtime.budget import Budget
 from edge_runtime.bundle import read_manifest
 from edge_runtime.datastores import BACKENDS
-from edge_runtime.encoder import Encoder
+from edge_runtime.encoder import Encoder, open_session, session_options
 from edge_runtime.release import Release, read_release, write_release
 from edge_runtime.runtime import Runtime
 from edge_runtime.versions import ModelVersion
@@ -195,6 +196,29 @@ def test_datastore_keys_are_the_shipped_encoders_embeddings(run, tmp_path, quant
     # the shipped encoder is saved optimized (fused operators): fp32 agrees to rounding only
     assert np.allclose(keys, fp32, atol=1e-5) == (quantize == "fp32")
     assert Encoder(tmp_path / "client_0000" / "encoder.onnx").optimized_at_export
+
+
+def test_the_device_adds_its_cpus_layout_to_the_encoder_saved_optimized(run, tmp_path):
+    """The shipped encoder is saved at onnxruntime's portable levels; the device's sessions (the
+    encoder alone and the whole predictor) open it at ORT_ENABLE_ALL, which adds this CPU's
+    layout (NHWC integer convolutions: twice as fast at batch 1, benchmarks/results/runtime/
+    load_level/), with outputs bit for bit those of the file as saved."""
+    space = dataclasses.replace(SMALL_SPACE, backends=("flat",), flat_dtypes=("int8",))
+    export_run(run, tmp_path, {0: 10**7}, ExportSettings(space=space), clients="0", progress=False)
+    bundle = tmp_path / "client_0000"
+    encoder, rt = Encoder(bundle / "encoder.onnx"), Runtime.load(bundle)
+    assert encoder.optimized_at_export
+    for session in (encoder.session, rt.predictor.session):
+        level = session.get_session_options().graph_optimization_level
+        assert level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    x = run.clients()[0].x_test.numpy()
+    as_saved = open_session(
+        str(bundle / "encoder.onnx"),
+        session_options(1, ort.GraphOptimizationLevel.ORT_DISABLE_ALL),
+        "the encoder as saved",
+    )
+    for got, want in zip(encoder.run(x), as_saved.run(None, {encoder.input_name: x}), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("below", ["its weights", "its file"])
