@@ -305,7 +305,13 @@ def test_permuting_test_labels_changes_no_choice(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_module, "run_table", with_clusters)
     monkeypatch.setattr(bench_command, "run_table", with_clusters)  # the name the CLI calls
     argv = [
-        *LEAN,
+        # 400 training samples, not LEAN's 700: where every client's validation labels were
+        # moved as the test labels are here, each kind of choice checked below still changed
+        # at this size (lr, kNN config and lambdas, Ditto, APFL, fine-tuning, cluster, l2,
+        # attribution), so a choice that read the test labels would still show
+        *LEAN[: LEAN.index("--max-train")],
+        "--max-train",
+        "400",
         "--clients",
         "12",
         "--unseen-fraction",
