@@ -1,5 +1,5 @@
 """The shipped encoder (saved by `optimize_encoder`, as `knnper export` writes it) at batch 1:
-loaded as saved (graph optimization off, the device's encoder session until 30 November) against
+loaded as saved (graph optimization off, the device's encoder session until 29 November) against
 loaded at ORT_ENABLE_ALL (edge_runtime.encoder.RUNTIME_LEVEL, now), with the encoder before
 optimization at ORT_ENABLE_ALL beside them; and the whole predictor over the bundle's 1,000
 keys at ORT_ENABLE_BASIC (until now, for an encoder saved optimized) against ORT_ENABLE_ALL.
