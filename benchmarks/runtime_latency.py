@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.encoder import Encoder, optimize_encoder
+from edge_runtime.encoder import Encoder
 from edge_runtime.knn import softmax
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
@@ -230,9 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         calib = prepare_input(
             C.images(gm.dataset, pool.pool_idx[: 64 if args.smoke else 256]), spec
         )
-        plain = C.export_encoder(model, calib, work / "encoder", encoder=args.encoder)
-        encoder = plain.with_name("encoder_optimized.onnx")  # as the exporter ships it
-        encoder.write_bytes(optimize_encoder(plain.read_bytes()))
+        encoder = C.shipped_encoder(
+            C.export_encoder(model, calib, work / "encoder", encoder=args.encoder)
+        )
 
         def torch_logits(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             with torch.inference_mode():

@@ -47,7 +47,6 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.encoder import optimize_encoder
 from edge_runtime.preprocess import prepare_input
 from experiments import benchmark_support as C
 from export.sizing import measure_nbytes
@@ -343,8 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         calib_idx = pool.pool_idx[: 64 if args.smoke else 256]
         calib = prepare_input(C.images(gm.dataset, calib_idx), gm.spec)
         encoder = C.export_encoder(gm.model, calib, work / "encoder", encoder=args.encoder)
-        shipped = encoder.with_name("encoder_optimized.onnx")  # as the exporter ships it
-        shipped.write_bytes(optimize_encoder(encoder.read_bytes()))
+        shipped = C.shipped_encoder(encoder)
         for size in args.sizes:
             keys = C.replicate_keys(pool.z, pool.y, size, noise=args.noise, seed=args.seed)
             for recipe in args.recipes:

@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from edge_runtime.encoder import optimize_encoder
 from edge_runtime.portable import build_portable
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
@@ -131,8 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = Path(tmp)
         calib = prepare_input(C.images(gm.dataset, pool_idx[:256]), spec)
         plain = C.export_encoder(gm.model, calib, work / "encoder")
-        optimized = work / "encoder" / "encoder_optimized.onnx"
-        optimized.write_bytes(optimize_encoder(plain.read_bytes()))
+        optimized = C.shipped_encoder(plain)
         image = work / "image.npy"
         np.save(image, pool.queries[:1], allow_pickle=False)
         z, y = C.replicate_keys(z_pool, y_pool, min(args.sizes), noise=0.01, seed=args.seed)

@@ -37,6 +37,7 @@ from edge_runtime.datastores import (
     parse_recipe,
     recipe_without,
 )
+from edge_runtime.encoder import optimize_encoder
 from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
 from edge_runtime.knn_provenance import KNNProvenance
 from edge_runtime.manifest import BundleFields, Manifest
@@ -378,6 +379,14 @@ def export_encoder(
         return fp32
     quantize_int8(fp32, int8, calibration)
     return int8
+
+
+def shipped_encoder(exported: Path) -> Path:
+    """`exported` saved optimized beside it (encoder_optimized.onnx), as `knnper export` ships
+    its encoder (edge_runtime.encoder.optimize_encoder)."""
+    shipped = exported.with_name("encoder_optimized.onnx")
+    shipped.write_bytes(optimize_encoder(exported.read_bytes()))
+    return shipped
 
 
 # ----------------------------------------------------------------------------- keys
