@@ -16,9 +16,9 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 OPTIMIZED_KEY = "knnper.ort_optimized"
 _SAVED_LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
 # The level every session of the runtime opens at, an encoder saved optimized too: the layout
-# level onnxruntime adds on this CPU (NHWC integer convolutions) halved the small CNN's batch-1
-# time against loading the saved encoder as it is, for 1 ms more at load, with the same outputs
-# bit for bit (benchmarks/results/runtime/load_level/).
+# level onnxruntime adds on the device's CPU (NHWC integer convolutions) halved the small CNN's
+# batch-1 time against loading the saved encoder as it is, for about 1.4 ms more at load, with
+# the same int8 outputs bit for bit (benchmarks/results/runtime/load_level/).
 RUNTIME_LEVEL = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
 
 
@@ -46,7 +46,6 @@ class Encoder:
         source = model if isinstance(model, bytes) else os.fspath(model)
         name = "the encoder" if isinstance(model, bytes) else f"encoder {os.fspath(model)}"
         self.session = open_session(source, session_options(intra_op_threads, RUNTIME_LEVEL), name)
-        self.optimized_at_export = OPTIMIZED_KEY in self.session.get_modelmeta().custom_metadata_map
         inputs = self.session.get_inputs()
         if len(inputs) != 1:
             raise ValueError(f"{name} must have exactly one input, it has {len(inputs)}")

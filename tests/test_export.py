@@ -17,7 +17,8 @@ import knnper_cli.main as cli
 from edge_runtime.budget import Budget
 from edge_runtime.bundle import read_manifest
 from edge_runtime.datastores import BACKENDS
-from edge_runtime.encoder import Encoder, open_session, session_options
+from edge_runtime.encoder import OPTIMIZED_KEY, Encoder, open_session, session_options
+from edge_runtime.onnx_proto import ParsedModel
 from edge_runtime.release import Release, read_release, write_release
 from edge_runtime.runtime import Runtime
 from edge_runtime.versions import ModelVersion
@@ -195,7 +196,10 @@ def test_datastore_keys_are_the_shipped_encoders_embeddings(run, tmp_path, quant
     fp32 = Encoder(tmp_path / "encoder.fp32.onnx").run(x)[0]
     # the shipped encoder is saved optimized (fused operators): fp32 agrees to rounding only
     assert np.allclose(keys, fp32, atol=1e-5) == (quantize == "fp32")
-    assert Encoder(tmp_path / "client_0000" / "encoder.onnx").optimized_at_export
+    assert (
+        OPTIMIZED_KEY
+        in ParsedModel((tmp_path / "client_0000" / "encoder.onnx").read_bytes()).metadata
+    )
 
 
 def test_the_device_adds_its_cpus_layout_to_the_encoder_saved_optimized(run, tmp_path):
@@ -207,7 +211,7 @@ def test_the_device_adds_its_cpus_layout_to_the_encoder_saved_optimized(run, tmp
     export_run(run, tmp_path, {0: 10**7}, ExportSettings(space=space), clients="0", progress=False)
     bundle = tmp_path / "client_0000"
     encoder, rt = Encoder(bundle / "encoder.onnx"), Runtime.load(bundle)
-    assert encoder.optimized_at_export
+    assert OPTIMIZED_KEY in ParsedModel((bundle / "encoder.onnx").read_bytes()).metadata
     for session in (encoder.session, rt.predictor.session):
         level = session.get_session_options().graph_optimization_level
         assert level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
