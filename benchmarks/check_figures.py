@@ -23,7 +23,8 @@ model-update section's accuracy tables (mean +- std across seeds of each seed's 
 clients, from benchmarks/results/model_update/NAME/clients.csv); the start-up table (each
 command's median time to its first line, CPU time and load, and the target's verdict, from
 every process in benchmarks/results/cli_start/samples.csv); the export profiles' tables (each
-stage's calls, CPU seconds and share, from benchmarks/results/export_profile/).
+stage's calls, CPU seconds and share, from benchmarks/results/export_profile/); the batch-1
+rerun tables (each run's ratios to the encoder alone, from its latency.csv).
 """
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ EXPORT_PROFILES = {
 }
 # the fleet export as a user runs it (benchmarks/export_speed.py --caller-threads)
 EXPORT_CLI = REPO / "benchmarks" / "results" / "export_profile" / "cli" / "speed.csv"
+# batch-1 reruns of runtime_latency.py: the table's opening words -> the folder of its runs
+LATENCY_RERUNS = {
+    "**The query rounded by one QuantizeLinear": REPO
+    / "benchmarks/results/runtime/last_mib/rerun_quantize_linear",
+}
 EXPORT_CLI_HEADING = "### The fleet export as a user runs it, before and after"
 MODEL_UPDATE_TABLES = {
     "##### kNN-Per (each bundle's lambda)": "accuracy",
@@ -539,6 +545,25 @@ def check_export_profile_md(text: str, check: Checker) -> None:
             )
 
 
+def check_latency_reruns_md(text: str, check: Checker) -> None:
+    """Each run of a batch-1 rerun table: the runtime over the encoder alone with int8 and
+    float32 keys, and the encoder alone's p50 in the int8 loop, from the run's latency.csv."""
+    for heading, folder in LATENCY_RERUNS.items():
+        if not _found(text, heading, check):
+            continue
+        header, rows = _markdown_table(text, heading)
+        for row in rows:
+            run = row[0]
+            found = {r["recipe"]: r for r in read_csv(folder / run / "latency.csv")}
+            int8, fp32 = found["flat:int8"], found["flat:fp32"]
+            check.same(
+                f"{heading[2:]}: {run}",
+                [round(int8["b1_over_encoder"], 4), round(fp32["b1_over_encoder"], 4)]
+                + [round(int8["b1_p50_ms_encoder"], 3)],
+                [n for cell in row[1:] for n in _numbers(cell)],
+            )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -563,6 +588,7 @@ def main() -> int:
     check_cli_start_md(text, check)
     check_export_profile_md(text, check)
     check_export_cli_md(text, check)
+    check_latency_reruns_md(text, check)
     for line in check.mismatches:
         print(f"MISMATCH {line}")
     print(f"{check.checked} figures recomputed, {len(check.mismatches)} mismatches")

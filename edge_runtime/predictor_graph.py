@@ -20,7 +20,8 @@ How the datastore's samples enter the graph (`samples`):
 
 int8 keys are scanned by onnxruntime's integer kernels (MatMulInteger, uint8 x int8): the query
 times the per-dimension scale is quantised to integers in [-63, 63] with one symmetric scale per
-query (7 bits: see knn.QUERY_LEVELS), shifted by +64 into uint8 (zero point 0), and 64 x each
+query (7 bits: see knn.QUERY_LEVELS), rounded and shifted by +64 into uint8 by one
+QuantizeLinear (scale 1, zero point 64; MatMulInteger's own zero point stays 0), and 64 x each
 key's sum is subtracted from the int32 products, which makes them exactly the integer products
 of the quantised query and keys.
 `knn.int8_query` is the same quantisation in numpy, the float reference.
@@ -193,8 +194,9 @@ def _nearest(g: _Graph, minus_twice_dots: str, q_norms: str, key_norms: str, k: 
     return g.node("Relu", [g.node("Add", [partial_k, q_norms])]), idx
 
 
-def _quantised_query(g: _Graph, q: str, scale: np.ndarray) -> tuple[str, str]:
-    """(Q [N, p] float32 integers in [-63, 63], s [N, 1]): knn.int8_query in the graph."""
+def _query_over_scale(g: _Graph, q: str, scale: np.ndarray) -> tuple[str, str]:
+    """(q * scale / s [N, p] float32 in [-63, 63], s [N, 1]): knn.int8_query in the graph,
+    up to its rounding (half to even, as Round and QuantizeLinear both round)."""
     qs = g.node("Mul", [q, g.const(scale[None, :])])
     peak = g.reduce("ReduceMax", g.node("Abs", [qs]), 1)
     s = g.node(
@@ -205,13 +207,15 @@ def _quantised_query(g: _Graph, q: str, scale: np.ndarray) -> tuple[str, str]:
             g.const(1.0),
         ],
     )
-    return g.node("Round", [g.node("Div", [qs, s])]), s
+    return g.node("Div", [qs, s]), s
 
 
 def _int8_products(g: _Graph, q: str, keys_t: str, key_offsets: str, scale: np.ndarray) -> str:
     """-2 q . (keys_t * scale) [N, n] float32 through MatMulInteger; see the module docstring."""
-    quantised, s = _quantised_query(g, q, scale)
-    shifted = g.cast(g.node("Add", [quantised, g.const(float(QUERY_SHIFT))]), P.UINT8)
+    ratio, s = _query_over_scale(g, q, scale)
+    # rounded, shifted and cast in one node (Round, Add and Cast took 10 us more at batch 1:
+    # benchmarks/results/runtime/last_mib/int8_head/quantize_linear.txt)
+    shifted = g.node("QuantizeLinear", [ratio, g.const(1.0), g.const(QUERY_SHIFT, np.uint8)])
     products = g.node("MatMulInteger", [shifted, keys_t])
     # the shift's share, QUERY_SHIFT x each key's sum, held by the datastore: no n-long
     # product (time and an intermediate of n int32s) on every call
@@ -237,7 +241,8 @@ def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str 
         key_norms = _row_norms(g, keys_t, 0)
         query = z
         if int8:  # float keys k * scale meet the query as the integer scan quantises it
-            quantised, s = _quantised_query(g, z, ds.scale_)
+            ratio, s = _query_over_scale(g, z, ds.scale_)
+            quantised = g.node("Round", [ratio])
             query = g.node("Div", [g.node("Mul", [quantised, s]), g.const(ds.scale_[None, :])])
         dots = g.node("MatMul", [_minus_twice(g, query), keys_t])
     else:

@@ -175,16 +175,17 @@ def is_one_sample(shape: tuple[int, ...], spec: InputSpec) -> bool:
 
 def _image_batch(x: np.ndarray, spec: InputSpec) -> np.ndarray:
     """Checked uint8 images [N, H, W, C] (one image gets a batch axis)."""
-    h, w, c = spec.shape
-    if is_one_sample(x.shape, spec):
-        x = x.reshape(1, h, w, c)
-    elif c == 1 and x.ndim == 3 and x.shape[1:] == (h, w):
-        x = x.reshape(x.shape[0], h, w, 1)
-    elif x.ndim != 4 or x.shape[1:] != (h, w, c):
-        raise ValueError(
-            f"input shape {list(x.shape)} does not match the model: expected images "
-            f"[N, {h}, {w}, {c}] or one image [{h}, {w}, {c}]"
-        )
+    if x.ndim != 4 or x.shape[1:] != spec.shape:  # a batch is tried first: batch 1's path
+        h, w, c = spec.shape
+        if is_one_sample(x.shape, spec):
+            x = x.reshape(1, h, w, c)
+        elif c == 1 and x.ndim == 3 and x.shape[1:] == (h, w):
+            x = x.reshape(x.shape[0], h, w, 1)
+        else:
+            raise ValueError(
+                f"input shape {list(x.shape)} does not match the model: expected images "
+                f"[N, {h}, {w}, {c}] or one image [{h}, {w}, {c}]"
+            )
     if x.dtype != np.uint8:
         if x.size and (x.min() < 0 or x.max() > 255):
             raise ValueError(f"pixel values must be in 0..255, got range [{x.min()}, {x.max()}]")

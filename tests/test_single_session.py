@@ -61,6 +61,25 @@ def test_integer_scan_equals_the_float_reference_on_quantised_keys():
     assert np.abs(quantised).max() == 63 and exact[0, 0] == 63 * 127 * DIM
 
 
+def test_integer_scan_rounds_the_query_half_to_even_as_the_reference_does():
+    # scale 0.5 and q = 2v make q * scale = v exactly; the peak 63 makes s = 1, so the query's
+    # levels are v itself: halves, which Round (the reference's np.rint) and QuantizeLinear
+    # both send to the even neighbour
+    rng = np.random.default_rng(1)
+    ds = FlatDatastore(CLASSES, dtype="int8").fit(
+        rng.normal(size=(50, DIM)).astype(np.float32), rng.integers(0, CLASSES, 50)
+    )
+    scale = np.full(DIM, 0.5, np.float32)
+    halves = np.array([63, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 62.5, -62.5, 3.5, -3.5, 0], np.float32)
+    q = 2 * halves[None, :DIM]
+    session = _integer_scan_session(scale)
+    (got,) = session.run(None, {"q": q, "keys_t": ds.keys_t_, "key_offsets": ds.key_offsets_})
+    quantised, s = int8_query(q, scale)
+    assert s[0, 0] == 1 and list(quantised[0, 1:9]) == [0, 2, 2, -0, -2, -2, 62, -62]
+    exact = quantised.astype(np.float64) @ ds.keys_t_.astype(np.float64)
+    np.testing.assert_array_equal(got, -2 * exact.astype(np.float32))
+
+
 def _encoder_bytes(seed: int = 0) -> bytes:
     """A small float encoder with the bundle format's two outputs."""
     rng = np.random.default_rng(seed)

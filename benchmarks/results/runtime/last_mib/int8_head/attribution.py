@@ -2,7 +2,8 @@
 same graph over its keys widened to float32, and against the int8 graph with the query's
 quantisation left out (a Relu in its place: wrong products, timing only), interleaved call by
 call in one process, plus the encoder alone (numpy normalisation + the encoder's own session),
-as runtime_latency.py times it.
+as runtime_latency.py times it. It ran at a53d800 and patches that commit's graph
+(`_quantised_query`, which quantize_linear.py's commit replaced): rerun it there.
 
     python benchmarks/runtime_latency.py --out OUT --sizes 1000 --recipes flat:int8 \
         --reps 10 --warmup 5 --batch-reps 1 --threads 1 --keep-bundles
