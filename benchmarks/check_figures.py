@@ -101,6 +101,8 @@ EXPORT_CLI = REPO / "benchmarks" / "results" / "export_profile" / "cli" / "speed
 LATENCY_RERUNS = {
     "**The query rounded by one QuantizeLinear": REPO
     / "benchmarks/results/runtime/last_mib/rerun_quantize_linear",
+    "**Small int8 stores baked into the session": REPO
+    / "benchmarks/results/runtime/last_mib/baked",
 }
 EXPORT_CLI_HEADING = "### The fleet export as a user runs it, before and after"
 MODEL_UPDATE_TABLES = {

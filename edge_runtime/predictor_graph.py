@@ -9,6 +9,8 @@ two agree to about 1e-12 on the same distances.
 
 How the datastore's samples enter the graph (`samples`):
 - "constant": baked in as initializers (int8 keys are then prepacked by onnxruntime).
+- "baked": as "constant", without the "key" output: the runtime's session over a small flat
+  store (predictor.BAKED_KEY_BYTES), which stores through its datastore.
 - "portable": graph inputs "keys" [n, q] float32 and "labels" [n] int64, the public format of
   `export-onnx --keys-as-inputs` (flat: all stored samples; ProtoNN: its buffer); for an int8
   bundle the float keys meet the query quantised as the integer scan quantises it.
@@ -39,7 +41,7 @@ from .preprocess import InputSpec
 
 OPSET = 17
 ENCODER_INPUT = "knnper/encoder_input"
-SAMPLE_MODES = ("constant", "portable", "stored")
+SAMPLE_MODES = ("constant", "baked", "portable", "stored")
 
 
 def graph_backends() -> list[str]:
@@ -265,7 +267,7 @@ def _flat(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[str 
             dots = g.node("MatMul", [_minus_twice(g, z), keys_t])
     sq_k, idx = _nearest(g, dots, _row_norms(g, z, 1), key_norms, int(manifest.k))
     scale = 1.0 / (manifest.embedding_dim * manifest.sigma)
-    key = None if samples == "stored" else z  # fp32: stored as given
+    key = None if samples in ("stored", "baked") else z  # fp32: stored as given
     if key is not None and int8:
         key = _int8_key(g, z, ds.scale_)
     elif key is not None and ds.dtype == "fp16":
@@ -329,7 +331,7 @@ def _protonn(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[s
     classes = int(manifest.num_classes)
     wz = g.node("MatMul", [z, g.const(ds.W_.T)])
     wz_norms = g.cast(_row_norms(g, wz, 1), P.DOUBLE)
-    if samples == "constant":
+    if samples in ("constant", "baked"):
         B_all, Z_all = ds.prototypes()
         norms = np.einsum("ij,ij->j", B_all, B_all)  # as ProtoNNDatastore sums them
         parts = [(g.const(B_all), g.const(norms), g.const(Z_all), True)]
@@ -387,4 +389,4 @@ def _protonn(g: _Graph, manifest: Manifest, ds, z: str, samples: str) -> tuple[s
             g.const(1.0 / classes, np.float64),
         ],
     )
-    return (None if samples == "stored" else wz), p_local
+    return (None if samples in ("stored", "baked") else wz), p_local

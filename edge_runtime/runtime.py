@@ -540,11 +540,12 @@ class Runtime:
         for _ in range(8):
             try:
                 head = self._refit()
-                # the sessions that run the refitted head are opened and checked before
-                # anything is committed: a failure after the commit raised with the samples
-                # already stored, and a retry added them twice
+                # the sessions that run the refitted head, or that bake in the samples (see
+                # Predictor.baked), are opened and checked before anything is committed: a
+                # failure after the commit raised with the samples already stored, and a retry
+                # added them twice
                 sessions = None
-                if head is not None:
+                if head is not None or (self.predictor is not None and self.predictor.baked):
                     model = encoder_model(self.path, self.manifest, head)
                     sessions = open_sessions(
                         model,

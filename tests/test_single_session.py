@@ -6,6 +6,7 @@ updated bundle predicts."""
 from __future__ import annotations
 
 import importlib.util
+from itertools import product
 
 import numpy as np
 import onnx
@@ -14,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edge_runtime import onnx_proto as P
+from edge_runtime import predictor
 from edge_runtime.bundle import write_bundle
 from edge_runtime.datastores import FlatDatastore, HNSWDatastore, ProtoNNDatastore
 from edge_runtime.knn import int8_query, key_products
@@ -178,18 +180,56 @@ def test_add_then_predict_on_every_backend(bundles):
         np.testing.assert_allclose(after, Runtime.load(path).predict_proba(x), atol=1e-12)
 
 
+def test_small_int8_stores_are_baked_in_and_fed_once_they_outgrow_the_limit(bundles, monkeypatch):
+    """int8 keys up to BAKED_KEY_BYTES are constants of the session (packed once), with the
+    same probabilities bit for bit (integer products); `add` replaces them, so the next call
+    bakes the new ones, or feeds them once they pass the limit."""
+    path = bundles["flat-int8"]
+    x, y = _images(40, seed=6), np.arange(40) % CLASSES
+
+    def inputs(rt: Runtime) -> list[str]:
+        return [i.name for i in rt.predictor.session.get_inputs()]
+
+    baked = Runtime.load(path)
+    monkeypatch.setattr(predictor, "BAKED_KEY_BYTES", 0)
+    fed = Runtime.load(path)
+    assert inputs(baked) == ["input"] and "keys_t" in inputs(fed)
+    before = baked.predict_proba(x)
+    np.testing.assert_array_equal(before, fed.predict_proba(x))
+    assert inputs(Runtime.load(bundles["flat-fp32"])) != ["input"]  # float keys: always fed
+    monkeypatch.setattr(predictor, "BAKED_KEY_BYTES", baked.datastore.keys_t_.nbytes + 10 * DIM)
+    baked.add(x[:10], y[:10], strategy="concatenate")  # 300 -> 310 keys: within the limit
+    after = baked.predict_proba(x)
+    assert not np.array_equal(after, before) and inputs(baked) == ["input"]
+    np.testing.assert_array_equal(after, Runtime.load(path).predict_proba(x))
+    baked.add(x[10:], y[10:], strategy="concatenate")  # 340 keys: fed from now on
+    np.testing.assert_array_equal(baked.predict_proba(x), Runtime.load(path).predict_proba(x))
+    assert "keys_t" in inputs(baked) and not baked.predictor.baked
+
+
+def test_a_baked_session_refuses_samples_changed_outside_add(bundles):
+    rt = Runtime.load(bundles["flat-int8"])
+    ds, x = rt.datastore, _images(8, seed=7)
+    before = rt.predict_proba(x)
+    ds._set(ds.keys_t_.copy(), ds.labels_.copy(), ds.first_stamp_)  # as reloaded: equal arrays
+    np.testing.assert_array_equal(rt.predict_proba(x), before)
+    ds.add(np.ones((1, DIM), np.float32), np.array([0]))
+    with pytest.raises(ValueError, match="no longer has .* load the bundle again"):
+        rt.predict_proba(x)
+
+
 def test_the_runtime_session_runs_only_nodes_its_outputs_need(bundles):
     """onnxruntime runs every node of a graph whatever outputs a call fetches, so a node that
     neither the probabilities nor the encoder's outputs need costs every prediction."""
     fetched = {"probabilities", "embedding", "logits"}
-    for name in ("flat-fp32", "flat-int8", "protonn"):
+    for name, samples in product(("flat-fp32", "flat-int8", "protonn"), ("stored", "baked")):
         rt = Runtime.load(bundles[name])
         graph = onnx.load_from_string(
             build_predictor(
                 rt.manifest,
                 rt.datastore,
                 (bundles[name] / "encoder.onnx").read_bytes(),
-                samples="stored",
+                samples=samples,
                 probabilities="float64",
             )
         ).graph
