@@ -118,7 +118,6 @@ CHILD_TORCH_MODEL = (
     + """
 import numpy as np
 import torch
-from edge_runtime.encoder import optimize_encoder
 from edge_runtime.preprocess import prepare_input
 from fed_train.models import build_model
 spec, inputs, threads = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
