@@ -48,7 +48,6 @@ from typing import Any
 
 import numpy as np
 
-from edge_runtime.encoder import Encoder
 from edge_runtime.knn import softmax
 from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
@@ -246,12 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "batch_reps": args.batch_reps,
             "encoder_bytes": encoder.stat().st_size,
         }
-        # The encoder alone (lambda = 0), as the runtime loads an encoder without a datastore:
-        # a bundle's session now holds its kNN head too, so it would not time the encoder alone.
-        encoder_alone = Encoder(encoder, intra_op_threads=args.threads)
-
-        def rt_global(x: np.ndarray) -> np.ndarray:
-            return softmax(encoder_alone.run(prepare_input(x, spec))[1])
+        rt_global = C.encoder_alone(encoder, spec, args.threads)
 
         def torch_global(x: np.ndarray) -> np.ndarray:
             return softmax(torch_logits(x)[1])

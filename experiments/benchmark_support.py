@@ -37,8 +37,8 @@ from edge_runtime.datastores import (
     parse_recipe,
     recipe_without,
 )
-from edge_runtime.encoder import optimize_encoder
-from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA
+from edge_runtime.encoder import Encoder, optimize_encoder
+from edge_runtime.knn import DEFAULT_K, DEFAULT_SIGMA, softmax
 from edge_runtime.knn_provenance import KNNProvenance
 from edge_runtime.manifest import BundleFields, Manifest
 from edge_runtime.preprocess import InputSpec, prepare_input
@@ -772,6 +772,14 @@ def interleaved_times(
     finally:
         gc.enable()
     return times
+
+
+def encoder_alone(encoder: Path | str, spec: InputSpec, threads: int | None) -> Callable:
+    """Raw inputs -> the encoder's own probabilities (lambda = 0), as the runtime loads an
+    encoder without a datastore: what batch-1 ratios divide by (a bundle's session holds its
+    kNN head too, so it would not time the encoder alone)."""
+    session = Encoder(encoder, intra_op_threads=threads)
+    return lambda x: softmax(session.run(prepare_input(x, spec))[1])
 
 
 def interleaved_medians(

@@ -11,7 +11,6 @@ each way, alternating.
     python benchmarks/results/runtime/last_mib/baked/baked.py OUT/bundles/flat-1000
 """
 
-import gc
 import shutil
 import sys
 import tempfile
@@ -21,11 +20,13 @@ import numpy as np
 
 sys.path.insert(0, ".")
 from edge_runtime import predictor
-from edge_runtime.encoder import Encoder
-from edge_runtime.knn import softmax
-from edge_runtime.preprocess import prepare_input
 from edge_runtime.runtime import Runtime
-from experiments.benchmark_support import machine_info, machine_line
+from experiments.benchmark_support import (
+    encoder_alone,
+    interleaved_medians,
+    machine_info,
+    machine_line,
+)
 
 bundle = sys.argv[1]
 baked = Runtime.load(bundle, intra_op_threads=1)
@@ -33,11 +34,10 @@ limit, predictor.BAKED_KEY_BYTES = predictor.BAKED_KEY_BYTES, 0
 fed = Runtime.load(bundle, intra_op_threads=1)
 predictor.BAKED_KEY_BYTES = limit
 spec = baked.manifest.input
-alone = Encoder(f"{bundle}/encoder.onnx", intra_op_threads=1)
 paths = {
     "baked": baked.predict_proba,
     "fed": fed.predict_proba,
-    "encoder alone": lambda x: softmax(alone.run(prepare_input(x, spec))[1]),
+    "encoder alone": encoder_alone(f"{bundle}/encoder.onnx", spec, 1),
 }
 rng = np.random.default_rng(0)
 batch = rng.integers(0, 256, (64, *spec.shape), dtype=np.uint8)
@@ -47,22 +47,13 @@ print(f"{len(baked.datastore)} int8 keys, {baked.datastore.keys_t_.nbytes} bytes
 print(f"inputs of the baked session: {[i.name for i in baked.predictor.session.get_inputs()]}")
 print(f"probabilities baked and fed on 64 inputs identical bit for bit: {same}")
 inputs = [rng.integers(0, 256, (1, *spec.shape), dtype=np.uint8) for _ in range(200)]
-gc.disable()
 for round_ in range(4):
-    times = {name: [] for name in paths}
-    for r in range(3000):
-        order = list(paths) if r % 2 else list(paths)[::-1]
-        for name in order:
-            t0 = time.perf_counter()
-            paths[name](inputs[r % 200])
-            times[name].append(time.perf_counter() - t0)
-    med = {name: 1e6 * np.median(t[300:]) for name, t in times.items()}
+    med = {name: 1e6 * t for name, t in interleaved_medians(paths, inputs, 2700, 300).items()}
     alone_us = med["encoder alone"]
     print(
         f"round {round_ + 1}: "
         + ", ".join(f"{n} {v:.1f} us ({v / alone_us:.3f}x)" for n, v in med.items())
     )
-gc.enable()
 with tempfile.TemporaryDirectory(prefix="knnper-") as tmp:
     runtimes = {}
     for name, limit_bytes in (("baked", limit), ("fed", 0)):

@@ -9,9 +9,7 @@ probabilities compared bit for bit on a batch of 64.
     python benchmarks/results/runtime/last_mib/int8_head/quantize_linear.py OUT/bundles/flat-1000
 """
 
-import gc
 import sys
-import time
 
 import numpy as np
 
@@ -19,11 +17,15 @@ sys.path.insert(0, ".")
 from edge_runtime import onnx_proto as P
 from edge_runtime import predictor_graph as pg
 from edge_runtime.datastores.flat import FlatDatastore
-from edge_runtime.encoder import RUNTIME_LEVEL, Encoder, open_session, session_options
-from edge_runtime.knn import QUERY_SHIFT, softmax
-from edge_runtime.preprocess import prepare_input
+from edge_runtime.encoder import RUNTIME_LEVEL, open_session, session_options
+from edge_runtime.knn import QUERY_SHIFT
 from edge_runtime.runtime import Runtime
-from experiments.benchmark_support import machine_info, machine_line
+from experiments.benchmark_support import (
+    encoder_alone,
+    interleaved_medians,
+    machine_info,
+    machine_line,
+)
 
 bundle = sys.argv[1]
 rt = Runtime.load(bundle, intra_op_threads=1)
@@ -60,9 +62,8 @@ pg._int8_products = round_add_cast
 paths["Round, Add, Cast"] = session(ds)
 pg._int8_products = quantize_linear
 paths["float32 head"] = session(widened)
-alone = Encoder(f"{bundle}/encoder.onnx", intra_op_threads=1)
 spec = manifest.input
-paths["encoder alone"] = lambda x: softmax(alone.run(prepare_input(x, spec))[1])
+paths["encoder alone"] = encoder_alone(f"{bundle}/encoder.onnx", spec, 1)
 rng = np.random.default_rng(0)
 batch = rng.integers(0, 256, (64, *spec.shape), dtype=np.uint8)
 same = np.array_equal(paths["QuantizeLinear"](batch), paths["Round, Add, Cast"](batch))
@@ -70,16 +71,8 @@ print(machine_line(machine_info()))
 print(f"{len(ds)} int8 keys of dimension {ds.embedding_dim_}; medians of 2,700 calls per round")
 print(f"probabilities of both int8 forms on 64 inputs identical bit for bit: {same}")
 inputs = [rng.integers(0, 256, (1, *spec.shape), dtype=np.uint8) for _ in range(200)]
-gc.disable()
 for round_ in range(4):
-    times = {name: [] for name in paths}
-    for r in range(3000):
-        order = list(paths) if r % 2 else list(paths)[::-1]
-        for name in order:
-            t0 = time.perf_counter()
-            paths[name](inputs[r % 200])
-            times[name].append(time.perf_counter() - t0)
-    med = {name: 1e6 * np.median(t[300:]) for name, t in times.items()}
+    med = {name: 1e6 * t for name, t in interleaved_medians(paths, inputs, 2700, 300).items()}
     alone_us = med["encoder alone"]
     print(
         f"round {round_ + 1}: "
